@@ -1,0 +1,165 @@
+//! Wiring: open evidence, bind every listener, serve until SIGTERM/SIGINT,
+//! then drain within the grace period.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::admin::{self, Health};
+use crate::config::Config;
+use crate::evidence::Evidence;
+use crate::policy::Policy;
+use crate::proxy::{self, limits::ConnLimits, Ctx};
+use crate::resolve::Resolver;
+
+/// Time tunnels get to write their close records after the drain ends.
+const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
+
+/// A start-up failure, printed as one line.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot open evidence dir {dir}: {source}")]
+    Evidence { dir: String, source: std::io::Error },
+    #[error("cannot listen on {addr} ({what}): {source}")]
+    Bind {
+        addr: SocketAddr,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("resolver: {0}")]
+    Resolver(String),
+    #[error("signal handler: {0}")]
+    Signal(std::io::Error),
+}
+
+async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, what, source })
+}
+
+/// Serve until a shutdown signal; returns once drained.
+pub async fn run(config: Config) -> Result<(), StartError> {
+    let Config {
+        path: _,
+        proxy: proxy_config,
+        dns,
+        admin: admin_config,
+        evidence: evidence_config,
+        orgs: _,
+    } = &config;
+    if !proxy_config.transparent.is_empty() {
+        return Err(StartError::Unsupported(
+            "[proxy] transparent listeners are not supported by this build yet".into(),
+        ));
+    }
+    if !dns.listen.is_empty() {
+        return Err(StartError::Unsupported(
+            "[dns] listen: the DNS shim is not supported by this build yet".into(),
+        ));
+    }
+
+    let evidence =
+        Arc::new(
+            Evidence::open(&evidence_config.dir).map_err(|source| StartError::Evidence {
+                dir: evidence_config.dir.display().to_string(),
+                source,
+            })?,
+        );
+    let resolver = Resolver::new(&dns.upstream, dns.resolve_timeout)
+        .map_err(|e| StartError::Resolver(e.to_string()))?;
+    let policy = Arc::new(Policy::new(&config));
+
+    let mut proxy_listeners = Vec::new();
+    for addr in &proxy_config.listen {
+        proxy_listeners.push(bind(*addr, "proxy").await?);
+    }
+    let admin_listener = match admin_config.listen {
+        Some(addr) => Some(bind(addr, "admin").await?),
+        None => None,
+    };
+
+    let mut sigterm = signal(SignalKind::terminate()).map_err(StartError::Signal)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(StartError::Signal)?;
+    let mut sighup = signal(SignalKind::hangup()).map_err(StartError::Signal)?;
+
+    let shutdown = CancellationToken::new();
+    let hard_stop = CancellationToken::new();
+    let tasks = TaskTracker::new();
+    let limits = proxy_config.limits.clone();
+    let ctx = Arc::new(Ctx {
+        policy_hash: Arc::from(policy.hash()),
+        conns: ConnLimits::new(
+            policy.org_count(),
+            limits.max_connections,
+            limits.max_connections_per_org,
+        ),
+        policy: policy.clone(),
+        evidence: evidence.clone(),
+        resolver: Arc::new(resolver),
+        limits: limits.clone(),
+        shutdown: shutdown.clone(),
+        hard_stop: hard_stop.clone(),
+        tasks: tasks.clone(),
+    });
+
+    let health = Arc::new(Health {
+        listeners_bound: Default::default(),
+        evidence: evidence.clone(),
+    });
+    let mut listener_tasks = Vec::new();
+    for listener in proxy_listeners {
+        listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
+    }
+    if let Some(listener) = admin_listener {
+        tokio::spawn(admin::serve(listener, health.clone(), shutdown.clone()));
+    }
+    health.listeners_bound.store(true, Ordering::Relaxed);
+    info!(
+        proxy = ?proxy_config.listen,
+        admin = ?admin_config.listen,
+        evidence = %evidence.path().display(),
+        policy = %policy.hash(),
+        orgs = policy.org_count(),
+        rules = policy.rule_count(),
+        "palisade serving"
+    );
+
+    loop {
+        tokio::select! {
+            _ = sigterm.recv() => break,
+            _ = sigint.recv() => break,
+            _ = sighup.recv() => warn!("SIGHUP: policy reload is not supported by this build yet; keeping the current policy"),
+        }
+    }
+
+    info!(grace = ?limits.drain_timeout, "shutting down: no new connections, draining");
+    health.listeners_bound.store(false, Ordering::Relaxed);
+    shutdown.cancel();
+    for t in listener_tasks {
+        let _ = t.await;
+    }
+    tasks.close();
+    if tokio::time::timeout(limits.drain_timeout, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            open = tasks.len(),
+            "drain grace period over; closing remaining connections"
+        );
+        hard_stop.cancel();
+        let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+    }
+    info!("stopped");
+    Ok(())
+}

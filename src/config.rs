@@ -1,0 +1,883 @@
+//! Configuration: read the file, parse TOML into raw serde structs
+//! (`deny_unknown_fields` everywhere), then validate into typed values.
+//!
+//! Every problem is reported as `FILE:LINE:COL: message`, naming the bad
+//! value; validation collects all problems instead of stopping at the first.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+use toml::Spanned;
+
+use crate::proto::target::{normalize_host, Host};
+
+/// Default cap on concurrent client connections, all orgs together.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Default cap on concurrent client connections of one org.
+pub const DEFAULT_MAX_CONNECTIONS_PER_ORG: usize = 2_000;
+/// Default cap on the size of an HTTP request head (request line and headers).
+pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+/// Default cap on the number of request headers.
+pub const DEFAULT_MAX_HEADERS: usize = 100;
+/// Default time a client has to send a complete request head (slowloris bound).
+pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time to establish a TCP connection to an upstream address.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default time a tunnel or kept-alive connection may stay silent both ways.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Default time to wait for a tunnel client's first bytes (ClientHello detection).
+pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_millis(1000);
+/// Default grace period for open connections after SIGTERM/SIGINT.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time for one upstream name resolution.
+pub const DEFAULT_RESOLVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Ports an allow rule covers when it names none.
+pub const DEFAULT_ALLOW_PORTS: [u16; 2] = [80, 443];
+
+// ---------------------------------------------------------------------------
+// Raw serde structs: exactly the file's shape.
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    proxy: RawProxy,
+    #[serde(default)]
+    dns: RawDns,
+    #[serde(default)]
+    admin: RawAdmin,
+    #[serde(default)]
+    evidence: RawEvidence,
+    #[serde(default)]
+    org: Vec<RawOrg>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawProxy {
+    #[serde(default)]
+    listen: Vec<Spanned<String>>,
+    #[serde(default)]
+    transparent: Vec<Spanned<String>>,
+    max_connections: Option<Spanned<i64>>,
+    max_connections_per_org: Option<Spanned<i64>>,
+    max_request_head_bytes: Option<Spanned<i64>>,
+    max_headers: Option<Spanned<i64>>,
+    header_read_timeout: Option<Spanned<String>>,
+    connect_timeout: Option<Spanned<String>>,
+    idle_timeout: Option<Spanned<String>>,
+    detect_timeout: Option<Spanned<String>>,
+    drain_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDns {
+    #[serde(default)]
+    listen: Vec<Spanned<String>>,
+    #[serde(default)]
+    upstream: Vec<Spanned<String>>,
+    resolve_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawEvidence {
+    dir: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawOrg {
+    name: Spanned<String>,
+    #[serde(default)]
+    clients: Vec<Spanned<String>>,
+    #[serde(default)]
+    allow: Vec<Spanned<RawRule>>,
+    #[serde(default)]
+    deny: Vec<Spanned<RawRule>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    id: Option<Spanned<String>>,
+    host: Option<Spanned<String>>,
+    cidr: Option<Spanned<String>>,
+    ports: Option<Spanned<Vec<Spanned<i64>>>>,
+}
+
+// ---------------------------------------------------------------------------
+// Validated configuration.
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub path: PathBuf,
+    pub proxy: ProxyConfig,
+    pub dns: DnsConfig,
+    pub admin: AdminConfig,
+    pub evidence: EvidenceConfig,
+    pub orgs: Vec<OrgConfig>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub listen: Vec<SocketAddr>,
+    pub transparent: Vec<SocketAddr>,
+    pub limits: Limits,
+}
+
+/// Bounds on what one client or all clients together may consume.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_connections_per_org: usize,
+    pub max_request_head_bytes: usize,
+    pub max_headers: usize,
+    pub header_read_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub detect_timeout: Duration,
+    pub drain_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_org: DEFAULT_MAX_CONNECTIONS_PER_ORG,
+            max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
+            max_headers: DEFAULT_MAX_HEADERS,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            detect_timeout: DEFAULT_DETECT_TIMEOUT,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DnsConfig {
+    pub listen: Vec<SocketAddr>,
+    pub upstream: Vec<SocketAddr>,
+    pub resolve_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: Option<SocketAddr>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EvidenceConfig {
+    pub dir: PathBuf,
+}
+
+/// One organisation: who its clients are and where they may go.
+#[derive(Debug, Clone, Serialize)]
+pub struct OrgConfig {
+    pub name: String,
+    pub clients: Vec<IpNet>,
+    pub allow: Vec<RuleConfig>,
+    pub deny: Vec<RuleConfig>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RuleConfig {
+    pub id: String,
+    pub target: RuleTarget,
+    pub ports: PortSet,
+}
+
+/// What a rule matches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum RuleTarget {
+    /// Exactly this normalised name.
+    Exact(String),
+    /// Any name strictly below this normalised suffix (`*.example.com` stores `example.com`).
+    Below(String),
+    /// Any address in this network.
+    Cidr(IpNet),
+}
+
+/// Ports a rule covers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum PortSet {
+    All,
+    List(Vec<u16>),
+}
+
+impl PortSet {
+    pub fn contains(&self, port: u16) -> bool {
+        match self {
+            PortSet::All => true,
+            PortSet::List(ports) => ports.contains(&port),
+        }
+    }
+}
+
+impl fmt::Display for RuleTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RuleTarget::Exact(name) => write!(f, "host {name}"),
+            RuleTarget::Below(suffix) => write!(f, "host *.{suffix}"),
+            RuleTarget::Cidr(net) => write!(f, "cidr {net}"),
+        }
+    }
+}
+
+impl Config {
+    /// Every socket address Palisade itself listens on; the policy never lets a
+    /// connection be dialled back to one of them.
+    pub fn own_addresses(&self) -> Vec<SocketAddr> {
+        let mut own: Vec<SocketAddr> = self.proxy.listen.clone();
+        own.extend(&self.proxy.transparent);
+        own.extend(&self.dns.listen);
+        own.extend(self.admin.listen);
+        own
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Errors.
+
+/// One configuration problem, located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub path: String,
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.path, self.line, self.col, self.message
+        )
+    }
+}
+
+/// All problems found in one configuration file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_col(src: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(src.len());
+    let before = src.get(..offset).unwrap_or(src);
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let col = before.get(line_start..).map_or(0, |s| s.chars().count()) + 1;
+    (line, col)
+}
+
+struct Errors<'a> {
+    path: &'a str,
+    src: &'a str,
+    list: Vec<ConfigError>,
+    /// Listen addresses seen so far, to reject one used twice.
+    listening: HashSet<SocketAddr>,
+}
+
+impl Errors<'_> {
+    fn at(&mut self, span: Range<usize>, message: impl Into<String>) {
+        let (line, col) = line_col(self.src, span.start);
+        self.list.push(ConfigError {
+            path: self.path.to_string(),
+            line,
+            col,
+            message: message.into(),
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Loading.
+
+/// Read, parse and validate the file at `path`.
+pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+    let display = path.display().to_string();
+    let src = std::fs::read_to_string(path).map_err(|e| {
+        ConfigErrors(vec![ConfigError {
+            path: display.clone(),
+            line: 1,
+            col: 1,
+            message: format!("cannot read config: {e}"),
+        }])
+    })?;
+    from_str(&src, path)
+}
+
+/// Parse and validate configuration text; `path` names it in errors and
+/// anchors relative paths.
+pub fn from_str(src: &str, path: &Path) -> Result<Config, ConfigErrors> {
+    let display = path.display().to_string();
+    let mut errors = Errors {
+        path: &display,
+        src,
+        list: Vec::new(),
+        listening: HashSet::new(),
+    };
+    let raw: RawConfig = match toml::from_str(src) {
+        Ok(raw) => raw,
+        Err(e) => {
+            let span = e.span().unwrap_or(0..0);
+            errors.at(span, e.message().trim().to_string());
+            return Err(ConfigErrors(errors.list));
+        }
+    };
+    let config = validate(raw, path, &mut errors);
+    if errors.list.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigErrors(errors.list))
+    }
+}
+
+fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
+    // Destructure exhaustively: a new field cannot be silently ignored.
+    let RawConfig {
+        proxy,
+        dns,
+        admin,
+        evidence,
+        org,
+    } = raw;
+
+    let proxy = validate_proxy(proxy, errors);
+    let dns = validate_dns(dns, errors);
+    let RawAdmin { listen } = admin;
+    let admin = AdminConfig {
+        listen: listen.and_then(|l| listen_addr(&l, errors)),
+    };
+    let RawEvidence { dir } = evidence;
+    let dir = match dir {
+        Some(d) if d.get_ref().trim().is_empty() => {
+            errors.at(d.span(), "evidence dir must not be empty");
+            PathBuf::from("evidence")
+        }
+        Some(d) => PathBuf::from(d.into_inner()),
+        None => PathBuf::from("evidence"),
+    };
+    let evidence = EvidenceConfig { dir };
+
+    let orgs = validate_orgs(org, errors);
+
+    Config {
+        path: path.to_path_buf(),
+        proxy,
+        dns,
+        admin,
+        evidence,
+        orgs,
+    }
+}
+
+fn validate_proxy(raw: RawProxy, errors: &mut Errors<'_>) -> ProxyConfig {
+    let RawProxy {
+        listen,
+        transparent,
+        max_connections,
+        max_connections_per_org,
+        max_request_head_bytes,
+        max_headers,
+        header_read_timeout,
+        connect_timeout,
+        idle_timeout,
+        detect_timeout,
+        drain_timeout,
+    } = raw;
+    let d = Limits::default();
+    let limits = Limits {
+        max_connections: count(max_connections, d.max_connections, errors),
+        max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
+        max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
+        max_headers: count(max_headers, d.max_headers, errors),
+        header_read_timeout: duration(header_read_timeout, d.header_read_timeout, errors),
+        connect_timeout: duration(connect_timeout, d.connect_timeout, errors),
+        idle_timeout: duration(idle_timeout, d.idle_timeout, errors),
+        detect_timeout: duration(detect_timeout, d.detect_timeout, errors),
+        drain_timeout: duration(drain_timeout, d.drain_timeout, errors),
+    };
+    ProxyConfig {
+        listen: listen
+            .iter()
+            .filter_map(|l| listen_addr(l, errors))
+            .collect(),
+        transparent: transparent
+            .iter()
+            .filter_map(|l| listen_addr(l, errors))
+            .collect(),
+        limits,
+    }
+}
+
+fn validate_dns(raw: RawDns, errors: &mut Errors<'_>) -> DnsConfig {
+    let RawDns {
+        listen,
+        upstream,
+        resolve_timeout,
+    } = raw;
+    DnsConfig {
+        listen: listen
+            .iter()
+            .filter_map(|l| listen_addr(l, errors))
+            .collect(),
+        upstream: upstream
+            .iter()
+            .filter_map(|l| socket_addr(l, Some(53), errors))
+            .collect(),
+        resolve_timeout: duration(resolve_timeout, DEFAULT_RESOLVE_TIMEOUT, errors),
+    }
+}
+
+/// A listen address, unique across all listeners.
+fn listen_addr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<SocketAddr> {
+    let addr = socket_addr(value, None, errors)?;
+    if !errors.listening.insert(addr) {
+        errors.at(value.span(), format!("listen address {addr} is used twice"));
+        return None;
+    }
+    Some(addr)
+}
+
+fn socket_addr(
+    value: &Spanned<String>,
+    default_port: Option<u16>,
+    errors: &mut Errors<'_>,
+) -> Option<SocketAddr> {
+    let text = value.get_ref().trim();
+    if let Ok(addr) = text.parse::<SocketAddr>() {
+        if addr.port() == 0 {
+            errors.at(value.span(), format!("address {text:?} has port 0"));
+            return None;
+        }
+        return Some(addr);
+    }
+    if let (Some(port), Ok(ip)) = (default_port, text.parse::<IpAddr>()) {
+        return Some(SocketAddr::new(ip, port));
+    }
+    errors.at(
+        value.span(),
+        format!("invalid socket address {text:?} (expected ip:port or [v6]:port)"),
+    );
+    None
+}
+
+fn count(value: Option<Spanned<i64>>, default: usize, errors: &mut Errors<'_>) -> usize {
+    let Some(value) = value else { return default };
+    match usize::try_from(*value.get_ref()) {
+        Ok(n) if n > 0 => n,
+        _ => {
+            errors.at(
+                value.span(),
+                format!("limit {} must be a positive integer", value.get_ref()),
+            );
+            default
+        }
+    }
+}
+
+fn duration(
+    value: Option<Spanned<String>>,
+    default: Duration,
+    errors: &mut Errors<'_>,
+) -> Duration {
+    let Some(value) = value else { return default };
+    match humantime::parse_duration(value.get_ref().trim()) {
+        Ok(d) if !d.is_zero() => d,
+        Ok(_) => {
+            errors.at(
+                value.span(),
+                format!("duration {:?} must be positive", value.get_ref()),
+            );
+            default
+        }
+        Err(e) => {
+            errors.at(
+                value.span(),
+                format!(
+                    "invalid duration {:?} ({e}; e.g. \"5s\", \"250ms\")",
+                    value.get_ref()
+                ),
+            );
+            default
+        }
+    }
+}
+
+/// Org names appear in metrics labels and evidence: keep them plain.
+fn valid_org_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
+    let mut orgs = Vec::new();
+    let mut names: HashSet<String> = HashSet::new();
+    let mut client_nets: HashMap<IpNet, String> = HashMap::new();
+    let mut rule_ids: HashSet<String> = HashSet::new();
+
+    for org in raw {
+        let RawOrg {
+            name,
+            clients,
+            allow,
+            deny,
+        } = org;
+        let org_name = name.get_ref().clone();
+        if !valid_org_name(&org_name) {
+            errors.at(
+                name.span(),
+                format!("invalid org name {org_name:?} (use 1-64 of a-z, 0-9, '-', '_')"),
+            );
+        } else if org_name == "unknown" {
+            errors.at(
+                name.span(),
+                "org name \"unknown\" is reserved for clients that match no org",
+            );
+        } else if !names.insert(org_name.clone()) {
+            errors.at(name.span(), format!("org {org_name:?} is defined twice"));
+        }
+
+        let mut nets = Vec::new();
+        for client in &clients {
+            let Some(net) = cidr(client, errors) else {
+                continue;
+            };
+            if let Some(other) = client_nets.get(&net) {
+                errors.at(
+                    client.span(),
+                    format!("client network {net} already belongs to org {other:?}"),
+                );
+                continue;
+            }
+            client_nets.insert(net, org_name.clone());
+            nets.push(net);
+        }
+        if clients.is_empty() {
+            errors.at(name.span(), format!("org {org_name:?} has no clients"));
+        }
+
+        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, errors);
+        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, errors);
+        orgs.push(OrgConfig {
+            name: org_name,
+            clients: nets,
+            allow,
+            deny,
+        });
+    }
+    orgs
+}
+
+fn cidr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<IpNet> {
+    let text = value.get_ref().trim();
+    let net = if text.contains('/') {
+        text.parse::<IpNet>().ok()
+    } else {
+        text.parse::<IpAddr>().ok().map(IpNet::from)
+    };
+    let Some(net) = net else {
+        errors.at(
+            value.span(),
+            format!("invalid cidr {text:?} (expected e.g. 198.18.7.0/24 or 2001:db8::/32)"),
+        );
+        return None;
+    };
+    if net.trunc() != net {
+        errors.at(
+            value.span(),
+            format!(
+                "cidr {text:?} has host bits set (did you mean {}?)",
+                net.trunc()
+            ),
+        );
+        return None;
+    }
+    Some(net)
+}
+
+fn validate_rules(
+    org: &str,
+    kind: &str,
+    raw: Vec<Spanned<RawRule>>,
+    ids: &mut HashSet<String>,
+    errors: &mut Errors<'_>,
+) -> Vec<RuleConfig> {
+    let mut rules = Vec::new();
+    for (n, spanned) in raw.into_iter().enumerate() {
+        let span = spanned.span();
+        let RawRule {
+            id,
+            host,
+            cidr: cidr_value,
+            ports,
+        } = spanned.into_inner();
+
+        let id = match id {
+            Some(id) => {
+                let text = id.get_ref().trim().to_string();
+                if text.is_empty() || text.len() > 128 || text.chars().any(char::is_control) {
+                    errors.at(id.span(), format!("invalid rule id {text:?}"));
+                }
+                if !ids.insert(text.clone()) {
+                    errors.at(id.span(), format!("rule id {text:?} is used twice"));
+                }
+                text
+            }
+            None => {
+                let text = format!("{org}/{kind}/{n}");
+                ids.insert(text.clone());
+                text
+            }
+        };
+
+        let target = match (host, cidr_value) {
+            (Some(_), Some(c)) => {
+                errors.at(c.span(), "a rule has either host or cidr, not both");
+                None
+            }
+            (None, None) => {
+                errors.at(span.clone(), format!("rule {id:?} needs host or cidr"));
+                None
+            }
+            (Some(h), None) => host_rule(&h, kind == "allow", errors),
+            (None, Some(c)) => cidr(&c, errors).map(RuleTarget::Cidr),
+        };
+
+        let ports = match ports {
+            None if kind == "allow" => PortSet::List(DEFAULT_ALLOW_PORTS.to_vec()),
+            None => PortSet::All,
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    errors.at(
+                        list.span(),
+                        "ports must not be empty (omit it for the default)",
+                    );
+                }
+                let mut ports = Vec::new();
+                for p in list.get_ref() {
+                    match u16::try_from(*p.get_ref()) {
+                        Ok(port) if port > 0 => {
+                            if !ports.contains(&port) {
+                                ports.push(port)
+                            }
+                        }
+                        _ => errors.at(
+                            p.span(),
+                            format!("port {} out of range 1-65535", p.get_ref()),
+                        ),
+                    }
+                }
+                ports.sort_unstable();
+                PortSet::List(ports)
+            }
+        };
+
+        if let Some(target) = target {
+            rules.push(RuleConfig { id, target, ports });
+        }
+    }
+    rules
+}
+
+fn host_rule(
+    value: &Spanned<String>,
+    is_allow: bool,
+    errors: &mut Errors<'_>,
+) -> Option<RuleTarget> {
+    let text = value.get_ref().trim();
+    let (wildcard, rest) = match text.strip_prefix("*.") {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    if text == "*" {
+        errors.at(
+            value.span(),
+            "host \"*\" would match every name; list the names instead",
+        );
+        return None;
+    }
+    if rest.contains('*') {
+        errors.at(
+            value.span(),
+            format!("invalid host {text:?}: '*' is only allowed as the whole leftmost label (\"*.example.com\")"),
+        );
+        return None;
+    }
+    let name = match normalize_host(rest) {
+        Ok(Host::Name(name)) => name,
+        Ok(Host::Ip(ip)) => {
+            errors.at(
+                value.span(),
+                format!("host {text:?} is an IP address; use cidr = \"{ip}\" for addresses"),
+            );
+            return None;
+        }
+        Err(e) => {
+            errors.at(value.span(), format!("invalid host {text:?}: {e}"));
+            return None;
+        }
+    };
+    if wildcard {
+        if is_allow && !name.contains('.') {
+            errors.at(
+                value.span(),
+                format!("wildcard {text:?} would allow a whole top-level domain"),
+            );
+            return None;
+        }
+        Some(RuleTarget::Below(name))
+    } else {
+        Some(RuleTarget::Exact(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(src: &str) -> Result<Config, ConfigErrors> {
+        from_str(src, Path::new("t.toml"))
+    }
+
+    fn first_error(src: &str) -> String {
+        parse(src).unwrap_err().0[0].to_string()
+    }
+
+    const BASE: &str = r#"
+[proxy]
+listen = ["127.0.0.1:3128"]
+[admin]
+listen = "127.0.0.1:9711"
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+"#;
+
+    #[test]
+    fn minimal_config_loads_with_defaults() {
+        let src = format!("{BASE}[[org.allow]]\nhost = \"api.example.com\"\n");
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].allow[0].id, "acme/allow/0");
+        assert_eq!(c.orgs[0].allow[0].ports, PortSet::List(vec![80, 443]));
+        assert_eq!(c.proxy.limits.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(c.evidence.dir, PathBuf::from("evidence"));
+    }
+
+    #[test]
+    fn unknown_key_is_located() {
+        let src = format!("{BASE}bogus = 1\n");
+        let e = first_error(&src);
+        assert!(e.starts_with("t.toml:9:1: "), "{e}");
+        assert!(e.contains("bogus"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_named_and_located() {
+        let cases = [
+            ("host = \"*.com\"", "top-level domain"),
+            ("host = \"*\"", "every name"),
+            ("host = \"login.*.x.com\"", "leftmost label"),
+            ("host = \"1.2.3.4\"", "use cidr"),
+            ("cidr = \"198.18.7.0/33\"", "invalid cidr"),
+            ("cidr = \"198.18.7.1/24\"", "host bits"),
+            ("host = \"a.com\"\nports = [0]", "port 0 out of range"),
+            (
+                "host = \"a.com\"\nports = [65536]",
+                "port 65536 out of range",
+            ),
+            ("host = \"a.com\"\ncidr = \"198.18.0.0/15\"", "not both"),
+            ("ports = [1]", "needs host or cidr"),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}[[org.allow]]\n{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((9..=11).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn wildcard_tld_is_fine_in_deny() {
+        let src = format!("{BASE}[[org.deny]]\nhost = \"*.com\"\n");
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].deny[0].target, RuleTarget::Below("com".into()));
+        assert_eq!(c.orgs[0].deny[0].ports, PortSet::All);
+    }
+
+    #[test]
+    fn same_client_network_in_two_orgs_is_rejected() {
+        let src = format!("{BASE}[[org]]\nname = \"other\"\nclients = [\"198.19.1.0/24\"]\n");
+        let e = first_error(&src);
+        assert!(e.contains("already belongs to org \"acme\""), "{e}");
+        assert!(e.starts_with("t.toml:11:"), "{e}");
+    }
+
+    #[test]
+    fn all_errors_are_collected() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"*\"\n[[org.allow]]\ncidr = \"x\"\n[[org.allow]]\nhost = \"a.com\"\nports = [70000]\n"
+        );
+        assert_eq!(parse(&src).unwrap_err().0.len(), 3);
+    }
+
+    #[test]
+    fn durations_and_limits() {
+        let src = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nconnect_timeout = \"250ms\"\nmax_connections = 7\n",
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.proxy.limits.connect_timeout, Duration::from_millis(250));
+        assert_eq!(c.proxy.limits.max_connections, 7);
+        let bad = BASE.replace("[proxy]\n", "[proxy]\nidle_timeout = \"soon\"\n");
+        assert!(first_error(&bad).contains("invalid duration \"soon\""));
+        let zero = BASE.replace("[proxy]\n", "[proxy]\nmax_headers = 0\n");
+        assert!(first_error(&zero).contains("positive"));
+    }
+
+    #[test]
+    fn line_col_counts_chars() {
+        assert_eq!(line_col("ab\ncdé\nx", 0), (1, 1));
+        assert_eq!(line_col("ab\ncdé\nx", 3), (2, 1));
+        assert_eq!(line_col("ab\ncdé\nx", 8), (3, 1));
+        assert_eq!(line_col("ab\ncdé\nx", 7), (2, 4));
+    }
+}

@@ -1,0 +1,132 @@
+//! `palisade explain`: the decision the policy takes for one client and
+//! target, through the same code the proxy runs.
+
+use std::net::IpAddr;
+
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::policy::{Policy, Reason, Verdict};
+use crate::proto::target::{ExplainTarget, Host};
+use crate::proxy::decide_with;
+use crate::resolve::Resolver;
+
+/// What `explain` reports.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    pub client: IpAddr,
+    pub kind: &'static str,
+    pub host: String,
+    pub port: Option<u16>,
+    pub qtype: Option<String>,
+    pub decision: &'static str,
+    pub reason: Reason,
+    pub org: Option<String>,
+    pub rule: Option<String>,
+    /// Addresses that would be dialled (names resolved only when the decision depends on them).
+    pub dial: Vec<IpAddr>,
+    pub detail: Option<String>,
+    pub policy: String,
+}
+
+fn explanation(
+    client: IpAddr,
+    kind: &'static str,
+    host: &Host,
+    port: Option<u16>,
+    verdict: Verdict,
+    policy: &Policy,
+) -> Explanation {
+    Explanation {
+        client,
+        kind,
+        host: host.to_string(),
+        port,
+        qtype: None,
+        decision: verdict.reason.decision(),
+        reason: verdict.reason,
+        org: verdict.org.map(|o| o.name.to_string()),
+        rule: verdict.rule.map(|r| r.to_string()),
+        dial: Vec::new(),
+        detail: None,
+        policy: policy.hash().to_string(),
+    }
+}
+
+/// Decide `target` for `client` under `config`.
+pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) -> Explanation {
+    let policy = Policy::new(config);
+    match target {
+        ExplainTarget::Tcp { host, port, .. } => {
+            let Some(org) = policy.org_for(client) else {
+                let verdict = Verdict {
+                    org: None,
+                    reason: Reason::UnknownClient,
+                    rule: None,
+                };
+                return explanation(client, "tcp", host, Some(*port), verdict, &policy);
+            };
+            let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout);
+            let outcome = match resolver {
+                Ok(resolver) => decide_with(&policy, &resolver, &org, host, *port).await,
+                Err(e) => {
+                    let mut x = explanation(
+                        client,
+                        "tcp",
+                        host,
+                        Some(*port),
+                        Verdict {
+                            org: Some(org),
+                            reason: Reason::ResolutionFailed,
+                            rule: None,
+                        },
+                        &policy,
+                    );
+                    x.detail = Some(e.to_string());
+                    return x;
+                }
+            };
+            let mut x = explanation(client, "tcp", host, Some(*port), outcome.verdict, &policy);
+            x.dial = outcome.dial;
+            x.detail = outcome.detail;
+            x
+        }
+        ExplainTarget::Dns { name, qtype } => {
+            let verdict = match name {
+                Host::Name(n) => policy.decide_name_any_port(client, n),
+                Host::Ip(_) => Verdict {
+                    org: policy.org_for(client),
+                    reason: Reason::BadRequest,
+                    rule: None,
+                },
+            };
+            let mut x = explanation(client, "dns", name, None, verdict, &policy);
+            x.qtype = Some(qtype.clone());
+            x
+        }
+    }
+}
+
+impl std::fmt::Display for Explanation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let target = match (self.port, &self.qtype) {
+            (Some(port), _) => format!("{}:{port}", self.host),
+            (None, Some(q)) => format!("dns:{}/{q}", self.host),
+            (None, None) => self.host.clone(),
+        };
+        writeln!(f, "decision: {}", self.decision)?;
+        writeln!(f, "reason:   {}", self.reason)?;
+        writeln!(f, "org:      {}", self.org.as_deref().unwrap_or("(none)"))?;
+        writeln!(f, "rule:     {}", self.rule.as_deref().unwrap_or("(none)"))?;
+        writeln!(f, "client:   {}", self.client)?;
+        writeln!(f, "target:   {target} ({})", self.kind)?;
+        if !self.dial.is_empty() {
+            let list: Vec<String> = self.dial.iter().map(|a| a.to_string()).collect();
+            writeln!(f, "dial:     {}", list.join(", "))?;
+        }
+        if let Some(d) = &self.detail {
+            writeln!(f, "detail:   {d}")?;
+        }
+        write!(f, "policy:   {}", self.policy)
+    }
+}

@@ -1,0 +1,27 @@
+//! Palisade: an egress-enforcing forward proxy and DNS filter.
+//!
+//! The path of one explicit-proxy connection through the modules:
+//!
+//! 1. [`proxy`] accepts it (a connection permit from [`proxy::limits`]) and
+//!    hyper parses the request head within bounded size and time.
+//! 2. [`proto::target`] normalises the target (names, every IP spelling).
+//! 3. [`policy`] decides, purely: client → org, name rules, then the
+//!    addresses [`resolve`] found, each checked before it may be dialled.
+//! 4. [`evidence`] writes the decision; only then does a byte flow.
+//! 5. [`proxy`] dials exactly a checked address, checks a tunnel's TLS
+//!    ClientHello ([`proto::client_hello`]) against the CONNECT host, and
+//!    copies bytes until close, which is recorded too.
+//!
+//! [`config`] loads and validates the TOML file; [`app`] wires listeners,
+//! the admin endpoints and shutdown; [`explain`] runs the same decision for
+//! one target from the command line.
+
+pub mod admin;
+pub mod app;
+pub mod config;
+pub mod evidence;
+pub mod explain;
+pub mod policy;
+pub mod proto;
+pub mod proxy;
+pub mod resolve;

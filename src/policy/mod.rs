@@ -1,0 +1,626 @@
+//! The policy decision: pure functions over values. No I/O, no clock.
+//!
+//! A client address maps to an org by longest prefix. A target is either a
+//! normalised name or an IP address (see [`crate::proto::target`]). Names are
+//! decided in two steps: the name against the org's host rules, then every
+//! address the name resolves to against the address checks; the caller dials
+//! only addresses that passed.
+//!
+//! # Truth table
+//!
+//! Checks run top to bottom; the first row that applies decides.
+//!
+//! | # | target | condition | decision | reason | rule |
+//! |---|---|---|---|---|---|
+//! | 1 | any | client in no org's `clients` | deny | `unknown_client` | – |
+//! | 2 | name | a host deny rule matches the name and its ports include the port | deny | `explicit_deny` | deny rule |
+//! | 3 | name | no host allow rule matches the name | deny | `no_matching_rule` | – |
+//! | 4 | name | host allow rules match the name, none on this port | deny | `port_not_allowed` | – |
+//! | 5 | name | the name does not resolve (caller's step) | deny | `resolution_failed` | allow rule |
+//! | 6 | name | no resolved address passes the address checks (rows A-C) | deny | reason of the first address | as row A-C |
+//! | 7 | name | otherwise: dial only the addresses that passed | allow | `rule_match` | allow rule |
+//! | 8 | IP | the address passes the address checks (rows A-C) and a cidr allow rule covers it on the port | allow | `rule_match` | allow rule |
+//! | 9 | IP | a cidr allow rule covers it, none on this port | deny | `port_not_allowed` | – |
+//! | 10 | IP | otherwise | deny | `no_matching_rule` | – |
+//!
+//! Address checks, for the address dialled and any IPv4 address embedded in
+//! it (IPv4-compatible, NAT64 `64:ff9b::/96`, 6to4, Teredo):
+//!
+//! | # | condition | decision | reason |
+//! |---|---|---|---|
+//! | A | the address and port are one of Palisade's own listeners (a listener on an unspecified address matches any address on its port) | deny | `denied_address` |
+//! | B | a cidr deny rule covers it on the port (a deny wins inside an allowed cidr) | deny | `explicit_deny` |
+//! | C | it is in an always-denied range and no cidr allow rule covers it on the port | deny | `denied_address` |
+//!
+//! Always-denied: unspecified and "this network" (`0.0.0.0/8`, `::`), loopback
+//! (`127.0.0.0/8`, `::1`), RFC 1918, shared address space `100.64.0.0/10`,
+//! link-local (`169.254.0.0/16` incl. the metadata address, `fe80::/10`),
+//! multicast (`224.0.0.0/4`, `ff00::/8`), reserved and broadcast
+//! (`240.0.0.0/4`), unique-local `fc00::/7` and site-local `fec0::/10`.
+//! IPv4-mapped IPv6 is canonicalised to IPv4 before any check.
+//!
+//! Host rules never match an IP target (no reverse lookups), and cidr rules
+//! never make a name allowed on their own: a name needs a host allow rule.
+//!
+//! Cost: a name lookup probes one hash map per label of the name, an address
+//! lookup one hash map per distinct prefix length in use; neither grows with
+//! the number of rules.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, OrgConfig, PortSet, RuleConfig, RuleTarget};
+use crate::proto::target::{embedded_ipv4, Host};
+
+/// Why a connection or query was allowed or denied. Stable, snake_case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    RuleMatch,
+    UnknownClient,
+    NoMatchingRule,
+    ExplicitDeny,
+    PortNotAllowed,
+    DeniedAddress,
+    SniMismatch,
+    HostMismatch,
+    BadRequest,
+    ResolutionFailed,
+    EvidenceUnavailable,
+    LimitExceeded,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 12] = [
+        Reason::RuleMatch,
+        Reason::UnknownClient,
+        Reason::NoMatchingRule,
+        Reason::ExplicitDeny,
+        Reason::PortNotAllowed,
+        Reason::DeniedAddress,
+        Reason::SniMismatch,
+        Reason::HostMismatch,
+        Reason::BadRequest,
+        Reason::ResolutionFailed,
+        Reason::EvidenceUnavailable,
+        Reason::LimitExceeded,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RuleMatch => "rule_match",
+            Reason::UnknownClient => "unknown_client",
+            Reason::NoMatchingRule => "no_matching_rule",
+            Reason::ExplicitDeny => "explicit_deny",
+            Reason::PortNotAllowed => "port_not_allowed",
+            Reason::DeniedAddress => "denied_address",
+            Reason::SniMismatch => "sni_mismatch",
+            Reason::HostMismatch => "host_mismatch",
+            Reason::BadRequest => "bad_request",
+            Reason::ResolutionFailed => "resolution_failed",
+            Reason::EvidenceUnavailable => "evidence_unavailable",
+            Reason::LimitExceeded => "limit_exceeded",
+        }
+    }
+
+    pub fn is_allow(self) -> bool {
+        self == Reason::RuleMatch
+    }
+
+    /// `allow` or `deny`, as evidence and metrics spell it.
+    pub fn decision(self) -> &'static str {
+        if self.is_allow() {
+            "allow"
+        } else {
+            "deny"
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An org, as the policy knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrgRef {
+    pub index: usize,
+    pub name: Arc<str>,
+}
+
+/// The outcome of a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub org: Option<OrgRef>,
+    pub reason: Reason,
+    /// Id of the deciding rule, where one decided.
+    pub rule: Option<Arc<str>>,
+}
+
+impl Verdict {
+    pub fn is_allow(&self) -> bool {
+        self.reason.is_allow()
+    }
+
+    fn deny(org: &OrgRef, reason: Reason, rule: Option<&Rule>) -> Self {
+        Verdict {
+            org: Some(org.clone()),
+            reason,
+            rule: rule.map(|r| r.id.clone()),
+        }
+    }
+}
+
+/// What [`Policy::decide`] concluded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Decided without looking at addresses (IP targets, or names denied by name).
+    Final(Verdict),
+    /// The name is allowed by name; the decision depends on the addresses it resolves to.
+    Resolve(PendingName),
+}
+
+/// A name allowed by a host rule, waiting for its addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingName {
+    pub org: OrgRef,
+    pub rule: Arc<str>,
+    pub port: u16,
+}
+
+/// The addresses of an allowed name that may be dialled, in order, and the verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressVerdict {
+    pub verdict: Verdict,
+    pub dial: Vec<IpAddr>,
+}
+
+#[derive(Debug)]
+struct Rule {
+    id: Arc<str>,
+    ports: PortSet,
+}
+
+/// Rule indices by the name or name suffix they match.
+#[derive(Debug, Default)]
+struct NameTable {
+    exact: HashMap<String, Vec<usize>>,
+    below: HashMap<String, Vec<usize>>,
+}
+
+impl NameTable {
+    fn insert(&mut self, target: &RuleTarget, index: usize) {
+        match target {
+            RuleTarget::Exact(name) => self.exact.entry(name.clone()).or_default().push(index),
+            RuleTarget::Below(suffix) => self.below.entry(suffix.clone()).or_default().push(index),
+            RuleTarget::Cidr(_) => {}
+        }
+    }
+
+    /// Indices of every rule matching `name`, in no particular order.
+    fn matches<'a>(&'a self, name: &'a str) -> impl Iterator<Item = usize> + 'a {
+        let exact = self.exact.get(name).into_iter().flatten();
+        // Every proper suffix after a '.', e.g. "b.c.com", "c.com", "com".
+        let suffixes = name
+            .match_indices('.')
+            .filter_map(move |(i, _)| name.get(i + 1..))
+            .filter_map(move |s| self.below.get(s))
+            .flatten();
+        exact.chain(suffixes).copied()
+    }
+}
+
+/// Values by network, probed from the longest prefix length in use to the shortest.
+#[derive(Debug)]
+struct PrefixTable<T> {
+    v4: Vec<(u8, HashMap<Ipv4Net, T>)>,
+    v6: Vec<(u8, HashMap<Ipv6Net, T>)>,
+}
+
+impl<T> Default for PrefixTable<T> {
+    fn default() -> Self {
+        PrefixTable {
+            v4: Vec::new(),
+            v6: Vec::new(),
+        }
+    }
+}
+
+impl<T: Default> PrefixTable<T> {
+    fn entry(&mut self, net: IpNet) -> &mut T {
+        fn slot<N: std::hash::Hash + Eq, T: Default>(
+            levels: &mut Vec<(u8, HashMap<N, T>)>,
+            len: u8,
+            net: N,
+        ) -> &mut T {
+            let pos = match levels.iter().position(|(l, _)| *l == len) {
+                Some(pos) => pos,
+                None => {
+                    levels.push((len, HashMap::new()));
+                    levels.sort_by_key(|(l, _)| std::cmp::Reverse(*l));
+                    levels.iter().position(|(l, _)| *l == len).unwrap_or(0)
+                }
+            };
+            levels[pos].1.entry(net).or_default()
+        }
+        match net.trunc() {
+            IpNet::V4(n) => slot(&mut self.v4, n.prefix_len(), n),
+            IpNet::V6(n) => slot(&mut self.v6, n.prefix_len(), n),
+        }
+    }
+}
+
+impl<T> PrefixTable<T> {
+    /// Values of every network containing `ip`, longest prefix first.
+    fn matches(&self, ip: IpAddr) -> impl Iterator<Item = &T> + '_ {
+        let (v4, v6) = match ip {
+            IpAddr::V4(a) => (Some(a), None),
+            IpAddr::V6(a) => (None, Some(a)),
+        };
+        let m4 = v4.into_iter().flat_map(move |a| {
+            self.v4.iter().filter_map(move |(len, map)| {
+                Ipv4Net::new(a, *len).ok().and_then(|n| map.get(&n.trunc()))
+            })
+        });
+        let m6 = v6.into_iter().flat_map(move |a| {
+            self.v6.iter().filter_map(move |(len, map)| {
+                Ipv6Net::new(a, *len).ok().and_then(|n| map.get(&n.trunc()))
+            })
+        });
+        m4.chain(m6)
+    }
+}
+
+#[derive(Debug)]
+struct Org {
+    r#ref: OrgRef,
+    allow: Vec<Rule>,
+    deny: Vec<Rule>,
+    allow_names: NameTable,
+    deny_names: NameTable,
+    allow_cidrs: PrefixTable<Vec<usize>>,
+    deny_cidrs: PrefixTable<Vec<usize>>,
+}
+
+/// A compiled policy.
+#[derive(Debug)]
+pub struct Policy {
+    orgs: Vec<Org>,
+    clients: PrefixTable<Option<usize>>,
+    own: Vec<SocketAddr>,
+    always_denied: PrefixTable<bool>,
+    hash: String,
+    rule_count: usize,
+}
+
+const ALWAYS_DENIED: &[&str] = &[
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+    "::/128",
+    "::1/128",
+    "fc00::/7",
+    "fe80::/10",
+    "fec0::/10",
+    "ff00::/8",
+];
+
+impl Policy {
+    /// Compile a validated config.
+    pub fn new(config: &Config) -> Policy {
+        Policy::compile(&config.orgs, config.own_addresses())
+    }
+
+    /// Compile orgs; `own` are Palisade's own listen addresses.
+    pub fn compile(orgs: &[OrgConfig], own: Vec<SocketAddr>) -> Policy {
+        let mut clients: PrefixTable<Option<usize>> = PrefixTable::default();
+        let mut compiled = Vec::with_capacity(orgs.len());
+        let mut rule_count = 0;
+        for (index, org) in orgs.iter().enumerate() {
+            for net in &org.clients {
+                *clients.entry(*net) = Some(index);
+            }
+            let mut o = Org {
+                r#ref: OrgRef {
+                    index,
+                    name: Arc::from(org.name.as_str()),
+                },
+                allow: Vec::new(),
+                deny: Vec::new(),
+                allow_names: NameTable::default(),
+                deny_names: NameTable::default(),
+                allow_cidrs: PrefixTable::default(),
+                deny_cidrs: PrefixTable::default(),
+            };
+            let add = |rules: &[RuleConfig],
+                       list: &mut Vec<Rule>,
+                       names: &mut NameTable,
+                       cidrs: &mut PrefixTable<Vec<usize>>| {
+                for (i, r) in rules.iter().enumerate() {
+                    list.push(Rule {
+                        id: Arc::from(r.id.as_str()),
+                        ports: r.ports.clone(),
+                    });
+                    match &r.target {
+                        RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
+                        t => names.insert(t, i),
+                    }
+                }
+            };
+            add(
+                &org.allow,
+                &mut o.allow,
+                &mut o.allow_names,
+                &mut o.allow_cidrs,
+            );
+            add(&org.deny, &mut o.deny, &mut o.deny_names, &mut o.deny_cidrs);
+            rule_count += org.allow.len() + org.deny.len();
+            compiled.push(o);
+        }
+        let mut always_denied = PrefixTable::default();
+        for net in ALWAYS_DENIED.iter().filter_map(|n| n.parse::<IpNet>().ok()) {
+            *always_denied.entry(net) = true;
+        }
+        let canonical = serde_json::to_vec(orgs).unwrap_or_default();
+        let hash = Sha256::digest(&canonical)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Policy {
+            orgs: compiled,
+            clients,
+            own,
+            always_denied,
+            hash,
+            rule_count,
+        }
+    }
+
+    /// SHA-256 (hex) of the canonical JSON form of the orgs and their rules.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    pub fn org_count(&self) -> usize {
+        self.orgs.len()
+    }
+
+    pub fn rule_count(&self) -> usize {
+        self.rule_count
+    }
+
+    /// The org a client address belongs to (longest prefix wins).
+    pub fn org_for(&self, client: IpAddr) -> Option<OrgRef> {
+        let client = canonical(client);
+        let index = self.clients.matches(client).find_map(|o| *o)?;
+        self.orgs.get(index).map(|o| o.r#ref.clone())
+    }
+
+    /// Decide a connection from `client` to `host:port`.
+    pub fn decide(&self, client: IpAddr, host: &Host, port: u16) -> Decision {
+        let Some(org) = self.org_for(client) else {
+            return Decision::Final(Verdict {
+                org: None,
+                reason: Reason::UnknownClient,
+                rule: None,
+            });
+        };
+        self.decide_for_org(&org, host, port)
+    }
+
+    /// Decide for a known org (the client step already done).
+    pub fn decide_for_org(&self, org: &OrgRef, host: &Host, port: u16) -> Decision {
+        let Some(o) = self.orgs.get(org.index) else {
+            return Decision::Final(Verdict::deny(org, Reason::UnknownClient, None));
+        };
+        match host {
+            Host::Ip(ip) => Decision::Final(self.decide_ip(o, canonical(*ip), port)),
+            Host::Name(name) => self.decide_name(o, name, port),
+        }
+    }
+
+    fn decide_name(&self, o: &Org, name: &str, port: u16) -> Decision {
+        let org = &o.r#ref;
+        if let Some(i) = o
+            .deny_names
+            .matches(name)
+            .filter(|&i| o.deny[i].ports.contains(port))
+            .min()
+        {
+            return Decision::Final(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
+        }
+        let mut any = false;
+        let mut best: Option<usize> = None;
+        for i in o.allow_names.matches(name) {
+            any = true;
+            if o.allow[i].ports.contains(port) {
+                best = Some(best.map_or(i, |b| b.min(i)));
+            }
+        }
+        match best {
+            Some(i) => Decision::Resolve(PendingName {
+                org: org.clone(),
+                rule: o.allow[i].id.clone(),
+                port,
+            }),
+            None if any => Decision::Final(Verdict::deny(org, Reason::PortNotAllowed, None)),
+            None => Decision::Final(Verdict::deny(org, Reason::NoMatchingRule, None)),
+        }
+    }
+
+    /// Whether the client's org may reach `name` on any port (the DNS shim's
+    /// question). Same rules as [`Policy::decide`], over every port an allow
+    /// rule names; addresses are not considered here.
+    pub fn decide_name_any_port(&self, client: IpAddr, name: &str) -> Verdict {
+        let Some(org) = self.org_for(client) else {
+            return Verdict {
+                org: None,
+                reason: Reason::UnknownClient,
+                rule: None,
+            };
+        };
+        let Some(o) = self.orgs.get(org.index) else {
+            return Verdict::deny(&org, Reason::UnknownClient, None);
+        };
+        let mut denies: Vec<usize> = o.deny_names.matches(name).collect();
+        denies.sort_unstable();
+        let denied = |port: u16| denies.iter().find(|&&i| o.deny[i].ports.contains(port));
+        if let Some(&i) = denies.iter().find(|&&i| o.deny[i].ports == PortSet::All) {
+            return Verdict::deny(&org, Reason::ExplicitDeny, Some(&o.deny[i]));
+        }
+        let mut allows: Vec<usize> = o.allow_names.matches(name).collect();
+        allows.sort_unstable();
+        for &i in &allows {
+            let open = match &o.allow[i].ports {
+                PortSet::All => true,
+                PortSet::List(ports) => ports.iter().any(|&p| denied(p).is_none()),
+            };
+            if open {
+                return Verdict {
+                    org: Some(org.clone()),
+                    reason: Reason::RuleMatch,
+                    rule: Some(o.allow[i].id.clone()),
+                };
+            }
+        }
+        match (allows.is_empty(), denies.first()) {
+            (false, Some(&i)) => Verdict::deny(&org, Reason::ExplicitDeny, Some(&o.deny[i])),
+            _ => Verdict::deny(&org, Reason::NoMatchingRule, None),
+        }
+    }
+
+    fn decide_ip(&self, o: &Org, ip: IpAddr, port: u16) -> Verdict {
+        let org = &o.r#ref;
+        if let Err(v) = self.check_address(o, ip, port) {
+            return v;
+        }
+        let mut any = false;
+        let mut best: Option<usize> = None;
+        for i in o.allow_cidrs.matches(ip).flatten().copied() {
+            any = true;
+            if o.allow[i].ports.contains(port) {
+                best = Some(best.map_or(i, |b| b.min(i)));
+            }
+        }
+        match best {
+            Some(i) => Verdict {
+                org: Some(org.clone()),
+                reason: Reason::RuleMatch,
+                rule: Some(o.allow[i].id.clone()),
+            },
+            None if any => Verdict::deny(org, Reason::PortNotAllowed, None),
+            None => Verdict::deny(org, Reason::NoMatchingRule, None),
+        }
+    }
+
+    /// Rows A-C of the address table.
+    fn check_address(&self, o: &Org, ip: IpAddr, port: u16) -> Result<(), Verdict> {
+        let org = &o.r#ref;
+        let embedded = match ip {
+            IpAddr::V6(v6) => embedded_ipv4(&v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        let effective = std::iter::once(ip).chain(embedded);
+        for addr in effective.clone() {
+            if self.is_own(addr, port) {
+                return Err(Verdict::deny(org, Reason::DeniedAddress, None));
+            }
+            if let Some(i) = o
+                .deny_cidrs
+                .matches(addr)
+                .flatten()
+                .copied()
+                .filter(|&i| o.deny[i].ports.contains(port))
+                .min()
+            {
+                return Err(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
+            }
+        }
+        for addr in effective {
+            let denied = self.always_denied.matches(addr).any(|d| *d);
+            let covered = o
+                .allow_cidrs
+                .matches(addr)
+                .flatten()
+                .any(|&i| o.allow[i].ports.contains(port));
+            if denied && !covered {
+                return Err(Verdict::deny(org, Reason::DeniedAddress, None));
+            }
+        }
+        Ok(())
+    }
+
+    fn is_own(&self, ip: IpAddr, port: u16) -> bool {
+        self.own
+            .iter()
+            .any(|own| own.port() == port && (own.ip() == ip || own.ip().is_unspecified()))
+    }
+
+    /// Judge the addresses an allowed name resolved to: keep those that pass
+    /// rows A-C, in order. With none left, deny with the first address's reason.
+    pub fn check_addresses(&self, pending: &PendingName, addrs: &[IpAddr]) -> AddressVerdict {
+        let org = &pending.org;
+        let Some(o) = self.orgs.get(org.index) else {
+            return AddressVerdict {
+                verdict: Verdict::deny(org, Reason::UnknownClient, None),
+                dial: Vec::new(),
+            };
+        };
+        let mut dial = Vec::new();
+        let mut first_denial = None;
+        for &ip in addrs {
+            let ip = canonical(ip);
+            match self.check_address(o, ip, pending.port) {
+                Ok(()) => {
+                    if !dial.contains(&ip) {
+                        dial.push(ip)
+                    }
+                }
+                Err(v) => {
+                    first_denial.get_or_insert(v);
+                }
+            }
+        }
+        let verdict = if !dial.is_empty() {
+            Verdict {
+                org: Some(org.clone()),
+                reason: Reason::RuleMatch,
+                rule: Some(pending.rule.clone()),
+            }
+        } else {
+            first_denial.unwrap_or(Verdict {
+                org: Some(org.clone()),
+                reason: Reason::ResolutionFailed,
+                rule: Some(pending.rule.clone()),
+            })
+        };
+        AddressVerdict { verdict, dial }
+    }
+}
+
+/// IPv4-mapped IPv6 is the IPv4 address.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(v6),
+        },
+        v4 => v4,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+//! The truth table of the module doc, row by row.
+
+use super::*;
+use crate::config;
+use crate::proto::target::normalize_host;
+use std::path::Path;
+
+const POLICY: &str = r#"
+[proxy]
+listen = ["198.18.0.1:3128"]
+[admin]
+listen = "0.0.0.0:9711"
+
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24", "2001:db8::/64"]
+
+[[org.allow]]
+id = "api"
+host = "api.example.com"
+ports = [443]
+
+[[org.allow]]
+host = "*.example.org"
+
+[[org.allow]]
+host = "intranet.example.net"
+ports = [8443]
+
+[[org.allow]]
+cidr = "198.18.7.0/24"
+ports = [5432]
+
+[[org.allow]]
+cidr = "10.1.0.0/16"
+ports = [443]
+
+[[org.deny]]
+host = "uploads.example.org"
+
+[[org.deny]]
+cidr = "198.18.7.66/32"
+
+[[org]]
+name = "lab"
+clients = ["198.19.0.0/16"]
+
+[[org.allow]]
+host = "example.org"
+"#;
+
+fn policy() -> Policy {
+    Policy::new(&config::from_str(POLICY, Path::new("p.toml")).unwrap())
+}
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+const ACME: &str = "198.19.1.5";
+
+/// Decide a target end to end, with `addrs` as what the name resolves to.
+fn decide(p: &Policy, client: &str, target: &str, port: u16, addrs: &[&str]) -> Verdict {
+    let host = normalize_host(target).unwrap();
+    match p.decide(ip(client), &host, port) {
+        Decision::Final(v) => v,
+        Decision::Resolve(pending) => {
+            let addrs: Vec<IpAddr> = addrs.iter().map(|a| ip(a)).collect();
+            p.check_addresses(&pending, &addrs).verdict
+        }
+    }
+}
+
+fn reason(p: &Policy, target: &str, port: u16, addrs: &[&str]) -> Reason {
+    decide(p, ACME, target, port, addrs).reason
+}
+
+#[test]
+fn row_1_unknown_client() {
+    let v = decide(
+        &policy(),
+        "198.20.0.1",
+        "api.example.com",
+        443,
+        &["198.18.9.9"],
+    );
+    assert_eq!(v.reason, Reason::UnknownClient);
+    assert_eq!(v.org, None);
+}
+
+#[test]
+fn clients_map_by_longest_prefix() {
+    let p = policy();
+    assert_eq!(&*p.org_for(ip("198.19.1.9")).unwrap().name, "acme");
+    assert_eq!(&*p.org_for(ip("198.19.2.9")).unwrap().name, "lab");
+    assert_eq!(&*p.org_for(ip("2001:db8::5")).unwrap().name, "acme");
+    assert_eq!(&*p.org_for(ip("::ffff:198.19.1.9")).unwrap().name, "acme");
+    assert!(p.org_for(ip("127.0.0.1")).is_none());
+}
+
+#[test]
+fn row_2_deny_wins_over_wildcard_allow() {
+    let p = policy();
+    let v = decide(&p, ACME, "uploads.example.org", 443, &["198.18.9.9"]);
+    assert_eq!(v.reason, Reason::ExplicitDeny);
+    assert_eq!(v.rule.as_deref(), Some("acme/deny/0"));
+    assert_eq!(
+        reason(&p, "UPLOADS.example.org.", 80, &["198.18.9.9"]),
+        Reason::ExplicitDeny
+    );
+}
+
+#[test]
+fn row_3_no_matching_rule() {
+    let p = policy();
+    assert_eq!(
+        reason(&p, "evil.com", 443, &["198.18.9.9"]),
+        Reason::NoMatchingRule
+    );
+    // wildcard is strictly below the suffix
+    assert_eq!(
+        reason(&p, "example.org", 443, &["198.18.9.9"]),
+        Reason::NoMatchingRule
+    );
+    // suffix match is by label, not by string
+    assert_eq!(
+        reason(&p, "badexample.org", 443, &["198.18.9.9"]),
+        Reason::NoMatchingRule
+    );
+    assert_eq!(
+        reason(&p, "api.example.com.evil.com", 443, &["198.18.9.9"]),
+        Reason::NoMatchingRule
+    );
+}
+
+#[test]
+fn row_4_port_not_allowed() {
+    let p = policy();
+    assert_eq!(
+        reason(&p, "api.example.com", 80, &["198.18.9.9"]),
+        Reason::PortNotAllowed
+    );
+    assert_eq!(
+        reason(&p, "a.example.org", 8080, &["198.18.9.9"]),
+        Reason::PortNotAllowed
+    );
+}
+
+#[test]
+fn row_6_denied_addresses() {
+    let p = policy();
+    for bad in [
+        "127.0.0.1",
+        "10.0.0.1",
+        "172.16.5.4",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "255.255.255.255",
+        "::1",
+        "::",
+        "fc00::1",
+        "fd12::1",
+        "fe80::1",
+        "ff02::1",
+        "::ffff:127.0.0.1",
+        "::ffff:169.254.169.254",
+        "64:ff9b::a9fe:a9fe",
+        "2002:7f00:1::1",
+    ] {
+        assert_eq!(
+            reason(&p, "api.example.com", 443, &[bad]),
+            Reason::DeniedAddress,
+            "{bad}"
+        );
+    }
+    // a deny cidr covers a resolved address
+    let v = decide(&p, ACME, "a.example.org", 443, &["198.18.7.66"]);
+    assert_eq!(v.reason, Reason::ExplicitDeny);
+    assert_eq!(v.rule.as_deref(), Some("acme/deny/1"));
+}
+
+#[test]
+fn row_7_only_passing_addresses_are_dialled() {
+    let p = policy();
+    let host = normalize_host("api.example.com").unwrap();
+    let Decision::Resolve(pending) = p.decide(ip(ACME), &host, 443) else {
+        panic!("expected resolve")
+    };
+    assert_eq!(&*pending.rule, "api");
+    let av = p.check_addresses(
+        &pending,
+        &[
+            ip("127.0.0.1"),
+            ip("198.18.9.9"),
+            ip("::ffff:198.18.9.10"),
+            ip("198.18.9.9"),
+        ],
+    );
+    assert!(av.verdict.is_allow());
+    assert_eq!(av.verdict.rule.as_deref(), Some("api"));
+    assert_eq!(av.dial, vec![ip("198.18.9.9"), ip("198.18.9.10")]);
+    // a cidr allow on the port lets an otherwise always-denied address through
+    assert_eq!(
+        reason(&p, "api.example.com", 443, &["10.1.2.3"]),
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        reason(&p, "a.example.org", 80, &["10.1.2.3"]),
+        Reason::DeniedAddress
+    );
+}
+
+#[test]
+fn rows_8_to_10_ip_targets() {
+    let p = policy();
+    let v = decide(&p, ACME, "198.18.7.5", 5432, &[]);
+    assert_eq!(v.reason, Reason::RuleMatch);
+    assert_eq!(v.rule.as_deref(), Some("acme/allow/3"));
+    assert_eq!(reason(&p, "198.18.7.5", 80, &[]), Reason::PortNotAllowed);
+    assert_eq!(reason(&p, "198.18.8.5", 5432, &[]), Reason::NoMatchingRule);
+    // deny address inside an allowed cidr
+    assert_eq!(reason(&p, "198.18.7.66", 5432, &[]), Reason::ExplicitDeny);
+    // always-denied IP target without a covering cidr
+    assert_eq!(reason(&p, "127.0.0.1", 443, &[]), Reason::DeniedAddress);
+    assert_eq!(reason(&p, "10.1.0.9", 443, &[]), Reason::RuleMatch);
+    // IPv4-mapped spelling is the IPv4 address
+    assert_eq!(
+        reason(&p, "[::ffff:198.18.7.5]", 5432, &[]),
+        Reason::RuleMatch
+    );
+}
+
+#[test]
+fn name_rules_never_allow_ip_literals() {
+    let p = policy();
+    let mut c = config::from_str(POLICY, Path::new("p.toml")).unwrap();
+    c.orgs[0].allow.push(config::RuleConfig {
+        id: "x".into(),
+        target: config::RuleTarget::Exact("198.18.9.9".into()),
+        ports: config::PortSet::All,
+    });
+    let p2 = Policy::new(&c);
+    assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
+    assert_eq!(reason(&p2, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
+}
+
+#[test]
+fn own_listeners_are_never_dialled() {
+    let p = policy();
+    let mut c = config::from_str(POLICY, Path::new("p.toml")).unwrap();
+    c.orgs[0].allow.push(config::RuleConfig {
+        id: "all".into(),
+        target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
+        ports: config::PortSet::All,
+    });
+    let p2 = Policy::new(&c);
+    assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
+    // admin listens on 0.0.0.0:9711: any address on that port is Palisade itself
+    assert_eq!(reason(&p2, "198.18.5.5", 9711, &[]), Reason::DeniedAddress);
+    assert_eq!(reason(&p2, "198.18.5.5", 9712, &[]), Reason::RuleMatch);
+    assert_eq!(
+        reason(&p, "api.example.com", 443, &["198.18.0.1"]),
+        Reason::RuleMatch
+    );
+}
+
+#[test]
+fn first_matching_allow_rule_in_file_order_decides() {
+    let src = format!("{POLICY}\n[[org.allow]]\nid = \"second\"\nhost = \"a.example.org\"\n");
+    let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    let v = decide(&p, "198.19.2.1", "a.example.org", 443, &["198.18.9.9"]);
+    assert_eq!(v.rule.as_deref(), Some("second"));
+    let v = decide(&p, ACME, "a.example.org", 443, &["198.18.9.9"]);
+    assert_eq!(v.rule.as_deref(), Some("acme/allow/1"));
+}
+
+#[test]
+fn policy_hash_tracks_rules() {
+    let a = policy();
+    let b = policy();
+    assert_eq!(a.hash(), b.hash());
+    assert_eq!(a.hash().len(), 64);
+    let src = POLICY.replace("ports = [5432]", "ports = [5433]");
+    let c = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    assert_ne!(a.hash(), c.hash());
+}
+
+#[test]
+fn lookup_cost_is_independent_of_rule_count() {
+    // Structural check: 10,000 exact rules still answer by hash probes.
+    let mut src = String::from(POLICY);
+    for i in 0..10_000 {
+        src.push_str(&format!("[[org.allow]]\nhost = \"h{i}.example.com\"\n"));
+    }
+    let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    assert_eq!(p.rule_count(), 10_008);
+    let v = decide(&p, "198.19.2.1", "h9999.example.com", 443, &["198.18.9.9"]);
+    assert!(v.is_allow());
+}
+
+#[test]
+fn dns_answers_names_reachable_on_some_port() {
+    let p = policy();
+    let c = ip(ACME);
+    let v = p.decide_name_any_port(c, "api.example.com");
+    assert_eq!(
+        (v.reason, v.rule.as_deref()),
+        (Reason::RuleMatch, Some("api"))
+    );
+    assert_eq!(
+        p.decide_name_any_port(c, "uploads.example.org").reason,
+        Reason::ExplicitDeny
+    );
+    assert_eq!(
+        p.decide_name_any_port(c, "evil.com").reason,
+        Reason::NoMatchingRule
+    );
+    assert_eq!(
+        p.decide_name_any_port(ip("198.20.0.1"), "api.example.com")
+            .reason,
+        Reason::UnknownClient
+    );
+    // a deny on the only allowed port leaves nothing reachable
+    let src = format!("{POLICY}[[org.deny]]\nhost = \"example.org\"\nports = [80, 443]\n");
+    let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    assert_eq!(
+        p.decide_name_any_port(ip("198.19.2.1"), "example.org")
+            .reason,
+        Reason::ExplicitDeny
+    );
+}

@@ -1,0 +1,5 @@
+//! Pure wire and name parsers: no I/O, no clock. Each answers done, not this
+//! protocol, or need more bytes, so callers can peek or buffer and replay.
+
+pub mod client_hello;
+pub mod target;

@@ -1,0 +1,676 @@
+//! Explicit proxy mode: HTTP/1.1 CONNECT tunnels and absolute-form request
+//! forwarding. Each request on a kept-alive connection is decided on its own.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpStream;
+use tracing::{debug, info_span, Instrument};
+
+use super::limits::Permit;
+use super::tunnel::{self, Detected};
+use super::{deny, dial, Ctx, DialError, Outcome};
+use crate::evidence::{Kind, Mode, Record};
+use crate::policy::{OrgRef, Reason, Verdict};
+use crate::proto::target::{normalize_host, parse_authority, Host};
+
+type ProxyBody = BoxBody<Bytes, hyper::Error>;
+
+/// Serve one client connection until it closes or shutdown drains it.
+pub async fn serve_connection(
+    ctx: Arc<Ctx>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    org: Option<OrgRef>,
+    permit: Permit,
+) {
+    let span = info_span!("conn", client.addr = %peer, org = org.as_ref().map(|o| &*o.name));
+    async move {
+        let _permit = permit;
+        let _ = stream.set_nodelay(true);
+        let limits = &ctx.limits;
+        let svc_ctx = ctx.clone();
+        let service = service_fn(move |req| {
+            let ctx = svc_ctx.clone();
+            let org = org.clone();
+            async move { Ok::<_, Infallible>(handle(ctx, peer, org, req).await) }
+        });
+        let mut builder = hyper::server::conn::http1::Builder::new();
+        builder
+            .timer(TokioTimer::new())
+            .header_read_timeout(limits.header_read_timeout)
+            .max_buf_size(limits.max_request_head_bytes.max(8192))
+            .max_headers(limits.max_headers)
+            .keep_alive(true);
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .with_upgrades();
+        tokio::pin!(conn);
+        let result = tokio::select! {
+            r = conn.as_mut() => r,
+            _ = ctx.shutdown.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                tokio::select! {
+                    r = conn.as_mut() => r,
+                    _ = ctx.hard_stop.cancelled() => Ok(()),
+                }
+            }
+        };
+        if let Err(e) = result {
+            debug!(error = %e, "connection ended with error");
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+async fn handle(
+    ctx: Arc<Ctx>,
+    peer: SocketAddr,
+    org: Option<OrgRef>,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    if req.method() == Method::CONNECT {
+        connect(ctx, peer, org, req).await
+    } else if req.uri().scheme().is_some() {
+        forward(ctx, peer, org, req).await
+    } else {
+        let verdict = bad_request_verdict(org);
+        reject(
+            &ctx,
+            Kind::Http,
+            peer,
+            &verdict,
+            None,
+            None,
+            Some("origin-form request: this is a proxy"),
+        )
+    }
+}
+
+fn bad_request_verdict(org: Option<OrgRef>) -> Verdict {
+    Verdict {
+        org,
+        reason: Reason::BadRequest,
+        rule: None,
+    }
+}
+
+/// Record a denial and build its response.
+fn reject(
+    ctx: &Ctx,
+    kind: Kind,
+    peer: SocketAddr,
+    verdict: &Verdict,
+    host: Option<&Host>,
+    port: Option<u16>,
+    detail: Option<&str>,
+) -> Response<ProxyBody> {
+    let mut record = ctx.record(kind, Mode::Explicit, peer, verdict, host, port);
+    record.detail = detail.map(str::to_string);
+    let reason = if ctx.write(&mut record) {
+        verdict.reason
+    } else {
+        Reason::EvidenceUnavailable
+    };
+    debug!(reason = %reason, record = %record.id, "denied");
+    denial(reason, Some(&record.id), detail)
+}
+
+fn denial(reason: Reason, record: Option<&str>, detail: Option<&str>) -> Response<ProxyBody> {
+    text_response(
+        deny::status(reason),
+        &deny::proxy_status(deny::proxy_error(reason), reason.as_str(), record),
+        deny::body(reason.as_str(), record, detail),
+    )
+}
+
+fn text_response(status: StatusCode, proxy_status: &str, body: String) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = status;
+    let h = resp.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if let Ok(v) = HeaderValue::from_str(proxy_status) {
+        h.insert(HeaderName::from_static("proxy-status"), v);
+    }
+    resp
+}
+
+fn full(body: impl Into<Bytes>) -> ProxyBody {
+    Full::new(body.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// Failure after an allow: the upstream could not be reached.
+fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Response<ProxyBody> {
+    record.detail = Some(err.to_string());
+    if let DialError::Timeout { addr } | DialError::Io { addr, .. } = err {
+        record.ip = Some(addr.ip());
+    }
+    let written = ctx.write(record);
+    let (status, error) = match err {
+        DialError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "connection_timeout"),
+        DialError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
+            (StatusCode::BAD_GATEWAY, "connection_refused")
+        }
+        _ => (StatusCode::BAD_GATEWAY, "destination_unavailable"),
+    };
+    if !written {
+        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
+    }
+    let body = format!(
+        "palisade: upstream unreachable (evidence record {}): {err}\n",
+        record.id
+    );
+    text_response(
+        status,
+        &deny::proxy_status(error, "rule_match", Some(&record.id)),
+        body,
+    )
+}
+
+// ---------------------------------------------------------------------------
+// CONNECT
+
+async fn connect(
+    ctx: Arc<Ctx>,
+    peer: SocketAddr,
+    org: Option<OrgRef>,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let target = req
+        .uri()
+        .authority()
+        .filter(|_| req.uri().scheme().is_none() && req.uri().path_and_query().is_none())
+        .map(|a| parse_authority(a.as_str(), None));
+    let (host, port) = match target {
+        Some(Ok(t)) => t,
+        Some(Err(e)) => {
+            let detail = e.to_string();
+            return reject(
+                &ctx,
+                Kind::Tcp,
+                peer,
+                &bad_request_verdict(org),
+                None,
+                None,
+                Some(&detail),
+            );
+        }
+        None => {
+            return reject(
+                &ctx,
+                Kind::Tcp,
+                peer,
+                &bad_request_verdict(org),
+                None,
+                None,
+                Some("CONNECT needs an authority-form target host:port"),
+            )
+        }
+    };
+    let decided_at = Instant::now();
+    let outcome = ctx.decide(org.as_ref(), &host, port).await;
+    if !outcome.verdict.is_allow() {
+        return reject(
+            &ctx,
+            Kind::Tcp,
+            peer,
+            &outcome.verdict,
+            Some(&host),
+            Some(port),
+            outcome.detail.as_deref(),
+        );
+    }
+    if !ctx.evidence.is_healthy() {
+        let verdict = Verdict {
+            reason: Reason::EvidenceUnavailable,
+            ..outcome.verdict
+        };
+        return reject(
+            &ctx,
+            Kind::Tcp,
+            peer,
+            &verdict,
+            Some(&host),
+            Some(port),
+            None,
+        );
+    }
+    let mut record = ctx.record(
+        Kind::Tcp,
+        Mode::Explicit,
+        peer,
+        &outcome.verdict,
+        Some(&host),
+        Some(port),
+    );
+    let (upstream, addr) = match dial(&outcome.dial, port, ctx.limits.connect_timeout).await {
+        Ok(ok) => ok,
+        Err(e) => return dial_failed(&ctx, &mut record, &e),
+    };
+    record.ip = Some(addr.ip());
+    let _ = decided_at;
+
+    let tunnel_ctx = ctx.clone();
+    let on_upgrade = hyper::upgrade::on(req);
+    ctx.tasks.spawn(
+        async move {
+            match on_upgrade.await {
+                Ok(upgraded) => {
+                    run_tunnel(tunnel_ctx, TokioIo::new(upgraded), upstream, host, record).await
+                }
+                Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
+            }
+        }
+        .instrument(tracing::Span::current()),
+    );
+    Response::new(full(Bytes::new()))
+}
+
+/// After `200`: check the client's first bytes against the CONNECT host,
+/// record the decision, then copy.
+async fn run_tunnel(
+    ctx: Arc<Ctx>,
+    mut client: TokioIo<hyper::upgrade::Upgraded>,
+    upstream: TcpStream,
+    host: Host,
+    mut record: Record,
+) {
+    let mut first = Vec::new();
+    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    let mismatch = match &detected {
+        Detected::Tls(hello) => {
+            record.sni = hello.sni.clone();
+            match (&host, &hello.sni) {
+                (Host::Name(_), Some(sni)) => match normalize_host(sni) {
+                    Ok(sni_host) if sni_host == host => None,
+                    _ => Some(Reason::SniMismatch),
+                },
+                _ => None,
+            }
+        }
+        Detected::Malformed(why) => {
+            record.detail = Some((*why).to_string());
+            Some(Reason::BadRequest)
+        }
+        Detected::NotTls | Detected::Silent | Detected::Closed => None,
+    };
+    if let Some(reason) = mismatch {
+        record.reason = reason;
+        record.decision = reason.decision();
+        record.rule = None;
+        ctx.write(&mut record);
+        debug!(reason = %reason, record = %record.id, "tunnel denied after detection");
+        return; // both sides dropped: nothing reached the upstream
+    }
+    if !ctx.write(&mut record) || detected == Detected::Closed {
+        return;
+    }
+    let started = Instant::now();
+    let totals = tunnel::pump(
+        client,
+        upstream,
+        &first,
+        ctx.limits.idle_timeout,
+        &ctx.hard_stop,
+    )
+    .await;
+    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
+    ctx.write(&mut close);
+}
+
+// ---------------------------------------------------------------------------
+// Absolute-form forwarding
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-only ones.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Check an absolute-form request before any decision: scheme, framing,
+/// upgrades, Host consistency. Returns the target or the reason to refuse.
+fn check_request(req: &Request<Incoming>) -> Result<(Host, u16), (Reason, String)> {
+    let uri = req.uri();
+    let bad = |msg: &str| (Reason::BadRequest, msg.to_string());
+    if uri.scheme_str() != Some("http") {
+        return Err(bad(
+            "only http:// absolute-form requests are forwarded; use CONNECT for TLS",
+        ));
+    }
+    let authority = uri
+        .authority()
+        .ok_or_else(|| bad("absolute-form request without a host"))?;
+    // Userinfo never changes which host is dialled: hyper's host() is the part after '@'.
+    let host = normalize_host(authority.host()).map_err(|e| bad(&e.to_string()))?;
+    let port = match authority.port_u16() {
+        Some(0) => return Err(bad("port 0")),
+        Some(p) => p,
+        None => 80,
+    };
+    let headers = req.headers();
+    if headers.contains_key(header::TRANSFER_ENCODING)
+        && headers.contains_key(header::CONTENT_LENGTH)
+    {
+        return Err(bad(
+            "both Transfer-Encoding and Content-Length: ambiguous framing",
+        ));
+    }
+    if headers.contains_key(header::UPGRADE) {
+        return Err(bad("protocol upgrades are not forwarded"));
+    }
+    let mut hosts = headers.get_all(header::HOST).iter();
+    if let Some(value) = hosts.next() {
+        if hosts.next().is_some() {
+            return Err(bad("more than one Host header"));
+        }
+        let text = value
+            .to_str()
+            .map_err(|_| bad("Host header is not ASCII"))?;
+        match parse_authority(text, Some(80)) {
+            Ok((h, p)) if h == host && p == port => {}
+            Ok(_) | Err(_) => {
+                return Err((
+                    Reason::HostMismatch,
+                    format!("Host header {text:?} does not name the request target"),
+                ))
+            }
+        }
+    }
+    Ok((host, port))
+}
+
+async fn forward(
+    ctx: Arc<Ctx>,
+    peer: SocketAddr,
+    org: Option<OrgRef>,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let (host, port) = match check_request(&req) {
+        Ok(t) => t,
+        Err((reason, detail)) => {
+            let verdict = Verdict {
+                org,
+                reason,
+                rule: None,
+            };
+            let host = req.uri().host().and_then(|h| normalize_host(h).ok());
+            let port = req.uri().port_u16().or(host.as_ref().map(|_| 80));
+            return reject(
+                &ctx,
+                Kind::Http,
+                peer,
+                &verdict,
+                host.as_ref(),
+                port,
+                Some(&detail),
+            );
+        }
+    };
+    let Outcome {
+        verdict,
+        dial: addrs,
+        detail,
+    } = ctx.decide(org.as_ref(), &host, port).await;
+    if !verdict.is_allow() {
+        return reject(
+            &ctx,
+            Kind::Http,
+            peer,
+            &verdict,
+            Some(&host),
+            Some(port),
+            detail.as_deref(),
+        );
+    }
+    if !ctx.evidence.is_healthy() {
+        let verdict = Verdict {
+            reason: Reason::EvidenceUnavailable,
+            ..verdict
+        };
+        return reject(
+            &ctx,
+            Kind::Http,
+            peer,
+            &verdict,
+            Some(&host),
+            Some(port),
+            None,
+        );
+    }
+    let mut record = ctx.record(
+        Kind::Http,
+        Mode::Explicit,
+        peer,
+        &verdict,
+        Some(&host),
+        Some(port),
+    );
+    record.method = Some(req.method().to_string());
+    record.path = Some(req.uri().path().chars().take(256).collect());
+    let (upstream, addr) = match dial(&addrs, port, ctx.limits.connect_timeout).await {
+        Ok(ok) => ok,
+        Err(e) => return dial_failed(&ctx, &mut record, &e),
+    };
+    record.ip = Some(addr.ip());
+    if !ctx.write(&mut record) {
+        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
+    }
+
+    let (mut sender, conn) =
+        match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
+            Ok(pair) => pair,
+            Err(e) => return upstream_failed(&ctx, &record, &e.to_string()),
+        };
+    let conn_task = ctx.tasks.spawn(async move {
+        if let Err(e) = conn.await {
+            debug!(error = %e, "upstream connection error");
+        }
+    });
+
+    // Rebuild the request in origin form, without hop-by-hop headers.
+    let (mut parts, body) = req.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    parts.uri = match Uri::builder().path_and_query(path).build() {
+        Ok(uri) => uri,
+        Err(e) => return upstream_failed(&ctx, &record, &e.to_string()),
+    };
+    strip_hop_by_hop(&mut parts.headers);
+    if !parts.headers.contains_key(header::HOST) {
+        let value = match (&host, port) {
+            (Host::Ip(std::net::IpAddr::V6(v6)), 80) => format!("[{v6}]"),
+            (Host::Ip(std::net::IpAddr::V6(v6)), p) => format!("[{v6}]:{p}"),
+            (h, 80) => h.to_string(),
+            (h, p) => format!("{h}:{p}"),
+        };
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    let up_count = Arc::new(AtomicU64::new(0));
+    let body = Counted::new(body, up_count.clone(), None);
+    let upstream_req = Request::from_parts(parts, body);
+
+    let response =
+        tokio::time::timeout(ctx.limits.idle_timeout, sender.send_request(upstream_req)).await;
+    let response = match response {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return upstream_failed(&ctx, &record, &e.to_string()),
+        Err(_) => return upstream_failed(&ctx, &record, "upstream response timed out"),
+    };
+    let (mut parts, body) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    let closer = CloseRecord {
+        ctx: ctx.clone(),
+        record,
+        up: up_count,
+        started: Instant::now(),
+        _conn: conn_task,
+    };
+    let body = Counted::new(body, Arc::new(AtomicU64::new(0)), Some(closer));
+    Response::from_parts(parts, body.boxed())
+}
+
+fn upstream_failed(ctx: &Ctx, record: &Record, why: &str) -> Response<ProxyBody> {
+    let mut close = record.close(0, 0, 0);
+    close.detail = Some(why.to_string());
+    ctx.write(&mut close);
+    let body = format!(
+        "palisade: upstream failed (evidence record {}): {why}\n",
+        record.id
+    );
+    text_response(
+        StatusCode::BAD_GATEWAY,
+        &deny::proxy_status("http_response_incomplete", "rule_match", Some(&record.id)),
+        body,
+    )
+}
+
+/// Writes the close record of a forwarded request when its response body is
+/// done (or dropped).
+struct CloseRecord {
+    ctx: Arc<Ctx>,
+    record: Record,
+    up: Arc<AtomicU64>,
+    started: Instant,
+    _conn: tokio::task::JoinHandle<()>,
+}
+
+impl CloseRecord {
+    fn finish(&mut self, down: u64) {
+        let elapsed = self.started.elapsed().as_millis() as u64;
+        let mut close = self
+            .record
+            .close(self.up.load(Ordering::Relaxed), down, elapsed);
+        self.ctx.write(&mut close);
+    }
+}
+
+/// A body that counts the bytes passing through and, for responses, writes
+/// the close record once.
+struct Counted<B> {
+    inner: B,
+    count: Arc<AtomicU64>,
+    closer: Option<CloseRecord>,
+}
+
+impl<B> Counted<B> {
+    fn new(inner: B, count: Arc<AtomicU64>, closer: Option<CloseRecord>) -> Self {
+        Counted {
+            inner,
+            count,
+            closer,
+        }
+    }
+}
+
+impl<B> Drop for Counted<B> {
+    fn drop(&mut self) {
+        if let Some(mut closer) = self.closer.take() {
+            closer.finish(self.count.load(Ordering::Relaxed));
+        }
+    }
+}
+
+impl<B> Body for Counted<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.count.fetch_add(data.len() as u64, Ordering::Relaxed);
+                }
+            }
+            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
+                if let Some(mut closer) = this.closer.take() {
+                    closer.finish(this.count.load(Ordering::Relaxed));
+                }
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_go_including_connection_named_ones() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("close, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("accept", HeaderValue::from_static("*/*"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("accept"));
+    }
+}

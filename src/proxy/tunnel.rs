@@ -1,0 +1,230 @@
+//! Tunnel plumbing: detect what a client sends first (a TLS ClientHello or
+//! anything else) without forwarding it, then copy bytes both ways with an
+//! idle timeout, half-close, and a hard stop for the end of the drain.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::proto::client_hello::{self, ClientHello, MAX_HELLO_LEN};
+
+/// Largest number of bytes read while detecting: a maximal hello plus the
+/// record headers of a hello split into many records.
+pub const MAX_DETECT_BYTES: usize = MAX_HELLO_LEN + 4 * 1024;
+
+/// What the client sent first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Detected {
+    /// A complete TLS ClientHello.
+    Tls(ClientHello),
+    /// Bytes that are not TLS (plain protocol).
+    NotTls,
+    /// Nothing within the detect timeout (server-speaks-first protocols).
+    Silent,
+    /// The client closed before sending anything.
+    Closed,
+    /// TLS that is malformed, incomplete at the timeout or at EOF, or too large.
+    Malformed(&'static str),
+}
+
+/// Read from `client` into `buf` until the first bytes are classified or
+/// `timeout` passes. Nothing is consumed from `buf`: the caller replays it.
+pub async fn detect<R: AsyncRead + Unpin>(
+    client: &mut R,
+    buf: &mut Vec<u8>,
+    timeout: Duration,
+) -> Detected {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if !buf.is_empty() {
+            match client_hello::parse(buf) {
+                client_hello::Parse::Done { hello, .. } => return Detected::Tls(hello),
+                client_hello::Parse::NotTls => return Detected::NotTls,
+                client_hello::Parse::Malformed(why) => return Detected::Malformed(why),
+                client_hello::Parse::NeedMore => {}
+            }
+        }
+        if buf.len() >= MAX_DETECT_BYTES {
+            return Detected::Malformed("client hello too large");
+        }
+        let mut chunk = [0u8; 4096];
+        let room = (MAX_DETECT_BYTES - buf.len()).min(chunk.len());
+        let read = tokio::time::timeout_at(deadline, client.read(&mut chunk[..room])).await;
+        match read {
+            Ok(Ok(0)) | Ok(Err(_)) if buf.is_empty() => return Detected::Closed,
+            Ok(Ok(0)) | Ok(Err(_)) => return Detected::Malformed("client closed mid hello"),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Err(_) if buf.is_empty() => return Detected::Silent,
+            Err(_) => return Detected::Malformed("incomplete client hello at detect timeout"),
+        }
+    }
+}
+
+/// Bytes moved by a tunnel.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Totals {
+    /// Client to upstream.
+    pub up: u64,
+    /// Upstream to client.
+    pub down: u64,
+}
+
+/// Size of each direction's copy buffer.
+const COPY_BUF: usize = 64 * 1024;
+
+/// Copy both ways until both sides finish, both are silent for `idle`, or
+/// `stop` fires. `first_up` is written to the upstream before anything else
+/// (the bytes read during detection).
+pub async fn pump<C, U>(
+    client: C,
+    upstream: U,
+    first_up: &[u8],
+    idle: Duration,
+    stop: &CancellationToken,
+) -> Totals
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let up = AtomicU64::new(0);
+    let down = AtomicU64::new(0);
+    let (mut client_r, mut client_w) = tokio::io::split(client);
+    let (mut upstream_r, mut upstream_w) = tokio::io::split(upstream);
+
+    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+
+    let up_dir = async {
+        if !first_up.is_empty() {
+            if upstream_w.write_all(first_up).await.is_err() {
+                return;
+            }
+            up.fetch_add(first_up.len() as u64, Ordering::Relaxed);
+            touch();
+        }
+        copy(&mut client_r, &mut upstream_w, &up, &touch).await;
+    };
+    let down_dir = copy(&mut upstream_r, &mut client_w, &down, &touch);
+    let watchdog = async {
+        loop {
+            let quiet_since = start + Duration::from_millis(last.load(Ordering::Relaxed));
+            let due = quiet_since + idle;
+            if Instant::now() >= due {
+                return;
+            }
+            tokio::time::sleep_until(due).await;
+        }
+    };
+
+    tokio::select! {
+        _ = async { tokio::join!(up_dir, down_dir) } => {}
+        _ = watchdog => {}
+        _ = stop.cancelled() => {}
+    }
+    Totals {
+        up: up.load(Ordering::Relaxed),
+        down: down.load(Ordering::Relaxed),
+    }
+}
+
+/// Copy one direction until EOF or error, then half-close the writer.
+async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+    F: Fn(),
+{
+    let mut buf = vec![0u8; COPY_BUF];
+    loop {
+        let n = match reader.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if writer.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        count.fetch_add(n as u64, Ordering::Relaxed);
+        touch();
+    }
+    let _ = writer.shutdown().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::duplex;
+
+    #[tokio::test]
+    async fn detect_plain_silent_and_closed() {
+        let (mut a, mut b) = duplex(1024);
+        b.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(
+            detect(&mut a, &mut buf, Duration::from_secs(1)).await,
+            Detected::NotTls
+        );
+        assert_eq!(buf, b"GET / HTTP/1.1\r\n");
+
+        let (mut a, _b) = duplex(1024);
+        let mut buf = Vec::new();
+        assert_eq!(
+            detect(&mut a, &mut buf, Duration::from_millis(50)).await,
+            Detected::Silent
+        );
+
+        let (mut a, b) = duplex(1024);
+        drop(b);
+        let mut buf = Vec::new();
+        assert_eq!(
+            detect(&mut a, &mut buf, Duration::from_secs(1)).await,
+            Detected::Closed
+        );
+    }
+
+    #[tokio::test]
+    async fn detect_partial_tls_times_out_as_malformed() {
+        let (mut a, mut b) = duplex(1024);
+        b.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        let d = detect(&mut a, &mut buf, Duration::from_millis(50)).await;
+        assert!(matches!(d, Detected::Malformed(_)), "{d:?}");
+    }
+
+    #[tokio::test]
+    async fn pump_copies_both_ways_and_counts() {
+        let (client, mut client_peer) = duplex(64);
+        let (upstream, mut upstream_peer) = duplex(64);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(async move {
+            pump(client, upstream, b"hello", Duration::from_secs(5), &stop).await
+        });
+        let mut got = [0u8; 5];
+        upstream_peer.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"hello");
+        client_peer.write_all(b" world").await.unwrap();
+        let mut got = [0u8; 6];
+        upstream_peer.read_exact(&mut got).await.unwrap();
+        upstream_peer.write_all(b"reply").await.unwrap();
+        let mut got = [0u8; 5];
+        client_peer.read_exact(&mut got).await.unwrap();
+        drop(client_peer);
+        drop(upstream_peer);
+        let totals = task.await.unwrap();
+        assert_eq!(totals, Totals { up: 11, down: 5 });
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pump_stops_when_idle() {
+        let (client, _client_peer) = duplex(64);
+        let (upstream, _upstream_peer) = duplex(64);
+        let stop = CancellationToken::new();
+        let totals = pump(client, upstream, b"", Duration::from_secs(30), &stop).await;
+        assert_eq!(totals, Totals::default());
+    }
+}

@@ -1,0 +1,96 @@
+//! Upstream name resolution for the proxy: only the configured servers, no
+//! hosts file, no search list, every name queried as fully qualified.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use hickory_resolver::config::{
+    ConnectionConfig, NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts,
+};
+use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::TokioResolver;
+
+/// Why a name has no addresses.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("no upstream resolver configured")]
+    NoUpstream,
+    #[error("resolving {name:?} timed out")]
+    Timeout { name: String },
+    #[error("resolving {name:?} failed: {reason}")]
+    Failed { name: String, reason: String },
+    #[error("{name:?} has no addresses")]
+    Empty { name: String },
+}
+
+/// Resolves names through the configured upstream servers.
+pub struct Resolver {
+    inner: Option<TokioResolver>,
+    timeout: Duration,
+}
+
+impl Resolver {
+    pub fn new(upstreams: &[SocketAddr], timeout: Duration) -> Result<Resolver, ResolveError> {
+        if upstreams.is_empty() {
+            return Ok(Resolver {
+                inner: None,
+                timeout,
+            });
+        }
+        let servers = upstreams
+            .iter()
+            .map(|addr| {
+                let mut udp = ConnectionConfig::udp();
+                udp.port = addr.port();
+                let mut tcp = ConnectionConfig::tcp();
+                tcp.port = addr.port();
+                NameServerConfig::new(addr.ip(), true, vec![udp, tcp])
+            })
+            .collect();
+        let mut opts = ResolverOpts::default();
+        opts.use_hosts_file = ResolveHosts::Never;
+        opts.ndots = 0;
+        opts.timeout = timeout;
+        opts.attempts = 1;
+        opts.ip_strategy = hickory_resolver::config::LookupIpStrategy::Ipv4AndIpv6;
+        opts.cache_size = 4096;
+        let inner = TokioResolver::builder_with_config(
+            ResolverConfig::from_name_servers(servers),
+            TokioRuntimeProvider::default(),
+        )
+        .with_options(opts)
+        .build()
+        .map_err(|e| ResolveError::Failed {
+            name: String::new(),
+            reason: e.to_string(),
+        })?;
+        Ok(Resolver {
+            inner: Some(inner),
+            timeout,
+        })
+    }
+
+    /// Addresses of a normalised name, A records before AAAA.
+    pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
+        let Some(inner) = &self.inner else {
+            return Err(ResolveError::NoUpstream);
+        };
+        let fqdn = format!("{name}.");
+        let lookup = tokio::time::timeout(self.timeout, inner.lookup_ip(fqdn.as_str()))
+            .await
+            .map_err(|_| ResolveError::Timeout {
+                name: name.to_string(),
+            })?
+            .map_err(|e| ResolveError::Failed {
+                name: name.to_string(),
+                reason: e.to_string(),
+            })?;
+        let addrs: Vec<IpAddr> = lookup.iter().collect();
+        if addrs.is_empty() {
+            return Err(ResolveError::Empty {
+                name: name.to_string(),
+            });
+        }
+        Ok(addrs)
+    }
+}
