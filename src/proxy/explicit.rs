@@ -36,16 +36,18 @@ pub async fn serve_connection(
     org: Option<OrgRef>,
     permit: Permit,
 ) {
+    // The permit lives as long as the connection or any tunnel it became.
+    let permit = Arc::new(permit);
     let span = info_span!("conn", client.addr = %peer, org = org.as_ref().map(|o| &*o.name));
     async move {
-        let _permit = permit;
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
         let svc_ctx = ctx.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
             let org = org.clone();
-            async move { Ok::<_, Infallible>(handle(ctx, peer, org, req).await) }
+            let permit = permit.clone();
+            async move { Ok::<_, Infallible>(handle(ctx, peer, org, permit, req).await) }
         });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
@@ -80,10 +82,11 @@ async fn handle(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
     org: Option<OrgRef>,
+    permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
     if req.method() == Method::CONNECT {
-        connect(ctx, peer, org, req).await
+        connect(ctx, peer, org, permit, req).await
     } else if req.uri().scheme().is_some() {
         forward(ctx, peer, org, req).await
     } else {
@@ -192,6 +195,7 @@ async fn connect(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
     org: Option<OrgRef>,
+    permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
     let target = req
@@ -225,7 +229,6 @@ async fn connect(
             )
         }
     };
-    let decided_at = Instant::now();
     let outcome = ctx.decide(org.as_ref(), &host, port).await;
     if !outcome.verdict.is_allow() {
         return reject(
@@ -266,12 +269,12 @@ async fn connect(
         Err(e) => return dial_failed(&ctx, &mut record, &e),
     };
     record.ip = Some(addr.ip());
-    let _ = decided_at;
 
     let tunnel_ctx = ctx.clone();
     let on_upgrade = hyper::upgrade::on(req);
     ctx.tasks.spawn(
         async move {
+            let _permit = permit;
             match on_upgrade.await {
                 Ok(upgraded) => {
                     run_tunnel(tunnel_ctx, TokioIo::new(upgraded), upstream, host, record).await

@@ -33,8 +33,10 @@ fn sni_mismatch_closes_tunnel_before_anything_is_forwarded() {
         "handshake with SNI other.test succeeded:\n{}",
         bad.describe()
     );
+    // openssl prints "Verify return code: 0" even without a handshake; what
+    // shows the tunnel was closed is that no certificate ever arrived.
     assert!(
-        !bad.stdout.contains("Verify return code: 0 (ok)"),
+        bad.stdout.contains("no peer certificate available"),
         "{}",
         bad.describe()
     );
