@@ -85,6 +85,25 @@ async fn handle(
     permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
+    // hyper bounds its read buffer; this makes the configured head limit exact.
+    if head_size(&req) > ctx.limits.max_request_head_bytes {
+        let kind = if req.method() == Method::CONNECT {
+            Kind::Tcp
+        } else {
+            Kind::Http
+        };
+        let mut resp = reject(
+            &ctx,
+            kind,
+            peer,
+            &bad_request_verdict(org),
+            None,
+            None,
+            Some("request head too large"),
+        );
+        *resp.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        return resp;
+    }
     if req.method() == Method::CONNECT {
         connect(ctx, peer, org, permit, req).await
     } else if req.uri().scheme().is_some() {
@@ -101,6 +120,17 @@ async fn handle(
             Some("origin-form request: this is a proxy"),
         )
     }
+}
+
+/// Bytes of the request line and headers as sent (give or take whitespace).
+fn head_size<B>(req: &Request<B>) -> usize {
+    let line = req.method().as_str().len() + req.uri().to_string().len() + 12;
+    let headers: usize = req
+        .headers()
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    line + headers + 2
 }
 
 fn bad_request_verdict(org: Option<OrgRef>) -> Verdict {
