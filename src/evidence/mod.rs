@@ -181,9 +181,20 @@ impl Evidence {
         self.healthy.load(Ordering::Relaxed)
     }
 
-    /// Assign `id` and `ts` and write the record. On success the bytes are
-    /// with the operating system.
-    pub fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
+    /// Assign `id` and `ts` and write the record. When this returns `Ok`
+    /// the bytes are with the operating system.
+    pub async fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
+        self.write_now(record)
+    }
+
+    /// Assign `id` and `ts` and queue the record without waiting for it to
+    /// be written; it is never dropped. For records that let nothing through
+    /// (close records, refusals under load).
+    pub fn submit(&self, record: &mut Record) {
+        let _ = self.write_now(record);
+    }
+
+    fn write_now(&self, record: &mut Record) -> Result<(), EvidenceError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         record.id = format!("{}-{seq}", self.id_prefix);
         record.ts = humantime::format_rfc3339_micros(SystemTime::now()).to_string();

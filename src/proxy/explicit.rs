@@ -100,7 +100,8 @@ async fn handle(
             None,
             None,
             Some("request head too large"),
-        );
+        )
+        .await;
         *resp.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
         return resp;
     }
@@ -119,6 +120,7 @@ async fn handle(
             None,
             Some("origin-form request: this is a proxy"),
         )
+        .await
     }
 }
 
@@ -142,7 +144,7 @@ fn bad_request_verdict(org: Option<OrgRef>) -> Verdict {
 }
 
 /// Record a denial and build its response.
-fn reject(
+async fn reject(
     ctx: &Ctx,
     kind: Kind,
     peer: SocketAddr,
@@ -153,7 +155,7 @@ fn reject(
 ) -> Response<ProxyBody> {
     let mut record = ctx.record(kind, Mode::Explicit, peer, verdict, host, port);
     record.detail = detail.map(str::to_string);
-    let reason = if ctx.write(&mut record) {
+    let reason = if ctx.write(&mut record).await {
         verdict.reason
     } else {
         Reason::EvidenceUnavailable
@@ -191,12 +193,12 @@ fn full(body: impl Into<Bytes>) -> ProxyBody {
 }
 
 /// Failure after an allow: the upstream could not be reached.
-fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Response<ProxyBody> {
+async fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Response<ProxyBody> {
     record.detail = Some(err.to_string());
     if let DialError::Timeout { addr } | DialError::Io { addr, .. } = err {
         record.ip = Some(addr.ip());
     }
-    let written = ctx.write(record);
+    let written = ctx.write(record).await;
     let (status, error) = match err {
         DialError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "connection_timeout"),
         DialError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
@@ -245,7 +247,8 @@ async fn connect(
                 None,
                 None,
                 Some(&detail),
-            );
+            )
+            .await;
         }
         None => {
             return reject(
@@ -257,6 +260,7 @@ async fn connect(
                 None,
                 Some("CONNECT needs an authority-form target host:port"),
             )
+            .await
         }
     };
     let outcome = ctx.decide(org.as_ref(), &host, port).await;
@@ -269,7 +273,8 @@ async fn connect(
             Some(&host),
             Some(port),
             outcome.detail.as_deref(),
-        );
+        )
+        .await;
     }
     if !ctx.evidence.is_healthy() {
         let verdict = Verdict {
@@ -284,7 +289,8 @@ async fn connect(
             Some(&host),
             Some(port),
             None,
-        );
+        )
+        .await;
     }
     let mut record = ctx.record(
         Kind::Tcp,
@@ -296,7 +302,7 @@ async fn connect(
     );
     let (upstream, addr) = match dial(&outcome.dial, port, ctx.limits.connect_timeout).await {
         Ok(ok) => ok,
-        Err(e) => return dial_failed(&ctx, &mut record, &e),
+        Err(e) => return dial_failed(&ctx, &mut record, &e).await,
     };
     record.ip = Some(addr.ip());
 
@@ -349,11 +355,11 @@ async fn run_tunnel(
         record.reason = reason;
         record.decision = reason.decision();
         record.rule = None;
-        ctx.write(&mut record);
+        ctx.write(&mut record).await;
         debug!(reason = %reason, record = %record.id, "tunnel denied after detection");
         return; // both sides dropped: nothing reached the upstream
     }
-    if !ctx.write(&mut record) || detected == Detected::Closed {
+    if !ctx.write(&mut record).await || detected == Detected::Closed {
         return;
     }
     let started = Instant::now();
@@ -366,7 +372,7 @@ async fn run_tunnel(
     )
     .await;
     let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    ctx.write(&mut close);
+    ctx.write(&mut close).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -477,7 +483,8 @@ async fn forward(
                 host.as_ref(),
                 port,
                 Some(&detail),
-            );
+            )
+            .await;
         }
     };
     let Outcome {
@@ -494,7 +501,8 @@ async fn forward(
             Some(&host),
             Some(port),
             detail.as_deref(),
-        );
+        )
+        .await;
     }
     if !ctx.evidence.is_healthy() {
         let verdict = Verdict {
@@ -509,7 +517,8 @@ async fn forward(
             Some(&host),
             Some(port),
             None,
-        );
+        )
+        .await;
     }
     let mut record = ctx.record(
         Kind::Http,
@@ -523,10 +532,10 @@ async fn forward(
     record.path = Some(req.uri().path().chars().take(256).collect());
     let (upstream, addr) = match dial(&addrs, port, ctx.limits.connect_timeout).await {
         Ok(ok) => ok,
-        Err(e) => return dial_failed(&ctx, &mut record, &e),
+        Err(e) => return dial_failed(&ctx, &mut record, &e).await,
     };
     record.ip = Some(addr.ip());
-    if !ctx.write(&mut record) {
+    if !ctx.write(&mut record).await {
         return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
     }
 
@@ -591,7 +600,7 @@ async fn forward(
 fn upstream_failed(ctx: &Ctx, record: &Record, why: &str) -> Response<ProxyBody> {
     let mut close = record.close(0, 0, 0);
     close.detail = Some(why.to_string());
-    ctx.write(&mut close);
+    ctx.submit(&mut close);
     let body = format!(
         "palisade: upstream failed (evidence record {}): {why}\n",
         record.id
@@ -619,7 +628,7 @@ impl CloseRecord {
         let mut close = self
             .record
             .close(self.up.load(Ordering::Relaxed), down, elapsed);
-        self.ctx.write(&mut close);
+        self.ctx.submit(&mut close);
     }
 }
 

@@ -83,16 +83,23 @@ impl Ctx {
         r
     }
 
-    /// Write a record. `false` means evidence is unavailable and the caller
-    /// must not let anything through.
-    pub fn write(&self, record: &mut Record) -> bool {
-        match self.evidence.write(record) {
+    /// Write a record and wait until it is with the operating system.
+    /// `false` means evidence is unavailable and the caller must not let
+    /// anything through.
+    pub async fn write(&self, record: &mut Record) -> bool {
+        match self.evidence.write(record).await {
             Ok(()) => true,
             Err(e) => {
                 warn!(error = %e, "evidence write failed; denying");
                 false
             }
         }
+    }
+
+    /// Queue a record without waiting (close records, refusals that let
+    /// nothing through). Its id is assigned at once; it is never dropped.
+    pub fn submit(&self, record: &mut Record) {
+        self.evidence.submit(record);
     }
 }
 
@@ -223,12 +230,8 @@ fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, org: Option
         rule: None,
     };
     let mut record = ctx.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
-    let reason = if ctx.write(&mut record) {
-        Reason::LimitExceeded
-    } else {
-        Reason::EvidenceUnavailable
-    };
-    let response = deny::raw_response(reason, Some(&record.id));
+    ctx.submit(&mut record);
+    let response = deny::raw_response(Reason::LimitExceeded, Some(&record.id));
     // Best effort and non-blocking: a flood must not tie up tasks here.
     let _ = stream.try_write(response.as_bytes());
 }
