@@ -21,6 +21,7 @@ pub mod app;
 pub mod config;
 pub mod evidence;
 pub mod explain;
+pub mod metrics;
 pub mod policy;
 pub mod proto;
 pub mod proxy;

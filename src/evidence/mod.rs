@@ -79,6 +79,14 @@ pub struct Record {
     pub bytes_down: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    /// DNS records: the query type, the answers given (as text), and whether
+    /// anything was sent upstream for this query.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qtype: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answers: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<bool>,
 }
 
 impl Record {
@@ -113,6 +121,9 @@ impl Record {
             bytes_up: None,
             bytes_down: None,
             duration_ms: None,
+            qtype: None,
+            answers: None,
+            upstream: None,
         }
     }
 
@@ -205,6 +216,11 @@ impl Evidence {
             Err(_) => Err(io::Error::other("evidence writer poisoned")),
         };
         self.healthy.store(result.is_ok(), Ordering::Relaxed);
+        let m = crate::metrics::metrics();
+        match result {
+            Ok(()) => m.evidence_records_total.inc(),
+            Err(_) => m.evidence_write_errors_total.inc(),
+        }
         result.map_err(EvidenceError)
     }
 }

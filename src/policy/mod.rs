@@ -569,6 +569,37 @@ impl Policy {
             .any(|own| own.port() == port && (own.ip() == ip || own.ip().is_unspecified()))
     }
 
+    /// May an address be handed to the org in a DNS answer? The address
+    /// checks without a port: stripped if a cidr deny rule covers it on every
+    /// port, or if it is always-denied and no cidr allow rule covers it.
+    pub fn answer_allowed(&self, org: &OrgRef, ip: IpAddr) -> Result<(), Verdict> {
+        let Some(o) = self.orgs.get(org.index) else {
+            return Err(Verdict::deny(org, Reason::UnknownClient, None));
+        };
+        let ip = canonical(ip);
+        let embedded = match ip {
+            IpAddr::V6(v6) => embedded_ipv4(&v6).map(IpAddr::V4),
+            IpAddr::V4(_) => None,
+        };
+        for addr in std::iter::once(ip).chain(embedded) {
+            if let Some(i) = o
+                .deny_cidrs
+                .matches(addr)
+                .flatten()
+                .copied()
+                .filter(|&i| o.deny[i].ports == PortSet::All)
+                .min()
+            {
+                return Err(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
+            }
+            let denied = self.always_denied.matches(addr).any(|d| *d);
+            if denied && o.allow_cidrs.matches(addr).next().is_none() {
+                return Err(Verdict::deny(org, Reason::DeniedAddress, None));
+            }
+        }
+        Ok(())
+    }
+
     /// Judge the addresses an allowed name resolved to: keep those that pass
     /// rows A-C, in order. With none left, deny with the first address's reason.
     pub fn check_addresses(&self, pending: &PendingName, addrs: &[IpAddr]) -> AddressVerdict {

@@ -332,3 +332,29 @@ fn dns_answers_names_reachable_on_some_port() {
         Reason::ExplicitDeny
     );
 }
+
+#[test]
+fn dns_answers_are_filtered_without_a_port() {
+    let p = policy();
+    let org = p.org_for(ip(ACME)).unwrap();
+    assert!(p.answer_allowed(&org, ip("198.18.9.9")).is_ok());
+    assert_eq!(
+        p.answer_allowed(&org, ip("127.0.0.1")).unwrap_err().reason,
+        Reason::DeniedAddress
+    );
+    assert_eq!(
+        p.answer_allowed(&org, ip("64:ff9b::a9fe:a9fe"))
+            .unwrap_err()
+            .reason,
+        Reason::DeniedAddress
+    );
+    // covered by a cidr allow on some port
+    assert!(p.answer_allowed(&org, ip("10.1.2.3")).is_ok());
+    // deny cidr on every port
+    assert_eq!(
+        p.answer_allowed(&org, ip("198.18.7.66"))
+            .unwrap_err()
+            .reason,
+        Reason::ExplicitDeny
+    );
+}
