@@ -1,10 +1,14 @@
-//! The admin listener: `/healthz` (200 while the process serves) and
+//! The admin listener: `/healthz` (200 while the process serves),
 //! `/readyz` (200 only while every listener is bound and evidence is
-//! writable).
+//! writable), `/metrics` (Prometheus text format) and `/policy` (the served
+//! policy's hash, load time and summary, JSON).
+//!
+//! It runs on its own thread and runtime, so a flood on the proxy listeners
+//! cannot starve it.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,10 +23,49 @@ use tracing::warn;
 
 use crate::evidence::Evidence;
 
-/// What readiness depends on.
+/// What readiness depends on, and what `/policy` shows.
 pub struct Health {
     pub listeners_bound: AtomicBool,
     pub evidence: Arc<Evidence>,
+    pub policy: RwLock<Arc<PolicyInfo>>,
+}
+
+/// The served policy, as `/policy` reports it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PolicyInfo {
+    pub hash: String,
+    /// RFC 3339 time it was loaded.
+    pub loaded_at: String,
+    pub config: String,
+    pub orgs: Vec<OrgSummary>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OrgSummary {
+    pub name: String,
+    pub clients: Vec<String>,
+    pub allow_rules: usize,
+    pub deny_rules: usize,
+}
+
+impl PolicyInfo {
+    pub fn new(config: &crate::config::Config, hash: &str) -> PolicyInfo {
+        PolicyInfo {
+            hash: hash.to_string(),
+            loaded_at: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
+            config: config.path.display().to_string(),
+            orgs: config
+                .orgs
+                .iter()
+                .map(|o| OrgSummary {
+                    name: o.name.clone(),
+                    clients: o.clients.iter().map(|c| c.to_string()).collect(),
+                    allow_rules: o.allow.len(),
+                    deny_rules: o.deny.len(),
+                })
+                .collect(),
+        }
+    }
 }
 
 impl Health {
@@ -32,6 +75,32 @@ impl Health {
 }
 
 fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let get = matches!(req.method(), &Method::GET | &Method::HEAD);
+    match req.uri().path() {
+        "/metrics" if get => {
+            let mut resp = Response::new(Full::new(Bytes::from(crate::metrics::render())));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            return resp;
+        }
+        "/policy" if get => {
+            let info = health
+                .policy
+                .read()
+                .map(|p| p.clone())
+                .unwrap_or_else(|p| p.into_inner().clone());
+            let body = serde_json::to_vec_pretty(&*info).unwrap_or_default();
+            let mut resp = Response::new(Full::new(Bytes::from(body)));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            return resp;
+        }
+        _ => {}
+    }
     let (status, body) = match (req.method(), req.uri().path()) {
         (&Method::GET | &Method::HEAD, "/healthz") => (StatusCode::OK, "ok\n"),
         (&Method::GET | &Method::HEAD, "/readyz") if health.is_ready() => {
@@ -48,9 +117,35 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     resp
 }
 
+/// Serve the admin endpoints on a dedicated thread until shutdown.
+pub fn spawn(
+    listener: std::net::TcpListener,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    std::thread::Builder::new()
+        .name("palisade-admin".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => serve(listener, health, shutdown).await,
+                    Err(e) => warn!(error = %e, "admin listener unusable"),
+                }
+            })
+        })
+}
+
+/// Admin connections allowed at once; more are closed at accept.
+const MAX_ADMIN_CONNECTIONS: usize = 64;
+
 /// Serve the admin endpoints until shutdown. Admin connections are few and
 /// short: each gets a small head limit and a read timeout.
 pub async fn serve(listener: TcpListener, health: Arc<Health>, shutdown: CancellationToken) {
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
     loop {
         let (stream, _) = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -63,8 +158,12 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>, shutdown: Cancell
                 }
             },
         };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            continue; // over the cap: drop the connection
+        };
         let health = health.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let service = service_fn(move |req| {
                 let resp = respond(&health, &req);
                 async move { Ok::<_, Infallible>(resp) }

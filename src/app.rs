@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::admin::{self, Health};
+use crate::admin::{self, Health, PolicyInfo};
 use crate::config::Config;
 use crate::evidence::Evidence;
 use crate::policy::Policy;
@@ -84,7 +84,15 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         proxy_listeners.push(bind(*addr, "proxy").await?);
     }
     let admin_listener = match admin_config.listen {
-        Some(addr) => Some(bind(addr, "admin").await?),
+        Some(addr) => {
+            Some(
+                std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
+                    addr,
+                    what: "admin",
+                    source,
+                })?,
+            )
+        }
         None => None,
     };
 
@@ -115,14 +123,29 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let health = Arc::new(Health {
         listeners_bound: Default::default(),
         evidence: evidence.clone(),
+        policy: std::sync::RwLock::new(Arc::new(PolicyInfo::new(&config, policy.hash()))),
     });
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    crate::metrics::set_policy(policy.hash(), now.as_secs_f64());
+    crate::metrics::init_series(config.orgs.iter().map(|o| o.name.as_str()), &["explicit"]);
     let mut listener_tasks = Vec::new();
     for listener in proxy_listeners {
         listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
     }
-    if let Some(listener) = admin_listener {
-        tokio::spawn(admin::serve(listener, health.clone(), shutdown.clone()));
-    }
+    let admin_thread = match admin_listener {
+        Some(listener) => Some(
+            admin::spawn(listener, health.clone(), shutdown.clone()).map_err(|source| {
+                StartError::Bind {
+                    addr: admin_config.listen.unwrap_or(([0, 0, 0, 0], 0).into()),
+                    what: "admin",
+                    source,
+                }
+            })?,
+        ),
+        None => None,
+    };
     health.listeners_bound.store(true, Ordering::Relaxed);
     info!(
         proxy = ?proxy_config.listen,
@@ -159,6 +182,9 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         );
         hard_stop.cancel();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+    }
+    if let Some(t) = admin_thread {
+        let _ = tokio::task::spawn_blocking(move || t.join()).await;
     }
     info!("stopped");
     Ok(())

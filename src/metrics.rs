@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::policy::{OrgRef, Reason};
@@ -25,6 +25,22 @@ pub struct Metrics {
     pub evidence_records_total: IntCounter,
     pub evidence_write_errors_total: IntCounter,
     pub policy_reloads_total: IntCounterVec,
+    /// 1, labelled with the version and the policy hash being served.
+    pub build_info: IntGaugeVec,
+    /// Unix time the served policy was loaded.
+    pub policy_loaded_timestamp_seconds: Gauge,
+    /// Failed upstream connects by kind (timeout, refused, unreachable, other).
+    pub upstream_connect_errors_total: IntCounterVec,
+    /// Upstream name resolution time by result (ok, error).
+    pub resolve_duration_seconds: HistogramVec,
+}
+
+/// Latency buckets from 100 µs to 5 s.
+fn latency_buckets() -> Vec<f64> {
+    vec![
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+        5.0,
+    ]
 }
 
 fn build() -> Result<Metrics, prometheus::Error> {
@@ -78,21 +94,55 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "Policy reloads by result (ok, error).",
             &["result"],
         )?,
+        build_info: IntGaugeVec::new(
+            Opts::new(
+                "palisade_build_info",
+                "Version and served policy hash (value 1).",
+            ),
+            &["version", "policy"],
+        )?,
+        policy_loaded_timestamp_seconds: Gauge::new(
+            "palisade_policy_loaded_timestamp_seconds",
+            "Unix time the served policy was loaded.",
+        )?,
+        upstream_connect_errors_total: counter_vec(
+            "palisade_upstream_connect_errors_total",
+            "Failed TCP connects to upstream addresses, by kind.",
+            &["kind"],
+        )?,
+        resolve_duration_seconds: HistogramVec::new(
+            HistogramOpts::new(
+                "palisade_resolve_duration_seconds",
+                "Upstream name resolution time, by result.",
+            )
+            .buckets(latency_buckets()),
+            &["result"],
+        )?,
         registry,
     };
-    m.registry.register(Box::new(m.connections_total.clone()))?;
-    m.registry.register(Box::new(m.dns_queries_total.clone()))?;
-    m.registry
-        .register(Box::new(m.active_connections.clone()))?;
-    m.registry.register(Box::new(m.bytes_total.clone()))?;
-    m.registry
-        .register(Box::new(m.decision_duration_seconds.clone()))?;
-    m.registry
-        .register(Box::new(m.evidence_records_total.clone()))?;
-    m.registry
-        .register(Box::new(m.evidence_write_errors_total.clone()))?;
-    m.registry
-        .register(Box::new(m.policy_reloads_total.clone()))?;
+    let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
+        Box::new(m.connections_total.clone()),
+        Box::new(m.dns_queries_total.clone()),
+        Box::new(m.active_connections.clone()),
+        Box::new(m.bytes_total.clone()),
+        Box::new(m.decision_duration_seconds.clone()),
+        Box::new(m.evidence_records_total.clone()),
+        Box::new(m.evidence_write_errors_total.clone()),
+        Box::new(m.policy_reloads_total.clone()),
+        Box::new(m.build_info.clone()),
+        Box::new(m.policy_loaded_timestamp_seconds.clone()),
+        Box::new(m.upstream_connect_errors_total.clone()),
+        Box::new(m.resolve_duration_seconds.clone()),
+        // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
+        Box::new(prometheus::process_collector::ProcessCollector::for_self()),
+    ];
+    for c in collectors {
+        m.registry.register(c)?;
+    }
+    // Series that exist from the start, so dashboards and alerts see zeros.
+    for result in ["ok", "error"] {
+        m.policy_reloads_total.with_label_values(&[result]);
+    }
     Ok(m)
 }
 
@@ -118,6 +168,71 @@ pub fn count_connection(org: Option<&OrgRef>, reason: Reason, mode: &str) {
         .connections_total
         .with_label_values(&[org_label(org), reason.decision(), reason.as_str(), mode])
         .inc();
+}
+
+/// Count a decision or close record as it is written: decisions by org,
+/// decision, reason and mode; close records add their bytes.
+pub fn count_record(record: &crate::evidence::Record) {
+    use crate::evidence::Event;
+    let m = metrics();
+    let org = record.org.as_deref().unwrap_or(UNKNOWN_ORG);
+    match record.event {
+        Event::Decision => {
+            let mode = record.mode.as_str();
+            if mode == "dns" {
+                m.dns_queries_total
+                    .with_label_values(&[org, record.decision, record.reason.as_str()])
+                    .inc();
+            } else {
+                m.connections_total
+                    .with_label_values(&[org, record.decision, record.reason.as_str(), mode])
+                    .inc();
+            }
+        }
+        Event::Close => {
+            m.bytes_total
+                .with_label_values(&[org, "up"])
+                .inc_by(record.bytes_up.unwrap_or(0));
+            m.bytes_total
+                .with_label_values(&[org, "down"])
+                .inc_by(record.bytes_down.unwrap_or(0));
+        }
+    }
+}
+
+/// Create the zero-valued series of every org (and `unknown`) so that
+/// dashboards and alerts see zeros, not gaps, before the first event. The
+/// label space is bounded: orgs × reason codes × modes.
+pub fn init_series<'a>(orgs: impl IntoIterator<Item = &'a str>, modes: &[&str]) {
+    let m = metrics();
+    for org in orgs.into_iter().chain([UNKNOWN_ORG]) {
+        for reason in Reason::ALL {
+            for mode in modes {
+                m.connections_total.with_label_values(&[
+                    org,
+                    reason.decision(),
+                    reason.as_str(),
+                    mode,
+                ]);
+            }
+            m.dns_queries_total
+                .with_label_values(&[org, reason.decision(), reason.as_str()]);
+        }
+        m.active_connections.with_label_values(&[org]);
+        for direction in ["up", "down"] {
+            m.bytes_total.with_label_values(&[org, direction]);
+        }
+    }
+}
+
+/// Record the policy being served.
+pub fn set_policy(hash: &str, loaded_unix_seconds: f64) {
+    let m = metrics();
+    m.build_info.reset();
+    m.build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION"), hash])
+        .set(1);
+    m.policy_loaded_timestamp_seconds.set(loaded_unix_seconds);
 }
 
 /// Count one DNS query.

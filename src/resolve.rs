@@ -76,8 +76,17 @@ impl Resolver {
             return Err(ResolveError::NoUpstream);
         };
         let fqdn = format!("{name}.");
-        let lookup = tokio::time::timeout(self.timeout, inner.lookup_ip(fqdn.as_str()))
-            .await
+        let started = std::time::Instant::now();
+        let result = tokio::time::timeout(self.timeout, inner.lookup_ip(fqdn.as_str())).await;
+        crate::metrics::metrics()
+            .resolve_duration_seconds
+            .with_label_values(&[if matches!(result, Ok(Ok(_))) {
+                "ok"
+            } else {
+                "error"
+            }])
+            .observe(started.elapsed().as_secs_f64());
+        let lookup = result
             .map_err(|_| ResolveError::Timeout {
                 name: name.to_string(),
             })?

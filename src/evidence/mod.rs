@@ -35,6 +35,16 @@ pub enum Mode {
     Dns,
 }
 
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Explicit => "explicit",
+            Mode::Transparent => "transparent",
+            Mode::Dns => "dns",
+        }
+    }
+}
+
 /// `event` of a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

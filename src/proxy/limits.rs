@@ -44,10 +44,12 @@ impl Slot {
     }
 }
 
-/// Held for the life of one client connection.
+/// Held for the life of one client connection; counted in
+/// `palisade_active_connections` while it lives.
 #[derive(Debug)]
 pub struct Permit {
     slots: [Arc<Slot>; 2],
+    active: prometheus::IntGauge,
 }
 
 impl Drop for Permit {
@@ -55,6 +57,7 @@ impl Drop for Permit {
         for slot in &self.slots {
             slot.give_back();
         }
+        self.active.dec();
     }
 }
 
@@ -78,9 +81,16 @@ impl ConnLimits {
         let org_slot = self.per_org.get(index).or(self.per_org.last())?;
         let global = self.global.try_take()?;
         match org_slot.try_take() {
-            Some(org_slot) => Some(Permit {
-                slots: [global, org_slot],
-            }),
+            Some(org_slot) => {
+                let active = crate::metrics::metrics()
+                    .active_connections
+                    .with_label_values(&[crate::metrics::org_label(org)]);
+                active.inc();
+                Some(Permit {
+                    slots: [global, org_slot],
+                    active,
+                })
+            }
             None => {
                 global.give_back();
                 None

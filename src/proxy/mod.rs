@@ -53,6 +53,16 @@ impl Ctx {
     /// Decide `host:port` for a client of `org`: the name step, resolution
     /// when the name is allowed, then the address step.
     pub async fn decide(&self, org: Option<&OrgRef>, host: &Host, port: u16) -> Outcome {
+        let started = std::time::Instant::now();
+        let outcome = self.decide_inner(org, host, port).await;
+        crate::metrics::metrics()
+            .decision_duration_seconds
+            .with_label_values(&[Mode::Explicit.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    async fn decide_inner(&self, org: Option<&OrgRef>, host: &Host, port: u16) -> Outcome {
         let Some(org) = org else {
             return Outcome {
                 verdict: Verdict {
@@ -88,7 +98,10 @@ impl Ctx {
     /// anything through.
     pub async fn write(&self, record: &mut Record) -> bool {
         match self.evidence.write(record).await {
-            Ok(()) => true,
+            Ok(()) => {
+                crate::metrics::count_record(record);
+                true
+            }
             Err(e) => {
                 warn!(error = %e, "evidence write failed; denying");
                 false
@@ -100,6 +113,7 @@ impl Ctx {
     /// nothing through). Its id is assigned at once; it is never dropped.
     pub fn submit(&self, record: &mut Record) {
         self.evidence.submit(record);
+        crate::metrics::count_record(record);
     }
 }
 
@@ -170,6 +184,21 @@ pub enum DialError {
     NoAddress,
 }
 
+impl DialError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DialError::Timeout { .. } => "timeout",
+            DialError::Io { source, .. } => match source.kind() {
+                io::ErrorKind::ConnectionRefused => "refused",
+                io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => "unreachable",
+                _ => "other",
+            },
+            DialError::NoAddress => "no_address",
+        }
+    }
+}
+
 /// Dial the checked addresses in order until one answers; returns the
 /// stream and the address it reached, or the last error.
 pub async fn dial(
@@ -188,6 +217,10 @@ pub async fn dial(
             Ok(Err(source)) => last = DialError::Io { addr, source },
             Err(_) => last = DialError::Timeout { addr },
         }
+        crate::metrics::metrics()
+            .upstream_connect_errors_total
+            .with_label_values(&[last.kind()])
+            .inc();
         debug!(%addr, error = %last, "dial failed; trying next address");
     }
     Err(last)
