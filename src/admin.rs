@@ -78,6 +78,9 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     let get = matches!(req.method(), &Method::GET | &Method::HEAD);
     match req.uri().path() {
         "/metrics" if get => {
+            crate::metrics::metrics()
+                .ready
+                .set(i64::from(health.is_ready()));
             let mut resp = Response::new(Full::new(Bytes::from(crate::metrics::render())));
             resp.headers_mut().insert(
                 http::header::CONTENT_TYPE,

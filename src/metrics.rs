@@ -33,6 +33,8 @@ pub struct Metrics {
     pub upstream_connect_errors_total: IntCounterVec,
     /// Upstream name resolution time by result (ok, error).
     pub resolve_duration_seconds: HistogramVec,
+    /// 1 while /readyz would answer 200 (set at each scrape).
+    pub ready: prometheus::IntGauge,
 }
 
 /// Latency buckets from 100 µs to 5 s.
@@ -118,6 +120,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
             .buckets(latency_buckets()),
             &["result"],
         )?,
+        ready: prometheus::IntGauge::new(
+            "palisade_ready",
+            "1 while every listener is bound and evidence is writable (what /readyz reports).",
+        )?,
         registry,
     };
     let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
@@ -133,6 +139,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         Box::new(m.policy_loaded_timestamp_seconds.clone()),
         Box::new(m.upstream_connect_errors_total.clone()),
         Box::new(m.resolve_duration_seconds.clone()),
+        Box::new(m.ready.clone()),
         // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
         Box::new(prometheus::process_collector::ProcessCollector::for_self()),
     ];
@@ -142,6 +149,9 @@ fn build() -> Result<Metrics, prometheus::Error> {
     // Series that exist from the start, so dashboards and alerts see zeros.
     for result in ["ok", "error"] {
         m.policy_reloads_total.with_label_values(&[result]);
+    }
+    for kind in ["timeout", "refused", "unreachable", "other", "no_address"] {
+        m.upstream_connect_errors_total.with_label_values(&[kind]);
     }
     Ok(m)
 }

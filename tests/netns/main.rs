@@ -10,6 +10,7 @@ mod cli;
 mod infra;
 mod lab;
 mod lifecycle;
+mod metrics;
 mod policy;
 mod tls;
 
