@@ -369,3 +369,91 @@ print(n)
     assert!(added.is_empty(), "new series: {added:?}");
     assert_eq!(before.len(), after.len());
 }
+
+#[test]
+fn admin_answers_while_the_proxy_is_flooded() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    // 3,000 connections that never finish a request head, held open while
+    // the admin listener is asked for readiness and metrics.
+    let script = r#"
+import resource, socket, sys, time
+resource.setrlimit(resource.RLIMIT_NOFILE, (8192, 8192))
+held = []
+for i in range(3000):
+    s = socket.create_connection(("198.18.1.1", 3128), timeout=5)
+    s.sendall(b"GET http://allowed.test/ HTTP/1.1\r\nHost: allo")
+    held.append(s)
+print("holding", len(held), flush=True)
+time.sleep(float(sys.argv[1]))
+"#;
+    let mut flood = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &lab.ns_client,
+            "python3",
+            "-c",
+            script,
+            "15",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start flood");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(flood.stdout.as_mut().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "holding 3000", "flood did not start");
+    // The default per-org cap (2,000) holds; the other 1,000 were refused and recorded.
+    let active = scalar_from_scrape(&lab, "palisade_active_connections{org=\"acme\"}");
+    assert_eq!(active, 2000.0, "active connections");
+    lab::wait_until("limit_exceeded counted", Duration::from_secs(5), || {
+        scalar_from_scrape(
+            &lab,
+            "palisade_connections_total{decision=\"deny\",mode=\"explicit\",org=\"acme\",reason=\"limit_exceeded\"}",
+        ) == 1000.0
+    });
+    for path in ["/readyz", "/healthz", "/metrics"] {
+        let started = Instant::now();
+        let out = lab.proxy_ns_exec(
+            "curl",
+            &[
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "2",
+                &format!("http://{}{path}", lab::ADMIN_ADDR),
+            ],
+        );
+        assert_eq!(out.stdout, "200", "{path}: {}", out.describe());
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{path} took {:?}",
+            started.elapsed()
+        );
+    }
+    let _ = flood.kill();
+    let _ = flood.wait();
+}
+
+/// One sample's value from a direct scrape of the admin listener.
+fn scalar_from_scrape(lab: &Lab, series: &str) -> f64 {
+    let out = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],
+    );
+    out.stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .map(|v| v.trim().parse().unwrap_or(f64::NAN))
+        })
+        .unwrap_or(f64::NAN)
+}
