@@ -2,4 +2,5 @@
 //! protocol, or need more bytes, so callers can peek or buffer and replay.
 
 pub mod client_hello;
+pub mod http_head;
 pub mod target;

@@ -349,7 +349,14 @@ async fn run_tunnel(
             record.detail = Some((*why).to_string());
             Some(Reason::BadRequest)
         }
-        Detected::NotTls | Detected::Silent | Detected::Closed => None,
+        // Plain HTTP in a tunnel: its Host picks the virtual host at the
+        // upstream, so it must name the CONNECT host too.
+        Detected::Http(Some(h)) => match (&host, parse_authority(h, Some(80))) {
+            (Host::Name(_), Ok((req_host, _))) if req_host != host => Some(Reason::HostMismatch),
+            (Host::Name(_), Err(_)) => Some(Reason::HostMismatch),
+            _ => None,
+        },
+        Detected::Http(None) | Detected::NotTls | Detected::Silent | Detected::Closed => None,
     };
     if let Some(reason) = mismatch {
         record.reason = reason;

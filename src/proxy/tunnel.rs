@@ -1,5 +1,5 @@
-//! Tunnel plumbing: detect what a client sends first (a TLS ClientHello or
-//! anything else) without forwarding it, then copy bytes both ways with an
+//! Tunnel plumbing: detect what a client sends first (a TLS ClientHello, an
+//! HTTP/1.x request head, or anything else) without forwarding it, then copy bytes both ways with an
 //! idle timeout, half-close, and a hard stop for the end of the drain.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,6 +10,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::proto::client_hello::{self, ClientHello, MAX_HELLO_LEN};
+use crate::proto::http_head;
 
 /// Largest number of bytes read while detecting: a maximal hello plus the
 /// record headers of a hello split into many records.
@@ -20,13 +21,15 @@ pub const MAX_DETECT_BYTES: usize = MAX_HELLO_LEN + 4 * 1024;
 pub enum Detected {
     /// A complete TLS ClientHello.
     Tls(ClientHello),
-    /// Bytes that are not TLS (plain protocol).
+    /// A complete HTTP/1.x request head, with its Host (as sent) if any.
+    Http(Option<String>),
+    /// Bytes that are neither TLS nor HTTP.
     NotTls,
     /// Nothing within the detect timeout (server-speaks-first protocols).
     Silent,
     /// The client closed before sending anything.
     Closed,
-    /// TLS that is malformed, incomplete at the timeout or at EOF, or too large.
+    /// TLS or HTTP that is malformed, incomplete at the timeout or at EOF, or too large.
     Malformed(&'static str),
 }
 
@@ -40,11 +43,8 @@ pub async fn detect<R: AsyncRead + Unpin>(
     let deadline = Instant::now() + timeout;
     loop {
         if !buf.is_empty() {
-            match client_hello::parse(buf) {
-                client_hello::Parse::Done { hello, .. } => return Detected::Tls(hello),
-                client_hello::Parse::NotTls => return Detected::NotTls,
-                client_hello::Parse::Malformed(why) => return Detected::Malformed(why),
-                client_hello::Parse::NeedMore => {}
+            if let Some(detected) = classify(buf) {
+                return detected;
             }
         }
         if buf.len() >= MAX_DETECT_BYTES {
@@ -60,6 +60,21 @@ pub async fn detect<R: AsyncRead + Unpin>(
             Err(_) if buf.is_empty() => return Detected::Silent,
             Err(_) => return Detected::Malformed("incomplete client hello at detect timeout"),
         }
+    }
+}
+
+/// What `buf` is, or `None` if more bytes are needed to tell.
+fn classify(buf: &[u8]) -> Option<Detected> {
+    match client_hello::parse(buf) {
+        client_hello::Parse::Done { hello, .. } => Some(Detected::Tls(hello)),
+        client_hello::Parse::Malformed(why) => Some(Detected::Malformed(why)),
+        client_hello::Parse::NeedMore => None,
+        client_hello::Parse::NotTls => match http_head::parse(buf) {
+            http_head::Parse::Done { host, .. } => Some(Detected::Http(host)),
+            http_head::Parse::NotHttp => Some(Detected::NotTls),
+            http_head::Parse::Malformed(why) => Some(Detected::Malformed(why)),
+            http_head::Parse::NeedMore => None,
+        },
     }
 }
 
@@ -161,13 +176,23 @@ mod tests {
     #[tokio::test]
     async fn detect_plain_silent_and_closed() {
         let (mut a, mut b) = duplex(1024);
-        b.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        b.write_all(b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(
+            detect(&mut a, &mut buf, Duration::from_secs(1)).await,
+            Detected::Http(Some("a.test".into()))
+        );
+        assert_eq!(buf, b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n");
+
+        let (mut a, mut b) = duplex(1024);
+        b.write_all(b"SSH-2.0-x\r\n").await.unwrap();
         let mut buf = Vec::new();
         assert_eq!(
             detect(&mut a, &mut buf, Duration::from_secs(1)).await,
             Detected::NotTls
         );
-        assert_eq!(buf, b"GET / HTTP/1.1\r\n");
 
         let (mut a, _b) = duplex(1024);
         let mut buf = Vec::new();

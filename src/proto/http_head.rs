@@ -1,0 +1,157 @@
+//! HTTP/1.x request-head detection for transparent mode: is this an HTTP
+//! request, and which host does it name? Pure, over the bytes read so far;
+//! nothing is consumed (the caller replays the bytes upstream).
+
+/// Largest request head looked at; more is `Malformed`.
+pub const MAX_HEAD_LEN: usize = 16 * 1024;
+/// Largest number of headers looked at; more is `Malformed`.
+pub const MAX_HEADERS: usize = 100;
+
+/// What the bytes so far are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parse {
+    /// A complete request head; `host` is the Host header (or the authority
+    /// of an absolute-form target), as sent, if any; `len` the head's length.
+    Done { host: Option<String>, len: usize },
+    /// A valid prefix of an HTTP request head.
+    NeedMore,
+    /// Not an HTTP/1.x request.
+    NotHttp,
+    /// Looks like HTTP but is malformed, ambiguous (two Host headers, Host
+    /// disagreeing with an absolute-form target) or too large.
+    Malformed(&'static str),
+}
+
+/// The request line starts with a method token (RFC 9110 §9: uppercase
+/// letters in practice) followed by a space, within the first 16 bytes.
+fn looks_like_http(buf: &[u8]) -> Option<bool> {
+    for (i, &b) in buf.iter().enumerate().take(17) {
+        match b {
+            b'A'..=b'Z' | b'-' | b'_' => continue,
+            b' ' if i > 0 => return Some(true),
+            _ => return Some(false),
+        }
+    }
+    if buf.len() >= 17 {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Classify `buf`.
+pub fn parse(buf: &[u8]) -> Parse {
+    match looks_like_http(buf) {
+        None => return Parse::NeedMore,
+        Some(false) => return Parse::NotHttp,
+        Some(true) => {}
+    }
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD_LEN => {
+            return Parse::Malformed("request head too large")
+        }
+        Ok(httparse::Status::Partial) => return Parse::NeedMore,
+        Err(httparse::Error::TooManyHeaders) => return Parse::Malformed("too many headers"),
+        Err(_) => return Parse::Malformed("malformed request head"),
+    };
+    if len > MAX_HEAD_LEN {
+        return Parse::Malformed("request head too large");
+    }
+    let mut host: Option<&[u8]> = None;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("host") {
+            if host.is_some() {
+                return Parse::Malformed("more than one Host header");
+            }
+            host = Some(h.value);
+        }
+    }
+    let host = match host.map(std::str::from_utf8) {
+        Some(Ok(h)) => Some(h.trim().to_string()),
+        Some(Err(_)) => return Parse::Malformed("Host header is not UTF-8"),
+        None => None,
+    };
+    // An absolute-form target names the host too; it must agree.
+    let target_host = req
+        .path
+        .and_then(|p| p.split_once("://"))
+        .map(|(_, rest)| rest.split(['/', '?', '#']).next().unwrap_or(""))
+        .map(|auth| auth.rsplit('@').next().unwrap_or(auth).to_string());
+    match (host, target_host) {
+        (Some(h), Some(t)) if !h.eq_ignore_ascii_case(&t) => {
+            Parse::Malformed("Host header and request target disagree")
+        }
+        (Some(h), _) => Parse::Done { host: Some(h), len },
+        (None, t) => Parse::Done { host: t, len },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GET: &[u8] = b"GET /x HTTP/1.1\r\nHost: Allowed.test\r\nAccept: */*\r\n\r\nbody";
+
+    #[test]
+    fn every_prefix_needs_more_then_done() {
+        let end = GET.len() - 4;
+        for i in 0..end {
+            assert_eq!(parse(&GET[..i]), Parse::NeedMore, "prefix {i}");
+        }
+        assert_eq!(
+            parse(GET),
+            Parse::Done {
+                host: Some("Allowed.test".into()),
+                len: end
+            }
+        );
+    }
+
+    #[test]
+    fn not_http() {
+        assert_eq!(parse(b"SSH-2.0-OpenSSH\r\n"), Parse::NotHttp);
+        assert_eq!(parse(&[0x16, 0x03, 0x01]), Parse::NotHttp);
+        assert_eq!(parse(b"get / HTTP/1.1\r\n"), Parse::NotHttp);
+        assert_eq!(parse(b"AAAAAAAAAAAAAAAAAAAA"), Parse::NotHttp);
+    }
+
+    #[test]
+    fn ambiguous_or_bad_heads() {
+        let two = b"GET / HTTP/1.1\r\nHost: a.test\r\nHost: b.test\r\n\r\n";
+        assert!(matches!(parse(two), Parse::Malformed(_)));
+        let disagree = b"GET http://b.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n";
+        assert!(matches!(parse(disagree), Parse::Malformed(_)));
+        let abs = b"GET http://u@b.test:8080/x HTTP/1.1\r\n\r\n";
+        assert_eq!(
+            parse(abs),
+            Parse::Done {
+                host: Some("b.test:8080".into()),
+                len: abs.len()
+            }
+        );
+        let none = b"GET / HTTP/1.0\r\n\r\n";
+        assert_eq!(
+            parse(none),
+            Parse::Done {
+                host: None,
+                len: none.len()
+            }
+        );
+        let mut many = b"GET / HTTP/1.1\r\n".to_vec();
+        for i in 0..=MAX_HEADERS {
+            many.extend_from_slice(format!("X-{i}: y\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        assert!(matches!(parse(&many), Parse::Malformed(_)));
+        let mut huge = b"GET / HTTP/1.1\r\nX: ".to_vec();
+        huge.resize(MAX_HEAD_LEN + 10, b'a');
+        assert!(matches!(parse(&huge), Parse::Malformed(_)));
+        assert!(matches!(
+            parse(b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n"),
+            Parse::Malformed(_)
+        ));
+    }
+}
