@@ -1158,7 +1158,12 @@ impl RawConn {
                 self.buf.extend_from_slice(&chunk[..n]);
                 Ok(n)
             }
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
                 Err(io::ErrorKind::TimedOut.into())
             }
             Err(e) => Err(e),
