@@ -90,11 +90,11 @@ fn lab_is_isolated_and_fixtures_answer() {
         &["-c", "exec 3<>/dev/tcp/198.18.2.10/443; exec 3>&-"],
     );
     assert!(silent.success(), "{}", silent.describe());
-    let closes = lab.upstream_settled();
-    let silent_rec = closes
-        .iter()
-        .find(|v| v["local"] == "198.18.2.10:443")
-        .unwrap_or_else(|| panic!("no record for silent connection:\n{}", dump(&closes)));
+    // bash does not wait for the fixture, which may not even have logged the
+    // "open" yet: wait for this connection's own close record.
+    let silent_rec = lab.wait_upstream("close of the silent connection", |v| {
+        v["event"] == "close" && v["local"] == "198.18.2.10:443"
+    });
     assert_eq!(silent_rec["bytes_received"], 0, "{silent_rec}");
 
     // DNS fixture.

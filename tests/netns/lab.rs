@@ -9,7 +9,8 @@
 //!  c0 198.18.1.2/24  <---->  p0 198.18.1.1/24
 //!     198.18.3.2/32 (not in any org)
 //!                            u0 198.18.2.1/24  <---------->  u1 198.18.2.2/24 (DNS :53)
-//!                            lo 127.0.0.1 (canary web)          198.18.2.10-.30 (web :80/:443)
+//!                            lo 127.0.0.1 (canary web)          198.18.2.10-.30 (web :80/:443,
+//!                                                                banner+echo :2222)
 //! ```
 //!
 //! Palisade runs in the proxy namespace.  Everything is torn down on drop
@@ -19,7 +20,9 @@
 use serde_json::Value;
 use std::fmt::Write as _;
 use std::fs;
-use std::io::Read;
+use std::io::{self, Read, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -45,6 +48,10 @@ pub const WILD_APEX_IP: &str = "198.18.2.14";
 pub const UNLISTED_IP: &str = "198.18.2.20";
 /// A web host allowed by a cidr rule.
 pub const CIDR_IP: &str = "198.18.2.30";
+/// Every web host also serves a server-speaks-first protocol on this port:
+/// it sends [`BANNER`] on accept, then echoes what it receives (30 s idle).
+pub const BANNER_PORT: u16 = 2222;
+pub const BANNER: &str = "SSH-2.0-test\r\n";
 
 const WEB_IPS: &[&str] = &[
     ALLOWED_IP,
@@ -64,6 +71,11 @@ const DNS_RECORDS: &[(&str, &str)] = &[
     ("wild.test", WILD_APEX_IP),
     ("meta.test", "169.254.169.254"),
     ("loop.test", "127.0.0.1"),
+    // One always-denied and one good address, in that order.
+    ("mixed.test", "127.0.0.1"),
+    ("mixed.test", ALLOWED_IP),
+    // bücher.test in its ASCII (punycode) form.
+    ("xn--bcher-kva.test", ALLOWED_IP),
     // nx.test (and every other name) -> NXDOMAIN
 ];
 
@@ -424,6 +436,7 @@ pub struct LabBuilder {
     policy: String,
     proxy_listen: Vec<String>,
     admin_listen: String,
+    proxy_options: Vec<String>,
     start_proxy: bool,
 }
 
@@ -434,6 +447,12 @@ impl LabBuilder {
     }
     pub fn proxy_listen(mut self, addrs: &[&str]) -> Self {
         self.proxy_listen = addrs.iter().map(|s| s.to_string()).collect();
+        self
+    }
+    /// Add a `key = value` line to the `[proxy]` table, e.g.
+    /// `.proxy_option("max_connections = 2")`.
+    pub fn proxy_option(mut self, line: &str) -> Self {
+        self.proxy_options.push(line.to_owned());
         self
     }
     /// Set up namespaces and fixtures but do not launch Palisade.
@@ -466,6 +485,7 @@ impl Lab {
             policy: DEFAULT_POLICY.to_owned(),
             proxy_listen: vec![PROXY_ADDR.to_owned()],
             admin_listen: ADMIN_ADDR.to_owned(),
+            proxy_options: Vec::new(),
             start_proxy: true,
         }
     }
@@ -581,6 +601,8 @@ impl Lab {
             self.upstream_log_path().display().to_string(),
             "--ready".into(),
             self.dir.join("web.ready").display().to_string(),
+            "--banner-port".into(),
+            BANNER_PORT.to_string(),
         ];
         for a in WEB_IPS {
             web_args.push("--addr".into());
@@ -639,8 +661,9 @@ impl Lab {
 
     fn config_toml(&self, b: &LabBuilder) -> String {
         let listen: Vec<String> = b.proxy_listen.iter().map(|a| format!("{a:?}")).collect();
+        let options: String = b.proxy_options.iter().map(|l| format!("{l}\n")).collect();
         format!(
-            "[proxy]\nlisten = [{}]\ntransparent = []\n\n[dns]\nlisten = []\nupstream = [\"{DNS_IP}:53\"]\n\n\
+            "[proxy]\nlisten = [{}]\ntransparent = []\n{options}\n[dns]\nlisten = []\nupstream = [\"{DNS_IP}:53\"]\n\n\
              [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n",
             listen.join(", "),
             b.admin_listen,
@@ -929,6 +952,46 @@ impl Lab {
         }
     }
 
+    /// Poll (bounded) until an upstream log record satisfies `pred`.  Use
+    /// this, not [`Lab::upstream_settled`], for a connection the client did
+    /// not wait on (the fixture may not even have logged its `open` yet).
+    pub fn wait_upstream(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(8);
+        loop {
+            let log = self.upstream_log();
+            if let Some(v) = log.iter().find(|v| pred(v)) {
+                return v.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no upstream record matching {what} within 8s:\n{}",
+                dump(&log)
+            );
+            thread::sleep(POLL);
+        }
+    }
+
+    /// Open a TCP connection to the proxy from the client namespace (source
+    /// CLIENT_IP), held by the test itself for tests that need timing or
+    /// several requests on one connection.
+    pub fn client_conn(&self) -> RawConn {
+        self.try_client_conn()
+            .unwrap_or_else(|e| panic!("connect to {PROXY_ADDR}: {e}\n{}", self.proxy_output()))
+    }
+
+    /// Like [`Lab::client_conn`], but a failure to connect is returned.
+    pub fn try_client_conn(&self) -> io::Result<RawConn> {
+        let addr: SocketAddr = PROXY_ADDR.parse().expect("proxy addr");
+        let stream = in_netns(&self.ns_client, move || {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+        })?;
+        stream.set_nodelay(true)?;
+        Ok(RawConn {
+            stream,
+            buf: Vec::new(),
+        })
+    }
+
     /// Poll (bounded) until every upstream connection that was opened has
     /// also been logged as closed; returns the close records.
     pub fn upstream_settled(&self) -> Vec<Value> {
@@ -1034,4 +1097,157 @@ pub fn read_jsonl(path: &Path) -> Vec<Value> {
 
 pub fn dump(v: &[Value]) -> String {
     v.iter().map(|x| format!("{x}\n")).collect()
+}
+
+/// Run `f` on a fresh thread inside network namespace `ns`.  Sockets created
+/// there stay in that namespace when handed back to other threads.
+pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let path = format!("/run/netns/{ns}");
+    let file = fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
+    thread::spawn(move || {
+        // SAFETY: setns(2) takes a file descriptor and a flag; `file` is an
+        // open namespace file that outlives the call, so the fd is valid.
+        // CLONE_NEWNET only switches the calling thread's network namespace
+        // (allowed in a multi-threaded process), and this thread is ours
+        // alone and ends when `f` returns.  No memory is shared or aliased.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns {path}: {}", io::Error::last_os_error());
+        f()
+    })
+    .join()
+    .expect("netns thread panicked")
+}
+
+/// A client connection to the proxy driven byte by byte by the test.
+pub struct RawConn {
+    pub stream: TcpStream,
+    /// Received but not yet consumed.
+    buf: Vec<u8>,
+}
+
+/// How a wait for the peer to close ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// EOF or reset after this long.
+    After(Duration),
+    /// Still open when the wait ended.
+    StillOpen,
+}
+
+impl RawConn {
+    pub fn local_port(&self) -> u16 {
+        self.stream.local_addr().expect("local addr").port()
+    }
+
+    pub fn send(&mut self, data: &[u8]) -> io::Result<()> {
+        self.stream.write_all(data)?;
+        self.stream.flush()
+    }
+
+    /// Read more bytes into the buffer before `deadline`.  Ok(0) on EOF;
+    /// Err(TimedOut) at the deadline.
+    fn fill(&mut self, deadline: Instant) -> io::Result<usize> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        let mut chunk = [0u8; 16 * 1024];
+        match self.stream.read(&mut chunk) {
+            Ok(n) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                Ok(n)
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                Err(io::ErrorKind::TimedOut.into())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Bytes up to and including `needle`, read within `timeout`; None on
+    /// timeout or close (what was read stays buffered).
+    pub fn read_until(&mut self, needle: &[u8], timeout: Duration) -> Option<Vec<u8>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self.buf.windows(needle.len()).position(|w| w == needle) {
+                return Some(self.buf.drain(..i + needle.len()).collect());
+            }
+            match self.fill(deadline) {
+                Ok(n) if n > 0 => {}
+                _ => return None,
+            }
+        }
+    }
+
+    /// Everything buffered so far (consumed).
+    pub fn take_buffered(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.buf)
+    }
+
+    /// Read one response head (status 0 if none arrives within `timeout`).
+    pub fn read_head(&mut self, timeout: Duration) -> (u16, Vec<(String, String)>) {
+        match self.read_until(b"\r\n\r\n", timeout) {
+            Some(head) => parse_heads(&String::from_utf8_lossy(&head)),
+            None => (0, Vec::new()),
+        }
+    }
+
+    /// Read one response: head plus a Content-Length body.
+    pub fn read_response(&mut self, timeout: Duration) -> HttpResp {
+        let deadline = Instant::now() + timeout;
+        let (status, headers) = self.read_head(timeout);
+        let len: usize = headers
+            .iter()
+            .find(|(k, _)| k == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        while self.buf.len() < len {
+            match self.fill(deadline) {
+                Ok(n) if n > 0 => {}
+                _ => break,
+            }
+        }
+        let body: Vec<u8> = self.buf.drain(..len.min(self.buf.len())).collect();
+        HttpResp {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+            exit: Some(0),
+            ..HttpResp::default()
+        }
+    }
+
+    /// Send `CONNECT target` and read the response head; the status.
+    pub fn connect(&mut self, target: &str) -> u16 {
+        self.send(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
+            .expect("send CONNECT");
+        self.read_head(Duration::from_secs(5)).0
+    }
+
+    /// Wait up to `timeout` for the peer to close (EOF or reset), discarding
+    /// anything it sends meanwhile.
+    pub fn wait_closed(&mut self, timeout: Duration) -> Closed {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        loop {
+            self.buf.clear();
+            match self.fill(deadline) {
+                Ok(0) => return Closed::After(start.elapsed()),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::TimedOut => return Closed::StillOpen,
+                Err(_) => return Closed::After(start.elapsed()),
+            }
+        }
+    }
+
+    /// Close the connection (both directions).
+    pub fn close(self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
 }
