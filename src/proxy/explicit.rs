@@ -43,9 +43,10 @@ pub async fn serve_connection(
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
         let svc_ctx = ctx.clone();
+        let svc_org = org.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
-            let org = org.clone();
+            let org = svc_org.clone();
             let permit = permit.clone();
             async move { Ok::<_, Infallible>(handle(ctx, peer, org, permit, req).await) }
         });
@@ -53,8 +54,11 @@ pub async fn serve_connection(
         builder
             .timer(TokioTimer::new())
             .header_read_timeout(limits.header_read_timeout)
-            .max_buf_size(limits.max_request_head_bytes.max(8192))
-            .max_headers(limits.max_headers)
+            // hyper's own bounds sit above ours, so that heads over our limits
+            // reach `handle` and get a recorded 431; beyond hyper's bounds it
+            // answers by itself and `record_parse_error` records it.
+            .max_buf_size(limits.max_request_head_bytes + HYPER_HEAD_SLACK)
+            .max_headers(limits.max_headers + HYPER_HEADERS_SLACK)
             .keep_alive(true);
         let conn = builder
             .serve_connection(TokioIo::new(stream), service)
@@ -72,10 +76,35 @@ pub async fn serve_connection(
         };
         if let Err(e) = result {
             debug!(error = %e, "connection ended with error");
+            record_parse_error(&ctx, peer, org, &e).await;
         }
     }
     .instrument(span)
     .await
+}
+
+/// Bytes hyper may buffer beyond `max_request_head_bytes`.
+const HYPER_HEAD_SLACK: usize = 64 * 1024;
+/// Headers hyper may parse beyond `max_headers`.
+const HYPER_HEADERS_SLACK: usize = 100;
+
+/// A request hyper could not parse (or whose head did not arrive in time)
+/// was answered by hyper itself with a bare 400/408/431; record it.
+async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, org: Option<OrgRef>, e: &hyper::Error) {
+    if !(e.is_parse() || e.is_parse_too_large() || e.is_timeout()) {
+        return;
+    }
+    let detail = format!("request not parsed: {e}");
+    let mut record = ctx.record(
+        Kind::Http,
+        Mode::Explicit,
+        peer,
+        &bad_request_verdict(org),
+        None,
+        None,
+    );
+    record.detail = Some(detail);
+    ctx.write(&mut record).await;
 }
 
 async fn handle(
@@ -85,8 +114,15 @@ async fn handle(
     permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    // hyper bounds its read buffer; this makes the configured head limit exact.
-    if head_size(&req) > ctx.limits.max_request_head_bytes {
+    // hyper bounds its read buffer only roughly; these make the configured limits exact.
+    let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
+        Some("request head too large")
+    } else if req.headers().len() > ctx.limits.max_headers {
+        Some("too many headers")
+    } else {
+        None
+    };
+    if let Some(why) = too_large {
         let kind = if req.method() == Method::CONNECT {
             Kind::Tcp
         } else {
@@ -99,7 +135,7 @@ async fn handle(
             &bad_request_verdict(org),
             None,
             None,
-            Some("request head too large"),
+            Some(why),
         )
         .await;
         *resp.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
@@ -435,13 +471,9 @@ fn check_request(req: &Request<Incoming>) -> Result<(Host, u16), (Reason, String
         None => 80,
     };
     let headers = req.headers();
-    if headers.contains_key(header::TRANSFER_ENCODING)
-        && headers.contains_key(header::CONTENT_LENGTH)
-    {
-        return Err(bad(
-            "both Transfer-Encoding and Content-Length: ambiguous framing",
-        ));
-    }
+    // Transfer-Encoding with Content-Length never arrives here ambiguous:
+    // hyper frames such a body by Transfer-Encoding, drops Content-Length
+    // and closes the connection after the response (RFC 9112 §6.3).
     if headers.contains_key(header::UPGRADE) {
         return Err(bad("protocol upgrades are not forwarded"));
     }
