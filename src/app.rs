@@ -57,11 +57,6 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence_config,
         orgs: _,
     } = &config;
-    if !proxy_config.transparent.is_empty() {
-        return Err(StartError::Unsupported(
-            "[proxy] transparent listeners are not supported by this build yet".into(),
-        ));
-    }
     if !dns.listen.is_empty() {
         return Err(StartError::Unsupported(
             "[dns] listen: the DNS shim is not supported by this build yet".into(),
@@ -82,6 +77,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let mut proxy_listeners = Vec::new();
     for addr in &proxy_config.listen {
         proxy_listeners.push(bind(*addr, "proxy").await?);
+    }
+    let mut transparent_listeners = Vec::new();
+    for addr in &proxy_config.transparent {
+        transparent_listeners.push(bind(*addr, "transparent").await?);
     }
     let admin_listener = match admin_config.listen {
         Some(addr) => {
@@ -114,6 +113,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         policy: policy.clone(),
         evidence: evidence.clone(),
         resolver: Arc::new(resolver),
+        bindings: None,
         limits: limits.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),
@@ -129,10 +129,19 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     crate::metrics::set_policy(policy.hash(), now.as_secs_f64());
-    crate::metrics::init_series(config.orgs.iter().map(|o| o.name.as_str()), &["explicit"]);
+    crate::metrics::init_series(
+        config.orgs.iter().map(|o| o.name.as_str()),
+        &["explicit", "transparent"],
+    );
     let mut listener_tasks = Vec::new();
     for listener in proxy_listeners {
         listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
+    }
+    for listener in transparent_listeners {
+        listener_tasks.push(tokio::spawn(proxy::transparent::serve(
+            ctx.clone(),
+            listener,
+        )));
     }
     let admin_thread = match admin_listener {
         Some(listener) => Some(
@@ -149,6 +158,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     health.listeners_bound.store(true, Ordering::Relaxed);
     info!(
         proxy = ?proxy_config.listen,
+        transparent = ?proxy_config.transparent,
         admin = ?admin_config.listen,
         evidence = %evidence.path().display(),
         policy = %policy.hash(),

@@ -353,7 +353,18 @@ pub fn from_str(src: &str, path: &Path) -> Result<Config, ConfigErrors> {
         Ok(raw) => raw,
         Err(e) => {
             let span = e.span().unwrap_or(0..0);
-            errors.at(span, e.message().trim().to_string());
+            let mut message = e.message().trim().to_string();
+            // Name the offending text when the parser's message does not.
+            if let Some(text) = src.get(span.clone()).map(str::trim) {
+                if !text.is_empty()
+                    && text.len() <= 64
+                    && !text.contains('\n')
+                    && !message.contains(text)
+                {
+                    message = format!("{message}: `{text}`");
+                }
+            }
+            errors.at(span, message);
             return Err(ConfigErrors(errors.list));
         }
     };
@@ -871,6 +882,18 @@ clients = ["198.19.1.0/24"]
         assert!(first_error(&bad).contains("invalid duration \"soon\""));
         let zero = BASE.replace("[proxy]\n", "[proxy]\nmax_headers = 0\n");
         assert!(first_error(&zero).contains("positive"));
+    }
+
+    #[test]
+    fn parse_errors_name_the_offending_text() {
+        let e = first_error(&format!("{BASE}[proxy]\n"));
+        assert!(e.contains("`proxy`") || e.contains("proxy"), "{e}");
+        let src = BASE.replace("[proxy]\n", "[proxy]\ntransparent = []\ntransparent = []\n");
+        let e = first_error(&src);
+        assert!(
+            e.contains("duplicate key") && e.contains("transparent"),
+            "{e}"
+        );
     }
 
     #[test]

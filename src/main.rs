@@ -166,6 +166,14 @@ fn check(path: PathBuf) -> ExitCode {
     );
     println!("  evidence dir: {}", config.evidence.dir.display());
     println!("  policy: {}", policy.hash());
+    if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
+        println!(
+            "warning: transparent listeners without a DNS shim ([dns] listen): there are no \
+             DNS bindings, so a connection's original address is accepted for a name only if \
+             the name resolves to it when the connection is made; names served by many or \
+             rotating addresses may be refused as sni_mismatch"
+        );
+    }
     ExitCode::SUCCESS
 }
 

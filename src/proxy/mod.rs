@@ -5,6 +5,7 @@
 pub mod deny;
 pub mod explicit;
 pub mod limits;
+pub mod transparent;
 pub mod tunnel;
 
 use std::io;
@@ -25,12 +26,21 @@ use crate::resolve::Resolver;
 
 use self::limits::ConnLimits;
 
+/// What the DNS shim handed out: did org `org` receive `addr` for `name`,
+/// and is that binding still valid? Transparent mode uses it to check that
+/// a connection's original destination belongs to the name it presents.
+pub trait NameBindings: Send + Sync {
+    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
+}
+
 /// Everything a connection handler needs, shared by all connections.
 pub struct Ctx {
     pub policy: Arc<Policy>,
     pub policy_hash: Arc<str>,
     pub evidence: Arc<Evidence>,
     pub resolver: Arc<Resolver>,
+    /// The DNS shim's bindings, when it runs.
+    pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
     pub conns: ConnLimits,
     /// Stop accepting; finish in-flight requests.

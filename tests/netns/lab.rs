@@ -663,7 +663,7 @@ impl Lab {
         let listen: Vec<String> = b.proxy_listen.iter().map(|a| format!("{a:?}")).collect();
         let options: String = b.proxy_options.iter().map(|l| format!("{l}\n")).collect();
         format!(
-            "[proxy]\nlisten = [{}]\ntransparent = []\n{options}\n[dns]\nlisten = []\nupstream = [\"{DNS_IP}:53\"]\n\n\
+            "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = []\nupstream = [\"{DNS_IP}:53\"]\n\n\
              [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n",
             listen.join(", "),
             b.admin_listen,

@@ -14,6 +14,7 @@ mod lifecycle;
 mod metrics;
 mod policy;
 mod tls;
+mod transparent;
 
 use lab::{HttpResp, Lab};
 use serde_json::Value;

@@ -1,0 +1,275 @@
+//! Transparent mode: TCP that nftables/iptables REDIRECTed to a listener.
+//! The original destination comes from `SO_ORIGINAL_DST`; the name comes
+//! from the client's first bytes (TLS SNI or HTTP Host), read and held
+//! under the detect timeout, never forwarded before the decision.
+//!
+//! With a name, the name must be allowed for the org and port AND the
+//! original destination must belong to it: an address the DNS shim gave
+//! this org for that name, or one the name resolves to now. Otherwise
+//! `sni_mismatch`. Without a name, only cidr rules apply. Denied
+//! connections are reset; allowed ones dial exactly the original
+//! destination and replay the held bytes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, info_span, warn, Instrument};
+
+use super::limits::Permit;
+use super::tunnel::{self, Detected};
+use super::{decide_with, dial, Ctx, Outcome};
+use crate::evidence::{Kind, Mode, Record};
+use crate::policy::{canonical, Decision, OrgRef, Reason, Verdict};
+use crate::proto::target::{normalize_host, parse_authority, Host};
+
+/// Where a REDIRECTed connection was going.
+pub fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
+    let sock = socket2::SockRef::from(stream);
+    let addr = match stream.local_addr()? {
+        SocketAddr::V4(_) => sock.original_dst_v4()?,
+        SocketAddr::V6(_) => sock.original_dst_v6()?,
+    };
+    addr.as_socket()
+        .ok_or_else(|| std::io::Error::other("original destination is not an IP address"))
+}
+
+/// Accept REDIRECTed connections until shutdown.
+pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
+    loop {
+        let accepted = tokio::select! {
+            _ = ctx.shutdown.cancelled() => break,
+            a = listener.accept() => a,
+        };
+        let (stream, peer) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                warn!(error = %e, "transparent accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let org = ctx.policy.org_for(peer.ip());
+        match ctx.conns.try_acquire(org.as_ref()) {
+            Some(permit) => {
+                let ctx2 = ctx.clone();
+                let span = info_span!("transparent", client.addr = %peer);
+                ctx.tasks.spawn(
+                    async move { handle(ctx2, stream, peer, org, permit).await }.instrument(span),
+                );
+            }
+            None => {
+                let verdict = Verdict {
+                    org,
+                    reason: Reason::LimitExceeded,
+                    rule: None,
+                };
+                let mut record =
+                    ctx.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+                ctx.submit(&mut record);
+                reset(stream);
+            }
+        }
+    }
+}
+
+/// Close with RST: the client learns at once that nothing will flow.
+fn reset(stream: TcpStream) {
+    let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+    drop(stream);
+}
+
+/// The name a client presented, from its first bytes.
+fn presented_name(detected: &Detected, port: u16) -> Result<Option<Host>, &'static str> {
+    match detected {
+        Detected::Tls(hello) => match &hello.sni {
+            Some(sni) => normalize_host(sni).map(Some).map_err(|_| "invalid SNI"),
+            None => Ok(None),
+        },
+        Detected::Http(Some(host)) => parse_authority(host, Some(port))
+            .map(|(h, _)| Some(h))
+            .map_err(|_| "invalid Host header"),
+        Detected::Http(None) | Detected::NotTls | Detected::Silent | Detected::Closed => Ok(None),
+        Detected::Malformed(why) => Err(why),
+    }
+}
+
+async fn handle(
+    ctx: Arc<Ctx>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    org: Option<OrgRef>,
+    _permit: Permit,
+) {
+    let orig = match original_destination(&client) {
+        Ok(orig) => orig,
+        Err(e) => {
+            // Connected to the listener directly (no REDIRECT): nowhere to go.
+            let verdict = Verdict {
+                org,
+                reason: Reason::BadRequest,
+                rule: None,
+            };
+            let mut record = ctx.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+            record.detail = Some(format!("no original destination: {e}"));
+            ctx.write(&mut record).await;
+            return reset(client);
+        }
+    };
+    let orig = SocketAddr::new(canonical(orig.ip()), orig.port());
+    let mut first = Vec::new();
+    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    let sni = match &detected {
+        Detected::Tls(hello) => hello.sni.clone(),
+        _ => None,
+    };
+    let started = Instant::now();
+    let (outcome, name) = match presented_name(&detected, orig.port()) {
+        Ok(name) => (decide(&ctx, org.as_ref(), name.as_ref(), orig).await, name),
+        Err(why) => (
+            Outcome {
+                verdict: Verdict {
+                    org: org.clone(),
+                    reason: Reason::BadRequest,
+                    rule: None,
+                },
+                dial: Vec::new(),
+                detail: Some(why.to_string()),
+            },
+            None,
+        ),
+    };
+    crate::metrics::metrics()
+        .decision_duration_seconds
+        .with_label_values(&[Mode::Transparent.as_str()])
+        .observe(started.elapsed().as_secs_f64());
+
+    let host = name.unwrap_or(Host::Ip(orig.ip()));
+    let mut record = ctx.record(
+        Kind::Tcp,
+        Mode::Transparent,
+        peer,
+        &outcome.verdict,
+        Some(&host),
+        Some(orig.port()),
+    );
+    record.sni = sni;
+    // The original destination is recorded whatever the decision.
+    record.ip = Some(orig.ip());
+    record.detail = outcome.detail.clone();
+    if !outcome.verdict.is_allow() || detected == Detected::Closed {
+        ctx.write(&mut record).await;
+        debug!(reason = %record.reason, record = %record.id, "transparent connection denied");
+        return reset(client);
+    }
+    if !ctx.evidence.is_healthy() {
+        deny_unrecorded(&ctx, &mut record).await;
+        return reset(client);
+    }
+    let upstream = match dial(&outcome.dial, orig.port(), ctx.limits.connect_timeout).await {
+        Ok((upstream, _)) => upstream,
+        Err(e) => {
+            record.detail = Some(e.to_string());
+            ctx.write(&mut record).await;
+            return reset(client);
+        }
+    };
+    if !ctx.write(&mut record).await {
+        return reset(client);
+    }
+    pump(&ctx, client, upstream, &first, &record).await;
+}
+
+async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {
+    record.reason = Reason::EvidenceUnavailable;
+    record.decision = Reason::EvidenceUnavailable.decision();
+    record.rule = None;
+    ctx.write(record).await;
+}
+
+async fn pump(ctx: &Ctx, client: TcpStream, upstream: TcpStream, first: &[u8], record: &Record) {
+    let started = Instant::now();
+    let totals = tunnel::pump(
+        client,
+        upstream,
+        first,
+        ctx.limits.idle_timeout,
+        &ctx.hard_stop,
+    )
+    .await;
+    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
+    ctx.write(&mut close).await;
+}
+
+/// The transparent decision: the name's rules and the address's consistency
+/// with the name, or cidr rules alone without a name. `outcome.dial` is the
+/// original destination when allowed.
+async fn decide(ctx: &Ctx, org: Option<&OrgRef>, name: Option<&Host>, orig: SocketAddr) -> Outcome {
+    let Some(org) = org else {
+        return ctx.decide(None, &Host::Ip(orig.ip()), orig.port()).await;
+    };
+    let mismatch = |detail: String| Outcome {
+        verdict: Verdict {
+            org: Some(org.clone()),
+            reason: Reason::SniMismatch,
+            rule: None,
+        },
+        dial: Vec::new(),
+        detail: Some(detail),
+    };
+    match name {
+        None => {
+            decide_with(
+                &ctx.policy,
+                &ctx.resolver,
+                org,
+                &Host::Ip(orig.ip()),
+                orig.port(),
+            )
+            .await
+        }
+        Some(Host::Ip(ip)) if canonical(*ip) != orig.ip() => {
+            mismatch(format!("client named {ip} but connected to {}", orig.ip()))
+        }
+        Some(host @ Host::Ip(_)) => {
+            decide_with(&ctx.policy, &ctx.resolver, org, host, orig.port()).await
+        }
+        Some(host @ Host::Name(n)) => match ctx.policy.decide_for_org(org, host, orig.port()) {
+            Decision::Final(verdict) => Outcome {
+                verdict,
+                dial: Vec::new(),
+                detail: None,
+            },
+            Decision::Resolve(pending) => {
+                let bound = ctx
+                    .bindings
+                    .as_ref()
+                    .is_some_and(|b| b.is_bound(&org.name, n, orig.ip()));
+                if !bound {
+                    match ctx.resolver.lookup(n).await {
+                        Ok(addrs) if addrs.iter().any(|a| canonical(*a) == orig.ip()) => {}
+                        Ok(_) => return mismatch(format!("{n} does not resolve to {}", orig.ip())),
+                        Err(e) => {
+                            return Outcome {
+                                verdict: Verdict {
+                                    org: Some(org.clone()),
+                                    reason: Reason::ResolutionFailed,
+                                    rule: Some(pending.rule.clone()),
+                                },
+                                dial: Vec::new(),
+                                detail: Some(e.to_string()),
+                            }
+                        }
+                    }
+                }
+                let av = ctx.policy.check_addresses(&pending, &[orig.ip()]);
+                Outcome {
+                    verdict: av.verdict,
+                    dial: av.dial,
+                    detail: None,
+                }
+            }
+        },
+    }
+}

@@ -1,0 +1,265 @@
+//! Transparent mode behind the shipped nftables ruleset: the proxy namespace
+//! is the sandbox's gateway, loads `docker/nftables.conf` (parameterised for
+//! the lab), and Palisade decides every redirected TCP connection. Clients
+//! use no proxy settings at all.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::lab::{self, ca_pem, dump, Lab, DEFAULT_POLICY};
+
+const TRANSPARENT: &str = "198.18.1.1:15001";
+
+/// The lab with a transparent listener and the gateway ruleset loaded.
+fn gateway_lab() -> Lab {
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .start();
+    let rules = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docker/nftables.conf"),
+    )
+    .unwrap();
+    // Parameterise the shipped ruleset for the lab: only the defines change.
+    let rules = rules.replace(
+        "define SANDBOX_IF = \"sandbox0\"",
+        "define SANDBOX_IF = \"p0\"",
+    );
+    assert!(
+        rules.contains("define SANDBOX_IF = \"p0\""),
+        "ruleset defines changed"
+    );
+    let out = lab::run_with_timeout(
+        std::process::Command::new("ip").args(["netns", "exec", &lab.ns_proxy, "nft", "-f", "-"]),
+        Some(rules.as_bytes()),
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "nft: {}", out.describe());
+    // The sandbox's default route is the gateway.
+    let out = lab.exec(
+        &lab.ns_client,
+        "ip",
+        &["route", "add", "default", "via", "198.18.1.1"],
+    );
+    assert!(out.success(), "{}", out.describe());
+    lab
+}
+
+/// curl from the sandbox with no proxy, `name` pinned to `addr`.
+fn curl(lab: &Lab, url: &str, resolve: &str) -> lab::CmdOutput {
+    let ca = ca_pem().display().to_string();
+    lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "--cacert",
+            &ca,
+            "--resolve",
+            resolve,
+            "-o",
+            "/dev/stdout",
+            "-w",
+            "\nHTTP %{http_code}\n",
+            url,
+        ],
+    )
+}
+
+fn transparent_records(lab: &Lab) -> Vec<Value> {
+    lab.evidence()
+        .into_iter()
+        .filter(|v| v["mode"] == "transparent")
+        .collect()
+}
+
+#[test]
+fn allowed_names_pass_through_the_gateway_without_proxy_settings() {
+    let lab = gateway_lab();
+    let ok = curl(
+        &lab,
+        "https://allowed.test/",
+        "allowed.test:443:198.18.2.10",
+    );
+    assert!(
+        ok.success() && ok.stdout.contains("HTTP 200"),
+        "{}",
+        ok.describe()
+    );
+    let rec = lab.wait_evidence("transparent allow over TLS", |v| {
+        v["mode"] == "transparent" && v["event"] == "decision" && v["sni"] == "allowed.test"
+    });
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    assert_eq!(rec["host"], "allowed.test", "{rec}");
+    assert_eq!(rec["ip"], lab::ALLOWED_IP, "{rec}");
+    assert_eq!(rec["port"], 443, "{rec}");
+    lab.wait_evidence("close record of the TLS connection", |v| {
+        v["event"] == "close" && v["conn"] == rec["id"] && v["bytes_down"].as_u64() > Some(0)
+    });
+
+    let plain = curl(&lab, "http://allowed.test/", "allowed.test:80:198.18.2.10");
+    assert!(
+        plain.success() && plain.stdout.contains("HTTP 200"),
+        "{}",
+        plain.describe()
+    );
+    lab.wait_evidence("transparent allow over HTTP", |v| {
+        v["mode"] == "transparent" && v["decision"] == "allow" && v["port"] == 80
+    });
+}
+
+#[test]
+fn denied_and_inconsistent_connections_are_reset_and_reach_nothing() {
+    let lab = gateway_lab();
+    // A name with no rule.
+    let r = curl(&lab, "https://other.test/", "other.test:443:198.18.2.13");
+    assert!(!r.stdout.contains("HTTP 200"), "{}", r.describe());
+    let rec = lab.wait_evidence("other.test denied", |v| {
+        v["mode"] == "transparent" && v["host"] == "other.test"
+    });
+    assert_eq!(rec["reason"], "no_matching_rule", "{rec}");
+
+    // An allowed SNI sent to another name's address.
+    let r = curl(
+        &lab,
+        "https://allowed.test/",
+        "allowed.test:443:198.18.2.13",
+    );
+    assert!(!r.stdout.contains("HTTP 200"), "{}", r.describe());
+    let rec = lab.wait_evidence("allowed SNI at a foreign address", |v| {
+        v["mode"] == "transparent" && v["sni"] == "allowed.test" && v["ip"] == lab::OTHER_IP
+    });
+    assert_eq!(rec["reason"], "sni_mismatch", "{rec}");
+    assert_eq!(rec["decision"], "deny", "{rec}");
+
+    // Plain HTTP with a forged Host.
+    let forged = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "-H",
+            "Host: allowed.test",
+            "http://198.18.2.13/",
+        ],
+    );
+    assert!(
+        !forged.stdout.contains("upstream="),
+        "{}",
+        forged.describe()
+    );
+    let rec = lab.wait_evidence("forged Host", |v| {
+        v["mode"] == "transparent"
+            && v["host"] == "allowed.test"
+            && v["port"] == 80
+            && v["ip"] == lab::OTHER_IP
+    });
+    assert_eq!(rec["reason"], "sni_mismatch", "{rec}");
+
+    // An IP with no cidr rule, and a port outside every rule.
+    let r = curl(&lab, "http://198.18.2.20/", "x:80:198.18.2.20");
+    assert!(!r.stdout.contains("HTTP 200"), "{}", r.describe());
+    let banner = lab.client_exec(
+        "bash",
+        &[
+            "-c",
+            &format!(
+                "exec 3<>/dev/tcp/198.18.2.10/{}; timeout 3 cat <&3",
+                lab::BANNER_PORT
+            ),
+        ],
+    );
+    assert!(!banner.stdout.contains("SSH-2.0"), "{}", banner.describe());
+
+    lab.assert_nothing_reached_upstream("transparent denials");
+    let denied: Vec<Value> = transparent_records(&lab)
+        .into_iter()
+        .filter(|v| v["decision"] == "deny")
+        .collect();
+    assert!(denied.len() >= 5, "{}", dump(&denied));
+}
+
+#[test]
+fn udp_quic_direct_listener_and_spoofed_sources_go_nowhere() {
+    let lab = gateway_lab();
+    // UDP to an outside resolver and QUIC to an allowed host: no DNS shim
+    // listens, nothing is forwarded, nothing arrives.
+    let dns = lab::fixtures_dir().join("dns.py").display().to_string();
+    let q = lab.client_exec(
+        "timeout",
+        &[
+            "5",
+            "python3",
+            &dns,
+            "query",
+            "--server",
+            lab::DNS_IP,
+            "allowed.test",
+        ],
+    );
+    assert!(!q.stdout.contains("NOERROR"), "{}", q.describe());
+    assert!(lab.dns_queries().is_empty(), "{:?}", lab.dns_queries());
+    let quic = lab.client_exec(
+        "python3",
+        &["-c", "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); [s.sendto(b'\\xc0quic', ('198.18.2.10', 443)) for _ in range(3)]"],
+    );
+    assert!(quic.success(), "{}", quic.describe());
+
+    // A direct connection to the transparent listener (not redirected) is dropped.
+    let direct = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "3",
+            "http://198.18.1.1:15001/",
+        ],
+    );
+    assert!(!direct.success(), "{}", direct.describe());
+
+    // A source address that routes via another interface is dropped by the
+    // reverse-path filter before anything sees it.
+    let out = lab.exec(
+        &lab.ns_client,
+        "ip",
+        &["addr", "add", "198.18.2.50/32", "dev", "lo"],
+    );
+    assert!(out.success(), "{}", out.describe());
+    let spoof = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "3",
+            "--interface",
+            "198.18.2.50",
+            "--resolve",
+            "allowed.test:80:198.18.2.10",
+            "http://allowed.test/",
+        ],
+    );
+    assert!(!spoof.stdout.contains("upstream="), "{}", spoof.describe());
+
+    std::thread::sleep(Duration::from_millis(500));
+    lab.assert_nothing_reached_upstream("udp, quic, direct, spoofed");
+    let records = transparent_records(&lab);
+    assert!(
+        records.iter().all(|v| v["client"]
+            .as_str()
+            .is_none_or(|c| !c.starts_with("198.18.2.50"))),
+        "{}",
+        dump(&records)
+    );
+}
