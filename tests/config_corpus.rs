@@ -5,15 +5,17 @@ use std::path::{Path, PathBuf};
 
 use palisade::config;
 
+/// Every config file shipped: `config/*.toml` and the recipes' `docker/*.toml`.
 fn shipped_configs() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .expect("config dir")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files: Vec<PathBuf> = ["config", "docker"]
+        .iter()
+        .flat_map(|d| std::fs::read_dir(root.join(d)).expect("config dir"))
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "toml"))
         .collect();
     files.sort();
-    assert!(!files.is_empty(), "no config files under {}", dir.display());
+    assert!(files.len() >= 2, "expected config files, found {files:?}");
     files
 }
 

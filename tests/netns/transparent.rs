@@ -263,3 +263,24 @@ fn udp_quic_direct_listener_and_spoofed_sources_go_nowhere() {
         dump(&records)
     );
 }
+
+#[test]
+fn shipped_rulesets_parse() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docker");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|x| x == "conf") {
+            let out = lab::run_with_timeout(
+                std::process::Command::new("nft")
+                    .args(["-c", "-f"])
+                    .arg(&path),
+                None,
+                Duration::from_secs(10),
+            );
+            assert!(out.success(), "{}: {}", path.display(), out.describe());
+            checked += 1;
+        }
+    }
+    assert!(checked >= 2, "rulesets checked: {checked}");
+}
