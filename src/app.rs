@@ -104,13 +104,12 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
-        policy_hash: Arc::from(policy.hash()),
         conns: ConnLimits::new(
             policy.org_count(),
             limits.max_connections,
             limits.max_connections_per_org,
         ),
-        policy: policy.clone(),
+        policy: arc_swap::ArcSwap::new(policy.clone()),
         evidence: evidence.clone(),
         resolver: Arc::new(resolver),
         bindings: None,

@@ -108,6 +108,7 @@ impl Record {
         verdict: &Verdict,
         policy: &Arc<str>,
     ) -> Record {
+        // `policy` is the hash of the policy that decided.
         Record {
             id: String::new(),
             ts: String::new(),

@@ -296,7 +296,7 @@ pub struct Policy {
     clients: PrefixTable<Option<usize>>,
     own: Vec<SocketAddr>,
     always_denied: PrefixTable<bool>,
-    hash: String,
+    hash: Arc<str>,
     rule_count: usize,
 }
 
@@ -374,11 +374,12 @@ impl Policy {
         for net in ALWAYS_DENIED.iter().filter_map(|n| n.parse::<IpNet>().ok()) {
             *always_denied.entry(net) = true;
         }
-        let canonical = serde_json::to_vec(orgs).unwrap_or_default();
-        let hash = Sha256::digest(&canonical)
+        let canonical = Policy::canonical_text(orgs);
+        let hash: String = Sha256::digest(canonical.as_bytes())
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
+        let hash = Arc::from(hash);
         Policy {
             orgs: compiled,
             clients,
@@ -392,6 +393,17 @@ impl Policy {
     /// SHA-256 (hex) of the canonical JSON form of the orgs and their rules.
     pub fn hash(&self) -> &str {
         &self.hash
+    }
+
+    /// The hash, shared into every record this policy decides.
+    pub fn hash_arc(&self) -> &Arc<str> {
+        &self.hash
+    }
+
+    /// The canonical JSON text the hash is taken over: stored beside the
+    /// evidence so any record can be re-explained later.
+    pub fn canonical_text(orgs: &[OrgConfig]) -> String {
+        serde_json::to_string(orgs).unwrap_or_default()
     }
 
     pub fn org_count(&self) -> usize {

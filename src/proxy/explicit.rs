@@ -21,7 +21,7 @@ use tracing::{debug, info_span, Instrument};
 
 use super::limits::Permit;
 use super::tunnel::{self, Detected};
-use super::{deny, dial, Ctx, DialError, Outcome};
+use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
 use crate::policy::{OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
@@ -43,12 +43,10 @@ pub async fn serve_connection(
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
         let svc_ctx = ctx.clone();
-        let svc_org = org.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
-            let org = svc_org.clone();
             let permit = permit.clone();
-            async move { Ok::<_, Infallible>(handle(ctx, peer, org, permit, req).await) }
+            async move { Ok::<_, Infallible>(handle(ctx, peer, permit, req).await) }
         });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
@@ -76,7 +74,7 @@ pub async fn serve_connection(
         };
         if let Err(e) = result {
             debug!(error = %e, "connection ended with error");
-            record_parse_error(&ctx, peer, org, &e).await;
+            record_parse_error(&ctx, peer, &e).await;
         }
     }
     .instrument(span)
@@ -90,16 +88,17 @@ const HYPER_HEADERS_SLACK: usize = 100;
 
 /// A request hyper could not parse (or whose head did not arrive in time)
 /// was answered by hyper itself with a bare 400/408/431; record it.
-async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, org: Option<OrgRef>, e: &hyper::Error) {
+async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
     if !(e.is_parse() || e.is_parse_too_large() || e.is_timeout()) {
         return;
     }
+    let view = &ctx.view(peer.ip());
     let detail = format!("request not parsed: {e}");
-    let mut record = ctx.record(
+    let mut record = view.record(
         Kind::Http,
         Mode::Explicit,
         peer,
-        &bad_request_verdict(org),
+        &bad_request_verdict(view),
         None,
         None,
     );
@@ -110,10 +109,11 @@ async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, org: Option<OrgRef>, e:
 async fn handle(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
-    org: Option<OrgRef>,
     permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
+    // Each request is decided under the policy served when it arrives.
+    let view = &ctx.view(peer.ip());
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
     let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
         Some("request head too large")
@@ -130,11 +130,11 @@ async fn handle(
         };
         let mut resp = reject(
             &ctx,
+            view,
             kind,
             peer,
-            &bad_request_verdict(org),
-            None,
-            None,
+            &bad_request_verdict(view),
+            (None, None),
             Some(why),
         )
         .await;
@@ -142,18 +142,18 @@ async fn handle(
         return resp;
     }
     if req.method() == Method::CONNECT {
-        connect(ctx, peer, org, permit, req).await
+        connect(ctx, peer, view, permit, req).await
     } else if req.uri().scheme().is_some() {
-        forward(ctx, peer, org, req).await
+        forward(ctx, peer, view, req).await
     } else {
-        let verdict = bad_request_verdict(org);
+        let verdict = bad_request_verdict(view);
         reject(
             &ctx,
+            view,
             Kind::Http,
             peer,
             &verdict,
-            None,
-            None,
+            (None, None),
             Some("origin-form request: this is a proxy"),
         )
         .await
@@ -171,25 +171,21 @@ fn head_size<B>(req: &Request<B>) -> usize {
     line + headers + 2
 }
 
-fn bad_request_verdict(org: Option<OrgRef>) -> Verdict {
-    Verdict {
-        org,
-        reason: Reason::BadRequest,
-        rule: None,
-    }
+fn bad_request_verdict(view: &View) -> Verdict {
+    view.verdict(Reason::BadRequest)
 }
 
 /// Record a denial and build its response.
 async fn reject(
     ctx: &Ctx,
+    view: &View,
     kind: Kind,
     peer: SocketAddr,
     verdict: &Verdict,
-    host: Option<&Host>,
-    port: Option<u16>,
+    (host, port): (Option<&Host>, Option<u16>),
     detail: Option<&str>,
 ) -> Response<ProxyBody> {
-    let mut record = ctx.record(kind, Mode::Explicit, peer, verdict, host, port);
+    let mut record = view.record(kind, Mode::Explicit, peer, verdict, host, port);
     record.detail = detail.map(str::to_string);
     let reason = if ctx.write(&mut record).await {
         verdict.reason
@@ -262,7 +258,7 @@ async fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Respons
 async fn connect(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
-    org: Option<OrgRef>,
+    view: &View,
     permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
@@ -277,11 +273,11 @@ async fn connect(
             let detail = e.to_string();
             return reject(
                 &ctx,
+                view,
                 Kind::Tcp,
                 peer,
-                &bad_request_verdict(org),
-                None,
-                None,
+                &bad_request_verdict(view),
+                (None, None),
                 Some(&detail),
             )
             .await;
@@ -289,25 +285,25 @@ async fn connect(
         None => {
             return reject(
                 &ctx,
+                view,
                 Kind::Tcp,
                 peer,
-                &bad_request_verdict(org),
-                None,
-                None,
+                &bad_request_verdict(view),
+                (None, None),
                 Some("CONNECT needs an authority-form target host:port"),
             )
             .await
         }
     };
-    let outcome = ctx.decide(org.as_ref(), &host, port).await;
+    let outcome = ctx.decide(view, &host, port).await;
     if !outcome.verdict.is_allow() {
         return reject(
             &ctx,
+            view,
             Kind::Tcp,
             peer,
             &outcome.verdict,
-            Some(&host),
-            Some(port),
+            (Some(&host), Some(port)),
             outcome.detail.as_deref(),
         )
         .await;
@@ -319,16 +315,16 @@ async fn connect(
         };
         return reject(
             &ctx,
+            view,
             Kind::Tcp,
             peer,
             &verdict,
-            Some(&host),
-            Some(port),
+            (Some(&host), Some(port)),
             None,
         )
         .await;
     }
-    let mut record = ctx.record(
+    let mut record = view.record(
         Kind::Tcp,
         Mode::Explicit,
         peer,
@@ -501,26 +497,22 @@ fn check_request(req: &Request<Incoming>) -> Result<(Host, u16), (Reason, String
 async fn forward(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
-    org: Option<OrgRef>,
+    view: &View,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
     let (host, port) = match check_request(&req) {
         Ok(t) => t,
         Err((reason, detail)) => {
-            let verdict = Verdict {
-                org,
-                reason,
-                rule: None,
-            };
+            let verdict = view.verdict(reason);
             let host = req.uri().host().and_then(|h| normalize_host(h).ok());
             let port = req.uri().port_u16().or(host.as_ref().map(|_| 80));
             return reject(
                 &ctx,
+                view,
                 Kind::Http,
                 peer,
                 &verdict,
-                host.as_ref(),
-                port,
+                (host.as_ref(), port),
                 Some(&detail),
             )
             .await;
@@ -530,15 +522,15 @@ async fn forward(
         verdict,
         dial: addrs,
         detail,
-    } = ctx.decide(org.as_ref(), &host, port).await;
+    } = ctx.decide(view, &host, port).await;
     if !verdict.is_allow() {
         return reject(
             &ctx,
+            view,
             Kind::Http,
             peer,
             &verdict,
-            Some(&host),
-            Some(port),
+            (Some(&host), Some(port)),
             detail.as_deref(),
         )
         .await;
@@ -550,16 +542,16 @@ async fn forward(
         };
         return reject(
             &ctx,
+            view,
             Kind::Http,
             peer,
             &verdict,
-            Some(&host),
-            Some(port),
+            (Some(&host), Some(port)),
             None,
         )
         .await;
     }
-    let mut record = ctx.record(
+    let mut record = view.record(
         Kind::Http,
         Mode::Explicit,
         peer,

@@ -13,6 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -35,8 +36,8 @@ pub trait NameBindings: Send + Sync {
 
 /// Everything a connection handler needs, shared by all connections.
 pub struct Ctx {
-    pub policy: Arc<Policy>,
-    pub policy_hash: Arc<str>,
+    /// The served policy; a reload swaps it whole.
+    pub policy: ArcSwap<Policy>,
     pub evidence: Arc<Evidence>,
     pub resolver: Arc<Resolver>,
     /// The DNS shim's bindings, when it runs.
@@ -50,43 +51,17 @@ pub struct Ctx {
     pub tasks: TaskTracker,
 }
 
-/// A policy decision for one target, with the addresses that may be dialled.
+/// One decision's view of the policy: the policy as it was when the
+/// request arrived, and the client's org in it. Everything about one
+/// request (org, decision, the policy hash in its records) comes from the
+/// same view, whatever a reload does meanwhile.
 #[derive(Debug, Clone)]
-pub struct Outcome {
-    pub verdict: Verdict,
-    pub dial: Vec<IpAddr>,
-    /// Why resolution failed, for evidence and the response.
-    pub detail: Option<String>,
+pub struct View {
+    pub policy: Arc<Policy>,
+    pub org: Option<OrgRef>,
 }
 
-impl Ctx {
-    /// Decide `host:port` for a client of `org`: the name step, resolution
-    /// when the name is allowed, then the address step.
-    pub async fn decide(&self, org: Option<&OrgRef>, host: &Host, port: u16) -> Outcome {
-        let started = std::time::Instant::now();
-        let outcome = self.decide_inner(org, host, port).await;
-        crate::metrics::metrics()
-            .decision_duration_seconds
-            .with_label_values(&[Mode::Explicit.as_str()])
-            .observe(started.elapsed().as_secs_f64());
-        outcome
-    }
-
-    async fn decide_inner(&self, org: Option<&OrgRef>, host: &Host, port: u16) -> Outcome {
-        let Some(org) = org else {
-            return Outcome {
-                verdict: Verdict {
-                    org: None,
-                    reason: Reason::UnknownClient,
-                    rule: None,
-                },
-                dial: Vec::new(),
-                detail: None,
-            };
-        };
-        decide_with(&self.policy, &self.resolver, org, host, port).await
-    }
-
+impl View {
     /// A decision record for this client and target.
     pub fn record(
         &self,
@@ -97,10 +72,64 @@ impl Ctx {
         host: Option<&Host>,
         port: Option<u16>,
     ) -> Record {
-        let mut r = Record::decision(kind, mode, client, verdict, &self.policy_hash);
+        let mut r = Record::decision(kind, mode, client, verdict, self.policy.hash_arc());
         r.host = host.map(|h| h.to_string());
         r.port = port;
         r
+    }
+
+    /// A verdict of this view's org, decided without a rule.
+    pub fn verdict(&self, reason: Reason) -> Verdict {
+        Verdict {
+            org: self.org.clone(),
+            reason,
+            rule: None,
+        }
+    }
+}
+
+/// A policy decision for one target, with the addresses that may be dialled.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub verdict: Verdict,
+    pub dial: Vec<IpAddr>,
+    /// Why resolution failed, for evidence and the response.
+    pub detail: Option<String>,
+}
+
+impl Ctx {
+    /// The current policy and the client's org in it.
+    pub fn view(&self, client: IpAddr) -> View {
+        let policy = self.policy.load_full();
+        let org = policy.org_for(client);
+        View { policy, org }
+    }
+
+    /// Decide `host:port` for the view's client: the name step, resolution
+    /// when the name is allowed, then the address step.
+    pub async fn decide(&self, view: &View, host: &Host, port: u16) -> Outcome {
+        let started = std::time::Instant::now();
+        let outcome = self.decide_inner(view, host, port).await;
+        crate::metrics::metrics()
+            .decision_duration_seconds
+            .with_label_values(&[Mode::Explicit.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    async fn decide_inner(&self, view: &View, host: &Host, port: u16) -> Outcome {
+        let Some(org) = &view.org else {
+            return Outcome {
+                verdict: Verdict {
+                    org: None,
+                    reason: Reason::UnknownClient,
+                    rule: None,
+                },
+                dial: Vec::new(),
+                detail: None,
+            };
+        };
+        decide_with(&view.policy, &self.resolver, org, host, port).await
     }
 
     /// Write a record and wait until it is with the operating system.
@@ -252,27 +281,24 @@ pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
                 continue;
             }
         };
-        let org = ctx.policy.org_for(peer.ip());
-        match ctx.conns.try_acquire(org.as_ref()) {
+        let view = ctx.view(peer.ip());
+        match ctx.conns.try_acquire(view.org.as_ref()) {
             Some(permit) => {
                 let ctx2 = ctx.clone();
+                let org = view.org;
                 ctx.tasks.spawn(async move {
                     explicit::serve_connection(ctx2, stream, peer, org, permit).await;
                 });
             }
-            None => reject_over_limit(&ctx, stream, peer, org.as_ref()),
+            None => reject_over_limit(&ctx, stream, peer, &view),
         }
     }
 }
 
 /// Over a connection cap: record it, answer 503 without waiting, close.
-fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, org: Option<&OrgRef>) {
-    let verdict = Verdict {
-        org: org.cloned(),
-        reason: Reason::LimitExceeded,
-        rule: None,
-    };
-    let mut record = ctx.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
+fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View) {
+    let verdict = view.verdict(Reason::LimitExceeded);
+    let mut record = view.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
     ctx.submit(&mut record);
     let response = deny::raw_response(Reason::LimitExceeded, Some(&record.id));
     // Best effort and non-blocking: a flood must not tie up tasks here.

@@ -19,9 +19,9 @@ use tracing::{debug, info_span, warn, Instrument};
 
 use super::limits::Permit;
 use super::tunnel::{self, Detected};
-use super::{decide_with, dial, Ctx, Outcome};
+use super::{decide_with, dial, Ctx, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{canonical, Decision, OrgRef, Reason, Verdict};
+use crate::policy::{canonical, Decision, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// Where a REDIRECTed connection was going.
@@ -50,23 +50,20 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
                 continue;
             }
         };
-        let org = ctx.policy.org_for(peer.ip());
-        match ctx.conns.try_acquire(org.as_ref()) {
+        // One connection, one decision: under the policy served at accept.
+        let view = ctx.view(peer.ip());
+        match ctx.conns.try_acquire(view.org.as_ref()) {
             Some(permit) => {
                 let ctx2 = ctx.clone();
                 let span = info_span!("transparent", client.addr = %peer);
                 ctx.tasks.spawn(
-                    async move { handle(ctx2, stream, peer, org, permit).await }.instrument(span),
+                    async move { handle(ctx2, stream, peer, view, permit).await }.instrument(span),
                 );
             }
             None => {
-                let verdict = Verdict {
-                    org,
-                    reason: Reason::LimitExceeded,
-                    rule: None,
-                };
+                let verdict = view.verdict(Reason::LimitExceeded);
                 let mut record =
-                    ctx.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+                    view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
                 ctx.submit(&mut record);
                 reset(stream);
             }
@@ -99,19 +96,16 @@ async fn handle(
     ctx: Arc<Ctx>,
     mut client: TcpStream,
     peer: SocketAddr,
-    org: Option<OrgRef>,
+    view: View,
     _permit: Permit,
 ) {
+    let view = &view;
     let orig = match original_destination(&client) {
         Ok(orig) => orig,
         Err(e) => {
             // Connected to the listener directly (no REDIRECT): nowhere to go.
-            let verdict = Verdict {
-                org,
-                reason: Reason::BadRequest,
-                rule: None,
-            };
-            let mut record = ctx.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+            let verdict = view.verdict(Reason::BadRequest);
+            let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
             record.detail = Some(format!("no original destination: {e}"));
             ctx.write(&mut record).await;
             return reset(client);
@@ -126,14 +120,10 @@ async fn handle(
     };
     let started = Instant::now();
     let (outcome, name) = match presented_name(&detected, orig.port()) {
-        Ok(name) => (decide(&ctx, org.as_ref(), name.as_ref(), orig).await, name),
+        Ok(name) => (decide(&ctx, view, name.as_ref(), orig).await, name),
         Err(why) => (
             Outcome {
-                verdict: Verdict {
-                    org: org.clone(),
-                    reason: Reason::BadRequest,
-                    rule: None,
-                },
+                verdict: view.verdict(Reason::BadRequest),
                 dial: Vec::new(),
                 detail: Some(why.to_string()),
             },
@@ -146,7 +136,7 @@ async fn handle(
         .observe(started.elapsed().as_secs_f64());
 
     let host = name.unwrap_or(Host::Ip(orig.ip()));
-    let mut record = ctx.record(
+    let mut record = view.record(
         Kind::Tcp,
         Mode::Transparent,
         peer,
@@ -205,10 +195,11 @@ async fn pump(ctx: &Ctx, client: TcpStream, upstream: TcpStream, first: &[u8], r
 /// The transparent decision: the name's rules and the address's consistency
 /// with the name, or cidr rules alone without a name. `outcome.dial` is the
 /// original destination when allowed.
-async fn decide(ctx: &Ctx, org: Option<&OrgRef>, name: Option<&Host>, orig: SocketAddr) -> Outcome {
-    let Some(org) = org else {
-        return ctx.decide(None, &Host::Ip(orig.ip()), orig.port()).await;
+async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -> Outcome {
+    let Some(org) = &view.org else {
+        return ctx.decide(view, &Host::Ip(orig.ip()), orig.port()).await;
     };
+    let policy = &view.policy;
     let mismatch = |detail: String| Outcome {
         verdict: Verdict {
             org: Some(org.clone()),
@@ -221,7 +212,7 @@ async fn decide(ctx: &Ctx, org: Option<&OrgRef>, name: Option<&Host>, orig: Sock
     match name {
         None => {
             decide_with(
-                &ctx.policy,
+                policy,
                 &ctx.resolver,
                 org,
                 &Host::Ip(orig.ip()),
@@ -233,9 +224,9 @@ async fn decide(ctx: &Ctx, org: Option<&OrgRef>, name: Option<&Host>, orig: Sock
             mismatch(format!("client named {ip} but connected to {}", orig.ip()))
         }
         Some(host @ Host::Ip(_)) => {
-            decide_with(&ctx.policy, &ctx.resolver, org, host, orig.port()).await
+            decide_with(policy, &ctx.resolver, org, host, orig.port()).await
         }
-        Some(host @ Host::Name(n)) => match ctx.policy.decide_for_org(org, host, orig.port()) {
+        Some(host @ Host::Name(n)) => match policy.decide_for_org(org, host, orig.port()) {
             Decision::Final(verdict) => Outcome {
                 verdict,
                 dial: Vec::new(),
@@ -263,7 +254,7 @@ async fn decide(ctx: &Ctx, org: Option<&OrgRef>, name: Option<&Host>, orig: Sock
                         }
                     }
                 }
-                let av = ctx.policy.check_addresses(&pending, &[orig.ip()]);
+                let av = policy.check_addresses(&pending, &[orig.ip()]);
                 Outcome {
                     verdict: av.verdict,
                     dial: av.dial,
