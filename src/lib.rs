@@ -19,6 +19,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod dns;
 pub mod evidence;
 pub mod explain;
 pub mod metrics;
