@@ -8,12 +8,14 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::admin::{self, Health, PolicyInfo};
 use crate::config::Config;
+use crate::dns::{self, Bindings};
 use crate::evidence::Evidence;
 use crate::policy::Policy;
 use crate::proxy::{self, limits::ConnLimits, Ctx};
@@ -57,11 +59,6 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence_config,
         orgs: _,
     } = &config;
-    if !dns.listen.is_empty() {
-        return Err(StartError::Unsupported(
-            "[dns] listen: the DNS shim is not supported by this build yet".into(),
-        ));
-    }
 
     let evidence =
         Arc::new(
@@ -70,9 +67,22 @@ pub async fn run(config: Config) -> Result<(), StartError> {
                 source,
             })?,
         );
-    let resolver = Resolver::new(&dns.upstream, dns.resolve_timeout)
-        .map_err(|e| StartError::Resolver(e.to_string()))?;
+    let resolver = Arc::new(
+        Resolver::new(&dns.upstream, dns.resolve_timeout)
+            .map_err(|e| StartError::Resolver(e.to_string()))?,
+    );
     let policy = Arc::new(Policy::new(&config));
+    // Addresses the DNS shim handed out, per org and name: the transparent
+    // proxy checks connections against these.
+    let bindings = Arc::new(Bindings::new(dns.max_bindings_per_name, dns.max_bindings));
+    let dns_listeners =
+        dns::bind(&dns.listen)
+            .await
+            .map_err(|(addr, source)| StartError::Bind {
+                addr,
+                what: "dns",
+                source,
+            })?;
 
     let mut proxy_listeners = Vec::new();
     for addr in &proxy_config.listen {
@@ -111,8 +121,8 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         ),
         policy: arc_swap::ArcSwap::new(policy.clone()),
         evidence: evidence.clone(),
-        resolver: Arc::new(resolver),
-        bindings: None,
+        resolver: resolver.clone(),
+        bindings: Some(bindings.clone()),
         limits: limits.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),
@@ -142,6 +152,21 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             listener,
         )));
     }
+    let dns_shim = Arc::new(dns::Shim {
+        policy: policy.clone(),
+        orgs: config
+            .orgs
+            .iter()
+            .map(dns::decide::OrgDns::from_config)
+            .collect(),
+        policy_hash: Arc::from(policy.hash()),
+        resolver: resolver.clone(),
+        evidence: evidence.clone(),
+        bindings: bindings.clone(),
+        config: dns.clone(),
+        in_flight: Arc::new(Semaphore::new(dns.max_queries_in_flight)),
+    });
+    let dns_task = dns::serve(dns_shim, dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(
             admin::spawn(listener, health.clone(), shutdown.clone()).map_err(|source| {
@@ -158,6 +183,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     info!(
         proxy = ?proxy_config.listen,
         transparent = ?proxy_config.transparent,
+        dns = ?dns.listen,
         admin = ?admin_config.listen,
         evidence = %evidence.path().display(),
         policy = %policy.hash(),
@@ -180,6 +206,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for t in listener_tasks {
         let _ = t.await;
     }
+    let _ = dns_task.await;
     tasks.close();
     if tokio::time::timeout(limits.drain_timeout, tasks.wait())
         .await

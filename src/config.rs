@@ -37,6 +37,26 @@ pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_millis(1000);
 pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default time for one upstream name resolution.
 pub const DEFAULT_RESOLVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// Default time a DNS-over-TCP client may stay silent between queries.
+pub const DEFAULT_DNS_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default time one DNS query may take end to end (including upstream).
+pub const DEFAULT_DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default cap on concurrent DNS-over-TCP connections, all listeners together.
+pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
+/// Default cap on DNS queries being answered at once (UDP and TCP).
+pub const DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT: usize = 1024;
+/// Default lower bound on the TTL of answers handed out (and their bindings).
+pub const DEFAULT_DNS_MIN_TTL: Duration = Duration::from_secs(5);
+/// Default upper bound on the TTL of answers handed out (and their bindings).
+pub const DEFAULT_DNS_MAX_TTL: Duration = Duration::from_secs(3600);
+/// Default time a name-address binding outlives the TTL of its answer.
+pub const DEFAULT_DNS_BINDING_GRACE: Duration = Duration::from_secs(60);
+/// Default cap on addresses bound to one (org, name).
+pub const DEFAULT_DNS_MAX_BINDINGS_PER_NAME: usize = 32;
+/// Default cap on all name-address bindings together (oldest evicted first).
+pub const DEFAULT_DNS_MAX_BINDINGS: usize = 100_000;
+/// Query types the DNS shim never answers, whatever an org enables.
+pub const DNS_NEVER_TYPES: [&str; 5] = ["ANY", "AXFR", "IXFR", "OPT", "TSIG"];
 /// Ports an allow rule covers when it names none.
 pub const DEFAULT_ALLOW_PORTS: [u16; 2] = [80, 443];
 
@@ -84,6 +104,15 @@ struct RawDns {
     #[serde(default)]
     upstream: Vec<Spanned<String>>,
     resolve_timeout: Option<Spanned<String>>,
+    idle_timeout: Option<Spanned<String>>,
+    query_timeout: Option<Spanned<String>>,
+    max_tcp_connections: Option<Spanned<i64>>,
+    max_queries_in_flight: Option<Spanned<i64>>,
+    min_ttl: Option<Spanned<String>>,
+    max_ttl: Option<Spanned<String>>,
+    binding_grace: Option<Spanned<String>>,
+    max_bindings_per_name: Option<Spanned<i64>>,
+    max_bindings: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -108,6 +137,9 @@ struct RawOrg {
     allow: Vec<Spanned<RawRule>>,
     #[serde(default)]
     deny: Vec<Spanned<RawRule>>,
+    dns_denied: Option<Spanned<String>>,
+    #[serde(default)]
+    dns_types: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -175,6 +207,38 @@ pub struct DnsConfig {
     pub listen: Vec<SocketAddr>,
     pub upstream: Vec<SocketAddr>,
     pub resolve_timeout: Duration,
+    /// A DNS-over-TCP connection silent this long is closed.
+    pub idle_timeout: Duration,
+    /// One query, end to end; past it the client gets SERVFAIL.
+    pub query_timeout: Duration,
+    pub max_tcp_connections: usize,
+    pub max_queries_in_flight: usize,
+    /// Answer TTLs are clamped to `min_ttl..=max_ttl` (whole seconds).
+    pub min_ttl: Duration,
+    pub max_ttl: Duration,
+    /// A binding stays valid for the (clamped) TTL plus this.
+    pub binding_grace: Duration,
+    pub max_bindings_per_name: usize,
+    pub max_bindings: usize,
+}
+
+impl Default for DnsConfig {
+    fn default() -> Self {
+        DnsConfig {
+            listen: Vec::new(),
+            upstream: Vec::new(),
+            resolve_timeout: DEFAULT_RESOLVE_TIMEOUT,
+            idle_timeout: DEFAULT_DNS_IDLE_TIMEOUT,
+            query_timeout: DEFAULT_DNS_QUERY_TIMEOUT,
+            max_tcp_connections: DEFAULT_DNS_MAX_TCP_CONNECTIONS,
+            max_queries_in_flight: DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT,
+            min_ttl: DEFAULT_DNS_MIN_TTL,
+            max_ttl: DEFAULT_DNS_MAX_TTL,
+            binding_grace: DEFAULT_DNS_BINDING_GRACE,
+            max_bindings_per_name: DEFAULT_DNS_MAX_BINDINGS_PER_NAME,
+            max_bindings: DEFAULT_DNS_MAX_BINDINGS,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -194,6 +258,32 @@ pub struct OrgConfig {
     pub clients: Vec<IpNet>,
     pub allow: Vec<RuleConfig>,
     pub deny: Vec<RuleConfig>,
+    /// How the DNS shim answers a name this org may not reach. Left out of
+    /// the policy hash while it has its default value.
+    #[serde(skip_serializing_if = "DnsDenied::is_default")]
+    pub dns_denied: DnsDenied,
+    /// Extra query types the DNS shim forwards for allowed names (upper
+    /// case, e.g. "TXT"), on top of A, AAAA, CNAME, HTTPS and SVCB.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dns_types: Vec<String>,
+}
+
+/// The DNS answer to a denied name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DnsDenied {
+    /// REFUSED with an Extended DNS Error (RFC 8914, 15 "Blocked").
+    #[default]
+    Refused,
+    /// NXDOMAIN with the same Extended DNS Error, for clients whose libc
+    /// tries the next server on REFUSED.
+    Nxdomain,
+}
+
+impl DnsDenied {
+    fn is_default(&self) -> bool {
+        *self == DnsDenied::Refused
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -459,8 +549,19 @@ fn validate_dns(raw: RawDns, errors: &mut Errors<'_>) -> DnsConfig {
         listen,
         upstream,
         resolve_timeout,
+        idle_timeout,
+        query_timeout,
+        max_tcp_connections,
+        max_queries_in_flight,
+        min_ttl,
+        max_ttl,
+        binding_grace,
+        max_bindings_per_name,
+        max_bindings,
     } = raw;
-    DnsConfig {
+    let d = DnsConfig::default();
+    let max_ttl_span = max_ttl.as_ref().map(|m| m.span());
+    let config = DnsConfig {
         listen: listen
             .iter()
             .filter_map(|l| listen_addr(l, errors))
@@ -469,8 +570,27 @@ fn validate_dns(raw: RawDns, errors: &mut Errors<'_>) -> DnsConfig {
             .iter()
             .filter_map(|l| socket_addr(l, Some(53), errors))
             .collect(),
-        resolve_timeout: duration(resolve_timeout, DEFAULT_RESOLVE_TIMEOUT, errors),
+        resolve_timeout: duration(resolve_timeout, d.resolve_timeout, errors),
+        idle_timeout: duration(idle_timeout, d.idle_timeout, errors),
+        query_timeout: duration(query_timeout, d.query_timeout, errors),
+        max_tcp_connections: count(max_tcp_connections, d.max_tcp_connections, errors),
+        max_queries_in_flight: count(max_queries_in_flight, d.max_queries_in_flight, errors),
+        min_ttl: duration(min_ttl, d.min_ttl, errors),
+        max_ttl: duration(max_ttl, d.max_ttl, errors),
+        binding_grace: duration(binding_grace, d.binding_grace, errors),
+        max_bindings_per_name: count(max_bindings_per_name, d.max_bindings_per_name, errors),
+        max_bindings: count(max_bindings, d.max_bindings, errors),
+    };
+    if config.min_ttl > config.max_ttl {
+        errors.at(
+            max_ttl_span.unwrap_or(0..0),
+            format!(
+                "dns max_ttl {:?} is below min_ttl {:?}",
+                config.max_ttl, config.min_ttl
+            ),
+        );
     }
+    config
 }
 
 /// A listen address, unique across all listeners.
@@ -569,6 +689,8 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             clients,
             allow,
             deny,
+            dns_denied,
+            dns_types,
         } = org;
         let org_name = name.get_ref().clone();
         if !valid_org_name(&org_name) {
@@ -606,14 +728,66 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
 
         let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, errors);
         let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, errors);
+        let dns_denied = match dns_denied {
+            None => DnsDenied::default(),
+            Some(v) => {
+                match v.get_ref().as_str() {
+                    "refused" => DnsDenied::Refused,
+                    "nxdomain" => DnsDenied::Nxdomain,
+                    other => {
+                        errors.at(
+                        v.span(),
+                        format!("invalid dns_denied {other:?} (expected \"refused\" or \"nxdomain\")"),
+                    );
+                        DnsDenied::default()
+                    }
+                }
+            }
+        };
+        let dns_types = validate_dns_types(&dns_types, errors);
         orgs.push(OrgConfig {
             name: org_name,
             clients: nets,
             allow,
             deny,
+            dns_denied,
+            dns_types,
         });
     }
     orgs
+}
+
+/// Query type names an org enables, upper case, each known to hickory and
+/// none of [`DNS_NEVER_TYPES`].
+fn validate_dns_types(raw: &[Spanned<String>], errors: &mut Errors<'_>) -> Vec<String> {
+    use hickory_server::proto::rr::RecordType;
+    let mut out: Vec<String> = Vec::new();
+    for t in raw {
+        let text = t.get_ref().trim().to_ascii_uppercase();
+        if DNS_NEVER_TYPES.contains(&text.as_str()) {
+            errors.at(
+                t.span(),
+                format!("dns type {text:?} is never answered by the DNS shim"),
+            );
+            continue;
+        }
+        match text.parse::<RecordType>() {
+            Ok(RecordType::Unknown(_)) | Err(_) => errors.at(
+                t.span(),
+                format!(
+                    "unknown dns type {:?} (e.g. \"TXT\", \"MX\", \"SRV\")",
+                    t.get_ref()
+                ),
+            ),
+            Ok(rt) => {
+                let name = rt.to_string();
+                if !out.contains(&name) {
+                    out.push(name);
+                }
+            }
+        }
+    }
+    out
 }
 
 fn cidr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<IpNet> {
@@ -894,6 +1068,64 @@ clients = ["198.19.1.0/24"]
             e.contains("duplicate key") && e.contains("transparent"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn dns_keys_parse_and_validate() {
+        let c = parse(BASE).unwrap();
+        assert_eq!(c.dns.query_timeout, DEFAULT_DNS_QUERY_TIMEOUT);
+        assert_eq!(
+            c.dns.max_bindings_per_name,
+            DEFAULT_DNS_MAX_BINDINGS_PER_NAME
+        );
+        assert_eq!(c.orgs[0].dns_denied, DnsDenied::Refused);
+        assert!(c.orgs[0].dns_types.is_empty());
+
+        let src = format!(
+            "[dns]\nidle_timeout = \"2s\"\nquery_timeout = \"1s\"\nmax_tcp_connections = 3\n\
+             max_queries_in_flight = 9\nmin_ttl = \"1s\"\nmax_ttl = \"60s\"\nbinding_grace = \"5s\"\n\
+             max_bindings_per_name = 4\nmax_bindings = 10\n{BASE}dns_denied = \"nxdomain\"\n\
+             dns_types = [\"txt\", \"MX\", \"TXT\"]\n"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.dns.idle_timeout, Duration::from_secs(2));
+        assert_eq!(c.dns.query_timeout, Duration::from_secs(1));
+        assert_eq!(c.dns.max_tcp_connections, 3);
+        assert_eq!(c.dns.max_queries_in_flight, 9);
+        assert_eq!(c.dns.min_ttl, Duration::from_secs(1));
+        assert_eq!(c.dns.max_ttl, Duration::from_secs(60));
+        assert_eq!(c.dns.binding_grace, Duration::from_secs(5));
+        assert_eq!(c.dns.max_bindings_per_name, 4);
+        assert_eq!(c.dns.max_bindings, 10);
+        assert_eq!(c.orgs[0].dns_denied, DnsDenied::Nxdomain);
+        assert_eq!(
+            c.orgs[0].dns_types,
+            vec!["TXT".to_string(), "MX".to_string()]
+        );
+    }
+
+    #[test]
+    fn bad_dns_keys_are_located() {
+        let e = first_error(&format!("{BASE}dns_denied = \"drop\"\n"));
+        assert!(
+            e.starts_with("t.toml:9:") && e.contains("invalid dns_denied \"drop\""),
+            "{e}"
+        );
+        let e = first_error(&format!("{BASE}dns_types = [\"AXFR\"]\n"));
+        assert!(e.contains("never answered"), "{e}");
+        let e = first_error(&format!("{BASE}dns_types = [\"BOGUS\"]\n"));
+        assert!(e.contains("unknown dns type \"BOGUS\""), "{e}");
+        let e = first_error(&format!("[dns]\nmin_ttl = \"2h\"\n{BASE}"));
+        assert!(e.contains("below min_ttl"), "{e}");
+        let e = first_error(&format!("[dns]\nmax_tcp_connections = 0\n{BASE}"));
+        assert!(e.starts_with("t.toml:2:") && e.contains("positive"), "{e}");
+    }
+
+    #[test]
+    fn default_dns_settings_keep_the_policy_hash() {
+        let c = parse(BASE).unwrap();
+        let json = serde_json::to_string(&c.orgs).unwrap();
+        assert!(!json.contains("dns_"), "{json}");
     }
 
     #[test]

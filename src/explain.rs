@@ -5,7 +5,10 @@ use std::net::IpAddr;
 
 use serde::Serialize;
 
+use hickory_server::proto::rr::RecordType;
+
 use crate::config::Config;
+use crate::dns::decide::{decide_query, OrgDns};
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{ExplainTarget, Host};
 use crate::proxy::decide_with;
@@ -92,16 +95,29 @@ pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) ->
             x
         }
         ExplainTarget::Dns { name, qtype } => {
-            let verdict = match name {
-                Host::Name(n) => policy.decide_name_any_port(client, n),
-                Host::Ip(_) => Verdict {
-                    org: policy.org_for(client),
-                    reason: Reason::BadRequest,
-                    rule: None,
-                },
+            // The DNS shim's own decision (special names, query types), which
+            // asks the policy the name question.
+            let orgs: Vec<OrgDns> = config.orgs.iter().map(OrgDns::from_config).collect();
+            let rtype = qtype
+                .parse::<RecordType>()
+                .unwrap_or(RecordType::Unknown(0));
+            let (verdict, detail) = match name {
+                Host::Name(n) => {
+                    let d = decide_query(&policy, &orgs, client, n, rtype);
+                    (d.verdict, Some(d.action.describe().to_string()))
+                }
+                Host::Ip(_) => (
+                    Verdict {
+                        org: policy.org_for(client),
+                        reason: Reason::BadRequest,
+                        rule: None,
+                    },
+                    None,
+                ),
             };
             let mut x = explanation(client, "dns", name, None, verdict, &policy);
             x.qtype = Some(qtype.clone());
+            x.detail = detail;
             x
         }
     }

@@ -12,6 +12,11 @@
 //!    ClientHello ([`proto::client_hello`]) against the CONNECT host, and
 //!    copies bytes until close, which is recorded too.
 //!
+//! A DNS query takes the same steps in [`dns`]: org by source address, the
+//! policy's name decision ([`dns::decide`]), upstream through [`resolve`],
+//! answers filtered by the policy's address checks and bound to the name in
+//! [`dns::Bindings`], evidence, then the answer.
+//!
 //! [`config`] loads and validates the TOML file; [`app`] wires listeners,
 //! the admin endpoints and shutdown; [`explain`] runs the same decision for
 //! one target from the command line.
@@ -19,6 +24,7 @@
 pub mod admin;
 pub mod app;
 pub mod config;
+pub mod dns;
 pub mod evidence;
 pub mod explain;
 pub mod metrics;

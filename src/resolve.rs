@@ -8,6 +8,9 @@ use hickory_resolver::config::{
     ConnectionConfig, NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts,
 };
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
+use hickory_resolver::net::{DnsError, NetError};
+use hickory_resolver::proto::op::ResponseCode;
+use hickory_resolver::proto::rr::{Name, Record, RecordType};
 use hickory_resolver::TokioResolver;
 
 /// Why a name has no addresses.
@@ -21,6 +24,21 @@ pub enum ResolveError {
     Failed { name: String, reason: String },
     #[error("{name:?} has no addresses")]
     Empty { name: String },
+}
+
+/// What an upstream answer to a general query was, when it had no records.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordsError {
+    #[error("no upstream resolver configured")]
+    NoUpstream,
+    #[error("name does not exist")]
+    NxDomain,
+    #[error("no records of this type")]
+    NoData,
+    #[error("timed out")]
+    Timeout,
+    #[error("{0}")]
+    Failed(String),
 }
 
 /// Resolves names through the configured upstream servers.
@@ -101,5 +119,34 @@ impl Resolver {
             });
         }
         Ok(addrs)
+    }
+
+    /// Records of any type for a normalised name, through the same cache.
+    /// The answer keeps a CNAME chain in front of the records it leads to.
+    pub async fn lookup_records(
+        &self,
+        name: &str,
+        qtype: RecordType,
+    ) -> Result<Vec<Record>, RecordsError> {
+        let Some(inner) = &self.inner else {
+            return Err(RecordsError::NoUpstream);
+        };
+        let fqdn = Name::from_ascii(format!("{name}."))
+            .map_err(|e| RecordsError::Failed(e.to_string()))?;
+        let lookup = tokio::time::timeout(self.timeout, inner.lookup(fqdn, qtype))
+            .await
+            .map_err(|_| RecordsError::Timeout)?;
+        match lookup {
+            Ok(l) => Ok(l.answers().to_vec()),
+            Err(NetError::Dns(DnsError::NoRecordsFound(nr))) => {
+                if nr.response_code == ResponseCode::NXDomain {
+                    Err(RecordsError::NxDomain)
+                } else {
+                    Err(RecordsError::NoData)
+                }
+            }
+            Err(NetError::Timeout) => Err(RecordsError::Timeout),
+            Err(e) => Err(RecordsError::Failed(e.to_string())),
+        }
     }
 }

@@ -73,10 +73,15 @@ pub enum Reason {
     ResolutionFailed,
     EvidenceUnavailable,
     LimitExceeded,
+    /// DNS shim: a special-use name (`localhost`, `.local`, `.onion`,
+    /// reverse zones, ...) answered locally, never forwarded.
+    SpecialName,
+    /// DNS shim: a query type the org has not enabled.
+    QtypeNotAllowed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 14] = [
         Reason::RuleMatch,
         Reason::UnknownClient,
         Reason::NoMatchingRule,
@@ -89,6 +94,8 @@ impl Reason {
         Reason::ResolutionFailed,
         Reason::EvidenceUnavailable,
         Reason::LimitExceeded,
+        Reason::SpecialName,
+        Reason::QtypeNotAllowed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -105,6 +112,8 @@ impl Reason {
             Reason::ResolutionFailed => "resolution_failed",
             Reason::EvidenceUnavailable => "evidence_unavailable",
             Reason::LimitExceeded => "limit_exceeded",
+            Reason::SpecialName => "special_name",
+            Reason::QtypeNotAllowed => "qtype_not_allowed",
         }
     }
 

@@ -37,6 +37,10 @@ pub const CLIENT_IP: &str = "198.18.1.2";
 /// Second client address, not covered by any org's `clients`.
 pub const STRANGER_IP: &str = "198.18.3.2";
 pub const DNS_IP: &str = "198.18.2.2";
+/// Where the DNS shim listens in labs that run it (the proxy's client-side address).
+pub const SHIM_IP: &str = "198.18.1.1";
+/// Second sandbox namespace (see [`LabBuilder::second_client`]).
+pub const CLIENT2_IP: &str = "198.18.4.2";
 
 /// Test web hosts and DNS records served in the upstream namespace.
 pub const ALLOWED_IP: &str = "198.18.2.10";
@@ -77,6 +81,25 @@ const DNS_RECORDS: &[(&str, &str)] = &[
     // bücher.test in its ASCII (punycode) form.
     ("xn--bcher-kva.test", ALLOWED_IP),
     // nx.test (and every other name) -> NXDOMAIN
+];
+
+/// Further upstream DNS records: (fixture flag, "name=value").
+const DNS_EXTRA: &[(&str, &str)] = &[
+    // A CNAME chain leaving the allowed names: chain.test -> c1.elsewhere.test -> c2.far.test.
+    ("--cname", "chain.test=c1.elsewhere.test"),
+    ("--cname", "c1.elsewhere.test=c2.far.test"),
+    ("--a", "c2.far.test=198.18.2.11"),
+    // Rebinding: one public and one loopback address; only private ones.
+    ("--a", "rebind.test=127.0.0.1"),
+    ("--a", "rebind.test=198.18.2.10"),
+    ("--a", "private.test=127.0.0.2"),
+    ("--a", "private.test=169.254.169.254"),
+    ("--aaaa", "private.test=::ffff:127.0.0.1"),
+    ("--aaaa", "private.test=64:ff9b::a9fe:a9fe"),
+    ("--aaaa", "private.test=::1"),
+    ("--txt", "allowed.test=allowed-txt"),
+    ("--txt", "other.test=other-txt"),
+    ("--https", "svc.test=198.18.2.10,127.0.0.1"),
 ];
 
 /// The policy most tests run with.
@@ -438,6 +461,9 @@ pub struct LabBuilder {
     admin_listen: String,
     proxy_options: Vec<String>,
     start_proxy: bool,
+    dns_listen: Vec<String>,
+    dns_extra: String,
+    second_client: bool,
 }
 
 impl LabBuilder {
@@ -455,6 +481,22 @@ impl LabBuilder {
         self.proxy_options.push(line.to_owned());
         self
     }
+    /// Run the DNS shim on these addresses (default: none).
+    pub fn dns_listen(mut self, addrs: &[&str]) -> Self {
+        self.dns_listen = addrs.iter().map(|s| s.to_string()).collect();
+        self
+    }
+    /// Extra `key = value` lines for the `[dns]` table.
+    pub fn dns_extra(mut self, lines: &str) -> Self {
+        self.dns_extra = lines.to_owned();
+        self
+    }
+    /// A second sandbox namespace (`ns_client2`, address [`CLIENT2_IP`],
+    /// default route to the proxy namespace).
+    pub fn second_client(mut self) -> Self {
+        self.second_client = true;
+        self
+    }
     /// Set up namespaces and fixtures but do not launch Palisade.
     pub fn without_proxy(mut self) -> Self {
         self.start_proxy = false;
@@ -469,6 +511,8 @@ pub struct Lab {
     pub id: String,
     pub dir: PathBuf,
     pub ns_client: String,
+    /// Empty unless the lab was built with [`LabBuilder::second_client`].
+    pub ns_client2: String,
     pub ns_proxy: String,
     pub ns_upstream: String,
     pub config_path: PathBuf,
@@ -487,6 +531,9 @@ impl Lab {
             admin_listen: ADMIN_ADDR.to_owned(),
             proxy_options: Vec::new(),
             start_proxy: true,
+            dns_listen: Vec::new(),
+            dns_extra: String::new(),
+            second_client: false,
         }
     }
 
@@ -506,6 +553,11 @@ impl Lab {
         fs::create_dir_all(&evidence_dir).expect("create evidence dir");
         let mut lab = Lab {
             ns_client: format!("{id}-c"),
+            ns_client2: if b.second_client {
+                format!("{id}-d")
+            } else {
+                String::new()
+            },
             ns_proxy: format!("{id}-p"),
             ns_upstream: format!("{id}-u"),
             config_path: dir.join("palisade.toml"),
@@ -568,6 +620,20 @@ impl Lab {
         ip(&["-n", &u, "link", "set", "u1", "up"]);
         // Replies to the stranger address go back over the same link.
         ip(&["-n", &p, "route", "add", "198.18.3.2/32", "dev", "p0"]);
+        if !self.ns_client2.is_empty() {
+            let d = self.ns_client2.clone();
+            ip(&["netns", "add", &d]);
+            self.namespaces.push(d.clone());
+            ip(&["-n", &d, "link", "set", "lo", "up"]);
+            ip(&[
+                "-n", &p, "link", "add", "p1", "type", "veth", "peer", "name", "d0", "netns", &d,
+            ]);
+            ip(&["-n", &p, "addr", "add", "198.18.4.1/24", "dev", "p1"]);
+            ip(&["-n", &d, "addr", "add", "198.18.4.2/24", "dev", "d0"]);
+            ip(&["-n", &p, "link", "set", "p1", "up"]);
+            ip(&["-n", &d, "link", "set", "d0", "up"]);
+            ip(&["-n", &d, "route", "add", "default", "via", "198.18.4.1"]);
+        }
         // New namespaces may inherit ip_forward from the root namespace.
         self.exec_must(&p, "sh", &["-c", "echo 0 > /proc/sys/net/ipv4/ip_forward"]);
     }
@@ -587,6 +653,10 @@ impl Lab {
         for (name, addr) in DNS_RECORDS {
             dns_args.push("--a".into());
             dns_args.push(format!("{name}={addr}"));
+        }
+        for (flag, spec) in DNS_EXTRA {
+            dns_args.push((*flag).into());
+            dns_args.push((*spec).into());
         }
         let ns_u = self.ns_upstream.clone();
         self.spawn_fixture("dns", &ns_u, &dns_args);
@@ -662,10 +732,13 @@ impl Lab {
     fn config_toml(&self, b: &LabBuilder) -> String {
         let listen: Vec<String> = b.proxy_listen.iter().map(|a| format!("{a:?}")).collect();
         let options: String = b.proxy_options.iter().map(|l| format!("{l}\n")).collect();
+        let dns_listen: Vec<String> = b.dns_listen.iter().map(|a| format!("{a:?}")).collect();
         format!(
-            "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = []\nupstream = [\"{DNS_IP}:53\"]\n\n\
+            "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = [{}]\nupstream = [\"{DNS_IP}:53\"]\n{}\n\
              [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n",
             listen.join(", "),
+            dns_listen.join(", "),
+            b.dns_extra,
             b.admin_listen,
             self.evidence_dir.display().to_string(),
             b.policy
@@ -894,6 +967,38 @@ impl Lab {
         ))
     }
 
+    /// Run `dig +time=2 +tries=1 ARGS` in a namespace and parse its output.
+    pub fn dig_in(&self, ns: &str, args: &[&str]) -> Dig {
+        let mut full: Vec<&str> = vec!["+time=2", "+tries=1", "+nocookie"];
+        full.extend_from_slice(args);
+        let out = self.exec(ns, "dig", &full);
+        Dig::parse(&out.stdout, out.code())
+    }
+
+    /// `dig @SHIM_IP ARGS` from the org client namespace.
+    pub fn dig(&self, args: &[&str]) -> Dig {
+        let server = format!("@{SHIM_IP}");
+        let mut full: Vec<&str> = vec![&server];
+        full.extend_from_slice(args);
+        self.dig_in(&self.ns_client.clone(), &full)
+    }
+
+    /// Raw DNS messages (hex) sent to the shim from the client namespace;
+    /// one result line per message (see tests/fixtures/dnsraw.py).
+    pub fn dns_raw(&self, proto: &str, hex: &[&str]) -> Vec<String> {
+        let script = fixtures_dir().join("dnsraw.py").display().to_string();
+        let mut args: Vec<&str> = vec![&script, "--server", SHIM_IP, "--proto", proto];
+        args.extend_from_slice(hex);
+        let out = self.exec(&self.ns_client.clone(), "python3", &args);
+        assert!(out.success(), "dnsraw.py failed\n{}", out.describe());
+        out.stdout.lines().map(str::to_owned).collect()
+    }
+
+    /// Every query the upstream DNS fixture received, as logged.
+    pub fn dns_log(&self) -> Vec<Value> {
+        read_jsonl(&self.dns_log_path())
+    }
+
     pub fn upstream_log_path(&self) -> PathBuf {
         self.dir.join("upstream.jsonl")
     }
@@ -1053,6 +1158,73 @@ impl Drop for Lab {
         } else {
             let _ = fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+/// What `dig` printed, parsed.
+#[derive(Debug, Clone, Default)]
+pub struct Dig {
+    /// `NOERROR`, `NXDOMAIN`, `REFUSED`, ... (empty when no reply arrived).
+    pub status: String,
+    /// Answer section: (type, rdata), e.g. ("A", "198.18.2.10").
+    pub answers: Vec<(String, String)>,
+    /// The Extended DNS Error line, e.g. `15 (Blocked): (palisade: ...)`.
+    pub ede: Option<String>,
+    pub output: String,
+    pub exit: Option<i32>,
+}
+
+impl Dig {
+    pub fn parse(text: &str, exit: Option<i32>) -> Dig {
+        let mut d = Dig {
+            output: text.to_owned(),
+            exit,
+            ..Dig::default()
+        };
+        let mut in_answer = false;
+        for line in text.lines() {
+            if let Some(rest) = line.split("status: ").nth(1) {
+                d.status = rest.split(',').next().unwrap_or("").trim().to_owned();
+            }
+            if let Some(rest) = line.strip_prefix("; EDE: ") {
+                d.ede = Some(rest.to_owned());
+            }
+            if line.starts_with(";; ANSWER SECTION:") {
+                in_answer = true;
+                continue;
+            }
+            if in_answer {
+                if line.trim().is_empty() || line.starts_with(';') {
+                    in_answer = false;
+                    continue;
+                }
+                let f: Vec<&str> = line.split_whitespace().collect();
+                if f.len() >= 5 {
+                    d.answers.push((f[3].to_owned(), f[4..].join(" ")));
+                }
+            }
+        }
+        d
+    }
+
+    /// rdata of the answers of one type.
+    pub fn of(&self, rtype: &str) -> Vec<String> {
+        self.answers
+            .iter()
+            .filter(|(t, _)| t == rtype)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// The evidence record id named in the EDE text (`record=ID`).
+    pub fn record_id(&self) -> Option<String> {
+        let ede = self.ede.as_deref()?;
+        let rest = ede.split("record=").nth(1)?;
+        Some(
+            rest.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                .collect(),
+        )
     }
 }
 

@@ -8,6 +8,7 @@
 
 mod bounds;
 mod cli;
+mod dns;
 mod infra;
 mod lab;
 mod lifecycle;

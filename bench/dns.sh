@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# DNS shim throughput against dnsmasq configured the same way, in one run.
+#
+#   cargo build --release && sudo bench/dns.sh [SECONDS]
+#
+# Needs root, iproute2, python3, dnsperf and dnsmasq (Debian: apt-get install
+# dnsperf dnsmasq-base). Builds three network namespaces on 198.18.0.0/15
+# (client, server, upstream; no link to the root namespace), runs the test
+# upstream (tests/fixtures/dns.py), Palisade's shim on 198.18.1.1:53 and
+# dnsmasq on 198.18.1.1:5300, both allowing only allowed.test and forwarding
+# it to the upstream with a cache; every other name is refused (Palisade:
+# REFUSED + EDE and an evidence record; dnsmasq: NXDOMAIN, local). Each
+# dnsperf run is bounded by -l SECONDS. Everything is removed on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECS="${1:-10}"
+BIN="${PALISADE_BIN:-target/release/palisade}"
+ID="plbench-$$"
+C="$ID-c" S="$ID-s" U="$ID-u"
+WORK="$(mktemp -d)"
+
+cleanup() {
+  for ns in "$C" "$S" "$U"; do
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    [ -n "$pids" ] && kill $pids 2>/dev/null || true
+  done
+  sleep 0.3
+  for ns in "$C" "$S" "$U"; do ip netns del "$ns" 2>/dev/null || true; done
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+for ns in "$C" "$S" "$U"; do ip netns add "$ns"; ip -n "$ns" link set lo up; done
+ip -n "$S" link add s0 type veth peer name c0 netns "$C"
+ip -n "$S" link add s1 type veth peer name u0 netns "$U"
+ip -n "$C" addr add 198.18.1.2/24 dev c0
+ip -n "$S" addr add 198.18.1.1/24 dev s0
+ip -n "$S" addr add 198.18.2.1/24 dev s1
+ip -n "$U" addr add 198.18.2.2/24 dev u0
+for l in "$C c0" "$S s0" "$S s1" "$U u0"; do set -- $l; ip -n "$1" link set "$2" up; done
+
+ip netns exec "$U" python3 tests/fixtures/dns.py serve --listen 198.18.2.2 --port 53 \
+  --log "$WORK/upstream.jsonl" --ready "$WORK/up.ready" --a allowed.test=198.18.2.10 &
+for _ in $(seq 50); do [ -f "$WORK/up.ready" ] && break; sleep 0.1; done
+
+cat > "$WORK/palisade.toml" <<EOF
+[proxy]
+listen = []
+[dns]
+listen = ["198.18.1.1:53"]
+upstream = ["198.18.2.2:53"]
+max_queries_in_flight = 4096
+[admin]
+listen = "198.18.1.1:9711"
+[evidence]
+dir = "$WORK/evidence"
+[[org]]
+name = "bench"
+clients = ["198.18.1.0/24"]
+[[org.allow]]
+host = "allowed.test"
+EOF
+PALISADE_LOG=warn ip netns exec "$S" "$BIN" run -c "$WORK/palisade.toml" 2>"$WORK/palisade.log" &
+ip netns exec "$S" dnsmasq --keep-in-foreground --no-resolv --no-hosts --bind-interfaces \
+  --listen-address=198.18.1.1 --port=5300 --cache-size=10000 --dns-forward-max=1000 \
+  --server=/allowed.test/198.18.2.2 --address=/#/ --pid-file="$WORK/dnsmasq.pid" \
+  2>"$WORK/dnsmasq.log" &
+sleep 1
+
+for _ in $(seq 1000); do echo "allowed.test A"; done > "$WORK/allowed.txt"
+for i in $(seq 1000); do echo "exfil-$i.denied.test A"; done > "$WORK/denied.txt"
+
+run() { # name port file
+  local out
+  out=$(ip netns exec "$C" dnsperf -s 198.18.1.1 -p "$2" -d "$3" -l "$SECS" -c 8 -q 200 2>&1)
+  printf '%-10s %-8s %s qps  (%s)\n' "$1" "$(basename "$3" .txt)" \
+    "$(echo "$out" | awk '/Queries per second/ {print $4}')" \
+    "$(echo "$out" | awk '/Queries lost/ {print "lost " $3 " " $4}')"
+}
+echo "dnsperf -l $SECS -c 8 -q 200 from the client namespace; $(nproc) cores shared by client and server"
+# Warm both caches.
+ip netns exec "$C" dnsperf -s 198.18.1.1 -p 53 -d "$WORK/allowed.txt" -n 1 >/dev/null 2>&1 || true
+ip netns exec "$C" dnsperf -s 198.18.1.1 -p 5300 -d "$WORK/allowed.txt" -n 1 >/dev/null 2>&1 || true
+run palisade 53 "$WORK/allowed.txt"
+run dnsmasq 5300 "$WORK/allowed.txt"
+run palisade 53 "$WORK/denied.txt"
+run dnsmasq 5300 "$WORK/denied.txt"
+echo "upstream saw $(grep -c denied.test "$WORK/upstream.jsonl" || true) denied names and $(grep -c allowed.test "$WORK/upstream.jsonl" || true) allowed queries"
+echo "evidence records: $(cat "$WORK"/evidence/*.jsonl | wc -l)"

@@ -1,0 +1,588 @@
+//! The shim's `RequestHandler`: decide ([`super::decide`]), forward allowed
+//! names, filter and bind the answers, write evidence, then answer.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hickory_server::proto::op::{
+    Edns, Header, HeaderCounts, MessageType, Metadata, OpCode, ResponseCode,
+};
+use hickory_server::proto::rr::rdata::opt::EdnsOption;
+use hickory_server::proto::rr::rdata::svcb::{IpHint, Mandatory, SvcParamKey, SvcParamValue};
+use hickory_server::proto::rr::rdata::{A, AAAA, HINFO, HTTPS, PTR, SVCB};
+use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use hickory_server::server::{Request, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponseBuilder;
+use tokio::sync::Semaphore;
+use tracing::{debug, warn};
+
+use super::bindings::Bindings;
+use super::decide::{decide_query, Action, OrgDns};
+use crate::config::{DnsConfig, DnsDenied};
+use crate::evidence::{Evidence, Kind, Mode, Record as EvRecord};
+use crate::metrics;
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
+use crate::resolve::{RecordsError, Resolver};
+
+/// EDNS option code of an Extended DNS Error (RFC 8914).
+pub const EDE_OPTION: u16 = 15;
+/// EDE info-code 15, "Blocked".
+pub const EDE_BLOCKED: u16 = 15;
+/// EDE info-code 18, "Prohibited" (unknown clients).
+pub const EDE_PROHIBITED: u16 = 18;
+/// Largest UDP payload we advertise and send (DNS flag day 2020).
+const MAX_UDP_PAYLOAD: u16 = 1232;
+/// Longest query name kept in evidence for a name that is not a host name.
+const MAX_SHOWN_NAME: usize = 300;
+
+/// Everything the shim needs to answer.
+pub struct Shim {
+    pub policy: Arc<Policy>,
+    pub orgs: Vec<OrgDns>,
+    pub policy_hash: Arc<str>,
+    pub resolver: Arc<Resolver>,
+    pub evidence: Arc<Evidence>,
+    pub bindings: Arc<Bindings>,
+    pub config: DnsConfig,
+    pub in_flight: Arc<Semaphore>,
+}
+
+/// The answer to send, before encoding.
+#[derive(Debug)]
+struct Reply {
+    rcode: ResponseCode,
+    answers: Vec<Record>,
+    ede: Option<(u16, String)>,
+}
+
+impl Reply {
+    fn empty(rcode: ResponseCode) -> Reply {
+        Reply {
+            rcode,
+            answers: Vec::new(),
+            ede: None,
+        }
+    }
+}
+
+/// What forwarding produced.
+struct Forwarded {
+    rcode: ResponseCode,
+    answers: Vec<Record>,
+    /// Addresses handed out (answers and SVCB hints), with their TTL.
+    bind: Vec<(IpAddr, u32)>,
+    stripped: Vec<String>,
+    /// The first stripped address's denial, when nothing is left.
+    denial: Option<Verdict>,
+    error: Option<String>,
+}
+
+fn ede_option(code: u16, text: &str) -> EdnsOption {
+    let mut data = Vec::with_capacity(2 + text.len());
+    data.extend_from_slice(&code.to_be_bytes());
+    data.extend_from_slice(text.as_bytes());
+    EdnsOption::Unknown(EDE_OPTION, data)
+}
+
+fn describe(r: &Record) -> String {
+    format!("{} {}", r.record_type(), r.data)
+}
+
+impl Shim {
+    fn clamp_ttl(&self, ttl: u32) -> u32 {
+        let min = u32::try_from(self.config.min_ttl.as_secs()).unwrap_or(u32::MAX);
+        let max = u32::try_from(self.config.max_ttl.as_secs()).unwrap_or(u32::MAX);
+        ttl.clamp(min, max.max(min))
+    }
+
+    /// Strip `ech` from an SVCB/HTTPS record and hints the org may not be
+    /// handed; returns the kept hints.
+    fn filter_svcb(&self, org: &OrgRef, svcb: &SVCB) -> (SVCB, Vec<IpAddr>, Vec<String>) {
+        let mut kept_hints = Vec::new();
+        let mut stripped = Vec::new();
+        let mut params = Vec::with_capacity(svcb.svc_params.len());
+        for (key, value) in &svcb.svc_params {
+            match (key, value) {
+                (SvcParamKey::EchConfigList, _) => stripped.push("ech".to_string()),
+                (_, SvcParamValue::Mandatory(Mandatory(keys))) => {
+                    let keys: Vec<SvcParamKey> = keys
+                        .iter()
+                        .copied()
+                        .filter(|k| *k != SvcParamKey::EchConfigList)
+                        .collect();
+                    params.push((*key, SvcParamValue::Mandatory(Mandatory(keys))));
+                }
+                (_, SvcParamValue::Ipv4Hint(IpHint(hints))) => {
+                    let mut keep = Vec::new();
+                    for h in hints {
+                        let ip = IpAddr::V4(h.0);
+                        if self.policy.answer_allowed(org, ip).is_ok() {
+                            keep.push(*h);
+                            kept_hints.push(ip);
+                        } else {
+                            stripped.push(format!("ipv4hint {ip}"));
+                        }
+                    }
+                    if !keep.is_empty() {
+                        params.push((*key, SvcParamValue::Ipv4Hint(IpHint(keep))));
+                    }
+                }
+                (_, SvcParamValue::Ipv6Hint(IpHint(hints))) => {
+                    let mut keep = Vec::new();
+                    for h in hints {
+                        let ip = IpAddr::V6(h.0);
+                        if self.policy.answer_allowed(org, ip).is_ok() {
+                            keep.push(*h);
+                            kept_hints.push(ip);
+                        } else {
+                            stripped.push(format!("ipv6hint {ip}"));
+                        }
+                    }
+                    if !keep.is_empty() {
+                        params.push((*key, SvcParamValue::Ipv6Hint(IpHint(keep))));
+                    }
+                }
+                _ => params.push((*key, value.clone())),
+            }
+        }
+        let out = SVCB::new(svcb.svc_priority, svcb.target_name.clone(), params);
+        (out, kept_hints, stripped)
+    }
+
+    /// Keep what may be handed out, in order.
+    fn filter(&self, org: &OrgRef, qtype: RecordType, records: Vec<Record>) -> Forwarded {
+        let mut out = Forwarded {
+            rcode: ResponseCode::NoError,
+            answers: Vec::new(),
+            bind: Vec::new(),
+            stripped: Vec::new(),
+            denial: None,
+            error: None,
+        };
+        let mut had_address = false;
+        for r in records {
+            let ttl = self.clamp_ttl(r.ttl);
+            let data = match &r.data {
+                RData::A(a) => self.address(org, IpAddr::V4(a.0), ttl, &mut out, &mut had_address),
+                RData::AAAA(a) => {
+                    self.address(org, IpAddr::V6(a.0), ttl, &mut out, &mut had_address)
+                }
+                RData::CNAME(_) => Some(r.data.clone()),
+                RData::HTTPS(h) => {
+                    let (svcb, hints, stripped) = self.filter_svcb(org, &h.0);
+                    out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
+                    out.stripped.extend(stripped);
+                    Some(RData::HTTPS(HTTPS(svcb)))
+                }
+                RData::SVCB(s) => {
+                    let (svcb, hints, stripped) = self.filter_svcb(org, s);
+                    out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
+                    out.stripped.extend(stripped);
+                    Some(RData::SVCB(svcb))
+                }
+                other if r.record_type() == qtype => Some(other.clone()),
+                _ => None,
+            };
+            if let Some(data) = data {
+                out.answers
+                    .push(Record::from_rdata(r.name.clone(), ttl, data));
+            }
+        }
+        let addresses_left = out
+            .answers
+            .iter()
+            .any(|r| matches!(r.data, RData::A(_) | RData::AAAA(_)));
+        if had_address && !addresses_left && out.denial.is_some() {
+            // Every address was stripped: NODATA, and nothing to bind.
+            out.answers.clear();
+            out.bind.clear();
+        } else {
+            out.denial = None;
+        }
+        out
+    }
+
+    fn address(
+        &self,
+        org: &OrgRef,
+        ip: IpAddr,
+        ttl: u32,
+        out: &mut Forwarded,
+        had_address: &mut bool,
+    ) -> Option<RData> {
+        *had_address = true;
+        match self.policy.answer_allowed(org, ip) {
+            Ok(()) => {
+                out.bind.push((ip, ttl));
+                Some(match ip {
+                    IpAddr::V4(v4) => RData::A(A(v4)),
+                    IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
+                })
+            }
+            Err(v) => {
+                out.stripped.push(ip.to_string());
+                out.denial.get_or_insert(v);
+                None
+            }
+        }
+    }
+
+    async fn forward(&self, org: &OrgRef, name: &str, qtype: RecordType) -> Forwarded {
+        let lookup = tokio::time::timeout(
+            self.config.query_timeout,
+            self.resolver.lookup_records(name, qtype),
+        )
+        .await
+        .unwrap_or(Err(RecordsError::Timeout));
+        let failed = |rcode, error: Option<String>| Forwarded {
+            rcode,
+            answers: Vec::new(),
+            bind: Vec::new(),
+            stripped: Vec::new(),
+            denial: None,
+            error,
+        };
+        match lookup {
+            Ok(records) => self.filter(org, qtype, records),
+            Err(RecordsError::NxDomain) => failed(ResponseCode::NXDomain, None),
+            Err(RecordsError::NoData) => failed(ResponseCode::NoError, None),
+            Err(e) => failed(ResponseCode::ServFail, Some(e.to_string())),
+        }
+    }
+
+    /// Decide, forward if allowed, record, and build the reply.
+    async fn answer(&self, request: &Request) -> Reply {
+        let src = request.src();
+        let client = src.ip();
+        let started = Instant::now();
+        let org = self.policy.org_for(client);
+        let bad = |detail: &str, rcode: ResponseCode| (detail.to_string(), rcode);
+
+        // Shape checks first: nothing malformed reaches the decision.
+        let shape = if request.metadata.message_type != MessageType::Query {
+            Some(bad("not a query", ResponseCode::FormErr))
+        } else if request.metadata.op_code != OpCode::Query {
+            Some(bad("unsupported opcode", ResponseCode::NotImp))
+        } else {
+            None
+        };
+        let info = match (shape, request.request_info()) {
+            (None, Ok(info)) => info,
+            (shape, _) => {
+                let (detail, rcode) =
+                    shape.unwrap_or_else(|| bad("not exactly one question", ResponseCode::FormErr));
+                let verdict = Verdict {
+                    org: org.clone(),
+                    reason: Reason::BadRequest,
+                    rule: None,
+                };
+                self.record_refusal(src, &verdict, None, None, Some(detail));
+                return Reply::empty(rcode);
+            }
+        };
+        let query = info.query;
+        let qtype = query.query_type();
+        let qname = query.name().to_string();
+        let shown: String = qname.chars().take(MAX_SHOWN_NAME).collect();
+
+        if query.query_class() != DNSClass::IN {
+            let verdict = Verdict {
+                org,
+                reason: Reason::BadRequest,
+                rule: None,
+            };
+            let id = self.record_refusal(
+                src,
+                &verdict,
+                Some(&shown),
+                Some(qtype),
+                Some("class".into()),
+            );
+            return blocked(ResponseCode::Refused, &verdict, &id);
+        }
+
+        let Ok(_permit) = self.in_flight.clone().try_acquire_owned() else {
+            let verdict = Verdict {
+                org,
+                reason: Reason::LimitExceeded,
+                rule: None,
+            };
+            let id = self.record_refusal(src, &verdict, Some(&shown), Some(qtype), None);
+            return blocked(ResponseCode::Refused, &verdict, &id);
+        };
+
+        let decision = decide_query(&self.policy, &self.orgs, client, &qname, qtype);
+        let host = decision.name.clone().unwrap_or(shown);
+        let mut verdict = decision.verdict;
+        let now = Instant::now();
+        let reply = match decision.action {
+            Action::Refuse => {
+                let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                blocked(ResponseCode::Refused, &verdict, &id)
+            }
+            Action::Denied(style) => {
+                let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                let rcode = match style {
+                    DnsDenied::Refused => ResponseCode::Refused,
+                    DnsDenied::Nxdomain => ResponseCode::NXDomain,
+                };
+                blocked(rcode, &verdict, &id)
+            }
+            Action::NxDomain | Action::NoData => {
+                let rcode = if decision.action == Action::NxDomain {
+                    ResponseCode::NXDomain
+                } else {
+                    ResponseCode::NoError
+                };
+                self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                Reply::empty(rcode)
+            }
+            Action::AnyHinfo => {
+                let hinfo = Record::from_rdata(
+                    query.original().name().clone(),
+                    self.clamp_ttl(3600),
+                    RData::HINFO(HINFO::new("RFC8482".into(), String::new())),
+                );
+                let mut rec = self.record(src, &verdict, &host, qtype);
+                rec.answers = Some(vec![describe(&hinfo)]);
+                rec.upstream = Some(false);
+                self.finish(
+                    rec,
+                    &verdict,
+                    Reply {
+                        rcode: ResponseCode::NoError,
+                        answers: vec![hinfo],
+                        ede: None,
+                    },
+                )
+                .await
+            }
+            Action::Ptr(addr) => {
+                let org_name = verdict.org.as_ref().map(|o| o.name.clone());
+                let names = org_name
+                    .as_deref()
+                    .map(|o| self.bindings.names_for(o, addr, now))
+                    .unwrap_or_default();
+                let answers: Vec<Record> = names
+                    .iter()
+                    .filter_map(|(n, left)| {
+                        let target = Name::from_ascii(format!("{n}.")).ok()?;
+                        let ttl = u32::try_from(left.as_secs()).unwrap_or(u32::MAX).max(1);
+                        Some(Record::from_rdata(
+                            query.original().name().clone(),
+                            ttl.min(self.clamp_ttl(ttl)),
+                            RData::PTR(PTR(target)),
+                        ))
+                    })
+                    .collect();
+                if answers.is_empty() {
+                    let style = self
+                        .orgs
+                        .get(verdict.org.as_ref().map_or(usize::MAX, |o| o.index))
+                        .map(|o| o.denied)
+                        .unwrap_or_default();
+                    let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                    let rcode = match style {
+                        DnsDenied::Refused => ResponseCode::Refused,
+                        DnsDenied::Nxdomain => ResponseCode::NXDomain,
+                    };
+                    blocked(rcode, &verdict, &id)
+                } else {
+                    verdict.reason = Reason::RuleMatch;
+                    let mut rec = self.record(src, &verdict, &host, qtype);
+                    rec.answers = Some(answers.iter().map(describe).collect());
+                    rec.upstream = Some(false);
+                    rec.detail = Some("answered from this org's bindings".into());
+                    self.finish(
+                        rec,
+                        &verdict,
+                        Reply {
+                            rcode: ResponseCode::NoError,
+                            answers,
+                            ede: None,
+                        },
+                    )
+                    .await
+                }
+            }
+            Action::Forward => {
+                let Some(org) = verdict.org.clone() else {
+                    return Reply::empty(ResponseCode::Refused);
+                };
+                let fwd = self.forward(&org, &host, qtype).await;
+                if let Some(d) = fwd.denial.clone() {
+                    verdict = Verdict {
+                        rule: d.rule.or(verdict.rule),
+                        ..d
+                    };
+                }
+                if fwd.rcode == ResponseCode::ServFail {
+                    verdict.reason = Reason::ResolutionFailed;
+                }
+                let mut rec = self.record(src, &verdict, &host, qtype);
+                rec.answers = Some(fwd.answers.iter().map(describe).collect());
+                rec.upstream = Some(true);
+                let mut details = Vec::new();
+                if !fwd.stripped.is_empty() {
+                    details.push(format!("stripped: {}", fwd.stripped.join(", ")));
+                }
+                if let Some(e) = &fwd.error {
+                    details.push(e.clone());
+                }
+                if fwd.rcode == ResponseCode::NXDomain {
+                    details.push("upstream: NXDOMAIN".into());
+                }
+                rec.detail = (!details.is_empty()).then(|| details.join("; "));
+                let filtered = fwd.denial.is_some();
+                let reply = Reply {
+                    rcode: fwd.rcode,
+                    answers: fwd.answers,
+                    ede: None,
+                };
+                let mut reply = self.finish(rec, &verdict, reply).await;
+                if filtered {
+                    if let Some((_, text)) = &mut reply.ede {
+                        text.push_str("; answer addresses removed");
+                    }
+                }
+                if reply.rcode != ResponseCode::ServFail {
+                    let valid_for =
+                        |ttl: u32| Duration::from_secs(u64::from(ttl)) + self.config.binding_grace;
+                    for (ip, ttl) in &fwd.bind {
+                        self.bindings
+                            .bind(&org.name, &host, *ip, valid_for(*ttl), now);
+                    }
+                }
+                reply
+            }
+        };
+        metrics::metrics()
+            .decision_duration_seconds
+            .with_label_values(&["dns"])
+            .observe(started.elapsed().as_secs_f64());
+        reply
+    }
+
+    fn record(
+        &self,
+        src: SocketAddr,
+        verdict: &Verdict,
+        host: &str,
+        qtype: RecordType,
+    ) -> EvRecord {
+        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, &self.policy_hash);
+        rec.host = Some(host.to_string());
+        rec.qtype = Some(qtype.to_string());
+        rec
+    }
+
+    /// Record a query that gets no answers and sends nothing upstream
+    /// (queued, not awaited: nothing flows because of it); returns its id.
+    fn record_refusal(
+        &self,
+        src: SocketAddr,
+        verdict: &Verdict,
+        host: Option<&str>,
+        qtype: Option<RecordType>,
+        detail: Option<String>,
+    ) -> String {
+        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, &self.policy_hash);
+        rec.host = host.map(str::to_string);
+        rec.qtype = qtype.map(|t| t.to_string());
+        rec.answers = Some(Vec::new());
+        rec.upstream = Some(false);
+        rec.detail = detail;
+        self.evidence.submit(&mut rec);
+        metrics::count_dns(verdict.org.as_ref(), verdict.reason);
+        debug!(client = %src, host = ?host, reason = %verdict.reason, "dns refused");
+        rec.id
+    }
+
+    /// Write the record of an answer before it is sent; without evidence,
+    /// no answer (SERVFAIL, `evidence_unavailable`).
+    async fn finish(&self, mut rec: EvRecord, verdict: &Verdict, mut reply: Reply) -> Reply {
+        if let Err(e) = self.evidence.write(&mut rec).await {
+            warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
+            metrics::count_dns(verdict.org.as_ref(), Reason::EvidenceUnavailable);
+            return Reply::empty(ResponseCode::ServFail);
+        }
+        metrics::count_dns(verdict.org.as_ref(), rec.reason);
+        if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
+            reply.ede = Some((
+                EDE_BLOCKED,
+                format!("palisade: {}; record={}", rec.reason, rec.id),
+            ));
+        }
+        reply
+    }
+}
+
+/// A refusal with its Extended DNS Error.
+fn blocked(rcode: ResponseCode, verdict: &Verdict, id: &str) -> Reply {
+    let code = if verdict.reason == Reason::UnknownClient {
+        EDE_PROHIBITED
+    } else {
+        EDE_BLOCKED
+    };
+    Reply {
+        rcode,
+        answers: Vec::new(),
+        ede: Some((code, format!("palisade: {}; record={id}", verdict.reason))),
+    }
+}
+
+impl Shim {
+    /// Answer one decoded request through `response_handle`.
+    pub(crate) async fn respond<R: ResponseHandler>(
+        &self,
+        request: &Request,
+        mut response_handle: R,
+    ) -> ResponseInfo {
+        let reply = self.answer(request).await;
+        let mut metadata = Metadata::response_from_request(&request.metadata);
+        metadata.recursion_available = true;
+        metadata.response_code = reply.rcode;
+        let mut builder = MessageResponseBuilder::from_message_request(request);
+        // Only our own EDNS goes back: client options (ECS, cookies,
+        // unknown ones) are neither echoed nor forwarded.
+        let edns = request.edns.as_ref().map(|req| {
+            let mut e = Edns::new();
+            e.set_max_payload(req.max_payload().clamp(512, MAX_UDP_PAYLOAD));
+            e.set_version(0);
+            if let Some((code, text)) = &reply.ede {
+                e.options_mut().insert(ede_option(*code, text));
+            }
+            e
+        });
+        if let Some(e) = &edns {
+            builder.edns(e);
+        }
+        let response = builder.build(metadata, reply.answers.iter(), [], [], []);
+        match response_handle.send_response(response).await {
+            Ok(info) => info,
+            Err(e) => {
+                debug!(error = %e, "dns: sending the response failed");
+                metadata.response_code = ResponseCode::ServFail;
+                ResponseInfo::from(Header {
+                    metadata,
+                    counts: HeaderCounts::default(),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ede_bytes() {
+        let EdnsOption::Unknown(code, data) = ede_option(15, "x") else {
+            panic!("not an unknown option")
+        };
+        assert_eq!(code, 15);
+        assert_eq!(data, vec![0, 15, b'x']);
+    }
+}

@@ -1,0 +1,263 @@
+//! The DNS shim: answers only names the client's org may reach, refuses the
+//! rest without sending a packet upstream, and remembers which addresses it
+//! handed to which org for which name ([`Bindings`]).
+//!
+//! The path of one query:
+//!
+//! 1. UDP: hickory-server's [`Server`] receives it (messages that do not
+//!    decode get FORMERR; responses are dropped). TCP: our own accept loop
+//!    ([`serve_tcp`]) holds one permit per connection (`max_tcp_connections`),
+//!    closes idle connections and hands each message to the same handler.
+//! 2. [`decide::decide_query`] decides purely: client → org, shape, special
+//!    names, the policy's name decision, the query type.
+//! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
+//!    configured servers only, lowercased, cached); the answers are filtered
+//!    (always-denied addresses, `ech`, hints) and bound to (org, name).
+//! 4. Evidence is written before the answer is sent; refusals are queued.
+
+pub mod bindings;
+pub mod decide;
+mod handler;
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use hickory_server::net::xfer::Protocol;
+use hickory_server::net::NetError;
+use hickory_server::proto::op::{Header, HeaderCounts, MessageType, Metadata, ResponseCode};
+use hickory_server::proto::rr::Record;
+use hickory_server::proto::serialize::binary::{
+    BinDecodable, BinDecoder, BinEncodable, BinEncoder,
+};
+use hickory_server::server::{Request, ResponseHandler, ResponseInfo};
+use hickory_server::zone_handler::MessageResponse;
+use hickory_server::Server;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
+
+pub use bindings::Bindings;
+pub use handler::{Shim, EDE_BLOCKED, EDE_OPTION};
+
+/// Queries answered on one TCP connection before it is closed.
+const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
+
+/// Bound sockets for every `[dns] listen` address.
+pub struct DnsListeners {
+    udp: Vec<UdpSocket>,
+    tcp: Vec<TcpListener>,
+}
+
+/// Bind UDP and TCP on every address; the first failure is returned with its address.
+pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io::Error)> {
+    let mut l = DnsListeners {
+        udp: Vec::new(),
+        tcp: Vec::new(),
+    };
+    for &addr in addrs {
+        l.udp
+            .push(UdpSocket::bind(addr).await.map_err(|e| (addr, e))?);
+        l.tcp
+            .push(TcpListener::bind(addr).await.map_err(|e| (addr, e))?);
+    }
+    Ok(l)
+}
+
+/// The hickory handler: a shared [`Shim`].
+struct Handler(Arc<Shim>);
+
+#[async_trait::async_trait]
+impl hickory_server::server::RequestHandler for Handler {
+    async fn handle_request<R: ResponseHandler, T: hickory_server::net::runtime::Time>(
+        &self,
+        request: &Request,
+        response_handle: R,
+    ) -> ResponseInfo {
+        self.0.respond(request, response_handle).await
+    }
+}
+
+/// Serve until `shutdown`; the returned task ends when every listener has stopped.
+pub fn serve(
+    shim: Arc<Shim>,
+    listeners: DnsListeners,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    let DnsListeners { udp, tcp } = listeners;
+    let mut server = Server::new(Handler(shim.clone()));
+    for socket in udp {
+        server.register_socket(socket);
+    }
+    let conns = Arc::new(Semaphore::new(shim.config.max_tcp_connections));
+    let tracker = TaskTracker::new();
+    for listener in tcp {
+        tracker.spawn(serve_tcp(
+            listener,
+            shim.clone(),
+            conns.clone(),
+            shutdown.clone(),
+        ));
+    }
+    tracker.close();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        if let Err(e) = server.shutdown_gracefully().await {
+            warn!(error = %e, "dns: udp server stopped with an error");
+        }
+        tracker.wait().await;
+    })
+}
+
+/// hickory's own TCP loop has no connection cap: accept here, one permit per
+/// connection; over the cap a new connection is closed at once.
+async fn serve_tcp(
+    listener: TcpListener,
+    shim: Arc<Shim>,
+    conns: Arc<Semaphore>,
+    shutdown: CancellationToken,
+) {
+    let tasks = TaskTracker::new();
+    loop {
+        let (stream, src) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    debug!(error = %e, "dns: tcp accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = conns.clone().try_acquire_owned() else {
+            debug!(client = %src, "dns: tcp connection cap reached; closing");
+            drop(stream);
+            continue;
+        };
+        let shim = shim.clone();
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            tcp_connection(stream, src, shim, shutdown).await;
+        });
+    }
+    tasks.close();
+    tasks.wait().await;
+}
+
+async fn tcp_connection(
+    mut stream: TcpStream,
+    src: SocketAddr,
+    shim: Arc<Shim>,
+    stop: CancellationToken,
+) {
+    let idle = shim.config.idle_timeout;
+    let per_query = shim.config.query_timeout;
+    for _ in 0..MAX_QUERIES_PER_TCP_CONNECTION {
+        let mut len = [0u8; 2];
+        let read = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = tokio::time::timeout(idle, stream.read_exact(&mut len)) => r,
+        };
+        if !matches!(read, Ok(Ok(_))) {
+            return;
+        }
+        let n = usize::from(u16::from_be_bytes(len));
+        let mut msg = vec![0u8; n];
+        if !matches!(
+            tokio::time::timeout(per_query, stream.read_exact(&mut msg)).await,
+            Ok(Ok(_))
+        ) {
+            return;
+        }
+        // The handler bounds upstream time itself; this is a backstop.
+        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src)).await;
+        let Ok(Some(resp)) = answer else {
+            continue;
+        };
+        let Ok(resp_len) = u16::try_from(resp.len()) else {
+            return;
+        };
+        let mut out = Vec::with_capacity(resp.len() + 2);
+        out.extend_from_slice(&resp_len.to_be_bytes());
+        out.extend_from_slice(&resp);
+        if !matches!(
+            tokio::time::timeout(per_query, stream.write_all(&out)).await,
+            Ok(Ok(()))
+        ) {
+            return;
+        }
+    }
+}
+
+/// One DNS message in, the encoded answer out (None: no answer), the way
+/// hickory's server treats a UDP message.
+async fn answer_bytes(shim: &Shim, raw: Vec<u8>, src: SocketAddr) -> Option<Vec<u8>> {
+    let header = {
+        let mut decoder = BinDecoder::new(&raw);
+        Header::read(&mut decoder).ok()?
+    };
+    if header.metadata.message_type == MessageType::Response {
+        return None;
+    }
+    match Request::from_bytes(raw, src, Protocol::Tcp) {
+        Ok(request) => {
+            let capture = Capture::default();
+            shim.respond(&request, capture.clone()).await;
+            capture.take()
+        }
+        Err(e) => {
+            debug!(client = %src, error = %e, "dns: undecodable message; FORMERR");
+            let mut metadata = Metadata::response_from_request(&header.metadata);
+            metadata.response_code = ResponseCode::FormErr;
+            let mut bytes = Vec::with_capacity(12);
+            let mut encoder = BinEncoder::new(&mut bytes);
+            Header {
+                metadata,
+                counts: HeaderCounts::default(),
+            }
+            .emit(&mut encoder)
+            .ok()?;
+            Some(bytes)
+        }
+    }
+}
+
+/// A response handler that keeps the encoded response (TCP path).
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Option<Vec<u8>>>>);
+
+impl Capture {
+    fn take(&self) -> Option<Vec<u8>> {
+        self.0.lock().ok()?.take()
+    }
+}
+
+#[async_trait::async_trait]
+impl ResponseHandler for Capture {
+    async fn send_response<'a>(
+        &mut self,
+        response: MessageResponse<
+            '_,
+            'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+            impl Iterator<Item = &'a Record> + Send + 'a,
+        >,
+    ) -> Result<ResponseInfo, NetError> {
+        let mut bytes = Vec::with_capacity(512);
+        let mut encoder = BinEncoder::new(&mut bytes);
+        encoder.set_max_size(u16::MAX);
+        let info = response.destructive_emit(&mut encoder)?;
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(bytes);
+        }
+        Ok(info)
+    }
+}
