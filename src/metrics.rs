@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::policy::{OrgRef, Reason};
@@ -24,6 +24,8 @@ pub struct Metrics {
     pub decision_duration_seconds: HistogramVec,
     pub evidence_records_total: IntCounter,
     pub evidence_write_errors_total: IntCounter,
+    /// Records waiting for the evidence writer.
+    pub evidence_queue_depth: IntGauge,
     pub policy_reloads_total: IntCounterVec,
 }
 
@@ -73,6 +75,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "palisade_evidence_write_errors_total",
             "Evidence writes that failed.",
         )?,
+        evidence_queue_depth: IntGauge::new(
+            "palisade_evidence_queue_depth",
+            "Evidence records queued for the writer thread.",
+        )?,
         policy_reloads_total: counter_vec(
             "palisade_policy_reloads_total",
             "Policy reloads by result (ok, error).",
@@ -91,6 +97,8 @@ fn build() -> Result<Metrics, prometheus::Error> {
         .register(Box::new(m.evidence_records_total.clone()))?;
     m.registry
         .register(Box::new(m.evidence_write_errors_total.clone()))?;
+    m.registry
+        .register(Box::new(m.evidence_queue_depth.clone()))?;
     m.registry
         .register(Box::new(m.policy_reloads_total.clone()))?;
     Ok(m)
