@@ -7,6 +7,7 @@
 //! `.ci/run` or `cargo test --test netns` as root.
 
 mod cli;
+mod evidence;
 mod infra;
 mod lab;
 mod lifecycle;
