@@ -62,11 +62,14 @@ pub async fn run(config: Config) -> Result<(), StartError> {
 
     let evidence =
         Arc::new(
-            Evidence::open(&evidence_config.dir).map_err(|source| StartError::Evidence {
+            Evidence::start(evidence_config).map_err(|source| StartError::Evidence {
                 dir: evidence_config.dir.display().to_string(),
                 source,
             })?,
         );
+    if evidence_config.durability == crate::config::Durability::Discard {
+        warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
+    }
     let resolver = Arc::new(
         Resolver::new(&dns.upstream, dns.resolve_timeout)
             .map_err(|e| StartError::Resolver(e.to_string()))?,
@@ -186,6 +189,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         dns = ?dns.listen,
         admin = ?admin_config.listen,
         evidence = %evidence.path().display(),
+        evidence_key = %evidence.public_key(),
         policy = %policy.hash(),
         orgs = policy.org_count(),
         rules = policy.rule_count(),
@@ -218,6 +222,12 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         );
         hard_stop.cancel();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+    }
+    // Everything is drained: seal the chain with a final signed checkpoint.
+    if evidence.seal().await {
+        info!("evidence sealed");
+    } else {
+        warn!("evidence could not be sealed; `verify` will report an unsealed end");
     }
     if let Some(t) = admin_thread {
         let _ = tokio::task::spawn_blocking(move || t.join()).await;

@@ -54,8 +54,67 @@ enum Command {
 
 #[derive(Subcommand)]
 enum EvidenceCommand {
-    /// Check an evidence file or directory end to end.
-    Verify { path: PathBuf },
+    /// Check an evidence file or directory end to end: hashes, sequence,
+    /// segment links, checkpoint signatures and a sealed end.
+    Verify {
+        path: PathBuf,
+        /// Public key (hex, or a file holding it) every checkpoint must be signed with.
+        #[arg(long)]
+        key: Option<String>,
+        /// Accept a chain whose end is not sealed (a live or crashed instance).
+        #[arg(long)]
+        allow_unsealed: bool,
+    },
+    /// Print the public key of the checkpoint signing key (hex).
+    Pubkey {
+        #[arg(short, long, default_value = "config/palisade.toml")]
+        config: PathBuf,
+    },
+    /// Print decision and close records that match every filter given.
+    Query {
+        path: PathBuf,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// A tab-separated table instead of JSON Lines.
+        #[arg(long)]
+        table: bool,
+    },
+    /// Export decision and close records in another schema.
+    Export {
+        path: PathBuf,
+        /// Output schema: ocsf (OCSF 1.x JSON Lines).
+        #[arg(long)]
+        format: ExportFormat,
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ExportFormat {
+    Ocsf,
+}
+
+#[derive(clap::Args)]
+struct FilterArgs {
+    /// Org name (`unknown` for clients of no org).
+    #[arg(long)]
+    org: Option<String>,
+    /// allow or deny.
+    #[arg(long)]
+    decision: Option<String>,
+    /// Reason code, e.g. no_matching_rule.
+    #[arg(long)]
+    reason: Option<String>,
+    /// Records at or after this RFC 3339 time.
+    #[arg(long)]
+    since: Option<String>,
+    /// Records at or before this RFC 3339 time.
+    #[arg(long)]
+    until: Option<String>,
+    /// Target host: exact name or *.example.com.
+    #[arg(long)]
+    host: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -69,9 +128,24 @@ fn main() -> ExitCode {
             target,
             json,
         } => explain(config, client, &target, json),
-        Command::Evidence {
-            command: EvidenceCommand::Verify { path },
-        } => verify(path),
+        Command::Evidence { command } => match command {
+            EvidenceCommand::Verify {
+                path,
+                key,
+                allow_unsealed,
+            } => verify(path, key, allow_unsealed),
+            EvidenceCommand::Pubkey { config } => pubkey(config),
+            EvidenceCommand::Query {
+                path,
+                filter,
+                table,
+            } => query(path, filter, Some(table)),
+            EvidenceCommand::Export {
+                path,
+                format: ExportFormat::Ocsf,
+                filter,
+            } => query(path, filter, None),
+        },
     }
 }
 
@@ -204,14 +278,94 @@ fn explain(path: PathBuf, client: IpAddr, target: &str, json: bool) -> ExitCode 
     ExitCode::SUCCESS
 }
 
-fn verify(path: PathBuf) -> ExitCode {
-    match palisade::evidence::verify::verify_path(&path) {
+fn verify(path: PathBuf, key: Option<String>, allow_unsealed: bool) -> ExitCode {
+    use palisade::evidence::{chain, verify};
+    let key = match key {
+        None => None,
+        Some(k) => {
+            let text = std::fs::read_to_string(&k).unwrap_or(k);
+            match chain::parse_pubkey(&text) {
+                Some(k) => Some(k),
+                None => {
+                    eprintln!("palisade: --key: not an Ed25519 public key (64 hex characters, or a file holding them)");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    };
+    let opts = verify::Options {
+        key,
+        allow_unsealed,
+    };
+    match verify::verify_with(&path, &opts) {
         Ok(summary) => {
             println!("{summary}");
             ExitCode::SUCCESS
         }
         Err(e) => {
+            println!("broken: {e}");
             eprintln!("{e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn pubkey(path: PathBuf) -> ExitCode {
+    let config = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    match palisade::evidence::key::load(&config.evidence.key) {
+        Ok(k) => {
+            println!("{}", palisade::evidence::key::public_hex(&k));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("palisade: {e} (palisade run creates it on first start)");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn parse_time(
+    flag: &str,
+    value: Option<String>,
+) -> Result<Option<std::time::SystemTime>, ExitCode> {
+    match value {
+        None => Ok(None),
+        Some(v) => humantime::parse_rfc3339_weak(&v).map(Some).map_err(|e| {
+            eprintln!(
+                "palisade: --{flag} {v:?}: {e} (expected RFC 3339, e.g. 2026-01-02T03:04:05Z)"
+            );
+            ExitCode::from(2)
+        }),
+    }
+}
+
+/// `query` (table: Some) or `export --format ocsf` (table: None).
+fn query(path: PathBuf, f: FilterArgs, table: Option<bool>) -> ExitCode {
+    use palisade::evidence::query;
+    let filter = match (parse_time("since", f.since), parse_time("until", f.until)) {
+        (Ok(since), Ok(until)) => query::Filter {
+            org: f.org,
+            decision: f.decision,
+            reason: f.reason,
+            since,
+            until,
+            host: f.host.map(|h| h.trim_end_matches('.').to_ascii_lowercase()),
+        },
+        (Err(code), _) | (_, Err(code)) => return code,
+    };
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    let result = match table {
+        Some(table) => query::query(&path, &filter, table, &mut out),
+        None => query::export_ocsf(&path, &filter, &mut out),
+    };
+    match result.and_then(|_| std::io::Write::flush(&mut out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("palisade: {}: {e}", path.display());
             ExitCode::from(1)
         }
     }

@@ -5,8 +5,8 @@
 use std::sync::OnceLock;
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::policy::{OrgRef, Reason};
@@ -24,6 +24,8 @@ pub struct Metrics {
     pub decision_duration_seconds: HistogramVec,
     pub evidence_records_total: IntCounter,
     pub evidence_write_errors_total: IntCounter,
+    /// Records waiting for the evidence writer.
+    pub evidence_queue_depth: IntGauge,
     pub policy_reloads_total: IntCounterVec,
     /// 1, labelled with the version and the policy hash being served.
     pub build_info: IntGaugeVec,
@@ -91,6 +93,10 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "palisade_evidence_write_errors_total",
             "Evidence writes that failed.",
         )?,
+        evidence_queue_depth: IntGauge::new(
+            "palisade_evidence_queue_depth",
+            "Evidence records queued for the writer thread.",
+        )?,
         policy_reloads_total: counter_vec(
             "palisade_policy_reloads_total",
             "Policy reloads by result (ok, error).",
@@ -134,6 +140,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         Box::new(m.decision_duration_seconds.clone()),
         Box::new(m.evidence_records_total.clone()),
         Box::new(m.evidence_write_errors_total.clone()),
+        Box::new(m.evidence_queue_depth.clone()),
         Box::new(m.policy_reloads_total.clone()),
         Box::new(m.build_info.clone()),
         Box::new(m.policy_loaded_timestamp_seconds.clone()),

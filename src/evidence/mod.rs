@@ -1,21 +1,40 @@
 //! Evidence: one JSON object per decision or close, written as JSON Lines and
-//! handed to the operating system (a completed `write(2)`) before the caller
-//! lets any allowed byte flow. A failed write makes the writer unhealthy and
-//! the caller denies `evidence_unavailable`: nothing is allowed unrecorded.
+//! handed to the operating system (a completed `write(2)`, or `fdatasync`
+//! with `durability = "fsync"`) before the caller lets any allowed byte
+//! flow. A failed write makes the writer unhealthy and the caller denies
+//! `evidence_unavailable`: nothing is allowed unrecorded.
+//!
+//! Records are hash-chained ([`chain`]), signed at checkpoints with an
+//! Ed25519 key ([`key`]), and written by one dedicated thread
+//! ([`writer`]) in batches, into rotating segment files ([`segment`]).
+//! [`verify`] checks a directory end to end; [`query`] filters and exports.
 
+pub mod chain;
+pub mod key;
+pub mod query;
+pub mod segment;
 pub mod verify;
+mod writer;
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::config::{Durability, EvidenceConfig};
 use crate::policy::{Reason, Verdict};
+use writer::{Ids, Msg, Queue, Shared, Writer};
+
+/// Fields every record has (null where not known), in CONTRACT order.
+pub const CONTRACT_FIELDS: [&str; 15] = [
+    "id", "ts", "kind", "event", "org", "client", "mode", "host", "port", "sni", "ip", "decision",
+    "reason", "rule", "policy",
+];
 
 /// `kind` of a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -156,82 +175,254 @@ impl Record {
 
 /// Evidence could not be written.
 #[derive(Debug, thiserror::Error)]
-#[error("evidence unavailable: {0}")]
-pub struct EvidenceError(#[from] io::Error);
+pub enum EvidenceError {
+    #[error("evidence unavailable: {0}")]
+    Io(#[from] io::Error),
+    #[error("evidence unavailable: the writer could not write the record")]
+    Unavailable,
+    #[error("evidence unavailable: the chain is sealed")]
+    Sealed,
+}
 
-/// The evidence writer shared by every listener.
-#[derive(Debug)]
+/// The evidence writer shared by every listener. Cheap to call from any
+/// task: records go to a dedicated writer thread through a bounded queue.
 pub struct Evidence {
-    file: Mutex<File>,
-    path: PathBuf,
-    id_prefix: String,
-    seq: AtomicU64,
-    healthy: AtomicBool,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    dir: PathBuf,
+    segment: PathBuf,
+    durability: Durability,
+    public_key: String,
+}
+
+impl std::fmt::Debug for Evidence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Evidence")
+            .field("dir", &self.dir)
+            .field("durability", &self.durability)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Evidence {
-    /// Create `dir` if needed and open a new segment file in it.
+    /// Open `dir` with default settings (key beside the dir, `os`
+    /// durability, default checkpoints and rotation).
     pub fn open(dir: &Path) -> io::Result<Evidence> {
-        std::fs::create_dir_all(dir)?;
+        Evidence::start(&EvidenceConfig::for_dir(dir))
+    }
+
+    /// Load (or create) the signing key, find the chain head in the dir,
+    /// open a new segment and start the writer thread.
+    pub fn start(cfg: &EvidenceConfig) -> io::Result<Evidence> {
+        let key = key::load_or_create(&cfg.key)?;
+        let public_key = key::public_hex(&key);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let id_prefix = format!("{:x}{:05x}", now.as_secs(), now.subsec_micros());
-        let stamp = humantime::format_rfc3339_seconds(SystemTime::now())
-            .to_string()
-            .replace(':', "");
-        let path = dir.join(format!("palisade-{stamp}-{id_prefix}.jsonl"));
-        let file = OpenOptions::new()
-            .create_new(true)
-            .append(true)
-            .open(&path)?;
-        Ok(Evidence {
-            file: Mutex::new(file),
-            path,
-            id_prefix,
-            seq: AtomicU64::new(0),
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+            slots: tokio::sync::Semaphore::new(writer::QUEUE_CAPACITY),
             healthy: AtomicBool::new(true),
+            closed: AtomicBool::new(false),
+            ids: Ids {
+                prefix: format!("{:x}{:05x}", now.as_secs(), now.subsec_micros()),
+                next: AtomicU64::new(0),
+            },
+        });
+        let w = Writer::open(cfg.clone(), key, shared.clone())?;
+        let segment = w.current_path();
+        let thread = std::thread::Builder::new()
+            .name("evidence-writer".into())
+            .spawn(move || w.run())?;
+        Ok(Evidence {
+            shared,
+            thread: Mutex::new(Some(thread)),
+            dir: cfg.dir.clone(),
+            segment,
+            durability: cfg.durability,
+            public_key,
         })
     }
 
+    /// The evidence directory.
     pub fn path(&self) -> &Path {
-        &self.path
+        &self.dir
     }
 
-    /// Whether the last write succeeded.
+    /// The segment opened at start.
+    pub fn first_segment(&self) -> &Path {
+        &self.segment
+    }
+
+    /// The checkpoint public key (hex).
+    pub fn public_key(&self) -> &str {
+        &self.public_key
+    }
+
+    /// Whether the last write succeeded (and the chain is not sealed).
     pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Relaxed)
+        self.shared.healthy.load(Ordering::Relaxed) && !self.shared.closed.load(Ordering::Relaxed)
+    }
+
+    fn stamp(
+        &self,
+        record: &mut Record,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, EvidenceError> {
+        record.id = self.shared.ids.next();
+        record.ts = writer::now_ts();
+        match serde_json::to_value(&*record).map_err(io::Error::other)? {
+            serde_json::Value::Object(m) => Ok(m),
+            _ => Err(EvidenceError::Io(io::Error::other(
+                "record is not an object",
+            ))),
+        }
+    }
+
+    fn enqueue(&self, msg: Msg) -> Result<(), Msg> {
+        let mut q = match self.shared.queue.lock() {
+            Ok(q) => q,
+            Err(p) => p.into_inner(),
+        };
+        if self.shared.closed.load(Ordering::Relaxed) || q.stop.is_some() {
+            return Err(msg);
+        }
+        q.items.push_back(msg);
+        drop(q);
+        self.shared.cv.notify_one();
+        Ok(())
     }
 
     /// Assign `id` and `ts` and write the record. When this returns `Ok`
-    /// the bytes are with the operating system.
+    /// the bytes are with the operating system (`os`) or on disk (`fsync`).
+    /// Waits for room in the writer's queue (back-pressure).
     pub async fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
-        self.write_now(record)
+        let fields = self.stamp(record)?;
+        let permit = self
+            .shared
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| EvidenceError::Sealed)?;
+        permit.forget();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let msg = Msg {
+            fields,
+            ack: Some(tx),
+            permit: true,
+        };
+        if self.enqueue(msg).is_err() {
+            self.shared.slots.add_permits(1);
+            return Err(EvidenceError::Sealed);
+        }
+        match rx.await {
+            Ok(true) => Ok(()),
+            _ => Err(EvidenceError::Unavailable),
+        }
     }
 
     /// Assign `id` and `ts` and queue the record without waiting for it to
-    /// be written; it is never dropped. For records that let nothing through
-    /// (close records, refusals under load).
+    /// be written. It is never dropped: over the queue's capacity it still
+    /// goes in (accept loops wait for room with [`Evidence::wait_capacity`]),
+    /// and after a write error it is kept until writing works again.
+    /// For records that let nothing through (close records, refusals).
     pub fn submit(&self, record: &mut Record) {
-        let _ = self.write_now(record);
+        let fields = match self.stamp(record) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(error = %e, "evidence record not serialisable");
+                crate::metrics::metrics().evidence_write_errors_total.inc();
+                return;
+            }
+        };
+        let permit = match self.shared.slots.try_acquire() {
+            Ok(p) => {
+                p.forget();
+                true
+            }
+            Err(_) => false,
+        };
+        let msg = Msg {
+            fields,
+            ack: None,
+            permit,
+        };
+        if let Err(msg) = self.enqueue(msg) {
+            if msg.permit {
+                self.shared.slots.add_permits(1);
+            }
+            tracing::error!(id = %record.id, "evidence record submitted after the seal");
+            crate::metrics::metrics().evidence_write_errors_total.inc();
+        }
     }
 
-    fn write_now(&self, record: &mut Record) -> Result<(), EvidenceError> {
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        record.id = format!("{}-{seq}", self.id_prefix);
-        record.ts = humantime::format_rfc3339_micros(SystemTime::now()).to_string();
-        let mut line = serde_json::to_vec(record).map_err(io::Error::other)?;
-        line.push(b'\n');
-        let result = match self.file.lock() {
-            Ok(mut file) => file.write_all(&line),
-            Err(_) => Err(io::Error::other("evidence writer poisoned")),
-        };
-        self.healthy.store(result.is_ok(), Ordering::Relaxed);
-        let m = crate::metrics::metrics();
-        match result {
-            Ok(()) => m.evidence_records_total.inc(),
-            Err(_) => m.evidence_write_errors_total.inc(),
+    /// Wait until the writer's queue has room (accept loops call this so a
+    /// flood of connections waits instead of piling up records).
+    pub async fn wait_capacity(&self) {
+        if let Ok(p) = self.shared.slots.acquire().await {
+            drop(p);
         }
-        result.map_err(EvidenceError)
+    }
+
+    /// Write everything queued, then a final signed `seal` record, and stop
+    /// the writer. Later writes fail. Returns whether the seal was written.
+    pub async fn seal(&self) -> bool {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        {
+            let mut q = match self.shared.queue.lock() {
+                Ok(q) => q,
+                Err(p) => p.into_inner(),
+            };
+            if q.stop.is_some() || self.shared.closed.load(Ordering::Relaxed) {
+                return false;
+            }
+            q.stop = Some(tx);
+        }
+        self.shared.cv.notify_one();
+        let sealed = rx.await.unwrap_or(false);
+        self.join();
+        sealed
+    }
+
+    /// Stop the writer without sealing, as a crash would (tests).
+    #[doc(hidden)]
+    pub fn abandon(&self) {
+        if let Ok(mut q) = self.shared.queue.lock() {
+            q.abandon = true;
+        }
+        self.shared.closed.store(true, Ordering::Relaxed);
+        self.shared.cv.notify_one();
+        self.join();
+    }
+
+    fn join(&self) {
+        let handle = match self.thread.lock() {
+            Ok(mut t) => t.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
     }
 }
+
+impl Drop for Evidence {
+    /// An Evidence dropped without [`Evidence::seal`] seals on the way out.
+    fn drop(&mut self) {
+        let running = self.thread.lock().map(|t| t.is_some()).unwrap_or(false);
+        if !running {
+            return;
+        }
+        let (tx, _rx) = tokio::sync::oneshot::channel();
+        if let Ok(mut q) = self.shared.queue.lock() {
+            if q.stop.is_none() {
+                q.stop = Some(tx);
+            }
+        }
+        self.shared.cv.notify_one();
+        self.join();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,32 +1,121 @@
-//! `palisade evidence verify`: read every record of a file or directory and
-//! check it is a complete evidence record.
+//! `palisade evidence verify`: check a directory (or one segment file) end to
+//! end: every line in canonical form, every hash, `seq` and `prev` link,
+//! every segment header (its own name, its link to the segment before, how
+//! the one before ended), every checkpoint signature, and a sealed end.
+//!
+//! The first problem is reported with its file and line. A torn last line
+//! (a crash mid-write) is told apart from tampering: it is accepted inside
+//! the chain only where the next segment's header recorded it, and at the
+//! very end it is "truncated tail at FILE:LINE, N records intact".
 
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
-/// Fields every record carries (null allowed where not known).
-const REQUIRED: [&str; 15] = [
-    "id", "ts", "kind", "event", "org", "client", "mode", "host", "port", "sni", "ip", "decision",
-    "reason", "rule", "policy",
-];
+use ed25519_dalek::VerifyingKey;
+use serde_json::{Map, Value};
+
+use super::chain::{self, GENESIS};
+use super::segment::{self, split_lines};
+use super::CONTRACT_FIELDS;
+
+/// What to accept.
+#[derive(Debug, Default, Clone)]
+pub struct Options {
+    /// The public key every checkpoint must be signed with. Without it the
+    /// key named in the segment headers is used (consistency, not origin).
+    pub key: Option<VerifyingKey>,
+    /// Accept an end that is not sealed (live or crashed instance).
+    pub allow_unsealed: bool,
+}
 
 /// An intact evidence set.
 #[derive(Debug, Default)]
 pub struct Summary {
     pub files: usize,
+    /// Every chained record, headers and checkpoints included.
     pub records: u64,
+    /// Decision and close records.
+    pub traffic: u64,
     pub allow: u64,
     pub deny: u64,
+    pub closes: u64,
+    pub checkpoints: u64,
+    pub first_ts: Option<String>,
+    pub last_ts: Option<String>,
+    /// Decisions per org (`unknown` for clients of no org): (allow, deny).
+    pub orgs: BTreeMap<String, (u64, u64)>,
+    pub first_seq: u64,
+    pub last_seq: u64,
+    pub sealed: bool,
+    /// Records after the last checkpoint (unsealed end).
+    pub unsigned_tail: u64,
+    /// `truncated tail at FILE:LINE` when the end is torn.
+    pub torn_tail: Option<String>,
+    pub key: Option<String>,
+    pub key_pinned: bool,
+    /// Things that are not errors but an assessor should know.
+    pub notes: Vec<String>,
 }
 
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
+        writeln!(
             f,
-            "intact: {} records in {} files ({} allow, {} deny decisions)",
-            self.records, self.files, self.allow, self.deny
-        )
+            "intact: {} records in {} files (seq {}..={})",
+            self.records, self.files, self.first_seq, self.last_seq
+        )?;
+        writeln!(
+            f,
+            "  time span: {} .. {}",
+            self.first_ts.as_deref().unwrap_or("-"),
+            self.last_ts.as_deref().unwrap_or("-")
+        )?;
+        writeln!(
+            f,
+            "  decisions: {} allow, {} deny; {} close records; {} checkpoints",
+            self.allow, self.deny, self.closes, self.checkpoints
+        )?;
+        let orgs: Vec<String> = self
+            .orgs
+            .iter()
+            .map(|(o, (a, d))| format!("{o} ({a} allow, {d} deny)"))
+            .collect();
+        writeln!(
+            f,
+            "  orgs: {}",
+            if orgs.is_empty() {
+                "-".into()
+            } else {
+                orgs.join(", ")
+            }
+        )?;
+        writeln!(
+            f,
+            "  signatures: {} key {}",
+            if self.key_pinned {
+                "pinned"
+            } else {
+                "embedded (pass --key to pin)"
+            },
+            self.key.as_deref().unwrap_or("-")
+        )?;
+        if self.sealed {
+            write!(f, "  end: sealed")?;
+        } else {
+            write!(
+                f,
+                "  end: NOT sealed; {} records after the last checkpoint",
+                self.unsigned_tail
+            )?;
+            if let Some(t) = &self.torn_tail {
+                write!(f, "; {t}")?;
+            }
+        }
+        for n in &self.notes {
+            write!(f, "\n  note: {n}")?;
+        }
+        Ok(())
     }
 }
 
@@ -39,7 +128,7 @@ pub struct VerifyError {
     pub message: String,
 }
 
-fn files(path: &Path) -> Result<Vec<PathBuf>, VerifyError> {
+fn files(path: &Path) -> Result<(Vec<PathBuf>, bool), VerifyError> {
     let err = |message: String| VerifyError {
         file: path.display().to_string(),
         line: 0,
@@ -47,56 +136,298 @@ fn files(path: &Path) -> Result<Vec<PathBuf>, VerifyError> {
     };
     let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
     if meta.is_file() {
-        return Ok(vec![path.to_path_buf()]);
+        return Ok((vec![path.to_path_buf()], true));
     }
-    let mut list: Vec<PathBuf> = std::fs::read_dir(path)
-        .map_err(|e| err(e.to_string()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .collect();
-    list.sort();
+    let list = segment::list(path).map_err(|e| err(e.to_string()))?;
     if list.is_empty() {
-        return Err(err("no evidence files (*.jsonl)".into()));
+        return Err(err("no evidence segments (*.jsonl)".into()));
     }
-    Ok(list)
+    Ok((list, false))
+}
+
+/// The header of a segment: its first line, if it parses.
+fn header_of(path: &Path) -> Option<Map<String, Value>> {
+    let data = std::fs::read(path).ok()?;
+    let end = data.iter().position(|b| *b == b'\n')?;
+    match serde_json::from_slice::<Value>(&data[..end]).ok()? {
+        Value::Object(m) if m.get("event").and_then(Value::as_str) == Some("segment_start") => {
+            Some(m)
+        }
+        _ => None,
+    }
+}
+
+fn str_of<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
+    m.get(k).and_then(Value::as_str)
+}
+
+/// Check every record under `path` with default options (sealed end
+/// required, embedded key).
+pub fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
+    verify_with(path, &Options::default())
 }
 
 /// Check every record under `path`.
-pub fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
-    let mut summary = Summary::default();
-    for file in files(path)? {
-        summary.files += 1;
+pub fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> {
+    let (list, single) = files(path)?;
+    let headers: Vec<Option<Map<String, Value>>> = list.iter().map(|p| header_of(p)).collect();
+    // Hashes of segments removed by retention, as recorded by later headers.
+    let removed: HashSet<String> = headers
+        .iter()
+        .flatten()
+        .filter_map(|h| h.get("removed").and_then(Value::as_array))
+        .flatten()
+        .filter_map(|r| r.get("last_hash").and_then(Value::as_str).map(String::from))
+        .collect();
+
+    let mut s = Summary {
+        files: list.len(),
+        key_pinned: opts.key.is_some(),
+        ..Summary::default()
+    };
+    let mut key: Option<VerifyingKey> = opts.key;
+    if let Some(k) = &key {
+        s.key = Some(chain::hex(k.as_bytes()));
+    }
+    let mut prev_hash: Option<String> = None;
+    let mut prev_seq: Option<u64> = None;
+    let mut last_event = String::new();
+    let mut unsigned: u64 = 0;
+    let mut last_line: u64 = 0;
+
+    for (i, file) in list.iter().enumerate() {
         let name = file.display().to_string();
-        let f = std::fs::File::open(&file).map_err(|e| VerifyError {
+        let base = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let data = std::fs::read(file).map_err(|e| VerifyError {
             file: name.clone(),
             line: 0,
             message: e.to_string(),
         })?;
-        for (n, line) in BufReader::new(f).lines().enumerate() {
+        let (lines, torn) = split_lines(&data);
+        // How this segment's successor says it ended.
+        let successor = headers
+            .get(i + 1)
+            .and_then(|h| h.as_ref())
+            .and_then(|h| h.get("predecessor"))
+            .and_then(Value::as_object)
+            .filter(|p| str_of(p, "segment") == Some(base.as_str()));
+        let counted = successor
+            .and_then(|p| p.get("lines"))
+            .and_then(Value::as_u64)
+            .map_or(lines.len(), |n| (n as usize).min(lines.len()));
+        if counted < lines.len() {
+            s.notes.push(format!(
+                "{name}: lines {}..={} were cut off after a write error (recorded by the next segment's header)",
+                counted + 1,
+                lines.len()
+            ));
+        }
+
+        for (n, raw) in lines.iter().take(counted).enumerate() {
             let lineno = n as u64 + 1;
             let bad = |message: String| VerifyError {
                 file: name.clone(),
                 line: lineno,
                 message,
             };
-            let line = line.map_err(|e| bad(e.to_string()))?;
-            let value: serde_json::Value =
-                serde_json::from_str(&line).map_err(|e| bad(format!("not a JSON record: {e}")))?;
-            let obj = value
-                .as_object()
-                .ok_or_else(|| bad("not a JSON object".into()))?;
-            if let Some(missing) = REQUIRED.iter().find(|k| !obj.contains_key(**k)) {
+            let value: Value = serde_json::from_slice(raw)
+                .map_err(|e| bad(format!("not a JSON record ({e}): record edited")))?;
+            let Value::Object(m) = &value else {
+                return Err(bad("not a JSON object".into()));
+            };
+            let mut canon = Vec::with_capacity(raw.len());
+            chain::canonical_into(&value, &mut canon);
+            if canon != *raw {
+                return Err(bad("line is not in canonical form: record edited".into()));
+            }
+            if let Some(missing) = CONTRACT_FIELDS.iter().find(|k| !m.contains_key(**k)) {
                 return Err(bad(format!("record lacks field {missing:?}")));
             }
-            summary.records += 1;
-            if obj.get("event").and_then(|v| v.as_str()) == Some("decision") {
-                match obj.get("decision").and_then(|v| v.as_str()) {
-                    Some("allow") => summary.allow += 1,
-                    Some("deny") => summary.deny += 1,
-                    other => return Err(bad(format!("bad decision {other:?}"))),
+            let hash = str_of(m, "hash").ok_or_else(|| bad("record has no hash".into()))?;
+            if chain::record_hash(m) != hash {
+                return Err(bad("hash does not match the record: record edited".into()));
+            }
+            let seq = m
+                .get("seq")
+                .and_then(Value::as_u64)
+                .ok_or_else(|| bad("record has no seq".into()))?;
+            let prev = str_of(m, "prev").ok_or_else(|| bad("record has no prev".into()))?;
+            let event = str_of(m, "event").unwrap_or_default();
+
+            if n == 0 {
+                if event != "segment_start" {
+                    return Err(bad(
+                        "segment does not start with a segment_start header".into()
+                    ));
                 }
+                if str_of(m, "segment") != Some(base.as_str()) && !single {
+                    return Err(bad(format!(
+                        "header names segment {:?}, file is {base:?}: segment renamed or swapped",
+                        str_of(m, "segment").unwrap_or("")
+                    )));
+                }
+                if key.is_none() {
+                    key = str_of(m, "key").and_then(chain::parse_pubkey);
+                    s.key = str_of(m, "key").map(String::from);
+                }
+                let pred = m.get("predecessor").and_then(Value::as_object);
+                match (&prev_hash, pred) {
+                    (None, _) => {
+                        s.first_seq = seq;
+                        if prev != GENESIS && !removed.contains(prev) {
+                            if single {
+                                s.notes.push(format!(
+                                    "{name} continues a chain from an earlier segment not checked here"
+                                ));
+                            } else {
+                                return Err(bad(format!(
+                                    "chain starts at seq {seq} linking to {prev}, which no segment and no retention record accounts for: earlier segment missing"
+                                )));
+                            }
+                        }
+                    }
+                    (Some(_), None) => {
+                        return Err(bad("header does not describe the segment before it".into()))
+                    }
+                    (Some(_), Some(p)) => {
+                        let end = str_of(p, "end").unwrap_or_default();
+                        let closed = matches!(last_event.as_str(), "seal" | "checkpoint");
+                        if !closed && !matches!(end, "crash" | "write_error") {
+                            return Err(bad(format!(
+                                "the segment before ends without a checkpoint but this header says it ended by {end:?}"
+                            )));
+                        }
+                        if p.get("last_seq").and_then(Value::as_u64) != prev_seq {
+                            return Err(bad(
+                                "header's predecessor last_seq does not match the segment before: records missing"
+                                    .into(),
+                            ));
+                        }
+                    }
+                }
+            } else if event == "segment_start" {
+                return Err(bad(
+                    "segment_start header inside a segment: record inserted".into(),
+                ));
+            }
+
+            if let Some(ps) = prev_seq {
+                if seq != ps + 1 {
+                    return Err(bad(format!(
+                        "seq {seq} follows seq {ps}: record deleted, inserted or reordered"
+                    )));
+                }
+            }
+            if let Some(ph) = &prev_hash {
+                if prev != ph {
+                    return Err(bad(
+                        "prev does not match the previous record's hash: record deleted, inserted or reordered"
+                            .into(),
+                    ));
+                }
+            }
+
+            match event {
+                "checkpoint" | "seal" => {
+                    let Some(k) = &key else {
+                        return Err(bad("checkpoint but no public key to check it".into()));
+                    };
+                    if !chain::check_sig(m, k) {
+                        return Err(bad(format!("bad {event} signature")));
+                    }
+                    s.checkpoints += 1;
+                    unsigned = 0;
+                }
+                _ => unsigned += 1,
+            }
+            match event {
+                "decision" => {
+                    s.traffic += 1;
+                    let org = str_of(m, "org").unwrap_or("unknown").to_string();
+                    let e = s.orgs.entry(org).or_default();
+                    match str_of(m, "decision") {
+                        Some("allow") => {
+                            s.allow += 1;
+                            e.0 += 1;
+                        }
+                        Some("deny") => {
+                            s.deny += 1;
+                            e.1 += 1;
+                        }
+                        other => return Err(bad(format!("bad decision {other:?}"))),
+                    }
+                }
+                "close" => {
+                    s.traffic += 1;
+                    s.closes += 1;
+                }
+                _ => {}
+            }
+            if let Some(ts) = str_of(m, "ts") {
+                if s.first_ts.is_none() {
+                    s.first_ts = Some(ts.to_string());
+                }
+                s.last_ts = Some(ts.to_string());
+            }
+            s.records += 1;
+            s.last_seq = seq;
+            prev_seq = Some(seq);
+            prev_hash = Some(hash.to_string());
+            last_event = event.to_string();
+            last_line = lineno;
+        }
+
+        if counted == lines.len() && !torn.is_empty() {
+            let torn_line = lines.len() as u64 + 1;
+            let recorded = successor.is_some_and(|p| {
+                p.get("torn_line").and_then(Value::as_u64) == Some(torn_line)
+                    || str_of(p, "end") == Some("write_error")
+            });
+            if i + 1 == list.len() {
+                let msg = format!(
+                    "truncated tail at {name}:{torn_line}, {} records intact",
+                    s.records
+                );
+                if !opts.allow_unsealed {
+                    return Err(VerifyError {
+                        file: name,
+                        line: torn_line,
+                        message: format!("{msg} (a crash mid-write; --allow-unsealed accepts it)"),
+                    });
+                }
+                s.torn_tail = Some(msg);
+            } else if !recorded {
+                return Err(VerifyError {
+                    file: name,
+                    line: torn_line,
+                    message: "incomplete line that the next segment's header does not record: segment truncated"
+                        .into(),
+                });
+            } else {
+                s.notes.push(format!(
+                    "{name}:{torn_line}: torn line from a crash, recorded by the next segment's header"
+                ));
             }
         }
     }
-    Ok(summary)
+
+    s.sealed = last_event == "seal";
+    s.unsigned_tail = unsigned;
+    if !s.sealed && !opts.allow_unsealed {
+        let last = list
+            .last()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        return Err(VerifyError {
+            file: last,
+            line: last_line,
+            message: format!(
+                "chain end is not sealed ({unsigned} records after the last checkpoint): records may have been dropped from the tail; --allow-unsealed accepts a live or crashed instance"
+            ),
+        });
+    }
+    Ok(s)
 }

@@ -268,9 +268,13 @@ pub async fn dial(
 /// Accept connections on an explicit-proxy listener until shutdown.
 pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
     loop {
+        // A full evidence queue holds new connections back (never drops records).
         let accepted = tokio::select! {
             _ = ctx.shutdown.cancelled() => break,
-            a = listener.accept() => a,
+            a = async {
+                ctx.evidence.wait_capacity().await;
+                listener.accept().await
+            } => a,
         };
         let (stream, peer) = match accepted {
             Ok(a) => a,

@@ -464,6 +464,8 @@ pub struct LabBuilder {
     dns_listen: Vec<String>,
     dns_extra: String,
     second_client: bool,
+    evidence_lines: String,
+    evidence_tmpfs: Option<String>,
 }
 
 impl LabBuilder {
@@ -497,6 +499,17 @@ impl LabBuilder {
         self.second_client = true;
         self
     }
+    /// Extra `key = value` lines for the `[evidence]` table.
+    pub fn evidence_config(mut self, lines: &str) -> Self {
+        self.evidence_lines = lines.to_owned();
+        self
+    }
+    /// Run Palisade in a private mount namespace in which the evidence dir
+    /// is a tmpfs of `size` (e.g. "1m"); it vanishes with the process.
+    pub fn evidence_tmpfs(mut self, size: &str) -> Self {
+        self.evidence_tmpfs = Some(size.to_owned());
+        self
+    }
     /// Set up namespaces and fixtures but do not launch Palisade.
     pub fn without_proxy(mut self) -> Self {
         self.start_proxy = false;
@@ -521,6 +534,7 @@ pub struct Lab {
     proxy: Option<Child>,
     namespaces: Vec<String>,
     seq: AtomicU32,
+    evidence_tmpfs: Option<String>,
 }
 
 impl Lab {
@@ -534,6 +548,8 @@ impl Lab {
             dns_listen: Vec::new(),
             dns_extra: String::new(),
             second_client: false,
+            evidence_lines: String::new(),
+            evidence_tmpfs: None,
         }
     }
 
@@ -568,6 +584,7 @@ impl Lab {
             proxy: None,
             namespaces: Vec::new(),
             seq: AtomicU32::new(0),
+            evidence_tmpfs: b.evidence_tmpfs.clone(),
         };
         {
             // `ip netns add` mounts /run/netns on first use; serialise the
@@ -735,12 +752,13 @@ impl Lab {
         let dns_listen: Vec<String> = b.dns_listen.iter().map(|a| format!("{a:?}")).collect();
         format!(
             "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = [{}]\nupstream = [\"{DNS_IP}:53\"]\n{}\n\
-             [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n",
+             [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n{}\n",
             listen.join(", "),
             dns_listen.join(", "),
             b.dns_extra,
             b.admin_listen,
             self.evidence_dir.display().to_string(),
+            b.evidence_lines,
             b.policy
         )
     }
@@ -751,9 +769,21 @@ impl Lab {
         let stdout = fs::File::create(self.dir.join("palisade.stdout")).unwrap();
         let stderr = fs::File::create(self.dir.join("palisade.stderr")).unwrap();
         // `ip netns exec` execs the command, so the child pid is Palisade's.
+        let mut cmd = match &self.evidence_tmpfs {
+            None => Command::new("ip"),
+            Some(size) => {
+                // unshare and sh exec in place: the child pid stays Palisade's.
+                let mut c = Command::new("unshare");
+                c.args(["-m", "--propagation", "private", "sh", "-c"])
+                    .arg(format!(
+                        "mount -t tmpfs -o size={size},mode=0700 palisade-test \"$0\" && exec ip \"$@\""
+                    ))
+                    .arg(&self.evidence_dir);
+                c
+            }
+        };
         let child = sanitize(
-            Command::new("ip")
-                .args(["netns", "exec", &self.ns_proxy, palisade_bin(), "run", "-c"])
+            cmd.args(["netns", "exec", &self.ns_proxy, palisade_bin(), "run", "-c"])
                 .arg(&self.config_path),
         )
         .env("RUST_BACKTRACE", "1")
@@ -812,6 +842,48 @@ impl Lab {
             "palisade /readyz not 200 within {READY_TIMEOUT:?}\n{}",
             self.proxy_output()
         );
+    }
+
+    /// Run a command in Palisade's own mount namespace (where a tmpfs
+    /// evidence dir is visible), via nsenter.
+    pub fn proxy_mnt_exec(&self, prog: &str, args: &[&str]) -> CmdOutput {
+        let pid = self.proxy_pid().to_string();
+        run_with_timeout(
+            Command::new("nsenter")
+                .args(["-t", &pid, "-m", "--", prog])
+                .args(args),
+            None,
+            CMD_TIMEOUT,
+        )
+    }
+
+    /// SIGKILL Palisade and reap it (a crash).
+    pub fn kill_proxy_hard(&mut self) {
+        let mut p = self.proxy.take().expect("proxy running");
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+
+    /// Start Palisade again after it exited, and wait until it is ready.
+    pub fn restart_proxy(&mut self) {
+        if let Some(mut p) = self.proxy.take() {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        self.spawn_proxy();
+        self.wait_proxy_ready();
+    }
+
+    /// Start a shell script in the client namespace in the background,
+    /// its stdout going to `out`.
+    pub fn client_spawn(&self, script: &str, out: &Path) -> Child {
+        let stdout = fs::File::create(out).expect("create output");
+        sanitize(Command::new("ip").args(["netns", "exec", &self.ns_client, "bash", "-c", script]))
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn client script")
     }
 
     pub fn proxy_pid(&self) -> u32 {

@@ -9,6 +9,7 @@
 mod bounds;
 mod cli;
 mod dns;
+mod evidence;
 mod infra;
 mod lab;
 mod lifecycle;

@@ -1,0 +1,196 @@
+//! The cost of evidence per connection: connections per second through a
+//! real `palisade run` (absolute-form HTTP, one new connection per request,
+//! so one decision record each, written before the request is forwarded)
+//! with `[evidence] durability` = "discard" (the whole pipeline, bytes to
+//! /dev/null), "os" and "fsync". Same run, same load, modes interleaved
+//! over several rounds; reports the median per mode and the ratio to
+//! "discard".
+//!
+//!     cargo bench --bench evidence
+//!     EVIDENCE_DIR=/some/disk cargo bench --bench evidence   # where segments go
+//!
+//! Under `cargo test` it runs one short round as a smoke test.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const CONCURRENCY: usize = 32;
+
+async fn upstream() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let mut seen = Vec::new();
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => seen.extend_from_slice(&buf[..n]),
+                    }
+                    if seen.len() > 65536 {
+                        return;
+                    }
+                }
+                let _ = s
+                    .write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok",
+                    )
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(root: &Path, mode: &str, up: SocketAddr) -> (Child, SocketAddr) {
+    let port = free_port();
+    let dir = root.join(format!("ev-{mode}"));
+    let cfg = root.join(format!("{mode}.toml"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\n[dns]\nupstream = [\"127.0.0.1:53\"]\n\
+             [evidence]\ndir = {dir:?}\ndurability = \"{mode}\"\n\
+             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
+             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",
+            up.port()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_palisade"))
+        .args(["run", "-c"])
+        .arg(&cfg)
+        .env("PALISADE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "palisade did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, addr)
+}
+
+async fn one(proxy: SocketAddr, req: &[u8]) -> bool {
+    let Ok(mut s) = TcpStream::connect(proxy).await else {
+        return false;
+    };
+    if s.write_all(req).await.is_err() {
+        return false;
+    }
+    let mut resp = Vec::with_capacity(256);
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut resp)).await;
+    resp.starts_with(b"HTTP/1.1 200")
+}
+
+async fn load(proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
+    let req = Arc::new(
+        format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nConnection: close\r\n\r\n")
+            .into_bytes(),
+    );
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (req, ok, failed) = (req.clone(), ok.clone(), failed.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                if one(proxy, &req).await {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let t0 = Instant::now();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let f = failed.load(Ordering::Relaxed);
+    assert!(f == 0, "{f} requests failed");
+    ok.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn stop(mut child: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let (rounds, secs) = if full { (3, 4.0) } else { (1, 0.3) };
+    let root: PathBuf = std::env::var_os("EVIDENCE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+        .join(format!("palisade-evbench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let up = rt.block_on(upstream());
+    let modes = ["discard", "os", "fsync"];
+    let mut results: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    for _ in 0..rounds {
+        for (i, mode) in modes.iter().enumerate() {
+            let (child, proxy) = start(&root, mode, up);
+            rt.block_on(load(proxy, up, 0.2)); // warm-up
+            results[i].push(rt.block_on(load(proxy, up, secs)));
+            stop(child);
+        }
+    }
+    println!(
+        "evidence cost: {CONCURRENCY} concurrent clients, new connection per request, {rounds} rounds of {secs}s, evidence in {}",
+        root.display()
+    );
+    let base = median(&mut results[0].clone());
+    for (i, mode) in modes.iter().enumerate() {
+        let m = median(&mut results[i]);
+        println!(
+            "  durability = {mode:<8} {m:>8.0} conn/s  ({:.2} x discard)",
+            m / base
+        );
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

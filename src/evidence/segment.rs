@@ -1,0 +1,162 @@
+//! Segment files: naming, listing and reading the tail of the chain.
+//!
+//! A segment is `palisade-<first seq, 20 digits>.jsonl`; names sort in chain
+//! order. A new segment is written as `*.jsonl.tmp` with its header and only
+//! then renamed into place, so a crash never leaves a segment without one.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+pub const PREFIX: &str = "palisade-";
+pub const SUFFIX: &str = ".jsonl";
+
+pub fn segment_name(first_seq: u64) -> String {
+    format!("{PREFIX}{first_seq:020}{SUFFIX}")
+}
+
+/// Segment files in `dir`, in chain order.
+pub fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(SUFFIX))
+        })
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// Remove `*.jsonl.tmp` left by a crash during rotation (they were never
+/// part of the chain).
+pub fn remove_stale_tmp(dir: &Path) {
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.to_str().is_some_and(|n| n.ends_with(".jsonl.tmp")) {
+                let _ = fs::remove_file(&p);
+            }
+        }
+    }
+}
+
+/// Split file content into complete lines and a torn remainder (bytes after
+/// the last newline).
+pub fn split_lines(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
+    let mut lines = Vec::new();
+    let mut start = 0;
+    for (i, b) in data.iter().enumerate() {
+        if *b == b'\n' {
+            lines.push(&data[start..i]);
+            start = i + 1;
+        }
+    }
+    (lines, &data[start..])
+}
+
+/// What the end of a segment looks like.
+#[derive(Debug, Clone)]
+pub struct Tail {
+    pub name: String,
+    /// Complete lines that parse as chained records.
+    pub lines: u64,
+    pub last_seq: u64,
+    pub last_hash: String,
+    pub last_event: String,
+    pub last_ts: String,
+    /// Records after the last checkpoint or seal.
+    pub unsigned: u64,
+    /// Line number of a torn (incomplete) last line.
+    pub torn_line: Option<u64>,
+}
+
+impl Tail {
+    /// `seal`, `checkpoint` (closed by rotation), or `crash`.
+    pub fn end(&self) -> &'static str {
+        match self.last_event.as_str() {
+            "seal" => "seal",
+            "checkpoint" => "checkpoint",
+            _ => "crash",
+        }
+    }
+
+    /// The `predecessor` object of the next segment's header.
+    pub fn to_json(&self, end: &str) -> Value {
+        let mut m = Map::new();
+        m.insert("segment".into(), self.name.clone().into());
+        m.insert("lines".into(), self.lines.into());
+        m.insert("last_seq".into(), self.last_seq.into());
+        m.insert("last_hash".into(), self.last_hash.clone().into());
+        m.insert("end".into(), end.into());
+        m.insert("unsigned".into(), self.unsigned.into());
+        m.insert(
+            "torn_line".into(),
+            self.torn_line.map_or(Value::Null, Value::from),
+        );
+        Value::Object(m)
+    }
+}
+
+/// Read a segment and find its last chained record. Lines that do not
+/// parse stop the scan: the head is the record before them.
+pub fn read_tail(path: &Path) -> io::Result<Tail> {
+    let data = fs::read(path)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (lines, rest) = split_lines(&data);
+    let mut tail = Tail {
+        name,
+        lines: 0,
+        last_seq: 0,
+        last_hash: String::new(),
+        last_event: String::new(),
+        last_ts: String::new(),
+        unsigned: 0,
+        torn_line: None,
+    };
+    for line in &lines {
+        let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(line) else {
+            break;
+        };
+        let (Some(seq), Some(hash)) = (
+            m.get("seq").and_then(Value::as_u64),
+            m.get("hash").and_then(Value::as_str),
+        ) else {
+            break;
+        };
+        tail.lines += 1;
+        tail.last_seq = seq;
+        tail.last_hash = hash.to_string();
+        tail.last_event = m
+            .get("event")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        tail.last_ts = m
+            .get("ts")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        if matches!(tail.last_event.as_str(), "checkpoint" | "seal") {
+            tail.unsigned = 0;
+        } else {
+            tail.unsigned += 1;
+        }
+    }
+    if tail.lines == lines.len() as u64 && !rest.is_empty() {
+        tail.torn_line = Some(tail.lines + 1);
+    }
+    if tail.lines == 0 {
+        return Err(io::Error::other(format!(
+            "{}: no chained record in the segment",
+            path.display()
+        )));
+    }
+    Ok(tail)
+}

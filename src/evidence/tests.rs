@@ -1,0 +1,383 @@
+//! The writer and the verifier together: a chain written by [`Evidence`]
+//! verifies, and every kind of tampering with it is found at the right line.
+
+use std::fs;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::verify::{verify_with, Options};
+use super::*;
+use crate::config::EvidenceConfig;
+use crate::policy::{Reason, Verdict};
+
+static N: AtomicU32 = AtomicU32::new(0);
+
+fn scratch() -> PathBuf {
+    let d = std::env::temp_dir().join(format!(
+        "palisade-evtest-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = fs::remove_dir_all(&d);
+    fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn config(root: &Path) -> EvidenceConfig {
+    let mut c = EvidenceConfig::for_dir(&root.join("evidence"));
+    c.checkpoint_every = 5;
+    c
+}
+
+fn record(i: u32, allow: bool) -> Record {
+    let verdict = Verdict {
+        org: None,
+        reason: if allow {
+            Reason::RuleMatch
+        } else {
+            Reason::NoMatchingRule
+        },
+        rule: Some(Arc::from("acme/allow/0")),
+    };
+    let client: SocketAddr = format!("198.18.1.2:{}", 10000 + i).parse().unwrap();
+    let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+    r.host = Some(format!("h{i}.test"));
+    r.port = Some(443);
+    r
+}
+
+/// Write `n` decision records (and a close record for every allow).
+async fn fill(ev: &Evidence, n: u32) {
+    for i in 0..n {
+        let mut r = record(i, i % 3 != 0);
+        ev.write(&mut r).await.unwrap();
+        if r.decision == "allow" {
+            let mut c = r.close(1, 2, 3);
+            ev.submit(&mut c);
+        }
+    }
+}
+
+async fn sealed_chain(cfg: &EvidenceConfig, n: u32) {
+    let ev = Evidence::start(cfg).unwrap();
+    fill(&ev, n).await;
+    assert!(ev.seal().await);
+}
+
+fn pinned(cfg: &EvidenceConfig) -> Options {
+    let key = key::load(&cfg.key).unwrap();
+    Options {
+        key: Some(key.verifying_key()),
+        allow_unsealed: false,
+    }
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    segment::list(dir).unwrap()
+}
+
+fn lines(p: &Path) -> Vec<String> {
+    fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+fn write_lines(p: &Path, l: &[String]) {
+    fs::write(p, l.join("\n") + "\n").unwrap();
+}
+
+/// Re-link lines `from..` after an edit, as a forger would.
+fn rechain(l: &mut [String], from: usize) {
+    for i in from..l.len() {
+        let Value::Object(mut m) = serde_json::from_str(&l[i]).unwrap() else {
+            panic!()
+        };
+        if i > 0 {
+            let prev: Value = serde_json::from_str(&l[i - 1]).unwrap();
+            m.insert("prev".into(), prev["hash"].clone());
+        }
+        let seq = m["seq"].as_u64().unwrap();
+        let prev = m["prev"].as_str().unwrap().to_string();
+        let (_, line) = chain::seal_line(&mut m, seq, &prev);
+        l[i] = String::from_utf8(line).unwrap().trim_end().to_string();
+    }
+}
+
+fn expect_err(dir: &Path, opts: &Options, file: &Path, line: u64, what: &str) {
+    let e = verify_with(dir, opts).expect_err(what);
+    assert_eq!(e.file, file.display().to_string(), "{what}: {e}");
+    assert_eq!(e.line, line, "{what}: {e}");
+}
+
+#[tokio::test]
+async fn written_chain_verifies_with_summary() {
+    let root = scratch();
+    let cfg = config(&root);
+    sealed_chain(&cfg, 30).await;
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.sealed);
+    assert_eq!(s.allow, 20);
+    assert_eq!(s.deny, 10);
+    assert_eq!(s.closes, 20);
+    assert!(s.checkpoints >= 10, "{s}");
+    assert_eq!(s.orgs.get("unknown"), Some(&(20, 10)));
+    assert!(s.first_ts.is_some() && s.last_ts.is_some());
+    // Every line is canonical JSON with the CONTRACT fields and chain fields.
+    for l in lines(&segments(&cfg.dir)[0]) {
+        let v: Value = serde_json::from_str(&l).unwrap();
+        for k in CONTRACT_FIELDS.iter().chain(&["seq", "prev", "hash"]) {
+            assert!(v.get(k).is_some(), "{k} missing in {l}");
+        }
+    }
+    // A different pinned key fails at the first checkpoint.
+    let other = ed25519_dalek::SigningKey::from_bytes(&[9; 32]);
+    let opts = Options {
+        key: Some(other.verifying_key()),
+        allow_unsealed: false,
+    };
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert!(e.message.contains("signature"), "{e}");
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
+async fn every_single_byte_edit_is_found_at_its_line() {
+    let root = scratch();
+    let cfg = config(&root);
+    sealed_chain(&cfg, 6).await;
+    let seg = segments(&cfg.dir)[0].clone();
+    let orig = lines(&seg);
+    let opts = pinned(&cfg);
+    // Line 3 is a decision record, line 1 the header; the seal is last.
+    for idx in [0usize, 2, orig.len() - 1] {
+        let bytes = orig[idx].as_bytes().to_vec();
+        for pos in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[pos] = match b[pos] {
+                b'0'..=b'8' | b'a'..=b'y' | b'A'..=b'Y' => b[pos] + 1,
+                b'9' => b'0',
+                b'z' | b'Z' => b'a',
+                _ => b'x',
+            };
+            let mut l = orig.clone();
+            l[idx] = String::from_utf8_lossy(&b).into_owned();
+            write_lines(&seg, &l);
+            let e = verify_with(&cfg.dir, &opts)
+                .expect_err(&format!("edit of byte {pos} in line {}", idx + 1));
+            assert_eq!(e.line, idx as u64 + 1, "byte {pos}: {e}");
+        }
+    }
+    write_lines(&seg, &orig);
+    verify_with(&cfg.dir, &opts).unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
+async fn deletion_insertion_swap_and_forged_signature_are_found() {
+    let root = scratch();
+    let cfg = config(&root);
+    sealed_chain(&cfg, 12).await;
+    let seg = segments(&cfg.dir)[0].clone();
+    let orig = lines(&seg);
+    let opts = pinned(&cfg);
+
+    let mut l = orig.clone();
+    l.remove(4);
+    write_lines(&seg, &l);
+    expect_err(&cfg.dir, &opts, &seg, 5, "deleted record");
+
+    let mut l = orig.clone();
+    l.insert(4, orig[2].clone());
+    write_lines(&seg, &l);
+    expect_err(&cfg.dir, &opts, &seg, 5, "inserted record");
+
+    let mut l = orig.clone();
+    l.swap(3, 4);
+    write_lines(&seg, &l);
+    expect_err(&cfg.dir, &opts, &seg, 4, "swapped records");
+
+    // Dropping the tail and the seal: the end is no longer sealed.
+    let mut l = orig.clone();
+    l.truncate(l.len() - 3);
+    write_lines(&seg, &l);
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert!(e.message.contains("not sealed"), "{e}");
+
+    // An edit re-chained by a forger breaks the next checkpoint's signature.
+    let mut l = orig.clone();
+    l[2] = l[2].replace("h1.test", "h9.test");
+    rechain(&mut l, 2);
+    write_lines(&seg, &l);
+    let ckpt = l
+        .iter()
+        .position(|x| x.contains("\"event\":\"checkpoint\""))
+        .unwrap();
+    expect_err(&cfg.dir, &opts, &seg, ckpt as u64 + 1, "re-chained edit");
+
+    // A checkpoint whose signature is replaced by another key's.
+    let mut l = orig.clone();
+    let Value::Object(mut m) = serde_json::from_str(&l[ckpt]).unwrap() else {
+        panic!()
+    };
+    chain::sign(&mut m, &ed25519_dalek::SigningKey::from_bytes(&[5; 32]));
+    l[ckpt] = serde_json::to_string(&m).unwrap();
+    rechain(&mut l, ckpt);
+    write_lines(&seg, &l);
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert_eq!(e.line, ckpt as u64 + 1, "{e}");
+    assert!(e.message.contains("signature"), "{e}");
+    // Without a pinned key the embedded key still catches it.
+    assert!(verify_with(&cfg.dir, &Options::default()).is_err());
+
+    write_lines(&seg, &orig);
+    verify_with(&cfg.dir, &opts).unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
+async fn rotation_retention_and_dropped_segments() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.rotate_size = 3000;
+    sealed_chain(&cfg, 40).await;
+    let segs = segments(&cfg.dir);
+    assert!(segs.len() >= 4, "{segs:?}");
+    let opts = pinned(&cfg);
+    let s = verify_with(&cfg.dir, &opts).unwrap();
+    assert_eq!(s.files, segs.len());
+
+    // Drop a segment in the middle.
+    let gone = segs[1].clone();
+    let saved = fs::read(&gone).unwrap();
+    fs::remove_file(&gone).unwrap();
+    expect_err(&cfg.dir, &opts, &segs[2], 1, "dropped middle segment");
+    fs::write(&gone, &saved).unwrap();
+    // Swap two segments' contents (names no longer match headers).
+    let a = fs::read(&segs[1]).unwrap();
+    let b = fs::read(&segs[2]).unwrap();
+    fs::write(&segs[1], &b).unwrap();
+    fs::write(&segs[2], &a).unwrap();
+    expect_err(&cfg.dir, &opts, &segs[1], 1, "swapped segments");
+    fs::write(&segs[1], &a).unwrap();
+    fs::write(&segs[2], &b).unwrap();
+    // Drop the first segment: nothing accounts for it.
+    fs::remove_file(&segs[0]).unwrap();
+    expect_err(&cfg.dir, &opts, &segs[1], 1, "dropped first segment");
+    let _ = fs::remove_dir_all(&root);
+
+    // With a retention cap, removal is recorded and the rest verifies.
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.rotate_size = 3000;
+    cfg.retain_size = Some(9000);
+    sealed_chain(&cfg, 60).await;
+    let segs = segments(&cfg.dir);
+    let total: u64 = segs.iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert!(total <= 9000 + 3000 + 2000, "total {total}");
+    let first = lines(&segs[0]);
+    assert!(!first[0].contains("\"seq\":0,"), "nothing was removed");
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.sealed);
+    let all: String = segs.iter().flat_map(|p| lines(p)).collect();
+    assert!(all.contains("\"removed\":[{"), "no removal recorded");
+    // An unrecorded removal of the oldest remaining segment is found.
+    fs::remove_file(&segs[0]).unwrap();
+    expect_err(&cfg.dir, &pinned(&cfg), &segs[1], 1, "unrecorded removal");
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
+async fn crash_torn_tail_and_restart() {
+    let root = scratch();
+    let cfg = config(&root);
+    let ev = Evidence::start(&cfg).unwrap();
+    fill(&ev, 7).await;
+    ev.abandon();
+    drop(ev);
+    let opts = pinned(&cfg);
+    let seg = segments(&cfg.dir)[0].clone();
+
+    // Unsealed end: refused, or accepted with the unsigned count.
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert!(e.message.contains("not sealed"), "{e}");
+    let loose = Options {
+        allow_unsealed: true,
+        ..opts.clone()
+    };
+    let s = verify_with(&cfg.dir, &loose).unwrap();
+    assert!(!s.sealed);
+    assert!(s.unsigned_tail > 0, "{s}");
+
+    // A torn last line (crash mid-write).
+    let intact = lines(&seg).len();
+    let mut f = fs::OpenOptions::new().append(true).open(&seg).unwrap();
+    std::io::Write::write_all(&mut f, b"{\"id\":\"torn").unwrap();
+    drop(f);
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert!(
+        e.message.contains(&format!(
+            "truncated tail at {}:{}",
+            seg.display(),
+            intact + 1
+        )),
+        "{e}"
+    );
+    assert!(
+        e.message.contains(&format!("{intact} records intact")),
+        "{e}"
+    );
+    let s = verify_with(&cfg.dir, &loose).unwrap();
+    assert!(s.torn_tail.is_some());
+
+    // Restart: the new header records the unsealed, torn predecessor.
+    let ev = Evidence::start(&cfg).unwrap();
+    fill(&ev, 3).await;
+    assert!(ev.seal().await);
+    let segs = segments(&cfg.dir);
+    assert_eq!(segs.len(), 2);
+    let header: Value = serde_json::from_str(&lines(&segs[1])[0]).unwrap();
+    assert_eq!(header["start"], "recover");
+    assert_eq!(header["predecessor"]["end"], "crash");
+    assert_eq!(header["predecessor"]["torn_line"], intact as u64 + 1);
+    let s = verify_with(&cfg.dir, &opts).unwrap();
+    assert!(s.sealed, "{s}");
+    assert!(s.notes.iter().any(|n| n.contains("torn line")), "{s}");
+
+    // Cutting into the last complete record is not the recorded tear.
+    let mut l = fs::read(&seg).unwrap();
+    l.truncate(l.len() - "{\"id\":\"torn".len() - 5);
+    fs::write(&seg, &l).unwrap();
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert!(e.message.contains("does not record"), "{e}");
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
+async fn time_checkpoints_bound_unsigned_records() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.checkpoint_every = 1000;
+    cfg.checkpoint_interval = Duration::from_millis(100);
+    let ev = Evidence::start(&cfg).unwrap();
+    fill(&ev, 4).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let loose = Options {
+        allow_unsealed: true,
+        ..pinned(&cfg)
+    };
+    let s = verify_with(&cfg.dir, &loose).unwrap();
+    assert_eq!(s.unsigned_tail, 0, "{s}");
+    assert!(s.checkpoints >= 1);
+    assert!(ev.seal().await);
+    // Writes after the seal fail.
+    assert!(ev.write(&mut record(1, true)).await.is_err());
+    assert!(!ev.is_healthy());
+    let _ = fs::remove_dir_all(&root);
+}

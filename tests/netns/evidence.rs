@@ -1,0 +1,302 @@
+//! Evidence under stress, with a real process and real files: a crash
+//! mid-load, a full disk and an unwritable directory.
+
+use crate::lab::{self, run_with_timeout, wait_until, Lab, DEFAULT_POLICY, PROXY_URL};
+use std::collections::HashSet;
+use std::fs;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn palisade(args: &[&str]) -> lab::CmdOutput {
+    run_with_timeout(
+        Command::new(lab::palisade_bin()).args(args),
+        None,
+        Duration::from_secs(60),
+    )
+}
+
+/// A bash loop of `n` proxied GETs, one connection each, printing
+/// "STATUS LOCAL_PORT" per request.
+fn load_script(n: u32) -> String {
+    format!(
+        "for i in $(seq 1 {n}); do curl -q -s -o /dev/null --max-time 5 -w '%{{http_code}} %{{local_port}}\\n' \
+         -x {PROXY_URL} http://allowed.test/; done"
+    )
+}
+
+/// Client ports of requests that got 200 from the outputs.
+fn allowed_ports(outputs: &[std::path::PathBuf]) -> Vec<u16> {
+    outputs
+        .iter()
+        .flat_map(|p| {
+            fs::read_to_string(p)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| l.strip_prefix("200 ").and_then(|p| p.trim().parse().ok()))
+                .collect::<Vec<u16>>()
+        })
+        .collect()
+}
+
+#[test]
+fn kill_9_mid_load_then_restart_keeps_every_allowed_decision() {
+    let mut lab = Lab::builder()
+        .evidence_config("checkpoint_interval = \"200ms\"")
+        .start();
+    let cfg = lab.config_path.display().to_string();
+    let key = palisade(&["evidence", "pubkey", "-c", &cfg]);
+    assert!(key.success(), "{}", key.describe());
+    let key = key.stdout.trim().to_string();
+    assert_eq!(key.len(), 64, "{key}");
+
+    // Two parallel clients; Palisade is killed while they run.
+    let outs: Vec<_> = (0..2)
+        .map(|i| lab.dir.join(format!("load-{i}.out")))
+        .collect();
+    let mut clients: Vec<_> = outs
+        .iter()
+        .map(|o| lab.client_spawn(&load_script(150), o))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while allowed_ports(&outs).len() < 40 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        allowed_ports(&outs).len() >= 40,
+        "load did not get going\n{}",
+        lab.proxy_output()
+    );
+    lab.kill_proxy_hard();
+    for c in &mut clients {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while c.try_wait().unwrap().is_none() {
+            assert!(Instant::now() < deadline, "load client did not finish");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let before_crash = allowed_ports(&outs).len();
+
+    // Between runs, the chain is intact but unsealed.
+    let dir = lab.evidence_dir.display().to_string();
+    let v = palisade(&["evidence", "verify", &dir, "--key", &key]);
+    assert_eq!(
+        v.code(),
+        Some(1),
+        "unsealed chain accepted:\n{}",
+        v.describe()
+    );
+    assert!(v.stdout.contains("not sealed"), "{}", v.describe());
+    let v = palisade(&[
+        "evidence",
+        "verify",
+        &dir,
+        "--key",
+        &key,
+        "--allow-unsealed",
+    ]);
+    assert!(v.success(), "{}", v.describe());
+
+    lab.restart_proxy();
+    let out2 = lab.dir.join("load-after.out");
+    let mut c = lab.client_spawn(&load_script(40), &out2);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "second load did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    lab.signal_proxy("-TERM");
+    let st = lab.wait_proxy_exit(Duration::from_secs(10)).expect("exit");
+    assert_eq!(st.code(), Some(0), "{}", lab.proxy_output());
+
+    let v = palisade(&["evidence", "verify", &dir, "--key", &key]);
+    assert!(
+        v.success(),
+        "verify after crash + restart:\n{}",
+        v.describe()
+    );
+    assert!(v.stdout.contains("end: sealed"), "{}", v.stdout);
+
+    // Every connection a client saw allowed has its decision record.
+    let mut all = outs.clone();
+    all.push(out2);
+    let ports = allowed_ports(&all);
+    assert!(ports.len() >= before_crash + 30, "{} allowed", ports.len());
+    let recorded: HashSet<String> = lab
+        .evidence()
+        .iter()
+        .filter(|r| r["event"] == "decision" && r["decision"] == "allow")
+        .filter_map(|r| r["client"].as_str().map(String::from))
+        .collect();
+    for p in &ports {
+        let client = format!("{}:{p}", lab::CLIENT_IP);
+        assert!(
+            recorded.contains(&client),
+            "client saw 200 on port {p} but no allow record"
+        );
+    }
+    // The restart recorded the crashed predecessor.
+    let headers: Vec<_> = lab
+        .evidence()
+        .into_iter()
+        .filter(|r| r["event"] == "segment_start")
+        .collect();
+    assert_eq!(headers.len(), 2, "{}", lab::dump(&headers));
+    assert_eq!(headers[1]["start"], "recover", "{}", headers[1]);
+    assert_eq!(headers[1]["predecessor"]["end"], "crash", "{}", headers[1]);
+}
+
+/// A proxied GET; returns (status, body).
+fn get(lab: &Lab) -> (u16, String) {
+    let r = lab.proxied_curl("http://allowed.test/", &[]);
+    (r.status, r.body)
+}
+
+fn assert_evidence_unavailable(lab: &Lab, what: &str) {
+    let (status, body) = get(lab);
+    assert_eq!(status, 503, "{what}: {body}\n{}", lab.proxy_output());
+    assert!(body.contains("evidence_unavailable"), "{what}: {body}");
+    assert_eq!(lab.admin_status("/readyz"), 503, "{what}: still ready");
+    // Nothing reached the upstream for the refused request.
+}
+
+fn wait_recovered(lab: &Lab, what: &str) {
+    wait_until(
+        &format!("{what}: /readyz 200 again"),
+        Duration::from_secs(10),
+        || lab.admin_status("/readyz") == 200,
+    );
+    let (status, body) = get(lab);
+    assert_eq!(
+        status,
+        200,
+        "{what}: after recovery: {body}\n{}",
+        lab.proxy_output()
+    );
+}
+
+/// Verify the evidence inside Palisade's mount namespace (tmpfs).
+fn verify_inside(lab: &Lab) -> lab::CmdOutput {
+    let dir = lab.evidence_dir.display().to_string();
+    lab.proxy_mnt_exec(
+        lab::palisade_bin(),
+        &["evidence", "verify", &dir, "--allow-unsealed"],
+    )
+}
+
+#[test]
+fn full_disk_denies_fails_readiness_and_recovers() {
+    let lab = Lab::builder().evidence_tmpfs("512k").start();
+    assert_eq!(get(&lab).0, 200, "{}", lab.proxy_output());
+    let dir = lab.evidence_dir.display().to_string();
+    let fill = format!("{dir}/fill");
+    // Fill the tmpfs (dd stops at ENOSPC).
+    let dd = lab.proxy_mnt_exec("dd", &["if=/dev/zero", &format!("of={fill}"), "bs=4k"]);
+    assert!(dd.stderr.contains("No space left"), "{}", dd.describe());
+    // tmpfs allocates whole pages: records still fit in the segment's last
+    // page for a few requests, then a write fails.
+    let mut served = 0;
+    loop {
+        let (status, body) = get(&lab);
+        if status == 503 {
+            assert!(body.contains("evidence_unavailable"), "{body}");
+            break;
+        }
+        assert_eq!(status, 200, "{body}");
+        served += 1;
+        assert!(served < 40, "writes kept succeeding on a full disk");
+    }
+    let upstream_before = lab.upstream_log().len();
+    assert_evidence_unavailable(&lab, "disk full");
+    assert_eq!(
+        lab.upstream_log().len(),
+        upstream_before,
+        "a request reached the upstream while evidence was unavailable"
+    );
+
+    let rm = lab.proxy_mnt_exec("rm", &["-f", &fill]);
+    assert!(rm.success(), "{}", rm.describe());
+    wait_recovered(&lab, "disk freed");
+
+    let v = verify_inside(&lab);
+    assert!(v.success(), "verify after outage:\n{}", v.describe());
+    let outage = lab.proxy_mnt_exec("grep", &["-rh", "\"event\":\"outage\"", &dir]);
+    assert!(outage.success(), "no outage record:\n{}", outage.describe());
+    assert!(
+        outage.stdout.contains("\"failed_writes\":"),
+        "{}",
+        outage.stdout
+    );
+}
+
+#[test]
+fn unwritable_dir_denies_fails_readiness_and_recovers() {
+    // Rotation by age makes the writer create a new segment every second.
+    let lab = Lab::builder()
+        .evidence_tmpfs("4m")
+        .evidence_config("rotate_age = \"1s\"")
+        .start();
+    assert_eq!(get(&lab).0, 200, "{}", lab.proxy_output());
+    let dir = lab.evidence_dir.display().to_string();
+    // A read-only bind mount over the dir, in Palisade's private namespace.
+    let ro = lab.proxy_mnt_exec(
+        "sh",
+        &[
+            "-c",
+            &format!("mount --bind {dir} {dir} && mount -o remount,bind,ro {dir}"),
+        ],
+    );
+    assert!(ro.success(), "{}", ro.describe());
+    wait_until("readiness to fail", Duration::from_secs(5), || {
+        lab.admin_status("/readyz") == 503
+    });
+    assert_evidence_unavailable(&lab, "read-only dir");
+
+    let um = lab.proxy_mnt_exec("umount", &[&dir]);
+    assert!(um.success(), "{}", um.describe());
+    wait_recovered(&lab, "dir writable again");
+    let v = verify_inside(&lab);
+    assert!(v.success(), "verify after outage:\n{}", v.describe());
+}
+
+#[test]
+fn query_and_export_read_the_live_evidence() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    assert_eq!(get(&lab).0, 200);
+    let denied = lab.proxied_curl("http://other.test/", &[]);
+    assert_eq!(denied.status, 403, "{denied:?}");
+    lab.wait_evidence("deny other.test", |v| v["host"] == "other.test");
+    let dir = lab.evidence_dir.display().to_string();
+    let q = palisade(&[
+        "evidence",
+        "query",
+        &dir,
+        "--decision",
+        "deny",
+        "--host",
+        "other.test",
+    ]);
+    assert!(q.success(), "{}", q.describe());
+    let rows: Vec<serde_json::Value> = q
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 1, "{}", q.stdout);
+    assert_eq!(rows[0]["reason"], "no_matching_rule");
+    let t = palisade(&["evidence", "query", &dir, "--org", "acme", "--table"]);
+    assert!(t.stdout.lines().count() >= 3, "{}", t.stdout);
+    let x = palisade(&["evidence", "export", &dir, "--format", "ocsf"]);
+    assert!(x.success(), "{}", x.describe());
+    let events: Vec<serde_json::Value> = x
+        .stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(events
+        .iter()
+        .any(|e| e["class_uid"] == 4002 && e["disposition_id"] == 2));
+    assert!(events
+        .iter()
+        .any(|e| e["class_uid"] == 4002 && e["disposition_id"] == 1));
+    assert!(events.iter().all(|e| e["metadata"]["version"].is_string()));
+}
