@@ -117,11 +117,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
-        conns: ConnLimits::new(
-            policy.org_count(),
-            limits.max_connections,
-            limits.max_connections_per_org,
-        ),
+        conns: ConnLimits::new(limits.max_connections, limits.max_connections_per_org),
         policy: arc_swap::ArcSwap::new(policy.clone()),
         evidence: evidence.clone(),
         resolver: resolver.clone(),
@@ -143,7 +139,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     crate::metrics::set_policy(policy.hash(), now.as_secs_f64());
     crate::metrics::init_series(
         config.orgs.iter().map(|o| o.name.as_str()),
-        &["explicit", "transparent"],
+        crate::metrics::MODES,
     );
     let mut listener_tasks = Vec::new();
     for listener in proxy_listeners {
@@ -155,7 +151,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             listener,
         )));
     }
-    let dns_shim = Arc::new(dns::Shim {
+    let dns_shim: dns::ShimHandle = Arc::new(arc_swap::ArcSwap::from_pointee(dns::Shim {
         policy: policy.clone(),
         orgs: config
             .orgs
@@ -168,8 +164,8 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         bindings: bindings.clone(),
         config: dns.clone(),
         in_flight: Arc::new(Semaphore::new(dns.max_queries_in_flight)),
-    });
-    let dns_task = dns::serve(dns_shim, dns_listeners, shutdown.clone());
+    }));
+    let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(
             admin::spawn(listener, health.clone(), shutdown.clone()).map_err(|source| {
@@ -196,11 +192,26 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         "palisade serving"
     );
 
+    crate::reload::store_policy_text(&evidence_config.dir, &config, policy.hash());
+    let mut reloader = crate::reload::Reloader::new(
+        config.path.clone(),
+        config.clone(),
+        ctx.clone(),
+        dns_shim.clone(),
+        health.clone(),
+    );
+    let mut config_poll = tokio::time::interval(crate::reload::DEFAULT_CONFIG_POLL_INTERVAL);
+    config_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
-            _ = sighup.recv() => warn!("SIGHUP: policy reload is not supported by this build yet; keeping the current policy"),
+            _ = sighup.recv() => {
+                reloader.reload("SIGHUP");
+            }
+            _ = config_poll.tick() => {
+                reloader.poll();
+            }
         }
     }
 

@@ -31,4 +31,5 @@ pub mod metrics;
 pub mod policy;
 pub mod proto;
 pub mod proxy;
+pub mod reload;
 pub mod resolve;

@@ -36,7 +36,10 @@ const MAX_UDP_PAYLOAD: u16 = 1232;
 /// Longest query name kept in evidence for a name that is not a host name.
 const MAX_SHOWN_NAME: usize = 300;
 
-/// Everything the shim needs to answer.
+/// Everything the shim needs to answer. `policy`, `orgs` and `policy_hash`
+/// belong to one policy version; a reload builds a new `Shim` (sharing the
+/// rest) and swaps it in.
+#[derive(Clone)]
 pub struct Shim {
     pub policy: Arc<Policy>,
     pub orgs: Vec<OrgDns>,

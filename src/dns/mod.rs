@@ -68,8 +68,12 @@ pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io:
     Ok(l)
 }
 
-/// The hickory handler: a shared [`Shim`].
-struct Handler(Arc<Shim>);
+/// The shim being served; a policy reload swaps in a new one whole, and
+/// each query is answered by the one current when it arrived.
+pub type ShimHandle = Arc<arc_swap::ArcSwap<Shim>>;
+
+/// The hickory handler: the current [`Shim`].
+struct Handler(ShimHandle);
 
 #[async_trait::async_trait]
 impl hickory_server::server::RequestHandler for Handler {
@@ -78,13 +82,14 @@ impl hickory_server::server::RequestHandler for Handler {
         request: &Request,
         response_handle: R,
     ) -> ResponseInfo {
-        self.0.respond(request, response_handle).await
+        let shim = self.0.load_full();
+        shim.respond(request, response_handle).await
     }
 }
 
 /// Serve until `shutdown`; the returned task ends when every listener has stopped.
 pub fn serve(
-    shim: Arc<Shim>,
+    shim: ShimHandle,
     listeners: DnsListeners,
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
@@ -93,7 +98,7 @@ pub fn serve(
     for socket in udp {
         server.register_socket(socket);
     }
-    let conns = Arc::new(Semaphore::new(shim.config.max_tcp_connections));
+    let conns = Arc::new(Semaphore::new(shim.load().config.max_tcp_connections));
     let tracker = TaskTracker::new();
     for listener in tcp {
         tracker.spawn(serve_tcp(
@@ -117,7 +122,7 @@ pub fn serve(
 /// connection; over the cap a new connection is closed at once.
 async fn serve_tcp(
     listener: TcpListener,
-    shim: Arc<Shim>,
+    shim: ShimHandle,
     conns: Arc<Semaphore>,
     shutdown: CancellationToken,
 ) {
@@ -153,11 +158,13 @@ async fn serve_tcp(
 async fn tcp_connection(
     mut stream: TcpStream,
     src: SocketAddr,
-    shim: Arc<Shim>,
+    shim: ShimHandle,
     stop: CancellationToken,
 ) {
-    let idle = shim.config.idle_timeout;
-    let per_query = shim.config.query_timeout;
+    let (idle, per_query) = {
+        let s = shim.load();
+        (s.config.idle_timeout, s.config.query_timeout)
+    };
     for _ in 0..MAX_QUERIES_PER_TCP_CONNECTION {
         let mut len = [0u8; 2];
         let read = tokio::select! {
@@ -176,7 +183,8 @@ async fn tcp_connection(
             return;
         }
         // The handler bounds upstream time itself; this is a backstop.
-        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src)).await;
+        let current = shim.load_full();
+        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&current, msg, src)).await;
         let Ok(Some(resp)) = answer else {
             continue;
         };

@@ -1,17 +1,20 @@
 //! Connection caps: one global, one per org. A permit moves into the
-//! connection's task and frees its slots when dropped.
+//! connection's task and frees its slots when dropped. Orgs are counted by
+//! name, so a policy reload that reorders or adds orgs keeps every count.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::policy::OrgRef;
 
-/// Counters for the global cap and each org's cap (the last slot counts
-/// clients of no org).
+/// Counters for the global cap and each org's cap (clients of no org share
+/// the `unknown` one).
 #[derive(Debug)]
 pub struct ConnLimits {
     global: Arc<Slot>,
-    per_org: Vec<Arc<Slot>>,
+    max_per_org: usize,
+    per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
 }
 
 #[derive(Debug)]
@@ -62,23 +65,36 @@ impl Drop for Permit {
 }
 
 impl ConnLimits {
-    pub fn new(org_count: usize, max_global: usize, max_per_org: usize) -> ConnLimits {
-        let slot = |max| {
-            Arc::new(Slot {
-                used: AtomicUsize::new(0),
-                max,
-            })
-        };
+    pub fn new(max_global: usize, max_per_org: usize) -> ConnLimits {
         ConnLimits {
-            global: slot(max_global),
-            per_org: (0..=org_count).map(|_| slot(max_per_org)).collect(),
+            global: Arc::new(Slot {
+                used: AtomicUsize::new(0),
+                max: max_global,
+            }),
+            max_per_org,
+            per_org: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn org_slot(&self, org: Option<&OrgRef>) -> Arc<Slot> {
+        let name: Arc<str> = org.map_or_else(
+            || Arc::from(crate::metrics::UNKNOWN_ORG),
+            |o| o.name.clone(),
+        );
+        let mut map = self.per_org.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(name)
+            .or_insert_with(|| {
+                Arc::new(Slot {
+                    used: AtomicUsize::new(0),
+                    max: self.max_per_org,
+                })
+            })
+            .clone()
     }
 
     /// A permit if neither the global nor the org's cap is reached.
     pub fn try_acquire(&self, org: Option<&OrgRef>) -> Option<Permit> {
-        let index = org.map_or(self.per_org.len() - 1, |o| o.index);
-        let org_slot = self.per_org.get(index).or(self.per_org.last())?;
+        let org_slot = self.org_slot(org);
         let global = self.global.try_take()?;
         match org_slot.try_take() {
             Some(org_slot) => {
@@ -108,20 +124,23 @@ impl ConnLimits {
 mod tests {
     use super::*;
 
-    fn org(index: usize) -> OrgRef {
+    fn org(index: usize, name: &str) -> OrgRef {
         OrgRef {
             index,
-            name: Arc::from("o"),
+            name: Arc::from(name),
         }
     }
 
     #[test]
     fn caps_hold_and_release() {
-        let limits = ConnLimits::new(2, 3, 2);
-        let a = limits.try_acquire(Some(&org(0))).unwrap();
-        let _b = limits.try_acquire(Some(&org(0))).unwrap();
-        assert!(limits.try_acquire(Some(&org(0))).is_none(), "per-org cap");
-        let _c = limits.try_acquire(Some(&org(1))).unwrap();
+        let limits = ConnLimits::new(3, 2);
+        let a = limits.try_acquire(Some(&org(0, "a"))).unwrap();
+        let _b = limits.try_acquire(Some(&org(7, "a"))).unwrap();
+        assert!(
+            limits.try_acquire(Some(&org(0, "a"))).is_none(),
+            "per-org cap, by name"
+        );
+        let _c = limits.try_acquire(Some(&org(0, "b"))).unwrap();
         assert!(limits.try_acquire(None).is_none(), "global cap");
         assert_eq!(limits.in_use(), 3);
         drop(a);

@@ -1,0 +1,168 @@
+//! Policy reload under traffic: SIGHUP and file changes swap the policy for
+//! the proxy and the DNS shim, open tunnels keep running, an invalid file
+//! keeps the old policy, and the policy text of every hash is kept beside
+//! the evidence.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::lab::{self, Lab, RawConn, BANNER, BANNER_PORT, DEFAULT_POLICY};
+
+const SECS5: Duration = Duration::from_secs(5);
+
+fn policy() -> String {
+    format!(
+        "{DEFAULT_POLICY}
+[[org.allow]]
+id = \"banner\"
+host = \"allowed.test\"
+ports = [{BANNER_PORT}]
+"
+    )
+}
+
+fn lab() -> Lab {
+    Lab::builder()
+        .policy(&policy())
+        .dns_listen(&["198.18.1.1:53"])
+        .start()
+}
+
+fn banner_tunnel(lab: &Lab) -> RawConn {
+    let mut c = lab.client_conn();
+    assert_eq!(c.connect(&format!("allowed.test:{BANNER_PORT}")), 200);
+    assert!(
+        c.read_until(BANNER.as_bytes(), SECS5).is_some(),
+        "no banner"
+    );
+    c
+}
+
+fn echo(c: &mut RawConn, line: &str) -> bool {
+    c.send(line.as_bytes()).is_ok() && c.read_until(line.as_bytes(), SECS5).is_some()
+}
+
+fn served_hash(lab: &Lab) -> String {
+    let out = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/policy", lab::ADMIN_ADDR)],
+    );
+    let v: Value =
+        serde_json::from_str(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", out.describe()));
+    v["hash"].as_str().unwrap().to_string()
+}
+
+fn metric(lab: &Lab, series: &str) -> f64 {
+    let out = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],
+    );
+    out.stdout
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(series)
+                .map(|v| v.trim().parse().unwrap_or(f64::NAN))
+        })
+        .unwrap_or(f64::NAN)
+}
+
+fn edit_config(lab: &Lab, f: impl FnOnce(String) -> String) {
+    let text = std::fs::read_to_string(&lab.config_path).unwrap();
+    let tmp = lab.config_path.with_extension("new");
+    std::fs::write(&tmp, f(text)).unwrap();
+    // Replace atomically, as an editor or a ConfigMap update would.
+    std::fs::rename(&tmp, &lab.config_path).unwrap();
+}
+
+#[test]
+fn sighup_swaps_policy_for_proxy_and_dns_and_keeps_tunnels() {
+    let lab = lab();
+    let before = served_hash(&lab);
+    let mut tunnel = banner_tunnel(&lab);
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    assert_eq!(lab.dig(&["other.test", "A"]).status, "REFUSED");
+    assert_eq!(lab.proxied_curl("http://a.wild.test/", &[]).status, 200);
+
+    // Allow other.test, deny *.wild.test.
+    edit_config(&lab, |t| {
+        format!("{t}\n[[org.allow]]\nid = \"other\"\nhost = \"other.test\"\n\n[[org.deny]]\nid = \"no-wild\"\nhost = \"*.wild.test\"\n")
+    });
+    lab.signal_proxy("-HUP");
+    lab::wait_until("new policy served", SECS5, || served_hash(&lab) != before);
+    let after = served_hash(&lab);
+
+    assert!(
+        echo(&mut tunnel, "still-open\n"),
+        "open tunnel dropped by the reload"
+    );
+    let r = lab.proxied_curl("http://other.test/", &[]);
+    assert_eq!(r.status, 200, "{r:?}");
+    let r = lab.proxied_curl("http://a.wild.test/", &[]);
+    assert_eq!(r.status, 403, "{r:?}");
+    assert!(r.body.contains("explicit_deny"), "{r:?}");
+    let d = lab.dig(&["other.test", "A"]);
+    assert_eq!(d.status, "NOERROR", "{}", d.output);
+
+    // Records name the policy that decided them, and its text is stored.
+    let allow = lab.wait_evidence("other.test allowed under the new policy", |v| {
+        v["host"] == "other.test" && v["decision"] == "allow" && v["event"] == "decision"
+    });
+    assert_eq!(allow["policy"], after.as_str(), "{allow}");
+    assert_eq!(allow["rule"], "other", "{allow}");
+    let old_deny = lab.wait_evidence("other.test denied before", |v| {
+        v["host"] == "other.test" && v["decision"] == "deny" && v["kind"] == "http"
+    });
+    assert_eq!(old_deny["policy"], before.as_str(), "{old_deny}");
+    for hash in [&before, &after] {
+        let stored = lab
+            .evidence_dir
+            .join("policies")
+            .join(format!("{hash}.json"));
+        assert!(
+            stored.is_file(),
+            "no stored policy text {}",
+            stored.display()
+        );
+    }
+    assert_eq!(
+        metric(&lab, "palisade_policy_reloads_total{result=\"ok\"}"),
+        1.0
+    );
+    drop(tunnel);
+}
+
+#[test]
+fn invalid_reload_keeps_the_old_policy() {
+    let lab = lab();
+    let before = served_hash(&lab);
+    edit_config(&lab, |t| format!("{t}\n[[org.allow]]\nhost = \"*.com\"\n"));
+    lab.signal_proxy("-HUP");
+    lab::wait_until("reload error counted", SECS5, || {
+        metric(&lab, "palisade_policy_reloads_total{result=\"error\"}") >= 1.0
+    });
+    assert_eq!(served_hash(&lab), before);
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    assert_eq!(lab.admin_status("/readyz"), 200);
+    let log = lab.proxy_output();
+    let located = format!("{}:", lab.config_path.display());
+    assert!(
+        log.lines()
+            .any(|l| l.contains(&located) && l.contains("top-level domain")),
+        "no FILE:LINE:COL error in the log:\n{log}"
+    );
+}
+
+#[test]
+fn a_changed_file_is_picked_up_without_a_signal() {
+    let lab = lab();
+    let before = served_hash(&lab);
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    edit_config(&lab, |t| {
+        format!("{t}\n[[org.allow]]\nhost = \"other.test\"\n")
+    });
+    lab::wait_until("file change picked up", Duration::from_secs(10), || {
+        served_hash(&lab) != before
+    });
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 200);
+}
