@@ -46,6 +46,8 @@ pub struct OrgSummary {
     pub clients: Vec<String>,
     pub allow_rules: usize,
     pub deny_rules: usize,
+    /// `enforce`, or `report` (denials recorded as `would_deny`, let through).
+    pub mode: crate::config::OrgMode,
 }
 
 impl PolicyInfo {
@@ -62,6 +64,7 @@ impl PolicyInfo {
                     clients: o.clients.iter().map(|c| c.to_string()).collect(),
                     allow_rules: o.allow.len(),
                     deny_rules: o.deny.len(),
+                    mode: o.mode,
                 })
                 .collect(),
         }

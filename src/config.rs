@@ -156,6 +156,7 @@ struct RawOrg {
     dns_denied: Option<Spanned<String>>,
     #[serde(default)]
     dns_types: Vec<Spanned<String>>,
+    mode: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -340,6 +341,26 @@ pub struct OrgConfig {
     /// case, e.g. "TXT"), on top of A, AAAA, CNAME, HTTPS and SVCB.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub dns_types: Vec<String>,
+    /// `report`: decide and record what enforcement would do, but let the
+    /// allowlist's denials through. Left out of the policy hash while it is
+    /// `enforce`.
+    #[serde(skip_serializing_if = "OrgMode::is_default")]
+    pub mode: OrgMode,
+}
+
+/// Whether an org's allowlist is enforced or only reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrgMode {
+    #[default]
+    Enforce,
+    Report,
+}
+
+impl OrgMode {
+    pub fn is_default(&self) -> bool {
+        *self == OrgMode::Enforce
+    }
 }
 
 /// The DNS answer to a denied name.
@@ -860,6 +881,7 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             deny,
             dns_denied,
             dns_types,
+            mode,
         } = org;
         let org_name = name.get_ref().clone();
         if !valid_org_name(&org_name) {
@@ -914,6 +936,20 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             }
         };
         let dns_types = validate_dns_types(&dns_types, errors);
+        let mode = match mode {
+            None => OrgMode::default(),
+            Some(v) => match v.get_ref().as_str() {
+                "enforce" => OrgMode::Enforce,
+                "report" => OrgMode::Report,
+                other => {
+                    errors.at(
+                        v.span(),
+                        format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
+                    );
+                    OrgMode::default()
+                }
+            },
+        };
         orgs.push(OrgConfig {
             name: org_name,
             clients: nets,
@@ -921,6 +957,7 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             deny,
             dns_denied,
             dns_types,
+            mode,
         });
     }
     orgs

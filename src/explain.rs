@@ -66,6 +66,7 @@ pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) ->
                     org: None,
                     reason: Reason::UnknownClient,
                     rule: None,
+                    would_deny: None,
                 };
                 return explanation(client, "tcp", host, Some(*port), verdict, &policy);
             };
@@ -82,6 +83,7 @@ pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) ->
                             org: Some(org),
                             reason: Reason::ResolutionFailed,
                             rule: None,
+                            would_deny: None,
                         },
                         &policy,
                     );
@@ -111,6 +113,7 @@ pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) ->
                         org: policy.org_for(client),
                         reason: Reason::BadRequest,
                         rule: None,
+                        would_deny: None,
                     },
                     None,
                 ),

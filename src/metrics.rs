@@ -38,6 +38,8 @@ pub struct Metrics {
     pub upstream_connect_errors_total: IntCounterVec,
     /// Upstream name resolution time by result (ok, error).
     pub resolve_duration_seconds: HistogramVec,
+    /// Report mode: decisions let through that enforcement would have denied.
+    pub would_deny_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     pub ready: prometheus::IntGauge,
 }
@@ -129,6 +131,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
             .buckets(latency_buckets()),
             &["result"],
         )?,
+        would_deny_total: counter_vec(
+            "palisade_would_deny_total",
+            "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
+            &["org", "mode", "reason"],
+        )?,
         ready: prometheus::IntGauge::new(
             "palisade_ready",
             "1 while every listener is bound and evidence is writable (what /readyz reports).",
@@ -150,6 +157,7 @@ fn build() -> Result<Metrics, prometheus::Error> {
         Box::new(m.upstream_connect_errors_total.clone()),
         Box::new(m.resolve_duration_seconds.clone()),
         Box::new(m.ready.clone()),
+        Box::new(m.would_deny_total.clone()),
         // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
         Box::new(prometheus::process_collector::ProcessCollector::for_self()),
     ];
@@ -199,6 +207,11 @@ pub fn count_record(record: &crate::evidence::Record) {
     match record.event {
         Event::Decision => {
             let mode = record.mode.as_str();
+            if let Some(would) = record.would_deny {
+                m.would_deny_total
+                    .with_label_values(&[org, mode, would.as_str()])
+                    .inc();
+            }
             if mode == "dns" {
                 m.dns_queries_total
                     .with_label_values(&[org, record.decision, record.reason.as_str()])

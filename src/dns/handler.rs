@@ -279,6 +279,7 @@ impl Shim {
                     org: org.clone(),
                     reason: Reason::BadRequest,
                     rule: None,
+                    would_deny: None,
                 };
                 self.record_refusal(src, &verdict, None, None, Some(detail));
                 return Reply::empty(rcode);
@@ -294,6 +295,7 @@ impl Shim {
                 org,
                 reason: Reason::BadRequest,
                 rule: None,
+                would_deny: None,
             };
             let id = self.record_refusal(
                 src,
@@ -310,6 +312,7 @@ impl Shim {
                 org,
                 reason: Reason::LimitExceeded,
                 rule: None,
+                would_deny: None,
             };
             let id = self.record_refusal(src, &verdict, Some(&shown), Some(qtype), None);
             return blocked(ResponseCode::Refused, &verdict, &id);

@@ -91,6 +91,9 @@ pub struct Record {
     pub reason: Reason,
     pub rule: Option<Arc<str>>,
     pub policy: Arc<str>,
+    /// Report mode: the reason enforcement would have denied this with.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub would_deny: Option<crate::policy::Reason>,
     /// HTTP method and path of an absolute-form request.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub method: Option<String>,
@@ -143,6 +146,7 @@ impl Record {
             decision: verdict.reason.decision(),
             reason: verdict.reason,
             rule: verdict.rule.clone(),
+            would_deny: verdict.would_deny,
             policy: policy.clone(),
             method: None,
             path: None,

@@ -43,6 +43,7 @@ fn record(i: u32, allow: bool) -> Record {
             Reason::NoMatchingRule
         },
         rule: Some(Arc::from("acme/allow/0")),
+        would_deny: None,
     };
     let client: SocketAddr = format!("198.18.1.2:{}", 10000 + i).parse().unwrap();
     let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));

@@ -62,6 +62,9 @@ use crate::proto::target::{embedded_ipv4, Host};
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
     RuleMatch,
+    /// Allowed only because the org is in report mode; `would_deny` says why
+    /// enforcement would have denied it.
+    ReportOnly,
     UnknownClient,
     NoMatchingRule,
     ExplicitDeny,
@@ -81,8 +84,9 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 14] = [
+    pub const ALL: [Reason; 15] = [
         Reason::RuleMatch,
+        Reason::ReportOnly,
         Reason::UnknownClient,
         Reason::NoMatchingRule,
         Reason::ExplicitDeny,
@@ -101,6 +105,7 @@ impl Reason {
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::RuleMatch => "rule_match",
+            Reason::ReportOnly => "report_only",
             Reason::UnknownClient => "unknown_client",
             Reason::NoMatchingRule => "no_matching_rule",
             Reason::ExplicitDeny => "explicit_deny",
@@ -118,7 +123,21 @@ impl Reason {
     }
 
     pub fn is_allow(self) -> bool {
-        self == Reason::RuleMatch
+        matches!(self, Reason::RuleMatch | Reason::ReportOnly)
+    }
+
+    /// Denials an org in report mode lets through: the allowlist's own
+    /// verdicts. Safety denials (always-denied addresses, Palisade's own
+    /// listeners, bad requests, limits, evidence) are enforced in every mode.
+    pub fn reportable(self) -> bool {
+        matches!(
+            self,
+            Reason::NoMatchingRule
+                | Reason::ExplicitDeny
+                | Reason::PortNotAllowed
+                | Reason::SniMismatch
+                | Reason::HostMismatch
+        )
     }
 
     /// `allow` or `deny`, as evidence and metrics spell it.
@@ -151,6 +170,8 @@ pub struct Verdict {
     pub reason: Reason,
     /// Id of the deciding rule, where one decided.
     pub rule: Option<Arc<str>>,
+    /// Report mode: what enforcement would have decided.
+    pub would_deny: Option<Reason>,
 }
 
 impl Verdict {
@@ -163,6 +184,19 @@ impl Verdict {
             org: Some(org.clone()),
             reason,
             rule: rule.map(|r| r.id.clone()),
+            would_deny: None,
+        }
+    }
+
+    /// Report mode: let a reportable denial through, saying what it was.
+    pub fn reported(self) -> Verdict {
+        if !self.reason.reportable() {
+            return self;
+        }
+        Verdict {
+            would_deny: Some(self.reason),
+            reason: Reason::ReportOnly,
+            ..self
         }
     }
 }
@@ -180,8 +214,11 @@ pub enum Decision {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PendingName {
     pub org: OrgRef,
-    pub rule: Arc<str>,
+    /// The allow rule (or, in report mode, the deny rule) that decided by name.
+    pub rule: Option<Arc<str>>,
     pub port: u16,
+    /// Report mode: the denial by name that is let through.
+    pub would_deny: Option<Reason>,
 }
 
 /// The addresses of an allowed name that may be dialled, in order, and the verdict.
@@ -290,6 +327,7 @@ impl<T> PrefixTable<T> {
 #[derive(Debug)]
 struct Org {
     r#ref: OrgRef,
+    report: bool,
     allow: Vec<Rule>,
     deny: Vec<Rule>,
     allow_names: NameTable,
@@ -347,6 +385,7 @@ impl Policy {
                     index,
                     name: Arc::from(org.name.as_str()),
                 },
+                report: org.mode == crate::config::OrgMode::Report,
                 allow: Vec::new(),
                 deny: Vec::new(),
                 allow_names: NameTable::default(),
@@ -437,6 +476,7 @@ impl Policy {
                 org: None,
                 reason: Reason::UnknownClient,
                 rule: None,
+                would_deny: None,
             });
         };
         self.decide_for_org(&org, host, port)
@@ -448,12 +488,39 @@ impl Policy {
             return Decision::Final(Verdict::deny(org, Reason::UnknownClient, None));
         };
         match host {
-            Host::Ip(ip) => Decision::Final(self.decide_ip(o, canonical(*ip), port)),
+            Host::Ip(ip) => {
+                let v = self.decide_ip(o, canonical(*ip), port);
+                Decision::Final(if o.report { v.reported() } else { v })
+            }
             Host::Name(name) => self.decide_name(o, name, port),
         }
     }
 
     fn decide_name(&self, o: &Org, name: &str, port: u16) -> Decision {
+        let org = &o.r#ref;
+        let by_name = self.decide_name_rules(o, name, port);
+        match by_name {
+            Err(v) if o.report && v.reason.reportable() => {
+                // Report mode: resolve and check addresses as if allowed.
+                Decision::Resolve(PendingName {
+                    org: org.clone(),
+                    rule: v.rule,
+                    port,
+                    would_deny: Some(v.reason),
+                })
+            }
+            Err(v) => Decision::Final(v),
+            Ok(rule) => Decision::Resolve(PendingName {
+                org: org.clone(),
+                rule: Some(rule),
+                port,
+                would_deny: None,
+            }),
+        }
+    }
+
+    /// Rows 2-4: the allow rule a name matches on the port, or the denial.
+    fn decide_name_rules(&self, o: &Org, name: &str, port: u16) -> Result<Arc<str>, Verdict> {
         let org = &o.r#ref;
         if let Some(i) = o
             .deny_names
@@ -461,7 +528,7 @@ impl Policy {
             .filter(|&i| o.deny[i].ports.contains(port))
             .min()
         {
-            return Decision::Final(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
+            return Err(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
         }
         let mut any = false;
         let mut best: Option<usize> = None;
@@ -472,25 +539,35 @@ impl Policy {
             }
         }
         match best {
-            Some(i) => Decision::Resolve(PendingName {
-                org: org.clone(),
-                rule: o.allow[i].id.clone(),
-                port,
-            }),
-            None if any => Decision::Final(Verdict::deny(org, Reason::PortNotAllowed, None)),
-            None => Decision::Final(Verdict::deny(org, Reason::NoMatchingRule, None)),
+            Some(i) => Ok(o.allow[i].id.clone()),
+            None if any => Err(Verdict::deny(org, Reason::PortNotAllowed, None)),
+            None => Err(Verdict::deny(org, Reason::NoMatchingRule, None)),
         }
+    }
+
+    /// Whether an org only reports its allowlist's denials.
+    pub fn is_report(&self, org: &OrgRef) -> bool {
+        self.orgs.get(org.index).is_some_and(|o| o.report)
     }
 
     /// Whether the client's org may reach `name` on any port (the DNS shim's
     /// question). Same rules as [`Policy::decide`], over every port an allow
     /// rule names; addresses are not considered here.
     pub fn decide_name_any_port(&self, client: IpAddr, name: &str) -> Verdict {
+        let v = self.decide_name_any_port_enforced(client, name);
+        match &v.org {
+            Some(org) if self.is_report(org) => v.reported(),
+            _ => v,
+        }
+    }
+
+    fn decide_name_any_port_enforced(&self, client: IpAddr, name: &str) -> Verdict {
         let Some(org) = self.org_for(client) else {
             return Verdict {
                 org: None,
                 reason: Reason::UnknownClient,
                 rule: None,
+                would_deny: None,
             };
         };
         let Some(o) = self.orgs.get(org.index) else {
@@ -514,6 +591,7 @@ impl Policy {
                     org: Some(org.clone()),
                     reason: Reason::RuleMatch,
                     rule: Some(o.allow[i].id.clone()),
+                    would_deny: None,
                 };
             }
         }
@@ -541,6 +619,7 @@ impl Policy {
                 org: Some(org.clone()),
                 reason: Reason::RuleMatch,
                 rule: Some(o.allow[i].id.clone()),
+                would_deny: None,
             },
             None if any => Verdict::deny(org, Reason::PortNotAllowed, None),
             None => Verdict::deny(org, Reason::NoMatchingRule, None),
@@ -633,30 +712,40 @@ impl Policy {
         };
         let mut dial = Vec::new();
         let mut first_denial = None;
+        let mut would_deny = pending.would_deny;
         for &ip in addrs {
             let ip = canonical(ip);
             match self.check_address(o, ip, pending.port) {
-                Ok(()) => {
-                    if !dial.contains(&ip) {
-                        dial.push(ip)
-                    }
+                Ok(()) => {}
+                Err(v) if o.report && v.reason.reportable() => {
+                    would_deny.get_or_insert(v.reason);
                 }
                 Err(v) => {
                     first_denial.get_or_insert(v);
+                    continue;
                 }
+            }
+            if !dial.contains(&ip) {
+                dial.push(ip)
             }
         }
         let verdict = if !dial.is_empty() {
             Verdict {
                 org: Some(org.clone()),
-                reason: Reason::RuleMatch,
-                rule: Some(pending.rule.clone()),
+                reason: if would_deny.is_some() {
+                    Reason::ReportOnly
+                } else {
+                    Reason::RuleMatch
+                },
+                rule: pending.rule.clone(),
+                would_deny,
             }
         } else {
             first_denial.unwrap_or(Verdict {
                 org: Some(org.clone()),
                 reason: Reason::ResolutionFailed,
-                rule: Some(pending.rule.clone()),
+                rule: pending.rule.clone(),
+                would_deny: None,
             })
         };
         AddressVerdict { verdict, dial }

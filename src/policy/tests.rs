@@ -189,7 +189,7 @@ fn row_7_only_passing_addresses_are_dialled() {
     let Decision::Resolve(pending) = p.decide(ip(ACME), &host, 443) else {
         panic!("expected resolve")
     };
-    assert_eq!(&*pending.rule, "api");
+    assert_eq!(pending.rule.as_deref(), Some("api"));
     let av = p.check_addresses(
         &pending,
         &[
@@ -357,4 +357,58 @@ fn dns_answers_are_filtered_without_a_port() {
             .reason,
         Reason::ExplicitDeny
     );
+}
+
+#[test]
+fn report_mode_lets_the_allowlist_denials_through_and_says_so() {
+    let src = POLICY.replace("name = \"acme\"\n", "name = \"acme\"\nmode = \"report\"\n");
+    let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    // denied by name: resolved and allowed, with what enforcement would do
+    let v = decide(&p, ACME, "evil.com", 443, &["198.18.9.9"]);
+    assert_eq!(
+        (v.reason, v.would_deny),
+        (Reason::ReportOnly, Some(Reason::NoMatchingRule))
+    );
+    let v = decide(&p, ACME, "uploads.example.org", 443, &["198.18.9.9"]);
+    assert_eq!(
+        (v.reason, v.would_deny),
+        (Reason::ReportOnly, Some(Reason::ExplicitDeny))
+    );
+    assert_eq!(v.rule.as_deref(), Some("acme/deny/0"));
+    let v = decide(&p, ACME, "api.example.com", 80, &["198.18.9.9"]);
+    assert_eq!(v.would_deny, Some(Reason::PortNotAllowed));
+    // an address deny rule, for names and IPs
+    let v = decide(&p, ACME, "a.example.org", 443, &["198.18.7.66"]);
+    assert_eq!(
+        (v.reason, v.would_deny),
+        (Reason::ReportOnly, Some(Reason::ExplicitDeny))
+    );
+    let v = decide(&p, ACME, "198.18.8.5", 5432, &[]);
+    assert_eq!(
+        (v.reason, v.would_deny),
+        (Reason::ReportOnly, Some(Reason::NoMatchingRule))
+    );
+    // safety denials are enforced in every mode
+    assert_eq!(
+        reason(&p, "evil.com", 443, &["169.254.169.254"]),
+        Reason::DeniedAddress
+    );
+    assert_eq!(reason(&p, "127.0.0.1", 80, &[]), Reason::DeniedAddress);
+    // allowed traffic is plain rule_match; other orgs enforce
+    assert_eq!(
+        reason(&p, "api.example.com", 443, &["198.18.9.9"]),
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        decide(&p, "198.19.2.1", "evil.com", 443, &["198.18.9.9"]).reason,
+        Reason::NoMatchingRule
+    );
+    // DNS
+    let v = p.decide_name_any_port(ip(ACME), "evil.com");
+    assert_eq!(
+        (v.reason, v.would_deny),
+        (Reason::ReportOnly, Some(Reason::NoMatchingRule))
+    );
+    // the mode is part of the policy's identity
+    assert_ne!(p.hash(), policy().hash());
 }

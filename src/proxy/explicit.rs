@@ -339,13 +339,22 @@ async fn connect(
     record.ip = Some(addr.ip());
 
     let tunnel_ctx = ctx.clone();
+    let report = view.is_report();
     let on_upgrade = hyper::upgrade::on(req);
     ctx.tasks.spawn(
         async move {
             let _permit = permit;
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    run_tunnel(tunnel_ctx, TokioIo::new(upgraded), upstream, host, record).await
+                    run_tunnel(
+                        tunnel_ctx,
+                        TokioIo::new(upgraded),
+                        upstream,
+                        host,
+                        record,
+                        report,
+                    )
+                    .await
                 }
                 Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
             }
@@ -363,6 +372,7 @@ async fn run_tunnel(
     upstream: TcpStream,
     host: Host,
     mut record: Record,
+    report: bool,
 ) {
     let mut first = Vec::new();
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
@@ -390,7 +400,15 @@ async fn run_tunnel(
         },
         Detected::Http(None) | Detected::NotTls | Detected::Silent | Detected::Closed => None,
     };
-    if let Some(reason) = mismatch {
+    match mismatch {
+        Some(reason) if report && reason.reportable() => {
+            record.would_deny = Some(reason);
+            record.reason = Reason::ReportOnly;
+            record.decision = Reason::ReportOnly.decision();
+        }
+        _ => {}
+    }
+    if let Some(reason) = mismatch.filter(|_| record.would_deny.is_none()) {
         record.reason = reason;
         record.decision = reason.decision();
         record.rule = None;
@@ -448,7 +466,11 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// Check an absolute-form request before any decision: scheme, framing,
 /// upgrades, Host consistency. Returns the target or the reason to refuse.
-fn check_request(req: &Request<Incoming>) -> Result<(Host, u16), (Reason, String)> {
+/// The request target, and a Host-mismatch description if the Host header
+/// names another host (a denial unless the org only reports).
+type Checked = (Host, u16, Option<String>);
+
+fn check_request(req: &Request<Incoming>) -> Result<Checked, (Reason, String)> {
     let uri = req.uri();
     let bad = |msg: &str| (Reason::BadRequest, msg.to_string());
     if uri.scheme_str() != Some("http") {
@@ -484,14 +506,12 @@ fn check_request(req: &Request<Incoming>) -> Result<(Host, u16), (Reason, String
         match parse_authority(text, Some(80)) {
             Ok((h, p)) if h == host && p == port => {}
             Ok(_) | Err(_) => {
-                return Err((
-                    Reason::HostMismatch,
-                    format!("Host header {text:?} does not name the request target"),
-                ))
+                let why = format!("Host header {text:?} does not name the request target");
+                return Ok((host, port, Some(why)));
             }
         }
     }
-    Ok((host, port))
+    Ok((host, port, None))
 }
 
 async fn forward(
@@ -500,7 +520,20 @@ async fn forward(
     view: &View,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    let (host, port) = match check_request(&req) {
+    let (host, port, host_mismatch) = match check_request(&req) {
+        Ok((host, port, Some(why))) if !view.is_report() => {
+            let verdict = view.verdict(Reason::HostMismatch);
+            return reject(
+                &ctx,
+                view,
+                Kind::Http,
+                peer,
+                &verdict,
+                (Some(&host), Some(port)),
+                Some(&why),
+            )
+            .await;
+        }
         Ok(t) => t,
         Err((reason, detail)) => {
             let verdict = view.verdict(reason);
@@ -519,10 +552,15 @@ async fn forward(
         }
     };
     let Outcome {
-        verdict,
+        mut verdict,
         dial: addrs,
         detail,
     } = ctx.decide(view, &host, port).await;
+    if host_mismatch.is_some() && verdict.is_allow() {
+        // Report mode: what enforcement would have said first.
+        verdict.would_deny = Some(Reason::HostMismatch);
+        verdict.reason = Reason::ReportOnly;
+    }
     if !verdict.is_allow() {
         return reject(
             &ctx,

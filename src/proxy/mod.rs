@@ -78,12 +78,18 @@ impl View {
         r
     }
 
+    /// Whether the client's org only reports its allowlist's denials.
+    pub fn is_report(&self) -> bool {
+        self.org.as_ref().is_some_and(|o| self.policy.is_report(o))
+    }
+
     /// A verdict of this view's org, decided without a rule.
     pub fn verdict(&self, reason: Reason) -> Verdict {
         Verdict {
             org: self.org.clone(),
             reason,
             rule: None,
+            would_deny: None,
         }
     }
 }
@@ -124,6 +130,7 @@ impl Ctx {
                     org: None,
                     reason: Reason::UnknownClient,
                     rule: None,
+                    would_deny: None,
                 },
                 dial: Vec::new(),
                 detail: None,
@@ -166,8 +173,8 @@ pub async fn decide_with(
 ) -> Outcome {
     match policy.decide_for_org(org, host, port) {
         Decision::Final(verdict) => {
-            let dial = match (&verdict.reason, host) {
-                (Reason::RuleMatch, Host::Ip(ip)) => vec![*ip],
+            let dial = match host {
+                Host::Ip(ip) if verdict.is_allow() => vec![*ip],
                 _ => Vec::new(),
             };
             Outcome {
@@ -184,6 +191,7 @@ pub async fn decide_with(
                         org: Some(org.clone()),
                         reason: Reason::BadRequest,
                         rule: None,
+                        would_deny: None,
                     },
                     dial: Vec::new(),
                     detail: Some("internal: resolve asked for an address".into()),
@@ -202,7 +210,8 @@ pub async fn decide_with(
                     verdict: Verdict {
                         org: Some(org.clone()),
                         reason: Reason::ResolutionFailed,
-                        rule: Some(pending.rule.clone()),
+                        rule: pending.rule.clone(),
+                        would_deny: None,
                     },
                     dial: Vec::new(),
                     detail: Some(e.to_string()),

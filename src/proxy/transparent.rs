@@ -120,7 +120,16 @@ async fn handle(
     };
     let started = Instant::now();
     let (outcome, name) = match presented_name(&detected, orig.port()) {
-        Ok(name) => (decide(&ctx, view, name.as_ref(), orig).await, name),
+        Ok(name) => (
+            report_mismatch(
+                &ctx,
+                view,
+                decide(&ctx, view, name.as_ref(), orig).await,
+                orig,
+            )
+            .await,
+            name,
+        ),
         Err(why) => (
             Outcome {
                 verdict: view.verdict(Reason::BadRequest),
@@ -192,6 +201,32 @@ async fn pump(ctx: &Ctx, client: TcpStream, upstream: TcpStream, first: &[u8], r
     ctx.write(&mut close).await;
 }
 
+/// Report mode: a name/address mismatch is let through to the original
+/// destination, judged as an IP target (safety checks still apply), and
+/// recorded as what enforcement would have denied.
+async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Outcome, orig: SocketAddr) -> Outcome {
+    let (Some(org), Reason::SniMismatch) = (&view.org, outcome.verdict.reason) else {
+        return outcome;
+    };
+    if !view.is_report() {
+        return outcome;
+    }
+    let mut by_address = decide_with(
+        &view.policy,
+        &ctx.resolver,
+        org,
+        &Host::Ip(orig.ip()),
+        orig.port(),
+    )
+    .await;
+    if by_address.verdict.is_allow() {
+        by_address.verdict.reason = Reason::ReportOnly;
+        by_address.verdict.would_deny = Some(Reason::SniMismatch);
+        by_address.detail = outcome.detail;
+    }
+    by_address
+}
+
 /// The transparent decision: the name's rules and the address's consistency
 /// with the name, or cidr rules alone without a name. `outcome.dial` is the
 /// original destination when allowed.
@@ -205,6 +240,7 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
             org: Some(org.clone()),
             reason: Reason::SniMismatch,
             rule: None,
+            would_deny: None,
         },
         dial: Vec::new(),
         detail: Some(detail),
@@ -246,7 +282,8 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
                                 verdict: Verdict {
                                     org: Some(org.clone()),
                                     reason: Reason::ResolutionFailed,
-                                    rule: Some(pending.rule.clone()),
+                                    rule: pending.rule.clone(),
+                                    would_deny: None,
                                 },
                                 dial: Vec::new(),
                                 detail: Some(e.to_string()),

@@ -16,6 +16,7 @@ mod lifecycle;
 mod metrics;
 mod policy;
 mod reload;
+mod report;
 mod tls;
 mod transparent;
 
