@@ -32,4 +32,5 @@ pub mod policy;
 pub mod proto;
 pub mod proxy;
 pub mod reload;
+pub mod replay;
 pub mod resolve;

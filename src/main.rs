@@ -45,6 +45,19 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Re-decide every recorded decision under a candidate policy and print
+    /// the flows that would flip.
+    Replay {
+        /// Evidence file or directory.
+        #[arg(long)]
+        evidence: PathBuf,
+        /// The candidate config.
+        #[arg(short, long)]
+        config: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Evidence files.
     Evidence {
         #[command(subcommand)]
@@ -128,6 +141,11 @@ fn main() -> ExitCode {
             target,
             json,
         } => explain(config, client, &target, json),
+        Command::Replay {
+            evidence,
+            config,
+            json,
+        } => replay(evidence, config, json),
         Command::Evidence { command } => match command {
             EvidenceCommand::Verify {
                 path,
@@ -366,6 +384,34 @@ fn query(path: PathBuf, f: FilterArgs, table: Option<bool>) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("palisade: {}: {e}", path.display());
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn replay(evidence: PathBuf, path: PathBuf, json: bool) -> ExitCode {
+    let config = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let policy = palisade::policy::Policy::new(&config);
+    match palisade::replay::replay(&evidence, &policy) {
+        Ok(report) if json => match serde_json::to_string_pretty(&report) {
+            Ok(s) => {
+                println!("{s}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("palisade: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Ok(report) => {
+            print!("{report}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("palisade: cannot read evidence {}: {e}", evidence.display());
             ExitCode::from(1)
         }
     }

@@ -68,3 +68,67 @@ fn report_mode_lets_allowlist_denials_through_and_records_them() {
     );
     assert!(p.stdout.contains("\"mode\": \"report\""), "{}", p.stdout);
 }
+
+#[test]
+fn replay_shows_which_recorded_flows_a_candidate_policy_flips() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    assert_eq!(lab.proxied_curl("http://a.wild.test/", &[]).status, 200);
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    lab.wait_evidence("three decisions", |v| v["host"] == "other.test");
+
+    // Candidate: other.test allowed, *.wild.test denied.
+    let text = std::fs::read_to_string(&lab.config_path).unwrap();
+    let candidate = lab.dir.join("candidate.toml");
+    std::fs::write(
+        &candidate,
+        format!("{text}\n[[org.allow]]\nid = \"other\"\nhost = \"other.test\"\n\n[[org.deny]]\nid = \"no-wild\"\nhost = \"*.wild.test\"\n"),
+    )
+    .unwrap();
+    let out = lab::run_with_timeout(
+        std::process::Command::new(lab::palisade_bin())
+            .args(["replay", "--json", "--evidence"])
+            .arg(&lab.evidence_dir)
+            .arg("-c")
+            .arg(&candidate),
+        None,
+        std::time::Duration::from_secs(20),
+    );
+    assert!(out.success(), "{}", out.describe());
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let flips = report["flips"].as_array().unwrap();
+    let find = |host: &str| {
+        flips
+            .iter()
+            .find(|f| f["host"] == host)
+            .unwrap_or_else(|| panic!("no flip for {host}: {report}"))
+    };
+    let wild = find("a.wild.test");
+    assert_eq!(
+        (wild["before"].as_str(), wild["after"].as_str()),
+        (Some("allow"), Some("deny"))
+    );
+    assert_eq!(wild["after_rule"], "no-wild");
+    let other = find("other.test");
+    assert_eq!(
+        (other["before"].as_str(), other["after"].as_str()),
+        (Some("deny"), Some("allow"))
+    );
+    assert_eq!(other["after_rule"], "other");
+    assert_eq!(
+        other["unresolved"], true,
+        "denied before resolution: address unknown"
+    );
+    assert!(
+        flips.iter().all(|f| f["host"] != "allowed.test"),
+        "{report}"
+    );
+    assert_eq!(
+        report["by_org_rule"]["acme\tallow->deny\tno-wild"], 1,
+        "{report}"
+    );
+    assert_eq!(
+        report["by_org_rule"]["acme\tdeny->allow\tother"], 1,
+        "{report}"
+    );
+}

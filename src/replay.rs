@@ -1,0 +1,211 @@
+//! What-if replay: re-decide every recorded decision under a candidate
+//! policy and report which flows would flip, so a change can be reviewed
+//! before it is applied.
+//!
+//! Deterministic by construction: no name is resolved again. A name's
+//! recorded `ip` (the address that was dialled) stands in for its
+//! resolution; a name denied before resolution has no address, and if the
+//! candidate allows it by name the replay says "allowed by name, address
+//! not known" (`unresolved`) instead of guessing. Records whose reason is
+//! not a policy decision (limits, bad requests, evidence, resolution and
+//! SNI/Host checks that depend on bytes not recorded) are counted as not
+//! re-decidable.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::Path;
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::policy::{Decision, Policy, Reason};
+use crate::proto::target::normalize_host;
+
+/// One flow whose decision changes.
+#[derive(Debug, Clone, Serialize)]
+pub struct Flip {
+    pub id: String,
+    pub org: Option<String>,
+    pub client: String,
+    pub kind: String,
+    pub host: String,
+    pub port: Option<u16>,
+    pub before: String,
+    pub before_reason: String,
+    pub before_rule: Option<String>,
+    pub after: &'static str,
+    pub after_reason: Reason,
+    pub after_rule: Option<String>,
+    /// Allowed by name under the candidate, but the address was never
+    /// resolved (denied before resolution): the address checks still apply.
+    pub unresolved: bool,
+}
+
+/// The replay's result.
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub candidate_policy: String,
+    pub decisions: u64,
+    pub replayed: u64,
+    pub unchanged: u64,
+    pub not_replayable: u64,
+    pub flips: Vec<Flip>,
+    /// (org, direction, rule) → count, direction `allow->deny` or `deny->allow`.
+    pub by_org_rule: BTreeMap<String, u64>,
+}
+
+fn text<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
+    m.get(key).and_then(Value::as_str)
+}
+
+/// The candidate's verdict for one recorded decision, or None if the record
+/// is not a policy decision that can be replayed.
+fn redecide(policy: &Policy, m: &Map<String, Value>) -> Option<(crate::policy::Verdict, bool)> {
+    let reason = text(m, "reason")?;
+    let replayable = [
+        "rule_match",
+        "report_only",
+        "unknown_client",
+        "no_matching_rule",
+        "explicit_deny",
+        "port_not_allowed",
+        "denied_address",
+    ];
+    if !replayable.contains(&reason) {
+        return None;
+    }
+    let client: IpAddr = text(m, "client")?.parse::<SocketAddr>().ok()?.ip();
+    let host = text(m, "host")?;
+    if text(m, "kind")? == "dns" {
+        return Some((policy.decide_name_any_port(client, host), false));
+    }
+    let port = u16::try_from(m.get("port")?.as_u64()?).ok()?;
+    let target = normalize_host(host).ok()?;
+    match policy.decide(client, &target, port) {
+        Decision::Final(v) => Some((v, false)),
+        Decision::Resolve(pending) => {
+            let recorded: Option<IpAddr> = text(m, "ip").and_then(|ip| ip.parse().ok());
+            match recorded {
+                Some(ip) => Some((policy.check_addresses(&pending, &[ip]).verdict, false)),
+                None => {
+                    // Allowed by name; the address was never resolved.
+                    let verdict = crate::policy::Verdict {
+                        org: Some(pending.org.clone()),
+                        reason: pending
+                            .would_deny
+                            .map_or(Reason::RuleMatch, |_| Reason::ReportOnly),
+                        rule: pending.rule.clone(),
+                        would_deny: pending.would_deny,
+                    };
+                    Some((verdict, true))
+                }
+            }
+        }
+    }
+}
+
+/// Replay every decision record under `evidence` against `policy`.
+pub fn replay(evidence: &Path, policy: &Policy) -> std::io::Result<Report> {
+    let mut report = Report {
+        candidate_policy: policy.hash().to_string(),
+        ..Report::default()
+    };
+    crate::evidence::query::for_each_record(evidence, |m| {
+        if text(m, "event") != Some("decision") {
+            return Ok(());
+        }
+        report.decisions += 1;
+        let Some((verdict, unresolved)) = redecide(policy, m) else {
+            report.not_replayable += 1;
+            return Ok(());
+        };
+        report.replayed += 1;
+        let before = text(m, "decision").unwrap_or("").to_string();
+        let after = verdict.reason.decision();
+        if before == after {
+            report.unchanged += 1;
+            return Ok(());
+        }
+        let org = verdict
+            .org
+            .as_ref()
+            .map(|o| o.name.to_string())
+            .or_else(|| text(m, "org").map(str::to_string));
+        let before_rule = text(m, "rule").map(str::to_string);
+        let after_rule = verdict.rule.as_ref().map(|r| r.to_string());
+        let rule = if after == "allow" {
+            after_rule.clone()
+        } else {
+            after_rule.clone().or_else(|| before_rule.clone())
+        };
+        let key = format!(
+            "{}\t{before}->{after}\t{}",
+            org.as_deref().unwrap_or("unknown"),
+            rule.as_deref().unwrap_or("-")
+        );
+        *report.by_org_rule.entry(key).or_default() += 1;
+        report.flips.push(Flip {
+            id: text(m, "id").unwrap_or("").to_string(),
+            org,
+            client: text(m, "client").unwrap_or("").to_string(),
+            kind: text(m, "kind").unwrap_or("").to_string(),
+            host: text(m, "host").unwrap_or("").to_string(),
+            port: m
+                .get("port")
+                .and_then(Value::as_u64)
+                .and_then(|p| u16::try_from(p).ok()),
+            before,
+            before_reason: text(m, "reason").unwrap_or("").to_string(),
+            before_rule,
+            after,
+            after_reason: verdict.reason,
+            after_rule,
+            unresolved,
+        });
+        Ok(())
+    })?;
+    Ok(report)
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "replayed {} of {} decisions under policy {}: {} unchanged, {} would flip, {} not replayable",
+            self.replayed,
+            self.decisions,
+            self.candidate_policy,
+            self.unchanged,
+            self.flips.len(),
+            self.not_replayable
+        )?;
+        if !self.by_org_rule.is_empty() {
+            writeln!(f, "\nflips by org and rule:\norg\tchange\trule\tcount")?;
+            for (key, n) in &self.by_org_rule {
+                writeln!(f, "{key}\t{n}")?;
+            }
+            writeln!(f, "\nflows:")?;
+            for x in &self.flips {
+                writeln!(
+                    f,
+                    "{} {} {} {}:{} {} ({}) -> {} ({}){}",
+                    x.id,
+                    x.org.as_deref().unwrap_or("unknown"),
+                    x.kind,
+                    x.host,
+                    x.port.map_or("-".to_string(), |p| p.to_string()),
+                    x.before,
+                    x.before_reason,
+                    x.after,
+                    x.after_reason,
+                    if x.unresolved {
+                        " [address not known]"
+                    } else {
+                        ""
+                    }
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
