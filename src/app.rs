@@ -117,7 +117,15 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
-        conns: ConnLimits::new(limits.max_connections, limits.max_connections_per_org),
+        conns: ConnLimits::new(
+            limits.max_connections,
+            limits.max_connections_per_org,
+            limits.max_new_connections_per_second_per_org,
+        ),
+        refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
+        detect_slots: tokio::sync::Semaphore::new(
+            (limits.max_detect_memory_bytes / proxy::tunnel::MAX_DETECT_BYTES).max(1),
+        ),
         policy: arc_swap::ArcSwap::new(policy.clone()),
         evidence: evidence.clone(),
         resolver: resolver.clone(),
@@ -164,6 +172,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         bindings: bindings.clone(),
         config: dns.clone(),
         in_flight: Arc::new(Semaphore::new(dns.max_queries_in_flight)),
+        per_client: Arc::new(proxy::limits::RateLimiter::new(
+            dns.max_queries_per_second_per_client,
+            65_536,
+        )),
     }));
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {

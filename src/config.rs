@@ -21,6 +21,10 @@ use crate::proto::target::{normalize_host, Host};
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Default cap on concurrent client connections of one org.
 pub const DEFAULT_MAX_CONNECTIONS_PER_ORG: usize = 2_000;
+/// Default rate of new connections per org (per second, with a burst of as many).
+pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG: usize = 5_000;
+/// Default cap on detection buffers, all connections together.
+pub const DEFAULT_MAX_DETECT_MEMORY_BYTES: usize = 64 * 1024 * 1024;
 /// Default cap on the size of an HTTP request head (request line and headers).
 pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 /// Default cap on the number of request headers.
@@ -44,6 +48,8 @@ pub const DEFAULT_DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default cap on concurrent DNS-over-TCP connections, all listeners together.
 pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
 /// Default cap on DNS queries being answered at once (UDP and TCP).
+/// Default DNS queries per second per client address.
+pub const DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT: usize = 2_000;
 pub const DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT: usize = 1024;
 /// Default lower bound on the TTL of answers handed out (and their bindings).
 pub const DEFAULT_DNS_MIN_TTL: Duration = Duration::from_secs(5);
@@ -87,6 +93,8 @@ struct RawProxy {
     transparent: Vec<Spanned<String>>,
     max_connections: Option<Spanned<i64>>,
     max_connections_per_org: Option<Spanned<i64>>,
+    max_new_connections_per_second_per_org: Option<Spanned<i64>>,
+    max_detect_memory_bytes: Option<Spanned<i64>>,
     max_request_head_bytes: Option<Spanned<i64>>,
     max_headers: Option<Spanned<i64>>,
     header_read_timeout: Option<Spanned<String>>,
@@ -108,6 +116,7 @@ struct RawDns {
     query_timeout: Option<Spanned<String>>,
     max_tcp_connections: Option<Spanned<i64>>,
     max_queries_in_flight: Option<Spanned<i64>>,
+    max_queries_per_second_per_client: Option<Spanned<i64>>,
     min_ttl: Option<Spanned<String>>,
     max_ttl: Option<Spanned<String>>,
     binding_grace: Option<Spanned<String>>,
@@ -194,6 +203,11 @@ pub struct ProxyConfig {
 pub struct Limits {
     pub max_connections: usize,
     pub max_connections_per_org: usize,
+    /// New connections one org may open per second (token bucket, burst of one second's worth).
+    pub max_new_connections_per_second_per_org: usize,
+    /// Memory all connections together may hold in detection buffers
+    /// (first bytes read and held before the decision).
+    pub max_detect_memory_bytes: usize,
     pub max_request_head_bytes: usize,
     pub max_headers: usize,
     pub header_read_timeout: Duration,
@@ -208,6 +222,8 @@ impl Default for Limits {
         Limits {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             max_connections_per_org: DEFAULT_MAX_CONNECTIONS_PER_ORG,
+            max_new_connections_per_second_per_org: DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG,
+            max_detect_memory_bytes: DEFAULT_MAX_DETECT_MEMORY_BYTES,
             max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
             max_headers: DEFAULT_MAX_HEADERS,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
@@ -230,6 +246,8 @@ pub struct DnsConfig {
     pub query_timeout: Duration,
     pub max_tcp_connections: usize,
     pub max_queries_in_flight: usize,
+    /// Queries one client address may send per second (token bucket).
+    pub max_queries_per_second_per_client: usize,
     /// Answer TTLs are clamped to `min_ttl..=max_ttl` (whole seconds).
     pub min_ttl: Duration,
     pub max_ttl: Duration,
@@ -249,6 +267,7 @@ impl Default for DnsConfig {
             query_timeout: DEFAULT_DNS_QUERY_TIMEOUT,
             max_tcp_connections: DEFAULT_DNS_MAX_TCP_CONNECTIONS,
             max_queries_in_flight: DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT,
+            max_queries_per_second_per_client: DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT,
             min_ttl: DEFAULT_DNS_MIN_TTL,
             max_ttl: DEFAULT_DNS_MAX_TTL,
             binding_grace: DEFAULT_DNS_BINDING_GRACE,
@@ -701,6 +720,8 @@ fn validate_proxy(raw: RawProxy, errors: &mut Errors<'_>) -> ProxyConfig {
         transparent,
         max_connections,
         max_connections_per_org,
+        max_new_connections_per_second_per_org,
+        max_detect_memory_bytes,
         max_request_head_bytes,
         max_headers,
         header_read_timeout,
@@ -713,6 +734,12 @@ fn validate_proxy(raw: RawProxy, errors: &mut Errors<'_>) -> ProxyConfig {
     let limits = Limits {
         max_connections: count(max_connections, d.max_connections, errors),
         max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
+        max_new_connections_per_second_per_org: count(
+            max_new_connections_per_second_per_org,
+            d.max_new_connections_per_second_per_org,
+            errors,
+        ),
+        max_detect_memory_bytes: count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors),
         max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
         max_headers: count(max_headers, d.max_headers, errors),
         header_read_timeout: duration(header_read_timeout, d.header_read_timeout, errors),
@@ -743,6 +770,7 @@ fn validate_dns(raw: RawDns, errors: &mut Errors<'_>) -> DnsConfig {
         query_timeout,
         max_tcp_connections,
         max_queries_in_flight,
+        max_queries_per_second_per_client,
         min_ttl,
         max_ttl,
         binding_grace,
@@ -765,6 +793,11 @@ fn validate_dns(raw: RawDns, errors: &mut Errors<'_>) -> DnsConfig {
         query_timeout: duration(query_timeout, d.query_timeout, errors),
         max_tcp_connections: count(max_tcp_connections, d.max_tcp_connections, errors),
         max_queries_in_flight: count(max_queries_in_flight, d.max_queries_in_flight, errors),
+        max_queries_per_second_per_client: count(
+            max_queries_per_second_per_client,
+            d.max_queries_per_second_per_client,
+            errors,
+        ),
         min_ttl: duration(min_ttl, d.min_ttl, errors),
         max_ttl: duration(max_ttl, d.max_ttl, errors),
         binding_grace: duration(binding_grace, d.binding_grace, errors),

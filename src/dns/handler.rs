@@ -49,6 +49,8 @@ pub struct Shim {
     pub bindings: Arc<Bindings>,
     pub config: DnsConfig,
     pub in_flight: Arc<Semaphore>,
+    /// Queries per second per client address.
+    pub per_client: Arc<crate::proxy::limits::RateLimiter<IpAddr>>,
 }
 
 /// The answer to send, before encoding.
@@ -307,14 +309,22 @@ impl Shim {
             return blocked(ResponseCode::Refused, &verdict, &id);
         }
 
-        let Ok(_permit) = self.in_flight.clone().try_acquire_owned() else {
+        let over_rate = !self.per_client.allow(&client, Instant::now());
+        let permit = self.in_flight.clone().try_acquire_owned();
+        let (false, Ok(_permit)) = (over_rate, permit) else {
             let verdict = Verdict {
                 org,
                 reason: Reason::LimitExceeded,
                 rule: None,
                 would_deny: None,
             };
-            let id = self.record_refusal(src, &verdict, Some(&shown), Some(qtype), None);
+            let which = if over_rate {
+                "max_queries_per_second_per_client exceeded"
+            } else {
+                "max_queries_in_flight reached"
+            };
+            let id =
+                self.record_refusal(src, &verdict, Some(&shown), Some(qtype), Some(which.into()));
             return blocked(ResponseCode::Refused, &verdict, &id);
         };
 

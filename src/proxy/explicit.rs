@@ -374,6 +374,14 @@ async fn run_tunnel(
     mut record: Record,
     report: bool,
 ) {
+    let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
+        record.reason = Reason::LimitExceeded;
+        record.decision = Reason::LimitExceeded.decision();
+        record.rule = None;
+        record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
+        ctx.write(&mut record).await;
+        return;
+    };
     let mut first = Vec::new();
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
     let mismatch = match &detected {

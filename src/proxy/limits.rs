@@ -3,18 +3,84 @@
 //! name, so a policy reload that reorders or adds orgs keeps every count.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::policy::OrgRef;
 
 /// Counters for the global cap and each org's cap (clients of no org share
-/// the `unknown` one).
+/// the `unknown` one), and each org's rate of new connections.
 #[derive(Debug)]
 pub struct ConnLimits {
     global: Arc<Slot>,
     max_per_org: usize,
     per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
+    new_per_org: RateLimiter<Arc<str>>,
+}
+
+/// Which limit refused a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LimitHit {
+    Global,
+    Org,
+    Rate,
+}
+
+impl LimitHit {
+    pub fn describe(self) -> &'static str {
+        match self {
+            LimitHit::Global => "max_connections reached",
+            LimitHit::Org => "max_connections_per_org reached",
+            LimitHit::Rate => "max_new_connections_per_second_per_org exceeded",
+        }
+    }
+}
+
+/// Token buckets per key (`rate` tokens a second, up to `rate` saved), for
+/// at most `max_keys` keys. With the table full of recently active keys, a
+/// new key is refused: the limiter fails closed rather than growing.
+#[derive(Debug)]
+pub struct RateLimiter<K> {
+    rate: f64,
+    max_keys: usize,
+    buckets: Mutex<HashMap<K, (f64, Instant)>>,
+}
+
+impl<K: Hash + Eq + Clone> RateLimiter<K> {
+    pub fn new(rate_per_second: usize, max_keys: usize) -> Self {
+        RateLimiter {
+            rate: rate_per_second.max(1) as f64,
+            max_keys,
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Take one token for `key` at `now`.
+    pub fn allow(&self, key: &K, now: Instant) -> bool {
+        let mut map = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        if !map.contains_key(key) && map.len() >= self.max_keys {
+            // Drop buckets that have refilled: they carry no state.
+            let rate = self.rate;
+            map.retain(|_, (tokens, at)| {
+                *tokens + now.duration_since(*at).as_secs_f64() * rate < rate
+            });
+            if map.len() >= self.max_keys {
+                return false;
+            }
+        }
+        let (tokens, at) = map.entry(key.clone()).or_insert((self.rate, now));
+        *tokens =
+            (*tokens + now.saturating_duration_since(*at).as_secs_f64() * self.rate).min(self.rate);
+        *at = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -65,7 +131,7 @@ impl Drop for Permit {
 }
 
 impl ConnLimits {
-    pub fn new(max_global: usize, max_per_org: usize) -> ConnLimits {
+    pub fn new(max_global: usize, max_per_org: usize, new_per_second_per_org: usize) -> ConnLimits {
         ConnLimits {
             global: Arc::new(Slot {
                 used: AtomicUsize::new(0),
@@ -73,6 +139,8 @@ impl ConnLimits {
             }),
             max_per_org,
             per_org: Mutex::new(HashMap::new()),
+            // Orgs come from the config (plus `unknown`): a small, bounded set.
+            new_per_org: RateLimiter::new(new_per_second_per_org, 65_536),
         }
     }
 
@@ -92,24 +160,31 @@ impl ConnLimits {
             .clone()
     }
 
-    /// A permit if neither the global nor the org's cap is reached.
-    pub fn try_acquire(&self, org: Option<&OrgRef>) -> Option<Permit> {
+    /// A permit if no cap or rate is exceeded.
+    pub fn try_acquire(&self, org: Option<&OrgRef>) -> Result<Permit, LimitHit> {
+        let name: Arc<str> = org.map_or_else(
+            || Arc::from(crate::metrics::UNKNOWN_ORG),
+            |o| o.name.clone(),
+        );
+        if !self.new_per_org.allow(&name, Instant::now()) {
+            return Err(LimitHit::Rate);
+        }
         let org_slot = self.org_slot(org);
-        let global = self.global.try_take()?;
+        let global = self.global.try_take().ok_or(LimitHit::Global)?;
         match org_slot.try_take() {
             Some(org_slot) => {
                 let active = crate::metrics::metrics()
                     .active_connections
                     .with_label_values(&[crate::metrics::org_label(org)]);
                 active.inc();
-                Some(Permit {
+                Ok(Permit {
                     slots: [global, org_slot],
                     active,
                 })
             }
             None => {
                 global.give_back();
-                None
+                Err(LimitHit::Org)
             }
         }
     }
@@ -132,18 +207,40 @@ mod tests {
     }
 
     #[test]
+    fn rate_limiter_refills_and_stays_bounded() {
+        let r = RateLimiter::new(2, 2);
+        let t0 = Instant::now();
+        assert!(r.allow(&1, t0) && r.allow(&1, t0));
+        assert!(!r.allow(&1, t0), "burst of two spent");
+        assert!(
+            r.allow(&1, t0 + std::time::Duration::from_millis(600)),
+            "refilled"
+        );
+        assert!(r.allow(&2, t0));
+        assert!(!r.allow(&3, t0), "table full of active keys: fail closed");
+        assert!(
+            r.allow(&3, t0 + std::time::Duration::from_secs(5)),
+            "idle keys dropped"
+        );
+    }
+
+    #[test]
     fn caps_hold_and_release() {
-        let limits = ConnLimits::new(3, 2);
+        let limits = ConnLimits::new(3, 2, 1000);
         let a = limits.try_acquire(Some(&org(0, "a"))).unwrap();
         let _b = limits.try_acquire(Some(&org(7, "a"))).unwrap();
         assert!(
-            limits.try_acquire(Some(&org(0, "a"))).is_none(),
+            limits.try_acquire(Some(&org(0, "a"))).err() == Some(LimitHit::Org),
             "per-org cap, by name"
         );
         let _c = limits.try_acquire(Some(&org(0, "b"))).unwrap();
-        assert!(limits.try_acquire(None).is_none(), "global cap");
+        assert_eq!(
+            limits.try_acquire(None).err(),
+            Some(LimitHit::Global),
+            "global cap"
+        );
         assert_eq!(limits.in_use(), 3);
         drop(a);
-        assert!(limits.try_acquire(None).is_some());
+        assert!(limits.try_acquire(None).is_ok());
     }
 }

@@ -27,6 +27,10 @@ use crate::resolve::Resolver;
 
 use self::limits::ConnLimits;
 
+/// Detail of a `limit_exceeded` when detection buffers are all in use.
+pub const DETECT_BUDGET_EXHAUSTED: &str =
+    "max_detect_memory_bytes in use: no room to read the first bytes";
+
 /// What the DNS shim handed out: did org `org` receive `addr` for `name`,
 /// and is that binding still valid? Transparent mode uses it to check that
 /// a connection's original destination belongs to the name it presents.
@@ -44,6 +48,11 @@ pub struct Ctx {
     pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
     pub conns: ConnLimits,
+    /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:
+    /// bounds the memory held for first bytes before decisions.
+    pub detect_slots: tokio::sync::Semaphore,
+    /// Refused connections being drained before close (bounded).
+    pub refusal_drains: Arc<tokio::sync::Semaphore>,
     /// Stop accepting; finish in-flight requests.
     pub shutdown: CancellationToken,
     /// The drain grace period is over: close tunnels now.
@@ -296,24 +305,64 @@ pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
         };
         let view = ctx.view(peer.ip());
         match ctx.conns.try_acquire(view.org.as_ref()) {
-            Some(permit) => {
+            Ok(permit) => {
                 let ctx2 = ctx.clone();
                 let org = view.org;
                 ctx.tasks.spawn(async move {
                     explicit::serve_connection(ctx2, stream, peer, org, permit).await;
                 });
             }
-            None => reject_over_limit(&ctx, stream, peer, &view),
+            Err(hit) => reject_over_limit(&ctx, stream, peer, &view, hit),
         }
     }
 }
 
 /// Over a connection cap: record it, answer 503 without waiting, close.
-fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View) {
+fn reject_over_limit(
+    ctx: &Ctx,
+    stream: TcpStream,
+    peer: SocketAddr,
+    view: &View,
+    hit: limits::LimitHit,
+) {
     let verdict = view.verdict(Reason::LimitExceeded);
     let mut record = view.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
+    record.detail = Some(hit.describe().to_string());
     ctx.submit(&mut record);
     let response = deny::raw_response(Reason::LimitExceeded, Some(&record.id));
-    // Best effort and non-blocking: a flood must not tie up tasks here.
-    let _ = stream.try_write(response.as_bytes());
+    // Non-blocking: a flood must not tie up the accept loop.
+    if stream.try_write(response.as_bytes()).is_err() {
+        return;
+    }
+    // Closing with the request unread would reset the connection and could
+    // destroy the 503 before the client reads it: drain briefly first, in a
+    // bounded number of short-lived tasks (beyond them, just close).
+    let Ok(permit) = ctx.refusal_drains.clone().try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+        let mut sink = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + REFUSAL_DRAIN_TIME;
+        let mut left = REFUSAL_DRAIN_BYTES;
+        while left > 0 {
+            match tokio::time::timeout_at(
+                deadline,
+                tokio::io::AsyncReadExt::read(&mut stream, &mut sink),
+            )
+            .await
+            {
+                Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n),
+                _ => break,
+            }
+        }
+    });
 }
+
+/// How long, and how many bytes, a refused connection is drained before closing.
+const REFUSAL_DRAIN_TIME: Duration = Duration::from_millis(500);
+const REFUSAL_DRAIN_BYTES: usize = 64 * 1024;
+/// Refused connections drained at once.
+pub const MAX_REFUSAL_DRAINS: usize = 256;

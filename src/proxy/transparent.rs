@@ -53,17 +53,18 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
         // One connection, one decision: under the policy served at accept.
         let view = ctx.view(peer.ip());
         match ctx.conns.try_acquire(view.org.as_ref()) {
-            Some(permit) => {
+            Ok(permit) => {
                 let ctx2 = ctx.clone();
                 let span = info_span!("transparent", client.addr = %peer);
                 ctx.tasks.spawn(
                     async move { handle(ctx2, stream, peer, view, permit).await }.instrument(span),
                 );
             }
-            None => {
+            Err(hit) => {
                 let verdict = view.verdict(Reason::LimitExceeded);
                 let mut record =
                     view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+                record.detail = Some(hit.describe().to_string());
                 ctx.submit(&mut record);
                 reset(stream);
             }
@@ -112,6 +113,21 @@ async fn handle(
         }
     };
     let orig = SocketAddr::new(canonical(orig.ip()), orig.port());
+    let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
+        let verdict = view.verdict(Reason::LimitExceeded);
+        let mut record = view.record(
+            Kind::Tcp,
+            Mode::Transparent,
+            peer,
+            &verdict,
+            Some(&Host::Ip(orig.ip())),
+            Some(orig.port()),
+        );
+        record.ip = Some(orig.ip());
+        record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
+        ctx.write(&mut record).await;
+        return reset(client);
+    };
     let mut first = Vec::new();
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
     let sni = match &detected {

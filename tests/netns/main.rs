@@ -6,6 +6,7 @@
 //! client's outcome and the upstream/evidence side.  Requires root; run via
 //! `.ci/run` or `cargo test --test netns` as root.
 
+mod abuse;
 mod bounds;
 mod cli;
 mod dns;
