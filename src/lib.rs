@@ -27,6 +27,8 @@ pub mod config;
 pub mod dns;
 pub mod evidence;
 pub mod explain;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod metrics;
 pub mod policy;
 pub mod proto;
