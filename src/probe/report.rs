@@ -228,6 +228,12 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         }));
     }
     policies.remove("");
+    let policy_matches = obs
+        .plan
+        .policy
+        .as_ref()
+        .map(|p| policies.len() == 1 && policies.contains(p));
+    scope.insert("policy_matches_plan".into(), json!(policy_matches));
     scope.insert("policy_in_evidence".into(), json!(policies));
     scope.insert("orgs_in_evidence".into(), json!(record_orgs));
 
@@ -290,7 +296,13 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             count("blocked_elsewhere"),
         )
     };
-    let untested = untested(&obs, &sources_text);
+    let mut untested = untested(&obs, &sources_text);
+    if policy_matches == Some(false) {
+        untested.insert(
+            0,
+            "The policy that decided (policy hash in evidence) is not the one the plan names: the results describe the policy in the evidence.".into(),
+        );
+    }
     let report = json!({
         "format": REPORT_FORMAT,
         "verification": verification,
@@ -671,6 +683,7 @@ fn markdown(r: &Value) -> String {
         ("org", "org (plan)"),
         ("plan_policy", "policy hash (plan)"),
         ("policy_in_evidence", "policy hash (evidence)"),
+        ("policy_matches_plan", "evidence policy = plan policy"),
         ("orgs_in_evidence", "orgs (evidence)"),
         ("probe_palisade_version", "Palisade version (probe)"),
         ("report_palisade_version", "Palisade version (report)"),

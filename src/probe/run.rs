@@ -1106,7 +1106,10 @@ fn environment(resolver: Option<SocketAddr>) -> serde_json::Value {
         "hostname": read_small("/proc/sys/kernel/hostname").trim(),
         "kernel": read_small("/proc/sys/kernel/osrelease").trim(),
         "uid": read_small("/proc/self/status").lines().find(|l| l.starts_with("Uid:")).unwrap_or("").to_string(),
-        "addresses": lines(command_output("ip", &["-o", "addr", "show"])),
+        "addresses": lines(command_output("ip", &["-o", "addr", "show"]))
+            .into_iter()
+            .map(|l| l.split('\\').next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect::<Vec<_>>(),
         "routes_v4": lines(command_output("ip", &["-4", "route", "show", "table", "all"])),
         "routes_v6": lines(command_output("ip", &["-6", "route", "show", "table", "all"])),
         "resolv_conf": lines(read_small("/etc/resolv.conf")).into_iter().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(),

@@ -15,6 +15,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod policy;
+mod probe;
 mod tls;
 mod transparent;
 
