@@ -19,7 +19,8 @@
 //!
 //! [`config`] loads and validates the TOML file; [`app`] wires listeners,
 //! the admin endpoints and shutdown; [`explain`] runs the same decision for
-//! one target from the command line.
+//! one target from the command line; [`probe`] demonstrates containment
+//! (a probe plan run in the sandbox, joined with verified evidence).
 
 pub mod admin;
 pub mod app;
@@ -31,6 +32,7 @@ pub mod explain;
 pub mod fuzzing;
 pub mod metrics;
 pub mod policy;
+pub mod probe;
 pub mod proto;
 pub mod proxy;
 pub mod reload;

@@ -63,6 +63,56 @@ enum Command {
         #[command(subcommand)]
         command: EvidenceCommand,
     },
+    /// Containment demonstration: plan, run (in the sandbox), report.
+    Probe {
+        #[command(subcommand)]
+        command: ProbeCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ProbeCommand {
+    /// Print a default probe plan (TOML) for an org of a policy.
+    Plan {
+        #[arg(short, long, default_value = "config/palisade.toml")]
+        config: PathBuf,
+        #[arg(long)]
+        org: String,
+        /// Explicit proxy address the sandbox uses (default: first [proxy] listen).
+        #[arg(long)]
+        proxy: Option<std::net::SocketAddr>,
+        /// Resolver the sandbox uses (default: first [dns] listen).
+        #[arg(long)]
+        resolver: Option<std::net::SocketAddr>,
+        /// Address standing for "outside" (repeatable; default 1.1.1.1, 8.8.8.8).
+        #[arg(long)]
+        outside: Vec<IpAddr>,
+        /// Plan for a transparent deployment (default: when [proxy] transparent is set).
+        #[arg(long)]
+        transparent: bool,
+    },
+    /// Perform every probe of a plan and write DIR/observations.json.
+    Run {
+        #[arg(long)]
+        plan: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Verify evidence, classify observations, write report.json/.md/.html.
+    Report {
+        #[arg(long)]
+        observations: PathBuf,
+        #[arg(long)]
+        evidence: PathBuf,
+        /// Evidence public key (hex, or a file holding it).
+        #[arg(long)]
+        key: Option<String>,
+        /// Accept an evidence chain whose end is not sealed (a live instance).
+        #[arg(long)]
+        allow_unsealed: bool,
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -164,6 +214,7 @@ fn main() -> ExitCode {
                 filter,
             } => query(path, filter, None),
         },
+        Command::Probe { command } => probe(command),
     }
 }
 
@@ -413,6 +464,142 @@ fn replay(evidence: PathBuf, path: PathBuf, json: bool) -> ExitCode {
         Err(e) => {
             eprintln!("palisade: cannot read evidence {}: {e}", evidence.display());
             ExitCode::from(1)
+        }
+    }
+}
+
+/// `palisade probe ...`: exit 0 all matched, 1 finding/inconclusive/broken evidence, 2 bad input.
+fn probe(command: ProbeCommand) -> ExitCode {
+    use palisade::probe::{plan, report, run};
+    match command {
+        ProbeCommand::Plan {
+            config,
+            org,
+            proxy,
+            resolver,
+            outside,
+            transparent,
+        } => {
+            let config = match load(&config) {
+                Ok(c) => c,
+                Err(_) => return ExitCode::from(2),
+            };
+            let transparent = transparent || !config.proxy.transparent.is_empty();
+            let opts = plan::GenerateOptions {
+                org,
+                proxy,
+                resolver,
+                outside,
+                transparent,
+            };
+            match plan::generate(&config, &opts) {
+                Ok(p) => {
+                    let header = format!(
+                        "Palisade probe plan for org {:?}, policy {}\nGenerated from {} by palisade {}. Review every expectation: the plan is the agreement.",
+                        opts.org,
+                        p.policy.as_deref().unwrap_or("-"),
+                        config.path.display(),
+                        env!("CARGO_PKG_VERSION")
+                    );
+                    print!("{}", p.to_toml(&header));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("palisade: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+        ProbeCommand::Run { plan: path, out } => {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("palisade: {}: {e}", path.display());
+                    return ExitCode::from(2);
+                }
+            };
+            let p = match plan::Plan::from_toml(&text) {
+                Ok(p) => p,
+                Err(e) => {
+                    eprintln!("palisade: {}: {e}", path.display());
+                    return ExitCode::from(2);
+                }
+            };
+            let obs = runtime().block_on(run::run(&p, &text));
+            let file = out.join("observations.json");
+            let written = std::fs::create_dir_all(&out).and_then(|_| {
+                let body = serde_json::to_vec_pretty(&obs).map_err(std::io::Error::other)?;
+                std::fs::write(&file, body)
+            });
+            if let Err(e) = written {
+                eprintln!("palisade: {}: {e}", file.display());
+                return ExitCode::from(2);
+            }
+            for o in &obs.observations {
+                println!(
+                    "{:<24} {:<6} {:<8} {:?} {}",
+                    o.id,
+                    o.kind,
+                    format!("{:?}", o.expect).to_lowercase(),
+                    o.outcome,
+                    o.error.as_deref().unwrap_or("")
+                );
+            }
+            println!("wrote {}", file.display());
+            ExitCode::SUCCESS
+        }
+        ProbeCommand::Report {
+            observations,
+            evidence,
+            key,
+            allow_unsealed,
+            out,
+        } => {
+            let key = match key {
+                None => None,
+                Some(k) => {
+                    let text = std::fs::read_to_string(&k).unwrap_or(k);
+                    match palisade::evidence::chain::parse_pubkey(&text) {
+                        Some(k) => Some(k),
+                        None => {
+                            eprintln!("palisade: --key: not an Ed25519 public key (64 hex characters, or a file holding them)");
+                            return ExitCode::from(2);
+                        }
+                    }
+                }
+            };
+            let opts = report::Options {
+                observations: &observations,
+                evidence: &evidence,
+                key,
+                allow_unsealed,
+            };
+            let r = match report::build(&opts) {
+                Ok(r) => r,
+                Err(report::BadInput(e)) => {
+                    eprintln!("palisade: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let json = serde_json::to_vec_pretty(&r.json).unwrap_or_default();
+            let written = std::fs::create_dir_all(&out).and_then(|_| {
+                std::fs::write(out.join("report.json"), json)?;
+                std::fs::write(out.join("report.md"), &r.markdown)?;
+                std::fs::write(out.join("report.html"), &r.html)
+            });
+            if let Err(e) = written {
+                eprintln!("palisade: {}: {e}", out.display());
+                return ExitCode::from(2);
+            }
+            if r.json["verification"]["ok"] != true {
+                eprintln!(
+                    "palisade: evidence verification failed: {}",
+                    r.json["verification"]["error"].as_str().unwrap_or("")
+                );
+            }
+            println!("{}", r.json["verdict"].as_str().unwrap_or(""));
+            println!("wrote {}/report.{{json,md,html}}", out.display());
+            ExitCode::from(r.exit)
         }
     }
 }

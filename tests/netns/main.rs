@@ -16,6 +16,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod policy;
+mod probe;
 mod reload;
 mod report;
 mod tls;

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::lab::{self, ca_pem, dump, Lab, DEFAULT_POLICY};
 
-const TRANSPARENT: &str = "198.18.1.1:15001";
+pub const TRANSPARENT: &str = "198.18.1.1:15001";
 
 /// The lab with a transparent listener and the gateway ruleset loaded.
 fn gateway_lab() -> Lab {
@@ -18,6 +18,15 @@ fn gateway_lab() -> Lab {
         .policy(DEFAULT_POLICY)
         .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
         .start();
+    load_gateway(&lab);
+    lab
+}
+
+/// Load the shipped gateway ruleset (only its defines changed) into the
+/// proxy namespace and route the sandbox through it. The lab needs a
+/// transparent listener on [`TRANSPARENT`] (and a DNS shim on port 5353 for
+/// DNS through the gateway).
+pub fn load_gateway(lab: &Lab) {
     let rules = std::fs::read_to_string(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docker/nftables.conf"),
     )
@@ -44,7 +53,6 @@ fn gateway_lab() -> Lab {
         &["route", "add", "default", "via", "198.18.1.1"],
     );
     assert!(out.success(), "{}", out.describe());
-    lab
 }
 
 /// curl from the sandbox with no proxy, `name` pinned to `addr`.

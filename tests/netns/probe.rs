@@ -1,0 +1,739 @@
+//! `palisade probe`: plans run with `palisade probe run` inside the sandbox
+//! namespace (explicit-proxy and transparent setups), reports built from the
+//! evidence Palisade wrote, every classification asserted, a planted hole,
+//! tampered evidence, and the HTML rendered in headless Chromium.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::lab::{self, palisade_bin, Lab, DEFAULT_POLICY};
+use crate::transparent::{load_gateway, TRANSPARENT};
+
+const RUN_TIMEOUT: Duration = Duration::from_secs(150);
+
+/// Write `plan` into the lab dir and run it in namespace `ns`; returns the
+/// observations file.
+fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf {
+    let plan_path = lab.dir.join(format!("{name}.plan.toml"));
+    std::fs::write(&plan_path, plan).unwrap();
+    let out_dir = lab.dir.join(format!("{name}.obs"));
+    let out = lab::run_with_timeout(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                palisade_bin(),
+                "probe",
+                "run",
+                "--plan",
+            ])
+            .arg(&plan_path)
+            .arg("--out")
+            .arg(&out_dir),
+        None,
+        RUN_TIMEOUT,
+    );
+    assert!(out.success(), "probe run: {}", out.describe());
+    let file = out_dir.join("observations.json");
+    assert!(file.is_file(), "no observations: {}", out.describe());
+    file
+}
+
+struct Reported {
+    code: Option<i32>,
+    json: Value,
+    dir: PathBuf,
+    output: String,
+}
+
+impl Reported {
+    fn classes(&self) -> BTreeMap<String, String> {
+        palisade::probe::report::classes(&self.json)
+    }
+    fn probe(&self, id: &str) -> &Value {
+        self.json["probes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|p| p["id"] == id))
+            .unwrap_or_else(|| panic!("no probe {id} in report"))
+    }
+    fn md(&self) -> String {
+        std::fs::read_to_string(self.dir.join("report.md")).unwrap()
+    }
+}
+
+/// `palisade probe report` (run on the Palisade side: no namespace needed).
+fn probe_report(lab: &Lab, name: &str, obs: &Path, evidence: &Path, extra: &[&str]) -> Reported {
+    let dir = lab.dir.join(format!("{name}.report"));
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "report", "--observations"])
+            .arg(obs)
+            .arg("--evidence")
+            .arg(evidence)
+            .arg("--out")
+            .arg(&dir)
+            .args(extra),
+        None,
+        Duration::from_secs(30),
+    );
+    let text = std::fs::read_to_string(dir.join("report.json"))
+        .unwrap_or_else(|e| panic!("report.json: {e}\n{}", out.describe()));
+    let json: Value = serde_json::from_str(&text).unwrap();
+    for f in ["report.md", "report.html"] {
+        assert!(dir.join(f).is_file(), "{f} missing");
+    }
+    // Keep the markdown where the closing note can quote it.
+    let _ = std::fs::copy(
+        dir.join("report.md"),
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("probe-report-{name}.md")),
+    );
+    Reported {
+        code: out.code(),
+        json,
+        dir,
+        output: out.describe(),
+    }
+}
+
+fn assert_classes(r: &Reported, want: &[(&str, &str)]) {
+    let got = r.classes();
+    for (id, class) in want {
+        assert_eq!(
+            got.get(*id).map(String::as_str),
+            Some(*class),
+            "probe {id}: {:#}\n{}",
+            r.probe(id),
+            r.md()
+        );
+    }
+}
+
+/// Render report.html in headless Chromium, inside the (isolated) client
+/// namespace, and return the DOM it built.
+fn chromium_dom(lab: &Lab, html: &Path) -> String {
+    let profile = lab.dir.join("chromium-profile");
+    std::fs::create_dir_all(&profile).unwrap();
+    let url = format!("file://{}", html.display());
+    let out = lab::run_with_timeout(
+        Command::new("ip")
+            .args(["netns", "exec", &lab.ns_client, "chromium"])
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ])
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .arg("--dump-dom")
+            .arg(&url)
+            .env("HOME", &profile),
+        None,
+        Duration::from_secs(90),
+    );
+    assert!(out.success(), "chromium: {}", out.describe());
+    out.stdout
+}
+
+fn explicit_plan() -> String {
+    r#"
+org = "acme"
+proxy = "198.18.1.1:3128"
+resolver = "198.18.1.1:53"
+timeout = "3s"
+deadline = "120s"
+
+[[probe]]
+id = "allow-http"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "allow-https"
+target = "https://allowed.test/"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "allow-cidr-tcp"
+target = "tcp://198.18.2.30:80"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "allow-dns"
+target = "dns:allowed.test/A"
+via = "direct"
+expect = "allow"
+
+[[probe]]
+id = "deny-name"
+target = "https://other.test/"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "deny-explicit"
+target = "http://blocked.wild.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "deny-metadata"
+target = "http://2852039166/latest/meta-data/"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "deny-sni"
+target = "tls://allowed.test:443?sni=other.test"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "deny-host-header"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+host_header = "other.test"
+
+[[probe]]
+id = "deny-dns-exfil"
+target = "dns:{marker}.6a6f686e.other.test/TXT"
+via = "direct"
+expect = "deny"
+
+[[probe]]
+id = "routed-away"
+target = "tcp://198.18.2.20:80"
+via = "direct"
+expect = "deny"
+layer = "any"
+note = "the sandbox has no route but the proxy"
+
+[[probe]]
+id = "routed-away-strict"
+target = "tcp://198.18.2.20:80"
+via = "direct"
+expect = "deny"
+note = "same path, but the plan wants Palisade to be the one denying it"
+
+[[probe]]
+id = "broken-upstream"
+target = "https://nx.test/"
+via = "proxy"
+expect = "allow"
+note = "allowed name the upstream DNS does not know"
+"#
+    .to_string()
+}
+
+#[test]
+fn explicit_proxy_plan_is_classified_and_rendered() {
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .dns_listen(&["198.18.1.1:53"])
+        .start();
+    let obs = probe_run(&lab, &lab.ns_client, "explicit", &explicit_plan());
+    let r = probe_report(
+        &lab,
+        "explicit",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_eq!(r.json["verification"]["ok"], true, "{}", r.output);
+    assert_classes(
+        &r,
+        &[
+            ("allow-http", "enforced_allow"),
+            ("allow-https", "enforced_allow"),
+            ("allow-cidr-tcp", "enforced_allow"),
+            ("allow-dns", "enforced_allow"),
+            ("deny-name", "enforced_deny"),
+            ("deny-explicit", "enforced_deny"),
+            ("deny-metadata", "enforced_deny"),
+            ("deny-sni", "enforced_deny"),
+            ("deny-host-header", "enforced_deny"),
+            ("deny-dns-exfil", "enforced_deny"),
+            ("routed-away", "blocked_elsewhere"),
+            ("routed-away-strict", "blocked_elsewhere"),
+            ("broken-upstream", "inconclusive"),
+        ],
+    );
+    // The cited records carry the reason Palisade gave.
+    let reason = |id: &str| r.probe(id)["records"][0]["reason"].clone();
+    assert_eq!(reason("deny-name"), "no_matching_rule");
+    assert_eq!(reason("deny-explicit"), "explicit_deny");
+    assert_eq!(reason("deny-metadata"), "denied_address");
+    assert_eq!(reason("deny-host-header"), "host_mismatch");
+    assert_eq!(reason("broken-upstream"), "resolution_failed");
+    let sni = r.probe("deny-sni")["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["reason"] == "sni_mismatch");
+    assert!(sni, "{:#}", r.probe("deny-sni"));
+    // routed-away is accepted (layer any), the strict copy is not.
+    assert_eq!(r.probe("routed-away")["matched"], true);
+    assert_eq!(r.probe("routed-away-strict")["matched"], false);
+    assert_eq!(r.json["findings"].as_array().unwrap().len(), 0);
+    // Inconclusive and not-demonstrated cases make the exit status 1.
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    let verdict = r.json["verdict"].as_str().unwrap();
+    assert!(verdict.starts_with("NOT DEMONSTRATED"), "{verdict}");
+    assert!(!verdict.to_lowercase().contains("impossible"), "{verdict}");
+    let untested: Vec<&str> = r.json["untested"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        untested.iter().any(|u| u.starts_with("IPv6: not probed")),
+        "{untested:?}"
+    );
+    assert!(
+        untested.iter().any(|u| u.starts_with("UDP other than DNS")),
+        "{untested:?}"
+    );
+    assert_eq!(r.json["scope"]["evidence_sealed"], false);
+    assert!(r.json["environment"]["addresses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|a| a.as_str().unwrap_or("").contains("198.18.1.2")));
+
+    let dom = chromium_dom(&lab, &r.dir.join("report.html"));
+    assert!(
+        dom.contains("id=\"findings\""),
+        "findings table not in the DOM"
+    );
+    assert!(
+        dom.contains("data-probe=\"broken-upstream\""),
+        "probe rows not in the DOM"
+    );
+}
+
+#[test]
+fn planted_hole_is_an_unexpected_allow_and_exits_1() {
+    // The agreed plan denies other.test; this policy lets it through.
+    let policy = format!("{DEFAULT_POLICY}\n[[org.allow]]\nhost = \"other.test\"\n");
+    let lab = Lab::start(&policy);
+    let plan = r#"
+proxy = "198.18.1.1:3128"
+timeout = "3s"
+
+[[probe]]
+id = "allow-http"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "canary"
+target = "http://other.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "canary-tls"
+target = "https://other.test/"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "blocked"
+target = "https://blocked.wild.test/"
+via = "proxy"
+expect = "deny"
+"#;
+    let obs = probe_run(&lab, &lab.ns_client, "hole", plan);
+    let r = probe_report(&lab, "hole", &obs, &lab.evidence_dir, &["--allow-unsealed"]);
+    assert_classes(
+        &r,
+        &[
+            ("allow-http", "enforced_allow"),
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "unexpected_allow"),
+            ("blocked", "enforced_deny"),
+        ],
+    );
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    let findings: Vec<&str> = r.json["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["id"].as_str())
+        .collect();
+    assert_eq!(findings, ["canary", "canary-tls"]);
+    assert!(r.json["verdict"].as_str().unwrap().starts_with("FINDINGS"));
+    // Findings come before the probe table in both renderings.
+    let md = r.md();
+    let (f, p) = (
+        md.find("## Findings").unwrap(),
+        md.find("## Probes").unwrap(),
+    );
+    assert!(f < p && md[f..p].contains("unexpected_allow"), "{md}");
+    let dom = chromium_dom(&lab, &r.dir.join("report.html"));
+    let table = dom
+        .find("id=\"findings\"")
+        .map(|i| &dom[i..])
+        .expect("findings table in the DOM");
+    let table = &table[..table.find("</table>").unwrap_or(table.len())];
+    assert!(
+        table.contains("data-probe=\"canary\"") && table.contains("unexpected_allow"),
+        "{table}"
+    );
+}
+
+#[test]
+fn sealed_evidence_with_key_passes_and_tampering_refuses_classification() {
+    let mut lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .dns_listen(&["198.18.1.1:53"])
+        .start();
+    let plan = r#"
+proxy = "198.18.1.1:3128"
+resolver = "198.18.1.1:53"
+timeout = "3s"
+
+[[probe]]
+id = "allow-http"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "deny-name"
+target = "http://other.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+
+[[probe]]
+id = "deny-dns"
+target = "dns:other.test/A"
+via = "direct"
+expect = "deny"
+
+[[probe]]
+id = "routed-away"
+target = "udp://198.18.2.20:443"
+via = "direct"
+expect = "deny"
+layer = "any"
+"#;
+    let obs = probe_run(&lab, &lab.ns_client, "sealed", plan);
+    let key = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["evidence", "pubkey", "-c"])
+            .arg(&lab.config_path),
+        None,
+        Duration::from_secs(10),
+    );
+    assert!(key.success(), "{}", key.describe());
+    let key = key.stdout.trim().to_string();
+    // A live chain is refused without --allow-unsealed.
+    let live = probe_report(&lab, "live", &obs, &lab.evidence_dir, &["--key", &key]);
+    assert_eq!(live.json["verification"]["ok"], false, "{}", live.output);
+    assert_eq!(live.code, Some(1));
+
+    lab.signal_proxy("-TERM");
+    assert!(lab.wait_proxy_exit(Duration::from_secs(15)).is_some());
+    let r = probe_report(&lab, "sealed", &obs, &lab.evidence_dir, &["--key", &key]);
+    assert_classes(
+        &r,
+        &[
+            ("allow-http", "enforced_allow"),
+            ("deny-name", "enforced_deny"),
+            ("deny-dns", "enforced_deny"),
+            ("routed-away", "blocked_elsewhere"),
+        ],
+    );
+    assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
+    assert_eq!(r.json["scope"]["evidence_sealed"], true);
+    assert_eq!(r.json["scope"]["evidence_key_pinned"], true);
+    assert_eq!(r.json["scope"]["evidence_public_key"], key.as_str());
+    assert!(r.json["verdict"]
+        .as_str()
+        .unwrap()
+        .starts_with("Within the 4 paths tested"));
+
+    // Tamper: turn the recorded denial into an allow in a copy.
+    let copy = lab.dir.join("tampered");
+    std::fs::create_dir_all(&copy).unwrap();
+    let mut edited = false;
+    for entry in std::fs::read_dir(&lab.evidence_dir).unwrap() {
+        let path = entry.unwrap().path();
+        // Segments only (the dir also keeps `policies/`, the policy texts).
+        if !path.is_file() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        let text = if !edited && text.contains("\"host\":\"other.test\"") {
+            edited = true;
+            text.lines()
+                .map(|l| {
+                    if l.contains("\"host\":\"other.test\"") && l.contains("\"decision\":\"deny\"")
+                    {
+                        l.replace("\"decision\":\"deny\"", "\"decision\":\"allow\"")
+                    } else {
+                        l.to_string()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+                + "\n"
+        } else {
+            text
+        };
+        std::fs::write(copy.join(path.file_name().unwrap()), text).unwrap();
+    }
+    assert!(edited, "no record to tamper with");
+    let t = probe_report(&lab, "tampered", &obs, &copy, &["--key", &key]);
+    assert_eq!(t.code, Some(1), "{}", t.output);
+    assert_eq!(t.json["verification"]["ok"], false);
+    assert!(
+        t.json["verification"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("hash does not match"),
+        "{:#}",
+        t.json["verification"]
+    );
+    assert_eq!(t.json["probes"].as_array().unwrap().len(), 0);
+    assert!(t.json["verdict"]
+        .as_str()
+        .unwrap()
+        .starts_with("Not assessed"));
+    let md = t.md();
+    let verification = md.find("## Evidence verification").unwrap();
+    assert!(md[verification..].contains("**FAILED:**"), "{md}");
+    assert!(!md.contains("enforced_"), "{md}");
+
+    // Bad input exits 2.
+    let junk = lab.dir.join("junk.json");
+    std::fs::write(&junk, "{").unwrap();
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "report", "--observations"])
+            .arg(&junk)
+            .arg("--evidence")
+            .arg(&lab.evidence_dir)
+            .arg("--out")
+            .arg(lab.dir.join("junk.report")),
+        None,
+        Duration::from_secs(10),
+    );
+    assert_eq!(out.code(), Some(2), "{}", out.describe());
+}
+
+#[test]
+fn transparent_plan_is_classified() {
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .dns_listen(&["198.18.1.1:5353"])
+        .start();
+    load_gateway(&lab);
+    let plan = r#"
+org = "acme"
+resolver = "198.18.1.1:53"
+timeout = "3s"
+
+[[probe]]
+id = "allow-https"
+target = "https://allowed.test/"
+via = "direct"
+expect = "allow"
+
+[[probe]]
+id = "allow-http"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "direct"
+expect = "allow"
+
+[[probe]]
+id = "deny-name-dns"
+target = "https://other.test/"
+via = "direct"
+expect = "deny"
+note = "the DNS shim refuses the name"
+
+[[probe]]
+id = "deny-name-pinned"
+target = "https://other.test/"
+via = "direct"
+expect = "deny"
+resolve = "198.18.2.13"
+note = "address known to the sandbox already"
+
+[[probe]]
+id = "deny-sni"
+target = "tls://allowed.test:443?sni=other.test"
+via = "direct"
+expect = "deny"
+
+[[probe]]
+id = "deny-outside-resolver"
+target = "dns:other.test/A"
+via = "direct"
+expect = "deny"
+server = "198.18.2.2:53"
+
+[[probe]]
+id = "routed-away-udp"
+target = "udp://198.18.2.20:443"
+via = "direct"
+expect = "deny"
+layer = "any"
+
+[[probe]]
+id = "routed-away-ipv6"
+target = "tcp://[2001:db8::1]:443"
+via = "direct"
+expect = "deny"
+layer = "any"
+
+[[probe]]
+id = "broken-upstream"
+target = "https://nx.test/"
+via = "direct"
+expect = "allow"
+"#;
+    let obs = probe_run(&lab, &lab.ns_client, "transparent", plan);
+    let r = probe_report(
+        &lab,
+        "transparent",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &r,
+        &[
+            ("allow-https", "enforced_allow"),
+            ("allow-http", "enforced_allow"),
+            ("deny-name-dns", "enforced_deny"),
+            ("deny-name-pinned", "enforced_deny"),
+            ("deny-sni", "enforced_deny"),
+            ("deny-outside-resolver", "enforced_deny"),
+            ("routed-away-udp", "blocked_elsewhere"),
+            ("routed-away-ipv6", "blocked_elsewhere"),
+            ("broken-upstream", "inconclusive"),
+        ],
+    );
+    let modes: Vec<String> = r.probe("deny-name-pinned")["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x["mode"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(modes, ["transparent"], "{:#}", r.probe("deny-name-pinned"));
+    assert_eq!(r.probe("deny-name-dns")["records"][0]["mode"], "dns");
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    assert!(!r.json["untested"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|u| u.as_str().unwrap_or("").starts_with("IPv6: not probed")));
+}
+
+#[test]
+fn generated_plan_runs_against_the_policy_it_came_from() {
+    let policy = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+host = "allowed.test"
+ports = [80, 443]
+
+[[org.allow]]
+cidr = "198.18.2.30/32"
+ports = [80]
+
+[[org.deny]]
+host = "blocked.wild.test"
+"#;
+    let lab = Lab::builder()
+        .policy(policy)
+        .dns_listen(&["198.18.1.1:53"])
+        .start();
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "plan", "-c"])
+            .arg(&lab.config_path)
+            .args(["--org", "acme", "--outside", "198.18.2.20"]),
+        None,
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "{}", out.describe());
+    let plan = out.stdout.replace("timeout = \"5s\"", "timeout = \"2s\"");
+    for id in [
+        "canary-https",
+        "metadata",
+        "spelling-decimal",
+        "sni-mismatch",
+        "host-mismatch",
+        "dns-exfil",
+        "udp-quic",
+        "ipv6-direct",
+        "doh-google",
+    ] {
+        assert!(
+            plan.contains(&format!("id = \"{id}\"")),
+            "{id} missing:\n{plan}"
+        );
+    }
+    let obs = probe_run(&lab, &lab.ns_client, "generated", &plan);
+    let r = probe_report(
+        &lab,
+        "generated",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    let classes = r.classes();
+    // Every probe of the policy's own plan is classified; none is a finding.
+    assert!(
+        r.json["findings"].as_array().unwrap().is_empty(),
+        "{}",
+        r.md()
+    );
+    for id in [
+        "allow-0-80",
+        "allow-0-443",
+        "allow-1-80",
+        "canary-https",
+        "metadata",
+        "spelling-octal",
+        "sni-mismatch",
+        "host-mismatch",
+        "dns-canary",
+        "dns-exfil",
+        "doh-google",
+        "deny-0",
+    ] {
+        let c = classes.get(id).map(String::as_str);
+        assert!(
+            matches!(c, Some("enforced_allow") | Some("enforced_deny")),
+            "{id}: {c:?}\n{}",
+            r.md()
+        );
+    }
+    assert_eq!(
+        classes.get("udp-quic").map(String::as_str),
+        Some("blocked_elsewhere")
+    );
+}
