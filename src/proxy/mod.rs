@@ -25,7 +25,7 @@ use crate::policy::{Decision, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
 
-use self::limits::ConnLimits;
+use self::limits::{ConnLimits, Permit};
 
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
 pub const DETECT_BUDGET_EXHAUSTED: &str =
@@ -283,10 +283,22 @@ pub async fn dial(
     Err(last)
 }
 
-/// Accept connections on an explicit-proxy listener until shutdown.
-pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
+/// The accept loop every TCP listener shares: stop on shutdown, hold back
+/// while the evidence queue is full (records are never dropped), back off on
+/// accept errors, take a connection permit, then `serve` the connection in a
+/// tracked task, or `refuse` it over a limit.
+pub async fn accept_loop<S, F, R>(
+    ctx: Arc<Ctx>,
+    listener: TcpListener,
+    what: &'static str,
+    serve: S,
+    refuse: R,
+) where
+    S: Fn(Arc<Ctx>, TcpStream, SocketAddr, View, Permit) -> F,
+    F: std::future::Future<Output = ()> + Send + 'static,
+    R: Fn(&Ctx, TcpStream, SocketAddr, &View, limits::LimitHit),
+{
     loop {
-        // A full evidence queue holds new connections back (never drops records).
         let accepted = tokio::select! {
             _ = ctx.shutdown.cancelled() => break,
             a = async {
@@ -298,7 +310,7 @@ pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
             Ok(a) => a,
             Err(e) => {
                 // EMFILE and friends: back off instead of spinning.
-                warn!(error = %e, "accept failed");
+                warn!(listener = what, error = %e, "accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -306,15 +318,26 @@ pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
         let view = ctx.view(peer.ip());
         match ctx.conns.try_acquire(view.org.as_ref()) {
             Ok(permit) => {
-                let ctx2 = ctx.clone();
-                let org = view.org;
-                ctx.tasks.spawn(async move {
-                    explicit::serve_connection(ctx2, stream, peer, org, permit).await;
-                });
+                ctx.tasks
+                    .spawn(serve(ctx.clone(), stream, peer, view, permit));
             }
-            Err(hit) => reject_over_limit(&ctx, stream, peer, &view, hit),
+            Err(hit) => refuse(&ctx, stream, peer, &view, hit),
         }
     }
+}
+
+/// Accept connections on an explicit-proxy listener until shutdown.
+pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
+    accept_loop(
+        ctx,
+        listener,
+        "explicit",
+        |ctx, stream, peer, view, permit| {
+            explicit::serve_connection(ctx, stream, peer, view.org, permit)
+        },
+        reject_over_limit,
+    )
+    .await
 }
 
 /// Over a connection cap: record it, answer 503 without waiting, close.

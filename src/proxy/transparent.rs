@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
-use tracing::{debug, info_span, warn, Instrument};
+use tracing::{debug, info_span, Instrument};
 
-use super::limits::Permit;
+use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
 use super::{decide_with, dial, Ctx, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
@@ -35,41 +35,29 @@ pub fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
         .ok_or_else(|| std::io::Error::other("original destination is not an IP address"))
 }
 
-/// Accept REDIRECTed connections until shutdown.
+/// Accept REDIRECTed connections until shutdown. One connection, one
+/// decision: under the policy served at accept.
 pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    loop {
-        let accepted = tokio::select! {
-            _ = ctx.shutdown.cancelled() => break,
-            a = listener.accept() => a,
-        };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                warn!(error = %e, "transparent accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // One connection, one decision: under the policy served at accept.
-        let view = ctx.view(peer.ip());
-        match ctx.conns.try_acquire(view.org.as_ref()) {
-            Ok(permit) => {
-                let ctx2 = ctx.clone();
-                let span = info_span!("transparent", client.addr = %peer);
-                ctx.tasks.spawn(
-                    async move { handle(ctx2, stream, peer, view, permit).await }.instrument(span),
-                );
-            }
-            Err(hit) => {
-                let verdict = view.verdict(Reason::LimitExceeded);
-                let mut record =
-                    view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
-                record.detail = Some(hit.describe().to_string());
-                ctx.submit(&mut record);
-                reset(stream);
-            }
-        }
-    }
+    super::accept_loop(
+        ctx,
+        listener,
+        "transparent",
+        |ctx, stream, peer, view, permit| {
+            let span = info_span!("transparent", client.addr = %peer);
+            handle(ctx, stream, peer, view, permit).instrument(span)
+        },
+        refuse,
+    )
+    .await
+}
+
+/// Over a limit: record it and reset.
+fn refuse(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
+    let verdict = view.verdict(Reason::LimitExceeded);
+    let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
+    record.detail = Some(hit.describe().to_string());
+    ctx.submit(&mut record);
+    reset(stream);
 }
 
 /// Close with RST: the client learns at once that nothing will flow.

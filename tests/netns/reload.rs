@@ -53,20 +53,6 @@ fn served_hash(lab: &Lab) -> String {
     v["hash"].as_str().unwrap().to_string()
 }
 
-fn metric(lab: &Lab, series: &str) -> f64 {
-    let out = lab.proxy_ns_exec(
-        "curl",
-        &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],
-    );
-    out.stdout
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix(series)
-                .map(|v| v.trim().parse().unwrap_or(f64::NAN))
-        })
-        .unwrap_or(f64::NAN)
-}
-
 fn edit_config(lab: &Lab, f: impl FnOnce(String) -> String) {
     let text = std::fs::read_to_string(&lab.config_path).unwrap();
     let tmp = lab.config_path.with_extension("new");
@@ -126,7 +112,7 @@ fn sighup_swaps_policy_for_proxy_and_dns_and_keeps_tunnels() {
         );
     }
     assert_eq!(
-        metric(&lab, "palisade_policy_reloads_total{result=\"ok\"}"),
+        crate::metrics::scalar_from_scrape(&lab, "palisade_policy_reloads_total{result=\"ok\"}"),
         1.0
     );
     drop(tunnel);
@@ -139,7 +125,8 @@ fn invalid_reload_keeps_the_old_policy() {
     edit_config(&lab, |t| format!("{t}\n[[org.allow]]\nhost = \"*.com\"\n"));
     lab.signal_proxy("-HUP");
     lab::wait_until("reload error counted", SECS5, || {
-        metric(&lab, "palisade_policy_reloads_total{result=\"error\"}") >= 1.0
+        crate::metrics::scalar_from_scrape(&lab, "palisade_policy_reloads_total{result=\"error\"}")
+            >= 1.0
     });
     assert_eq!(served_hash(&lab), before);
     assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
