@@ -156,6 +156,10 @@ fn assert_evidence_unavailable(lab: &Lab, what: &str) {
     assert_eq!(status, 503, "{what}: {body}\n{}", lab.proxy_output());
     assert!(body.contains("evidence_unavailable"), "{what}: {body}");
     assert_eq!(lab.admin_status("/readyz"), 503, "{what}: still ready");
+    // SREs see it too: the write-error counter has risen and readiness is 0.
+    let errors = crate::metrics::scalar_from_scrape(lab, "palisade_evidence_write_errors_total");
+    assert!(errors >= 1.0, "{what}: palisade_evidence_write_errors_total = {errors}");
+    assert_eq!(crate::metrics::scalar_from_scrape(lab, "palisade_ready"), 0.0, "{what}");
     // Nothing reached the upstream for the refused request.
 }
 
@@ -205,6 +209,8 @@ fn full_disk_denies_fails_readiness_and_recovers() {
         served += 1;
         assert!(served < 40, "writes kept succeeding on a full disk");
     }
+    // The last served request's close line may still be on its way.
+    lab.upstream_settled();
     let upstream_before = lab.upstream_log().len();
     assert_evidence_unavailable(&lab, "disk full");
     assert_eq!(
