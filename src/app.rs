@@ -95,6 +95,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for addr in &proxy_config.transparent {
         transparent_listeners.push(bind(*addr, "transparent").await?);
     }
+    let mut socks5_listeners = Vec::new();
+    for addr in &proxy_config.socks5 {
+        socks5_listeners.push(bind(*addr, "socks5").await?);
+    }
     let admin_listener = match admin_config.listen {
         Some(addr) => {
             Some(
@@ -143,7 +147,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     crate::metrics::set_policy(policy.hash(), now.as_secs_f64());
     crate::metrics::init_series(
         config.orgs.iter().map(|o| o.name.as_str()),
-        &["explicit", "transparent"],
+        &["explicit", "transparent", "socks5"],
     );
     let mut listener_tasks = Vec::new();
     for listener in proxy_listeners {
@@ -154,6 +158,9 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             ctx.clone(),
             listener,
         )));
+    }
+    for listener in socks5_listeners {
+        listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
     }
     let dns_shim = Arc::new(dns::Shim {
         policy: policy.clone(),
@@ -186,6 +193,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     info!(
         proxy = ?proxy_config.listen,
         transparent = ?proxy_config.transparent,
+        socks5 = ?proxy_config.socks5,
         dns = ?dns.listen,
         admin = ?admin_config.listen,
         evidence = %evidence.path().display(),
