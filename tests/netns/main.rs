@@ -15,6 +15,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod policy;
+mod socks5;
 mod tls;
 mod transparent;
 
