@@ -95,6 +95,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for addr in &proxy_config.transparent {
         transparent_listeners.push(bind(*addr, "transparent").await?);
     }
+    let mut socks5_listeners = Vec::new();
+    for addr in &proxy_config.socks5 {
+        socks5_listeners.push(bind(*addr, "socks5").await?);
+    }
     let admin_listener = match admin_config.listen {
         Some(addr) => {
             Some(
@@ -159,6 +163,9 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             listener,
         )));
     }
+    for listener in socks5_listeners {
+        listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
+    }
     let dns_shim: dns::ShimHandle = Arc::new(arc_swap::ArcSwap::from_pointee(dns::Shim {
         policy: policy.clone(),
         orgs: config
@@ -194,6 +201,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     info!(
         proxy = ?proxy_config.listen,
         transparent = ?proxy_config.transparent,
+        socks5 = ?proxy_config.socks5,
         dns = ?dns.listen,
         admin = ?admin_config.listen,
         evidence = %evidence.path().display(),

@@ -91,6 +91,8 @@ struct RawProxy {
     listen: Vec<Spanned<String>>,
     #[serde(default)]
     transparent: Vec<Spanned<String>>,
+    #[serde(default)]
+    socks5: Vec<Spanned<String>>,
     max_connections: Option<Spanned<i64>>,
     max_connections_per_org: Option<Spanned<i64>>,
     max_new_connections_per_second_per_org: Option<Spanned<i64>>,
@@ -166,6 +168,9 @@ struct RawOrg {
     #[serde(default)]
     dns_types: Vec<Spanned<String>>,
     mode: Option<Spanned<String>>,
+    identity: Option<Spanned<String>>,
+    #[serde(default)]
+    tokens: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -195,6 +200,8 @@ pub struct Config {
 pub struct ProxyConfig {
     pub listen: Vec<SocketAddr>,
     pub transparent: Vec<SocketAddr>,
+    /// SOCKS5 listeners (RFC 1928, CONNECT only).
+    pub socks5: Vec<SocketAddr>,
     pub limits: Limits,
 }
 
@@ -365,6 +372,14 @@ pub struct OrgConfig {
     /// `enforce`.
     #[serde(skip_serializing_if = "OrgMode::is_default")]
     pub mode: OrgMode,
+    /// How a client proves it belongs to this org. Left out of the policy
+    /// hash while it has its default value.
+    #[serde(skip_serializing_if = "Identity::is_default")]
+    pub identity: Identity,
+    /// SHA-256 digests of the org's tokens. Never serialised: the policy
+    /// text stored beside the evidence carries no credential material.
+    #[serde(skip)]
+    pub tokens: Vec<TokenDigest>,
 }
 
 /// Whether an org's allowlist is enforced or only reported.
@@ -380,6 +395,96 @@ impl OrgMode {
     pub fn is_default(&self) -> bool {
         *self == OrgMode::Enforce
     }
+}
+
+/// How a client proves which org it belongs to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub enum Identity {
+    /// Its source address is in the org's `clients` (longest prefix).
+    #[default]
+    #[serde(rename = "address")]
+    Address,
+    /// It presents one of the org's tokens (user = org name); any address.
+    #[serde(rename = "token")]
+    Token,
+    /// Both: a token of the org, from an address in the org's `clients`.
+    #[serde(rename = "address+token")]
+    AddressToken,
+}
+
+impl Identity {
+    fn is_default(&self) -> bool {
+        *self == Identity::Address
+    }
+
+    /// Does this org need a token?
+    pub fn needs_token(self) -> bool {
+        self != Identity::Address
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Identity::Address => "address",
+            Identity::Token => "token",
+            Identity::AddressToken => "address+token",
+        }
+    }
+}
+
+/// The SHA-256 digest of a token, as the config stores it
+/// (`sha256:<64 hex digits>`). Compared only in constant time.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenDigest(pub [u8; 32]);
+
+/// The prefix of a hashed token in the config.
+pub const TOKEN_DIGEST_PREFIX: &str = "sha256:";
+
+impl TokenDigest {
+    /// The digest of a presented token.
+    pub fn of(token: &[u8]) -> TokenDigest {
+        use sha2::Digest;
+        TokenDigest(sha2::Sha256::digest(token).into())
+    }
+
+    /// Parse `sha256:<64 hex digits>`.
+    pub fn parse(text: &str) -> Option<TokenDigest> {
+        let hex = text.strip_prefix(TOKEN_DIGEST_PREFIX)?;
+        let bytes = data_encoding::HEXLOWER_PERMISSIVE
+            .decode(hex.as_bytes())
+            .ok()?;
+        Some(TokenDigest(bytes.try_into().ok()?))
+    }
+
+    /// Constant-time equality (the digests have a fixed length).
+    pub fn ct_eq(&self, other: &TokenDigest) -> bool {
+        use subtle::ConstantTimeEq;
+        self.0.ct_eq(&other.0).into()
+    }
+}
+
+impl fmt::Display for TokenDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{TOKEN_DIGEST_PREFIX}{}",
+            data_encoding::HEXLOWER.encode(&self.0)
+        )
+    }
+}
+
+impl fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TokenDigest({self})")
+    }
+}
+
+/// A fresh random token (32 bytes, lowercase hex) and its digest.
+pub fn new_token() -> std::io::Result<(String, TokenDigest)> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let token = data_encoding::HEXLOWER.encode(&bytes);
+    let digest = TokenDigest::of(token.as_bytes());
+    Ok((token, digest))
 }
 
 /// The DNS answer to a denied name.
@@ -450,6 +555,7 @@ impl Config {
     pub fn own_addresses(&self) -> Vec<SocketAddr> {
         let mut own: Vec<SocketAddr> = self.proxy.listen.clone();
         own.extend(&self.proxy.transparent);
+        own.extend(&self.proxy.socks5);
         own.extend(&self.dns.listen);
         own.extend(self.admin.listen);
         own
@@ -718,6 +824,7 @@ fn validate_proxy(raw: RawProxy, errors: &mut Errors<'_>) -> ProxyConfig {
     let RawProxy {
         listen,
         transparent,
+        socks5,
         max_connections,
         max_connections_per_org,
         max_new_connections_per_second_per_org,
@@ -754,6 +861,10 @@ fn validate_proxy(raw: RawProxy, errors: &mut Errors<'_>) -> ProxyConfig {
             .filter_map(|l| listen_addr(l, errors))
             .collect(),
         transparent: transparent
+            .iter()
+            .filter_map(|l| listen_addr(l, errors))
+            .collect(),
+        socks5: socks5
             .iter()
             .filter_map(|l| listen_addr(l, errors))
             .collect(),
@@ -905,6 +1016,7 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
     let mut names: HashSet<String> = HashSet::new();
     let mut client_nets: HashMap<IpNet, String> = HashMap::new();
     let mut rule_ids: HashSet<String> = HashSet::new();
+    let mut token_orgs: Vec<(TokenDigest, String)> = Vec::new();
 
     for org in raw {
         let RawOrg {
@@ -915,6 +1027,8 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             dns_denied,
             dns_types,
             mode,
+            identity,
+            tokens,
         } = org;
         let org_name = name.get_ref().clone();
         if !valid_org_name(&org_name) {
@@ -931,22 +1045,43 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             errors.at(name.span(), format!("org {org_name:?} is defined twice"));
         }
 
+        let identity_span = identity.as_ref().map_or(name.span(), |i| i.span());
+        let identity = validate_identity(identity.as_ref(), errors);
+        let tokens = validate_tokens(
+            (&org_name, identity_span),
+            identity,
+            &tokens,
+            &mut token_orgs,
+            errors,
+        );
+        if identity == Identity::Token {
+            if let Some(first) = clients.first() {
+                errors.at(
+                    first.span(),
+                    "an org with identity = \"token\" takes no clients (use \"address+token\" to require both)",
+                );
+            }
+        }
         let mut nets = Vec::new();
         for client in &clients {
             let Some(net) = cidr(client, errors) else {
                 continue;
             };
-            if let Some(other) = client_nets.get(&net) {
-                errors.at(
-                    client.span(),
-                    format!("client network {net} already belongs to org {other:?}"),
-                );
-                continue;
+            // Token orgs may share a network (a NAT, a shared pool): their
+            // token tells them apart. Address orgs may not.
+            if identity == Identity::Address {
+                if let Some(other) = client_nets.get(&net) {
+                    errors.at(
+                        client.span(),
+                        format!("client network {net} already belongs to org {other:?}"),
+                    );
+                    continue;
+                }
+                client_nets.insert(net, org_name.clone());
             }
-            client_nets.insert(net, org_name.clone());
             nets.push(net);
         }
-        if clients.is_empty() {
+        if clients.is_empty() && identity != Identity::Token {
             errors.at(name.span(), format!("org {org_name:?} has no clients"));
         }
 
@@ -991,9 +1126,79 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             dns_denied,
             dns_types,
             mode,
+            identity,
+            tokens,
         });
     }
     orgs
+}
+
+fn validate_identity(raw: Option<&Spanned<String>>, errors: &mut Errors<'_>) -> Identity {
+    let Some(v) = raw else {
+        return Identity::default();
+    };
+    match v.get_ref().trim() {
+        "address" => Identity::Address,
+        "token" => Identity::Token,
+        "address+token" => Identity::AddressToken,
+        other => {
+            errors.at(
+                v.span(),
+                format!(
+                    "invalid identity {other:?} (expected \"address\", \"token\" or \"address+token\")"
+                ),
+            );
+            Identity::default()
+        }
+    }
+}
+
+/// Token digests of one org: hashed form only, only where the identity
+/// uses them, at least one where it needs them, none shared between orgs.
+fn validate_tokens(
+    (org, span): (&str, Range<usize>),
+    identity: Identity,
+    raw: &[Spanned<String>],
+    seen: &mut Vec<(TokenDigest, String)>,
+    errors: &mut Errors<'_>,
+) -> Vec<TokenDigest> {
+    let mut out = Vec::new();
+    for t in raw {
+        if !identity.needs_token() {
+            errors.at(
+                t.span(),
+                format!("org {org:?} lists tokens but its identity is \"address\" (set identity = \"token\" or \"address+token\")"),
+            );
+            break;
+        }
+        // Never echo the value: it may be a plain token pasted by mistake.
+        let Some(digest) = TokenDigest::parse(t.get_ref().trim()) else {
+            errors.at(
+                t.span(),
+                "token must be stored hashed as \"sha256:<64 hex digits>\", never plain (`palisade token new` prints the line)",
+            );
+            continue;
+        };
+        if let Some((_, other)) = seen.iter().find(|(d, _)| *d == digest) {
+            errors.at(
+                t.span(),
+                format!("token is already listed for org {other:?}"),
+            );
+            continue;
+        }
+        seen.push((digest.clone(), org.to_string()));
+        out.push(digest);
+    }
+    if identity.needs_token() && raw.is_empty() {
+        errors.at(
+            span,
+            format!(
+                "org {org:?} has identity {:?} but no tokens",
+                identity.as_str()
+            ),
+        );
+    }
+    out
 }
 
 /// Query type names an org enables, upper case, each known to hickory and
@@ -1393,6 +1598,69 @@ clients = ["198.19.1.0/24"]
             assert!(e.contains(want), "{line}: {e}");
             assert!(e.starts_with("t.toml:10:"), "{line}: {e}");
         }
+    }
+
+    #[test]
+    fn socks5_listeners_are_own_addresses_and_unique() {
+        let src = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:1080\"]\n");
+        let c = parse(&src).unwrap();
+        assert_eq!(c.proxy.socks5, vec!["127.0.0.1:1080".parse().unwrap()]);
+        assert!(c
+            .own_addresses()
+            .contains(&"127.0.0.1:1080".parse().unwrap()));
+        let dup = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:3128\"]\n");
+        assert!(first_error(&dup).contains("used twice"));
+    }
+
+    #[test]
+    fn token_identity_validates() {
+        let digest = TokenDigest::of(b"secret-token").to_string();
+        let ok = format!(
+            "{BASE}[[org]]\nname = \"t\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n             [[org]]\nname = \"at\"\nidentity = \"address+token\"\nclients = [\"198.19.1.0/24\"]\n             tokens = [\"{}\"]\n",
+            TokenDigest::of(b"other").to_string().to_uppercase().replace("SHA256:", "sha256:")
+        );
+        let c = parse(&ok).unwrap();
+        assert_eq!(c.orgs[1].identity, Identity::Token);
+        assert!(c.orgs[1].tokens[0].ct_eq(&TokenDigest::of(b"secret-token")));
+        assert_eq!(c.orgs[2].identity, Identity::AddressToken);
+        // The digests never reach the policy text.
+        let json = serde_json::to_string(&c.orgs).unwrap();
+        assert!(
+            !json.contains(&digest[7..]) && json.contains("address+token"),
+            "{json}"
+        );
+
+        let cases = [
+            ("identity = \"token\"\ntokens = [\"secret-token\"]\n", "never plain"),
+            ("identity = \"token\"\n", "no tokens"),
+            ("identity = \"cert\"\n", "invalid identity \"cert\""),
+            (&*format!("tokens = [\"{digest}\"]\n"), "identity is \"address\""),
+            (
+                &*format!("identity = \"token\"\nclients = [\"198.18.0.0/24\"]\ntokens = [\"{digest}\"]\n"),
+                "takes no clients",
+            ),
+        ];
+        for (lines, want) in cases {
+            let src = format!("{BASE}[[org]]\nname = \"t\"\n{lines}");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{lines}: {e}");
+            assert!(!e.contains("secret-token"), "{e}");
+            assert!(e.starts_with("t.toml:1"), "{lines}: {e}");
+        }
+        let twice = format!(
+            "{BASE}[[org]]\nname = \"t\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n             [[org]]\nname = \"u\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n"
+        );
+        assert!(first_error(&twice).contains("already listed for org \"t\""));
+    }
+
+    #[test]
+    fn new_tokens_are_fresh_and_match_their_digest() {
+        let (a, da) = new_token().unwrap();
+        let (b, _) = new_token().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 64);
+        assert!(da.ct_eq(&TokenDigest::of(a.as_bytes())));
+        assert_eq!(TokenDigest::parse(&da.to_string()), Some(da));
     }
 
     #[test]

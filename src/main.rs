@@ -68,6 +68,11 @@ enum Command {
         #[command(subcommand)]
         command: ProbeCommand,
     },
+    /// Org tokens (credential identity).
+    Token {
+        #[command(subcommand)]
+        command: TokenCommand,
+    },
 }
 
 #[derive(Subcommand)]
@@ -112,6 +117,16 @@ enum ProbeCommand {
         allow_unsealed: bool,
         #[arg(long)]
         out: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenCommand {
+    /// Print a fresh random token, and the config line holding its hash.
+    New {
+        /// The org the token is for (shown in the printed line and usage).
+        #[arg(long)]
+        org: Option<String>,
     },
 }
 
@@ -215,7 +230,26 @@ fn main() -> ExitCode {
             } => query(path, filter, None),
         },
         Command::Probe { command } => probe(command),
+        Command::Token {
+            command: TokenCommand::New { org },
+        } => token_new(org.as_deref()),
     }
+}
+
+fn token_new(org: Option<&str>) -> ExitCode {
+    let (token, digest) = match config::new_token() {
+        Ok(pair) => pair,
+        Err(e) => {
+            eprintln!("palisade: no randomness for a token: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let org = org.unwrap_or("ORG");
+    println!("token: {token}");
+    println!("# give the token to the client only; put this in [[org]] name = {org:?}:");
+    println!("tokens = [\"{digest}\"]");
+    println!("# client use: Proxy-Authorization Basic (or SOCKS5 username/password) with user {org:?} and the token as password");
+    ExitCode::SUCCESS
 }
 
 fn load(path: &std::path::Path) -> Result<config::Config, ExitCode> {
@@ -282,6 +316,13 @@ fn check(path: PathBuf) -> ExitCode {
             org.allow.len(),
             org.deny.len()
         );
+        if org.identity.needs_token() {
+            println!(
+                "      identity {}; {} token(s)",
+                org.identity.as_str(),
+                org.tokens.len()
+            );
+        }
     }
     let list = |v: &[std::net::SocketAddr]| {
         if v.is_empty() {
@@ -295,6 +336,7 @@ fn check(path: PathBuf) -> ExitCode {
     };
     println!("  proxy listen: {}", list(&config.proxy.listen));
     println!("  transparent: {}", list(&config.proxy.transparent));
+    println!("  socks5: {}", list(&config.proxy.socks5));
     println!(
         "  dns listen: {}; upstream: {}",
         list(&config.dns.listen),

@@ -12,7 +12,7 @@ use prometheus::{
 use crate::policy::{OrgRef, Reason};
 
 /// Values of the `mode` label of `palisade_connections_total`.
-pub const MODES: &[&str] = &["explicit", "transparent"];
+pub const MODES: &[&str] = &["explicit", "transparent", "socks5"];
 
 /// Label value for clients that match no org.
 pub const UNKNOWN_ORG: &str = "unknown";

@@ -52,6 +52,8 @@ pub enum Mode {
     Explicit,
     Transparent,
     Dns,
+    /// The SOCKS5 listener.
+    Socks5,
 }
 
 impl Mode {
@@ -60,6 +62,7 @@ impl Mode {
             Mode::Explicit => "explicit",
             Mode::Transparent => "transparent",
             Mode::Dns => "dns",
+            Mode::Socks5 => "socks5",
         }
     }
 }

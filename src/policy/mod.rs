@@ -39,6 +39,24 @@
 //! (`240.0.0.0/4`), unique-local `fc00::/7` and site-local `fec0::/10`.
 //! IPv4-mapped IPv6 is canonicalised to IPv4 before any check.
 //!
+//! # Identity
+//!
+//! Which org a client belongs to, from its source address C and the
+//! credentials it presented (user = org name, password = token), if any:
+//!
+//! | # | credentials | condition | org | reason |
+//! |---|---|---|---|---|
+//! | I1 | none | C in the `clients` of an org with identity `address` | that org (longest prefix) | – |
+//! | I2 | none | otherwise, and some token org would accept a token from C | none | `auth_required` |
+//! | I3 | none | otherwise | none | `unknown_client` (row 1) |
+//! | I4 | user, token | the user names an org with identity `token` holding the token | that org | – |
+//! | I5 | user, token | the user names an org with identity `address+token` holding the token, C in its `clients` | that org | – |
+//! | I6 | user, token | otherwise (no such org, wrong token, address org, C outside) | none | `auth_failed` |
+//!
+//! Presented credentials are always checked, never ignored; tokens are
+//! compared as SHA-256 digests in constant time, and a failure looks the
+//! same to the client whatever its cause.
+//!
 //! Host rules never match an IP target (no reverse lookups), and cidr rules
 //! never make a name allowed on their own: a name needs a host allow rule.
 //!
@@ -54,7 +72,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, OrgConfig, PortSet, RuleConfig, RuleTarget};
+use crate::config::{Config, Identity, OrgConfig, PortSet, RuleConfig, RuleTarget, TokenDigest};
 use crate::proto::target::{embedded_ipv4, Host};
 
 /// Why a connection or query was allowed or denied. Stable, snake_case.
@@ -81,10 +99,16 @@ pub enum Reason {
     SpecialName,
     /// DNS shim: a query type the org has not enabled.
     QtypeNotAllowed,
+    /// No credentials, and the source address alone names no org that
+    /// could be chosen without them.
+    AuthRequired,
+    /// Credentials that do not name an org holding that token (from that
+    /// address, for `address+token`).
+    AuthFailed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 15] = [
+    pub const ALL: [Reason; 17] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -100,6 +124,8 @@ impl Reason {
         Reason::LimitExceeded,
         Reason::SpecialName,
         Reason::QtypeNotAllowed,
+        Reason::AuthRequired,
+        Reason::AuthFailed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -119,6 +145,8 @@ impl Reason {
             Reason::LimitExceeded => "limit_exceeded",
             Reason::SpecialName => "special_name",
             Reason::QtypeNotAllowed => "qtype_not_allowed",
+            Reason::AuthRequired => "auth_required",
+            Reason::AuthFailed => "auth_failed",
         }
     }
 
@@ -324,10 +352,42 @@ impl<T> PrefixTable<T> {
     }
 }
 
+/// Credentials a client presented: the user (an org name) and its token.
+#[derive(Clone, Copy)]
+pub struct Credential<'a> {
+    pub user: &'a [u8],
+    pub token: &'a [u8],
+}
+
+/// Why a client's identity could not be established.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// No credentials, and the address alone selects no org (row I2).
+    #[error("credentials required")]
+    Required,
+    /// Credentials that do not verify (row I6); the cause is for evidence
+    /// only, never for the client.
+    #[error("credentials rejected: {0}")]
+    Failed(&'static str),
+}
+
+impl IdentityError {
+    pub fn reason(self) -> Reason {
+        match self {
+            IdentityError::Required => Reason::AuthRequired,
+            IdentityError::Failed(_) => Reason::AuthFailed,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Org {
     r#ref: OrgRef,
     report: bool,
+    identity: Identity,
+    tokens: Vec<TokenDigest>,
+    /// The org's own networks (checked for `address+token`).
+    networks: Vec<IpNet>,
     allow: Vec<Rule>,
     deny: Vec<Rule>,
     allow_names: NameTable,
@@ -340,7 +400,9 @@ struct Org {
 #[derive(Debug)]
 pub struct Policy {
     orgs: Vec<Org>,
+    /// Networks of orgs identified by address alone.
     clients: PrefixTable<Option<usize>>,
+    by_name: HashMap<Arc<str>, usize>,
     own: Vec<SocketAddr>,
     always_denied: PrefixTable<bool>,
     hash: Arc<str>,
@@ -376,16 +438,21 @@ impl Policy {
         let mut clients: PrefixTable<Option<usize>> = PrefixTable::default();
         let mut compiled = Vec::with_capacity(orgs.len());
         let mut rule_count = 0;
+        let mut by_name = HashMap::new();
         for (index, org) in orgs.iter().enumerate() {
-            for net in &org.clients {
-                *clients.entry(*net) = Some(index);
+            if org.identity == Identity::Address {
+                for net in &org.clients {
+                    *clients.entry(*net) = Some(index);
+                }
             }
+            let name: Arc<str> = Arc::from(org.name.as_str());
+            by_name.insert(name.clone(), index);
             let mut o = Org {
-                r#ref: OrgRef {
-                    index,
-                    name: Arc::from(org.name.as_str()),
-                },
+                r#ref: OrgRef { index, name },
                 report: org.mode == crate::config::OrgMode::Report,
+                identity: org.identity,
+                tokens: org.tokens.clone(),
+                networks: org.clients.iter().map(|n| n.trunc()).collect(),
                 allow: Vec::new(),
                 deny: Vec::new(),
                 allow_names: NameTable::default(),
@@ -431,6 +498,7 @@ impl Policy {
         Policy {
             orgs: compiled,
             clients,
+            by_name,
             own,
             always_denied,
             hash,
@@ -467,6 +535,49 @@ impl Policy {
         let client = canonical(client);
         let index = self.clients.matches(client).find_map(|o| *o)?;
         self.orgs.get(index).map(|o| o.r#ref.clone())
+    }
+
+    /// The org of a client that presented `credential` (or none): the
+    /// identity table above. Presented credentials are always checked.
+    pub fn org_for_identity(
+        &self,
+        client: IpAddr,
+        credential: Option<Credential<'_>>,
+    ) -> Result<Option<OrgRef>, IdentityError> {
+        let client = canonical(client);
+        let Some(cred) = credential else {
+            return match self.org_for(client) {
+                Some(org) => Ok(Some(org)),
+                None if self.orgs.iter().any(|o| accepts_from(o, client)) => {
+                    Err(IdentityError::Required)
+                }
+                None => Ok(None),
+            };
+        };
+        // Hash and compare whether or not the org exists, so that the time
+        // taken says little about which it is.
+        let presented = TokenDigest::of(cred.token);
+        let org = std::str::from_utf8(cred.user)
+            .ok()
+            .and_then(|name| self.by_name.get(name))
+            .and_then(|&i| self.orgs.get(i));
+        let dummy = [TokenDigest([0u8; 32])];
+        let stored = org.map_or(&dummy[..], |o| &o.tokens[..]);
+        let mut matched = false;
+        for digest in stored {
+            matched |= presented.ct_eq(digest);
+        }
+        let Some(org) = org else {
+            return Err(IdentityError::Failed("no such org"));
+        };
+        match org.identity {
+            Identity::Address => Err(IdentityError::Failed("org is identified by address")),
+            _ if !matched => Err(IdentityError::Failed("wrong token")),
+            Identity::AddressToken if !accepts_from(org, client) => {
+                Err(IdentityError::Failed("address is not in the org's clients"))
+            }
+            Identity::Token | Identity::AddressToken => Ok(Some(org.r#ref.clone())),
+        }
     }
 
     /// Decide a connection from `client` to `host:port`.
@@ -749,6 +860,15 @@ impl Policy {
             })
         };
         AddressVerdict { verdict, dial }
+    }
+}
+
+/// Would `org` accept a token presented from `client`?
+fn accepts_from(org: &Org, client: IpAddr) -> bool {
+    match org.identity {
+        Identity::Address => false,
+        Identity::Token => true,
+        Identity::AddressToken => org.networks.iter().any(|n| n.contains(&client)),
     }
 }
 

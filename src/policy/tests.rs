@@ -412,3 +412,95 @@ fn report_mode_lets_the_allowlist_denials_through_and_says_so() {
     // the mode is part of the policy's identity
     assert_ne!(p.hash(), policy().hash());
 }
+
+/// The identity table, row by row: two token orgs and an address org
+/// behind one shared network, and a token org reachable from anywhere.
+#[test]
+fn identity_rows_i1_to_i6() {
+    use crate::config::TokenDigest;
+    let d = |t: &str| TokenDigest::of(t.as_bytes()).to_string();
+    let src = format!(
+        r#"
+[[org]]
+name = "shared"
+clients = ["198.19.9.0/24"]
+
+[[org]]
+name = "red"
+identity = "address+token"
+clients = ["198.19.9.0/24"]
+tokens = ["{}"]
+
+[[org]]
+name = "blue"
+identity = "address+token"
+clients = ["198.19.9.0/24"]
+tokens = ["{}", "{}"]
+
+[[org]]
+name = "roam"
+identity = "token"
+tokens = ["{}"]
+"#,
+        d("red-token"),
+        d("blue-old"),
+        d("blue-token"),
+        d("roam-token")
+    );
+    let c = config::from_str(&src, Path::new("t.toml")).unwrap();
+    let p = Policy::new(&c);
+    let nat = ip("198.19.9.7");
+    let elsewhere = ip("198.18.77.1");
+    let who = |client: IpAddr, user: &str, token: &str| {
+        p.org_for_identity(
+            client,
+            Some(Credential {
+                user: user.as_bytes(),
+                token: token.as_bytes(),
+            }),
+        )
+        .map(|o| o.map(|o| o.name.to_string()))
+    };
+    // I1: no credentials, address org; token orgs never by address alone.
+    assert_eq!(
+        p.org_for_identity(nat, None)
+            .unwrap()
+            .unwrap()
+            .name
+            .as_ref(),
+        "shared"
+    );
+    assert_eq!(p.org_for(nat).unwrap().name.as_ref(), "shared");
+    // I2: no credentials, no address org, a token org would accept.
+    assert_eq!(
+        p.org_for_identity(elsewhere, None),
+        Err(IdentityError::Required)
+    );
+    // I4, I5: the token tells orgs behind one address apart.
+    assert_eq!(who(nat, "red", "red-token"), Ok(Some("red".into())));
+    assert_eq!(who(nat, "blue", "blue-token"), Ok(Some("blue".into())));
+    assert_eq!(who(nat, "blue", "blue-old"), Ok(Some("blue".into())));
+    assert_eq!(
+        who(elsewhere, "roam", "roam-token"),
+        Ok(Some("roam".into()))
+    );
+    // I6: wrong token, another org's token, no such org, address org,
+    // address outside an address+token org: all the same reason.
+    for (client, user, token) in [
+        (nat, "red", "blue-token"),
+        (nat, "red", "red-token "),
+        (nat, "nobody", "red-token"),
+        (nat, "shared", "anything"),
+        (elsewhere, "red", "red-token"),
+        (nat, "r\u{e9}d", "red-token"),
+    ] {
+        let got = who(client, user, token);
+        assert!(
+            matches!(got, Err(IdentityError::Failed(_))),
+            "{user}/{token}: {got:?}"
+        );
+        assert_eq!(got.unwrap_err().reason(), Reason::AuthFailed);
+    }
+    // Without token orgs, an unknown address stays unknown_client (I3).
+    assert_eq!(policy().org_for_identity(elsewhere, None), Ok(None));
+}

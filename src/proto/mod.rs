@@ -3,4 +3,5 @@
 
 pub mod client_hello;
 pub mod http_head;
+pub mod socks5;
 pub mod target;

@@ -12,6 +12,7 @@ pub fn status(reason: Reason) -> StatusCode {
         Reason::BadRequest => StatusCode::BAD_REQUEST,
         Reason::ResolutionFailed => StatusCode::BAD_GATEWAY,
         Reason::EvidenceUnavailable | Reason::LimitExceeded => StatusCode::SERVICE_UNAVAILABLE,
+        Reason::AuthRequired | Reason::AuthFailed => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
         _ => StatusCode::FORBIDDEN,
     }
 }
@@ -84,6 +85,10 @@ mod tests {
         }
         assert_eq!(status(Reason::NoMatchingRule), StatusCode::FORBIDDEN);
         assert_eq!(status(Reason::ResolutionFailed), StatusCode::BAD_GATEWAY);
+        assert_eq!(
+            status(Reason::AuthFailed),
+            StatusCode::PROXY_AUTHENTICATION_REQUIRED
+        );
         let raw = raw_response(Reason::LimitExceeded, Some("r7"));
         assert!(raw.starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
         assert!(

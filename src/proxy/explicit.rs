@@ -19,11 +19,11 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpStream;
 use tracing::{debug, info_span, Instrument};
 
+use super::connect::{self, Refused};
 use super::limits::Permit;
-use super::tunnel::{self, Detected};
 use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{OrgRef, Reason, Verdict};
+use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 type ProxyBody = BoxBody<Bytes, hyper::Error>;
@@ -112,8 +112,13 @@ async fn handle(
     permit: Arc<Permit>,
     req: Request<Incoming>,
 ) -> Response<ProxyBody> {
-    // Each request is decided under the policy served when it arrives.
-    let view = &ctx.view(peer.ip());
+    // Each request is decided under the policy served when it arrives, for
+    // the org its address and credentials (checked on every request) name.
+    let view = match identify(&ctx, peer, &req) {
+        Ok(view) => view,
+        Err((view, e)) => return auth_refused(&ctx, &view, peer, &req, e).await,
+    };
+    let view = &view;
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
     let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
         Some("request head too large")
@@ -160,6 +165,90 @@ async fn handle(
     }
 }
 
+/// The view for a request: its client address and any
+/// `Proxy-Authorization: Basic base64(org:token)` it carries.
+fn identify(
+    ctx: &Ctx,
+    peer: SocketAddr,
+    req: &Request<Incoming>,
+) -> Result<View, (View, IdentityError)> {
+    let mut values = req.headers().get_all(header::PROXY_AUTHORIZATION).iter();
+    let Some(value) = values.next() else {
+        return ctx.view_as(peer.ip(), None);
+    };
+    let decoded = match values.next() {
+        Some(_) => None,
+        None => basic_credentials(value.as_bytes()),
+    };
+    match decoded {
+        Some((user, token)) => ctx.view_as(
+            peer.ip(),
+            Some(Credential {
+                user: &user,
+                token: &token,
+            }),
+        ),
+        None => {
+            let view = View {
+                policy: ctx.policy.load_full(),
+                org: None,
+            };
+            Err((view, IdentityError::Failed("malformed Proxy-Authorization")))
+        }
+    }
+}
+
+/// `Basic base64(user:password)` (RFC 7617), split at the first colon.
+fn basic_credentials(value: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+    let text = std::str::from_utf8(value).ok()?.trim();
+    let (scheme, encoded) = text.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = data_encoding::BASE64
+        .decode(encoded.trim().as_bytes())
+        .ok()?;
+    let colon = decoded.iter().position(|&b| b == b':')?;
+    Some((decoded[..colon].to_vec(), decoded[colon + 1..].to_vec()))
+}
+
+/// A request whose identity failed: record it (org null, the cause as
+/// detail, never the token) and answer 407 with a challenge. The client
+/// learns only the reason code, whatever the cause.
+async fn auth_refused(
+    ctx: &Ctx,
+    view: &View,
+    peer: SocketAddr,
+    req: &Request<Incoming>,
+    e: IdentityError,
+) -> Response<ProxyBody> {
+    let kind = if req.method() == Method::CONNECT {
+        Kind::Tcp
+    } else {
+        Kind::Http
+    };
+    let detail = e.to_string();
+    let verdict = view.verdict(e.reason());
+    let (reason, id) = connect::record_denial(
+        ctx,
+        view,
+        (kind, Mode::Explicit),
+        peer,
+        &verdict,
+        (None, None),
+        Some(&detail),
+    )
+    .await;
+    let mut resp = denial(reason, Some(&id), None);
+    if resp.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
+        resp.headers_mut().insert(
+            header::PROXY_AUTHENTICATE,
+            HeaderValue::from_static("Basic realm=\"palisade\""),
+        );
+    }
+    resp
+}
+
 /// Bytes of the request line and headers as sent (give or take whitespace).
 fn head_size<B>(req: &Request<B>) -> usize {
     let line = req.method().as_str().len() + req.uri().to_string().len() + 12;
@@ -182,18 +271,20 @@ async fn reject(
     kind: Kind,
     peer: SocketAddr,
     verdict: &Verdict,
-    (host, port): (Option<&Host>, Option<u16>),
+    target: (Option<&Host>, Option<u16>),
     detail: Option<&str>,
 ) -> Response<ProxyBody> {
-    let mut record = view.record(kind, Mode::Explicit, peer, verdict, host, port);
-    record.detail = detail.map(str::to_string);
-    let reason = if ctx.write(&mut record).await {
-        verdict.reason
-    } else {
-        Reason::EvidenceUnavailable
-    };
-    debug!(reason = %reason, record = %record.id, "denied");
-    denial(reason, Some(&record.id), detail)
+    let (reason, id) = connect::record_denial(
+        ctx,
+        view,
+        (kind, Mode::Explicit),
+        peer,
+        verdict,
+        target,
+        detail,
+    )
+    .await;
+    denial(reason, Some(&id), detail)
 }
 
 fn denial(reason: Reason, record: Option<&str>, detail: Option<&str>) -> Response<ProxyBody> {
@@ -226,11 +317,12 @@ fn full(body: impl Into<Bytes>) -> ProxyBody {
 
 /// Failure after an allow: the upstream could not be reached.
 async fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Response<ProxyBody> {
-    record.detail = Some(err.to_string());
-    if let DialError::Timeout { addr } | DialError::Io { addr, .. } = err {
-        record.ip = Some(addr.ip());
-    }
-    let written = ctx.write(record).await;
+    let written = connect::record_dial_failure(ctx, record, err).await;
+    unreachable_response(err, &record.id, written)
+}
+
+/// The response to an allowed target that could not be reached.
+fn unreachable_response(err: &DialError, record: &str, written: bool) -> Response<ProxyBody> {
     let (status, error) = match err {
         DialError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "connection_timeout"),
         DialError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
@@ -239,15 +331,12 @@ async fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Respons
         _ => (StatusCode::BAD_GATEWAY, "destination_unavailable"),
     };
     if !written {
-        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
+        return denial(Reason::EvidenceUnavailable, Some(record), None);
     }
-    let body = format!(
-        "palisade: upstream unreachable (evidence record {}): {err}\n",
-        record.id
-    );
+    let body = format!("palisade: upstream unreachable (evidence record {record}): {err}\n");
     text_response(
         status,
-        &deny::proxy_status(error, "rule_match", Some(&record.id)),
+        &deny::proxy_status(error, "rule_match", Some(record)),
         body,
     )
 }
@@ -295,66 +384,28 @@ async fn connect(
             .await
         }
     };
-    let outcome = ctx.decide(view, &host, port).await;
-    if !outcome.verdict.is_allow() {
-        return reject(
-            &ctx,
-            view,
-            Kind::Tcp,
-            peer,
-            &outcome.verdict,
-            (Some(&host), Some(port)),
-            outcome.detail.as_deref(),
-        )
-        .await;
-    }
-    if !ctx.evidence.is_healthy() {
-        let verdict = Verdict {
-            reason: Reason::EvidenceUnavailable,
-            ..outcome.verdict
-        };
-        return reject(
-            &ctx,
-            view,
-            Kind::Tcp,
-            peer,
-            &verdict,
-            (Some(&host), Some(port)),
-            None,
-        )
-        .await;
-    }
-    let mut record = view.record(
-        Kind::Tcp,
-        Mode::Explicit,
-        peer,
-        &outcome.verdict,
-        Some(&host),
-        Some(port),
-    );
-    let (upstream, addr) = match dial(&outcome.dial, port, ctx.limits.connect_timeout).await {
-        Ok(ok) => ok,
-        Err(e) => return dial_failed(&ctx, &mut record, &e).await,
+    let opened = match connect::open(&ctx, view, Mode::Explicit, peer, host, port).await {
+        Ok(opened) => opened,
+        Err(Refused::Denied {
+            reason,
+            record,
+            detail,
+        }) => return denial(reason, Some(&record), detail.as_deref()),
+        Err(Refused::Unreachable {
+            error,
+            record,
+            written,
+        }) => return unreachable_response(&error, &record, written),
     };
-    record.ip = Some(addr.ip());
 
     let tunnel_ctx = ctx.clone();
-    let report = view.is_report();
     let on_upgrade = hyper::upgrade::on(req);
     ctx.tasks.spawn(
         async move {
             let _permit = permit;
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    run_tunnel(
-                        tunnel_ctx,
-                        TokioIo::new(upgraded),
-                        upstream,
-                        host,
-                        record,
-                        report,
-                    )
-                    .await
+                    connect::run(tunnel_ctx, TokioIo::new(upgraded), opened, Vec::new()).await
                 }
                 Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
             }
@@ -362,82 +413,6 @@ async fn connect(
         .instrument(tracing::Span::current()),
     );
     Response::new(full(Bytes::new()))
-}
-
-/// After `200`: check the client's first bytes against the CONNECT host,
-/// record the decision, then copy.
-async fn run_tunnel(
-    ctx: Arc<Ctx>,
-    mut client: TokioIo<hyper::upgrade::Upgraded>,
-    upstream: TcpStream,
-    host: Host,
-    mut record: Record,
-    report: bool,
-) {
-    let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
-        record.reason = Reason::LimitExceeded;
-        record.decision = Reason::LimitExceeded.decision();
-        record.rule = None;
-        record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-        ctx.write(&mut record).await;
-        return;
-    };
-    let mut first = Vec::new();
-    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
-    let mismatch = match &detected {
-        Detected::Tls(hello) => {
-            record.sni = hello.sni.clone();
-            match (&host, &hello.sni) {
-                (Host::Name(_), Some(sni)) => match normalize_host(sni) {
-                    Ok(sni_host) if sni_host == host => None,
-                    _ => Some(Reason::SniMismatch),
-                },
-                _ => None,
-            }
-        }
-        Detected::Malformed(why) => {
-            record.detail = Some((*why).to_string());
-            Some(Reason::BadRequest)
-        }
-        // Plain HTTP in a tunnel: its Host picks the virtual host at the
-        // upstream, so it must name the CONNECT host too.
-        Detected::Http(Some(h)) => match (&host, parse_authority(h, Some(80))) {
-            (Host::Name(_), Ok((req_host, _))) if req_host != host => Some(Reason::HostMismatch),
-            (Host::Name(_), Err(_)) => Some(Reason::HostMismatch),
-            _ => None,
-        },
-        Detected::Http(None) | Detected::NotTls | Detected::Silent | Detected::Closed => None,
-    };
-    match mismatch {
-        Some(reason) if report && reason.reportable() => {
-            record.would_deny = Some(reason);
-            record.reason = Reason::ReportOnly;
-            record.decision = Reason::ReportOnly.decision();
-        }
-        _ => {}
-    }
-    if let Some(reason) = mismatch.filter(|_| record.would_deny.is_none()) {
-        record.reason = reason;
-        record.decision = reason.decision();
-        record.rule = None;
-        ctx.write(&mut record).await;
-        debug!(reason = %reason, record = %record.id, "tunnel denied after detection");
-        return; // both sides dropped: nothing reached the upstream
-    }
-    if !ctx.write(&mut record).await || detected == Detected::Closed {
-        return;
-    }
-    let started = Instant::now();
-    let totals = tunnel::pump(
-        client,
-        upstream,
-        &first,
-        ctx.limits.idle_timeout,
-        &ctx.hard_stop,
-    )
-    .await;
-    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    ctx.write(&mut close).await;
 }
 
 // ---------------------------------------------------------------------------
@@ -791,5 +766,22 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("accept"));
+    }
+
+    #[test]
+    fn basic_credentials_split_at_the_first_colon() {
+        // base64("acme:t0k:en")
+        assert_eq!(
+            basic_credentials(b"Basic YWNtZTp0MGs6ZW4="),
+            Some((b"acme".to_vec(), b"t0k:en".to_vec()))
+        );
+        assert_eq!(
+            basic_credentials(b"basic  YWNtZTp0MGs6ZW4= "),
+            Some((b"acme".to_vec(), b"t0k:en".to_vec()))
+        );
+        assert_eq!(basic_credentials(b"Bearer YWNtZTp0MGs6ZW4="), None);
+        assert_eq!(basic_credentials(b"Basic !!!"), None);
+        // base64("nocolon")
+        assert_eq!(basic_credentials(b"Basic bm9jb2xvbg=="), None);
     }
 }

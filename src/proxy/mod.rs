@@ -2,9 +2,11 @@
 //! the accept loop. Explicit mode (CONNECT and absolute-form HTTP/1.1) lives
 //! in [`explicit`]; byte copying and ClientHello detection in [`tunnel`].
 
+pub mod connect;
 pub mod deny;
 pub mod explicit;
 pub mod limits;
+pub mod socks5;
 pub mod transparent;
 pub mod tunnel;
 
@@ -21,7 +23,7 @@ use tracing::{debug, warn};
 
 use crate::config::Limits;
 use crate::evidence::{Evidence, Kind, Mode, Record};
-use crate::policy::{Decision, OrgRef, Policy, Reason, Verdict};
+use crate::policy::{Credential, Decision, IdentityError, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
 
@@ -120,14 +122,34 @@ impl Ctx {
         View { policy, org }
     }
 
+    /// The current policy and the org of a client that presented
+    /// `credential` (see the identity table in [`crate::policy`]). On
+    /// failure, a view without an org to record the refusal under.
+    pub fn view_as(
+        &self,
+        client: IpAddr,
+        credential: Option<Credential<'_>>,
+    ) -> Result<View, (View, IdentityError)> {
+        let policy = self.policy.load_full();
+        match policy.org_for_identity(client, credential) {
+            Ok(org) => Ok(View { policy, org }),
+            Err(e) => Err((View { policy, org: None }, e)),
+        }
+    }
+
     /// Decide `host:port` for the view's client: the name step, resolution
     /// when the name is allowed, then the address step.
     pub async fn decide(&self, view: &View, host: &Host, port: u16) -> Outcome {
+        self.decide_in(Mode::Explicit, view, host, port).await
+    }
+
+    /// [`Ctx::decide`], timed under `mode`'s label.
+    pub async fn decide_in(&self, mode: Mode, view: &View, host: &Host, port: u16) -> Outcome {
         let started = std::time::Instant::now();
         let outcome = self.decide_inner(view, host, port).await;
         crate::metrics::metrics()
             .decision_duration_seconds
-            .with_label_values(&[Mode::Explicit.as_str()])
+            .with_label_values(&[mode.as_str()])
             .observe(started.elapsed().as_secs_f64());
         outcome
     }

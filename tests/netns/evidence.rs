@@ -158,8 +158,15 @@ fn assert_evidence_unavailable(lab: &Lab, what: &str) {
     assert_eq!(lab.admin_status("/readyz"), 503, "{what}: still ready");
     // SREs see it too: the write-error counter has risen and readiness is 0.
     let errors = crate::metrics::scalar_from_scrape(lab, "palisade_evidence_write_errors_total");
-    assert!(errors >= 1.0, "{what}: palisade_evidence_write_errors_total = {errors}");
-    assert_eq!(crate::metrics::scalar_from_scrape(lab, "palisade_ready"), 0.0, "{what}");
+    assert!(
+        errors >= 1.0,
+        "{what}: palisade_evidence_write_errors_total = {errors}"
+    );
+    assert_eq!(
+        crate::metrics::scalar_from_scrape(lab, "palisade_ready"),
+        0.0,
+        "{what}"
+    );
     // Nothing reached the upstream for the refused request.
 }
 

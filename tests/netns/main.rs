@@ -19,6 +19,7 @@ mod policy;
 mod probe;
 mod reload;
 mod report;
+mod socks5;
 mod tls;
 mod transparent;
 
@@ -56,7 +57,8 @@ pub fn assert_refused(lab: &Lab, resp: &HttpResp, status: u16, reason: &str, ctx
     let rec = lab.wait_evidence(&format!("{ctx}: deny/{reason} with id in body"), |v| {
         v["decision"] == "deny"
             && v["reason"] == reason
-            && record_id(v).is_some_and(|id| body.contains(&id))
+            // Delimited: record "X-1" must not match a body naming "X-10".
+            && record_id(v).is_some_and(|id| body.contains(&format!("record {id})")))
     });
     assert_eq!(rec["event"], "decision", "{ctx}: {rec}");
     assert_eq!(rec["mode"], "explicit", "{ctx}: {rec}");

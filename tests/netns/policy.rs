@@ -191,7 +191,8 @@ fn port_not_allowed() {
     assert_eq!(r.status, 403, "{r:?}");
     let body = r.body.clone();
     let rec = lab.wait_evidence("deny for CONNECT 198.18.2.30:443", |v| {
-        v["decision"] == "deny" && record_id(v).is_some_and(|id| body.contains(&id))
+        v["decision"] == "deny"
+            && record_id(v).is_some_and(|id| body.contains(&format!("record {id})")))
     });
     assert!(
         rec["reason"] == "port_not_allowed" || rec["reason"] == "no_matching_rule",

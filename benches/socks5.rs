@@ -1,0 +1,217 @@
+//! SOCKS5 tunnels per second against CONNECT tunnels per second, through
+//! one real `palisade run` (both listeners, same policy, evidence "os"),
+//! in the same run: a new client connection per tunnel, which opens the
+//! tunnel, sends one byte (not TLS, so detection decides at once), reads
+//! the upstream's reply to its close. Listeners interleaved over several
+//! rounds; median per listener and the SOCKS5/CONNECT ratio.
+//!
+//!     cargo bench --bench socks5
+//!
+//! Under `cargo test` it runs one short round as a smoke test.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const CONCURRENCY: usize = 32;
+const STEP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads one byte, answers "ok", closes.
+async fn upstream() -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut b = [0u8; 1];
+                if let Ok(Ok(1)) = tokio::time::timeout(STEP_TIMEOUT, s.read(&mut b)).await {
+                    let _ = s.write_all(b"ok").await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(root: &Path, up: SocketAddr) -> (Child, SocketAddr, SocketAddr) {
+    let (http, socks) = (free_port(), free_port());
+    let cfg = root.join("palisade.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[proxy]\nlisten = [\"127.0.0.1:{http}\"]\nsocks5 = [\"127.0.0.1:{socks}\"]\n\
+             [dns]\nupstream = [\"127.0.0.1:53\"]\n[evidence]\ndir = {:?}\n\
+             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
+             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",
+            root.join("evidence"),
+            up.port()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_palisade"))
+        .args(["run", "-c"])
+        .arg(&cfg)
+        .env("PALISADE_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
+    let socks: SocketAddr = format!("127.0.0.1:{socks}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(http).is_err()
+        || std::net::TcpStream::connect(socks).is_err()
+    {
+        assert!(Instant::now() < deadline, "palisade did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, http, socks)
+}
+
+#[derive(Clone, Copy)]
+enum Via {
+    Connect,
+    Socks5,
+}
+
+/// Open one tunnel, send a byte, expect "ok" and the close.
+async fn one(via: Via, proxy: SocketAddr, up: SocketAddr) -> bool {
+    let steps = async {
+        let mut s = TcpStream::connect(proxy).await.ok()?;
+        s.set_nodelay(true).ok()?;
+        match via {
+            Via::Connect => {
+                let req = format!("CONNECT {up} HTTP/1.1\r\nHost: {up}\r\n\r\n");
+                s.write_all(req.as_bytes()).await.ok()?;
+                let mut head = Vec::new();
+                let mut b = [0u8; 256];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = s.read(&mut b).await.ok()?;
+                    if n == 0 || head.len() > 4096 {
+                        return None;
+                    }
+                    head.extend_from_slice(&b[..n]);
+                }
+                if !head.starts_with(b"HTTP/1.1 200") {
+                    return None;
+                }
+            }
+            Via::Socks5 => {
+                s.write_all(&[5, 1, 0]).await.ok()?;
+                let mut m = [0u8; 2];
+                s.read_exact(&mut m).await.ok()?;
+                let SocketAddr::V4(v4) = up else { return None };
+                let mut req = vec![5, 1, 0, 1];
+                req.extend_from_slice(&v4.ip().octets());
+                req.extend_from_slice(&v4.port().to_be_bytes());
+                s.write_all(&req).await.ok()?;
+                let mut r = [0u8; 10];
+                s.read_exact(&mut r).await.ok()?;
+                if m != [5, 0] || r[1] != 0 {
+                    return None;
+                }
+            }
+        }
+        s.write_all(b"x").await.ok()?;
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).await.ok()?;
+        Some(rest == b"ok")
+    };
+    matches!(
+        tokio::time::timeout(STEP_TIMEOUT, steps).await,
+        Ok(Some(true))
+    )
+}
+
+async fn load(via: Via, proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let mut tasks = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (ok, failed) = (ok.clone(), failed.clone());
+        tasks.push(tokio::spawn(async move {
+            while Instant::now() < end {
+                if one(via, proxy, up).await {
+                    ok.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let t0 = Instant::now();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let f = failed.load(Ordering::Relaxed);
+    assert!(f == 0, "{f} tunnels failed");
+    ok.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
+}
+
+fn stop(mut child: Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let full = std::env::args().any(|a| a == "--bench");
+    let (rounds, secs) = if full { (3, 4.0) } else { (1, 0.3) };
+    let root: PathBuf =
+        std::env::temp_dir().join(format!("palisade-socksbench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let up = rt.block_on(upstream());
+    let (child, http, socks) = start(&root, up);
+    let (mut connect, mut socks5) = (Vec::new(), Vec::new());
+    rt.block_on(load(Via::Connect, http, up, 0.2)); // warm-up
+    rt.block_on(load(Via::Socks5, socks, up, 0.2));
+    for _ in 0..rounds {
+        connect.push(rt.block_on(load(Via::Connect, http, up, secs)));
+        socks5.push(rt.block_on(load(Via::Socks5, socks, up, secs)));
+    }
+    stop(child);
+    let (c, s) = (median(&mut connect), median(&mut socks5));
+    println!(
+        "tunnels/s: {CONCURRENCY} concurrent clients, new connection per tunnel, {rounds} rounds of {secs}s, evidence os"
+    );
+    println!("  CONNECT  {c:>8.0} tunnels/s");
+    println!("  SOCKS5   {s:>8.0} tunnels/s  ({:.2} x CONNECT)", s / c);
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -1,0 +1,344 @@
+//! The SOCKS5 listener (RFC 1928): CONNECT only, with domain-name, IPv4
+//! and IPv6 destinations, optionally authenticated by RFC 1929
+//! username/password (user = org name, password = token).
+//!
+//! The handshake (greeting, authentication, request) must complete within
+//! `header_read_timeout`; it is parsed by [`crate::proto::socks5`]. A
+//! CONNECT then takes exactly the CONNECT tunnel step ([`super::connect`]):
+//! decide, dial a checked address, reply, detect the first client bytes,
+//! check SNI/Host, record, copy, record the close. BIND, UDP ASSOCIATE,
+//! malformed messages and failed authentication are answered with their
+//! reply code and recorded.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+use tracing::{debug, info_span, Instrument};
+
+use super::connect::{self, Refused};
+use super::limits::{LimitHit, Permit};
+use super::{Ctx, DialError, View};
+use crate::evidence::{Kind, Mode};
+use crate::policy::{Credential, IdentityError, Reason};
+use crate::proto::socks5::{
+    self, Address, Command, Malformed, Parse, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
+    METHOD_USERPASS,
+};
+use crate::proto::target::{normalize_host, Host};
+
+/// Accept SOCKS5 connections until shutdown. Connection caps count the org
+/// the address names (the token, if any, arrives later).
+pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
+    super::accept_loop(
+        ctx,
+        listener,
+        "socks5",
+        |ctx, stream, peer, _view, permit| {
+            let span = info_span!("socks5", client.addr = %peer);
+            handle(ctx, stream, peer, permit).instrument(span)
+        },
+        refuse_over_limit,
+    )
+    .await
+}
+
+/// Over a limit: record it and answer "no acceptable methods".
+fn refuse_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
+    let verdict = view.verdict(Reason::LimitExceeded);
+    let mut record = view.record(Kind::Tcp, Mode::Socks5, peer, &verdict, None, None);
+    record.detail = Some(hit.describe().to_string());
+    ctx.submit(&mut record);
+    // Best effort and non-blocking.
+    let _ = stream.try_write(&socks5::method_reply(METHOD_UNACCEPTABLE));
+}
+
+/// Why a handshake message was not read.
+enum ReadFail {
+    Malformed(Malformed),
+    Timeout,
+    Closed { empty: bool },
+}
+
+/// The handshake's buffer: bytes read and not yet parsed, bounded.
+struct Handshake {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    deadline: Instant,
+}
+
+impl Handshake {
+    /// Read until `parse` is done with a message; the message's bytes are
+    /// consumed, anything after them stays in `buf`.
+    async fn read<T>(&mut self, parse: fn(&[u8]) -> Parse<T>) -> Result<T, ReadFail> {
+        loop {
+            match parse(&self.buf) {
+                Parse::Done { value, len } => {
+                    self.buf.drain(..len);
+                    return Ok(value);
+                }
+                Parse::Malformed(m) => return Err(ReadFail::Malformed(m)),
+                Parse::NeedMore => {}
+            }
+            // Every message fits in MAX_MESSAGE; a valid prefix never exceeds it.
+            let mut chunk = [0u8; MAX_MESSAGE];
+            let read = tokio::time::timeout_at(self.deadline, self.stream.read(&mut chunk)).await;
+            match read {
+                Err(_) => return Err(ReadFail::Timeout),
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    return Err(ReadFail::Closed {
+                        empty: self.buf.is_empty(),
+                    })
+                }
+                Ok(Ok(n)) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    /// Send a short reply; bounded by the handshake deadline.
+    async fn send(&mut self, bytes: &[u8]) -> bool {
+        matches!(
+            tokio::time::timeout_at(self.deadline, self.stream.write_all(bytes)).await,
+            Ok(Ok(()))
+        )
+    }
+}
+
+/// Record a refusal under `view`; `detail` never holds a credential.
+async fn refuse(
+    ctx: &Ctx,
+    view: &View,
+    peer: SocketAddr,
+    reason: Reason,
+    target: (Option<&Host>, Option<u16>),
+    detail: &str,
+) {
+    let verdict = view.verdict(reason);
+    connect::record_denial(
+        ctx,
+        view,
+        (Kind::Tcp, Mode::Socks5),
+        peer,
+        &verdict,
+        target,
+        Some(detail),
+    )
+    .await;
+}
+
+fn read_fail_detail(step: &str, fail: &ReadFail) -> String {
+    match fail {
+        ReadFail::Malformed(m) => format!("socks5 {step}: {}", m.why),
+        ReadFail::Timeout => format!("socks5 {step} not complete within header_read_timeout"),
+        ReadFail::Closed { .. } => format!("socks5 client closed during {step}"),
+    }
+}
+
+async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Permit) {
+    let mut hs = Handshake {
+        stream,
+        buf: Vec::new(),
+        deadline: Instant::now() + ctx.limits.header_read_timeout,
+    };
+    let address_view = ctx.view(peer.ip());
+
+    // Greeting and method selection (RFC 1928 §3).
+    let greeting = match hs.read(socks5::parse_greeting).await {
+        Ok(g) => g,
+        Err(ReadFail::Closed { empty: true }) => return, // a bare connect: nothing to record
+        Err(fail) => {
+            if matches!(fail, ReadFail::Malformed(_)) {
+                hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
+            }
+            let detail = read_fail_detail("greeting", &fail);
+            return refuse(
+                &ctx,
+                &address_view,
+                peer,
+                Reason::BadRequest,
+                (None, None),
+                &detail,
+            )
+            .await;
+        }
+    };
+    let view = if greeting.offers(METHOD_USERPASS) {
+        // Credentials offered are always checked (RFC 1929).
+        if !hs.send(&socks5::method_reply(METHOD_USERPASS)).await {
+            return;
+        }
+        let creds = match hs.read(socks5::parse_auth).await {
+            Ok(c) => c,
+            Err(fail) => {
+                if matches!(fail, ReadFail::Malformed(_)) {
+                    hs.send(&socks5::auth_reply(false)).await;
+                }
+                let detail = read_fail_detail("authentication", &fail);
+                return refuse(
+                    &ctx,
+                    &address_view,
+                    peer,
+                    Reason::BadRequest,
+                    (None, None),
+                    &detail,
+                )
+                .await;
+            }
+        };
+        let credential = Credential {
+            user: &creds.user,
+            token: &creds.password,
+        };
+        match ctx.view_as(peer.ip(), Some(credential)) {
+            Ok(view) => {
+                if !hs.send(&socks5::auth_reply(true)).await {
+                    return;
+                }
+                view
+            }
+            Err((view, e)) => {
+                hs.send(&socks5::auth_reply(false)).await;
+                return auth_refused(&ctx, &view, peer, e).await;
+            }
+        }
+    } else if greeting.offers(METHOD_NONE) {
+        match ctx.view_as(peer.ip(), None) {
+            Ok(view) => {
+                if !hs.send(&socks5::method_reply(METHOD_NONE)).await {
+                    return;
+                }
+                view
+            }
+            Err((view, e)) => {
+                hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
+                return auth_refused(&ctx, &view, peer, e).await;
+            }
+        }
+    } else {
+        hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
+        let detail = "socks5 greeting offers no supported method (none, username/password)";
+        return refuse(
+            &ctx,
+            &address_view,
+            peer,
+            Reason::BadRequest,
+            (None, None),
+            detail,
+        )
+        .await;
+    };
+
+    // The request (RFC 1928 §4).
+    let request = match hs.read(socks5::parse_request).await {
+        Ok(r) => r,
+        Err(fail) => {
+            if let ReadFail::Malformed(m) = &fail {
+                hs.send(&socks5::reply(m.reply)).await;
+            }
+            let detail = read_fail_detail("request", &fail);
+            return refuse(&ctx, &view, peer, Reason::BadRequest, (None, None), &detail).await;
+        }
+    };
+    let host = match &request.address {
+        Address::V4(ip) => Ok(Host::Ip(IpAddr::V4(*ip))),
+        Address::V6(ip) => Ok(Host::Ip(IpAddr::V6(*ip))),
+        // Names take the same normalisation as everywhere: IP spellings become IPs.
+        Address::Domain(name) => normalize_host(name).map_err(|e| e.to_string()),
+    };
+    let port = request.port;
+    if request.command != Command::Connect {
+        hs.send(&socks5::reply(Reply::CommandNotSupported)).await;
+        let detail = format!("socks5 {} is not supported", request.command.as_str());
+        let target = (host.as_ref().ok(), Some(port));
+        return refuse(&ctx, &view, peer, Reason::BadRequest, target, &detail).await;
+    }
+    let host = match host {
+        Ok(h) if port != 0 => h,
+        Ok(h) => {
+            hs.send(&socks5::reply(Reply::GeneralFailure)).await;
+            let target = (Some(&h), Some(port));
+            return refuse(&ctx, &view, peer, Reason::BadRequest, target, "port 0").await;
+        }
+        Err(why) => {
+            hs.send(&socks5::reply(Reply::GeneralFailure)).await;
+            let detail = format!("socks5 destination: {why}");
+            return refuse(
+                &ctx,
+                &view,
+                peer,
+                Reason::BadRequest,
+                (None, Some(port)),
+                &detail,
+            )
+            .await;
+        }
+    };
+
+    let opened = match connect::open(&ctx, &view, Mode::Socks5, peer, host, port).await {
+        Ok(opened) => opened,
+        Err(refused) => {
+            let code = match &refused {
+                Refused::Denied { reason, .. } => reply_for(*reason),
+                Refused::Unreachable { written: false, .. } => Reply::GeneralFailure,
+                Refused::Unreachable { error, .. } => reply_for_dial(error),
+            };
+            hs.send(&socks5::reply(code)).await;
+            debug!(?refused, "socks5 connect refused");
+            return;
+        }
+    };
+    if !hs.send(&socks5::reply(Reply::Succeeded)).await {
+        return;
+    }
+    let Handshake { stream, buf, .. } = hs;
+    connect::run(ctx, stream, opened, buf).await;
+}
+
+/// Failed identity: recorded with org null and the cause as detail (never
+/// the token); the client saw only the SOCKS authentication failure.
+async fn auth_refused(ctx: &Ctx, view: &View, peer: SocketAddr, e: IdentityError) {
+    let detail = e.to_string();
+    refuse(ctx, view, peer, e.reason(), (None, None), &detail).await;
+}
+
+/// The reply code for a denial.
+pub fn reply_for(reason: Reason) -> Reply {
+    match reason {
+        Reason::RuleMatch | Reason::ReportOnly => Reply::Succeeded,
+        Reason::ResolutionFailed => Reply::HostUnreachable,
+        Reason::BadRequest | Reason::EvidenceUnavailable | Reason::LimitExceeded => {
+            Reply::GeneralFailure
+        }
+        _ => Reply::NotAllowed,
+    }
+}
+
+/// The reply code for an allowed target that could not be reached.
+fn reply_for_dial(err: &DialError) -> Reply {
+    match err {
+        DialError::Io { source, .. } => match source.kind() {
+            std::io::ErrorKind::ConnectionRefused => Reply::ConnectionRefused,
+            std::io::ErrorKind::NetworkUnreachable => Reply::NetworkUnreachable,
+            _ => Reply::HostUnreachable,
+        },
+        DialError::Timeout { .. } | DialError::NoAddress => Reply::HostUnreachable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_denial_has_a_failure_reply() {
+        for r in Reason::ALL {
+            let code = reply_for(r);
+            assert_eq!(code == Reply::Succeeded, r.is_allow(), "{r}");
+        }
+        assert_eq!(reply_for(Reason::ExplicitDeny), Reply::NotAllowed);
+        assert_eq!(reply_for(Reason::AuthFailed), Reply::NotAllowed);
+        assert_eq!(reply_for(Reason::ResolutionFailed), Reply::HostUnreachable);
+    }
+}
