@@ -27,6 +27,7 @@ pub mod config;
 pub mod dns;
 pub mod evidence;
 pub mod explain;
+pub mod intercept;
 pub mod metrics;
 pub mod policy;
 pub mod proto;

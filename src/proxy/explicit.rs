@@ -23,6 +23,7 @@ use super::limits::Permit;
 use super::tunnel::{self, Detected};
 use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
+use crate::intercept;
 use crate::policy::{OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -339,13 +340,15 @@ async fn connect(
     record.ip = Some(addr.ip());
 
     let tunnel_ctx = ctx.clone();
+    let view = view.clone();
     let on_upgrade = hyper::upgrade::on(req);
     ctx.tasks.spawn(
         async move {
             let _permit = permit;
             match on_upgrade.await {
                 Ok(upgraded) => {
-                    run_tunnel(tunnel_ctx, TokioIo::new(upgraded), upstream, host, record).await
+                    let io = TokioIo::new(upgraded);
+                    run_tunnel(tunnel_ctx, view, io, upstream, host, record).await
                 }
                 Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
             }
@@ -359,6 +362,7 @@ async fn connect(
 /// record the decision, then copy.
 async fn run_tunnel(
     ctx: Arc<Ctx>,
+    view: View,
     mut client: TokioIo<hyper::upgrade::Upgraded>,
     upstream: TcpStream,
     host: Host,
@@ -398,7 +402,16 @@ async fn run_tunnel(
         debug!(reason = %reason, record = %record.id, "tunnel denied after detection");
         return; // both sides dropped: nothing reached the upstream
     }
-    if !ctx.write(&mut record).await || detected == Detected::Closed {
+    // Opt-in TLS interception (src/intercept): only for an allow rule with
+    // `intercept = true`; a non-TLS tunnel to such a host is refused.
+    let plan = intercept::plan(ctx.intercept.as_deref(), &view, &mut record, &detected);
+    if !ctx.write(&mut record).await || detected == Detected::Closed || !record.reason.is_allow() {
+        return;
+    }
+    if plan == intercept::Plan::Intercept {
+        if let Some(s) = intercept::serve::Session::new(ctx.clone(), view, Mode::Explicit, record) {
+            intercept::serve::serve(s, client, first, upstream).await;
+        }
         return;
     }
     let started = Instant::now();
@@ -430,7 +443,7 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
