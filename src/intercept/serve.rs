@@ -338,16 +338,20 @@ const MAX_RECORDED_PATH: usize = 256;
 
 /// The request checks that need no policy: what the request addresses.
 /// Returns the path (no query) or the reason to refuse and why.
-fn check_request(req: &Request<Incoming>, host: &Host, port: u16) -> Result<(), (Reason, String)> {
+fn check_request(
+    req: &http::request::Parts,
+    host: &Host,
+    port: u16,
+) -> Result<(), (Reason, String)> {
     let bad = |m: &str| Err((Reason::BadRequest, m.to_string()));
-    if req.method() == Method::CONNECT {
+    if req.method == Method::CONNECT {
         return bad("CONNECT inside an intercepted connection is refused");
     }
-    if req.headers().contains_key(header::UPGRADE) {
+    if req.headers.contains_key(header::UPGRADE) {
         return bad("protocol upgrades (WebSocket) inside an intercepted connection are refused");
     }
-    let uri = req.uri();
-    let authority = if req.version() == Version::HTTP_2 {
+    let uri = &req.uri;
+    let authority = if req.version == Version::HTTP_2 {
         let Some(a) = uri.authority() else {
             return bad("HTTP/2 request without :authority");
         };
@@ -356,7 +360,7 @@ fn check_request(req: &Request<Incoming>, host: &Host, port: u16) -> Result<(), 
         if uri.scheme().is_some() || uri.authority().is_some() {
             return bad("absolute-form request inside an intercepted connection is refused");
         }
-        let mut hosts = req.headers().get_all(header::HOST).iter();
+        let mut hosts = req.headers.get_all(header::HOST).iter();
         let (Some(h), None) = (hosts.next(), hosts.next()) else {
             return bad("HTTP/1.1 request needs exactly one Host header");
         };
@@ -367,8 +371,8 @@ fn check_request(req: &Request<Incoming>, host: &Host, port: u16) -> Result<(), 
     };
     // An HTTP/2 request may carry Host too: it must agree.
     let mut names = vec![authority];
-    if req.version() == Version::HTTP_2 {
-        for h in req.headers().get_all(header::HOST) {
+    if req.version == Version::HTTP_2 {
+        for h in req.headers.get_all(header::HOST) {
             names.push(String::from_utf8_lossy(h.as_bytes()).into_owned());
         }
     }
@@ -409,6 +413,40 @@ fn check_path(path: &str) -> Result<(), &'static str> {
 }
 
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> {
+    let (parts, body) = req.into_parts();
+    let mut body = Some(body);
+    let response = decide_and_send(&shared, parts, &mut body).await;
+    if let Some(body) = body {
+        // Refused: read (and drop) what the client is still sending, a
+        // bounded amount, so that the refusal is not lost to a reset.
+        drain(body).await;
+    }
+    response
+}
+
+/// Bytes of a refused request's body read before answering.
+const MAX_DRAIN_BYTES: u64 = 1024 * 1024;
+/// Time spent reading a refused request's body before answering.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn drain(mut body: Incoming) {
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        let mut seen = 0u64;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if seen > MAX_DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+async fn decide_and_send(
+    shared: &Arc<Shared>,
+    mut parts: http::request::Parts,
+    body: &mut Option<Incoming>,
+) -> Response<Body_> {
     let started = Instant::now();
     let s = &shared.session;
     let host = Host::Name(s.name.clone());
@@ -427,16 +465,16 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
     record.sni = s.sni.clone();
     record.ip = Some(s.upstream_addr.ip());
     record.conn = Some(s.record.id.clone());
-    let method = req.method().as_str().to_string();
-    let path = req.uri().path().to_string();
+    let method = parts.method.as_str().to_string();
+    let path = parts.uri.path().to_string();
     record.method = Some(method.clone());
     record.path = Some(path.chars().take(MAX_RECORDED_PATH).collect());
 
-    if let Err((reason, detail)) = check_request(&req, &host, s.port) {
-        return refuse(&shared, &mut record, reason, &detail).await;
+    if let Err((reason, detail)) = check_request(&parts, &host, s.port) {
+        return refuse(shared, &mut record, reason, &detail).await;
     }
     let Some(org) = &s.view.org else {
-        return refuse(&shared, &mut record, Reason::UnknownClient, "no org").await;
+        return refuse(shared, &mut record, Reason::UnknownClient, "no org").await;
     };
     let rules = s.view.policy.intercept_rules(org, &s.rule);
     let has_path_rules = rules
@@ -444,7 +482,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
         .is_some_and(|r| !r.paths.is_empty() || !r.deny_paths.is_empty());
     if has_path_rules {
         if let Err(why) = check_path(&path) {
-            return refuse(&shared, &mut record, Reason::BadRequest, why).await;
+            return refuse(shared, &mut record, Reason::BadRequest, why).await;
         }
     }
     let verdict = s.view.policy.decide_request(org, &s.rule, &method, &path);
@@ -455,11 +493,10 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
             record.path.as_deref().unwrap_or(""),
             s.rule
         );
-        return refuse(&shared, &mut record, verdict.reason, &detail).await;
+        return refuse(shared, &mut record, verdict.reason, &detail).await;
     }
 
     // Build the upstream request.
-    let (mut parts, body) = req.into_parts();
     crate::proxy::explicit::strip_hop_by_hop(&mut parts.headers);
     let creds = s.ic.credentials_for(&org.name, &s.name, &method, &path);
     let mut used = Vec::new();
@@ -476,7 +513,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
             }
             None => {
                 return refuse(
-                    &shared,
+                    shared,
                     &mut record,
                     Reason::BadRequest,
                     "credential unusable",
@@ -503,7 +540,10 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
     // upstream connection (and its TLS) is set up after the connection's
     // own `tcp` record, which is already written.
     let up_count = Arc::new(AtomicU64::new(0));
-    let body = Metered::new(body, up_count.clone(), None).boxed_unsync();
+    let Some(client_body) = body.take() else {
+        return refuse(shared, &mut record, Reason::BadRequest, "request body gone").await;
+    };
+    let body = Metered::new(client_body, up_count.clone(), None).boxed_unsync();
     let sender_check = {
         let mut up = shared.upstream.lock().await;
         if up.sender.as_ref().is_none_or(Sender::is_closed) {
@@ -524,12 +564,12 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
         Err(UpstreamError::Tls(detail)) => {
             crate::metrics::metrics()
                 .upstream_tls_errors_total
-                .with_label_values(&[&shared.org])
+                .with_label_values(&[&*shared.org])
                 .inc();
-            return refuse(&shared, &mut record, Reason::UpstreamTlsError, &detail).await;
+            return refuse(shared, &mut record, Reason::UpstreamTlsError, &detail).await;
         }
         Err(UpstreamError::Connect(detail)) => {
-            return upstream_failed(&shared, &mut record, &detail).await;
+            return upstream_failed(shared, &mut record, &detail).await;
         }
     };
     if h2_upstream {
@@ -540,9 +580,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
             .build()
         {
             Ok(u) => u,
-            Err(e) => {
-                return refuse(&shared, &mut record, Reason::BadRequest, &e.to_string()).await
-            }
+            Err(e) => return refuse(shared, &mut record, Reason::BadRequest, &e.to_string()).await,
         };
         parts.headers.remove(header::HOST);
         parts.version = Version::HTTP_2;
@@ -552,9 +590,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
             .build()
         {
             Ok(u) => u,
-            Err(e) => {
-                return refuse(&shared, &mut record, Reason::BadRequest, &e.to_string()).await
-            }
+            Err(e) => return refuse(shared, &mut record, Reason::BadRequest, &e.to_string()).await,
         };
         if let Ok(v) = HeaderValue::from_str(&authority) {
             parts.headers.insert(header::HOST, v);
@@ -562,28 +598,23 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> 
         parts.version = Version::HTTP_11;
     }
     if !s.ctx.write(&mut record).await {
-        count(&shared, Reason::EvidenceUnavailable);
+        count(shared, Reason::EvidenceUnavailable);
         return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
     }
-    count(&shared, Reason::RuleMatch);
+    count(shared, Reason::RuleMatch);
 
     let upstream_req = Request::from_parts(parts, body);
     let fut = match shared.send(upstream_req).await {
         Ok(f) => f,
         Err(UpstreamError::Tls(d)) | Err(UpstreamError::Connect(d)) => {
-            return upstream_failed_after(&shared, &record, &d, &up_count)
+            return upstream_failed_after(shared, &record, &d, &up_count)
         }
     };
     let response = match tokio::time::timeout(s.ctx.limits.idle_timeout, fut).await {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) => return upstream_failed_after(&shared, &record, &e.to_string(), &up_count),
+        Ok(Err(e)) => return upstream_failed_after(shared, &record, &e.to_string(), &up_count),
         Err(_) => {
-            return upstream_failed_after(
-                &shared,
-                &record,
-                "upstream response timed out",
-                &up_count,
-            )
+            return upstream_failed_after(shared, &record, "upstream response timed out", &up_count)
         }
     };
     crate::metrics::metrics()
