@@ -1736,3 +1736,63 @@ clients = ["198.19.1.0/24"]
         assert_eq!(line_col("ab\ncdé\nx", 7), (2, 4));
     }
 }
+
+#[cfg(test)]
+mod intercept_tests {
+    use super::*;
+
+    const ORG: &str = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n";
+
+    fn errors(extra: &str) -> Vec<String> {
+        match from_str(&format!("{ORG}{extra}"), Path::new("t.toml")) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.0.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn intercept_rules_and_credentials_validate_with_locations() {
+        let ok = "[[org.allow]]\nhost = \"*.reg.test\"\nintercept = true\nmethods = [\"GET\"]\n\
+                  paths = [\"/simple/\", \"/p/*.whl\"]\ndeny_paths = [\"/upload\"]\n\
+                  [[org.credential]]\nid = \"t\"\nhost = \"api.reg.test\"\nheader = \"Authorization\"\n\
+                  prefix = \"Bearer \"\nsecret_env = \"TOKEN\"\n";
+        assert!(errors(ok).is_empty(), "{:?}", errors(ok));
+        let c = from_str(&format!("{ORG}{ok}"), Path::new("t.toml")).unwrap();
+        assert_eq!(c.orgs[0].credentials[0].header, "authorization");
+        assert!(c.orgs[0].intercepts());
+        // The secret's source is in the policy hash text, never a secret.
+        assert!(crate::policy::Policy::canonical_text(&c.orgs).contains("TOKEN"));
+
+        let cases = [
+            ("[[org.deny]]\nhost = \"x.test\"\nintercept = true\n", "t.toml:6:", "only valid on allow rules"),
+            ("[[org.allow]]\ncidr = \"198.18.0.0/24\"\nintercept = true\n", "t.toml:6:", "only valid on allow rules"),
+            ("[[org.allow]]\nhost = \"x.test\"\nmethods = [\"GET\"]\n", "t.toml:6:", "need intercept = true"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\nmethods = [\"get\"]\n", "t.toml:7:", "invalid method"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\npaths = [\"simple\"]\n", "t.toml:7:", "invalid path rule"),
+            ("[[org.allow]]\nhost = \"x.test\"\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"authorization\"\nsecret_env = \"T\"\n", "t.toml:8:", "no allow rule"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"host\"\nsecret_env = \"T\"\n", "t.toml:10:", "not a header"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\n", "t.toml:", "needs secret_file or secret_env"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\nsecret_env = \"A\"\nsecret_file = \"/f\"\n", "t.toml:11:", "not both"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\nsecret = \"inline\"\n", "t.toml:", "unknown field"),
+        ];
+        for (src, at, want) in cases {
+            let e = errors(src);
+            assert!(
+                e.iter().any(|e| e.starts_with(at) && e.contains(want)) || { false },
+                "{src}: want {at} {want}, got {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn path_patterns() {
+        let p = |s: &str| PathPattern(s.to_string());
+        assert!(p("/simple/").matches("/simple/x/"));
+        assert!(!p("/simple/").matches("/simplex"));
+        assert!(p("/p/*.whl").matches("/p/a/b-1.0.whl"));
+        assert!(!p("/p/*.whl").matches("/p/a.whl.tar"));
+        assert!(p("*").matches("/anything"));
+        assert!(p("/a*b*c").matches("/a--b--c"));
+        assert!(!p("/a*b*c").matches("/a--c--b"));
+    }
+}

@@ -253,3 +253,33 @@ fn plan_for(
         _ => Plan::Refuse("the host is intercepted: the connection must carry TLS"),
     }
 }
+
+/// For a plain `http://` request allowed by an intercepting rule: the
+/// refusal, if its method or path rules refuse it (the same decision as
+/// inside an intercepted connection).
+pub fn plain_request(
+    view: &View,
+    verdict: &crate::policy::Verdict,
+    method: &http::Method,
+    uri: &http::Uri,
+) -> Option<(crate::policy::Verdict, String)> {
+    let (Some(org), Some(rule)) = (&view.org, &verdict.rule) else {
+        return None;
+    };
+    let rules = view.policy.intercept_rules(org, rule)?;
+    let path = uri.path();
+    if !rules.paths.is_empty() || !rules.deny_paths.is_empty() {
+        if let Err(why) = serve::check_path(path) {
+            return Some((
+                crate::policy::Verdict {
+                    org: Some(org.clone()),
+                    reason: Reason::BadRequest,
+                    rule: None,
+                },
+                why.to_string(),
+            ));
+        }
+    }
+    let v = view.policy.decide_request(org, rule, method.as_str(), path);
+    (!v.is_allow()).then(|| (v, format!("{method} {path} refused by rule {rule}")))
+}

@@ -392,7 +392,7 @@ fn check_request(
 
 /// A path a prefix or glob rule can be trusted on: origin-form, no dot
 /// segments, no encoded dot, slash or backslash, no empty segments.
-fn check_path(path: &str) -> Result<(), &'static str> {
+pub fn check_path(path: &str) -> Result<(), &'static str> {
     if !path.starts_with('/') {
         return Err("request path must start with '/'");
     }

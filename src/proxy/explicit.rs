@@ -548,6 +548,22 @@ async fn forward(
         )
         .await;
     }
+    // An intercepting rule's method and path rules bind plain http:// too
+    // (credentials are never added to plain HTTP).
+    if let Some((verdict, detail)) =
+        intercept::plain_request(view, &verdict, req.method(), req.uri())
+    {
+        return reject(
+            &ctx,
+            view,
+            Kind::Http,
+            peer,
+            &verdict,
+            (Some(&host), Some(port)),
+            Some(&detail),
+        )
+        .await;
+    }
     if !ctx.evidence.is_healthy() {
         let verdict = Verdict {
             reason: Reason::EvidenceUnavailable,
