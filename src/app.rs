@@ -41,6 +41,8 @@ pub enum StartError {
     Resolver(String),
     #[error("signal handler: {0}")]
     Signal(std::io::Error),
+    #[error("interception: {0}")]
+    Intercept(String),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -57,6 +59,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         dns,
         admin: admin_config,
         evidence: evidence_config,
+        intercept: _,
         orgs: _,
     } = &config;
 
@@ -75,6 +78,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             .map_err(|e| StartError::Resolver(e.to_string()))?,
     );
     let policy = Arc::new(Policy::new(&config));
+    // Per-org CAs, credentials (read from their files or environment
+    // variables now) and the upstream trust bundle.
+    let intercept = crate::intercept::Interceptor::new(&config)
+        .map_err(|e| StartError::Intercept(e.to_string()))?
+        .map(Arc::new);
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
     let bindings = Arc::new(Bindings::new(dns.max_bindings_per_name, dns.max_bindings));
@@ -134,6 +142,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence.clone(),
         resolver: resolver.clone(),
         bindings: Some(bindings.clone()),
+        intercept,
         limits: limits.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),

@@ -81,7 +81,31 @@ struct RawConfig {
     #[serde(default)]
     evidence: RawEvidence,
     #[serde(default)]
+    intercept: RawIntercept,
+    #[serde(default)]
     org: Vec<RawOrg>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawIntercept {
+    ca_dir: Option<Spanned<String>>,
+    upstream_ca: Option<Spanned<String>>,
+    cert_cache: Option<Spanned<i64>>,
+    handshake_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCredential {
+    id: Spanned<String>,
+    host: Spanned<String>,
+    header: Spanned<String>,
+    prefix: Option<Spanned<String>>,
+    secret_file: Option<Spanned<String>>,
+    secret_env: Option<Spanned<String>>,
+    methods: Option<Spanned<Vec<Spanned<String>>>>,
+    paths: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -171,6 +195,8 @@ struct RawOrg {
     identity: Option<Spanned<String>>,
     #[serde(default)]
     tokens: Vec<Spanned<String>>,
+    #[serde(default)]
+    credential: Vec<Spanned<RawCredential>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -180,6 +206,11 @@ struct RawRule {
     host: Option<Spanned<String>>,
     cidr: Option<Spanned<String>>,
     ports: Option<Spanned<Vec<Spanned<i64>>>>,
+    intercept: Option<Spanned<bool>>,
+    methods: Option<Spanned<Vec<Spanned<String>>>>,
+    paths: Option<Spanned<Vec<Spanned<String>>>>,
+    deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
+    deny_paths: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 // ---------------------------------------------------------------------------
@@ -193,7 +224,134 @@ pub struct Config {
     pub dns: DnsConfig,
     pub admin: AdminConfig,
     pub evidence: EvidenceConfig,
+    pub intercept: InterceptConfig,
     pub orgs: Vec<OrgConfig>,
+}
+
+/// Default number of minted leaf certificates kept (per process, all orgs).
+pub const DEFAULT_CERT_CACHE: usize = 1000;
+/// Default directory of the per-org interception CAs.
+pub const DEFAULT_CA_DIR: &str = "ca";
+/// Default upstream trust bundle for intercepted connections.
+pub const DEFAULT_UPSTREAM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+/// Default time for a TLS handshake of an intercepted connection (either side).
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `[intercept]`: where the per-org CAs live and what upstream certificates are trusted.
+#[derive(Debug, Clone)]
+pub struct InterceptConfig {
+    /// `DIR/ORG.pem` and `DIR/ORG.key` (0600) per org that intercepts.
+    pub ca_dir: PathBuf,
+    /// PEM bundle upstream certificates are verified against.
+    pub upstream_ca: PathBuf,
+    /// Minted leaf certificates kept; the oldest is evicted.
+    pub cert_cache: usize,
+    pub handshake_timeout: Duration,
+}
+
+impl Default for InterceptConfig {
+    fn default() -> Self {
+        InterceptConfig {
+            ca_dir: PathBuf::from(DEFAULT_CA_DIR),
+            upstream_ca: PathBuf::from(DEFAULT_UPSTREAM_CA),
+            cert_cache: DEFAULT_CERT_CACHE,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
+/// What an intercepting allow rule lets through, request by request. Empty
+/// `methods`/`paths` mean any; a `deny_*` match wins.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RequestRules {
+    pub methods: Vec<String>,
+    pub paths: Vec<PathPattern>,
+    pub deny_methods: Vec<String>,
+    pub deny_paths: Vec<PathPattern>,
+}
+
+/// A path rule: a prefix (no `*`), or a glob over the whole path in which
+/// `*` matches any run of characters (including `/`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathPattern(pub String);
+
+impl PathPattern {
+    /// Does `path` (no query) match?
+    pub fn matches(&self, path: &str) -> bool {
+        if !self.0.contains('*') {
+            return path.starts_with(&self.0);
+        }
+        glob_match(self.0.as_bytes(), path.as_bytes())
+    }
+}
+
+/// `*` matches any run of bytes; everything else literally. The two-pointer
+/// algorithm: linear-ish, no exponential backtracking.
+fn glob_match(pat: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pat.get(p) == Some(&b'*') {
+            star = Some((p, t));
+            p += 1;
+        } else if pat.get(p) == text.get(t) {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pat.get(p..).unwrap_or(&[]).iter().all(|&b| b == b'*')
+}
+
+/// Where a credential's secret comes from (never the policy file itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecretSource {
+    File(PathBuf),
+    Env(String),
+}
+
+/// `[[org.credential]]`: a header Palisade adds to intercepted requests.
+/// Holds no secret, only where to read it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CredentialConfig {
+    pub id: String,
+    pub host: RuleTarget,
+    pub methods: Vec<String>,
+    pub paths: Vec<PathPattern>,
+    /// Lower-case header name.
+    pub header: String,
+    /// Written before the secret, e.g. "Bearer ".
+    pub prefix: String,
+    pub source: SecretSource,
+}
+
+impl CredentialConfig {
+    /// Does this credential apply to a request for `host` (normalised name)?
+    pub fn applies(&self, host: &str, method: &str, path: &str) -> bool {
+        let host_ok = match &self.host {
+            RuleTarget::Exact(n) => n == host,
+            RuleTarget::Below(s) => host
+                .strip_suffix(s.as_str())
+                .is_some_and(|rest| rest.len() > 1 && rest.ends_with('.')),
+            RuleTarget::Cidr(_) => false,
+        };
+        host_ok
+            && (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
+            && (self.paths.is_empty() || self.paths.iter().any(|p| p.matches(path)))
+    }
+}
+
+impl OrgConfig {
+    /// Does any allow rule of this org intercept?
+    pub fn intercepts(&self) -> bool {
+        self.allow.iter().any(|r| r.intercept.is_some())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -380,6 +538,9 @@ pub struct OrgConfig {
     /// text stored beside the evidence carries no credential material.
     #[serde(skip)]
     pub tokens: Vec<TokenDigest>,
+    /// Headers added to intercepted requests (ids and sources only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<CredentialConfig>,
 }
 
 /// Whether an org's allowlist is enforced or only reported.
@@ -510,6 +671,9 @@ pub struct RuleConfig {
     pub id: String,
     pub target: RuleTarget,
     pub ports: PortSet,
+    /// `intercept = true` and its request rules (allow host rules only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intercept: Option<RequestRules>,
 }
 
 /// What a rule matches.
@@ -693,6 +857,7 @@ fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
         dns,
         admin,
         evidence,
+        intercept,
         org,
     } = raw;
 
@@ -704,6 +869,7 @@ fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
     };
     let evidence = validate_evidence(evidence, errors);
 
+    let intercept = validate_intercept(intercept, errors);
     let orgs = validate_orgs(org, errors);
 
     Config {
@@ -712,8 +878,203 @@ fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
         dns,
         admin,
         evidence,
+        intercept,
         orgs,
     }
+}
+
+fn validate_intercept(raw: RawIntercept, errors: &mut Errors<'_>) -> InterceptConfig {
+    let RawIntercept {
+        ca_dir,
+        upstream_ca,
+        cert_cache,
+        handshake_timeout,
+    } = raw;
+    let d = InterceptConfig::default();
+    let mut path = |v: Option<Spanned<String>>, default: PathBuf, what: &str| match v {
+        Some(p) if p.get_ref().trim().is_empty() => {
+            errors.at(p.span(), format!("intercept {what} must not be empty"));
+            default
+        }
+        Some(p) => PathBuf::from(p.into_inner()),
+        None => default,
+    };
+    let ca_dir = path(ca_dir, d.ca_dir, "ca_dir");
+    let upstream_ca = path(upstream_ca, d.upstream_ca, "upstream_ca");
+    InterceptConfig {
+        ca_dir,
+        upstream_ca,
+        cert_cache: count(cert_cache, d.cert_cache, errors),
+        handshake_timeout: duration(handshake_timeout, d.handshake_timeout, errors),
+    }
+}
+
+type RawList = Option<Spanned<Vec<Spanned<String>>>>;
+
+/// HTTP method tokens: upper-case letters (RFC 9110 methods are case-sensitive).
+fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for m in value.map(Spanned::into_inner).unwrap_or_default() {
+        let text = m.get_ref().trim();
+        if text.is_empty() || text.len() > 32 || !text.bytes().all(|b| b.is_ascii_uppercase()) {
+            errors.at(
+                m.span(),
+                format!("invalid method {text:?} (upper-case letters, e.g. \"GET\")"),
+            );
+        } else if !out.iter().any(|o| o == text) {
+            out.push(text.to_string());
+        }
+    }
+    out
+}
+
+/// Path rules: start with `/`, printable ASCII, no `%` escapes.
+fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
+    let mut out = Vec::new();
+    for p in value.map(Spanned::into_inner).unwrap_or_default() {
+        let text = p.get_ref().trim();
+        let printable = text.bytes().all(|b| b.is_ascii_graphic());
+        if !text.starts_with('/') || !printable || text.len() > 1024 || text.contains('%') {
+            errors.at(
+                p.span(),
+                format!(
+                    "invalid path rule {text:?} (starts with '/', printable ASCII, no '%'; \
+                     '*' matches anything)"
+                ),
+            );
+        } else {
+            out.push(PathPattern(text.to_string()));
+        }
+    }
+    out
+}
+
+/// Header names a credential must not set: framing, routing and hop-by-hop.
+const CREDENTIAL_FORBIDDEN_HEADERS: [&str; 10] = [
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "upgrade",
+    "te",
+    "trailer",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+];
+
+/// Does `rule` (an intercepting allow rule's target) cover every name `t` matches?
+fn target_covers(rule: &RuleTarget, t: &RuleTarget) -> bool {
+    match (rule, t) {
+        (RuleTarget::Exact(a), RuleTarget::Exact(b)) => a == b,
+        (RuleTarget::Below(s), RuleTarget::Exact(b)) => b.ends_with(&format!(".{s}")),
+        (RuleTarget::Below(s), RuleTarget::Below(b)) => b == s || b.ends_with(&format!(".{s}")),
+        _ => false,
+    }
+}
+
+fn validate_credentials(
+    org: &str,
+    raw: Vec<Spanned<RawCredential>>,
+    allow: &[RuleConfig],
+    ids: &mut HashSet<String>,
+    errors: &mut Errors<'_>,
+) -> Vec<CredentialConfig> {
+    let mut out = Vec::new();
+    for spanned in raw {
+        let span = spanned.span();
+        let RawCredential {
+            id,
+            host,
+            header,
+            prefix,
+            secret_file,
+            secret_env,
+            methods: m,
+            paths: p,
+        } = spanned.into_inner();
+        let id_text = id.get_ref().trim().to_string();
+        if id_text.is_empty() || id_text.len() > 128 || id_text.chars().any(char::is_control) {
+            errors.at(id.span(), format!("invalid credential id {id_text:?}"));
+        } else if !ids.insert(format!("credential:{id_text}")) {
+            errors.at(
+                id.span(),
+                format!("credential id {id_text:?} is used twice"),
+            );
+        }
+        let target = host_rule(&host, true, errors);
+        if let Some(t) = &target {
+            let covered = allow
+                .iter()
+                .any(|r| r.intercept.is_some() && target_covers(&r.target, t));
+            if !covered {
+                errors.at(
+                    host.span(),
+                    format!(
+                        "credential {id_text:?}: no allow rule of org {org:?} intercepts {t} \
+                         (add intercept = true to its allow rule)"
+                    ),
+                );
+            }
+        }
+        let header_text = header.get_ref().trim().to_ascii_lowercase();
+        if http::HeaderName::from_bytes(header_text.as_bytes()).is_err()
+            || CREDENTIAL_FORBIDDEN_HEADERS.contains(&header_text.as_str())
+        {
+            errors.at(
+                header.span(),
+                format!("credential header {header_text:?} is not a header Palisade may set"),
+            );
+        }
+        let prefix_text = prefix
+            .as_ref()
+            .map(|p| p.get_ref().clone())
+            .unwrap_or_default();
+        if let Some(p) = &prefix {
+            if http::HeaderValue::from_str(&prefix_text).is_err() {
+                errors.at(p.span(), "credential prefix must be printable text");
+            }
+        }
+        let source = match (secret_file, secret_env) {
+            (Some(f), None) if !f.get_ref().trim().is_empty() => {
+                Some(SecretSource::File(PathBuf::from(f.into_inner())))
+            }
+            (None, Some(e)) if !e.get_ref().trim().is_empty() => {
+                Some(SecretSource::Env(e.into_inner()))
+            }
+            (Some(_), Some(e)) => {
+                errors.at(
+                    e.span(),
+                    "a credential has secret_file or secret_env, not both",
+                );
+                None
+            }
+            _ => {
+                errors.at(
+                    span.clone(),
+                    format!(
+                        "credential {id_text:?} needs secret_file or secret_env \
+                         (the secret never goes in the policy file)"
+                    ),
+                );
+                None
+            }
+        };
+        let m = methods(m, errors);
+        let p = paths(p, errors);
+        if let (Some(host), Some(source)) = (target, source) {
+            out.push(CredentialConfig {
+                id: id_text,
+                host,
+                methods: m,
+                paths: p,
+                header: header_text,
+                prefix: prefix_text,
+                source,
+            });
+        }
+    }
+    out
 }
 
 fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> EvidenceConfig {
@@ -1029,6 +1390,7 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             mode,
             identity,
             tokens,
+            credential,
         } = org;
         let org_name = name.get_ref().clone();
         if !valid_org_name(&org_name) {
@@ -1118,6 +1480,8 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
                 }
             },
         };
+        let credentials =
+            validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
             name: org_name,
             clients: nets,
@@ -1128,6 +1492,7 @@ fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
             mode,
             identity,
             tokens,
+            credentials,
         });
     }
     orgs
@@ -1276,7 +1641,40 @@ fn validate_rules(
             host,
             cidr: cidr_value,
             ports,
+            intercept,
+            methods: allow_methods,
+            paths: allow_paths,
+            deny_methods,
+            deny_paths,
         } = spanned.into_inner();
+        let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
+            .iter()
+            .find_map(|k| k.as_ref().map(|k| k.span()));
+        let intercept = match intercept {
+            Some(flag) if *flag.get_ref() => {
+                if kind != "allow" || host.is_none() {
+                    errors.at(
+                        flag.span(),
+                        "intercept is only valid on allow rules with a host",
+                    );
+                }
+                Some(RequestRules {
+                    methods: methods(allow_methods, errors),
+                    paths: paths(allow_paths, errors),
+                    deny_methods: methods(deny_methods, errors),
+                    deny_paths: paths(deny_paths, errors),
+                })
+            }
+            _ => {
+                if let Some(span) = request_span {
+                    errors.at(
+                        span,
+                        "methods, paths, deny_methods and deny_paths need intercept = true",
+                    );
+                }
+                None
+            }
+        };
 
         let id = match id {
             Some(id) => {
@@ -1339,7 +1737,12 @@ fn validate_rules(
         };
 
         if let Some(target) = target {
-            rules.push(RuleConfig { id, target, ports });
+            rules.push(RuleConfig {
+                id,
+                target,
+                ports,
+                intercept,
+            });
         }
     }
     rules
@@ -1669,5 +2072,65 @@ clients = ["198.19.1.0/24"]
         assert_eq!(line_col("ab\ncdé\nx", 3), (2, 1));
         assert_eq!(line_col("ab\ncdé\nx", 8), (3, 1));
         assert_eq!(line_col("ab\ncdé\nx", 7), (2, 4));
+    }
+}
+
+#[cfg(test)]
+mod intercept_tests {
+    use super::*;
+
+    const ORG: &str = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n";
+
+    fn errors(extra: &str) -> Vec<String> {
+        match from_str(&format!("{ORG}{extra}"), Path::new("t.toml")) {
+            Ok(_) => Vec::new(),
+            Err(e) => e.0.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn intercept_rules_and_credentials_validate_with_locations() {
+        let ok = "[[org.allow]]\nhost = \"*.reg.test\"\nintercept = true\nmethods = [\"GET\"]\n\
+                  paths = [\"/simple/\", \"/p/*.whl\"]\ndeny_paths = [\"/upload\"]\n\
+                  [[org.credential]]\nid = \"t\"\nhost = \"api.reg.test\"\nheader = \"Authorization\"\n\
+                  prefix = \"Bearer \"\nsecret_env = \"TOKEN\"\n";
+        assert!(errors(ok).is_empty(), "{:?}", errors(ok));
+        let c = from_str(&format!("{ORG}{ok}"), Path::new("t.toml")).unwrap();
+        assert_eq!(c.orgs[0].credentials[0].header, "authorization");
+        assert!(c.orgs[0].intercepts());
+        // The secret's source is in the policy hash text, never a secret.
+        assert!(crate::policy::Policy::canonical_text(&c.orgs).contains("TOKEN"));
+
+        let cases = [
+            ("[[org.deny]]\nhost = \"x.test\"\nintercept = true\n", "t.toml:6:", "only valid on allow rules"),
+            ("[[org.allow]]\ncidr = \"198.18.0.0/24\"\nintercept = true\n", "t.toml:6:", "only valid on allow rules"),
+            ("[[org.allow]]\nhost = \"x.test\"\nmethods = [\"GET\"]\n", "t.toml:6:", "need intercept = true"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\nmethods = [\"get\"]\n", "t.toml:7:", "invalid method"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\npaths = [\"simple\"]\n", "t.toml:7:", "invalid path rule"),
+            ("[[org.allow]]\nhost = \"x.test\"\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"authorization\"\nsecret_env = \"T\"\n", "t.toml:8:", "no allow rule"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"host\"\nsecret_env = \"T\"\n", "t.toml:10:", "not a header"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\n", "t.toml:", "needs secret_file or secret_env"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\nsecret_env = \"A\"\nsecret_file = \"/f\"\n", "t.toml:11:", "not both"),
+            ("[[org.allow]]\nhost = \"x.test\"\nintercept = true\n[[org.credential]]\nid = \"t\"\nhost = \"x.test\"\nheader = \"a\"\nsecret = \"inline\"\n", "t.toml:", "unknown field"),
+        ];
+        for (src, at, want) in cases {
+            let e = errors(src);
+            assert!(
+                e.iter().any(|e| e.starts_with(at) && e.contains(want)) || { false },
+                "{src}: want {at} {want}, got {e:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn path_patterns() {
+        let p = |s: &str| PathPattern(s.to_string());
+        assert!(p("/simple/").matches("/simple/x/"));
+        assert!(!p("/simple/").matches("/simplex"));
+        assert!(p("/p/*.whl").matches("/p/a/b-1.0.whl"));
+        assert!(!p("/p/*.whl").matches("/p/a.whl.tar"));
+        assert!(p("*").matches("/anything"));
+        assert!(p("/a*b*c").matches("/a--b--c"));
+        assert!(!p("/a*b*c").matches("/a--c--b"));
     }
 }

@@ -30,6 +30,40 @@ pub struct Explanation {
     pub dial: Vec<IpAddr>,
     pub detail: Option<String>,
     pub policy: String,
+    /// For `https://host/path` targets whose rule intercepts: the decision
+    /// the proxy takes on that request inside the intercepted connection.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request: Option<RequestExplanation>,
+}
+
+/// A request-level decision inside an intercepted connection.
+#[derive(Debug, Serialize)]
+pub struct RequestExplanation {
+    pub method: String,
+    pub path: String,
+    pub decision: &'static str,
+    pub reason: Reason,
+    pub rule: Option<String>,
+    /// Ids of the credentials that would be added (never their values).
+    pub credentials: Vec<String>,
+}
+
+/// The path of an `http(s)://host/path` target (no query), if it has one.
+pub fn target_path(target: &str) -> Option<String> {
+    let lower = target.get(..8).unwrap_or(target).to_ascii_lowercase();
+    let rest = if lower.starts_with("https://") {
+        target.get(8..)?
+    } else if lower.starts_with("http://") {
+        target.get(7..)?
+    } else {
+        return None;
+    };
+    let path = match rest.find('/') {
+        Some(i) => rest.get(i..)?,
+        None => "/",
+    };
+    let end = path.find(['?', '#']).unwrap_or(path.len());
+    Some(path.get(..end).unwrap_or(path).to_string())
 }
 
 fn explanation(
@@ -53,11 +87,23 @@ fn explanation(
         dial: Vec::new(),
         detail: None,
         policy: policy.hash().to_string(),
+        request: None,
     }
 }
 
 /// Decide `target` for `client` under `config`.
 pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) -> Explanation {
+    explain_request(config, client, target, None).await
+}
+
+/// [`explain`], plus the request-level decision for `(method, path)` when
+/// the deciding rule intercepts.
+pub async fn explain_request(
+    config: &Config,
+    client: IpAddr,
+    target: &ExplainTarget,
+    request: Option<(&str, &str)>,
+) -> Explanation {
     let policy = Policy::new(config);
     match target {
         ExplainTarget::Tcp { host, port, .. } => {
@@ -91,9 +137,41 @@ pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) ->
                     return x;
                 }
             };
+            let rule = outcome.verdict.rule.clone();
+            let allowed = outcome.verdict.is_allow();
             let mut x = explanation(client, "tcp", host, Some(*port), outcome.verdict, &policy);
             x.dial = outcome.dial;
             x.detail = outcome.detail;
+            if let (true, Some(rule), Some((method, path)), Host::Name(name)) =
+                (allowed, rule, request, host)
+            {
+                if policy.intercept_rules(&org, &rule).is_some() {
+                    let v = policy.decide_request(&org, &rule, method, path);
+                    let credentials = config
+                        .orgs
+                        .get(org.index)
+                        .map(|o| {
+                            o.credentials
+                                .iter()
+                                .filter(|c| c.applies(name, method, path))
+                                .map(|c| c.id.clone())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    x.request = Some(RequestExplanation {
+                        method: method.to_string(),
+                        path: path.to_string(),
+                        decision: v.reason.decision(),
+                        reason: v.reason,
+                        rule: v.rule.as_ref().map(|r| r.to_string()),
+                        credentials: if v.is_allow() {
+                            credentials
+                        } else {
+                            Vec::new()
+                        },
+                    });
+                }
+            }
             x
         }
         ExplainTarget::Dns { name, qtype } => {
@@ -145,6 +223,15 @@ impl std::fmt::Display for Explanation {
         }
         if let Some(d) = &self.detail {
             writeln!(f, "detail:   {d}")?;
+        }
+        if let Some(r) = &self.request {
+            writeln!(f, "intercepted request: {} {}", r.method, r.path)?;
+            writeln!(f, "  decision: {}", r.decision)?;
+            writeln!(f, "  reason:   {}", r.reason)?;
+            writeln!(f, "  rule:     {}", r.rule.as_deref().unwrap_or("(none)"))?;
+            if !r.credentials.is_empty() {
+                writeln!(f, "  adds credential: {}", r.credentials.join(", "))?;
+            }
         }
         write!(f, "policy:   {}", self.policy)
     }

@@ -30,6 +30,7 @@ pub mod evidence;
 pub mod explain;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod intercept;
 pub mod metrics;
 pub mod policy;
 pub mod probe;

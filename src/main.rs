@@ -44,6 +44,15 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// For an https:// target on an intercepted host: the request method
+        /// to decide (with the target's path).
+        #[arg(long)]
+        method: Option<String>,
+    },
+    /// Per-org interception CAs.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
     },
     /// Re-decide every recorded decision under a candidate policy and print
     /// the flows that would flip.
@@ -131,6 +140,18 @@ enum TokenCommand {
 }
 
 #[derive(Subcommand)]
+enum CaCommand {
+    /// Print an org's interception CA certificate (PEM), creating the CA if
+    /// it does not exist yet: install it in the sandbox's trust store.
+    Export {
+        #[arg(short, long, default_value = "config/palisade.toml")]
+        config: PathBuf,
+        #[arg(long)]
+        org: String,
+    },
+}
+
+#[derive(Subcommand)]
 enum EvidenceCommand {
     /// Check an evidence file or directory end to end: hashes, sequence,
     /// segment links, checkpoint signatures and a sealed end.
@@ -205,12 +226,16 @@ fn main() -> ExitCode {
             client,
             target,
             json,
-        } => explain(config, client, &target, json),
+            method,
+        } => explain(config, client, &target, json, method),
         Command::Replay {
             evidence,
             config,
             json,
         } => replay(evidence, config, json),
+        Command::Ca {
+            command: CaCommand::Export { config, org },
+        } => ca_export(config, &org),
         Command::Evidence { command } => match command {
             EvidenceCommand::Verify {
                 path,
@@ -362,8 +387,35 @@ fn check(path: PathBuf) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-fn explain(path: PathBuf, client: IpAddr, target: &str, json: bool) -> ExitCode {
-    let target = match parse_explain_target(target) {
+fn ca_export(path: PathBuf, org: &str) -> ExitCode {
+    let config = match load(&path) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if !config.orgs.iter().any(|o| o.name == org) {
+        eprintln!("palisade: no org {org:?} in {}", path.display());
+        return ExitCode::from(1);
+    }
+    match palisade::intercept::ca::OrgCa::load_or_create(&config.intercept.ca_dir, org) {
+        Ok(ca) => {
+            print!("{}", ca.cert_pem);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("palisade: org {org}: CA: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn explain(
+    path: PathBuf,
+    client: IpAddr,
+    target_text: &str,
+    json: bool,
+    method: Option<String>,
+) -> ExitCode {
+    let target = match parse_explain_target(target_text) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("palisade: bad target: {e}");
@@ -374,7 +426,16 @@ fn explain(path: PathBuf, client: IpAddr, target: &str, json: bool) -> ExitCode 
         Ok(c) => c,
         Err(code) => return code,
     };
-    let x = runtime().block_on(palisade::explain::explain(&config, client, &target));
+    let req_path = palisade::explain::target_path(target_text);
+    let method = method.map(|m| m.to_ascii_uppercase());
+    let request = match (&method, &req_path) {
+        (Some(m), Some(p)) => Some((m.as_str(), p.as_str())),
+        (None, Some(p)) => Some(("GET", p.as_str())),
+        _ => None,
+    };
+    let x = runtime().block_on(palisade::explain::explain_request(
+        &config, client, &target, request,
+    ));
     if json {
         match serde_json::to_string_pretty(&x) {
             Ok(s) => println!("{s}"),

@@ -42,6 +42,16 @@ pub struct Metrics {
     pub would_deny_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     pub ready: prometheus::IntGauge,
+    /// Requests decided inside intercepted connections, by org, decision and reason.
+    pub intercepted_requests_total: IntCounterVec,
+    /// Time from an intercepted request's arrival to its response head, by org.
+    pub intercepted_request_duration_seconds: HistogramVec,
+    /// Minted-certificate cache lookups and evictions (result: hit, miss, evict).
+    pub intercept_cert_cache_total: IntCounterVec,
+    /// Minted certificates held.
+    pub intercept_cert_cache_entries: IntGauge,
+    /// Upstream TLS handshakes of intercepted connections that failed, by org.
+    pub upstream_tls_errors_total: IntCounterVec,
 }
 
 /// Latency buckets from 100 µs to 5 s.
@@ -140,6 +150,33 @@ fn build() -> Result<Metrics, prometheus::Error> {
             "palisade_ready",
             "1 while every listener is bound and evidence is writable (what /readyz reports).",
         )?,
+        intercepted_requests_total: counter_vec(
+            "palisade_intercepted_requests_total",
+            "Requests decided inside intercepted TLS connections, by org, decision and reason.",
+            &["org", "decision", "reason"],
+        )?,
+        intercepted_request_duration_seconds: HistogramVec::new(
+            HistogramOpts::new(
+                "palisade_intercepted_request_duration_seconds",
+                "Intercepted request: arrival to upstream response head, by org.",
+            )
+            .buckets(latency_buckets()),
+            &["org"],
+        )?,
+        intercept_cert_cache_total: counter_vec(
+            "palisade_intercept_cert_cache_total",
+            "Minted-certificate cache: lookups (hit, miss) and evictions (evict).",
+            &["result"],
+        )?,
+        intercept_cert_cache_entries: IntGauge::new(
+            "palisade_intercept_cert_cache_entries",
+            "Minted certificates held in the cache.",
+        )?,
+        upstream_tls_errors_total: counter_vec(
+            "palisade_upstream_tls_errors_total",
+            "Failed upstream TLS handshakes of intercepted connections, by org.",
+            &["org"],
+        )?,
         registry,
     };
     let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
@@ -158,6 +195,11 @@ fn build() -> Result<Metrics, prometheus::Error> {
         Box::new(m.resolve_duration_seconds.clone()),
         Box::new(m.ready.clone()),
         Box::new(m.would_deny_total.clone()),
+        Box::new(m.intercepted_requests_total.clone()),
+        Box::new(m.intercepted_request_duration_seconds.clone()),
+        Box::new(m.intercept_cert_cache_total.clone()),
+        Box::new(m.intercept_cert_cache_entries.clone()),
+        Box::new(m.upstream_tls_errors_total.clone()),
         // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
         Box::new(prometheus::process_collector::ProcessCollector::for_self()),
     ];
@@ -170,6 +212,9 @@ fn build() -> Result<Metrics, prometheus::Error> {
     }
     for kind in ["timeout", "refused", "unreachable", "other", "no_address"] {
         m.upstream_connect_errors_total.with_label_values(&[kind]);
+    }
+    for result in ["hit", "miss", "evict"] {
+        m.intercept_cert_cache_total.with_label_values(&[result]);
     }
     Ok(m)
 }

@@ -122,6 +122,15 @@ pub struct Record {
     pub answers: Option<Vec<String>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub upstream: Option<bool>,
+    /// Intercepted connections: `true` on the connection's `tcp` records.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intercepted: Option<bool>,
+    /// Intercepted requests: the response status (close records) and the
+    /// id of the credential Palisade added (never its value).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub credential: Option<String>,
 }
 
 impl Record {
@@ -161,6 +170,9 @@ impl Record {
             qtype: None,
             answers: None,
             upstream: None,
+            intercepted: None,
+            status: None,
+            credential: None,
         }
     }
 

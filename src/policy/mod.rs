@@ -72,7 +72,9 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, Identity, OrgConfig, PortSet, RuleConfig, RuleTarget, TokenDigest};
+use crate::config::{
+    Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
+};
 use crate::proto::target::{embedded_ipv4, Host};
 
 /// Why a connection or query was allowed or denied. Stable, snake_case.
@@ -105,10 +107,17 @@ pub enum Reason {
     /// Credentials that do not name an org holding that token (from that
     /// address, for `address+token`).
     AuthFailed,
+    /// Intercepted request: the rule's `methods`/`deny_methods` refuse the method.
+    MethodNotAllowed,
+    /// Intercepted request: the rule's `paths`/`deny_paths` refuse the path.
+    PathNotAllowed,
+    /// Intercepted connection: the upstream's certificate did not verify
+    /// (or its TLS handshake failed). Never downgraded to pass-through.
+    UpstreamTlsError,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 17] = [
+    pub const ALL: [Reason; 20] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -126,6 +135,9 @@ impl Reason {
         Reason::QtypeNotAllowed,
         Reason::AuthRequired,
         Reason::AuthFailed,
+        Reason::MethodNotAllowed,
+        Reason::PathNotAllowed,
+        Reason::UpstreamTlsError,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -147,6 +159,9 @@ impl Reason {
             Reason::QtypeNotAllowed => "qtype_not_allowed",
             Reason::AuthRequired => "auth_required",
             Reason::AuthFailed => "auth_failed",
+            Reason::MethodNotAllowed => "method_not_allowed",
+            Reason::PathNotAllowed => "path_not_allowed",
+            Reason::UpstreamTlsError => "upstream_tls_error",
         }
     }
 
@@ -260,6 +275,8 @@ pub struct AddressVerdict {
 struct Rule {
     id: Arc<str>,
     ports: PortSet,
+    /// Request rules of an intercepting allow rule.
+    intercept: Option<Arc<RequestRules>>,
 }
 
 /// Rule indices by the name or name suffix they match.
@@ -468,6 +485,7 @@ impl Policy {
                     list.push(Rule {
                         id: Arc::from(r.id.as_str()),
                         ports: r.ports.clone(),
+                        intercept: r.intercept.clone().map(Arc::new),
                     });
                     match &r.target {
                         RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
@@ -869,6 +887,55 @@ fn accepts_from(org: &Org, client: IpAddr) -> bool {
         Identity::Address => false,
         Identity::Token => true,
         Identity::AddressToken => org.networks.iter().any(|n| n.contains(&client)),
+    }
+}
+
+impl Policy {
+    /// The request rules of the allow rule `rule` of `org`, when that rule
+    /// intercepts. `None`: pass the connection through untouched.
+    pub fn intercept_rules(&self, org: &OrgRef, rule: &str) -> Option<Arc<RequestRules>> {
+        let o = self.orgs.get(org.index)?;
+        o.allow
+            .iter()
+            .find(|r| &*r.id == rule)
+            .and_then(|r| r.intercept.clone())
+    }
+
+    /// Decide one request inside a connection that allow rule `rule`
+    /// intercepts. `path` is the request path without the query, already
+    /// checked for dot segments and escapes by the caller.
+    ///
+    /// | # | condition | decision | reason |
+    /// |---|---|---|---|
+    /// | R1 | the rule does not (or no longer) intercept | deny | `no_matching_rule` |
+    /// | R2 | the method is in `deny_methods` | deny | `method_not_allowed` |
+    /// | R3 | a `deny_paths` pattern matches | deny | `path_not_allowed` |
+    /// | R4 | `methods` is set and lacks the method | deny | `method_not_allowed` |
+    /// | R5 | `paths` is set and none matches | deny | `path_not_allowed` |
+    /// | R6 | otherwise | allow | `rule_match` |
+    pub fn decide_request(&self, org: &OrgRef, rule: &str, method: &str, path: &str) -> Verdict {
+        let verdict = |reason| Verdict {
+            org: Some(org.clone()),
+            reason,
+            rule: Some(Arc::from(rule)),
+            would_deny: None,
+        };
+        let Some(r) = self.intercept_rules(org, rule) else {
+            return Verdict::deny(org, Reason::NoMatchingRule, None);
+        };
+        if r.deny_methods.iter().any(|m| m == method) {
+            return verdict(Reason::MethodNotAllowed);
+        }
+        if r.deny_paths.iter().any(|p| p.matches(path)) {
+            return verdict(Reason::PathNotAllowed);
+        }
+        if !r.methods.is_empty() && !r.methods.iter().any(|m| m == method) {
+            return verdict(Reason::MethodNotAllowed);
+        }
+        if !r.paths.is_empty() && !r.paths.iter().any(|p| p.matches(path)) {
+            return verdict(Reason::PathNotAllowed);
+        }
+        verdict(Reason::RuleMatch)
     }
 }
 

@@ -241,6 +241,7 @@ fn name_rules_never_allow_ip_literals() {
         id: "x".into(),
         target: config::RuleTarget::Exact("198.18.9.9".into()),
         ports: config::PortSet::All,
+        intercept: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -255,6 +256,7 @@ fn own_listeners_are_never_dialled() {
         id: "all".into(),
         target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
         ports: config::PortSet::All,
+        intercept: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
@@ -503,4 +505,49 @@ tokens = ["{}"]
     }
     // Without token orgs, an unknown address stays unknown_client (I3).
     assert_eq!(policy().org_for_identity(elsewhere, None), Ok(None));
+}
+
+#[test]
+fn request_rules_of_an_intercepting_rule() {
+    let src = r#"
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+
+[[org.allow]]
+id = "pypi"
+host = "pypi.example.org"
+intercept = true
+methods = ["GET", "HEAD"]
+paths = ["/simple/", "/packages/*.whl"]
+deny_paths = ["/simple/private*"]
+
+[[org.allow]]
+id = "plain"
+host = "plain.example.org"
+"#;
+    let c = config::from_str(src, Path::new("p.toml")).unwrap();
+    let p = Policy::new(&c);
+    let org = p.org_for("198.19.1.5".parse().unwrap()).unwrap();
+    let r = |rule: &str, m: &str, path: &str| p.decide_request(&org, rule, m, path).reason;
+    assert!(p.intercept_rules(&org, "pypi").is_some());
+    assert!(p.intercept_rules(&org, "plain").is_none());
+    assert_eq!(r("pypi", "GET", "/simple/requests/"), Reason::RuleMatch);
+    assert_eq!(
+        r("pypi", "HEAD", "/packages/a/b/x-1.0.whl"),
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        r("pypi", "GET", "/packages/x-1.0.tar.gz"),
+        Reason::PathNotAllowed
+    );
+    assert_eq!(r("pypi", "POST", "/simple/"), Reason::MethodNotAllowed);
+    assert_eq!(
+        r("pypi", "GET", "/simple/private/x"),
+        Reason::PathNotAllowed
+    );
+    assert_eq!(r("pypi", "GET", "/"), Reason::PathNotAllowed);
+    assert_eq!(r("plain", "GET", "/"), Reason::NoMatchingRule);
+    let v = p.decide_request(&org, "pypi", "POST", "/simple/");
+    assert_eq!(v.rule.as_deref(), Some("pypi"));
 }

@@ -26,9 +26,9 @@ pub struct Opened {
     pub upstream: TcpStream,
     pub host: Host,
     pub record: Record,
-    /// The client's org only reports: an SNI/Host mismatch is let through
-    /// and recorded as `would_deny`.
-    pub report: bool,
+    /// The view the connection was decided under (report mode, and the
+    /// rules an intercepted connection's requests are decided by).
+    pub view: View,
 }
 
 /// Why no tunnel was opened; the record is written.
@@ -108,7 +108,7 @@ pub async fn open(
                 upstream,
                 host,
                 record,
-                report: view.is_report(),
+                view: view.clone(),
             })
         }
         Err(error) => {
@@ -161,14 +161,15 @@ pub async fn record_dial_failure(ctx: &Ctx, record: &mut Record, err: &DialError
 /// that sent data before the reply); they are detected and replayed too.
 pub async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
 where
-    C: AsyncRead + AsyncWrite + Unpin,
+    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let Opened {
         upstream,
         host,
         mut record,
-        report,
+        view,
     } = opened;
+    let report = view.is_report();
     let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
         record.reason = Reason::LimitExceeded;
         record.decision = Reason::LimitExceeded.decision();
@@ -219,7 +220,17 @@ where
         }
         None => {}
     }
-    if !ctx.write(&mut record).await || detected == Detected::Closed {
+    // Opt-in TLS interception (src/intercept): only for an allow rule with
+    // `intercept = true`; a non-TLS tunnel to such a host is refused.
+    let plan = crate::intercept::plan(ctx.intercept.as_deref(), &view, &mut record, &detected);
+    if !ctx.write(&mut record).await || detected == Detected::Closed || !record.reason.is_allow() {
+        return;
+    }
+    if plan == crate::intercept::Plan::Intercept {
+        let mode = record.mode;
+        if let Some(s) = crate::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
+            crate::intercept::serve::serve(s, client, first, upstream).await;
+        }
         return;
     }
     let started = Instant::now();

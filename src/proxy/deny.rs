@@ -10,7 +10,7 @@ use crate::policy::Reason;
 pub fn status(reason: Reason) -> StatusCode {
     match reason {
         Reason::BadRequest => StatusCode::BAD_REQUEST,
-        Reason::ResolutionFailed => StatusCode::BAD_GATEWAY,
+        Reason::ResolutionFailed | Reason::UpstreamTlsError => StatusCode::BAD_GATEWAY,
         Reason::EvidenceUnavailable | Reason::LimitExceeded => StatusCode::SERVICE_UNAVAILABLE,
         Reason::AuthRequired | Reason::AuthFailed => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
         _ => StatusCode::FORBIDDEN,
@@ -23,6 +23,7 @@ pub fn proxy_error(reason: Reason) -> &'static str {
         Reason::DeniedAddress => "destination_ip_prohibited",
         Reason::BadRequest => "http_request_error",
         Reason::ResolutionFailed => "dns_error",
+        Reason::UpstreamTlsError => "tls_certificate_error",
         Reason::EvidenceUnavailable => "proxy_internal_error",
         Reason::LimitExceeded => "connection_limit_reached",
         _ => "http_request_denied",

@@ -23,6 +23,7 @@ use super::connect::{self, Refused};
 use super::limits::Permit;
 use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
+use crate::intercept;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -431,7 +432,7 @@ const HOP_BY_HOP: [&str; 9] = [
     "upgrade",
 ];
 
-fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -553,6 +554,22 @@ async fn forward(
             &verdict,
             (Some(&host), Some(port)),
             detail.as_deref(),
+        )
+        .await;
+    }
+    // An intercepting rule's method and path rules bind plain http:// too
+    // (credentials are never added to plain HTTP).
+    if let Some((verdict, detail)) =
+        intercept::plain_request(view, &verdict, req.method(), req.uri())
+    {
+        return reject(
+            &ctx,
+            view,
+            Kind::Http,
+            peer,
+            &verdict,
+            (Some(&host), Some(port)),
+            Some(&detail),
         )
         .await;
     }

@@ -48,6 +48,8 @@ pub struct Ctx {
     pub resolver: Arc<Resolver>,
     /// The DNS shim's bindings, when it runs.
     pub bindings: Option<Arc<dyn NameBindings>>,
+    /// TLS interception, when some org's rule intercepts.
+    pub intercept: Option<Arc<crate::intercept::Interceptor>>,
     pub limits: Limits,
     pub conns: ConnLimits,
     /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:

@@ -21,6 +21,7 @@ use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
 use super::{decide_with, dial, Ctx, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
+use crate::intercept::{self, serve::Session};
 use crate::policy::{canonical, Decision, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -178,8 +179,16 @@ async fn handle(
             return reset(client);
         }
     };
-    if !ctx.write(&mut record).await {
+    // Opt-in TLS interception (src/intercept), as in explicit mode.
+    let plan = intercept::plan(ctx.intercept.as_deref(), view, &mut record, &detected);
+    if !ctx.write(&mut record).await || !record.reason.is_allow() {
         return reset(client);
+    }
+    if plan == intercept::Plan::Intercept {
+        if let Some(s) = Session::new(ctx.clone(), view.clone(), Mode::Transparent, record) {
+            intercept::serve::serve(s, client, first, upstream).await;
+        }
+        return;
     }
     pump(&ctx, client, upstream, &first, &record).await;
 }

@@ -52,6 +52,9 @@ pub const WILD_APEX_IP: &str = "198.18.2.14";
 pub const UNLISTED_IP: &str = "198.18.2.20";
 /// A web host allowed by a cidr rule.
 pub const CIDR_IP: &str = "198.18.2.30";
+/// `untrusted.test`: an HTTPS upstream whose certificate comes from a CA no
+/// one trusts (see [`LabBuilder::untrusted_upstream`]).
+pub const UNTRUSTED_IP: &str = "198.18.2.21";
 /// Every web host also serves a server-speaks-first protocol on this port:
 /// it sends [`BANNER`] on accept, then echoes what it receives (30 s idle).
 pub const BANNER_PORT: u16 = 2222;
@@ -80,6 +83,7 @@ const DNS_RECORDS: &[(&str, &str)] = &[
     ("mixed.test", ALLOWED_IP),
     // bücher.test in its ASCII (punycode) form.
     ("xn--bcher-kva.test", ALLOWED_IP),
+    ("untrusted.test", UNTRUSTED_IP),
     // nx.test (and every other name) -> NXDOMAIN
 ];
 
@@ -466,9 +470,22 @@ pub struct LabBuilder {
     second_client: bool,
     evidence_lines: String,
     evidence_tmpfs: Option<String>,
+    intercept_lines: String,
+    untrusted_upstream: bool,
 }
 
 impl LabBuilder {
+    /// Lines for the `[intercept]` table (e.g. `ca_dir = "..."`).
+    pub fn intercept_config(mut self, lines: &str) -> Self {
+        self.intercept_lines = lines.to_owned();
+        self
+    }
+    /// Serve `untrusted.test` ([`UNTRUSTED_IP`], HTTPS on 443) with a
+    /// certificate from a CA nobody trusts; its log is `untrusted.log`.
+    pub fn untrusted_upstream(mut self) -> Self {
+        self.untrusted_upstream = true;
+        self
+    }
     pub fn policy(mut self, policy: &str) -> Self {
         self.policy = policy.to_owned();
         self
@@ -550,6 +567,8 @@ impl Lab {
             second_client: false,
             evidence_lines: String::new(),
             evidence_tmpfs: None,
+            intercept_lines: String::new(),
+            untrusted_upstream: false,
         }
     }
 
@@ -595,6 +614,9 @@ impl Lab {
             lab.build_network();
         }
         lab.start_fixtures(&certs);
+        if b.untrusted_upstream {
+            lab.start_untrusted_upstream(&certs);
+        }
         let cfg = lab.config_toml(&b);
         fs::write(&lab.config_path, cfg).expect("write config");
         if b.start_proxy {
@@ -730,6 +752,45 @@ impl Lab {
         }
     }
 
+    fn start_untrusted_upstream(&mut self, certs: &Path) {
+        let ns_u = self.ns_upstream.clone();
+        ip(&[
+            "-n",
+            &ns_u,
+            "addr",
+            "add",
+            &format!("{UNTRUSTED_IP}/32"),
+            "dev",
+            "u1",
+        ]);
+        let args: Vec<String> = vec![
+            fixtures_dir().join("upstream.py").display().to_string(),
+            "--addr".into(),
+            UNTRUSTED_IP.into(),
+            "--cert".into(),
+            certs.join("rogue.pem").display().to_string(),
+            "--key".into(),
+            certs.join("rogue.key").display().to_string(),
+            "--log".into(),
+            self.dir.join("untrusted.log").display().to_string(),
+            "--ready".into(),
+            self.dir.join("untrusted.ready").display().to_string(),
+        ];
+        self.spawn_fixture("untrusted", &ns_u, &args);
+        let ready = self.dir.join("untrusted.ready");
+        let logs = [
+            self.dir.join("untrusted.stdout"),
+            self.dir.join("untrusted.stderr"),
+        ];
+        let child = &mut self
+            .fixtures
+            .iter_mut()
+            .find(|(n, _)| n == "untrusted")
+            .expect("fixture")
+            .1;
+        wait_for_file(&ready, child, "untrusted", &logs);
+    }
+
     fn spawn_fixture(&mut self, name: &str, ns: &str, args: &[String]) {
         let stdout = fs::File::create(self.dir.join(format!("{name}.stdout"))).unwrap();
         let stderr = fs::File::create(self.dir.join(format!("{name}.stderr"))).unwrap();
@@ -750,9 +811,14 @@ impl Lab {
         let listen: Vec<String> = b.proxy_listen.iter().map(|a| format!("{a:?}")).collect();
         let options: String = b.proxy_options.iter().map(|l| format!("{l}\n")).collect();
         let dns_listen: Vec<String> = b.dns_listen.iter().map(|a| format!("{a:?}")).collect();
+        let intercept = if b.intercept_lines.is_empty() {
+            String::new()
+        } else {
+            format!("[intercept]\n{}\n", b.intercept_lines)
+        };
         format!(
             "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = [{}]\nupstream = [\"{DNS_IP}:53\"]\n{}\n\
-             [admin]\nlisten = {:?}\n\n[evidence]\ndir = {:?}\n{}\n{}\n",
+             [admin]\nlisten = {:?}\n\n{intercept}[evidence]\ndir = {:?}\n{}\n{}\n",
             listen.join(", "),
             dns_listen.join(", "),
             b.dns_extra,

@@ -12,6 +12,7 @@ mod cli;
 mod dns;
 mod evidence;
 mod infra;
+mod intercept;
 mod lab;
 mod lifecycle;
 mod metrics;

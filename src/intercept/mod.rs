@@ -1,0 +1,286 @@
+//! Opt-in TLS interception, per org and per host.
+//!
+//! An allow rule with `intercept = true` makes Palisade terminate the
+//! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
+//! originate its own verified TLS to the upstream, and decide every HTTP
+//! request inside on its own ([`serve`]): Host/`:authority` must be the SNI,
+//! the rule's method and path rules apply ([`crate::policy::Policy::decide_request`]),
+//! and the org's credentials ([`secret`]) are added to matching requests.
+//! Every other connection passes through untouched.
+
+pub mod ca;
+pub mod secret;
+pub mod serve;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::CertificateDer;
+
+use crate::config::{Config, CredentialConfig};
+use crate::evidence::Record;
+use crate::policy::Reason;
+use crate::proxy::tunnel::Detected;
+use crate::proxy::View;
+
+use self::ca::{CaError, LeafCache, OrgCa};
+use self::secret::{Secret, SecretError};
+
+/// A credential with its secret, ready to be added to requests.
+#[derive(Debug)]
+pub struct Credential {
+    pub config: CredentialConfig,
+    secret: Secret,
+}
+
+impl Credential {
+    /// The header value to send (prefix + secret), marked sensitive.
+    pub fn value(&self) -> Option<http::HeaderValue> {
+        self.secret.header_value(&self.config.prefix)
+    }
+}
+
+/// Why interception could not be set up at start.
+#[derive(Debug, thiserror::Error)]
+pub enum InterceptError {
+    #[error("org {org}: CA: {source}")]
+    Ca { org: String, source: CaError },
+    #[error("{0}")]
+    Secret(#[from] SecretError),
+    #[error("upstream_ca {path}: {why}")]
+    Roots { path: String, why: String },
+    #[error("tls: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// Everything interception needs, built once at start.
+pub struct Interceptor {
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    cas: HashMap<String, OrgCa>,
+    cache: Mutex<LeafCache>,
+    /// Upstream TLS: verified against `[intercept] upstream_ca`.
+    pub upstream: Arc<ClientConfig>,
+    credentials: HashMap<String, Vec<Arc<Credential>>>,
+    pub handshake_timeout: std::time::Duration,
+}
+
+impl std::fmt::Debug for Interceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interceptor")
+            .field("orgs", &self.cas.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The ring provider, the only one built in.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Trust anchors from a PEM bundle.
+pub fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptError> {
+    use rustls_pki_types::pem::PemObject;
+    let err = |why: String| InterceptError::Roots {
+        path: path.display().to_string(),
+        why,
+    };
+    let mut roots = RootCertStore::empty();
+    let iter = CertificateDer::pem_file_iter(path).map_err(|e| err(e.to_string()))?;
+    for cert in iter {
+        let cert = cert.map_err(|e| err(e.to_string()))?;
+        // Bundles carry the odd certificate webpki cannot use; skip those.
+        let _ = roots.add(cert);
+    }
+    if roots.is_empty() {
+        return Err(err("no usable certificate in the bundle".into()));
+    }
+    Ok(roots)
+}
+
+impl Interceptor {
+    /// Build from the config; `None` when no org intercepts anything.
+    pub fn new(config: &Config) -> Result<Option<Interceptor>, InterceptError> {
+        if !config.orgs.iter().any(|o| o.intercepts()) {
+            return Ok(None);
+        }
+        let provider = provider();
+        let mut cas = HashMap::new();
+        let mut credentials: HashMap<String, Vec<Arc<Credential>>> = HashMap::new();
+        for org in config.orgs.iter().filter(|o| o.intercepts()) {
+            let ca =
+                OrgCa::load_or_create(&config.intercept.ca_dir, &org.name).map_err(|source| {
+                    InterceptError::Ca {
+                        org: org.name.clone(),
+                        source,
+                    }
+                })?;
+            cas.insert(org.name.clone(), ca);
+            for c in &org.credentials {
+                let secret = Secret::load(c)?;
+                credentials
+                    .entry(org.name.clone())
+                    .or_default()
+                    .push(Arc::new(Credential {
+                        config: c.clone(),
+                        secret,
+                    }));
+            }
+        }
+        let roots = load_roots(&config.intercept.upstream_ca)?;
+        let mut upstream = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        upstream.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Some(Interceptor {
+            provider,
+            cas,
+            cache: Mutex::new(LeafCache::new(config.intercept.cert_cache)),
+            upstream: Arc::new(upstream),
+            credentials,
+            handshake_timeout: config.intercept.handshake_timeout,
+        }))
+    }
+
+    /// The TLS server config presenting a leaf for `name` from `org`'s CA,
+    /// from the cache or freshly minted.
+    pub fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
+        let m = crate::metrics::metrics();
+        let now = Instant::now();
+        if let Some(c) = self.lock_cache().get(org, name, now) {
+            m.intercept_cert_cache_total
+                .with_label_values(&["hit"])
+                .inc();
+            return Some(c);
+        }
+        m.intercept_cert_cache_total
+            .with_label_values(&["miss"])
+            .inc();
+        let ca = self.cas.get(&**org)?;
+        let config = match ca.server_config(name, &self.provider) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot mint a leaf certificate");
+                return None;
+            }
+        };
+        let mut cache = self.lock_cache();
+        let evicted = cache.insert(org.clone(), name.to_string(), config.clone(), now);
+        m.intercept_cert_cache_total
+            .with_label_values(&["evict"])
+            .inc_by(evicted as u64);
+        m.intercept_cert_cache_entries.set(cache.len() as i64);
+        Some(config)
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, LeafCache> {
+        // A panic while holding the lock cannot leave the map inconsistent
+        // in a way that matters (worst case: a missing entry).
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The org's credentials that apply to this request, in file order.
+    pub fn credentials_for(
+        &self,
+        org: &str,
+        host: &str,
+        method: &str,
+        path: &str,
+    ) -> Vec<Arc<Credential>> {
+        self.credentials
+            .get(org)
+            .into_iter()
+            .flatten()
+            .filter(|c| c.config.applies(host, method, path))
+            .cloned()
+            .collect()
+    }
+}
+
+/// What to do with an allowed tunnel once its first bytes are known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    /// Not intercepted: copy bytes untouched.
+    PassThrough,
+    /// Terminate TLS and decide each request.
+    Intercept,
+    /// The rule intercepts but this connection cannot be: deny, fail closed.
+    Refuse(&'static str),
+}
+
+/// Decide pass-through or interception for an allowed connection whose
+/// decision record is `record`, and mark the record accordingly (a refusal
+/// turns it into a `bad_request` deny). Only an allow rule the org marked
+/// `intercept = true` is ever intercepted.
+pub fn plan(
+    intercept: Option<&Interceptor>,
+    view: &View,
+    record: &mut Record,
+    detected: &Detected,
+) -> Plan {
+    let plan = plan_for(intercept, view, record, detected);
+    match plan {
+        Plan::Intercept => record.intercepted = Some(true),
+        Plan::Refuse(why) => {
+            record.reason = Reason::BadRequest;
+            record.decision = Reason::BadRequest.decision();
+            record.rule = None;
+            record.detail = Some(why.to_string());
+        }
+        Plan::PassThrough => {}
+    }
+    plan
+}
+
+fn plan_for(
+    intercept: Option<&Interceptor>,
+    view: &View,
+    record: &Record,
+    detected: &Detected,
+) -> Plan {
+    let (Some(org), Some(rule)) = (&view.org, &record.rule) else {
+        return Plan::PassThrough;
+    };
+    if !record.reason.is_allow() || view.policy.intercept_rules(org, rule).is_none() {
+        return Plan::PassThrough;
+    }
+    match (detected, intercept) {
+        (Detected::Tls(_), Some(_)) => Plan::Intercept,
+        (Detected::Tls(_), None) => Plan::Refuse("interception is not set up"),
+        (Detected::Closed, _) => Plan::PassThrough,
+        _ => Plan::Refuse("the host is intercepted: the connection must carry TLS"),
+    }
+}
+
+/// For a plain `http://` request allowed by an intercepting rule: the
+/// refusal, if its method or path rules refuse it (the same decision as
+/// inside an intercepted connection).
+pub fn plain_request(
+    view: &View,
+    verdict: &crate::policy::Verdict,
+    method: &http::Method,
+    uri: &http::Uri,
+) -> Option<(crate::policy::Verdict, String)> {
+    let (Some(org), Some(rule)) = (&view.org, &verdict.rule) else {
+        return None;
+    };
+    let rules = view.policy.intercept_rules(org, rule)?;
+    let path = uri.path();
+    if !rules.paths.is_empty() || !rules.deny_paths.is_empty() {
+        if let Err(why) = serve::check_path(path) {
+            return Some((
+                crate::policy::Verdict {
+                    org: Some(org.clone()),
+                    reason: Reason::BadRequest,
+                    rule: None,
+                    would_deny: None,
+                },
+                why.to_string(),
+            ));
+        }
+    }
+    let v = view.policy.decide_request(org, rule, method.as_str(), path);
+    (!v.is_allow()).then(|| (v, format!("{method} {path} refused by rule {rule}")))
+}

@@ -1,0 +1,417 @@
+//! Opt-in TLS interception: real curl, trusting the org CA exported with
+//! `palisade ca export`, through an intercepted host; request rules,
+//! HTTP/2, Host vs SNI, credential injection, upstream verification, and a
+//! non-intercepted host passing through untouched.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use crate::lab::{
+    self, ca_pem, dump, palisade_bin, read_jsonl, run_with_timeout, scratch_dir, HttpResp, Lab,
+    CMD_TIMEOUT, PROXY_URL,
+};
+use crate::record_id;
+
+/// The secret Palisade adds; it must never show up in evidence or logs.
+const SECRET: &str = "s3cr3t-tok-8c1f2a9e77";
+
+fn policy(secret_file: &Path) -> String {
+    format!(
+        r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+id = "registry"
+host = "allowed.test"
+ports = [443]
+intercept = true
+methods = ["GET", "HEAD", "POST"]
+deny_paths = ["/upload"]
+
+[[org.allow]]
+id = "untrusted"
+host = "untrusted.test"
+ports = [443]
+intercept = true
+
+[[org.allow]]
+id = "plain"
+host = "*.wild.test"
+ports = [443]
+
+[[org.credential]]
+id = "registry-token"
+host = "allowed.test"
+header = "Authorization"
+prefix = "Bearer "
+secret_file = {secret_file:?}
+"#
+    )
+}
+
+struct Setup {
+    lab: Lab,
+    org_ca: PathBuf,
+}
+
+fn start() -> Setup {
+    let dir = scratch_dir("intercept");
+    let secret = dir.join("registry.token");
+    fs::write(&secret, format!("{SECRET}\n")).unwrap();
+    let ca_dir = dir.join("ca");
+    let lab = Lab::builder()
+        .policy(&policy(&secret))
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}\ncert_cache = 8",
+            ca_dir.display().to_string(),
+            ca_pem().display().to_string()
+        ))
+        .untrusted_upstream()
+        .start();
+    // What an operator runs to build the sandbox image's trust store.
+    let out = run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["ca", "export", "--org", "acme", "-c"])
+            .arg(&lab.config_path),
+        None,
+        CMD_TIMEOUT,
+    );
+    assert!(out.success(), "ca export: {}", out.describe());
+    assert!(
+        out.stdout.starts_with("-----BEGIN CERTIFICATE-----"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(
+        out.stdout,
+        fs::read_to_string(ca_dir.join("acme.pem")).unwrap(),
+        "export prints the CA the running instance created"
+    );
+    let org_ca = dir.join("acme-ca.pem");
+    fs::write(&org_ca, &out.stdout).unwrap();
+    Setup { lab, org_ca }
+}
+
+/// curl through the proxy trusting only `ca`.
+fn curl(lab: &Lab, ca: &Path, url: &str, extra: &[&str]) -> HttpResp {
+    let ca = ca.display().to_string();
+    let mut args: Vec<&str> = vec!["-x", PROXY_URL, "--cacert", &ca];
+    args.extend_from_slice(extra);
+    args.push(url);
+    lab.client_curl(&args)
+}
+
+fn headers_of(v: &serde_json::Value, name: &str) -> Vec<String> {
+    v["headers"]
+        .as_array()
+        .map(|hs| {
+            hs.iter()
+                .filter(|h| h[0] == name)
+                .filter_map(|h| h[1].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn intercepted_requests_are_decided_one_by_one_and_get_the_credential() {
+    let Setup { lab, org_ca } = start();
+
+    // GET, HTTP/1.1: allowed, the upstream answers, the credential is added.
+    let get = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/simple/requests/",
+        &["--http1.1"],
+    );
+    assert_eq!(get.status, 200, "{get:#?}\n{}", lab.proxy_output());
+    assert!(
+        get.body.contains("hello from upstream=198.18.2.10"),
+        "{get:#?}"
+    );
+    let up = lab.wait_upstream("GET /simple/requests/", |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with("GET /simple/requests/ "))
+    });
+    assert_eq!(up["sni"], "allowed.test", "{up}");
+    assert_eq!(
+        headers_of(&up, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "the upstream got the injected header: {up}"
+    );
+    let rec = lab.wait_evidence("http allow GET", |v| {
+        v["kind"] == "http" && v["event"] == "decision" && v["method"] == "GET"
+    });
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    assert_eq!(rec["rule"], "registry", "{rec}");
+    assert_eq!(rec["path"], "/simple/requests/", "{rec}");
+    assert_eq!(rec["credential"], "registry-token", "{rec}");
+    assert_eq!(rec["sni"], "allowed.test", "{rec}");
+    let id = record_id(&rec).unwrap();
+    let close = lab.wait_evidence("http close with status", |v| {
+        v["event"] == "close" && v["conn"] == id.as_str()
+    });
+    assert_eq!(close["status"], 200, "{close}");
+    assert!(close["bytes_down"].as_u64().unwrap_or(0) > 0, "{close}");
+    let tcp = lab.wait_evidence("tcp intercepted", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["intercepted"] == true
+    });
+    assert_eq!(tcp["host"], "allowed.test", "{tcp}");
+
+    // A client-supplied Authorization is replaced, never forwarded.
+    let own = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/own-header",
+        &["-H", "Authorization: Bearer client-own-value"],
+    );
+    assert_eq!(own.status, 200, "{own:#?}");
+    let up = lab.wait_upstream("GET /own-header", |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with("GET /own-header "))
+    });
+    assert_eq!(
+        headers_of(&up, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "{up}"
+    );
+
+    // POST to a denied path: 403 naming the reason, recorded, never sent.
+    let before = lab.upstream_log().len();
+    let post = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/upload/pkg.tar.gz",
+        &["-X", "POST", "--data", "payload"],
+    );
+    let rec = crate::assert_refused(&lab, &post, 403, "path_not_allowed", "POST /upload");
+    assert_eq!(rec["kind"], "http", "{rec}");
+    assert_eq!(rec["method"], "POST", "{rec}");
+    assert_eq!(rec["rule"], "registry", "{rec}");
+    // A method outside `methods`.
+    let del = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/simple/x",
+        &["-X", "DELETE"],
+    );
+    crate::assert_refused(&lab, &del, 403, "method_not_allowed", "DELETE");
+    // Dot segments cannot walk a path rule.
+    let dots = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/simple/%2e%2e/upload",
+        &["--path-as-is"],
+    );
+    crate::assert_refused(&lab, &dots, 400, "bad_request", "dot segments");
+    thread_settle();
+    let after: Vec<_> = lab.upstream_log().into_iter().skip(before).collect();
+    assert!(
+        after.iter().all(|v| v["request_line"]
+            .as_str()
+            .is_none_or(|l| !l.contains("/upload"))),
+        "a denied request reached the upstream: {}",
+        dump(&after)
+    );
+
+    // HTTP/2 with the client, whatever the upstream speaks.
+    let h2 = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/h2",
+        &["--http2", "-w", " %{http_version}"],
+    );
+    assert_eq!(h2.status, 200, "{h2:#?}\n{}", lab.proxy_output());
+    assert!(h2.headers.is_empty() || h2.header("proxy-status").is_none());
+    let v = lab.client_exec(
+        "curl",
+        &[
+            "-q",
+            "-sS",
+            "--max-time",
+            "10",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_version}",
+            "-x",
+            PROXY_URL,
+            "--cacert",
+            &org_ca.display().to_string(),
+            "--http2",
+            "https://allowed.test/h2-version",
+        ],
+    );
+    assert_eq!(v.stdout.trim(), "2", "{}", v.describe());
+    let h2_rec = lab.wait_evidence("http /h2", |v| {
+        v["path"] == "/h2" && v["event"] == "decision"
+    });
+    assert_eq!(h2_rec["decision"], "allow", "{h2_rec}");
+
+    // Host differs from the SNI: denied inside the connection.
+    let mism = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/",
+        &["--http1.1", "-H", "Host: other.test"],
+    );
+    crate::assert_refused(&lab, &mism, 403, "host_mismatch", "Host other.test");
+
+    // The secret is nowhere in evidence, Palisade's logs or metrics.
+    let mut haystack = String::new();
+    for e in fs::read_dir(&lab.evidence_dir).unwrap().flatten() {
+        haystack.push_str(&fs::read_to_string(e.path()).unwrap_or_default());
+    }
+    haystack.push_str(&lab.proxy_output());
+    let metrics = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],
+    );
+    haystack.push_str(&metrics.stdout);
+    assert!(haystack.len() > 1000, "nothing to search");
+    assert!(!haystack.contains(SECRET), "the secret leaked");
+    assert!(
+        metrics
+            .stdout
+            .contains("palisade_intercepted_requests_total{decision=\"deny\",org=\"acme\",reason=\"path_not_allowed\"} 1"),
+        "{}",
+        metrics.stdout
+    );
+    assert!(metrics
+        .stdout
+        .contains("palisade_intercept_cert_cache_total{result=\"hit\"}"));
+
+    // `explain` shows the request-level decision.
+    // (in the proxy namespace, where the lab's resolver is reachable)
+    let config = lab.config_path.display().to_string();
+    let x = lab.proxy_ns_exec(
+        palisade_bin(),
+        &[
+            "explain",
+            "--client",
+            "198.18.1.2",
+            "--method",
+            "POST",
+            "-c",
+            &config,
+            "https://allowed.test/upload/x",
+        ],
+    );
+    assert!(x.success(), "{}", x.describe());
+    assert!(
+        x.stdout.contains("intercepted request: POST /upload/x"),
+        "{}",
+        x.stdout
+    );
+    assert!(x.stdout.contains("path_not_allowed"), "{}", x.stdout);
+}
+
+fn thread_settle() {
+    std::thread::sleep(std::time::Duration::from_millis(300));
+}
+
+#[test]
+fn untrusted_upstream_is_denied_and_unmarked_hosts_pass_through() {
+    let Setup { lab, org_ca } = start();
+
+    // The upstream's certificate does not verify: a deny, never a downgrade.
+    let bad = curl(&lab, &org_ca, "https://untrusted.test/", &[]);
+    crate::assert_refused(&lab, &bad, 502, "upstream_tls_error", "untrusted upstream");
+    let log = read_jsonl(&lab.dir.join("untrusted.log"));
+    assert!(
+        log.iter().all(|v| v["request_line"].is_null()),
+        "a request reached the untrusted upstream: {}",
+        dump(&log)
+    );
+
+    // A host the org did not mark passes through byte for byte: the client
+    // sees the real upstream certificate (from the lab CA, not the org CA).
+    let with_org_ca = curl(&lab, &org_ca, "https://a.wild.test/", &[]);
+    assert_ne!(with_org_ca.exit, Some(0), "{with_org_ca:#?}");
+    let plain = curl(&lab, &ca_pem(), "https://a.wild.test/", &[]);
+    assert_eq!(plain.status, 200, "{plain:#?}");
+    let closes = lab.upstream_settled();
+    // Two tunnels: the refused handshake (org CA) and the good one.
+    crate::lab::wait_until("two pass-through close records", CMD_TIMEOUT, || {
+        lab.evidence()
+            .iter()
+            .filter(|v| v["event"] == "close" && v["host"] == "a.wild.test")
+            .count()
+            >= 2
+    });
+    let tcp_close = lab
+        .evidence()
+        .into_iter()
+        .rfind(|v| v["event"] == "close" && v["host"] == "a.wild.test")
+        .unwrap();
+    assert!(tcp_close["intercepted"].is_null(), "{tcp_close}");
+    let served = closes
+        .iter()
+        .rfind(|c| c["sni"] == "a.wild.test" && c["request_line"].is_string())
+        .unwrap_or_else(|| panic!("{}", dump(&closes)));
+    // The request arrived exactly as curl sent it: nothing added or removed.
+    let names: Vec<&str> = served["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|h| h[0].as_str())
+        .collect();
+    assert_eq!(names, ["host", "user-agent", "accept"], "{served}");
+    // Everything the upstream received came through the tunnel (the client
+    // may still send its close_notify after the upstream logged its count).
+    let got = served["bytes_received"].as_u64().unwrap();
+    let sent = tcp_close["bytes_up"].as_u64().unwrap();
+    assert!(got > 0 && got <= sent, "{served} {tcp_close}");
+}
+
+/// Intercepted vs pass-through, same run: N sequential HTTPS requests
+/// (a fresh curl, TCP and TLS per request) each way. Prints the numbers.
+#[test]
+fn intercept_cost_against_pass_through() {
+    const N: usize = 100;
+    let Setup { lab, org_ca } = start();
+    let run = |ca: &Path, url: &str| -> (Vec<f64>, f64) {
+        let script = format!(
+            "for i in $(seq {N}); do curl -q -s -o /dev/null --max-time 10 -x {PROXY_URL} \
+             --cacert {} -w '%{{http_code}} %{{time_total}}\\n' {url}; done",
+            ca.display()
+        );
+        let started = Instant::now();
+        let out = lab.client_exec("bash", &["-c", &script]);
+        let wall = started.elapsed().as_secs_f64();
+        let mut times = Vec::new();
+        for line in out.stdout.lines() {
+            let (code, t) = line.split_once(' ').unwrap_or(("", ""));
+            assert_eq!(code, "200", "{}", out.describe());
+            times.push(t.parse::<f64>().unwrap_or(f64::NAN));
+        }
+        assert_eq!(times.len(), N, "{}", out.describe());
+        times.sort_by(|a, b| a.total_cmp(b));
+        (times, wall)
+    };
+    let (pass, pass_wall) = run(&ca_pem(), "https://a.wild.test/");
+    let (icpt, icpt_wall) = run(&org_ca, "https://allowed.test/bench");
+    let pct = |v: &[f64], p: f64| v[((v.len() as f64 - 1.0) * p) as usize] * 1000.0;
+    eprintln!(
+        "intercept bench (N={N}, sequential, new connection each):\n  \
+         pass-through: {:.1} req/s, latency p50 {:.2} ms p95 {:.2} ms\n  \
+         intercepted:  {:.1} req/s, latency p50 {:.2} ms p95 {:.2} ms\n  \
+         ratio (intercepted/pass-through): throughput {:.2}, p50 latency {:.2}",
+        N as f64 / pass_wall,
+        pct(&pass, 0.5),
+        pct(&pass, 0.95),
+        N as f64 / icpt_wall,
+        pct(&icpt, 0.5),
+        pct(&icpt, 0.95),
+        pass_wall / icpt_wall,
+        pct(&icpt, 0.5) / pct(&pass, 0.5),
+    );
+}
