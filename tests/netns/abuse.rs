@@ -114,6 +114,7 @@ fn abuse_from_one_org_leaves_the_proxy_serving_others() {
     // cost hyper's read buffer and a detection buffer at most each; 192 MiB
     // over the start is far above that and far below an unbounded buffer.
     let rss = rss_kib(&lab);
+    eprintln!("RSS during the abuse: {rss} KiB (at start {rss_before} KiB)");
     assert!(
         rss < rss_before + 192 * 1024,
         "RSS {rss} KiB (from {rss_before} KiB)"
@@ -189,4 +190,34 @@ print(" ".join(codes))
         })
         .count();
     assert!(refused_by_rate >= 1, "{statuses:?}");
+}
+
+#[test]
+fn detection_memory_is_bounded_and_its_limit_recorded() {
+    // Room for one detection buffer; the first tunnel holds it while its
+    // client stays silent.
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option("max_detect_memory_bytes = 20480")
+        .proxy_option("detect_timeout = \"5s\"")
+        .start();
+    let mut holder = lab.client_conn();
+    assert_eq!(holder.connect("allowed.test:80"), 200);
+    let mut second = lab.client_conn();
+    assert_eq!(second.connect("allowed.test:80"), 200);
+    let rec = lab.wait_evidence("detection budget refusal", |v| {
+        v["reason"] == "limit_exceeded"
+            && v["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("max_detect_memory_bytes"))
+    });
+    assert_eq!(rec["host"], "allowed.test", "{rec}");
+    assert!(
+        matches!(
+            second.wait_closed(Duration::from_secs(3)),
+            lab::Closed::After(_)
+        ),
+        "the refused tunnel stays open"
+    );
+    drop(holder);
 }

@@ -292,3 +292,91 @@ fn shipped_rulesets_parse() {
     }
     assert!(checked >= 2, "rulesets checked: {checked}");
 }
+
+/// `/etc/netns/NS/resolv.conf`, which `ip netns exec NS` shows the
+/// namespace's programs as `/etc/resolv.conf`; removed on drop.
+struct NetnsResolvConf(PathBuf);
+
+impl NetnsResolvConf {
+    fn new(ns: &str, nameserver: &str) -> NetnsResolvConf {
+        let dir = PathBuf::from("/etc/netns").join(ns);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("resolv.conf"),
+            format!("nameserver {nameserver}\n"),
+        )
+        .unwrap();
+        NetnsResolvConf(dir)
+    }
+}
+
+impl Drop for NetnsResolvConf {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn sandbox_dns_is_redirected_to_the_shim_and_its_bindings_admit_the_connection() {
+    // The sandbox believes its resolver is the outside one (198.18.2.2);
+    // the gateway redirects port 53 to the shim, which hands out bindings
+    // that the transparent listener then checks.
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .dns_listen(&["198.18.1.1:5353"])
+        .start();
+    load_gateway(&lab);
+    let _resolv = NetnsResolvConf::new(&lab.ns_client, lab::DNS_IP);
+
+    let ca = ca_pem().display().to_string();
+    let ok = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "--cacert",
+            &ca,
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "https://allowed.test/",
+        ],
+    );
+    assert_eq!(ok.stdout, "200", "{}", ok.describe());
+    let dns = lab.wait_evidence("the shim answered the sandbox's lookup", |v| {
+        v["kind"] == "dns" && v["host"] == "allowed.test" && v["decision"] == "allow"
+    });
+    assert_eq!(dns["mode"], "dns", "{dns}");
+    let tcp = lab.wait_evidence("the transparent connection", |v| {
+        v["mode"] == "transparent" && v["host"] == "allowed.test" && v["event"] == "decision"
+    });
+    assert_eq!(tcp["decision"], "allow", "{tcp}");
+    assert_eq!(tcp["ip"], lab::ALLOWED_IP, "{tcp}");
+
+    // A denied name is refused by the shim and never reaches the real resolver.
+    let denied = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "https://other.test/",
+        ],
+    );
+    assert!(!denied.success(), "{}", denied.describe());
+    lab.wait_evidence("the shim refused other.test", |v| {
+        v["kind"] == "dns" && v["host"] == "other.test" && v["decision"] == "deny"
+    });
+    assert!(
+        !lab.dns_queries().iter().any(|q| q.contains("other.test")),
+        "{:?}",
+        lab.dns_queries()
+    );
+}
