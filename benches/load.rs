@@ -915,6 +915,7 @@ fn main() {
             true,
             "≥ 0.9× direct",
         ),
+        row("proxy CPU per MiB, 1 stream", "ms", false, ""),
         row("tunnel throughput, 8 streams", "MiB/s", true, ""),
         row(
             "absolute-form GET keep-alive, 64 concurrent",
@@ -959,7 +960,8 @@ fn main() {
         for p in &paths {
             let i = idx(p.via);
             // Warm-up.
-            rt.block_on(drive(*p, 8, secs.min(0.3), max_ops, tunnel_once));
+            let r = rt.block_on(drive(*p, 8, secs.min(0.3), max_ops, tunnel_once));
+            check("warm-up tunnels", p.via, &r);
 
             if scenario("tunnel1") {
                 let r = rt.block_on(drive(*p, 1, secs, max_ops, tunnel_once));
@@ -980,23 +982,24 @@ fn main() {
                 let r = rt.block_on(throughput(*p, 1, secs));
                 check("throughput 1", p.via, &r);
                 rows[7].vals[i].push(r.ok as f64 / r.secs / 1048576.0);
+                rows[8].vals[i].push(r.cpu * 1e3 / (r.ok as f64 / 1048576.0));
             }
             if scenario("tput8") {
                 let r = rt.block_on(throughput(*p, 8, secs));
                 check("throughput 8", p.via, &r);
-                rows[8].vals[i].push(r.ok as f64 / r.secs / 1048576.0);
+                rows[9].vals[i].push(r.ok as f64 / r.secs / 1048576.0);
             }
             if scenario("ka") {
                 let r = rt.block_on(keepalive(*p, 64, secs, max_ops));
                 check("keep-alive", p.via, &r);
-                rows[9].vals[i].push(r.rate());
-                rows[10].vals[i].push(r.cpu_per_op_us());
+                rows[10].vals[i].push(r.rate());
+                rows[11].vals[i].push(r.cpu_per_op_us());
             }
             if scenario("nka") {
                 let r = rt.block_on(drive(*p, 64, secs, max_ops, http_once));
                 check("new-connection GET", p.via, &r);
-                rows[11].vals[i].push(r.rate());
-                rows[12].vals[i].push(r.cpu_per_op_us());
+                rows[12].vals[i].push(r.rate());
+                rows[13].vals[i].push(r.cpu_per_op_us());
             }
         }
         eprintln!("round {} of {rounds} done", round + 1);
@@ -1013,7 +1016,7 @@ fn main() {
             eprintln!("{line}");
             notes.push(line);
         }
-        rows[13].vals[idx(p.via)].push(per);
+        rows[14].vals[idx(p.via)].push(per);
     }
 
     stop(pal);
