@@ -93,8 +93,11 @@ pub struct Totals {
 
 /// Largest size of each direction's copy buffer.
 const COPY_BUF: usize = 64 * 1024;
-/// Each direction starts with this much and grows to `COPY_BUF` once a read
-/// fills it: a tunnel that carries little never holds 2 × 64 KiB.
+/// Each direction reads into a small inline buffer (in the task's own
+/// state) until a read fills it; then into a heap buffer of
+/// `COPY_BUF_INITIAL`, grown to `COPY_BUF` once a read fills that. An idle
+/// or chatty tunnel holds no heap buffer; a bulk one gets 64 KiB reads.
+const COPY_INLINE: usize = 1024;
 const COPY_BUF_INITIAL: usize = 8 * 1024;
 
 /// Copy both ways until both sides finish, both are silent for `idle`, or
@@ -160,18 +163,31 @@ where
     W: AsyncWrite + Unpin,
     F: Fn(),
 {
-    // Reads go into spare (uninitialised) capacity: no memset per tunnel.
-    let mut buf: Vec<u8> = Vec::with_capacity(COPY_BUF_INITIAL);
+    let mut inline = [0u8; COPY_INLINE];
+    // Heap reads go into spare (uninitialised) capacity: no memset.
+    let mut buf: Vec<u8> = Vec::new();
     loop {
         buf.clear();
-        let n = match reader.read_buf(&mut buf).await {
+        let read = if buf.capacity() == 0 {
+            reader.read(&mut inline).await
+        } else {
+            reader.read_buf(&mut buf).await
+        };
+        let n = match read {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if writer.write_all(&buf[..n]).await.is_err() {
+        let data = if buf.capacity() == 0 {
+            &inline[..n]
+        } else {
+            &buf[..n]
+        };
+        if writer.write_all(data).await.is_err() {
             break;
         }
-        if n == buf.capacity() && n < COPY_BUF {
+        if buf.capacity() == 0 && n == COPY_INLINE {
+            buf.reserve_exact(COPY_BUF_INITIAL);
+        } else if n == buf.capacity() && n < COPY_BUF {
             buf.clear();
             buf.reserve_exact(COPY_BUF);
         }
