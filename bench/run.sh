@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULTS="${RESULTS:-bench/results.md}"
 DNS_SECS="${DNS_SECS:-5}"
-OUT=target/bench
+OUT="${CARGO_TARGET_DIR:-target}/bench"
 mkdir -p "$OUT"
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -54,7 +54,7 @@ export PATH="$PATH:/usr/sbin:/sbin"
 cargo build --release --quiet
 LOAD_OUT="$OUT/load.md" cargo bench --quiet --bench load
 cargo bench --quiet --bench policy | tee "$OUT/policy.txt"
-DNS_MD="$OUT/dns.md" bench/dns.sh "$DNS_SECS" | tee "$OUT/dns.txt"
+DNS_MD="$OUT/dns.md" PALISADE_BIN="${CARGO_TARGET_DIR:-target}/release/palisade" bench/dns.sh "$DNS_SECS" | tee "$OUT/dns.txt"
 
 {
   echo "# Palisade performance"
