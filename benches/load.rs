@@ -744,7 +744,7 @@ fn prepare_self() -> u64 {
             libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
         }
         libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-        lim.rlim_cur as u64
+        lim.rlim_cur
     }
 }
 
