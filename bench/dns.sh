@@ -10,7 +10,10 @@
 # dnsmasq on 198.18.1.1:5300, both allowing only allowed.test and forwarding
 # it to the upstream with a cache; every other name is refused (Palisade:
 # REFUSED + EDE and an evidence record; dnsmasq: NXDOMAIN, local). Each
-# dnsperf run is bounded by -l SECONDS. Everything is removed on exit.
+# dnsperf run is bounded by -l SECONDS. With two cores or more, both servers
+# are pinned to core 1 and dnsperf to core 0. Server CPU per query is taken
+# from /proc/PID/stat (user + system) around each run. With DNS_MD=FILE a
+# markdown table is written there too. Everything is removed on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS="${1:-10}"
@@ -60,30 +63,60 @@ clients = ["198.18.1.0/24"]
 [[org.allow]]
 host = "allowed.test"
 EOF
-PALISADE_LOG=warn ip netns exec "$S" "$BIN" run -c "$WORK/palisade.toml" 2>"$WORK/palisade.log" &
-ip netns exec "$S" dnsmasq --keep-in-foreground --no-resolv --no-hosts --bind-interfaces \
+PIN_SERVER=() PIN_CLIENT=()
+if [ "$(nproc --all)" -ge 2 ] && command -v taskset >/dev/null; then
+  PIN_SERVER=(taskset -c 1) PIN_CLIENT=(taskset -c 0)
+fi
+PALISADE_LOG=warn ip netns exec "$S" "${PIN_SERVER[@]}" "$BIN" run -c "$WORK/palisade.toml" 2>"$WORK/palisade.log" &
+PAL_PID=$!
+ip netns exec "$S" "${PIN_SERVER[@]}" dnsmasq --keep-in-foreground --no-resolv --no-hosts --bind-interfaces \
   --listen-address=198.18.1.1 --port=5300 --cache-size=10000 --dns-forward-max=1000 \
   --server=/allowed.test/198.18.2.2 --address=/#/ --pid-file="$WORK/dnsmasq.pid" \
   2>"$WORK/dnsmasq.log" &
+DNSMASQ_PID=$!
 sleep 1
 
 for _ in $(seq 1000); do echo "allowed.test A"; done > "$WORK/allowed.txt"
 for i in $(seq 1000); do echo "exfil-$i.denied.test A"; done > "$WORK/denied.txt"
 
-run() { # name port file
-  local out
-  out=$(ip netns exec "$C" dnsperf -s 198.18.1.1 -p "$2" -d "$3" -l "$SECS" -c 8 -q 200 2>&1)
-  printf '%-10s %-8s %s qps  (%s)\n' "$1" "$(basename "$3" .txt)" \
-    "$(echo "$out" | awk '/Queries per second/ {print $4}')" \
+cpu_ticks() { # pid -> utime + stime in clock ticks
+  awk '{ sub(/.*\) /, ""); print $12 + $13 }' "/proc/$1/stat"
+}
+HZ=$(getconf CLK_TCK)
+declare -A QPS CPU
+run() { # name port file pid
+  local out t0 t1 q
+  t0=$(cpu_ticks "$4")
+  out=$(ip netns exec "$C" "${PIN_CLIENT[@]}" dnsperf -s 198.18.1.1 -p "$2" -d "$3" -l "$SECS" -c 8 -q 200 2>&1)
+  t1=$(cpu_ticks "$4")
+  q=$(echo "$out" | awk '/Queries completed/ {print $3}')
+  local key="$1/$(basename "$3" .txt)"
+  QPS[$key]=$(echo "$out" | awk '/Queries per second/ {printf "%.0f", $4}')
+  CPU[$key]=$(awk -v t=$((t1 - t0)) -v hz="$HZ" -v q="$q" 'BEGIN { printf "%.1f", (q > 0 ? t / hz * 1e6 / q : 0) }')
+  printf '%-10s %-8s %s qps  %s us CPU/query  (%s)\n' "$1" "$(basename "$3" .txt)" \
+    "${QPS[$key]}" "${CPU[$key]}" \
     "$(echo "$out" | awk '/Queries lost/ {print "lost " $3 " " $4}')"
 }
-echo "dnsperf -l $SECS -c 8 -q 200 from the client namespace; $(nproc) cores shared by client and server"
+echo "dnsperf -l $SECS -c 8 -q 200 from the client namespace; $(nproc --all) cores${PIN_SERVER[*]:+, servers on core 1, dnsperf on core 0}"
 # Warm both caches.
 ip netns exec "$C" dnsperf -s 198.18.1.1 -p 53 -d "$WORK/allowed.txt" -n 1 >/dev/null 2>&1 || true
 ip netns exec "$C" dnsperf -s 198.18.1.1 -p 5300 -d "$WORK/allowed.txt" -n 1 >/dev/null 2>&1 || true
-run palisade 53 "$WORK/allowed.txt"
-run dnsmasq 5300 "$WORK/allowed.txt"
-run palisade 53 "$WORK/denied.txt"
-run dnsmasq 5300 "$WORK/denied.txt"
+run palisade 53 "$WORK/allowed.txt" "$PAL_PID"
+run dnsmasq 5300 "$WORK/allowed.txt" "$DNSMASQ_PID"
+run palisade 53 "$WORK/denied.txt" "$PAL_PID"
+run dnsmasq 5300 "$WORK/denied.txt" "$DNSMASQ_PID"
 echo "upstream saw $(grep -c denied.test "$WORK/upstream.jsonl" || true) denied names and $(grep -c allowed.test "$WORK/upstream.jsonl" || true) allowed queries"
 echo "evidence records: $(cat "$WORK"/evidence/*.jsonl | wc -l)"
+
+if [ -n "${DNS_MD:-}" ]; then
+  ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b + 0 > 0) printf "%.2f×", a / b; else print "–" }'; }
+  {
+    echo "| DNS (dnsperf -c 8 -q 200, ${SECS} s each) | unit | dnsmasq | Palisade | Palisade/dnsmasq | goal |"
+    echo "|---|---|---:|---:|---:|---|"
+    for k in allowed denied; do
+      if [ "$k" = allowed ]; then name="cached allowed name" goal="CPU ≤ 1.00× (evidence on)"; else name="denied name" goal=""; fi
+      echo "| $name, queries/s | qps | ${QPS[dnsmasq/$k]} | ${QPS[palisade/$k]} | $(ratio "${QPS[palisade/$k]}" "${QPS[dnsmasq/$k]}") | |"
+      echo "| $name, server CPU per query | µs | ${CPU[dnsmasq/$k]} | ${CPU[palisade/$k]} | $(ratio "${CPU[palisade/$k]}" "${CPU[dnsmasq/$k]}") | $goal |"
+    done
+  } > "$DNS_MD"
+fi

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use bytes::BufMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -50,13 +51,16 @@ pub async fn detect<R: AsyncRead + Unpin>(
         if buf.len() >= MAX_DETECT_BYTES {
             return Detected::Malformed("client hello too large");
         }
-        let mut chunk = [0u8; 4096];
-        let room = (MAX_DETECT_BYTES - buf.len()).min(chunk.len());
-        let read = tokio::time::timeout_at(deadline, client.read(&mut chunk[..room])).await;
+        // Read straight into `buf`'s spare capacity: no zeroed 4 KiB chunk
+        // kept in every tunnel task's state.
+        let room = (MAX_DETECT_BYTES - buf.len()).min(4096);
+        buf.reserve(room);
+        let read =
+            tokio::time::timeout_at(deadline, client.read_buf(&mut (&mut *buf).limit(room))).await;
         match read {
             Ok(Ok(0)) | Ok(Err(_)) if buf.is_empty() => return Detected::Closed,
             Ok(Ok(0)) | Ok(Err(_)) => return Detected::Malformed("client closed mid hello"),
-            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Ok(Ok(_)) => {}
             Err(_) if buf.is_empty() => return Detected::Silent,
             Err(_) => return Detected::Malformed("incomplete client hello at detect timeout"),
         }
@@ -87,8 +91,14 @@ pub struct Totals {
     pub down: u64,
 }
 
-/// Size of each direction's copy buffer.
+/// Largest size of each direction's copy buffer.
 const COPY_BUF: usize = 64 * 1024;
+/// Each direction reads into a small inline buffer (in the task's own
+/// state) until a read fills it; then into a heap buffer of
+/// `COPY_BUF_INITIAL`, grown to `COPY_BUF` once a read fills that. An idle
+/// or chatty tunnel holds no heap buffer; a bulk one gets 64 KiB reads.
+const COPY_INLINE: usize = 1024;
+const COPY_BUF_INITIAL: usize = 8 * 1024;
 
 /// Copy both ways until both sides finish, both are silent for `idle`, or
 /// `stop` fires. `first_up` is written to the upstream before anything else
@@ -153,14 +163,33 @@ where
     W: AsyncWrite + Unpin,
     F: Fn(),
 {
-    let mut buf = vec![0u8; COPY_BUF];
+    let mut inline = [0u8; COPY_INLINE];
+    // Heap reads go into spare (uninitialised) capacity: no memset.
+    let mut buf: Vec<u8> = Vec::new();
     loop {
-        let n = match reader.read(&mut buf).await {
+        buf.clear();
+        let read = if buf.capacity() == 0 {
+            reader.read(&mut inline).await
+        } else {
+            reader.read_buf(&mut buf).await
+        };
+        let n = match read {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if writer.write_all(&buf[..n]).await.is_err() {
+        let data = if buf.capacity() == 0 {
+            &inline[..n]
+        } else {
+            &buf[..n]
+        };
+        if writer.write_all(data).await.is_err() {
             break;
+        }
+        if buf.capacity() == 0 && n == COPY_INLINE {
+            buf.reserve_exact(COPY_BUF_INITIAL);
+        } else if n == buf.capacity() && n < COPY_BUF {
+            buf.clear();
+            buf.reserve_exact(COPY_BUF);
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
         touch();
@@ -242,6 +271,30 @@ mod tests {
         drop(upstream_peer);
         let totals = task.await.unwrap();
         assert_eq!(totals, Totals { up: 11, down: 5 });
+    }
+
+    #[tokio::test]
+    async fn pump_copies_bodies_larger_than_its_buffers_intact() {
+        let (client, mut client_peer) = duplex(16 * 1024);
+        let (upstream, mut upstream_peer) = duplex(16 * 1024);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(async move {
+            pump(client, upstream, b"", Duration::from_secs(5), &stop).await
+        });
+        let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let sent = body.clone();
+        let writer = tokio::spawn(async move {
+            upstream_peer.write_all(&sent).await.unwrap();
+            upstream_peer.shutdown().await.unwrap();
+            upstream_peer
+        });
+        let mut got = Vec::new();
+        client_peer.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, body);
+        drop(client_peer);
+        drop(writer.await.unwrap());
+        let totals = task.await.unwrap();
+        assert_eq!(totals.down, body.len() as u64);
     }
 
     #[tokio::test(start_paused = true)]
