@@ -372,7 +372,11 @@ print(n)
 
 #[test]
 fn admin_answers_while_the_proxy_is_flooded() {
-    let lab = Lab::start(DEFAULT_POLICY);
+    // Held heads must outlive a slow flood on a loaded machine.
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option("header_read_timeout = \"60s\"")
+        .start();
     // 3,000 connections that never finish a request head, held open while
     // the admin listener is asked for readiness and metrics.
     let script = r#"
