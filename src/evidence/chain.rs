@@ -148,15 +148,55 @@ pub fn parse_pubkey(s: &str) -> Option<VerifyingKey> {
 }
 
 /// Set `seq`, `prev` and `hash` of `m` and return its line (with `\n`).
+///
+/// The record is serialised once: its canonical form without `hash` is
+/// hashed, then `"hash":"…"` is spliced in at its sorted position, which
+/// gives exactly the canonical form of the record with `hash`.
 pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, Vec<u8>) {
     m.insert("seq".into(), Value::from(seq));
     m.insert("prev".into(), Value::String(prev.to_string()));
     m.remove("hash");
-    let hash = record_hash(m);
-    m.insert("hash".into(), Value::String(hash.clone()));
-    let mut line = Vec::with_capacity(600);
-    canonical_into(&Value::Object(std::mem::take(m)), &mut line);
+    let mut body = Vec::with_capacity(640);
+    let mut keys: Vec<&String> = m.keys().collect();
+    keys.sort();
+    // Where `"hash":…` goes: before the first key that sorts after it.
+    let mut splice_at = None;
+    body.push(b'{');
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        if splice_at.is_none() && k.as_str() > "hash" {
+            splice_at = Some(body.len());
+        }
+        string_into(k, &mut body);
+        body.push(b':');
+        canonical_into(&m[k.as_str()], &mut body);
+    }
+    body.push(b'}');
+    let hash = hex(&Sha256::digest(&body));
+    let field = format!("\"hash\":\"{hash}\"");
+    let mut line = Vec::with_capacity(body.len() + field.len() + 2);
+    match splice_at {
+        Some(at) => {
+            line.extend_from_slice(&body[..at]);
+            line.extend_from_slice(field.as_bytes());
+            line.push(b',');
+            line.extend_from_slice(&body[at..]);
+        }
+        None => {
+            line.extend_from_slice(&body[..body.len() - 1]);
+            if keys.is_empty() {
+                line.extend_from_slice(field.as_bytes());
+            } else {
+                line.push(b',');
+                line.extend_from_slice(field.as_bytes());
+            }
+            line.push(b'}');
+        }
+    }
     line.push(b'\n');
+    m.insert("hash".into(), Value::String(hash.clone()));
     (hash, line)
 }
 
@@ -230,5 +270,33 @@ mod tests {
         assert_eq!(unhex::<4>("0001ABff"), Some(b));
         assert_eq!(unhex::<4>("0001abf"), None);
         assert_eq!(unhex::<4>("0001abfg"), None);
+    }
+}
+
+#[cfg(test)]
+mod seal_tests {
+    use super::*;
+
+    /// The spliced line is byte for byte the canonical form of the record
+    /// with its hash, wherever `hash` sorts among the keys.
+    #[test]
+    fn spliced_line_is_the_canonical_form() {
+        let cases: [&[&str]; 4] = [&["a", "z"], &["a"], &["z"], &[]];
+        for keys in cases {
+            let mut m = Map::new();
+            for k in keys {
+                m.insert((*k).into(), Value::from(*k));
+            }
+            let (hash, line) = seal_line(&mut m, 7, GENESIS);
+            assert_eq!(m["hash"], Value::String(hash.clone()));
+            let mut expected = Vec::new();
+            canonical_into(&Value::Object(m.clone()), &mut expected);
+            expected.push(b'\n');
+            assert_eq!(
+                String::from_utf8(line).unwrap(),
+                String::from_utf8(expected).unwrap()
+            );
+            assert_eq!(record_hash(&m), hash);
+        }
     }
 }
