@@ -211,7 +211,8 @@ async fn pump(ctx: &Ctx, client: TcpStream, upstream: TcpStream, first: &[u8], r
     )
     .await;
     let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    ctx.write(&mut close).await;
+    // Nothing waits on a close record: queue it (it is never dropped).
+    ctx.submit(&mut close);
 }
 
 /// Report mode: a name/address mismatch is let through to the original
