@@ -14,12 +14,15 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+#[path = "common/mod.rs"]
+mod common;
 
 const CONCURRENCY: usize = 32;
 
@@ -112,47 +115,11 @@ async fn load(proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
         format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nConnection: close\r\n\r\n")
             .into_bytes(),
     );
-    let ok = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let end = Instant::now() + Duration::from_secs_f64(secs);
-    let mut tasks = Vec::new();
-    for _ in 0..CONCURRENCY {
-        let (req, ok, failed) = (req.clone(), ok.clone(), failed.clone());
-        tasks.push(tokio::spawn(async move {
-            while Instant::now() < end {
-                if one(proxy, &req).await {
-                    ok.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }));
-    }
-    let t0 = Instant::now();
-    for t in tasks {
-        let _ = t.await;
-    }
-    let f = failed.load(Ordering::Relaxed);
-    assert!(f == 0, "{f} requests failed");
-    ok.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
-}
-
-fn stop(mut child: Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    common::closed_loop(CONCURRENCY, secs, move || {
+        let req = req.clone();
+        async move { one(proxy, &req).await }
+    })
+    .await
 }
 
 fn main() {
@@ -177,16 +144,16 @@ fn main() {
             let (child, proxy) = start(&root, mode, up);
             rt.block_on(load(proxy, up, 0.2)); // warm-up
             results[i].push(rt.block_on(load(proxy, up, secs)));
-            stop(child);
+            common::stop(child);
         }
     }
     println!(
         "evidence cost: {CONCURRENCY} concurrent clients, new connection per request, {rounds} rounds of {secs}s, evidence in {}",
         root.display()
     );
-    let base = median(&mut results[0].clone());
+    let base = common::median(&results[0]);
     for (i, mode) in modes.iter().enumerate() {
-        let m = median(&mut results[i]);
+        let m = common::median(&results[i]);
         println!(
             "  durability = {mode:<8} {m:>8.0} conn/s  ({:.2} x discard)",
             m / base

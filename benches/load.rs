@@ -29,6 +29,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+#[path = "common/mod.rs"]
+mod common;
+
 /// Every single socket operation of the generator finishes within this.
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest response head the generator accepts.
@@ -702,19 +705,6 @@ fn start_squid(root: &Path, squid: &Path, origin: SocketAddr) -> (Child, SocketA
     (child, addr)
 }
 
-fn stop(mut child: Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Pin this process (generator and origin) to core 0 and allow many sockets
 /// (children inherit the limit); returns the file descriptor limit.
 fn prepare_self() -> u64 {
@@ -751,15 +741,6 @@ fn prepare_self() -> u64 {
 // ---------------------------------------------------------------------------
 // The table.
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.retain(|x| !x.is_nan());
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
 /// One row: a metric for each path (NaN = not applicable / not run).
 struct Row {
     metric: &'static str,
@@ -794,7 +775,7 @@ fn table(rows: &[Row]) -> String {
          |---|---|---:|---:|---:|---:|---:|---|\n",
     );
     for r in rows {
-        let [d, p, q] = [0, 1, 2].map(|i| median(r.vals[i].clone()));
+        let [d, p, q] = [0, 1, 2].map(|i| common::median(&r.vals[i]));
         s.push_str(&format!(
             "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.metric,
@@ -1019,9 +1000,9 @@ fn main() {
         rows[14].vals[idx(p.via)].push(per);
     }
 
-    stop(pal);
+    common::stop(pal);
     if let Some((child, _)) = squid {
-        stop(child);
+        common::stop(child);
     }
     let _ = std::fs::remove_dir_all(&root);
 

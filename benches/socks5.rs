@@ -12,12 +12,13 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+
+#[path = "common/mod.rs"]
+mod common;
 
 const CONCURRENCY: usize = 32;
 const STEP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -142,47 +143,7 @@ async fn one(via: Via, proxy: SocketAddr, up: SocketAddr) -> bool {
 }
 
 async fn load(via: Via, proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
-    let ok = Arc::new(AtomicU64::new(0));
-    let failed = Arc::new(AtomicU64::new(0));
-    let end = Instant::now() + Duration::from_secs_f64(secs);
-    let mut tasks = Vec::new();
-    for _ in 0..CONCURRENCY {
-        let (ok, failed) = (ok.clone(), failed.clone());
-        tasks.push(tokio::spawn(async move {
-            while Instant::now() < end {
-                if one(via, proxy, up).await {
-                    ok.fetch_add(1, Ordering::Relaxed);
-                } else {
-                    failed.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }));
-    }
-    let t0 = Instant::now();
-    for t in tasks {
-        let _ = t.await;
-    }
-    let f = failed.load(Ordering::Relaxed);
-    assert!(f == 0, "{f} tunnels failed");
-    ok.load(Ordering::Relaxed) as f64 / t0.elapsed().as_secs_f64()
-}
-
-fn stop(mut child: Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() > deadline {
-            let _ = child.kill();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+    common::closed_loop(CONCURRENCY, secs, move || one(via, proxy, up)).await
 }
 
 fn main() {
@@ -206,8 +167,8 @@ fn main() {
         connect.push(rt.block_on(load(Via::Connect, http, up, secs)));
         socks5.push(rt.block_on(load(Via::Socks5, socks, up, secs)));
     }
-    stop(child);
-    let (c, s) = (median(&mut connect), median(&mut socks5));
+    common::stop(child);
+    let (c, s) = (common::median(&connect), common::median(&socks5));
     println!(
         "tunnels/s: {CONCURRENCY} concurrent clients, new connection per tunnel, {rounds} rounds of {secs}s, evidence os"
     );
