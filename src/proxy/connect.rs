@@ -170,7 +170,7 @@ where
         view,
     } = opened;
     let report = view.is_report();
-    let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
+    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
         record.reason = Reason::LimitExceeded;
         record.decision = Reason::LimitExceeded.decision();
         record.rule = None;
@@ -179,6 +179,8 @@ where
         return;
     };
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    // The budget bounds bytes held before decisions, not open tunnels.
+    drop(detect_slot);
     let mismatch = match &detected {
         Detected::Tls(hello) => {
             record.sni = hello.sni.clone();

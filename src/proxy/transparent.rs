@@ -102,7 +102,7 @@ async fn handle(
         }
     };
     let orig = SocketAddr::new(canonical(orig.ip()), orig.port());
-    let Ok(_detect_slot) = ctx.detect_slots.try_acquire() else {
+    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
         let verdict = view.verdict(Reason::LimitExceeded);
         let mut record = view.record(
             Kind::Tcp,
@@ -119,6 +119,8 @@ async fn handle(
     };
     let mut first = Vec::new();
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    // The budget bounds bytes held before decisions, not open tunnels.
+    drop(detect_slot);
     let sni = match &detected {
         Detected::Tls(hello) => hello.sni.clone(),
         _ => None,

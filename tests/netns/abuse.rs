@@ -194,17 +194,17 @@ print(" ".join(codes))
 
 #[test]
 fn detection_memory_is_bounded_and_its_limit_recorded() {
-    // Room for one detection buffer; the first tunnel holds it while its
-    // client stays silent.
+    // Room for one detection buffer; a tunnel holds it while its client
+    // stays silent (up to detect_timeout).
     let lab = Lab::builder()
         .policy(DEFAULT_POLICY)
         .proxy_option("max_detect_memory_bytes = 20480")
-        .proxy_option("detect_timeout = \"5s\"")
+        .proxy_option("detect_timeout = \"2s\"")
         .start();
-    let mut holder = lab.client_conn();
-    assert_eq!(holder.connect("allowed.test:80"), 200);
-    let mut second = lab.client_conn();
-    assert_eq!(second.connect("allowed.test:80"), 200);
+    let mut a = lab.client_conn();
+    assert_eq!(a.connect("allowed.test:80"), 200);
+    let mut b = lab.client_conn();
+    assert_eq!(b.connect("allowed.test:80"), 200);
     let rec = lab.wait_evidence("detection budget refusal", |v| {
         v["reason"] == "limit_exceeded"
             && v["detail"]
@@ -212,12 +212,38 @@ fn detection_memory_is_bounded_and_its_limit_recorded() {
                 .is_some_and(|d| d.contains("max_detect_memory_bytes"))
     });
     assert_eq!(rec["host"], "allowed.test", "{rec}");
+    // Whichever tunnel reached detection second was refused and closed.
+    let refused_port = rec["client"]
+        .as_str()
+        .and_then(|c| c.rsplit(':').next())
+        .and_then(|p| p.parse::<u16>().ok());
+    let (holder, mut refused) = if refused_port == Some(b.local_port()) {
+        (a, b)
+    } else {
+        assert_eq!(refused_port, Some(a.local_port()), "{rec}");
+        (b, a)
+    };
     assert!(
         matches!(
-            second.wait_closed(Duration::from_secs(3)),
+            refused.wait_closed(Duration::from_secs(3)),
             lab::Closed::After(_)
         ),
         "the refused tunnel stays open"
+    );
+    // Once the holder's detection is over (it stays open as a tunnel), the
+    // budget is free again: it bounds bytes held before decisions, not
+    // open tunnels.
+    std::thread::sleep(Duration::from_millis(2500));
+    let mut third = lab.client_conn();
+    assert_eq!(third.connect("allowed.test:80"), 200);
+    third
+        .send(b"GET / HTTP/1.1\r\nHost: allowed.test\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    assert!(
+        third
+            .read_until(b"200 OK", Duration::from_secs(5))
+            .is_some(),
+        "a tunnel after the holder's detection did not pass"
     );
     drop(holder);
 }
