@@ -181,7 +181,10 @@ impl Writer {
                     since_ckpt: 0,
                 };
                 let end = tail.end();
-                if end == "crash" {
+                // Anything but a seal means the previous run did not shut
+                // down cleanly; `end` says whether records followed its
+                // last checkpoint (`crash`) or not (`checkpoint`).
+                if end != "seal" {
                     warn!(
                         segment = %tail.name,
                         unsigned = tail.unsigned,
@@ -189,7 +192,7 @@ impl Writer {
                         "previous run ended without sealing its evidence; recording that in the new segment"
                     );
                 }
-                let kind = if end == "crash" { "recover" } else { "start" };
+                let kind = if end == "seal" { "start" } else { "recover" };
                 (kind, tail.to_json(end))
             }
         };
