@@ -17,7 +17,14 @@
 //! answers filtered by the policy's address checks and bound to the name in
 //! [`dns::Bindings`], evidence, then the answer.
 //!
-//! [`config`] loads and validates the TOML file; [`app`] wires listeners,
+//! Transparent connections ([`proxy::transparent`]) and SOCKS5
+//! ([`proxy::socks5`]) join the same path at step 3 with the name the
+//! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
+//! interception ([`intercept`]) hooks in.
+//!
+//! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
+//! whole on SIGHUP or a file change; [`replay`] re-decides recorded
+//! decisions under a candidate policy; [`app`] wires listeners,
 //! the admin endpoints and shutdown; [`explain`] runs the same decision for
 //! one target from the command line; [`probe`] demonstrates containment
 //! (a probe plan run in the sandbox, joined with verified evidence).
