@@ -52,6 +52,7 @@ listen = []
 [dns]
 listen = ["198.18.1.1:53"]
 upstream = ["198.18.2.2:53"]
+max_queries_per_second_per_client = 10000000
 max_queries_in_flight = 4096
 [admin]
 listen = "198.18.1.1:9711"

@@ -72,7 +72,7 @@ fn start(root: &Path, mode: &str, up: SocketAddr) -> (Child, SocketAddr) {
     std::fs::write(
         &cfg,
         format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\n[dns]\nupstream = [\"127.0.0.1:53\"]\n\
+            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\nmax_new_connections_per_second_per_org = 10000000\n[dns]\nupstream = [\"127.0.0.1:53\"]\n\
              [evidence]\ndir = {dir:?}\ndurability = \"{mode}\"\n\
              [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
              [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",

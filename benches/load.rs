@@ -621,6 +621,7 @@ fn start_palisade(root: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
         format!(
             "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\n\
              max_connections = 100000\nmax_connections_per_org = 100000\n\
+             max_new_connections_per_second_per_org = 10000000\n\
              [dns]\nlisten = []\nupstream = [\"127.0.0.1:53\"]\n\
              [admin]\nlisten = \"127.0.0.1:{admin}\"\n\
              [evidence]\ndir = {:?}\n\

@@ -57,7 +57,7 @@ fn start(root: &Path, up: SocketAddr) -> (Child, SocketAddr, SocketAddr) {
     std::fs::write(
         &cfg,
         format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{http}\"]\nsocks5 = [\"127.0.0.1:{socks}\"]\n\
+            "[proxy]\nlisten = [\"127.0.0.1:{http}\"]\nsocks5 = [\"127.0.0.1:{socks}\"]\nmax_new_connections_per_second_per_org = 10000000\n\
              [dns]\nupstream = [\"127.0.0.1:53\"]\n[evidence]\ndir = {:?}\n\
              [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
              [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",

@@ -22,7 +22,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Default cap on concurrent client connections of one org.
 pub const DEFAULT_MAX_CONNECTIONS_PER_ORG: usize = 2_000;
 /// Default rate of new connections per org (per second, with a burst of as many).
-pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG: usize = 5_000;
+pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG: usize = 20_000;
 /// Default cap on detection buffers, all connections together.
 pub const DEFAULT_MAX_DETECT_MEMORY_BYTES: usize = 64 * 1024 * 1024;
 /// Default cap on the size of an HTTP request head (request line and headers).
