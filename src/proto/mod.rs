@@ -2,6 +2,7 @@
 //! protocol, or need more bytes, so callers can peek or buffer and replay.
 
 pub mod client_hello;
+pub mod guard;
 pub mod http_head;
 pub mod socks5;
 pub mod target;
