@@ -1224,7 +1224,20 @@ impl Lab {
 
     /// Like [`Lab::client_conn`], but a failure to connect is returned.
     pub fn try_client_conn(&self) -> io::Result<RawConn> {
-        let addr: SocketAddr = PROXY_ADDR.parse().expect("proxy addr");
+        self.try_client_conn_to(PROXY_ADDR)
+    }
+
+    /// A connection from the client namespace to `addr` ("ip:port"): another
+    /// listener of the proxy (SOCKS5), or any address when the client's
+    /// traffic goes through the transparent gateway.
+    pub fn client_conn_to(&self, addr: &str) -> RawConn {
+        self.try_client_conn_to(addr)
+            .unwrap_or_else(|e| panic!("connect to {addr}: {e}\n{}", self.proxy_output()))
+    }
+
+    /// Like [`Lab::client_conn_to`], but a failure to connect is returned.
+    pub fn try_client_conn_to(&self, addr: &str) -> io::Result<RawConn> {
+        let addr: SocketAddr = addr.parse().expect("ip:port");
         let stream = in_netns(&self.ns_client, move || {
             TcpStream::connect_timeout(&addr, Duration::from_secs(3))
         })?;

@@ -23,6 +23,7 @@ mod report;
 mod socks5;
 mod tls;
 mod transparent;
+mod tunnel;
 
 use lab::{HttpResp, Lab};
 use serde_json::Value;
