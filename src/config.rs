@@ -276,8 +276,10 @@ pub struct RequestRules {
 pub struct PathPattern(pub String);
 
 impl PathPattern {
-    /// Does `path` (no query) match?
-    pub fn matches(&self, path: &str) -> bool {
+    /// Does `path` match? Only a normalised path can be asked
+    /// ([`crate::policy::request`]), never the raw one.
+    pub fn matches(&self, path: &crate::policy::request::NormalPath) -> bool {
+        let path = path.as_str();
         if !self.0.contains('*') {
             return path.starts_with(&self.0);
         }
@@ -332,8 +334,18 @@ pub struct CredentialConfig {
 }
 
 impl CredentialConfig {
-    /// Does this credential apply to a request for `host` (normalised name)?
-    pub fn applies(&self, host: &str, method: &str, path: &str) -> bool {
+    /// Does this credential apply to a request for `host` (normalised name)
+    /// with this `method` (compared exactly) and normalised `path`? Never to
+    /// `TRACE` or `TRACK`, which echo the request back.
+    pub fn applies(
+        &self,
+        host: &str,
+        method: &str,
+        path: &crate::policy::request::NormalPath,
+    ) -> bool {
+        if crate::policy::request::is_trace(method) {
+            return false;
+        }
         let host_ok = match &self.host {
             RuleTarget::Exact(n) => n == host,
             RuleTarget::Below(s) => host
@@ -911,15 +923,30 @@ fn validate_intercept(raw: RawIntercept, errors: &mut Errors<'_>) -> InterceptCo
 
 type RawList = Option<Spanned<Vec<Spanned<String>>>>;
 
-/// HTTP method tokens: upper-case letters (RFC 9110 methods are case-sensitive).
+/// Registered methods: a case variant of one (`get`) is refused in config,
+/// since matching is exact and it would only ever match that odd spelling.
+const REGISTERED_METHODS: [&str; 10] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "TRACK", "PATCH",
+];
+
+/// HTTP methods: RFC 9110 tokens, matched exactly (methods are
+/// case-sensitive), so a case variant of a registered method is refused.
 fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for m in value.map(Spanned::into_inner).unwrap_or_default() {
         let text = m.get_ref().trim();
-        if text.is_empty() || text.len() > 32 || !text.bytes().all(|b| b.is_ascii_uppercase()) {
+        let variant = REGISTERED_METHODS
+            .iter()
+            .find(|r| r.eq_ignore_ascii_case(text) && **r != text);
+        if !crate::policy::request::is_method_token(text) {
             errors.at(
                 m.span(),
-                format!("invalid method {text:?} (upper-case letters, e.g. \"GET\")"),
+                format!("invalid method {text:?} (an RFC 9110 token, e.g. \"GET\")"),
+            );
+        } else if let Some(r) = variant {
+            errors.at(
+                m.span(),
+                format!("invalid method {text:?}: methods are case-sensitive, write {r:?}"),
             );
         } else if !out.iter().any(|o| o == text) {
             out.push(text.to_string());
@@ -928,7 +955,9 @@ fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
     out
 }
 
-/// Path rules: start with `/`, printable ASCII, no `%` escapes.
+/// Path rules: start with `/`, printable ASCII, no `%` escapes, and in the
+/// normal form requests are matched in (no `.`/`..` or empty segments, no
+/// `;`, no `\\`): a rule that no normalised path can match is a mistake.
 fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
     let mut out = Vec::new();
     for p in value.map(Spanned::into_inner).unwrap_or_default() {
@@ -941,6 +970,11 @@ fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
                     "invalid path rule {text:?} (starts with '/', printable ASCII, no '%'; \
                      '*' matches anything)"
                 ),
+            );
+        } else if let Err(why) = crate::policy::request::NormalPath::parse(text) {
+            errors.at(
+                p.span(),
+                format!("invalid path rule {text:?}: requests are matched normalised, and {why}"),
             );
         } else {
             out.push(PathPattern(text.to_string()));
@@ -2125,12 +2159,49 @@ mod intercept_tests {
     #[test]
     fn path_patterns() {
         let p = |s: &str| PathPattern(s.to_string());
-        assert!(p("/simple/").matches("/simple/x/"));
-        assert!(!p("/simple/").matches("/simplex"));
-        assert!(p("/p/*.whl").matches("/p/a/b-1.0.whl"));
-        assert!(!p("/p/*.whl").matches("/p/a.whl.tar"));
-        assert!(p("*").matches("/anything"));
-        assert!(p("/a*b*c").matches("/a--b--c"));
-        assert!(!p("/a*b*c").matches("/a--c--b"));
+        let n = |s: &str| crate::policy::request::NormalPath::parse(s).unwrap();
+        assert!(p("/simple/").matches(&n("/simple/x/")));
+        assert!(!p("/simple/").matches(&n("/simplex")));
+        assert!(p("/p/*.whl").matches(&n("/p/a/b-1.0.whl")));
+        assert!(!p("/p/*.whl").matches(&n("/p/a.whl.tar")));
+        assert!(p("*").matches(&n("/anything")));
+        assert!(p("/a*b*c").matches(&n("/a--b--c")));
+        assert!(!p("/a*b*c").matches(&n("/a--c--b")));
+        // Matched after decoding unreserved escapes.
+        assert!(p("/api/internal*").matches(&n("/api/%69nternal")));
+    }
+
+    #[test]
+    fn methods_are_tokens_and_path_rules_are_normal() {
+        let rule = |k: &str, v: &str| {
+            errors(&format!(
+                "[[org.allow]]\nhost = \"x.test\"\nintercept = true\n{k} = [{v}]\n"
+            ))
+        };
+        for ok in ["\"GET\"", "\"PROPFIND\"", "\"M-SEARCH\"", "\"TRACE\""] {
+            assert!(
+                rule("methods", ok).is_empty(),
+                "{ok}: {:?}",
+                rule("methods", ok)
+            );
+        }
+        for (bad, want) in [
+            ("\"get\"", "case-sensitive, write \"GET\""),
+            ("\"Delete\"", "case-sensitive"),
+            ("\"GE T\"", "RFC 9110 token"),
+            ("\"\"", "RFC 9110 token"),
+        ] {
+            let e = rule("deny_methods", bad);
+            assert!(e.iter().any(|e| e.contains(want)), "{bad}: {e:?}");
+        }
+        for bad in ["/a/../b", "/a//b", "/a;x", "/a\\b", "/./x"] {
+            let e = rule("paths", &format!("{bad:?}"));
+            assert!(
+                e.iter()
+                    .any(|e| e.contains("requests are matched normalised")),
+                "{bad}: {e:?}"
+            );
+        }
+        assert!(rule("deny_paths", "\"/api/internal*\", \"/x/...\"").is_empty());
     }
 }

@@ -79,7 +79,10 @@ fn mutate(rng: &mut XorShift, seed: &[u8]) -> Vec<u8> {
 }
 
 fn run(name: &str, check: fn(&[u8])) {
-    let seeds = seeds();
+    run_seeds(name, check, seeds());
+}
+
+fn run_seeds(name: &str, check: fn(&[u8]), seeds: Vec<Vec<u8>>) {
     for s in &seeds {
         check(s);
     }
@@ -113,4 +116,28 @@ fn target() {
 #[test]
 fn config() {
     run("config", palisade::fuzzing::config);
+}
+
+/// TLS tunnel streams: the captures, plus built flows (hello, then
+/// change_cipher_spec, early data, a second hello, other handshake
+/// messages) so mutations reach the checks after the first hello.
+#[test]
+fn tls_stream() {
+    use palisade::fuzzing::client_hello_bytes;
+    let good = client_hello_bytes(Some("api.example.com"), false);
+    let evil = client_hello_bytes(Some("evil.example"), false);
+    let ccs: &[u8] = &[20, 3, 3, 0, 1, 1];
+    let early: &[u8] = &[23, 3, 3, 0, 4, 1, 2, 3, 4];
+    let finished: &[u8] = &[22, 3, 3, 0, 8, 20, 0, 0, 4, 1, 2, 3, 4];
+    let mut seeds = seeds();
+    for flow in [
+        [&good[..], ccs, &good, early].concat(),
+        [&good[..], early, early, &evil].concat(),
+        [&good[..], ccs, finished].concat(),
+        client_hello_bytes(Some("api.example.com"), true),
+        client_hello_bytes(None, false),
+    ] {
+        seeds.push(flow);
+    }
+    run_seeds("tls_stream", palisade::fuzzing::tls_stream, seeds);
 }

@@ -901,41 +901,19 @@ impl Policy {
             .and_then(|r| r.intercept.clone())
     }
 
-    /// Decide one request inside a connection that allow rule `rule`
-    /// intercepts. `path` is the request path without the query, already
-    /// checked for dot segments and escapes by the caller.
-    ///
-    /// | # | condition | decision | reason |
-    /// |---|---|---|---|
-    /// | R1 | the rule does not (or no longer) intercept | deny | `no_matching_rule` |
-    /// | R2 | the method is in `deny_methods` | deny | `method_not_allowed` |
-    /// | R3 | a `deny_paths` pattern matches | deny | `path_not_allowed` |
-    /// | R4 | `methods` is set and lacks the method | deny | `method_not_allowed` |
-    /// | R5 | `paths` is set and none matches | deny | `path_not_allowed` |
-    /// | R6 | otherwise | allow | `rule_match` |
-    pub fn decide_request(&self, org: &OrgRef, rule: &str, method: &str, path: &str) -> Verdict {
-        let verdict = |reason| Verdict {
-            org: Some(org.clone()),
-            reason,
-            rule: Some(Arc::from(rule)),
-            would_deny: None,
-        };
-        let Some(r) = self.intercept_rules(org, rule) else {
-            return Verdict::deny(org, Reason::NoMatchingRule, None);
-        };
-        if r.deny_methods.iter().any(|m| m == method) {
-            return verdict(Reason::MethodNotAllowed);
-        }
-        if r.deny_paths.iter().any(|p| p.matches(path)) {
-            return verdict(Reason::PathNotAllowed);
-        }
-        if !r.methods.is_empty() && !r.methods.iter().any(|m| m == method) {
-            return verdict(Reason::MethodNotAllowed);
-        }
-        if !r.paths.is_empty() && !r.paths.iter().any(|p| p.matches(path)) {
-            return verdict(Reason::PathNotAllowed);
-        }
-        verdict(Reason::RuleMatch)
+    /// Decide one request inside a connection that allow rule `rule` of
+    /// `org` intercepts, and choose which of `credentials` (the org's, in
+    /// file order) to add: [`request::decide`] with this rule's request
+    /// rules. Its truth table and path normalisation are documented there.
+    pub fn decide_request<'a>(
+        &self,
+        org: &OrgRef,
+        rule: &str,
+        req: request::RequestFacts<'_>,
+        credentials: impl IntoIterator<Item = &'a crate::config::CredentialConfig>,
+    ) -> request::RequestDecision {
+        let rules = self.intercept_rules(org, rule);
+        request::decide(org, rule, rules.as_deref(), req, credentials)
     }
 }
 
@@ -949,6 +927,8 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
         v4 => v4,
     }
 }
+
+pub mod request;
 
 #[cfg(test)]
 mod tests;

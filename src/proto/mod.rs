@@ -6,3 +6,4 @@ pub mod guard;
 pub mod http_head;
 pub mod socks5;
 pub mod target;
+pub mod tls_stream;
