@@ -16,6 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use palisade::proto::tls_stream::HELLO_RETRY_REQUEST_RANDOM;
 use serde_json::Value;
 
 use crate::lab::{self, dump, read_jsonl, Closed, Lab, RawConn, DEFAULT_POLICY};
@@ -29,11 +30,6 @@ const SECS5: Duration = Duration::from_secs(5);
 const POLL: Duration = Duration::from_millis(50);
 /// Port of the HelloRetryRequest fixture (tests/fixtures/tlsraw.py).
 const HRR_PORT: u16 = 8443;
-/// SHA-256("HelloRetryRequest"), the random of a HelloRetryRequest (RFC 8446 §4.1.3).
-const HRR_RANDOM: [u8; 32] = [
-    0xcf, 0x21, 0xad, 0x74, 0xe5, 0x9a, 0x61, 0x11, 0xbe, 0x1d, 0x8c, 0x02, 0x1e, 0x65, 0xb8, 0x91,
-    0xc2, 0xa2, 0x11, 0x16, 0x7a, 0xbb, 0x8c, 0x5e, 0x07, 0x9e, 0x09, 0xe2, 0xc8, 0xa8, 0x33, 0x9c,
-];
 /// A TLS ChangeCipherSpec record, as clients in middlebox compatibility mode
 /// send before their second ClientHello (RFC 8446 §D.4).
 const CCS: [u8; 6] = [0x14, 0x03, 0x03, 0x00, 0x01, 0x01];
@@ -209,52 +205,7 @@ fn get(host: &str, keep_alive: bool) -> String {
 /// A TLS 1.3 ClientHello record naming `sni` (none: no server_name
 /// extension), with an encrypted_client_hello extension if `ech`.
 fn client_hello(sni: Option<&str>, ech: bool) -> Vec<u8> {
-    fn ext(out: &mut Vec<u8>, ty: u16, body: &[u8]) {
-        out.extend_from_slice(&ty.to_be_bytes());
-        out.extend_from_slice(&(body.len() as u16).to_be_bytes());
-        out.extend_from_slice(body);
-    }
-    let mut exts = Vec::new();
-    if let Some(name) = sni {
-        // server_name (RFC 6066 §3): list of one host_name.
-        let mut body = ((name.len() + 3) as u16).to_be_bytes().to_vec();
-        body.push(0);
-        body.extend_from_slice(&(name.len() as u16).to_be_bytes());
-        body.extend_from_slice(name.as_bytes());
-        ext(&mut exts, 0, &body);
-    }
-    ext(&mut exts, 10, &[0, 4, 0x00, 0x1d, 0x00, 0x17]); // x25519, secp256r1
-    ext(&mut exts, 11, &[1, 0]); // ec_point_formats: uncompressed
-    ext(&mut exts, 13, &[0, 8, 4, 3, 8, 4, 4, 1, 8, 7]); // signature_algorithms
-    ext(&mut exts, 16, b"\x00\x09\x08http/1.1"); // ALPN
-    ext(&mut exts, 43, &[4, 3, 4, 3, 3]); // supported_versions: 1.3, 1.2
-    ext(&mut exts, 45, &[1, 1]); // psk_key_exchange_modes: psk_dhe_ke
-    let mut share = vec![0, 36, 0x00, 0x1d, 0, 32];
-    share.extend_from_slice(&[0x5a; 32]);
-    ext(&mut exts, 51, &share); // key_share: x25519
-    if ech {
-        // encrypted_client_hello (outer): HPKE suite, config id, enc, payload.
-        let mut body = vec![0, 0x00, 0x01, 0x00, 0x01, 7, 0, 32];
-        body.extend_from_slice(&[0x33; 32]);
-        body.extend_from_slice(&[0, 64]);
-        body.extend_from_slice(&[0x44; 64]);
-        ext(&mut exts, 0xfe0d, &body);
-    }
-    let mut hello = vec![3, 3];
-    hello.extend_from_slice(&[0x11; 32]); // random
-    hello.push(32);
-    hello.extend_from_slice(&[0x22; 32]); // legacy_session_id
-    hello.extend_from_slice(&[0, 6, 0x13, 0x01, 0x13, 0x02, 0x13, 0x03]);
-    hello.extend_from_slice(&[1, 0]); // compression: null
-    hello.extend_from_slice(&(exts.len() as u16).to_be_bytes());
-    hello.extend_from_slice(&exts);
-    let mut hs = vec![1];
-    hs.extend_from_slice(&(hello.len() as u32).to_be_bytes()[1..]);
-    hs.extend_from_slice(&hello);
-    let mut record = vec![0x16, 3, 1];
-    record.extend_from_slice(&(hs.len() as u16).to_be_bytes());
-    record.extend_from_slice(&hs);
-    record
+    palisade::fuzzing::client_hello_bytes(sni, ech)
 }
 
 // ---------------------------------------------------------------------------
@@ -632,7 +583,9 @@ ports = [{HRR_PORT}]
         t.what = format!("{}, retry for the same name", t.what);
         t.send(&client_hello(Some("allowed.test"), false));
         assert!(
-            t.conn.read_until(&HRR_RANDOM, SECS5).is_some(),
+            t.conn
+                .read_until(&HELLO_RETRY_REQUEST_RANDOM, SECS5)
+                .is_some(),
             "{}: no HelloRetryRequest\n{}",
             t.what,
             lab.proxy_output()
@@ -670,7 +623,9 @@ ports = [{HRR_PORT}]
         t.what = format!("{}, retry for another name", t.what);
         t.send(&client_hello(Some("allowed.test"), false));
         assert!(
-            t.conn.read_until(&HRR_RANDOM, SECS5).is_some(),
+            t.conn
+                .read_until(&HELLO_RETRY_REQUEST_RANDOM, SECS5)
+                .is_some(),
             "{}: no HelloRetryRequest\n{}",
             t.what,
             lab.proxy_output()
