@@ -323,6 +323,8 @@ fn record(version: [u8; 2], fragment: &[u8]) -> Vec<u8> {
     let mut r = vec![22, major, minor];
     r.extend(vec16(fragment));
     r
+}
+
 /// What a scripted tunnel pump over an [`HttpGuard`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pumped {

@@ -242,6 +242,7 @@ fn name_rules_never_allow_ip_literals() {
         target: config::RuleTarget::Exact("198.18.9.9".into()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -257,6 +258,7 @@ fn own_listeners_are_never_dialled() {
         target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
