@@ -1999,10 +1999,22 @@ clients = ["198.19.1.0/24"]
         assert_eq!(c.orgs[0].allow[0].tunnel, Some(Carry::Opaque));
         assert_eq!(c.orgs[0].allow[1].tunnel, None);
         let cases = [
-            ("[[org.allow]]\nhost = \"a.com\"\ntunnel = \"ssh\"", "unknown tunnel \"ssh\""),
-            ("[[org.allow]]\ncidr = \"198.18.0.0/15\"\ntunnel = \"tls\"", "a cidr rule's address is its identity"),
-            ("[[org.deny]]\nhost = \"a.com\"\ntunnel = \"tls\"", "only valid on allow rules"),
-            ("[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"", "intercepting rule carries TLS"),
+            (
+                "[[org.allow]]\nhost = \"a.com\"\ntunnel = \"ssh\"",
+                "unknown tunnel \"ssh\"",
+            ),
+            (
+                "[[org.allow]]\ncidr = \"198.18.0.0/15\"\ntunnel = \"tls\"",
+                "a cidr rule's address is its identity",
+            ),
+            (
+                "[[org.deny]]\nhost = \"a.com\"\ntunnel = \"tls\"",
+                "only valid on allow rules",
+            ),
+            (
+                "[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"",
+                "intercepting rule carries TLS",
+            ),
         ];
         for (rule, want) in cases {
             let src = format!("{BASE}{rule}\n");

@@ -17,9 +17,9 @@ use tracing::debug;
 use super::tunnel::{self, Detected};
 use super::{dial, verify, Ctx, DialError, View};
 use crate::config::Carry;
-use crate::proto::guard;
 use crate::evidence::{Kind, Mode, Record};
 use crate::policy::{Reason, Verdict};
+use crate::proto::guard;
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// An allowed target with its upstream connected; the decision record is
@@ -249,7 +249,10 @@ where
         }
         return;
     }
-    relay(&ctx, client, upstream, guard, first, verified, &record, &view).await;
+    relay(
+        &ctx, client, upstream, guard, first, verified, &record, &view,
+    )
+    .await;
 }
 
 /// The bounds a tunnel verifier applies: the explicit listener's head limits.

@@ -258,7 +258,10 @@ async fn handle(
         }
         return;
     }
-    connect::relay(&ctx, client, upstream, guard, first, verified, &record, view).await;
+    connect::relay(
+        &ctx, client, upstream, guard, first, verified, &record, view,
+    )
+    .await;
 }
 
 async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {

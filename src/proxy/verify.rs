@@ -55,8 +55,8 @@ pub fn reason(kind: ViolationKind) -> Reason {
 
 /// The verifier of one tunnel.
 pub enum Guard {
-    Tls(TlsGuard),
-    Http(HttpGuard),
+    Tls(Box<TlsGuard>),
+    Http(Box<HttpGuard>),
 }
 
 impl Guard {
@@ -172,9 +172,9 @@ pub async fn first<R: AsyncRead + Unpin>(
                     Carry::TlsOrHttp | Carry::Opaque => byte == 0x16,
                 };
                 guard = Some(if tls {
-                    Guard::Tls(TlsGuard::new(host.clone()))
+                    Guard::Tls(Box::new(TlsGuard::new(host.clone())))
                 } else {
-                    Guard::Http(HttpGuard::new(host.clone(), port, limits))
+                    Guard::Http(Box::new(HttpGuard::new(host.clone(), port, limits)))
                 });
             }
         }
@@ -416,7 +416,6 @@ where
         let _ = client_w.shutdown().await;
     };
 
-
     // Both directions until both finish; a violation ends the tunnel at
     // once, whatever the upstream is still sending.
     let both = async {
@@ -463,7 +462,11 @@ mod tests {
     }
 
     fn http_guard() -> Guard {
-        Guard::Http(HttpGuard::new(allowed(), 80, guard::Limits::default()))
+        Guard::Http(Box::new(HttpGuard::new(
+            allowed(),
+            80,
+            guard::Limits::default(),
+        )))
     }
 
     #[tokio::test(start_paused = true)]
