@@ -4,5 +4,6 @@
 pub mod client_hello;
 pub mod guard;
 pub mod http_head;
+pub mod http_meter;
 pub mod socks5;
 pub mod target;
