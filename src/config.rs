@@ -207,6 +207,7 @@ struct RawRule {
     cidr: Option<Spanned<String>>,
     ports: Option<Spanned<Vec<Spanned<i64>>>>,
     intercept: Option<Spanned<bool>>,
+    tunnel: Option<Spanned<String>>,
     methods: Option<Spanned<Vec<Spanned<String>>>>,
     paths: Option<Spanned<Vec<Spanned<String>>>>,
     deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
@@ -276,8 +277,10 @@ pub struct RequestRules {
 pub struct PathPattern(pub String);
 
 impl PathPattern {
-    /// Does `path` (no query) match?
-    pub fn matches(&self, path: &str) -> bool {
+    /// Does `path` match? Only a normalised path can be asked
+    /// ([`crate::policy::request`]), never the raw one.
+    pub fn matches(&self, path: &crate::policy::request::NormalPath) -> bool {
+        let path = path.as_str();
         if !self.0.contains('*') {
             return path.starts_with(&self.0);
         }
@@ -332,8 +335,18 @@ pub struct CredentialConfig {
 }
 
 impl CredentialConfig {
-    /// Does this credential apply to a request for `host` (normalised name)?
-    pub fn applies(&self, host: &str, method: &str, path: &str) -> bool {
+    /// Does this credential apply to a request for `host` (normalised name)
+    /// with this `method` (compared exactly) and normalised `path`? Never to
+    /// `TRACE` or `TRACK`, which echo the request back.
+    pub fn applies(
+        &self,
+        host: &str,
+        method: &str,
+        path: &crate::policy::request::NormalPath,
+    ) -> bool {
+        if crate::policy::request::is_trace(method) {
+            return false;
+        }
         let host_ok = match &self.host {
             RuleTarget::Exact(n) => n == host,
             RuleTarget::Below(s) => host
@@ -674,6 +687,65 @@ pub struct RuleConfig {
     /// `intercept = true` and its request rules (allow host rules only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub intercept: Option<RequestRules>,
+    /// `tunnel = ...` (allow host rules only): what the rule's tunnels may
+    /// carry. `None`: the per-port default ([`Carry::default_for_port`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<Carry>,
+}
+
+/// What a tunnel allowed by a host rule may carry, verified from its first
+/// byte to its last (see `src/proxy/verify.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Carry {
+    /// TLS whose every plaintext ClientHello names the rule's host (no ECH).
+    Tls,
+    /// HTTP/1 whose every request names the rule's host (no h2c).
+    Http,
+    /// TLS or HTTP, told apart by the first bytes, then verified as such.
+    TlsOrHttp,
+    /// Anything, unverified: the rule's author accepts that the name is
+    /// checked only where the client names it at the start.
+    Opaque,
+}
+
+impl Carry {
+    pub const NAMES: [&'static str; 4] = ["tls", "http", "tls-or-http", "opaque"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Carry::Tls => "tls",
+            Carry::Http => "http",
+            Carry::TlsOrHttp => "tls-or-http",
+            Carry::Opaque => "opaque",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Carry> {
+        match text {
+            "tls" => Some(Carry::Tls),
+            "http" => Some(Carry::Http),
+            "tls-or-http" => Some(Carry::TlsOrHttp),
+            "opaque" => Some(Carry::Opaque),
+            _ => None,
+        }
+    }
+
+    /// A host rule without `tunnel`: TLS on 443, HTTP on 80, and TLS or
+    /// HTTP (verified either way) on any other port.
+    pub fn default_for_port(port: u16) -> Carry {
+        match port {
+            443 => Carry::Tls,
+            80 => Carry::Http,
+            _ => Carry::TlsOrHttp,
+        }
+    }
+}
+
+impl fmt::Display for Carry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What a rule matches.
@@ -911,15 +983,30 @@ fn validate_intercept(raw: RawIntercept, errors: &mut Errors<'_>) -> InterceptCo
 
 type RawList = Option<Spanned<Vec<Spanned<String>>>>;
 
-/// HTTP method tokens: upper-case letters (RFC 9110 methods are case-sensitive).
+/// Registered methods: a case variant of one (`get`) is refused in config,
+/// since matching is exact and it would only ever match that odd spelling.
+const REGISTERED_METHODS: [&str; 10] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "TRACK", "PATCH",
+];
+
+/// HTTP methods: RFC 9110 tokens, matched exactly (methods are
+/// case-sensitive), so a case variant of a registered method is refused.
 fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for m in value.map(Spanned::into_inner).unwrap_or_default() {
         let text = m.get_ref().trim();
-        if text.is_empty() || text.len() > 32 || !text.bytes().all(|b| b.is_ascii_uppercase()) {
+        let variant = REGISTERED_METHODS
+            .iter()
+            .find(|r| r.eq_ignore_ascii_case(text) && **r != text);
+        if !crate::policy::request::is_method_token(text) {
             errors.at(
                 m.span(),
-                format!("invalid method {text:?} (upper-case letters, e.g. \"GET\")"),
+                format!("invalid method {text:?} (an RFC 9110 token, e.g. \"GET\")"),
+            );
+        } else if let Some(r) = variant {
+            errors.at(
+                m.span(),
+                format!("invalid method {text:?}: methods are case-sensitive, write {r:?}"),
             );
         } else if !out.iter().any(|o| o == text) {
             out.push(text.to_string());
@@ -928,7 +1015,9 @@ fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
     out
 }
 
-/// Path rules: start with `/`, printable ASCII, no `%` escapes.
+/// Path rules: start with `/`, printable ASCII, no `%` escapes, and in the
+/// normal form requests are matched in (no `.`/`..` or empty segments, no
+/// `;`, no `\\`): a rule that no normalised path can match is a mistake.
 fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
     let mut out = Vec::new();
     for p in value.map(Spanned::into_inner).unwrap_or_default() {
@@ -941,6 +1030,11 @@ fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
                     "invalid path rule {text:?} (starts with '/', printable ASCII, no '%'; \
                      '*' matches anything)"
                 ),
+            );
+        } else if let Err(why) = crate::policy::request::NormalPath::parse(text) {
+            errors.at(
+                p.span(),
+                format!("invalid path rule {text:?}: requests are matched normalised, and {why}"),
             );
         } else {
             out.push(PathPattern(text.to_string()));
@@ -1642,6 +1736,7 @@ fn validate_rules(
             cidr: cidr_value,
             ports,
             intercept,
+            tunnel,
             methods: allow_methods,
             paths: allow_paths,
             deny_methods,
@@ -1675,6 +1770,33 @@ fn validate_rules(
                 None
             }
         };
+
+        let tunnel = tunnel.and_then(|t| {
+            let Some(carry) = Carry::parse(t.get_ref()) else {
+                errors.at(
+                    t.span(),
+                    format!(
+                        "unknown tunnel {:?} (one of {})",
+                        t.get_ref(),
+                        Carry::NAMES.join(", ")
+                    ),
+                );
+                return None;
+            };
+            if kind != "allow" || host.is_none() {
+                errors.at(
+                    t.span(),
+                    "tunnel is only valid on allow rules with a host \
+                     (a cidr rule's address is its identity: its tunnels are opaque)",
+                );
+            } else if intercept.is_some() && carry != Carry::Tls {
+                errors.at(
+                    t.span(),
+                    "an intercepting rule carries TLS: tunnel must be \"tls\" or omitted",
+                );
+            }
+            Some(carry)
+        });
 
         let id = match id {
             Some(id) => {
@@ -1742,6 +1864,7 @@ fn validate_rules(
                 target,
                 ports,
                 intercept,
+                tunnel,
             });
         }
     }
@@ -1864,6 +1987,70 @@ clients = ["198.19.1.0/24"]
             let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
             assert!((9..=11).contains(&line), "{rule}: {e}");
         }
+    }
+
+    #[test]
+    fn tunnel_key_is_checked_and_located() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+             [[org.allow]]\nhost = \"b.com\"\n"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].allow[0].tunnel, Some(Carry::Opaque));
+        assert_eq!(c.orgs[0].allow[1].tunnel, None);
+        let cases = [
+            (
+                "[[org.allow]]\nhost = \"a.com\"\ntunnel = \"ssh\"",
+                "unknown tunnel \"ssh\"",
+            ),
+            (
+                "[[org.allow]]\ncidr = \"198.18.0.0/15\"\ntunnel = \"tls\"",
+                "a cidr rule's address is its identity",
+            ),
+            (
+                "[[org.deny]]\nhost = \"a.com\"\ntunnel = \"tls\"",
+                "only valid on allow rules",
+            ),
+            (
+                "[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"",
+                "intercepting rule carries TLS",
+            ),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((10..=12).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn policy_answers_what_a_rule_carries() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nid = \"ssh\"\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+             [[org.allow]]\nid = \"web\"\nhost = \"b.com\"\nports = [80, 443, 8080]\n\
+             [[org.allow]]\nid = \"forced\"\nhost = \"c.com\"\nports = [443, 8443]\ntunnel = \"http\"\n\
+             [[org.allow]]\nid = \"net\"\ncidr = \"198.18.0.0/15\"\n"
+        );
+        let policy = crate::policy::Policy::new(&parse(&src).unwrap());
+        let org = policy.org_for("198.19.1.2".parse().unwrap()).unwrap();
+        let carry = |rule: &str, name: bool, port| policy.carry(&org, Some(rule), name, port);
+        assert_eq!(carry("ssh", true, 22), Carry::Opaque);
+        assert_eq!(carry("web", true, 443), Carry::Tls);
+        assert_eq!(carry("web", true, 80), Carry::Http);
+        assert_eq!(carry("web", true, 8080), Carry::TlsOrHttp);
+        assert_eq!(carry("forced", true, 443), Carry::Http);
+        assert_eq!(carry("net", false, 443), Carry::Opaque);
+        // Report mode without an allow rule: the port decides.
+        assert_eq!(policy.carry(&org, None, true, 443), Carry::Tls);
+    }
+
+    #[test]
+    fn tunnel_defaults_by_port() {
+        assert_eq!(Carry::default_for_port(443), Carry::Tls);
+        assert_eq!(Carry::default_for_port(80), Carry::Http);
+        assert_eq!(Carry::default_for_port(8443), Carry::TlsOrHttp);
     }
 
     #[test]
@@ -2125,12 +2312,49 @@ mod intercept_tests {
     #[test]
     fn path_patterns() {
         let p = |s: &str| PathPattern(s.to_string());
-        assert!(p("/simple/").matches("/simple/x/"));
-        assert!(!p("/simple/").matches("/simplex"));
-        assert!(p("/p/*.whl").matches("/p/a/b-1.0.whl"));
-        assert!(!p("/p/*.whl").matches("/p/a.whl.tar"));
-        assert!(p("*").matches("/anything"));
-        assert!(p("/a*b*c").matches("/a--b--c"));
-        assert!(!p("/a*b*c").matches("/a--c--b"));
+        let n = |s: &str| crate::policy::request::NormalPath::parse(s).unwrap();
+        assert!(p("/simple/").matches(&n("/simple/x/")));
+        assert!(!p("/simple/").matches(&n("/simplex")));
+        assert!(p("/p/*.whl").matches(&n("/p/a/b-1.0.whl")));
+        assert!(!p("/p/*.whl").matches(&n("/p/a.whl.tar")));
+        assert!(p("*").matches(&n("/anything")));
+        assert!(p("/a*b*c").matches(&n("/a--b--c")));
+        assert!(!p("/a*b*c").matches(&n("/a--c--b")));
+        // Matched after decoding unreserved escapes.
+        assert!(p("/api/internal*").matches(&n("/api/%69nternal")));
+    }
+
+    #[test]
+    fn methods_are_tokens_and_path_rules_are_normal() {
+        let rule = |k: &str, v: &str| {
+            errors(&format!(
+                "[[org.allow]]\nhost = \"x.test\"\nintercept = true\n{k} = [{v}]\n"
+            ))
+        };
+        for ok in ["\"GET\"", "\"PROPFIND\"", "\"M-SEARCH\"", "\"TRACE\""] {
+            assert!(
+                rule("methods", ok).is_empty(),
+                "{ok}: {:?}",
+                rule("methods", ok)
+            );
+        }
+        for (bad, want) in [
+            ("\"get\"", "case-sensitive, write \"GET\""),
+            ("\"Delete\"", "case-sensitive"),
+            ("\"GE T\"", "RFC 9110 token"),
+            ("\"\"", "RFC 9110 token"),
+        ] {
+            let e = rule("deny_methods", bad);
+            assert!(e.iter().any(|e| e.contains(want)), "{bad}: {e:?}");
+        }
+        for bad in ["/a/../b", "/a//b", "/a;x", "/a\\b", "/./x"] {
+            let e = rule("paths", &format!("{bad:?}"));
+            assert!(
+                e.iter()
+                    .any(|e| e.contains("requests are matched normalised")),
+                "{bad}: {e:?}"
+            );
+        }
+        assert!(rule("deny_paths", "\"/api/internal*\", \"/x/...\"").is_empty());
     }
 }

@@ -9,7 +9,8 @@ use hickory_server::proto::rr::RecordType;
 
 use crate::config::Config;
 use crate::dns::decide::{decide_query, OrgDns};
-use crate::policy::{Policy, Reason, Verdict};
+use crate::policy::request::RequestFacts;
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{ExplainTarget, Host};
 use crate::proxy::decide_with;
 use crate::resolve::Resolver;
@@ -37,18 +38,26 @@ pub struct Explanation {
 }
 
 /// A request-level decision inside an intercepted connection.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct RequestExplanation {
     pub method: String,
+    /// The path as given.
     pub path: String,
+    /// The path the rules matched (`None`: normalisation refused it).
+    pub normalised_path: Option<String>,
     pub decision: &'static str,
     pub reason: Reason,
     pub rule: Option<String>,
+    /// Why a refusal refused (the evidence record's `detail`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
     /// Ids of the credentials that would be added (never their values).
     pub credentials: Vec<String>,
 }
 
-/// The path of an `http(s)://host/path` target (no query), if it has one.
+/// The path of an `http(s)://host/path` target (no query), if it has one,
+/// as a client would send it (the authority ends where
+/// [`crate::proto::target::parse_explain_target`] ends it).
 pub fn target_path(target: &str) -> Option<String> {
     let lower = target.get(..8).unwrap_or(target).to_ascii_lowercase();
     let rest = if lower.starts_with("https://") {
@@ -58,12 +67,50 @@ pub fn target_path(target: &str) -> Option<String> {
     } else {
         return None;
     };
-    let path = match rest.find('/') {
-        Some(i) => rest.get(i..)?,
-        None => "/",
+    let path = match rest.find(['/', '?', '#', '\\']) {
+        Some(i) if !rest[i..].starts_with(['?', '#']) => rest.get(i..)?,
+        _ => "/",
     };
     let end = path.find(['?', '#']).unwrap_or(path.len());
     Some(path.get(..end).unwrap_or(path).to_string())
+}
+
+/// The decision the proxy takes on `method path` inside a connection to
+/// `name` that `rule` of `org` intercepts: [`Policy::decide_request`], the
+/// call the live path makes, with the org's credentials from `config`.
+pub fn request_explanation(
+    policy: &Policy,
+    config: &Config,
+    org: &OrgRef,
+    rule: &str,
+    name: &str,
+    (method, path): (&str, &str),
+) -> RequestExplanation {
+    let credentials = config
+        .orgs
+        .get(org.index)
+        .map_or(&[][..], |o| o.credentials.as_slice());
+    let req = RequestFacts {
+        host: name,
+        method,
+        path,
+    };
+    let d = policy.decide_request(org, rule, req, credentials);
+    RequestExplanation {
+        method: method.to_string(),
+        path: path.to_string(),
+        normalised_path: d.path.as_ref().map(|p| p.to_string()),
+        decision: d.verdict.reason.decision(),
+        reason: d.verdict.reason,
+        rule: d.verdict.rule.as_ref().map(|r| r.to_string()),
+        detail: d.detail,
+        credentials: d
+            .credentials
+            .iter()
+            .filter_map(|&i| credentials.get(i))
+            .map(|c| c.id.clone())
+            .collect(),
+    }
 }
 
 fn explanation(
@@ -146,30 +193,14 @@ pub async fn explain_request(
                 (allowed, rule, request, host)
             {
                 if policy.intercept_rules(&org, &rule).is_some() {
-                    let v = policy.decide_request(&org, &rule, method, path);
-                    let credentials = config
-                        .orgs
-                        .get(org.index)
-                        .map(|o| {
-                            o.credentials
-                                .iter()
-                                .filter(|c| c.applies(name, method, path))
-                                .map(|c| c.id.clone())
-                                .collect()
-                        })
-                        .unwrap_or_default();
-                    x.request = Some(RequestExplanation {
-                        method: method.to_string(),
-                        path: path.to_string(),
-                        decision: v.reason.decision(),
-                        reason: v.reason,
-                        rule: v.rule.as_ref().map(|r| r.to_string()),
-                        credentials: if v.is_allow() {
-                            credentials
-                        } else {
-                            Vec::new()
-                        },
-                    });
+                    x.request = Some(request_explanation(
+                        &policy,
+                        config,
+                        &org,
+                        &rule,
+                        name,
+                        (method, path),
+                    ));
                 }
             }
             x
@@ -226,13 +257,183 @@ impl std::fmt::Display for Explanation {
         }
         if let Some(r) = &self.request {
             writeln!(f, "intercepted request: {} {}", r.method, r.path)?;
+            match &r.normalised_path {
+                Some(p) if *p != r.path => writeln!(f, "  path:     {p} (normalised)")?,
+                _ => {}
+            }
             writeln!(f, "  decision: {}", r.decision)?;
             writeln!(f, "  reason:   {}", r.reason)?;
             writeln!(f, "  rule:     {}", r.rule.as_deref().unwrap_or("(none)"))?;
+            if let Some(d) = &r.detail {
+                writeln!(f, "  detail:   {d}")?;
+            }
             if !r.credentials.is_empty() {
                 writeln!(f, "  adds credential: {}", r.credentials.join(", "))?;
             }
         }
         write!(f, "policy:   {}", self.policy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    const POLICY: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+
+[[org.allow]]
+id = "registry"
+host = "reg.test"
+intercept = true
+methods = ["GET", "HEAD", "POST", "TRACE"]
+paths = ["/simple/", "/api/*"]
+deny_paths = ["/api/internal*"]
+
+[[org.allow]]
+id = "open"
+host = "open.test"
+intercept = true
+
+[[org.credential]]
+id = "all"
+host = "reg.test"
+header = "Authorization"
+secret_env = "T1"
+
+[[org.credential]]
+id = "scoped"
+host = "reg.test"
+header = "X-Scoped"
+paths = ["/api/public/"]
+secret_env = "T2"
+
+[[org.credential]]
+id = "open-scoped"
+host = "open.test"
+header = "X-Open"
+methods = ["GET"]
+paths = ["/scoped/"]
+secret_env = "T3"
+"#;
+
+    /// `explain`'s request decision is the live path's, for encoded,
+    /// dot-segment and parameter paths, odd methods, HTTP/1.1 and HTTP/2.
+    #[test]
+    fn explain_decides_requests_as_the_live_path_does() {
+        let config = crate::config::from_str(POLICY, Path::new("p.toml")).unwrap();
+        let policy = Policy::new(&config);
+        let org = policy.org_for("198.19.1.5".parse().unwrap()).unwrap();
+        let creds = &config.orgs[0].credentials;
+        let methods = ["GET", "get", "POST", "DELETE", "TRACE", "trace", "TRACK"];
+        let paths = [
+            "/",
+            "/simple/x",
+            "/%73imple/x",
+            "/api/internal",
+            "/api/%69nternal",
+            "/api/%49nternal",
+            "/api/public/x",
+            "/api/%70ublic/x",
+            "/api/public/../internal",
+            "/api/public/..;/internal",
+            "/api/public/.;x/internal",
+            "/api/public/..;jsessionid=1/internal",
+            "/simple/%2e%2e/api/internal",
+            "/simple/%2fapi",
+            "/simple/a%5cb",
+            "/simple//x",
+            "/simple/x;jsessionid=1",
+            "/simple/%zz",
+            "/simple/%00",
+            "/simple/%2569",
+            "/simple/a\\b",
+            "/simple/%3F/x",
+            "/scoped/x",
+            "/%73coped/x",
+            "/scoped/../x",
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for (rule, name) in [("registry", "reg.test"), ("open", "open.test")] {
+            for method in methods {
+                for path in paths {
+                    let explained =
+                        request_explanation(&policy, &config, &org, rule, name, (method, path));
+                    for h2 in [false, true] {
+                        let mut b = http::Request::builder()
+                            .method(http::Method::from_bytes(method.as_bytes()).unwrap());
+                        b = if h2 {
+                            b.version(http::Version::HTTP_2)
+                                .uri(format!("https://{name}{path}"))
+                        } else {
+                            b.uri(path).header(http::header::HOST, name)
+                        };
+                        let parts = b.body(()).unwrap().into_parts().0;
+                        let live = crate::intercept::serve::decide_parts(
+                            &policy,
+                            &org,
+                            rule,
+                            (name, 443),
+                            &parts,
+                            creds,
+                        );
+                        let ctx = format!("{rule} {method} {path} h2={h2}");
+                        assert_eq!(explained.reason, live.verdict.reason, "{ctx}");
+                        assert_eq!(
+                            explained.rule.as_deref(),
+                            live.verdict.rule.as_deref(),
+                            "{ctx}"
+                        );
+                        assert_eq!(explained.detail, live.detail, "{ctx}");
+                        assert_eq!(
+                            explained.normalised_path,
+                            live.path.as_ref().map(|p| p.to_string()),
+                            "{ctx}"
+                        );
+                        let ids: Vec<String> = live
+                            .credentials
+                            .iter()
+                            .map(|&i| creds[i].id.clone())
+                            .collect();
+                        assert_eq!(explained.credentials, ids, "{ctx}");
+                    }
+                    seen.insert((explained.reason, explained.credentials.join(",")));
+                }
+            }
+        }
+        // The sample exercises every outcome, credentials included.
+        for want in [
+            (Reason::RuleMatch, "all"),
+            (Reason::RuleMatch, "all,scoped"),
+            (Reason::RuleMatch, "open-scoped"),
+            (Reason::RuleMatch, ""),
+            (Reason::PathNotAllowed, ""),
+            (Reason::MethodNotAllowed, ""),
+        ] {
+            assert!(
+                seen.contains(&(want.0, want.1.to_string())),
+                "{want:?} not in {seen:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn target_paths() {
+        for (target, want) in [
+            (
+                "https://reg.test/api/%69nternal?x=1",
+                Some("/api/%69nternal"),
+            ),
+            ("https://reg.test", Some("/")),
+            ("https://reg.test?x=/a", Some("/")),
+            ("HTTPS://reg.test/a/..;/b#f", Some("/a/..;/b")),
+            ("https://reg.test\\..\\x", Some("\\..\\x")),
+            ("reg.test:443", None),
+        ] {
+            assert_eq!(target_path(target).as_deref(), want, "{target}");
+        }
     }
 }

@@ -3,9 +3,12 @@
 //! fuzz run in the test suite (`tests/fuzz_smoke.rs`) check the same thing.
 //! Each panics only when a property is broken.
 
+use crate::proto::guard::{Limits, Step};
+use crate::proto::http_stream::HttpGuard;
 use crate::proto::target::{
     normalize_host, parse_authority, parse_explain_target, ExplainTarget, Host,
 };
+use crate::proto::tls_stream::{TlsGuard, HELLO_RETRY_REQUEST_RANDOM};
 use crate::proto::{client_hello, http_head};
 
 /// A ClientHello parse never claims more bytes than it was given.
@@ -71,5 +74,346 @@ pub fn config(data: &[u8]) {
                 assert!(e.line >= 1 && e.col >= 1, "{e}");
             }
         }
+    }
+}
+
+/// The host the [`tls_stream`] property's tunnel is for (the SNI of the
+/// captured hellos in `tests/data`).
+const TLS_STREAM_HOST: &str = "api.example.com";
+
+/// TLS tunnel verification of `data` as the client's byte stream, under
+/// several upstream behaviours (none, HelloRetryRequest, ServerHello, both,
+/// garbage, `data` itself before and after the first hello): fed whole, in
+/// pseudo-random chunks and (when short) byte by byte, the outcome and the
+/// number of bytes forwarded are the same; never more than given is
+/// forwarded; the same question gets the same answer; and the verifier never
+/// turns opaque without a ServerHello after the first ClientHello.
+pub fn tls_stream(data: &[u8]) {
+    let host = Host::Name(TLS_STREAM_HOST.to_owned());
+    let first_len = match client_hello::parse(data) {
+        client_hello::Parse::Done { len, .. } => len,
+        _ => 0,
+    };
+    let hrr = server_hello_bytes(true);
+    let sh = server_hello_bytes(false);
+    let garbage: &[u8] = b"HTTP/1.1 400 Bad Request\r\n\r\n";
+    // (upstream bytes; whether the verifier may end up opaque)
+    let scenarios: [(&[UpstreamAt], bool); 7] = [
+        (&[], false),
+        (&[(1, &hrr)], false),
+        (&[(1, &sh)], true),
+        (&[(1, &hrr), (first_len + 1, &sh)], true),
+        (&[(1, garbage), (first_len + 1, &sh)], false),
+        (&[(0, data), (first_len + 1, &sh)], false),
+        (&[(1, data)], true),
+    ];
+    let mut chunkings: Vec<Vec<&[u8]>> = vec![random_chunks(data)];
+    if data.len() <= 512 {
+        chunkings.push(data.chunks(1).collect());
+    }
+    for (upstream, may_open) in scenarios {
+        let whole = drive_tls(&host, &[data], upstream);
+        assert!(
+            whole.1 <= data.len(),
+            "forwarded {} of {}",
+            whole.1,
+            data.len()
+        );
+        if !may_open {
+            assert_ne!(whole.0, Step::Opaque, "opaque without a ServerHello");
+        }
+        for chunks in &chunkings {
+            assert_eq!(
+                drive_tls(&host, chunks, upstream),
+                whole,
+                "split into {} chunks",
+                chunks.len()
+            );
+        }
+    }
+}
+
+/// Upstream bytes a [`drive_tls`] run observes once at least this many
+/// client bytes have been forwarded.
+pub(crate) type UpstreamAt<'a> = (usize, &'a [u8]);
+
+/// Feed `chunks` of client bytes to a [`TlsGuard`] as a tunnel pump would,
+/// observing each `upstream` entry's bytes once at least that many client
+/// bytes have been forwarded (entries in order). Returns the final step
+/// (`NeedMore`, `Opaque` or `Deny`) and the number of client bytes forwarded.
+pub(crate) fn drive_tls(host: &Host, chunks: &[&[u8]], upstream: &[UpstreamAt]) -> (Step, usize) {
+    let mut guard = TlsGuard::new(host.clone());
+    let mut upstream = upstream.iter().peekable();
+    let mut held: Vec<u8> = Vec::new();
+    let mut forwarded = 0;
+    let mut opaque = false;
+    for chunk in chunks {
+        if opaque {
+            forwarded += chunk.len();
+            continue;
+        }
+        held.extend_from_slice(chunk);
+        loop {
+            while let Some((_, bytes)) = upstream.next_if(|(at, _)| *at <= forwarded) {
+                guard.server(bytes);
+            }
+            let step = guard.client(&held);
+            if !matches!(step, Step::Forward(_)) {
+                assert_eq!(guard.client(&held), step, "asked twice");
+            }
+            match step {
+                Step::Forward(n) => {
+                    assert!(n > 0 && n <= held.len(), "Forward({n}) of {}", held.len());
+                    held.drain(..n);
+                    forwarded += n;
+                }
+                Step::NeedMore => break,
+                Step::Opaque => {
+                    forwarded += held.len();
+                    held.clear();
+                    opaque = true;
+                    break;
+                }
+                Step::Wait => panic!("TlsGuard never waits for the upstream"),
+                Step::Deny(_) => return (step, forwarded),
+            }
+        }
+    }
+    let end = if opaque { Step::Opaque } else { Step::NeedMore };
+    (end, forwarded)
+}
+
+/// `data` cut into chunks of 1..=64 bytes, the cuts derived from `data`.
+fn random_chunks(data: &[u8]) -> Vec<&[u8]> {
+    // FNV-1a of the data seeds a xorshift64.
+    let mut x = data.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    }) | 1;
+    let mut out = Vec::new();
+    let mut rest = data;
+    while !rest.is_empty() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let n = usize::try_from(x % 64).unwrap_or(0) + 1;
+        let (chunk, tail) = rest.split_at_checked(n).unwrap_or((rest, &[]));
+        out.push(chunk);
+        rest = tail;
+    }
+    out
+}
+
+/// legacy_session_id of the built hellos (TLS 1.3 middlebox compatibility
+/// mode, RFC 8446 §D.4), echoed by the built ServerHello.
+const BUILT_SESSION_ID: [u8; 32] = [0x5a; 32];
+/// An X25519 public key (RFC 7748 §6.1, Alice's).
+const BUILT_X25519_SHARE: [u8; 32] = [
+    0x85, 0x20, 0xf0, 0x09, 0x89, 0x30, 0xa7, 0x54, 0x74, 0x8b, 0x7d, 0xdc, 0xb4, 0x3e, 0xf7, 0x5a,
+    0x0d, 0xbf, 0x3a, 0x0d, 0x26, 0x38, 0x1a, 0xf4, 0xeb, 0xa4, 0xa9, 0x8e, 0xaa, 0x9b, 0x4e, 0x6a,
+];
+
+/// A TLS 1.3 ClientHello in one handshake record (RFC 8446 §4.1.2), as a
+/// client would send it first: `sni` as the server_name host_name, written
+/// as given (None: no server_name extension); `ech`: with an outer
+/// encrypted_client_hello extension (draft-ietf-tls-esni §5), as sent when
+/// the real name is hidden. For tests, integration tests and probes that
+/// must send raw hellos; names over 16 KiB give a malformed hello.
+pub fn client_hello_bytes(sni: Option<&str>, ech: bool) -> Vec<u8> {
+    let mut exts = Vec::new();
+    if let Some(name) = sni {
+        // server_name (RFC 6066 §3): one host_name(0) entry.
+        let mut entry = vec![0];
+        entry.extend(vec16(name.as_bytes()));
+        push_ext(&mut exts, 0x0000, &vec16(&entry));
+    }
+    // supported_versions (RFC 8446 §4.2.1): TLS 1.3, TLS 1.2.
+    push_ext(&mut exts, 0x002b, &[4, 0x03, 0x04, 0x03, 0x03]);
+    // supported_groups (RFC 8446 §4.2.7): x25519, secp256r1.
+    push_ext(&mut exts, 0x000a, &vec16(&[0x00, 0x1d, 0x00, 0x17]));
+    // signature_algorithms (RFC 8446 §4.2.3): ecdsa_secp256r1_sha256,
+    // rsa_pss_rsae_sha256, rsa_pkcs1_sha256, ed25519.
+    push_ext(
+        &mut exts,
+        0x000d,
+        &vec16(&[0x04, 0x03, 0x08, 0x04, 0x04, 0x01, 0x08, 0x07]),
+    );
+    // key_share (RFC 8446 §4.2.8): one x25519 share.
+    let mut share = vec![0x00, 0x1d];
+    share.extend(vec16(&BUILT_X25519_SHARE));
+    push_ext(&mut exts, 0x0033, &vec16(&share));
+    // psk_key_exchange_modes (RFC 8446 §4.2.9): psk_dhe_ke.
+    push_ext(&mut exts, 0x002d, &[1, 1]);
+    // application_layer_protocol_negotiation (RFC 7301 §3.1): h2, http/1.1.
+    push_ext(&mut exts, 0x0010, &vec16(b"\x02h2\x08http/1.1"));
+    if ech {
+        // ECHClientHello outer(0): HPKE HKDF-SHA256(1)/AES-128-GCM(1),
+        // config_id, enc, payload (draft-ietf-tls-esni §5).
+        let mut e = vec![0, 0x00, 0x01, 0x00, 0x01, 0x2a];
+        e.extend(vec16(&[0x11; 32]));
+        e.extend(vec16(&[0x22; 144]));
+        push_ext(&mut exts, 0xfe0d, &e);
+    }
+    let mut body = vec![0x03, 0x03]; // legacy_version
+    body.extend([0x3c; 32]); // random
+    body.push(32);
+    body.extend(BUILT_SESSION_ID);
+    // cipher_suites: TLS_AES_128_GCM_SHA256, TLS_AES_256_GCM_SHA384,
+    // TLS_CHACHA20_POLY1305_SHA256, two TLS 1.2 ECDHE-GCM suites.
+    body.extend(vec16(&[
+        0x13, 0x01, 0x13, 0x02, 0x13, 0x03, 0xc0, 0x2b, 0xc0, 0x2f,
+    ]));
+    body.extend([1, 0]); // legacy_compression_methods: null
+    body.extend(vec16(&exts));
+    // legacy_record_version 0x0301 for the first hello (RFC 8446 §5.1).
+    record([0x03, 0x01], &handshake(1, &body))
+}
+
+/// A TLS 1.3 ServerHello in one handshake record (RFC 8446 §4.1.3); `hrr`:
+/// a HelloRetryRequest (its random is the SHA-256 of "HelloRetryRequest")
+/// asking for a secp256r1 share.
+pub fn server_hello_bytes(hrr: bool) -> Vec<u8> {
+    let mut body = vec![0x03, 0x03]; // legacy_version
+    body.extend(if hrr {
+        HELLO_RETRY_REQUEST_RANDOM
+    } else {
+        [0x6b; 32]
+    });
+    body.push(32);
+    body.extend(BUILT_SESSION_ID);
+    body.extend([0x13, 0x01, 0]); // cipher_suite, legacy_compression_method
+    let mut exts = Vec::new();
+    push_ext(&mut exts, 0x002b, &[0x03, 0x04]); // supported_versions: TLS 1.3
+    if hrr {
+        // key_share in a HelloRetryRequest: selected_group (RFC 8446 §4.2.8).
+        push_ext(&mut exts, 0x0033, &[0x00, 0x17]);
+    } else {
+        let mut share = vec![0x00, 0x1d];
+        share.extend(vec16(&BUILT_X25519_SHARE));
+        push_ext(&mut exts, 0x0033, &share);
+    }
+    body.extend(vec16(&exts));
+    record([0x03, 0x03], &handshake(2, &body))
+}
+
+/// `opaque x<0..2^16-1>`: u16 length, then the bytes.
+fn vec16(data: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(data.len()).unwrap_or(u16::MAX);
+    let mut v = len.to_be_bytes().to_vec();
+    v.extend_from_slice(data);
+    v
+}
+
+/// Extension: type(2), then its data as `opaque<0..2^16-1>` (RFC 8446 §4.2).
+fn push_ext(exts: &mut Vec<u8>, ext_type: u16, data: &[u8]) {
+    exts.extend(ext_type.to_be_bytes());
+    exts.extend(vec16(data));
+}
+
+/// Handshake message: msg_type(1) length(3) body (RFC 8446 §4).
+fn handshake(msg_type: u8, body: &[u8]) -> Vec<u8> {
+    let [_, a, b, c] = u32::try_from(body.len()).unwrap_or(u32::MAX).to_be_bytes();
+    let mut m = vec![msg_type, a, b, c];
+    m.extend_from_slice(body);
+    m
+}
+
+/// One handshake record (RFC 8446 §5.1).
+fn record(version: [u8; 2], fragment: &[u8]) -> Vec<u8> {
+    let [major, minor] = version;
+    let mut r = vec![22, major, minor];
+    r.extend(vec16(fragment));
+    r
+}
+
+/// What a scripted tunnel pump over an [`HttpGuard`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pumped {
+    /// Client bytes forwarded upstream (all of them once `Opaque`).
+    pub forwarded: usize,
+    /// The last answer that was not `Forward`.
+    pub end: Step,
+    pub requests: u64,
+    pub first_host: Option<String>,
+}
+
+/// A sans-IO tunnel pump, as the proxy's runs it: the client's bytes arrive
+/// in `client` pieces and the guard is asked about the held bytes until it
+/// stops forwarding; the upstream's bytes (in `server` pieces) pass the
+/// first time it answers `Wait`, or once the client's bytes are all in.
+/// Panics if the guard breaks the [`crate::proto::guard`] protocol: a
+/// `Forward` of nothing or of more than is held, or another answer when
+/// asked again about the same bytes.
+pub fn pump_http(guard: &mut HttpGuard, client: &[&[u8]], server: &[&[u8]]) -> Pumped {
+    let total = client.iter().map(|c| c.len()).sum();
+    let mut pieces = client.iter();
+    let mut held = Vec::new();
+    let mut forwarded = 0;
+    let mut served = false;
+    let end = loop {
+        let step = guard.client(&held);
+        if let Step::Forward(n) = step {
+            assert!(n > 0 && n <= held.len(), "Forward({n}) of {}", held.len());
+            forwarded += n;
+            held.drain(..n);
+            continue;
+        }
+        assert_eq!(guard.client(&held), step, "asked again");
+        match step {
+            Step::Opaque => {
+                forwarded = total;
+                break step;
+            }
+            Step::Deny(_) => break step,
+            Step::Wait if !served => {}
+            _ => match pieces.next() {
+                Some(piece) => {
+                    held.extend_from_slice(piece);
+                    continue;
+                }
+                None if served => break step,
+                None => {}
+            },
+        }
+        for s in server {
+            guard.server(s);
+        }
+        served = true;
+    };
+    Pumped {
+        forwarded,
+        end,
+        requests: guard.requests(),
+        first_host: guard.first_host().map(str::to_owned),
+    }
+}
+
+/// The HTTP tunnel verifier: the client's bytes (before the first `00 00`;
+/// the upstream's after it) fed whole, byte by byte or in pieces of a few
+/// sizes, give the same forwarded length, final answer and requests; it
+/// never forwards more than it was given and never panics.
+pub fn http_stream(data: &[u8]) {
+    let (client, server) = match data.windows(2).position(|w| w == [0, 0]) {
+        Some(i) => (
+            data.get(..i).unwrap_or_default(),
+            data.get(i + 2..).unwrap_or_default(),
+        ),
+        None => (data, &[][..]),
+    };
+    let run = |client: Vec<&[u8]>, server: Vec<&[u8]>| {
+        let limits = Limits {
+            max_head_bytes: 1024,
+            max_headers: 16,
+        };
+        let mut guard = HttpGuard::new(Host::Name("a.test".into()), 80, limits);
+        pump_http(&mut guard, &client, &server)
+    };
+    let whole = run(vec![client], vec![server]);
+    assert!(whole.forwarded <= client.len());
+    for size in [1, 2, 3, 7, 64] {
+        let pieces = run(
+            client.chunks(size).collect(),
+            server.chunks(size + 1).collect(),
+        );
+        assert_eq!(pieces, whole, "pieces of {size}");
     }
 }

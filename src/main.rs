@@ -45,7 +45,7 @@ enum Command {
         #[arg(long)]
         json: bool,
         /// For an https:// target on an intercepted host: the request method
-        /// to decide (with the target's path).
+        /// to decide (with the target's path), as sent: methods are case-sensitive.
         #[arg(long)]
         method: Option<String>,
     },
@@ -427,7 +427,6 @@ fn explain(
         Err(code) => return code,
     };
     let req_path = palisade::explain::target_path(target_text);
-    let method = method.map(|m| m.to_ascii_uppercase());
     let request = match (&method, &req_path) {
         (Some(m), Some(p)) => Some((m.as_str(), p.as_str())),
         (None, Some(p)) => Some(("GET", p.as_str())),

@@ -4,8 +4,9 @@
 //! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
 //! originate its own verified TLS to the upstream, and decide every HTTP
 //! request inside on its own ([`serve`]): Host/`:authority` must be the SNI,
-//! the rule's method and path rules apply ([`crate::policy::Policy::decide_request`]),
-//! and the org's credentials ([`secret`]) are added to matching requests.
+//! the path is normalised and the rule's method and path rules apply, and
+//! the org's credentials ([`secret`]) are added to matching requests, all in
+//! one pure decision ([`crate::policy::request::decide`]).
 //! Every other connection passes through untouched.
 
 pub mod ca;
@@ -181,21 +182,10 @@ impl Interceptor {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The org's credentials that apply to this request, in file order.
-    pub fn credentials_for(
-        &self,
-        org: &str,
-        host: &str,
-        method: &str,
-        path: &str,
-    ) -> Vec<Arc<Credential>> {
-        self.credentials
-            .get(org)
-            .into_iter()
-            .flatten()
-            .filter(|c| c.config.applies(host, method, path))
-            .cloned()
-            .collect()
+    /// The org's credentials, in file order: the request decision
+    /// ([`crate::policy::request::decide`]) picks those to add.
+    pub fn credentials(&self, org: &str) -> &[Arc<Credential>] {
+        self.credentials.get(org).map_or(&[], Vec::as_slice)
     }
 }
 
@@ -255,8 +245,9 @@ fn plan_for(
 }
 
 /// For a plain `http://` request allowed by an intercepting rule: the
-/// refusal, if its method or path rules refuse it (the same decision as
-/// inside an intercepted connection).
+/// refusal and its detail, if the rule's method and path rules refuse it
+/// (the same decision, path normalisation included, as inside an
+/// intercepted connection; credentials are never added to plain HTTP).
 pub fn plain_request(
     view: &View,
     verdict: &crate::policy::Verdict,
@@ -266,21 +257,12 @@ pub fn plain_request(
     let (Some(org), Some(rule)) = (&view.org, &verdict.rule) else {
         return None;
     };
-    let rules = view.policy.intercept_rules(org, rule)?;
-    let path = uri.path();
-    if !rules.paths.is_empty() || !rules.deny_paths.is_empty() {
-        if let Err(why) = serve::check_path(path) {
-            return Some((
-                crate::policy::Verdict {
-                    org: Some(org.clone()),
-                    reason: Reason::BadRequest,
-                    rule: None,
-                    would_deny: None,
-                },
-                why.to_string(),
-            ));
-        }
-    }
-    let v = view.policy.decide_request(org, rule, method.as_str(), path);
-    (!v.is_allow()).then(|| (v, format!("{method} {path} refused by rule {rule}")))
+    view.policy.intercept_rules(org, rule)?;
+    let req = crate::policy::request::RequestFacts {
+        host: uri.host().unwrap_or(""),
+        method: method.as_str(),
+        path: uri.path(),
+    };
+    let d = view.policy.decide_request(org, rule, req, []);
+    (!d.is_allow()).then(|| (d.verdict, d.detail.unwrap_or_default()))
 }

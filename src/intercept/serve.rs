@@ -4,15 +4,16 @@
 //! verified TLS connection to the upstream (HTTP/1.1 or HTTP/2 by the
 //! upstream's ALPN, negotiated separately).
 //!
-//! Per request, in order: CONNECT, absolute-form (HTTP/1.1) and protocol
-//! upgrades are refused (`bad_request`); Host / `:authority` must name the
-//! connection's host and port (`host_mismatch`); a path with dot segments or
-//! encoded `.`/`/`/`\` is refused when the rule has path rules
-//! (`bad_request`); the rule's method and path rules decide
-//! ([`Policy::decide_request`](crate::policy::Policy::decide_request));
+//! Per request, in order ([`decide_parts`], pure): CONNECT, absolute-form
+//! (HTTP/1.1) and protocol upgrades are refused (`bad_request`); Host /
+//! `:authority` must name the connection's host and port (`host_mismatch`);
+//! then [`Policy::decide_request`](crate::policy::Policy::decide_request)
+//! normalises the path, applies the rule's method and path rules and picks
+//! the credentials (the same call `palisade explain` makes). Then the
 //! credentials are added (any client copy of the header dropped); the
 //! upstream TLS is set up on first use (a failure is `upstream_tls_error`,
-//! never a downgrade); the decision is recorded; then the request is sent.
+//! never a downgrade); the decision is recorded; and the request is sent
+//! with the normalised path (and the query as received).
 
 use std::convert::Infallible;
 use std::io;
@@ -37,8 +38,10 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::Interceptor;
+use crate::config::CredentialConfig;
 use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{Reason, Verdict};
+use crate::policy::request::{RequestDecision, RequestFacts};
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
 use crate::proxy::{deny, dial, Ctx, View};
 
@@ -390,26 +393,38 @@ fn check_request(
     Ok(())
 }
 
-/// A path a prefix or glob rule can be trusted on: origin-form, no dot
-/// segments, no encoded dot, slash or backslash, no empty segments.
-pub fn check_path(path: &str) -> Result<(), &'static str> {
-    if !path.starts_with('/') {
-        return Err("request path must start with '/'");
+/// The live decision on one request inside an intercepted connection to
+/// `name`:`port` under allow rule `rule`: what the request addresses
+/// ([`check_request`]), then [`Policy::decide_request`] (path
+/// normalisation, method and path rules, credentials from `credentials`).
+/// Pure, for HTTP/1.1 and HTTP/2 alike.
+pub(crate) fn decide_parts<'a>(
+    policy: &Policy,
+    org: &OrgRef,
+    rule: &str,
+    (name, port): (&str, u16),
+    parts: &http::request::Parts,
+    credentials: impl IntoIterator<Item = &'a CredentialConfig>,
+) -> RequestDecision {
+    if let Err((reason, detail)) = check_request(parts, &Host::Name(name.to_string()), port) {
+        return RequestDecision {
+            verdict: Verdict {
+                org: Some(org.clone()),
+                reason,
+                rule: None,
+                would_deny: None,
+            },
+            detail: Some(detail),
+            path: None,
+            credentials: Vec::new(),
+        };
     }
-    let lower = path.to_ascii_lowercase();
-    if ["%2e", "%2f", "%5c", "\\"]
-        .iter()
-        .any(|p| lower.contains(p))
-    {
-        return Err("encoded '.', '/' or '\\' in the request path");
-    }
-    if path.contains("//") {
-        return Err("empty segment in the request path");
-    }
-    if path.split('/').any(|seg| seg == "." || seg == "..") {
-        return Err("dot segment in the request path");
-    }
-    Ok(())
+    let req = RequestFacts {
+        host: name,
+        method: parts.method.as_str(),
+        path: parts.uri.path(),
+    };
+    policy.decide_request(org, rule, req, credentials)
 }
 
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> {
@@ -467,41 +482,38 @@ async fn decide_and_send(
     record.ip = Some(s.upstream_addr.ip());
     record.conn = Some(s.record.id.clone());
     let method = parts.method.as_str().to_string();
-    let path = parts.uri.path().to_string();
+    let raw_path = parts.uri.path().to_string();
     record.method = Some(method.clone());
-    record.path = Some(path.chars().take(MAX_RECORDED_PATH).collect());
+    record.path = Some(raw_path.chars().take(MAX_RECORDED_PATH).collect());
 
-    if let Err((reason, detail)) = check_request(&parts, &host, s.port) {
-        return refuse(shared, &mut record, reason, &detail).await;
-    }
     let Some(org) = &s.view.org else {
         return refuse(shared, &mut record, Reason::UnknownClient, "no org").await;
     };
-    let rules = s.view.policy.intercept_rules(org, &s.rule);
-    let has_path_rules = rules
-        .as_ref()
-        .is_some_and(|r| !r.paths.is_empty() || !r.deny_paths.is_empty());
-    if has_path_rules {
-        if let Err(why) = check_path(&path) {
-            return refuse(shared, &mut record, Reason::BadRequest, why).await;
-        }
+    let creds = s.ic.credentials(&org.name);
+    let decision = decide_parts(
+        &s.view.policy,
+        org,
+        &s.rule,
+        (&s.name, s.port),
+        &parts,
+        creds.iter().map(|c| &c.config),
+    );
+    record.rule = decision.verdict.rule.clone();
+    if let Some(p) = decision.path.as_ref().filter(|p| p.as_str() != raw_path) {
+        // Recorded as decided and forwarded; what the client sent in detail.
+        record.path = Some(p.as_str().chars().take(MAX_RECORDED_PATH).collect());
+        let sent: String = raw_path.chars().take(MAX_RECORDED_PATH).collect();
+        record.detail = Some(format!("path normalised from {sent}"));
     }
-    let verdict = s.view.policy.decide_request(org, &s.rule, &method, &path);
-    record.rule = verdict.rule.clone();
-    if !verdict.is_allow() {
-        let detail = format!(
-            "{method} {} refused by rule {}",
-            record.path.as_deref().unwrap_or(""),
-            s.rule
-        );
-        return refuse(shared, &mut record, verdict.reason, &detail).await;
-    }
+    let (true, Some(path)) = (decision.is_allow(), &decision.path) else {
+        let detail = decision.detail.as_deref().unwrap_or("refused");
+        return refuse(shared, &mut record, decision.verdict.reason, detail).await;
+    };
 
     // Build the upstream request.
     crate::proxy::explicit::strip_hop_by_hop(&mut parts.headers);
-    let creds = s.ic.credentials_for(&org.name, &s.name, &method, &path);
     let mut used = Vec::new();
-    for c in &creds {
+    for c in decision.credentials.iter().filter_map(|&i| creds.get(i)) {
         let Ok(name) = HeaderName::from_bytes(c.config.header.as_bytes()) else {
             continue;
         };
@@ -526,11 +538,11 @@ async fn decide_and_send(
     if !used.is_empty() {
         record.credential = Some(used.join(","));
     }
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .to_string();
+    // The path the rules matched, never the raw one; the query as received.
+    let path_and_query = match parts.uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
     let authority = if s.port == 443 {
         s.name.clone()
     } else {
@@ -849,21 +861,56 @@ impl<C: AsyncWrite + Unpin> AsyncWrite for Rewind<C> {
 mod tests {
     use super::*;
 
+    fn parts(req: Request<()>) -> http::request::Parts {
+        req.into_parts().0
+    }
+
     #[test]
-    fn paths_rules_can_trust() {
-        assert!(check_path("/simple/requests/").is_ok());
-        assert!(check_path("/a/b.c/d").is_ok());
-        for bad in [
-            "/simple/../upload",
-            "/simple/./x",
-            "/simple/%2e%2e/upload",
-            "/simple%2Fx",
-            "/a\\b",
-            "//x",
-            "*",
-            "/x/..",
-        ] {
-            assert!(check_path(bad).is_err(), "{bad}");
+    fn every_request_must_name_the_tunnels_host() {
+        let host = Host::Name("reg.test".into());
+        let h1 = |hosts: &[&str]| {
+            let mut b = Request::builder().uri("/x");
+            for h in hosts {
+                b = b.header(header::HOST, *h);
+            }
+            check_request(&parts(b.body(()).unwrap()), &host, 443)
+        };
+        assert!(h1(&["reg.test"]).is_ok());
+        assert!(h1(&["REG.test:443"]).is_ok());
+        assert!(h1(&["reg.test."]).is_ok());
+        for bad in [&["other.test"][..], &["reg.test:8443"], &["reg.test.evil"]] {
+            assert_eq!(h1(bad).unwrap_err().0, Reason::HostMismatch, "{bad:?}");
         }
+        assert_eq!(h1(&[]).unwrap_err().0, Reason::BadRequest);
+        assert_eq!(
+            h1(&["reg.test", "reg.test"]).unwrap_err().0,
+            Reason::BadRequest
+        );
+        let absolute = Request::builder()
+            .uri("https://reg.test/x")
+            .header(header::HOST, "reg.test")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            check_request(&parts(absolute), &host, 443).unwrap_err().0,
+            Reason::BadRequest
+        );
+        let h2 = |authority: &str, hosts: &[&str]| {
+            let mut b = Request::builder()
+                .version(Version::HTTP_2)
+                .uri(format!("https://{authority}/x"));
+            for h in hosts {
+                b = b.header(header::HOST, *h);
+            }
+            check_request(&parts(b.body(()).unwrap()), &host, 443)
+        };
+        assert!(h2("reg.test", &[]).is_ok());
+        assert!(h2("reg.test", &["reg.test"]).is_ok());
+        assert_eq!(h2("other.test", &[]).unwrap_err().0, Reason::HostMismatch);
+        // :authority right, Host wrong: refused too.
+        assert_eq!(
+            h2("reg.test", &["other.test"]).unwrap_err().0,
+            Reason::HostMismatch
+        );
     }
 }

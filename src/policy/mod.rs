@@ -73,7 +73,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
+    Carry, Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
 };
 use crate::proto::target::{embedded_ipv4, Host};
 
@@ -114,10 +114,22 @@ pub enum Reason {
     /// Intercepted connection: the upstream's certificate did not verify
     /// (or its TLS handshake failed). Never downgraded to pass-through.
     UpstreamTlsError,
+    /// A tunnel's bytes are not what its rule says it carries: no
+    /// ClientHello on a TLS tunnel (silence past `detect_timeout`, other
+    /// bytes, a record before the hello), no HTTP request on an HTTP one.
+    ProtocolMismatch,
+    /// A TLS tunnel's ClientHello names no server.
+    SniMissing,
+    /// A ClientHello with an `encrypted_client_hello` extension: the name
+    /// that counts is encrypted, so it cannot be checked.
+    EchNotAllowed,
+    /// h2c on an HTTP tunnel (prior knowledge, `Upgrade: h2c`): its streams
+    /// could name other hosts unseen.
+    UpgradeNotAllowed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 24] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -138,6 +150,10 @@ impl Reason {
         Reason::MethodNotAllowed,
         Reason::PathNotAllowed,
         Reason::UpstreamTlsError,
+        Reason::ProtocolMismatch,
+        Reason::SniMissing,
+        Reason::EchNotAllowed,
+        Reason::UpgradeNotAllowed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -162,6 +178,10 @@ impl Reason {
             Reason::MethodNotAllowed => "method_not_allowed",
             Reason::PathNotAllowed => "path_not_allowed",
             Reason::UpstreamTlsError => "upstream_tls_error",
+            Reason::ProtocolMismatch => "protocol_mismatch",
+            Reason::SniMissing => "sni_missing",
+            Reason::EchNotAllowed => "ech_not_allowed",
+            Reason::UpgradeNotAllowed => "upgrade_not_allowed",
         }
     }
 
@@ -180,6 +200,10 @@ impl Reason {
                 | Reason::PortNotAllowed
                 | Reason::SniMismatch
                 | Reason::HostMismatch
+                | Reason::ProtocolMismatch
+                | Reason::SniMissing
+                | Reason::EchNotAllowed
+                | Reason::UpgradeNotAllowed
         )
     }
 
@@ -277,6 +301,8 @@ struct Rule {
     ports: PortSet,
     /// Request rules of an intercepting allow rule.
     intercept: Option<Arc<RequestRules>>,
+    /// What the rule's tunnels carry, when the rule says.
+    tunnel: Option<Carry>,
 }
 
 /// Rule indices by the name or name suffix they match.
@@ -407,6 +433,8 @@ struct Org {
     networks: Vec<IpNet>,
     allow: Vec<Rule>,
     deny: Vec<Rule>,
+    /// Allow rules by id (ids are unique within a config).
+    allow_ids: HashMap<Arc<str>, usize>,
     allow_names: NameTable,
     deny_names: NameTable,
     allow_cidrs: PrefixTable<Vec<usize>>,
@@ -472,6 +500,7 @@ impl Policy {
                 networks: org.clients.iter().map(|n| n.trunc()).collect(),
                 allow: Vec::new(),
                 deny: Vec::new(),
+                allow_ids: HashMap::new(),
                 allow_names: NameTable::default(),
                 deny_names: NameTable::default(),
                 allow_cidrs: PrefixTable::default(),
@@ -486,6 +515,7 @@ impl Policy {
                         id: Arc::from(r.id.as_str()),
                         ports: r.ports.clone(),
                         intercept: r.intercept.clone().map(Arc::new),
+                        tunnel: r.tunnel,
                     });
                     match &r.target {
                         RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
@@ -500,6 +530,12 @@ impl Policy {
                 &mut o.allow_cidrs,
             );
             add(&org.deny, &mut o.deny, &mut o.deny_names, &mut o.deny_cidrs);
+            o.allow_ids = o
+                .allow
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (r.id.clone(), i))
+                .collect();
             rule_count += org.allow.len() + org.deny.len();
             compiled.push(o);
         }
@@ -891,51 +927,50 @@ fn accepts_from(org: &Org, client: IpAddr) -> bool {
 }
 
 impl Policy {
+    /// What a tunnel allowed by `rule` to `port` may carry. Address targets
+    /// (cidr rules) are opaque: the address is the identity. A name's rule
+    /// says so with `tunnel`, an intercepting rule carries TLS, and
+    /// otherwise the port decides ([`Carry::default_for_port`]); so does a
+    /// report-mode allowance without an allow rule.
+    pub fn carry(&self, org: &OrgRef, rule: Option<&str>, name: bool, port: u16) -> Carry {
+        if !name {
+            return Carry::Opaque;
+        }
+        let found = rule.and_then(|id| self.allow_rule(org, id));
+        match found {
+            Some(r) if r.intercept.is_some() => Carry::Tls,
+            Some(Rule {
+                tunnel: Some(carry),
+                ..
+            }) => *carry,
+            _ => Carry::default_for_port(port),
+        }
+    }
+
     /// The request rules of the allow rule `rule` of `org`, when that rule
     /// intercepts. `None`: pass the connection through untouched.
     pub fn intercept_rules(&self, org: &OrgRef, rule: &str) -> Option<Arc<RequestRules>> {
-        let o = self.orgs.get(org.index)?;
-        o.allow
-            .iter()
-            .find(|r| &*r.id == rule)
-            .and_then(|r| r.intercept.clone())
+        self.allow_rule(org, rule).and_then(|r| r.intercept.clone())
     }
 
-    /// Decide one request inside a connection that allow rule `rule`
-    /// intercepts. `path` is the request path without the query, already
-    /// checked for dot segments and escapes by the caller.
-    ///
-    /// | # | condition | decision | reason |
-    /// |---|---|---|---|
-    /// | R1 | the rule does not (or no longer) intercept | deny | `no_matching_rule` |
-    /// | R2 | the method is in `deny_methods` | deny | `method_not_allowed` |
-    /// | R3 | a `deny_paths` pattern matches | deny | `path_not_allowed` |
-    /// | R4 | `methods` is set and lacks the method | deny | `method_not_allowed` |
-    /// | R5 | `paths` is set and none matches | deny | `path_not_allowed` |
-    /// | R6 | otherwise | allow | `rule_match` |
-    pub fn decide_request(&self, org: &OrgRef, rule: &str, method: &str, path: &str) -> Verdict {
-        let verdict = |reason| Verdict {
-            org: Some(org.clone()),
-            reason,
-            rule: Some(Arc::from(rule)),
-            would_deny: None,
-        };
-        let Some(r) = self.intercept_rules(org, rule) else {
-            return Verdict::deny(org, Reason::NoMatchingRule, None);
-        };
-        if r.deny_methods.iter().any(|m| m == method) {
-            return verdict(Reason::MethodNotAllowed);
-        }
-        if r.deny_paths.iter().any(|p| p.matches(path)) {
-            return verdict(Reason::PathNotAllowed);
-        }
-        if !r.methods.is_empty() && !r.methods.iter().any(|m| m == method) {
-            return verdict(Reason::MethodNotAllowed);
-        }
-        if !r.paths.is_empty() && !r.paths.iter().any(|p| p.matches(path)) {
-            return verdict(Reason::PathNotAllowed);
-        }
-        verdict(Reason::RuleMatch)
+    fn allow_rule(&self, org: &OrgRef, id: &str) -> Option<&Rule> {
+        let o = self.orgs.get(org.index)?;
+        o.allow_ids.get(id).and_then(|&i| o.allow.get(i))
+    }
+
+    /// Decide one request inside a connection that allow rule `rule` of
+    /// `org` intercepts, and choose which of `credentials` (the org's, in
+    /// file order) to add: [`request::decide`] with this rule's request
+    /// rules. Its truth table and path normalisation are documented there.
+    pub fn decide_request<'a>(
+        &self,
+        org: &OrgRef,
+        rule: &str,
+        req: request::RequestFacts<'_>,
+        credentials: impl IntoIterator<Item = &'a crate::config::CredentialConfig>,
+    ) -> request::RequestDecision {
+        let rules = self.intercept_rules(org, rule);
+        request::decide(org, rule, rules.as_deref(), req, credentials)
     }
 }
 
@@ -949,6 +984,8 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
         v4 => v4,
     }
 }
+
+pub mod request;
 
 #[cfg(test)]
 mod tests;

@@ -242,6 +242,7 @@ fn name_rules_never_allow_ip_literals() {
         target: config::RuleTarget::Exact("198.18.9.9".into()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -257,6 +258,7 @@ fn own_listeners_are_never_dialled() {
         target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
@@ -529,7 +531,18 @@ host = "plain.example.org"
     let c = config::from_str(src, Path::new("p.toml")).unwrap();
     let p = Policy::new(&c);
     let org = p.org_for("198.19.1.5".parse().unwrap()).unwrap();
-    let r = |rule: &str, m: &str, path: &str| p.decide_request(&org, rule, m, path).reason;
+    fn facts<'a>(method: &'a str, path: &'a str) -> super::request::RequestFacts<'a> {
+        super::request::RequestFacts {
+            host: "pypi.example.org",
+            method,
+            path,
+        }
+    }
+    let r = |rule: &str, m: &str, path: &str| {
+        p.decide_request(&org, rule, facts(m, path), [])
+            .verdict
+            .reason
+    };
     assert!(p.intercept_rules(&org, "pypi").is_some());
     assert!(p.intercept_rules(&org, "plain").is_none());
     assert_eq!(r("pypi", "GET", "/simple/requests/"), Reason::RuleMatch);
@@ -548,6 +561,12 @@ host = "plain.example.org"
     );
     assert_eq!(r("pypi", "GET", "/"), Reason::PathNotAllowed);
     assert_eq!(r("plain", "GET", "/"), Reason::NoMatchingRule);
-    let v = p.decide_request(&org, "pypi", "POST", "/simple/");
-    assert_eq!(v.rule.as_deref(), Some("pypi"));
+    let v = p.decide_request(&org, "pypi", facts("POST", "/simple/"), []);
+    assert_eq!(v.verdict.rule.as_deref(), Some("pypi"));
+    // The path is normalised before any rule sees it.
+    assert_eq!(
+        r("pypi", "GET", "/simple/%70rivate/x"),
+        Reason::PathNotAllowed
+    );
+    assert_eq!(r("pypi", "GET", "/simple/..;/x"), Reason::PathNotAllowed);
 }

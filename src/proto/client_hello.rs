@@ -6,7 +6,7 @@ pub const MAX_HELLO_LEN: usize = 16 * 1024;
 
 /// TLSCiphertext fragment limit, 2^14 + 2048 (RFC 5246 §6.2.3); plaintext is
 /// 2^14 (RFC 8446 §5.1), the slack tolerates lax senders.
-const MAX_RECORD_LEN: usize = 16384 + 2048;
+pub const MAX_RECORD_LEN: usize = 16384 + 2048;
 /// ContentType handshake (RFC 8446 §5.1).
 const CONTENT_HANDSHAKE: u8 = 0x16;
 /// HandshakeType client_hello (RFC 8446 §4).

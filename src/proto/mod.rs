@@ -4,5 +4,7 @@
 pub mod client_hello;
 pub mod guard;
 pub mod http_head;
+pub mod http_stream;
 pub mod socks5;
 pub mod target;
+pub mod tls_stream;

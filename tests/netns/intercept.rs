@@ -16,8 +16,10 @@ use crate::record_id;
 
 /// The secret Palisade adds; it must never show up in evidence or logs.
 const SECRET: &str = "s3cr3t-tok-8c1f2a9e77";
+/// The secret of the credential scoped to `/scoped/`.
+const SCOPED_SECRET: &str = "sc0ped-tok-41d7e0b2";
 
-fn policy(secret_file: &Path) -> String {
+fn policy(secret_file: &Path, scoped_file: &Path) -> String {
     format!(
         r#"
 [[org]]
@@ -30,7 +32,7 @@ host = "allowed.test"
 ports = [443]
 intercept = true
 methods = ["GET", "HEAD", "POST"]
-deny_paths = ["/upload"]
+deny_paths = ["/upload", "/api/internal*"]
 
 [[org.allow]]
 id = "untrusted"
@@ -49,6 +51,13 @@ host = "allowed.test"
 header = "Authorization"
 prefix = "Bearer "
 secret_file = {secret_file:?}
+
+[[org.credential]]
+id = "scoped-token"
+host = "allowed.test"
+header = "X-Scoped-Token"
+paths = ["/scoped/"]
+secret_file = {scoped_file:?}
 "#
     )
 }
@@ -62,9 +71,11 @@ fn start() -> Setup {
     let dir = scratch_dir("intercept");
     let secret = dir.join("registry.token");
     fs::write(&secret, format!("{SECRET}\n")).unwrap();
+    let scoped = dir.join("scoped.token");
+    fs::write(&scoped, format!("{SCOPED_SECRET}\n")).unwrap();
     let ca_dir = dir.join("ca");
     let lab = Lab::builder()
-        .policy(&policy(&secret))
+        .policy(&policy(&secret, &scoped))
         .intercept_config(&format!(
             "ca_dir = {:?}\nupstream_ca = {:?}\ncert_cache = 8",
             ca_dir.display().to_string(),
@@ -211,8 +222,8 @@ fn intercepted_requests_are_decided_one_by_one_and_get_the_credential() {
         "https://allowed.test/simple/%2e%2e/upload",
         &["--path-as-is"],
     );
-    crate::assert_refused(&lab, &dots, 400, "bad_request", "dot segments");
-    thread_settle();
+    crate::assert_refused(&lab, &dots, 403, "path_not_allowed", "dot segments");
+    upstream_quiet(&lab, &org_ca, "/marker-after-denials");
     let after: Vec<_> = lab.upstream_log().into_iter().skip(before).collect();
     assert!(
         after.iter().all(|v| v["request_line"]
@@ -281,7 +292,7 @@ fn intercepted_requests_are_decided_one_by_one_and_get_the_credential() {
     assert!(
         metrics
             .stdout
-            .contains("palisade_intercepted_requests_total{decision=\"deny\",org=\"acme\",reason=\"path_not_allowed\"} 1"),
+            .contains("palisade_intercepted_requests_total{decision=\"deny\",org=\"acme\",reason=\"path_not_allowed\"} 2"),
         "{}",
         metrics.stdout
     );
@@ -314,8 +325,208 @@ fn intercepted_requests_are_decided_one_by_one_and_get_the_credential() {
     assert!(x.stdout.contains("path_not_allowed"), "{}", x.stdout);
 }
 
-fn thread_settle() {
-    std::thread::sleep(std::time::Duration::from_millis(300));
+/// Wait until every request sent before now has been served or refused:
+/// an allowed `marker` request reaches the upstream (a positive marker,
+/// not a sleep), then every upstream connection that was opened is logged
+/// closed, with the request it carried.
+fn upstream_quiet(lab: &Lab, ca: &Path, marker: &str) -> Vec<serde_json::Value> {
+    let m = curl(lab, ca, &format!("https://allowed.test{marker}"), &[]);
+    assert_eq!(m.status, 200, "marker {marker}: {m:#?}");
+    lab.wait_upstream(marker, |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with(&format!("GET {marker} ")))
+    });
+    lab.upstream_settled()
+}
+
+/// `denied` then an allowed `marker`, in that order on one connection
+/// (HTTP/1.1, or HTTP/2 with `h2`), exactly as sent (`--path-as-is`).
+/// Returns curl's "status new-connections" line per request. Palisade
+/// handles the two in order, and its HTTP/1.1 upstream connection carries
+/// one exchange at a time, so once the marker has reached the upstream and
+/// every upstream connection is logged closed, anything sent for `denied`
+/// would be in the upstream's log: its absence there is the proof.
+fn denied_then_marker(lab: &Lab, ca: &Path, denied: &str, marker: &str, h2: bool) -> Vec<String> {
+    let ca = ca.display().to_string();
+    let (denied_url, marker_url) = (
+        format!("https://allowed.test{denied}"),
+        format!("https://allowed.test{marker}"),
+    );
+    let out = lab.client_exec(
+        "curl",
+        &[
+            "-q",
+            "-sS",
+            "--max-time",
+            "10",
+            "-x",
+            PROXY_URL,
+            "--cacert",
+            &ca,
+            if h2 { "--http2" } else { "--http1.1" },
+            "--path-as-is",
+            "-o",
+            "/dev/null",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{num_connects}\n",
+            &denied_url,
+            &marker_url,
+        ],
+    );
+    lab.wait_upstream(marker, |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with(&format!("GET {marker} ")))
+    });
+    out.stdout.lines().map(str::to_string).collect()
+}
+
+/// Path normalisation on the live path: an encoded unreserved character
+/// does not walk around `deny_paths` (and gets no credential), `..;` is
+/// refused, and a credential's `paths` scope matches the normalised path.
+#[test]
+fn paths_are_normalised_before_rules_and_credential_scopes() {
+    let Setup { lab, org_ca } = start();
+
+    let cases = [
+        (
+            "/api/%69nternal",
+            false,
+            "deny_paths \"/api/internal*\" matches /api/internal",
+        ),
+        (
+            "/api/%69nternal/keys",
+            true,
+            "deny_paths \"/api/internal*\"",
+        ),
+        ("/simple/..;/upload", false, "dot segment \"..;\""),
+        ("/simple/..;jsessionid=1/upload", true, "dot segment"),
+        ("/simple/x;jsessionid=1", false, "path parameter"),
+    ];
+    for (n, (denied, h2, why)) in cases.into_iter().enumerate() {
+        let marker = format!("/marker-{n}");
+        let got = denied_then_marker(&lab, &org_ca, denied, &marker, h2);
+        // Refused, then the marker served on the same connection.
+        assert_eq!(
+            got,
+            ["403 1", "200 0"],
+            "{denied} h2={h2}\n{}",
+            lab.proxy_output()
+        );
+        let rec = lab.wait_evidence(&format!("deny {denied}"), |v| {
+            v["kind"] == "http"
+                && v["event"] == "decision"
+                && v["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
+        });
+        assert_eq!(rec["decision"], "deny", "{rec}");
+        assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
+        assert_eq!(rec["rule"], "registry", "{rec}");
+        assert!(
+            rec["credential"].is_null(),
+            "no credential for a refusal: {rec}"
+        );
+        assert!(rec["detail"].as_str().unwrap().contains(why), "{rec}");
+    }
+    let decoded = lab
+        .evidence()
+        .into_iter()
+        .find(|v| v["kind"] == "http" && v["reason"] == "path_not_allowed")
+        .unwrap();
+    assert_eq!(
+        decoded["path"], "/api/internal",
+        "recorded as decided: {decoded}"
+    );
+
+    // The body and Proxy-Status name the reason, as for any refusal.
+    let one = curl(&lab, &org_ca, "https://allowed.test/api/%69nternal", &[]);
+    crate::assert_refused(&lab, &one, 403, "path_not_allowed", "/api/%69nternal");
+
+    // A credential scoped to /scoped/ is added on the normalised path, and
+    // the upstream gets the path the rules matched.
+    let scoped = curl(
+        &lab,
+        &org_ca,
+        "https://allowed.test/%73coped/x",
+        &["--http1.1"],
+    );
+    assert_eq!(scoped.status, 200, "{scoped:#?}");
+    let unscoped = curl(&lab, &org_ca, "https://allowed.test/not-scoped/x", &[]);
+    assert_eq!(unscoped.status, 200, "{unscoped:#?}");
+
+    let closes = upstream_quiet(&lab, &org_ca, "/marker-end");
+    let served = |path: &str| {
+        closes
+            .iter()
+            .find(|c| {
+                c["request_line"]
+                    .as_str()
+                    .is_some_and(|l| l.starts_with(&format!("GET {path} ")))
+            })
+            .unwrap_or_else(|| panic!("{path} not served: {}", dump(&closes)))
+    };
+    let up = served("/scoped/x");
+    assert_eq!(
+        headers_of(up, "x-scoped-token"),
+        vec![SCOPED_SECRET],
+        "{up}"
+    );
+    assert_eq!(
+        headers_of(up, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "{up}"
+    );
+    let up = served("/not-scoped/x");
+    assert!(headers_of(up, "x-scoped-token").is_empty(), "{up}");
+    let rec = lab.wait_evidence("allow /scoped/x", |v| {
+        v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/scoped/x"
+    });
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    assert_eq!(rec["credential"], "registry-token,scoped-token", "{rec}");
+    assert_eq!(rec["detail"], "path normalised from /%73coped/x", "{rec}");
+
+    // Nothing refused reached the upstream, in any spelling.
+    let lines: Vec<&str> = closes
+        .iter()
+        .filter_map(|c| c["request_line"].as_str())
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.contains("nternal") && !l.contains("upload") && !l.contains(';')),
+        "a refused request reached the upstream: {lines:?}"
+    );
+
+    // `explain` takes the same decision.
+    let config = lab.config_path.display().to_string();
+    let x = lab.proxy_ns_exec(
+        palisade_bin(),
+        &[
+            "explain",
+            "--client",
+            "198.18.1.2",
+            "-c",
+            &config,
+            "https://allowed.test/api/%69nternal",
+        ],
+    );
+    assert!(x.success(), "{}", x.describe());
+    assert!(
+        x.stdout.contains("path:     /api/internal (normalised)"),
+        "{}",
+        x.stdout
+    );
+    assert!(
+        x.stdout.contains("reason:   path_not_allowed"),
+        "{}",
+        x.stdout
+    );
 }
 
 #[test]
