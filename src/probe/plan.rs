@@ -54,6 +54,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Expect, Layer, Via};
 use crate::config::{Config, PathPattern, RuleTarget};
+use crate::policy::request::NormalPath;
 
 /// Per-probe timeout when the plan names none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -872,13 +873,43 @@ fn rule_host(target: &RuleTarget) -> Option<String> {
     }
 }
 
+/// How a proxy that does not decode escapes would match the raw `path`
+/// against a path rule: a prefix (no `*`), or a glob in which `*` matches
+/// any run of bytes. (Palisade's own matcher takes only normalised paths;
+/// this one is the probe's, to tell which spellings would slip past.)
+fn matches_as_written(pattern: &str, path: &str) -> bool {
+    if !pattern.contains('*') {
+        return path.starts_with(pattern);
+    }
+    let (pat, text) = (pattern.as_bytes(), path.as_bytes());
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pat.get(p) == Some(&b'*') {
+            star = Some((p, t));
+            p += 1;
+        } else if pat.get(p) == text.get(t) {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pat[p..].iter().all(|&b| b == b'*')
+}
+
 /// A path `pattern` (a `deny_paths` entry) denies, with one unreserved
 /// character percent-encoded (`/api/internal*` gives `/api/%69nternal`).
 /// The path: the pattern with a trailing `*` matching nothing and any
 /// other `*` matching `x`. The character: a letter or digit written in the
 /// pattern (not one standing for a `*`), from the last segment that has
-/// one, such that the encoded spelling no longer matches the pattern
-/// as written (else the probe would test nothing). Letters and digits
+/// one, such that the encoded spelling no longer matches the pattern as
+/// written (else the probe would test nothing) while normalising to the
+/// same path (so Palisade, decoding it, must deny it). Letters and digits
 /// only: an encoded `.`, `/` or `\` is refused outright by Palisade.
 pub fn encoded_denied_path(pattern: &str) -> Option<String> {
     let stem = pattern.trim_end_matches('*');
@@ -889,7 +920,8 @@ pub fn encoded_denied_path(pattern: &str) -> Option<String> {
         .collect();
     let plain: String = path.iter().map(|&(b, _)| b as char).collect();
     let rule = PathPattern(pattern.to_string());
-    if !plain.starts_with('/') || !rule.matches(&plain) {
+    let normal = NormalPath::parse(&plain).ok()?;
+    if !rule.matches(&normal) {
         return None;
     }
     let segment_of = |i: usize| path[..i].iter().filter(|(b, _)| *b == b'/').count();
@@ -900,7 +932,8 @@ pub fn encoded_denied_path(pattern: &str) -> Option<String> {
     candidates.sort_by_key(|&i| (std::cmp::Reverse(segment_of(i)), i));
     candidates.into_iter().find_map(|i| {
         let encoded = format!("{}%{:02X}{}", &plain[..i], path[i].0, &plain[i + 1..]);
-        (!rule.matches(&encoded)).then_some(encoded)
+        let same = NormalPath::parse(&encoded).is_ok_and(|n| n == normal);
+        (same && !matches_as_written(pattern, &encoded)).then_some(encoded)
     })
 }
 
@@ -978,7 +1011,9 @@ fn tunnel_probes(
             let decoded = p.0.trim_end_matches('*').replace('*', "x");
             // With `paths` set, the decoded path must be one they allow, or
             // the probe would be refused for that and test nothing.
-            let allowed = rules.paths.is_empty() || rules.paths.iter().any(|a| a.matches(&decoded));
+            let allowed = rules.paths.is_empty()
+                || NormalPath::parse(&decoded)
+                    .is_ok_and(|n| rules.paths.iter().any(|a| a.matches(&n)));
             let path = encoded_denied_path(&p.0).filter(|_| allowed)?;
             Some((host.clone(), path, p.0.clone(), r.id.clone()))
         })
@@ -1313,8 +1348,10 @@ mod tests {
         ] {
             assert_eq!(encoded_denied_path(pattern).as_deref(), want, "{pattern}");
             if let Some(enc) = encoded_denied_path(pattern) {
+                assert!(!matches_as_written(pattern, &enc), "{pattern}: {enc}");
+                let normal = NormalPath::parse(&enc).unwrap();
                 assert!(
-                    !PathPattern(pattern.into()).matches(&enc),
+                    PathPattern(pattern.into()).matches(&normal),
                     "{pattern}: {enc}"
                 );
             }
