@@ -186,10 +186,8 @@ where
     if carry == Carry::Opaque {
         return run_opaque(ctx, client, upstream, host, record, view, first).await;
     }
-    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
-        deny_over_budget(&ctx, &mut record).await;
-        return;
-    };
+    // Bytes held to judge the first unit are charged to the detection
+    // budget inside `verify::first`, and released once it is judged.
     let judged = verify::first(
         &mut client,
         &mut first,
@@ -200,7 +198,6 @@ where
         &ctx.detect_slots,
     )
     .await;
-    drop(detect_slot);
     let (guard, verified) = match judged {
         verify::First::Passed { guard, forward } => (Some(guard), forward),
         verify::First::Closed => {
