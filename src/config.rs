@@ -207,6 +207,7 @@ struct RawRule {
     cidr: Option<Spanned<String>>,
     ports: Option<Spanned<Vec<Spanned<i64>>>>,
     intercept: Option<Spanned<bool>>,
+    tunnel: Option<Spanned<String>>,
     methods: Option<Spanned<Vec<Spanned<String>>>>,
     paths: Option<Spanned<Vec<Spanned<String>>>>,
     deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
@@ -686,6 +687,65 @@ pub struct RuleConfig {
     /// `intercept = true` and its request rules (allow host rules only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub intercept: Option<RequestRules>,
+    /// `tunnel = ...` (allow host rules only): what the rule's tunnels may
+    /// carry. `None`: the per-port default ([`Carry::default_for_port`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<Carry>,
+}
+
+/// What a tunnel allowed by a host rule may carry, verified from its first
+/// byte to its last (see `src/proxy/verify.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Carry {
+    /// TLS whose every plaintext ClientHello names the rule's host (no ECH).
+    Tls,
+    /// HTTP/1 whose every request names the rule's host (no h2c).
+    Http,
+    /// TLS or HTTP, told apart by the first bytes, then verified as such.
+    TlsOrHttp,
+    /// Anything, unverified: the rule's author accepts that the name is
+    /// checked only where the client names it at the start.
+    Opaque,
+}
+
+impl Carry {
+    pub const NAMES: [&'static str; 4] = ["tls", "http", "tls-or-http", "opaque"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Carry::Tls => "tls",
+            Carry::Http => "http",
+            Carry::TlsOrHttp => "tls-or-http",
+            Carry::Opaque => "opaque",
+        }
+    }
+
+    fn parse(text: &str) -> Option<Carry> {
+        match text {
+            "tls" => Some(Carry::Tls),
+            "http" => Some(Carry::Http),
+            "tls-or-http" => Some(Carry::TlsOrHttp),
+            "opaque" => Some(Carry::Opaque),
+            _ => None,
+        }
+    }
+
+    /// A host rule without `tunnel`: TLS on 443, HTTP on 80, and TLS or
+    /// HTTP (verified either way) on any other port.
+    pub fn default_for_port(port: u16) -> Carry {
+        match port {
+            443 => Carry::Tls,
+            80 => Carry::Http,
+            _ => Carry::TlsOrHttp,
+        }
+    }
+}
+
+impl fmt::Display for Carry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What a rule matches.
@@ -1676,6 +1736,7 @@ fn validate_rules(
             cidr: cidr_value,
             ports,
             intercept,
+            tunnel,
             methods: allow_methods,
             paths: allow_paths,
             deny_methods,
@@ -1709,6 +1770,33 @@ fn validate_rules(
                 None
             }
         };
+
+        let tunnel = tunnel.and_then(|t| {
+            let Some(carry) = Carry::parse(t.get_ref()) else {
+                errors.at(
+                    t.span(),
+                    format!(
+                        "unknown tunnel {:?} (one of {})",
+                        t.get_ref(),
+                        Carry::NAMES.join(", ")
+                    ),
+                );
+                return None;
+            };
+            if kind != "allow" || host.is_none() {
+                errors.at(
+                    t.span(),
+                    "tunnel is only valid on allow rules with a host \
+                     (a cidr rule's address is its identity: its tunnels are opaque)",
+                );
+            } else if intercept.is_some() && carry != Carry::Tls {
+                errors.at(
+                    t.span(),
+                    "an intercepting rule carries TLS: tunnel must be \"tls\" or omitted",
+                );
+            }
+            Some(carry)
+        });
 
         let id = match id {
             Some(id) => {
@@ -1776,6 +1864,7 @@ fn validate_rules(
                 target,
                 ports,
                 intercept,
+                tunnel,
             });
         }
     }
@@ -1898,6 +1987,70 @@ clients = ["198.19.1.0/24"]
             let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
             assert!((9..=11).contains(&line), "{rule}: {e}");
         }
+    }
+
+    #[test]
+    fn tunnel_key_is_checked_and_located() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+             [[org.allow]]\nhost = \"b.com\"\n"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].allow[0].tunnel, Some(Carry::Opaque));
+        assert_eq!(c.orgs[0].allow[1].tunnel, None);
+        let cases = [
+            (
+                "[[org.allow]]\nhost = \"a.com\"\ntunnel = \"ssh\"",
+                "unknown tunnel \"ssh\"",
+            ),
+            (
+                "[[org.allow]]\ncidr = \"198.18.0.0/15\"\ntunnel = \"tls\"",
+                "a cidr rule's address is its identity",
+            ),
+            (
+                "[[org.deny]]\nhost = \"a.com\"\ntunnel = \"tls\"",
+                "only valid on allow rules",
+            ),
+            (
+                "[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"",
+                "intercepting rule carries TLS",
+            ),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((10..=12).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn policy_answers_what_a_rule_carries() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nid = \"ssh\"\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+             [[org.allow]]\nid = \"web\"\nhost = \"b.com\"\nports = [80, 443, 8080]\n\
+             [[org.allow]]\nid = \"forced\"\nhost = \"c.com\"\nports = [443, 8443]\ntunnel = \"http\"\n\
+             [[org.allow]]\nid = \"net\"\ncidr = \"198.18.0.0/15\"\n"
+        );
+        let policy = crate::policy::Policy::new(&parse(&src).unwrap());
+        let org = policy.org_for("198.19.1.2".parse().unwrap()).unwrap();
+        let carry = |rule: &str, name: bool, port| policy.carry(&org, Some(rule), name, port);
+        assert_eq!(carry("ssh", true, 22), Carry::Opaque);
+        assert_eq!(carry("web", true, 443), Carry::Tls);
+        assert_eq!(carry("web", true, 80), Carry::Http);
+        assert_eq!(carry("web", true, 8080), Carry::TlsOrHttp);
+        assert_eq!(carry("forced", true, 443), Carry::Http);
+        assert_eq!(carry("net", false, 443), Carry::Opaque);
+        // Report mode without an allow rule: the port decides.
+        assert_eq!(policy.carry(&org, None, true, 443), Carry::Tls);
+    }
+
+    #[test]
+    fn tunnel_defaults_by_port() {
+        assert_eq!(Carry::default_for_port(443), Carry::Tls);
+        assert_eq!(Carry::default_for_port(80), Carry::Http);
+        assert_eq!(Carry::default_for_port(8443), Carry::TlsOrHttp);
     }
 
     #[test]

@@ -325,6 +325,7 @@ fn check(path: PathBuf) -> ExitCode {
         Err(code) => return code,
     };
     let policy = palisade::policy::Policy::new(&config);
+    let openings = policy.openings();
     let rules: usize = config
         .orgs
         .iter()
@@ -347,6 +348,9 @@ fn check(path: PathBuf) -> ExitCode {
                 org.identity.as_str(),
                 org.tokens.len()
             );
+        }
+        for opening in openings.iter().filter(|o| *o.org == *org.name) {
+            println!("      {}", describe_opening(opening));
         }
     }
     let list = |v: &[std::net::SocketAddr]| {
@@ -385,6 +389,25 @@ fn check(path: PathBuf) -> ExitCode {
         );
     }
     ExitCode::SUCCESS
+}
+
+/// `acme/allow/3 opens 10.0.0.0/8 (private) on ports 5432`, or for a rule
+/// opening part of a range, `opens 10.20.0.0/16 of 10.0.0.0/8 (private)`.
+fn describe_opening(o: &palisade::policy::Opening) -> String {
+    let part = if o.net == o.range {
+        o.range.to_string()
+    } else {
+        format!("{} of {}", o.net, o.range)
+    };
+    let what: Vec<&str> = o.what.iter().map(|w| &**w).collect();
+    let ports = match &o.ports {
+        palisade::config::PortSet::All => "all ports".to_string(),
+        palisade::config::PortSet::List(ports) => {
+            let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+            format!("ports {}", ports.join(", "))
+        }
+    };
+    format!("{} opens {part} ({}) on {ports}", o.rule, what.join(", "))
 }
 
 fn ca_export(path: PathBuf, org: &str) -> ExitCode {

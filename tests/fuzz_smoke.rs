@@ -41,6 +41,18 @@ fn seeds() -> Vec<Vec<u8>> {
         "dns:a.example/TXT",
         "[::ffff:127.0.0.1]:80",
         "SSH-2.0-x\r\n",
+        // Pipelined requests through an HTTP tunnel to a.test:80; after a
+        // `00 00`, the upstream's responses.
+        "GET / HTTP/1.1\r\nHost: a.test\r\n\r\n\r\nGET / HTTP/1.1\r\nHost: b.test\r\n\r\n",
+        "POST / HTTP/1.1\r\nHost: a.test\r\nTransfer-Encoding: chunked\r\n\r\n\
+         3;x=y\r\nabc\r\n0\r\nT: v\r\n\r\nHEAD /h HTTP/1.1\r\nHost: a.test:80\r\n\r\n\
+         GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\nContent-Length: 2\r\n\r\nhi\
+         GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n\
+         GET / HTTP/1.1\r\nHost: b.test\r\n\r\n\0\0\
+         HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n\
+         HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n\
+         HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n\
+         HTTP/1.1 101 Switching Protocols\r\n\r\nframes",
     ] {
         seeds.push(text.as_bytes().to_vec());
     }
@@ -140,4 +152,9 @@ fn tls_stream() {
         seeds.push(flow);
     }
     run_seeds("tls_stream", palisade::fuzzing::tls_stream, seeds);
+}
+
+#[test]
+fn http_stream() {
+    run("http_stream", palisade::fuzzing::http_stream);
 }

@@ -167,6 +167,16 @@ pub fn reverse_address(name: &str) -> Option<IpAddr> {
     None
 }
 
+/// The normalised form of a query name that is a host name (lowercase,
+/// punycode, no trailing dot), as evidence records it; `None` for anything
+/// else (the root, bad characters, an IP spelling).
+pub fn shown_name(qname: &str) -> Option<String> {
+    match normalize_host(qname) {
+        Ok(Host::Name(name)) => Some(name),
+        _ => None,
+    }
+}
+
 /// Decide one query from `client` for `qname` (as received, any case, with
 /// or without the trailing dot) of type `qtype`.
 pub fn decide_query(
@@ -185,7 +195,8 @@ pub fn decide_query(
                 would_deny: None,
             },
             action: Action::Refuse,
-            name: None,
+            // Recorded like every other query: normalised, no trailing dot.
+            name: shown_name(qname),
         };
     };
     let settings = orgs.get(org.index).cloned().unwrap_or_default();
@@ -293,6 +304,21 @@ host = "beta.test"
 
     const ACME: &str = "198.18.1.2";
     const BETA: &str = "198.18.5.2";
+
+    #[test]
+    fn unknown_clients_name_is_recorded_normalised() {
+        let (p, o) = setup();
+        let client = "198.18.9.9".parse().unwrap();
+        let q = decide_query(&p, &o, client, "Allowed.TEST.", RecordType::A);
+        assert_eq!(q.verdict.reason, Reason::UnknownClient);
+        assert_eq!(q.name.as_deref(), Some("allowed.test"));
+        let q = decide_query(&p, &o, client, ".", RecordType::A);
+        assert_eq!(q.name, None);
+        assert_eq!(
+            shown_name("bücher.test."),
+            Some("xn--bcher-kva.test".into())
+        );
+    }
 
     #[test]
     fn truth_table() {

@@ -290,7 +290,9 @@ impl Shim {
         let query = info.query;
         let qtype = query.query_type();
         let qname = query.name().to_string();
-        let shown: String = qname.chars().take(MAX_SHOWN_NAME).collect();
+        // Host names as every record shows them (no trailing dot); others as sent.
+        let shown: String = super::decide::shown_name(&qname)
+            .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect());
 
         if query.query_class() != DNSClass::IN {
             let verdict = Verdict {

@@ -131,6 +131,10 @@ pub struct Record {
     pub status: Option<u16>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub credential: Option<String>,
+    /// Tunnels: what the tunnel was verified to carry (`tls`, `http`), or
+    /// `opaque` when its rule lets it carry anything unverified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<crate::config::Carry>,
 }
 
 impl Record {
@@ -173,6 +177,7 @@ impl Record {
             intercepted: None,
             status: None,
             credential: None,
+            tunnel: None,
         }
     }
 

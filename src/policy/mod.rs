@@ -19,25 +19,57 @@
 //! | 5 | name | the name does not resolve (caller's step) | deny | `resolution_failed` | allow rule |
 //! | 6 | name | no resolved address passes the address checks (rows A-C) | deny | reason of the first address | as row A-C |
 //! | 7 | name | otherwise: dial only the addresses that passed | allow | `rule_match` | allow rule |
-//! | 8 | IP | the address passes the address checks (rows A-C) and a cidr allow rule covers it on the port | allow | `rule_match` | allow rule |
+//! | 8 | IP | the address passes the address checks (rows A-C) and a cidr allow rule covers it on the port | allow | `rule_match` | allow rule (for an always-denied address, the first rule that opens it, row C) |
 //! | 9 | IP | a cidr allow rule covers it, none on this port | deny | `port_not_allowed` | – |
 //! | 10 | IP | otherwise | deny | `no_matching_rule` | – |
 //!
 //! Address checks, for the address dialled and any IPv4 address embedded in
-//! it (IPv4-compatible, NAT64 `64:ff9b::/96`, 6to4, Teredo):
+//! it (IPv4-compatible `::/96`, SIIT `::ffff:0:0:0/96`, NAT64 `64:ff9b::/96`
+//! and `64:ff9b:1::/48` (last 32 bits), 6to4, Teredo); each of the two must
+//! pass on its own:
 //!
 //! | # | condition | decision | reason |
 //! |---|---|---|---|
 //! | A | the address and port are one of Palisade's own listeners (a listener on an unspecified address matches any address on its port) | deny | `denied_address` |
 //! | B | a cidr deny rule covers it on the port (a deny wins inside an allowed cidr) | deny | `explicit_deny` |
-//! | C | it is in an always-denied range and no cidr allow rule covers it on the port | deny | `denied_address` |
+//! | C | it is in an always-denied range, and no cidr allow rule on the port both covers it and lies inside the most specific always-denied range holding it | deny | `denied_address` |
 //!
-//! Always-denied: unspecified and "this network" (`0.0.0.0/8`, `::`), loopback
-//! (`127.0.0.0/8`, `::1`), RFC 1918, shared address space `100.64.0.0/10`,
-//! link-local (`169.254.0.0/16` incl. the metadata address, `fe80::/10`),
+//! Row C by example, for an org with `cidr = "0.0.0.0/0"`, `"::/0"` and
+//! `"10.20.0.0/16"` on ports 80 and 443, another org's `clients =
+//! ["10.9.0.0/16"]`, and Palisade listening on `10.0.0.5:3128`:
+//!
+//! | address | opened by | decision |
+//! |---|---|---|
+//! | 169.254.169.254, 127.0.0.1, 10.1.2.3, fd00:ec2::254 | nothing (`0.0.0.0/0`, `::/0` are broader than the range) | deny |
+//! | 10.20.1.1 | `10.20.0.0/16` (inside `10.0.0.0/8`) | allow |
+//! | 10.21.0.1 | nothing | deny |
+//! | 10.9.0.7 (the other org's sandbox) | nothing: only a rule inside `10.9.0.0/16` opens it | deny |
+//! | 10.0.0.5, any port | nothing: only `10.0.0.5/32` opens it (and never on 3128, row A) | deny |
+//! | 8.8.8.8 | `0.0.0.0/0` (not always-denied) | allow |
+//! | 64:ff9b::8.8.8.8 | `::/0`; the embedded 8.8.8.8 is open | allow |
+//! | 64:ff9b::127.0.0.1 | the v6 address by `::/0`, but the embedded 127.0.0.1 is not opened: a v6 rule never opens an embedded IPv4 address, only an IPv4 rule inside its range does (`127.0.0.1/32` would) | deny |
+//! | 64:ff9b:1::8.8.8.8 | nothing: `64:ff9b:1::/48` is always-denied; a rule inside it opens the v6 side, the embedded address is checked as well | deny |
+//!
+//! DNS answers take the same rows without a port: an address is stripped
+//! if a cidr deny rule covers it on every port, or if row C finds it
+//! always-denied and no rule inside its range covers it on any port. A name
+//! resolving into an always-denied range is denied (row 6) or stripped from
+//! answers exactly as the address itself.
+//!
+//! Always-denied ([`ALWAYS_DENIED`]): unspecified and "this network"
+//! (`0.0.0.0/8`, `::`), loopback (`127.0.0.0/8`, `::1`), RFC 1918, shared
+//! address space `100.64.0.0/10`, link-local (`169.254.0.0/16` incl. the
+//! metadata address, `fe80::/10`), IETF protocol assignments `192.0.0.0/24`,
 //! multicast (`224.0.0.0/4`, `ff00::/8`), reserved and broadcast
-//! (`240.0.0.0/4`), unique-local `fc00::/7` and site-local `fec0::/10`.
-//! IPv4-mapped IPv6 is canonicalised to IPv4 before any check.
+//! (`240.0.0.0/4`), SIIT `::ffff:0:0:0/96`, local-use NAT64
+//! `64:ff9b:1::/48`, discard-only `100::/64`, SRv6 SIDs `5f00::/16`,
+//! unique-local `fc00::/7` (incl. `fd00:ec2::254`) and site-local
+//! `fec0::/10`; also every org's `clients` networks (whatever its identity)
+//! and the address of every listener bound to a specific address (every
+//! port). IPv4-mapped IPv6 is canonicalised to IPv4 before any check.
+//! Benchmarking (`198.18.0.0/15`, `2001:2::/48`) and documentation ranges
+//! stay open: never routed, nothing internal answers there, and test labs
+//! and probes use them.
 //!
 //! # Identity
 //!
@@ -73,7 +105,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
+    Carry, Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
 };
 use crate::proto::target::{embedded_ipv4, Host};
 
@@ -114,10 +146,22 @@ pub enum Reason {
     /// Intercepted connection: the upstream's certificate did not verify
     /// (or its TLS handshake failed). Never downgraded to pass-through.
     UpstreamTlsError,
+    /// A tunnel's bytes are not what its rule says it carries: no
+    /// ClientHello on a TLS tunnel (silence past `detect_timeout`, other
+    /// bytes, a record before the hello), no HTTP request on an HTTP one.
+    ProtocolMismatch,
+    /// A TLS tunnel's ClientHello names no server.
+    SniMissing,
+    /// A ClientHello with an `encrypted_client_hello` extension: the name
+    /// that counts is encrypted, so it cannot be checked.
+    EchNotAllowed,
+    /// h2c on an HTTP tunnel (prior knowledge, `Upgrade: h2c`): its streams
+    /// could name other hosts unseen.
+    UpgradeNotAllowed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 20] = [
+    pub const ALL: [Reason; 24] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -138,6 +182,10 @@ impl Reason {
         Reason::MethodNotAllowed,
         Reason::PathNotAllowed,
         Reason::UpstreamTlsError,
+        Reason::ProtocolMismatch,
+        Reason::SniMissing,
+        Reason::EchNotAllowed,
+        Reason::UpgradeNotAllowed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -162,6 +210,10 @@ impl Reason {
             Reason::MethodNotAllowed => "method_not_allowed",
             Reason::PathNotAllowed => "path_not_allowed",
             Reason::UpstreamTlsError => "upstream_tls_error",
+            Reason::ProtocolMismatch => "protocol_mismatch",
+            Reason::SniMissing => "sni_missing",
+            Reason::EchNotAllowed => "ech_not_allowed",
+            Reason::UpgradeNotAllowed => "upgrade_not_allowed",
         }
     }
 
@@ -180,6 +232,10 @@ impl Reason {
                 | Reason::PortNotAllowed
                 | Reason::SniMismatch
                 | Reason::HostMismatch
+                | Reason::ProtocolMismatch
+                | Reason::SniMissing
+                | Reason::EchNotAllowed
+                | Reason::UpgradeNotAllowed
         )
     }
 
@@ -277,6 +333,8 @@ struct Rule {
     ports: PortSet,
     /// Request rules of an intercepting allow rule.
     intercept: Option<Arc<RequestRules>>,
+    /// What the rule's tunnels carry, when the rule says.
+    tunnel: Option<Carry>,
 }
 
 /// Rule indices by the name or name suffix they match.
@@ -351,21 +409,73 @@ impl<T: Default> PrefixTable<T> {
 impl<T> PrefixTable<T> {
     /// Values of every network containing `ip`, longest prefix first.
     fn matches(&self, ip: IpAddr) -> impl Iterator<Item = &T> + '_ {
+        self.matches_len(ip).map(|(_, value)| value)
+    }
+
+    /// Every network containing `ip` as (prefix length, value), longest first.
+    fn matches_len(&self, ip: IpAddr) -> impl Iterator<Item = (u8, &T)> + '_ {
         let (v4, v6) = match ip {
             IpAddr::V4(a) => (Some(a), None),
             IpAddr::V6(a) => (None, Some(a)),
         };
         let m4 = v4.into_iter().flat_map(move |a| {
             self.v4.iter().filter_map(move |(len, map)| {
-                Ipv4Net::new(a, *len).ok().and_then(|n| map.get(&n.trunc()))
+                Ipv4Net::new(a, *len)
+                    .ok()
+                    .and_then(|n| map.get(&n.trunc()))
+                    .map(|v| (*len, v))
             })
         });
         let m6 = v6.into_iter().flat_map(move |a| {
             self.v6.iter().filter_map(move |(len, map)| {
-                Ipv6Net::new(a, *len).ok().and_then(|n| map.get(&n.trunc()))
+                Ipv6Net::new(a, *len)
+                    .ok()
+                    .and_then(|n| map.get(&n.trunc()))
+                    .map(|v| (*len, v))
             })
         });
         m4.chain(m6)
+    }
+
+    /// Every network in the table that contains all of `net`, longest first.
+    fn containing(&self, net: IpNet) -> Vec<(IpNet, &T)> {
+        let mut found = Vec::new();
+        match net.trunc() {
+            IpNet::V4(n) => {
+                for (len, map) in self.v4.iter().filter(|(l, _)| *l <= n.prefix_len()) {
+                    if let Some((k, v)) = Ipv4Net::new(n.network(), *len)
+                        .ok()
+                        .and_then(|k| map.get_key_value(&k.trunc()))
+                    {
+                        found.push((IpNet::V4(*k), v));
+                    }
+                }
+            }
+            IpNet::V6(n) => {
+                for (len, map) in self.v6.iter().filter(|(l, _)| *l <= n.prefix_len()) {
+                    if let Some((k, v)) = Ipv6Net::new(n.network(), *len)
+                        .ok()
+                        .and_then(|k| map.get_key_value(&k.trunc()))
+                    {
+                        found.push((IpNet::V6(*k), v));
+                    }
+                }
+            }
+        }
+        found
+    }
+
+    /// Every (network, value), in no particular order.
+    fn entries(&self) -> impl Iterator<Item = (IpNet, &T)> + '_ {
+        let e4 = self
+            .v4
+            .iter()
+            .flat_map(|(_, map)| map.iter().map(|(n, v)| (IpNet::V4(*n), v)));
+        let e6 = self
+            .v6
+            .iter()
+            .flat_map(|(_, map)| map.iter().map(|(n, v)| (IpNet::V6(*n), v)));
+        e4.chain(e6)
     }
 }
 
@@ -407,6 +517,8 @@ struct Org {
     networks: Vec<IpNet>,
     allow: Vec<Rule>,
     deny: Vec<Rule>,
+    /// Allow rules by id (ids are unique within a config).
+    allow_ids: HashMap<Arc<str>, usize>,
     allow_names: NameTable,
     deny_names: NameTable,
     allow_cidrs: PrefixTable<Vec<usize>>,
@@ -421,28 +533,101 @@ pub struct Policy {
     clients: PrefixTable<Option<usize>>,
     by_name: HashMap<Arc<str>, usize>,
     own: Vec<SocketAddr>,
-    always_denied: PrefixTable<bool>,
+    /// Always-denied ranges with what each one is (see [`ALWAYS_DENIED`]),
+    /// plus every org's `clients` and Palisade's own listen addresses.
+    always_denied: PrefixTable<Vec<Arc<str>>>,
     hash: Arc<str>,
     rule_count: usize,
 }
 
-const ALWAYS_DENIED: &[&str] = &[
-    "0.0.0.0/8",
-    "10.0.0.0/8",
-    "100.64.0.0/10",
-    "127.0.0.0/8",
-    "169.254.0.0/16",
-    "172.16.0.0/12",
-    "192.168.0.0/16",
-    "224.0.0.0/4",
-    "240.0.0.0/4",
-    "::/128",
-    "::1/128",
-    "fc00::/7",
-    "fe80::/10",
-    "fec0::/10",
-    "ff00::/8",
+/// Ranges no broad rule opens: (network, what it is). `check` prints the
+/// names. Left open on purpose: `198.18.0.0/15` and `2001:2::/48`
+/// (benchmarking, RFC 2544/5180: test labs, ours included, run there) and
+/// the documentation ranges (`192.0.2.0/24`, `198.51.100.0/24`,
+/// `203.0.113.0/24`, `2001:db8::/32`, `3fff::/20`): never routed, so
+/// nothing internal answers there, and probes and examples use them.
+pub const ALWAYS_DENIED: &[(&str, &str)] = &[
+    ("0.0.0.0/8", "this network"),
+    ("10.0.0.0/8", "private"),
+    ("100.64.0.0/10", "shared address space"),
+    ("127.0.0.0/8", "loopback"),
+    ("169.254.0.0/16", "link-local incl. cloud metadata"),
+    ("172.16.0.0/12", "private"),
+    ("192.0.0.0/24", "IETF protocol assignments"),
+    ("192.168.0.0/16", "private"),
+    ("224.0.0.0/4", "multicast"),
+    ("240.0.0.0/4", "reserved incl. broadcast"),
+    ("::/128", "unspecified"),
+    ("::1/128", "loopback"),
+    ("::ffff:0:0:0/96", "SIIT IPv4-translated"),
+    ("64:ff9b:1::/48", "local-use NAT64"),
+    ("100::/64", "discard-only"),
+    ("5f00::/16", "SRv6 SIDs"),
+    ("fc00::/7", "unique-local"),
+    ("fe80::/10", "link-local"),
+    ("fec0::/10", "site-local"),
+    ("ff00::/8", "multicast"),
 ];
+
+/// A cidr allow rule that opens (part of) an always-denied range: what
+/// `palisade check` lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opening {
+    pub org: Arc<str>,
+    pub rule: Arc<str>,
+    /// The rule's network: the part of `range` that is opened.
+    pub net: IpNet,
+    /// The always-denied range the rule lies inside.
+    pub range: IpNet,
+    /// What the range is ("private", "clients of acme", ...).
+    pub what: Vec<Arc<str>>,
+    pub ports: PortSet,
+}
+
+/// The always-denied table: the fixed ranges, every org's `clients` (no
+/// hairpin into a sandbox network) and the address of every listener bound
+/// to a specific address (on every port; an unspecified listen address is
+/// only its port, row A).
+fn closed_ranges(orgs: &[OrgConfig], own: &[SocketAddr]) -> PrefixTable<Vec<Arc<str>>> {
+    let mut table: PrefixTable<Vec<Arc<str>>> = PrefixTable::default();
+    let mut add = |net: IpNet, what: Arc<str>| {
+        let entry = table.entry(net);
+        if !entry.contains(&what) {
+            entry.push(what);
+        }
+    };
+    for (net, what) in ALWAYS_DENIED {
+        if let Ok(net) = net.parse::<IpNet>() {
+            add(net, Arc::from(*what));
+        }
+    }
+    for org in orgs {
+        let what: Arc<str> = Arc::from(format!("clients of {}", org.name));
+        for net in &org.clients {
+            add(canonical_net(*net), what.clone());
+        }
+    }
+    let listener: Arc<str> = Arc::from("Palisade listener");
+    for addr in own.iter().map(|a| canonical(a.ip())) {
+        if !addr.is_unspecified() {
+            add(IpNet::from(addr), listener.clone());
+        }
+    }
+    table
+}
+
+/// An IPv4-mapped network (`::ffff:a.b.c.d/104+`) is the IPv4 network.
+fn canonical_net(net: IpNet) -> IpNet {
+    match net {
+        IpNet::V6(n) if n.prefix_len() >= 96 => match n.network().to_ipv4_mapped() {
+            Some(v4) => Ipv4Net::new(v4, n.prefix_len() - 96)
+                .map(IpNet::V4)
+                .unwrap_or(net),
+            None => net,
+        },
+        _ => net,
+    }
+}
 
 impl Policy {
     /// Compile a validated config.
@@ -472,6 +657,7 @@ impl Policy {
                 networks: org.clients.iter().map(|n| n.trunc()).collect(),
                 allow: Vec::new(),
                 deny: Vec::new(),
+                allow_ids: HashMap::new(),
                 allow_names: NameTable::default(),
                 deny_names: NameTable::default(),
                 allow_cidrs: PrefixTable::default(),
@@ -486,6 +672,7 @@ impl Policy {
                         id: Arc::from(r.id.as_str()),
                         ports: r.ports.clone(),
                         intercept: r.intercept.clone().map(Arc::new),
+                        tunnel: r.tunnel,
                     });
                     match &r.target {
                         RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
@@ -500,13 +687,16 @@ impl Policy {
                 &mut o.allow_cidrs,
             );
             add(&org.deny, &mut o.deny, &mut o.deny_names, &mut o.deny_cidrs);
+            o.allow_ids = o
+                .allow
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (r.id.clone(), i))
+                .collect();
             rule_count += org.allow.len() + org.deny.len();
             compiled.push(o);
         }
-        let mut always_denied = PrefixTable::default();
-        for net in ALWAYS_DENIED.iter().filter_map(|n| n.parse::<IpNet>().ok()) {
-            *always_denied.entry(net) = true;
-        }
+        let always_denied = closed_ranges(orgs, &own);
         let canonical = Policy::canonical_text(orgs);
         let hash: String = Sha256::digest(canonical.as_bytes())
             .iter()
@@ -735,9 +925,22 @@ impl Policy {
         if let Err(v) = self.check_address(o, ip, port) {
             return v;
         }
+        // An always-denied address is allowed by the rule that opened it
+        // (row C), not by a broader rule that also covers it.
+        let closed = self
+            .always_denied
+            .matches_len(ip)
+            .next()
+            .map_or(0, |(l, _)| l);
         let mut any = false;
         let mut best: Option<usize> = None;
-        for i in o.allow_cidrs.matches(ip).flatten().copied() {
+        for i in o
+            .allow_cidrs
+            .matches_len(ip)
+            .take_while(|(len, _)| *len >= closed)
+            .flat_map(|(_, rules)| rules)
+            .copied()
+        {
             any = true;
             if o.allow[i].ports.contains(port) {
                 best = Some(best.map_or(i, |b| b.min(i)));
@@ -779,17 +982,57 @@ impl Policy {
             }
         }
         for addr in effective {
-            let denied = self.always_denied.matches(addr).any(|d| *d);
-            let covered = o
-                .allow_cidrs
-                .matches(addr)
-                .flatten()
-                .any(|&i| o.allow[i].ports.contains(port));
-            if denied && !covered {
+            if !self.opened(o, addr, Some(port)) {
                 return Err(Verdict::deny(org, Reason::DeniedAddress, None));
             }
         }
         Ok(())
+    }
+
+    /// Row C: an address outside every always-denied range is open; one
+    /// inside is open only through a cidr allow rule (on `port`, or on any
+    /// port for `None`) that covers it and lies inside the most specific
+    /// always-denied range holding it. Ranges containing one address nest,
+    /// so that rule lies inside every one of them: `10.20.0.0/16` opens
+    /// 10.20.1.1, `0.0.0.0/0` and `8.0.0.0/5` open nothing always-denied,
+    /// and `10.0.0.0/8` does not open an org's `clients` network inside it.
+    fn opened(&self, o: &Org, addr: IpAddr, port: Option<u16>) -> bool {
+        let Some((closed, _)) = self.always_denied.matches_len(addr).next() else {
+            return true;
+        };
+        o.allow_cidrs
+            .matches_len(addr)
+            .take_while(|(len, _)| *len >= closed)
+            .flat_map(|(_, rules)| rules)
+            .any(|&i| port.is_none_or(|p| o.allow[i].ports.contains(p)))
+    }
+
+    /// Which cidr allow rules open which always-denied ranges, in file
+    /// order (`palisade check`). A rule opens each range it lies inside, for
+    /// its own addresses; broader rules open none.
+    pub fn openings(&self) -> Vec<Opening> {
+        let mut found = Vec::new();
+        for o in &self.orgs {
+            let mut rules: Vec<(usize, IpNet)> = o
+                .allow_cidrs
+                .entries()
+                .flat_map(|(net, rules)| rules.iter().map(move |&i| (i, net)))
+                .collect();
+            rules.sort_unstable_by_key(|(i, net)| (*i, *net));
+            for (i, net) in rules {
+                for (range, what) in self.always_denied.containing(net) {
+                    found.push(Opening {
+                        org: o.r#ref.name.clone(),
+                        rule: o.allow[i].id.clone(),
+                        net,
+                        range,
+                        what: what.clone(),
+                        ports: o.allow[i].ports.clone(),
+                    });
+                }
+            }
+        }
+        found
     }
 
     fn is_own(&self, ip: IpAddr, port: u16) -> bool {
@@ -800,7 +1043,7 @@ impl Policy {
 
     /// May an address be handed to the org in a DNS answer? The address
     /// checks without a port: stripped if a cidr deny rule covers it on every
-    /// port, or if it is always-denied and no cidr allow rule covers it.
+    /// port, or if it is always-denied and not opened (row C) on any port.
     pub fn answer_allowed(&self, org: &OrgRef, ip: IpAddr) -> Result<(), Verdict> {
         let Some(o) = self.orgs.get(org.index) else {
             return Err(Verdict::deny(org, Reason::UnknownClient, None));
@@ -821,8 +1064,7 @@ impl Policy {
             {
                 return Err(Verdict::deny(org, Reason::ExplicitDeny, Some(&o.deny[i])));
             }
-            let denied = self.always_denied.matches(addr).any(|d| *d);
-            if denied && o.allow_cidrs.matches(addr).next().is_none() {
+            if !self.opened(o, addr, None) {
                 return Err(Verdict::deny(org, Reason::DeniedAddress, None));
             }
         }
@@ -891,14 +1133,35 @@ fn accepts_from(org: &Org, client: IpAddr) -> bool {
 }
 
 impl Policy {
+    /// What a tunnel allowed by `rule` to `port` may carry. Address targets
+    /// (cidr rules) are opaque: the address is the identity. A name's rule
+    /// says so with `tunnel`, an intercepting rule carries TLS, and
+    /// otherwise the port decides ([`Carry::default_for_port`]); so does a
+    /// report-mode allowance without an allow rule.
+    pub fn carry(&self, org: &OrgRef, rule: Option<&str>, name: bool, port: u16) -> Carry {
+        if !name {
+            return Carry::Opaque;
+        }
+        let found = rule.and_then(|id| self.allow_rule(org, id));
+        match found {
+            Some(r) if r.intercept.is_some() => Carry::Tls,
+            Some(Rule {
+                tunnel: Some(carry),
+                ..
+            }) => *carry,
+            _ => Carry::default_for_port(port),
+        }
+    }
+
     /// The request rules of the allow rule `rule` of `org`, when that rule
     /// intercepts. `None`: pass the connection through untouched.
     pub fn intercept_rules(&self, org: &OrgRef, rule: &str) -> Option<Arc<RequestRules>> {
+        self.allow_rule(org, rule).and_then(|r| r.intercept.clone())
+    }
+
+    fn allow_rule(&self, org: &OrgRef, id: &str) -> Option<&Rule> {
         let o = self.orgs.get(org.index)?;
-        o.allow
-            .iter()
-            .find(|r| &*r.id == rule)
-            .and_then(|r| r.intercept.clone())
+        o.allow_ids.get(id).and_then(|&i| o.allow.get(i))
     }
 
     /// Decide one request inside a connection that allow rule `rule` of

@@ -242,6 +242,7 @@ fn name_rules_never_allow_ip_literals() {
         target: config::RuleTarget::Exact("198.18.9.9".into()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -257,16 +258,30 @@ fn own_listeners_are_never_dialled() {
         target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
     // admin listens on 0.0.0.0:9711: any address on that port is Palisade itself
     assert_eq!(reason(&p2, "198.18.5.5", 9711, &[]), Reason::DeniedAddress);
     assert_eq!(reason(&p2, "198.18.5.5", 9712, &[]), Reason::RuleMatch);
+    // A listener's specific address is always-denied on every port, and
+    // 0.0.0.0/0 does not open it ...
+    assert_eq!(reason(&p2, "198.18.0.1", 443, &[]), Reason::DeniedAddress);
     assert_eq!(
         reason(&p, "api.example.com", 443, &["198.18.0.1"]),
-        Reason::RuleMatch
+        Reason::DeniedAddress
     );
+    // ... a rule naming it does, but never on the listener's own port.
+    c.orgs[0].allow.push(config::RuleConfig {
+        id: "self".into(),
+        target: config::RuleTarget::Cidr("198.18.0.1/32".parse().unwrap()),
+        ports: config::PortSet::All,
+        intercept: None,
+    });
+    let p3 = Policy::new(&c);
+    assert_eq!(reason(&p3, "198.18.0.1", 443, &[]), Reason::RuleMatch);
+    assert_eq!(reason(&p3, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
 }
 
 #[test]
@@ -567,4 +582,366 @@ host = "plain.example.org"
         Reason::PathNotAllowed
     );
     assert_eq!(r("pypi", "GET", "/simple/..;/x"), Reason::PathNotAllowed);
+}
+
+/// Address rules for the always-denied table (row C): a broad rule on the
+/// web ports, one private network, the other orgs' sandbox networks and
+/// Palisade's own listener address.
+const ADDRESSES: &str = r#"
+[proxy]
+listen = ["10.0.0.5:3128"]
+[admin]
+listen = "0.0.0.0:9711"
+
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+
+[[org.allow]]
+id = "web-v4"
+cidr = "0.0.0.0/0"
+ports = [80, 443]
+
+[[org.allow]]
+id = "web-v6"
+cidr = "::/0"
+ports = [80, 443]
+
+[[org.allow]]
+id = "db"
+cidr = "10.20.0.0/16"
+ports = [5432]
+
+[[org.allow]]
+id = "api"
+host = "api.example.com"
+ports = [443, 5432]
+
+[[org.allow]]
+id = "cache"
+cidr = "10.0.0.0/8"
+ports = [6379]
+
+[[org.allow]]
+id = "sibling-db"
+cidr = "10.9.1.0/24"
+ports = [5432]
+
+[[org.allow]]
+id = "self"
+cidr = "10.0.0.5/32"
+ports = [8080]
+
+[[org.allow]]
+id = "partner"
+cidr = "198.51.100.128/25"
+ports = [443]
+
+[[org.deny]]
+cidr = "10.20.9.0/24"
+
+#EXTRA#
+
+[[org]]
+name = "beta"
+clients = ["10.9.0.0/16", "fd00:9::/64"]
+
+[[org]]
+name = "gamma"
+identity = "address+token"
+clients = ["198.51.100.0/24"]
+tokens = ["sha256:0000000000000000000000000000000000000000000000000000000000000000"]
+"#;
+
+/// The policy above with `extra` lines added to acme.
+fn addresses(extra: &str) -> Policy {
+    let src = ADDRESSES.replace("#EXTRA#", extra);
+    Policy::new(&config::from_str(&src, Path::new("a.toml")).unwrap())
+}
+
+/// The deciding rule of an IP target, or the reason it was denied.
+fn ip_verdict(p: &Policy, target: &str, port: u16) -> (Reason, Option<String>) {
+    let v = decide(p, ACME, target, port, &[]);
+    (v.reason, v.rule.map(|r| r.to_string()))
+}
+
+#[test]
+fn row_c_broad_rules_open_no_always_denied_range() {
+    let p = addresses("");
+    for (target, port) in [
+        ("169.254.169.254", 80),
+        ("127.0.0.1", 80),
+        ("10.1.2.3", 443),
+        ("192.168.1.1", 443),
+        ("172.16.0.1", 80),
+        ("100.64.0.1", 80),
+        ("0.0.0.0", 80),
+        ("255.255.255.255", 80),
+        // another org's sandbox networks, whatever its identity
+        ("10.9.0.7", 80),
+        ("198.51.100.7", 443),
+        ("[fd00:9::7]", 80),
+        // Palisade's own listener address, on any port
+        ("10.0.0.5", 80),
+        ("[fd00:ec2::254]", 80),
+        ("[fe80::1]", 443),
+        ("[::1]", 80),
+        ("[::]", 80),
+        ("[ff02::1]", 80),
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, port).0,
+            Reason::DeniedAddress,
+            "{target}:{port}"
+        );
+        let addr = target.trim_matches(['[', ']']);
+        assert_eq!(
+            reason(&p, "api.example.com", 443, &[addr]),
+            Reason::DeniedAddress,
+            "api.example.com -> {addr}"
+        );
+    }
+    // Everything else on the web ports is what the broad rules are for.
+    assert_eq!(
+        ip_verdict(&p, "8.8.8.8", 80),
+        (Reason::RuleMatch, Some("web-v4".into()))
+    );
+    assert_eq!(
+        ip_verdict(&p, "[2606:4700::1]", 443),
+        (Reason::RuleMatch, Some("web-v6".into()))
+    );
+}
+
+#[test]
+fn row_c_a_rule_inside_the_range_opens_it() {
+    let p = addresses("");
+    assert_eq!(
+        ip_verdict(&p, "10.20.1.1", 5432),
+        (Reason::RuleMatch, Some("db".into()))
+    );
+    assert_eq!(ip_verdict(&p, "10.21.0.1", 5432).0, Reason::DeniedAddress);
+    assert_eq!(ip_verdict(&p, "10.20.1.1", 80).0, Reason::DeniedAddress);
+    // names resolving there: only what a rule inside opens, on its port
+    assert_eq!(
+        reason(&p, "api.example.com", 5432, &["10.20.1.1"]),
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        reason(&p, "api.example.com", 5432, &["10.21.0.1"]),
+        Reason::DeniedAddress
+    );
+    // 10.0.0.0/8 opens the private range, but not a sandbox network or
+    // Palisade's listener lying inside it.
+    assert_eq!(
+        ip_verdict(&p, "10.21.0.1", 6379),
+        (Reason::RuleMatch, Some("cache".into()))
+    );
+    assert_eq!(ip_verdict(&p, "10.9.0.7", 6379).0, Reason::DeniedAddress);
+    assert_eq!(ip_verdict(&p, "10.0.0.5", 6379).0, Reason::DeniedAddress);
+    // a rule inside the sandbox network names it
+    assert_eq!(
+        ip_verdict(&p, "10.9.1.7", 5432),
+        (Reason::RuleMatch, Some("sibling-db".into()))
+    );
+    assert_eq!(ip_verdict(&p, "10.9.2.7", 5432).0, Reason::DeniedAddress);
+    // the listener's own /32 opens it, except on the listener's port
+    assert_eq!(
+        ip_verdict(&p, "10.0.0.5", 8080),
+        (Reason::RuleMatch, Some("self".into()))
+    );
+    assert_eq!(ip_verdict(&p, "10.0.0.5", 3128).0, Reason::DeniedAddress);
+    let all_ports = addresses("[[org.allow]]\ncidr = \"10.0.0.5/32\"\nports = [22, 3128]\n");
+    assert_eq!(ip_verdict(&all_ports, "10.0.0.5", 22).0, Reason::RuleMatch);
+    assert_eq!(
+        ip_verdict(&all_ports, "10.0.0.5", 3128).0,
+        Reason::DeniedAddress
+    );
+    // a rule inside another org's address+token network names it
+    assert_eq!(
+        ip_verdict(&p, "198.51.100.130", 443),
+        (Reason::RuleMatch, Some("partner".into()))
+    );
+    assert_eq!(ip_verdict(&p, "198.51.100.7", 443).0, Reason::DeniedAddress);
+    // a cidr deny still wins inside an opened range
+    assert_eq!(ip_verdict(&p, "10.20.9.1", 5432).0, Reason::ExplicitDeny);
+}
+
+#[test]
+fn row_c_an_unspecified_listener_is_only_its_port() {
+    let p = addresses("");
+    // admin on 0.0.0.0:9711: every address on 9711, nothing else
+    let with_port = addresses("[[org.allow]]\ncidr = \"8.8.8.0/24\"\nports = [9711, 9712]\n");
+    assert_eq!(ip_verdict(&p, "8.8.8.8", 9711).0, Reason::DeniedAddress);
+    assert_eq!(ip_verdict(&p, "8.8.8.8", 9712).0, Reason::PortNotAllowed);
+    assert_eq!(
+        ip_verdict(&with_port, "8.8.8.8", 9711).0,
+        Reason::DeniedAddress
+    );
+    assert_eq!(ip_verdict(&with_port, "8.8.8.8", 9712).0, Reason::RuleMatch);
+}
+
+#[test]
+fn row_c_new_special_ranges_are_denied() {
+    let p = addresses("");
+    for target in [
+        "192.0.0.1",
+        "192.0.0.170",
+        "[::ffff:0:808:808]",
+        "[64:ff9b:1::808:808]",
+        "[100::1]",
+        "[5f00::1]",
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, 443).0,
+            Reason::DeniedAddress,
+            "{target}"
+        );
+    }
+    // benchmarking and documentation ranges stay open (see ALWAYS_DENIED)
+    for target in ["198.18.0.9", "192.0.2.1", "[2001:db8::1]", "[2001:2::1]"] {
+        assert_eq!(ip_verdict(&p, target, 443).0, Reason::RuleMatch, "{target}");
+    }
+}
+
+#[test]
+fn row_c_embedded_ipv4_needs_its_own_opening() {
+    let p = addresses("");
+    // the IPv6 address is open by ::/0; the embedded IPv4 decides
+    assert_eq!(
+        ip_verdict(&p, "[64:ff9b::808:808]", 80),
+        (Reason::RuleMatch, Some("web-v6".into()))
+    );
+    for target in [
+        "[64:ff9b::127.0.0.1]",
+        "[64:ff9b::a9fe:a9fe]",
+        "[64:ff9b::10.20.1.1]",
+        "[::ffff:0:127.0.0.1]",
+        "[::127.0.0.1]",
+        "[2002:7f00:1::1]",
+        // Teredo, client 127.0.0.1 (XOR 0xffffffff)
+        "[2001:0:4136:e378:8000:63bf:80ff:fffe]",
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, 80).0,
+            Reason::DeniedAddress,
+            "{target}"
+        );
+    }
+    // a v6 rule over the NAT64 prefix does not open the IPv4 behind it ...
+    let nat64 = addresses("[[org.allow]]\ncidr = \"64:ff9b::/96\"\nports = [80]\n");
+    assert_eq!(
+        ip_verdict(&nat64, "[64:ff9b::127.0.0.1]", 80).0,
+        Reason::DeniedAddress
+    );
+    // ... an IPv4 rule inside the IPv4 range does, for the IPv4 side; the
+    // v6 address still needs its own rule (row 8).
+    let lo = "[[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [80]\n";
+    let p = addresses(lo);
+    assert_eq!(
+        ip_verdict(&p, "[64:ff9b::127.0.0.1]", 80),
+        (Reason::RuleMatch, Some("web-v6".into()))
+    );
+    assert_eq!(
+        ip_verdict(&p, "[64:ff9b::127.0.0.2]", 80).0,
+        Reason::DeniedAddress
+    );
+    // the local-use NAT64 prefix: a rule inside it opens the v6 side, the
+    // embedded address is checked all the same
+    let local = addresses("[[org.allow]]\ncidr = \"64:ff9b:1::/96\"\nports = [80]\n");
+    assert_eq!(
+        ip_verdict(&local, "[64:ff9b:1::8.8.8.8]", 80).0,
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        ip_verdict(&local, "[64:ff9b:1::127.0.0.1]", 80).0,
+        Reason::DeniedAddress
+    );
+    assert_eq!(
+        ip_verdict(&local, "[64:ff9b:1:1::8.8.8.8]", 80).0,
+        Reason::DeniedAddress
+    );
+    // SIIT, opened on the v6 side only
+    let siit = addresses("[[org.allow]]\ncidr = \"::ffff:0:0:0/96\"\nports = [80]\n");
+    assert_eq!(
+        ip_verdict(&siit, "[::ffff:0:8.8.8.8]", 80).0,
+        Reason::RuleMatch
+    );
+    assert_eq!(
+        ip_verdict(&siit, "[::ffff:0:10.1.2.3]", 80).0,
+        Reason::DeniedAddress
+    );
+}
+
+#[test]
+fn row_c_dns_answers_are_stripped_unless_opened() {
+    let p = addresses("");
+    let org = p.org_for(ip(ACME)).unwrap();
+    let stripped = |a: &str| p.answer_allowed(&org, ip(a)).map_err(|v| v.reason);
+    for a in [
+        "169.254.169.254",
+        "127.0.0.1",
+        "192.168.1.1",
+        "10.9.0.7",
+        "198.51.100.7",
+        "192.0.0.8",
+        "fd00:ec2::254",
+        "fd00:9::7",
+        "64:ff9b::7f00:1",
+        "64:ff9b:1::808:808",
+        "::ffff:0:808:808",
+    ] {
+        assert_eq!(stripped(a), Err(Reason::DeniedAddress), "{a}");
+    }
+    for a in [
+        "8.8.8.8",
+        "2606:4700::1",
+        "64:ff9b::808:808",
+        // opened by a rule inside on some port
+        "10.20.1.1",
+        "10.21.0.1",
+        "10.9.1.7",
+        "10.0.0.5",
+    ] {
+        assert_eq!(stripped(a), Ok(()), "{a}");
+    }
+}
+
+#[test]
+fn openings_list_each_rule_inside_an_always_denied_range() {
+    let p = addresses("");
+    let got: Vec<String> = p
+        .openings()
+        .iter()
+        .map(|o| {
+            let what: Vec<&str> = o.what.iter().map(|w| &**w).collect();
+            format!("{} {} {} {}", o.rule, o.net, o.range, what.join("+"))
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            "db 10.20.0.0/16 10.0.0.0/8 private",
+            "cache 10.0.0.0/8 10.0.0.0/8 private",
+            "sibling-db 10.9.1.0/24 10.9.0.0/16 clients of beta",
+            "sibling-db 10.9.1.0/24 10.0.0.0/8 private",
+            "self 10.0.0.5/32 10.0.0.5/32 Palisade listener",
+            "self 10.0.0.5/32 10.0.0.0/8 private",
+            "partner 198.51.100.128/25 198.51.100.0/24 clients of gamma",
+        ]
+    );
+    // a network two orgs share (address+token) names both
+    let src = format!(
+        "{}[[org]]\nname = \"delta\"\nidentity = \"address+token\"\n\
+         clients = [\"198.51.100.0/24\"]\ntokens = [\"sha256:{}\"]\n",
+        ADDRESSES.replace("#EXTRA#", ""),
+        "1".repeat(64)
+    );
+    let shared = Policy::new(&config::from_str(&src, Path::new("a.toml")).unwrap());
+    let o = shared
+        .openings()
+        .into_iter()
+        .find(|o| &*o.rule == "partner")
+        .unwrap();
+    let what: Vec<&str> = o.what.iter().map(|w| &**w).collect();
+    assert_eq!(what, ["clients of gamma", "clients of delta"]);
 }

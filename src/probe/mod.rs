@@ -10,11 +10,13 @@
 //! - [`plan`]: the plan format (TOML) and a default plan generated from a
 //!   policy (one probe per allow rule, canaries, standard bypass attempts).
 //! - [`run`]: performs each probe within its own timeout and a total
-//!   deadline, and writes `observations.json`.
+//!   deadline, and writes `observations.json`; [`hello`] builds the
+//!   ClientHellos it sends (with or without an ECH extension).
 //! - [`report`]: verifies the evidence chain first, matches records to
 //!   observations, classifies, and renders `report.json`, `report.md` and a
 //!   self-contained `report.html`.
 
+pub mod hello;
 pub mod plan;
 pub mod report;
 pub mod run;

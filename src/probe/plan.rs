@@ -18,8 +18,29 @@
 //! # server = "1.1.1.1:53"         # dns: probes: ask this server instead of `resolver`
 //! # resolve = "198.18.2.10"       # direct probes: dial this address instead of resolving
 //! # host_header = "other.example" # http:// probes: send this Host header
+//! # second_host = "other.example" # http:// probes: a second request, same connection, this Host
+//! # silence = "1500ms"            # tls:// and https:// probes: stay silent this long first
+//! # ech = true                    # tls:// and https:// probes: ClientHello with an ECH extension
+//! # request = true                # https:// probes: full handshake, then the HTTP request
 //! # note = "why this probe"
 //! ```
+//!
+//! The in-tunnel probes (what a tunnel carries once it is open):
+//!
+//! - `second_host`: the first request (Host from the target, or
+//!   `host_header`) is sent with `Connection: keep-alive`; after its
+//!   response, a second request naming `second_host` goes on the same
+//!   connection. Through the proxy this uses a CONNECT tunnel (an
+//!   absolute-form request is decided request by request anyway).
+//! - `silence`: the client sends nothing for this long once the tunnel (or
+//!   the direct connection) is open, then its ClientHello. The probe's time
+//!   budget is `timeout` plus `silence`.
+//! - `ech`: the ClientHello carries an `encrypted_client_hello` extension
+//!   (see [`super::hello`]).
+//! - `request`: the TLS handshake is completed (the certificate is **not**
+//!   verified: the question is whether the request reaches its target, and
+//!   Palisade's answer is checked against its signed evidence) and the HTTP
+//!   request is sent inside; needed where Palisade intercepts.
 //!
 //! Targets: `http://host[:port]/path`, `https://host[:port]/path`,
 //! `tcp://host:port`, `tls://host:port[?sni=NAME]`, `dns:NAME[/TYPE]`,
@@ -32,7 +53,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{Expect, Layer, Via};
-use crate::config::{Config, RuleTarget};
+use crate::config::{Config, PathPattern, RuleTarget};
+use crate::policy::request::NormalPath;
 
 /// Per-probe timeout when the plan names none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -40,6 +62,10 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_DEADLINE: Duration = Duration::from_secs(3600);
+/// Longest `silence` of a probe.
+const MAX_SILENCE: Duration = Duration::from_secs(60);
+/// What a generated `silence` probe waits beyond the proxy's `detect_timeout`.
+pub const SILENCE_MARGIN: Duration = Duration::from_millis(500);
 /// Probes in one plan.
 pub const MAX_PROBES: usize = 2000;
 
@@ -79,8 +105,54 @@ pub struct Probe {
     pub resolve: Option<IpAddr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_header: Option<String>,
+    /// http:// targets: a second request on the same connection naming this Host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub second_host: Option<String>,
+    /// tls:// and https:// targets: stay silent this long before the ClientHello.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub silence: Option<String>,
+    /// tls:// and https:// targets: an `encrypted_client_hello` extension.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ech: bool,
+    /// https:// targets: complete the handshake and send the request.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub request: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+impl Probe {
+    /// A probe of `target` with no options.
+    pub fn new(id: &str, target: &str, via: Via, expect: Expect) -> Probe {
+        Probe {
+            id: id.into(),
+            target: target.into(),
+            via,
+            expect,
+            layer: Layer::Palisade,
+            proxy: None,
+            server: None,
+            resolve: None,
+            host_header: None,
+            second_host: None,
+            silence: None,
+            ech: false,
+            request: false,
+            note: None,
+        }
+    }
+
+    /// The validated `silence` (zero when none).
+    pub fn silence(&self) -> Duration {
+        self.silence
+            .as_deref()
+            .and_then(|t| parse_duration(t, MAX_SILENCE, "silence").ok())
+            .unwrap_or(Duration::ZERO)
+    }
 }
 
 /// A parsed target.
@@ -340,10 +412,37 @@ impl Plan {
             if p.host_header.is_some() && !matches!(target, Target::Http { tls: false, .. }) {
                 return Err(ctx("host_header only applies to http:// targets".into()));
             }
-            if let Some(h) = &p.host_header {
-                if h.is_empty() || h.len() > 255 || h.bytes().any(|b| b <= b' ' || b >= 0x7f) {
-                    return Err(ctx("bad host_header".into()));
+            for (what, h) in [
+                ("host_header", &p.host_header),
+                ("second_host", &p.second_host),
+            ] {
+                if let Some(h) = h {
+                    if h.is_empty() || h.len() > 255 || h.bytes().any(|b| b <= b' ' || b >= 0x7f) {
+                        return Err(ctx(format!("bad {what}")));
+                    }
                 }
+            }
+            if p.second_host.is_some() && !matches!(target, Target::Http { tls: false, .. }) {
+                return Err(ctx("second_host only applies to http:// targets".into()));
+            }
+            let hello = matches!(target, Target::Tls { .. })
+                || matches!(target, Target::Http { tls: true, .. }) && !p.request;
+            if let Some(t) = &p.silence {
+                parse_duration(t, MAX_SILENCE, "silence").map_err(ctx)?;
+                if !hello {
+                    return Err(ctx(
+                        "silence only applies to tls:// and https:// targets (without request)"
+                            .into(),
+                    ));
+                }
+            }
+            if p.ech && !hello {
+                return Err(ctx(
+                    "ech only applies to tls:// and https:// targets (without request)".into(),
+                ));
+            }
+            if p.request && !matches!(target, Target::Http { tls: true, .. }) {
+                return Err(ctx("request only applies to https:// targets".into()));
             }
         }
         Ok(())
@@ -388,17 +487,26 @@ impl Plan {
             if p.layer == Layer::Any {
                 out.push_str("layer = \"any\"\n");
             }
-            let opt: [(&str, Option<String>); 5] = [
+            let opt: [(&str, Option<String>); 6] = [
                 ("proxy", p.proxy.map(|a| a.to_string())),
                 ("server", p.server.map(|a| a.to_string())),
                 ("resolve", p.resolve.map(|a| a.to_string())),
                 ("host_header", p.host_header.clone()),
-                ("note", p.note.clone()),
+                ("second_host", p.second_host.clone()),
+                ("silence", p.silence.clone()),
             ];
             for (k, v) in opt {
                 if let Some(v) = v {
                     let _ = writeln!(out, "{k} = {}", q(&v));
                 }
+            }
+            for (k, on) in [("ech", p.ech), ("request", p.request)] {
+                if on {
+                    let _ = writeln!(out, "{k} = true");
+                }
+            }
+            if let Some(note) = &p.note {
+                let _ = writeln!(out, "note = {}", q(note));
             }
         }
         out
@@ -446,16 +554,9 @@ pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String>
     let mut add =
         |id: String, target: String, via: Via, expect: Expect, layer: Layer, note: &str| {
             probes.push(Probe {
-                id,
-                target,
-                via,
-                expect,
                 layer,
-                proxy: None,
-                server: None,
-                resolve: None,
-                host_header: None,
                 note: Some(note.to_string()),
+                ..Probe::new(&id, &target, via, expect)
             });
         };
     let via_default = if proxy.is_some() {
@@ -731,6 +832,12 @@ pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String>
             "IPv6 literal through the proxy",
         );
     }
+    probes.extend(tunnel_probes(
+        org,
+        config.proxy.limits.detect_timeout,
+        via_default,
+        opts.transparent,
+    ));
     for probe in &mut probes {
         if probe.id == "host-mismatch" {
             probe.host_header = Some(CANARY_DOMAIN.into());
@@ -754,6 +861,193 @@ pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String>
     };
     plan.validate()?;
     Ok(plan)
+}
+
+/// The host a name rule is probed with (a placeholder below a wildcard);
+/// None for cidr rules.
+fn rule_host(target: &RuleTarget) -> Option<String> {
+    match target {
+        RuleTarget::Exact(name) => Some(name.clone()),
+        RuleTarget::Below(suffix) => Some(format!("www.{suffix}")),
+        RuleTarget::Cidr(_) => None,
+    }
+}
+
+/// How a proxy that does not decode escapes would match the raw `path`
+/// against a path rule: a prefix (no `*`), or a glob in which `*` matches
+/// any run of bytes. (Palisade's own matcher takes only normalised paths;
+/// this one is the probe's, to tell which spellings would slip past.)
+fn matches_as_written(pattern: &str, path: &str) -> bool {
+    if !pattern.contains('*') {
+        return path.starts_with(pattern);
+    }
+    let (pat, text) = (pattern.as_bytes(), path.as_bytes());
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pat.get(p) == Some(&b'*') {
+            star = Some((p, t));
+            p += 1;
+        } else if pat.get(p) == text.get(t) {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pat[p..].iter().all(|&b| b == b'*')
+}
+
+/// A path `pattern` (a `deny_paths` entry) denies, with one unreserved
+/// character percent-encoded (`/api/internal*` gives `/api/%69nternal`).
+/// The path: the pattern with a trailing `*` matching nothing and any
+/// other `*` matching `x`. The character: a letter or digit written in the
+/// pattern (not one standing for a `*`), from the last segment that has
+/// one, such that the encoded spelling no longer matches the pattern as
+/// written (else the probe would test nothing) while normalising to the
+/// same path (so Palisade, decoding it, must deny it). Letters and digits
+/// only: an encoded `.`, `/` or `\` is refused outright by Palisade.
+pub fn encoded_denied_path(pattern: &str) -> Option<String> {
+    let stem = pattern.trim_end_matches('*');
+    // (byte, written in the pattern?)
+    let path: Vec<(u8, bool)> = stem
+        .bytes()
+        .map(|b| if b == b'*' { (b'x', false) } else { (b, true) })
+        .collect();
+    let plain: String = path.iter().map(|&(b, _)| b as char).collect();
+    let rule = PathPattern(pattern.to_string());
+    let normal = NormalPath::parse(&plain).ok()?;
+    if !rule.matches(&normal) {
+        return None;
+    }
+    let segment_of = |i: usize| path[..i].iter().filter(|(b, _)| *b == b'/').count();
+    let mut candidates: Vec<usize> = (0..path.len())
+        .filter(|&i| path[i].1 && path[i].0.is_ascii_alphanumeric())
+        .collect();
+    // Last segment first; within a segment, left to right.
+    candidates.sort_by_key(|&i| (std::cmp::Reverse(segment_of(i)), i));
+    candidates.into_iter().find_map(|i| {
+        let encoded = format!("{}%{:02X}{}", &plain[..i], path[i].0, &plain[i + 1..]);
+        let same = NormalPath::parse(&encoded).is_ok_and(|n| n == normal);
+        (same && !matches_as_written(pattern, &encoded)).then_some(encoded)
+    })
+}
+
+/// The in-tunnel probes the org's rules make applicable: what an allowed
+/// tunnel carries once it is open. Names come from the first name rule
+/// (not intercepting) on 443 and on 80; the path probe from the first
+/// intercepting rule on 443 with a `deny_paths` entry that can be encoded
+/// and that GET and its `paths` otherwise allow. Through the proxy (or
+/// direct when there is none); in transparent deployments also direct.
+fn tunnel_probes(
+    org: &crate::config::OrgConfig,
+    detect_timeout: Duration,
+    via: Via,
+    transparent: bool,
+) -> Vec<Probe> {
+    let plain = |port: u16| {
+        org.allow.iter().find_map(|r| {
+            (r.intercept.is_none() && r.ports.contains(port))
+                .then(|| rule_host(&r.target))
+                .flatten()
+        })
+    };
+    let mut out = Vec::new();
+    if let Some(name) = plain(443) {
+        let silence = detect_timeout + SILENCE_MARGIN;
+        out.push(Probe {
+            silence: Some(format!("{}ms", silence.as_millis())),
+            note: Some(format!(
+                "tunnel to {name} left silent past detect_timeout ({} ms), then a ClientHello for another name",
+                detect_timeout.as_millis()
+            )),
+            ..Probe::new(
+                "silence-then-sni",
+                &format!("tls://{name}:443?sni={CANARY_DOMAIN}"),
+                via,
+                Expect::Deny,
+            )
+        });
+        out.push(Probe {
+            ech: true,
+            note: Some(format!(
+                "ClientHello for {name} with an encrypted_client_hello extension (the real name would be hidden)"
+            )),
+            ..Probe::new(
+                "ech-client-hello",
+                &format!("tls://{name}:443"),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    if let Some(name) = plain(80) {
+        out.push(Probe {
+            second_host: Some(CANARY_DOMAIN.into()),
+            note: Some(format!(
+                "second request on a connection to {name}:80 naming another Host"
+            )),
+            ..Probe::new(
+                "second-request-other-host",
+                &format!("http://{name}{}{{marker}}", super::MARKER_PATH),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    let encoded = org.allow.iter().find_map(|r| {
+        let rules = r.intercept.as_ref()?;
+        let get = (rules.methods.is_empty() || rules.methods.iter().any(|m| m == "GET"))
+            && !rules.deny_methods.iter().any(|m| m == "GET");
+        if !get || !r.ports.contains(443) {
+            return None;
+        }
+        let host = rule_host(&r.target)?;
+        rules.deny_paths.iter().find_map(|p| {
+            let decoded = p.0.trim_end_matches('*').replace('*', "x");
+            // With `paths` set, the decoded path must be one they allow, or
+            // the probe would be refused for that and test nothing.
+            let allowed = rules.paths.is_empty()
+                || NormalPath::parse(&decoded)
+                    .is_ok_and(|n| rules.paths.iter().any(|a| a.matches(&n)));
+            let path = encoded_denied_path(&p.0).filter(|_| allowed)?;
+            Some((host.clone(), path, p.0.clone(), r.id.clone()))
+        })
+    });
+    if let Some((host, path, pattern, rule)) = encoded {
+        out.push(Probe {
+            request: true,
+            note: Some(format!(
+                "intercepted rule {rule}: a percent-encoded spelling of a path deny_paths refuses ({pattern})"
+            )),
+            ..Probe::new(
+                "encoded-path",
+                &format!("https://{host}{path}"),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    if transparent && via == Via::Proxy {
+        let direct: Vec<Probe> = out
+            .iter()
+            .map(|p| Probe {
+                id: format!("{}-direct", p.id),
+                via: Via::Direct,
+                note: p
+                    .note
+                    .as_ref()
+                    .map(|n| format!("{n}, without proxy settings (transparent mode)")),
+                ..p.clone()
+            })
+            .collect();
+        out.extend(direct);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -819,6 +1113,39 @@ mod tests {
         ))
         .is_err());
         assert!(Plan::from_toml("").is_err());
+        // The in-tunnel options, each on the targets it applies to.
+        let with = |target: &str, extra: &str| {
+            Plan::from_toml(&format!(
+                "proxy = \"198.18.1.1:3128\"\n[[probe]]\nid = \"a\"\ntarget = \"{target}\"\nvia = \"proxy\"\nexpect = \"deny\"\n{extra}\n"
+            ))
+        };
+        for (target, extra) in [
+            ("tls://a.test:443?sni=b.test", "silence = \"1500ms\""),
+            ("https://a.test/", "silence = \"2s\"\nech = true"),
+            ("tls://a.test:443", "ech = true"),
+            ("http://a.test/x", "second_host = \"b.test\""),
+            (
+                "http://a.test/x",
+                "second_host = \"b.test\"\nhost_header = \"a.test\"",
+            ),
+            ("https://a.test/api/%69nternal", "request = true"),
+        ] {
+            assert!(with(target, extra).is_ok(), "{target} {extra}");
+        }
+        for (target, extra) in [
+            ("http://a.test/", "silence = \"1s\""),
+            ("https://a.test/", "silence = \"1s\"\nrequest = true"),
+            ("tls://a.test:443", "silence = \"61s\""),
+            ("tls://a.test:443", "silence = \"soon\""),
+            ("tcp://a.test:22", "ech = true"),
+            ("https://a.test/", "ech = true\nrequest = true"),
+            ("https://a.test/", "second_host = \"b.test\""),
+            ("http://a.test/", "second_host = \"b test\""),
+            ("http://a.test/", "request = true"),
+            ("tls://a.test:443", "request = true"),
+        ] {
+            assert!(with(target, extra).is_err(), "{target} {extra}");
+        }
     }
 
     #[test]
@@ -869,5 +1196,165 @@ mod tests {
             }
         )
         .is_err());
+    }
+
+    fn generate_from(src: &str, transparent: bool) -> Plan {
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let opts = GenerateOptions {
+            org: "acme".into(),
+            proxy: None,
+            resolver: None,
+            outside: vec!["198.18.9.9".parse().unwrap()],
+            transparent,
+        };
+        let plan = generate(&config, &opts).unwrap();
+        // What is printed is what is run.
+        let back = Plan::from_toml(&plan.to_toml("generated")).unwrap();
+        assert_eq!(
+            serde_json::to_value(&back.probes).unwrap(),
+            serde_json::to_value(&plan.probes).unwrap()
+        );
+        back
+    }
+
+    const TUNNEL_POLICY: &str =
+        "[proxy]\nlisten = [\"198.18.1.1:3128\"]\ndetect_timeout = \"2s\"\n\
+        [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+        [[org.allow]]\nid = \"registry\"\nhost = \"reg.test\"\nports = [443]\nintercept = true\n\
+        paths = [\"/api/*\"]\ndeny_paths = [\"/api/internal*\"]\n\
+        [[org.allow]]\nhost = \"allowed.test\"\nports = [80, 443]\n";
+
+    #[test]
+    fn tunnel_probes_follow_the_policy() {
+        let plan = generate_from(TUNNEL_POLICY, false);
+        let p = |id: &str| {
+            plan.probes
+                .iter()
+                .find(|p| p.id == id)
+                .unwrap_or_else(|| panic!("no probe {id}"))
+        };
+        // TLS probes use the first name on 443 that is not intercepted.
+        let silence = p("silence-then-sni");
+        assert_eq!(
+            silence.target,
+            format!("tls://allowed.test:443?sni={CANARY_DOMAIN}")
+        );
+        assert_eq!(
+            silence.silence.as_deref(),
+            Some("2500ms"),
+            "detect_timeout + margin"
+        );
+        assert_eq!(silence.silence(), Duration::from_millis(2500));
+        assert_eq!((silence.via, silence.expect), (Via::Proxy, Expect::Deny));
+        let ech = p("ech-client-hello");
+        assert_eq!(ech.target, "tls://allowed.test:443");
+        assert!(ech.ech && ech.silence.is_none());
+        let second = p("second-request-other-host");
+        assert_eq!(second.target, "http://allowed.test/palisade-probe/{marker}");
+        assert_eq!(second.second_host.as_deref(), Some(CANARY_DOMAIN));
+        let path = p("encoded-path");
+        assert_eq!(path.target, "https://reg.test/api/%69nternal");
+        assert!(path.request);
+        assert!(path.note.as_deref().unwrap().contains("registry"));
+        assert!(plan
+            .probes
+            .iter()
+            .all(|p| p.id != "silence-then-sni-direct"));
+
+        // Transparent deployments also get them without the proxy.
+        let plan = generate_from(TUNNEL_POLICY, true);
+        for id in [
+            "silence-then-sni",
+            "ech-client-hello",
+            "second-request-other-host",
+            "encoded-path",
+        ] {
+            let direct = plan
+                .probes
+                .iter()
+                .find(|p| p.id == format!("{id}-direct"))
+                .unwrap_or_else(|| panic!("no {id}-direct"));
+            assert_eq!(direct.via, Via::Direct);
+        }
+    }
+
+    #[test]
+    fn tunnel_probes_only_where_applicable() {
+        let ids = |src: &str| -> Vec<String> {
+            generate_from(src, false)
+                .probes
+                .into_iter()
+                .map(|p| p.id)
+                .filter(|id| {
+                    ["silence", "ech", "second-request", "encoded"]
+                        .iter()
+                        .any(|k| id.starts_with(k))
+                })
+                .collect()
+        };
+        let head = "[proxy]\nlisten = [\"198.18.1.1:3128\"]\n[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n";
+        // Only 443 (default detect_timeout): TLS probes, no HTTP one.
+        let only_tls = ids(&format!(
+            "{head}[[org.allow]]\nhost = \"*.w.test\"\nports = [443]\n"
+        ));
+        assert_eq!(only_tls, ["silence-then-sni", "ech-client-hello"]);
+        let plan = generate_from(&format!("{head}[[org.allow]]\nhost = \"a.test\"\n"), false);
+        let silence = plan
+            .probes
+            .iter()
+            .find(|p| p.id == "silence-then-sni")
+            .unwrap();
+        assert_eq!(silence.silence.as_deref(), Some("1500ms"));
+        // Only 80: the HTTP probe.
+        assert_eq!(
+            ids(&format!(
+                "{head}[[org.allow]]\nhost = \"a.test\"\nports = [80]\n"
+            )),
+            ["second-request-other-host"]
+        );
+        // Addresses only, or only an intercepted name without deny_paths:
+        // nothing to tunnel a name through, no path to encode.
+        assert!(ids(&format!("{head}[[org.allow]]\ncidr = \"198.18.2.0/24\"\n")).is_empty());
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n"
+        ))
+        .is_empty());
+        // GET refused by the rule: the path probe would test the method.
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n\
+             deny_methods = [\"GET\"]\ndeny_paths = [\"/x\"]\n"
+        ))
+        .is_empty());
+        // `paths` that would refuse the decoded path anyway: no probe.
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n\
+             paths = [\"/pub/*\"]\ndeny_paths = [\"/api/internal*\"]\n"
+        ))
+        .is_empty());
+    }
+
+    #[test]
+    fn denied_paths_are_encoded_where_the_pattern_is_literal() {
+        for (pattern, want) in [
+            ("/api/internal*", Some("/api/%69nternal")),
+            ("/upload", Some("/%75pload")),
+            // The `*` stands for `x`; the encoded letter is one written in
+            // the pattern, so the spelling no longer matches it as written.
+            ("/p/*.whl", Some("/p/x.%77hl")),
+            ("/v1/*", Some("/%761/")),
+            ("/*", None),
+            ("*", None),
+            ("/.../", None),
+        ] {
+            assert_eq!(encoded_denied_path(pattern).as_deref(), want, "{pattern}");
+            if let Some(enc) = encoded_denied_path(pattern) {
+                assert!(!matches_as_written(pattern, &enc), "{pattern}: {enc}");
+                let normal = NormalPath::parse(&enc).unwrap();
+                assert!(
+                    PathPattern(pattern.into()).matches(&normal),
+                    "{pattern}: {enc}"
+                );
+            }
+        }
     }
 }

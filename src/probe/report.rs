@@ -9,7 +9,16 @@
 //!    labels the plan put `{marker}` in);
 //! 3. its `client` is the local `ip:port` of a socket the probe opened and
 //!    its `ts` lies within the probe's start and finish, widened by
-//!    [`SLACK`] each side (CONNECT, TLS, TCP, transparent and DNS probes).
+//!    [`SLACK`] each side (CONNECT, TLS, TCP, transparent and DNS probes);
+//! 4. its `conn` is the id of a record matched by 1-3 (a denial inside a
+//!    tunnel points at the tunnel's allow record).
+//!
+//! In-tunnel probes (`second_host`, `silence`, `ech`) get no 403 to quote:
+//! Palisade closes the tunnel. Their denial is a record matched by rule 3
+//! or 4 whose `reason` is one of the in-tunnel reasons ([`TUNNEL_REASONS`])
+//! and whose `host` or `sni` is a name the probe presented (the CONNECT
+//! host, the SNI, the second request's Host). `request` probes on an
+//! intercepted host get a 403 and are matched by rule 1.
 //!
 //! Ports are reused, so rule 3 needs the time window; probes run one at a
 //! time, so windows do not overlap. A name lookup a direct probe made on
@@ -24,6 +33,7 @@
 //! | deny | target answered | any | `unexpected_allow` |
 //! | deny | did not answer | allow only, or a `resolution_failed` deny naming a rule | `unexpected_allow` |
 //! | deny | did not answer | a policy denial | `enforced_deny` |
+//! | deny, `second_host` | no second response, the upstream closed after the first | allow only | `inconclusive` (nothing could answer the second request) |
 //! | deny | did not answer | none | `blocked_elsewhere` |
 //! | allow | target answered | allow | `enforced_allow` |
 //! | allow | target answered | none | `inconclusive` (a path around Palisade, or evidence missing) |
@@ -31,6 +41,14 @@
 //! | allow | did not answer | `resolution_failed`, allow with a connect failure | `inconclusive` (upstream broken) |
 //! | allow | did not answer | none | `blocked_elsewhere` |
 //! | any | Palisade quoted a record id | that id not in the evidence | `inconclusive` |
+//!
+//! "Target answered" for in-tunnel probes means the part after the tunnel
+//! opened: a response to the second request, a TLS reply to the late or
+//! ECH ClientHello; a connection left open and silent after it, with only
+//! the tunnel's allow recorded, is `unexpected_allow` too (Palisade
+//! forwarded it). The `why` of an `enforced_deny` says whether the tunnel
+//! was closed by an in-tunnel check or refused before it opened (then what
+//! it carries was not exercised).
 //!
 //! A DNS allow probe counts as answered only with at least one answer.
 //! `evidence_unavailable` and `limit_exceeded` denials are `inconclusive`.
@@ -219,6 +237,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 "id": r["id"], "ts": r["ts"], "kind": r["kind"], "mode": r["mode"], "client": r["client"],
                 "host": r["host"], "port": r["port"], "sni": r["sni"], "ip": r["ip"],
                 "decision": r["decision"], "reason": r["reason"], "rule": r["rule"], "detail": r.get("detail"),
+                "conn": r.get("conn"),
             })).collect::<Vec<_>>(),
             "note": o.note,
             "marker": o.marker,
@@ -352,7 +371,64 @@ fn match_records<'a>(o: &Observation, records: &'a [Value]) -> Vec<&'a Value> {
             out.push(r);
         }
     }
+    // Rule 4: records pointing at a matched one (in-tunnel denials).
+    let ids: BTreeSet<String> = out.iter().map(|r| s(r, "id")).collect();
+    for r in records {
+        let conn = s(r, "conn");
+        if !conn.is_empty() && ids.contains(&conn) && !ids.contains(&s(r, "id")) {
+            out.push(r);
+        }
+    }
     out
+}
+
+/// Reasons Palisade gives when it closes a tunnel for what it carried.
+pub const TUNNEL_REASONS: [&str; 7] = [
+    "protocol_mismatch",
+    "sni_mismatch",
+    "sni_missing",
+    "ech_not_allowed",
+    "host_mismatch",
+    "upgrade_not_allowed",
+    "bad_request",
+];
+
+/// Does the probe test what an open tunnel carries?
+fn in_tunnel(o: &Observation) -> bool {
+    o.second_host.is_some() || o.silence_ms.is_some() || o.ech
+}
+
+/// The names a probe presented (target host, SNI, second Host), lower-cased.
+fn presented_names(o: &Observation) -> Vec<String> {
+    let mut names = Vec::new();
+    if let Ok(t) = super::plan::parse_target(&o.target) {
+        if let Some((h, _)) = t.host_port() {
+            names.push(h.trim_start_matches('[').trim_end_matches(']').to_string());
+        }
+        if let super::plan::Target::Tls { sni, .. } = t {
+            names.push(sni);
+        }
+    }
+    names.extend(o.second_host.iter().cloned());
+    names
+        .into_iter()
+        .map(|n| n.trim_end_matches('.').to_ascii_lowercase())
+        .collect()
+}
+
+/// Denials that closed the probe's tunnel for what it carried: an in-tunnel
+/// reason, naming a name the probe presented.
+fn tunnel_denials<'a>(o: &Observation, deny: &[&&'a Value]) -> Vec<&'a Value> {
+    let names = presented_names(o);
+    let named = |r: &Value, k: &str| {
+        let v = s(r, k).trim_end_matches('.').to_ascii_lowercase();
+        !v.is_empty() && names.contains(&v)
+    };
+    deny.iter()
+        .map(|r| **r)
+        .filter(|r| TUNNEL_REASONS.contains(&s(r, "reason").as_str()))
+        .filter(|r| named(r, "host") || named(r, "sni"))
+        .collect()
 }
 
 const INFRA_REASONS: [&str; 2] = ["evidence_unavailable", "limit_exceeded"];
@@ -422,10 +498,54 @@ fn classify(o: &Observation, recs: &[&Value]) -> (Class, String) {
                     format!("the target answered ({}), {cite}", observed_text(o)),
                 );
             }
+            if !policy_deny.is_empty() && in_tunnel(o) {
+                let closed = tunnel_denials(o, &policy_deny);
+                if closed.is_empty() {
+                    return (
+                        Class::EnforcedDeny,
+                        format!(
+                            "Palisade refused the connection itself ({}): the tunnel never opened, so what it carries was not exercised",
+                            reasons(&policy_deny)
+                        ),
+                    );
+                }
+                let refs: Vec<&&Value> = closed.iter().collect();
+                let tunnel = if allow.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (the tunnel was allowed: {})", ids(&allow))
+                };
+                return (
+                    Class::EnforcedDeny,
+                    format!(
+                        "Palisade closed the tunnel for what it carried: {}{tunnel}",
+                        reasons(&refs)
+                    ),
+                );
+            }
             if !policy_deny.is_empty() {
                 return (
                     Class::EnforcedDeny,
                     format!("Palisade denied: {}", reasons(&policy_deny)),
+                );
+            }
+            if !allow.is_empty() && o.second_host.is_some() && o.first_close {
+                return (
+                    Class::Inconclusive,
+                    format!(
+                        "the upstream closed the connection after the first response, so nothing could answer the second request, and Palisade recorded no refusal of it (allowed: {}): re-run against an upstream that keeps connections alive",
+                        ids(&allow)
+                    ),
+                );
+            }
+            if !allow.is_empty() && in_tunnel(o) {
+                return (
+                    Class::UnexpectedAllow,
+                    format!(
+                        "Palisade allowed the tunnel ({}) and recorded no refusal of what it carried ({})",
+                        ids(&allow),
+                        observed_text(o)
+                    ),
                 );
             }
             if !allow.is_empty() {
@@ -542,8 +662,28 @@ fn observed_text(o: &Observation) -> String {
     if let Some(h) = o.http_status {
         parts.push(format!("HTTP {h}"));
     }
+    if let Some(ms) = o.silence_ms {
+        match o.closed_in_silence_ms {
+            Some(c) => parts.push(format!("silent {ms} ms: closed after {c} ms")),
+            None => parts.push(format!("silent {ms} ms")),
+        }
+    }
+    if o.ech {
+        parts.push("ClientHello with ECH".into());
+    }
     if let Some(t) = &o.tls {
         parts.push(format!("TLS {t}"));
+    }
+    if let Some(h) = &o.second_host {
+        let what = match (o.second.as_deref(), o.second_status) {
+            (Some("answered"), Some(st)) => format!("HTTP {st}"),
+            (Some(w), _) => w.to_string(),
+            (None, _) => "not sent".into(),
+        };
+        parts.push(format!("second request (Host {h}): {what}"));
+        if o.first_close {
+            parts.push("the first response closed the connection".into());
+        }
     }
     if let Some(r) = &o.dns_rcode {
         let mut t = format!("DNS {r}");
@@ -620,7 +760,19 @@ fn untested(obs: &Observations, sources: &str) -> Vec<String> {
     out.push(
         "Wildcard and CIDR rules: probed with the names and addresses in the table only.".into(),
     );
-    out.push("TLS probes stop at the server's first reply: data carried inside allowed connections (covert channels, timing) not assessed.".into());
+    let tunnel: Vec<&str> = os
+        .iter()
+        .filter(|o| in_tunnel(o) || o.handshake)
+        .map(|o| o.id.as_str())
+        .collect();
+    if tunnel.is_empty() {
+        out.push("TLS probes stop at the server's first reply: data carried inside allowed connections (covert channels, timing) not assessed.".into());
+    } else {
+        out.push(format!(
+            "Inside allowed connections only what the in-tunnel probes sent was tested ({}); other data carried inside them (covert channels, timing) not assessed.",
+            tunnel.join(", ")
+        ));
+    }
     out
 }
 
@@ -946,4 +1098,239 @@ pub fn classes(report: &Value) -> BTreeMap<String, String> {
         .flatten()
         .map(|p| (s(p, "id"), s(p, "class")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLIENT: &str = "198.18.1.2:40000";
+
+    /// An observation of a deny probe through the proxy, from socket CLIENT
+    /// between 12:00:00 and 12:00:03, with `extra` fields on top.
+    fn obs(target: &str, extra: Value) -> Observation {
+        let mut v = json!({
+            "id": "p", "marker": "pp-1-0000", "target": target, "kind": "tls",
+            "via": "proxy", "expect": "deny",
+            "started": "2030-01-01T12:00:00.000000Z", "finished": "2030-01-01T12:00:03.000000Z",
+            "elapsed_ms": 3000,
+            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": CLIENT, "remote": "198.18.1.1:3128"}],
+            "resolved": [], "connected": true, "connect_status": 200,
+            "bytes_sent": 0, "bytes_received": 0, "dns_answers": [],
+            "stage": "done", "outcome": "refused",
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn rec(id: &str, decision: &str, reason: &str, extra: Value) -> Value {
+        let mut v = json!({
+            "id": id, "ts": "2030-01-01T12:00:01.000000Z", "kind": "tcp", "event": "decision",
+            "client": CLIENT, "mode": "explicit", "decision": decision, "reason": reason,
+            "host": "allowed.test", "port": 443, "sni": null,
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    fn class_of(o: &Observation, records: &[Value]) -> (Class, String) {
+        classify(o, &match_records(o, records))
+    }
+
+    fn allow_tunnel(sni: Option<&str>) -> Value {
+        rec(
+            "t-1",
+            "allow",
+            "rule_match",
+            json!({"rule": "allow-0", "sni": sni}),
+        )
+    }
+
+    #[test]
+    fn silence_then_sni() {
+        let closed = obs(
+            "tls://allowed.test:443?sni=other.test",
+            json!({"silence_ms": 1500, "closed_in_silence_ms": 1003, "tls": "closed", "error": "closed"}),
+        );
+        let deny = rec(
+            "t-2",
+            "deny",
+            "protocol_mismatch",
+            json!({"detail": "no client bytes within detect_timeout (1s)"}),
+        );
+        let (c, why) = class_of(&closed, std::slice::from_ref(&deny));
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert!(
+            why.contains("closed the tunnel") && why.contains("t-2"),
+            "{why}"
+        );
+        // A record outside the probe's window is someone else's.
+        let mut late = deny;
+        late["ts"] = json!("2030-01-01T12:00:09.000000Z");
+        assert_eq!(class_of(&closed, &[late]).0, Class::BlockedElsewhere);
+        // The hole: the late ClientHello reached a server.
+        let hole = obs(
+            "tls://allowed.test:443?sni=other.test",
+            json!({"silence_ms": 1500, "tls": "server_hello", "outcome": "reached"}),
+        );
+        let (c, why) = class_of(&hole, &[allow_tunnel(Some("other.test"))]);
+        assert_eq!(c, Class::UnexpectedAllow, "{why}");
+        assert!(why.contains("t-1"), "{why}");
+        // Left open and silent after the hello, only the allow recorded:
+        // Palisade forwarded it.
+        let silent = obs(
+            "tls://allowed.test:443?sni=other.test",
+            json!({"silence_ms": 1500, "tls": "no_reply", "outcome": "failed", "error": "timeout"}),
+        );
+        let (c, why) = class_of(&silent, &[allow_tunnel(None)]);
+        assert_eq!(c, Class::UnexpectedAllow, "{why}");
+        assert!(why.contains("no refusal of what it carried"), "{why}");
+    }
+
+    #[test]
+    fn ech_client_hello() {
+        let o = obs(
+            "tls://allowed.test:443",
+            json!({"ech": true, "tls": "closed", "error": "closed"}),
+        );
+        let deny = rec(
+            "t-3",
+            "deny",
+            "ech_not_allowed",
+            json!({"sni": "allowed.test", "host": "allowed.test"}),
+        );
+        let (c, why) = class_of(&o, &[deny]);
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert!(why.contains("ech_not_allowed (t-3)"), "{why}");
+        let hole = obs(
+            "tls://allowed.test:443",
+            json!({"ech": true, "tls": "server_hello", "outcome": "reached"}),
+        );
+        let (c, _) = class_of(&hole, &[allow_tunnel(Some("allowed.test"))]);
+        assert_eq!(c, Class::UnexpectedAllow);
+        // Refused before the tunnel opened: a denial, but the ECH check was
+        // not exercised, and the why says so.
+        let refused = obs(
+            "tls://allowed.test:443",
+            json!({"ech": true, "connect_status": 403, "connected": false}),
+        );
+        let (c, why) = class_of(
+            &refused,
+            &[rec("t-4", "deny", "no_matching_rule", json!({}))],
+        );
+        assert_eq!(c, Class::EnforcedDeny);
+        assert!(why.contains("never opened"), "{why}");
+    }
+
+    #[test]
+    fn second_request_other_host() {
+        let target = "http://allowed.test/palisade-probe/pp-1-0000";
+        let o = obs(
+            target,
+            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
+                   "second": "closed", "error": "closed", "first_close": true}),
+        );
+        let allow = rec("t-5", "allow", "rule_match", json!({"port": 80}));
+        // The in-tunnel denial: joined through `conn` even without a client.
+        let deny = rec(
+            "t-6",
+            "deny",
+            "host_mismatch",
+            json!({"host": "other.test", "port": 80, "conn": "t-5", "client": null}),
+        );
+        let both = [allow.clone(), deny];
+        let matched = match_records(&o, &both);
+        assert_eq!(matched.len(), 2);
+        let (c, why) = classify(&o, &matched);
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert!(
+            why.contains("host_mismatch (t-6)") && why.contains("allowed: t-5"),
+            "{why}"
+        );
+        // The hole: the upstream answered the second request.
+        let hole = obs(
+            target,
+            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
+                   "second": "answered", "second_status": 200, "outcome": "reached"}),
+        );
+        let (c, why) = class_of(&hole, std::slice::from_ref(&allow));
+        assert_eq!(c, Class::UnexpectedAllow, "{why}");
+        // Connection kept open, no response, only the allow: forwarded.
+        let open = obs(
+            target,
+            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
+                   "second": "silent", "outcome": "failed", "error": "timeout"}),
+        );
+        assert_eq!(
+            class_of(&open, std::slice::from_ref(&allow)).0,
+            Class::UnexpectedAllow
+        );
+        // The upstream closed after the first response and Palisade
+        // recorded nothing about the second: not established.
+        let (c, why) = class_of(&o, &[allow]);
+        assert_eq!(c, Class::Inconclusive, "{why}");
+        assert!(why.contains("keeps connections alive"), "{why}");
+    }
+
+    #[test]
+    fn encoded_path() {
+        let target = "https://a.wild.test/api/%69nternal";
+        let refused = obs(
+            target,
+            json!({"kind": "https", "tls": "handshake", "handshake": true, "http_status": 403,
+                   "proxy_status": "palisade; error=http_request_denied; details=\"path_not_allowed; record=t-8\"",
+                   "palisade_record": "t-8"}),
+        );
+        let deny = rec(
+            "t-8",
+            "deny",
+            "path_not_allowed",
+            json!({"kind": "http", "host": "a.wild.test", "path": "/api/%69nternal", "client": "198.18.1.2:1"}),
+        );
+        let (c, why) = class_of(&refused, &[deny]);
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert!(why.contains("path_not_allowed (t-8)"), "{why}");
+        let hole = obs(
+            target,
+            json!({"kind": "https", "tls": "handshake", "handshake": true, "http_status": 200,
+                   "outcome": "reached"}),
+        );
+        let (c, _) = class_of(
+            &hole,
+            &[rec(
+                "t-9",
+                "allow",
+                "rule_match",
+                json!({"kind": "http", "host": "a.wild.test"}),
+            )],
+        );
+        assert_eq!(c, Class::UnexpectedAllow);
+        // The quoted record must be in the evidence given.
+        assert_eq!(class_of(&refused, &[]).0, Class::Inconclusive);
+    }
+
+    #[test]
+    fn observed_text_tells_the_in_tunnel_part() {
+        let o = obs(
+            "http://allowed.test/",
+            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
+                   "second": "closed", "first_close": true, "connect_status": null}),
+        );
+        assert_eq!(
+            observed_text(&o),
+            "HTTP 200, second request (Host other.test): closed, the first response closed the connection"
+        );
+        let o = obs(
+            "tls://allowed.test:443?sni=other.test",
+            json!({"silence_ms": 1500, "closed_in_silence_ms": 1001, "tls": "closed", "ech": true}),
+        );
+        assert_eq!(
+            observed_text(&o),
+            "CONNECT 200, silent 1500 ms: closed after 1001 ms, ClientHello with ECH, TLS closed"
+        );
+    }
 }

@@ -12,17 +12,25 @@
 //! `/palisade-probe/{marker}` there) and an `X-Palisade-Probe` header for
 //! HTTP, the `X-Palisade-Probe` header of a CONNECT, and any DNS label the
 //! plan puts `{marker}` in. Every socket's local address is recorded too,
-//! which is how TLS, TCP and DNS probes are matched to evidence.
+//! which is how TLS, TCP and DNS probes are matched to evidence, and how
+//! denials inside an open tunnel (no 403 to quote a record id) are.
+//!
+//! In-tunnel probes (plan options `second_host`, `silence`, `ech`,
+//! `request`) record what followed the part a plain probe stops at: the
+//! reply to the second request, the connection closing during the silence,
+//! the response inside a completed handshake.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 use tokio::time::timeout;
 
+use super::hello::{self, Hello};
 use super::plan::{parse_target, Plan, Probe, Target};
 use super::{Expect, Layer, Via, MARKER_HEADER, OBSERVATIONS_FORMAT};
 use crate::proto::target::{normalize_host, Host};
@@ -35,6 +43,9 @@ const MAX_BODY: usize = 256 * 1024;
 /// than Palisade's default `detect_timeout`, so a transparent decision
 /// made after that wait is seen).
 const TCP_READ_WINDOW: Duration = Duration::from_millis(2500);
+/// How long a reply to a ClientHello, or to the second request of a
+/// `second_host` probe, is waited for.
+const REPLY_WINDOW: Duration = Duration::from_secs(4);
 
 /// What the client saw, in one word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -101,9 +112,36 @@ pub struct Observation {
     pub error: Option<String>,
     pub error_detail: Option<String>,
     /// The last step reached: `resolve`, `connect`, `proxy_connect`,
-    /// `connect_response`, `request`, `response`, `done`.
+    /// `connect_response`, `silence`, `request`, `response`,
+    /// `second_request`, `second_response`, `done`.
     pub stage: String,
     pub outcome: Outcome,
+    /// `silence` probes: how long the client stayed silent (ms), and when
+    /// the connection was closed during that silence (ms after it opened).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub silence_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub closed_in_silence_ms: Option<u64>,
+    /// `ech` probes: the ClientHello carried an encrypted_client_hello extension.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ech: bool,
+    /// `second_host` probes: the second request's Host, its response status,
+    /// and what followed it: `answered`, `closed`, `reset`, `silent`,
+    /// `not_sent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub second_host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub second_status: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub second: Option<String>,
+    /// `second_host` probes: the first response said `Connection: close`,
+    /// or the connection was seen closed before the second request went out
+    /// (an upstream that does not keep connections alive cannot answer it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub first_close: bool,
+    /// `request` probes: the TLS handshake completed (certificate not verified).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub handshake: bool,
 }
 
 /// `observations.json`.
@@ -148,7 +186,8 @@ pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
     for (n, probe) in plan.probes.iter().enumerate() {
         let marker = format!("pp-{run_id}-{n:04}");
         let left = deadline.saturating_duration_since(Instant::now());
-        let budget = per_probe.min(left);
+        // A probe's silence is on top of its timeout.
+        let budget = (per_probe + probe.silence()).min(left);
         let mut obs = Observation::new(probe, &marker, plan);
         if budget < Duration::from_millis(200) {
             obs.fail(
@@ -234,6 +273,14 @@ impl Observation {
             error_detail: None,
             stage: "start".into(),
             outcome: Outcome::Failed,
+            silence_ms: None,
+            closed_in_silence_ms: None,
+            ech: false,
+            second_host: None,
+            second_status: None,
+            second: None,
+            first_close: false,
+            handshake: false,
         }
     }
 
@@ -281,7 +328,11 @@ struct Reply {
     end: &'static str,
 }
 
-async fn read_reply(stream: &mut TcpStream, window: Duration, stop_at_tls_record: bool) -> Reply {
+async fn read_reply<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    window: Duration,
+    stop_at_tls_record: bool,
+) -> Reply {
     let mut data = Vec::new();
     let mut total = 0u64;
     let mut buf = [0u8; 8192];
@@ -335,8 +386,8 @@ async fn read_reply(stream: &mut TcpStream, window: Duration, stop_at_tls_record
 }
 
 /// Read an HTTP response head (bounded); returns (status, headers, rest of bytes read).
-async fn read_head(
-    stream: &mut TcpStream,
+async fn read_head<S: AsyncRead + Unpin>(
+    stream: &mut S,
 ) -> io::Result<(u16, Vec<(String, String)>, Vec<u8>, u64)> {
     let mut data = Vec::new();
     let mut buf = [0u8; 4096];
@@ -549,12 +600,15 @@ impl Ctx<'_> {
             local: stream.local_addr().ok().map(|a| a.to_string()),
             remote: proxy.to_string(),
         });
-        if let Target::Http {
-            tls: false,
-            host,
-            port,
-            path,
-        } = target
+        if let (
+            Target::Http {
+                tls: false,
+                host,
+                port,
+                path,
+            },
+            None,
+        ) = (target, &self.probe.second_host)
         {
             let host_header = self
                 .probe
@@ -604,7 +658,11 @@ impl Ctx<'_> {
         self.after_connect(obs, &mut stream, target).await;
     }
 
-    async fn read_body(&self, stream: &mut TcpStream, mut already: Vec<u8>) -> Vec<u8> {
+    async fn read_body<S: AsyncRead + Unpin>(
+        &self,
+        stream: &mut S,
+        mut already: Vec<u8>,
+    ) -> Vec<u8> {
         let window = self.left().min(Duration::from_secs(2));
         let r = read_reply(stream, window, false).await;
         already.extend_from_slice(&r.data);
@@ -613,10 +671,10 @@ impl Ctx<'_> {
     }
 
     /// Send an HTTP request and read the response.
-    async fn http_exchange(
+    async fn http_exchange<S: AsyncRead + AsyncWrite + Unpin>(
         &self,
         obs: &mut Observation,
-        stream: &mut TcpStream,
+        stream: &mut S,
         req: &[u8],
         from_proxy: bool,
     ) {
@@ -675,6 +733,11 @@ impl Ctx<'_> {
                     .host_header
                     .clone()
                     .unwrap_or_else(|| host_for_request(host, *port, false));
+                if let Some(second) = &self.probe.second_host {
+                    return self
+                        .second_request(obs, stream, path, &host_header, second)
+                        .await;
+                }
                 let req = format!(
                     "GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{MARKER_HEADER}: {}\r\nUser-Agent: palisade-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n",
                     self.marker
@@ -682,6 +745,12 @@ impl Ctx<'_> {
                 obs.stage = "request".into();
                 self.http_exchange(obs, stream, req.as_bytes(), false).await
             }
+            Target::Http {
+                tls: true,
+                host,
+                port,
+                path,
+            } if self.probe.request => self.tls_request(obs, stream, host, *port, path).await,
             Target::Http {
                 tls: true, host, ..
             } => self.tls_hello(obs, stream, host).await,
@@ -712,14 +781,22 @@ impl Ctx<'_> {
     async fn tls_hello(&self, obs: &mut Observation, stream: &mut TcpStream, sni: &str) {
         let sni = sni.trim_start_matches('[').trim_end_matches(']');
         let sni = (sni.parse::<IpAddr>().is_err()).then_some(sni);
-        let hello = client_hello(sni);
+        let silence = self.probe.silence();
+        if !silence.is_zero() {
+            self.stay_silent(obs, stream, silence).await;
+        }
+        obs.ech = self.probe.ech;
+        let hello = client_hello(&Hello {
+            sni,
+            ech: self.probe.ech,
+        });
         obs.stage = "request".into();
         if let Err(e) = stream.write_all(&hello).await {
             return obs.io_fail(Outcome::Refused, &e);
         }
         obs.bytes_sent += hello.len() as u64;
         obs.stage = "response".into();
-        let r = read_reply(stream, self.left().min(Duration::from_secs(4)), true).await;
+        let r = read_reply(stream, self.left().min(REPLY_WINDOW), true).await;
         obs.bytes_received += r.total;
         let tls = match r.data.first() {
             Some(0x16) => "server_hello",
@@ -739,6 +816,223 @@ impl Ctx<'_> {
                 "closed after the ClientHello, no reply",
             ),
         }
+    }
+
+    /// Send nothing for `silence` once the connection is open, watching it:
+    /// a close (the proxy giving up on a silent client) ends the wait early
+    /// and is recorded; bytes from the far side are counted.
+    async fn stay_silent(&self, obs: &mut Observation, stream: &mut TcpStream, silence: Duration) {
+        obs.stage = "silence".into();
+        obs.silence_ms = Some(silence.as_millis() as u64);
+        let start = Instant::now();
+        let r = read_reply(stream, silence.min(self.left()), false).await;
+        obs.bytes_received += r.total;
+        if r.end != "timeout" {
+            obs.closed_in_silence_ms = Some(start.elapsed().as_millis() as u64);
+        }
+    }
+
+    /// `second_host`: a keep-alive request naming the connection's host,
+    /// then, on the same connection, one naming `second`. The outcome is
+    /// the second request's: `Reached` if anything answered it.
+    async fn second_request(
+        &self,
+        obs: &mut Observation,
+        stream: &mut TcpStream,
+        path: &str,
+        first_host: &str,
+        second: &str,
+    ) {
+        let req = |host: &str, connection: &str| {
+            format!(
+                "GET {path} HTTP/1.1\r\nHost: {host}\r\n{MARKER_HEADER}: {}\r\nUser-Agent: palisade-probe\r\nAccept: */*\r\nConnection: {connection}\r\n\r\n",
+                self.marker
+            )
+        };
+        obs.second_host = Some(second.to_string());
+        obs.second = Some("not_sent".into());
+        obs.stage = "request".into();
+        let first = req(first_host, "keep-alive");
+        if let Err(e) = stream.write_all(first.as_bytes()).await {
+            return obs.io_fail(Outcome::Refused, &e);
+        }
+        obs.bytes_sent += first.len() as u64;
+        obs.stage = "response".into();
+        let window = self.left().min(REPLY_WINDOW);
+        let (status, headers, rest, n) = match timeout(window, read_head(stream)).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(e)) => return obs.io_fail(Outcome::Refused, &e),
+            Err(_) => {
+                return obs.fail(
+                    Outcome::Failed,
+                    "timeout",
+                    "no response to the first request",
+                )
+            }
+        };
+        obs.bytes_received += n;
+        obs.http_status = Some(status);
+        obs.proxy_status = header(&headers, "proxy-status");
+        if obs
+            .proxy_status
+            .as_deref()
+            .is_some_and(|p| p.contains("error="))
+        {
+            // Palisade refused the first request already: the tunnel's own
+            // decision, nothing left to try on it.
+            let body = self.read_body(stream, rest).await;
+            obs.palisade_record = obs
+                .proxy_status
+                .as_deref()
+                .and_then(quoted_record)
+                .or_else(|| quoted_record(&String::from_utf8_lossy(&body)));
+            obs.stage = "done".into();
+            obs.outcome = Outcome::Refused;
+            return;
+        }
+        let length = header(&headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
+        obs.first_close = header(&headers, "connection")
+            .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+        // Read the rest of the first body (by its length), so that the
+        // second response is not confused with it.
+        let mut have = rest.len() as u64;
+        match length {
+            Some(len) => {
+                let mut buf = [0u8; 8192];
+                while have < len {
+                    match timeout(self.left().min(REPLY_WINDOW), stream.read(&mut buf)).await {
+                        Ok(Ok(0)) | Ok(Err(_)) => {
+                            obs.first_close = true;
+                            break;
+                        }
+                        Ok(Ok(k)) => {
+                            have += k as u64;
+                            obs.bytes_received += k as u64;
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            None => {
+                // No length: the body runs to the close (or to a short
+                // silence); a second request cannot be told apart from it.
+                let r =
+                    read_reply(stream, self.left().min(Duration::from_millis(500)), false).await;
+                obs.bytes_received += r.total;
+                if r.end != "timeout" {
+                    obs.first_close = true;
+                }
+            }
+        }
+        obs.stage = "second_request".into();
+        let second_req = req(second, "close");
+        if let Err(e) = stream.write_all(second_req.as_bytes()).await {
+            let kind = if error_kind(&e) == "reset" {
+                "reset"
+            } else {
+                "closed"
+            };
+            obs.second = Some(kind.into());
+            obs.stage = "done".into();
+            return obs.io_fail(Outcome::Refused, &e);
+        }
+        obs.bytes_sent += second_req.len() as u64;
+        obs.stage = "second_response".into();
+        let window = self.left().min(REPLY_WINDOW);
+        match timeout(window, read_head(stream)).await {
+            Ok(Ok((status, headers, rest, n))) => {
+                obs.bytes_received += n;
+                obs.second_status = Some(status);
+                obs.second = Some("answered".into());
+                let proxy_status = header(&headers, "proxy-status");
+                let body = self.read_body(stream, rest).await;
+                obs.bytes_received += body.len() as u64;
+                obs.stage = "done".into();
+                if let Some(p) = proxy_status.filter(|p| p.contains("error=")) {
+                    obs.palisade_record = quoted_record(&p)
+                        .or_else(|| quoted_record(&String::from_utf8_lossy(&body)));
+                    obs.proxy_status = Some(p);
+                    obs.outcome = Outcome::Refused;
+                } else {
+                    obs.outcome = Outcome::Reached;
+                }
+            }
+            Ok(Err(e)) => {
+                let kind = error_kind(&e);
+                let kind = if kind == "reset" { "reset" } else { "closed" };
+                obs.second = Some(kind.into());
+                obs.stage = "done".into();
+                obs.fail(
+                    Outcome::Refused,
+                    kind,
+                    &format!("no response to the second request: {e}"),
+                );
+            }
+            Err(_) => {
+                obs.second = Some("silent".into());
+                obs.stage = "done".into();
+                obs.fail(
+                    Outcome::Failed,
+                    "timeout",
+                    "the connection stayed open with no response to the second request",
+                );
+            }
+        }
+    }
+
+    /// `request`: complete a TLS handshake over `stream` (whoever answers
+    /// it: the upstream, or Palisade intercepting) and send the request.
+    async fn tls_request(
+        &self,
+        obs: &mut Observation,
+        stream: &mut TcpStream,
+        host: &str,
+        port: u16,
+        path: &str,
+    ) {
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        let name = match rustls_pki_types::ServerName::try_from(bare.to_string()) {
+            Ok(n) => n,
+            Err(e) => return obs.fail(Outcome::SetupFailed, "bad_target", &e.to_string()),
+        };
+        let config = match insecure_client_config() {
+            Ok(c) => c,
+            Err(e) => return obs.fail(Outcome::SetupFailed, "io", &e),
+        };
+        obs.stage = "request".into();
+        let connector = tokio_rustls::TlsConnector::from(config);
+        let mut tls = match timeout(self.left(), connector.connect(name, stream)).await {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) => {
+                let alert = e
+                    .get_ref()
+                    .and_then(|i| i.downcast_ref::<rustls::Error>())
+                    .is_some_and(|r| matches!(r, rustls::Error::AlertReceived(_)));
+                obs.tls = Some(if alert { "alert" } else { "closed" }.into());
+                obs.stage = "done".into();
+                // An alert is the far side answering; a close is not.
+                let outcome = if alert {
+                    Outcome::Reached
+                } else {
+                    Outcome::Refused
+                };
+                return obs.fail(outcome, "tls", &format!("TLS handshake failed: {e}"));
+            }
+            Err(_) => return obs.fail(Outcome::Failed, "timeout", "TLS handshake timed out"),
+        };
+        obs.tls = Some("handshake".into());
+        obs.handshake = true;
+        let host_header = self
+            .probe
+            .host_header
+            .clone()
+            .unwrap_or_else(|| host_for_request(host, port, true));
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{MARKER_HEADER}: {}\r\nUser-Agent: palisade-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+            self.marker
+        );
+        self.http_exchange(obs, &mut tls, req.as_bytes(), false)
+            .await
     }
 
     async fn direct(&self, obs: &mut Observation, target: &Target) {
@@ -962,61 +1256,70 @@ async fn dns_query(
     }
 }
 
-/// A TLS 1.3 (and 1.2) ClientHello with `sni` (none when None). Enough for
-/// a TLS server to answer with a ServerHello, and for Palisade to read the
-/// SNI; nothing after it is ever sent.
-pub fn client_hello(sni: Option<&str>) -> Vec<u8> {
-    fn ext(out: &mut Vec<u8>, typ: u16, data: &[u8]) {
-        out.extend_from_slice(&typ.to_be_bytes());
-        out.extend_from_slice(&(data.len() as u16).to_be_bytes());
-        out.extend_from_slice(data);
+/// The ClientHello a probe sends (see [`super::hello`]), with fresh random values.
+pub fn client_hello(h: &Hello<'_>) -> Vec<u8> {
+    // A failing OS RNG leaves zeros: nothing is ever encrypted with them.
+    hello::build(
+        h,
+        &hello::Random::from_fn(|b| {
+            let _ = getrandom::fill(b);
+        }),
+    )
+}
+
+/// Accepts any server certificate: `request` probes ask whether a request
+/// reaches its target, not whom it reaches (an intercepting Palisade
+/// answers with its own CA's leaf); Palisade's answer is checked against
+/// its signed evidence instead.
+#[derive(Debug)]
+struct AnyCert(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCert {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &rustls_pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls_pki_types::CertificateDer<'_>],
+        _server_name: &rustls_pki_types::ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
     }
-    let mut exts = Vec::new();
-    if let Some(name) = sni {
-        let n = name.as_bytes();
-        let mut d = Vec::new();
-        d.extend_from_slice(&((n.len() + 3) as u16).to_be_bytes());
-        d.push(0);
-        d.extend_from_slice(&(n.len() as u16).to_be_bytes());
-        d.extend_from_slice(n);
-        ext(&mut exts, 0, &d);
+
+    fn verify_tls12_signature(
+        &self,
+        _message: &[u8],
+        _cert: &rustls_pki_types::CertificateDer<'_>,
+        _dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
     }
-    ext(&mut exts, 10, &[0, 4, 0, 0x1d, 0, 0x17]); // supported_groups: x25519, secp256r1
-    ext(&mut exts, 11, &[1, 0]); // ec_point_formats: uncompressed
-    ext(
-        &mut exts,
-        13,
-        &[0, 16, 4, 3, 8, 4, 4, 1, 5, 3, 8, 5, 5, 1, 8, 6, 6, 1], // signature_algorithms
-    );
-    ext(
-        &mut exts,
-        16,
-        &[0, 9, 8, b'h', b't', b't', b'p', b'/', b'1', b'.', b'1'],
-    ); // ALPN
-    ext(&mut exts, 43, &[4, 3, 4, 3, 3]); // supported_versions: 1.3, 1.2
-    ext(&mut exts, 45, &[1, 1]); // psk_key_exchange_modes: psk_dhe_ke
-    let mut ks = vec![0, 36, 0, 0x1d, 0, 32];
-    ks.extend_from_slice(&random_bytes::<32>());
-    ext(&mut exts, 51, &ks); // key_share: x25519
-    let mut body = vec![3, 3];
-    body.extend_from_slice(&random_bytes::<32>());
-    body.push(32);
-    body.extend_from_slice(&random_bytes::<32>());
-    let suites: [u16; 7] = [0x1301, 0x1302, 0x1303, 0xc02f, 0xc02b, 0xc030, 0xc02c];
-    body.extend_from_slice(&((suites.len() * 2) as u16).to_be_bytes());
-    for s in suites {
-        body.extend_from_slice(&s.to_be_bytes());
+
+    fn verify_tls13_signature(
+        &self,
+        _message: &[u8],
+        _cert: &rustls_pki_types::CertificateDer<'_>,
+        _dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
     }
-    body.extend_from_slice(&[1, 0]);
-    body.extend_from_slice(&(exts.len() as u16).to_be_bytes());
-    body.extend_from_slice(&exts);
-    let mut hs = vec![1];
-    hs.extend_from_slice(&(body.len() as u32).to_be_bytes()[1..]);
-    hs.extend_from_slice(&body);
-    let mut rec = vec![0x16, 3, 1];
-    rec.extend_from_slice(&(hs.len() as u16).to_be_bytes());
-    rec.extend_from_slice(&hs);
-    rec
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// TLS client settings of `request` probes: HTTP/1.1 only, any certificate.
+fn insecure_client_config() -> Result<Arc<rustls::ClientConfig>, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCert(provider)))
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
 }
 
 /// The first `nameserver` of /etc/resolv.conf.
@@ -1125,7 +1428,10 @@ mod tests {
     #[test]
     fn client_hello_carries_the_sni_palisade_reads() {
         use crate::proto::client_hello::{parse, Parse};
-        let hello = client_hello(Some("allowed.test"));
+        let hello = client_hello(&Hello {
+            sni: Some("allowed.test"),
+            ech: false,
+        });
         match parse(&hello) {
             Parse::Done { hello: h, len } => {
                 assert_eq!(h.sni.as_deref(), Some("allowed.test"));
@@ -1133,7 +1439,7 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        match parse(&client_hello(None)) {
+        match parse(&client_hello(&Hello::default())) {
             Parse::Done { hello: h, .. } => assert_eq!(h.sni, None),
             other => panic!("{other:?}"),
         }
@@ -1157,5 +1463,211 @@ mod tests {
             Some("ff-3")
         );
         assert_eq!(quoted_record("nothing"), None);
+    }
+
+    /// A stand-in proxy on loopback: accepts one CONNECT, answers 200, then
+    /// plays `tunnel` on the client stream.
+    async fn fake_proxy<F, Fut>(tunnel: F) -> SocketAddr
+    where
+        F: FnOnce(TcpStream) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = ()> + Send,
+    {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let head = read_request_head(&mut s).await;
+            assert!(head.starts_with("CONNECT "), "{head}");
+            s.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                .await
+                .unwrap();
+            tunnel(s).await;
+        });
+        addr
+    }
+
+    async fn read_request_head(s: &mut TcpStream) -> String {
+        let mut head = Vec::new();
+        let mut b = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            match s.read(&mut b).await {
+                Ok(1) => head.push(b[0]),
+                _ => break,
+            }
+        }
+        String::from_utf8_lossy(&head).into_owned()
+    }
+
+    async fn run_one(proxy: SocketAddr, probe: &str) -> Observation {
+        let text = format!(
+            "proxy = \"{proxy}\"\ntimeout = \"2s\"\n[[probe]]\nid = \"p\"\nvia = \"proxy\"\nexpect = \"deny\"\n{probe}\n"
+        );
+        let plan = Plan::from_toml(&text).unwrap();
+        run(&plan, &text).await.observations.remove(0)
+    }
+
+    const SECOND: &str =
+        "target = \"http://allowed.test/palisade-probe/{marker}\"\nsecond_host = \"other.test\"";
+
+    #[tokio::test]
+    async fn second_request_closed_by_the_proxy() {
+        let proxy = fake_proxy(|mut s| async move {
+            let first = read_request_head(&mut s).await;
+            assert!(first.contains("Host: allowed.test\r\n") && first.contains("keep-alive"));
+            s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            let second = read_request_head(&mut s).await;
+            assert!(second.contains("Host: other.test\r\n"), "{second}");
+            // Dropped: closed before anything answers it.
+        })
+        .await;
+        let o = run_one(proxy, SECOND).await;
+        assert_eq!(o.http_status, Some(200));
+        assert_eq!(o.second_host.as_deref(), Some("other.test"));
+        assert_eq!(o.second.as_deref(), Some("closed"), "{o:?}");
+        assert_eq!(o.outcome, Outcome::Refused);
+        assert!(!o.first_close);
+    }
+
+    #[tokio::test]
+    async fn second_request_answered_is_reached() {
+        let proxy = fake_proxy(|mut s| async move {
+            for body in ["one", "two"] {
+                read_request_head(&mut s).await;
+                let resp = format!("HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n{body}");
+                s.write_all(resp.as_bytes()).await.unwrap();
+            }
+        })
+        .await;
+        let o = run_one(proxy, SECOND).await;
+        assert_eq!(o.second.as_deref(), Some("answered"), "{o:?}");
+        assert_eq!(o.second_status, Some(200));
+        assert_eq!(o.outcome, Outcome::Reached);
+    }
+
+    #[tokio::test]
+    async fn second_request_after_an_announced_close() {
+        let proxy = fake_proxy(|mut s| async move {
+            read_request_head(&mut s).await;
+            s.write_all(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            let _ = s.shutdown().await;
+            // Keep reading what the client still sends, as a proxy does.
+            read_request_head(&mut s).await;
+        })
+        .await;
+        let o = run_one(proxy, SECOND).await;
+        assert!(o.first_close, "{o:?}");
+        assert_eq!(o.second.as_deref(), Some("closed"));
+        assert_eq!(o.outcome, Outcome::Refused);
+    }
+
+    #[tokio::test]
+    async fn silence_is_kept_and_a_close_during_it_recorded() {
+        let proxy = fake_proxy(|s| async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(s);
+        })
+        .await;
+        let o = run_one(
+            proxy,
+            "target = \"tls://allowed.test:443?sni=other.test\"\nsilence = \"1500ms\"",
+        )
+        .await;
+        assert_eq!(o.silence_ms, Some(1500));
+        let closed = o.closed_in_silence_ms.expect("closed during the silence");
+        assert!((250..1500).contains(&closed), "{closed}");
+        assert_eq!(o.tls.as_deref(), Some("closed"));
+        assert_eq!(o.outcome, Outcome::Refused);
+    }
+
+    #[tokio::test]
+    async fn the_ech_hello_follows_the_silence() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let proxy = fake_proxy(|mut s| async move {
+            let start = Instant::now();
+            let mut buf = vec![0u8; 4096];
+            let n = s.read(&mut buf).await.unwrap();
+            let _ = tx.send((start.elapsed(), buf[..n].to_vec()));
+            // A ServerHello-looking record: the far side answered.
+            s.write_all(&[0x16, 3, 3, 0, 0]).await.unwrap();
+        })
+        .await;
+        let o = run_one(
+            proxy,
+            "target = \"tls://allowed.test:443\"\nsilence = \"400ms\"\nech = true",
+        )
+        .await;
+        let (waited, hello) = rx.await.unwrap();
+        assert!(waited >= Duration::from_millis(390), "{waited:?}");
+        match crate::proto::client_hello::parse(&hello) {
+            crate::proto::client_hello::Parse::Done { hello, .. } => {
+                assert!(hello.ech);
+                assert_eq!(hello.sni.as_deref(), Some("allowed.test"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(o.ech && o.closed_in_silence_ms.is_none());
+        assert_eq!(o.tls.as_deref(), Some("server_hello"));
+        assert_eq!(o.outcome, Outcome::Reached);
+    }
+
+    /// A `request` probe completes the handshake with whatever certificate
+    /// answers (here a self-signed one, as an intercepting Palisade's would
+    /// be to the probe) and reads Palisade's refusal inside.
+    #[tokio::test]
+    async fn request_probes_complete_the_handshake_and_read_the_refusal() {
+        use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+        let key = rcgen::generate_simple_self_signed(vec!["reg.test".to_string()]).unwrap();
+        let der = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.signing_key.serialize_der()));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![key.cert.der().clone()], der)
+            .unwrap();
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let proxy = fake_proxy(|s| async move {
+            let mut tls = acceptor.accept(s).await.unwrap();
+            let alpn = tls.get_ref().1.alpn_protocol().map(<[u8]>::to_vec);
+            let mut head = Vec::new();
+            let mut b = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && tls.read(&mut b).await.unwrap_or(0) == 1 {
+                head.push(b[0]);
+            }
+            let _ = tx.send((alpn, String::from_utf8_lossy(&head).into_owned()));
+            let body = "palisade: denied: path_not_allowed (evidence record ab-7)\n";
+            let resp = format!(
+                "HTTP/1.1 403 Forbidden\r\nProxy-Status: palisade; error=http_request_denied; details=\"path_not_allowed; record=ab-7\"\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            tls.write_all(resp.as_bytes()).await.unwrap();
+            let _ = tls.shutdown().await;
+        })
+        .await;
+        let o = run_one(
+            proxy,
+            "target = \"https://reg.test/api/%69nternal\"\nrequest = true",
+        )
+        .await;
+        let (alpn, head) = rx.await.unwrap();
+        assert_eq!(alpn.as_deref(), Some(&b"http/1.1"[..]));
+        assert!(
+            head.starts_with("GET /api/%69nternal HTTP/1.1\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("Host: reg.test\r\n"), "{head}");
+        assert!(
+            o.handshake && o.tls.as_deref() == Some("handshake"),
+            "{o:?}"
+        );
+        assert_eq!(o.http_status, Some(403));
+        assert_eq!(o.palisade_record.as_deref(), Some("ab-7"));
+        assert_eq!(o.outcome, Outcome::Refused);
     }
 }

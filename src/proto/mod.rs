@@ -4,6 +4,8 @@
 pub mod client_hello;
 pub mod guard;
 pub mod http_head;
+pub mod http_meter;
+pub mod http_stream;
 pub mod socks5;
 pub mod target;
 pub mod tls_stream;

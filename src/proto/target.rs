@@ -303,7 +303,9 @@ fn parse_port(p: &str) -> Option<u16> {
 }
 
 /// IPv4 embedded in an IPv6 address that, when dialled, really reaches that IPv4 host:
-/// IPv4-compatible ::a.b.c.d (::/96, excluding :: and ::1), NAT64 well-known prefix 64:ff9b::/96 (RFC 6052),
+/// IPv4-compatible ::a.b.c.d (::/96, excluding :: and ::1), SIIT IPv4-translated
+/// ::ffff:0:a.b.c.d (::ffff:0:0:0/96, RFC 2765), NAT64 well-known prefix 64:ff9b::/96 (RFC 6052),
+/// NAT64 local-use prefix 64:ff9b:1::/48 (RFC 8215; the last 32 bits, as in the /96 format),
 /// 6to4 2002:AABB:CCDD::/16 (RFC 3056, bits 16..48), Teredo 2001:0000::/32 (RFC 4380: client address = last 32 bits XOR 0xffffffff).
 /// (IPv4-mapped ::ffff:0:0/96 is also returned, though normalize_host already canonicalises it to V4.)
 pub fn embedded_ipv4(addr: &Ipv6Addr) -> Option<Ipv4Addr> {
@@ -313,12 +315,18 @@ pub fn embedded_ipv4(addr: &Ipv6Addr) -> Option<Ipv4Addr> {
     match s {
         // IPv4-mapped (RFC 4291 §2.5.5.2).
         [0, 0, 0, 0, 0, 0xffff, _, _] => Some(low32),
+        // SIIT IPv4-translated (RFC 2765 §2.1): ::ffff:0:a.b.c.d.
+        [0, 0, 0, 0, 0xffff, 0, _, _] => Some(low32),
         // :: and ::1 are unspecified and loopback, not IPv4 (RFC 4291 §2.5.2, §2.5.3).
         [0, 0, 0, 0, 0, 0, 0, 0] | [0, 0, 0, 0, 0, 0, 0, 1] => None,
         // IPv4-compatible (RFC 4291 §2.5.5.1, deprecated but still routable by some stacks).
         [0, 0, 0, 0, 0, 0, _, _] => Some(low32),
         // NAT64 well-known prefix 64:ff9b::/96 (RFC 6052 §2.1).
         [0x64, 0xff9b, 0, 0, 0, 0, _, _] => Some(low32),
+        // NAT64 local-use prefix 64:ff9b:1::/48 (RFC 8215 §3). Sites pick
+        // the prefix length; the whole /48 is always-denied in the policy,
+        // and the last 32 bits (the /96 format) are checked as well.
+        [0x64, 0xff9b, 1, ..] => Some(low32),
         // 6to4: 2002:V4ADDR::/48 (RFC 3056 §2).
         [0x2002, ..] => Some(Ipv4Addr::new(o[2], o[3], o[4], o[5])),
         // Teredo 2001:0::/32: obfuscated client address in the last 32 bits (RFC 4380 §4).
@@ -576,7 +584,13 @@ mod tests {
         assert_eq!(e("::2"), Some(Ipv4Addr::new(0, 0, 0, 2)));
         assert_eq!(e("2001:db8::1"), None);
         assert_eq!(e("2001:1::1"), None);
-        assert_eq!(e("64:ff9b:1::1"), None);
+        // SIIT IPv4-translated and the local-use NAT64 prefix (last 32 bits).
+        assert_eq!(e("::ffff:0:169.254.169.254"), md);
+        assert_eq!(e("::ffff:0:a9fe:a9fe"), md);
+        assert_eq!(e("64:ff9b:1::a9fe:a9fe"), md);
+        assert_eq!(e("64:ff9b:1:ffff::7f00:1"), Some(Ipv4Addr::LOCALHOST));
+        assert_eq!(e("64:ff9b:2::1"), None);
+        assert_eq!(e("::ffff:1:0:1"), None);
         assert_eq!(e("fe80::1"), None);
     }
 

@@ -15,9 +15,11 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::tunnel::{self, Detected};
-use super::{dial, Ctx, DialError, View};
+use super::{dial, verify, Ctx, DialError, View};
+use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
 use crate::policy::{Reason, Verdict};
+use crate::proto::guard;
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// An allowed target with its upstream connected; the decision record is
@@ -156,9 +158,11 @@ pub async fn record_dial_failure(ctx: &Ctx, record: &mut Record, err: &DialError
 }
 
 /// After the client was told the tunnel is open: check its first bytes
-/// against the target, record the decision, then copy until close.
-/// `first` holds client bytes already read past the handshake (a client
-/// that sent data before the reply); they are detected and replayed too.
+/// against the target and the rule's [`Carry`], record the decision, then
+/// copy until close (verifying every later byte unless the rule says
+/// `opaque`), and record the close. `first` holds client bytes already read
+/// past the handshake (a client that sent data before the reply); they are
+/// judged and replayed too.
 pub async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
 where
     C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -169,13 +173,260 @@ where
         mut record,
         view,
     } = opened;
+    let port = record.port.unwrap_or(0);
+    let carry = match &view.org {
+        Some(org) => view.policy.carry(
+            org,
+            record.rule.as_deref(),
+            matches!(host, Host::Name(_)),
+            port,
+        ),
+        None => Carry::Opaque,
+    };
+    if carry == Carry::Opaque {
+        return run_opaque(ctx, client, upstream, host, record, view, first).await;
+    }
+    // Bytes held to judge the first unit are charged to the detection
+    // budget inside `verify::first`, and released once it is judged.
+    let judged = verify::first(
+        &mut client,
+        &mut first,
+        carry,
+        (&host, port),
+        guard_limits(&ctx),
+        ctx.limits.detect_timeout,
+        &ctx.detect_slots,
+    )
+    .await;
+    let (guard, verified) = match judged {
+        verify::First::Passed { guard, forward } => (Some(guard), forward),
+        verify::First::Closed => {
+            // Nothing was sent, so nothing flowed: the allow stands on record.
+            record.tunnel = Some(carry);
+            ctx.write(&mut record).await;
+            return;
+        }
+        verify::First::OverBudget => {
+            deny_over_budget(&ctx, &mut record).await;
+            return;
+        }
+        verify::First::Denied(v) => {
+            let reason = verify::reason(v.kind);
+            if !(view.is_report() && reason.reportable()) {
+                deny_first(&ctx, &mut record, &v).await;
+                return; // both sides dropped: nothing reached the upstream
+            }
+            record.would_deny.get_or_insert(reason);
+            record.reason = Reason::ReportOnly;
+            record.decision = Reason::ReportOnly.decision();
+            record.detail = Some(v.detail);
+            (None, 0)
+        }
+    };
+    let detected = guard.as_ref().map(verify::Guard::detected);
+    if let Some(Detected::Tls(hello)) = &detected {
+        record.sni = hello.sni.clone();
+    }
+    record.tunnel = Some(guard.as_ref().map_or(Carry::Opaque, verify::Guard::carry));
+    // Opt-in TLS interception (src/intercept): only for an allow rule with
+    // `intercept = true` (which carries TLS, so the hello was checked).
+    let plan = crate::intercept::plan(
+        ctx.intercept.as_deref(),
+        &view,
+        &mut record,
+        detected.as_ref().unwrap_or(&Detected::NotTls),
+    );
+    if !ctx.write(&mut record).await || !record.reason.is_allow() {
+        return;
+    }
+    if plan == crate::intercept::Plan::Intercept {
+        let mode = record.mode;
+        if let Some(s) = crate::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
+            crate::intercept::serve::serve(s, client, first, upstream).await;
+        }
+        return;
+    }
+    relay(
+        &ctx, client, upstream, guard, first, verified, &record, &view,
+    )
+    .await;
+}
+
+/// The bounds a tunnel verifier applies: the explicit listener's head limits.
+pub fn guard_limits(ctx: &Ctx) -> guard::Limits {
+    guard::Limits {
+        max_head_bytes: ctx.limits.max_request_head_bytes,
+        max_headers: ctx.limits.max_headers,
+    }
+}
+
+/// Copy an allowed tunnel until close, then queue its close record. With a
+/// `guard`, every client byte past `held[..verified]` is judged first, and
+/// a violation on the way is recorded as a denial of its own (linked to the
+/// tunnel's allow record by `conn`), or, in report mode, as what
+/// enforcement would have denied. Without one (opaque), `held` is replayed
+/// and the rest copied blind.
+#[allow(clippy::too_many_arguments)]
+pub async fn relay<C>(
+    ctx: &Ctx,
+    client: C,
+    upstream: TcpStream,
+    guard: Option<verify::Guard>,
+    held: Vec<u8>,
+    verified: usize,
+    record: &Record,
+    view: &View,
+) where
+    C: AsyncRead + AsyncWrite + Unpin,
+{
+    let started = Instant::now();
+    let Some(guard) = guard else {
+        let totals = tunnel::pump(
+            client,
+            upstream,
+            &held,
+            ctx.limits.idle_timeout,
+            &ctx.hard_stop,
+        )
+        .await;
+        close(ctx, record, totals, started);
+        return;
+    };
+    let report_violation = |v: &guard::Violation| {
+        let reason = verify::reason(v.kind);
+        let mut r = violation_record(record, v);
+        if reason.reportable() {
+            r.would_deny = Some(reason);
+            r.reason = Reason::ReportOnly;
+            r.decision = Reason::ReportOnly.decision();
+            r.rule = record.rule.clone();
+        }
+        ctx.submit(&mut r);
+    };
+    let report: Option<&(dyn Fn(&guard::Violation) + Sync)> = if view.is_report() {
+        Some(&report_violation)
+    } else {
+        None
+    };
+    let (totals, end) = verify::pump(
+        client,
+        upstream,
+        guard,
+        held,
+        verified,
+        ctx.limits.idle_timeout,
+        &ctx.hard_stop,
+        &ctx.detect_slots,
+        report,
+    )
+    .await;
+    match end {
+        verify::End::Closed => {}
+        verify::End::Violation(v) => {
+            let mut r = violation_record(record, &v);
+            ctx.write(&mut r).await;
+            debug!(reason = %r.reason, record = %r.id, "tunnel cut by verification");
+        }
+        verify::End::OverBudget => {
+            let mut r = violation_record(
+                record,
+                &guard::Violation::new(
+                    guard::ViolationKind::Malformed,
+                    None,
+                    super::DETECT_BUDGET_EXHAUSTED,
+                ),
+            );
+            r.reason = Reason::LimitExceeded;
+            r.decision = Reason::LimitExceeded.decision();
+            ctx.write(&mut r).await;
+        }
+    }
+    close(ctx, record, totals, started);
+}
+
+/// The denial of a unit inside an allowed tunnel: the name actually
+/// presented (when there was one) as `host`, linked to the tunnel's allow
+/// record by `conn`.
+fn violation_record(allow: &Record, v: &guard::Violation) -> Record {
+    let reason = verify::reason(v.kind);
+    let mut r = allow.clone();
+    r.id = String::new();
+    r.ts = String::new();
+    r.reason = reason;
+    r.decision = reason.decision();
+    r.rule = None;
+    r.would_deny = None;
+    r.conn = Some(allow.id.clone());
+    r.detail = Some(v.detail.clone());
+    r.intercepted = None;
+    if let Some(seen) = &v.seen {
+        match v.kind {
+            guard::ViolationKind::SniMismatch | guard::ViolationKind::EchNotAllowed => {
+                r.sni = Some(seen.clone())
+            }
+            _ => {}
+        }
+        r.host = Some(match normalize_host(seen) {
+            Ok(h) => h.to_string(),
+            Err(_) => seen.clone(),
+        });
+    }
+    r
+}
+
+/// The first unit failed: the tunnel's decision record becomes the denial,
+/// naming what the client presented (the target stays in `detail`).
+async fn deny_first(ctx: &Ctx, record: &mut Record, v: &guard::Violation) {
+    let reason = verify::reason(v.kind);
+    record.reason = reason;
+    record.decision = reason.decision();
+    record.rule = None;
+    record.would_deny = None;
+    record.detail = Some(v.detail.clone());
+    if let Some(seen) = &v.seen {
+        match v.kind {
+            guard::ViolationKind::HostMismatch => {
+                record.detail = Some(format!("{} (request named {seen})", v.detail))
+            }
+            _ => record.sni = Some(seen.clone()),
+        }
+    }
+    ctx.write(record).await;
+    debug!(reason = %reason, record = %record.id, "tunnel denied on its first bytes");
+}
+
+async fn deny_over_budget(ctx: &Ctx, record: &mut Record) {
+    record.reason = Reason::LimitExceeded;
+    record.decision = Reason::LimitExceeded.decision();
+    record.rule = None;
+    record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
+    ctx.write(record).await;
+}
+
+/// Queue the close record (nothing waits on it; it is never dropped).
+fn close(ctx: &Ctx, record: &Record, totals: tunnel::Totals, started: Instant) {
+    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
+    ctx.submit(&mut close);
+}
+
+/// A tunnel whose rule lets it carry anything (`tunnel = "opaque"`, cidr
+/// rules): its first bytes are still read for the evidence (the SNI) and
+/// checked against a name where one is given, then it is copied blind.
+async fn run_opaque<C>(
+    ctx: Arc<Ctx>,
+    mut client: C,
+    upstream: TcpStream,
+    host: Host,
+    mut record: Record,
+    view: View,
+    mut first: Vec<u8>,
+) where
+    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let report = view.is_report();
+    record.tunnel = Some(Carry::Opaque);
     let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
-        record.reason = Reason::LimitExceeded;
-        record.decision = Reason::LimitExceeded.decision();
-        record.rule = None;
-        record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-        ctx.write(&mut record).await;
+        deny_over_budget(&ctx, &mut record).await;
         return;
     };
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
@@ -222,29 +473,9 @@ where
         }
         None => {}
     }
-    // Opt-in TLS interception (src/intercept): only for an allow rule with
-    // `intercept = true`; a non-TLS tunnel to such a host is refused.
-    let plan = crate::intercept::plan(ctx.intercept.as_deref(), &view, &mut record, &detected);
+    // (Interception needs a TLS rule: an opaque tunnel is never intercepted.)
     if !ctx.write(&mut record).await || detected == Detected::Closed || !record.reason.is_allow() {
         return;
     }
-    if plan == crate::intercept::Plan::Intercept {
-        let mode = record.mode;
-        if let Some(s) = crate::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
-            crate::intercept::serve::serve(s, client, first, upstream).await;
-        }
-        return;
-    }
-    let started = Instant::now();
-    let totals = tunnel::pump(
-        client,
-        upstream,
-        &first,
-        ctx.limits.idle_timeout,
-        &ctx.hard_stop,
-    )
-    .await;
-    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    // Nothing waits on a close record: queue it (it is never dropped).
-    ctx.submit(&mut close);
+    relay(&ctx, client, upstream, None, first, 0, &record, &view).await;
 }

@@ -1,11 +1,12 @@
 //! Explicit proxy mode: HTTP/1.1 CONNECT tunnels and absolute-form request
 //! forwarding. Each request on a kept-alive connection is decided on its own.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
@@ -16,6 +17,7 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::{debug, info_span, Instrument};
 
@@ -25,6 +27,7 @@ use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
 use crate::intercept;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
+use crate::proto::http_meter::{Event, Framer};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 type ProxyBody = BoxBody<Bytes, hyper::Error>;
@@ -43,11 +46,17 @@ pub async fn serve_connection(
     async move {
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
+        let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
+        let stream = Metered {
+            inner: stream,
+            meter: meter.clone(),
+        };
         let svc_ctx = ctx.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
             let permit = permit.clone();
-            async move { Ok::<_, Infallible>(handle(ctx, peer, permit, req).await) }
+            let meter = meter.clone();
+            async move { Ok::<_, Infallible>(metered(ctx, peer, permit, meter, req).await) }
         });
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
@@ -107,11 +116,32 @@ async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
     ctx.write(&mut record).await;
 }
 
+/// Handle one request with the count of the bytes it took on the wire.
+/// hyper calls the service once per request, in order, after reading its
+/// head, so the meter's next request is this one.
+async fn metered(
+    ctx: Arc<Ctx>,
+    peer: SocketAddr,
+    permit: Arc<Permit>,
+    meter: Arc<Meter>,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let bytes = meter.next_request();
+    let connect = req.method() == Method::CONNECT;
+    let resp = handle(ctx, peer, permit, req, bytes).await;
+    if connect {
+        // A 2xx turns the connection into a tunnel; anything else keeps it HTTP.
+        meter.connect_answered(resp.status().is_success());
+    }
+    resp
+}
+
 async fn handle(
     ctx: Arc<Ctx>,
     peer: SocketAddr,
     permit: Arc<Permit>,
     req: Request<Incoming>,
+    bytes: Option<Arc<RequestBytes>>,
 ) -> Response<ProxyBody> {
     // Each request is decided under the policy served when it arrives, for
     // the org its address and credentials (checked on every request) name.
@@ -150,7 +180,7 @@ async fn handle(
     if req.method() == Method::CONNECT {
         connect(ctx, peer, view, permit, req).await
     } else if req.uri().scheme().is_some() {
-        forward(ctx, peer, view, req).await
+        forward(ctx, peer, view, req, bytes).await
     } else {
         let verdict = bad_request_verdict(view);
         reject(
@@ -250,7 +280,9 @@ async fn auth_refused(
     resp
 }
 
-/// Bytes of the request line and headers as sent (give or take whitespace).
+/// Bytes of the request line and headers as sent (give or take whitespace):
+/// the configured head limit's measure. Evidence counts the exact bytes
+/// ([`Meter`]).
 fn head_size<B>(req: &Request<B>) -> usize {
     let line = req.method().as_str().len() + req.uri().to_string().len() + 12;
     let headers: usize = req
@@ -503,6 +535,7 @@ async fn forward(
     peer: SocketAddr,
     view: &View,
     req: Request<Incoming>,
+    bytes: Option<Arc<RequestBytes>>,
 ) -> Response<ProxyBody> {
     let (host, port, host_mismatch) = match check_request(&req) {
         Ok((host, port, Some(why))) if !view.is_report() => {
@@ -619,6 +652,7 @@ async fn forward(
         }
     });
 
+    let head_estimate = head_size(&req) as u64;
     // Rebuild the request in origin form, without hop-by-hop headers.
     let (mut parts, body) = req.into_parts();
     let path = parts
@@ -643,7 +677,15 @@ async fn forward(
         }
     }
     let up_count = Arc::new(AtomicU64::new(0));
-    let body = Counted::new(body, up_count.clone(), None);
+    let up = match bytes {
+        Some(bytes) => UpCount::Wire(bytes),
+        // Only if the meter lost track (it stops where hyper refuses).
+        None => UpCount::Estimate {
+            head: head_estimate,
+            body: up_count.clone(),
+        },
+    };
+    let body = Counted::new(body, up_count, None);
     let upstream_req = Request::from_parts(parts, body);
 
     let response =
@@ -658,7 +700,7 @@ async fn forward(
     let closer = CloseRecord {
         ctx: ctx.clone(),
         record,
-        up: up_count,
+        up,
         started: Instant::now(),
         _conn: conn_task,
     };
@@ -686,7 +728,7 @@ fn upstream_failed(ctx: &Ctx, record: &Record, why: &str) -> Response<ProxyBody>
 struct CloseRecord {
     ctx: Arc<Ctx>,
     record: Record,
-    up: Arc<AtomicU64>,
+    up: UpCount,
     started: Instant,
     _conn: tokio::task::JoinHandle<()>,
 }
@@ -694,10 +736,188 @@ struct CloseRecord {
 impl CloseRecord {
     fn finish(&mut self, down: u64) {
         let elapsed = self.started.elapsed().as_millis() as u64;
-        let mut close = self
-            .record
-            .close(self.up.load(Ordering::Relaxed), down, elapsed);
+        let mut close = self.record.close(self.up.get(), down, elapsed);
         self.ctx.submit(&mut close);
+    }
+}
+
+/// `bytes_up` of a forwarded request: every byte the client sent for it.
+enum UpCount {
+    /// As counted on the wire by the connection's [`Meter`].
+    Wire(Arc<RequestBytes>),
+    /// Should the meter have lost track: the head as hyper parsed it, and
+    /// the body as forwarded.
+    Estimate { head: u64, body: Arc<AtomicU64> },
+}
+
+impl UpCount {
+    fn get(&self) -> u64 {
+        match self {
+            UpCount::Wire(bytes) => bytes.total(),
+            UpCount::Estimate { head, body } => head + body.load(Ordering::Relaxed),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Counting each request's bytes as received
+
+/// The bytes one request took on the wire: its head (request line, headers,
+/// any empty lines before it) and its body with any chunk framing.
+#[derive(Debug)]
+struct RequestBytes {
+    head: u64,
+    body: AtomicU64,
+}
+
+impl RequestBytes {
+    fn total(&self) -> u64 {
+        self.head + self.body.load(Ordering::Relaxed)
+    }
+}
+
+/// Splits what one client connection sends into requests as hyper reads it
+/// (see [`Framer`]); the service takes each request's count in turn.
+#[derive(Debug)]
+struct Meter {
+    state: Mutex<MeterState>,
+}
+
+#[derive(Debug)]
+struct MeterState {
+    framer: Framer,
+    /// Requests whose heads were read and that the service has not taken yet.
+    pending: VecDeque<Arc<RequestBytes>>,
+    /// The request whose body the bytes now belong to.
+    current: Option<Arc<RequestBytes>>,
+    events: Vec<Event>,
+}
+
+impl Meter {
+    fn new(max_head: usize) -> Meter {
+        Meter {
+            state: Mutex::new(MeterState {
+                framer: Framer::new(max_head),
+                pending: VecDeque::new(),
+                current: None,
+                events: Vec::new(),
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MeterState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes just read from the client.
+    fn read(&self, data: &[u8]) {
+        let mut st = self.lock();
+        if st.framer.is_stopped() {
+            return;
+        }
+        let mut events = std::mem::take(&mut st.events);
+        st.framer.feed(data, &mut events);
+        st.apply(&mut events);
+        st.events = events;
+    }
+
+    /// The count of the next request hyper hands the service; `None` if
+    /// the meter lost track.
+    fn next_request(&self) -> Option<Arc<RequestBytes>> {
+        self.lock().pending.pop_front()
+    }
+
+    /// The CONNECT just handled was answered: a tunnel (`accepted`) takes the
+    /// rest of the connection; otherwise the next request follows.
+    fn connect_answered(&self, accepted: bool) {
+        let mut st = self.lock();
+        if accepted {
+            st.framer.stop();
+            st.pending.clear();
+            st.current = None;
+        } else {
+            let mut events = std::mem::take(&mut st.events);
+            st.framer.resume(&mut events);
+            st.apply(&mut events);
+            st.events = events;
+        }
+    }
+}
+
+impl MeterState {
+    fn apply(&mut self, events: &mut Vec<Event>) {
+        for event in events.drain(..) {
+            match event {
+                Event::Head { len } => {
+                    let bytes = Arc::new(RequestBytes {
+                        head: len,
+                        body: AtomicU64::new(0),
+                    });
+                    self.pending.push_back(bytes.clone());
+                    self.current = Some(bytes);
+                }
+                Event::Body(n) => {
+                    if let Some(current) = &self.current {
+                        current.body.fetch_add(n, Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The client connection, with every byte read shown to the [`Meter`].
+struct Metered<T> {
+    inner: T,
+    meter: Arc<Meter>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for Metered<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = polled {
+            if let Some(new) = buf.filled().get(before..) {
+                if !new.is_empty() {
+                    self.meter.read(new);
+                }
+            }
+        }
+        polled
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for Metered<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -783,6 +1003,73 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("accept"));
+    }
+
+    /// The meter against hyper itself: pipelined requests of every framing
+    /// on one connection, each counted exactly as sent.
+    #[tokio::test]
+    async fn each_request_counts_the_bytes_it_took_on_the_wire() {
+        let long = format!("http://a.test/{}", "x".repeat(3000));
+        let requests: Vec<Vec<u8>> = vec![
+            format!(
+                "GET {long} HTTP/1.1\r\nHost: a.test\r\nX-Pad:   {}  \r\n\r\n",
+                "p".repeat(500)
+            )
+            .into_bytes(),
+            b"\r\nPOST http://a.test/ HTTP/1.1\nHost: a.test\ncontent-length: 11\n\nhello world"
+                .to_vec(),
+            b"PUT http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n\
+              5;x=y\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n"
+                .to_vec(),
+            b"CONNECT b.test:443 HTTP/1.1\r\nHost: b.test:443\r\n\r\n".to_vec(),
+            b"GET http://a.test/last HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n"
+                .to_vec(),
+        ];
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let meter = Arc::new(Meter::new(64 * 1024));
+        let io = Metered {
+            inner: server,
+            meter: meter.clone(),
+        };
+        let svc_meter = meter.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let meter = svc_meter.clone();
+            async move {
+                let bytes = meter.next_request();
+                let connect = req.method() == Method::CONNECT;
+                let _ = req.into_body().collect().await;
+                let counted = bytes.map_or(0, |b| b.total());
+                let mut resp = Response::new(full(counted.to_string()));
+                if connect {
+                    *resp.status_mut() = StatusCode::FORBIDDEN;
+                    meter.connect_answered(false);
+                }
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        let server = tokio::spawn(async move {
+            hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(io), service)
+                .with_upgrades()
+                .await
+        });
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut rd, mut wr) = tokio::io::split(client);
+        wr.write_all(&requests.concat()).await.unwrap();
+        let mut out = Vec::new();
+        rd.read_to_end(&mut out).await.unwrap();
+        let _ = server.await;
+        let text = String::from_utf8_lossy(&out);
+        let counts: Vec<u64> = text
+            .split("HTTP/1.1 ")
+            .skip(1)
+            .map(|resp| {
+                let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default();
+                body.parse().unwrap_or_else(|_| panic!("{resp}"))
+            })
+            .collect();
+        let want: Vec<u64> = requests.iter().map(|r| r.len() as u64).collect();
+        assert_eq!(counts, want, "{text}");
     }
 
     #[test]

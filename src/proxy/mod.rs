@@ -9,6 +9,7 @@ pub mod limits;
 pub mod socks5;
 pub mod transparent;
 pub mod tunnel;
+pub mod verify;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};

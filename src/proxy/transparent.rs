@@ -19,7 +19,8 @@ use tracing::{debug, info_span, Instrument};
 
 use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
-use super::{decide_with, dial, Ctx, Outcome, View};
+use super::{connect, decide_with, dial, verify, Ctx, Outcome, View};
+use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
 use crate::intercept::{self, serve::Session};
 use crate::policy::{canonical, Decision, Reason, Verdict};
@@ -173,6 +174,71 @@ async fn handle(
         deny_unrecorded(&ctx, &mut record).await;
         return reset(client);
     }
+    // What the rule lets the connection carry: judge the first unit again
+    // as the verifier sees it (an ECH hello, an h2c preface, ...), before
+    // anything is dialled.
+    let carry = match &view.org {
+        Some(org) => view.policy.carry(
+            org,
+            record.rule.as_deref(),
+            matches!(host, Host::Name(_)),
+            orig.port(),
+        ),
+        None => Carry::Opaque,
+    };
+    let mut guard = None;
+    let mut verified = 0;
+    if carry != Carry::Opaque {
+        let judged = verify::first(
+            &mut client,
+            &mut first,
+            carry,
+            (&host, orig.port()),
+            connect::guard_limits(&ctx),
+            ctx.limits.detect_timeout,
+            &ctx.detect_slots,
+        )
+        .await;
+        match judged {
+            verify::First::Passed { guard: g, forward } => {
+                record.tunnel = Some(g.carry());
+                guard = Some(g);
+                verified = forward;
+            }
+            verify::First::Denied(v) if view.is_report() && verify::reason(v.kind).reportable() => {
+                record.would_deny.get_or_insert(verify::reason(v.kind));
+                record.reason = Reason::ReportOnly;
+                record.decision = Reason::ReportOnly.decision();
+                record.detail = Some(v.detail);
+                record.tunnel = Some(Carry::Opaque);
+            }
+            verify::First::Denied(v) => {
+                let reason = verify::reason(v.kind);
+                record.reason = reason;
+                record.decision = reason.decision();
+                record.rule = None;
+                record.would_deny = None;
+                record.detail = Some(v.detail);
+                ctx.write(&mut record).await;
+                debug!(reason = %reason, record = %record.id, "transparent connection denied");
+                return reset(client);
+            }
+            verify::First::Closed => {
+                ctx.write(&mut record).await;
+                return reset(client);
+            }
+            verify::First::OverBudget => {
+                record.reason = Reason::LimitExceeded;
+                record.decision = Reason::LimitExceeded.decision();
+                record.rule = None;
+                record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
+                ctx.write(&mut record).await;
+                return reset(client);
+            }
+        }
+    } else {
+        record.tunnel = Some(Carry::Opaque);
+    }
     let upstream = match dial(&outcome.dial, orig.port(), ctx.limits.connect_timeout).await {
         Ok((upstream, _)) => upstream,
         Err(e) => {
@@ -192,7 +258,10 @@ async fn handle(
         }
         return;
     }
-    pump(&ctx, client, upstream, &first, &record).await;
+    connect::relay(
+        &ctx, client, upstream, guard, first, verified, &record, view,
+    )
+    .await;
 }
 
 async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {
@@ -200,21 +269,6 @@ async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {
     record.decision = Reason::EvidenceUnavailable.decision();
     record.rule = None;
     ctx.write(record).await;
-}
-
-async fn pump(ctx: &Ctx, client: TcpStream, upstream: TcpStream, first: &[u8], record: &Record) {
-    let started = Instant::now();
-    let totals = tunnel::pump(
-        client,
-        upstream,
-        first,
-        ctx.limits.idle_timeout,
-        &ctx.hard_stop,
-    )
-    .await;
-    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    // Nothing waits on a close record: queue it (it is never dropped).
-    ctx.submit(&mut close);
 }
 
 /// Report mode: a name/address mismatch is let through to the original

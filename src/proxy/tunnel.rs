@@ -134,20 +134,9 @@ where
         copy(&mut client_r, &mut upstream_w, &up, &touch).await;
     };
     let down_dir = copy(&mut upstream_r, &mut client_w, &down, &touch);
-    let watchdog = async {
-        loop {
-            let quiet_since = start + Duration::from_millis(last.load(Ordering::Relaxed));
-            let due = quiet_since + idle;
-            if Instant::now() >= due {
-                return;
-            }
-            tokio::time::sleep_until(due).await;
-        }
-    };
-
     tokio::select! {
         _ = async { tokio::join!(up_dir, down_dir) } => {}
-        _ = watchdog => {}
+        _ = idle_for(idle, start, &last) => {}
         _ = stop.cancelled() => {}
     }
     Totals {
@@ -156,8 +145,22 @@ where
     }
 }
 
+/// Resolves once `idle` has passed since the later of `start` and the
+/// activity mark `last` (milliseconds after `start`), which both copy
+/// directions move on every transfer.
+pub(crate) async fn idle_for(idle: Duration, start: Instant, last: &AtomicU64) {
+    loop {
+        let quiet_since = start + Duration::from_millis(last.load(Ordering::Relaxed));
+        let due = quiet_since + idle;
+        if Instant::now() >= due {
+            return;
+        }
+        tokio::time::sleep_until(due).await;
+    }
+}
+
 /// Copy one direction until EOF or error, then half-close the writer.
-async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
+pub(crate) async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,

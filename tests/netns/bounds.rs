@@ -17,6 +17,7 @@ fn policy() -> String {
 id = \"banner\"
 host = \"allowed.test\"
 ports = [{BANNER_PORT}]
+tunnel = \"opaque\"
 
 [[org.allow]]
 host = \"mixed.test\"

@@ -7,6 +7,7 @@
 //! `.ci/run` or `cargo test --test netns` as root.
 
 mod abuse;
+mod addresses;
 mod bounds;
 mod cli;
 mod dns;

@@ -2,6 +2,13 @@
 //! namespace (explicit-proxy and transparent setups), reports built from the
 //! evidence Palisade wrote, every classification asserted, a planted hole,
 //! tampered evidence, and the HTML rendered in headless Chromium.
+//!
+//! The in-tunnel probes (`silence-then-sni`, `second-request-other-host`,
+//! `ech-client-hello`, `encoded-path`) are expected `enforced_deny`: that
+//! needs the proxy's tunnel verification (src/proxy, src/proto/guard.rs
+//! and its verifiers). Against a proxy that only checks a tunnel's first
+//! bytes they come out `unexpected_allow` (or `inconclusive` for the
+//! second request: the lab upstream closes after each response).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -10,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::lab::{self, palisade_bin, Lab, DEFAULT_POLICY};
+use crate::lab::{self, ca_pem, palisade_bin, scratch_dir, Lab, DEFAULT_POLICY};
 use crate::transparent::{load_gateway, TRANSPARENT};
 
 const RUN_TIMEOUT: Duration = Duration::from_secs(150);
@@ -143,6 +150,30 @@ fn chromium_dom(lab: &Lab, html: &Path) -> String {
     out.stdout
 }
 
+/// The lab's default policy with `a.wild.test` intercepted (first, so it
+/// wins over `*.wild.test`) and a path it must not reach.
+fn intercepting_policy() -> String {
+    let clients = "clients = [\"198.18.1.0/24\"]\n";
+    assert!(DEFAULT_POLICY.contains(clients));
+    DEFAULT_POLICY.replacen(
+        clients,
+        &format!(
+            "{clients}\n[[org.allow]]\nid = \"registry\"\nhost = \"a.wild.test\"\nports = [443]\n\
+             intercept = true\ndeny_paths = [\"/api/internal*\"]\n"
+        ),
+        1,
+    )
+}
+
+/// `[intercept]` lines: a fresh CA directory, upstreams checked against the lab CA.
+fn intercept_config() -> String {
+    format!(
+        "ca_dir = {:?}\nupstream_ca = {:?}",
+        scratch_dir("probe-ca").display().to_string(),
+        ca_pem().display().to_string()
+    )
+}
+
 fn explicit_plan() -> String {
     r#"
 org = "acme"
@@ -233,6 +264,43 @@ target = "https://nx.test/"
 via = "proxy"
 expect = "allow"
 note = "allowed name the upstream DNS does not know"
+
+[[probe]]
+id = "silence-then-sni"
+target = "tls://allowed.test:443?sni=other.test"
+via = "proxy"
+expect = "deny"
+silence = "1500ms"
+note = "detect_timeout (1s) + 500 ms"
+
+[[probe]]
+id = "second-request-other-host"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+second_host = "other.test"
+
+[[probe]]
+id = "ech-client-hello"
+target = "tls://allowed.test:443"
+via = "proxy"
+expect = "deny"
+ech = true
+
+[[probe]]
+id = "allow-intercepted"
+target = "https://a.wild.test/api/public/palisade-probe/{marker}"
+via = "proxy"
+expect = "allow"
+request = true
+note = "control: request probes reach an intercepted host"
+
+[[probe]]
+id = "encoded-path"
+target = "https://a.wild.test/api/%69nternal"
+via = "proxy"
+expect = "deny"
+request = true
 "#
     .to_string()
 }
@@ -240,7 +308,8 @@ note = "allowed name the upstream DNS does not know"
 #[test]
 fn explicit_proxy_plan_is_classified_and_rendered() {
     let lab = Lab::builder()
-        .policy(DEFAULT_POLICY)
+        .policy(&intercepting_policy())
+        .intercept_config(&intercept_config())
         .dns_listen(&["198.18.1.1:53"])
         .start();
     let obs = probe_run(&lab, &lab.ns_client, "explicit", &explicit_plan());
@@ -268,8 +337,69 @@ fn explicit_proxy_plan_is_classified_and_rendered() {
             ("routed-away", "blocked_elsewhere"),
             ("routed-away-strict", "blocked_elsewhere"),
             ("broken-upstream", "inconclusive"),
+            ("allow-intercepted", "enforced_allow"),
         ],
     );
+    // Needs the proxy's tunnel verification (see the module doc).
+    assert_classes(
+        &r,
+        &[
+            ("silence-then-sni", "enforced_deny"),
+            ("second-request-other-host", "enforced_deny"),
+            ("ech-client-hello", "enforced_deny"),
+            ("encoded-path", "enforced_deny"),
+        ],
+    );
+    let cited = |id: &str, reason: &str| -> Value {
+        r.probe(id)["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["decision"] == "deny" && x["reason"] == reason)
+            .cloned()
+            .unwrap_or_else(|| panic!("{id}: no {reason} record: {:#}", r.probe(id)))
+    };
+    // In-tunnel denials: no 403 to quote, joined by socket, name and reason.
+    let silent = cited("silence-then-sni", "protocol_mismatch");
+    assert_eq!(silent["host"], "allowed.test");
+    assert_eq!(
+        cited("ech-client-hello", "ech_not_allowed")["sni"],
+        "allowed.test"
+    );
+    let second = cited("second-request-other-host", "host_mismatch");
+    assert_eq!(second["host"], "other.test");
+    let tunnel = r.probe("second-request-other-host")["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["decision"] == "allow")
+        .cloned()
+        .expect("the tunnel's allow record");
+    assert_eq!(second["conn"], tunnel["id"], "the denial names its tunnel");
+    for id in [
+        "silence-then-sni",
+        "second-request-other-host",
+        "ech-client-hello",
+    ] {
+        let why = r.probe(id)["why"].as_str().unwrap();
+        assert!(why.contains("closed the tunnel"), "{id}: {why}");
+    }
+    let silence = &r.probe("silence-then-sni")["observation"];
+    assert!(
+        silence["closed_in_silence_ms"].as_u64().is_some(),
+        "{silence:#}"
+    );
+    assert_eq!(
+        r.probe("second-request-other-host")["observation"]["http_status"],
+        200
+    );
+    // The encoded path: a 403 quoting the record.
+    let path = cited("encoded-path", "path_not_allowed");
+    assert_eq!(
+        r.probe("encoded-path")["observation"]["palisade_record"],
+        path["id"]
+    );
+    assert_eq!(r.probe("encoded-path")["observation"]["http_status"], 403);
     // The cited records carry the reason Palisade gave.
     let reason = |id: &str| r.probe(id)["records"][0]["reason"].clone();
     assert_eq!(reason("deny-name"), "no_matching_rule");
@@ -609,6 +739,13 @@ id = "broken-upstream"
 target = "https://nx.test/"
 via = "direct"
 expect = "allow"
+
+[[probe]]
+id = "second-request-other-host"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "direct"
+expect = "deny"
+second_host = "other.test"
 "#;
     let obs = probe_run(&lab, &lab.ns_client, "transparent", plan);
     let r = probe_report(
@@ -630,6 +767,8 @@ expect = "allow"
             ("routed-away-udp", "blocked_elsewhere"),
             ("routed-away-ipv6", "blocked_elsewhere"),
             ("broken-upstream", "inconclusive"),
+            // Needs the proxy's tunnel verification (see the module doc).
+            ("second-request-other-host", "enforced_deny"),
         ],
     );
     let modes: Vec<String> = r.probe("deny-name-pinned")["records"]
@@ -679,6 +818,12 @@ host = "blocked.wild.test"
         Duration::from_secs(10),
     );
     assert!(out.success(), "{}", out.describe());
+    // detect_timeout (default 1s) + 500 ms, read from the config.
+    assert!(
+        out.stdout.contains("silence = \"1500ms\""),
+        "{}",
+        out.stdout
+    );
     let plan = out.stdout.replace("timeout = \"5s\"", "timeout = \"2s\"");
     for id in [
         "canary-https",
@@ -690,6 +835,9 @@ host = "blocked.wild.test"
         "udp-quic",
         "ipv6-direct",
         "doh-google",
+        "silence-then-sni",
+        "second-request-other-host",
+        "ech-client-hello",
     ] {
         assert!(
             plan.contains(&format!("id = \"{id}\"")),
@@ -724,6 +872,10 @@ host = "blocked.wild.test"
         "dns-exfil",
         "doh-google",
         "deny-0",
+        // Need the proxy's tunnel verification (see the module doc).
+        "silence-then-sni",
+        "second-request-other-host",
+        "ech-client-hello",
     ] {
         let c = classes.get(id).map(String::as_str);
         assert!(

@@ -18,6 +18,7 @@ fn policy() -> String {
 id = \"banner\"
 host = \"allowed.test\"
 ports = [{BANNER_PORT}]
+tunnel = \"opaque\"
 "
     )
 }

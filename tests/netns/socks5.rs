@@ -20,6 +20,7 @@ fn policy() -> String {
 id = \"banner\"
 host = \"allowed.test\"
 ports = [{BANNER_PORT}]
+tunnel = \"opaque\"
 
 [[org.allow]]
 id = \"banner-cidr\"

@@ -1,0 +1,614 @@
+//! Tunnel verification: a tunnel carries what its rule says it carries
+//! ([`Carry`]), checked from its first byte to its last, in every mode
+//! (CONNECT, SOCKS5, transparent).
+//!
+//! The judging is pure ([`crate::proto::tls_stream`],
+//! [`crate::proto::http_stream`], in the vocabulary of
+//! [`crate::proto::guard`]); this module is the I/O around it:
+//!
+//! 1. [`first`] reads the client's first unit (a whole ClientHello, a whole
+//!    request head) under `detect_timeout`, holding the bytes in a buffer
+//!    charged to the detection memory budget. Silence, other bytes, or a
+//!    unit naming another host is a denial before anything is recorded as
+//!    allowed.
+//! 2. The caller records the allow decision; then [`pump`] forwards the
+//!    verified first unit and keeps judging every later client byte before
+//!    forwarding it (a second request, a second ClientHello after a
+//!    HelloRetryRequest), while the upstream's bytes are observed on their
+//!    way to the client (to follow a handshake or an upgrade).
+//! 3. Once a direction can no longer change what the upstream serves (the
+//!    ServerHello went by, a `101 Switching Protocols`), it is copied as is.
+//!
+//! A violation stops the tunnel at once: the bytes that failed, and any
+//! after them, never reach the upstream.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::BufMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{Notify, Semaphore, SemaphorePermit};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::tunnel::{self, Detected, Totals, MAX_DETECT_BYTES};
+use crate::config::Carry;
+use crate::policy::Reason;
+use crate::proto::guard::{self, Step, Violation, ViolationKind};
+use crate::proto::http_stream::HttpGuard;
+use crate::proto::target::Host;
+use crate::proto::tls_stream::TlsGuard;
+
+/// The reason code a violation is recorded with.
+pub fn reason(kind: ViolationKind) -> Reason {
+    match kind {
+        ViolationKind::ProtocolMismatch => Reason::ProtocolMismatch,
+        ViolationKind::SniMissing => Reason::SniMissing,
+        ViolationKind::SniMismatch => Reason::SniMismatch,
+        ViolationKind::EchNotAllowed => Reason::EchNotAllowed,
+        ViolationKind::HostMismatch => Reason::HostMismatch,
+        ViolationKind::UpgradeNotAllowed => Reason::UpgradeNotAllowed,
+        ViolationKind::Malformed => Reason::BadRequest,
+    }
+}
+
+/// The verifier of one tunnel.
+pub enum Guard {
+    Tls(Box<TlsGuard>),
+    Http(Box<HttpGuard>),
+}
+
+impl Guard {
+    fn client(&mut self, held: &[u8]) -> Step {
+        match self {
+            Guard::Tls(g) => g.client(held),
+            Guard::Http(g) => g.client(held),
+        }
+    }
+
+    fn server(&mut self, bytes: &[u8]) {
+        match self {
+            Guard::Tls(g) => g.server(bytes),
+            Guard::Http(g) => g.server(bytes),
+        }
+    }
+
+    /// What the tunnel was verified as.
+    pub fn carry(&self) -> Carry {
+        match self {
+            Guard::Tls(_) => Carry::Tls,
+            Guard::Http(_) => Carry::Http,
+        }
+    }
+
+    /// The first unit, as the rest of the proxy knows it (evidence `sni`,
+    /// the interception plan).
+    pub fn detected(&self) -> Detected {
+        match self {
+            Guard::Tls(g) => Detected::Tls(g.hello().cloned().unwrap_or_default()),
+            Guard::Http(g) => Detected::Http(g.first_host().map(str::to_string)),
+        }
+    }
+}
+
+/// Bytes held unverified, charged to the detection memory budget in units
+/// of [`MAX_DETECT_BYTES`].
+struct Budget<'a> {
+    slots: &'a Semaphore,
+    held: Option<SemaphorePermit<'a>>,
+}
+
+impl<'a> Budget<'a> {
+    fn new(slots: &'a Semaphore) -> Self {
+        Budget { slots, held: None }
+    }
+
+    /// Cover `bytes` held bytes; `false` if the budget has no room.
+    fn cover(&mut self, bytes: usize) -> bool {
+        let want = bytes.div_ceil(MAX_DETECT_BYTES) as u32;
+        let have = self.held.as_ref().map_or(0, |p| p.num_permits() as u32);
+        if want <= have {
+            return true;
+        }
+        match self.slots.try_acquire_many(want - have) {
+            Ok(more) => {
+                match &mut self.held {
+                    Some(p) => p.merge(more),
+                    None => self.held = Some(more),
+                }
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    fn release(&mut self) {
+        self.held = None;
+    }
+}
+
+/// What reading the first unit concluded.
+pub enum First {
+    /// The first unit passed; the first `forward` held bytes are verified.
+    Passed { guard: Guard, forward: usize },
+    /// The first bytes (or their absence) fail the rule.
+    Denied(Violation),
+    /// The client closed before sending anything.
+    Closed,
+    /// The detection memory budget had no room for the bytes to judge.
+    OverBudget,
+}
+
+/// The largest number of bytes held to judge one unit.
+fn hold_cap(limits: guard::Limits) -> usize {
+    MAX_DETECT_BYTES.max(limits.max_head_bytes + 1024)
+}
+
+/// Read and judge the client's first unit for a tunnel to `host:port`
+/// that must carry `carry` (not [`Carry::Opaque`]). `held` may already hold
+/// bytes the client sent early; on return it holds every byte read.
+pub async fn first<R: AsyncRead + Unpin>(
+    client: &mut R,
+    held: &mut Vec<u8>,
+    carry: Carry,
+    target: (&Host, u16),
+    limits: guard::Limits,
+    timeout: Duration,
+    slots: &Semaphore,
+) -> First {
+    let (host, port) = target;
+    let deadline = Instant::now() + timeout;
+    let mut budget = Budget::new(slots);
+    let mut guard: Option<Guard> = None;
+    let cap = hold_cap(limits);
+    loop {
+        if guard.is_none() {
+            if let Some(&byte) = held.first() {
+                let tls = match carry {
+                    Carry::Tls => true,
+                    Carry::Http => false,
+                    // A TLS record starts with the handshake content type.
+                    Carry::TlsOrHttp | Carry::Opaque => byte == 0x16,
+                };
+                guard = Some(if tls {
+                    Guard::Tls(Box::new(TlsGuard::new(host.clone())))
+                } else {
+                    Guard::Http(Box::new(HttpGuard::new(host.clone(), port, limits)))
+                });
+            }
+        }
+        if let Some(g) = guard.as_mut() {
+            match g.client(held) {
+                Step::Forward(n) => {
+                    let forward = n.min(held.len());
+                    return First::Passed {
+                        guard: guard.take().expect("guard is set"),
+                        forward,
+                    };
+                }
+                Step::Opaque => {
+                    let forward = held.len();
+                    return First::Passed {
+                        guard: guard.take().expect("guard is set"),
+                        forward,
+                    };
+                }
+                Step::Wait => {
+                    return First::Passed {
+                        guard: guard.take().expect("guard is set"),
+                        forward: 0,
+                    }
+                }
+                Step::Deny(v) => return First::Denied(v),
+                Step::NeedMore => {}
+            }
+        }
+        if held.len() >= cap {
+            return First::Denied(Violation::new(
+                ViolationKind::Malformed,
+                None,
+                format!("first {cap} bytes do not complete a {carry} unit"),
+            ));
+        }
+        let room = (cap - held.len()).min(16 * 1024);
+        if !budget.cover(held.len() + room) {
+            return First::OverBudget;
+        }
+        held.reserve(room);
+        let read = tokio::time::timeout_at(deadline, client.read_buf(&mut held.limit(room))).await;
+        match read {
+            Ok(Ok(0)) | Ok(Err(_)) if held.is_empty() => return First::Closed,
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return First::Denied(Violation::new(
+                    ViolationKind::Malformed,
+                    None,
+                    format!("client closed in the middle of its first {carry} unit"),
+                ))
+            }
+            Ok(Ok(_)) => {}
+            Err(_) if held.is_empty() => {
+                return First::Denied(Violation::new(
+                    ViolationKind::ProtocolMismatch,
+                    None,
+                    format!(
+                        "client sent nothing within detect_timeout ({}); the rule's tunnel carries {carry}",
+                        humantime::format_duration(timeout)
+                    ),
+                ))
+            }
+            Err(_) => {
+                return First::Denied(Violation::new(
+                    ViolationKind::ProtocolMismatch,
+                    None,
+                    format!(
+                        "first {carry} unit incomplete at detect_timeout ({} bytes)",
+                        held.len()
+                    ),
+                ))
+            }
+        }
+    }
+}
+
+/// How a verified tunnel ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    /// Closed by either side, idle, or stopped.
+    Closed,
+    /// A later unit failed verification; the tunnel was cut there.
+    Violation(Violation),
+    /// Bytes to judge did not fit the detection memory budget.
+    OverBudget,
+}
+
+/// Largest read of one direction.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Copy both ways until close, idle, `stop`, or a violation, judging every
+/// client byte before it is forwarded. `held[..verified]` is forwarded
+/// first; the rest of `held` is judged like any later byte. With `report`,
+/// a violation is handed to it and the tunnel continues unverified (report
+/// mode); otherwise the tunnel ends with [`End::Violation`].
+#[allow(clippy::too_many_arguments)]
+pub async fn pump<C, U>(
+    client: C,
+    upstream: U,
+    guard: Guard,
+    held: Vec<u8>,
+    verified: usize,
+    idle: Duration,
+    stop: &CancellationToken,
+    slots: &Semaphore,
+    report: Option<&(dyn Fn(&Violation) + Sync)>,
+) -> (Totals, End)
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    let start = Instant::now();
+    let last = AtomicU64::new(0);
+    let up = AtomicU64::new(0);
+    let down = AtomicU64::new(0);
+    let guard = Mutex::new(guard);
+    let server_seen = Notify::new();
+    let server_closed = AtomicBool::new(false);
+    let client_opaque = AtomicBool::new(false);
+    let (mut client_r, mut client_w) = tokio::io::split(client);
+    let (mut upstream_r, mut upstream_w) = tokio::io::split(upstream);
+    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let judge = |held: &[u8]| {
+        guard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .client(held)
+    };
+
+    let up_dir = async {
+        let mut held = held;
+        let mut verified = verified.min(held.len());
+        let mut budget = Budget::new(slots);
+        let mut opaque = false;
+        loop {
+            if verified > 0 {
+                if upstream_w.write_all(&held[..verified]).await.is_err() {
+                    return End::Closed;
+                }
+                up.fetch_add(verified as u64, Ordering::Relaxed);
+                touch();
+                held.drain(..verified);
+                verified = 0;
+            }
+            if opaque {
+                client_opaque.store(true, Ordering::Relaxed);
+                if !held.is_empty() {
+                    if upstream_w.write_all(&held).await.is_err() {
+                        return End::Closed;
+                    }
+                    up.fetch_add(held.len() as u64, Ordering::Relaxed);
+                    touch();
+                }
+                drop(held);
+                budget.release();
+                tunnel::copy(&mut client_r, &mut upstream_w, &up, &touch).await;
+                return End::Closed;
+            }
+            if !held.is_empty() {
+                let seen = server_seen.notified();
+                tokio::pin!(seen);
+                seen.as_mut().enable();
+                match judge(&held) {
+                    Step::Forward(n) => {
+                        verified = n.min(held.len());
+                        continue;
+                    }
+                    Step::Opaque => {
+                        opaque = true;
+                        continue;
+                    }
+                    Step::Deny(v) => match report {
+                        Some(report) => {
+                            report(&v);
+                            opaque = true;
+                            continue;
+                        }
+                        None => return End::Violation(v),
+                    },
+                    Step::Wait => {
+                        if server_closed.load(Ordering::Relaxed) {
+                            // Nothing more will come to decide on.
+                            break;
+                        }
+                        seen.await;
+                        continue;
+                    }
+                    Step::NeedMore => {}
+                }
+            } else if held.capacity() > 4 * READ_CHUNK {
+                // An idle tunnel keeps no large buffer.
+                held = Vec::new();
+            }
+            if held.is_empty() {
+                budget.release();
+            } else if !budget.cover(held.len() + READ_CHUNK) {
+                return End::OverBudget;
+            }
+            held.reserve(READ_CHUNK);
+            match client_r.read_buf(&mut (&mut held).limit(READ_CHUNK)).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        // The client finished; bytes it left unjudged are never forwarded.
+        let _ = upstream_w.shutdown().await;
+        End::Closed
+    };
+
+    let down_dir = async {
+        let mut buf: Vec<u8> = Vec::new();
+        loop {
+            if client_opaque.load(Ordering::Relaxed) {
+                // Nothing left to follow on this side either.
+                tunnel::copy(&mut upstream_r, &mut client_w, &down, &touch).await;
+                break;
+            }
+            buf.clear();
+            buf.reserve(READ_CHUNK);
+            let n = match upstream_r.read_buf(&mut (&mut buf).limit(READ_CHUNK)).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            // Observe before forwarding: the client's answer to these bytes
+            // must be judged in the state they create.
+            guard
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .server(&buf[..n]);
+            server_seen.notify_waiters();
+            if client_w.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+            down.fetch_add(n as u64, Ordering::Relaxed);
+            touch();
+        }
+        server_closed.store(true, Ordering::Relaxed);
+        server_seen.notify_waiters();
+        let _ = client_w.shutdown().await;
+    };
+
+    // Both directions until both finish; a violation ends the tunnel at
+    // once, whatever the upstream is still sending.
+    let both = async {
+        tokio::pin!(up_dir);
+        tokio::pin!(down_dir);
+        let mut up_done = false;
+        let mut down_done = false;
+        loop {
+            tokio::select! {
+                end = &mut up_dir, if !up_done => {
+                    if end != End::Closed {
+                        return end;
+                    }
+                    up_done = true;
+                }
+                () = &mut down_dir, if !down_done => down_done = true,
+            }
+            if up_done && down_done {
+                return End::Closed;
+            }
+        }
+    };
+    let end = tokio::select! {
+        end = both => end,
+        _ = tunnel::idle_for(idle, start, &last) => End::Closed,
+        _ = stop.cancelled() => End::Closed,
+    };
+    (
+        Totals {
+            up: up.load(Ordering::Relaxed),
+            down: down.load(Ordering::Relaxed),
+        },
+        end,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::duplex;
+
+    fn allowed() -> Host {
+        Host::Name("allowed.test".into())
+    }
+
+    fn http_guard() -> Guard {
+        Guard::Http(Box::new(HttpGuard::new(
+            allowed(),
+            80,
+            guard::Limits::default(),
+        )))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn silence_is_a_protocol_mismatch() {
+        let (mut client, _peer) = duplex(1024);
+        let slots = Semaphore::new(4);
+        let mut held = Vec::new();
+        let got = first(
+            &mut client,
+            &mut held,
+            Carry::Tls,
+            (&allowed(), 443),
+            guard::Limits::default(),
+            Duration::from_secs(1),
+            &slots,
+        )
+        .await;
+        let First::Denied(v) = got else {
+            panic!("silence passed")
+        };
+        assert_eq!(v.kind, ViolationKind::ProtocolMismatch);
+        assert!(v.detail.contains("nothing"), "{}", v.detail);
+        assert_eq!(slots.available_permits(), 4, "budget released");
+    }
+
+    #[tokio::test]
+    async fn first_unit_is_judged_by_the_rules_carry() {
+        let request = b"\r\nGET / HTTP/1.1\r\nHost: other.test\r\n\r\n";
+        for (carry, kind) in [
+            (Carry::Tls, ViolationKind::ProtocolMismatch),
+            (Carry::Http, ViolationKind::HostMismatch),
+            (Carry::TlsOrHttp, ViolationKind::HostMismatch),
+        ] {
+            let (mut client, mut peer) = duplex(1024);
+            peer.write_all(request).await.unwrap();
+            let slots = Semaphore::new(4);
+            let mut held = Vec::new();
+            let got = first(
+                &mut client,
+                &mut held,
+                carry,
+                (&allowed(), 80),
+                guard::Limits::default(),
+                Duration::from_secs(5),
+                &slots,
+            )
+            .await;
+            match got {
+                First::Denied(v) => assert_eq!(v.kind, kind, "{carry}: {v}"),
+                _ => panic!("{carry}: passed"),
+            }
+        }
+        let (mut client, peer) = duplex(1024);
+        drop(peer);
+        let slots = Semaphore::new(4);
+        let got = first(
+            &mut client,
+            &mut Vec::new(),
+            Carry::Http,
+            (&allowed(), 80),
+            guard::Limits::default(),
+            Duration::from_secs(5),
+            &slots,
+        )
+        .await;
+        assert!(matches!(got, First::Closed));
+    }
+
+    #[tokio::test]
+    async fn a_second_request_for_another_host_never_reaches_the_upstream() {
+        let (client, mut client_peer) = duplex(64 * 1024);
+        let (upstream, mut upstream_peer) = duplex(64 * 1024);
+        let slots = Semaphore::new(4);
+        let stop = CancellationToken::new();
+        let good = b"GET /a HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+        let bad = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
+        let task = async {
+            pump(
+                client,
+                upstream,
+                http_guard(),
+                Vec::new(),
+                0,
+                Duration::from_secs(5),
+                &stop,
+                &slots,
+                None,
+            )
+            .await
+        };
+        let drive = async {
+            client_peer.write_all(good).await.unwrap();
+            let mut got = vec![0u8; good.len()];
+            upstream_peer.read_exact(&mut got).await.unwrap();
+            assert_eq!(&got, good);
+            upstream_peer
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            client_peer.write_all(bad).await.unwrap();
+        };
+        let ((totals, end), ()) = tokio::join!(task, drive);
+        let End::Violation(v) = end else {
+            panic!("second request passed: {end:?}")
+        };
+        assert_eq!(v.kind, ViolationKind::HostMismatch);
+        assert_eq!(v.seen.as_deref(), Some("other.test"));
+        assert_eq!(totals.up, good.len() as u64);
+        let mut rest = Vec::new();
+        upstream_peer.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "forwarded after the violation: {rest:?}");
+    }
+
+    #[tokio::test]
+    async fn report_mode_hands_over_the_violation_and_carries_on() {
+        let (client, mut client_peer) = duplex(64 * 1024);
+        let (upstream, mut upstream_peer) = duplex(64 * 1024);
+        let slots = Semaphore::new(4);
+        let stop = CancellationToken::new();
+        let seen = Mutex::new(Vec::new());
+        let report = |v: &Violation| seen.lock().unwrap().push(v.kind);
+        let bytes = b"GET / HTTP/1.1\r\nHost: other.test\r\n\r\n";
+        let task = pump(
+            client,
+            upstream,
+            http_guard(),
+            bytes.to_vec(),
+            0,
+            Duration::from_secs(5),
+            &stop,
+            &slots,
+            Some(&report),
+        );
+        let drive = async {
+            let mut got = vec![0u8; bytes.len()];
+            upstream_peer.read_exact(&mut got).await.unwrap();
+            drop(upstream_peer);
+            client_peer.shutdown().await.unwrap();
+        };
+        let ((totals, end), ()) = tokio::join!(task, drive);
+        assert_eq!(end, End::Closed);
+        assert_eq!(totals.up, bytes.len() as u64);
+        assert_eq!(*seen.lock().unwrap(), vec![ViolationKind::HostMismatch]);
+    }
+}
