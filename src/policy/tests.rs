@@ -278,6 +278,7 @@ fn own_listeners_are_never_dialled() {
         target: config::RuleTarget::Cidr("198.18.0.1/32".parse().unwrap()),
         ports: config::PortSet::All,
         intercept: None,
+        tunnel: None,
     });
     let p3 = Policy::new(&c);
     assert_eq!(reason(&p3, "198.18.0.1", 443, &[]), Reason::RuleMatch);
