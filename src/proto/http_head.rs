@@ -39,8 +39,27 @@ fn looks_like_http(buf: &[u8]) -> Option<bool> {
     }
 }
 
-/// Classify `buf`.
+/// Classify `buf`. Empty lines before the request line are skipped, as
+/// servers skip them (RFC 9112 §2.2), and counted in `len`.
 pub fn parse(buf: &[u8]) -> Parse {
+    let skip = buf
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(buf.len());
+    if skip >= MAX_HEAD_LEN {
+        return Parse::Malformed("request head too large");
+    }
+    match parse_head(buf.get(skip..).unwrap_or_default(), MAX_HEAD_LEN - skip) {
+        Parse::Done { host, len } => Parse::Done {
+            host,
+            len: len + skip,
+        },
+        other => other,
+    }
+}
+
+/// [`parse`] after any empty lines, with `max` bytes left for the head.
+fn parse_head(buf: &[u8], max: usize) -> Parse {
     match looks_like_http(buf) {
         None => return Parse::NeedMore,
         Some(false) => return Parse::NotHttp,
@@ -50,14 +69,14 @@ pub fn parse(buf: &[u8]) -> Parse {
     let mut req = httparse::Request::new(&mut headers);
     let len = match req.parse(buf) {
         Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) if buf.len() >= MAX_HEAD_LEN => {
+        Ok(httparse::Status::Partial) if buf.len() >= max => {
             return Parse::Malformed("request head too large")
         }
         Ok(httparse::Status::Partial) => return Parse::NeedMore,
         Err(httparse::Error::TooManyHeaders) => return Parse::Malformed("too many headers"),
         Err(_) => return Parse::Malformed("malformed request head"),
     };
-    if len > MAX_HEAD_LEN {
+    if len > max {
         return Parse::Malformed("request head too large");
     }
     let mut host: Option<&[u8]> = None;
@@ -94,6 +113,21 @@ mod tests {
     use super::*;
 
     const GET: &[u8] = b"GET /x HTTP/1.1\r\nHost: Allowed.test\r\nAccept: */*\r\n\r\nbody";
+
+    #[test]
+    fn leading_empty_lines_are_skipped_and_counted() {
+        let mut req = b"\r\n\n".to_vec();
+        req.extend_from_slice(GET);
+        assert_eq!(
+            parse(&req),
+            Parse::Done {
+                host: Some("Allowed.test".into()),
+                len: GET.len() - 4 + 3
+            }
+        );
+        assert_eq!(parse(b"\r\n\r\n"), Parse::NeedMore);
+        assert_eq!(parse(b"\r\nSSH-2.0-x\r\n"), Parse::NotHttp);
+    }
 
     #[test]
     fn every_prefix_needs_more_then_done() {

@@ -359,19 +359,28 @@ fn violation_record(allow: &Record, v: &guard::Violation) -> Record {
     r.conn = Some(allow.id.clone());
     r.detail = Some(v.detail.clone());
     r.intercepted = None;
-    if let Some(seen) = &v.seen {
-        match v.kind {
-            guard::ViolationKind::SniMismatch | guard::ViolationKind::EchNotAllowed => {
-                r.sni = Some(seen.clone())
-            }
-            _ => {}
-        }
-        r.host = Some(match normalize_host(seen) {
-            Ok(h) => h.to_string(),
-            Err(_) => seen.clone(),
-        });
-    }
+    name_seen(&mut r, v);
     r
+}
+
+/// A verification denial names what the client actually presented: the
+/// SNI of a hello (`sni`), the Host of a request (`host`, normalised where
+/// it can be). The tunnel's own target stays in the allow record.
+fn name_seen(r: &mut Record, v: &guard::Violation) {
+    let Some(seen) = &v.seen else {
+        return;
+    };
+    match v.kind {
+        guard::ViolationKind::SniMismatch | guard::ViolationKind::EchNotAllowed => {
+            r.sni = Some(seen.clone())
+        }
+        _ => {
+            r.host = Some(match normalize_host(seen) {
+                Ok(h) => h.to_string(),
+                Err(_) => seen.clone(),
+            })
+        }
+    }
 }
 
 /// The first unit failed: the tunnel's decision record becomes the denial,
@@ -383,14 +392,7 @@ async fn deny_first(ctx: &Ctx, record: &mut Record, v: &guard::Violation) {
     record.rule = None;
     record.would_deny = None;
     record.detail = Some(v.detail.clone());
-    if let Some(seen) = &v.seen {
-        match v.kind {
-            guard::ViolationKind::HostMismatch => {
-                record.detail = Some(format!("{} (request named {seen})", v.detail))
-            }
-            _ => record.sni = Some(seen.clone()),
-        }
-    }
+    name_seen(record, v);
     ctx.write(record).await;
     debug!(reason = %reason, record = %record.id, "tunnel denied on its first bytes");
 }
