@@ -335,7 +335,13 @@ fn lookup_cost_is_independent_of_rule_count() {
         assert!(s > 0, "{name}: no work counted");
         assert_eq!(s, l, "{name}: work grew with the rule count");
     }
-    let v = decide(&large, "198.19.2.1", "h4999.example.com", 443, &["198.18.9.9"]);
+    let v = decide(
+        &large,
+        "198.19.2.1",
+        "h4999.example.com",
+        443,
+        &["198.18.9.9"],
+    );
     assert!(v.is_allow());
 }
 

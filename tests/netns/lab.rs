@@ -143,6 +143,8 @@ const POLL: Duration = Duration::from_millis(50);
 pub const CMD_TIMEOUT: Duration = Duration::from_secs(20);
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
+/// Marker requests of [`Lab::assert_nothing_reached_upstream`].
+static MARKERS: AtomicU32 = AtomicU32::new(0);
 static SETUP_LOCK: Mutex<()> = Mutex::new(());
 static CERTS: OnceLock<PathBuf> = OnceLock::new();
 
@@ -1149,11 +1151,11 @@ impl Lab {
 
     /// Connection events logged by the upstream web servers.
     pub fn upstream_log(&self) -> Vec<Value> {
-        read_jsonl(&self.upstream_log_path())
+        without_markers(read_jsonl(&self.upstream_log_path()))
     }
     /// Connection events logged by the loopback canary in the proxy ns.
     pub fn canary_log(&self) -> Vec<Value> {
-        read_jsonl(&self.canary_log_path())
+        without_markers(read_jsonl(&self.canary_log_path()))
     }
     /// Names queried at the upstream DNS server (lower case, no trailing dot).
     pub fn dns_queries(&self) -> Vec<String> {
@@ -1268,22 +1270,70 @@ impl Lab {
         }
     }
 
-    /// A short grace period for anything a refused request might still
-    /// trigger, then assert that no upstream (or canary) connection was made.
+    /// Assert that no upstream (or canary) connection was made by anything
+    /// the test did so far. Not a grace period: a marker request is sent
+    /// straight from the proxy namespace (not through Palisade) to the
+    /// upstream and to the canary, and once both have logged it, their logs
+    /// are complete up to now; anything in them besides the marker fails.
     pub fn assert_nothing_reached_upstream(&self, context: &str) {
-        thread::sleep(Duration::from_millis(300));
-        let up = self.upstream_log();
-        assert!(
-            up.is_empty(),
-            "{context}: upstream received connections:\n{}",
-            dump(&up)
-        );
-        let canary = self.canary_log();
-        assert!(
-            canary.is_empty(),
-            "{context}: proxy dialled its own loopback:\n{}",
-            dump(&canary)
-        );
+        self.assert_quiet(context, true);
+    }
+
+    /// [`Lab::assert_nothing_reached_upstream`] for the loopback canary
+    /// alone: Palisade never dialled its own loopback.
+    pub fn assert_canary_untouched(&self, context: &str) {
+        self.assert_quiet(context, false);
+    }
+
+    fn assert_quiet(&self, context: &str, upstream_too: bool) {
+        let n = MARKERS.fetch_add(1, Ordering::Relaxed);
+        let path = format!("{MARKER_PATH}{n}");
+        let mut fixtures = vec![(self.canary_log_path(), format!("http://127.0.0.1{path}"))];
+        if upstream_too {
+            fixtures.push((
+                self.upstream_log_path(),
+                format!("http://{ALLOWED_IP}{path}"),
+            ));
+        }
+        for (log, url) in fixtures {
+            let out =
+                self.proxy_ns_exec("curl", &["-sS", "-o", "/dev/null", "--max-time", "5", &url]);
+            assert!(out.success(), "{context}: marker {url}: {}", out.describe());
+            let mut seen = Vec::new();
+            wait_until(
+                &format!("{context}: marker {url} logged"),
+                CMD_TIMEOUT,
+                || {
+                    seen = read_jsonl(&log);
+                    seen.iter().any(|v| {
+                        v["event"] == "close"
+                            && v["request_line"]
+                                .as_str()
+                                .is_some_and(|l| l.contains(&path))
+                    })
+                },
+            );
+            let marker_ids: Vec<&Value> = seen
+                .iter()
+                .filter(|v| {
+                    v["request_line"]
+                        .as_str()
+                        .is_some_and(|l| l.contains(&path))
+                })
+                .map(|v| &v["id"])
+                .collect();
+            let others: Vec<Value> = seen
+                .iter()
+                .filter(|v| !marker_ids.contains(&&v["id"]))
+                .cloned()
+                .collect();
+            assert!(
+                others.is_empty(),
+                "{context}: connections reached {}:\n{}",
+                log.display(),
+                dump(&others)
+            );
+        }
     }
 }
 
@@ -1416,6 +1466,26 @@ pub fn read_jsonl(path: &Path) -> Vec<Value> {
         }
     }
     out
+}
+
+/// Path prefix of the marker requests of [`Lab::assert_nothing_reached_upstream`].
+const MARKER_PATH: &str = "/palisade-test-marker-";
+
+/// A fixture log without the connections that carried marker requests.
+fn without_markers(log: Vec<Value>) -> Vec<Value> {
+    let is_marker = |v: &Value| {
+        v["request_line"]
+            .as_str()
+            .is_some_and(|l| l.contains(MARKER_PATH))
+    };
+    let ids: Vec<Value> = log
+        .iter()
+        .filter(|v| is_marker(v))
+        .map(|v| v["id"].clone())
+        .collect();
+    log.into_iter()
+        .filter(|v| !ids.contains(&v["id"]))
+        .collect()
 }
 
 pub fn dump(v: &[Value]) -> String {
