@@ -13,10 +13,10 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -57,45 +57,19 @@ async fn upstream() -> SocketAddr {
     addr
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start(root: &Path, mode: &str, up: SocketAddr) -> (Child, SocketAddr) {
-    let port = free_port();
+    let port = common::free_port();
     let dir = root.join(format!("ev-{mode}"));
     let cfg = root.join(format!("{mode}.toml"));
-    std::fs::write(
-        &cfg,
-        format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\nmax_new_connections_per_second_per_org = 10000000\n[dns]\nupstream = [\"127.0.0.1:53\"]\n\
-             [evidence]\ndir = {dir:?}\ndurability = \"{mode}\"\n\
-             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
-             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",
-            up.port()
-        ),
-    )
-    .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_palisade"))
-        .args(["run", "-c"])
-        .arg(&cfg)
-        .env("PALISADE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let config = common::palisade_config(
+        &format!("listen = [\"127.0.0.1:{port}\"]"),
+        "127.0.0.1:53",
+        &format!("dir = {dir:?}\ndurability = \"{mode}\""),
+        &common::loopback_rule(up.port()),
+    );
+    std::fs::write(&cfg, config).unwrap();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(Instant::now() < deadline, "palisade did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (child, addr)
+    (common::spawn_palisade(&cfg, &[addr]), addr)
 }
 
 async fn one(proxy: SocketAddr, req: &[u8]) -> bool {

@@ -567,14 +567,6 @@ fn loadavg() -> String {
         .unwrap_or_else(|| "?".into())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn wait_listening(addr: SocketAddr, child: &mut Child, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -613,25 +605,18 @@ fn which(program: &str) -> Option<PathBuf> {
 }
 
 fn start_palisade(root: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
-    let port = free_port();
-    let admin = free_port();
+    let port = common::free_port();
     let cfg = root.join("palisade.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\n\
-             max_connections = 100000\nmax_connections_per_org = 100000\n\
-             max_new_connections_per_second_per_org = 10000000\n\
-             [dns]\nlisten = []\nupstream = [\"127.0.0.1:53\"]\n\
-             [admin]\nlisten = \"127.0.0.1:{admin}\"\n\
-             [evidence]\ndir = {:?}\n\
-             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
-             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",
-            root.join("evidence"),
-            origin.port()
+    let config = common::palisade_config(
+        &format!(
+            "listen = [\"127.0.0.1:{port}\"]\n\
+             max_connections = 100000\nmax_connections_per_org = 100000"
         ),
-    )
-    .unwrap();
+        "127.0.0.1:53",
+        &format!("dir = {:?}", root.join("evidence")),
+        &common::loopback_rule(origin.port()),
+    );
+    std::fs::write(&cfg, config).unwrap();
     // LOAD_PALISADE_PREFIX="valgrind --tool=callgrind" (say) wraps the proxy
     // for profiling; its CPU figures are then the wrapper's.
     let prefix = std::env::var("LOAD_PALISADE_PREFIX").unwrap_or_default();
@@ -656,7 +641,7 @@ fn start_palisade(root: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
 /// cache dir: the same allowlist (clients 127.0.0.0/8 to the origin's
 /// address and port only), access log on.
 fn start_squid(root: &Path, squid: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
-    let port = free_port();
+    let port = common::free_port();
     let dir = root.join("squid");
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("squid.conf");

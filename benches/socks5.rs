@@ -11,8 +11,8 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Child;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -43,48 +43,19 @@ async fn upstream() -> SocketAddr {
     addr
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start(root: &Path, up: SocketAddr) -> (Child, SocketAddr, SocketAddr) {
-    let (http, socks) = (free_port(), free_port());
+    let (http, socks) = (common::free_port(), common::free_port());
     let cfg = root.join("palisade.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{http}\"]\nsocks5 = [\"127.0.0.1:{socks}\"]\nmax_new_connections_per_second_per_org = 10000000\n\
-             [dns]\nupstream = [\"127.0.0.1:53\"]\n[evidence]\ndir = {:?}\n\
-             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
-             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{}]\n",
-            root.join("evidence"),
-            up.port()
-        ),
-    )
-    .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_palisade"))
-        .args(["run", "-c"])
-        .arg(&cfg)
-        .env("PALISADE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let config = common::palisade_config(
+        &format!("listen = [\"127.0.0.1:{http}\"]\nsocks5 = [\"127.0.0.1:{socks}\"]"),
+        "127.0.0.1:53",
+        &format!("dir = {:?}", root.join("evidence")),
+        &common::loopback_rule(up.port()),
+    );
+    std::fs::write(&cfg, config).unwrap();
     let http: SocketAddr = format!("127.0.0.1:{http}").parse().unwrap();
     let socks: SocketAddr = format!("127.0.0.1:{socks}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(http).is_err()
-        || std::net::TcpStream::connect(socks).is_err()
-    {
-        assert!(Instant::now() < deadline, "palisade did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (child, http, socks)
+    (common::spawn_palisade(&cfg, &[http, socks]), http, socks)
 }
 
 #[derive(Clone, Copy)]

@@ -19,8 +19,8 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Child;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
@@ -97,49 +97,23 @@ async fn dns() -> SocketAddr {
     addr
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start(root: &Path, origin: SocketAddr, dns: SocketAddr) -> (Child, SocketAddr) {
-    let port = free_port();
+    let port = common::free_port();
     let cfg = root.join("palisade.toml");
     let o = origin.port();
-    std::fs::write(
-        &cfg,
-        format!(
-            "[proxy]\nlisten = [\"127.0.0.1:{port}\"]\nmax_new_connections_per_second_per_org = 10000000\n\
-             [dns]\nlisten = []\nupstream = [\"{dns}\"]\n[admin]\nlisten = \"127.0.0.1:{}\"\n\
-             [evidence]\ndir = {:?}\n\
-             [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
-             [[org.allow]]\nhost = \"http.bench\"\nports = [{o}]\n\
-             [[org.allow]]\nhost = \"opaque.bench\"\nports = [{o}]\ntunnel = \"opaque\"\n\
-             [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{o}]\n",
-            free_port(),
-            root.join("evidence"),
+    let config = common::palisade_config(
+        &format!("listen = [\"127.0.0.1:{port}\"]"),
+        &dns.to_string(),
+        &format!("dir = {:?}", root.join("evidence")),
+        &format!(
+            "[[org.allow]]\nhost = \"http.bench\"\nports = [{o}]\n\
+             [[org.allow]]\nhost = \"opaque.bench\"\nports = [{o}]\ntunnel = \"opaque\"\n{}",
+            common::loopback_rule(o)
         ),
-    )
-    .unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_palisade"))
-        .args(["run", "-c"])
-        .arg(&cfg)
-        .env("PALISADE_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+    );
+    std::fs::write(&cfg, config).unwrap();
     let proxy: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(proxy).is_err() {
-        assert!(Instant::now() < deadline, "palisade did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    (child, proxy)
+    (common::spawn_palisade(&cfg, &[proxy]), proxy)
 }
 
 /// Read until `buf` ends a response of the fixed size.

@@ -65,3 +65,61 @@ pub fn median(v: &[f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
+
+/// A free TCP port on loopback (bound and released at once).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The config every whole-process bench runs Palisade with: one org
+/// `bench` of loopback clients, no DNS shim, the new-connection rate limit
+/// out of the way (the benches measure the proxy, not the limiter), the
+/// admin listener on a free port. `proxy` holds the `[proxy]` lines (the
+/// listeners first), `dns_upstream` the resolver, `evidence` the
+/// `[evidence]` lines, `rules` the `[[org.allow]]` tables.
+pub fn palisade_config(proxy: &str, dns_upstream: &str, evidence: &str, rules: &str) -> String {
+    format!(
+        "[proxy]\n{proxy}\nmax_new_connections_per_second_per_org = 10000000\n\
+         [dns]\nlisten = []\nupstream = [\"{dns_upstream}\"]\n\
+         [admin]\nlisten = \"127.0.0.1:{}\"\n\
+         [evidence]\n{evidence}\n\
+         [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n{rules}",
+        free_port()
+    )
+}
+
+/// An allow rule for the loopback address on `port` (loopback is
+/// always denied unless a rule inside it opens it).
+pub fn loopback_rule(port: u16) -> String {
+    format!("[[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{port}]\n")
+}
+
+/// `palisade run -c CONFIG` (stderr inherited, log level warn), waiting
+/// until every address in `listening` accepts connections.
+pub fn spawn_palisade(config: &std::path::Path, listening: &[std::net::SocketAddr]) -> Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_palisade"))
+        .args(["run", "-c"])
+        .arg(config)
+        .env("PALISADE_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while listening
+        .iter()
+        .any(|a| std::net::TcpStream::connect(a).is_err())
+    {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("palisade exited at start: {status}");
+        }
+        assert!(Instant::now() < deadline, "palisade did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
+}
