@@ -67,26 +67,11 @@ enum Via {
 /// Open one tunnel, send a byte, expect "ok" and the close.
 async fn one(via: Via, proxy: SocketAddr, up: SocketAddr) -> bool {
     let steps = async {
-        let mut s = TcpStream::connect(proxy).await.ok()?;
-        s.set_nodelay(true).ok()?;
-        match via {
-            Via::Connect => {
-                let req = format!("CONNECT {up} HTTP/1.1\r\nHost: {up}\r\n\r\n");
-                s.write_all(req.as_bytes()).await.ok()?;
-                let mut head = Vec::new();
-                let mut b = [0u8; 256];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let n = s.read(&mut b).await.ok()?;
-                    if n == 0 || head.len() > 4096 {
-                        return None;
-                    }
-                    head.extend_from_slice(&b[..n]);
-                }
-                if !head.starts_with(b"HTTP/1.1 200") {
-                    return None;
-                }
-            }
+        let mut s = match via {
+            Via::Connect => common::connect_tunnel(proxy, &up.to_string()).await?,
             Via::Socks5 => {
+                let mut s = TcpStream::connect(proxy).await.ok()?;
+                s.set_nodelay(true).ok()?;
                 s.write_all(&[5, 1, 0]).await.ok()?;
                 let mut m = [0u8; 2];
                 s.read_exact(&mut m).await.ok()?;
@@ -100,8 +85,9 @@ async fn one(via: Via, proxy: SocketAddr, up: SocketAddr) -> bool {
                 if m != [5, 0] || r[1] != 0 {
                     return None;
                 }
+                s
             }
-        }
+        };
         s.write_all(b"x").await.ok()?;
         let mut rest = Vec::new();
         s.read_to_end(&mut rest).await.ok()?;

@@ -133,22 +133,7 @@ async fn read_response(s: &mut TcpStream) -> Option<()> {
 /// One tunnel to `host:port` carrying [`REQUESTS_PER_TUNNEL`] keep-alive GETs.
 async fn one(proxy: SocketAddr, host: &'static str, port: u16) -> bool {
     let steps = async {
-        let mut s = TcpStream::connect(proxy).await.ok()?;
-        s.set_nodelay(true).ok()?;
-        let req = format!("CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n");
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut head = Vec::new();
-        let mut b = [0u8; 256];
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            let n = s.read(&mut b).await.ok()?;
-            if n == 0 || head.len() > 4096 {
-                return None;
-            }
-            head.extend_from_slice(&b[..n]);
-        }
-        if !head.starts_with(b"HTTP/1.1 200") {
-            return None;
-        }
+        let mut s = common::connect_tunnel(proxy, &format!("{host}:{port}")).await?;
         let get = format!(
             "GET /item?id=12345 HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: bench/1.0\r\n\
              Accept: */*\r\nAccept-Encoding: gzip\r\n\r\n"

@@ -123,3 +123,26 @@ pub fn spawn_palisade(config: &std::path::Path, listening: &[std::net::SocketAdd
     }
     child
 }
+
+/// A CONNECT tunnel to `target` (`host:port`) through `proxy`: the stream
+/// once the proxy answered 200, or `None` on any failure.
+pub async fn connect_tunnel(
+    proxy: std::net::SocketAddr,
+    target: &str,
+) -> Option<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(proxy).await.ok()?;
+    s.set_nodelay(true).ok()?;
+    let req = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n");
+    s.write_all(req.as_bytes()).await.ok()?;
+    let mut head = Vec::new();
+    let mut b = [0u8; 256];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = s.read(&mut b).await.ok()?;
+        if n == 0 || head.len() > 4096 {
+            return None;
+        }
+        head.extend_from_slice(&b[..n]);
+    }
+    head.starts_with(b"HTTP/1.1 200").then_some(s)
+}
