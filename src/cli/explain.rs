@@ -18,6 +18,9 @@ use crate::proxy::decide_with;
 use crate::resolve::Resolver;
 
 /// Arguments of `palisade explain`.
+// The doc comments of fields are `--help` text, not rustdoc: `[v6]` is
+// text, not a link.
+#[allow(rustdoc::broken_intra_doc_links)]
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[arg(short, long, default_value = DEFAULT_CONFIG)]

@@ -13,6 +13,9 @@ use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
 use crate::probe::{plan, report, run as probe_run};
 
 /// `palisade probe ...`.
+// The doc comments of fields are `--help` text, not rustdoc: `[dns]` is
+// a config section, not a link.
+#[allow(rustdoc::broken_intra_doc_links)]
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
     /// Print a default probe plan (TOML) for an org of a policy.
