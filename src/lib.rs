@@ -23,18 +23,22 @@
 //! interception ([`intercept`]) hooks in.
 //!
 //! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
-//! whole on SIGHUP or a file change; [`replay`] re-decides recorded
-//! decisions under a candidate policy; [`app`] wires listeners,
-//! the admin endpoints and shutdown; [`explain`] runs the same decision for
-//! one target from the command line; [`probe`] demonstrates containment
+//! whole on SIGHUP or a file change; [`app`] wires listeners,
+//! the admin endpoints and shutdown; [`probe`] demonstrates containment
 //! (a probe plan run in the sandbox, joined with verified evidence).
+//! [`cli`] holds the commands of the `palisade` binary, among them
+//! [`cli::explain`], which runs the same decision for one target from the
+//! command line, and [`cli::replay`], which re-decides recorded decisions
+//! under a candidate policy.
+
+#![forbid(unsafe_code)]
 
 pub mod admin;
 pub mod app;
+pub mod cli;
 pub mod config;
 pub mod dns;
 pub mod evidence;
-pub mod explain;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod intercept;
@@ -44,5 +48,4 @@ pub mod probe;
 pub mod proto;
 pub mod proxy;
 pub mod reload;
-pub mod replay;
 pub mod resolve;

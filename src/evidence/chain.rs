@@ -18,6 +18,7 @@
 //!   `SIG_CONTEXT || canonical(record without hash and sig)`; it covers
 //!   `prev`, the hash of the record before it, i.e. the chain head.
 
+use data_encoding::{HEXLOWER, HEXLOWER_PERMISSIVE};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
@@ -88,37 +89,19 @@ pub fn canonical_without(m: &Map<String, Value>, skip: &[&str]) -> Vec<u8> {
     out
 }
 
-pub fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[(b >> 4) as usize] as char);
-        s.push(DIGITS[(b & 15) as usize] as char);
-    }
-    s
-}
-
+/// Exactly `N` bytes from `2 * N` hex digits of either case (surrounding
+/// white space ignored).
 pub fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
-    let s = s.trim().as_bytes();
-    if s.len() != 2 * N {
-        return None;
-    }
-    let nibble = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    let mut out = [0u8; N];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = (nibble(s[2 * i])? << 4) | nibble(s[2 * i + 1])?;
-    }
-    Some(out)
+    HEXLOWER_PERMISSIVE
+        .decode(s.trim().as_bytes())
+        .ok()?
+        .try_into()
+        .ok()
 }
 
 /// The hash of a record: SHA-256 over its canonical form without `hash`.
 pub fn record_hash(m: &Map<String, Value>) -> String {
-    hex(&Sha256::digest(canonical_without(m, &["hash"])))
+    HEXLOWER.encode(&Sha256::digest(canonical_without(m, &["hash"])))
 }
 
 fn sig_message(m: &Map<String, Value>) -> Vec<u8> {
@@ -130,7 +113,10 @@ fn sig_message(m: &Map<String, Value>) -> Vec<u8> {
 /// Sign a checkpoint record (sets `sig`; `key`, `seq` and `prev` must be set).
 pub fn sign(m: &mut Map<String, Value>, key: &SigningKey) {
     let sig = key.sign(&sig_message(m));
-    m.insert("sig".into(), Value::String(hex(&sig.to_bytes())));
+    m.insert(
+        "sig".into(),
+        Value::String(HEXLOWER.encode(&sig.to_bytes())),
+    );
 }
 
 /// Check a checkpoint record's `sig` against `key`.
@@ -174,7 +160,7 @@ pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, V
         canonical_into(&m[k.as_str()], &mut body);
     }
     body.push(b'}');
-    let hash = hex(&Sha256::digest(&body));
+    let hash = HEXLOWER.encode(&Sha256::digest(&body));
     let field = format!("\"hash\":\"{hash}\"");
     let mut line = Vec::with_capacity(body.len() + field.len() + 2);
     match splice_at {
@@ -266,7 +252,7 @@ mod tests {
     #[test]
     fn hex_round_trip() {
         let b = [0u8, 1, 0xab, 0xff];
-        assert_eq!(hex(&b), "0001abff");
+        assert_eq!(HEXLOWER.encode(&b), "0001abff");
         assert_eq!(unhex::<4>("0001ABff"), Some(b));
         assert_eq!(unhex::<4>("0001abf"), None);
         assert_eq!(unhex::<4>("0001abfg"), None);

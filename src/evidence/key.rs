@@ -8,9 +8,10 @@ use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use data_encoding::HEXLOWER;
 use ed25519_dalek::SigningKey;
 
-use super::chain::{hex, unhex};
+use super::chain::unhex;
 
 /// The default key path for an evidence dir: `DIR.key` beside the directory,
 /// so that handing the evidence directory to an assessor never hands over
@@ -64,7 +65,7 @@ pub fn load_or_create(path: &Path) -> io::Result<SigningKey> {
         .mode(0o600)
         .open(path)
         .map_err(|e| bad(path, e))?;
-    f.write_all(format!("{}\n", hex(&seed)).as_bytes())
+    f.write_all(format!("{}\n", HEXLOWER.encode(&seed)).as_bytes())
         .and_then(|()| f.sync_all())
         .map_err(|e| bad(path, e))?;
     // The umask may only remove bits; make sure it is exactly 0600.
@@ -76,7 +77,7 @@ pub fn load_or_create(path: &Path) -> io::Result<SigningKey> {
 /// The public key as hex, the form `palisade evidence pubkey` prints and
 /// `verify --key` takes.
 pub fn public_hex(key: &SigningKey) -> String {
-    hex(key.verifying_key().as_bytes())
+    HEXLOWER.encode(key.verifying_key().as_bytes())
 }
 
 #[cfg(test)]

@@ -187,7 +187,7 @@ pub fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> 
     };
     let mut key: Option<VerifyingKey> = opts.key;
     if let Some(k) = &key {
-        s.key = Some(chain::hex(k.as_bytes()));
+        s.key = Some(data_encoding::HEXLOWER.encode(k.as_bytes()));
     }
     let mut prev_hash: Option<String> = None;
     let mut prev_seq: Option<u64> = None;

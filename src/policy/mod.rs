@@ -707,11 +707,7 @@ impl Policy {
         }
         let always_denied = closed_ranges(orgs, &own);
         let canonical = Policy::canonical_text(orgs);
-        let hash: String = Sha256::digest(canonical.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let hash = Arc::from(hash);
+        let hash = Arc::from(data_encoding::HEXLOWER.encode(&Sha256::digest(canonical.as_bytes())));
         Policy {
             orgs: compiled,
             clients,

@@ -218,32 +218,8 @@ impl Target {
 }
 
 fn split_authority(auth: &str, default_port: Option<u16>) -> Result<(String, u16), String> {
-    if auth.is_empty() {
-        return Err("empty host".into());
-    }
-    let (host, port) = if let Some(rest) = auth.strip_prefix('[') {
-        let end = rest.find(']').ok_or("unclosed [")?;
-        let host = &auth[..end + 2];
-        let tail = &rest[end + 1..];
-        match tail.strip_prefix(':') {
-            Some(p) => (host, Some(p)),
-            None if tail.is_empty() => (host, None),
-            None => return Err(format!("junk after ]: {tail:?}")),
-        }
-    } else {
-        match auth.rsplit_once(':') {
-            Some((h, p)) => (h, Some(p)),
-            None => (auth, None),
-        }
-    };
-    let port = match port {
-        Some(p) => p
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| format!("bad port {p:?}"))?,
-        None => default_port.ok_or("a port is required")?,
-    };
+    let (host, port) =
+        crate::proto::target::split_authority(auth, default_port).map_err(|e| e.to_string())?;
     if host.is_empty()
         || host
             .bytes()

@@ -173,10 +173,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 /// Run every probe of `plan`.
 pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
     use sha2::Digest;
-    let run_id: String = random_bytes::<4>()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let run_id = data_encoding::HEXLOWER.encode(&random_bytes::<4>());
     let started = now_text();
     let t0 = Instant::now();
     let deadline = t0 + plan.deadline();
@@ -223,10 +220,7 @@ pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
         format: OBSERVATIONS_FORMAT.into(),
         run: run_id,
         palisade_version: env!("CARGO_PKG_VERSION").into(),
-        plan_sha256: sha2::Sha256::digest(plan_text.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect(),
+        plan_sha256: data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(plan_text.as_bytes())),
         plan: plan.clone(),
         started,
         finished: now_text(),

@@ -259,6 +259,14 @@ fn parse_ipv6(text: &str, input: &str) -> Result<Host, TargetError> {
 
 /// Parse "host:port", "[v6]:port" (authority-form, no userinfo allowed: '@' is an error). If the port is missing, use default_port or error when None. Port 0 is an error. Non-digit port is an error.
 pub fn parse_authority(input: &str, default_port: Option<u16>) -> Result<(Host, u16), TargetError> {
+    let (host, port) = split_authority(input, default_port)?;
+    Ok((normalize_host(host)?, port))
+}
+
+/// [`parse_authority`]'s split: the host as written (brackets kept, not
+/// normalised) and the port, under the same rules. For callers that must
+/// pass a host on verbatim, such as a probe trying IP spellings.
+pub fn split_authority(input: &str, default_port: Option<u16>) -> Result<(&str, u16), TargetError> {
     if input.contains('@') {
         return Err(TargetError::Userinfo(shown(input)));
     }
@@ -291,7 +299,7 @@ pub fn parse_authority(input: &str, default_port: Option<u16>) -> Result<(Host, 
     if port == 0 {
         return Err(TargetError::InvalidPort(shown(input)));
     }
-    Ok((normalize_host(host)?, port))
+    Ok((host, port))
 }
 
 /// Decimal digits only (RFC 3986 §3.2.3), 1..=65535.
@@ -609,6 +617,35 @@ mod tests {
         }
         assert_eq!(ok("[::1]").to_string(), "::1");
         assert_eq!(ok("0x7f.1").to_string(), "127.0.0.1");
+    }
+
+    /// The split keeps the host as written, under parse_authority's rules.
+    #[test]
+    fn split_authority_keeps_the_host_verbatim() {
+        let s = |s: &'static str, d| split_authority(s, d);
+        assert_eq!(s("0x7f.1:80", None), Ok(("0x7f.1", 80)));
+        assert_eq!(s("A.com.", Some(443)), Ok(("A.com.", 443)));
+        assert_eq!(
+            s("[::FFFF:1.2.3.4]", Some(80)),
+            Ok(("[::FFFF:1.2.3.4]", 80))
+        );
+        assert_eq!(
+            s("[fe80::1%25eth0]:8080", None),
+            Ok(("[fe80::1%25eth0]", 8080))
+        );
+        for bad in [
+            "",
+            ":80",
+            "a.com",
+            "a:b:80",
+            "[::1]x",
+            "[::1",
+            "a.com:+80",
+            "u@a.com:80",
+        ] {
+            assert!(s(bad, None).is_err(), "{bad}");
+            assert!(parse_authority(bad, None).is_err(), "{bad}");
+        }
     }
 
     #[test]

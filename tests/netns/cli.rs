@@ -1,4 +1,5 @@
-//! `palisade check` and `palisade explain` (no namespaces needed).
+//! `palisade check` and `palisade explain`, and every command's documented exit
+//! status on failure (no namespaces needed).
 
 use crate::find_path_line_col;
 use crate::lab::{self, run_with_timeout, scratch_dir, CmdOutput, DEFAULT_POLICY};
@@ -95,5 +96,198 @@ fn explain_reports_decisions_made_before_resolution() {
     // explain must not have written evidence.
     let written = fs::read_dir(dir.join("evidence")).unwrap().count();
     assert_eq!(written, 0, "explain wrote evidence files");
+    let _ = fs::remove_dir_all(&dir);
+}
+
+/// Every command's failure paths end with the exit status and message the
+/// README's "Commands" table documents: 1 failed (or found something), 2
+/// bad input to the evidence and probe commands.
+#[test]
+fn failures_exit_with_the_documented_status_and_message() {
+    let dir = scratch_dir("cli-status");
+    let cfg = write_config(&dir, "");
+    let cfg = cfg.display();
+    let missing = dir.join("missing.toml");
+    let missing = missing.display();
+    let ev = dir.join("evidence");
+    let ev = ev.display();
+    let nothing = dir.join("nothing");
+    let nothing = nothing.display();
+    let bad_plan = dir.join("plan.toml");
+    fs::write(&bad_plan, "not toml [").unwrap();
+    let bad_plan = bad_plan.display();
+    let obs = dir.join("observations.json");
+    fs::write(&obs, "{}").unwrap();
+    let obs = obs.display();
+    let out = dir.join("out");
+    let out = out.display();
+    // A report on evidence that fails verification needs real observations.
+    let plan = dir.join("small.toml");
+    fs::write(
+        &plan,
+        "org = \"acme\"\nproxy = \"127.0.0.1:9\"\ntimeout = \"1s\"\ndeadline = \"10s\"\n\n\
+         [[probe]]\nid = \"x\"\ntarget = \"tcp://127.0.0.3:9\"\nvia = \"proxy\"\n\
+         expect = \"deny\"\nnote = \"n\"\n",
+    )
+    .unwrap();
+    let observed = dir.join("run");
+    let run = format!(
+        "probe run --plan {} --out {}",
+        plan.display(),
+        observed.display()
+    );
+    let ran = palisade(&run.split(' ').collect::<Vec<_>>());
+    assert_eq!(ran.code(), Some(0), "{run}:\n{}", ran.describe());
+    let observed = observed.join("observations.json");
+    let observed = observed.display();
+
+    let unreadable = format!("{missing}:1:1: cannot read config");
+    let bad_key =
+        "palisade: --key: not an Ed25519 public key (64 hex characters, or a file holding them)";
+    // (arguments split at spaces, exit status, stream, text it holds)
+    let cases = [
+        (format!("run -c {missing}"), 1, "stderr", unreadable.clone()),
+        (
+            format!("check -c {missing}"),
+            1,
+            "stderr",
+            unreadable.clone(),
+        ),
+        (
+            format!("explain -c {cfg} --client 198.18.1.2 a.test"),
+            1,
+            "stderr",
+            "palisade: bad target: ".into(),
+        ),
+        (
+            format!("explain -c {missing} --client 198.18.1.2 a.test:1"),
+            1,
+            "stderr",
+            unreadable.clone(),
+        ),
+        (
+            format!("ca export -c {cfg} --org nope"),
+            1,
+            "stderr",
+            format!("palisade: no org \"nope\" in {cfg}"),
+        ),
+        (
+            format!("evidence verify {ev} --key zz"),
+            2,
+            "stderr",
+            bad_key.into(),
+        ),
+        (
+            format!("evidence verify {ev}"),
+            1,
+            "stdout",
+            format!("broken: {ev}:0: no evidence segments"),
+        ),
+        (
+            format!("evidence pubkey -c {cfg}"),
+            1,
+            "stderr",
+            "(palisade run creates it on first start)".into(),
+        ),
+        (
+            format!("evidence query {ev} --since x --until y"),
+            2,
+            "stderr",
+            "palisade: --since \"x\": timestamp format is invalid (expected RFC 3339, \
+             e.g. 2026-01-02T03:04:05Z)\npalisade: --until \"y\": "
+                .into(),
+        ),
+        (
+            format!("evidence query {nothing}"),
+            1,
+            "stderr",
+            format!("palisade: {nothing}: "),
+        ),
+        (
+            format!("evidence export {nothing} --format ocsf"),
+            1,
+            "stderr",
+            format!("palisade: {nothing}: "),
+        ),
+        (
+            format!("replay --evidence {nothing} -c {cfg}"),
+            1,
+            "stderr",
+            format!("palisade: cannot read evidence {nothing}: "),
+        ),
+        (
+            format!("replay --evidence {ev} -c {missing}"),
+            1,
+            "stderr",
+            unreadable.clone(),
+        ),
+        (
+            format!("probe plan -c {missing} --org acme"),
+            2,
+            "stderr",
+            unreadable.clone(),
+        ),
+        (
+            format!("probe plan -c {cfg} --org nope"),
+            2,
+            "stderr",
+            "palisade: no org \"nope\"".into(),
+        ),
+        (
+            format!("probe run --plan {missing} --out {out}"),
+            2,
+            "stderr",
+            format!("palisade: {missing}: "),
+        ),
+        (
+            format!("probe run --plan {bad_plan} --out {out}"),
+            2,
+            "stderr",
+            format!("palisade: {bad_plan}: "),
+        ),
+        (
+            format!("probe report --observations {obs} --evidence {ev} --key zz --out {out}"),
+            2,
+            "stderr",
+            bad_key.into(),
+        ),
+        (
+            format!("probe report --observations {obs} --evidence {ev} --out {out}"),
+            2,
+            "stderr",
+            format!("palisade: {obs}: not an observations file"),
+        ),
+        (
+            format!("probe report --observations {observed} --evidence {ev} --out {out}"),
+            1,
+            "stderr",
+            format!("palisade: evidence verification failed: {ev}:0: no evidence segments"),
+        ),
+        (
+            "token new --org acme".into(),
+            0,
+            "stdout",
+            "tokens = [\"sha256:".into(),
+        ),
+    ];
+    for (args, code, stream, needle) in cases {
+        let got = palisade(&args.split(' ').collect::<Vec<_>>());
+        let text = if stream == "stdout" {
+            &got.stdout
+        } else {
+            &got.stderr
+        };
+        assert_eq!(
+            got.code(),
+            Some(code),
+            "palisade {args}:\n{}",
+            got.describe()
+        );
+        assert!(
+            text.contains(&needle),
+            "palisade {args}: {stream} lacks {needle:?}:\n{}",
+            got.describe()
+        );
+    }
     let _ = fs::remove_dir_all(&dir);
 }

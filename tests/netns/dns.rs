@@ -366,7 +366,7 @@ fn message(id: u16, flags: u16, qdcount: u16, questions: &[(&str, u16)]) -> Stri
         m.extend_from_slice(&qtype.to_be_bytes());
         m.extend_from_slice(&1u16.to_be_bytes());
     }
-    m.iter().map(|b| format!("{b:02x}")).collect()
+    data_encoding::HEXLOWER.encode(&m)
 }
 
 #[test]

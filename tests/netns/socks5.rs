@@ -358,7 +358,7 @@ fn malformed_and_unsupported_socks5_is_answered_recorded_and_survived() {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+    data_encoding::HEXLOWER.encode(bytes)
 }
 
 /// A fresh token from `palisade token new`, and its config line.

@@ -13,13 +13,47 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use super::{load_config, print_json, Failure, Status};
 use crate::policy::{Decision, Policy, Reason};
 use crate::proto::target::normalize_host;
+
+/// Arguments of `palisade replay`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Evidence file or directory.
+    #[arg(long)]
+    pub evidence: PathBuf,
+    /// The candidate config.
+    #[arg(short, long)]
+    pub config: PathBuf,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Print the flows that would flip, as text or JSON. 1 on a bad config or
+/// unreadable evidence.
+pub fn run(args: Args) -> Result<(), Failure> {
+    let config = load_config(&args.config, Status::Failed)?;
+    let policy = Policy::new(&config);
+    let report = replay(&args.evidence, &policy).map_err(|e| {
+        Failure::new(
+            Status::Failed,
+            format_args!("cannot read evidence {}: {e}", args.evidence.display()),
+        )
+    })?;
+    if args.json {
+        print_json(&report)
+    } else {
+        print!("{report}");
+        Ok(())
+    }
+}
 
 /// One flow whose decision changes.
 #[derive(Debug, Clone, Serialize)]

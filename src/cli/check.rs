@@ -1,0 +1,108 @@
+//! `palisade check`: validate the config and print a summary.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use super::{load_config, Failure, Status, DEFAULT_CONFIG};
+use crate::config::PortSet;
+use crate::policy::{Opening, Policy};
+
+/// Arguments of `palisade check`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(short, long, default_value = DEFAULT_CONFIG)]
+    pub config: PathBuf,
+}
+
+/// 1 on an invalid config, each error as `FILE:LINE:COL: message`.
+pub fn run(args: Args) -> Result<(), Failure> {
+    let path = args.config;
+    let config = load_config(&path, Status::Failed)?;
+    let policy = Policy::new(&config);
+    let openings = policy.openings();
+    let rules: usize = config
+        .orgs
+        .iter()
+        .map(|o| o.allow.len() + o.deny.len())
+        .sum();
+    println!("{}: ok", path.display());
+    println!("  orgs: {} ({} rules)", config.orgs.len(), rules);
+    for org in &config.orgs {
+        let clients: Vec<String> = org.clients.iter().map(|c| c.to_string()).collect();
+        println!(
+            "    {}: clients {}; {} allow, {} deny",
+            org.name,
+            clients.join(", "),
+            org.allow.len(),
+            org.deny.len()
+        );
+        if org.identity.needs_token() {
+            println!(
+                "      identity {}; {} token(s)",
+                org.identity.as_str(),
+                org.tokens.len()
+            );
+        }
+        for opening in openings.iter().filter(|o| *o.org == *org.name) {
+            println!("      {}", describe_opening(opening));
+        }
+    }
+    println!("  proxy listen: {}", list(&config.proxy.listen));
+    println!("  transparent: {}", list(&config.proxy.transparent));
+    println!("  socks5: {}", list(&config.proxy.socks5));
+    println!(
+        "  dns listen: {}; upstream: {}",
+        list(&config.dns.listen),
+        list(&config.dns.upstream)
+    );
+    println!(
+        "  admin listen: {}",
+        config
+            .admin
+            .listen
+            .map_or("(none)".into(), |a| a.to_string())
+    );
+    println!("  evidence dir: {}", config.evidence.dir.display());
+    println!("  policy: {}", policy.hash());
+    if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
+        println!(
+            "warning: transparent listeners without a DNS shim ([dns] listen): there are no \
+             DNS bindings, so a connection's original address is accepted for a name only if \
+             the name resolves to it when the connection is made; names served by many or \
+             rotating addresses may be refused as sni_mismatch"
+        );
+    }
+    Ok(())
+}
+
+/// `a, b`, or `(none)`.
+fn list(addrs: &[SocketAddr]) -> String {
+    if addrs.is_empty() {
+        "(none)".to_string()
+    } else {
+        addrs
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// `acme/allow/3 opens 10.0.0.0/8 (private) on ports 5432`, or for a rule
+/// opening part of a range, `opens 10.20.0.0/16 of 10.0.0.0/8 (private)`.
+fn describe_opening(o: &Opening) -> String {
+    let part = if o.net == o.range {
+        o.range.to_string()
+    } else {
+        format!("{} of {}", o.net, o.range)
+    };
+    let what: Vec<&str> = o.what.iter().map(|w| &**w).collect();
+    let ports = match &o.ports {
+        PortSet::All => "all ports".to_string(),
+        PortSet::List(ports) => {
+            let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+            format!("ports {}", ports.join(", "))
+        }
+    };
+    format!("{} opens {part} ({}) on {ports}", o.rule, what.join(", "))
+}

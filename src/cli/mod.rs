@@ -1,0 +1,138 @@
+//! The `palisade` command line: one module per command, each with its
+//! arguments (clap) and a handler that returns `Result<(), Failure>`.
+//! `main` parses, calls the handler and maps a [`Failure`] to the exit
+//! status in one place; no handler exits the process itself.
+//!
+//! Exit statuses, as the README's "Commands" table documents them: 0 the
+//! command did its work; 1 ([`Status::Failed`]) it failed or found what it
+//! reports (an invalid config, broken evidence, a probe finding); 2
+//! ([`Status::BadInput`]) the evidence and probe commands were given input
+//! they cannot use (a flag value, plan or observations file).
+
+use std::fmt::Display;
+use std::path::Path;
+
+use crate::config::{self, Config};
+
+pub mod ca;
+pub mod check;
+pub mod evidence;
+pub mod explain;
+pub mod probe;
+pub mod replay;
+pub mod run;
+pub mod token;
+
+/// The config file `-c` names when it is not given.
+pub const DEFAULT_CONFIG: &str = "config/palisade.toml";
+
+/// The exit status of a command that did not succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// 1: the command failed, or found what it reports.
+    Failed = 1,
+    /// 2: input the command cannot use.
+    BadInput = 2,
+}
+
+/// A command that did not succeed: its exit status and what to say on
+/// stderr.
+#[derive(Debug)]
+pub struct Failure {
+    status: Status,
+    message: Option<String>,
+}
+
+impl Failure {
+    /// `palisade: {message}` on stderr.
+    pub fn new(status: Status, message: impl Display) -> Failure {
+        Failure {
+            status,
+            message: Some(format!("palisade: {message}")),
+        }
+    }
+
+    /// `message` on stderr as it is: for messages that name their own
+    /// source (`FILE:LINE:COL: ...`).
+    pub fn bare(status: Status, message: impl Display) -> Failure {
+        Failure {
+            status,
+            message: Some(message.to_string()),
+        }
+    }
+
+    /// Nothing more on stderr: the command's output has said it.
+    pub fn silent(status: Status) -> Failure {
+        Failure {
+            status,
+            message: None,
+        }
+    }
+
+    pub fn status(&self) -> Status {
+        self.status
+    }
+
+    /// The process exit code.
+    pub fn code(&self) -> u8 {
+        self.status as u8
+    }
+
+    /// What to print on stderr, if anything.
+    pub fn message(&self) -> Option<&str> {
+        self.message.as_deref()
+    }
+}
+
+/// Load and validate the config at `path`; when it is unusable, every
+/// error as `FILE:LINE:COL: message`, with exit status `status`.
+pub fn load_config(path: &Path, status: Status) -> Result<Config, Failure> {
+    config::load(path).map_err(|errors| Failure::bare(status, errors))
+}
+
+/// `value` as pretty JSON on stdout (`--json`).
+pub fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| Failure::new(Status::Failed, e))?;
+    println!("{text}");
+    Ok(())
+}
+
+/// The async runtime for the commands that do network work.
+pub fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            Failure::new(
+                Status::Failed,
+                format_args!("cannot start the async runtime: {e}"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failure_codes_and_messages() {
+        let f = Failure::new(Status::BadInput, "bad plan");
+        assert_eq!((f.code(), f.message()), (2, Some("palisade: bad plan")));
+        let f = Failure::bare(Status::Failed, "a.toml:3:1: unknown field");
+        assert_eq!(f.message(), Some("a.toml:3:1: unknown field"));
+        assert_eq!(f.status(), Status::Failed);
+        assert_eq!(Failure::silent(Status::Failed).message(), None);
+    }
+
+    #[test]
+    fn unreadable_config_is_reported_at_the_status_given() {
+        let f = load_config(Path::new("/nonexistent/palisade.toml"), Status::BadInput)
+            .expect_err("no such file");
+        assert_eq!(f.code(), 2);
+        let m = f.message().unwrap_or_default();
+        assert!(
+            m.starts_with("/nonexistent/palisade.toml:1:1: cannot read config"),
+            "{m}"
+        );
+    }
+}

@@ -1,0 +1,171 @@
+//! `palisade probe plan|run|report`: the containment demonstration.
+//!
+//! Exit statuses: 0 all matched (or the step did its work); 1 a finding,
+//! an inconclusive or unenforced probe, or evidence that fails
+//! verification; 2 bad input (config, org, plan, observations, an
+//! unwritable output directory).
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use super::evidence::parse_key;
+use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
+use crate::probe::{plan, report, run as probe_run};
+
+/// `palisade probe ...`.
+// The doc comments of fields are `--help` text, not rustdoc: `[dns]` is
+// a config section, not a link.
+#[allow(rustdoc::broken_intra_doc_links)]
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Print a default probe plan (TOML) for an org of a policy.
+    Plan {
+        #[arg(short, long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        #[arg(long)]
+        org: String,
+        /// Explicit proxy address the sandbox uses (default: first [proxy] listen).
+        #[arg(long)]
+        proxy: Option<SocketAddr>,
+        /// Resolver the sandbox uses (default: first [dns] listen).
+        #[arg(long)]
+        resolver: Option<SocketAddr>,
+        /// Address standing for "outside" (repeatable; default 1.1.1.1, 8.8.8.8).
+        #[arg(long)]
+        outside: Vec<IpAddr>,
+        /// Plan for a transparent deployment (default: when [proxy] transparent is set).
+        #[arg(long)]
+        transparent: bool,
+    },
+    /// Perform every probe of a plan and write DIR/observations.json.
+    Run {
+        #[arg(long)]
+        plan: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Verify evidence, classify observations, write report.json/.md/.html.
+    Report {
+        #[arg(long)]
+        observations: PathBuf,
+        #[arg(long)]
+        evidence: PathBuf,
+        /// Evidence public key (hex, or a file holding it).
+        #[arg(long)]
+        key: Option<String>,
+        /// Accept an evidence chain whose end is not sealed (a live instance).
+        #[arg(long)]
+        allow_unsealed: bool,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+pub fn run(command: Command) -> Result<(), Failure> {
+    match command {
+        Command::Plan {
+            config,
+            org,
+            proxy,
+            resolver,
+            outside,
+            transparent,
+        } => {
+            let config = load_config(&config, Status::BadInput)?;
+            let transparent = transparent || !config.proxy.transparent.is_empty();
+            let opts = plan::GenerateOptions {
+                org,
+                proxy,
+                resolver,
+                outside,
+                transparent,
+            };
+            print_plan(&config, &opts)
+        }
+        Command::Run { plan, out } => run_plan(&plan, &out),
+        Command::Report {
+            observations,
+            evidence,
+            key,
+            allow_unsealed,
+            out,
+        } => {
+            let opts = report::Options {
+                observations: &observations,
+                evidence: &evidence,
+                key: key.as_deref().map(parse_key).transpose()?,
+                allow_unsealed,
+            };
+            write_report(&opts, &out)
+        }
+    }
+}
+
+fn bad_input(path: &Path, e: impl std::fmt::Display) -> Failure {
+    Failure::new(Status::BadInput, format_args!("{}: {e}", path.display()))
+}
+
+fn print_plan(config: &crate::config::Config, opts: &plan::GenerateOptions) -> Result<(), Failure> {
+    let p = plan::generate(config, opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+    let header = format!(
+        "Palisade probe plan for org {:?}, policy {}\nGenerated from {} by palisade {}. Review every expectation: the plan is the agreement.",
+        opts.org,
+        p.policy.as_deref().unwrap_or("-"),
+        config.path.display(),
+        env!("CARGO_PKG_VERSION")
+    );
+    print!("{}", p.to_toml(&header));
+    Ok(())
+}
+
+fn run_plan(path: &Path, out: &Path) -> Result<(), Failure> {
+    let text = std::fs::read_to_string(path).map_err(|e| bad_input(path, e))?;
+    let p = plan::Plan::from_toml(&text).map_err(|e| bad_input(path, e))?;
+    let obs = runtime()?.block_on(probe_run::run(&p, &text));
+    let file = out.join("observations.json");
+    std::fs::create_dir_all(out)
+        .and_then(|_| {
+            let body = serde_json::to_vec_pretty(&obs).map_err(std::io::Error::other)?;
+            std::fs::write(&file, body)
+        })
+        .map_err(|e| bad_input(&file, e))?;
+    for o in &obs.observations {
+        println!(
+            "{:<24} {:<6} {:<8} {:?} {}",
+            o.id,
+            o.kind,
+            format!("{:?}", o.expect).to_lowercase(),
+            o.outcome,
+            o.error.as_deref().unwrap_or("")
+        );
+    }
+    println!("wrote {}", file.display());
+    Ok(())
+}
+
+fn write_report(opts: &report::Options, out: &Path) -> Result<(), Failure> {
+    let r = report::build(opts).map_err(|report::BadInput(e)| Failure::new(Status::BadInput, e))?;
+    let json = serde_json::to_vec_pretty(&r.json).unwrap_or_default();
+    std::fs::create_dir_all(out)
+        .and_then(|_| {
+            std::fs::write(out.join("report.json"), json)?;
+            std::fs::write(out.join("report.md"), &r.markdown)?;
+            std::fs::write(out.join("report.html"), &r.html)
+        })
+        .map_err(|e| bad_input(out, e))?;
+    println!("{}", r.json["verdict"].as_str().unwrap_or(""));
+    println!("wrote {}/report.{{json,md,html}}", out.display());
+    if r.json["verification"]["ok"] != true {
+        return Err(Failure::new(
+            Status::Failed,
+            format_args!(
+                "evidence verification failed: {}",
+                r.json["verification"]["error"].as_str().unwrap_or("")
+            ),
+        ));
+    }
+    match r.exit {
+        0 => Ok(()),
+        _ => Err(Failure::silent(Status::Failed)),
+    }
+}

@@ -1,0 +1,29 @@
+//! `palisade run`: serve until SIGTERM/SIGINT.
+
+use std::path::PathBuf;
+
+use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
+
+/// Arguments of `palisade run`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[arg(short, long, default_value = DEFAULT_CONFIG)]
+    pub config: PathBuf,
+}
+
+/// Log to stderr (filter from `PALISADE_LOG`), load the config and serve
+/// until shutdown. 1 on a bad config or a start-up failure.
+pub fn run(args: Args) -> Result<(), Failure> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("PALISADE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,hickory_server=warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let config = load_config(&args.config, Status::Failed)?;
+    runtime()?
+        .block_on(crate::app::run(config))
+        .map_err(|e| Failure::new(Status::Failed, e))
+}

@@ -1,0 +1,32 @@
+//! `palisade token new`: a fresh org token and its config line.
+
+use super::{Failure, Status};
+use crate::config;
+
+/// `palisade token ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// Print a fresh random token, and the config line holding its hash.
+    New {
+        /// The org the token is for (shown in the printed line and usage).
+        #[arg(long)]
+        org: Option<String>,
+    },
+}
+
+/// 1 if there is no randomness for a token.
+pub fn run(command: Command) -> Result<(), Failure> {
+    let Command::New { org } = command;
+    let (token, digest) = config::new_token().map_err(|e| {
+        Failure::new(
+            Status::Failed,
+            format_args!("no randomness for a token: {e}"),
+        )
+    })?;
+    let org = org.as_deref().unwrap_or("ORG");
+    println!("token: {token}");
+    println!("# give the token to the client only; put this in [[org]] name = {org:?}:");
+    println!("tokens = [\"{digest}\"]");
+    println!("# client use: Proxy-Authorization Basic (or SOCKS5 username/password) with user {org:?} and the token as password");
+    Ok(())
+}
