@@ -35,20 +35,7 @@ pub const FORMAT: &str = "palisade-evidence/1";
 /// Append the canonical form of `v` to `out`.
 pub fn canonical_into(v: &Value, out: &mut Vec<u8>) {
     match v {
-        Value::Object(m) => {
-            let mut keys: Vec<&String> = m.keys().collect();
-            keys.sort();
-            out.push(b'{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                string_into(k, out);
-                out.push(b':');
-                canonical_into(&m[k.as_str()], out);
-            }
-            out.push(b'}');
-        }
+        Value::Object(m) => object_into(m, &[], out, |_, _| {}),
         Value::Array(a) => {
             out.push(b'[');
             for (i, x) in a.iter().enumerate() {
@@ -66,6 +53,31 @@ pub fn canonical_into(v: &Value, out: &mut Vec<u8>) {
     }
 }
 
+/// The one canonical object writer: `{"key":value,...}` with the keys of
+/// `m` not in `skip`, sorted, values canonical. `at_key(key, out)` is
+/// called just before each key is written (after its comma), so a caller
+/// can note where a key that sorts before it would go.
+fn object_into(
+    m: &Map<String, Value>,
+    skip: &[&str],
+    out: &mut Vec<u8>,
+    mut at_key: impl FnMut(&str, &[u8]),
+) {
+    let mut keys: Vec<&String> = m.keys().filter(|k| !skip.contains(&k.as_str())).collect();
+    keys.sort();
+    out.push(b'{');
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        at_key(k, out);
+        string_into(k, out);
+        out.push(b':');
+        canonical_into(&m[k.as_str()], out);
+    }
+    out.push(b'}');
+}
+
 fn string_into(s: &str, out: &mut Vec<u8>) {
     // Writing a &str into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, s);
@@ -74,18 +86,7 @@ fn string_into(s: &str, out: &mut Vec<u8>) {
 /// The canonical form of an object, leaving out the named keys.
 pub fn canonical_without(m: &Map<String, Value>, skip: &[&str]) -> Vec<u8> {
     let mut out = Vec::with_capacity(512);
-    let mut keys: Vec<&String> = m.keys().filter(|k| !skip.contains(&k.as_str())).collect();
-    keys.sort();
-    out.push(b'{');
-    for (i, k) in keys.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        string_into(k, &mut out);
-        out.push(b':');
-        canonical_into(&m[k.as_str()], &mut out);
-    }
-    out.push(b'}');
+    object_into(m, skip, &mut out, |_, _| {});
     out
 }
 
@@ -143,23 +144,13 @@ pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, V
     m.insert("prev".into(), Value::String(prev.to_string()));
     m.remove("hash");
     let mut body = Vec::with_capacity(640);
-    let mut keys: Vec<&String> = m.keys().collect();
-    keys.sort();
     // Where `"hash":…` goes: before the first key that sorts after it.
     let mut splice_at = None;
-    body.push(b'{');
-    for (i, k) in keys.iter().enumerate() {
-        if i > 0 {
-            body.push(b',');
+    object_into(m, &[], &mut body, |k, out| {
+        if splice_at.is_none() && k > "hash" {
+            splice_at = Some(out.len());
         }
-        if splice_at.is_none() && k.as_str() > "hash" {
-            splice_at = Some(body.len());
-        }
-        string_into(k, &mut body);
-        body.push(b':');
-        canonical_into(&m[k.as_str()], &mut body);
-    }
-    body.push(b'}');
+    });
     let hash = HEXLOWER.encode(&Sha256::digest(&body));
     let field = format!("\"hash\":\"{hash}\"");
     let mut line = Vec::with_capacity(body.len() + field.len() + 2);
@@ -172,7 +163,7 @@ pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, V
         }
         None => {
             line.extend_from_slice(&body[..body.len() - 1]);
-            if keys.is_empty() {
+            if m.is_empty() {
                 line.extend_from_slice(field.as_bytes());
             } else {
                 line.push(b',');
