@@ -22,11 +22,13 @@
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
 //! interception ([`intercept`]) hooks in.
 //!
-//! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
-//! whole on SIGHUP or a file change; [`replay`] re-decides recorded
-//! decisions under a candidate policy; [`app`] wires listeners,
-//! the admin endpoints and shutdown; [`explain`] runs the same decision for
-//! one target from the command line; [`probe`] demonstrates containment
+//! [`config`] loads and validates the TOML file; [`served`] holds what is
+//! served (policy, DNS settings, interception, credentials), read once per
+//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
+//! change; [`replay`] re-decides recorded decisions under a candidate
+//! policy; [`app`] wires listeners, the metrics, the admin endpoints and
+//! shutdown; [`explain`] runs the same decision for one target from the
+//! command line; [`probe`] demonstrates containment
 //! (a probe plan run in the sandbox, joined with verified evidence).
 
 pub mod admin;
@@ -46,3 +48,4 @@ pub mod proxy;
 pub mod reload;
 pub mod replay;
 pub mod resolve;
+pub mod served;

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::config::Limits;
 use crate::policy::OrgRef;
 
 /// Counters for the global cap and each org's cap (clients of no org share
@@ -18,6 +19,8 @@ pub struct ConnLimits {
     max_per_org: usize,
     per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     new_per_org: RateLimiter<Arc<str>>,
+    /// `palisade_active_connections`, by org.
+    active: prometheus::IntGaugeVec,
 }
 
 /// Which limit refused a connection.
@@ -186,7 +189,15 @@ impl Drop for Permit {
 }
 
 impl ConnLimits {
-    pub fn new(max_global: usize, max_per_org: usize, new_per_second_per_org: usize) -> ConnLimits {
+    /// The caps of `limits`; permits count in `active`
+    /// (`palisade_active_connections`).
+    pub fn new(limits: &Limits, active: prometheus::IntGaugeVec) -> ConnLimits {
+        let Limits {
+            max_connections: max_global,
+            max_connections_per_org: max_per_org,
+            max_new_connections_per_second_per_org: new_per_second_per_org,
+            ..
+        } = *limits;
         ConnLimits {
             global: Arc::new(Slot {
                 used: AtomicUsize::new(0),
@@ -196,6 +207,7 @@ impl ConnLimits {
             per_org: Mutex::new(HashMap::new()),
             // Orgs come from the config (plus `unknown`): a small, bounded set.
             new_per_org: RateLimiter::new(new_per_second_per_org, 65_536),
+            active,
         }
     }
 
@@ -228,8 +240,8 @@ impl ConnLimits {
         let global = self.global.try_take().ok_or(LimitHit::Global)?;
         match org_slot.try_take() {
             Some(org_slot) => {
-                let active = crate::metrics::metrics()
-                    .active_connections
+                let active = self
+                    .active
                     .with_label_values(&[crate::metrics::org_label(org)]);
                 active.inc();
                 Ok(Permit {
@@ -281,7 +293,17 @@ mod tests {
 
     #[test]
     fn caps_hold_and_release() {
-        let limits = ConnLimits::new(3, 2, 1000);
+        let active =
+            prometheus::IntGaugeVec::new(prometheus::Opts::new("a", "a"), &["org"]).unwrap();
+        let limits = ConnLimits::new(
+            &Limits {
+                max_connections: 3,
+                max_connections_per_org: 2,
+                max_new_connections_per_second_per_org: 1000,
+                ..Limits::default()
+            },
+            active.clone(),
+        );
         let a = limits.try_acquire(Some(&org(0, "a"))).unwrap();
         let _b = limits.try_acquire(Some(&org(7, "a"))).unwrap();
         assert!(
@@ -295,7 +317,9 @@ mod tests {
             "global cap"
         );
         assert_eq!(limits.in_use(), 3);
+        assert_eq!(active.with_label_values(&["a"]).get(), 2);
         drop(a);
+        assert_eq!(active.with_label_values(&["a"]).get(), 1);
         assert!(limits.try_acquire(None).is_ok());
     }
 
