@@ -395,4 +395,63 @@ host = "example.com"
             ["evidence.durability"]
         );
     }
+
+    #[tokio::test]
+    async fn a_reload_applies_whole_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("palisade-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("palisade.toml");
+        let base = BASE.replace(
+            "/tmp/palisade-reload-test-evidence",
+            &dir.join("evidence").display().to_string(),
+        );
+        std::fs::write(&path, &base).unwrap();
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let policy = Arc::new(Policy::new(&running));
+        let served = Served::load(&running, policy, &metrics)
+            .unwrap()
+            .into_handle();
+        let first = served.load().policy.hash().to_string();
+        let mut reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
+        let count = |result: &str| {
+            metrics
+                .policy_reloads_total
+                .with_label_values(&[result])
+                .get()
+        };
+
+        assert_eq!(reloader.reload("test").await, Outcome::Unchanged);
+        assert_eq!(reloader.poll().await, None, "nothing new to read");
+
+        std::fs::write(
+            &path,
+            format!("{base}\n[[org.allow]]\nhost = \"b.example\"\n"),
+        )
+        .unwrap();
+        let Some(Outcome::Applied { hash }) = reloader.poll().await else {
+            panic!("the changed file was not applied");
+        };
+        assert_ne!(hash, first);
+        assert_eq!(served.load().policy.hash(), hash);
+        assert_eq!(served.load().info.hash, hash);
+        assert!(dir.join(format!("evidence/policies/{hash}.json")).is_file());
+
+        // A new rule with a restart-only change: nothing of it is served.
+        let refused = base.replace("[proxy]\n", "[proxy]\nmax_headers = 7\n");
+        std::fs::write(
+            &path,
+            format!("{refused}\n[[org.allow]]\nhost = \"c.example\"\n"),
+        )
+        .unwrap();
+        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(served.load().policy.hash(), hash);
+        // An invalid file likewise.
+        std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
+        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(served.load().policy.hash(), hash);
+        assert_eq!((count("ok"), count("error")), (2, 2));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

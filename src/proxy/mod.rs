@@ -135,7 +135,7 @@ impl Ctx {
         View { served, org }
     }
 
-    /// The current policy and the org of a client that presented
+    /// What is served now, and the org of a client that presented
     /// `credential` (see the identity table in [`crate::policy`]). On
     /// failure, a view without an org to record the refusal under.
     pub fn view_as(
