@@ -8,7 +8,7 @@
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -22,53 +22,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::evidence::Evidence;
+use crate::metrics::Metrics;
+use crate::served::ServedHandle;
 
-/// What readiness depends on, and what `/policy` shows.
+pub use crate::served::{OrgSummary, PolicyInfo};
+
+/// What readiness depends on, and what `/policy` and `/metrics` show.
 pub struct Health {
     pub listeners_bound: AtomicBool,
     pub evidence: Arc<Evidence>,
-    pub policy: RwLock<Arc<PolicyInfo>>,
-}
-
-/// The served policy, as `/policy` reports it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PolicyInfo {
-    pub hash: String,
-    /// RFC 3339 time it was loaded.
-    pub loaded_at: String,
-    pub config: String,
-    pub orgs: Vec<OrgSummary>,
-}
-
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct OrgSummary {
-    pub name: String,
-    pub clients: Vec<String>,
-    pub allow_rules: usize,
-    pub deny_rules: usize,
-    /// `enforce`, or `report` (denials recorded as `would_deny`, let through).
-    pub mode: crate::config::OrgMode,
-}
-
-impl PolicyInfo {
-    pub fn new(config: &crate::config::Config, hash: &str) -> PolicyInfo {
-        PolicyInfo {
-            hash: hash.to_string(),
-            loaded_at: humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string(),
-            config: config.path.display().to_string(),
-            orgs: config
-                .orgs
-                .iter()
-                .map(|o| OrgSummary {
-                    name: o.name.clone(),
-                    clients: o.clients.iter().map(|c| c.to_string()).collect(),
-                    allow_rules: o.allow.len(),
-                    deny_rules: o.deny.len(),
-                    mode: o.mode,
-                })
-                .collect(),
-        }
-    }
+    /// The served state: `/policy` and the policy series of `/metrics`.
+    pub served: ServedHandle,
+    pub metrics: Arc<Metrics>,
 }
 
 impl Health {
@@ -81,10 +46,11 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     let get = matches!(req.method(), &Method::GET | &Method::HEAD);
     match req.uri().path() {
         "/metrics" if get => {
-            crate::metrics::metrics()
-                .ready
-                .set(i64::from(health.is_ready()));
-            let mut resp = Response::new(Full::new(Bytes::from(crate::metrics::render())));
+            let served = health.served.load();
+            let text = health
+                .metrics
+                .render(health.is_ready(), &served.info.hash, served.loaded);
+            let mut resp = Response::new(Full::new(Bytes::from(text)));
             resp.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -92,12 +58,7 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             return resp;
         }
         "/policy" if get => {
-            let info = health
-                .policy
-                .read()
-                .map(|p| p.clone())
-                .unwrap_or_else(|p| p.into_inner().clone());
-            let body = serde_json::to_vec_pretty(&*info).unwrap_or_default();
+            let body = serde_json::to_vec_pretty(&health.served.load().info).unwrap_or_default();
             let mut resp = Response::new(Full::new(Bytes::from(body)));
             resp.headers_mut().insert(
                 http::header::CONTENT_TYPE,

@@ -13,13 +13,15 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::admin::{self, Health, PolicyInfo};
+use crate::admin::{self, Health};
 use crate::config::Config;
 use crate::dns::{self, Bindings};
 use crate::evidence::Evidence;
+use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::proxy::{self, limits::ConnLimits, Ctx};
 use crate::resolve::Resolver;
+use crate::served::Served;
 
 /// Time tunnels get to write their close records after the drain ends.
 const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
@@ -73,16 +75,30 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     if evidence_config.durability == crate::config::Durability::Discard {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
+    // The one metrics value: everything that counts gets it from here.
+    let metrics = Arc::new(Metrics::new(evidence.counters().clone()));
+    metrics.init_series(config.orgs.iter().map(|o| o.name.as_str()));
     let resolver = Arc::new(
         Resolver::new(&dns.upstream, dns.resolve_timeout)
-            .map_err(|e| StartError::Resolver(e.to_string()))?,
+            .map_err(|e| StartError::Resolver(e.to_string()))?
+            .with_metrics(metrics.clone()),
     );
-    let policy = Arc::new(Policy::new(&config));
-    // Per-org CAs, credentials (read from their files or environment
-    // variables now) and the upstream trust bundle.
-    let intercept = crate::intercept::Interceptor::new(&config)
+    // What a reload changes: the policy, and the per-org CAs, credentials
+    // (read from their files or environment variables now) and upstream
+    // trust bundle of interception. Files are read off the runtime.
+    let served = {
+        let (config, metrics) = (config.clone(), metrics.clone());
+        tokio::task::spawn_blocking(move || {
+            let policy = Arc::new(Policy::new(&config));
+            crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
+            Served::load(&config, policy, &metrics)
+        })
+        .await
         .map_err(|e| StartError::Intercept(e.to_string()))?
-        .map(Arc::new);
+        .map_err(|e| StartError::Intercept(e.to_string()))?
+        .into_handle()
+    };
+    let policy = served.load().policy.clone();
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
     let bindings = Arc::new(Bindings::new(dns.max_bindings_per_name, dns.max_bindings));
@@ -129,20 +145,16 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
-        conns: ConnLimits::new(
-            limits.max_connections,
-            limits.max_connections_per_org,
-            limits.max_new_connections_per_second_per_org,
-        ),
+        conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
         detect_slots: tokio::sync::Semaphore::new(
             (limits.max_detect_memory_bytes / proxy::tunnel::MAX_DETECT_BYTES).max(1),
         ),
-        policy: arc_swap::ArcSwap::new(policy.clone()),
+        served: served.clone(),
         evidence: evidence.clone(),
+        metrics: metrics.clone(),
         resolver: resolver.clone(),
         bindings: Some(bindings.clone()),
-        intercept,
         limits: limits.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),
@@ -152,16 +164,9 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let health = Arc::new(Health {
         listeners_bound: Default::default(),
         evidence: evidence.clone(),
-        policy: std::sync::RwLock::new(Arc::new(PolicyInfo::new(&config, policy.hash()))),
+        served: served.clone(),
+        metrics: metrics.clone(),
     });
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    crate::metrics::set_policy(policy.hash(), now.as_secs_f64());
-    crate::metrics::init_series(
-        config.orgs.iter().map(|o| o.name.as_str()),
-        crate::metrics::MODES,
-    );
     let mut listener_tasks = Vec::new();
     for listener in proxy_listeners {
         listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
@@ -175,16 +180,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for listener in socks5_listeners {
         listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
     }
-    let dns_shim: dns::ShimHandle = Arc::new(arc_swap::ArcSwap::from_pointee(dns::Shim {
-        policy: policy.clone(),
-        orgs: config
-            .orgs
-            .iter()
-            .map(dns::decide::OrgDns::from_config)
-            .collect(),
-        policy_hash: Arc::from(policy.hash()),
+    let dns_shim: dns::ShimHandle = Arc::new(dns::Shim {
+        served: served.clone(),
         resolver: resolver.clone(),
         evidence: evidence.clone(),
+        metrics: metrics.clone(),
         bindings: bindings.clone(),
         config: dns.clone(),
         in_flight: Arc::new(Semaphore::new(dns.max_queries_in_flight)),
@@ -192,7 +192,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             dns.max_queries_per_second_per_client,
             65_536,
         )),
-    }));
+    });
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(
@@ -221,14 +221,8 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         "palisade serving"
     );
 
-    crate::reload::store_policy_text(&evidence_config.dir, &config, policy.hash());
-    let mut reloader = crate::reload::Reloader::new(
-        config.path.clone(),
-        config.clone(),
-        ctx.clone(),
-        dns_shim.clone(),
-        health.clone(),
-    );
+    let mut reloader =
+        crate::reload::Reloader::new(config.clone(), served.clone(), metrics.clone()).await;
     let mut config_poll = tokio::time::interval(crate::reload::DEFAULT_CONFIG_POLL_INTERVAL);
     config_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -236,10 +230,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             _ = sighup.recv() => {
-                reloader.reload("SIGHUP");
+                reloader.reload("SIGHUP").await;
             }
             _ = config_poll.tick() => {
-                reloader.poll();
+                reloader.poll().await;
             }
         }
     }

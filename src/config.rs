@@ -239,7 +239,7 @@ pub const DEFAULT_UPSTREAM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `[intercept]`: where the per-org CAs live and what upstream certificates are trusted.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct InterceptConfig {
     /// `DIR/ORG.pem` and `DIR/ORG.key` (0600) per org that intercepts.
     pub ca_dir: PathBuf,
@@ -367,7 +367,7 @@ impl OrgConfig {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ProxyConfig {
     pub listen: Vec<SocketAddr>,
     pub transparent: Vec<SocketAddr>,
@@ -377,7 +377,7 @@ pub struct ProxyConfig {
 }
 
 /// Bounds on what one client or all clients together may consume.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
     pub max_connections: usize,
     pub max_connections_per_org: usize,
@@ -413,7 +413,7 @@ impl Default for Limits {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DnsConfig {
     pub listen: Vec<SocketAddr>,
     pub upstream: Vec<SocketAddr>,
@@ -455,7 +455,7 @@ impl Default for DnsConfig {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AdminConfig {
     pub listen: Option<SocketAddr>,
 }
@@ -490,7 +490,7 @@ impl Durability {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EvidenceConfig {
     pub dir: PathBuf,
     /// Ed25519 signing key file (created 0600 when missing).

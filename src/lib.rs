@@ -22,9 +22,11 @@
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
 //! interception ([`intercept`]) hooks in.
 //!
-//! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
-//! whole on SIGHUP or a file change; [`app`] wires listeners,
-//! the admin endpoints and shutdown; [`probe`] demonstrates containment
+//! [`config`] loads and validates the TOML file; [`served`] holds what is
+//! served (policy, DNS settings, interception, credentials), read once per
+//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
+//! change; [`app`] wires listeners, the metrics, the admin endpoints and
+//! shutdown; [`probe`] demonstrates containment
 //! (a probe plan run in the sandbox, joined with verified evidence).
 //! [`cli`] holds the commands of the `palisade` binary, among them
 //! [`cli::explain`], which runs the same decision for one target from the
@@ -49,3 +51,4 @@ pub mod proto;
 pub mod proxy;
 pub mod reload;
 pub mod resolve;
+pub mod served;

@@ -1,14 +1,24 @@
 //! Prometheus metrics, exactly the CONTRACT's names and labels. Label values
 //! are bounded: org names from the config (or `unknown`), reason codes,
 //! modes and directions; never a host name or client address.
+//!
+//! One [`Metrics`] value is made by [`crate::app`] and handed to whatever
+//! counts (the proxy's `Ctx`, the DNS shim, the admin listener); there is
+//! no global. Decisions and close records are counted in one place,
+//! [`Metrics::count_record`], for every mode. Evidence keeps its own
+//! counters ([`crate::evidence::Counters`]), read when `/metrics` is scraped.
 
-use std::sync::OnceLock;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use prometheus::core::{Collector, Desc};
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
 };
 
+use crate::evidence::{Counters, Event, Mode, Record};
 use crate::policy::{OrgRef, Reason};
 
 /// Values of the `mode` label of `palisade_connections_total`.
@@ -19,21 +29,17 @@ pub const UNKNOWN_ORG: &str = "unknown";
 
 /// All of Palisade's metrics, registered in one registry.
 pub struct Metrics {
-    pub registry: Registry,
+    registry: Registry,
     pub connections_total: IntCounterVec,
     pub dns_queries_total: IntCounterVec,
     pub active_connections: IntGaugeVec,
     pub bytes_total: IntCounterVec,
     pub decision_duration_seconds: HistogramVec,
-    pub evidence_records_total: IntCounter,
-    pub evidence_write_errors_total: IntCounter,
-    /// Records waiting for the evidence writer.
-    pub evidence_queue_depth: IntGauge,
     pub policy_reloads_total: IntCounterVec,
-    /// 1, labelled with the version and the policy hash being served.
-    pub build_info: IntGaugeVec,
-    /// Unix time the served policy was loaded.
-    pub policy_loaded_timestamp_seconds: Gauge,
+    /// 1, labelled with the version and the policy hash being served (set at each scrape).
+    build_info: IntGaugeVec,
+    /// Unix time the served policy was loaded (set at each scrape).
+    policy_loaded_timestamp_seconds: Gauge,
     /// Failed upstream connects by kind (timeout, refused, unreachable, other).
     pub upstream_connect_errors_total: IntCounterVec,
     /// Upstream name resolution time by result (ok, error).
@@ -41,7 +47,7 @@ pub struct Metrics {
     /// Report mode: decisions let through that enforcement would have denied.
     pub would_deny_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
-    pub ready: prometheus::IntGauge,
+    ready: IntGauge,
     /// Requests decided inside intercepted connections, by org, decision and reason.
     pub intercepted_requests_total: IntCounterVec,
     /// Time from an intercepted request's arrival to its response head, by org.
@@ -54,6 +60,12 @@ pub struct Metrics {
     pub upstream_tls_errors_total: IntCounterVec,
 }
 
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
 /// Latency buckets from 100 µs to 5 s.
 fn latency_buckets() -> Vec<f64> {
     vec![
@@ -62,172 +74,321 @@ fn latency_buckets() -> Vec<f64> {
     ]
 }
 
-fn build() -> Result<Metrics, prometheus::Error> {
-    let registry = Registry::new();
-    let counter_vec =
-        |name: &str, help: &str, labels: &[&str]| IntCounterVec::new(Opts::new(name, help), labels);
-    let m = Metrics {
-        connections_total: counter_vec(
-            "palisade_connections_total",
-            "Proxy decisions (connections and HTTP requests) by org, decision, reason and mode.",
-            &["org", "decision", "reason", "mode"],
-        )?,
-        dns_queries_total: counter_vec(
-            "palisade_dns_queries_total",
-            "DNS shim queries by org, decision and reason.",
-            &["org", "decision", "reason"],
-        )?,
-        active_connections: IntGaugeVec::new(
-            Opts::new(
-                "palisade_active_connections",
-                "Client connections currently open, by org.",
-            ),
-            &["org"],
-        )?,
-        bytes_total: counter_vec(
-            "palisade_bytes_total",
-            "Bytes relayed by org and direction (up: client to upstream).",
-            &["org", "direction"],
-        )?,
-        decision_duration_seconds: HistogramVec::new(
-            HistogramOpts::new(
-                "palisade_decision_duration_seconds",
-                "Time to decide (including resolution), by mode.",
-            )
-            .buckets(vec![
-                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                1.0, 2.5, 5.0,
-            ]),
-            &["mode"],
-        )?,
-        evidence_records_total: IntCounter::new(
-            "palisade_evidence_records_total",
-            "Evidence records written.",
-        )?,
-        evidence_write_errors_total: IntCounter::new(
-            "palisade_evidence_write_errors_total",
-            "Evidence writes that failed.",
-        )?,
-        evidence_queue_depth: IntGauge::new(
-            "palisade_evidence_queue_depth",
-            "Evidence records queued for the writer thread.",
-        )?,
-        policy_reloads_total: counter_vec(
-            "palisade_policy_reloads_total",
-            "Policy reloads by result (ok, error).",
-            &["result"],
-        )?,
-        build_info: IntGaugeVec::new(
-            Opts::new(
-                "palisade_build_info",
-                "Version and served policy hash (value 1).",
-            ),
-            &["version", "policy"],
-        )?,
-        policy_loaded_timestamp_seconds: Gauge::new(
-            "palisade_policy_loaded_timestamp_seconds",
-            "Unix time the served policy was loaded.",
-        )?,
-        upstream_connect_errors_total: counter_vec(
-            "palisade_upstream_connect_errors_total",
-            "Failed TCP connects to upstream addresses, by kind.",
-            &["kind"],
-        )?,
-        resolve_duration_seconds: HistogramVec::new(
-            HistogramOpts::new(
-                "palisade_resolve_duration_seconds",
-                "Upstream name resolution time, by result.",
-            )
-            .buckets(latency_buckets()),
-            &["result"],
-        )?,
-        would_deny_total: counter_vec(
-            "palisade_would_deny_total",
-            "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
-            &["org", "mode", "reason"],
-        )?,
-        ready: prometheus::IntGauge::new(
-            "palisade_ready",
-            "1 while every listener is bound and evidence is writable (what /readyz reports).",
-        )?,
-        intercepted_requests_total: counter_vec(
-            "palisade_intercepted_requests_total",
-            "Requests decided inside intercepted TLS connections, by org, decision and reason.",
-            &["org", "decision", "reason"],
-        )?,
-        intercepted_request_duration_seconds: HistogramVec::new(
-            HistogramOpts::new(
-                "palisade_intercepted_request_duration_seconds",
-                "Intercepted request: arrival to upstream response head, by org.",
-            )
-            .buckets(latency_buckets()),
-            &["org"],
-        )?,
-        intercept_cert_cache_total: counter_vec(
-            "palisade_intercept_cert_cache_total",
-            "Minted-certificate cache: lookups (hit, miss) and evictions (evict).",
-            &["result"],
-        )?,
-        intercept_cert_cache_entries: IntGauge::new(
-            "palisade_intercept_cert_cache_entries",
-            "Minted certificates held in the cache.",
-        )?,
-        upstream_tls_errors_total: counter_vec(
-            "palisade_upstream_tls_errors_total",
-            "Failed upstream TLS handshakes of intercepted connections, by org.",
-            &["org"],
-        )?,
-        registry,
-    };
-    let collectors: Vec<Box<dyn prometheus::core::Collector>> = vec![
-        Box::new(m.connections_total.clone()),
-        Box::new(m.dns_queries_total.clone()),
-        Box::new(m.active_connections.clone()),
-        Box::new(m.bytes_total.clone()),
-        Box::new(m.decision_duration_seconds.clone()),
-        Box::new(m.evidence_records_total.clone()),
-        Box::new(m.evidence_write_errors_total.clone()),
-        Box::new(m.evidence_queue_depth.clone()),
-        Box::new(m.policy_reloads_total.clone()),
-        Box::new(m.build_info.clone()),
-        Box::new(m.policy_loaded_timestamp_seconds.clone()),
-        Box::new(m.upstream_connect_errors_total.clone()),
-        Box::new(m.resolve_duration_seconds.clone()),
-        Box::new(m.ready.clone()),
-        Box::new(m.would_deny_total.clone()),
-        Box::new(m.intercepted_requests_total.clone()),
-        Box::new(m.intercepted_request_duration_seconds.clone()),
-        Box::new(m.intercept_cert_cache_total.clone()),
-        Box::new(m.intercept_cert_cache_entries.clone()),
-        Box::new(m.upstream_tls_errors_total.clone()),
-        // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
-        Box::new(prometheus::process_collector::ProcessCollector::for_self()),
-    ];
-    for c in collectors {
-        m.registry.register(c)?;
-    }
-    // Series that exist from the start, so dashboards and alerts see zeros.
-    for result in ["ok", "error"] {
-        m.policy_reloads_total.with_label_values(&[result]);
-    }
-    for kind in ["timeout", "refused", "unreachable", "other", "no_address"] {
-        m.upstream_connect_errors_total.with_label_values(&[kind]);
-    }
-    for result in ["hit", "miss", "evict"] {
-        m.intercept_cert_cache_total.with_label_values(&[result]);
-    }
-    Ok(m)
+const EVIDENCE_RECORDS: (&str, &str) = (
+    "palisade_evidence_records_total",
+    "Evidence records written.",
+);
+const EVIDENCE_WRITE_ERRORS: (&str, &str) = (
+    "palisade_evidence_write_errors_total",
+    "Evidence writes that failed.",
+);
+const EVIDENCE_QUEUE_DEPTH: (&str, &str) = (
+    "palisade_evidence_queue_depth",
+    "Evidence records queued for the writer thread.",
+);
+
+/// The evidence writer's own counters, exposed as they are at scrape time.
+struct EvidenceCollector {
+    counters: Arc<Counters>,
+    descs: Vec<Desc>,
 }
 
-static METRICS: OnceLock<Metrics> = OnceLock::new();
+impl EvidenceCollector {
+    fn new(counters: Arc<Counters>) -> Result<EvidenceCollector, prometheus::Error> {
+        let mut descs = Vec::new();
+        for (name, help) in [
+            EVIDENCE_RECORDS,
+            EVIDENCE_WRITE_ERRORS,
+            EVIDENCE_QUEUE_DEPTH,
+        ] {
+            descs.push(Desc::new(
+                name.into(),
+                help.into(),
+                Vec::new(),
+                Default::default(),
+            )?);
+        }
+        Ok(EvidenceCollector { counters, descs })
+    }
 
-/// The process-wide metrics.
-pub fn metrics() -> &'static Metrics {
-    METRICS.get_or_init(|| match build() {
-        Ok(m) => m,
-        // Static names and labels: failing here is a programming error caught by the tests.
-        Err(e) => panic!("metric registration: {e}"),
-    })
+    fn families(&self) -> Result<Vec<MetricFamily>, prometheus::Error> {
+        let c = &self.counters;
+        let mut out = Vec::with_capacity(3);
+        for ((name, help), value) in [
+            (EVIDENCE_RECORDS, c.records_written()),
+            (EVIDENCE_WRITE_ERRORS, c.write_errors()),
+        ] {
+            let counter = IntCounter::new(name, help)?;
+            counter.inc_by(value);
+            out.extend(counter.collect());
+        }
+        let (name, help) = EVIDENCE_QUEUE_DEPTH;
+        let depth = IntGauge::new(name, help)?;
+        depth.set(i64::try_from(c.queue_depth()).unwrap_or(i64::MAX));
+        out.extend(depth.collect());
+        Ok(out)
+    }
+}
+
+impl Collector for EvidenceCollector {
+    fn desc(&self) -> Vec<&Desc> {
+        self.descs.iter().collect()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        // Names and help are constants: this cannot fail once registered.
+        self.families().unwrap_or_default()
+    }
+}
+
+impl Metrics {
+    /// Every metric, registered, with the series that exist from the start;
+    /// the evidence series read `evidence` at each scrape.
+    pub fn new(evidence: Arc<Counters>) -> Metrics {
+        match Metrics::build(evidence) {
+            Ok(m) => m,
+            // Static names and labels: failing here is a programming error caught by the tests.
+            Err(e) => panic!("metric registration: {e}"),
+        }
+    }
+
+    fn build(evidence: Arc<Counters>) -> Result<Metrics, prometheus::Error> {
+        let registry = Registry::new();
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            IntCounterVec::new(Opts::new(name, help), labels)
+        };
+        let m = Metrics {
+            connections_total: counter_vec(
+                "palisade_connections_total",
+                "Proxy decisions (connections and HTTP requests) by org, decision, reason and mode.",
+                &["org", "decision", "reason", "mode"],
+            )?,
+            dns_queries_total: counter_vec(
+                "palisade_dns_queries_total",
+                "DNS shim queries by org, decision and reason.",
+                &["org", "decision", "reason"],
+            )?,
+            active_connections: IntGaugeVec::new(
+                Opts::new(
+                    "palisade_active_connections",
+                    "Client connections currently open, by org.",
+                ),
+                &["org"],
+            )?,
+            bytes_total: counter_vec(
+                "palisade_bytes_total",
+                "Bytes relayed by org and direction (up: client to upstream).",
+                &["org", "direction"],
+            )?,
+            decision_duration_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "palisade_decision_duration_seconds",
+                    "Time to decide (including resolution), by mode.",
+                )
+                .buckets(latency_buckets()),
+                &["mode"],
+            )?,
+            policy_reloads_total: counter_vec(
+                "palisade_policy_reloads_total",
+                "Policy reloads by result (ok, error).",
+                &["result"],
+            )?,
+            build_info: IntGaugeVec::new(
+                Opts::new(
+                    "palisade_build_info",
+                    "Version and served policy hash (value 1).",
+                ),
+                &["version", "policy"],
+            )?,
+            policy_loaded_timestamp_seconds: Gauge::new(
+                "palisade_policy_loaded_timestamp_seconds",
+                "Unix time the served policy was loaded.",
+            )?,
+            upstream_connect_errors_total: counter_vec(
+                "palisade_upstream_connect_errors_total",
+                "Failed TCP connects to upstream addresses, by kind.",
+                &["kind"],
+            )?,
+            resolve_duration_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "palisade_resolve_duration_seconds",
+                    "Upstream name resolution time, by result.",
+                )
+                .buckets(latency_buckets()),
+                &["result"],
+            )?,
+            would_deny_total: counter_vec(
+                "palisade_would_deny_total",
+                "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
+                &["org", "mode", "reason"],
+            )?,
+            ready: IntGauge::new(
+                "palisade_ready",
+                "1 while every listener is bound and evidence is writable (what /readyz reports).",
+            )?,
+            intercepted_requests_total: counter_vec(
+                "palisade_intercepted_requests_total",
+                "Requests decided inside intercepted TLS connections, by org, decision and reason.",
+                &["org", "decision", "reason"],
+            )?,
+            intercepted_request_duration_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "palisade_intercepted_request_duration_seconds",
+                    "Intercepted request: arrival to upstream response head, by org.",
+                )
+                .buckets(latency_buckets()),
+                &["org"],
+            )?,
+            intercept_cert_cache_total: counter_vec(
+                "palisade_intercept_cert_cache_total",
+                "Minted-certificate cache: lookups (hit, miss) and evictions (evict).",
+                &["result"],
+            )?,
+            intercept_cert_cache_entries: IntGauge::new(
+                "palisade_intercept_cert_cache_entries",
+                "Minted certificates held in the cache.",
+            )?,
+            upstream_tls_errors_total: counter_vec(
+                "palisade_upstream_tls_errors_total",
+                "Failed upstream TLS handshakes of intercepted connections, by org.",
+                &["org"],
+            )?,
+            registry,
+        };
+        let collectors: Vec<Box<dyn Collector>> = vec![
+            Box::new(m.connections_total.clone()),
+            Box::new(m.dns_queries_total.clone()),
+            Box::new(m.active_connections.clone()),
+            Box::new(m.bytes_total.clone()),
+            Box::new(m.decision_duration_seconds.clone()),
+            Box::new(EvidenceCollector::new(evidence)?),
+            Box::new(m.policy_reloads_total.clone()),
+            Box::new(m.build_info.clone()),
+            Box::new(m.policy_loaded_timestamp_seconds.clone()),
+            Box::new(m.upstream_connect_errors_total.clone()),
+            Box::new(m.resolve_duration_seconds.clone()),
+            Box::new(m.ready.clone()),
+            Box::new(m.would_deny_total.clone()),
+            Box::new(m.intercepted_requests_total.clone()),
+            Box::new(m.intercepted_request_duration_seconds.clone()),
+            Box::new(m.intercept_cert_cache_total.clone()),
+            Box::new(m.intercept_cert_cache_entries.clone()),
+            Box::new(m.upstream_tls_errors_total.clone()),
+            // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
+            Box::new(prometheus::process_collector::ProcessCollector::for_self()),
+        ];
+        for c in collectors {
+            m.registry.register(c)?;
+        }
+        // Series that exist from the start, so dashboards and alerts see zeros.
+        for result in ["ok", "error"] {
+            m.policy_reloads_total.with_label_values(&[result]);
+        }
+        for kind in ["timeout", "refused", "unreachable", "other", "no_address"] {
+            m.upstream_connect_errors_total.with_label_values(&[kind]);
+        }
+        for result in ["hit", "miss", "evict"] {
+            m.intercept_cert_cache_total.with_label_values(&[result]);
+        }
+        Ok(m)
+    }
+
+    /// Count a decision or close record as it is written, for every mode
+    /// (proxy and DNS alike): decisions by org, decision, reason and mode
+    /// (DNS in `palisade_dns_queries_total`), report-mode decisions by what
+    /// enforcement would have done; close records add their bytes.
+    pub fn count_record(&self, record: &Record) {
+        let org = record.org.as_deref().unwrap_or(UNKNOWN_ORG);
+        match record.event {
+            Event::Decision => {
+                let mode = record.mode.as_str();
+                if let Some(would) = record.would_deny {
+                    self.would_deny_total
+                        .with_label_values(&[org, mode, would.as_str()])
+                        .inc();
+                }
+                if record.mode == Mode::Dns {
+                    self.dns_queries_total
+                        .with_label_values(&[org, record.decision, record.reason.as_str()])
+                        .inc();
+                } else {
+                    self.connections_total
+                        .with_label_values(&[org, record.decision, record.reason.as_str(), mode])
+                        .inc();
+                }
+            }
+            Event::Close => {
+                for (direction, bytes) in [("up", record.bytes_up), ("down", record.bytes_down)] {
+                    self.bytes_total
+                        .with_label_values(&[org, direction])
+                        .inc_by(bytes.unwrap_or(0));
+                }
+            }
+        }
+    }
+
+    /// Time one decision under its mode's label.
+    pub fn time_decision(&self, mode: Mode, took: Duration) {
+        self.decision_duration_seconds
+            .with_label_values(&[mode.as_str()])
+            .observe(took.as_secs_f64());
+    }
+
+    /// Count one failed connect to an upstream address.
+    pub fn count_connect_error(&self, kind: &str) {
+        self.upstream_connect_errors_total
+            .with_label_values(&[kind])
+            .inc();
+    }
+
+    /// Create the zero-valued series of every org (and `unknown`) so that
+    /// dashboards and alerts see zeros, not gaps, before the first event.
+    /// The label space is bounded: orgs × reason codes × modes.
+    pub fn init_series<'a>(&self, orgs: impl IntoIterator<Item = &'a str>) {
+        for org in orgs.into_iter().chain([UNKNOWN_ORG]) {
+            for reason in Reason::ALL {
+                for mode in MODES {
+                    self.connections_total.with_label_values(&[
+                        org,
+                        reason.decision(),
+                        reason.as_str(),
+                        mode,
+                    ]);
+                }
+                self.dns_queries_total.with_label_values(&[
+                    org,
+                    reason.decision(),
+                    reason.as_str(),
+                ]);
+            }
+            self.active_connections.with_label_values(&[org]);
+            for direction in ["up", "down"] {
+                self.bytes_total.with_label_values(&[org, direction]);
+            }
+        }
+    }
+
+    /// The text exposition of every metric, with what is read at scrape
+    /// time: readiness and the policy served (its hash and load time).
+    pub fn render(&self, ready: bool, policy: &str, loaded: SystemTime) -> String {
+        self.ready.set(i64::from(ready));
+        self.build_info.reset();
+        self.build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), policy])
+            .set(1);
+        self.policy_loaded_timestamp_seconds.set(
+            loaded
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64(),
+        );
+        let mut out = Vec::new();
+        let families = self.registry.gather();
+        if TextEncoder::new().encode(&families, &mut out).is_err() {
+            return String::new();
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
 }
 
 /// The org label for an optional org.
@@ -235,144 +396,142 @@ pub fn org_label(org: Option<&OrgRef>) -> &str {
     org.map_or(UNKNOWN_ORG, |o| &o.name)
 }
 
-/// Count one proxy decision.
-pub fn count_connection(org: Option<&OrgRef>, reason: Reason, mode: &str) {
-    metrics()
-        .connections_total
-        .with_label_values(&[org_label(org), reason.decision(), reason.as_str(), mode])
-        .inc();
-}
-
-/// Count a decision or close record as it is written: decisions by org,
-/// decision, reason and mode; close records add their bytes.
-pub fn count_record(record: &crate::evidence::Record) {
-    use crate::evidence::Event;
-    let m = metrics();
-    let org = record.org.as_deref().unwrap_or(UNKNOWN_ORG);
-    match record.event {
-        Event::Decision => {
-            let mode = record.mode.as_str();
-            if let Some(would) = record.would_deny {
-                m.would_deny_total
-                    .with_label_values(&[org, mode, would.as_str()])
-                    .inc();
-            }
-            if mode == "dns" {
-                m.dns_queries_total
-                    .with_label_values(&[org, record.decision, record.reason.as_str()])
-                    .inc();
-            } else {
-                m.connections_total
-                    .with_label_values(&[org, record.decision, record.reason.as_str(), mode])
-                    .inc();
-            }
-        }
-        Event::Close => {
-            m.bytes_total
-                .with_label_values(&[org, "up"])
-                .inc_by(record.bytes_up.unwrap_or(0));
-            m.bytes_total
-                .with_label_values(&[org, "down"])
-                .inc_by(record.bytes_down.unwrap_or(0));
-        }
-    }
-}
-
-/// Create the zero-valued series of every org (and `unknown`) so that
-/// dashboards and alerts see zeros, not gaps, before the first event. The
-/// label space is bounded: orgs × reason codes × modes.
-pub fn init_series<'a>(orgs: impl IntoIterator<Item = &'a str>, modes: &[&str]) {
-    let m = metrics();
-    for org in orgs.into_iter().chain([UNKNOWN_ORG]) {
-        for reason in Reason::ALL {
-            for mode in modes {
-                m.connections_total.with_label_values(&[
-                    org,
-                    reason.decision(),
-                    reason.as_str(),
-                    mode,
-                ]);
-            }
-            m.dns_queries_total
-                .with_label_values(&[org, reason.decision(), reason.as_str()]);
-        }
-        m.active_connections.with_label_values(&[org]);
-        for direction in ["up", "down"] {
-            m.bytes_total.with_label_values(&[org, direction]);
-        }
-    }
-}
-
-/// Record the policy being served.
-pub fn set_policy(hash: &str, loaded_unix_seconds: f64) {
-    let m = metrics();
-    m.build_info.reset();
-    m.build_info
-        .with_label_values(&[env!("CARGO_PKG_VERSION"), hash])
-        .set(1);
-    m.policy_loaded_timestamp_seconds.set(loaded_unix_seconds);
-}
-
-/// Count one DNS query.
-pub fn count_dns(org: Option<&OrgRef>, reason: Reason) {
-    metrics()
-        .dns_queries_total
-        .with_label_values(&[org_label(org), reason.decision(), reason.as_str()])
-        .inc();
-}
-
-/// The text exposition of every metric.
-pub fn render() -> String {
-    let mut out = Vec::new();
-    let families = metrics().registry.gather();
-    if TextEncoder::new().encode(&families, &mut out).is_err() {
-        return String::new();
-    }
-    String::from_utf8(out).unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
     use super::*;
+    use crate::evidence::{Evidence, Kind};
+    use crate::policy::Verdict;
+
+    fn decision(mode: Mode, org: Option<&str>, reason: Reason) -> Record {
+        let verdict = Verdict {
+            org: org.map(|name| OrgRef {
+                index: 0,
+                name: Arc::from(name),
+            }),
+            reason,
+            rule: None,
+            would_deny: None,
+        };
+        let client: SocketAddr = "198.18.1.2:40000".parse().unwrap();
+        let kind = if mode == Mode::Dns {
+            Kind::Dns
+        } else {
+            Kind::Tcp
+        };
+        Record::decision(kind, mode, client, &verdict, &Arc::from("hash"))
+    }
+
+    /// The value of one series line of `text`, if present.
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
 
     #[test]
-    fn contract_names_are_exposed() {
-        count_connection(None, Reason::UnknownClient, "explicit");
-        count_dns(None, Reason::UnknownClient);
-        metrics()
-            .active_connections
-            .with_label_values(&["x"])
-            .set(0);
-        metrics()
-            .bytes_total
-            .with_label_values(&["x", "up"])
-            .inc_by(0);
-        metrics()
-            .decision_duration_seconds
-            .with_label_values(&["explicit"])
-            .observe(0.001);
-        metrics()
-            .policy_reloads_total
-            .with_label_values(&["ok"])
-            .inc_by(0);
-        let text = render();
+    fn contract_series_exist_at_zero_and_count_what_is_recorded() {
+        let dir = std::env::temp_dir().join(format!("palisade-metrics-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let evidence = Evidence::open(&dir).unwrap();
+        let m = Metrics::new(evidence.counters().clone());
+        m.init_series(["acme"]);
+        let text = m.render(true, "abc", SystemTime::now());
         for name in [
             "palisade_connections_total",
             "palisade_dns_queries_total",
             "palisade_active_connections",
             "palisade_bytes_total",
-            "palisade_decision_duration_seconds",
             "palisade_evidence_records_total",
             "palisade_evidence_write_errors_total",
+            "palisade_evidence_queue_depth",
             "palisade_policy_reloads_total",
+            "palisade_build_info",
+            "palisade_ready",
         ] {
             assert!(
                 text.contains(&format!("# TYPE {name} ")),
                 "{name} missing:\n{text}"
             );
         }
-        assert!(text.contains(
-            "palisade_connections_total{decision=\"deny\",mode=\"explicit\",org=\"unknown\",reason=\"unknown_client\"}"
-        ));
+        let unknown_explicit = "palisade_connections_total{decision=\"deny\",mode=\"explicit\",org=\"unknown\",reason=\"unknown_client\"}";
+        let acme_dns = "palisade_dns_queries_total{decision=\"deny\",org=\"acme\",reason=\"no_matching_rule\"}";
+        let acme_socks = "palisade_connections_total{decision=\"allow\",mode=\"socks5\",org=\"acme\",reason=\"rule_match\"}";
+        for series in [unknown_explicit, acme_dns, acme_socks] {
+            assert_eq!(value(&text, series), Some(0.0), "{series}:\n{text}");
+        }
+        assert_eq!(
+            value(&text, "palisade_policy_reloads_total{result=\"error\"}"),
+            Some(0.0)
+        );
+        assert_eq!(
+            value(
+                &text,
+                &format!(
+                    "palisade_build_info{{policy=\"abc\",version=\"{}\"}}",
+                    env!("CARGO_PKG_VERSION")
+                )
+            ),
+            Some(1.0)
+        );
+        assert_eq!(value(&text, "palisade_ready"), Some(1.0));
+
+        // Records as the proxy and the DNS shim write them, through evidence.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut records = [
+            decision(Mode::Explicit, None, Reason::UnknownClient),
+            decision(Mode::Dns, Some("acme"), Reason::NoMatchingRule),
+            decision(Mode::Socks5, Some("acme"), Reason::RuleMatch),
+        ];
+        for r in &mut records {
+            rt.block_on(evidence.write(r)).unwrap();
+            m.count_record(r);
+        }
+        let mut close = records[2].close(10, 20, 1);
+        rt.block_on(evidence.write(&mut close)).unwrap();
+        m.count_record(&close);
+        let text = m.render(false, "def", SystemTime::now());
+        for series in [unknown_explicit, acme_dns, acme_socks] {
+            assert_eq!(value(&text, series), Some(1.0), "{series}:\n{text}");
+        }
+        assert_eq!(
+            value(
+                &text,
+                "palisade_bytes_total{direction=\"down\",org=\"acme\"}"
+            ),
+            Some(20.0)
+        );
+        let written = value(&text, "palisade_evidence_records_total").unwrap();
+        assert!(written >= 4.0, "four records written, not {written}");
+        assert_eq!(
+            value(&text, "palisade_evidence_write_errors_total"),
+            Some(0.0)
+        );
+        assert_eq!(value(&text, "palisade_ready"), Some(0.0));
+        assert!(
+            !text.contains("policy=\"abc\""),
+            "the old policy's build_info is gone:\n{text}"
+        );
+        drop(evidence);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn report_mode_decisions_count_what_enforcement_would_have_done_for_dns_too() {
+        let m = Metrics::new(Arc::default());
+        for mode in [Mode::Transparent, Mode::Dns] {
+            let mut r = decision(mode, Some("acme"), Reason::ReportOnly);
+            r.would_deny = Some(Reason::NoMatchingRule);
+            m.count_record(&r);
+        }
+        let text = m.render(true, "abc", SystemTime::now());
+        for mode in ["transparent", "dns"] {
+            let series = format!(
+                "palisade_would_deny_total{{mode=\"{mode}\",org=\"acme\",reason=\"no_matching_rule\"}}"
+            );
+            assert_eq!(value(&text, &series), Some(1.0), "{series}:\n{text}");
+        }
     }
 }

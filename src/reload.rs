@@ -1,35 +1,45 @@
 //! Policy reload: on SIGHUP or when the config file's content changes
 //! (polled, so that a Kubernetes ConfigMap's symlink swap is seen too), the
-//! file is loaded and validated whole. A valid policy is swapped in
-//! atomically for the proxy and the DNS shim: new decisions use it, open
-//! tunnels keep running, listeners keep their sockets. An invalid file is
-//! rejected whole and the old policy keeps serving. Settings other than the
-//! orgs (listeners, limits, DNS and evidence settings) need a restart; a
-//! reload that changes them says so and keeps the running values.
+//! file is loaded and validated whole, and what it serves (the orgs and
+//! their rules, the DNS settings of each org, interception with its CAs,
+//! credentials and upstream trust) is built into a new [`Served`] and
+//! swapped in with one store: new decisions use it, open tunnels keep
+//! running, listeners keep their sockets.
+//!
+//! A reload is all or nothing. An invalid file, an interception set-up that
+//! fails (a CA that cannot be created, a secret that cannot be read), or a
+//! change to a setting that only a restart can apply (listeners, limits
+//! that size pools, DNS and evidence settings: everything outside the orgs
+//! and `[intercept]`) is refused with a message naming the problem or the
+//! key, `palisade_policy_reloads_total{result="error"}` rises, and the old
+//! state keeps serving.
+//!
+//! The file work (reading the config, CA and secret files, writing the
+//! policy text beside the evidence) runs off the async runtime.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
-use crate::admin::{Health, PolicyInfo};
-use crate::config::{self, Config};
-use crate::dns::{decide::OrgDns, ShimHandle};
+use crate::config::{self, AdminConfig, Config, DnsConfig, EvidenceConfig, Limits, ProxyConfig};
+use crate::metrics::Metrics;
 use crate::policy::Policy;
-use crate::proxy::Ctx;
+use crate::served::{Served, ServedHandle};
 
 /// How often the config file's content is checked for changes.
 pub const DEFAULT_CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
 
-/// Everything a reload swaps.
+/// Reloads the config file into the served state.
 pub struct Reloader {
-    pub path: PathBuf,
-    pub running: Config,
-    pub ctx: Arc<Ctx>,
-    pub shim: ShimHandle,
-    pub health: Arc<Health>,
+    path: PathBuf,
+    /// The config whose settings are served (its orgs and `[intercept]`
+    /// are those of the served state).
+    running: Arc<Config>,
+    served: ServedHandle,
+    metrics: Arc<Metrics>,
     /// Digest of the file content last loaded (valid or not).
     seen: Option<[u8; 32]>,
 }
@@ -37,20 +47,48 @@ pub struct Reloader {
 /// What a reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// The new policy is served.
+    /// The new state is served (`hash`: its policy).
     Applied { hash: String },
-    /// The file is valid and its policy is the one already served.
+    /// The file is valid and serves what is already served.
     Unchanged,
-    /// The file is invalid; the old policy keeps serving.
+    /// The reload was refused; the old state keeps serving.
     Rejected,
+}
+
+/// Why a reload was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("{0}")]
+    Config(config::ConfigErrors),
+    #[error("{} cannot change without a restart", .0.join(", "))]
+    RestartOnly(Vec<&'static str>),
+    #[error("interception: {0}")]
+    Intercept(#[from] crate::intercept::InterceptError),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+/// What the blocking half of a reload prepared.
+enum Prepared {
+    Unchanged,
+    Apply { config: Box<Config>, served: Served },
 }
 
 fn digest(path: &Path) -> Option<[u8; 32]> {
     std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
 }
 
+/// Run blocking file work off the async runtime.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ReloadError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ReloadError::Internal(e.to_string()))
+}
+
 /// Write the canonical policy text of `hash` beside the evidence, so any
-/// record can be re-explained later (`DIR/policies/HASH.json`).
+/// record can be re-explained later (`DIR/policies/HASH.json`). Blocking.
 pub fn store_policy_text(evidence_dir: &Path, config: &Config, hash: &str) {
     let dir = evidence_dir.join("policies");
     let path = dir.join(format!("{hash}.json"));
@@ -68,110 +106,352 @@ pub fn store_policy_text(evidence_dir: &Path, config: &Config, hash: &str) {
     }
 }
 
-/// Names of the settings whose change needs a restart.
+/// Push `PREFIX.field` for each listed field whose value differs. The
+/// pattern names every field of the struct, so a new setting is a compile
+/// error here until it is listed (or explicitly skipped with `_`).
+macro_rules! changed {
+    ($keys:ident, $prefix:literal, $old:expr, $new:expr,
+     $ty:ident { $($field:ident),* $(; $($skip:ident),*)? }) => {{
+        let $ty { $($field,)* $($($skip: _,)*)? } = $old;
+        $(
+            if *$field != $new.$field {
+                $keys.push(concat!($prefix, ".", stringify!($field)));
+            }
+        )*
+    }};
+}
+
+/// The keys that differ between `old` and `new` and that only a restart
+/// can apply: everything but the orgs and `[intercept]`.
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
-    let mut changed = Vec::new();
-    let differs =
-        |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
-    if differs(&old.proxy, &new.proxy) {
-        changed.push("[proxy]");
+    let Config {
+        path: _,
+        proxy,
+        dns,
+        admin,
+        evidence,
+        // Served: rebuilt by a reload.
+        intercept: _,
+        orgs: _,
+    } = old;
+    let mut keys = Vec::new();
+    if proxy != &new.proxy {
+        changed!(keys, "proxy", proxy, new.proxy, ProxyConfig { listen, transparent, socks5; limits });
+        changed!(
+            keys,
+            "proxy",
+            &proxy.limits,
+            new.proxy.limits,
+            Limits {
+                max_connections,
+                max_connections_per_org,
+                max_new_connections_per_second_per_org,
+                max_detect_memory_bytes,
+                max_request_head_bytes,
+                max_headers,
+                header_read_timeout,
+                connect_timeout,
+                idle_timeout,
+                detect_timeout,
+                drain_timeout
+            }
+        );
     }
-    if differs(&old.dns, &new.dns) {
-        changed.push("[dns]");
+    if dns != &new.dns {
+        changed!(
+            keys,
+            "dns",
+            dns,
+            new.dns,
+            DnsConfig {
+                listen,
+                upstream,
+                resolve_timeout,
+                idle_timeout,
+                query_timeout,
+                max_tcp_connections,
+                max_queries_in_flight,
+                max_queries_per_second_per_client,
+                min_ttl,
+                max_ttl,
+                binding_grace,
+                max_bindings_per_name,
+                max_bindings
+            }
+        );
     }
-    if differs(&old.admin, &new.admin) {
-        changed.push("[admin]");
+    changed!(keys, "admin", admin, new.admin, AdminConfig { listen });
+    if evidence != &new.evidence {
+        changed!(
+            keys,
+            "evidence",
+            evidence,
+            new.evidence,
+            EvidenceConfig {
+                dir,
+                key,
+                durability,
+                checkpoint_every,
+                checkpoint_interval,
+                rotate_size,
+                rotate_age,
+                retain_size,
+                retain_age
+            }
+        );
     }
-    if differs(&old.evidence, &new.evidence) {
-        changed.push("[evidence]");
+    keys
+}
+
+/// Load and check the file, and build what it serves. Blocking.
+fn prepare(
+    path: &Path,
+    running: &Config,
+    served_hash: &str,
+    metrics: &Arc<Metrics>,
+) -> Result<Prepared, ReloadError> {
+    let new = config::load(path).map_err(ReloadError::Config)?;
+    let restart = restart_only_changes(running, &new);
+    if !restart.is_empty() {
+        return Err(ReloadError::RestartOnly(restart));
     }
-    changed
+    let policy = Arc::new(Policy::new(&new));
+    if policy.hash() == served_hash && new.intercept == running.intercept {
+        return Ok(Prepared::Unchanged);
+    }
+    let served = Served::load(&new, policy, metrics)?;
+    store_policy_text(&new.evidence.dir, &new, served.policy.hash());
+    Ok(Prepared::Apply {
+        config: Box::new(new),
+        served,
+    })
 }
 
 impl Reloader {
-    pub fn new(
-        path: PathBuf,
-        running: Config,
-        ctx: Arc<Ctx>,
-        shim: ShimHandle,
-        health: Arc<Health>,
-    ) -> Reloader {
-        let seen = digest(&path);
+    /// A reloader of `running`'s file into `served` (which serves it now).
+    pub async fn new(running: Config, served: ServedHandle, metrics: Arc<Metrics>) -> Reloader {
+        let path = running.path.clone();
+        let seen = {
+            let path = path.clone();
+            blocking(move || digest(&path)).await.ok().flatten()
+        };
         Reloader {
             path,
-            running,
-            ctx,
-            shim,
-            health,
+            running: Arc::new(running),
+            served,
+            metrics,
             seen,
         }
     }
 
     /// Reload if the file's content changed since it was last read.
-    pub fn poll(&mut self) -> Option<Outcome> {
-        let now = digest(&self.path);
+    pub async fn poll(&mut self) -> Option<Outcome> {
+        let path = self.path.clone();
+        let now = blocking(move || digest(&path)).await.ok().flatten();
         if now.is_none() || now == self.seen {
             return None;
         }
-        Some(self.reload("config file changed"))
+        Some(self.reload("config file changed").await)
     }
 
-    /// Load, validate and, if valid, serve the file's policy.
-    pub fn reload(&mut self, why: &str) -> Outcome {
-        self.seen = digest(&self.path);
-        let m = crate::metrics::metrics();
-        let new = match config::load(&self.path) {
-            Ok(c) => c,
-            Err(errors) => {
-                for e in &errors.0 {
-                    warn!(error = %e, "policy reload rejected; the old policy keeps serving");
+    /// Load and check the file and, if it is accepted, serve it.
+    pub async fn reload(&mut self, why: &str) -> Outcome {
+        let current = self.served.load_full();
+        let (path, running, metrics) = (
+            self.path.clone(),
+            self.running.clone(),
+            self.metrics.clone(),
+        );
+        let served_hash = current.policy.hash().to_string();
+        let prepared = blocking(move || {
+            let seen = digest(&path);
+            (seen, prepare(&path, &running, &served_hash, &metrics))
+        })
+        .await;
+        let prepared = match prepared {
+            Ok((seen, prepared)) => {
+                self.seen = seen;
+                prepared
+            }
+            Err(e) => Err(e),
+        };
+        let (config, served) = match prepared {
+            Ok(Prepared::Apply { config, served }) => (config, served),
+            Ok(Prepared::Unchanged) => {
+                self.metrics
+                    .policy_reloads_total
+                    .with_label_values(&["ok"])
+                    .inc();
+                info!(why, policy = %current.policy.hash(), "reload: nothing changed");
+                return Outcome::Unchanged;
+            }
+            Err(e) => {
+                self.metrics
+                    .policy_reloads_total
+                    .with_label_values(&["error"])
+                    .inc();
+                match e {
+                    // One line per error, each located FILE:LINE:COL.
+                    ReloadError::Config(errors) => {
+                        for e in &errors.0 {
+                            warn!(why, error = %e, "policy reload rejected; the old policy keeps serving");
+                        }
+                    }
+                    e => {
+                        warn!(why, error = %e, "policy reload rejected; the old policy keeps serving")
+                    }
                 }
-                m.policy_reloads_total.with_label_values(&["error"]).inc();
                 return Outcome::Rejected;
             }
         };
-        let restart = restart_only_changes(&self.running, &new);
-        if !restart.is_empty() {
-            warn!(
-                sections = ?restart,
-                "reload: these settings change only on restart; the running values are kept"
-            );
-        }
-        // Own addresses come from the listeners actually bound.
-        let policy = Arc::new(Policy::compile(&new.orgs, self.running.own_addresses()));
-        m.policy_reloads_total.with_label_values(&["ok"]).inc();
-        let old_hash = self.ctx.policy.load().hash().to_string();
-        if policy.hash() == old_hash {
-            info!(why, policy = %old_hash, "reload: policy unchanged");
-            return Outcome::Unchanged;
-        }
-        let hash = policy.hash().to_string();
-        store_policy_text(&self.running.evidence.dir, &new, &hash);
-
-        // Swap: the proxy first, then the DNS shim, then what reports them.
-        self.ctx.policy.store(policy.clone());
-        let mut shim = (**self.shim.load()).clone();
-        shim.policy = policy.clone();
-        shim.orgs = new.orgs.iter().map(OrgDns::from_config).collect();
-        shim.policy_hash = policy.hash_arc().clone();
-        self.shim.store(Arc::new(shim));
-
-        let mut info = PolicyInfo::new(&new, &hash);
-        info.config = self.path.display().to_string();
-        match self.health.policy.write() {
-            Ok(mut p) => *p = Arc::new(info),
-            Err(p) => *p.into_inner() = Arc::new(info),
-        }
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
-        crate::metrics::set_policy(&hash, now.as_secs_f64());
-        crate::metrics::init_series(
-            new.orgs.iter().map(|o| o.name.as_str()),
-            crate::metrics::MODES,
+        let hash = served.policy.hash().to_string();
+        let (orgs, rules) = (served.policy.org_count(), served.policy.rule_count());
+        let intercepting: Vec<&str> = config
+            .orgs
+            .iter()
+            .filter(|o| o.intercepts())
+            .map(|o| o.name.as_str())
+            .collect();
+        self.metrics
+            .init_series(config.orgs.iter().map(|o| o.name.as_str()));
+        // One store: every reader sees the old state or the new, never a mix.
+        self.served.store(Arc::new(served));
+        self.metrics
+            .policy_reloads_total
+            .with_label_values(&["ok"])
+            .inc();
+        info!(
+            why,
+            from = %current.policy.hash(),
+            to = %hash,
+            orgs,
+            rules,
+            intercepting = ?intercepting,
+            "policy reloaded"
         );
-        info!(why, from = %old_hash, to = %hash, orgs = policy.org_count(), rules = policy.rule_count(), "policy reloaded");
-        self.running.orgs = new.orgs;
+        self.running = Arc::from(config);
         Outcome::Applied { hash }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#"
+[proxy]
+listen = ["127.0.0.1:3128"]
+
+[evidence]
+dir = "/tmp/palisade-reload-test-evidence"
+
+[[org]]
+name = "acme"
+clients = ["10.0.0.0/24"]
+
+[[org.allow]]
+host = "example.com"
+"#;
+
+    fn config(text: &str) -> Config {
+        config::from_str(text, Path::new("/tmp/palisade.toml")).unwrap()
+    }
+
+    #[test]
+    fn orgs_and_intercept_reload_the_rest_is_named_key_by_key() {
+        let old = config(BASE);
+        let more_rules = config(&format!(
+            "{BASE}\n[[org.allow]]\nhost = \"other.example\"\n"
+        ));
+        assert!(restart_only_changes(&old, &more_rules).is_empty());
+        let intercept = config(&format!("[intercept]\ncert_cache = 5\n{BASE}"));
+        assert!(restart_only_changes(&old, &intercept).is_empty());
+
+        let changed = config(&BASE.replace(
+            "listen = [\"127.0.0.1:3128\"]",
+            "listen = [\"127.0.0.1:3129\"]\nmax_connections = 7\nidle_timeout = \"9s\"",
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &changed),
+            [
+                "proxy.listen",
+                "proxy.max_connections",
+                "proxy.idle_timeout"
+            ]
+        );
+        let dns = config(&format!(
+            "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{BASE}"
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &dns),
+            ["dns.max_queries_in_flight", "admin.listen"]
+        );
+        let evidence = config(&BASE.replace(
+            "dir = \"/tmp/palisade-reload-test-evidence\"",
+            "dir = \"/tmp/palisade-reload-test-evidence\"\ndurability = \"fsync\"",
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &evidence),
+            ["evidence.durability"]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reload_applies_whole_or_not_at_all() {
+        let dir = std::env::temp_dir().join(format!("palisade-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("palisade.toml");
+        let base = BASE.replace(
+            "/tmp/palisade-reload-test-evidence",
+            &dir.join("evidence").display().to_string(),
+        );
+        std::fs::write(&path, &base).unwrap();
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let policy = Arc::new(Policy::new(&running));
+        let served = Served::load(&running, policy, &metrics)
+            .unwrap()
+            .into_handle();
+        let first = served.load().policy.hash().to_string();
+        let mut reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
+        let count = |result: &str| {
+            metrics
+                .policy_reloads_total
+                .with_label_values(&[result])
+                .get()
+        };
+
+        assert_eq!(reloader.reload("test").await, Outcome::Unchanged);
+        assert_eq!(reloader.poll().await, None, "nothing new to read");
+
+        std::fs::write(
+            &path,
+            format!("{base}\n[[org.allow]]\nhost = \"b.example\"\n"),
+        )
+        .unwrap();
+        let Some(Outcome::Applied { hash }) = reloader.poll().await else {
+            panic!("the changed file was not applied");
+        };
+        assert_ne!(hash, first);
+        assert_eq!(served.load().policy.hash(), hash);
+        assert_eq!(served.load().info.hash, hash);
+        assert!(dir.join(format!("evidence/policies/{hash}.json")).is_file());
+
+        // A new rule with a restart-only change: nothing of it is served.
+        let refused = base.replace("[proxy]\n", "[proxy]\nmax_headers = 7\n");
+        std::fs::write(
+            &path,
+            format!("{refused}\n[[org.allow]]\nhost = \"c.example\"\n"),
+        )
+        .unwrap();
+        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(served.load().policy.hash(), hash);
+        // An invalid file likewise.
+        std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
+        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(served.load().policy.hash(), hash);
+        assert_eq!((count("ok"), count("error")), (2, 2));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -2,6 +2,7 @@
 //! hosts file, no search list, every name queried as fully qualified.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use hickory_resolver::config::{
@@ -12,6 +13,8 @@ use hickory_resolver::net::{DnsError, NetError};
 use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, Record, RecordType};
 use hickory_resolver::TokioResolver;
+
+use crate::metrics::Metrics;
 
 /// Why a name has no addresses.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +48,8 @@ pub enum RecordsError {
 pub struct Resolver {
     inner: Option<TokioResolver>,
     timeout: Duration,
+    /// Where resolution time is counted, when served.
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl Resolver {
@@ -53,6 +58,7 @@ impl Resolver {
             return Ok(Resolver {
                 inner: None,
                 timeout,
+                metrics: None,
             });
         }
         let servers = upstreams
@@ -85,7 +91,14 @@ impl Resolver {
         Ok(Resolver {
             inner: Some(inner),
             timeout,
+            metrics: None,
         })
+    }
+
+    /// Count resolution time in `metrics`.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Resolver {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Addresses of a normalised name, A records before AAAA.
@@ -96,14 +109,15 @@ impl Resolver {
         let fqdn = format!("{name}.");
         let started = std::time::Instant::now();
         let result = tokio::time::timeout(self.timeout, inner.lookup_ip(fqdn.as_str())).await;
-        crate::metrics::metrics()
-            .resolve_duration_seconds
-            .with_label_values(&[if matches!(result, Ok(Ok(_))) {
-                "ok"
-            } else {
-                "error"
-            }])
-            .observe(started.elapsed().as_secs_f64());
+        if let Some(m) = &self.metrics {
+            m.resolve_duration_seconds
+                .with_label_values(&[if matches!(result, Ok(Ok(_))) {
+                    "ok"
+                } else {
+                    "error"
+                }])
+                .observe(started.elapsed().as_secs_f64());
+        }
         let lookup = result
             .map_err(|_| ResolveError::Timeout {
                 name: name.to_string(),

@@ -18,12 +18,13 @@ use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use super::bindings::Bindings;
-use super::decide::{decide_query, Action, OrgDns};
+use super::decide::{decide_query, Action};
 use crate::config::{DnsConfig, DnsDenied};
 use crate::evidence::{Evidence, Kind, Mode, Record as EvRecord};
-use crate::metrics;
-use crate::policy::{OrgRef, Policy, Reason, Verdict};
+use crate::metrics::Metrics;
+use crate::policy::{OrgRef, Reason, Verdict};
 use crate::resolve::{RecordsError, Resolver};
+use crate::served::{Served, ServedHandle};
 
 /// EDNS option code of an Extended DNS Error (RFC 8914).
 pub const EDE_OPTION: u16 = 15;
@@ -36,16 +37,14 @@ const MAX_UDP_PAYLOAD: u16 = 1232;
 /// Longest query name kept in evidence for a name that is not a host name.
 const MAX_SHOWN_NAME: usize = 300;
 
-/// Everything the shim needs to answer. `policy`, `orgs` and `policy_hash`
-/// belong to one policy version; a reload builds a new `Shim` (sharing the
-/// rest) and swaps it in.
-#[derive(Clone)]
+/// Everything the shim needs to answer. What a reload changes (the policy,
+/// each org's DNS settings) is in `served`, loaded once per query: one
+/// query is decided and recorded under one policy version.
 pub struct Shim {
-    pub policy: Arc<Policy>,
-    pub orgs: Vec<OrgDns>,
-    pub policy_hash: Arc<str>,
+    pub served: ServedHandle,
     pub resolver: Arc<Resolver>,
     pub evidence: Arc<Evidence>,
+    pub metrics: Arc<Metrics>,
     pub bindings: Arc<Bindings>,
     pub config: DnsConfig,
     pub in_flight: Arc<Semaphore>,
@@ -103,7 +102,12 @@ impl Shim {
 
     /// Strip `ech` from an SVCB/HTTPS record and hints the org may not be
     /// handed; returns the kept hints.
-    fn filter_svcb(&self, org: &OrgRef, svcb: &SVCB) -> (SVCB, Vec<IpAddr>, Vec<String>) {
+    fn filter_svcb(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        svcb: &SVCB,
+    ) -> (SVCB, Vec<IpAddr>, Vec<String>) {
         let mut kept_hints = Vec::new();
         let mut stripped = Vec::new();
         let mut params = Vec::with_capacity(svcb.svc_params.len());
@@ -122,7 +126,7 @@ impl Shim {
                     let mut keep = Vec::new();
                     for h in hints {
                         let ip = IpAddr::V4(h.0);
-                        if self.policy.answer_allowed(org, ip).is_ok() {
+                        if served.policy.answer_allowed(org, ip).is_ok() {
                             keep.push(*h);
                             kept_hints.push(ip);
                         } else {
@@ -137,7 +141,7 @@ impl Shim {
                     let mut keep = Vec::new();
                     for h in hints {
                         let ip = IpAddr::V6(h.0);
-                        if self.policy.answer_allowed(org, ip).is_ok() {
+                        if served.policy.answer_allowed(org, ip).is_ok() {
                             keep.push(*h);
                             kept_hints.push(ip);
                         } else {
@@ -156,7 +160,13 @@ impl Shim {
     }
 
     /// Keep what may be handed out, in order.
-    fn filter(&self, org: &OrgRef, qtype: RecordType, records: Vec<Record>) -> Forwarded {
+    fn filter(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        qtype: RecordType,
+        records: Vec<Record>,
+    ) -> Forwarded {
         let mut out = Forwarded {
             rcode: ResponseCode::NoError,
             answers: Vec::new(),
@@ -168,25 +178,27 @@ impl Shim {
         let mut had_address = false;
         for r in records {
             let ttl = self.clamp_ttl(r.ttl);
-            let data = match &r.data {
-                RData::A(a) => self.address(org, IpAddr::V4(a.0), ttl, &mut out, &mut had_address),
-                RData::AAAA(a) => {
-                    self.address(org, IpAddr::V6(a.0), ttl, &mut out, &mut had_address)
-                }
-                RData::CNAME(_) => Some(r.data.clone()),
-                RData::HTTPS(h) => {
-                    let (svcb, hints, stripped) = self.filter_svcb(org, &h.0);
+            let address = match &r.data {
+                RData::A(a) => Some(IpAddr::V4(a.0)),
+                RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+                _ => None,
+            };
+            let data = match (address, &r.data) {
+                (Some(ip), _) => self.address(served, org, ip, ttl, &mut out, &mut had_address),
+                (_, RData::CNAME(_)) => Some(r.data.clone()),
+                (_, RData::HTTPS(h)) => {
+                    let (svcb, hints, stripped) = self.filter_svcb(served, org, &h.0);
                     out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
                     out.stripped.extend(stripped);
                     Some(RData::HTTPS(HTTPS(svcb)))
                 }
-                RData::SVCB(s) => {
-                    let (svcb, hints, stripped) = self.filter_svcb(org, s);
+                (_, RData::SVCB(s)) => {
+                    let (svcb, hints, stripped) = self.filter_svcb(served, org, s);
                     out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
                     out.stripped.extend(stripped);
                     Some(RData::SVCB(svcb))
                 }
-                other if r.record_type() == qtype => Some(other.clone()),
+                (_, other) if r.record_type() == qtype => Some(other.clone()),
                 _ => None,
             };
             if let Some(data) = data {
@@ -210,6 +222,7 @@ impl Shim {
 
     fn address(
         &self,
+        served: &Served,
         org: &OrgRef,
         ip: IpAddr,
         ttl: u32,
@@ -217,7 +230,7 @@ impl Shim {
         had_address: &mut bool,
     ) -> Option<RData> {
         *had_address = true;
-        match self.policy.answer_allowed(org, ip) {
+        match served.policy.answer_allowed(org, ip) {
             Ok(()) => {
                 out.bind.push((ip, ttl));
                 Some(match ip {
@@ -233,7 +246,13 @@ impl Shim {
         }
     }
 
-    async fn forward(&self, org: &OrgRef, name: &str, qtype: RecordType) -> Forwarded {
+    async fn forward(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        name: &str,
+        qtype: RecordType,
+    ) -> Forwarded {
         let lookup = tokio::time::timeout(
             self.config.query_timeout,
             self.resolver.lookup_records(name, qtype),
@@ -249,7 +268,7 @@ impl Shim {
             error,
         };
         match lookup {
-            Ok(records) => self.filter(org, qtype, records),
+            Ok(records) => self.filter(served, org, qtype, records),
             Err(RecordsError::NxDomain) => failed(ResponseCode::NXDomain, None),
             Err(RecordsError::NoData) => failed(ResponseCode::NoError, None),
             Err(e) => failed(ResponseCode::ServFail, Some(e.to_string())),
@@ -261,7 +280,9 @@ impl Shim {
         let src = request.src();
         let client = src.ip();
         let started = Instant::now();
-        let org = self.policy.org_for(client);
+        // What is served now: this query is decided and recorded under it.
+        let served = &*self.served.load_full();
+        let org = served.policy.org_for(client);
         let bad = |detail: &str, rcode: ResponseCode| (detail.to_string(), rcode);
 
         // Shape checks first: nothing malformed reaches the decision.
@@ -283,7 +304,7 @@ impl Shim {
                     rule: None,
                     would_deny: None,
                 };
-                self.record_refusal(src, &verdict, None, None, Some(detail));
+                self.record_refusal(served, src, &verdict, None, None, Some(detail));
                 return Reply::empty(rcode);
             }
         };
@@ -294,53 +315,46 @@ impl Shim {
         let shown: String = super::decide::shown_name(&qname)
             .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect());
 
-        if query.query_class() != DNSClass::IN {
+        // Refused before the decision, with what was asked.
+        let refuse = |reason: Reason, detail: &str| {
             let verdict = Verdict {
-                org,
-                reason: Reason::BadRequest,
+                org: org.clone(),
+                reason,
                 rule: None,
                 would_deny: None,
             };
-            let id = self.record_refusal(
-                src,
-                &verdict,
-                Some(&shown),
-                Some(qtype),
-                Some("class".into()),
-            );
-            return blocked(ResponseCode::Refused, &verdict, &id);
+            let (host, qtype) = (Some(shown.as_str()), Some(qtype));
+            let id = self.record_refusal(served, src, &verdict, host, qtype, Some(detail.into()));
+            blocked(ResponseCode::Refused, &verdict, &id)
+        };
+        if query.query_class() != DNSClass::IN {
+            return refuse(Reason::BadRequest, "class");
         }
 
         let over_rate = !self.per_client.allow(&client, Instant::now());
         let permit = self.in_flight.clone().try_acquire_owned();
         let (false, Ok(_permit)) = (over_rate, permit) else {
-            let verdict = Verdict {
-                org,
-                reason: Reason::LimitExceeded,
-                rule: None,
-                would_deny: None,
-            };
-            let which = if over_rate {
-                "max_queries_per_second_per_client exceeded"
-            } else {
-                "max_queries_in_flight reached"
-            };
-            let id =
-                self.record_refusal(src, &verdict, Some(&shown), Some(qtype), Some(which.into()));
-            return blocked(ResponseCode::Refused, &verdict, &id);
+            return refuse(
+                Reason::LimitExceeded,
+                if over_rate {
+                    "max_queries_per_second_per_client exceeded"
+                } else {
+                    "max_queries_in_flight reached"
+                },
+            );
         };
 
-        let decision = decide_query(&self.policy, &self.orgs, client, &qname, qtype);
+        let decision = decide_query(&served.policy, &served.dns, client, &qname, qtype);
         let host = decision.name.clone().unwrap_or(shown);
         let mut verdict = decision.verdict;
         let now = Instant::now();
         let reply = match decision.action {
             Action::Refuse => {
-                let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                let id = self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
                 blocked(ResponseCode::Refused, &verdict, &id)
             }
             Action::Denied(style) => {
-                let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                let id = self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
                 let rcode = match style {
                     DnsDenied::Refused => ResponseCode::Refused,
                     DnsDenied::Nxdomain => ResponseCode::NXDomain,
@@ -353,7 +367,7 @@ impl Shim {
                 } else {
                     ResponseCode::NoError
                 };
-                self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
                 Reply::empty(rcode)
             }
             Action::AnyHinfo => {
@@ -362,12 +376,11 @@ impl Shim {
                     self.clamp_ttl(3600),
                     RData::HINFO(HINFO::new("RFC8482".into(), String::new())),
                 );
-                let mut rec = self.record(src, &verdict, &host, qtype);
+                let mut rec = self.record(served, src, &verdict, &host, qtype);
                 rec.answers = Some(vec![describe(&hinfo)]);
                 rec.upstream = Some(false);
                 self.finish(
                     rec,
-                    &verdict,
                     Reply {
                         rcode: ResponseCode::NoError,
                         answers: vec![hinfo],
@@ -395,12 +408,13 @@ impl Shim {
                     })
                     .collect();
                 if answers.is_empty() {
-                    let style = self
-                        .orgs
+                    let style = served
+                        .dns
                         .get(verdict.org.as_ref().map_or(usize::MAX, |o| o.index))
                         .map(|o| o.denied)
                         .unwrap_or_default();
-                    let id = self.record_refusal(src, &verdict, Some(&host), Some(qtype), None);
+                    let id =
+                        self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
                     let rcode = match style {
                         DnsDenied::Refused => ResponseCode::Refused,
                         DnsDenied::Nxdomain => ResponseCode::NXDomain,
@@ -408,13 +422,12 @@ impl Shim {
                     blocked(rcode, &verdict, &id)
                 } else {
                     verdict.reason = Reason::RuleMatch;
-                    let mut rec = self.record(src, &verdict, &host, qtype);
+                    let mut rec = self.record(served, src, &verdict, &host, qtype);
                     rec.answers = Some(answers.iter().map(describe).collect());
                     rec.upstream = Some(false);
                     rec.detail = Some("answered from this org's bindings".into());
                     self.finish(
                         rec,
-                        &verdict,
                         Reply {
                             rcode: ResponseCode::NoError,
                             answers,
@@ -428,7 +441,7 @@ impl Shim {
                 let Some(org) = verdict.org.clone() else {
                     return Reply::empty(ResponseCode::Refused);
                 };
-                let fwd = self.forward(&org, &host, qtype).await;
+                let fwd = self.forward(served, &org, &host, qtype).await;
                 if let Some(d) = fwd.denial.clone() {
                     verdict = Verdict {
                         rule: d.rule.or(verdict.rule),
@@ -438,7 +451,7 @@ impl Shim {
                 if fwd.rcode == ResponseCode::ServFail {
                     verdict.reason = Reason::ResolutionFailed;
                 }
-                let mut rec = self.record(src, &verdict, &host, qtype);
+                let mut rec = self.record(served, src, &verdict, &host, qtype);
                 rec.answers = Some(fwd.answers.iter().map(describe).collect());
                 rec.upstream = Some(true);
                 let mut details = Vec::new();
@@ -458,7 +471,7 @@ impl Shim {
                     answers: fwd.answers,
                     ede: None,
                 };
-                let mut reply = self.finish(rec, &verdict, reply).await;
+                let mut reply = self.finish(rec, reply).await;
                 if filtered {
                     if let Some((_, text)) = &mut reply.ede {
                         text.push_str("; answer addresses removed");
@@ -475,21 +488,20 @@ impl Shim {
                 reply
             }
         };
-        metrics::metrics()
-            .decision_duration_seconds
-            .with_label_values(&["dns"])
-            .observe(started.elapsed().as_secs_f64());
+        self.metrics.time_decision(Mode::Dns, started.elapsed());
         reply
     }
 
     fn record(
         &self,
+        served: &Served,
         src: SocketAddr,
         verdict: &Verdict,
         host: &str,
         qtype: RecordType,
     ) -> EvRecord {
-        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, &self.policy_hash);
+        let hash = served.policy.hash_arc();
+        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, hash);
         rec.host = Some(host.to_string());
         rec.qtype = Some(qtype.to_string());
         rec
@@ -499,33 +511,39 @@ impl Shim {
     /// (queued, not awaited: nothing flows because of it); returns its id.
     fn record_refusal(
         &self,
+        served: &Served,
         src: SocketAddr,
         verdict: &Verdict,
         host: Option<&str>,
         qtype: Option<RecordType>,
         detail: Option<String>,
     ) -> String {
-        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, &self.policy_hash);
+        let hash = served.policy.hash_arc();
+        let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, hash);
         rec.host = host.map(str::to_string);
         rec.qtype = qtype.map(|t| t.to_string());
         rec.answers = Some(Vec::new());
         rec.upstream = Some(false);
         rec.detail = detail;
         self.evidence.submit(&mut rec);
-        metrics::count_dns(verdict.org.as_ref(), verdict.reason);
+        self.metrics.count_record(&rec);
         debug!(client = %src, host = ?host, reason = %verdict.reason, "dns refused");
         rec.id
     }
 
     /// Write the record of an answer before it is sent; without evidence,
     /// no answer (SERVFAIL, `evidence_unavailable`).
-    async fn finish(&self, mut rec: EvRecord, verdict: &Verdict, mut reply: Reply) -> Reply {
+    async fn finish(&self, mut rec: EvRecord, mut reply: Reply) -> Reply {
         if let Err(e) = self.evidence.write(&mut rec).await {
             warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
-            metrics::count_dns(verdict.org.as_ref(), Reason::EvidenceUnavailable);
+            // Counted as what happened: refused, unrecorded.
+            rec.reason = Reason::EvidenceUnavailable;
+            rec.decision = rec.reason.decision();
+            rec.would_deny = None;
+            self.metrics.count_record(&rec);
             return Reply::empty(ResponseCode::ServFail);
         }
-        metrics::count_dns(verdict.org.as_ref(), rec.reason);
+        self.metrics.count_record(&rec);
         if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
             reply.ede = Some((
                 EDE_BLOCKED,

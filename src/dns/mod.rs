@@ -68,11 +68,11 @@ pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io:
     Ok(l)
 }
 
-/// The shim being served; a policy reload swaps in a new one whole, and
-/// each query is answered by the one current when it arrived.
-pub type ShimHandle = Arc<arc_swap::ArcSwap<Shim>>;
+/// The shim, shared by the UDP server and every TCP connection. What a
+/// reload changes is in its [`Shim::served`], loaded once per query.
+pub type ShimHandle = Arc<Shim>;
 
-/// The hickory handler: the current [`Shim`].
+/// The hickory handler.
 struct Handler(ShimHandle);
 
 #[async_trait::async_trait]
@@ -82,8 +82,7 @@ impl hickory_server::server::RequestHandler for Handler {
         request: &Request,
         response_handle: R,
     ) -> ResponseInfo {
-        let shim = self.0.load_full();
-        shim.respond(request, response_handle).await
+        self.0.respond(request, response_handle).await
     }
 }
 
@@ -98,7 +97,7 @@ pub fn serve(
     for socket in udp {
         server.register_socket(socket);
     }
-    let conns = Arc::new(Semaphore::new(shim.load().config.max_tcp_connections));
+    let conns = Arc::new(Semaphore::new(shim.config.max_tcp_connections));
     let tracker = TaskTracker::new();
     for listener in tcp {
         tracker.spawn(serve_tcp(
@@ -161,10 +160,7 @@ async fn tcp_connection(
     shim: ShimHandle,
     stop: CancellationToken,
 ) {
-    let (idle, per_query) = {
-        let s = shim.load();
-        (s.config.idle_timeout, s.config.query_timeout)
-    };
+    let (idle, per_query) = (shim.config.idle_timeout, shim.config.query_timeout);
     for _ in 0..MAX_QUERIES_PER_TCP_CONNECTION {
         let mut len = [0u8; 2];
         let read = tokio::select! {
@@ -183,8 +179,7 @@ async fn tcp_connection(
             return;
         }
         // The handler bounds upstream time itself; this is a backstop.
-        let current = shim.load_full();
-        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&current, msg, src)).await;
+        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src)).await;
         let Ok(Some(resp)) = answer else {
             continue;
         };

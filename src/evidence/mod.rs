@@ -208,6 +208,44 @@ pub enum EvidenceError {
     Sealed,
 }
 
+/// What the writer has done, as plain counters: the metrics layer reads
+/// them when scraped (evidence knows nothing of metrics).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Lines written (records, checkpoints, segment headers).
+    records_written: AtomicU64,
+    /// Writes that failed, and records that could not be queued.
+    write_errors: AtomicU64,
+    /// Records waiting for the writer thread.
+    queue_depth: AtomicU64,
+}
+
+impl Counters {
+    pub fn records_written(&self) -> u64 {
+        self.records_written.load(Ordering::Relaxed)
+    }
+
+    pub fn write_errors(&self) -> u64 {
+        self.write_errors.load(Ordering::Relaxed)
+    }
+
+    pub fn queue_depth(&self) -> u64 {
+        self.queue_depth.load(Ordering::Relaxed)
+    }
+
+    fn written(&self, lines: u64) {
+        self.records_written.fetch_add(lines, Ordering::Relaxed);
+    }
+
+    fn write_failed(&self) {
+        self.write_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn set_queue_depth(&self, depth: usize) {
+        self.queue_depth.store(depth as u64, Ordering::Relaxed);
+    }
+}
+
 /// The evidence writer shared by every listener. Cheap to call from any
 /// task: records go to a dedicated writer thread through a bounded queue.
 pub struct Evidence {
@@ -253,6 +291,7 @@ impl Evidence {
                 prefix: format!("{:x}{:05x}", now.as_secs(), now.subsec_micros()),
                 next: AtomicU64::new(0),
             },
+            counters: Arc::default(),
         });
         let w = Writer::open(cfg.clone(), key, shared.clone())?;
         let segment = w.current_path();
@@ -282,6 +321,11 @@ impl Evidence {
     /// The checkpoint public key (hex).
     pub fn public_key(&self) -> &str {
         &self.public_key
+    }
+
+    /// What the writer has done so far (read by the metrics layer).
+    pub fn counters(&self) -> &Arc<Counters> {
+        &self.shared.counters
     }
 
     /// Whether the last write succeeded (and the chain is not sealed).
@@ -355,7 +399,7 @@ impl Evidence {
             Ok(f) => f,
             Err(e) => {
                 tracing::error!(error = %e, "evidence record not serialisable");
-                crate::metrics::metrics().evidence_write_errors_total.inc();
+                self.shared.counters.write_failed();
                 return;
             }
         };
@@ -376,7 +420,7 @@ impl Evidence {
                 self.shared.slots.add_permits(1);
             }
             tracing::error!(id = %record.id, "evidence record submitted after the seal");
-            crate::metrics::metrics().evidence_write_errors_total.inc();
+            self.shared.counters.write_failed();
         }
     }
 

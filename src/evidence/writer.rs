@@ -58,6 +58,7 @@ pub(super) struct Shared {
     pub healthy: AtomicBool,
     pub closed: AtomicBool,
     pub ids: Ids,
+    pub counters: Arc<super::Counters>,
 }
 
 /// Record ids: a per-start prefix and a counter.
@@ -276,7 +277,7 @@ impl Writer {
             closed: false,
             dirty: false,
         });
-        crate::metrics::metrics().evidence_records_total.inc();
+        self.shared.counters.written(1);
         info!(segment = %self.current_path().display(), start, "evidence segment opened");
         Ok(())
     }
@@ -501,14 +502,13 @@ impl Writer {
 
     /// One round: write the batch, acknowledge it, handle failure.
     fn step(&mut self, mut batch: Vec<Msg>, finish: Option<&str>) -> bool {
-        let m = crate::metrics::metrics();
         if !self.healthy && Instant::now() < self.retry_at && finish.is_none() {
             self.refuse(batch, None);
             return false;
         }
         match self.attempt(&mut batch, finish) {
             Ok(lines) => {
-                m.evidence_records_total.inc_by(lines);
+                self.shared.counters.written(lines);
                 if !self.healthy {
                     info!("evidence writable again");
                 }
@@ -524,7 +524,7 @@ impl Writer {
                 true
             }
             Err(e) => {
-                m.evidence_write_errors_total.inc();
+                self.shared.counters.write_failed();
                 if self.healthy {
                     error!(error = %e, "evidence write failed; denying new connections until it works again");
                 }
@@ -596,9 +596,7 @@ impl Writer {
                 }
                 let n = q.items.len().min(MAX_BATCH);
                 let batch: Vec<Msg> = q.items.drain(..n).collect();
-                crate::metrics::metrics()
-                    .evidence_queue_depth
-                    .set(q.items.len() as i64);
+                self.shared.counters.set_queue_depth(q.items.len());
                 let stop = if q.items.is_empty() {
                     q.stop.take()
                 } else {

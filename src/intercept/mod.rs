@@ -43,7 +43,7 @@ impl Credential {
     }
 }
 
-/// Why interception could not be set up at start.
+/// Why interception could not be set up (at start or on a reload).
 #[derive(Debug, thiserror::Error)]
 pub enum InterceptError {
     #[error("org {org}: CA: {source}")]
@@ -56,7 +56,8 @@ pub enum InterceptError {
     Tls(#[from] rustls::Error),
 }
 
-/// Everything interception needs, built once at start.
+/// Everything interception needs, built at start and by each reload
+/// ([`crate::served::Served::load`]).
 pub struct Interceptor {
     provider: Arc<rustls::crypto::CryptoProvider>,
     cas: HashMap<String, OrgCa>,
@@ -65,6 +66,7 @@ pub struct Interceptor {
     pub upstream: Arc<ClientConfig>,
     credentials: HashMap<String, Vec<Arc<Credential>>>,
     pub handshake_timeout: std::time::Duration,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl std::fmt::Debug for Interceptor {
@@ -102,7 +104,10 @@ pub fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptErro
 
 impl Interceptor {
     /// Build from the config; `None` when no org intercepts anything.
-    pub fn new(config: &Config) -> Result<Option<Interceptor>, InterceptError> {
+    pub fn new(
+        config: &Config,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Result<Option<Interceptor>, InterceptError> {
         if !config.orgs.iter().any(|o| o.intercepts()) {
             return Ok(None);
         }
@@ -142,13 +147,14 @@ impl Interceptor {
             upstream: Arc::new(upstream),
             credentials,
             handshake_timeout: config.intercept.handshake_timeout,
+            metrics,
         }))
     }
 
     /// The TLS server config presenting a leaf for `name` from `org`'s CA,
     /// from the cache or freshly minted.
     pub fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
-        let m = crate::metrics::metrics();
+        let m = &self.metrics;
         let now = Instant::now();
         if let Some(c) = self.lock_cache().get(org, name, now) {
             m.intercept_cert_cache_total

@@ -43,7 +43,7 @@ use crate::evidence::{Kind, Mode, Record};
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
-use crate::proxy::{deny, dial, Ctx, View};
+use crate::proxy::{deny, Ctx, View};
 
 type Body_ = UnsyncBoxBody<Bytes, hyper::Error>;
 
@@ -69,7 +69,7 @@ impl Session {
     /// The session of an allowed, intercepted connection, from its (written)
     /// decision record; `None` if the record lacks what interception needs.
     pub fn new(ctx: Arc<Ctx>, view: View, mode: Mode, record: Record) -> Option<Session> {
-        let ic = ctx.intercept.clone()?;
+        let ic = view.intercept.clone()?;
         Some(Session {
             ic,
             view,
@@ -283,7 +283,8 @@ impl Shared {
             Some(t) => t,
             None => {
                 let addr = s.upstream_addr;
-                dial(&[addr.ip()], addr.port(), s.ctx.limits.connect_timeout)
+                s.ctx
+                    .dial(&[addr.ip()], addr.port())
                     .await
                     .map_err(|e| UpstreamError::Connect(e.to_string()))?
                     .0
@@ -575,7 +576,10 @@ async fn decide_and_send(
     let h2_upstream = match sender_check {
         Ok(()) => matches!(shared.upstream.lock().await.sender, Some(Sender::H2(_))),
         Err(UpstreamError::Tls(detail)) => {
-            crate::metrics::metrics()
+            shared
+                .session
+                .ctx
+                .metrics
                 .upstream_tls_errors_total
                 .with_label_values(&[&*shared.org])
                 .inc();
@@ -630,7 +634,8 @@ async fn decide_and_send(
             return upstream_failed_after(shared, &record, "upstream response timed out", &up_count)
         }
     };
-    crate::metrics::metrics()
+    s.ctx
+        .metrics
         .intercepted_request_duration_seconds
         .with_label_values(&[&shared.org])
         .observe(started.elapsed().as_secs_f64());
@@ -652,7 +657,10 @@ async fn decide_and_send(
 }
 
 fn count(shared: &Shared, reason: Reason) {
-    crate::metrics::metrics()
+    shared
+        .session
+        .ctx
+        .metrics
         .intercepted_requests_total
         .with_label_values(&[&shared.org, reason.decision(), reason.as_str()])
         .inc();

@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::tunnel::{self, Detected};
-use super::{dial, verify, Ctx, DialError, View};
+use super::{verify, Ctx, DialError, View};
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
 use crate::policy::{Reason, Verdict};
@@ -103,7 +103,7 @@ pub async fn open(
         Some(&host),
         Some(port),
     );
-    match dial(&outcome.dial, port, ctx.limits.connect_timeout).await {
+    match ctx.dial(&outcome.dial, port).await {
         Ok((upstream, addr)) => {
             record.ip = Some(addr.ip());
             Ok(Opened {
@@ -231,7 +231,7 @@ where
     // Opt-in TLS interception (src/intercept): only for an allow rule with
     // `intercept = true` (which carries TLS, so the hello was checked).
     let plan = crate::intercept::plan(
-        ctx.intercept.as_deref(),
+        view.intercept.as_deref(),
         &view,
         &mut record,
         detected.as_ref().unwrap_or(&Detected::NotTls),

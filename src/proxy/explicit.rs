@@ -23,7 +23,7 @@ use tracing::{debug, info_span, Instrument};
 
 use super::connect::{self, Refused};
 use super::limits::Permit;
-use super::{deny, dial, Ctx, DialError, Outcome, View};
+use super::{deny, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
 use crate::intercept;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
@@ -221,7 +221,7 @@ fn identify(
         ),
         None => {
             let view = View {
-                policy: ctx.policy.load_full(),
+                served: ctx.served.load_full(),
                 org: None,
             };
             Err((view, IdentityError::Failed("malformed Proxy-Authorization")))
@@ -572,7 +572,7 @@ async fn forward(
         mut verdict,
         dial: addrs,
         detail,
-    } = ctx.decide(view, &host, port).await;
+    } = ctx.decide_in(Mode::Explicit, view, &host, port).await;
     if host_mismatch.is_some() && verdict.is_allow() {
         // Report mode: what enforcement would have said first.
         verdict.would_deny = Some(Reason::HostMismatch);
@@ -632,7 +632,7 @@ async fn forward(
     );
     record.method = Some(req.method().to_string());
     record.path = Some(req.uri().path().chars().take(256).collect());
-    let (upstream, addr) = match dial(&addrs, port, ctx.limits.connect_timeout).await {
+    let (upstream, addr) = match ctx.dial(&addrs, port).await {
         Ok(ok) => ok,
         Err(e) => return dial_failed(&ctx, &mut record, &e).await,
     };

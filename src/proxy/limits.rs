@@ -2,12 +2,13 @@
 //! connection's task and frees its slots when dropped. Orgs are counted by
 //! name, so a policy reload that reorders or adds orgs keeps every count.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::config::Limits;
 use crate::policy::OrgRef;
 
 /// Counters for the global cap and each org's cap (clients of no org share
@@ -18,6 +19,8 @@ pub struct ConnLimits {
     max_per_org: usize,
     per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     new_per_org: RateLimiter<Arc<str>>,
+    /// `palisade_active_connections`, by org.
+    active: prometheus::IntGaugeVec,
 }
 
 /// Which limit refused a connection.
@@ -41,11 +44,39 @@ impl LimitHit {
 /// Token buckets per key (`rate` tokens a second, up to `rate` saved), for
 /// at most `max_keys` keys. With the table full of recently active keys, a
 /// new key is refused: the limiter fails closed rather than growing.
+///
+/// Memory follows use without ever scanning the whole table under the
+/// lock: each new key first looks at the [`SWEEP_PER_INSERT`] keys that
+/// have gone longest without a look, drops those whose bucket has refilled
+/// (a full bucket carries no state) and sends the others to the back.
 #[derive(Debug)]
 pub struct RateLimiter<K> {
     rate: f64,
     max_keys: usize,
-    buckets: Mutex<HashMap<K, (f64, Instant)>>,
+    table: Mutex<Table<K>>,
+}
+
+/// Keys looked at (and dropped if refilled) before each new key goes in.
+pub const SWEEP_PER_INSERT: usize = 4;
+
+#[derive(Debug)]
+struct Table<K> {
+    buckets: HashMap<K, Bucket>,
+    /// Every key of `buckets` once, least recently swept first.
+    sweep: VecDeque<K>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Bucket {
+    /// The tokens at `now`, refilled at `rate` a second up to `rate`.
+    fn refilled(self, rate: f64, now: Instant) -> f64 {
+        (self.tokens + now.saturating_duration_since(self.at).as_secs_f64() * rate).min(rate)
+    }
 }
 
 impl<K: Hash + Eq + Clone> RateLimiter<K> {
@@ -53,33 +84,60 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
         RateLimiter {
             rate: rate_per_second.max(1) as f64,
             max_keys,
-            buckets: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table {
+                buckets: HashMap::new(),
+                sweep: VecDeque::new(),
+            }),
         }
     }
 
     /// Take one token for `key` at `now`.
     pub fn allow(&self, key: &K, now: Instant) -> bool {
-        let mut map = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
-        if !map.contains_key(key) && map.len() >= self.max_keys {
-            // Drop buckets that have refilled: they carry no state.
-            let rate = self.rate;
-            map.retain(|_, (tokens, at)| {
-                *tokens + now.duration_since(*at).as_secs_f64() * rate < rate
-            });
-            if map.len() >= self.max_keys {
+        let rate = self.rate;
+        let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        let Table { buckets, sweep } = &mut *table;
+        if !buckets.contains_key(key) {
+            for _ in 0..SWEEP_PER_INSERT.min(sweep.len()) {
+                let Some(k) = sweep.pop_front() else { break };
+                match buckets.get(&k) {
+                    Some(b) if b.refilled(rate, now) < rate => sweep.push_back(k),
+                    _ => {
+                        buckets.remove(&k);
+                    }
+                }
+            }
+            if buckets.len() >= self.max_keys {
                 return false;
             }
+            sweep.push_back(key.clone());
+            buckets.insert(
+                key.clone(),
+                Bucket {
+                    tokens: rate,
+                    at: now,
+                },
+            );
         }
-        let (tokens, at) = map.entry(key.clone()).or_insert((self.rate, now));
-        *tokens =
-            (*tokens + now.saturating_duration_since(*at).as_secs_f64() * self.rate).min(self.rate);
-        *at = now;
-        if *tokens >= 1.0 {
-            *tokens -= 1.0;
+        let Some(bucket) = buckets.get_mut(key) else {
+            return false;
+        };
+        bucket.tokens = bucket.refilled(rate, now);
+        bucket.at = now;
+        if bucket.tokens >= 1.0 {
+            bucket.tokens -= 1.0;
             true
         } else {
             false
         }
+    }
+
+    /// Keys held now.
+    pub fn len(&self) -> usize {
+        self.table.lock().map_or(0, |t| t.buckets.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -131,7 +189,15 @@ impl Drop for Permit {
 }
 
 impl ConnLimits {
-    pub fn new(max_global: usize, max_per_org: usize, new_per_second_per_org: usize) -> ConnLimits {
+    /// The caps of `limits`; permits count in `active`
+    /// (`palisade_active_connections`).
+    pub fn new(limits: &Limits, active: prometheus::IntGaugeVec) -> ConnLimits {
+        let Limits {
+            max_connections: max_global,
+            max_connections_per_org: max_per_org,
+            max_new_connections_per_second_per_org: new_per_second_per_org,
+            ..
+        } = *limits;
         ConnLimits {
             global: Arc::new(Slot {
                 used: AtomicUsize::new(0),
@@ -141,6 +207,7 @@ impl ConnLimits {
             per_org: Mutex::new(HashMap::new()),
             // Orgs come from the config (plus `unknown`): a small, bounded set.
             new_per_org: RateLimiter::new(new_per_second_per_org, 65_536),
+            active,
         }
     }
 
@@ -173,8 +240,8 @@ impl ConnLimits {
         let global = self.global.try_take().ok_or(LimitHit::Global)?;
         match org_slot.try_take() {
             Some(org_slot) => {
-                let active = crate::metrics::metrics()
-                    .active_connections
+                let active = self
+                    .active
                     .with_label_values(&[crate::metrics::org_label(org)]);
                 active.inc();
                 Ok(Permit {
@@ -226,7 +293,17 @@ mod tests {
 
     #[test]
     fn caps_hold_and_release() {
-        let limits = ConnLimits::new(3, 2, 1000);
+        let active =
+            prometheus::IntGaugeVec::new(prometheus::Opts::new("a", "a"), &["org"]).unwrap();
+        let limits = ConnLimits::new(
+            &Limits {
+                max_connections: 3,
+                max_connections_per_org: 2,
+                max_new_connections_per_second_per_org: 1000,
+                ..Limits::default()
+            },
+            active.clone(),
+        );
         let a = limits.try_acquire(Some(&org(0, "a"))).unwrap();
         let _b = limits.try_acquire(Some(&org(7, "a"))).unwrap();
         assert!(
@@ -240,7 +317,34 @@ mod tests {
             "global cap"
         );
         assert_eq!(limits.in_use(), 3);
+        assert_eq!(active.with_label_values(&["a"]).get(), 2);
         drop(a);
+        assert_eq!(active.with_label_values(&["a"]).get(), 1);
         assert!(limits.try_acquire(None).is_ok());
+    }
+
+    #[test]
+    fn rate_limiter_sweeps_a_few_keys_per_new_key_never_the_whole_table() {
+        let r = RateLimiter::new(1, 1000);
+        let t0 = Instant::now();
+        for k in 0..1000 {
+            assert!(r.allow(&k, t0));
+        }
+        assert_eq!(r.len(), 1000);
+        // Full of spent buckets: a new key is refused, nothing dropped.
+        assert!(!r.allow(&1000, t0));
+        assert_eq!(r.len(), 1000);
+        // A second later every bucket has refilled: the next new key drops
+        // only the few it looks at, and gets in.
+        let t1 = t0 + std::time::Duration::from_secs(1);
+        assert!(r.allow(&1001, t1));
+        assert_eq!(r.len(), 1000 - SWEEP_PER_INSERT + 1);
+        // Keys in use are kept: their buckets still count.
+        assert!(!r.allow(&1001, t1), "one token a second");
+        for k in 2000..2300 {
+            assert!(r.allow(&k, t1));
+        }
+        assert!(!r.allow(&1001, t1), "not swept while spent");
+        assert!(r.len() <= 1000);
     }
 }

@@ -16,7 +16,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -24,9 +23,11 @@ use tracing::{debug, warn};
 
 use crate::config::Limits;
 use crate::evidence::{Evidence, Kind, Mode, Record};
+use crate::metrics::Metrics;
 use crate::policy::{Credential, Decision, IdentityError, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
+use crate::served::{Served, ServedHandle};
 
 use self::limits::{ConnLimits, Permit};
 
@@ -43,14 +44,14 @@ pub trait NameBindings: Send + Sync {
 
 /// Everything a connection handler needs, shared by all connections.
 pub struct Ctx {
-    /// The served policy; a reload swaps it whole.
-    pub policy: ArcSwap<Policy>,
+    /// What is served (policy, interception, credentials); a reload swaps
+    /// it whole. Read it through [`Ctx::view`]: once per decision.
+    pub served: ServedHandle,
     pub evidence: Arc<Evidence>,
+    pub metrics: Arc<Metrics>,
     pub resolver: Arc<Resolver>,
     /// The DNS shim's bindings, when it runs.
     pub bindings: Option<Arc<dyn NameBindings>>,
-    /// TLS interception, when some org's rule intercepts.
-    pub intercept: Option<Arc<crate::intercept::Interceptor>>,
     pub limits: Limits,
     pub conns: ConnLimits,
     /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:
@@ -65,14 +66,23 @@ pub struct Ctx {
     pub tasks: TaskTracker,
 }
 
-/// One decision's view of the policy: the policy as it was when the
-/// request arrived, and the client's org in it. Everything about one
-/// request (org, decision, the policy hash in its records) comes from the
-/// same view, whatever a reload does meanwhile.
+/// One decision's view of what is served: the [`Served`] state as it was
+/// when the request arrived (its `policy`, `intercept` and credentials are
+/// reached through this view), and the client's org in it. Everything
+/// about one request (org, decision, interception, the policy hash in its
+/// records) comes from the same view, whatever a reload does meanwhile.
 #[derive(Debug, Clone)]
 pub struct View {
-    pub policy: Arc<Policy>,
+    pub served: Arc<Served>,
     pub org: Option<OrgRef>,
+}
+
+impl std::ops::Deref for View {
+    type Target = Served;
+
+    fn deref(&self) -> &Served {
+        &self.served
+    }
 }
 
 impl View {
@@ -118,14 +128,14 @@ pub struct Outcome {
 }
 
 impl Ctx {
-    /// The current policy and the client's org in it.
+    /// What is served now, and the client's org in it.
     pub fn view(&self, client: IpAddr) -> View {
-        let policy = self.policy.load_full();
-        let org = policy.org_for(client);
-        View { policy, org }
+        let served = self.served.load_full();
+        let org = served.policy.org_for(client);
+        View { served, org }
     }
 
-    /// The current policy and the org of a client that presented
+    /// What is served now, and the org of a client that presented
     /// `credential` (see the identity table in [`crate::policy`]). On
     /// failure, a view without an org to record the refusal under.
     pub fn view_as(
@@ -133,31 +143,26 @@ impl Ctx {
         client: IpAddr,
         credential: Option<Credential<'_>>,
     ) -> Result<View, (View, IdentityError)> {
-        let policy = self.policy.load_full();
-        match policy.org_for_identity(client, credential) {
-            Ok(org) => Ok(View { policy, org }),
-            Err(e) => Err((View { policy, org: None }, e)),
+        let served = self.served.load_full();
+        match served.policy.org_for_identity(client, credential) {
+            Ok(org) => Ok(View { served, org }),
+            Err(e) => Err((View { served, org: None }, e)),
         }
     }
 
-    /// Decide `host:port` for the view's client: the name step, resolution
-    /// when the name is allowed, then the address step.
-    pub async fn decide(&self, view: &View, host: &Host, port: u16) -> Outcome {
-        self.decide_in(Mode::Explicit, view, host, port).await
-    }
-
-    /// [`Ctx::decide`], timed under `mode`'s label.
+    /// [`Ctx::decide`], timed under `mode`'s label: for modes whose whole
+    /// decision is this one call (explicit, SOCKS5). Transparent mode
+    /// decides in several steps and times them together itself.
     pub async fn decide_in(&self, mode: Mode, view: &View, host: &Host, port: u16) -> Outcome {
         let started = std::time::Instant::now();
-        let outcome = self.decide_inner(view, host, port).await;
-        crate::metrics::metrics()
-            .decision_duration_seconds
-            .with_label_values(&[mode.as_str()])
-            .observe(started.elapsed().as_secs_f64());
+        let outcome = self.decide(view, host, port).await;
+        self.metrics.time_decision(mode, started.elapsed());
         outcome
     }
 
-    async fn decide_inner(&self, view: &View, host: &Host, port: u16) -> Outcome {
+    /// Decide `host:port` for the view's client: the name step, resolution
+    /// when the name is allowed, then the address step. Not timed.
+    pub async fn decide(&self, view: &View, host: &Host, port: u16) -> Outcome {
         let Some(org) = &view.org else {
             return Outcome {
                 verdict: Verdict {
@@ -179,7 +184,7 @@ impl Ctx {
     pub async fn write(&self, record: &mut Record) -> bool {
         match self.evidence.write(record).await {
             Ok(()) => {
-                crate::metrics::count_record(record);
+                self.metrics.count_record(record);
                 true
             }
             Err(e) => {
@@ -193,7 +198,7 @@ impl Ctx {
     /// nothing through). Its id is assigned at once; it is never dropped.
     pub fn submit(&self, record: &mut Record) {
         self.evidence.submit(record);
-        crate::metrics::count_record(record);
+        self.metrics.count_record(record);
     }
 }
 
@@ -281,9 +286,22 @@ impl DialError {
     }
 }
 
+impl Ctx {
+    /// [`dial`] within `connect_timeout`, failures counted.
+    pub async fn dial(
+        &self,
+        addrs: &[IpAddr],
+        port: u16,
+    ) -> Result<(TcpStream, SocketAddr), DialError> {
+        dial(&self.metrics, addrs, port, self.limits.connect_timeout).await
+    }
+}
+
 /// Dial the checked addresses in order until one answers; returns the
-/// stream and the address it reached, or the last error.
+/// stream and the address it reached, or the last error. Each failed
+/// address counts in `palisade_upstream_connect_errors_total`.
 pub async fn dial(
+    metrics: &Metrics,
     addrs: &[IpAddr],
     port: u16,
     timeout: Duration,
@@ -299,10 +317,7 @@ pub async fn dial(
             Ok(Err(source)) => last = DialError::Io { addr, source },
             Err(_) => last = DialError::Timeout { addr },
         }
-        crate::metrics::metrics()
-            .upstream_connect_errors_total
-            .with_label_values(&[last.kind()])
-            .inc();
+        metrics.count_connect_error(last.kind());
         debug!(%addr, error = %last, "dial failed; trying next address");
     }
     Err(last)

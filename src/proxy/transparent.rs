@@ -19,7 +19,7 @@ use tracing::{debug, info_span, Instrument};
 
 use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
-use super::{connect, decide_with, dial, verify, Ctx, Outcome, View};
+use super::{connect, decide_with, verify, Ctx, Outcome, View};
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
 use crate::intercept::{self, serve::Session};
@@ -147,10 +147,8 @@ async fn handle(
             None,
         ),
     };
-    crate::metrics::metrics()
-        .decision_duration_seconds
-        .with_label_values(&[Mode::Transparent.as_str()])
-        .observe(started.elapsed().as_secs_f64());
+    ctx.metrics
+        .time_decision(Mode::Transparent, started.elapsed());
 
     let host = name.unwrap_or(Host::Ip(orig.ip()));
     let mut record = view.record(
@@ -239,7 +237,7 @@ async fn handle(
     } else {
         record.tunnel = Some(Carry::Opaque);
     }
-    let upstream = match dial(&outcome.dial, orig.port(), ctx.limits.connect_timeout).await {
+    let upstream = match ctx.dial(&outcome.dial, orig.port()).await {
         Ok((upstream, _)) => upstream,
         Err(e) => {
             record.detail = Some(e.to_string());
@@ -248,7 +246,7 @@ async fn handle(
         }
     };
     // Opt-in TLS interception (src/intercept), as in explicit mode.
-    let plan = intercept::plan(ctx.intercept.as_deref(), view, &mut record, &detected);
+    let plan = intercept::plan(view.intercept.as_deref(), view, &mut record, &detected);
     if !ctx.write(&mut record).await || !record.reason.is_allow() {
         return reset(client);
     }

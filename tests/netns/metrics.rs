@@ -466,3 +466,46 @@ pub fn scalar_from_scrape(lab: &Lab, series: &str) -> f64 {
         })
         .unwrap_or(f64::NAN)
 }
+
+#[test]
+fn transparent_decisions_are_timed_once_under_their_own_mode() {
+    // No org holds the sandbox: its connections are decided `unknown_client`.
+    let lab = Lab::builder()
+        .policy(
+            "[[org]]\nname = \"acme\"\nclients = [\"198.18.9.0/24\"]\n\n\
+             [[org.allow]]\nhost = \"allowed.test\"\n",
+        )
+        .proxy_option(&format!(
+            "transparent = [\"{}\"]",
+            crate::transparent::TRANSPARENT
+        ))
+        .start();
+    crate::transparent::load_gateway(&lab);
+    let out = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "5",
+            &format!("http://{}/", lab::ALLOWED_IP),
+        ],
+    );
+    assert!(!out.success(), "{}", out.describe());
+    lab.wait_evidence("transparent unknown client", |v| {
+        v["mode"] == "transparent" && v["reason"] == "unknown_client"
+    });
+    let count = |mode: &str| {
+        scalar_from_scrape(
+            &lab,
+            &format!("palisade_decision_duration_seconds_count{{mode=\"{mode}\"}}"),
+        )
+    };
+    assert_eq!(count("transparent"), 1.0);
+    assert!(
+        count("explicit").is_nan(),
+        "a transparent decision timed as explicit too: {}",
+        count("explicit")
+    );
+}

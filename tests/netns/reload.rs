@@ -1,13 +1,18 @@
 //! Policy reload under traffic: SIGHUP and file changes swap the policy for
 //! the proxy and the DNS shim, open tunnels keep running, an invalid file
-//! keeps the old policy, and the policy text of every hash is kept beside
-//! the evidence.
+//! keeps the old policy, the policy text of every hash is kept beside the
+//! evidence, a reload can turn interception on (with its CA and
+//! credentials), and a setting only a restart can apply refuses the reload.
 
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::lab::{self, Lab, RawConn, BANNER, BANNER_PORT, DEFAULT_POLICY};
+use crate::lab::{
+    self, ca_pem, palisade_bin, run_with_timeout, scratch_dir, Lab, RawConn, BANNER, BANNER_PORT,
+    CMD_TIMEOUT, DEFAULT_POLICY, PROXY_URL,
+};
 
 const SECS5: Duration = Duration::from_secs(5);
 
@@ -153,4 +158,145 @@ fn a_changed_file_is_picked_up_without_a_signal() {
         served_hash(&lab) != before
     });
     assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 200);
+}
+
+/// The secret a reload adds to requests to allowed.test.
+const SECRET: &str = "r3load-tok-5e0c91d2";
+
+#[test]
+fn a_reload_turns_interception_on_with_its_ca_and_credential() {
+    let dir = scratch_dir("reload-intercept");
+    let secret = dir.join("registry.token");
+    std::fs::write(&secret, format!("{SECRET}\n")).unwrap();
+    let ca_dir = dir.join("ca");
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}",
+            ca_dir.display().to_string(),
+            ca_pem().display().to_string()
+        ))
+        .start();
+    let lab_ca = ca_pem().display().to_string();
+    let curl = |ca: &str, path: &str| {
+        lab.client_curl(&[
+            "-x",
+            PROXY_URL,
+            "--cacert",
+            ca,
+            &format!("https://allowed.test{path}"),
+        ])
+    };
+
+    // Before: allowed.test passes through untouched (the upstream's own
+    // certificate), and no org CA exists.
+    let before = served_hash(&lab);
+    let r = curl(&lab_ca, "/before");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        !ca_dir.join("acme.pem").exists(),
+        "no CA before interception"
+    );
+
+    // Reload: the rule intercepts and a credential is added for the host.
+    edit_config(&lab, |t| {
+        let t = t.replace(
+            "host = \"allowed.test\"\nports = [80, 443]\n",
+            "host = \"allowed.test\"\nports = [80, 443]\nintercept = true\n",
+        );
+        format!(
+            "{t}\n[[org.credential]]\nid = \"registry-token\"\nhost = \"allowed.test\"\n\
+             header = \"Authorization\"\nprefix = \"Bearer \"\nsecret_file = {:?}\n",
+            secret.display().to_string()
+        )
+    });
+    lab.signal_proxy("-HUP");
+    lab::wait_until("intercepting policy served", SECS5, || {
+        served_hash(&lab) != before
+    });
+    assert!(
+        ca_dir.join("acme.pem").is_file(),
+        "the reload created the org CA"
+    );
+
+    // What an operator then exports for the sandbox's trust store.
+    let out = run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["ca", "export", "--org", "acme", "-c"])
+            .arg(&lab.config_path),
+        None,
+        CMD_TIMEOUT,
+    );
+    assert!(out.success(), "ca export: {}", out.describe());
+    let org_ca = dir.join("acme-ca.pem");
+    std::fs::write(&org_ca, &out.stdout).unwrap();
+    let org_ca = org_ca.display().to_string();
+
+    // Intercepted: served through a leaf from the org CA, the credential
+    // added, the connection recorded as intercepted.
+    let r = curl(&org_ca, "/after");
+    assert_eq!(r.status, 200, "{r:?}\n{}", lab.proxy_output());
+    assert!(r.body.contains("hello from upstream="), "{r:?}");
+    let up = lab.wait_upstream("GET /after", |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with("GET /after "))
+    });
+    let auth: Vec<&str> = up["headers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|h| h[0] == "authorization")
+        .filter_map(|h| h[1].as_str())
+        .collect();
+    assert_eq!(auth, [format!("Bearer {SECRET}")], "{up}");
+    let after = served_hash(&lab);
+    let tcp = lab.wait_evidence("intercepted tcp decision", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["intercepted"] == true
+    });
+    assert_eq!(tcp["host"], "allowed.test", "{tcp}");
+    assert_eq!(tcp["policy"], after.as_str(), "{tcp}");
+    let http = lab.wait_evidence("intercepted request", |v| {
+        v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/after"
+    });
+    assert_eq!(http["decision"], "allow", "{http}");
+    assert_eq!(http["credential"], "registry-token", "{http}");
+    let untouched = lab.wait_evidence("tunnel before the reload", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["policy"] == before.as_str()
+    });
+    assert!(untouched["intercepted"].is_null(), "{untouched}");
+    let log = lab.proxy_output();
+    assert!(!log.contains(SECRET), "the secret leaked into the log");
+    // The upstream's own certificate is no longer what the client sees.
+    let r = curl(&lab_ca, "/lab-ca");
+    assert_ne!(r.exit, Some(0), "{r:#?}");
+}
+
+#[test]
+fn a_setting_only_a_restart_can_apply_refuses_the_reload() {
+    let lab = lab();
+    let before = served_hash(&lab);
+    // A new rule together with a limit that sizes a pool: all or nothing.
+    edit_config(&lab, |t| {
+        let t = t.replacen("[proxy]\n", "[proxy]\nmax_connections = 77\n", 1);
+        format!("{t}\n[[org.allow]]\nhost = \"other.test\"\n")
+    });
+    lab.signal_proxy("-HUP");
+    lab::wait_until("reload error counted", SECS5, || {
+        crate::metrics::scalar_from_scrape(&lab, "palisade_policy_reloads_total{result=\"error\"}")
+            >= 1.0
+    });
+    assert_eq!(served_hash(&lab), before);
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    let log = lab.proxy_output();
+    assert!(
+        log.lines().any(|l| l.contains("proxy.max_connections")
+            && l.contains("cannot change without a restart")),
+        "the refusal names the key:\n{log}"
+    );
+    assert_eq!(
+        crate::metrics::scalar_from_scrape(&lab, "palisade_policy_reloads_total{result=\"ok\"}"),
+        0.0
+    );
 }

@@ -1,0 +1,108 @@
+//! The served state: everything a policy reload changes, in one value.
+//!
+//! The proxy ([`crate::proxy::Ctx`]), the DNS shim and the admin listener
+//! share one [`ServedHandle`]. Each reader loads it once per decision (the
+//! proxy's [`crate::proxy::View`], one DNS query, one `/policy` answer), so
+//! the org, the rules, the DNS settings, the interception plan, the
+//! credentials and the `policy` hash in the records all come from the same
+//! version, whatever a reload does meanwhile. [`crate::reload`] builds a new
+//! [`Served`] off the async runtime and swaps it in with one store.
+
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use arc_swap::ArcSwap;
+
+use crate::config::{Config, OrgMode};
+use crate::dns::decide::OrgDns;
+use crate::intercept::{InterceptError, Interceptor};
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+
+/// One version of what is served.
+#[derive(Debug)]
+pub struct Served {
+    /// The compiled orgs and rules.
+    pub policy: Arc<Policy>,
+    /// Each org's DNS settings (denied-name answer, query types), indexed
+    /// like the policy's orgs.
+    pub dns: Vec<OrgDns>,
+    /// TLS interception (per-org CAs, credentials with their secrets,
+    /// upstream trust), when some org's rule intercepts.
+    pub intercept: Option<Arc<Interceptor>>,
+    /// What `/policy` reports.
+    pub info: PolicyInfo,
+    /// When this version was loaded.
+    pub loaded: SystemTime,
+}
+
+/// The served state shared by every reader; a reload swaps it whole.
+pub type ServedHandle = Arc<ArcSwap<Served>>;
+
+impl Served {
+    /// Build everything `config` (already validated, its orgs compiled into
+    /// `policy`) serves. Blocking: it reads the per-org CAs (creating
+    /// missing ones), the credentials' secrets and the upstream trust
+    /// bundle; call it off the async runtime.
+    pub fn load(
+        config: &Config,
+        policy: Arc<Policy>,
+        metrics: &Arc<Metrics>,
+    ) -> Result<Served, InterceptError> {
+        let intercept = Interceptor::new(config, metrics.clone())?.map(Arc::new);
+        let loaded = SystemTime::now();
+        Ok(Served {
+            dns: config.orgs.iter().map(OrgDns::from_config).collect(),
+            info: PolicyInfo::new(config, policy.hash(), loaded),
+            policy,
+            intercept,
+            loaded,
+        })
+    }
+
+    /// A handle serving `self`.
+    pub fn into_handle(self) -> ServedHandle {
+        Arc::new(ArcSwap::from_pointee(self))
+    }
+}
+
+/// The served policy, as `/policy` reports it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PolicyInfo {
+    pub hash: String,
+    /// RFC 3339 time it was loaded.
+    pub loaded_at: String,
+    pub config: String,
+    pub orgs: Vec<OrgSummary>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OrgSummary {
+    pub name: String,
+    pub clients: Vec<String>,
+    pub allow_rules: usize,
+    pub deny_rules: usize,
+    /// `enforce`, or `report` (denials recorded as `would_deny`, let through).
+    pub mode: OrgMode,
+}
+
+impl PolicyInfo {
+    pub fn new(config: &Config, hash: &str, loaded: SystemTime) -> PolicyInfo {
+        PolicyInfo {
+            hash: hash.to_string(),
+            loaded_at: humantime::format_rfc3339_millis(loaded).to_string(),
+            config: config.path.display().to_string(),
+            orgs: config
+                .orgs
+                .iter()
+                .map(|o| OrgSummary {
+                    name: o.name.clone(),
+                    clients: o.clients.iter().map(|c| c.to_string()).collect(),
+                    allow_rules: o.allow.len(),
+                    deny_rules: o.deny.len(),
+                    mode: o.mode,
+                })
+                .collect(),
+        }
+    }
+}
