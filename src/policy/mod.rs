@@ -1192,6 +1192,7 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 pub mod request;
+mod token;
 
 #[cfg(test)]
 mod tests;
