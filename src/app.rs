@@ -74,7 +74,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
     let resolver = Arc::new(
-        Resolver::new(&dns.upstream, dns.resolve_timeout)
+        Resolver::new(&dns.upstream, dns.resolve_timeout.get())
             .map_err(|e| StartError::Resolver(e.to_string()))?,
     );
     let policy = Arc::new(Policy::new(&config));
@@ -244,7 +244,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         }
     }
 
-    info!(grace = ?limits.drain_timeout, "shutting down: no new connections, draining");
+    info!(grace = ?limits.drain_timeout.get(), "shutting down: no new connections, draining");
     health.listeners_bound.store(false, Ordering::Relaxed);
     shutdown.cancel();
     for t in listener_tasks {
@@ -252,7 +252,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     }
     let _ = dns_task.await;
     tasks.close();
-    if tokio::time::timeout(limits.drain_timeout, tasks.wait())
+    if tokio::time::timeout(limits.drain_timeout.get(), tasks.wait())
         .await
         .is_err()
     {

@@ -15,10 +15,12 @@ use std::path::Path;
 mod error;
 mod model;
 mod raw;
+mod timeout;
 mod validate;
 
 pub use error::{ConfigError, ConfigErrors};
 pub use model::*;
+pub use timeout::*;
 
 use error::Errors;
 use raw::RawConfig;

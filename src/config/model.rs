@@ -10,6 +10,14 @@ use std::time::Duration;
 use ipnet::IpNet;
 use serde::Serialize;
 
+use super::timeout::{
+    ConnectTimeout, DetectTimeout, DnsIdleTimeout, DnsQueryTimeout, DrainTimeout, HandshakeTimeout,
+    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT, DEFAULT_DNS_QUERY_TIMEOUT,
+    DEFAULT_DRAIN_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT,
+};
+
 /// Default cap on concurrent client connections, all orgs together.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// Default cap on concurrent client connections of one org.
@@ -22,22 +30,6 @@ pub const DEFAULT_MAX_DETECT_MEMORY_BYTES: usize = 64 * 1024 * 1024;
 pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 /// Default cap on the number of request headers.
 pub const DEFAULT_MAX_HEADERS: usize = 100;
-/// Default time a client has to send a complete request head (slowloris bound).
-pub const DEFAULT_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time to establish a TCP connection to an upstream address.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Default time a tunnel or kept-alive connection may stay silent both ways.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
-/// Default time to wait for a tunnel client's first bytes (ClientHello detection).
-pub const DEFAULT_DETECT_TIMEOUT: Duration = Duration::from_millis(1000);
-/// Default grace period for open connections after SIGTERM/SIGINT.
-pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time for one upstream name resolution.
-pub const DEFAULT_RESOLVE_TIMEOUT: Duration = Duration::from_secs(3);
-/// Default time a DNS-over-TCP client may stay silent between queries.
-pub const DEFAULT_DNS_IDLE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time one DNS query may take end to end (including upstream).
-pub const DEFAULT_DNS_QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default cap on concurrent DNS-over-TCP connections, all listeners together.
 pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
 /// Default cap on DNS queries being answered at once (UDP and TCP).
@@ -77,8 +69,6 @@ pub const DEFAULT_CERT_CACHE: usize = 1000;
 pub const DEFAULT_CA_DIR: &str = "ca";
 /// Default upstream trust bundle for intercepted connections.
 pub const DEFAULT_UPSTREAM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
-/// Default time for a TLS handshake of an intercepted connection (either side).
-pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `[intercept]`: where the per-org CAs live and what upstream certificates are trusted.
 #[derive(Debug, Clone)]
@@ -89,7 +79,7 @@ pub struct InterceptConfig {
     pub upstream_ca: PathBuf,
     /// Minted leaf certificates kept; the oldest is evicted.
     pub cert_cache: usize,
-    pub handshake_timeout: Duration,
+    pub handshake_timeout: HandshakeTimeout,
 }
 
 impl Default for InterceptConfig {
@@ -169,11 +159,14 @@ pub struct Limits {
     pub max_detect_memory_bytes: usize,
     pub max_request_head_bytes: usize,
     pub max_headers: usize,
-    pub header_read_timeout: Duration,
-    pub connect_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub detect_timeout: Duration,
-    pub drain_timeout: Duration,
+    pub header_read_timeout: HeaderReadTimeout,
+    pub connect_timeout: ConnectTimeout,
+    /// A tunnel silent both ways this long is closed.
+    pub idle_timeout: IdleTimeout,
+    /// The wait for an upstream's response head to a forwarded request.
+    pub response_timeout: ResponseTimeout,
+    pub detect_timeout: DetectTimeout,
+    pub drain_timeout: DrainTimeout,
 }
 
 impl Default for Limits {
@@ -188,6 +181,7 @@ impl Default for Limits {
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             detect_timeout: DEFAULT_DETECT_TIMEOUT,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
         }
@@ -198,11 +192,11 @@ impl Default for Limits {
 pub struct DnsConfig {
     pub listen: Vec<SocketAddr>,
     pub upstream: Vec<SocketAddr>,
-    pub resolve_timeout: Duration,
+    pub resolve_timeout: ResolveTimeout,
     /// A DNS-over-TCP connection silent this long is closed.
-    pub idle_timeout: Duration,
+    pub idle_timeout: DnsIdleTimeout,
     /// One query, end to end; past it the client gets SERVFAIL.
-    pub query_timeout: Duration,
+    pub query_timeout: DnsQueryTimeout,
     pub max_tcp_connections: usize,
     pub max_queries_in_flight: usize,
     /// Queries one client address may send per second (token bucket).

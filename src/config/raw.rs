@@ -62,6 +62,7 @@ pub(super) struct RawProxy {
     pub(super) header_read_timeout: Option<Spanned<String>>,
     pub(super) connect_timeout: Option<Spanned<String>>,
     pub(super) idle_timeout: Option<Spanned<String>>,
+    pub(super) response_timeout: Option<Spanned<String>>,
     pub(super) detect_timeout: Option<Spanned<String>>,
     pub(super) drain_timeout: Option<Spanned<String>>,
 }

@@ -235,7 +235,7 @@ impl Shim {
 
     async fn forward(&self, org: &OrgRef, name: &str, qtype: RecordType) -> Forwarded {
         let lookup = tokio::time::timeout(
-            self.config.query_timeout,
+            self.config.query_timeout.get(),
             self.resolver.lookup_records(name, qtype),
         )
         .await

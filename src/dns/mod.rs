@@ -163,7 +163,7 @@ async fn tcp_connection(
 ) {
     let (idle, per_query) = {
         let s = shim.load();
-        (s.config.idle_timeout, s.config.query_timeout)
+        (s.config.idle_timeout.get(), s.config.query_timeout.get())
     };
     for _ in 0..MAX_QUERIES_PER_TCP_CONNECTION {
         let mut len = [0u8; 2];

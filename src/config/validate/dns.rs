@@ -1,6 +1,6 @@
 //! `[dns]`: the DNS shim's listeners, upstreams, bounds and TTLs.
 
-use super::{count, duration, socket_addr, Listeners};
+use super::{count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
 use crate::config::model::DnsConfig;
 use crate::config::raw::RawDns;
@@ -36,9 +36,9 @@ pub(super) fn validate_dns(
             .iter()
             .filter_map(|l| socket_addr(l, Some(53), errors))
             .collect(),
-        resolve_timeout: duration(resolve_timeout, d.resolve_timeout, errors),
-        idle_timeout: duration(idle_timeout, d.idle_timeout, errors),
-        query_timeout: duration(query_timeout, d.query_timeout, errors),
+        resolve_timeout: timeout(resolve_timeout, errors),
+        idle_timeout: timeout(idle_timeout, errors),
+        query_timeout: timeout(query_timeout, errors),
         max_tcp_connections: count(max_tcp_connections, d.max_tcp_connections, errors),
         max_queries_in_flight: count(max_queries_in_flight, d.max_queries_in_flight, errors),
         max_queries_per_second_per_client: count(
@@ -89,8 +89,8 @@ mod tests {
              dns_types = [\"txt\", \"MX\", \"TXT\"]\n"
         );
         let c = parse(&src).unwrap();
-        assert_eq!(c.dns.idle_timeout, Duration::from_secs(2));
-        assert_eq!(c.dns.query_timeout, Duration::from_secs(1));
+        assert_eq!(c.dns.idle_timeout.get(), Duration::from_secs(2));
+        assert_eq!(c.dns.query_timeout.get(), Duration::from_secs(1));
         assert_eq!(c.dns.max_tcp_connections, 3);
         assert_eq!(c.dns.max_queries_in_flight, 9);
         assert_eq!(c.dns.min_ttl, Duration::from_secs(1));

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use toml::Spanned;
 
-use super::{count, duration};
+use super::{count, timeout};
 use crate::config::error::Errors;
 use crate::config::model::InterceptConfig;
 use crate::config::raw::RawIntercept;
@@ -31,6 +31,6 @@ pub(super) fn validate_intercept(raw: RawIntercept, errors: &mut Errors<'_>) -> 
         ca_dir,
         upstream_ca,
         cert_cache: count(cert_cache, d.cert_cache, errors),
-        handshake_timeout: duration(handshake_timeout, d.handshake_timeout, errors),
+        handshake_timeout: timeout(handshake_timeout, errors),
     }
 }

@@ -12,6 +12,7 @@ use toml::Spanned;
 use super::error::Errors;
 use super::model::Config;
 use super::raw::RawConfig;
+use super::timeout::Timeout;
 
 mod admin;
 mod credentials;
@@ -114,20 +115,44 @@ fn count(value: Option<Spanned<i64>>, default: usize, errors: &mut Errors<'_>) -
     }
 }
 
+/// A duration setting, `default` when unset.
 fn duration(
     value: Option<Spanned<String>>,
     default: Duration,
     errors: &mut Errors<'_>,
 ) -> Duration {
-    let Some(value) = value else { return default };
+    value
+        .and_then(|v| positive_duration(&v, errors))
+        .unwrap_or(default)
+}
+
+/// A timeout setting: a positive duration within the timeout's bound,
+/// its default when unset.
+fn timeout<T: Timeout>(value: Option<Spanned<String>>, errors: &mut Errors<'_>) -> T {
+    let Some(value) = value else {
+        return T::DEFAULT;
+    };
+    let Some(d) = positive_duration(&value, errors) else {
+        return T::DEFAULT;
+    };
+    T::new(d).unwrap_or_else(|e| {
+        errors.at(
+            value.span(),
+            format!("{} {:?} {e}", T::KEY, value.get_ref()),
+        );
+        T::DEFAULT
+    })
+}
+
+fn positive_duration(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<Duration> {
     match humantime::parse_duration(value.get_ref().trim()) {
-        Ok(d) if !d.is_zero() => d,
+        Ok(d) if !d.is_zero() => Some(d),
         Ok(_) => {
             errors.at(
                 value.span(),
                 format!("duration {:?} must be positive", value.get_ref()),
             );
-            default
+            None
         }
         Err(e) => {
             errors.at(
@@ -137,7 +162,7 @@ fn duration(
                     value.get_ref()
                 ),
             );
-            default
+            None
         }
     }
 }
@@ -167,4 +192,83 @@ fn cidr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<IpNet> {
         return None;
     }
     Some(net)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::config::test_support::{first_error, parse, BASE};
+    use crate::config::*;
+
+    /// `key = "value"` added at the top of `table` (BASE has `[proxy]` and
+    /// `[admin]`; other tables go first): the config and the key's line.
+    fn with(table: &str, key: &str, value: &str) -> (String, usize) {
+        let line = format!("{key} = \"{value}\"\n");
+        match table {
+            "proxy" => (BASE.replace("[proxy]\n", &format!("[proxy]\n{line}")), 3),
+            _ => (format!("[{table}]\n{line}{BASE}"), 2),
+        }
+    }
+
+    #[test]
+    fn every_timeout_is_bounded_with_a_located_error() {
+        let cases = [
+            ("proxy", "header_read_timeout", HeaderReadTimeout::MAX),
+            ("proxy", "connect_timeout", ConnectTimeout::MAX),
+            ("proxy", "idle_timeout", IdleTimeout::MAX),
+            ("proxy", "response_timeout", ResponseTimeout::MAX),
+            ("proxy", "detect_timeout", DetectTimeout::MAX),
+            ("proxy", "drain_timeout", DrainTimeout::MAX),
+            ("dns", "resolve_timeout", ResolveTimeout::MAX),
+            ("dns", "idle_timeout", DnsIdleTimeout::MAX),
+            ("dns", "query_timeout", DnsQueryTimeout::MAX),
+            ("intercept", "handshake_timeout", HandshakeTimeout::MAX),
+        ];
+        for (table, key, max) in cases {
+            let at_max = humantime::format_duration(max).to_string();
+            let (src, _) = with(table, key, &at_max);
+            assert!(
+                parse(&src).is_ok(),
+                "{key} = {at_max}: {:?}",
+                parse(&src).err()
+            );
+            let over = humantime::format_duration(max + Duration::from_millis(1)).to_string();
+            let (src, line) = with(table, key, &over);
+            let e = first_error(&src);
+            let want = format!("t.toml:{line}:");
+            assert!(e.starts_with(&want), "{key}: {e} (want {want})");
+            let want = format!("{key} {over:?} is above the maximum of {at_max}");
+            assert!(e.ends_with(&want), "{key}: {e} (want {want})");
+            let (src, _) = with(table, key, "0s");
+            assert!(first_error(&src).contains("must be positive"), "{key}");
+        }
+    }
+
+    #[test]
+    fn detect_timeout_bound_reads_plainly() {
+        let (src, _) = with("proxy", "detect_timeout", "2m");
+        assert_eq!(
+            first_error(&src),
+            "t.toml:3:18: detect_timeout \"2m\" is above the maximum of 1m"
+        );
+    }
+
+    #[test]
+    fn response_timeout_is_its_own_key_and_defaults_to_the_idle_timeout() {
+        let c = parse(BASE).unwrap().proxy.limits;
+        assert_eq!(c.response_timeout, DEFAULT_RESPONSE_TIMEOUT);
+        assert_eq!(c.response_timeout.get(), Duration::from_secs(300));
+        assert_eq!(c.response_timeout.get(), c.idle_timeout.get());
+
+        let (src, _) = with("proxy", "response_timeout", "30s");
+        let c = parse(&src).unwrap().proxy.limits;
+        assert_eq!(c.response_timeout.get(), Duration::from_secs(30));
+        assert_eq!(c.idle_timeout, DEFAULT_IDLE_TIMEOUT);
+
+        // Unset, it follows idle_timeout, which bounded the wait before.
+        let (src, _) = with("proxy", "idle_timeout", "1s");
+        let c = parse(&src).unwrap().proxy.limits;
+        assert_eq!(c.response_timeout.get(), Duration::from_secs(1));
+    }
 }

@@ -1,9 +1,10 @@
 //! `[proxy]`: listeners, connection limits and timeouts.
 
-use super::{count, duration, Listeners};
+use super::{count, timeout, Listeners};
 use crate::config::error::Errors;
 use crate::config::model::{Limits, ProxyConfig};
 use crate::config::raw::RawProxy;
+use crate::config::timeout::{IdleTimeout, ResponseTimeout};
 
 pub(super) fn validate_proxy(
     raw: RawProxy,
@@ -23,10 +24,17 @@ pub(super) fn validate_proxy(
         header_read_timeout,
         connect_timeout,
         idle_timeout,
+        response_timeout,
         detect_timeout,
         drain_timeout,
     } = raw;
     let d = Limits::default();
+    let idle_timeout: IdleTimeout = timeout(idle_timeout, errors);
+    // Unset, the response wait is what bounded it before it had its own key.
+    let response_timeout = match response_timeout {
+        Some(value) => timeout(Some(value), errors),
+        None => ResponseTimeout::from(idle_timeout),
+    };
     let limits = Limits {
         max_connections: count(max_connections, d.max_connections, errors),
         max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
@@ -38,11 +46,12 @@ pub(super) fn validate_proxy(
         max_detect_memory_bytes: count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors),
         max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
         max_headers: count(max_headers, d.max_headers, errors),
-        header_read_timeout: duration(header_read_timeout, d.header_read_timeout, errors),
-        connect_timeout: duration(connect_timeout, d.connect_timeout, errors),
-        idle_timeout: duration(idle_timeout, d.idle_timeout, errors),
-        detect_timeout: duration(detect_timeout, d.detect_timeout, errors),
-        drain_timeout: duration(drain_timeout, d.drain_timeout, errors),
+        header_read_timeout: timeout(header_read_timeout, errors),
+        connect_timeout: timeout(connect_timeout, errors),
+        idle_timeout,
+        response_timeout,
+        detect_timeout: timeout(detect_timeout, errors),
+        drain_timeout: timeout(drain_timeout, errors),
     };
     ProxyConfig {
         listen: listen
@@ -74,7 +83,10 @@ mod tests {
             "[proxy]\nconnect_timeout = \"250ms\"\nmax_connections = 7\n",
         );
         let c = parse(&src).unwrap();
-        assert_eq!(c.proxy.limits.connect_timeout, Duration::from_millis(250));
+        assert_eq!(
+            c.proxy.limits.connect_timeout.get(),
+            Duration::from_millis(250)
+        );
         assert_eq!(c.proxy.limits.max_connections, 7);
         let bad = BASE.replace("[proxy]\n", "[proxy]\nidle_timeout = \"soon\"\n");
         assert!(first_error(&bad).contains("invalid duration \"soon\""));
