@@ -235,6 +235,8 @@ pub struct AdminConfig {
     pub listen: Option<SocketAddr>,
 }
 
+/// Default evidence directory.
+pub const DEFAULT_EVIDENCE_DIR: &str = "evidence";
 /// Default records between signed checkpoints.
 pub const DEFAULT_CHECKPOINT_EVERY: u64 = 1000;
 /// Default longest time between signed checkpoints while records arrive.
@@ -572,11 +574,45 @@ impl Config {
     /// Every socket address Palisade itself listens on; the policy never lets a
     /// connection be dialled back to one of them.
     pub fn own_addresses(&self) -> Vec<SocketAddr> {
-        let mut own: Vec<SocketAddr> = self.proxy.listen.clone();
-        own.extend(&self.proxy.transparent);
-        own.extend(&self.proxy.socks5);
-        own.extend(&self.dns.listen);
-        own.extend(self.admin.listen);
+        // Destructured exhaustively: a new listener cannot be left out.
+        let Config {
+            path: _,
+            proxy,
+            dns,
+            admin,
+            evidence: _,
+            intercept: _,
+            orgs: _,
+        } = self;
+        let ProxyConfig {
+            listen,
+            transparent,
+            socks5,
+            limits: _,
+        } = proxy;
+        let DnsConfig {
+            listen: dns_listen,
+            upstream: _,
+            resolve_timeout: _,
+            idle_timeout: _,
+            query_timeout: _,
+            max_tcp_connections: _,
+            max_queries_in_flight: _,
+            max_queries_per_second_per_client: _,
+            min_ttl: _,
+            max_ttl: _,
+            binding_grace: _,
+            max_bindings_per_name: _,
+            max_bindings: _,
+        } = dns;
+        let AdminConfig {
+            listen: admin_listen,
+        } = admin;
+        let mut own: Vec<SocketAddr> = listen.clone();
+        own.extend(transparent);
+        own.extend(socks5);
+        own.extend(dns_listen);
+        own.extend(*admin_listen);
         own
     }
 }

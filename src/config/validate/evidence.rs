@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use super::{count, duration};
+use super::{count, duration, path};
 use crate::config::error::Errors;
-use crate::config::model::{Durability, EvidenceConfig};
+use crate::config::model::{Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
 use crate::config::raw::{RawEvidence, RawSize};
 
 pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> EvidenceConfig {
@@ -22,57 +22,56 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         retain_size,
         retain_age,
     } = raw;
-    let dir = match dir {
-        Some(d) if d.get_ref().trim().is_empty() => {
-            errors.at(d.span(), "evidence dir must not be empty");
-            PathBuf::from("evidence")
-        }
-        Some(d) => PathBuf::from(d.into_inner()),
-        None => PathBuf::from("evidence"),
-    };
-    let mut c = EvidenceConfig::for_dir(&dir);
-    match key {
-        Some(k) if k.get_ref().trim().is_empty() => {
-            errors.at(k.span(), "evidence key must not be empty")
-        }
-        Some(k) => c.key = PathBuf::from(k.into_inner()),
-        None => {}
-    }
-    if let Some(d) = durability {
-        c.durability = match d.get_ref().as_str() {
+    let dir = path(
+        dir,
+        PathBuf::from(DEFAULT_EVIDENCE_DIR),
+        "evidence dir",
+        errors,
+    );
+    let d = EvidenceConfig::for_dir(&dir);
+    let key = path(key, d.key, "evidence key", errors);
+    let durability = match durability {
+        None => d.durability,
+        Some(v) => match v.get_ref().as_str() {
             "os" => Durability::Os,
             "fsync" => Durability::Fsync,
             "discard" => Durability::Discard,
             other => {
                 errors.at(
-                    d.span(),
+                    v.span(),
                     format!("durability {other:?} must be \"os\", \"fsync\" or \"discard\""),
                 );
                 Durability::Os
             }
-        };
-    }
-    c.checkpoint_every = count(checkpoint_every, c.checkpoint_every as usize, errors) as u64;
-    c.checkpoint_interval = duration(checkpoint_interval, c.checkpoint_interval, errors);
-    c.rotate_size = size(rotate_size, errors).unwrap_or(c.rotate_size);
-    c.rotate_age = duration(rotate_age, c.rotate_age, errors);
-    if let Some(r) = &retain_size {
+        },
+    };
+    let checkpoint_every = count(checkpoint_every, d.checkpoint_every as usize, errors) as u64;
+    let checkpoint_interval = duration(checkpoint_interval, d.checkpoint_interval, errors);
+    let rotate_size = size(rotate_size, errors).unwrap_or(d.rotate_size);
+    let rotate_age = duration(rotate_age, d.rotate_age, errors);
+    let retain_size = retain_size.and_then(|r| {
         let span = r.span();
-        c.retain_size = size(retain_size, errors);
-        if c.retain_size.is_some_and(|n| n < c.rotate_size) {
+        let n = size(Some(r), errors)?;
+        if n < rotate_size {
             errors.at(
                 span,
-                format!(
-                    "retain_size must be at least rotate_size ({} bytes)",
-                    c.rotate_size
-                ),
+                format!("retain_size must be at least rotate_size ({rotate_size} bytes)"),
             );
         }
+        Some(n)
+    });
+    let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
+    EvidenceConfig {
+        dir,
+        key,
+        durability,
+        checkpoint_every,
+        checkpoint_interval,
+        rotate_size,
+        rotate_age,
+        retain_size,
+        retain_age,
     }
-    if retain_age.is_some() {
-        c.retain_age = Some(duration(retain_age, Duration::ZERO, errors));
-    }
-    c
 }
 
 /// A byte size: an integer or a number with a unit (B, kB, MB, GB, KiB,

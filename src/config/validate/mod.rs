@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ipnet::IpNet;
@@ -112,6 +112,24 @@ fn count(value: Option<Spanned<i64>>, default: usize, errors: &mut Errors<'_>) -
             );
             default
         }
+    }
+}
+
+/// A path setting, `default` when unset; an empty one is an error naming
+/// `what`.
+fn path(
+    value: Option<Spanned<String>>,
+    default: PathBuf,
+    what: &str,
+    errors: &mut Errors<'_>,
+) -> PathBuf {
+    match value {
+        Some(p) if p.get_ref().trim().is_empty() => {
+            errors.at(p.span(), format!("{what} must not be empty"));
+            default
+        }
+        Some(p) => PathBuf::from(p.into_inner()),
+        None => default,
     }
 }
 
