@@ -11,7 +11,7 @@ use std::time::Duration;
 pub enum TimeoutError {
     #[error("must be positive")]
     Zero,
-    #[error("is above the maximum of {}", humantime::format_duration(*max))]
+    #[error("is above the maximum of {}", short(*max))]
     TooLong { max: Duration },
 }
 
@@ -21,6 +21,18 @@ pub(super) trait Timeout: Copy {
     const KEY: &'static str;
     const DEFAULT: Self;
     fn new(d: Duration) -> Result<Self, TimeoutError>;
+}
+
+/// A duration as a config would write it: "24h", "2m", "90s" (whole hours,
+/// minutes or seconds where it is one), else humantime's spelling.
+pub(super) fn short(d: Duration) -> String {
+    let secs = d.as_secs();
+    match (secs, d.subsec_nanos()) {
+        (1.., 0) if secs % HOUR == 0 => format!("{}h", secs / HOUR),
+        (1.., 0) if secs % MINUTE == 0 => format!("{}m", secs / MINUTE),
+        (1.., 0) => format!("{secs}s"),
+        _ => humantime::format_duration(d).to_string(),
+    }
 }
 
 /// Positive and at most `max`.
@@ -148,6 +160,17 @@ mod tests {
         assert_eq!(at_max.get(), Duration::from_secs(60));
         assert_eq!(DetectTimeout::default(), DEFAULT_DETECT_TIMEOUT);
         assert_eq!(DEFAULT_DETECT_TIMEOUT.get(), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn bounds_are_shown_as_written() {
+        let show = |secs| short(Duration::from_secs(secs));
+        assert_eq!(show(86_400), "24h");
+        assert_eq!(show(3_600), "1h");
+        assert_eq!(show(600), "10m");
+        assert_eq!(show(60), "1m");
+        assert_eq!(show(90), "90s");
+        assert_eq!(short(Duration::from_millis(1500)), "1s 500ms");
     }
 
     #[test]

@@ -217,6 +217,7 @@ mod tests {
     use std::time::Duration;
 
     use crate::config::test_support::{first_error, parse, BASE};
+    use crate::config::timeout::short;
     use crate::config::*;
 
     /// `key = "value"` added at the top of `table` (BASE has `[proxy]` and
@@ -229,22 +230,24 @@ mod tests {
         }
     }
 
+    /// Every timeout: its table, key and bound.
+    const TIMEOUTS: [(&str, &str, Duration); 10] = [
+        ("proxy", "header_read_timeout", HeaderReadTimeout::MAX),
+        ("proxy", "connect_timeout", ConnectTimeout::MAX),
+        ("proxy", "idle_timeout", IdleTimeout::MAX),
+        ("proxy", "response_timeout", ResponseTimeout::MAX),
+        ("proxy", "detect_timeout", DetectTimeout::MAX),
+        ("proxy", "drain_timeout", DrainTimeout::MAX),
+        ("dns", "resolve_timeout", ResolveTimeout::MAX),
+        ("dns", "idle_timeout", DnsIdleTimeout::MAX),
+        ("dns", "query_timeout", DnsQueryTimeout::MAX),
+        ("intercept", "handshake_timeout", HandshakeTimeout::MAX),
+    ];
+
     #[test]
     fn every_timeout_is_bounded_with_a_located_error() {
-        let cases = [
-            ("proxy", "header_read_timeout", HeaderReadTimeout::MAX),
-            ("proxy", "connect_timeout", ConnectTimeout::MAX),
-            ("proxy", "idle_timeout", IdleTimeout::MAX),
-            ("proxy", "response_timeout", ResponseTimeout::MAX),
-            ("proxy", "detect_timeout", DetectTimeout::MAX),
-            ("proxy", "drain_timeout", DrainTimeout::MAX),
-            ("dns", "resolve_timeout", ResolveTimeout::MAX),
-            ("dns", "idle_timeout", DnsIdleTimeout::MAX),
-            ("dns", "query_timeout", DnsQueryTimeout::MAX),
-            ("intercept", "handshake_timeout", HandshakeTimeout::MAX),
-        ];
-        for (table, key, max) in cases {
-            let at_max = humantime::format_duration(max).to_string();
+        for (table, key, max) in TIMEOUTS {
+            let at_max = short(max);
             let (src, _) = with(table, key, &at_max);
             assert!(
                 parse(&src).is_ok(),
@@ -260,6 +263,23 @@ mod tests {
             assert!(e.ends_with(&want), "{key}: {e} (want {want})");
             let (src, _) = with(table, key, "0s");
             assert!(first_error(&src).contains("must be positive"), "{key}");
+        }
+    }
+
+    #[test]
+    fn the_readme_states_every_bound() {
+        let readme = include_str!("../../../README.md");
+        for (table, key, max) in TIMEOUTS {
+            let (start, end) = (
+                format!("| `[{table}] {key}` |"),
+                format!("| {} |", short(max)),
+            );
+            assert!(
+                readme
+                    .lines()
+                    .any(|l| l.starts_with(&start) && l.ends_with(&end)),
+                "README.md has no row {start} ... {end}"
+            );
         }
     }
 
