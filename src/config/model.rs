@@ -32,9 +32,9 @@ pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 pub const DEFAULT_MAX_HEADERS: usize = 100;
 /// Default cap on concurrent DNS-over-TCP connections, all listeners together.
 pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
-/// Default cap on DNS queries being answered at once (UDP and TCP).
 /// Default DNS queries per second per client address.
 pub const DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT: usize = 2_000;
+/// Default cap on DNS queries being answered at once (UDP and TCP).
 pub const DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT: usize = 1024;
 /// Default lower bound on the TTL of answers handed out (and their bindings).
 pub const DEFAULT_DNS_MIN_TTL: Duration = Duration::from_secs(5);
@@ -104,7 +104,9 @@ pub struct RequestRules {
 }
 
 /// A path rule: a prefix (no `*`), or a glob over the whole path in which
-/// `*` matches any run of characters (including `/`).
+/// `*` matches any run of characters (including `/`). Validated to be in
+/// the normal form of `proto::http_request`; the policy
+/// (`policy::request`) matches it against normalised paths.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PathPattern(pub String);
 
@@ -397,7 +399,8 @@ impl Identity {
 }
 
 /// The SHA-256 digest of a token, as the config stores it
-/// (`sha256:<64 hex digits>`). Compared only in constant time.
+/// (`sha256:<64 hex digits>`). The policy matches a presented token's
+/// digest against these only in constant time (`policy::token`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct TokenDigest(pub [u8; 32]);
 
@@ -635,7 +638,7 @@ mod tests {
         let (b, _) = new_token().unwrap();
         assert_ne!(a, b);
         assert_eq!(a.len(), 64);
-        assert!(da.ct_eq(&TokenDigest::of(a.as_bytes())));
+        assert_eq!(da, TokenDigest::of(a.as_bytes()));
         assert_eq!(TokenDigest::parse(&da.to_string()), Some(da));
     }
 

@@ -11,3 +11,18 @@ impl TokenDigest {
         self.0.ct_eq(&other.0).into()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_digests_match_others_do_not() {
+        let a = TokenDigest::of(b"a");
+        assert!(a.ct_eq(&TokenDigest::of(b"a")));
+        assert!(!a.ct_eq(&TokenDigest::of(b"b")));
+        let mut flipped = a.clone();
+        flipped.0[31] ^= 1;
+        assert!(!a.ct_eq(&flipped));
+    }
+}

@@ -272,7 +272,7 @@ mod tests {
         );
         let c = parse(&ok).unwrap();
         assert_eq!(c.orgs[1].identity, Identity::Token);
-        assert!(c.orgs[1].tokens[0].ct_eq(&TokenDigest::of(b"secret-token")));
+        assert_eq!(c.orgs[1].tokens[0], TokenDigest::of(b"secret-token"));
         assert_eq!(c.orgs[2].identity, Identity::AddressToken);
         // The digests never reach the policy text.
         let json = serde_json::to_string(&c.orgs).unwrap();
