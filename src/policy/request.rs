@@ -1,6 +1,7 @@
 //! The decision on one request inside an intercepted connection: pure, no
 //! I/O. [`decide`] is the only place it is taken: the live intercepted path
-//! (HTTP/1.1 and HTTP/2 alike, through [`Policy::decide_request`]), plain
+//! (HTTP/1.1 and HTTP/2 alike, through
+//! [`Policy::decide_request`](super::Policy::decide_request)), plain
 //! `http://` requests under an intercepting rule, `palisade explain`, and
 //! the choice of credentials to add all call it, so none of them can
 //! answer differently from the others.
