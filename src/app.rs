@@ -79,7 +79,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new(evidence.counters().clone()));
     metrics.init_series(config.orgs.iter().map(|o| o.name.as_str()));
     let resolver = Arc::new(
-        Resolver::new(&dns.upstream, dns.resolve_timeout)
+        Resolver::new(&dns.upstream, dns.resolve_timeout.get())
             .map_err(|e| StartError::Resolver(e.to_string()))?
             .with_metrics(metrics.clone()),
     );
@@ -238,7 +238,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         }
     }
 
-    info!(grace = ?limits.drain_timeout, "shutting down: no new connections, draining");
+    info!(grace = ?limits.drain_timeout.get(), "shutting down: no new connections, draining");
     health.listeners_bound.store(false, Ordering::Relaxed);
     shutdown.cancel();
     for t in listener_tasks {
@@ -246,7 +246,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     }
     let _ = dns_task.await;
     tasks.close();
-    if tokio::time::timeout(limits.drain_timeout, tasks.wait())
+    if tokio::time::timeout(limits.drain_timeout.get(), tasks.wait())
         .await
         .is_err()
     {

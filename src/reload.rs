@@ -152,6 +152,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 header_read_timeout,
                 connect_timeout,
                 idle_timeout,
+                response_timeout,
                 detect_timeout,
                 drain_timeout
             }

@@ -208,7 +208,7 @@ pub async fn explain_request(
                 };
                 return explanation(client, "tcp", host, Some(*port), verdict, &policy);
             };
-            let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout);
+            let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
             let outcome = match resolver {
                 Ok(resolver) => decide_with(&policy, &resolver, &org, host, *port).await,
                 Err(e) => {

@@ -254,7 +254,7 @@ impl Shim {
         qtype: RecordType,
     ) -> Forwarded {
         let lookup = tokio::time::timeout(
-            self.config.query_timeout,
+            self.config.query_timeout.get(),
             self.resolver.lookup_records(name, qtype),
         )
         .await

@@ -6,26 +6,15 @@
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use data_encoding::HEXLOWER;
 use ed25519_dalek::SigningKey;
 
 use super::chain::unhex;
 
-/// The default key path for an evidence dir: `DIR.key` beside the directory,
-/// so that handing the evidence directory to an assessor never hands over
-/// the key.
-pub fn default_key_path(dir: &Path) -> PathBuf {
-    match dir.file_name() {
-        Some(name) => {
-            let mut n = name.to_os_string();
-            n.push(".key");
-            dir.with_file_name(n)
-        }
-        None => dir.join("palisade-evidence.key"),
-    }
-}
+/// The default key path for an evidence dir (config decides it).
+pub use crate::config::default_key_path;
 
 fn bad(path: &Path, what: impl std::fmt::Display) -> io::Error {
     io::Error::other(format!("signing key {}: {what}", path.display()))
@@ -83,18 +72,6 @@ pub fn public_hex(key: &SigningKey) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn default_path_is_beside_the_dir() {
-        assert_eq!(
-            default_key_path(Path::new("evidence")),
-            PathBuf::from("evidence.key")
-        );
-        assert_eq!(
-            default_key_path(Path::new("/var/lib/p/evidence/")),
-            PathBuf::from("/var/lib/p/evidence.key")
-        );
-    }
 
     #[test]
     fn created_0600_reloaded_and_refused_when_open() {

@@ -146,7 +146,7 @@ impl Interceptor {
             cache: Mutex::new(LeafCache::new(config.intercept.cert_cache)),
             upstream: Arc::new(upstream),
             credentials,
-            handshake_timeout: config.intercept.handshake_timeout,
+            handshake_timeout: config.intercept.handshake_timeout.get(),
             metrics,
         }))
     }

@@ -166,7 +166,7 @@ where
     } else {
         let mut b = hyper::server::conn::http1::Builder::new();
         b.timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
+            .header_read_timeout(limits.header_read_timeout.get())
             .max_buf_size(limits.max_request_head_bytes.max(8192))
             .max_headers(limits.max_headers)
             .keep_alive(true);
@@ -627,7 +627,7 @@ async fn decide_and_send(
             return upstream_failed_after(shared, &record, &d, &up_count)
         }
     };
-    let response = match tokio::time::timeout(s.ctx.limits.idle_timeout, fut).await {
+    let response = match tokio::time::timeout(s.ctx.limits.response_timeout.get(), fut).await {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return upstream_failed_after(shared, &record, &e.to_string(), &up_count),
         Err(_) => {

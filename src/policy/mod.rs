@@ -1206,6 +1206,7 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 pub mod request;
+mod token;
 
 #[cfg(test)]
 mod tests;

@@ -1,6 +1,7 @@
 //! The decision on one request inside an intercepted connection: pure, no
 //! I/O. [`decide`] is the only place it is taken: the live intercepted path
-//! (HTTP/1.1 and HTTP/2 alike, through [`Policy::decide_request`]), plain
+//! (HTTP/1.1 and HTTP/2 alike, through
+//! [`Policy::decide_request`](super::Policy::decide_request)), plain
 //! `http://` requests under an intercepting rule, `palisade explain`, and
 //! the choice of credentials to add all call it, so none of them can
 //! answer differently from the others.
@@ -8,24 +9,10 @@
 //! # The path, normalised once
 //!
 //! The request path (without the query) is normalised once by
-//! [`NormalPath::parse`]; every rule (`paths`, `deny_paths`) and every
-//! credential's `paths` scope matches the normalised form, whether or not
-//! the rule has path rules. What upstream servers would resolve differently
-//! from a plain reading is refused rather than guessed at:
-//!
-//! | input | outcome |
-//! |---|---|
-//! | `%41`-`%5A`, `%61`-`%7A`, `%30`-`%39`, `%2D`, `%5F`, `%7E` (unreserved, hex in either case) | decoded: `/api/%69nternal` is `/api/internal` |
-//! | any other valid escape (`%3F`, `%c3%a9`, ...) | kept encoded, hex upper-cased: `?` stays data, never a query |
-//! | `%2E` (encoded dot) | refused |
-//! | `%2F`, `%5C`, `%3B`, `%25` (encoded `/`, `\`, `;`, `%`) | refused |
-//! | `%00`-`%1F`, `%7F`; `%C0`, `%C1` (controls; overlong UTF-8) | refused |
-//! | `%` not followed by two hex digits (`%zz`, `%u002e`, `%4`) | refused |
-//! | raw `\`, space, control or non-ASCII byte | refused |
-//! | a segment `.` or `..`, also with parameters (`..;`, `.;x`, `..;jsessionid=1`) | refused |
-//! | an empty segment (`//`) other than a trailing `/` | refused |
-//! | any `;` (a path parameter Tomcat, Jetty and Spring strip before matching) | refused |
-//! | not starting with `/` (`*`, empty) | refused |
+//! [`NormalPath::parse`] (the table of what it decodes, keeps and refuses
+//! is in [`crate::proto::http_request`]); every rule (`paths`,
+//! `deny_paths`) and every credential's `paths` scope matches the
+//! normalised form, whether or not the rule has path rules.
 //!
 //! Every refusal is `path_not_allowed` (403), with the rule that was
 //! applied and a `detail` naming what was refused. The query string is
@@ -39,7 +26,7 @@
 //! |---|---|---|---|
 //! | R1 | the rule does not (or no longer) intercept | deny | `no_matching_rule` |
 //! | R2 | the method is not an RFC 9110 token | deny | `method_not_allowed` |
-//! | R3 | the path is refused by normalisation (table above) | deny | `path_not_allowed` |
+//! | R3 | the path is refused by normalisation ([`crate::proto::http_request`]) | deny | `path_not_allowed` |
 //! | R4 | the method is in `deny_methods`, compared ignoring case | deny | `method_not_allowed` |
 //! | R5 | a `deny_paths` pattern matches the normalised path | deny | `path_not_allowed` |
 //! | R6 | `methods` is set and does not name the method exactly | deny | `method_not_allowed` |
@@ -59,159 +46,80 @@
 
 use std::sync::Arc;
 
-use crate::config::{CredentialConfig, RequestRules};
+use crate::config::{CredentialConfig, PathPattern, RequestRules, RuleTarget};
+pub use crate::proto::http_request::{is_method_token, NormalPath, PathRefusal};
 
 use super::{OrgRef, Reason, Verdict};
 
 /// Longest path shown in a refusal's detail.
 const MAX_SHOWN_PATH: usize = 200;
 
-/// A request path in normal form: origin-form, only the escapes that are
-/// not unreserved characters (upper-case hex), no dot segments, no empty
-/// segments, no path parameters. Only [`NormalPath::parse`] makes one, so
-/// a rule cannot be matched against a path that skipped normalisation.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct NormalPath(String);
-
-/// Why a request path was refused by normalisation.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PathRefusal {
-    /// Not origin-form (`*`, empty, or no leading `/`).
-    #[error("the request path must start with '/'")]
-    NotOrigin,
-    /// `%` not followed by two hex digits.
-    #[error("invalid percent escape {0:?}")]
-    BadEscape(String),
-    /// An escape for a character servers decode into structure or worse.
-    #[error("encoded {what} ({escape}) in the request path")]
-    Encoded { escape: String, what: &'static str },
-    /// A byte that has no place unencoded in a path.
-    #[error("raw {0} in the request path")]
-    Raw(&'static str),
-    /// `.` or `..`, with or without `;` parameters.
-    #[error("dot segment {0:?} in the request path (servers resolve it)")]
-    DotSegment(String),
-    /// `//` inside the path.
-    #[error("empty segment ('//') in the request path")]
-    EmptySegment,
-    /// A `;` path parameter, which servers strip before matching.
-    #[error("path parameter in segment {0:?} (';' is refused: servers strip it)")]
-    Parameter(String),
-}
-
-impl NormalPath {
-    /// Normalise `raw` (a request path without its query), or say why it
-    /// is refused. See the module's table.
-    pub fn parse(raw: &str) -> Result<NormalPath, PathRefusal> {
-        let bytes = raw.as_bytes();
-        if bytes.first() != Some(&b'/') {
-            return Err(PathRefusal::NotOrigin);
-        }
-        let mut out = String::with_capacity(raw.len());
-        let mut i = 0;
-        while let Some(&b) = bytes.get(i) {
-            if b == b'%' {
-                let escape = raw.get(i..(i + 3).min(raw.len())).unwrap_or("%");
-                let byte = match (
-                    bytes.get(i + 1).and_then(|&h| hex(h)),
-                    bytes.get(i + 2).and_then(|&l| hex(l)),
-                ) {
-                    (Some(h), Some(l)) => h << 4 | l,
-                    _ => {
-                        let shown = raw.get(i..).unwrap_or("%").chars().take(3).collect();
-                        return Err(PathRefusal::BadEscape(shown));
-                    }
-                };
-                let refuse = |what| {
-                    Err(PathRefusal::Encoded {
-                        escape: escape.to_string(),
-                        what,
-                    })
-                };
-                match byte {
-                    b'.' => return refuse("'.'"),
-                    b'/' => return refuse("'/'"),
-                    b'\\' => return refuse("'\\'"),
-                    b';' => return refuse("';'"),
-                    b'%' => return refuse("'%' (double encoding)"),
-                    0x00..=0x1F | 0x7F => return refuse("control byte"),
-                    0xC0 | 0xC1 => return refuse("overlong UTF-8 lead byte"),
-                    b'-' | b'_' | b'~' => out.push(byte as char),
-                    _ if byte.is_ascii_alphanumeric() => out.push(byte as char),
-                    _ => {
-                        out.push('%');
-                        out.push(HEX[usize::from(byte >> 4)] as char);
-                        out.push(HEX[usize::from(byte & 0xF)] as char);
-                    }
-                }
-                i += 3;
-                continue;
-            }
-            match b {
-                b'\\' => return Err(PathRefusal::Raw("'\\'")),
-                b' ' => return Err(PathRefusal::Raw("space")),
-                0x00..=0x1F | 0x7F => return Err(PathRefusal::Raw("control byte")),
-                0x80..=0xFF => return Err(PathRefusal::Raw("non-ASCII byte (send it encoded)")),
-                b'?' | b'#' => return Err(PathRefusal::Raw("'?' or '#' (not part of a path)")),
-                _ => out.push(b as char),
-            }
-            i += 1;
-        }
-        // Segment checks run on the decoded form; encoded dots and slashes
-        // were refused above, so what is left is what a server would see.
-        let segments: Vec<&str> = out.get(1..).unwrap_or("").split('/').collect();
-        let last = segments.len().saturating_sub(1);
-        for (n, seg) in segments.iter().enumerate() {
-            let base = seg.split(';').next().unwrap_or(seg);
-            if base == "." || base == ".." {
-                return Err(PathRefusal::DotSegment(seg.to_string()));
-            }
-            if seg.contains(';') {
-                return Err(PathRefusal::Parameter(seg.to_string()));
-            }
-            if seg.is_empty() && n != last {
-                return Err(PathRefusal::EmptySegment);
-            }
-        }
-        Ok(NormalPath(out))
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for NormalPath {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-const HEX: &[u8; 16] = b"0123456789ABCDEF";
-
-fn hex(b: u8) -> Option<u8> {
-    match b {
-        b'0'..=b'9' => Some(b - b'0'),
-        b'a'..=b'f' => Some(b - b'a' + 10),
-        b'A'..=b'F' => Some(b - b'A' + 10),
-        _ => None,
-    }
-}
-
-/// An RFC 9110 method token (`tchar`s, at most 32 of them).
-pub fn is_method_token(method: &str) -> bool {
-    !method.is_empty()
-        && method.len() <= 32
-        && method
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-}
-
 /// `TRACE` and `TRACK` (any case): they echo the request, headers and all,
 /// so they get no credential and are refused unless a rule names them.
 pub fn is_trace(method: &str) -> bool {
     method.eq_ignore_ascii_case("TRACE") || method.eq_ignore_ascii_case("TRACK")
+}
+
+// Config holds the validated rules and credentials; how they match a
+// request is decided here.
+
+impl PathPattern {
+    /// Does `path` match? Only a normalised path can be asked, never the
+    /// raw one.
+    pub fn matches(&self, path: &NormalPath) -> bool {
+        pattern_matches(&self.0, path.as_str())
+    }
+}
+
+/// A path rule's `pattern` against `text`, as written: a prefix (no `*`),
+/// or a glob over the whole text in which `*` matches any run of bytes
+/// and everything else matches literally. The policy asks it only of
+/// normalised paths ([`PathPattern::matches`]). The two-pointer
+/// algorithm: linear-ish, no exponential backtracking.
+pub fn pattern_matches(pattern: &str, text: &str) -> bool {
+    if !pattern.contains('*') {
+        return text.starts_with(pattern);
+    }
+    let (pat, text) = (pattern.as_bytes(), text.as_bytes());
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pat.get(p) == Some(&b'*') {
+            star = Some((p, t));
+            p += 1;
+        } else if pat.get(p) == text.get(t) {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pat.get(p..).unwrap_or(&[]).iter().all(|&b| b == b'*')
+}
+
+impl CredentialConfig {
+    /// Does this credential apply to a request for `host` (normalised name)
+    /// with this `method` (compared exactly) and normalised `path`? Never to
+    /// `TRACE` or `TRACK`, which echo the request back.
+    pub fn applies(&self, host: &str, method: &str, path: &NormalPath) -> bool {
+        if is_trace(method) {
+            return false;
+        }
+        let host_ok = match &self.host {
+            RuleTarget::Exact(n) => n == host,
+            RuleTarget::Below(s) => host
+                .strip_suffix(s.as_str())
+                .is_some_and(|rest| rest.len() > 1 && rest.ends_with('.')),
+            RuleTarget::Cidr(_) => false,
+        };
+        host_ok
+            && (self.methods.is_empty() || self.methods.iter().any(|m| m == method))
+            && (self.paths.is_empty() || self.paths.iter().any(|p| p.matches(path)))
+    }
 }
 
 /// One request, as [`decide`] sees it.
@@ -336,97 +244,27 @@ pub fn decide<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PathPattern, RuleTarget, SecretSource};
-
-    fn norm(p: &str) -> Result<String, PathRefusal> {
-        NormalPath::parse(p).map(|p| p.0)
-    }
+    use crate::config::SecretSource;
 
     #[test]
-    fn unreserved_escapes_are_decoded_others_kept() {
-        for (raw, want) in [
-            ("/", "/"),
-            ("/simple/requests/", "/simple/requests/"),
-            ("/a/b.c/d", "/a/b.c/d"),
-            ("/api/%69nternal", "/api/internal"),
-            ("/api/%49%4E%74%65rnal", "/api/INternal"),
-            ("/%41%5a%61%7A%30%39%2d%5F%7e", "/AZaz09-_~"),
-            ("/a%3fb", "/a%3Fb"),
-            ("/a%23b", "/a%23b"),
-            ("/caf%c3%a9", "/caf%C3%A9"),
-            ("/x/...", "/x/..."),
-            ("/x/.hidden", "/x/.hidden"),
-            ("/x*y", "/x*y"),
-        ] {
-            assert_eq!(norm(raw).as_deref(), Ok(want), "{raw}");
-        }
-        // Normal form is a fixed point.
-        for raw in ["/api/%69nternal", "/a%3fb", "/caf%c3%a9"] {
-            let once = norm(raw).unwrap();
-            assert_eq!(norm(&once), Ok(once.clone()));
-        }
-    }
-
-    #[test]
-    fn what_servers_would_resolve_differently_is_refused() {
-        use PathRefusal as R;
-        let enc = |e: &str| matches!(norm(e), Err(R::Encoded { .. }));
-        for raw in [
-            "/simple/%2e%2e/upload",
-            "/a/%2E/b",
-            "/a%2fb",
-            "/a%2Fb",
-            "/a%5cb",
-            "/a%3bx=1/b",
-            "/api/%2569nternal",
-            "/a%00b",
-            "/a%0ab",
-            "/a%7fb",
-            "/a%c0%aeb",
-            "/a%C1%9Cb",
-        ] {
-            assert!(enc(raw), "{raw}: {:?}", norm(raw));
-        }
-        for raw in ["/a%zz", "/a%4", "/a%", "/a%u002e", "/a%g1"] {
-            assert!(matches!(norm(raw), Err(R::BadEscape(_))), "{raw}");
-        }
-        for raw in ["/a\\b", "/a b", "/a\tb", "/caf\u{e9}", "/a?b", "/a#b"] {
-            assert!(matches!(norm(raw), Err(R::Raw(_))), "{raw}");
-        }
-        for raw in [
-            "/simple/../upload",
-            "/simple/./x",
-            "/x/..",
-            "/x/.",
-            "/..",
-            "/simple/..;/upload",
-            "/simple/..;jsessionid=1/upload",
-            "/simple/.;x/upload",
-            "/x/..;",
-        ] {
-            assert!(matches!(norm(raw), Err(R::DotSegment(_))), "{raw}");
-        }
-        for raw in ["//x", "/a//b", "/a/b//"] {
-            assert_eq!(norm(raw), Err(R::EmptySegment), "{raw}");
-        }
-        for raw in ["/a;b/c", "/a/b;jsessionid=1", "/a/;", "/api/internal;x"] {
-            assert!(matches!(norm(raw), Err(R::Parameter(_))), "{raw}");
-        }
-        for raw in ["", "*", "a/b", "%2fa"] {
-            assert_eq!(norm(raw), Err(R::NotOrigin), "{raw}");
-        }
-    }
-
-    #[test]
-    fn method_tokens() {
-        for ok in ["GET", "get", "M-SEARCH", "PROPFIND", "X!#$%&'*+.^_`|~1"] {
-            assert!(is_method_token(ok), "{ok}");
-        }
-        for bad in ["", "GE T", "GET\r", "G(T", "\u{e9}", &"A".repeat(33)] {
-            assert!(!is_method_token(bad), "{bad:?}");
-        }
+    fn trace_methods() {
         assert!(is_trace("TRACE") && is_trace("trace") && is_trace("TrAcK"));
         assert!(!is_trace("TRACES"));
+    }
+
+    #[test]
+    fn path_patterns() {
+        let p = |s: &str| PathPattern(s.to_string());
+        let n = |s: &str| NormalPath::parse(s).unwrap();
+        assert!(p("/simple/").matches(&n("/simple/x/")));
+        assert!(!p("/simple/").matches(&n("/simplex")));
+        assert!(p("/p/*.whl").matches(&n("/p/a/b-1.0.whl")));
+        assert!(!p("/p/*.whl").matches(&n("/p/a.whl.tar")));
+        assert!(p("*").matches(&n("/anything")));
+        assert!(p("/a*b*c").matches(&n("/a--b--c")));
+        assert!(!p("/a*b*c").matches(&n("/a--c--b")));
+        // Matched after decoding unreserved escapes.
+        assert!(p("/api/internal*").matches(&n("/api/%69nternal")));
     }
 
     fn pats(v: &[&str]) -> Vec<PathPattern> {

@@ -550,6 +550,37 @@ tokens = ["{}"]
 }
 
 #[test]
+fn policy_answers_what_a_rule_carries() {
+    let src = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n\
+               [[org.allow]]\nid = \"ssh\"\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+               [[org.allow]]\nid = \"web\"\nhost = \"b.com\"\nports = [80, 443, 8080]\n\
+               [[org.allow]]\nid = \"forced\"\nhost = \"c.com\"\nports = [443, 8443]\ntunnel = \"http\"\n\
+               [[org.allow]]\nid = \"net\"\ncidr = \"198.18.0.0/15\"\n";
+    let policy = Policy::new(&config::from_str(src, Path::new("t.toml")).unwrap());
+    let org = policy.org_for("198.19.1.2".parse().unwrap()).unwrap();
+    let carry = |rule: &str, name: bool, port| policy.carry(&org, Some(rule), name, port);
+    assert_eq!(carry("ssh", true, 22), Carry::Opaque);
+    assert_eq!(carry("web", true, 443), Carry::Tls);
+    assert_eq!(carry("web", true, 80), Carry::Http);
+    assert_eq!(carry("web", true, 8080), Carry::TlsOrHttp);
+    assert_eq!(carry("forced", true, 443), Carry::Http);
+    assert_eq!(carry("net", false, 443), Carry::Opaque);
+    // Report mode without an allow rule: the port decides.
+    assert_eq!(policy.carry(&org, None, true, 443), Carry::Tls);
+}
+
+#[test]
+fn credential_sources_are_in_the_policy_text_never_secrets() {
+    let src = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n\
+               [[org.allow]]\nhost = \"*.reg.test\"\nintercept = true\n\
+               [[org.credential]]\nid = \"t\"\nhost = \"api.reg.test\"\nheader = \"Authorization\"\n\
+               prefix = \"Bearer \"\nsecret_env = \"TOKEN\"\n";
+    let c = config::from_str(src, Path::new("t.toml")).unwrap();
+    // The secret's source is in the policy hash text, never a secret.
+    assert!(Policy::canonical_text(&c.orgs).contains("TOKEN"));
+}
+
+#[test]
 fn request_rules_of_an_intercepting_rule() {
     let src = r#"
 [[org]]

@@ -810,7 +810,7 @@ pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String>
     }
     probes.extend(tunnel_probes(
         org,
-        config.proxy.limits.detect_timeout,
+        config.proxy.limits.detect_timeout.get(),
         via_default,
         opts.transparent,
     ));

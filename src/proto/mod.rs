@@ -5,6 +5,7 @@ pub mod client_hello;
 pub mod guard;
 pub mod http_head;
 pub mod http_meter;
+pub mod http_request;
 pub mod http_stream;
 pub mod socks5;
 pub mod target;

@@ -194,7 +194,7 @@ where
         carry,
         (&host, port),
         guard_limits(&ctx),
-        ctx.limits.detect_timeout,
+        ctx.limits.detect_timeout.get(),
         &ctx.detect_slots,
     )
     .await;
@@ -285,7 +285,7 @@ pub async fn relay<C>(
             client,
             upstream,
             &held,
-            ctx.limits.idle_timeout,
+            ctx.limits.idle_timeout.get(),
             &ctx.hard_stop,
         )
         .await;
@@ -314,7 +314,7 @@ pub async fn relay<C>(
         guard,
         held,
         verified,
-        ctx.limits.idle_timeout,
+        ctx.limits.idle_timeout.get(),
         &ctx.hard_stop,
         &ctx.detect_slots,
         report,
@@ -431,7 +431,7 @@ async fn run_opaque<C>(
         deny_over_budget(&ctx, &mut record).await;
         return;
     };
-    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
     let mismatch = match &detected {

@@ -61,7 +61,7 @@ pub async fn serve_connection(
         let mut builder = hyper::server::conn::http1::Builder::new();
         builder
             .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
+            .header_read_timeout(limits.header_read_timeout.get())
             // hyper's own bounds sit above ours, so that heads over our limits
             // reach `handle` and get a recorded 431; beyond hyper's bounds it
             // answers by itself and `record_parse_error` records it.
@@ -688,8 +688,11 @@ async fn forward(
     let body = Counted::new(body, up_count, None);
     let upstream_req = Request::from_parts(parts, body);
 
-    let response =
-        tokio::time::timeout(ctx.limits.idle_timeout, sender.send_request(upstream_req)).await;
+    let response = tokio::time::timeout(
+        ctx.limits.response_timeout.get(),
+        sender.send_request(upstream_req),
+    )
+    .await;
     let response = match response {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return upstream_failed(&ctx, &record, &e.to_string()),

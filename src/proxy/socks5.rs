@@ -140,7 +140,7 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Per
     let mut hs = Handshake {
         stream,
         buf: Vec::new(),
-        deadline: Instant::now() + ctx.limits.header_read_timeout,
+        deadline: Instant::now() + ctx.limits.header_read_timeout.get(),
     };
     let address_view = ctx.view(peer.ip());
 

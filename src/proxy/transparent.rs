@@ -119,7 +119,7 @@ async fn handle(
         return reset(client);
     };
     let mut first = Vec::new();
-    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout).await;
+    let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
     let sni = match &detected {
@@ -193,7 +193,7 @@ async fn handle(
             carry,
             (&host, orig.port()),
             connect::guard_limits(&ctx),
-            ctx.limits.detect_timeout,
+            ctx.limits.detect_timeout.get(),
             &ctx.detect_slots,
         )
         .await;

@@ -1,0 +1,663 @@
+//! The validated configuration: what the rest of Palisade reads. Only
+//! validation builds these from a file; matching them against traffic is
+//! the policy's business, not the config's.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use super::timeout::{
+    ConnectTimeout, DetectTimeout, DnsIdleTimeout, DnsQueryTimeout, DrainTimeout, HandshakeTimeout,
+    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT, DEFAULT_DNS_QUERY_TIMEOUT,
+    DEFAULT_DRAIN_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT,
+};
+
+/// Default cap on concurrent client connections, all orgs together.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+/// Default cap on concurrent client connections of one org.
+pub const DEFAULT_MAX_CONNECTIONS_PER_ORG: usize = 2_000;
+/// Default rate of new connections per org (per second, with a burst of as many).
+pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG: usize = 20_000;
+/// Default cap on detection buffers, all connections together.
+pub const DEFAULT_MAX_DETECT_MEMORY_BYTES: usize = 64 * 1024 * 1024;
+/// Default cap on the size of an HTTP request head (request line and headers).
+pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
+/// Default cap on the number of request headers.
+pub const DEFAULT_MAX_HEADERS: usize = 100;
+/// Default cap on concurrent DNS-over-TCP connections, all listeners together.
+pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
+/// Default DNS queries per second per client address.
+pub const DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT: usize = 2_000;
+/// Default cap on DNS queries being answered at once (UDP and TCP).
+pub const DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT: usize = 1024;
+/// Default lower bound on the TTL of answers handed out (and their bindings).
+pub const DEFAULT_DNS_MIN_TTL: Duration = Duration::from_secs(5);
+/// Default upper bound on the TTL of answers handed out (and their bindings).
+pub const DEFAULT_DNS_MAX_TTL: Duration = Duration::from_secs(3600);
+/// Default time a name-address binding outlives the TTL of its answer.
+pub const DEFAULT_DNS_BINDING_GRACE: Duration = Duration::from_secs(60);
+/// Default cap on addresses bound to one (org, name).
+pub const DEFAULT_DNS_MAX_BINDINGS_PER_NAME: usize = 32;
+/// Default cap on all name-address bindings together (oldest evicted first).
+pub const DEFAULT_DNS_MAX_BINDINGS: usize = 100_000;
+/// Query types the DNS shim never answers, whatever an org enables.
+pub const DNS_NEVER_TYPES: [&str; 5] = ["ANY", "AXFR", "IXFR", "OPT", "TSIG"];
+/// Ports an allow rule covers when it names none.
+pub const DEFAULT_ALLOW_PORTS: [u16; 2] = [80, 443];
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub path: PathBuf,
+    pub proxy: ProxyConfig,
+    pub dns: DnsConfig,
+    pub admin: AdminConfig,
+    pub evidence: EvidenceConfig,
+    pub intercept: InterceptConfig,
+    pub orgs: Vec<OrgConfig>,
+}
+
+/// Default number of minted leaf certificates kept (per process, all orgs).
+pub const DEFAULT_CERT_CACHE: usize = 1000;
+/// Default directory of the per-org interception CAs.
+pub const DEFAULT_CA_DIR: &str = "ca";
+/// Default upstream trust bundle for intercepted connections.
+pub const DEFAULT_UPSTREAM_CA: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// `[intercept]`: where the per-org CAs live and what upstream certificates are trusted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InterceptConfig {
+    /// `DIR/ORG.pem` and `DIR/ORG.key` (0600) per org that intercepts.
+    pub ca_dir: PathBuf,
+    /// PEM bundle upstream certificates are verified against.
+    pub upstream_ca: PathBuf,
+    /// Minted leaf certificates kept; the oldest is evicted.
+    pub cert_cache: usize,
+    pub handshake_timeout: HandshakeTimeout,
+}
+
+impl Default for InterceptConfig {
+    fn default() -> Self {
+        InterceptConfig {
+            ca_dir: PathBuf::from(DEFAULT_CA_DIR),
+            upstream_ca: PathBuf::from(DEFAULT_UPSTREAM_CA),
+            cert_cache: DEFAULT_CERT_CACHE,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
+/// What an intercepting allow rule lets through, request by request. Empty
+/// `methods`/`paths` mean any; a `deny_*` match wins.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RequestRules {
+    pub methods: Vec<String>,
+    pub paths: Vec<PathPattern>,
+    pub deny_methods: Vec<String>,
+    pub deny_paths: Vec<PathPattern>,
+}
+
+/// A path rule: a prefix (no `*`), or a glob over the whole path in which
+/// `*` matches any run of characters (including `/`). Validated to be in
+/// the normal form of `proto::http_request`; the policy
+/// (`policy::request`) matches it against normalised paths.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathPattern(pub String);
+
+/// Where a credential's secret comes from (never the policy file itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SecretSource {
+    File(PathBuf),
+    Env(String),
+}
+
+/// `[[org.credential]]`: a header Palisade adds to intercepted requests.
+/// Holds no secret, only where to read it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CredentialConfig {
+    pub id: String,
+    pub host: RuleTarget,
+    pub methods: Vec<String>,
+    pub paths: Vec<PathPattern>,
+    /// Lower-case header name.
+    pub header: String,
+    /// Written before the secret, e.g. "Bearer ".
+    pub prefix: String,
+    pub source: SecretSource,
+}
+
+impl OrgConfig {
+    /// Does any allow rule of this org intercept?
+    pub fn intercepts(&self) -> bool {
+        self.allow.iter().any(|r| r.intercept.is_some())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProxyConfig {
+    pub listen: Vec<SocketAddr>,
+    pub transparent: Vec<SocketAddr>,
+    /// SOCKS5 listeners (RFC 1928, CONNECT only).
+    pub socks5: Vec<SocketAddr>,
+    pub limits: Limits,
+}
+
+/// Bounds on what one client or all clients together may consume.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_connections_per_org: usize,
+    /// New connections one org may open per second (token bucket, burst of one second's worth).
+    pub max_new_connections_per_second_per_org: usize,
+    /// Memory all connections together may hold in detection buffers
+    /// (first bytes read and held before the decision).
+    pub max_detect_memory_bytes: usize,
+    pub max_request_head_bytes: usize,
+    pub max_headers: usize,
+    pub header_read_timeout: HeaderReadTimeout,
+    pub connect_timeout: ConnectTimeout,
+    /// A tunnel silent both ways this long is closed.
+    pub idle_timeout: IdleTimeout,
+    /// The wait for an upstream's response head to a forwarded request.
+    pub response_timeout: ResponseTimeout,
+    pub detect_timeout: DetectTimeout,
+    pub drain_timeout: DrainTimeout,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections_per_org: DEFAULT_MAX_CONNECTIONS_PER_ORG,
+            max_new_connections_per_second_per_org: DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG,
+            max_detect_memory_bytes: DEFAULT_MAX_DETECT_MEMORY_BYTES,
+            max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
+            max_headers: DEFAULT_MAX_HEADERS,
+            header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            detect_timeout: DEFAULT_DETECT_TIMEOUT,
+            drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct DnsConfig {
+    pub listen: Vec<SocketAddr>,
+    pub upstream: Vec<SocketAddr>,
+    pub resolve_timeout: ResolveTimeout,
+    /// A DNS-over-TCP connection silent this long is closed.
+    pub idle_timeout: DnsIdleTimeout,
+    /// One query, end to end; past it the client gets SERVFAIL.
+    pub query_timeout: DnsQueryTimeout,
+    pub max_tcp_connections: usize,
+    pub max_queries_in_flight: usize,
+    /// Queries one client address may send per second (token bucket).
+    pub max_queries_per_second_per_client: usize,
+    /// Answer TTLs are clamped to `min_ttl..=max_ttl` (whole seconds).
+    pub min_ttl: Duration,
+    pub max_ttl: Duration,
+    /// A binding stays valid for the (clamped) TTL plus this.
+    pub binding_grace: Duration,
+    pub max_bindings_per_name: usize,
+    pub max_bindings: usize,
+}
+
+impl Default for DnsConfig {
+    fn default() -> Self {
+        DnsConfig {
+            listen: Vec::new(),
+            upstream: Vec::new(),
+            resolve_timeout: DEFAULT_RESOLVE_TIMEOUT,
+            idle_timeout: DEFAULT_DNS_IDLE_TIMEOUT,
+            query_timeout: DEFAULT_DNS_QUERY_TIMEOUT,
+            max_tcp_connections: DEFAULT_DNS_MAX_TCP_CONNECTIONS,
+            max_queries_in_flight: DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT,
+            max_queries_per_second_per_client: DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT,
+            min_ttl: DEFAULT_DNS_MIN_TTL,
+            max_ttl: DEFAULT_DNS_MAX_TTL,
+            binding_grace: DEFAULT_DNS_BINDING_GRACE,
+            max_bindings_per_name: DEFAULT_DNS_MAX_BINDINGS_PER_NAME,
+            max_bindings: DEFAULT_DNS_MAX_BINDINGS,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdminConfig {
+    pub listen: Option<SocketAddr>,
+}
+
+/// Default evidence directory.
+pub const DEFAULT_EVIDENCE_DIR: &str = "evidence";
+/// Default records between signed checkpoints.
+pub const DEFAULT_CHECKPOINT_EVERY: u64 = 1000;
+/// Default longest time between signed checkpoints while records arrive.
+pub const DEFAULT_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
+/// Default segment size that starts a new segment.
+pub const DEFAULT_ROTATE_SIZE: u64 = 64 * 1024 * 1024;
+/// Default segment age that starts a new segment.
+pub const DEFAULT_ROTATE_AGE: Duration = Duration::from_secs(3600);
+
+/// When a record counts as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Handed to the kernel (`write(2)` returned): survives a process crash.
+    Os,
+    /// On disk (`fdatasync` of the batch): survives a machine crash.
+    Fsync,
+    /// Measuring only: the whole pipeline runs but the bytes go to /dev/null.
+    Discard,
+}
+
+impl Durability {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Durability::Os => "os",
+            Durability::Fsync => "fsync",
+            Durability::Discard => "discard",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct EvidenceConfig {
+    pub dir: PathBuf,
+    /// Ed25519 signing key file (created 0600 when missing).
+    pub key: PathBuf,
+    pub durability: Durability,
+    pub checkpoint_every: u64,
+    pub checkpoint_interval: Duration,
+    pub rotate_size: u64,
+    pub rotate_age: Duration,
+    /// Remove the oldest closed segments while all together exceed this.
+    pub retain_size: Option<u64>,
+    /// Remove closed segments last written longer ago than this.
+    pub retain_age: Option<Duration>,
+}
+
+impl EvidenceConfig {
+    /// Defaults for an evidence dir.
+    pub fn for_dir(dir: &Path) -> EvidenceConfig {
+        EvidenceConfig {
+            dir: dir.to_path_buf(),
+            key: default_key_path(dir),
+            durability: Durability::Os,
+            checkpoint_every: DEFAULT_CHECKPOINT_EVERY,
+            checkpoint_interval: DEFAULT_CHECKPOINT_INTERVAL,
+            rotate_size: DEFAULT_ROTATE_SIZE,
+            rotate_age: DEFAULT_ROTATE_AGE,
+            retain_size: None,
+            retain_age: None,
+        }
+    }
+}
+
+/// The default key path for an evidence dir: `DIR.key` beside the directory,
+/// so that handing the evidence directory to an assessor never hands over
+/// the key.
+pub fn default_key_path(dir: &Path) -> PathBuf {
+    match dir.file_name() {
+        Some(name) => {
+            let mut n = name.to_os_string();
+            n.push(".key");
+            dir.with_file_name(n)
+        }
+        None => dir.join("palisade-evidence.key"),
+    }
+}
+
+/// One organisation: who its clients are and where they may go.
+#[derive(Debug, Clone, Serialize)]
+pub struct OrgConfig {
+    pub name: String,
+    pub clients: Vec<IpNet>,
+    pub allow: Vec<RuleConfig>,
+    pub deny: Vec<RuleConfig>,
+    /// How the DNS shim answers a name this org may not reach. Left out of
+    /// the policy hash while it has its default value.
+    #[serde(skip_serializing_if = "DnsDenied::is_default")]
+    pub dns_denied: DnsDenied,
+    /// Extra query types the DNS shim forwards for allowed names (upper
+    /// case, e.g. "TXT"), on top of A, AAAA, CNAME, HTTPS and SVCB.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub dns_types: Vec<String>,
+    /// `report`: decide and record what enforcement would do, but let the
+    /// allowlist's denials through. Left out of the policy hash while it is
+    /// `enforce`.
+    #[serde(skip_serializing_if = "OrgMode::is_default")]
+    pub mode: OrgMode,
+    /// How a client proves it belongs to this org. Left out of the policy
+    /// hash while it has its default value.
+    #[serde(skip_serializing_if = "Identity::is_default")]
+    pub identity: Identity,
+    /// SHA-256 digests of the org's tokens. Never serialised: the policy
+    /// text stored beside the evidence carries no credential material.
+    #[serde(skip)]
+    pub tokens: Vec<TokenDigest>,
+    /// Headers added to intercepted requests (ids and sources only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<CredentialConfig>,
+}
+
+/// Whether an org's allowlist is enforced or only reported.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OrgMode {
+    #[default]
+    Enforce,
+    Report,
+}
+
+impl OrgMode {
+    pub fn is_default(&self) -> bool {
+        *self == OrgMode::Enforce
+    }
+}
+
+/// How a client proves which org it belongs to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub enum Identity {
+    /// Its source address is in the org's `clients` (longest prefix).
+    #[default]
+    #[serde(rename = "address")]
+    Address,
+    /// It presents one of the org's tokens (user = org name); any address.
+    #[serde(rename = "token")]
+    Token,
+    /// Both: a token of the org, from an address in the org's `clients`.
+    #[serde(rename = "address+token")]
+    AddressToken,
+}
+
+impl Identity {
+    fn is_default(&self) -> bool {
+        *self == Identity::Address
+    }
+
+    /// Does this org need a token?
+    pub fn needs_token(self) -> bool {
+        self != Identity::Address
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Identity::Address => "address",
+            Identity::Token => "token",
+            Identity::AddressToken => "address+token",
+        }
+    }
+}
+
+/// The SHA-256 digest of a token, as the config stores it
+/// (`sha256:<64 hex digits>`). The policy matches a presented token's
+/// digest against these only in constant time (`policy::token`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct TokenDigest(pub [u8; 32]);
+
+/// The prefix of a hashed token in the config.
+pub const TOKEN_DIGEST_PREFIX: &str = "sha256:";
+
+impl TokenDigest {
+    /// The digest of a presented token.
+    pub fn of(token: &[u8]) -> TokenDigest {
+        use sha2::Digest;
+        TokenDigest(sha2::Sha256::digest(token).into())
+    }
+
+    /// Parse `sha256:<64 hex digits>`.
+    pub fn parse(text: &str) -> Option<TokenDigest> {
+        let hex = text.strip_prefix(TOKEN_DIGEST_PREFIX)?;
+        let bytes = data_encoding::HEXLOWER_PERMISSIVE
+            .decode(hex.as_bytes())
+            .ok()?;
+        Some(TokenDigest(bytes.try_into().ok()?))
+    }
+}
+
+impl fmt::Display for TokenDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{TOKEN_DIGEST_PREFIX}{}",
+            data_encoding::HEXLOWER.encode(&self.0)
+        )
+    }
+}
+
+impl fmt::Debug for TokenDigest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TokenDigest({self})")
+    }
+}
+
+/// A fresh random token (32 bytes, lowercase hex) and its digest.
+pub fn new_token() -> std::io::Result<(String, TokenDigest)> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let token = data_encoding::HEXLOWER.encode(&bytes);
+    let digest = TokenDigest::of(token.as_bytes());
+    Ok((token, digest))
+}
+
+/// The DNS answer to a denied name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DnsDenied {
+    /// REFUSED with an Extended DNS Error (RFC 8914, 15 "Blocked").
+    #[default]
+    Refused,
+    /// NXDOMAIN with the same Extended DNS Error, for clients whose libc
+    /// tries the next server on REFUSED.
+    Nxdomain,
+}
+
+impl DnsDenied {
+    fn is_default(&self) -> bool {
+        *self == DnsDenied::Refused
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RuleConfig {
+    pub id: String,
+    pub target: RuleTarget,
+    pub ports: PortSet,
+    /// `intercept = true` and its request rules (allow host rules only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub intercept: Option<RequestRules>,
+    /// `tunnel = ...` (allow host rules only): what the rule's tunnels may
+    /// carry. `None`: the per-port default ([`Carry::default_for_port`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<Carry>,
+}
+
+/// What a tunnel allowed by a host rule may carry, verified from its first
+/// byte to its last (see `src/proxy/verify.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Carry {
+    /// TLS whose every plaintext ClientHello names the rule's host (no ECH).
+    Tls,
+    /// HTTP/1 whose every request names the rule's host (no h2c).
+    Http,
+    /// TLS or HTTP, told apart by the first bytes, then verified as such.
+    TlsOrHttp,
+    /// Anything, unverified: the rule's author accepts that the name is
+    /// checked only where the client names it at the start.
+    Opaque,
+}
+
+impl Carry {
+    pub const NAMES: [&'static str; 4] = ["tls", "http", "tls-or-http", "opaque"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Carry::Tls => "tls",
+            Carry::Http => "http",
+            Carry::TlsOrHttp => "tls-or-http",
+            Carry::Opaque => "opaque",
+        }
+    }
+
+    pub(super) fn parse(text: &str) -> Option<Carry> {
+        match text {
+            "tls" => Some(Carry::Tls),
+            "http" => Some(Carry::Http),
+            "tls-or-http" => Some(Carry::TlsOrHttp),
+            "opaque" => Some(Carry::Opaque),
+            _ => None,
+        }
+    }
+
+    /// A host rule without `tunnel`: TLS on 443, HTTP on 80, and TLS or
+    /// HTTP (verified either way) on any other port.
+    pub fn default_for_port(port: u16) -> Carry {
+        match port {
+            443 => Carry::Tls,
+            80 => Carry::Http,
+            _ => Carry::TlsOrHttp,
+        }
+    }
+}
+
+impl fmt::Display for Carry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a rule matches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum RuleTarget {
+    /// Exactly this normalised name.
+    Exact(String),
+    /// Any name strictly below this normalised suffix (`*.example.com` stores `example.com`).
+    Below(String),
+    /// Any address in this network.
+    Cidr(IpNet),
+}
+
+/// Ports a rule covers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub enum PortSet {
+    All,
+    List(Vec<u16>),
+}
+
+impl PortSet {
+    pub fn contains(&self, port: u16) -> bool {
+        match self {
+            PortSet::All => true,
+            PortSet::List(ports) => ports.contains(&port),
+        }
+    }
+}
+
+impl fmt::Display for RuleTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RuleTarget::Exact(name) => write!(f, "host {name}"),
+            RuleTarget::Below(suffix) => write!(f, "host *.{suffix}"),
+            RuleTarget::Cidr(net) => write!(f, "cidr {net}"),
+        }
+    }
+}
+
+impl Config {
+    /// Every socket address Palisade itself listens on; the policy never lets a
+    /// connection be dialled back to one of them.
+    pub fn own_addresses(&self) -> Vec<SocketAddr> {
+        // Destructured exhaustively: a new listener cannot be left out.
+        let Config {
+            path: _,
+            proxy,
+            dns,
+            admin,
+            evidence: _,
+            intercept: _,
+            orgs: _,
+        } = self;
+        let ProxyConfig {
+            listen,
+            transparent,
+            socks5,
+            limits: _,
+        } = proxy;
+        let DnsConfig {
+            listen: dns_listen,
+            upstream: _,
+            resolve_timeout: _,
+            idle_timeout: _,
+            query_timeout: _,
+            max_tcp_connections: _,
+            max_queries_in_flight: _,
+            max_queries_per_second_per_client: _,
+            min_ttl: _,
+            max_ttl: _,
+            binding_grace: _,
+            max_bindings_per_name: _,
+            max_bindings: _,
+        } = dns;
+        let AdminConfig {
+            listen: admin_listen,
+        } = admin;
+        let mut own: Vec<SocketAddr> = listen.clone();
+        own.extend(transparent);
+        own.extend(socks5);
+        own.extend(dns_listen);
+        own.extend(*admin_listen);
+        own
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_support::{parse, BASE};
+
+    #[test]
+    fn tunnel_defaults_by_port() {
+        assert_eq!(Carry::default_for_port(443), Carry::Tls);
+        assert_eq!(Carry::default_for_port(80), Carry::Http);
+        assert_eq!(Carry::default_for_port(8443), Carry::TlsOrHttp);
+    }
+
+    #[test]
+    fn new_tokens_are_fresh_and_match_their_digest() {
+        let (a, da) = new_token().unwrap();
+        let (b, _) = new_token().unwrap();
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 64);
+        assert_eq!(da, TokenDigest::of(a.as_bytes()));
+        assert_eq!(TokenDigest::parse(&da.to_string()), Some(da));
+    }
+
+    #[test]
+    fn default_path_is_beside_the_dir() {
+        assert_eq!(
+            default_key_path(Path::new("evidence")),
+            PathBuf::from("evidence.key")
+        );
+        assert_eq!(
+            default_key_path(Path::new("/var/lib/p/evidence/")),
+            PathBuf::from("/var/lib/p/evidence.key")
+        );
+    }
+
+    #[test]
+    fn default_dns_settings_keep_the_policy_hash() {
+        let c = parse(BASE).unwrap();
+        let json = serde_json::to_string(&c.orgs).unwrap();
+        assert!(!json.contains("dns_"), "{json}");
+    }
+}

@@ -1,0 +1,155 @@
+//! The raw serde structs: exactly the file's shape, `deny_unknown_fields`
+//! on every table, every value kept with its span so that validation can
+//! locate its errors.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) proxy: RawProxy,
+    #[serde(default)]
+    pub(super) dns: RawDns,
+    #[serde(default)]
+    pub(super) admin: RawAdmin,
+    #[serde(default)]
+    pub(super) evidence: RawEvidence,
+    #[serde(default)]
+    pub(super) intercept: RawIntercept,
+    #[serde(default)]
+    pub(super) org: Vec<RawOrg>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawIntercept {
+    pub(super) ca_dir: Option<Spanned<String>>,
+    pub(super) upstream_ca: Option<Spanned<String>>,
+    pub(super) cert_cache: Option<Spanned<i64>>,
+    pub(super) handshake_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCredential {
+    pub(super) id: Spanned<String>,
+    pub(super) host: Spanned<String>,
+    pub(super) header: Spanned<String>,
+    pub(super) prefix: Option<Spanned<String>>,
+    pub(super) secret_file: Option<Spanned<String>>,
+    pub(super) secret_env: Option<Spanned<String>>,
+    pub(super) methods: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) paths: Option<Spanned<Vec<Spanned<String>>>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProxy {
+    #[serde(default)]
+    pub(super) listen: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) transparent: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) socks5: Vec<Spanned<String>>,
+    pub(super) max_connections: Option<Spanned<i64>>,
+    pub(super) max_connections_per_org: Option<Spanned<i64>>,
+    pub(super) max_new_connections_per_second_per_org: Option<Spanned<i64>>,
+    pub(super) max_detect_memory_bytes: Option<Spanned<i64>>,
+    pub(super) max_request_head_bytes: Option<Spanned<i64>>,
+    pub(super) max_headers: Option<Spanned<i64>>,
+    pub(super) header_read_timeout: Option<Spanned<String>>,
+    pub(super) connect_timeout: Option<Spanned<String>>,
+    pub(super) idle_timeout: Option<Spanned<String>>,
+    pub(super) response_timeout: Option<Spanned<String>>,
+    pub(super) detect_timeout: Option<Spanned<String>>,
+    pub(super) drain_timeout: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDns {
+    #[serde(default)]
+    pub(super) listen: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) upstream: Vec<Spanned<String>>,
+    pub(super) resolve_timeout: Option<Spanned<String>>,
+    pub(super) idle_timeout: Option<Spanned<String>>,
+    pub(super) query_timeout: Option<Spanned<String>>,
+    pub(super) max_tcp_connections: Option<Spanned<i64>>,
+    pub(super) max_queries_in_flight: Option<Spanned<i64>>,
+    pub(super) max_queries_per_second_per_client: Option<Spanned<i64>>,
+    pub(super) min_ttl: Option<Spanned<String>>,
+    pub(super) max_ttl: Option<Spanned<String>>,
+    pub(super) binding_grace: Option<Spanned<String>>,
+    pub(super) max_bindings_per_name: Option<Spanned<i64>>,
+    pub(super) max_bindings: Option<Spanned<i64>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    pub(super) listen: Option<Spanned<String>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEvidence {
+    pub(super) dir: Option<Spanned<String>>,
+    pub(super) key: Option<Spanned<String>>,
+    pub(super) durability: Option<Spanned<String>>,
+    pub(super) checkpoint_every: Option<Spanned<i64>>,
+    pub(super) checkpoint_interval: Option<Spanned<String>>,
+    pub(super) rotate_size: Option<Spanned<RawSize>>,
+    pub(super) rotate_age: Option<Spanned<String>>,
+    pub(super) retain_size: Option<Spanned<RawSize>>,
+    pub(super) retain_age: Option<Spanned<String>>,
+}
+
+/// A byte size: an integer, or a string such as "64MiB", "500kB", "1GiB".
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(super) enum RawSize {
+    Bytes(i64),
+    Text(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOrg {
+    pub(super) name: Spanned<String>,
+    #[serde(default)]
+    pub(super) clients: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) allow: Vec<Spanned<RawRule>>,
+    #[serde(default)]
+    pub(super) deny: Vec<Spanned<RawRule>>,
+    pub(super) dns_denied: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) dns_types: Vec<Spanned<String>>,
+    pub(super) mode: Option<Spanned<String>>,
+    pub(super) identity: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) tokens: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) credential: Vec<Spanned<RawCredential>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRule {
+    pub(super) id: Option<Spanned<String>>,
+    pub(super) host: Option<Spanned<String>>,
+    pub(super) cidr: Option<Spanned<String>>,
+    pub(super) ports: Option<Spanned<Vec<Spanned<i64>>>>,
+    pub(super) intercept: Option<Spanned<bool>>,
+    pub(super) tunnel: Option<Spanned<String>>,
+    pub(super) methods: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) paths: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) deny_paths: Option<Spanned<Vec<Spanned<String>>>>,
+}
+
+/// A list of strings, each located.
+pub(super) type RawList = Option<Spanned<Vec<Spanned<String>>>>;

@@ -1,0 +1,306 @@
+//! `[[org]]`: names, clients, identity and tokens, DNS options; rules and
+//! credentials are validated in their own files.
+
+use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+
+use ipnet::IpNet;
+use toml::Spanned;
+
+use super::cidr;
+use super::credentials::validate_credentials;
+use super::rules::validate_rules;
+use crate::config::error::Errors;
+use crate::config::model::{DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES};
+use crate::config::raw::RawOrg;
+
+/// Org names appear in metrics labels and evidence: keep them plain.
+fn valid_org_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+pub(super) fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
+    let mut orgs = Vec::new();
+    let mut names: HashSet<String> = HashSet::new();
+    let mut client_nets: HashMap<IpNet, String> = HashMap::new();
+    let mut rule_ids: HashSet<String> = HashSet::new();
+    let mut token_orgs: Vec<(TokenDigest, String)> = Vec::new();
+
+    for org in raw {
+        let RawOrg {
+            name,
+            clients,
+            allow,
+            deny,
+            dns_denied,
+            dns_types,
+            mode,
+            identity,
+            tokens,
+            credential,
+        } = org;
+        let org_name = name.get_ref().clone();
+        if !valid_org_name(&org_name) {
+            errors.at(
+                name.span(),
+                format!("invalid org name {org_name:?} (use 1-64 of a-z, 0-9, '-', '_')"),
+            );
+        } else if org_name == "unknown" {
+            errors.at(
+                name.span(),
+                "org name \"unknown\" is reserved for clients that match no org",
+            );
+        } else if !names.insert(org_name.clone()) {
+            errors.at(name.span(), format!("org {org_name:?} is defined twice"));
+        }
+
+        let identity_span = identity.as_ref().map_or(name.span(), |i| i.span());
+        let identity = validate_identity(identity.as_ref(), errors);
+        let tokens = validate_tokens(
+            (&org_name, identity_span),
+            identity,
+            &tokens,
+            &mut token_orgs,
+            errors,
+        );
+        if identity == Identity::Token {
+            if let Some(first) = clients.first() {
+                errors.at(
+                    first.span(),
+                    "an org with identity = \"token\" takes no clients (use \"address+token\" to require both)",
+                );
+            }
+        }
+        let mut nets = Vec::new();
+        for client in &clients {
+            let Some(net) = cidr(client, errors) else {
+                continue;
+            };
+            // Token orgs may share a network (a NAT, a shared pool): their
+            // token tells them apart. Address orgs may not.
+            if identity == Identity::Address {
+                if let Some(other) = client_nets.get(&net) {
+                    errors.at(
+                        client.span(),
+                        format!("client network {net} already belongs to org {other:?}"),
+                    );
+                    continue;
+                }
+                client_nets.insert(net, org_name.clone());
+            }
+            nets.push(net);
+        }
+        if clients.is_empty() && identity != Identity::Token {
+            errors.at(name.span(), format!("org {org_name:?} has no clients"));
+        }
+
+        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, errors);
+        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, errors);
+        let dns_denied = match dns_denied {
+            None => DnsDenied::default(),
+            Some(v) => {
+                match v.get_ref().as_str() {
+                    "refused" => DnsDenied::Refused,
+                    "nxdomain" => DnsDenied::Nxdomain,
+                    other => {
+                        errors.at(
+                        v.span(),
+                        format!("invalid dns_denied {other:?} (expected \"refused\" or \"nxdomain\")"),
+                    );
+                        DnsDenied::default()
+                    }
+                }
+            }
+        };
+        let dns_types = validate_dns_types(&dns_types, errors);
+        let mode = match mode {
+            None => OrgMode::default(),
+            Some(v) => match v.get_ref().as_str() {
+                "enforce" => OrgMode::Enforce,
+                "report" => OrgMode::Report,
+                other => {
+                    errors.at(
+                        v.span(),
+                        format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
+                    );
+                    OrgMode::default()
+                }
+            },
+        };
+        let credentials =
+            validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
+        orgs.push(OrgConfig {
+            name: org_name,
+            clients: nets,
+            allow,
+            deny,
+            dns_denied,
+            dns_types,
+            mode,
+            identity,
+            tokens,
+            credentials,
+        });
+    }
+    orgs
+}
+
+fn validate_identity(raw: Option<&Spanned<String>>, errors: &mut Errors<'_>) -> Identity {
+    let Some(v) = raw else {
+        return Identity::default();
+    };
+    match v.get_ref().trim() {
+        "address" => Identity::Address,
+        "token" => Identity::Token,
+        "address+token" => Identity::AddressToken,
+        other => {
+            errors.at(
+                v.span(),
+                format!(
+                    "invalid identity {other:?} (expected \"address\", \"token\" or \"address+token\")"
+                ),
+            );
+            Identity::default()
+        }
+    }
+}
+
+/// Token digests of one org: hashed form only, only where the identity
+/// uses them, at least one where it needs them, none shared between orgs.
+fn validate_tokens(
+    (org, span): (&str, Range<usize>),
+    identity: Identity,
+    raw: &[Spanned<String>],
+    seen: &mut Vec<(TokenDigest, String)>,
+    errors: &mut Errors<'_>,
+) -> Vec<TokenDigest> {
+    let mut out = Vec::new();
+    for t in raw {
+        if !identity.needs_token() {
+            errors.at(
+                t.span(),
+                format!("org {org:?} lists tokens but its identity is \"address\" (set identity = \"token\" or \"address+token\")"),
+            );
+            break;
+        }
+        // Never echo the value: it may be a plain token pasted by mistake.
+        let Some(digest) = TokenDigest::parse(t.get_ref().trim()) else {
+            errors.at(
+                t.span(),
+                "token must be stored hashed as \"sha256:<64 hex digits>\", never plain (`palisade token new` prints the line)",
+            );
+            continue;
+        };
+        if let Some((_, other)) = seen.iter().find(|(d, _)| *d == digest) {
+            errors.at(
+                t.span(),
+                format!("token is already listed for org {other:?}"),
+            );
+            continue;
+        }
+        seen.push((digest.clone(), org.to_string()));
+        out.push(digest);
+    }
+    if identity.needs_token() && raw.is_empty() {
+        errors.at(
+            span,
+            format!(
+                "org {org:?} has identity {:?} but no tokens",
+                identity.as_str()
+            ),
+        );
+    }
+    out
+}
+
+/// Query type names an org enables, upper case, each known to hickory and
+/// none of [`DNS_NEVER_TYPES`].
+fn validate_dns_types(raw: &[Spanned<String>], errors: &mut Errors<'_>) -> Vec<String> {
+    use hickory_server::proto::rr::RecordType;
+    let mut out: Vec<String> = Vec::new();
+    for t in raw {
+        let text = t.get_ref().trim().to_ascii_uppercase();
+        if DNS_NEVER_TYPES.contains(&text.as_str()) {
+            errors.at(
+                t.span(),
+                format!("dns type {text:?} is never answered by the DNS shim"),
+            );
+            continue;
+        }
+        match text.parse::<RecordType>() {
+            Ok(RecordType::Unknown(_)) | Err(_) => errors.at(
+                t.span(),
+                format!(
+                    "unknown dns type {:?} (e.g. \"TXT\", \"MX\", \"SRV\")",
+                    t.get_ref()
+                ),
+            ),
+            Ok(rt) => {
+                let name = rt.to_string();
+                if !out.contains(&name) {
+                    out.push(name);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::test_support::{first_error, parse, BASE};
+    use crate::config::*;
+
+    #[test]
+    fn same_client_network_in_two_orgs_is_rejected() {
+        let src = format!("{BASE}[[org]]\nname = \"other\"\nclients = [\"198.19.1.0/24\"]\n");
+        let e = first_error(&src);
+        assert!(e.contains("already belongs to org \"acme\""), "{e}");
+        assert!(e.starts_with("t.toml:11:"), "{e}");
+    }
+
+    #[test]
+    fn token_identity_validates() {
+        let digest = TokenDigest::of(b"secret-token").to_string();
+        let ok = format!(
+            "{BASE}[[org]]\nname = \"t\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n             [[org]]\nname = \"at\"\nidentity = \"address+token\"\nclients = [\"198.19.1.0/24\"]\n             tokens = [\"{}\"]\n",
+            TokenDigest::of(b"other").to_string().to_uppercase().replace("SHA256:", "sha256:")
+        );
+        let c = parse(&ok).unwrap();
+        assert_eq!(c.orgs[1].identity, Identity::Token);
+        assert_eq!(c.orgs[1].tokens[0], TokenDigest::of(b"secret-token"));
+        assert_eq!(c.orgs[2].identity, Identity::AddressToken);
+        // The digests never reach the policy text.
+        let json = serde_json::to_string(&c.orgs).unwrap();
+        assert!(
+            !json.contains(&digest[7..]) && json.contains("address+token"),
+            "{json}"
+        );
+
+        let cases = [
+            ("identity = \"token\"\ntokens = [\"secret-token\"]\n", "never plain"),
+            ("identity = \"token\"\n", "no tokens"),
+            ("identity = \"cert\"\n", "invalid identity \"cert\""),
+            (&*format!("tokens = [\"{digest}\"]\n"), "identity is \"address\""),
+            (
+                &*format!("identity = \"token\"\nclients = [\"198.18.0.0/24\"]\ntokens = [\"{digest}\"]\n"),
+                "takes no clients",
+            ),
+        ];
+        for (lines, want) in cases {
+            let src = format!("{BASE}[[org]]\nname = \"t\"\n{lines}");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{lines}: {e}");
+            assert!(!e.contains("secret-token"), "{e}");
+            assert!(e.starts_with("t.toml:1"), "{lines}: {e}");
+        }
+        let twice = format!(
+            "{BASE}[[org]]\nname = \"t\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n             [[org]]\nname = \"u\"\nidentity = \"token\"\ntokens = [\"{digest}\"]\n"
+        );
+        assert!(first_error(&twice).contains("already listed for org \"t\""));
+    }
+}

@@ -1,0 +1,108 @@
+//! `[proxy]`: listeners, connection limits and timeouts.
+
+use super::{count, timeout, Listeners};
+use crate::config::error::Errors;
+use crate::config::model::{Limits, ProxyConfig};
+use crate::config::raw::RawProxy;
+use crate::config::timeout::{IdleTimeout, ResponseTimeout};
+
+pub(super) fn validate_proxy(
+    raw: RawProxy,
+    listeners: &mut Listeners,
+    errors: &mut Errors<'_>,
+) -> ProxyConfig {
+    let RawProxy {
+        listen,
+        transparent,
+        socks5,
+        max_connections,
+        max_connections_per_org,
+        max_new_connections_per_second_per_org,
+        max_detect_memory_bytes,
+        max_request_head_bytes,
+        max_headers,
+        header_read_timeout,
+        connect_timeout,
+        idle_timeout,
+        response_timeout,
+        detect_timeout,
+        drain_timeout,
+    } = raw;
+    let d = Limits::default();
+    let idle_timeout: IdleTimeout = timeout(idle_timeout, errors);
+    // Unset, the response wait is what bounded it before it had its own key.
+    let response_timeout = match response_timeout {
+        Some(value) => timeout(Some(value), errors),
+        None => ResponseTimeout::from(idle_timeout),
+    };
+    let limits = Limits {
+        max_connections: count(max_connections, d.max_connections, errors),
+        max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
+        max_new_connections_per_second_per_org: count(
+            max_new_connections_per_second_per_org,
+            d.max_new_connections_per_second_per_org,
+            errors,
+        ),
+        max_detect_memory_bytes: count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors),
+        max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
+        max_headers: count(max_headers, d.max_headers, errors),
+        header_read_timeout: timeout(header_read_timeout, errors),
+        connect_timeout: timeout(connect_timeout, errors),
+        idle_timeout,
+        response_timeout,
+        detect_timeout: timeout(detect_timeout, errors),
+        drain_timeout: timeout(drain_timeout, errors),
+    };
+    ProxyConfig {
+        listen: listen
+            .iter()
+            .filter_map(|l| listeners.claim(l, errors))
+            .collect(),
+        transparent: transparent
+            .iter()
+            .filter_map(|l| listeners.claim(l, errors))
+            .collect(),
+        socks5: socks5
+            .iter()
+            .filter_map(|l| listeners.claim(l, errors))
+            .collect(),
+        limits,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::config::test_support::{first_error, parse, BASE};
+
+    #[test]
+    fn durations_and_limits() {
+        let src = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nconnect_timeout = \"250ms\"\nmax_connections = 7\n",
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(
+            c.proxy.limits.connect_timeout.get(),
+            Duration::from_millis(250)
+        );
+        assert_eq!(c.proxy.limits.max_connections, 7);
+        let bad = BASE.replace("[proxy]\n", "[proxy]\nidle_timeout = \"soon\"\n");
+        assert!(first_error(&bad).contains("invalid duration \"soon\""));
+        let zero = BASE.replace("[proxy]\n", "[proxy]\nmax_headers = 0\n");
+        assert!(first_error(&zero).contains("positive"));
+    }
+
+    #[test]
+    fn socks5_listeners_are_own_addresses_and_unique() {
+        let src = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:1080\"]\n");
+        let c = parse(&src).unwrap();
+        assert_eq!(c.proxy.socks5, vec!["127.0.0.1:1080".parse().unwrap()]);
+        assert!(c
+            .own_addresses()
+            .contains(&"127.0.0.1:1080".parse().unwrap()));
+        let dup = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:3128\"]\n");
+        assert!(first_error(&dup).contains("used twice"));
+    }
+}

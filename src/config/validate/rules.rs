@@ -1,0 +1,388 @@
+//! `[[org.allow]]` and `[[org.deny]]`: targets, ports, tunnels and the
+//! request rules of intercepting allow rules.
+
+use std::collections::HashSet;
+
+use toml::Spanned;
+
+use super::cidr;
+use crate::config::error::Errors;
+use crate::config::model::{
+    Carry, PathPattern, PortSet, RequestRules, RuleConfig, RuleTarget, DEFAULT_ALLOW_PORTS,
+};
+use crate::config::raw::{RawList, RawRule};
+use crate::proto::http_request::{is_method_token, NormalPath};
+use crate::proto::target::{normalize_host, Host};
+
+/// Registered methods: a case variant of one (`get`) is refused in config,
+/// since matching is exact and it would only ever match that odd spelling.
+const REGISTERED_METHODS: [&str; 10] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "TRACK", "PATCH",
+];
+
+/// HTTP methods: RFC 9110 tokens, matched exactly (methods are
+/// case-sensitive), so a case variant of a registered method is refused.
+pub(super) fn methods(value: RawList, errors: &mut Errors<'_>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for m in value.map(Spanned::into_inner).unwrap_or_default() {
+        let text = m.get_ref().trim();
+        let variant = REGISTERED_METHODS
+            .iter()
+            .find(|r| r.eq_ignore_ascii_case(text) && **r != text);
+        if !is_method_token(text) {
+            errors.at(
+                m.span(),
+                format!("invalid method {text:?} (an RFC 9110 token, e.g. \"GET\")"),
+            );
+        } else if let Some(r) = variant {
+            errors.at(
+                m.span(),
+                format!("invalid method {text:?}: methods are case-sensitive, write {r:?}"),
+            );
+        } else if !out.iter().any(|o| o == text) {
+            out.push(text.to_string());
+        }
+    }
+    out
+}
+
+/// Path rules: start with `/`, printable ASCII, no `%` escapes, and in the
+/// normal form requests are matched in (no `.`/`..` or empty segments, no
+/// `;`, no `\\`): a rule that no normalised path can match is a mistake.
+pub(super) fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern> {
+    let mut out = Vec::new();
+    for p in value.map(Spanned::into_inner).unwrap_or_default() {
+        let text = p.get_ref().trim();
+        let printable = text.bytes().all(|b| b.is_ascii_graphic());
+        if !text.starts_with('/') || !printable || text.len() > 1024 || text.contains('%') {
+            errors.at(
+                p.span(),
+                format!(
+                    "invalid path rule {text:?} (starts with '/', printable ASCII, no '%'; \
+                     '*' matches anything)"
+                ),
+            );
+        } else if let Err(why) = NormalPath::parse(text) {
+            errors.at(
+                p.span(),
+                format!("invalid path rule {text:?}: requests are matched normalised, and {why}"),
+            );
+        } else {
+            out.push(PathPattern(text.to_string()));
+        }
+    }
+    out
+}
+
+pub(super) fn validate_rules(
+    org: &str,
+    kind: &str,
+    raw: Vec<Spanned<RawRule>>,
+    ids: &mut HashSet<String>,
+    errors: &mut Errors<'_>,
+) -> Vec<RuleConfig> {
+    let mut rules = Vec::new();
+    for (n, spanned) in raw.into_iter().enumerate() {
+        let span = spanned.span();
+        let RawRule {
+            id,
+            host,
+            cidr: cidr_value,
+            ports,
+            intercept,
+            tunnel,
+            methods: allow_methods,
+            paths: allow_paths,
+            deny_methods,
+            deny_paths,
+        } = spanned.into_inner();
+        let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
+            .iter()
+            .find_map(|k| k.as_ref().map(|k| k.span()));
+        let intercept = match intercept {
+            Some(flag) if *flag.get_ref() => {
+                if kind != "allow" || host.is_none() {
+                    errors.at(
+                        flag.span(),
+                        "intercept is only valid on allow rules with a host",
+                    );
+                }
+                Some(RequestRules {
+                    methods: methods(allow_methods, errors),
+                    paths: paths(allow_paths, errors),
+                    deny_methods: methods(deny_methods, errors),
+                    deny_paths: paths(deny_paths, errors),
+                })
+            }
+            _ => {
+                if let Some(span) = request_span {
+                    errors.at(
+                        span,
+                        "methods, paths, deny_methods and deny_paths need intercept = true",
+                    );
+                }
+                None
+            }
+        };
+
+        let tunnel = tunnel.and_then(|t| {
+            let Some(carry) = Carry::parse(t.get_ref()) else {
+                errors.at(
+                    t.span(),
+                    format!(
+                        "unknown tunnel {:?} (one of {})",
+                        t.get_ref(),
+                        Carry::NAMES.join(", ")
+                    ),
+                );
+                return None;
+            };
+            if kind != "allow" || host.is_none() {
+                errors.at(
+                    t.span(),
+                    "tunnel is only valid on allow rules with a host \
+                     (a cidr rule's address is its identity: its tunnels are opaque)",
+                );
+            } else if intercept.is_some() && carry != Carry::Tls {
+                errors.at(
+                    t.span(),
+                    "an intercepting rule carries TLS: tunnel must be \"tls\" or omitted",
+                );
+            }
+            Some(carry)
+        });
+
+        let id = match id {
+            Some(id) => {
+                let text = id.get_ref().trim().to_string();
+                if text.is_empty() || text.len() > 128 || text.chars().any(char::is_control) {
+                    errors.at(id.span(), format!("invalid rule id {text:?}"));
+                }
+                if !ids.insert(text.clone()) {
+                    errors.at(id.span(), format!("rule id {text:?} is used twice"));
+                }
+                text
+            }
+            None => {
+                let text = format!("{org}/{kind}/{n}");
+                ids.insert(text.clone());
+                text
+            }
+        };
+
+        let target = match (host, cidr_value) {
+            (Some(_), Some(c)) => {
+                errors.at(c.span(), "a rule has either host or cidr, not both");
+                None
+            }
+            (None, None) => {
+                errors.at(span.clone(), format!("rule {id:?} needs host or cidr"));
+                None
+            }
+            (Some(h), None) => host_rule(&h, kind == "allow", errors),
+            (None, Some(c)) => cidr(&c, errors).map(RuleTarget::Cidr),
+        };
+
+        let ports = match ports {
+            None if kind == "allow" => PortSet::List(DEFAULT_ALLOW_PORTS.to_vec()),
+            None => PortSet::All,
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    errors.at(
+                        list.span(),
+                        "ports must not be empty (omit it for the default)",
+                    );
+                }
+                let mut ports = Vec::new();
+                for p in list.get_ref() {
+                    match u16::try_from(*p.get_ref()) {
+                        Ok(port) if port > 0 => {
+                            if !ports.contains(&port) {
+                                ports.push(port)
+                            }
+                        }
+                        _ => errors.at(
+                            p.span(),
+                            format!("port {} out of range 1-65535", p.get_ref()),
+                        ),
+                    }
+                }
+                ports.sort_unstable();
+                PortSet::List(ports)
+            }
+        };
+
+        if let Some(target) = target {
+            rules.push(RuleConfig {
+                id,
+                target,
+                ports,
+                intercept,
+                tunnel,
+            });
+        }
+    }
+    rules
+}
+
+pub(super) fn host_rule(
+    value: &Spanned<String>,
+    is_allow: bool,
+    errors: &mut Errors<'_>,
+) -> Option<RuleTarget> {
+    let text = value.get_ref().trim();
+    let (wildcard, rest) = match text.strip_prefix("*.") {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    if text == "*" {
+        errors.at(
+            value.span(),
+            "host \"*\" would match every name; list the names instead",
+        );
+        return None;
+    }
+    if rest.contains('*') {
+        errors.at(
+            value.span(),
+            format!("invalid host {text:?}: '*' is only allowed as the whole leftmost label (\"*.example.com\")"),
+        );
+        return None;
+    }
+    let name = match normalize_host(rest) {
+        Ok(Host::Name(name)) => name,
+        Ok(Host::Ip(ip)) => {
+            errors.at(
+                value.span(),
+                format!("host {text:?} is an IP address; use cidr = \"{ip}\" for addresses"),
+            );
+            return None;
+        }
+        Err(e) => {
+            errors.at(value.span(), format!("invalid host {text:?}: {e}"));
+            return None;
+        }
+    };
+    if wildcard {
+        if is_allow && !name.contains('.') {
+            errors.at(
+                value.span(),
+                format!("wildcard {text:?} would allow a whole top-level domain"),
+            );
+            return None;
+        }
+        Some(RuleTarget::Below(name))
+    } else {
+        Some(RuleTarget::Exact(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::test_support::{errors, first_error, parse, BASE};
+    use crate::config::*;
+
+    #[test]
+    fn bad_values_are_named_and_located() {
+        let cases = [
+            ("host = \"*.com\"", "top-level domain"),
+            ("host = \"*\"", "every name"),
+            ("host = \"login.*.x.com\"", "leftmost label"),
+            ("host = \"1.2.3.4\"", "use cidr"),
+            ("cidr = \"198.18.7.0/33\"", "invalid cidr"),
+            ("cidr = \"198.18.7.1/24\"", "host bits"),
+            ("host = \"a.com\"\nports = [0]", "port 0 out of range"),
+            (
+                "host = \"a.com\"\nports = [65536]",
+                "port 65536 out of range",
+            ),
+            ("host = \"a.com\"\ncidr = \"198.18.0.0/15\"", "not both"),
+            ("ports = [1]", "needs host or cidr"),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}[[org.allow]]\n{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((9..=11).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn tunnel_key_is_checked_and_located() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"a.com\"\nports = [22]\ntunnel = \"opaque\"\n\
+             [[org.allow]]\nhost = \"b.com\"\n"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].allow[0].tunnel, Some(Carry::Opaque));
+        assert_eq!(c.orgs[0].allow[1].tunnel, None);
+        let cases = [
+            (
+                "[[org.allow]]\nhost = \"a.com\"\ntunnel = \"ssh\"",
+                "unknown tunnel \"ssh\"",
+            ),
+            (
+                "[[org.allow]]\ncidr = \"198.18.0.0/15\"\ntunnel = \"tls\"",
+                "a cidr rule's address is its identity",
+            ),
+            (
+                "[[org.deny]]\nhost = \"a.com\"\ntunnel = \"tls\"",
+                "only valid on allow rules",
+            ),
+            (
+                "[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"",
+                "intercepting rule carries TLS",
+            ),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((10..=12).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn wildcard_tld_is_fine_in_deny() {
+        let src = format!("{BASE}[[org.deny]]\nhost = \"*.com\"\n");
+        let c = parse(&src).unwrap();
+        assert_eq!(c.orgs[0].deny[0].target, RuleTarget::Below("com".into()));
+        assert_eq!(c.orgs[0].deny[0].ports, PortSet::All);
+    }
+
+    #[test]
+    fn methods_are_tokens_and_path_rules_are_normal() {
+        let rule = |k: &str, v: &str| {
+            errors(&format!(
+                "[[org.allow]]\nhost = \"x.test\"\nintercept = true\n{k} = [{v}]\n"
+            ))
+        };
+        for ok in ["\"GET\"", "\"PROPFIND\"", "\"M-SEARCH\"", "\"TRACE\""] {
+            assert!(
+                rule("methods", ok).is_empty(),
+                "{ok}: {:?}",
+                rule("methods", ok)
+            );
+        }
+        for (bad, want) in [
+            ("\"get\"", "case-sensitive, write \"GET\""),
+            ("\"Delete\"", "case-sensitive"),
+            ("\"GE T\"", "RFC 9110 token"),
+            ("\"\"", "RFC 9110 token"),
+        ] {
+            let e = rule("deny_methods", bad);
+            assert!(e.iter().any(|e| e.contains(want)), "{bad}: {e:?}");
+        }
+        for bad in ["/a/../b", "/a//b", "/a;x", "/a\\b", "/./x"] {
+            let e = rule("paths", &format!("{bad:?}"));
+            assert!(
+                e.iter()
+                    .any(|e| e.contains("requests are matched normalised")),
+                "{bad}: {e:?}"
+            );
+        }
+        assert!(rule("deny_paths", "\"/api/internal*\", \"/x/...\"").is_empty());
+    }
+}
