@@ -7,8 +7,9 @@
 //! little: the report tells a denial Palisade recorded apart from one some
 //! other layer caused and from a probe that never reached its target.
 //!
-//! - [`plan`]: the plan format (TOML) and a default plan generated from a
-//!   policy (one probe per allow rule, canaries, standard bypass attempts).
+//! - [`plan`]: the plan format (TOML), its targets and its validation.
+//! - [`generate`]: `probe plan`, a default plan generated from a policy
+//!   (one probe per allow rule, canaries, standard bypass attempts).
 //! - [`run`]: performs each probe within its own timeout and a total
 //!   deadline, and writes `observations.json`; [`hello`] builds the
 //!   ClientHellos it sends (with or without an ECH extension).
@@ -16,6 +17,7 @@
 //!   observations, classifies, and renders `report.json`, `report.md` and a
 //!   self-contained `report.html`.
 
+pub mod generate;
 pub mod hello;
 pub mod plan;
 pub mod report;
