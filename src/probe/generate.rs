@@ -563,13 +563,7 @@ mod tests {
                    [[org.allow]]\nhost = \"*.wild.test\"\n[[org.allow]]\ncidr = \"198.18.2.30/32\"\nports = [80]\n\
                    [[org.deny]]\nhost = \"blocked.wild.test\"\n";
         let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
-        let opts = GenerateOptions {
-            org: "acme".into(),
-            proxy: None,
-            resolver: None,
-            outside: vec!["198.18.9.9".parse().unwrap()],
-            transparent: false,
-        };
+        let opts = options(false);
         let plan = generate(&config, &opts).unwrap();
         let text = plan.to_toml("generated");
         let back = Plan::from_toml(&text).unwrap();
@@ -606,16 +600,19 @@ mod tests {
         .is_err());
     }
 
-    fn generate_from(src: &str, transparent: bool) -> Plan {
-        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
-        let opts = GenerateOptions {
+    fn options(transparent: bool) -> GenerateOptions {
+        GenerateOptions {
             org: "acme".into(),
             proxy: None,
             resolver: None,
             outside: vec!["198.18.9.9".parse().unwrap()],
             transparent,
-        };
-        let plan = generate(&config, &opts).unwrap();
+        }
+    }
+
+    fn generate_from(src: &str, transparent: bool) -> Plan {
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let plan = generate(&config, &options(transparent)).unwrap();
         // What is printed is what is run.
         let back = Plan::from_toml(&plan.to_toml("generated")).unwrap();
         assert_eq!(
