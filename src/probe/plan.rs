@@ -475,18 +475,8 @@ impl Plan {
             out.push_str("\n[[probe]]\n");
             let _ = writeln!(out, "id = {}", q(&p.id));
             let _ = writeln!(out, "target = {}", q(&p.target));
-            let via = if p.via == Via::Proxy {
-                "proxy"
-            } else {
-                "direct"
-            };
-            let _ = writeln!(out, "via = {}", q(via));
-            let expect = if p.expect == Expect::Allow {
-                "allow"
-            } else {
-                "deny"
-            };
-            let _ = writeln!(out, "expect = {}", q(expect));
+            let _ = writeln!(out, "via = {}", q(p.via.as_str()));
+            let _ = writeln!(out, "expect = {}", q(p.expect.as_str()));
             if p.layer == Layer::Any {
                 out.push_str("layer = \"any\"\n");
             }
