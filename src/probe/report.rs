@@ -590,3 +590,223 @@ pub fn classes(report: &Value) -> BTreeMap<String, String> {
         .map(|p| (text(&p["id"]), text(&p["class"])))
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::{Duration, SystemTime};
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::evidence::Evidence;
+    use crate::policy::Verdict;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("palisade-report-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// A sealed chain with an allow for allowed.test (from port 40001) and
+    /// a deny for other.test (from 40002); their ids.
+    async fn chain(dir: &Path) -> (String, String) {
+        let ev = Evidence::open(dir).unwrap();
+        let mut ids = Vec::new();
+        for (port, host, reason) in [
+            (40001, "allowed.test", Reason::RuleMatch),
+            (40002, "other.test", Reason::NoMatchingRule),
+        ] {
+            let verdict = Verdict {
+                org: None,
+                reason,
+                rule: reason.is_allow().then(|| "allow-0".into()),
+                would_deny: None,
+            };
+            let client = SocketAddr::from(([198, 18, 1, 2], port));
+            let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
+            r.host = Some(host.into());
+            r.port = Some(443);
+            ev.write(&mut r).await.unwrap();
+            ids.push(r.id);
+        }
+        assert!(ev.seal().await);
+        (ids.remove(0), ids.remove(0))
+    }
+
+    fn ts(t: SystemTime) -> String {
+        humantime::format_rfc3339_micros(t).to_string()
+    }
+
+    /// An observation from local port `port` around now.
+    fn observation(id: &str, port: u16, expect: &str, extra: Value) -> Value {
+        let now = SystemTime::now();
+        let mut v = json!({
+            "id": id, "marker": format!("pp-1-{id}"), "target": "https://allowed.test/",
+            "kind": "https", "via": "proxy", "expect": expect,
+            "started": ts(now - Duration::from_secs(5)), "finished": ts(now + Duration::from_secs(1)),
+            "elapsed_ms": 6000,
+            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": format!("198.18.1.2:{port}"), "remote": "198.18.1.1:3128"}],
+            "resolved": [], "connected": true, "bytes_sent": 0, "bytes_received": 0,
+            "dns_answers": [], "stage": "done", "outcome": "failed",
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    fn observations(dir: &Path, deny_id: &str) -> PathBuf {
+        let now = ts(SystemTime::now());
+        let obs = json!({
+            "format": super::super::OBSERVATIONS_FORMAT, "run": "r1", "palisade_version": "0",
+            "plan_sha256": "00", "plan": {"org": "acme", "policy": "p0", "probe": []},
+            "started": now, "finished": now,
+            "environment": {"hostname": "sandbox", "addresses": ["1: lo <x>", "2: eth0 198.18.1.2/24"]},
+            "observations": [
+                observation("allow-https", 40001, "allow",
+                    json!({"connect_status": 200, "tls": "server_hello", "outcome": "reached"})),
+                observation("deny-name", 40002, "deny",
+                    json!({"target": "https://other.test/", "connect_status": 403, "connected": false,
+                           "outcome": "refused", "palisade_record": deny_id})),
+                observation("routed-away", 40003, "deny",
+                    json!({"target": "tcp://198.18.2.20:80", "kind": "tcp", "via": "direct", "layer": "any",
+                           "error": "timeout", "connected": false})),
+            ],
+        });
+        let path = dir.join("observations.json");
+        std::fs::write(&path, obs.to_string()).unwrap();
+        path
+    }
+
+    fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
+        let opts = Options {
+            observations,
+            evidence,
+            key: None,
+            allow_unsealed: false,
+        };
+        build(&opts).map_err(|e| e.0)
+    }
+
+    /// From evidence and observations to the report.json fields, the
+    /// markdown and the HTML the netns tests read.
+    #[tokio::test]
+    async fn verified_evidence_is_classified_and_rendered() {
+        let dir = scratch("ok");
+        let evidence = dir.join("evidence");
+        let (allow_id, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let r = report(&obs, &evidence).unwrap();
+        let j = &r.json;
+        assert_eq!(j["format"], REPORT_FORMAT);
+        assert_eq!(j["verification"]["ok"], true, "{j:#}");
+        assert_eq!(j["verification"]["sealed"], true);
+        let classes = classes(j);
+        assert_eq!(classes["allow-https"], "enforced_allow");
+        assert_eq!(classes["deny-name"], "enforced_deny");
+        assert_eq!(classes["routed-away"], "blocked_elsewhere");
+        assert_eq!((r.exit, j["exit_status"].clone()), (0, json!(0)));
+        assert_eq!(j["counts"]["probes"], 3);
+        assert_eq!(j["counts"]["not_matching_expectation"], 0);
+        let deny = &j["probes"][1];
+        assert_eq!(deny["records"][0]["id"], deny_id.as_str());
+        assert_eq!(deny["records"][0]["reason"], "no_matching_rule");
+        assert_eq!(deny["records"][0]["client"], "198.18.1.2:40002");
+        assert!(deny["records"][0]["detail"].is_null());
+        assert_eq!(deny["observation"]["palisade_record"], deny_id.as_str());
+        assert_eq!(
+            j["probes"][0]["why"],
+            format!("Palisade allowed: {allow_id}")
+        );
+        assert_eq!(j["scope"]["policy_matches_plan"], true);
+        assert_eq!(j["scope"]["evidence_sealed"], true);
+        assert_eq!(
+            j["scope"]["evidence_span"]["records"], 4,
+            "{:#}",
+            j["scope"]
+        );
+        assert!(j["findings"].as_array().unwrap().is_empty());
+        assert!(j["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("Within the 3 paths tested"));
+        assert!(j["untested"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("IPv6: not probed"));
+
+        assert!(
+            r.markdown
+                .contains("| evidence policy = plan policy | true |"),
+            "{}",
+            r.markdown
+        );
+        assert!(r
+            .markdown
+            .contains("| routed-away | `tcp://198.18.2.20:80` | direct | deny (any layer) |"));
+        assert!(r.markdown.contains("None among the probes classified."));
+        assert!(r.markdown.contains("  - `2: eth0 198.18.1.2/24`"));
+        for needle in [
+            "id=\"findings\"",
+            "data-probe=\"deny-name\" data-class=\"enforced_deny\"",
+            "<pre id=\"verification\">",
+            "<td colspan=\"7\">None among the probes classified.</td>",
+            "<th>evidence_sealed</th><td><code>true</code></td>",
+            "<pre>1: lo &lt;x&gt;\n2: eth0 198.18.1.2/24</pre>",
+        ] {
+            assert!(r.html.contains(needle), "{needle} not in {}", r.html);
+        }
+        // Values are escaped wherever they land.
+        let mut report = r.report;
+        report.verdict = "<script>alert(1)</script>".into();
+        report.probes[0].why = "\"><img src=x>".into();
+        let html = render::html(&report);
+        assert!(
+            !html.contains("<script>") && !html.contains("<img"),
+            "{html}"
+        );
+        assert!(html.contains("&lt;script&gt;"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Evidence that fails verification: reported, nothing classified.
+    #[tokio::test]
+    async fn tampered_evidence_classifies_nothing() {
+        let dir = scratch("tampered");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let segment = &crate::evidence::segment::list(&evidence).unwrap()[0];
+        let text = std::fs::read_to_string(segment).unwrap();
+        std::fs::write(
+            segment,
+            text.replace("\"decision\":\"deny\"", "\"decision\":\"allow\""),
+        )
+        .unwrap();
+        let obs = observations(&dir, &deny_id);
+        let r = report(&obs, &evidence).unwrap();
+        let j = &r.json;
+        assert_eq!(j["verification"]["ok"], false);
+        assert!(
+            j["verification"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("hash does not match"),
+            "{j:#}"
+        );
+        assert!(j["verification"]["line"].as_u64().is_some());
+        assert!(j.get("counts").is_none());
+        assert!(j["scope"].get("evidence_sealed").is_none());
+        assert_eq!(j["probes"].as_array().unwrap().len(), 0);
+        assert_eq!(r.exit, 1);
+        assert!(j["verdict"].as_str().unwrap().starts_with("Not assessed"));
+        assert!(r.markdown.contains("**FAILED:**") && !r.markdown.contains("## Counts"));
+        assert!(r.markdown.contains("| evidence sealed | - |"));
+        assert!(r.html.contains("id=\"verification-failed\""));
+        // Bad input is not a report.
+        std::fs::write(&obs, "{").unwrap();
+        assert!(report(&obs, &evidence).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
