@@ -55,10 +55,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{Expect, Layer, Via};
 
-// `probe plan` lived here; its paths stay.
-pub use super::generate::{
-    encoded_denied_path, generate, GenerateOptions, CANARY_DOMAIN, SILENCE_MARGIN,
-};
+// `probe plan` lived here; the CLI's paths stay.
+pub use super::generate::{generate, GenerateOptions};
 
 /// Per-probe timeout when the plan names none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);

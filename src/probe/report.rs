@@ -21,9 +21,6 @@ use super::{render, Class, Expect, Layer, Via, REPORT_FORMAT};
 use crate::evidence::{query, verify, Event, Kind, Mode, Record};
 use crate::policy::Reason;
 
-// Matching moved to `classify`; its window stays reachable here.
-pub use super::classify::{SLACK, TUNNEL_REASONS};
-
 /// Inputs of a report.
 pub struct Options<'a> {
     pub observations: &'a Path,
