@@ -483,7 +483,7 @@ pub struct RuleConfig {
 
 /// What a tunnel allowed by a host rule may carry, verified from its first
 /// byte to its last (see `src/proxy/verify.rs`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Carry {
     /// TLS whose every plaintext ClientHello names the rule's host (no ECH).

@@ -24,7 +24,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde::Serialize;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::config::{Durability, EvidenceConfig};
 use crate::policy::{Reason, Verdict};
@@ -37,7 +37,7 @@ pub const CONTRACT_FIELDS: [&str; 15] = [
 ];
 
 /// `kind` of a record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
     Tcp,
@@ -45,8 +45,18 @@ pub enum Kind {
     Dns,
 }
 
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Tcp => "tcp",
+            Kind::Http => "http",
+            Kind::Dns => "dns",
+        }
+    }
+}
+
 /// `mode` of a record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     Explicit,
@@ -68,16 +78,29 @@ impl Mode {
 }
 
 /// `event` of a record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Event {
     Decision,
     Close,
 }
 
+impl Event {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Event::Decision => "decision",
+            Event::Close => "close",
+        }
+    }
+}
+
 /// One evidence record. The CONTRACT fields are always present (null where
 /// unknown); the others appear only on the records they belong to.
-#[derive(Debug, Clone, Serialize)]
+///
+/// Reading one back ([`query::read_records`]) ignores fields it does not
+/// know, such as the chain's `seq`, `prev` and `hash` ([`query::Stored`]
+/// keeps those).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
     pub id: String,
     pub ts: String,
@@ -90,7 +113,8 @@ pub struct Record {
     pub port: Option<u16>,
     pub sni: Option<String>,
     pub ip: Option<IpAddr>,
-    pub decision: &'static str,
+    #[serde(deserialize_with = "decision_of")]
+    pub decision: StaticStr,
     pub reason: Reason,
     pub rule: Option<Arc<str>>,
     pub policy: Arc<str>,
@@ -195,6 +219,20 @@ impl Record {
             ..self.clone()
         }
     }
+}
+
+/// `&'static str` under another name: serde's derive takes a field
+/// written as a `&str` to borrow from the input, which would tie reading a
+/// [`Record`] to `'static` input.
+pub type StaticStr = &'static str;
+
+/// `allow` or `deny`, the only decisions a record holds.
+fn decision_of<'de, D: Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    let text = String::deserialize(d)?;
+    ["allow", "deny"]
+        .into_iter()
+        .find(|x| *x == text)
+        .ok_or_else(|| serde::de::Error::unknown_variant(&text, &["allow", "deny"]))
 }
 
 /// Evidence could not be written.

@@ -2,15 +2,194 @@
 //! read decision and close records, filter them, print them as JSON Lines,
 //! a table, or OCSF 1.x events.
 //!
-//! Neither checks the chain: run `palisade evidence verify` first.
+//! Records are read typed ([`read_records`]: a [`Record`] and its chain
+//! link, [`Stored`]); chain bookkeeping lines (headers, checkpoints, the
+//! seal) are skipped. Neither command checks the chain: run `palisade
+//! evidence verify` first (it reads lines as raw JSON, since it hashes them).
 
+use std::borrow::Cow;
 use std::io::{self, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use super::segment::{self, split_lines};
+use super::segment;
+use super::{Event, Kind, Record};
+
+/// A decision or close record as a segment holds it: the record, and the
+/// chain fields the writer added (absent from a file that is not a chain).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Stored {
+    #[serde(flatten)]
+    pub record: Record,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prev: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+}
+
+/// Evidence that could not be read as records.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+    /// A decision or close line that is not a record this version knows.
+    #[error("{}:{line}: not a decision or close record: {source}", path.display())]
+    Record {
+        path: PathBuf,
+        line: u64,
+        source: serde_json::Error,
+    },
+}
+
+impl From<ReadError> for io::Error {
+    fn from(e: ReadError) -> io::Error {
+        match e {
+            ReadError::Io { source, .. } => source,
+            e @ ReadError::Record { .. } => io::Error::new(io::ErrorKind::InvalidData, e),
+        }
+    }
+}
+
+/// The one field that tells a record from chain bookkeeping.
+#[derive(Deserialize)]
+struct EventOnly<'a> {
+    #[serde(borrow)]
+    event: Option<Cow<'a, str>>,
+}
+
+/// The segment files under `path` (or `path` itself, a single file), in
+/// chain order.
+fn files(path: &Path) -> io::Result<Vec<PathBuf>> {
+    if std::fs::metadata(path)?.is_file() {
+        Ok(vec![path.to_path_buf()])
+    } else {
+        segment::list(path)
+    }
+}
+
+/// The complete lines of a list of files, one file in memory at a time; a
+/// torn last line is left out.
+struct Lines {
+    files: std::vec::IntoIter<PathBuf>,
+    file: PathBuf,
+    data: Vec<u8>,
+    /// Where the next line starts in `data`.
+    pos: usize,
+    /// Number of the line at `pos`, from 1.
+    line: u64,
+}
+
+/// One complete line, where it is.
+struct Line<'a> {
+    file: &'a Path,
+    number: u64,
+    bytes: &'a [u8],
+}
+
+impl Lines {
+    fn next_line(&mut self) -> Option<Result<Line<'_>, ReadError>> {
+        loop {
+            if let Some(len) = self.data[self.pos..].iter().position(|b| *b == b'\n') {
+                let start = self.pos;
+                self.pos += len + 1;
+                self.line += 1;
+                return Some(Ok(Line {
+                    file: &self.file,
+                    number: self.line - 1,
+                    bytes: &self.data[start..start + len],
+                }));
+            }
+            self.file = self.files.next()?;
+            (self.pos, self.line) = (0, 1);
+            self.data = match std::fs::read(&self.file) {
+                Ok(data) => data,
+                Err(source) => {
+                    self.data.clear();
+                    return Some(Err(ReadError::Io {
+                        path: self.file.clone(),
+                        source,
+                    }));
+                }
+            };
+        }
+    }
+}
+
+/// `f` over every complete line under `path` (file, line number, bytes), in
+/// chain order, yielding what it returns.
+fn map_lines<T>(
+    path: &Path,
+    mut f: impl FnMut(&Path, u64, &[u8]) -> Option<Result<T, ReadError>>,
+) -> impl Iterator<Item = Result<T, ReadError>> {
+    let mut failed = None;
+    let list = files(path).unwrap_or_else(|source| {
+        failed = Some(Err(ReadError::Io {
+            path: path.to_path_buf(),
+            source,
+        }));
+        Vec::new()
+    });
+    let mut lines = Lines {
+        files: list.into_iter(),
+        file: PathBuf::new(),
+        data: Vec::new(),
+        pos: 0,
+        line: 1,
+    };
+    let each = std::iter::from_fn(move || loop {
+        match lines.next_line()? {
+            Ok(line) => {
+                if let Some(x) = f(line.file, line.number, line.bytes) {
+                    return Some(x);
+                }
+            }
+            Err(e) => return Some(Err(e)),
+        }
+    });
+    failed.into_iter().chain(each)
+}
+
+/// Every decision and close record under `path` (a directory of segments, or
+/// one file), in chain order. Lines that are not JSON objects, and chain
+/// bookkeeping, are skipped; a decision or close line that does not read
+/// as a [`Record`] is an error (a record from another version, or an edit).
+pub fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadError>> {
+    map_lines(path, |file, line, bytes| {
+        let event = serde_json::from_slice::<EventOnly>(bytes).ok()?.event?;
+        if event != Event::Decision.as_str() && event != Event::Close.as_str() {
+            return None;
+        }
+        Some(
+            serde_json::from_slice::<Stored>(bytes).map_err(|source| ReadError::Record {
+                path: file.to_path_buf(),
+                line,
+                source,
+            }),
+        )
+    })
+}
+
+/// Call `f` for every line under `path` that parses as a JSON object
+/// (records and chain bookkeeping alike), in chain order. For readers that
+/// need the raw fields; [`read_records`] gives typed records.
+pub fn for_each_record(
+    path: &Path,
+    mut f: impl FnMut(&Map<String, Value>) -> io::Result<()>,
+) -> io::Result<()> {
+    let objects = map_lines(path, |_, _, line| match serde_json::from_slice(line) {
+        Ok(Value::Object(m)) => Some(Ok(m)),
+        _ => None,
+    });
+    for m in objects {
+        f(&m?)?;
+    }
+    Ok(())
+}
 
 /// Filters of `palisade evidence query`; `None` matches everything.
 #[derive(Debug, Default, Clone)]
@@ -24,34 +203,27 @@ pub struct Filter {
     pub host: Option<String>,
 }
 
-fn ts_of(m: &Map<String, Value>) -> Option<SystemTime> {
-    humantime::parse_rfc3339(m.get("ts")?.as_str()?).ok()
+fn ts_of(r: &Record) -> Option<SystemTime> {
+    humantime::parse_rfc3339(&r.ts).ok()
 }
 
 impl Filter {
-    pub fn matches(&self, m: &Map<String, Value>) -> bool {
-        let s = |k: &str| m.get(k).and_then(Value::as_str);
-        if !matches!(s("event"), Some("decision" | "close")) {
-            return false;
-        }
+    pub fn matches(&self, r: &Record) -> bool {
         if let Some(o) = &self.org {
-            if s("org").unwrap_or("unknown") != o {
+            if r.org.as_deref().unwrap_or("unknown") != o {
                 return false;
             }
         }
-        if self
-            .decision
-            .as_deref()
-            .is_some_and(|d| s("decision") != Some(d))
+        if self.decision.as_deref().is_some_and(|d| r.decision != d)
             || self
                 .reason
                 .as_deref()
-                .is_some_and(|r| s("reason") != Some(r))
+                .is_some_and(|x| r.reason.as_str() != x)
         {
             return false;
         }
         if let Some(h) = &self.host {
-            let host = s("host").unwrap_or_default();
+            let host = r.host.as_deref().unwrap_or_default();
             let ok = match h.strip_prefix("*.") {
                 Some(suffix) => host
                     .strip_suffix(suffix)
@@ -63,7 +235,7 @@ impl Filter {
             }
         }
         if self.since.is_some() || self.until.is_some() {
-            let Some(t) = ts_of(m) else { return false };
+            let Some(t) = ts_of(r) else { return false };
             if self.since.is_some_and(|s| t < s) || self.until.is_some_and(|u| t > u) {
                 return false;
             }
@@ -72,41 +244,29 @@ impl Filter {
     }
 }
 
-/// Call `f` for every record (complete line that parses) under `path`, in
-/// chain order.
-pub fn for_each_record(
-    path: &Path,
-    mut f: impl FnMut(&Map<String, Value>) -> io::Result<()>,
-) -> io::Result<()> {
-    let list = if std::fs::metadata(path)?.is_file() {
-        vec![path.to_path_buf()]
-    } else {
-        segment::list(path)?
-    };
-    for file in list {
-        let data = std::fs::read(&file)?;
-        let (lines, _torn) = split_lines(&data);
-        for line in lines {
-            if let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(line) {
-                f(&m)?;
-            }
-        }
-    }
-    Ok(())
-}
-
 const TABLE_COLUMNS: [&str; 10] = [
     "ts", "event", "kind", "org", "client", "host", "port", "decision", "reason", "rule",
 ];
 
-/// One table row: the columns above, tab-separated.
-pub fn table_row(m: &Map<String, Value>) -> String {
-    TABLE_COLUMNS
+/// One table row: the columns above, tab-separated (`-` where unknown).
+pub fn table_row(r: &Record) -> String {
+    let cells: [Option<String>; 10] = [
+        Some(r.ts.clone()),
+        Some(r.event.as_str().into()),
+        Some(r.kind.as_str().into()),
+        r.org.as_deref().map(str::to_string),
+        r.client.map(|c| c.to_string()),
+        r.host.clone(),
+        r.port.map(|p| p.to_string()),
+        Some(r.decision.into()),
+        Some(r.reason.as_str().into()),
+        r.rule.as_deref().map(str::to_string),
+    ];
+    cells
         .iter()
-        .map(|k| match m.get(*k) {
-            None | Some(Value::Null) => "-".to_string(),
-            Some(Value::String(s)) => s.replace(['\t', '\n'], " "),
-            Some(v) => v.to_string(),
+        .map(|c| {
+            c.as_deref()
+                .map_or("-".into(), |s| s.replace(['\t', '\n'], " "))
         })
         .collect::<Vec<_>>()
         .join("\t")
@@ -116,36 +276,35 @@ pub fn table_header() -> String {
     TABLE_COLUMNS.join("\t")
 }
 
-/// Print the matching records; returns how many matched.
+/// Print the matching records; returns how many matched. JSON Lines hold
+/// each record whole, keys sorted (the form a segment stores it in).
 pub fn query(path: &Path, filter: &Filter, table: bool, out: &mut impl Write) -> io::Result<u64> {
     let mut n = 0;
     if table {
         writeln!(out, "{}", table_header())?;
     }
-    for_each_record(path, |m| {
-        if filter.matches(m) {
-            n += 1;
-            if table {
-                writeln!(out, "{}", table_row(m))?;
-            } else {
-                serde_json::to_writer(&mut *out, m)?;
-                out.write_all(b"\n")?;
-            }
+    for stored in read_records(path) {
+        let stored = stored?;
+        if !filter.matches(&stored.record) {
+            continue;
         }
-        Ok(())
-    })?;
+        n += 1;
+        if table {
+            writeln!(out, "{}", table_row(&stored.record))?;
+        } else {
+            // Through a Value: its map sorts the keys.
+            serde_json::to_writer(&mut *out, &serde_json::to_value(&stored)?)?;
+            out.write_all(b"\n")?;
+        }
+    }
     Ok(n)
 }
 
 /// The OCSF version the export targets.
 pub const OCSF_VERSION: &str = "1.3.0";
 
-fn endpoint_of_addr(addr: &str) -> Value {
-    // "ip:port" or "[v6]:port"
-    match addr.parse::<std::net::SocketAddr>() {
-        Ok(sa) => json!({"ip": sa.ip().to_string(), "port": sa.port()}),
-        Err(_) => json!({"ip": addr}),
-    }
+fn endpoint_of_addr(addr: std::net::SocketAddr) -> Value {
+    json!({"ip": addr.ip().to_string(), "port": addr.port()})
 }
 
 fn http_method_activity(method: Option<&str>) -> u64 {
@@ -163,35 +322,30 @@ fn http_method_activity(method: Option<&str>) -> u64 {
     }
 }
 
-/// Map one decision or close record to an OCSF event; `None` for chain
-/// bookkeeping records (headers, checkpoints).
-pub fn to_ocsf(m: &Map<String, Value>) -> Option<Value> {
-    let s = |k: &str| m.get(k).and_then(Value::as_str);
-    let event = s("event")?;
-    if !matches!(event, "decision" | "close") {
-        return None;
-    }
-    let allowed = s("decision") == Some("allow");
-    let is_close = event == "close";
-    let kind = s("kind").unwrap_or("tcp");
-    let (class_uid, class_name, activity_id, activity_name) = match kind {
-        "http" => {
-            let a = http_method_activity(s("method"));
+/// Map one decision or close record to an OCSF event.
+pub fn to_ocsf(stored: &Stored) -> Value {
+    let r = &stored.record;
+    let allowed = r.decision == "allow";
+    let is_close = r.event == Event::Close;
+    let (class_uid, class_name, activity_id, activity_name) = match r.kind {
+        Kind::Http => {
+            let a = http_method_activity(r.method.as_deref());
             (
                 4002,
                 "HTTP Activity",
                 a,
-                s("method").unwrap_or("Other").to_string(),
+                r.method.as_deref().unwrap_or("Other").to_string(),
             )
         }
-        "dns" => (4003, "DNS Activity", 6, "Traffic".to_string()),
-        _ if is_close => (4001, "Network Activity", 2, "Close".to_string()),
-        _ if allowed => (4001, "Network Activity", 1, "Open".to_string()),
-        _ => (4001, "Network Activity", 5, "Refuse".to_string()),
+        Kind::Dns => (4003, "DNS Activity", 6, "Traffic".to_string()),
+        Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
+        Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
+        Kind::Tcp => (4001, "Network Activity", 5, "Refuse".to_string()),
     };
-    let time_ms = ts_of(m)
+    let time_ms = ts_of(r)
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64);
+    let correlation = r.conn.as_deref().unwrap_or(&r.id);
     let mut e = Map::new();
     e.insert("category_uid".into(), 4.into());
     e.insert("category_name".into(), "Network Activity".into());
@@ -211,22 +365,20 @@ pub fn to_ocsf(m: &Map<String, Value>) -> Option<Value> {
         "status".into(),
         (if allowed { "Success" } else { "Failure" }).into(),
     );
-    if let Some(r) = s("reason") {
-        e.insert("status_code".into(), r.into());
-    }
-    if let Some(d) = s("detail") {
-        e.insert("status_detail".into(), d.into());
+    e.insert("status_code".into(), r.reason.as_str().into());
+    if let Some(d) = &r.detail {
+        e.insert("status_detail".into(), d.as_str().into());
     }
     e.insert(
         "metadata".into(),
         json!({
             "version": OCSF_VERSION,
-            "uid": s("id"),
-            "original_time": s("ts"),
+            "uid": r.id,
+            "original_time": r.ts,
             "profiles": ["security_control"],
             "product": {"name": "Palisade", "vendor_name": "Palisade", "version": env!("CARGO_PKG_VERSION")},
-            "tenant_uid": s("org"),
-            "correlation_uid": s("conn").or(s("id")),
+            "tenant_uid": r.org,
+            "correlation_uid": correlation,
         }),
     );
     // security_control profile: the proxy's verdict.
@@ -245,22 +397,22 @@ pub fn to_ocsf(m: &Map<String, Value>) -> Option<Value> {
     );
     e.insert(
         "policy".into(),
-        json!({"uid": s("policy"), "name": "palisade policy", "desc": s("reason")}),
+        json!({"uid": r.policy, "name": "palisade policy", "desc": r.reason}),
     );
-    if let Some(rule) = s("rule") {
+    if let Some(rule) = &r.rule {
         e.insert("firewall_rule".into(), json!({"uid": rule, "name": rule}));
     }
-    if let Some(c) = s("client") {
+    if let Some(c) = r.client {
         e.insert("src_endpoint".into(), endpoint_of_addr(c));
     }
     let mut dst = Map::new();
-    if let Some(h) = s("host") {
-        dst.insert("hostname".into(), h.into());
+    if let Some(h) = &r.host {
+        dst.insert("hostname".into(), h.as_str().into());
     }
-    if let Some(ip) = s("ip") {
-        dst.insert("ip".into(), ip.into());
+    if let Some(ip) = r.ip {
+        dst.insert("ip".into(), ip.to_string().into());
     }
-    if let Some(p) = m.get("port").and_then(Value::as_u64) {
+    if let Some(p) = r.port {
         dst.insert("port".into(), p.into());
     }
     if !dst.is_empty() {
@@ -268,40 +420,39 @@ pub fn to_ocsf(m: &Map<String, Value>) -> Option<Value> {
     }
     e.insert(
         "connection_info".into(),
-        json!({"protocol_name": if kind == "dns" { "udp" } else { "tcp" }, "direction_id": 2, "direction": "Outbound", "uid": s("conn").or(s("id"))}),
+        json!({"protocol_name": if r.kind == Kind::Dns { "udp" } else { "tcp" }, "direction_id": 2, "direction": "Outbound", "uid": correlation}),
     );
     if is_close {
         e.insert(
             "traffic".into(),
-            json!({"bytes_out": m.get("bytes_up"), "bytes_in": m.get("bytes_down")}),
+            json!({"bytes_out": r.bytes_up, "bytes_in": r.bytes_down}),
         );
-        if let Some(d) = m.get("duration_ms") {
-            e.insert("duration".into(), d.clone());
+        if let Some(d) = r.duration_ms {
+            e.insert("duration".into(), d.into());
         }
     }
-    match kind {
-        "http" => {
+    match r.kind {
+        Kind::Http => {
             let url = json!({
-                "hostname": s("host"),
-                "port": m.get("port"),
-                "path": s("path"),
+                "hostname": r.host,
+                "port": r.port,
+                "path": r.path,
                 "scheme": "http",
             });
             e.insert(
                 "http_request".into(),
-                json!({"http_method": s("method"), "url": url}),
+                json!({"http_method": r.method, "url": url}),
             );
         }
-        "dns" => {
+        Kind::Dns => {
             e.insert(
                 "query".into(),
-                json!({"hostname": s("host"), "type": s("qtype"), "class": "IN"}),
+                json!({"hostname": r.host, "type": r.qtype, "class": "IN"}),
             );
-            if let Some(Value::Array(a)) = m.get("answers") {
+            if let Some(a) = &r.answers {
                 let answers: Vec<Value> = a
                     .iter()
-                    .filter_map(Value::as_str)
-                    .map(|r| json!({"rdata": r, "type": s("qtype"), "class": "IN"}))
+                    .map(|x| json!({"rdata": x, "type": r.qtype, "class": "IN"}))
                     .collect();
                 e.insert("answers".into(), Value::Array(answers));
             }
@@ -313,35 +464,37 @@ pub fn to_ocsf(m: &Map<String, Value>) -> Option<Value> {
             e.insert("rcode_id".into(), rcode_id.into());
             e.insert("rcode".into(), rcode.into());
         }
-        _ => {
-            if let Some(sni) = s("sni") {
+        Kind::Tcp => {
+            if let Some(sni) = &r.sni {
                 e.insert("tls".into(), json!({"sni": sni}));
             }
         }
     }
     let mut unmapped = Map::new();
-    for k in ["mode", "seq", "hash", "event"] {
-        if let Some(v) = m.get(k) {
-            unmapped.insert(k.into(), v.clone());
-        }
+    unmapped.insert("mode".into(), r.mode.as_str().into());
+    if let Some(seq) = stored.seq {
+        unmapped.insert("seq".into(), seq.into());
     }
+    if let Some(h) = &stored.hash {
+        unmapped.insert("hash".into(), h.as_str().into());
+    }
+    unmapped.insert("event".into(), r.event.as_str().into());
     e.insert("unmapped".into(), Value::Object(unmapped));
-    Some(Value::Object(e))
+    Value::Object(e)
 }
 
-/// Print every decision and close record under `path` as OCSF JSON Lines.
+/// Print every matching decision and close record under `path` as OCSF
+/// JSON Lines.
 pub fn export_ocsf(path: &Path, filter: &Filter, out: &mut impl Write) -> io::Result<u64> {
     let mut n = 0;
-    for_each_record(path, |m| {
-        if filter.matches(m) {
-            if let Some(e) = to_ocsf(m) {
-                n += 1;
-                serde_json::to_writer(&mut *out, &e)?;
-                out.write_all(b"\n")?;
-            }
+    for stored in read_records(path) {
+        let stored = stored?;
+        if filter.matches(&stored.record) {
+            n += 1;
+            serde_json::to_writer(&mut *out, &to_ocsf(&stored))?;
+            out.write_all(b"\n")?;
         }
-        Ok(())
-    })?;
+    }
     Ok(n)
 }
 
@@ -391,8 +544,8 @@ mod tests {
             .contains(&"security_control".into()));
     }
 
-    fn rec(v: Value) -> Map<String, Value> {
-        v.as_object().unwrap().clone()
+    fn rec(v: Value) -> Stored {
+        serde_json::from_value(v).unwrap()
     }
 
     fn base(kind: &str, decision: &str) -> Value {
@@ -405,7 +558,7 @@ mod tests {
 
     #[test]
     fn tcp_maps_to_network_activity() {
-        let e = to_ocsf(&rec(base("tcp", "allow"))).unwrap();
+        let e = to_ocsf(&rec(base("tcp", "allow")));
         check(&e, 4001, &["src_endpoint", "dst_endpoint"], &[]);
         assert_eq!(e["activity_id"], 1);
         assert_eq!(e["disposition_id"], 1);
@@ -417,7 +570,7 @@ mod tests {
         assert_eq!(e["firewall_rule"]["uid"], "acme/allow/0");
         assert_eq!(e["time"], 1767323045123u64);
 
-        let d = to_ocsf(&rec(base("tcp", "deny"))).unwrap();
+        let d = to_ocsf(&rec(base("tcp", "deny")));
         check(&d, 4001, &["src_endpoint", "dst_endpoint"], &[]);
         assert_eq!(d["activity_id"], 5);
         assert_eq!(d["disposition_id"], 2);
@@ -429,7 +582,7 @@ mod tests {
         c["conn"] = "x-0".into();
         c["bytes_up"] = 10.into();
         c["bytes_down"] = 20.into();
-        let c = to_ocsf(&rec(c)).unwrap();
+        let c = to_ocsf(&rec(c));
         check(&c, 4001, &["src_endpoint", "dst_endpoint"], &["traffic"]);
         assert_eq!(c["activity_id"], 2);
         assert_eq!(c["traffic"]["bytes_in"], 20);
@@ -440,7 +593,7 @@ mod tests {
         let mut r = base("http", "allow");
         r["method"] = "POST".into();
         r["path"] = "/x".into();
-        let e = to_ocsf(&rec(r)).unwrap();
+        let e = to_ocsf(&rec(r));
         check(
             &e,
             4002,
@@ -458,21 +611,39 @@ mod tests {
         r["mode"] = "dns".into();
         r["qtype"] = "A".into();
         r["answers"] = json!(["198.18.2.10"]);
-        let e = to_ocsf(&rec(r)).unwrap();
+        let e = to_ocsf(&rec(r));
         check(&e, 4003, &["src_endpoint", "dst_endpoint"], &["query"]);
         assert_eq!(e["query"]["hostname"], "a.test");
         assert_eq!(e["answers"][0]["rdata"], "198.18.2.10");
-        let d = to_ocsf(&rec(base("dns", "deny"))).unwrap();
+        let d = to_ocsf(&rec(base("dns", "deny")));
         assert_eq!(d["rcode"], "Refused");
         assert_eq!(d["disposition_id"], 2);
     }
 
+    /// A file of `lines`, one JSON value each, in a fresh directory.
+    fn file_of(lines: &[Value]) -> std::path::PathBuf {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "palisade-query-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("palisade-00000000000000000000.jsonl");
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
     #[test]
     fn chain_records_are_not_exported_and_filters_apply() {
-        let h = rec(json!({"event": "checkpoint", "ts": "2026-01-02T03:04:05Z"}));
-        assert!(to_ocsf(&h).is_none());
+        let h = json!({"event": "checkpoint", "ts": "2026-01-02T03:04:05Z"});
+        let file = file_of(&[h, base("tcp", "deny")]);
+        let mut out = Vec::new();
+        assert_eq!(export_ocsf(&file, &Filter::default(), &mut out).unwrap(), 1);
+        assert_eq!(String::from_utf8(out).unwrap().lines().count(), 1);
         let r = rec(base("tcp", "deny"));
-        let f = |f: Filter| f.matches(&r);
+        let f = |f: Filter| f.matches(&r.record);
         assert!(f(Filter::default()));
         assert!(f(Filter {
             host: Some("*.test".into()),
@@ -497,6 +668,131 @@ mod tests {
             since: humantime::parse_rfc3339("2026-01-02T03:04:06Z").ok(),
             ..Filter::default()
         }));
-        assert!(!Filter::default().matches(&h));
+        let _ = std::fs::remove_dir_all(file.parent().unwrap());
+    }
+
+    /// Read back typed, a record is the record written: the query's JSON
+    /// Lines are the stored lines byte for byte, and the table shows it.
+    #[test]
+    fn records_read_back_typed() {
+        let mut close = base("tcp", "allow");
+        close["event"] = "close".into();
+        close["conn"] = "x-0".into();
+        close["bytes_up"] = 10.into();
+        close["bytes_down"] = 20.into();
+        close["duration_ms"] = 5.into();
+        close["tunnel"] = "tls-or-http".into();
+        let mut dns = base("dns", "deny");
+        dns["mode"] = "dns".into();
+        dns["qtype"] = "TXT".into();
+        dns["would_deny"] = "explicit_deny".into();
+        dns["client"] = "[2001:db8::1]:5353".into();
+        let lines = [base("tcp", "allow"), close, dns];
+        let file = file_of(&lines);
+        let read: Vec<Stored> = read_records(&file).map(Result::unwrap).collect();
+        assert_eq!(read.len(), 3);
+        assert_eq!(read[1].record.tunnel, Some(crate::config::Carry::TlsOrHttp));
+        assert_eq!(
+            read[2].record.would_deny,
+            Some(crate::policy::Reason::ExplicitDeny)
+        );
+        assert_eq!(read[0].seq, Some(3));
+        let mut out = Vec::new();
+        assert_eq!(
+            query(&file, &Filter::default(), false, &mut out).unwrap(),
+            3
+        );
+        let want: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        assert_eq!(String::from_utf8(out).unwrap(), want);
+        let mut table = Vec::new();
+        query(&file, &Filter::default(), true, &mut table).unwrap();
+        let table = String::from_utf8(table).unwrap();
+        assert_eq!(
+            table.lines().nth(3).unwrap(),
+            "2026-01-02T03:04:05.123456Z\tdecision\tdns\tacme\t[2001:db8::1]:5353\ta.test\t443\tdeny\tno_matching_rule\tacme/allow/0"
+        );
+        let _ = std::fs::remove_dir_all(file.parent().unwrap());
+    }
+
+    /// A decision line this version cannot read is an error naming it, not
+    /// a record silently left out; junk that is not JSON is skipped.
+    #[test]
+    fn unreadable_records_are_errors() {
+        let mut bad = base("tcp", "deny");
+        bad["reason"] = "no_such_reason".into();
+        let file = file_of(&[base("tcp", "allow"), json!("junk"), bad]);
+        let read: Vec<_> = read_records(&file).collect();
+        assert_eq!(read.len(), 2);
+        let err = read[1].as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains(".jsonl:3:") && err.contains("no_such_reason"),
+            "{err}"
+        );
+        assert!(query(&file, &Filter::default(), false, &mut Vec::new()).is_err());
+        assert!(read_records(&file.with_extension("gone"))
+            .next()
+            .unwrap()
+            .is_err());
+        let _ = std::fs::remove_dir_all(file.parent().unwrap());
+    }
+
+    /// Reasons read back by the names they are written with.
+    #[test]
+    fn reasons_read_back_by_name() {
+        use crate::policy::Reason;
+        for r in Reason::ALL {
+            let back: Reason = serde_json::from_value(json!(r.as_str())).unwrap();
+            assert_eq!(back, r);
+            assert_eq!(serde_json::to_value(r).unwrap(), json!(r.as_str()));
+        }
+        assert!(serde_json::from_value::<Reason>(json!("RuleMatch")).is_err());
+    }
+
+    /// What the writer stores reads back as the record it was given, with
+    /// every field it wrote (nothing dropped as unknown).
+    #[tokio::test]
+    async fn written_records_read_back_whole() {
+        let file = file_of(&[]);
+        let dir = file.parent().unwrap().join("evidence");
+        let ev = crate::evidence::Evidence::open(&dir).unwrap();
+        let verdict = crate::policy::Verdict {
+            org: None,
+            reason: crate::policy::Reason::ReportOnly,
+            rule: Some("acme/allow/0".into()),
+            would_deny: Some(crate::policy::Reason::SniMismatch),
+        };
+        let client = "198.18.1.2:40000".parse().unwrap();
+        let mut r = Record::decision(
+            Kind::Http,
+            super::super::Mode::Explicit,
+            client,
+            &verdict,
+            &"p".into(),
+        );
+        r.host = Some("a.test".into());
+        r.method = Some("GET".into());
+        r.path = Some("/x".into());
+        r.intercepted = Some(true);
+        r.status = Some(200);
+        r.credential = Some("c1".into());
+        r.tunnel = Some(crate::config::Carry::Http);
+        ev.write(&mut r).await.unwrap();
+        let mut c = r.close(1, 2, 3);
+        ev.submit(&mut c);
+        assert!(ev.seal().await);
+        let read: Vec<Stored> = read_records(&dir).map(Result::unwrap).collect();
+        assert_eq!(read.len(), 2);
+        assert_eq!(read[0].record.id, r.id);
+        assert_eq!(read[1].record.conn.as_deref(), Some(r.id.as_str()));
+        let raw: Vec<Value> = std::fs::read_to_string(&segment::list(&dir).unwrap()[0])
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &Value| matches!(v["event"].as_str(), Some("decision" | "close")))
+            .collect();
+        for (stored, raw) in read.iter().zip(&raw) {
+            assert_eq!(&serde_json::to_value(stored).unwrap(), raw);
+        }
+        let _ = std::fs::remove_dir_all(file.parent().unwrap());
     }
 }

@@ -7,17 +7,23 @@
 //! little: the report tells a denial Palisade recorded apart from one some
 //! other layer caused and from a probe that never reached its target.
 //!
-//! - [`plan`]: the plan format (TOML) and a default plan generated from a
-//!   policy (one probe per allow rule, canaries, standard bypass attempts).
+//! - [`plan`]: the plan format (TOML), its targets and its validation.
+//! - [`generate`]: `probe plan`, a default plan generated from a policy
+//!   (one probe per allow rule, canaries, standard bypass attempts).
 //! - [`run`]: performs each probe within its own timeout and a total
 //!   deadline, and writes `observations.json`; [`hello`] builds the
 //!   ClientHellos it sends (with or without an ECH extension).
-//! - [`report`]: verifies the evidence chain first, matches records to
-//!   observations, classifies, and renders `report.json`, `report.md` and a
-//!   self-contained `report.html`.
+//! - [`classify`]: which verified records belong to an observation, and
+//!   the class the two make (pure).
+//! - [`report`]: verifies the evidence chain first, classifies every
+//!   observation, and builds the typed report (`report.json`).
+//! - [`render`]: `report.md` and a self-contained `report.html`.
 
+pub mod classify;
+pub mod generate;
 pub mod hello;
 pub mod plan;
+pub mod render;
 pub mod report;
 pub mod run;
 
@@ -42,12 +48,30 @@ pub enum Via {
     Direct,
 }
 
+impl Via {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Via::Proxy => "proxy",
+            Via::Direct => "direct",
+        }
+    }
+}
+
 /// The agreed outcome of a probe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Expect {
     Allow,
     Deny,
+}
+
+impl Expect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Expect::Allow => "allow",
+            Expect::Deny => "deny",
+        }
+    }
 }
 
 /// Which layer the plan counts on to deny a path.

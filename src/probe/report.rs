@@ -1,72 +1,25 @@
-//! `palisade probe report`: verify the evidence chain, join each
-//! observation to Palisade's records, classify, and render.
-//!
-//! Matching rules (a record belongs to a probe if any holds):
-//!
-//! 1. its `id` is the record id Palisade quoted back to the probe (the 403
-//!    body, `Proxy-Status` `record=`, or the DNS Extended Error text);
-//! 2. its `path` or `host` contains the probe's marker (HTTP paths and DNS
-//!    labels the plan put `{marker}` in);
-//! 3. its `client` is the local `ip:port` of a socket the probe opened and
-//!    its `ts` lies within the probe's start and finish, widened by
-//!    [`SLACK`] each side (CONNECT, TLS, TCP, transparent and DNS probes);
-//! 4. its `conn` is the id of a record matched by 1-3 (a denial inside a
-//!    tunnel points at the tunnel's allow record).
-//!
-//! In-tunnel probes (`second_host`, `silence`, `ech`) get no 403 to quote:
-//! Palisade closes the tunnel. Their denial is a record matched by rule 3
-//! or 4 whose `reason` is one of the in-tunnel reasons ([`TUNNEL_REASONS`])
-//! and whose `host` or `sni` is a name the probe presented (the CONNECT
-//! host, the SNI, the second request's Host). `request` probes on an
-//! intercepted host get a 403 and are matched by rule 1.
-//!
-//! Ports are reused, so rule 3 needs the time window; probes run one at a
-//! time, so windows do not overlap. A name lookup a direct probe made on
-//! its own behalf counts only when it was denied (an allowed lookup says
-//! nothing about the connection).
-//!
-//! Classification (expect / what the client saw / what Palisade recorded):
-//!
-//! | expect | client | Palisade's records | class |
-//! |---|---|---|---|
-//! | any | probe never got to try (proxy unreachable, name unresolvable, deadline) | none | `inconclusive` |
-//! | deny | target answered | any | `unexpected_allow` |
-//! | deny | did not answer | allow only, or a `resolution_failed` deny naming a rule | `unexpected_allow` |
-//! | deny | did not answer | a policy denial | `enforced_deny` |
-//! | deny, `second_host` | no second response, the upstream closed after the first | allow only | `inconclusive` (nothing could answer the second request) |
-//! | deny | did not answer | none | `blocked_elsewhere` |
-//! | allow | target answered | allow | `enforced_allow` |
-//! | allow | target answered | none | `inconclusive` (a path around Palisade, or evidence missing) |
-//! | allow | did not answer | a policy denial | `unexpected_deny` |
-//! | allow | did not answer | `resolution_failed`, allow with a connect failure | `inconclusive` (upstream broken) |
-//! | allow | did not answer | none | `blocked_elsewhere` |
-//! | any | Palisade quoted a record id | that id not in the evidence | `inconclusive` |
-//!
-//! "Target answered" for in-tunnel probes means the part after the tunnel
-//! opened: a response to the second request, a TLS reply to the late or
-//! ECH ClientHello; a connection left open and silent after it, with only
-//! the tunnel's allow recorded, is `unexpected_allow` too (Palisade
-//! forwarded it). The `why` of an `enforced_deny` says whether the tunnel
-//! was closed by an in-tunnel check or refused before it opened (then what
-//! it carries was not exercised).
-//!
-//! A DNS allow probe counts as answered only with at least one answer.
-//! `evidence_unavailable` and `limit_exceeded` denials are `inconclusive`.
+//! `palisade probe report`: verify the evidence chain first, join each
+//! observation to Palisade's records and classify it ([`super::classify`]),
+//! and build the [`Report`]: `report.json` is its serialisation, and
+//! [`super::render`] makes `report.md` and a self-contained `report.html`
+//! from it. Evidence that fails verification is reported, and no probe is
+//! classified.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
-use std::time::{Duration, SystemTime};
+use std::sync::Arc;
 
 use ed25519_dalek::VerifyingKey;
-use serde_json::{json, Map, Value};
+use serde::Serialize;
+use serde_json::Value;
 
+use super::classify::{classify, in_tunnel, match_records, observed_text};
+use super::plan::parse_target;
 use super::run::{Observation, Observations, Outcome};
-use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
-use crate::evidence::{query, verify};
-
-/// Widening of each probe's time window when matching by client address.
-pub const SLACK: Duration = Duration::from_secs(2);
+use super::{render, Class, Expect, Layer, Via, REPORT_FORMAT};
+use crate::evidence::{query, verify, Event, Kind, Mode, Record};
+use crate::policy::Reason;
 
 /// Inputs of a report.
 pub struct Options<'a> {
@@ -76,8 +29,11 @@ pub struct Options<'a> {
     pub allow_unsealed: bool,
 }
 
-/// A finished report and its exit status (0 all matched, 1 otherwise).
-pub struct Report {
+/// A finished report, rendered, and its exit status (0 all matched, 1
+/// otherwise).
+pub struct Rendered {
+    pub report: Report,
+    /// `report.json`: the report as JSON (keys sorted).
     pub json: Value,
     pub markdown: String,
     pub html: String,
@@ -88,35 +44,290 @@ pub struct Report {
 #[derive(Debug)]
 pub struct BadInput(pub String);
 
-fn parse_ts(v: Option<&Value>) -> Option<SystemTime> {
-    v.and_then(Value::as_str)
-        .and_then(|s| humantime::parse_rfc3339_weak(s).ok())
+/// `report.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub format: &'static str,
+    pub verification: Verification,
+    pub scope: Scope,
+    /// What the probe collected about the sandbox, as it wrote it.
+    pub environment: Value,
+    /// Probes per class; none when the evidence failed verification.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counts: Option<Counts>,
+    pub verdict: String,
+    pub exit_status: u8,
+    /// The probes that are findings, in plan order.
+    pub findings: Vec<ProbeResult>,
+    pub probes: Vec<ProbeResult>,
+    pub untested: Vec<String>,
 }
 
-fn s(v: &Value, k: &str) -> String {
-    match v.get(k) {
-        Some(Value::String(x)) => x.clone(),
-        Some(Value::Null) | None => String::new(),
-        Some(other) => other.to_string(),
+/// How the evidence chain was checked before anything was classified.
+#[derive(Debug, Clone, Serialize)]
+pub struct Verification {
+    /// Whether it verified ([`Checked::Verified`]).
+    pub ok: bool,
+    /// Whether `--key` pinned the checkpoint key.
+    pub key_pinned: bool,
+    pub allow_unsealed: bool,
+    #[serde(flatten)]
+    pub checked: Checked,
+}
+
+/// The outcome of verification.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum Checked {
+    Verified {
+        /// `palisade evidence verify`'s summary.
+        summary: String,
+        sealed: bool,
+        notes: Vec<String>,
+    },
+    Failed {
+        error: String,
+        file: String,
+        line: u64,
+        message: String,
+    },
+}
+
+impl Verification {
+    fn passed(summary: &verify::Summary, allow_unsealed: bool) -> Verification {
+        Verification {
+            ok: true,
+            key_pinned: summary.key_pinned,
+            allow_unsealed,
+            checked: Checked::Verified {
+                summary: summary.to_string().trim_end().to_string(),
+                sealed: summary.sealed,
+                notes: summary.notes.clone(),
+            },
+        }
+    }
+
+    fn failed(e: &verify::VerifyError, opts: &Options) -> Verification {
+        Verification {
+            ok: false,
+            key_pinned: opts.key.is_some(),
+            allow_unsealed: opts.allow_unsealed,
+            checked: Checked::Failed {
+                error: e.to_string(),
+                file: e.file.clone(),
+                line: e.line,
+                message: e.message.clone(),
+            },
+        }
     }
 }
 
-/// Build the report.
-pub fn build(opts: &Options) -> Result<Report, BadInput> {
-    let text = std::fs::read_to_string(opts.observations)
-        .map_err(|e| BadInput(format!("{}: {e}", opts.observations.display())))?;
-    let obs: Observations = serde_json::from_str(&text).map_err(|e| {
-        BadInput(format!(
-            "{}: not an observations file: {e}",
-            opts.observations.display()
-        ))
-    })?;
+/// What was tested, with what, and against which evidence.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scope {
+    /// The org and policy hash the plan names.
+    pub org: Option<String>,
+    pub plan_policy: Option<String>,
+    pub probe_run: String,
+    pub plan_sha256: String,
+    pub probe_palisade_version: String,
+    pub report_palisade_version: &'static str,
+    pub window: Window,
+    pub evidence_path: String,
+    /// What the verified evidence says; none when it failed verification.
+    #[serde(flatten)]
+    pub evidence: Option<EvidenceScope>,
+}
+
+/// The time the probes ran.
+#[derive(Debug, Clone, Serialize)]
+pub struct Window {
+    pub start: String,
+    pub end: String,
+}
+
+/// The scope as the verified evidence shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvidenceScope {
+    pub evidence_public_key: Option<String>,
+    pub evidence_key_pinned: bool,
+    pub evidence_sealed: bool,
+    pub evidence_unsigned_tail: u64,
+    pub evidence_span: Span,
+    /// Whether the one policy that decided the probes is the plan's (none
+    /// when the plan names no policy).
+    pub policy_matches_plan: Option<bool>,
+    /// The policy hashes and orgs of the records matched to probes (an org
+    /// unknown to Palisade is the empty name).
+    pub policy_in_evidence: BTreeSet<String>,
+    pub orgs_in_evidence: BTreeSet<String>,
+}
+
+/// The evidence's first and last timestamps and its record count.
+#[derive(Debug, Clone, Serialize)]
+pub struct Span {
+    pub first: Option<String>,
+    pub last: Option<String>,
+    pub records: u64,
+}
+
+/// Probes per class.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Counts {
+    pub probes: usize,
+    pub enforced_allow: usize,
+    pub enforced_deny: usize,
+    pub blocked_elsewhere: usize,
+    pub unexpected_allow: usize,
+    pub unexpected_deny: usize,
+    pub inconclusive: usize,
+    /// Probes whose class is not what the plan agreed.
+    pub not_matching_expectation: usize,
+}
+
+impl Counts {
+    fn of(probes: &[ProbeResult]) -> Counts {
+        let mut c = Counts {
+            probes: probes.len(),
+            ..Counts::default()
+        };
+        for p in probes {
+            *match p.class {
+                Class::EnforcedAllow => &mut c.enforced_allow,
+                Class::EnforcedDeny => &mut c.enforced_deny,
+                Class::BlockedElsewhere => &mut c.blocked_elsewhere,
+                Class::UnexpectedAllow => &mut c.unexpected_allow,
+                Class::UnexpectedDeny => &mut c.unexpected_deny,
+                Class::Inconclusive => &mut c.inconclusive,
+            } += 1;
+            c.not_matching_expectation += usize::from(!p.matched);
+        }
+        c
+    }
+
+    /// Name and count of every field, in `report.json`'s (sorted) key order.
+    pub fn rows(&self) -> [(&'static str, usize); 8] {
+        [
+            ("blocked_elsewhere", self.blocked_elsewhere),
+            ("enforced_allow", self.enforced_allow),
+            ("enforced_deny", self.enforced_deny),
+            ("inconclusive", self.inconclusive),
+            ("not_matching_expectation", self.not_matching_expectation),
+            ("probes", self.probes),
+            ("unexpected_allow", self.unexpected_allow),
+            ("unexpected_deny", self.unexpected_deny),
+        ]
+    }
+}
+
+/// One probe: what the plan expected, what the client saw, the records
+/// Palisade kept, and the class.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProbeResult {
+    pub id: String,
+    pub target: String,
+    pub kind: String,
+    pub via: Via,
+    pub expect: Expect,
+    pub layer: Layer,
+    pub class: Class,
+    /// The class is a finding ([`Class::is_finding`]).
+    pub finding: bool,
+    /// The class is what the plan agreed.
+    pub matched: bool,
+    pub why: String,
+    /// What the client saw, in one line.
+    pub observed: String,
+    pub outcome: Outcome,
+    pub records: Vec<CitedRecord>,
+    pub note: Option<String>,
+    pub marker: String,
+    pub started: String,
+    pub elapsed_ms: u64,
+    pub observation: Observation,
+}
+
+impl ProbeResult {
+    /// `id decision reason` of each record, `; `-separated.
+    pub fn record_cite(&self) -> String {
+        self.records
+            .iter()
+            .map(|r| format!("{} {} {}", r.id, r.decision, r.reason))
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+}
+
+/// A record matched to a probe: the fields that show what Palisade did.
+#[derive(Debug, Clone, Serialize)]
+pub struct CitedRecord {
+    pub id: String,
+    pub ts: String,
+    pub kind: Kind,
+    pub mode: Mode,
+    pub client: Option<SocketAddr>,
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub sni: Option<String>,
+    pub ip: Option<IpAddr>,
+    pub decision: &'static str,
+    pub reason: Reason,
+    pub rule: Option<Arc<str>>,
+    pub detail: Option<String>,
+    pub conn: Option<String>,
+}
+
+impl From<&Record> for CitedRecord {
+    fn from(r: &Record) -> CitedRecord {
+        CitedRecord {
+            id: r.id.clone(),
+            ts: r.ts.clone(),
+            kind: r.kind,
+            mode: r.mode,
+            client: r.client,
+            host: r.host.clone(),
+            port: r.port,
+            sni: r.sni.clone(),
+            ip: r.ip,
+            decision: r.decision,
+            reason: r.reason,
+            rule: r.rule.clone(),
+            detail: r.detail.clone(),
+            conn: r.conn.clone(),
+        }
+    }
+}
+
+fn read_observations(path: &Path) -> Result<Observations, BadInput> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| BadInput(format!("{}: {e}", path.display())))?;
+    let obs: Observations = serde_json::from_str(&text)
+        .map_err(|e| BadInput(format!("{}: not an observations file: {e}", path.display())))?;
     if obs.format != super::OBSERVATIONS_FORMAT {
         return Err(BadInput(format!(
             "unknown observations format {:?}",
             obs.format
         )));
     }
+    Ok(obs)
+}
+
+/// The decision records under `path` (close records say nothing a probe
+/// is matched by).
+fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
+    let mut out = Vec::new();
+    for stored in query::read_records(path) {
+        let record = stored.map_err(|e| BadInput(e.to_string()))?.record;
+        if record.event == Event::Decision {
+            out.push(record);
+        }
+    }
+    Ok(out)
+}
+
+/// Build the report.
+pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
+    let obs = read_observations(opts.observations)?;
     if !opts.evidence.exists() {
         return Err(BadInput(format!(
             "{}: no such evidence path",
@@ -127,91 +338,51 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         key: opts.key,
         allow_unsealed: opts.allow_unsealed,
     };
-    let mut scope = Map::new();
-    scope.insert("org".into(), json!(obs.plan.org));
-    scope.insert("plan_policy".into(), json!(obs.plan.policy));
-    scope.insert("probe_run".into(), json!(obs.run));
-    scope.insert("plan_sha256".into(), json!(obs.plan_sha256));
-    scope.insert("probe_palisade_version".into(), json!(obs.palisade_version));
-    scope.insert(
-        "report_palisade_version".into(),
-        json!(env!("CARGO_PKG_VERSION")),
-    );
-    scope.insert(
-        "window".into(),
-        json!({"start": obs.started, "end": obs.finished}),
-    );
-    scope.insert(
-        "evidence_path".into(),
-        json!(opts.evidence.display().to_string()),
-    );
+    let mut scope = Scope {
+        org: obs.plan.org.clone(),
+        plan_policy: obs.plan.policy.clone(),
+        probe_run: obs.run.clone(),
+        plan_sha256: obs.plan_sha256.clone(),
+        probe_palisade_version: obs.palisade_version.clone(),
+        report_palisade_version: env!("CARGO_PKG_VERSION"),
+        window: Window {
+            start: obs.started.clone(),
+            end: obs.finished.clone(),
+        },
+        evidence_path: opts.evidence.display().to_string(),
+        evidence: None,
+    };
     let summary = match verify::verify_with(opts.evidence, &vopts) {
         Ok(s) => s,
         Err(e) => {
-            let verification = json!({
-                "ok": false,
-                "error": e.to_string(),
-                "file": e.file,
-                "line": e.line,
-                "message": e.message,
-                "key_pinned": opts.key.is_some(),
-                "allow_unsealed": opts.allow_unsealed,
-            });
             let verdict = format!(
                 "Not assessed: the evidence failed verification ({e}). No probe was classified: \
                  evidence that cannot be trusted cannot show what Palisade enforced."
             );
-            let report = json!({
-                "format": REPORT_FORMAT,
-                "verification": verification,
-                "scope": scope,
-                "environment": obs.environment,
-                "verdict": verdict,
-                "exit_status": 1,
-                "findings": [],
-                "probes": [],
-                "untested": [],
-            });
-            return Ok(render(report, 1));
+            return Ok(render(Report {
+                format: REPORT_FORMAT,
+                verification: Verification::failed(&e, opts),
+                scope,
+                environment: obs.environment,
+                counts: None,
+                verdict,
+                exit_status: 1,
+                findings: Vec::new(),
+                probes: Vec::new(),
+                untested: Vec::new(),
+            }));
         }
     };
-    scope.insert("evidence_public_key".into(), json!(summary.key));
-    scope.insert("evidence_key_pinned".into(), json!(summary.key_pinned));
-    scope.insert("evidence_sealed".into(), json!(summary.sealed));
-    scope.insert(
-        "evidence_unsigned_tail".into(),
-        json!(summary.unsigned_tail),
-    );
-    scope.insert(
-        "evidence_span".into(),
-        json!({"first": summary.first_ts, "last": summary.last_ts, "records": summary.records}),
-    );
-    let verification = json!({
-        "ok": true,
-        "summary": summary.to_string().trim_end(),
-        "sealed": summary.sealed,
-        "key_pinned": summary.key_pinned,
-        "allow_unsealed": opts.allow_unsealed,
-        "notes": summary.notes,
-    });
+    let records = decisions(opts.evidence)?;
 
-    let mut records: Vec<Value> = Vec::new();
-    query::for_each_record(opts.evidence, |m| {
-        if matches!(m.get("event").and_then(Value::as_str), Some("decision")) {
-            records.push(Value::Object(m.clone()));
-        }
-        Ok(())
-    })
-    .map_err(|e| BadInput(format!("{}: {e}", opts.evidence.display())))?;
-
-    let mut rows = Vec::new();
+    let mut probes = Vec::new();
     let mut policies = BTreeSet::new();
     let mut record_orgs = BTreeSet::new();
     for o in &obs.observations {
         let matched = match_records(o, &records);
         for r in &matched {
-            policies.insert(s(r, "policy"));
-            record_orgs.insert(s(r, "org"));
+            policies.insert(r.policy.to_string());
+            record_orgs.insert(r.org.as_deref().unwrap_or_default().to_string());
         }
         let (class, why) = classify(o, &matched);
         let matched_expectation = match class {
@@ -220,31 +391,26 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             Class::BlockedElsewhere => o.expect == Expect::Deny && o.layer == Layer::Any,
             _ => false,
         };
-        rows.push(json!({
-            "id": o.id,
-            "target": o.target,
-            "kind": o.kind,
-            "via": o.via,
-            "expect": o.expect,
-            "layer": o.layer,
-            "class": class.as_str(),
-            "finding": class.is_finding(),
-            "matched": matched_expectation,
-            "why": why,
-            "observed": observed_text(o),
-            "outcome": o.outcome,
-            "records": matched.iter().map(|r| json!({
-                "id": r["id"], "ts": r["ts"], "kind": r["kind"], "mode": r["mode"], "client": r["client"],
-                "host": r["host"], "port": r["port"], "sni": r["sni"], "ip": r["ip"],
-                "decision": r["decision"], "reason": r["reason"], "rule": r["rule"], "detail": r.get("detail"),
-                "conn": r.get("conn"),
-            })).collect::<Vec<_>>(),
-            "note": o.note,
-            "marker": o.marker,
-            "started": o.started,
-            "elapsed_ms": o.elapsed_ms,
-            "observation": serde_json::to_value(o).unwrap_or(Value::Null),
-        }));
+        probes.push(ProbeResult {
+            id: o.id.clone(),
+            target: o.target.clone(),
+            kind: o.kind.clone(),
+            via: o.via,
+            expect: o.expect,
+            layer: o.layer,
+            class,
+            finding: class.is_finding(),
+            matched: matched_expectation,
+            why,
+            observed: observed_text(o),
+            outcome: o.outcome,
+            records: matched.iter().map(|r| CitedRecord::from(*r)).collect(),
+            note: o.note.clone(),
+            marker: o.marker.clone(),
+            started: o.started.clone(),
+            elapsed_ms: o.elapsed_ms,
+            observation: o.clone(),
+        });
     }
     policies.remove("");
     let policy_matches = obs
@@ -252,19 +418,25 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         .policy
         .as_ref()
         .map(|p| policies.len() == 1 && policies.contains(p));
-    scope.insert("policy_matches_plan".into(), json!(policy_matches));
-    scope.insert("policy_in_evidence".into(), json!(policies));
-    scope.insert("orgs_in_evidence".into(), json!(record_orgs));
+    scope.evidence = Some(EvidenceScope {
+        evidence_public_key: summary.key.clone(),
+        evidence_key_pinned: summary.key_pinned,
+        evidence_sealed: summary.sealed,
+        evidence_unsigned_tail: summary.unsigned_tail,
+        evidence_span: Span {
+            first: summary.first_ts.clone(),
+            last: summary.last_ts.clone(),
+            records: summary.records,
+        },
+        policy_matches_plan: policy_matches,
+        policy_in_evidence: policies,
+        orgs_in_evidence: record_orgs,
+    });
 
-    let count = |c: &str| rows.iter().filter(|r| r["class"] == c).count();
-    let total = rows.len();
-    let findings: Vec<Value> = rows
-        .iter()
-        .filter(|r| r["finding"] == true)
-        .cloned()
-        .collect();
-    let inconclusive = count("inconclusive");
-    let unmatched = rows.iter().filter(|r| r["matched"] != true).count();
+    let counts = Counts::of(&probes);
+    let findings: Vec<ProbeResult> = probes.iter().filter(|p| p.finding).cloned().collect();
+    let (total, inconclusive) = (counts.probes, counts.inconclusive);
+    let unmatched = counts.not_matching_expectation;
     let exit = if unmatched == 0 { 0 } else { 1 };
     let sources: BTreeSet<String> = obs
         .observations
@@ -278,24 +450,14 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         .filter(|ip| ip != "0.0.0.0" && ip != "::")
         .collect();
     let sources_text = sources.iter().cloned().collect::<Vec<_>>().join(", ");
-    let counts = json!({
-        "probes": total,
-        "enforced_allow": count("enforced_allow"),
-        "enforced_deny": count("enforced_deny"),
-        "blocked_elsewhere": count("blocked_elsewhere"),
-        "unexpected_allow": count("unexpected_allow"),
-        "unexpected_deny": count("unexpected_deny"),
-        "inconclusive": inconclusive,
-        "not_matching_expectation": unmatched,
-    });
     let window = format!("{} .. {}", obs.started, obs.finished);
     let verdict = if !findings.is_empty() {
         format!(
             "FINDINGS: {} of {total} probes did not match the agreed paths ({} unexpected allow, {} unexpected deny); {inconclusive} inconclusive. \
              The environment does not have exactly the agreed network paths. Tested from {sources_text} during {window}.",
             findings.len(),
-            count("unexpected_allow"),
-            count("unexpected_deny"),
+            counts.unexpected_allow,
+            counts.unexpected_deny,
         )
     } else if unmatched > 0 {
         format!(
@@ -310,9 +472,9 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
              {} allowed with a Palisade allow record, {} denied with a Palisade deny record, {} stopped by another layer \
              where the plan accepted that. This covers the tested paths only: it does not show that no other path \
              exists (see the untested surfaces).",
-            count("enforced_allow"),
-            count("enforced_deny"),
-            count("blocked_elsewhere"),
+            counts.enforced_allow,
+            counts.enforced_deny,
+            counts.blocked_elsewhere,
         )
     };
     let mut untested = untested(&obs, &sources_text);
@@ -322,389 +484,18 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             "The policy that decided (policy hash in evidence) is not the one the plan names: the results describe the policy in the evidence.".into(),
         );
     }
-    let report = json!({
-        "format": REPORT_FORMAT,
-        "verification": verification,
-        "scope": scope,
-        "environment": obs.environment,
-        "counts": counts,
-        "verdict": verdict,
-        "exit_status": exit,
-        "findings": findings,
-        "probes": rows,
-        "untested": untested,
-    });
-    Ok(render(report, exit))
-}
-
-/// Records that belong to an observation (see the module doc).
-fn match_records<'a>(o: &Observation, records: &'a [Value]) -> Vec<&'a Value> {
-    let start = humantime::parse_rfc3339_weak(&o.started)
-        .ok()
-        .map(|t| t - SLACK);
-    let end = humantime::parse_rfc3339_weak(&o.finished)
-        .ok()
-        .map(|t| t + SLACK);
-    let locals: Vec<(&str, &str)> = o
-        .sockets
-        .iter()
-        .filter_map(|s| s.local.as_deref().map(|l| (l, s.purpose.as_str())))
-        .collect();
-    let mut out = Vec::new();
-    for r in records {
-        let id = s(r, "id");
-        let by_id = o.palisade_record.as_deref() == Some(id.as_str());
-        let by_marker = !o.marker.is_empty()
-            && (s(r, "path").contains(&o.marker) || s(r, "host").contains(&o.marker));
-        let client = s(r, "client");
-        let by_socket = locals.iter().any(|(l, purpose)| {
-            // Local addresses may be bound to 0.0.0.0 (UDP); compare ports then.
-            let same = *l == client
-                || (l.starts_with("0.0.0.0:") || l.starts_with("[::]:"))
-                    && l.rsplit_once(':').map(|x| x.1) == client.rsplit_once(':').map(|x| x.1);
-            same && (*purpose != "resolve" || r["decision"] == "deny")
-        }) && match (parse_ts(r.get("ts")), start, end) {
-            (Some(t), Some(a), Some(b)) => t >= a && t <= b,
-            _ => false,
-        };
-        if by_id || by_marker || by_socket {
-            out.push(r);
-        }
-    }
-    // Rule 4: records pointing at a matched one (in-tunnel denials).
-    let ids: BTreeSet<String> = out.iter().map(|r| s(r, "id")).collect();
-    for r in records {
-        let conn = s(r, "conn");
-        if !conn.is_empty() && ids.contains(&conn) && !ids.contains(&s(r, "id")) {
-            out.push(r);
-        }
-    }
-    out
-}
-
-/// Reasons Palisade gives when it closes a tunnel for what it carried.
-pub const TUNNEL_REASONS: [&str; 7] = [
-    "protocol_mismatch",
-    "sni_mismatch",
-    "sni_missing",
-    "ech_not_allowed",
-    "host_mismatch",
-    "upgrade_not_allowed",
-    "bad_request",
-];
-
-/// Does the probe test what an open tunnel carries?
-fn in_tunnel(o: &Observation) -> bool {
-    o.second_host.is_some() || o.silence_ms.is_some() || o.ech
-}
-
-/// The names a probe presented (target host, SNI, second Host), lower-cased.
-fn presented_names(o: &Observation) -> Vec<String> {
-    let mut names = Vec::new();
-    if let Ok(t) = super::plan::parse_target(&o.target) {
-        if let Some((h, _)) = t.host_port() {
-            names.push(h.trim_start_matches('[').trim_end_matches(']').to_string());
-        }
-        if let super::plan::Target::Tls { sni, .. } = t {
-            names.push(sni);
-        }
-    }
-    names.extend(o.second_host.iter().cloned());
-    names
-        .into_iter()
-        .map(|n| n.trim_end_matches('.').to_ascii_lowercase())
-        .collect()
-}
-
-/// Denials that closed the probe's tunnel for what it carried: an in-tunnel
-/// reason, naming a name the probe presented.
-fn tunnel_denials<'a>(o: &Observation, deny: &[&&'a Value]) -> Vec<&'a Value> {
-    let names = presented_names(o);
-    let named = |r: &Value, k: &str| {
-        let v = s(r, k).trim_end_matches('.').to_ascii_lowercase();
-        !v.is_empty() && names.contains(&v)
-    };
-    deny.iter()
-        .map(|r| **r)
-        .filter(|r| TUNNEL_REASONS.contains(&s(r, "reason").as_str()))
-        .filter(|r| named(r, "host") || named(r, "sni"))
-        .collect()
-}
-
-const INFRA_REASONS: [&str; 2] = ["evidence_unavailable", "limit_exceeded"];
-
-fn classify(o: &Observation, recs: &[&Value]) -> (Class, String) {
-    let ids = |rs: &[&&Value]| rs.iter().map(|r| s(r, "id")).collect::<Vec<_>>().join(", ");
-    let deny: Vec<&&Value> = recs.iter().filter(|r| r["decision"] == "deny").collect();
-    let allow: Vec<&&Value> = recs.iter().filter(|r| r["decision"] == "allow").collect();
-    let policy_deny: Vec<&&Value> = deny
-        .iter()
-        .copied()
-        .filter(|r| {
-            let reason = s(r, "reason");
-            reason != "resolution_failed" && !INFRA_REASONS.contains(&reason.as_str())
-        })
-        .collect();
-    let unresolved: Vec<&&Value> = deny
-        .iter()
-        .copied()
-        .filter(|r| r["reason"] == "resolution_failed")
-        .collect();
-    let infra: Vec<&&Value> = deny
-        .iter()
-        .copied()
-        .filter(|r| INFRA_REASONS.contains(&s(r, "reason").as_str()))
-        .collect();
-    let reasons = |rs: &[&&Value]| {
-        rs.iter()
-            .map(|r| format!("{} ({})", s(r, "reason"), s(r, "id")))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    if let Some(q) = &o.palisade_record {
-        if !recs.iter().any(|r| s(r, "id") == *q) {
-            return (
-                Class::Inconclusive,
-                format!("Palisade quoted record {q}, which is not in the evidence given: wrong evidence directory or an incomplete copy"),
-            );
-        }
-    }
-    let answered = match o.outcome {
-        Outcome::Reached => {
-            !(o.kind == "dns" && o.expect == Expect::Allow && o.dns_answers.is_empty())
-        }
-        _ => false,
-    };
-    if o.outcome == Outcome::SetupFailed && recs.is_empty() {
-        return (
-            Class::Inconclusive,
-            format!(
-                "the probe never reached its target or Palisade: {} ({})",
-                o.error.as_deref().unwrap_or("setup failed"),
-                o.error_detail.as_deref().unwrap_or("")
-            ),
-        );
-    }
-    match o.expect {
-        Expect::Deny => {
-            if o.outcome == Outcome::Reached {
-                let cite = if allow.is_empty() {
-                    "with no Palisade record".to_string()
-                } else {
-                    format!("Palisade allowed it: {}", ids(&allow))
-                };
-                return (
-                    Class::UnexpectedAllow,
-                    format!("the target answered ({}), {cite}", observed_text(o)),
-                );
-            }
-            if !policy_deny.is_empty() && in_tunnel(o) {
-                let closed = tunnel_denials(o, &policy_deny);
-                if closed.is_empty() {
-                    return (
-                        Class::EnforcedDeny,
-                        format!(
-                            "Palisade refused the connection itself ({}): the tunnel never opened, so what it carries was not exercised",
-                            reasons(&policy_deny)
-                        ),
-                    );
-                }
-                let refs: Vec<&&Value> = closed.iter().collect();
-                let tunnel = if allow.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (the tunnel was allowed: {})", ids(&allow))
-                };
-                return (
-                    Class::EnforcedDeny,
-                    format!(
-                        "Palisade closed the tunnel for what it carried: {}{tunnel}",
-                        reasons(&refs)
-                    ),
-                );
-            }
-            if !policy_deny.is_empty() {
-                return (
-                    Class::EnforcedDeny,
-                    format!("Palisade denied: {}", reasons(&policy_deny)),
-                );
-            }
-            if !allow.is_empty() && o.second_host.is_some() && o.first_close {
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "the upstream closed the connection after the first response, so nothing could answer the second request, and Palisade recorded no refusal of it (allowed: {}): re-run against an upstream that keeps connections alive",
-                        ids(&allow)
-                    ),
-                );
-            }
-            if !allow.is_empty() && in_tunnel(o) {
-                return (
-                    Class::UnexpectedAllow,
-                    format!(
-                        "Palisade allowed the tunnel ({}) and recorded no refusal of what it carried ({})",
-                        ids(&allow),
-                        observed_text(o)
-                    ),
-                );
-            }
-            if !allow.is_empty() {
-                return (
-                    Class::UnexpectedAllow,
-                    format!(
-                        "Palisade allowed it ({}); only the target failed to answer",
-                        ids(&allow)
-                    ),
-                );
-            }
-            if let Some(r) = unresolved.iter().find(|r| !s(r, "rule").is_empty()) {
-                return (
-                    Class::UnexpectedAllow,
-                    format!("the policy allows it (rule {}, record {}); it failed only because the name did not resolve", s(r, "rule"), s(r, "id")),
-                );
-            }
-            if !infra.is_empty() || !unresolved.is_empty() {
-                let mut all = infra.clone();
-                all.extend(unresolved.iter().copied());
-                return (
-                    Class::Inconclusive,
-                    format!("Palisade could not decide on policy: {}", reasons(&all)),
-                );
-            }
-            (
-                Class::BlockedElsewhere,
-                format!(
-                    "failed ({}) and Palisade recorded nothing: another layer stopped it; not evidence of Palisade's enforcement",
-                    observed_text(o)
-                ),
-            )
-        }
-        Expect::Allow => {
-            if answered {
-                if !allow.is_empty() && policy_deny.is_empty() {
-                    return (
-                        Class::EnforcedAllow,
-                        format!("Palisade allowed: {}", ids(&allow)),
-                    );
-                }
-                if recs.is_empty() {
-                    return (
-                        Class::Inconclusive,
-                        "the target answered but Palisade recorded nothing: this path goes around Palisade, or the evidence is incomplete".into(),
-                    );
-                }
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "the target answered despite Palisade's records: {}",
-                        reasons(&deny)
-                    ),
-                );
-            }
-            if !policy_deny.is_empty() {
-                return (
-                    Class::UnexpectedDeny,
-                    format!("Palisade denied: {}", reasons(&policy_deny)),
-                );
-            }
-            if !unresolved.is_empty() || !infra.is_empty() {
-                let mut all = unresolved.clone();
-                all.extend(infra.iter().copied());
-                return (
-                    Class::Inconclusive,
-                    format!("setup failed on Palisade's side: {}", reasons(&all)),
-                );
-            }
-            if !allow.is_empty() {
-                let detail: Vec<String> = allow
-                    .iter()
-                    .filter_map(|r| r.get("detail").and_then(Value::as_str))
-                    .map(str::to_string)
-                    .collect();
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "Palisade allowed it ({}) but the target did not answer{}",
-                        ids(&allow),
-                        if detail.is_empty() {
-                            String::new()
-                        } else {
-                            format!(": {}", detail.join("; "))
-                        }
-                    ),
-                );
-            }
-            if o.outcome == Outcome::SetupFailed
-                || (o.via == Via::Proxy && o.stage == "proxy_connect")
-            {
-                return (
-                    Class::Inconclusive,
-                    format!("never reached Palisade: {}", observed_text(o)),
-                );
-            }
-            (
-                Class::BlockedElsewhere,
-                format!(
-                    "failed ({}) and Palisade recorded nothing: another layer stopped it",
-                    observed_text(o)
-                ),
-            )
-        }
-    }
-}
-
-/// One line on what the client saw.
-fn observed_text(o: &Observation) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    if let Some(c) = o.connect_status {
-        parts.push(format!("CONNECT {c}"));
-    }
-    if let Some(h) = o.http_status {
-        parts.push(format!("HTTP {h}"));
-    }
-    if let Some(ms) = o.silence_ms {
-        match o.closed_in_silence_ms {
-            Some(c) => parts.push(format!("silent {ms} ms: closed after {c} ms")),
-            None => parts.push(format!("silent {ms} ms")),
-        }
-    }
-    if o.ech {
-        parts.push("ClientHello with ECH".into());
-    }
-    if let Some(t) = &o.tls {
-        parts.push(format!("TLS {t}"));
-    }
-    if let Some(h) = &o.second_host {
-        let what = match (o.second.as_deref(), o.second_status) {
-            (Some("answered"), Some(st)) => format!("HTTP {st}"),
-            (Some(w), _) => w.to_string(),
-            (None, _) => "not sent".into(),
-        };
-        parts.push(format!("second request (Host {h}): {what}"));
-        if o.first_close {
-            parts.push("the first response closed the connection".into());
-        }
-    }
-    if let Some(r) = &o.dns_rcode {
-        let mut t = format!("DNS {r}");
-        if !o.dns_answers.is_empty() {
-            let _ = write!(t, " [{}]", o.dns_answers.join(", "));
-        }
-        parts.push(t);
-    }
-    if o.kind == "tcp" && o.connected && o.error.is_none() {
-        parts.push(format!("connected, {} bytes received", o.bytes_received));
-    }
-    if o.kind == "udp" && o.outcome == Outcome::Reached {
-        parts.push(format!("UDP reply, {} bytes", o.bytes_received));
-    }
-    if let Some(e) = &o.error {
-        parts.push(format!("error {e}"));
-    }
-    if parts.is_empty() {
-        parts.push(format!("{:?}", o.outcome).to_lowercase());
-    }
-    parts.join(", ")
+    Ok(render(Report {
+        format: REPORT_FORMAT,
+        verification: Verification::passed(&summary, opts.allow_unsealed),
+        scope,
+        environment: obs.environment,
+        counts: Some(counts),
+        verdict,
+        exit_status: exit,
+        findings,
+        probes,
+        untested,
+    }))
 }
 
 /// What the plan did not cover, listed explicitly.
@@ -713,7 +504,7 @@ fn untested(obs: &Observations, sources: &str) -> Vec<String> {
     let mut out = Vec::new();
     let has = |f: &dyn Fn(&Observation) -> bool| os.iter().any(f);
     let ipv6 = |o: &Observation| {
-        super::plan::parse_target(&o.target).is_ok_and(|t| t.is_ipv6())
+        parse_target(&o.target).is_ok_and(|t| t.is_ipv6())
             || o.server.as_deref().is_some_and(|s| s.starts_with('['))
     };
     if !has(&ipv6) {
@@ -776,360 +567,86 @@ fn untested(obs: &Observations, sources: &str) -> Vec<String> {
     out
 }
 
-fn render(report: Value, exit: u8) -> Report {
-    let markdown = markdown(&report);
-    let html = html(&report);
-    Report {
-        json: report,
-        markdown,
-        html,
-        exit,
+fn render(report: Report) -> Rendered {
+    Rendered {
+        json: serde_json::to_value(&report).unwrap_or(Value::Null),
+        markdown: render::markdown(&report),
+        html: render::html(&report),
+        exit: report.exit_status,
+        report,
     }
 }
 
-fn cell(v: &str) -> String {
-    v.replace('|', "\\|").replace('\n', " ")
-}
-
-fn record_cite(row: &Value) -> String {
-    row["records"]
-        .as_array()
-        .map(|rs| {
-            rs.iter()
-                .map(|r| format!("{} {} {}", s(r, "id"), s(r, "decision"), s(r, "reason")))
-                .collect::<Vec<_>>()
-                .join("; ")
-        })
-        .unwrap_or_default()
-}
-
-fn markdown(r: &Value) -> String {
-    let mut m = String::new();
-    let _ = writeln!(m, "# Palisade containment report\n");
-    let _ = writeln!(m, "**Verdict:** {}\n", s(r, "verdict"));
-    let v = &r["verification"];
-    let _ = writeln!(m, "## Evidence verification\n");
-    if v["ok"] == true {
-        let _ = writeln!(
-            m,
-            "Verified before classification (`palisade evidence verify`):\n"
-        );
-        let _ = writeln!(m, "```\n{}\n```\n", s(v, "summary"));
-        if v["sealed"] != true {
-            let _ = writeln!(m, "The chain is **not sealed** (a live instance); accepted because `--allow-unsealed` was given: records after the last checkpoint are not signed yet.\n");
-        }
-        if v["key_pinned"] != true {
-            let _ = writeln!(m, "No `--key` was given: the signatures prove the evidence is consistent, not that it came from the expected instance.\n");
-        }
-    } else {
-        let _ = writeln!(
-            m,
-            "**FAILED:** {}\n\nNo probe was classified.\n",
-            s(v, "error")
-        );
-    }
-    let sc = &r["scope"];
-    let _ = writeln!(m, "## Scope\n");
-    let _ = writeln!(m, "| | |\n|---|---|");
-    for (k, label) in [
-        ("org", "org (plan)"),
-        ("plan_policy", "policy hash (plan)"),
-        ("policy_in_evidence", "policy hash (evidence)"),
-        ("policy_matches_plan", "evidence policy = plan policy"),
-        ("orgs_in_evidence", "orgs (evidence)"),
-        ("probe_palisade_version", "Palisade version (probe)"),
-        ("report_palisade_version", "Palisade version (report)"),
-        ("window", "time window"),
-        ("evidence_public_key", "evidence public key"),
-        ("evidence_key_pinned", "key pinned with --key"),
-        ("evidence_sealed", "evidence sealed"),
-        ("evidence_path", "evidence"),
-        ("probe_run", "probe run"),
-        ("plan_sha256", "plan SHA-256"),
-    ] {
-        let val = match &sc[k] {
-            Value::String(x) => x.clone(),
-            Value::Null => "-".into(),
-            Value::Object(o) if o.contains_key("start") => {
-                format!("{} .. {}", s(&sc[k], "start"), s(&sc[k], "end"))
-            }
-            Value::Array(a) => a
-                .iter()
-                .map(|x| x.as_str().unwrap_or("").to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-            other => other.to_string(),
-        };
-        let _ = writeln!(m, "| {label} | {} |", cell(&val));
-    }
-    let _ = writeln!(m);
-    if let Some(c) = r["counts"].as_object() {
-        let _ = writeln!(m, "## Counts\n");
-        let _ = writeln!(m, "| class | probes |\n|---|---|");
-        for (k, n) in c {
-            let _ = writeln!(m, "| {k} | {n} |");
-        }
-        let _ = writeln!(m);
-    }
-    let _ = writeln!(m, "## Findings\n");
-    let findings = r["findings"].as_array().cloned().unwrap_or_default();
-    if findings.is_empty() {
-        let _ = writeln!(m, "None among the probes classified.\n");
-    } else {
-        let _ = writeln!(m, "| probe | target | via | expected | class | why | records |\n|---|---|---|---|---|---|---|");
-        for f in &findings {
-            let _ = writeln!(
-                m,
-                "| {} | `{}` | {} | {} | **{}** | {} | {} |",
-                s(f, "id"),
-                cell(&s(f, "target")),
-                s(f, "via"),
-                s(f, "expect"),
-                s(f, "class"),
-                cell(&s(f, "why")),
-                cell(&record_cite(f))
-            );
-        }
-        let _ = writeln!(m);
-    }
-    let _ = writeln!(m, "## Probes\n");
-    let _ = writeln!(m, "| probe | target | via | expected | observed | class | matches plan | Palisade records |\n|---|---|---|---|---|---|---|---|");
-    for p in r["probes"].as_array().into_iter().flatten() {
-        let _ = writeln!(
-            m,
-            "| {} | `{}` | {} | {}{} | {} | {} | {} | {} |",
-            s(p, "id"),
-            cell(&s(p, "target")),
-            s(p, "via"),
-            s(p, "expect"),
-            if p["layer"] == "any" {
-                " (any layer)"
-            } else {
-                ""
-            },
-            cell(&s(p, "observed")),
-            s(p, "class"),
-            if p["matched"] == true {
-                "yes"
-            } else {
-                "**no**"
-            },
-            cell(&record_cite(p))
-        );
-    }
-    let _ = writeln!(m);
-    let _ = writeln!(m, "## Untested surfaces\n");
-    for u in r["untested"].as_array().into_iter().flatten() {
-        let _ = writeln!(m, "- {}", u.as_str().unwrap_or(""));
-    }
-    let _ = writeln!(m);
-    let _ = writeln!(m, "## Environment (collected by the probe)\n");
-    let env = &r["environment"];
-    for (k, v) in env.as_object().into_iter().flatten() {
-        match v {
-            Value::Array(a) => {
-                let _ = writeln!(m, "- {k}:");
-                for x in a {
-                    let _ = writeln!(
-                        m,
-                        "  - `{}`",
-                        x.as_str()
-                            .map(str::to_string)
-                            .unwrap_or_else(|| x.to_string())
-                    );
-                }
-            }
-            Value::String(x) => {
-                let _ = writeln!(m, "- {k}: `{x}`");
-            }
-            other => {
-                let _ = writeln!(m, "- {k}: `{other}`");
-            }
-        }
-    }
-    m
-}
-
-fn esc(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '&' => o.push_str("&amp;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&#39;"),
-            c => o.push(c),
-        }
-    }
-    o
-}
-
-fn html(r: &Value) -> String {
-    let mut h = String::new();
-    h.push_str("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
-        <meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'\">\
-        <title>Palisade containment report</title><style>\
-        body{font-family:system-ui,sans-serif;margin:2em;color:#111}table{border-collapse:collapse;margin:1em 0}\
-        td,th{border:1px solid #999;padding:.25em .5em;text-align:left;vertical-align:top;font-size:.9em}\
-        th{background:#eee}.finding{background:#fdd}.bad{color:#a00;font-weight:bold}.ok{color:#060}\
-        code,pre{font-family:ui-monospace,monospace;font-size:.9em}.verdict{font-size:1.1em;padding:.5em;border:2px solid #333}\
-        </style></head><body>\n<h1>Palisade containment report</h1>\n");
-    let _ = writeln!(
-        h,
-        "<p class=\"verdict\" id=\"verdict\">{}</p>",
-        esc(&s(r, "verdict"))
-    );
-    let v = &r["verification"];
-    h.push_str("<h2>Evidence verification</h2>\n");
-    if v["ok"] == true {
-        let _ = writeln!(
-            h,
-            "<pre id=\"verification\">{}</pre>",
-            esc(&s(v, "summary"))
-        );
-        if v["sealed"] != true {
-            h.push_str("<p>The chain is <b>not sealed</b> (a live instance); accepted with <code>--allow-unsealed</code>.</p>\n");
-        }
-        if v["key_pinned"] != true {
-            h.push_str(
-                "<p>No <code>--key</code> was given: consistency, not origin, is proven.</p>\n",
-            );
-        }
-    } else {
-        let _ = writeln!(
-            h,
-            "<p class=\"bad\" id=\"verification-failed\">FAILED: {}</p><p>No probe was classified.</p>",
-            esc(&s(v, "error"))
-        );
-    }
-    h.push_str("<h2>Scope</h2>\n<table id=\"scope\">\n");
-    for (k, val) in r["scope"].as_object().into_iter().flatten() {
-        let text = match val {
-            Value::String(x) => x.clone(),
-            other => other.to_string(),
-        };
-        let _ = writeln!(
-            h,
-            "<tr><th>{}</th><td><code>{}</code></td></tr>",
-            esc(k),
-            esc(&text)
-        );
-    }
-    h.push_str("</table>\n<h2>Findings</h2>\n<table id=\"findings\">\n<tr><th>probe</th><th>target</th><th>via</th><th>expected</th><th>class</th><th>why</th><th>records</th></tr>\n");
-    let findings = r["findings"].as_array().cloned().unwrap_or_default();
-    if findings.is_empty() {
-        h.push_str("<tr><td colspan=\"7\">None among the probes classified.</td></tr>\n");
-    }
-    for f in &findings {
-        let _ = writeln!(
-            h,
-            "<tr class=\"finding\" data-probe=\"{}\" data-class=\"{}\"><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}</td><td class=\"bad\">{}</td><td>{}</td><td>{}</td></tr>",
-            esc(&s(f, "id")),
-            esc(&s(f, "class")),
-            esc(&s(f, "id")),
-            esc(&s(f, "target")),
-            esc(&s(f, "via")),
-            esc(&s(f, "expect")),
-            esc(&s(f, "class")),
-            esc(&s(f, "why")),
-            esc(&record_cite(f))
-        );
-    }
-    h.push_str("</table>\n<h2>Probes</h2>\n<table id=\"probes\">\n<tr><th>probe</th><th>target</th><th>via</th><th>expected</th><th>observed</th><th>class</th><th>matches plan</th><th>why</th><th>Palisade records</th></tr>\n");
-    for p in r["probes"].as_array().into_iter().flatten() {
-        let matched = p["matched"] == true;
-        let _ = writeln!(
-            h,
-            "<tr data-probe=\"{}\" data-class=\"{}\"{}><td>{}</td><td><code>{}</code></td><td>{}</td><td>{}{}</td><td>{}</td><td>{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td></tr>",
-            esc(&s(p, "id")),
-            esc(&s(p, "class")),
-            if p["finding"] == true { " class=\"finding\"" } else { "" },
-            esc(&s(p, "id")),
-            esc(&s(p, "target")),
-            esc(&s(p, "via")),
-            esc(&s(p, "expect")),
-            if p["layer"] == "any" { " (any layer)" } else { "" },
-            esc(&s(p, "observed")),
-            esc(&s(p, "class")),
-            if matched { "ok" } else { "bad" },
-            if matched { "yes" } else { "no" },
-            esc(&s(p, "why")),
-            esc(&record_cite(p))
-        );
-    }
-    h.push_str("</table>\n<h2>Untested surfaces</h2>\n<ul id=\"untested\">\n");
-    for u in r["untested"].as_array().into_iter().flatten() {
-        let _ = writeln!(h, "<li>{}</li>", esc(u.as_str().unwrap_or("")));
-    }
-    h.push_str(
-        "</ul>\n<h2>Environment (collected by the probe)</h2>\n<table id=\"environment\">\n",
-    );
-    for (k, val) in r["environment"].as_object().into_iter().flatten() {
-        let text = match val {
-            Value::Array(a) => a
-                .iter()
-                .map(|x| {
-                    x.as_str()
-                        .map(str::to_string)
-                        .unwrap_or_else(|| x.to_string())
-                })
-                .collect::<Vec<_>>()
-                .join("\n"),
-            Value::String(x) => x.clone(),
-            other => other.to_string(),
-        };
-        let _ = writeln!(
-            h,
-            "<tr><th>{}</th><td><pre>{}</pre></td></tr>",
-            esc(k),
-            esc(&text)
-        );
-    }
-    h.push_str("</table>\n</body></html>\n");
-    h
-}
-
-/// Count of probes by class, for tests and callers.
+/// The class of every probe in a `report.json`, by probe id.
 pub fn classes(report: &Value) -> BTreeMap<String, String> {
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
     report["probes"]
         .as_array()
         .into_iter()
         .flatten()
-        .map(|p| (s(p, "id"), s(p, "class")))
+        .map(|p| (text(&p["id"]), text(&p["class"])))
         .collect()
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+    use std::time::{Duration, SystemTime};
+
+    use serde_json::json;
+
     use super::*;
+    use crate::evidence::Evidence;
+    use crate::policy::Verdict;
 
-    const CLIENT: &str = "198.18.1.2:40000";
-
-    /// An observation of a deny probe through the proxy, from socket CLIENT
-    /// between 12:00:00 and 12:00:03, with `extra` fields on top.
-    fn obs(target: &str, extra: Value) -> Observation {
-        let mut v = json!({
-            "id": "p", "marker": "pp-1-0000", "target": target, "kind": "tls",
-            "via": "proxy", "expect": "deny",
-            "started": "2030-01-01T12:00:00.000000Z", "finished": "2030-01-01T12:00:03.000000Z",
-            "elapsed_ms": 3000,
-            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": CLIENT, "remote": "198.18.1.1:3128"}],
-            "resolved": [], "connected": true, "connect_status": 200,
-            "bytes_sent": 0, "bytes_received": 0, "dns_answers": [],
-            "stage": "done", "outcome": "refused",
-        });
-        for (k, x) in extra.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-        serde_json::from_value(v).unwrap()
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("palisade-report-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
     }
 
-    fn rec(id: &str, decision: &str, reason: &str, extra: Value) -> Value {
+    /// A sealed chain with an allow for allowed.test (from port 40001) and
+    /// a deny for other.test (from 40002); their ids.
+    async fn chain(dir: &Path) -> (String, String) {
+        let ev = Evidence::open(dir).unwrap();
+        let mut ids = Vec::new();
+        for (port, host, reason) in [
+            (40001, "allowed.test", Reason::RuleMatch),
+            (40002, "other.test", Reason::NoMatchingRule),
+        ] {
+            let verdict = Verdict {
+                org: None,
+                reason,
+                rule: reason.is_allow().then(|| "allow-0".into()),
+                would_deny: None,
+            };
+            let client = SocketAddr::from(([198, 18, 1, 2], port));
+            let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
+            r.host = Some(host.into());
+            r.port = Some(443);
+            ev.write(&mut r).await.unwrap();
+            ids.push(r.id);
+        }
+        assert!(ev.seal().await);
+        (ids.remove(0), ids.remove(0))
+    }
+
+    fn ts(t: SystemTime) -> String {
+        humantime::format_rfc3339_micros(t).to_string()
+    }
+
+    /// An observation from local port `port` around now.
+    fn observation(id: &str, port: u16, expect: &str, extra: Value) -> Value {
+        let now = SystemTime::now();
         let mut v = json!({
-            "id": id, "ts": "2030-01-01T12:00:01.000000Z", "kind": "tcp", "event": "decision",
-            "client": CLIENT, "mode": "explicit", "decision": decision, "reason": reason,
-            "host": "allowed.test", "port": 443, "sni": null,
+            "id": id, "marker": format!("pp-1-{id}"), "target": "https://allowed.test/",
+            "kind": "https", "via": "proxy", "expect": expect,
+            "started": ts(now - Duration::from_secs(5)), "finished": ts(now + Duration::from_secs(1)),
+            "elapsed_ms": 6000,
+            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": format!("198.18.1.2:{port}"), "remote": "198.18.1.1:3128"}],
+            "resolved": [], "connected": true, "bytes_sent": 0, "bytes_received": 0,
+            "dns_answers": [], "stage": "done", "outcome": "failed",
         });
         for (k, x) in extra.as_object().unwrap() {
             v[k] = x.clone();
@@ -1137,200 +654,156 @@ mod tests {
         v
     }
 
-    fn class_of(o: &Observation, records: &[Value]) -> (Class, String) {
-        classify(o, &match_records(o, records))
+    fn observations(dir: &Path, deny_id: &str) -> PathBuf {
+        let now = ts(SystemTime::now());
+        let obs = json!({
+            "format": super::super::OBSERVATIONS_FORMAT, "run": "r1", "palisade_version": "0",
+            "plan_sha256": "00", "plan": {"org": "acme", "policy": "p0", "probe": []},
+            "started": now, "finished": now,
+            "environment": {"hostname": "sandbox", "addresses": ["1: lo <x>", "2: eth0 198.18.1.2/24"]},
+            "observations": [
+                observation("allow-https", 40001, "allow",
+                    json!({"connect_status": 200, "tls": "server_hello", "outcome": "reached"})),
+                observation("deny-name", 40002, "deny",
+                    json!({"target": "https://other.test/", "connect_status": 403, "connected": false,
+                           "outcome": "refused", "palisade_record": deny_id})),
+                observation("routed-away", 40003, "deny",
+                    json!({"target": "tcp://198.18.2.20:80", "kind": "tcp", "via": "direct", "layer": "any",
+                           "error": "timeout", "connected": false})),
+            ],
+        });
+        let path = dir.join("observations.json");
+        std::fs::write(&path, obs.to_string()).unwrap();
+        path
     }
 
-    fn allow_tunnel(sni: Option<&str>) -> Value {
-        rec(
-            "t-1",
-            "allow",
-            "rule_match",
-            json!({"rule": "allow-0", "sni": sni}),
+    fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
+        let opts = Options {
+            observations,
+            evidence,
+            key: None,
+            allow_unsealed: false,
+        };
+        build(&opts).map_err(|e| e.0)
+    }
+
+    /// From evidence and observations to the report.json fields, the
+    /// markdown and the HTML the netns tests read.
+    #[tokio::test]
+    async fn verified_evidence_is_classified_and_rendered() {
+        let dir = scratch("ok");
+        let evidence = dir.join("evidence");
+        let (allow_id, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let r = report(&obs, &evidence).unwrap();
+        let j = &r.json;
+        assert_eq!(j["format"], REPORT_FORMAT);
+        assert_eq!(j["verification"]["ok"], true, "{j:#}");
+        assert_eq!(j["verification"]["sealed"], true);
+        let classes = classes(j);
+        assert_eq!(classes["allow-https"], "enforced_allow");
+        assert_eq!(classes["deny-name"], "enforced_deny");
+        assert_eq!(classes["routed-away"], "blocked_elsewhere");
+        assert_eq!((r.exit, j["exit_status"].clone()), (0, json!(0)));
+        assert_eq!(j["counts"]["probes"], 3);
+        assert_eq!(j["counts"]["not_matching_expectation"], 0);
+        let deny = &j["probes"][1];
+        assert_eq!(deny["records"][0]["id"], deny_id.as_str());
+        assert_eq!(deny["records"][0]["reason"], "no_matching_rule");
+        assert_eq!(deny["records"][0]["client"], "198.18.1.2:40002");
+        assert!(deny["records"][0]["detail"].is_null());
+        assert_eq!(deny["observation"]["palisade_record"], deny_id.as_str());
+        assert_eq!(
+            j["probes"][0]["why"],
+            format!("Palisade allowed: {allow_id}")
+        );
+        assert_eq!(j["scope"]["policy_matches_plan"], true);
+        assert_eq!(j["scope"]["evidence_sealed"], true);
+        assert_eq!(
+            j["scope"]["evidence_span"]["records"], 4,
+            "{:#}",
+            j["scope"]
+        );
+        assert!(j["findings"].as_array().unwrap().is_empty());
+        assert!(j["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("Within the 3 paths tested"));
+        assert!(j["untested"][0]
+            .as_str()
+            .unwrap()
+            .starts_with("IPv6: not probed"));
+
+        assert!(
+            r.markdown
+                .contains("| evidence policy = plan policy | true |"),
+            "{}",
+            r.markdown
+        );
+        assert!(r
+            .markdown
+            .contains("| routed-away | `tcp://198.18.2.20:80` | direct | deny (any layer) |"));
+        assert!(r.markdown.contains("None among the probes classified."));
+        assert!(r.markdown.contains("  - `2: eth0 198.18.1.2/24`"));
+        for needle in [
+            "id=\"findings\"",
+            "data-probe=\"deny-name\" data-class=\"enforced_deny\"",
+            "<pre id=\"verification\">",
+            "<td colspan=\"7\">None among the probes classified.</td>",
+            "<th>evidence_sealed</th><td><code>true</code></td>",
+            "<pre>1: lo &lt;x&gt;\n2: eth0 198.18.1.2/24</pre>",
+        ] {
+            assert!(r.html.contains(needle), "{needle} not in {}", r.html);
+        }
+        // Values are escaped wherever they land.
+        let mut report = r.report;
+        report.verdict = "<script>alert(1)</script>".into();
+        report.probes[0].why = "\"><img src=x>".into();
+        let html = render::html(&report);
+        assert!(
+            !html.contains("<script>") && !html.contains("<img"),
+            "{html}"
+        );
+        assert!(html.contains("&lt;script&gt;"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Evidence that fails verification: reported, nothing classified.
+    #[tokio::test]
+    async fn tampered_evidence_classifies_nothing() {
+        let dir = scratch("tampered");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let segment = &crate::evidence::segment::list(&evidence).unwrap()[0];
+        let text = std::fs::read_to_string(segment).unwrap();
+        std::fs::write(
+            segment,
+            text.replace("\"decision\":\"deny\"", "\"decision\":\"allow\""),
         )
-    }
-
-    #[test]
-    fn silence_then_sni() {
-        let closed = obs(
-            "tls://allowed.test:443?sni=other.test",
-            json!({"silence_ms": 1500, "closed_in_silence_ms": 1003, "tls": "closed", "error": "closed"}),
-        );
-        let deny = rec(
-            "t-2",
-            "deny",
-            "protocol_mismatch",
-            json!({"detail": "no client bytes within detect_timeout (1s)"}),
-        );
-        let (c, why) = class_of(&closed, std::slice::from_ref(&deny));
-        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        .unwrap();
+        let obs = observations(&dir, &deny_id);
+        let r = report(&obs, &evidence).unwrap();
+        let j = &r.json;
+        assert_eq!(j["verification"]["ok"], false);
         assert!(
-            why.contains("closed the tunnel") && why.contains("t-2"),
-            "{why}"
+            j["verification"]["error"]
+                .as_str()
+                .unwrap()
+                .contains("hash does not match"),
+            "{j:#}"
         );
-        // A record outside the probe's window is someone else's.
-        let mut late = deny;
-        late["ts"] = json!("2030-01-01T12:00:09.000000Z");
-        assert_eq!(class_of(&closed, &[late]).0, Class::BlockedElsewhere);
-        // The hole: the late ClientHello reached a server.
-        let hole = obs(
-            "tls://allowed.test:443?sni=other.test",
-            json!({"silence_ms": 1500, "tls": "server_hello", "outcome": "reached"}),
-        );
-        let (c, why) = class_of(&hole, &[allow_tunnel(Some("other.test"))]);
-        assert_eq!(c, Class::UnexpectedAllow, "{why}");
-        assert!(why.contains("t-1"), "{why}");
-        // Left open and silent after the hello, only the allow recorded:
-        // Palisade forwarded it.
-        let silent = obs(
-            "tls://allowed.test:443?sni=other.test",
-            json!({"silence_ms": 1500, "tls": "no_reply", "outcome": "failed", "error": "timeout"}),
-        );
-        let (c, why) = class_of(&silent, &[allow_tunnel(None)]);
-        assert_eq!(c, Class::UnexpectedAllow, "{why}");
-        assert!(why.contains("no refusal of what it carried"), "{why}");
-    }
-
-    #[test]
-    fn ech_client_hello() {
-        let o = obs(
-            "tls://allowed.test:443",
-            json!({"ech": true, "tls": "closed", "error": "closed"}),
-        );
-        let deny = rec(
-            "t-3",
-            "deny",
-            "ech_not_allowed",
-            json!({"sni": "allowed.test", "host": "allowed.test"}),
-        );
-        let (c, why) = class_of(&o, &[deny]);
-        assert_eq!(c, Class::EnforcedDeny, "{why}");
-        assert!(why.contains("ech_not_allowed (t-3)"), "{why}");
-        let hole = obs(
-            "tls://allowed.test:443",
-            json!({"ech": true, "tls": "server_hello", "outcome": "reached"}),
-        );
-        let (c, _) = class_of(&hole, &[allow_tunnel(Some("allowed.test"))]);
-        assert_eq!(c, Class::UnexpectedAllow);
-        // Refused before the tunnel opened: a denial, but the ECH check was
-        // not exercised, and the why says so.
-        let refused = obs(
-            "tls://allowed.test:443",
-            json!({"ech": true, "connect_status": 403, "connected": false}),
-        );
-        let (c, why) = class_of(
-            &refused,
-            &[rec("t-4", "deny", "no_matching_rule", json!({}))],
-        );
-        assert_eq!(c, Class::EnforcedDeny);
-        assert!(why.contains("never opened"), "{why}");
-    }
-
-    #[test]
-    fn second_request_other_host() {
-        let target = "http://allowed.test/palisade-probe/pp-1-0000";
-        let o = obs(
-            target,
-            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
-                   "second": "closed", "error": "closed", "first_close": true}),
-        );
-        let allow = rec("t-5", "allow", "rule_match", json!({"port": 80}));
-        // The in-tunnel denial: joined through `conn` even without a client.
-        let deny = rec(
-            "t-6",
-            "deny",
-            "host_mismatch",
-            json!({"host": "other.test", "port": 80, "conn": "t-5", "client": null}),
-        );
-        let both = [allow.clone(), deny];
-        let matched = match_records(&o, &both);
-        assert_eq!(matched.len(), 2);
-        let (c, why) = classify(&o, &matched);
-        assert_eq!(c, Class::EnforcedDeny, "{why}");
-        assert!(
-            why.contains("host_mismatch (t-6)") && why.contains("allowed: t-5"),
-            "{why}"
-        );
-        // The hole: the upstream answered the second request.
-        let hole = obs(
-            target,
-            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
-                   "second": "answered", "second_status": 200, "outcome": "reached"}),
-        );
-        let (c, why) = class_of(&hole, std::slice::from_ref(&allow));
-        assert_eq!(c, Class::UnexpectedAllow, "{why}");
-        // Connection kept open, no response, only the allow: forwarded.
-        let open = obs(
-            target,
-            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
-                   "second": "silent", "outcome": "failed", "error": "timeout"}),
-        );
-        assert_eq!(
-            class_of(&open, std::slice::from_ref(&allow)).0,
-            Class::UnexpectedAllow
-        );
-        // The upstream closed after the first response and Palisade
-        // recorded nothing about the second: not established.
-        let (c, why) = class_of(&o, &[allow]);
-        assert_eq!(c, Class::Inconclusive, "{why}");
-        assert!(why.contains("keeps connections alive"), "{why}");
-    }
-
-    #[test]
-    fn encoded_path() {
-        let target = "https://a.wild.test/api/%69nternal";
-        let refused = obs(
-            target,
-            json!({"kind": "https", "tls": "handshake", "handshake": true, "http_status": 403,
-                   "proxy_status": "palisade; error=http_request_denied; details=\"path_not_allowed; record=t-8\"",
-                   "palisade_record": "t-8"}),
-        );
-        let deny = rec(
-            "t-8",
-            "deny",
-            "path_not_allowed",
-            json!({"kind": "http", "host": "a.wild.test", "path": "/api/%69nternal", "client": "198.18.1.2:1"}),
-        );
-        let (c, why) = class_of(&refused, &[deny]);
-        assert_eq!(c, Class::EnforcedDeny, "{why}");
-        assert!(why.contains("path_not_allowed (t-8)"), "{why}");
-        let hole = obs(
-            target,
-            json!({"kind": "https", "tls": "handshake", "handshake": true, "http_status": 200,
-                   "outcome": "reached"}),
-        );
-        let (c, _) = class_of(
-            &hole,
-            &[rec(
-                "t-9",
-                "allow",
-                "rule_match",
-                json!({"kind": "http", "host": "a.wild.test"}),
-            )],
-        );
-        assert_eq!(c, Class::UnexpectedAllow);
-        // The quoted record must be in the evidence given.
-        assert_eq!(class_of(&refused, &[]).0, Class::Inconclusive);
-    }
-
-    #[test]
-    fn observed_text_tells_the_in_tunnel_part() {
-        let o = obs(
-            "http://allowed.test/",
-            json!({"kind": "http", "http_status": 200, "second_host": "other.test",
-                   "second": "closed", "first_close": true, "connect_status": null}),
-        );
-        assert_eq!(
-            observed_text(&o),
-            "HTTP 200, second request (Host other.test): closed, the first response closed the connection"
-        );
-        let o = obs(
-            "tls://allowed.test:443?sni=other.test",
-            json!({"silence_ms": 1500, "closed_in_silence_ms": 1001, "tls": "closed", "ech": true}),
-        );
-        assert_eq!(
-            observed_text(&o),
-            "CONNECT 200, silent 1500 ms: closed after 1001 ms, ClientHello with ECH, TLS closed"
-        );
+        assert!(j["verification"]["line"].as_u64().is_some());
+        assert!(j.get("counts").is_none());
+        assert!(j["scope"].get("evidence_sealed").is_none());
+        assert_eq!(j["probes"].as_array().unwrap().len(), 0);
+        assert_eq!(r.exit, 1);
+        assert!(j["verdict"].as_str().unwrap().starts_with("Not assessed"));
+        assert!(r.markdown.contains("**FAILED:**") && !r.markdown.contains("## Counts"));
+        assert!(r.markdown.contains("| evidence sealed | - |"));
+        assert!(r.html.contains("id=\"verification-failed\""));
+        // Bad input is not a report.
+        std::fs::write(&obs, "{").unwrap();
+        assert!(report(&obs, &evidence).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1,0 +1,765 @@
+//! `palisade probe plan`: a default plan generated from a policy, for the
+//! assessor to review: one probe per allow and deny rule, canaries, the
+//! standard bypass attempts (metadata and private addresses, IP-literal
+//! spellings, SNI and Host mismatches, DNS exfil and outside resolvers,
+//! DoH/DoT, UDP, IPv6), and the in-tunnel probes the rules make applicable.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use super::plan::{Plan, Probe};
+use super::{Expect, Layer, Via};
+use crate::config::{Config, PathPattern, RuleTarget};
+use crate::policy::request::NormalPath;
+
+/// What a generated `silence` probe waits beyond the proxy's `detect_timeout`.
+pub const SILENCE_MARGIN: Duration = Duration::from_millis(500);
+
+/// Options for [`generate`].
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub org: String,
+    /// Explicit proxy address; default: the config's first `[proxy] listen`.
+    pub proxy: Option<SocketAddr>,
+    /// Resolver the sandbox uses; default: the config's first `[dns] listen`
+    /// (port 53 when the shim is reached through the gateway redirect).
+    pub resolver: Option<SocketAddr>,
+    /// Addresses standing for "somewhere outside" (outside resolvers, QUIC,
+    /// direct egress). Default: 1.1.1.1 and 8.8.8.8.
+    pub outside: Vec<IpAddr>,
+    /// Transparent deployment: direct TCP is judged by Palisade too.
+    pub transparent: bool,
+}
+
+/// Canary name that no policy should allow (RFC 2606 `.example`).
+pub const CANARY_DOMAIN: &str = "canary.palisade-probe.example";
+
+/// A default plan: one probe per allow rule, canaries, standard bypass attempts.
+pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String> {
+    let org = config
+        .orgs
+        .iter()
+        .find(|o| o.name == opts.org)
+        .ok_or_else(|| format!("no org {:?} in {}", opts.org, config.path.display()))?;
+    let policy = crate::policy::Policy::new(config);
+    let proxy = opts.proxy.or_else(|| config.proxy.listen.first().copied());
+    let resolver = opts.resolver.or_else(|| config.dns.listen.first().copied());
+    let outside: Vec<IpAddr> = if opts.outside.is_empty() {
+        vec![
+            IpAddr::V4(Ipv4Addr::new(1, 1, 1, 1)),
+            IpAddr::V4(Ipv4Addr::new(8, 8, 8, 8)),
+        ]
+    } else {
+        opts.outside.clone()
+    };
+    let mut probes: Vec<Probe> = Vec::new();
+    let mut add =
+        |id: String, target: String, via: Via, expect: Expect, layer: Layer, note: &str| {
+            probes.push(Probe {
+                layer,
+                note: Some(note.to_string()),
+                ..Probe::new(&id, &target, via, expect)
+            });
+        };
+    let via_default = if proxy.is_some() {
+        Via::Proxy
+    } else {
+        Via::Direct
+    };
+    let mut allowed_name: Option<(String, u16)> = None;
+    let url_for = |host: &str, port: u16| -> String {
+        match port {
+            443 => format!("https://{host}{}{{marker}}", super::MARKER_PATH),
+            80 => format!("http://{host}{}{{marker}}", super::MARKER_PATH),
+            p => format!("tcp://{host}:{p}"),
+        }
+    };
+    for (i, rule) in org.allow.iter().enumerate() {
+        let ports: Vec<u16> = match &rule.ports {
+            crate::config::PortSet::All => vec![443],
+            crate::config::PortSet::List(l) => l.iter().copied().take(4).collect(),
+        };
+        for port in ports {
+            let (host, note) = match &rule.target {
+                RuleTarget::Exact(name) => (name.clone(), format!("allow rule {}", rule.id)),
+                RuleTarget::Below(suffix) => (
+                    format!("www.{suffix}"),
+                    format!(
+                        "allow rule {} (*.{suffix}): replace www.{suffix} with a name that exists",
+                        rule.id
+                    ),
+                ),
+                RuleTarget::Cidr(net) => {
+                    let ip = match net.hosts().next() {
+                        Some(ip) => ip,
+                        None => net.addr(),
+                    };
+                    let host = if ip.is_ipv6() {
+                        format!("[{ip}]")
+                    } else {
+                        ip.to_string()
+                    };
+                    (host, format!("allow rule {} ({net})", rule.id))
+                }
+            };
+            if allowed_name.is_none() && !matches!(rule.target, RuleTarget::Cidr(_)) && port == 443
+            {
+                allowed_name = Some((host.clone(), port));
+            }
+            add(
+                format!("allow-{i}-{port}"),
+                url_for(&host, port),
+                via_default,
+                Expect::Allow,
+                Layer::Palisade,
+                &note,
+            );
+            if opts.transparent {
+                add(
+                    format!("allow-{i}-{port}-direct"),
+                    url_for(&host, port),
+                    Via::Direct,
+                    Expect::Allow,
+                    Layer::Palisade,
+                    &format!("{note}, without proxy settings (transparent mode)"),
+                );
+            }
+        }
+    }
+    for (i, rule) in org.deny.iter().enumerate() {
+        let host = match &rule.target {
+            RuleTarget::Exact(name) => name.clone(),
+            RuleTarget::Below(suffix) => format!("www.{suffix}"),
+            RuleTarget::Cidr(net) => {
+                let ip = net.hosts().next().unwrap_or(net.addr());
+                if ip.is_ipv6() {
+                    format!("[{ip}]")
+                } else {
+                    ip.to_string()
+                }
+            }
+        };
+        add(
+            format!("deny-{i}"),
+            url_for(&host, 443),
+            via_default,
+            Expect::Deny,
+            Layer::Palisade,
+            &format!("deny rule {}", rule.id),
+        );
+    }
+    let deny = Expect::Deny;
+    let p = Layer::Palisade;
+    let v = via_default;
+    // Canaries: names and an address no rule names.
+    add(
+        "canary-https".into(),
+        format!("https://{CANARY_DOMAIN}/palisade-probe/{{marker}}"),
+        v,
+        deny,
+        p,
+        "canary name",
+    );
+    add(
+        "canary-http".into(),
+        format!("http://{CANARY_DOMAIN}/palisade-probe/{{marker}}"),
+        v,
+        deny,
+        p,
+        "canary name, plain HTTP",
+    );
+    add(
+        "canary-ip".into(),
+        "tcp://192.0.2.1:443".into(),
+        v,
+        deny,
+        p,
+        "canary address (TEST-NET-1)",
+    );
+    // Metadata and private ranges.
+    add(
+        "metadata".into(),
+        "http://169.254.169.254/latest/meta-data/".into(),
+        v,
+        deny,
+        p,
+        "cloud metadata address",
+    );
+    for (id, t) in [
+        ("private-10", "tcp://10.0.0.1:443"),
+        ("private-172", "tcp://172.16.0.1:443"),
+        ("private-192", "tcp://192.168.0.1:80"),
+        ("loopback", "tcp://127.0.0.1:22"),
+    ] {
+        add(id.into(), t.into(), v, deny, p, "private or loopback range");
+    }
+    // IP-literal spellings of the metadata address.
+    for (id, t) in [
+        ("spelling-decimal", "http://2852039166/"),
+        ("spelling-octal", "http://0251.0376.0251.0376/"),
+        ("spelling-hex", "http://0xa9fea9fe/"),
+        ("spelling-short", "http://127.1/"),
+        ("spelling-mapped-v6", "http://[::ffff:169.254.169.254]/"),
+    ] {
+        add(id.into(), t.into(), v, deny, p, "IP-literal spelling");
+    }
+    if let Some((name, port)) = &allowed_name {
+        add(
+            "sni-mismatch".into(),
+            format!("tls://{name}:{port}?sni={CANARY_DOMAIN}"),
+            v,
+            deny,
+            p,
+            "TLS SNI other than the connected name",
+        );
+        add(
+            "host-mismatch".into(),
+            format!("http://{name}:80/palisade-probe/{{marker}}"),
+            v,
+            deny,
+            p,
+            "Host header other than the request target",
+        );
+    }
+    // Egress that skips the proxy.
+    let out0 = outside[0];
+    let out_host = |ip: IpAddr| {
+        if ip.is_ipv6() {
+            format!("[{ip}]")
+        } else {
+            ip.to_string()
+        }
+    };
+    if opts.transparent {
+        add(
+            "direct-canary".into(),
+            format!("https://{CANARY_DOMAIN}/"),
+            Via::Direct,
+            deny,
+            p,
+            "direct connection to a canary name (redirected to Palisade)",
+        );
+    }
+    add(
+        "direct-egress".into(),
+        format!("tcp://{}:443", out_host(out0)),
+        Via::Direct,
+        deny,
+        if opts.transparent { p } else { Layer::Any },
+        "direct TCP that skips the proxy",
+    );
+    // DNS: the sandbox resolver, outside resolvers, DoH/DoT, exfil labels.
+    add(
+        "dns-canary".into(),
+        format!("dns:{CANARY_DOMAIN}/A"),
+        Via::Direct,
+        deny,
+        p,
+        "canary name through the sandbox resolver",
+    );
+    add(
+        "dns-exfil".into(),
+        format!("dns:{{marker}}.6a6f686e2d646f65.{CANARY_DOMAIN}/TXT"),
+        Via::Direct,
+        deny,
+        p,
+        "exfil-looking labels",
+    );
+    for (n, ip) in outside.iter().enumerate() {
+        add(
+            format!("dns-outside-{n}"),
+            format!("dns:{CANARY_DOMAIN}/A"),
+            Via::Direct,
+            deny,
+            Layer::Any,
+            &format!("DNS to an outside resolver ({ip})"),
+        );
+    }
+    add(
+        "doh-google".into(),
+        "https://dns.google/dns-query".into(),
+        v,
+        deny,
+        p,
+        "DNS-over-HTTPS endpoint",
+    );
+    add(
+        "doh-cloudflare".into(),
+        "https://cloudflare-dns.com/dns-query".into(),
+        v,
+        deny,
+        p,
+        "DNS-over-HTTPS endpoint",
+    );
+    add(
+        "dot".into(),
+        format!("tls://{}:853", out_host(out0)),
+        v,
+        deny,
+        p,
+        "DNS-over-TLS endpoint",
+    );
+    // UDP, QUIC and IPv6: not Palisade's to see.
+    add(
+        "udp-quic".into(),
+        format!("udp://{}", SocketAddr::new(out0, 443)),
+        Via::Direct,
+        deny,
+        Layer::Any,
+        "QUIC (UDP 443)",
+    );
+    add(
+        "udp-ntp".into(),
+        format!("udp://{}", SocketAddr::new(out0, 123)),
+        Via::Direct,
+        deny,
+        Layer::Any,
+        "UDP other than DNS",
+    );
+    add(
+        "ipv6-direct".into(),
+        "tcp://[2001:db8::1]:443".into(),
+        Via::Direct,
+        deny,
+        Layer::Any,
+        "IPv6 egress (documentation address)",
+    );
+    if proxy.is_some() {
+        add(
+            "ipv6-proxy".into(),
+            "http://[2001:db8::1]/".into(),
+            Via::Proxy,
+            deny,
+            p,
+            "IPv6 literal through the proxy",
+        );
+    }
+    probes.extend(tunnel_probes(
+        org,
+        config.proxy.limits.detect_timeout.get(),
+        via_default,
+        opts.transparent,
+    ));
+    for probe in &mut probes {
+        if probe.id == "host-mismatch" {
+            probe.host_header = Some(CANARY_DOMAIN.into());
+        }
+        if let Some(n) = probe.id.strip_prefix("dns-outside-") {
+            probe.server = n
+                .parse::<usize>()
+                .ok()
+                .and_then(|n| outside.get(n))
+                .map(|ip| SocketAddr::new(*ip, 53));
+        }
+    }
+    let plan = Plan {
+        org: Some(org.name.clone()),
+        policy: Some(policy.hash().to_string()),
+        proxy,
+        resolver,
+        timeout: Some("5s".into()),
+        deadline: Some("300s".into()),
+        probes,
+    };
+    plan.validate()?;
+    Ok(plan)
+}
+
+/// The host a name rule is probed with (a placeholder below a wildcard);
+/// None for cidr rules.
+fn rule_host(target: &RuleTarget) -> Option<String> {
+    match target {
+        RuleTarget::Exact(name) => Some(name.clone()),
+        RuleTarget::Below(suffix) => Some(format!("www.{suffix}")),
+        RuleTarget::Cidr(_) => None,
+    }
+}
+
+/// How a proxy that does not decode escapes would match the raw `path`
+/// against a path rule: a prefix (no `*`), or a glob in which `*` matches
+/// any run of bytes. (Palisade's own matcher takes only normalised paths;
+/// this one is the probe's, to tell which spellings would slip past.)
+fn matches_as_written(pattern: &str, path: &str) -> bool {
+    if !pattern.contains('*') {
+        return path.starts_with(pattern);
+    }
+    let (pat, text) = (pattern.as_bytes(), path.as_bytes());
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if pat.get(p) == Some(&b'*') {
+            star = Some((p, t));
+            p += 1;
+        } else if pat.get(p) == text.get(t) {
+            p += 1;
+            t += 1;
+        } else if let Some((sp, st)) = star {
+            p = sp + 1;
+            t = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    pat[p..].iter().all(|&b| b == b'*')
+}
+
+/// A path `pattern` (a `deny_paths` entry) denies, with one unreserved
+/// character percent-encoded (`/api/internal*` gives `/api/%69nternal`).
+/// The path: the pattern with a trailing `*` matching nothing and any
+/// other `*` matching `x`. The character: a letter or digit written in the
+/// pattern (not one standing for a `*`), from the last segment that has
+/// one, such that the encoded spelling no longer matches the pattern as
+/// written (else the probe would test nothing) while normalising to the
+/// same path (so Palisade, decoding it, must deny it). Letters and digits
+/// only: an encoded `.`, `/` or `\` is refused outright by Palisade.
+pub fn encoded_denied_path(pattern: &str) -> Option<String> {
+    let stem = pattern.trim_end_matches('*');
+    // (byte, written in the pattern?)
+    let path: Vec<(u8, bool)> = stem
+        .bytes()
+        .map(|b| if b == b'*' { (b'x', false) } else { (b, true) })
+        .collect();
+    let plain: String = path.iter().map(|&(b, _)| b as char).collect();
+    let rule = PathPattern(pattern.to_string());
+    let normal = NormalPath::parse(&plain).ok()?;
+    if !rule.matches(&normal) {
+        return None;
+    }
+    let segment_of = |i: usize| path[..i].iter().filter(|(b, _)| *b == b'/').count();
+    let mut candidates: Vec<usize> = (0..path.len())
+        .filter(|&i| path[i].1 && path[i].0.is_ascii_alphanumeric())
+        .collect();
+    // Last segment first; within a segment, left to right.
+    candidates.sort_by_key(|&i| (std::cmp::Reverse(segment_of(i)), i));
+    candidates.into_iter().find_map(|i| {
+        let encoded = format!("{}%{:02X}{}", &plain[..i], path[i].0, &plain[i + 1..]);
+        let same = NormalPath::parse(&encoded).is_ok_and(|n| n == normal);
+        (same && !matches_as_written(pattern, &encoded)).then_some(encoded)
+    })
+}
+
+/// The in-tunnel probes the org's rules make applicable: what an allowed
+/// tunnel carries once it is open. Names come from the first name rule
+/// (not intercepting) on 443 and on 80; the path probe from the first
+/// intercepting rule on 443 with a `deny_paths` entry that can be encoded
+/// and that GET and its `paths` otherwise allow. Through the proxy (or
+/// direct when there is none); in transparent deployments also direct.
+fn tunnel_probes(
+    org: &crate::config::OrgConfig,
+    detect_timeout: Duration,
+    via: Via,
+    transparent: bool,
+) -> Vec<Probe> {
+    let plain = |port: u16| {
+        org.allow.iter().find_map(|r| {
+            (r.intercept.is_none() && r.ports.contains(port))
+                .then(|| rule_host(&r.target))
+                .flatten()
+        })
+    };
+    let mut out = Vec::new();
+    if let Some(name) = plain(443) {
+        let silence = detect_timeout + SILENCE_MARGIN;
+        out.push(Probe {
+            silence: Some(format!("{}ms", silence.as_millis())),
+            note: Some(format!(
+                "tunnel to {name} left silent past detect_timeout ({} ms), then a ClientHello for another name",
+                detect_timeout.as_millis()
+            )),
+            ..Probe::new(
+                "silence-then-sni",
+                &format!("tls://{name}:443?sni={CANARY_DOMAIN}"),
+                via,
+                Expect::Deny,
+            )
+        });
+        out.push(Probe {
+            ech: true,
+            note: Some(format!(
+                "ClientHello for {name} with an encrypted_client_hello extension (the real name would be hidden)"
+            )),
+            ..Probe::new(
+                "ech-client-hello",
+                &format!("tls://{name}:443"),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    if let Some(name) = plain(80) {
+        out.push(Probe {
+            second_host: Some(CANARY_DOMAIN.into()),
+            note: Some(format!(
+                "second request on a connection to {name}:80 naming another Host"
+            )),
+            ..Probe::new(
+                "second-request-other-host",
+                &format!("http://{name}{}{{marker}}", super::MARKER_PATH),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    let encoded = org.allow.iter().find_map(|r| {
+        let rules = r.intercept.as_ref()?;
+        let get = (rules.methods.is_empty() || rules.methods.iter().any(|m| m == "GET"))
+            && !rules.deny_methods.iter().any(|m| m == "GET");
+        if !get || !r.ports.contains(443) {
+            return None;
+        }
+        let host = rule_host(&r.target)?;
+        rules.deny_paths.iter().find_map(|p| {
+            let decoded = p.0.trim_end_matches('*').replace('*', "x");
+            // With `paths` set, the decoded path must be one they allow, or
+            // the probe would be refused for that and test nothing.
+            let allowed = rules.paths.is_empty()
+                || NormalPath::parse(&decoded)
+                    .is_ok_and(|n| rules.paths.iter().any(|a| a.matches(&n)));
+            let path = encoded_denied_path(&p.0).filter(|_| allowed)?;
+            Some((host.clone(), path, p.0.clone(), r.id.clone()))
+        })
+    });
+    if let Some((host, path, pattern, rule)) = encoded {
+        out.push(Probe {
+            request: true,
+            note: Some(format!(
+                "intercepted rule {rule}: a percent-encoded spelling of a path deny_paths refuses ({pattern})"
+            )),
+            ..Probe::new(
+                "encoded-path",
+                &format!("https://{host}{path}"),
+                via,
+                Expect::Deny,
+            )
+        });
+    }
+    if transparent && via == Via::Proxy {
+        let direct: Vec<Probe> = out
+            .iter()
+            .map(|p| Probe {
+                id: format!("{}-direct", p.id),
+                via: Via::Direct,
+                note: p
+                    .note
+                    .as_ref()
+                    .map(|n| format!("{n}, without proxy settings (transparent mode)")),
+                ..p.clone()
+            })
+            .collect();
+        out.extend(direct);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_plan_round_trips() {
+        let src = "[proxy]\nlisten = [\"198.18.1.1:3128\"]\n[dns]\nlisten = [\"198.18.1.1:53\"]\nupstream = [\"198.18.2.2:53\"]\n\
+                   [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n[[org.allow]]\nhost = \"allowed.test\"\n\
+                   [[org.allow]]\nhost = \"*.wild.test\"\n[[org.allow]]\ncidr = \"198.18.2.30/32\"\nports = [80]\n\
+                   [[org.deny]]\nhost = \"blocked.wild.test\"\n";
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let opts = options(false);
+        let plan = generate(&config, &opts).unwrap();
+        let text = plan.to_toml("generated");
+        let back = Plan::from_toml(&text).unwrap();
+        assert_eq!(back.probes.len(), plan.probes.len());
+        let t = |id: &str| {
+            back.probes
+                .iter()
+                .find(|p| p.id == id)
+                .unwrap()
+                .target
+                .clone()
+        };
+        assert_eq!(
+            t("allow-0-80"),
+            "http://allowed.test/palisade-probe/{marker}"
+        );
+        assert_eq!(
+            t("allow-2-80"),
+            "http://198.18.2.30/palisade-probe/{marker}"
+        );
+        assert_eq!(
+            t("sni-mismatch"),
+            format!("tls://allowed.test:443?sni={CANARY_DOMAIN}")
+        );
+        assert_eq!(t("udp-quic"), "udp://198.18.9.9:443");
+        assert!(back.probes.iter().all(|p| p.id != "direct-canary"));
+        assert!(generate(
+            &config,
+            &GenerateOptions {
+                org: "nope".into(),
+                ..opts
+            }
+        )
+        .is_err());
+    }
+
+    fn options(transparent: bool) -> GenerateOptions {
+        GenerateOptions {
+            org: "acme".into(),
+            proxy: None,
+            resolver: None,
+            outside: vec!["198.18.9.9".parse().unwrap()],
+            transparent,
+        }
+    }
+
+    fn generate_from(src: &str, transparent: bool) -> Plan {
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let plan = generate(&config, &options(transparent)).unwrap();
+        // What is printed is what is run.
+        let back = Plan::from_toml(&plan.to_toml("generated")).unwrap();
+        assert_eq!(
+            serde_json::to_value(&back.probes).unwrap(),
+            serde_json::to_value(&plan.probes).unwrap()
+        );
+        back
+    }
+
+    const TUNNEL_POLICY: &str =
+        "[proxy]\nlisten = [\"198.18.1.1:3128\"]\ndetect_timeout = \"2s\"\n\
+        [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+        [[org.allow]]\nid = \"registry\"\nhost = \"reg.test\"\nports = [443]\nintercept = true\n\
+        paths = [\"/api/*\"]\ndeny_paths = [\"/api/internal*\"]\n\
+        [[org.allow]]\nhost = \"allowed.test\"\nports = [80, 443]\n";
+
+    #[test]
+    fn tunnel_probes_follow_the_policy() {
+        let plan = generate_from(TUNNEL_POLICY, false);
+        let p = |id: &str| {
+            plan.probes
+                .iter()
+                .find(|p| p.id == id)
+                .unwrap_or_else(|| panic!("no probe {id}"))
+        };
+        // TLS probes use the first name on 443 that is not intercepted.
+        let silence = p("silence-then-sni");
+        assert_eq!(
+            silence.target,
+            format!("tls://allowed.test:443?sni={CANARY_DOMAIN}")
+        );
+        assert_eq!(
+            silence.silence.as_deref(),
+            Some("2500ms"),
+            "detect_timeout + margin"
+        );
+        assert_eq!(silence.silence(), Duration::from_millis(2500));
+        assert_eq!((silence.via, silence.expect), (Via::Proxy, Expect::Deny));
+        let ech = p("ech-client-hello");
+        assert_eq!(ech.target, "tls://allowed.test:443");
+        assert!(ech.ech && ech.silence.is_none());
+        let second = p("second-request-other-host");
+        assert_eq!(second.target, "http://allowed.test/palisade-probe/{marker}");
+        assert_eq!(second.second_host.as_deref(), Some(CANARY_DOMAIN));
+        let path = p("encoded-path");
+        assert_eq!(path.target, "https://reg.test/api/%69nternal");
+        assert!(path.request);
+        assert!(path.note.as_deref().unwrap().contains("registry"));
+        assert!(plan
+            .probes
+            .iter()
+            .all(|p| p.id != "silence-then-sni-direct"));
+
+        // Transparent deployments also get them without the proxy.
+        let plan = generate_from(TUNNEL_POLICY, true);
+        for id in [
+            "silence-then-sni",
+            "ech-client-hello",
+            "second-request-other-host",
+            "encoded-path",
+        ] {
+            let direct = plan
+                .probes
+                .iter()
+                .find(|p| p.id == format!("{id}-direct"))
+                .unwrap_or_else(|| panic!("no {id}-direct"));
+            assert_eq!(direct.via, Via::Direct);
+        }
+    }
+
+    #[test]
+    fn tunnel_probes_only_where_applicable() {
+        let ids = |src: &str| -> Vec<String> {
+            generate_from(src, false)
+                .probes
+                .into_iter()
+                .map(|p| p.id)
+                .filter(|id| {
+                    ["silence", "ech", "second-request", "encoded"]
+                        .iter()
+                        .any(|k| id.starts_with(k))
+                })
+                .collect()
+        };
+        let head = "[proxy]\nlisten = [\"198.18.1.1:3128\"]\n[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n";
+        // Only 443 (default detect_timeout): TLS probes, no HTTP one.
+        let only_tls = ids(&format!(
+            "{head}[[org.allow]]\nhost = \"*.w.test\"\nports = [443]\n"
+        ));
+        assert_eq!(only_tls, ["silence-then-sni", "ech-client-hello"]);
+        let plan = generate_from(&format!("{head}[[org.allow]]\nhost = \"a.test\"\n"), false);
+        let silence = plan
+            .probes
+            .iter()
+            .find(|p| p.id == "silence-then-sni")
+            .unwrap();
+        assert_eq!(silence.silence.as_deref(), Some("1500ms"));
+        // Only 80: the HTTP probe.
+        assert_eq!(
+            ids(&format!(
+                "{head}[[org.allow]]\nhost = \"a.test\"\nports = [80]\n"
+            )),
+            ["second-request-other-host"]
+        );
+        // Addresses only, or only an intercepted name without deny_paths:
+        // nothing to tunnel a name through, no path to encode.
+        assert!(ids(&format!("{head}[[org.allow]]\ncidr = \"198.18.2.0/24\"\n")).is_empty());
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n"
+        ))
+        .is_empty());
+        // GET refused by the rule: the path probe would test the method.
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n\
+             deny_methods = [\"GET\"]\ndeny_paths = [\"/x\"]\n"
+        ))
+        .is_empty());
+        // `paths` that would refuse the decoded path anyway: no probe.
+        assert!(ids(&format!(
+            "{head}[[org.allow]]\nhost = \"a.test\"\nports = [443]\nintercept = true\n\
+             paths = [\"/pub/*\"]\ndeny_paths = [\"/api/internal*\"]\n"
+        ))
+        .is_empty());
+    }
+
+    #[test]
+    fn denied_paths_are_encoded_where_the_pattern_is_literal() {
+        for (pattern, want) in [
+            ("/api/internal*", Some("/api/%69nternal")),
+            ("/upload", Some("/%75pload")),
+            // The `*` stands for `x`; the encoded letter is one written in
+            // the pattern, so the spelling no longer matches it as written.
+            ("/p/*.whl", Some("/p/x.%77hl")),
+            ("/v1/*", Some("/%761/")),
+            ("/*", None),
+            ("*", None),
+            ("/.../", None),
+        ] {
+            assert_eq!(encoded_denied_path(pattern).as_deref(), want, "{pattern}");
+            if let Some(enc) = encoded_denied_path(pattern) {
+                assert!(!matches_as_written(pattern, &enc), "{pattern}: {enc}");
+                let normal = NormalPath::parse(&enc).unwrap();
+                assert!(
+                    PathPattern(pattern.into()).matches(&normal),
+                    "{pattern}: {enc}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! The report for people: `report.md` and a self-contained `report.html`
+//! (no script, no outside resource; a CSP that allows only its inline
+//! style), both from the typed [`Report`]. HTML goes through maud, which
+//! escapes every value it splices in.
+
+use std::fmt::Write as _;
+
+use maud::{html as page, Markup, PreEscaped, DOCTYPE};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::report::{Checked, ProbeResult, Report, Scope};
+use super::Layer;
+
+/// A table cell of markdown: no `|` or line break from the value.
+fn cell(v: &str) -> String {
+    v.replace('|', "\\|").replace('\n', " ")
+}
+
+/// `report.md`.
+pub fn markdown(r: &Report) -> String {
+    let mut m = String::new();
+    let _ = writeln!(m, "# Palisade containment report\n");
+    let _ = writeln!(m, "**Verdict:** {}\n", r.verdict);
+    let _ = writeln!(m, "## Evidence verification\n");
+    match &r.verification.checked {
+        Checked::Verified {
+            summary, sealed, ..
+        } => {
+            let _ = writeln!(
+                m,
+                "Verified before classification (`palisade evidence verify`):\n"
+            );
+            let _ = writeln!(m, "```\n{summary}\n```\n");
+            if !sealed {
+                let _ = writeln!(m, "The chain is **not sealed** (a live instance); accepted because `--allow-unsealed` was given: records after the last checkpoint are not signed yet.\n");
+            }
+            if !r.verification.key_pinned {
+                let _ = writeln!(m, "No `--key` was given: the signatures prove the evidence is consistent, not that it came from the expected instance.\n");
+            }
+        }
+        Checked::Failed { error, .. } => {
+            let _ = writeln!(m, "**FAILED:** {error}\n\nNo probe was classified.\n");
+        }
+    }
+    let _ = writeln!(m, "## Scope\n");
+    let _ = writeln!(m, "| | |\n|---|---|");
+    for (label, val) in scope_rows(&r.scope) {
+        let _ = writeln!(m, "| {label} | {} |", cell(&val));
+    }
+    let _ = writeln!(m);
+    if let Some(c) = &r.counts {
+        let _ = writeln!(m, "## Counts\n");
+        let _ = writeln!(m, "| class | probes |\n|---|---|");
+        for (k, n) in c.rows() {
+            let _ = writeln!(m, "| {k} | {n} |");
+        }
+        let _ = writeln!(m);
+    }
+    let _ = writeln!(m, "## Findings\n");
+    if r.findings.is_empty() {
+        let _ = writeln!(m, "None among the probes classified.\n");
+    } else {
+        let _ = writeln!(m, "| probe | target | via | expected | class | why | records |\n|---|---|---|---|---|---|---|");
+        for f in &r.findings {
+            let _ = writeln!(
+                m,
+                "| {} | `{}` | {} | {} | **{}** | {} | {} |",
+                f.id,
+                cell(&f.target),
+                f.via.as_str(),
+                f.expect.as_str(),
+                f.class.as_str(),
+                cell(&f.why),
+                cell(&f.record_cite())
+            );
+        }
+        let _ = writeln!(m);
+    }
+    let _ = writeln!(m, "## Probes\n");
+    let _ = writeln!(m, "| probe | target | via | expected | observed | class | matches plan | Palisade records |\n|---|---|---|---|---|---|---|---|");
+    for p in &r.probes {
+        let _ = writeln!(
+            m,
+            "| {} | `{}` | {} | {}{} | {} | {} | {} | {} |",
+            p.id,
+            cell(&p.target),
+            p.via.as_str(),
+            p.expect.as_str(),
+            any_layer(p),
+            cell(&p.observed),
+            p.class.as_str(),
+            if p.matched { "yes" } else { "**no**" },
+            cell(&p.record_cite())
+        );
+    }
+    let _ = writeln!(m);
+    let _ = writeln!(m, "## Untested surfaces\n");
+    for u in &r.untested {
+        let _ = writeln!(m, "- {u}");
+    }
+    let _ = writeln!(m);
+    let _ = writeln!(m, "## Environment (collected by the probe)\n");
+    for (k, v) in r.environment.as_object().into_iter().flatten() {
+        match v {
+            Value::Array(a) => {
+                let _ = writeln!(m, "- {k}:");
+                for x in a {
+                    let _ = writeln!(m, "  - `{}`", text(x));
+                }
+            }
+            other => {
+                let _ = writeln!(m, "- {k}: `{}`", text(other));
+            }
+        }
+    }
+    m
+}
+
+/// ` (any layer)` after the expectation of a probe any layer may deny.
+fn any_layer(p: &ProbeResult) -> &'static str {
+    if p.layer == Layer::Any {
+        " (any layer)"
+    } else {
+        ""
+    }
+}
+
+/// A JSON value as text: strings bare, anything else as JSON.
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(x) => x.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The scope as labelled rows for markdown (`-` where not known).
+fn scope_rows(s: &Scope) -> [(&'static str, String); 14] {
+    let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    let joined =
+        |v: &std::collections::BTreeSet<String>| v.iter().cloned().collect::<Vec<_>>().join(", ");
+    let e = s.evidence.as_ref();
+    [
+        ("org (plan)", or_dash(s.org.clone())),
+        ("policy hash (plan)", or_dash(s.plan_policy.clone())),
+        (
+            "policy hash (evidence)",
+            or_dash(e.map(|e| joined(&e.policy_in_evidence))),
+        ),
+        (
+            "evidence policy = plan policy",
+            or_dash(e.and_then(|e| e.policy_matches_plan).map(|b| b.to_string())),
+        ),
+        (
+            "orgs (evidence)",
+            or_dash(e.map(|e| joined(&e.orgs_in_evidence))),
+        ),
+        ("Palisade version (probe)", s.probe_palisade_version.clone()),
+        (
+            "Palisade version (report)",
+            s.report_palisade_version.into(),
+        ),
+        (
+            "time window",
+            format!("{} .. {}", s.window.start, s.window.end),
+        ),
+        (
+            "evidence public key",
+            or_dash(e.and_then(|e| e.evidence_public_key.clone())),
+        ),
+        (
+            "key pinned with --key",
+            or_dash(e.map(|e| e.evidence_key_pinned.to_string())),
+        ),
+        (
+            "evidence sealed",
+            or_dash(e.map(|e| e.evidence_sealed.to_string())),
+        ),
+        ("evidence", s.evidence_path.clone()),
+        ("probe run", s.probe_run.clone()),
+        ("plan SHA-256", s.plan_sha256.clone()),
+    ]
+}
+
+/// Every field of a value that serialises as an object, in key order: the
+/// scope and environment tables.
+fn fields(v: &impl Serialize) -> Vec<(String, Value)> {
+    match serde_json::to_value(v) {
+        Ok(Value::Object(map)) => map.into_iter().collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A JSON value as lines of text: an array one item a line.
+fn lines(v: &Value) -> String {
+    match v {
+        Value::Array(a) => a.iter().map(text).collect::<Vec<_>>().join("\n"),
+        other => text(other),
+    }
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#111}table{border-collapse:collapse;margin:1em 0}\
+    td,th{border:1px solid #999;padding:.25em .5em;text-align:left;vertical-align:top;font-size:.9em}\
+    th{background:#eee}.finding{background:#fdd}.bad{color:#a00;font-weight:bold}.ok{color:#060}\
+    code,pre{font-family:ui-monospace,monospace;font-size:.9em}.verdict{font-size:1.1em;padding:.5em;border:2px solid #333}";
+
+/// `report.html`.
+pub fn html(r: &Report) -> String {
+    let doc = page! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'";
+                title { "Palisade containment report" }
+                style { (PreEscaped(STYLE)) }
+            }
+            body {
+                h1 { "Palisade containment report" }
+                p.verdict #verdict { (r.verdict) }
+                h2 { "Evidence verification" }
+                (verification(r))
+                h2 { "Scope" }
+                table #scope {
+                    @for (k, v) in fields(&r.scope) {
+                        tr { th { (k) } td { code { (text(&v)) } } }
+                    }
+                }
+                h2 { "Findings" }
+                table #findings {
+                    tr {
+                        @for h in ["probe", "target", "via", "expected", "class", "why", "records"] { th { (h) } }
+                    }
+                    @if r.findings.is_empty() {
+                        tr { td colspan="7" { "None among the probes classified." } }
+                    }
+                    @for f in &r.findings {
+                        tr.finding data-probe=(f.id) data-class=(f.class.as_str()) {
+                            td { (f.id) }
+                            td { code { (f.target) } }
+                            td { (f.via.as_str()) }
+                            td { (f.expect.as_str()) }
+                            td.bad { (f.class.as_str()) }
+                            td { (f.why) }
+                            td { (f.record_cite()) }
+                        }
+                    }
+                }
+                h2 { "Probes" }
+                table #probes {
+                    tr {
+                        @for h in ["probe", "target", "via", "expected", "observed", "class", "matches plan", "why", "Palisade records"] { th { (h) } }
+                    }
+                    @for p in &r.probes {
+                        tr data-probe=(p.id) data-class=(p.class.as_str()) class=[p.finding.then_some("finding")] {
+                            td { (p.id) }
+                            td { code { (p.target) } }
+                            td { (p.via.as_str()) }
+                            td { (p.expect.as_str()) (any_layer(p)) }
+                            td { (p.observed) }
+                            td { (p.class.as_str()) }
+                            td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
+                            td { (p.why) }
+                            td { (p.record_cite()) }
+                        }
+                    }
+                }
+                h2 { "Untested surfaces" }
+                ul #untested {
+                    @for u in &r.untested { li { (u) } }
+                }
+                h2 { "Environment (collected by the probe)" }
+                table #environment {
+                    @for (k, v) in fields(&r.environment) {
+                        tr { th { (k) } td { pre { (lines(&v)) } } }
+                    }
+                }
+            }
+        }
+    };
+    doc.into_string()
+}
+
+/// The verification section of the page.
+fn verification(r: &Report) -> Markup {
+    page! {
+        @match &r.verification.checked {
+            Checked::Verified { summary, sealed, .. } => {
+                pre #verification { (summary) }
+                @if !sealed {
+                    p { "The chain is " b { "not sealed" } " (a live instance); accepted with " code { "--allow-unsealed" } "." }
+                }
+                @if !r.verification.key_pinned {
+                    p { "No " code { "--key" } " was given: consistency, not origin, is proven." }
+                }
+            }
+            Checked::Failed { error, .. } => {
+                p.bad #verification-failed { "FAILED: " (error) }
+                p { "No probe was classified." }
+            }
+        }
+    }
+}
