@@ -380,28 +380,7 @@ fn rule_host(target: &RuleTarget) -> Option<String> {
 /// any run of bytes. (Palisade's own matcher takes only normalised paths;
 /// this one is the probe's, to tell which spellings would slip past.)
 fn matches_as_written(pattern: &str, path: &str) -> bool {
-    if !pattern.contains('*') {
-        return path.starts_with(pattern);
-    }
-    let (pat, text) = (pattern.as_bytes(), path.as_bytes());
-    let (mut p, mut t) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while t < text.len() {
-        if pat.get(p) == Some(&b'*') {
-            star = Some((p, t));
-            p += 1;
-        } else if pat.get(p) == text.get(t) {
-            p += 1;
-            t += 1;
-        } else if let Some((sp, st)) = star {
-            p = sp + 1;
-            t = st + 1;
-            star = Some((sp, st + 1));
-        } else {
-            return false;
-        }
-    }
-    pat[p..].iter().all(|&b| b == b'*')
+    crate::policy::request::pattern_matches(pattern, path)
 }
 
 /// A path `pattern` (a `deny_paths` entry) denies, with one unreserved
