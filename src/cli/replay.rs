@@ -12,13 +12,13 @@
 //! re-decidable.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
-use serde_json::{Map, Value};
 
 use super::{load_config, print_json, Failure, Status};
+use crate::evidence::{Event, Kind, Record};
 use crate::policy::{Decision, Policy, Reason};
 use crate::proto::target::normalize_host;
 
@@ -88,53 +88,44 @@ pub struct Report {
     pub by_org_rule: BTreeMap<String, u64>,
 }
 
-fn text<'a>(m: &'a Map<String, Value>, key: &str) -> Option<&'a str> {
-    m.get(key).and_then(Value::as_str)
-}
-
 /// The candidate's verdict for one recorded decision, or None if the record
 /// is not a policy decision that can be replayed.
-fn redecide(policy: &Policy, m: &Map<String, Value>) -> Option<(crate::policy::Verdict, bool)> {
-    let reason = text(m, "reason")?;
+fn redecide(policy: &Policy, r: &Record) -> Option<(crate::policy::Verdict, bool)> {
     let replayable = [
-        "rule_match",
-        "report_only",
-        "unknown_client",
-        "no_matching_rule",
-        "explicit_deny",
-        "port_not_allowed",
-        "denied_address",
+        Reason::RuleMatch,
+        Reason::ReportOnly,
+        Reason::UnknownClient,
+        Reason::NoMatchingRule,
+        Reason::ExplicitDeny,
+        Reason::PortNotAllowed,
+        Reason::DeniedAddress,
     ];
-    if !replayable.contains(&reason) {
+    if !replayable.contains(&r.reason) {
         return None;
     }
-    let client: IpAddr = text(m, "client")?.parse::<SocketAddr>().ok()?.ip();
-    let host = text(m, "host")?;
-    if text(m, "kind")? == "dns" {
+    let client: IpAddr = r.client?.ip();
+    let host = r.host.as_deref()?;
+    if r.kind == Kind::Dns {
         return Some((policy.decide_name_any_port(client, host), false));
     }
-    let port = u16::try_from(m.get("port")?.as_u64()?).ok()?;
     let target = normalize_host(host).ok()?;
-    match policy.decide(client, &target, port) {
+    match policy.decide(client, &target, r.port?) {
         Decision::Final(v) => Some((v, false)),
-        Decision::Resolve(pending) => {
-            let recorded: Option<IpAddr> = text(m, "ip").and_then(|ip| ip.parse().ok());
-            match recorded {
-                Some(ip) => Some((policy.check_addresses(&pending, &[ip]).verdict, false)),
-                None => {
-                    // Allowed by name; the address was never resolved.
-                    let verdict = crate::policy::Verdict {
-                        org: Some(pending.org.clone()),
-                        reason: pending
-                            .would_deny
-                            .map_or(Reason::RuleMatch, |_| Reason::ReportOnly),
-                        rule: pending.rule.clone(),
-                        would_deny: pending.would_deny,
-                    };
-                    Some((verdict, true))
-                }
+        Decision::Resolve(pending) => match r.ip {
+            Some(ip) => Some((policy.check_addresses(&pending, &[ip]).verdict, false)),
+            None => {
+                // Allowed by name; the address was never resolved.
+                let verdict = crate::policy::Verdict {
+                    org: Some(pending.org.clone()),
+                    reason: pending
+                        .would_deny
+                        .map_or(Reason::RuleMatch, |_| Reason::ReportOnly),
+                    rule: pending.rule.clone(),
+                    would_deny: pending.would_deny,
+                };
+                Some((verdict, true))
             }
-        }
+        },
     }
 }
 
@@ -144,28 +135,29 @@ pub fn replay(evidence: &Path, policy: &Policy) -> std::io::Result<Report> {
         candidate_policy: policy.hash().to_string(),
         ..Report::default()
     };
-    crate::evidence::query::for_each_record(evidence, |m| {
-        if text(m, "event") != Some("decision") {
-            return Ok(());
+    for stored in crate::evidence::query::read_records(evidence) {
+        let r = stored.map_err(std::io::Error::other)?.record;
+        if r.event != Event::Decision {
+            continue;
         }
         report.decisions += 1;
-        let Some((verdict, unresolved)) = redecide(policy, m) else {
+        let Some((verdict, unresolved)) = redecide(policy, &r) else {
             report.not_replayable += 1;
-            return Ok(());
+            continue;
         };
         report.replayed += 1;
-        let before = text(m, "decision").unwrap_or("").to_string();
+        let before = r.reason.decision().to_string();
         let after = verdict.reason.decision();
         if before == after {
             report.unchanged += 1;
-            return Ok(());
+            continue;
         }
         let org = verdict
             .org
             .as_ref()
             .map(|o| o.name.to_string())
-            .or_else(|| text(m, "org").map(str::to_string));
-        let before_rule = text(m, "rule").map(str::to_string);
+            .or_else(|| r.org.as_deref().map(str::to_string));
+        let before_rule = r.rule.as_deref().map(str::to_string);
         let after_rule = verdict.rule.as_ref().map(|r| r.to_string());
         let rule = if after == "allow" {
             after_rule.clone()
@@ -179,25 +171,21 @@ pub fn replay(evidence: &Path, policy: &Policy) -> std::io::Result<Report> {
         );
         *report.by_org_rule.entry(key).or_default() += 1;
         report.flips.push(Flip {
-            id: text(m, "id").unwrap_or("").to_string(),
+            id: r.id.clone(),
             org,
-            client: text(m, "client").unwrap_or("").to_string(),
-            kind: text(m, "kind").unwrap_or("").to_string(),
-            host: text(m, "host").unwrap_or("").to_string(),
-            port: m
-                .get("port")
-                .and_then(Value::as_u64)
-                .and_then(|p| u16::try_from(p).ok()),
+            client: r.client.map(|c| c.to_string()).unwrap_or_default(),
+            kind: r.kind.as_str().to_string(),
+            host: r.host.clone().unwrap_or_default(),
+            port: r.port,
             before,
-            before_reason: text(m, "reason").unwrap_or("").to_string(),
+            before_reason: r.reason.as_str().to_string(),
             before_rule,
             after,
             after_reason: verdict.reason,
             after_rule,
             unresolved,
         });
-        Ok(())
-    })?;
+    }
     Ok(report)
 }
 

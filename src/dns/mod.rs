@@ -160,7 +160,10 @@ async fn tcp_connection(
     shim: ShimHandle,
     stop: CancellationToken,
 ) {
-    let (idle, per_query) = (shim.config.idle_timeout.get(), shim.config.query_timeout.get());
+    let (idle, per_query) = (
+        shim.config.idle_timeout.get(),
+        shim.config.query_timeout.get(),
+    );
     for _ in 0..MAX_QUERIES_PER_TCP_CONNECTION {
         let mut len = [0u8; 2];
         let read = tokio::select! {

@@ -174,23 +174,6 @@ pub fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadErro
     })
 }
 
-/// Call `f` for every line under `path` that parses as a JSON object
-/// (records and chain bookkeeping alike), in chain order. For readers that
-/// need the raw fields; [`read_records`] gives typed records.
-pub fn for_each_record(
-    path: &Path,
-    mut f: impl FnMut(&Map<String, Value>) -> io::Result<()>,
-) -> io::Result<()> {
-    let objects = map_lines(path, |_, _, line| match serde_json::from_slice(line) {
-        Ok(Value::Object(m)) => Some(Ok(m)),
-        _ => None,
-    });
-    for m in objects {
-        f(&m?)?;
-    }
-    Ok(())
-}
-
 /// Filters of `palisade evidence query`; `None` matches everything.
 #[derive(Debug, Default, Clone)]
 pub struct Filter {

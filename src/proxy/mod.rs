@@ -293,7 +293,13 @@ impl Ctx {
         addrs: &[IpAddr],
         port: u16,
     ) -> Result<(TcpStream, SocketAddr), DialError> {
-        dial(&self.metrics, addrs, port, self.limits.connect_timeout.get()).await
+        dial(
+            &self.metrics,
+            addrs,
+            port,
+            self.limits.connect_timeout.get(),
+        )
+        .await
     }
 }
 
