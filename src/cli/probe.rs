@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use super::evidence::parse_key;
 use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
+use crate::probe::report::Checked;
 use crate::probe::{plan, report, run as probe_run};
 
 /// `palisade probe ...`.
@@ -153,15 +154,12 @@ fn write_report(opts: &report::Options, out: &Path) -> Result<(), Failure> {
             std::fs::write(out.join("report.html"), &r.html)
         })
         .map_err(|e| bad_input(out, e))?;
-    println!("{}", r.json["verdict"].as_str().unwrap_or(""));
+    println!("{}", r.report.verdict);
     println!("wrote {}/report.{{json,md,html}}", out.display());
-    if r.json["verification"]["ok"] != true {
+    if let Checked::Failed { error, .. } = &r.report.verification.checked {
         return Err(Failure::new(
             Status::Failed,
-            format_args!(
-                "evidence verification failed: {}",
-                r.json["verification"]["error"].as_str().unwrap_or("")
-            ),
+            format_args!("evidence verification failed: {error}"),
         ));
     }
     match r.exit {
