@@ -20,7 +20,7 @@
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
-//! interception ([`intercept`]) hooks in.
+//! interception ([`proxy::intercept`]) hooks in.
 //!
 //! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
 //! whole on SIGHUP or a file change; [`replay`] re-decides recorded
@@ -37,7 +37,6 @@ pub mod evidence;
 pub mod explain;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod intercept;
 pub mod metrics;
 pub mod policy;
 pub mod probe;
@@ -46,3 +45,7 @@ pub mod proxy;
 pub mod reload;
 pub mod replay;
 pub mod resolve;
+
+/// TLS interception is a part of the proxy ([`proxy::intercept`]); this
+/// path stays for callers that name it from the crate root.
+pub use proxy::intercept;

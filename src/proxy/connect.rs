@@ -228,9 +228,9 @@ where
         record.sni = hello.sni.clone();
     }
     record.tunnel = Some(guard.as_ref().map_or(Carry::Opaque, verify::Guard::carry));
-    // Opt-in TLS interception (src/intercept): only for an allow rule with
+    // Opt-in TLS interception ([`super::intercept`]): only for an allow rule with
     // `intercept = true` (which carries TLS, so the hello was checked).
-    let plan = crate::intercept::plan(
+    let plan = super::intercept::plan(
         ctx.intercept.as_deref(),
         &view,
         &mut record,
@@ -239,10 +239,10 @@ where
     if !ctx.write(&mut record).await || !record.reason.is_allow() {
         return;
     }
-    if plan == crate::intercept::Plan::Intercept {
+    if plan == super::intercept::Plan::Intercept {
         let mode = record.mode;
-        if let Some(s) = crate::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
-            crate::intercept::serve::serve(s, client, first, upstream).await;
+        if let Some(s) = super::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
+            super::intercept::serve::serve(s, client, first, upstream).await;
         }
         return;
     }

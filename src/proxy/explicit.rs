@@ -22,10 +22,10 @@ use tokio::net::TcpStream;
 use tracing::{debug, info_span, Instrument};
 
 use super::connect::{self, Refused};
+use super::intercept;
 use super::limits::Permit;
 use super::{deny, dial, Ctx, DialError, Outcome, View};
 use crate::evidence::{Kind, Mode, Record};
-use crate::intercept;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::http_meter::{Event, Framer};
 use crate::proto::target::{normalize_host, parse_authority, Host};

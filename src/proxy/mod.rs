@@ -5,6 +5,7 @@
 pub mod connect;
 pub mod deny;
 pub mod explicit;
+pub mod intercept;
 pub mod limits;
 pub mod socks5;
 pub mod transparent;
@@ -50,7 +51,7 @@ pub struct Ctx {
     /// The DNS shim's bindings, when it runs.
     pub bindings: Option<Arc<dyn NameBindings>>,
     /// TLS interception, when some org's rule intercepts.
-    pub intercept: Option<Arc<crate::intercept::Interceptor>>,
+    pub intercept: Option<Arc<intercept::Interceptor>>,
     pub limits: Limits,
     pub conns: ConnLimits,
     /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:

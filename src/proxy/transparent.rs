@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info_span, Instrument};
 
+use super::intercept::{self, serve::Session};
 use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
 use super::{connect, decide_with, dial, verify, Ctx, Outcome, View};
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
-use crate::intercept::{self, serve::Session};
 use crate::policy::{canonical, Decision, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -247,7 +247,7 @@ async fn handle(
             return reset(client);
         }
     };
-    // Opt-in TLS interception (src/intercept), as in explicit mode.
+    // Opt-in TLS interception ([`super::intercept`]), as in explicit mode.
     let plan = intercept::plan(ctx.intercept.as_deref(), view, &mut record, &detected);
     if !ctx.write(&mut record).await || !record.reason.is_allow() {
         return reset(client);
