@@ -259,11 +259,11 @@ pub fn count_record(record: &crate::evidence::Record) {
             }
             if mode == "dns" {
                 m.dns_queries_total
-                    .with_label_values(&[org, record.decision, record.reason.as_str()])
+                    .with_label_values(&[org, record.decision_str(), record.reason.as_str()])
                     .inc();
             } else {
                 m.connections_total
-                    .with_label_values(&[org, record.decision, record.reason.as_str(), mode])
+                    .with_label_values(&[org, record.decision_str(), record.reason.as_str(), mode])
                     .inc();
             }
         }

@@ -218,7 +218,6 @@ where
             }
             record.would_deny.get_or_insert(reason);
             record.reason = Reason::ReportOnly;
-            record.decision = Reason::ReportOnly.decision();
             record.detail = Some(v.detail);
             (None, 0)
         }
@@ -298,7 +297,6 @@ pub async fn relay<C>(
         if reason.reportable() {
             r.would_deny = Some(reason);
             r.reason = Reason::ReportOnly;
-            r.decision = Reason::ReportOnly.decision();
             r.rule = record.rule.clone();
         }
         ctx.submit(&mut r);
@@ -337,7 +335,6 @@ pub async fn relay<C>(
                 ),
             );
             r.reason = Reason::LimitExceeded;
-            r.decision = Reason::LimitExceeded.decision();
             ctx.write(&mut r).await;
         }
     }
@@ -353,7 +350,6 @@ fn violation_record(allow: &Record, v: &guard::Violation) -> Record {
     r.id = String::new();
     r.ts = String::new();
     r.reason = reason;
-    r.decision = reason.decision();
     r.rule = None;
     r.would_deny = None;
     r.conn = Some(allow.id.clone());
@@ -388,7 +384,6 @@ fn name_seen(r: &mut Record, v: &guard::Violation) {
 async fn deny_first(ctx: &Ctx, record: &mut Record, v: &guard::Violation) {
     let reason = verify::reason(v.kind);
     record.reason = reason;
-    record.decision = reason.decision();
     record.rule = None;
     record.would_deny = None;
     record.detail = Some(v.detail.clone());
@@ -399,7 +394,6 @@ async fn deny_first(ctx: &Ctx, record: &mut Record, v: &guard::Violation) {
 
 async fn deny_over_budget(ctx: &Ctx, record: &mut Record) {
     record.reason = Reason::LimitExceeded;
-    record.decision = Reason::LimitExceeded.decision();
     record.rule = None;
     record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
     ctx.write(record).await;
@@ -462,11 +456,9 @@ async fn run_opaque<C>(
         Some(reason) if report && reason.reportable() => {
             record.would_deny.get_or_insert(reason);
             record.reason = Reason::ReportOnly;
-            record.decision = Reason::ReportOnly.decision();
         }
         Some(reason) => {
             record.reason = reason;
-            record.decision = reason.decision();
             record.rule = None;
             record.would_deny = None;
             ctx.write(&mut record).await;

@@ -208,14 +208,12 @@ async fn handle(
             verify::First::Denied(v) if view.is_report() && verify::reason(v.kind).reportable() => {
                 record.would_deny.get_or_insert(verify::reason(v.kind));
                 record.reason = Reason::ReportOnly;
-                record.decision = Reason::ReportOnly.decision();
                 record.detail = Some(v.detail);
                 record.tunnel = Some(Carry::Opaque);
             }
             verify::First::Denied(v) => {
                 let reason = verify::reason(v.kind);
                 record.reason = reason;
-                record.decision = reason.decision();
                 record.rule = None;
                 record.would_deny = None;
                 record.detail = Some(v.detail);
@@ -229,7 +227,6 @@ async fn handle(
             }
             verify::First::OverBudget => {
                 record.reason = Reason::LimitExceeded;
-                record.decision = Reason::LimitExceeded.decision();
                 record.rule = None;
                 record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
                 ctx.write(&mut record).await;
@@ -266,7 +263,6 @@ async fn handle(
 
 async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {
     record.reason = Reason::EvidenceUnavailable;
-    record.decision = Reason::EvidenceUnavailable.decision();
     record.rule = None;
     ctx.write(record).await;
 }

@@ -215,7 +215,6 @@ pub fn plan(
         Plan::Intercept => record.intercepted = Some(true),
         Plan::Refuse(why) => {
             record.reason = Reason::BadRequest;
-            record.decision = Reason::BadRequest.decision();
             record.rule = None;
             record.detail = Some(why.to_string());
         }

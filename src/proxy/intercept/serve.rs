@@ -666,7 +666,6 @@ async fn refuse(
     detail: &str,
 ) -> Response<Body_> {
     record.reason = reason;
-    record.decision = reason.decision();
     if !matches!(
         reason,
         Reason::MethodNotAllowed | Reason::PathNotAllowed | Reason::UpstreamTlsError
