@@ -20,7 +20,10 @@
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
-//! interception ([`proxy::intercept`]) hooks in.
+//! interception ([`proxy::intercept`]) hooks in. A decided connection
+//! carries its state ([`proxy::conn`]) to its close; explicit mode and
+//! interception serve HTTP through one layer ([`proxy::http`]); whatever
+//! fails is told to the client from one mapping ([`proxy::failure`]).
 //!
 //! [`config`] loads and validates the TOML file; [`reload`] swaps the policy
 //! whole on SIGHUP or a file change; [`replay`] re-decides recorded

@@ -1,8 +1,8 @@
 //! One intercepted connection: terminate the client's TLS with a minted
-//! leaf, then serve HTTP/1.1 or HTTP/2 (by the client's ALPN) and decide
-//! each request on its own before forwarding it over Palisade's own,
-//! verified TLS connection to the upstream (HTTP/1.1 or HTTP/2 by the
-//! upstream's ALPN, negotiated separately).
+//! leaf, then serve HTTP/1.1 or HTTP/2 (by the client's ALPN) through the
+//! proxy's HTTP layer and decide each request on its own before forwarding
+//! it over Palisade's own, verified TLS connection to the upstream
+//! (HTTP/1.1 or HTTP/2 by the upstream's ALPN, negotiated separately).
 //!
 //! Per request, in order ([`decide_parts`], pure): CONNECT, absolute-form
 //! (HTTP/1.1) and protocol upgrades are refused (`bad_request`); Host /
@@ -13,76 +13,104 @@
 //! credentials are added (any client copy of the header dropped); the
 //! upstream TLS is set up on first use (a failure is `upstream_tls_error`,
 //! never a downgrade); the decision is recorded; and the request is sent
-//! with the normalised path (and the query as received).
+//! with the normalised path (and the query as received). Failures are
+//! answered through [`Failure`], as everywhere in the proxy.
 
 use std::convert::Infallible;
-use std::io;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
-use hyper::client::conn::{http1 as client1, http2 as client2};
+use http::{Method, Request, Response, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls_pki_types::ServerName;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::Interceptor;
+use super::Intercepting;
 use crate::config::CredentialConfig;
-use crate::evidence::{Kind, Mode, Record};
+use crate::evidence::Kind;
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
-use crate::proxy::{deny, dial, Ctx, View};
+use crate::proxy::conn::Conn;
+use crate::proxy::failure::Failure;
+use crate::proxy::forward::Exchange;
+use crate::proxy::http::body::Metered;
+use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
+use crate::proxy::http::replay::Replay;
+use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
+use crate::proxy::{dial, Ctx, DialError};
 
-type Body_ = UnsyncBoxBody<Bytes, hyper::Error>;
-
-/// What the tunnel code hands over: the connection's facts, already
-/// decided (allow, intercepting rule) and recorded.
+/// An allowed connection the tunnel code hands over: decided (allow, by
+/// an intercepting rule), its decision record written, its upstream
+/// connected. Everything a request inside is decided and recorded with.
 pub struct Session {
-    pub ctx: Arc<Ctx>,
-    pub ic: Arc<Interceptor>,
-    pub view: View,
-    pub mode: Mode,
-    pub client: SocketAddr,
-    /// The normalised name (CONNECT host or SNI); SNI was checked against it.
-    pub name: String,
-    pub port: u16,
-    pub rule: Arc<str>,
-    pub sni: Option<String>,
-    pub upstream_addr: SocketAddr,
-    /// The connection's `tcp` decision record, already written.
-    pub record: Record,
+    ctx: Arc<Ctx>,
+    /// The connection's state, as recorded.
+    conn: Conn,
+    /// Its `tcp` decision record's id.
+    id: String,
+    /// The checked address the upstream was reached at (re-dialled there).
+    upstream: SocketAddr,
+    how: Intercepting,
+    /// The name (CONNECT host or SNI, checked against each other).
+    name: String,
 }
 
 impl Session {
-    /// The session of an allowed, intercepted connection, from its (written)
-    /// decision record; `None` if the record lacks what interception needs.
-    pub fn new(ctx: Arc<Ctx>, view: View, mode: Mode, record: Record) -> Option<Session> {
-        let ic = ctx.intercept.clone()?;
-        Some(Session {
-            ic,
-            view,
-            mode,
-            client: record.client?,
-            name: record.host.clone()?,
-            port: record.port?,
-            rule: record.rule.clone()?,
-            sni: record.sni.clone(),
-            upstream_addr: SocketAddr::new(record.ip?, record.port?),
+    pub fn new(
+        ctx: Arc<Ctx>,
+        conn: Conn,
+        id: String,
+        upstream: SocketAddr,
+        how: Intercepting,
+    ) -> Session {
+        let name = conn.host.to_string();
+        Session {
             ctx,
-            record,
-        })
+            conn,
+            id,
+            upstream,
+            how,
+            name,
+        }
+    }
+
+    /// The `tcp` close record of the connection.
+    fn close(&self, (up, down): (u64, u64), started: Instant, detail: Option<&str>) {
+        let mut close = self.conn.close(&self.id, (up, down), started);
+        close.detail = detail.map(str::to_string);
+        self.ctx.submit(&mut close);
+    }
+
+    /// A request inside, as first decided: allowed by the connection's rule,
+    /// linked to its record. `path` is what the client sent.
+    fn request(&self, method: &Method, path: &str) -> Conn {
+        let verdict = Verdict {
+            org: Some(self.how.org.clone()),
+            reason: Reason::RuleMatch,
+            rule: Some(self.how.rule.clone()),
+            would_deny: None,
+        };
+        let mut req = Conn::new(
+            self.conn.view.clone(),
+            (Kind::Http, self.conn.mode),
+            self.conn.client,
+            (self.conn.host.clone(), self.conn.port),
+            verdict,
+        );
+        req.sni = self.conn.sni.clone();
+        req.ip = Some(self.upstream.ip());
+        req.within = Some(self.id.clone());
+        req.method = Some(method.as_str().to_string());
+        req.path = Some(recorded_path(path));
+        req
     }
 }
 
@@ -93,41 +121,29 @@ where
     C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let started = Instant::now();
-    let org: Arc<str> = match &s.view.org {
-        Some(o) => o.name.clone(),
-        None => return,
-    };
-    let Some(server_config) = s.ic.server_config(&org, &s.name) else {
-        close_record(
-            &s,
-            0,
-            0,
-            started,
-            Some("no leaf certificate could be minted"),
-        );
+    let ic = &s.how.interceptor;
+    let Some(server_config) = ic.server_config(&s.how.org.name, &s.name) else {
+        s.close((0, 0), started, Some("no leaf certificate could be minted"));
         return;
     };
-    let accept = tokio_rustls::TlsAcceptor::from(server_config).accept(Rewind {
-        prefix: first,
-        pos: 0,
-        inner: client,
-    });
-    let tls = match tokio::time::timeout(s.ic.handshake_timeout, accept).await {
+    let accept = tokio_rustls::TlsAcceptor::from(server_config).accept(Replay::new(first, client));
+    let tls = match tokio::time::timeout(ic.handshake_timeout, accept).await {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
             // Typically a client that does not trust the org CA (a pinned
             // client): it stays broken rather than bypassing the rules.
             let detail = format!("client TLS handshake failed: {e}");
             debug!(%detail);
-            close_record(&s, 0, 0, started, Some(&detail));
+            s.close((0, 0), started, Some(&detail));
             return;
         }
         Err(_) => {
-            close_record(&s, 0, 0, started, Some("client TLS handshake timed out"));
+            s.close((0, 0), started, Some("client TLS handshake timed out"));
             return;
         }
     };
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    let ctx = s.ctx.clone();
     let shared = Arc::new(Shared {
         up: AtomicU64::new(0),
         down: AtomicU64::new(0),
@@ -136,74 +152,40 @@ where
             sender: None,
         }),
         session: s,
-        org,
     });
     let svc_shared = shared.clone();
     let service = service_fn(move |req| {
         let shared = svc_shared.clone();
         async move { Ok::<_, Infallible>(handle(shared, req).await) }
     });
-    let io = TokioIo::new(tls);
-    let ctx = shared.session.ctx.clone();
     let limits = &ctx.limits;
-    let result = if h2 {
-        let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-        b.timer(TokioTimer::new())
-            .max_concurrent_streams(100)
-            .max_header_list_size((limits.max_request_head_bytes) as u32);
-        let conn = b.serve_connection(io, service);
-        tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => r,
-            _ = ctx.shutdown.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = ctx.hard_stop.cancelled() => Ok(()),
-                }
-            }
+    let protocol = if h2 {
+        Protocol::Http2 {
+            max_header_list_size: limits.max_request_head_bytes as u32,
         }
     } else {
-        let mut b = hyper::server::conn::http1::Builder::new();
-        b.timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
-            .max_buf_size(limits.max_request_head_bytes.max(8192))
-            .max_headers(limits.max_headers)
-            .keep_alive(true);
-        let conn = b.serve_connection(io, service);
-        tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => r,
-            _ = ctx.shutdown.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = ctx.hard_stop.cancelled() => Ok(()),
-                }
-            }
+        Protocol::Http1 {
+            header_read_timeout: limits.header_read_timeout,
+            max_buf_size: limits.max_request_head_bytes.max(8192),
+            max_headers: limits.max_headers,
         }
     };
-    if let Err(e) = result {
+    let drain = Drain {
+        shutdown: &ctx.shutdown,
+        hard_stop: &ctx.hard_stop,
+    };
+    if let Err(e) = layer::serve(tls, service, protocol, drain).await {
         debug!(error = %e, "intercepted connection ended with error");
     }
-    let (up, down) = (
+    let totals = (
         shared.up.load(Ordering::Relaxed),
         shared.down.load(Ordering::Relaxed),
     );
-    close_record(&shared.session, up, down, started, None);
-}
-
-fn close_record(s: &Session, up: u64, down: u64, started: Instant, detail: Option<&str>) {
-    let mut close = s
-        .record
-        .close(up, down, started.elapsed().as_millis() as u64);
-    close.detail = detail.map(str::to_string);
-    s.ctx.submit(&mut close);
+    shared.session.close(totals, started, None);
 }
 
 struct Shared {
     session: Session,
-    org: Arc<str>,
     upstream: tokio::sync::Mutex<Upstream>,
     /// Request and response body bytes of every request, for the close record.
     up: AtomicU64,
@@ -217,64 +199,71 @@ struct Upstream {
     sender: Option<Sender>,
 }
 
-enum Sender {
-    H1(client1::SendRequest<Body_>),
-    H2(client2::SendRequest<Body_>),
+/// Why the upstream could not take a request.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamError {
+    #[error("{0}")]
+    Dial(#[from] DialError),
+    /// TLS handshake or certificate verification failed.
+    #[error("{0}")]
+    Tls(String),
+    /// The HTTP handshake failed.
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+    #[error("upstream connection closed")]
+    Closed,
 }
 
-impl Sender {
-    fn is_closed(&self) -> bool {
-        match self {
-            Sender::H1(s) => s.is_closed(),
-            Sender::H2(s) => s.is_closed(),
+/// After an allow: an upstream that cannot be dialled is unreachable;
+/// any other failure leaves the request without a response.
+impl From<UpstreamError> for Failure {
+    fn from(e: UpstreamError) -> Failure {
+        match e {
+            UpstreamError::Dial(e) => Failure::Unreachable(e),
+            UpstreamError::Http(e) => Failure::NoResponse(NoResponse::Failed(e)),
+            UpstreamError::Tls(_) | UpstreamError::Closed => {
+                Failure::NoResponse(NoResponse::NotSent(e.to_string()))
+            }
         }
     }
 }
 
-/// Why the upstream could not be used.
-#[derive(Debug)]
-enum UpstreamError {
-    /// TLS handshake or certificate verification failed.
-    Tls(String),
-    /// TCP connect or the HTTP handshake failed.
-    Connect(String),
-}
-
-type ResponseFuture =
-    Pin<Box<dyn std::future::Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
-
 impl Shared {
-    /// Send one request upstream, connecting (TCP, verified TLS, HTTP
-    /// handshake) first if there is no open connection. HTTP/1.1 upstream
-    /// connections carry one request at a time; HTTP/2 ones multiplex.
-    async fn send(&self, req: Request<Body_>) -> Result<ResponseFuture, UpstreamError> {
+    /// An open connection to the upstream (TCP, verified TLS, HTTP
+    /// handshake), set up now if there is none. Returns whether it speaks
+    /// HTTP/2.
+    async fn ready(&self) -> Result<bool, UpstreamError> {
         let mut up = self.upstream.lock().await;
-        let mut req = Some(req);
-        for _ in 0..2 {
-            if up.sender.as_ref().is_none_or(Sender::is_closed) {
-                let fresh = up.fresh.take();
-                up.sender = Some(self.connect(fresh).await?);
-            }
-            let fut: ResponseFuture = match up.sender.as_mut() {
-                Some(Sender::H2(s)) => match req.take() {
-                    Some(r) => Box::pin(s.clone().send_request(r)),
-                    None => break,
-                },
-                Some(Sender::H1(s)) => {
-                    if s.ready().await.is_err() {
-                        up.sender = None;
-                        continue;
-                    }
-                    match req.take() {
-                        Some(r) => Box::pin(s.send_request(r)),
-                        None => break,
-                    }
-                }
-                None => continue,
-            };
-            return Ok(fut);
+        if up.sender.as_ref().is_none_or(Sender::is_closed) {
+            let fresh = up.fresh.take();
+            up.sender = Some(self.connect(fresh).await?);
         }
-        Err(UpstreamError::Connect("upstream connection closed".into()))
+        Ok(up.sender.as_ref().is_some_and(Sender::is_h2))
+    }
+
+    /// Send one request upstream, connecting again first if the
+    /// connection closed meanwhile. HTTP/1.1 upstream connections carry one
+    /// request at a time; HTTP/2 ones multiplex.
+    async fn send(&self, req: Request<Body>) -> Result<ResponseFuture, UpstreamError> {
+        let mut up = self.upstream.lock().await;
+        let mut req = req;
+        for _ in 0..2 {
+            let sender = match up.sender.as_mut() {
+                Some(s) if !s.is_closed() => s,
+                _ => {
+                    let fresh = up.fresh.take();
+                    up.sender.insert(self.connect(fresh).await?)
+                }
+            };
+            match sender.send(req).await {
+                Ok(fut) => return Ok(fut),
+                Err(back) => {
+                    up.sender = None;
+                    req = back;
+                }
+            }
+        }
+        Err(UpstreamError::Closed)
     }
 
     async fn connect(&self, fresh: Option<TcpStream>) -> Result<Sender, UpstreamError> {
@@ -282,18 +271,18 @@ impl Shared {
         let tcp = match fresh {
             Some(t) => t,
             None => {
-                let addr = s.upstream_addr;
+                let addr = s.upstream;
                 dial(&[addr.ip()], addr.port(), s.ctx.limits.connect_timeout)
-                    .await
-                    .map_err(|e| UpstreamError::Connect(e.to_string()))?
+                    .await?
                     .0
             }
         };
         let server_name = ServerName::try_from(s.name.clone())
             .map_err(|e| UpstreamError::Tls(format!("invalid server name: {e}")))?;
-        let connector = tokio_rustls::TlsConnector::from(s.ic.upstream.clone());
+        let ic = &s.how.interceptor;
+        let connector = tokio_rustls::TlsConnector::from(ic.upstream.clone());
         let tls =
-            match tokio::time::timeout(s.ic.handshake_timeout, connector.connect(server_name, tcp))
+            match tokio::time::timeout(ic.handshake_timeout, connector.connect(server_name, tcp))
                 .await
             {
                 Ok(Ok(tls)) => tls,
@@ -305,31 +294,7 @@ impl Shared {
                 }
             };
         let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        let io = TokioIo::new(tls);
-        let tasks = &s.ctx.tasks;
-        if h2 {
-            let (sender, conn) = client2::Builder::new(TokioExecutor::new())
-                .timer(TokioTimer::new())
-                .handshake(io)
-                .await
-                .map_err(|e| UpstreamError::Connect(e.to_string()))?;
-            tasks.spawn(async move {
-                if let Err(e) = conn.await {
-                    debug!(error = %e, "upstream h2 connection error");
-                }
-            });
-            Ok(Sender::H2(sender))
-        } else {
-            let (sender, conn) = client1::handshake(io)
-                .await
-                .map_err(|e| UpstreamError::Connect(e.to_string()))?;
-            tasks.spawn(async move {
-                if let Err(e) = conn.await {
-                    debug!(error = %e, "upstream connection error");
-                }
-            });
-            Ok(Sender::H1(sender))
-        }
+        Ok(Sender::handshake(tls, h2, &s.ctx.tasks).await?)
     }
 }
 
@@ -427,7 +392,7 @@ pub(crate) fn decide_parts<'a>(
     policy.decide_request(org, rule, req, credentials)
 }
 
-async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body_> {
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let (parts, body) = req.into_parts();
     let mut body = Some(body);
     let response = decide_and_send(&shared, parts, &mut body).await;
@@ -461,57 +426,35 @@ async fn decide_and_send(
     shared: &Arc<Shared>,
     mut parts: http::request::Parts,
     body: &mut Option<Incoming>,
-) -> Response<Body_> {
+) -> Response<Body> {
     let started = Instant::now();
     let s = &shared.session;
-    let host = Host::Name(s.name.clone());
-    let mut record = s.view.record(
-        Kind::Http,
-        s.mode,
-        s.client,
-        &Verdict {
-            org: s.view.org.clone(),
-            reason: Reason::RuleMatch,
-            rule: Some(s.rule.clone()),
-            would_deny: None,
-        },
-        Some(&host),
-        Some(s.port),
-    );
-    record.sni = s.sni.clone();
-    record.ip = Some(s.upstream_addr.ip());
-    record.conn = Some(s.record.id.clone());
-    let method = parts.method.as_str().to_string();
     let raw_path = parts.uri.path().to_string();
-    record.method = Some(method.clone());
-    record.path = Some(raw_path.chars().take(MAX_RECORDED_PATH).collect());
-
-    let Some(org) = &s.view.org else {
-        return refuse(shared, &mut record, Reason::UnknownClient, "no org").await;
-    };
-    let creds = s.ic.credentials(&org.name);
+    let mut req = s.request(&parts.method, &raw_path);
+    let creds = s.how.interceptor.credentials(&s.how.org.name);
     let decision = decide_parts(
-        &s.view.policy,
-        org,
-        &s.rule,
-        (&s.name, s.port),
+        &s.conn.view.policy,
+        &s.how.org,
+        &s.how.rule,
+        (&s.name, s.conn.port),
         &parts,
         creds.iter().map(|c| &c.config),
     );
-    record.rule = decision.verdict.rule.clone();
+    // The verdict on record is the request's own (a refusal by the rule's
+    // method or path rules names the rule; any other refusal none).
+    req.verdict = decision.verdict.clone();
     if let Some(p) = decision.path.as_ref().filter(|p| p.as_str() != raw_path) {
         // Recorded as decided and forwarded; what the client sent in detail.
-        record.path = Some(p.as_str().chars().take(MAX_RECORDED_PATH).collect());
-        let sent: String = raw_path.chars().take(MAX_RECORDED_PATH).collect();
-        record.detail = Some(format!("path normalised from {sent}"));
+        req.path = Some(recorded_path(p.as_str()));
+        req.detail = Some(format!("path normalised from {}", recorded_path(&raw_path)));
     }
     let (true, Some(path)) = (decision.is_allow(), &decision.path) else {
         let detail = decision.detail.as_deref().unwrap_or("refused");
-        return refuse(shared, &mut record, decision.verdict.reason, detail).await;
+        return refused(shared, req, detail).await;
     };
 
     // Build the upstream request.
-    crate::proxy::explicit::strip_hop_by_hop(&mut parts.headers);
+    strip_hop_by_hop(&mut parts.headers);
     let mut used = Vec::new();
     for c in decision.credentials.iter().filter_map(|&i| creds.get(i)) {
         let Ok(name) = HeaderName::from_bytes(c.config.header.as_bytes()) else {
@@ -525,28 +468,23 @@ async fn decide_and_send(
                 used.push(c.config.id.clone());
             }
             None => {
-                return refuse(
-                    shared,
-                    &mut record,
-                    Reason::BadRequest,
-                    "credential unusable",
-                )
-                .await
+                req.deny(Reason::BadRequest, None);
+                return refused(shared, req, "credential unusable").await;
             }
         }
     }
     if !used.is_empty() {
-        record.credential = Some(used.join(","));
+        req.credential = Some(used.join(","));
     }
     // The path the rules matched, never the raw one; the query as received.
     let path_and_query = match parts.uri.query() {
         Some(q) => format!("{path}?{q}"),
         None => path.to_string(),
     };
-    let authority = if s.port == 443 {
+    let authority = if s.conn.port == 443 {
         s.name.clone()
     } else {
-        format!("{}:{}", s.name, s.port)
+        format!("{}:{}", s.name, s.conn.port)
     };
 
     // Evidence before any byte of this request reaches the upstream. The
@@ -554,306 +492,123 @@ async fn decide_and_send(
     // own `tcp` record, which is already written.
     let up_count = Arc::new(AtomicU64::new(0));
     let Some(client_body) = body.take() else {
-        return refuse(shared, &mut record, Reason::BadRequest, "request body gone").await;
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, "request body gone").await;
     };
-    let body = Metered::new(client_body, up_count.clone(), None).boxed_unsync();
-    let sender_check = {
-        let mut up = shared.upstream.lock().await;
-        if up.sender.as_ref().is_none_or(Sender::is_closed) {
-            let fresh = up.fresh.take();
-            match shared.connect(fresh).await {
-                Ok(sender) => {
-                    up.sender = Some(sender);
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            }
-        } else {
-            Ok(())
-        }
-    };
-    let h2_upstream = match sender_check {
-        Ok(()) => matches!(shared.upstream.lock().await.sender, Some(Sender::H2(_))),
+    let body = Metered::new(client_body, up_count.clone()).boxed();
+    let h2_upstream = match shared.ready().await {
+        Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
             crate::metrics::metrics()
                 .upstream_tls_errors_total
-                .with_label_values(&[&*shared.org])
+                .with_label_values(&[&*s.how.org.name])
                 .inc();
-            return refuse(shared, &mut record, Reason::UpstreamTlsError, &detail).await;
+            // The rule allowed; the upstream failed verification.
+            req.verdict.reason = Reason::UpstreamTlsError;
+            return refused(shared, req, &detail).await;
         }
-        Err(UpstreamError::Connect(detail)) => {
-            return upstream_failed(shared, &mut record, &detail).await;
-        }
+        Err(e) => return unreachable(shared, req, e.into()).await,
     };
-    if h2_upstream {
-        parts.uri = match Uri::builder()
+    let uri = if h2_upstream {
+        Uri::builder()
             .scheme("https")
             .authority(authority.as_str())
             .path_and_query(path_and_query.as_str())
             .build()
-        {
-            Ok(u) => u,
-            Err(e) => return refuse(shared, &mut record, Reason::BadRequest, &e.to_string()).await,
-        };
+    } else {
+        Uri::builder()
+            .path_and_query(path_and_query.as_str())
+            .build()
+    };
+    parts.uri = match uri {
+        Ok(u) => u,
+        Err(e) => {
+            req.deny(Reason::BadRequest, None);
+            return refused(shared, req, &e.to_string()).await;
+        }
+    };
+    if h2_upstream {
         parts.headers.remove(header::HOST);
         parts.version = Version::HTTP_2;
     } else {
-        parts.uri = match Uri::builder()
-            .path_and_query(path_and_query.as_str())
-            .build()
-        {
-            Ok(u) => u,
-            Err(e) => return refuse(shared, &mut record, Reason::BadRequest, &e.to_string()).await,
-        };
         if let Ok(v) = HeaderValue::from_str(&authority) {
             parts.headers.insert(header::HOST, v);
         }
         parts.version = Version::HTTP_11;
     }
+    let mut record = req.record();
     if !s.ctx.write(&mut record).await {
         count(shared, Reason::EvidenceUnavailable);
-        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
+        return Failure::Denied(Reason::EvidenceUnavailable).response(&record.id, None);
     }
     count(shared, Reason::RuleMatch);
 
-    let upstream_req = Request::from_parts(parts, body);
-    let fut = match shared.send(upstream_req).await {
+    let totals = shared.clone();
+    let up = up_count.clone();
+    let exchange = Exchange {
+        ctx: s.ctx.clone(),
+        req,
+        id: record.id,
+        started,
+        up: Box::new(move || up.load(Ordering::Relaxed)),
+        with_status: true,
+        on_close: Some(Box::new(move |up, down| {
+            totals.up.fetch_add(up, Ordering::Relaxed);
+            totals.down.fetch_add(down, Ordering::Relaxed);
+        })),
+    };
+    let fut = match shared.send(Request::from_parts(parts, body)).await {
         Ok(f) => f,
-        Err(UpstreamError::Tls(d)) | Err(UpstreamError::Connect(d)) => {
-            return upstream_failed_after(shared, &record, &d, &up_count)
-        }
+        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
     };
-    let response = match tokio::time::timeout(s.ctx.limits.idle_timeout, fut).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return upstream_failed_after(shared, &record, &e.to_string(), &up_count),
-        Err(_) => {
-            return upstream_failed_after(shared, &record, "upstream response timed out", &up_count)
+    match client::response(fut, s.ctx.limits.idle_timeout).await {
+        Ok(resp) => {
+            crate::metrics::metrics()
+                .intercepted_request_duration_seconds
+                .with_label_values(&[&*s.how.org.name])
+                .observe(started.elapsed().as_secs_f64());
+            exchange.relay(resp)
         }
-    };
-    crate::metrics::metrics()
-        .intercepted_request_duration_seconds
-        .with_label_values(&[&shared.org])
-        .observe(started.elapsed().as_secs_f64());
-    let (mut parts, body) = response.into_parts();
-    crate::proxy::explicit::strip_hop_by_hop(&mut parts.headers);
-    let status = parts.status.as_u16();
-    let closer_shared = shared.clone();
-    let record_for_close = record.clone();
-    let finish: Finish = Box::new(move |down| {
-        let up = up_count.load(Ordering::Relaxed);
-        closer_shared.up.fetch_add(up, Ordering::Relaxed);
-        closer_shared.down.fetch_add(down, Ordering::Relaxed);
-        let mut close = record_for_close.close(up, down, started.elapsed().as_millis() as u64);
-        close.status = Some(status);
-        closer_shared.session.ctx.submit(&mut close);
-    });
-    let body = Metered::new(body, Arc::new(AtomicU64::new(0)), Some(finish));
-    Response::from_parts(parts, body.boxed_unsync())
+        Err(e) => exchange.failed(e),
+    }
+}
+
+/// A path as evidence keeps it.
+fn recorded_path(path: &str) -> String {
+    path.chars().take(MAX_RECORDED_PATH).collect()
 }
 
 fn count(shared: &Shared, reason: Reason) {
     crate::metrics::metrics()
         .intercepted_requests_total
-        .with_label_values(&[&shared.org, reason.decision(), reason.as_str()])
+        .with_label_values(&[
+            &*shared.session.how.org.name,
+            reason.decision(),
+            reason.as_str(),
+        ])
         .inc();
 }
 
-/// Record a refused request and answer it inside the intercepted connection.
-async fn refuse(
-    shared: &Shared,
-    record: &mut Record,
-    reason: Reason,
-    detail: &str,
-) -> Response<Body_> {
-    record.reason = reason;
-    if !matches!(
-        reason,
-        Reason::MethodNotAllowed | Reason::PathNotAllowed | Reason::UpstreamTlsError
-    ) {
-        record.rule = None;
-    }
-    record.detail = Some(detail.to_string());
-    let reason = if shared.session.ctx.write(record).await {
-        reason
-    } else {
-        Reason::EvidenceUnavailable
-    };
-    count(shared, reason);
-    debug!(reason = %reason, record = %record.id, "intercepted request refused");
-    denial(reason, Some(&record.id), Some(detail))
+/// Record a refused request (its verdict as set) and answer it inside the
+/// intercepted connection.
+async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body> {
+    req.detail = Some(detail.to_string());
+    let mut record = req.record();
+    let written = shared.session.ctx.write(&mut record).await;
+    let failure = Failure::Denied(req.verdict.reason).recorded(written);
+    count(shared, failure.reason());
+    debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
+    failure.response(&record.id, Some(detail))
 }
 
-/// The upstream could not be reached for an allowed request.
-async fn upstream_failed(shared: &Shared, record: &mut Record, detail: &str) -> Response<Body_> {
-    record.detail = Some(detail.to_string());
-    let written = shared.session.ctx.write(record).await;
-    count(shared, Reason::RuleMatch);
-    if !written {
-        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
-    }
-    gateway_error(&record.id, detail)
-}
-
-/// The request was recorded and sent, but no response came back.
-fn upstream_failed_after(
-    shared: &Shared,
-    record: &Record,
-    detail: &str,
-    up: &AtomicU64,
-) -> Response<Body_> {
-    let mut close = record.close(up.load(Ordering::Relaxed), 0, 0);
-    close.detail = Some(detail.to_string());
-    shared.session.ctx.submit(&mut close);
-    gateway_error(&record.id, detail)
-}
-
-fn gateway_error(id: &str, detail: &str) -> Response<Body_> {
-    let clean: String = detail
-        .chars()
-        .filter(|c| !c.is_control())
-        .take(200)
-        .collect();
-    text_response(
-        StatusCode::BAD_GATEWAY,
-        &deny::proxy_status("destination_unavailable", "rule_match", Some(id)),
-        format!("palisade: upstream failed (evidence record {id}): {clean}\n"),
-    )
-}
-
-fn denial(reason: Reason, record: Option<&str>, detail: Option<&str>) -> Response<Body_> {
-    text_response(
-        deny::status(reason),
-        &deny::proxy_status(deny::proxy_error(reason), reason.as_str(), record),
-        deny::body(reason.as_str(), record, detail),
-    )
-}
-
-fn text_response(status: StatusCode, proxy_status: &str, body: String) -> Response<Body_> {
-    let mut resp = Response::new(
-        Full::new(Bytes::from(body))
-            .map_err(|never| match never {})
-            .boxed_unsync(),
-    );
-    *resp.status_mut() = status;
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    if let Ok(v) = HeaderValue::from_str(proxy_status) {
-        h.insert(HeaderName::from_static("proxy-status"), v);
-    }
-    resp
-}
-
-// ---------------------------------------------------------------------------
-// Plumbing
-
-type Finish = Box<dyn FnOnce(u64) + Send>;
-
-/// A body that counts its bytes and calls `finish` once, at its end or drop.
-struct Metered<B> {
-    inner: B,
-    count: Arc<AtomicU64>,
-    finish: Mutex<Option<Finish>>,
-}
-
-impl<B> Metered<B> {
-    fn new(inner: B, count: Arc<AtomicU64>, finish: Option<Finish>) -> Self {
-        Metered {
-            inner,
-            count,
-            finish: Mutex::new(finish),
-        }
-    }
-
-    fn done(&self) {
-        let f = self.finish.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(f) = f {
-            f(self.count.load(Ordering::Relaxed));
-        }
-    }
-}
-
-impl<B> Drop for Metered<B> {
-    fn drop(&mut self) {
-        self.done();
-    }
-}
-
-impl<B> Body for Metered<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    self.count.fetch_add(data.len() as u64, Ordering::Relaxed);
-                }
-            }
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => self.done(),
-            Poll::Pending => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// Replays the bytes read during detection, then reads the stream.
-struct Rewind<C> {
-    prefix: Vec<u8>,
-    pos: usize,
-    inner: C,
-}
-
-impl<C: AsyncRead + Unpin> AsyncRead for Rewind<C> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = &mut *self;
-        if let Some(rest) = this.prefix.get(this.pos..).filter(|r| !r.is_empty()) {
-            let n = rest.len().min(buf.remaining());
-            buf.put_slice(&rest[..n]);
-            this.pos += n;
-            return Poll::Ready(Ok(()));
-        }
-        Pin::new(&mut this.inner).poll_read(cx, buf)
-    }
-}
-
-impl<C: AsyncWrite + Unpin> AsyncWrite for Rewind<C> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
+/// The upstream could not be reached (or spoke no HTTP) for an allowed
+/// request: the allow is recorded with the cause, nothing was sent.
+async fn unreachable(shared: &Shared, mut req: Conn, failure: Failure) -> Response<Body> {
+    req.detail = Some(failure.to_string());
+    let mut record = req.record();
+    let failure = failure.recorded(shared.session.ctx.write(&mut record).await);
+    count(shared, failure.reason());
+    failure.response(&record.id, None)
 }
 
 #[cfg(test)]
