@@ -89,16 +89,12 @@ async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
         return;
     }
     let view = &ctx.view(peer.ip());
-    let detail = format!("request not parsed: {e}");
-    let mut record = view.record(
-        Kind::Http,
-        Mode::Explicit,
+    let mut record = view.refusal(
+        (Kind::Http, Mode::Explicit),
         peer,
-        &bad_request_verdict(view),
-        None,
-        None,
+        Reason::BadRequest,
+        format!("request not parsed: {e}"),
     );
-    record.detail = Some(detail);
     ctx.write(&mut record).await;
 }
 

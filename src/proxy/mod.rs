@@ -108,6 +108,20 @@ impl View {
         r
     }
 
+    /// The record of a refusal decided before any target: `reason`, for
+    /// this view's client, with `detail`.
+    pub fn refusal(
+        &self,
+        (kind, mode): (Kind, Mode),
+        client: SocketAddr,
+        reason: Reason,
+        detail: String,
+    ) -> Record {
+        let mut r = self.record(kind, mode, client, &self.verdict(reason), None, None);
+        r.detail = Some(detail);
+        r
+    }
+
     /// Whether the client's org only reports its allowlist's denials.
     pub fn is_report(&self) -> bool {
         self.org.as_ref().is_some_and(|o| self.policy.is_report(o))
@@ -389,9 +403,12 @@ fn reject_over_limit(
     view: &View,
     hit: limits::LimitHit,
 ) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Explicit),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
     let response = failure::Failure::Denied(Reason::LimitExceeded).raw_response(&record.id);
     // Non-blocking: a flood must not tie up the accept loop.

@@ -47,9 +47,12 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
 
 /// Over a limit: record it and answer "no acceptable methods".
 fn refuse_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Socks5, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Socks5),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
     // Best effort and non-blocking.
     let _ = stream.try_write(&socks5::method_reply(METHOD_UNACCEPTABLE));

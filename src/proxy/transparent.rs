@@ -56,9 +56,12 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
 
 /// Over a limit: record it and reset.
 fn refuse(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Transparent),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
     reset(stream);
 }
@@ -96,9 +99,12 @@ async fn handle(
         Ok(orig) => orig,
         Err(e) => {
             // Connected to the listener directly (no REDIRECT): nowhere to go.
-            let verdict = view.verdict(Reason::BadRequest);
-            let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
-            record.detail = Some(format!("no original destination: {e}"));
+            let mut record = view.refusal(
+                (Kind::Tcp, Mode::Transparent),
+                peer,
+                Reason::BadRequest,
+                format!("no original destination: {e}"),
+            );
             ctx.write(&mut record).await;
             return reset(client);
         }
