@@ -179,7 +179,70 @@ where
 
 #[cfg(test)]
 mod tests {
+    use http::Request;
+    use hyper::service::service_fn;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
+
+    /// Serve HTTP/1.1 on one end of a pipe, answering `ok` at once but
+    /// never answering `/hang`.
+    fn start(
+        shutdown: &CancellationToken,
+        hard_stop: &CancellationToken,
+    ) -> (
+        tokio::io::DuplexStream,
+        tokio::task::JoinHandle<hyper::Result<()>>,
+    ) {
+        let service = service_fn(|req: Request<Incoming>| async move {
+            if req.uri().path() == "/hang" {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Infallible>(Response::new(full("ok")))
+        });
+        let protocol = Protocol::Http1 {
+            header_read_timeout: Duration::from_secs(5),
+            max_buf_size: 8192,
+            max_headers: 16,
+        };
+        let (client, server) = tokio::io::duplex(4096);
+        let (shutdown, hard_stop) = (shutdown.clone(), hard_stop.clone());
+        let task = tokio::spawn(async move {
+            let drain = Drain {
+                shutdown: &shutdown,
+                hard_stop: &hard_stop,
+            };
+            serve(server, service, protocol, drain).await
+        });
+        (client, task)
+    }
+
+    #[tokio::test]
+    async fn shutdown_closes_an_idle_connection_and_hard_stop_an_unfinished_one() {
+        let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
+        let (mut idle, idle_task) = start(&shutdown, &hard_stop);
+        let (mut busy, busy_task) = start(&shutdown, &hard_stop);
+        idle.write_all(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let n = idle.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200 OK"));
+        busy.write_all(b"GET /hang HTTP/1.1\r\nHost: a\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::task::yield_now().await;
+
+        shutdown.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(5), idle_task).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+        // The request in flight is waited for, until the hard stop.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!busy_task.is_finished());
+        hard_stop.cancel();
+        let done = tokio::time::timeout(Duration::from_secs(5), busy_task).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+    }
 
     #[test]
     fn hop_by_hop_headers_go_including_connection_named_ones() {

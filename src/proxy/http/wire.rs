@@ -204,9 +204,8 @@ mod tests {
     use http_body_util::BodyExt;
     use hyper::body::Incoming;
     use hyper::service::service_fn;
-    use hyper_util::rt::TokioIo;
 
-    use super::super::full;
+    use super::super::{full, serve, Drain, Protocol};
     use super::*;
 
     /// The meter against hyper itself: pipelined requests of every framing
@@ -249,10 +248,17 @@ mod tests {
             }
         });
         let server = tokio::spawn(async move {
-            hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(io), service)
-                .with_upgrades()
-                .await
+            let never = tokio_util::sync::CancellationToken::new();
+            let protocol = Protocol::Http1 {
+                header_read_timeout: std::time::Duration::from_secs(5),
+                max_buf_size: 64 * 1024,
+                max_headers: 100,
+            };
+            let drain = Drain {
+                shutdown: &never,
+                hard_stop: &never,
+            };
+            serve(io, service, protocol, drain).await
         });
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (mut rd, mut wr) = tokio::io::split(client);
