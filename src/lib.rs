@@ -20,7 +20,10 @@
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
-//! interception ([`intercept`]) hooks in.
+//! interception ([`proxy::intercept`]) hooks in. A decided connection
+//! carries its state ([`proxy::conn`]) to its close; explicit mode and
+//! interception serve HTTP through one layer ([`proxy::http`]); whatever
+//! fails is told to the client from one mapping ([`proxy::failure`]).
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per
@@ -43,7 +46,6 @@ pub mod dns;
 pub mod evidence;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod intercept;
 pub mod metrics;
 pub mod policy;
 pub mod probe;
@@ -52,3 +54,7 @@ pub mod proxy;
 pub mod reload;
 pub mod resolve;
 pub mod served;
+
+/// TLS interception is a part of the proxy ([`proxy::intercept`]); this
+/// path stays for callers that name it from the crate root.
+pub use proxy::intercept;

@@ -309,11 +309,16 @@ impl Metrics {
                 }
                 if record.mode == Mode::Dns {
                     self.dns_queries_total
-                        .with_label_values(&[org, record.decision, record.reason.as_str()])
+                        .with_label_values(&[org, record.decision_str(), record.reason.as_str()])
                         .inc();
                 } else {
                     self.connections_total
-                        .with_label_values(&[org, record.decision, record.reason.as_str(), mode])
+                        .with_label_values(&[
+                            org,
+                            record.decision_str(),
+                            record.reason.as_str(),
+                            mode,
+                        ])
                         .inc();
                 }
             }

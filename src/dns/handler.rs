@@ -538,7 +538,6 @@ impl Shim {
             warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
             // Counted as what happened: refused, unrecorded.
             rec.reason = Reason::EvidenceUnavailable;
-            rec.decision = rec.reason.decision();
             rec.would_deny = None;
             self.metrics.count_record(&rec);
             return Reply::empty(ResponseCode::ServFail);

@@ -113,8 +113,11 @@ pub struct Record {
     pub port: Option<u16>,
     pub sni: Option<String>,
     pub ip: Option<IpAddr>,
+    /// `allow` or `deny`: never set by hand but derived from `reason`, at
+    /// construction and again when the record is written, so that the two
+    /// cannot disagree. Read it with [`Record::decision_str`].
     #[serde(deserialize_with = "decision_of")]
-    pub decision: StaticStr,
+    decision: StaticStr,
     pub reason: Reason,
     pub rule: Option<Arc<str>>,
     pub policy: Arc<str>,
@@ -203,6 +206,11 @@ impl Record {
             credential: None,
             tunnel: None,
         }
+    }
+
+    /// `allow` or `deny`, as `reason` says.
+    pub fn decision_str(&self) -> &'static str {
+        self.reason.decision()
     }
 
     /// The close record of the connection this decision record opened.
@@ -377,6 +385,8 @@ impl Evidence {
     ) -> Result<serde_json::Map<String, serde_json::Value>, EvidenceError> {
         record.id = self.shared.ids.next();
         record.ts = writer::now_ts();
+        // Derived, never set: whatever changed `reason`, they agree.
+        record.decision = record.reason.decision();
         match serde_json::to_value(&*record).map_err(io::Error::other)? {
             serde_json::Value::Object(m) => Ok(m),
             _ => Err(EvidenceError::Io(io::Error::other(

@@ -197,7 +197,10 @@ impl Filter {
                 return false;
             }
         }
-        if self.decision.as_deref().is_some_and(|d| r.decision != d)
+        if self
+            .decision
+            .as_deref()
+            .is_some_and(|d| r.decision_str() != d)
             || self
                 .reason
                 .as_deref()
@@ -241,7 +244,7 @@ pub fn table_row(r: &Record) -> String {
         r.client.map(|c| c.to_string()),
         r.host.clone(),
         r.port.map(|p| p.to_string()),
-        Some(r.decision.into()),
+        Some(r.decision_str().into()),
         Some(r.reason.as_str().into()),
         r.rule.as_deref().map(str::to_string),
     ];
@@ -308,7 +311,7 @@ fn http_method_activity(method: Option<&str>) -> u64 {
 /// Map one decision or close record to an OCSF event.
 pub fn to_ocsf(stored: &Stored) -> Value {
     let r = &stored.record;
-    let allowed = r.decision == "allow";
+    let allowed = r.decision_str() == "allow";
     let is_close = r.event == Event::Close;
     let (class_uid, class_name, activity_id, activity_name) = match r.kind {
         Kind::Http => {

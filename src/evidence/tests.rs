@@ -57,7 +57,7 @@ async fn fill(ev: &Evidence, n: u32) {
     for i in 0..n {
         let mut r = record(i, i % 3 != 0);
         ev.write(&mut r).await.unwrap();
-        if r.decision == "allow" {
+        if r.decision_str() == "allow" {
             let mut c = r.close(1, 2, 3);
             ev.submit(&mut c);
         }
@@ -381,4 +381,25 @@ async fn time_checkpoints_bound_unsigned_records() {
     assert!(ev.write(&mut record(1, true)).await.is_err());
     assert!(!ev.is_healthy());
     let _ = fs::remove_dir_all(&root);
+}
+
+/// `decision` follows `reason` whatever happened to the record before it
+/// was written: it is derived, never set.
+#[tokio::test]
+async fn decision_is_derived_from_reason_when_written() {
+    let root = scratch();
+    let ev = Evidence::start(&config(&root)).unwrap();
+    let mut allow_then_denied = record(0, true);
+    allow_then_denied.reason = Reason::SniMismatch;
+    let mut deny_then_reported = record(1, false);
+    deny_then_reported.reason = Reason::ReportOnly;
+    for (r, want) in [
+        (&mut allow_then_denied, "deny"),
+        (&mut deny_then_reported, "allow"),
+    ] {
+        assert_eq!(r.decision_str(), want);
+        let fields = ev.stamp(r).unwrap();
+        assert_eq!(fields["decision"], want, "{fields:?}");
+    }
+    assert!(ev.seal().await);
 }

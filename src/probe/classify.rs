@@ -99,7 +99,7 @@ pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Reco
                     // Local addresses may be bound to 0.0.0.0 (UDP); compare ports then.
                     let same = *local == client
                         || local.ip().is_unspecified() && local.port() == client.port();
-                    same && (*purpose != "resolve" || r.decision == "deny")
+                    same && (*purpose != "resolve" || r.decision_str() == "deny")
                 })
             }) && in_window(r);
             by_id || by_marker || by_socket
@@ -197,15 +197,15 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     let only = |keep: &dyn Fn(&Record) -> bool| -> Vec<&Record> {
         recs.iter().copied().filter(|r| keep(r)).collect()
     };
-    let deny = only(&|r| r.decision == "deny");
-    let allow = only(&|r| r.decision == "allow");
+    let deny = only(&|r| r.decision_str() == "deny");
+    let allow = only(&|r| r.decision_str() == "allow");
     let policy_deny = only(&|r| {
-        r.decision == "deny"
+        r.decision_str() == "deny"
             && r.reason != Reason::ResolutionFailed
             && !INFRA_REASONS.contains(&r.reason)
     });
-    let unresolved = only(&|r| r.decision == "deny" && r.reason == Reason::ResolutionFailed);
-    let infra = only(&|r| r.decision == "deny" && INFRA_REASONS.contains(&r.reason));
+    let unresolved = only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed);
+    let infra = only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason));
     if let Some(q) = &o.palisade_record {
         if !recs.iter().any(|r| r.id == *q) {
             return (

@@ -289,7 +289,7 @@ impl From<&Record> for CitedRecord {
             port: r.port,
             sni: r.sni.clone(),
             ip: r.ip,
-            decision: r.decision,
+            decision: r.decision_str(),
             reason: r.reason,
             rule: r.rule.clone(),
             detail: r.detail.clone(),

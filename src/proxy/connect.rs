@@ -14,6 +14,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tracing::debug;
 
+use super::conn::Conn;
+use super::failure::Failure;
+use super::http::Body;
+use super::intercept::{self, serve::Session, Plan};
 use super::tunnel::{self, Detected};
 use super::{verify, Ctx, DialError, View};
 use crate::config::Carry;
@@ -26,31 +30,27 @@ use crate::proto::target::{normalize_host, parse_authority, Host};
 /// not written yet (that waits for the client's first bytes).
 pub struct Opened {
     pub upstream: TcpStream,
-    pub host: Host,
-    pub record: Record,
-    /// The view the connection was decided under (report mode, and the
-    /// rules an intercepted connection's requests are decided by).
-    pub view: View,
+    /// The address the upstream was reached at.
+    pub addr: SocketAddr,
+    /// The connection as decided: what its records are built from.
+    pub conn: Conn,
 }
 
-/// Why no tunnel was opened; the record is written.
+/// Why nothing was opened: the failure, recorded as `record`.
 #[derive(Debug)]
-pub enum Refused {
-    /// Denied (by policy, or because evidence is unavailable). `reason`
-    /// is what the client is told: `evidence_unavailable` if the record
-    /// itself could not be written.
-    Denied {
-        reason: Reason,
-        record: String,
-        detail: Option<String>,
-    },
-    /// Allowed, but no checked address could be reached.
-    Unreachable {
-        error: DialError,
-        record: String,
-        /// `false`: the record could not be written either.
-        written: bool,
-    },
+pub struct Refused {
+    /// `evidence_unavailable` if the record itself could not be written.
+    pub failure: Failure,
+    pub record: String,
+    /// What the client may be told beyond the reason.
+    pub detail: Option<String>,
+}
+
+impl Refused {
+    /// The HTTP answer.
+    pub fn response(&self) -> http::Response<Body> {
+        self.failure.response(&self.record, self.detail.as_deref())
+    }
 }
 
 /// Decide `host:port` for the view's client, and dial it if allowed.
@@ -66,7 +66,7 @@ pub async fn open(
     let target = (Some(&host), Some(port));
     if !outcome.verdict.is_allow() {
         let detail = outcome.detail.as_deref();
-        let (reason, record) = record_denial(
+        return Err(record_denial(
             ctx,
             view,
             (Kind::Tcp, mode),
@@ -75,58 +75,38 @@ pub async fn open(
             target,
             detail,
         )
-        .await;
-        return Err(Refused::Denied {
-            reason,
-            record,
-            detail: outcome.detail,
-        });
+        .await);
     }
     if !ctx.evidence.is_healthy() {
         let verdict = Verdict {
             reason: Reason::EvidenceUnavailable,
             ..outcome.verdict
         };
-        let (reason, record) =
-            record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, None).await;
-        return Err(Refused::Denied {
-            reason,
-            record,
-            detail: None,
-        });
+        return Err(
+            record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, None).await,
+        );
     }
-    let mut record = view.record(
-        Kind::Tcp,
-        mode,
+    let mut conn = Conn::new(
+        view.clone(),
+        (Kind::Tcp, mode),
         peer,
-        &outcome.verdict,
-        Some(&host),
-        Some(port),
+        (host, port),
+        outcome.verdict,
     );
     match ctx.dial(&outcome.dial, port).await {
         Ok((upstream, addr)) => {
-            record.ip = Some(addr.ip());
+            conn.ip = Some(addr.ip());
             Ok(Opened {
                 upstream,
-                host,
-                record,
-                view: view.clone(),
+                addr,
+                conn,
             })
         }
-        Err(error) => {
-            let written = record_dial_failure(ctx, &mut record, &error).await;
-            Err(Refused::Unreachable {
-                error,
-                record: record.id,
-                written,
-            })
-        }
+        Err(error) => Err(dial_failed(ctx, &mut conn, error).await),
     }
 }
 
-/// Write the record of a denial; returns the reason the client is told
-/// (`evidence_unavailable` if the record could not be written) and the
-/// record id.
+/// Write the record of a denial.
 pub async fn record_denial(
     ctx: &Ctx,
     view: &View,
@@ -135,26 +115,47 @@ pub async fn record_denial(
     verdict: &Verdict,
     (host, port): (Option<&Host>, Option<u16>),
     detail: Option<&str>,
-) -> (Reason, String) {
+) -> Refused {
     let mut record = view.record(kind, mode, peer, verdict, host, port);
     record.detail = detail.map(str::to_string);
-    let reason = if ctx.write(&mut record).await {
-        verdict.reason
-    } else {
-        Reason::EvidenceUnavailable
-    };
-    debug!(reason = %reason, record = %record.id, "denied");
-    (reason, record.id)
+    let written = ctx.write(&mut record).await;
+    let failure = Failure::Denied(verdict.reason).recorded(written);
+    debug!(reason = %failure.reason(), side = ?failure.side(), record = %record.id, "denied");
+    Refused {
+        failure,
+        record: record.id,
+        detail: detail.map(str::to_string),
+    }
 }
 
 /// An allowed decision whose upstream could not be reached: record it
 /// (keeping `decision: allow`) with the error and the last address tried.
-pub async fn record_dial_failure(ctx: &Ctx, record: &mut Record, err: &DialError) -> bool {
-    record.detail = Some(err.to_string());
-    if let DialError::Timeout { addr } | DialError::Io { addr, .. } = err {
-        record.ip = Some(addr.ip());
+pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refused {
+    conn.detail = Some(error.to_string());
+    if let DialError::Timeout { addr } | DialError::Io { addr, .. } = &error {
+        conn.ip = Some(addr.ip());
     }
-    ctx.write(record).await
+    let (written, record) = match write(ctx, conn).await {
+        Ok(id) => (true, id),
+        Err(id) => (false, id),
+    };
+    Refused {
+        failure: Failure::Unreachable(error).recorded(written),
+        record,
+        detail: None,
+    }
+}
+
+/// Write `conn`'s decision record as it stands and wait until it is with
+/// the operating system: `Ok(id)`, or `Err(id)` if it could not be written
+/// (then nothing may flow).
+pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<String, String> {
+    let mut record = conn.record();
+    if ctx.write(&mut record).await {
+        Ok(record.id)
+    } else {
+        Err(record.id)
+    }
 }
 
 /// After the client was told the tunnel is open: check its first bytes
@@ -169,22 +170,12 @@ where
 {
     let Opened {
         upstream,
-        host,
-        mut record,
-        view,
+        addr,
+        mut conn,
     } = opened;
-    let port = record.port.unwrap_or(0);
-    let carry = match &view.org {
-        Some(org) => view.policy.carry(
-            org,
-            record.rule.as_deref(),
-            matches!(host, Host::Name(_)),
-            port,
-        ),
-        None => Carry::Opaque,
-    };
+    let carry = conn.carry();
     if carry == Carry::Opaque {
-        return run_opaque(ctx, client, upstream, host, record, view, first).await;
+        return run_opaque(ctx, client, upstream, conn, first).await;
     }
     // Bytes held to judge the first unit are charged to the detection
     // budget inside `verify::first`, and released once it is judged.
@@ -192,7 +183,7 @@ where
         &mut client,
         &mut first,
         carry,
-        (&host, port),
+        (&conn.host, conn.port),
         guard_limits(&ctx),
         ctx.limits.detect_timeout.get(),
         &ctx.detect_slots,
@@ -202,54 +193,50 @@ where
         verify::First::Passed { guard, forward } => (Some(guard), forward),
         verify::First::Closed => {
             // Nothing was sent, so nothing flowed: the allow stands on record.
-            record.tunnel = Some(carry);
-            ctx.write(&mut record).await;
+            conn.tunnel = Some(carry);
+            let _ = write(&ctx, &conn).await;
             return;
         }
         verify::First::OverBudget => {
-            deny_over_budget(&ctx, &mut record).await;
+            deny_over_budget(&ctx, &mut conn).await;
             return;
         }
         verify::First::Denied(v) => {
             let reason = verify::reason(v.kind);
-            if !(view.is_report() && reason.reportable()) {
-                deny_first(&ctx, &mut record, &v).await;
+            if !(conn.view.is_report() && reason.reportable()) {
+                let mut r = violation_record(&conn, &v, None, false);
+                ctx.write(&mut r).await;
+                debug!(reason = %reason, record = %r.id, "tunnel denied on its first bytes");
                 return; // both sides dropped: nothing reached the upstream
             }
-            record.would_deny.get_or_insert(reason);
-            record.reason = Reason::ReportOnly;
-            record.decision = Reason::ReportOnly.decision();
-            record.detail = Some(v.detail);
+            conn.report(reason, Some(v.detail));
             (None, 0)
         }
     };
     let detected = guard.as_ref().map(verify::Guard::detected);
     if let Some(Detected::Tls(hello)) = &detected {
-        record.sni = hello.sni.clone();
+        conn.sni = hello.sni.clone();
     }
-    record.tunnel = Some(guard.as_ref().map_or(Carry::Opaque, verify::Guard::carry));
-    // Opt-in TLS interception (src/intercept): only for an allow rule with
-    // `intercept = true` (which carries TLS, so the hello was checked).
-    let plan = crate::intercept::plan(
-        view.intercept.as_deref(),
-        &view,
-        &mut record,
+    conn.tunnel = Some(guard.as_ref().map_or(Carry::Opaque, verify::Guard::carry));
+    // Opt-in TLS interception: only for an allow rule with `intercept =
+    // true` (which carries TLS, so the hello was checked).
+    conn.settle(intercept::plan(
+        conn.view.intercept.as_ref(),
+        &conn,
         detected.as_ref().unwrap_or(&Detected::NotTls),
-    );
-    if !ctx.write(&mut record).await || !record.reason.is_allow() {
+    ));
+    let Ok(id) = write(&ctx, &conn).await else {
+        return;
+    };
+    if !conn.is_allow() {
         return;
     }
-    if plan == crate::intercept::Plan::Intercept {
-        let mode = record.mode;
-        if let Some(s) = crate::intercept::serve::Session::new(ctx.clone(), view, mode, record) {
-            crate::intercept::serve::serve(s, client, first, upstream).await;
-        }
+    if let Plan::Intercept(how) = conn.plan.clone() {
+        let session = Session::new(ctx.clone(), conn, id, addr, how);
+        intercept::serve::serve(session, client, first, upstream).await;
         return;
     }
-    relay(
-        &ctx, client, upstream, guard, first, verified, &record, &view,
-    )
-    .await;
+    relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
 }
 
 /// The bounds a tunnel verifier applies: the explicit listener's head limits.
@@ -260,22 +247,19 @@ pub fn guard_limits(ctx: &Ctx) -> guard::Limits {
     }
 }
 
-/// Copy an allowed tunnel until close, then queue its close record. With a
-/// `guard`, every client byte past `held[..verified]` is judged first, and
-/// a violation on the way is recorded as a denial of its own (linked to the
-/// tunnel's allow record by `conn`), or, in report mode, as what
-/// enforcement would have denied. Without one (opaque), `held` is replayed
-/// and the rest copied blind.
-#[allow(clippy::too_many_arguments)]
+/// Copy an allowed tunnel (recorded as `id`) until close, then queue its
+/// close record. With a guard, every client byte past `held[..verified]`
+/// is judged first, and a violation on the way is recorded as a denial of
+/// its own (linked to the tunnel's allow record by `conn`), or, in report
+/// mode, as what enforcement would have denied. Without one (opaque),
+/// `held` is replayed and the rest copied blind.
 pub async fn relay<C>(
     ctx: &Ctx,
     client: C,
     upstream: TcpStream,
-    guard: Option<verify::Guard>,
-    held: Vec<u8>,
-    verified: usize,
-    record: &Record,
-    view: &View,
+    (guard, held, verified): (Option<verify::Guard>, Vec<u8>, usize),
+    conn: &Conn,
+    id: &str,
 ) where
     C: AsyncRead + AsyncWrite + Unpin,
 {
@@ -289,21 +273,13 @@ pub async fn relay<C>(
             &ctx.hard_stop,
         )
         .await;
-        close(ctx, record, totals, started);
+        close(ctx, conn, id, totals, started);
         return;
     };
     let report_violation = |v: &guard::Violation| {
-        let reason = verify::reason(v.kind);
-        let mut r = violation_record(record, v);
-        if reason.reportable() {
-            r.would_deny = Some(reason);
-            r.reason = Reason::ReportOnly;
-            r.decision = Reason::ReportOnly.decision();
-            r.rule = record.rule.clone();
-        }
-        ctx.submit(&mut r);
+        ctx.submit(&mut violation_record(conn, v, Some(id), true));
     };
-    let report: Option<&(dyn Fn(&guard::Violation) + Sync)> = if view.is_report() {
+    let report: Option<&(dyn Fn(&guard::Violation) + Sync)> = if conn.view.is_report() {
         Some(&report_violation)
     } else {
         None
@@ -323,92 +299,75 @@ pub async fn relay<C>(
     match end {
         verify::End::Closed => {}
         verify::End::Violation(v) => {
-            let mut r = violation_record(record, &v);
+            let mut r = violation_record(conn, &v, Some(id), false);
             ctx.write(&mut r).await;
             debug!(reason = %r.reason, record = %r.id, "tunnel cut by verification");
         }
         verify::End::OverBudget => {
-            let mut r = violation_record(
-                record,
-                &guard::Violation::new(
-                    guard::ViolationKind::Malformed,
-                    None,
-                    super::DETECT_BUDGET_EXHAUSTED,
-                ),
+            let mut over = conn.clone();
+            over.deny(
+                Reason::LimitExceeded,
+                Some(super::DETECT_BUDGET_EXHAUSTED.into()),
             );
-            r.reason = Reason::LimitExceeded;
-            r.decision = Reason::LimitExceeded.decision();
-            ctx.write(&mut r).await;
+            over.within = Some(id.to_string());
+            ctx.write(&mut over.record()).await;
         }
     }
-    close(ctx, record, totals, started);
+    close(ctx, conn, id, totals, started);
 }
 
-/// The denial of a unit inside an allowed tunnel: the name actually
-/// presented (when there was one) as `host`, linked to the tunnel's allow
-/// record by `conn`.
-fn violation_record(allow: &Record, v: &guard::Violation) -> Record {
+/// The record of a unit that failed verification in `conn`: the tunnel's
+/// own decision record turned into the denial (the first unit: `linked`
+/// is `None`), or a decision of its own linked to the allow record
+/// `linked`. It names what the client actually presented: the SNI of a
+/// hello (`sni`), the Host of a request (`host`, normalised where it can
+/// be); the tunnel's own target stays in the allow record. In report mode
+/// (`report`) a reportable violation is recorded as what enforcement would
+/// have denied.
+fn violation_record(
+    conn: &Conn,
+    v: &guard::Violation,
+    linked: Option<&str>,
+    report: bool,
+) -> Record {
     let reason = verify::reason(v.kind);
-    let mut r = allow.clone();
-    r.id = String::new();
-    r.ts = String::new();
-    r.reason = reason;
-    r.decision = reason.decision();
-    r.rule = None;
-    r.would_deny = None;
-    r.conn = Some(allow.id.clone());
-    r.detail = Some(v.detail.clone());
-    r.intercepted = None;
-    name_seen(&mut r, v);
+    let mut c = conn.clone();
+    if report && reason.reportable() {
+        c.verdict.would_deny = None;
+        c.report(reason, Some(v.detail.clone()));
+    } else {
+        c.deny(reason, Some(v.detail.clone()));
+    }
+    c.within = linked.map(str::to_string);
+    let mut r = c.record();
+    if let Some(seen) = &v.seen {
+        match v.kind {
+            guard::ViolationKind::SniMismatch | guard::ViolationKind::EchNotAllowed => {
+                r.sni = Some(seen.clone())
+            }
+            _ => {
+                r.host = Some(match normalize_host(seen) {
+                    Ok(h) => h.to_string(),
+                    Err(_) => seen.clone(),
+                })
+            }
+        }
+    }
     r
 }
 
-/// A verification denial names what the client actually presented: the
-/// SNI of a hello (`sni`), the Host of a request (`host`, normalised where
-/// it can be). The tunnel's own target stays in the allow record.
-fn name_seen(r: &mut Record, v: &guard::Violation) {
-    let Some(seen) = &v.seen else {
-        return;
-    };
-    match v.kind {
-        guard::ViolationKind::SniMismatch | guard::ViolationKind::EchNotAllowed => {
-            r.sni = Some(seen.clone())
-        }
-        _ => {
-            r.host = Some(match normalize_host(seen) {
-                Ok(h) => h.to_string(),
-                Err(_) => seen.clone(),
-            })
-        }
-    }
-}
-
-/// The first unit failed: the tunnel's decision record becomes the denial,
-/// naming what the client presented (the target stays in `detail`).
-async fn deny_first(ctx: &Ctx, record: &mut Record, v: &guard::Violation) {
-    let reason = verify::reason(v.kind);
-    record.reason = reason;
-    record.decision = reason.decision();
-    record.rule = None;
-    record.would_deny = None;
-    record.detail = Some(v.detail.clone());
-    name_seen(record, v);
-    ctx.write(record).await;
-    debug!(reason = %reason, record = %record.id, "tunnel denied on its first bytes");
-}
-
-async fn deny_over_budget(ctx: &Ctx, record: &mut Record) {
-    record.reason = Reason::LimitExceeded;
-    record.decision = Reason::LimitExceeded.decision();
-    record.rule = None;
-    record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-    ctx.write(record).await;
+/// No room in the detection budget: refused `limit_exceeded`.
+async fn deny_over_budget(ctx: &Ctx, conn: &mut Conn) {
+    conn.refuse(
+        Reason::LimitExceeded,
+        Some(super::DETECT_BUDGET_EXHAUSTED.into()),
+    );
+    let _ = write(ctx, conn).await;
 }
 
 /// Queue the close record (nothing waits on it; it is never dropped).
-fn close(ctx: &Ctx, record: &Record, totals: tunnel::Totals, started: Instant) {
-    let mut close = record.close(totals.up, totals.down, started.elapsed().as_millis() as u64);
-    ctx.submit(&mut close);
+fn close(ctx: &Ctx, conn: &Conn, id: &str, totals: tunnel::Totals, started: Instant) {
+    ctx.submit(&mut conn.close(id, (totals.up, totals.down), started));
 }
 
 /// A tunnel whose rule lets it carry anything (`tunnel = "opaque"`, cidr
@@ -418,66 +377,61 @@ async fn run_opaque<C>(
     ctx: Arc<Ctx>,
     mut client: C,
     upstream: TcpStream,
-    host: Host,
-    mut record: Record,
-    view: View,
+    mut conn: Conn,
     mut first: Vec<u8>,
 ) where
     C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let report = view.is_report();
-    record.tunnel = Some(Carry::Opaque);
+    let report = conn.view.is_report();
+    conn.tunnel = Some(Carry::Opaque);
     let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
-        deny_over_budget(&ctx, &mut record).await;
+        deny_over_budget(&ctx, &mut conn).await;
         return;
     };
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
+    let host = &conn.host;
     let mismatch = match &detected {
-        Detected::Tls(hello) => {
-            record.sni = hello.sni.clone();
-            match (&host, &hello.sni) {
-                (Host::Name(_), Some(sni)) => match normalize_host(sni) {
-                    Ok(sni_host) if sni_host == host => None,
-                    _ => Some(Reason::SniMismatch),
-                },
-                _ => None,
-            }
-        }
+        Detected::Tls(hello) => match (host, &hello.sni) {
+            (Host::Name(_), Some(sni)) => match normalize_host(sni) {
+                Ok(sni_host) if &sni_host == host => None,
+                _ => Some(Reason::SniMismatch),
+            },
+            _ => None,
+        },
         Detected::Malformed(why) => {
-            record.detail = Some((*why).to_string());
+            conn.detail = Some((*why).to_string());
             Some(Reason::BadRequest)
         }
         // Plain HTTP in a tunnel: its Host picks the virtual host at the
         // upstream, so it must name the tunnel's host too.
-        Detected::Http(Some(h)) => match (&host, parse_authority(h, Some(80))) {
-            (Host::Name(_), Ok((req_host, _))) if req_host != host => Some(Reason::HostMismatch),
+        Detected::Http(Some(h)) => match (host, parse_authority(h, Some(80))) {
+            (Host::Name(_), Ok((req_host, _))) if &req_host != host => Some(Reason::HostMismatch),
             (Host::Name(_), Err(_)) => Some(Reason::HostMismatch),
             _ => None,
         },
         Detected::Http(None) | Detected::NotTls | Detected::Silent | Detected::Closed => None,
     };
+    if let Detected::Tls(hello) = &detected {
+        conn.sni = hello.sni.clone();
+    }
     match mismatch {
-        Some(reason) if report && reason.reportable() => {
-            record.would_deny.get_or_insert(reason);
-            record.reason = Reason::ReportOnly;
-            record.decision = Reason::ReportOnly.decision();
-        }
+        Some(reason) if report && reason.reportable() => conn.report(reason, None),
         Some(reason) => {
-            record.reason = reason;
-            record.decision = reason.decision();
-            record.rule = None;
-            record.would_deny = None;
-            ctx.write(&mut record).await;
-            debug!(reason = %reason, record = %record.id, "tunnel denied after detection");
+            conn.deny(reason, None);
+            let id = write(&ctx, &conn).await.unwrap_or_else(|id| id);
+            debug!(reason = %reason, record = %id, "tunnel denied after detection");
             return; // both sides dropped: nothing reached the upstream
         }
         None => {}
     }
     // (Interception needs a TLS rule: an opaque tunnel is never intercepted.)
-    if !ctx.write(&mut record).await || detected == Detected::Closed || !record.reason.is_allow() {
+    let Ok(id) = write(&ctx, &conn).await else {
+        return;
+    };
+    if detected == Detected::Closed || !conn.is_allow() {
         return;
     }
-    relay(&ctx, client, upstream, None, first, 0, &record, &view).await;
+    relay(&ctx, client, upstream, (None, first, 0), &conn, &id).await;
 }

@@ -1,36 +1,37 @@
 //! Explicit proxy mode: HTTP/1.1 CONNECT tunnels and absolute-form request
-//! forwarding. Each request on a kept-alive connection is decided on its own.
+//! forwarding, served through the proxy's HTTP layer ([`super::http`]).
+//! Each request on a kept-alive connection is decided on its own.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri};
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
-use hyper::body::{Body, Frame, Incoming, SizeHint};
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, Uri};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{debug, info_span, Instrument};
 
-use super::connect::{self, Refused};
+use super::conn::Conn;
+use super::connect;
+use super::failure::Failure;
+use super::forward::Exchange;
+use super::http::body::Metered;
+use super::http::client::{self, NoResponse, Sender};
+use super::http::wire::{Meter, MeteredIo, RequestBytes, UpCount};
+use super::http::{self as layer, full, strip_hop_by_hop, Body, Drain, Protocol};
+use super::intercept;
 use super::limits::Permit;
-use super::{deny, Ctx, DialError, Outcome, View};
-use crate::evidence::{Kind, Mode, Record};
-use crate::intercept;
+use super::{Ctx, Outcome, View};
+use crate::evidence::{Kind, Mode};
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
-use crate::proto::http_meter::{Event, Framer};
 use crate::proto::target::{normalize_host, parse_authority, Host};
-
-type ProxyBody = BoxBody<Bytes, hyper::Error>;
 
 /// Serve one client connection until it closes or shutdown drains it.
 pub async fn serve_connection(
@@ -47,10 +48,7 @@ pub async fn serve_connection(
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
         let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
-        let stream = Metered {
-            inner: stream,
-            meter: meter.clone(),
-        };
+        let stream = MeteredIo::new(stream, meter.clone());
         let svc_ctx = ctx.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
@@ -58,31 +56,19 @@ pub async fn serve_connection(
             let meter = meter.clone();
             async move { Ok::<_, Infallible>(metered(ctx, peer, permit, meter, req).await) }
         });
-        let mut builder = hyper::server::conn::http1::Builder::new();
-        builder
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout.get())
+        let protocol = Protocol::Http1 {
+            header_read_timeout: limits.header_read_timeout.get(),
             // hyper's own bounds sit above ours, so that heads over our limits
             // reach `handle` and get a recorded 431; beyond hyper's bounds it
             // answers by itself and `record_parse_error` records it.
-            .max_buf_size(limits.max_request_head_bytes + HYPER_HEAD_SLACK)
-            .max_headers(limits.max_headers + HYPER_HEADERS_SLACK)
-            .keep_alive(true);
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .with_upgrades();
-        tokio::pin!(conn);
-        let result = tokio::select! {
-            r = conn.as_mut() => r,
-            _ = ctx.shutdown.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                tokio::select! {
-                    r = conn.as_mut() => r,
-                    _ = ctx.hard_stop.cancelled() => Ok(()),
-                }
-            }
+            max_buf_size: limits.max_request_head_bytes + HYPER_HEAD_SLACK,
+            max_headers: limits.max_headers + HYPER_HEADERS_SLACK,
         };
-        if let Err(e) = result {
+        let drain = Drain {
+            shutdown: &ctx.shutdown,
+            hard_stop: &ctx.hard_stop,
+        };
+        if let Err(e) = layer::serve(stream, service, protocol, drain).await {
             debug!(error = %e, "connection ended with error");
             record_parse_error(&ctx, peer, &e).await;
         }
@@ -103,16 +89,12 @@ async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
         return;
     }
     let view = &ctx.view(peer.ip());
-    let detail = format!("request not parsed: {e}");
-    let mut record = view.record(
-        Kind::Http,
-        Mode::Explicit,
+    let mut record = view.refusal(
+        (Kind::Http, Mode::Explicit),
         peer,
-        &bad_request_verdict(view),
-        None,
-        None,
+        Reason::BadRequest,
+        format!("request not parsed: {e}"),
     );
-    record.detail = Some(detail);
     ctx.write(&mut record).await;
 }
 
@@ -125,7 +107,7 @@ async fn metered(
     permit: Arc<Permit>,
     meter: Arc<Meter>,
     req: Request<Incoming>,
-) -> Response<ProxyBody> {
+) -> Response<Body> {
     let bytes = meter.next_request();
     let connect = req.method() == Method::CONNECT;
     let resp = handle(ctx, peer, permit, req, bytes).await;
@@ -142,7 +124,7 @@ async fn handle(
     permit: Arc<Permit>,
     req: Request<Incoming>,
     bytes: Option<Arc<RequestBytes>>,
-) -> Response<ProxyBody> {
+) -> Response<Body> {
     // Each request is decided under the policy served when it arrives, for
     // the org its address and credentials (checked on every request) name.
     let view = match identify(&ctx, peer, &req) {
@@ -164,18 +146,20 @@ async fn handle(
         } else {
             Kind::Http
         };
-        let mut resp = reject(
+        let mut refused = connect::record_denial(
             &ctx,
             view,
-            kind,
+            (kind, Mode::Explicit),
             peer,
             &bad_request_verdict(view),
             (None, None),
             Some(why),
         )
         .await;
-        *resp.status_mut() = StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
-        return resp;
+        if refused.failure.reason() == Reason::BadRequest {
+            refused.failure = Failure::HeadTooLarge;
+        }
+        return refused.response();
     }
     if req.method() == Method::CONNECT {
         connect(ctx, peer, view, permit, req).await
@@ -252,7 +236,7 @@ async fn auth_refused(
     peer: SocketAddr,
     req: &Request<Incoming>,
     e: IdentityError,
-) -> Response<ProxyBody> {
+) -> Response<Body> {
     let kind = if req.method() == Method::CONNECT {
         Kind::Tcp
     } else {
@@ -260,7 +244,7 @@ async fn auth_refused(
     };
     let detail = e.to_string();
     let verdict = view.verdict(e.reason());
-    let (reason, id) = connect::record_denial(
+    let mut refused = connect::record_denial(
         ctx,
         view,
         (kind, Mode::Explicit),
@@ -270,14 +254,9 @@ async fn auth_refused(
         Some(&detail),
     )
     .await;
-    let mut resp = denial(reason, Some(&id), None);
-    if resp.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
-        resp.headers_mut().insert(
-            header::PROXY_AUTHENTICATE,
-            HeaderValue::from_static("Basic realm=\"palisade\""),
-        );
-    }
-    resp
+    // The client learns the reason code (and a challenge), not the cause.
+    refused.detail = None;
+    refused.response()
 }
 
 /// Bytes of the request line and headers as sent (give or take whitespace):
@@ -306,8 +285,8 @@ async fn reject(
     verdict: &Verdict,
     target: (Option<&Host>, Option<u16>),
     detail: Option<&str>,
-) -> Response<ProxyBody> {
-    let (reason, id) = connect::record_denial(
+) -> Response<Body> {
+    connect::record_denial(
         ctx,
         view,
         (kind, Mode::Explicit),
@@ -316,62 +295,8 @@ async fn reject(
         target,
         detail,
     )
-    .await;
-    denial(reason, Some(&id), detail)
-}
-
-fn denial(reason: Reason, record: Option<&str>, detail: Option<&str>) -> Response<ProxyBody> {
-    text_response(
-        deny::status(reason),
-        &deny::proxy_status(deny::proxy_error(reason), reason.as_str(), record),
-        deny::body(reason.as_str(), record, detail),
-    )
-}
-
-fn text_response(status: StatusCode, proxy_status: &str, body: String) -> Response<ProxyBody> {
-    let mut resp = Response::new(full(body));
-    *resp.status_mut() = status;
-    let h = resp.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; charset=utf-8"),
-    );
-    if let Ok(v) = HeaderValue::from_str(proxy_status) {
-        h.insert(HeaderName::from_static("proxy-status"), v);
-    }
-    resp
-}
-
-fn full(body: impl Into<Bytes>) -> ProxyBody {
-    Full::new(body.into())
-        .map_err(|never| match never {})
-        .boxed()
-}
-
-/// Failure after an allow: the upstream could not be reached.
-async fn dial_failed(ctx: &Ctx, record: &mut Record, err: &DialError) -> Response<ProxyBody> {
-    let written = connect::record_dial_failure(ctx, record, err).await;
-    unreachable_response(err, &record.id, written)
-}
-
-/// The response to an allowed target that could not be reached.
-fn unreachable_response(err: &DialError, record: &str, written: bool) -> Response<ProxyBody> {
-    let (status, error) = match err {
-        DialError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "connection_timeout"),
-        DialError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
-            (StatusCode::BAD_GATEWAY, "connection_refused")
-        }
-        _ => (StatusCode::BAD_GATEWAY, "destination_unavailable"),
-    };
-    if !written {
-        return denial(Reason::EvidenceUnavailable, Some(record), None);
-    }
-    let body = format!("palisade: upstream unreachable (evidence record {record}): {err}\n");
-    text_response(
-        status,
-        &deny::proxy_status(error, "rule_match", Some(record)),
-        body,
-    )
+    .await
+    .response()
 }
 
 // ---------------------------------------------------------------------------
@@ -383,7 +308,7 @@ async fn connect(
     view: &View,
     permit: Arc<Permit>,
     req: Request<Incoming>,
-) -> Response<ProxyBody> {
+) -> Response<Body> {
     let target = req
         .uri()
         .authority()
@@ -419,16 +344,7 @@ async fn connect(
     };
     let opened = match connect::open(&ctx, view, Mode::Explicit, peer, host, port).await {
         Ok(opened) => opened,
-        Err(Refused::Denied {
-            reason,
-            record,
-            detail,
-        }) => return denial(reason, Some(&record), detail.as_deref()),
-        Err(Refused::Unreachable {
-            error,
-            record,
-            written,
-        }) => return unreachable_response(&error, &record, written),
+        Err(refused) => return refused.response(),
     };
 
     let tunnel_ctx = ctx.clone();
@@ -450,35 +366,6 @@ async fn connect(
 
 // ---------------------------------------------------------------------------
 // Absolute-form forwarding
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-only ones.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
-
-pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for name in HOP_BY_HOP {
-        headers.remove(name);
-    }
-}
 
 /// Check an absolute-form request before any decision: scheme, framing,
 /// upgrades, Host consistency. Returns the target or the reason to refuse.
@@ -536,7 +423,8 @@ async fn forward(
     view: &View,
     req: Request<Incoming>,
     bytes: Option<Arc<RequestBytes>>,
-) -> Response<ProxyBody> {
+) -> Response<Body> {
+    let started = Instant::now();
     let (host, port, host_mismatch) = match check_request(&req) {
         Ok((host, port, Some(why))) if !view.is_report() => {
             let verdict = view.verdict(Reason::HostMismatch);
@@ -572,7 +460,7 @@ async fn forward(
         mut verdict,
         dial: addrs,
         detail,
-    } = ctx.decide_in(Mode::Explicit, view, &host, port).await;
+    } = ctx.decide(view, &host, port).await;
     if host_mismatch.is_some() && verdict.is_allow() {
         // Report mode: what enforcement would have said first.
         verdict.would_deny = Some(Reason::HostMismatch);
@@ -622,37 +510,49 @@ async fn forward(
         )
         .await;
     }
-    let mut record = view.record(
-        Kind::Http,
-        Mode::Explicit,
+    let mut conn = Conn::new(
+        view.clone(),
+        (Kind::Http, Mode::Explicit),
         peer,
-        &verdict,
-        Some(&host),
-        Some(port),
+        (host.clone(), port),
+        verdict,
     );
-    record.method = Some(req.method().to_string());
-    record.path = Some(req.uri().path().chars().take(256).collect());
+    conn.method = Some(req.method().to_string());
+    conn.path = Some(req.uri().path().chars().take(256).collect());
     let (upstream, addr) = match ctx.dial(&addrs, port).await {
         Ok(ok) => ok,
-        Err(e) => return dial_failed(&ctx, &mut record, &e).await,
+        Err(e) => return connect::dial_failed(&ctx, &mut conn, e).await.response(),
     };
-    record.ip = Some(addr.ip());
-    if !ctx.write(&mut record).await {
-        return denial(Reason::EvidenceUnavailable, Some(&record.id), None);
-    }
-
-    let (mut sender, conn) =
-        match hyper::client::conn::http1::handshake(TokioIo::new(upstream)).await {
-            Ok(pair) => pair,
-            Err(e) => return upstream_failed(&ctx, &record, &e.to_string()),
-        };
-    let conn_task = ctx.tasks.spawn(async move {
-        if let Err(e) = conn.await {
-            debug!(error = %e, "upstream connection error");
-        }
-    });
+    conn.ip = Some(addr.ip());
+    let id = match connect::write(&ctx, &conn).await {
+        Ok(id) => id,
+        Err(id) => return Failure::Denied(Reason::EvidenceUnavailable).response(&id, None),
+    };
 
     let head_estimate = head_size(&req) as u64;
+    let up_count = Arc::new(AtomicU64::new(0));
+    let up = match bytes {
+        Some(bytes) => UpCount::Wire(bytes),
+        // Only if the meter lost track (it stops where hyper refuses).
+        None => UpCount::Estimate {
+            head: head_estimate,
+            body: up_count.clone(),
+        },
+    };
+    let exchange = Exchange {
+        ctx: ctx.clone(),
+        req: conn,
+        id,
+        started,
+        up: Box::new(move || up.get()),
+        with_status: false,
+        on_close: None,
+    };
+    let mut sender = match Sender::handshake(upstream, false, &ctx.tasks).await {
+        Ok(s) => s,
+        Err(e) => return exchange.failed(NoResponse::Failed(e)),
+    };
+
     // Rebuild the request in origin form, without hop-by-hop headers.
     let (mut parts, body) = req.into_parts();
     let path = parts
@@ -662,7 +562,7 @@ async fn forward(
         .to_string();
     parts.uri = match Uri::builder().path_and_query(path).build() {
         Ok(uri) => uri,
-        Err(e) => return upstream_failed(&ctx, &record, &e.to_string()),
+        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
     };
     strip_hop_by_hop(&mut parts.headers);
     if !parts.headers.contains_key(header::HOST) {
@@ -676,404 +576,23 @@ async fn forward(
             parts.headers.insert(header::HOST, v);
         }
     }
-    let up_count = Arc::new(AtomicU64::new(0));
-    let up = match bytes {
-        Some(bytes) => UpCount::Wire(bytes),
-        // Only if the meter lost track (it stops where hyper refuses).
-        None => UpCount::Estimate {
-            head: head_estimate,
-            body: up_count.clone(),
-        },
+    let body = Metered::new(body, up_count).boxed();
+    let fut = match sender.send(Request::from_parts(parts, body)).await {
+        Ok(fut) => fut,
+        Err(_) => {
+            let e = NoResponse::NotSent("upstream connection closed".into());
+            return exchange.failed(e);
+        }
     };
-    let body = Counted::new(body, up_count, None);
-    let upstream_req = Request::from_parts(parts, body);
-
-    let response = tokio::time::timeout(
-        ctx.limits.response_timeout.get(),
-        sender.send_request(upstream_req),
-    )
-    .await;
-    let response = match response {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return upstream_failed(&ctx, &record, &e.to_string()),
-        Err(_) => return upstream_failed(&ctx, &record, "upstream response timed out"),
-    };
-    let (mut parts, body) = response.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    let closer = CloseRecord {
-        ctx: ctx.clone(),
-        record,
-        up,
-        started: Instant::now(),
-        _conn: conn_task,
-    };
-    let body = Counted::new(body, Arc::new(AtomicU64::new(0)), Some(closer));
-    Response::from_parts(parts, body.boxed())
-}
-
-fn upstream_failed(ctx: &Ctx, record: &Record, why: &str) -> Response<ProxyBody> {
-    let mut close = record.close(0, 0, 0);
-    close.detail = Some(why.to_string());
-    ctx.submit(&mut close);
-    let body = format!(
-        "palisade: upstream failed (evidence record {}): {why}\n",
-        record.id
-    );
-    text_response(
-        StatusCode::BAD_GATEWAY,
-        &deny::proxy_status("http_response_incomplete", "rule_match", Some(&record.id)),
-        body,
-    )
-}
-
-/// Writes the close record of a forwarded request when its response body is
-/// done (or dropped).
-struct CloseRecord {
-    ctx: Arc<Ctx>,
-    record: Record,
-    up: UpCount,
-    started: Instant,
-    _conn: tokio::task::JoinHandle<()>,
-}
-
-impl CloseRecord {
-    fn finish(&mut self, down: u64) {
-        let elapsed = self.started.elapsed().as_millis() as u64;
-        let mut close = self.record.close(self.up.get(), down, elapsed);
-        self.ctx.submit(&mut close);
-    }
-}
-
-/// `bytes_up` of a forwarded request: every byte the client sent for it.
-enum UpCount {
-    /// As counted on the wire by the connection's [`Meter`].
-    Wire(Arc<RequestBytes>),
-    /// Should the meter have lost track: the head as hyper parsed it, and
-    /// the body as forwarded.
-    Estimate { head: u64, body: Arc<AtomicU64> },
-}
-
-impl UpCount {
-    fn get(&self) -> u64 {
-        match self {
-            UpCount::Wire(bytes) => bytes.total(),
-            UpCount::Estimate { head, body } => head + body.load(Ordering::Relaxed),
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------
-// Counting each request's bytes as received
-
-/// The bytes one request took on the wire: its head (request line, headers,
-/// any empty lines before it) and its body with any chunk framing.
-#[derive(Debug)]
-struct RequestBytes {
-    head: u64,
-    body: AtomicU64,
-}
-
-impl RequestBytes {
-    fn total(&self) -> u64 {
-        self.head + self.body.load(Ordering::Relaxed)
-    }
-}
-
-/// Splits what one client connection sends into requests as hyper reads it
-/// (see [`Framer`]); the service takes each request's count in turn.
-#[derive(Debug)]
-struct Meter {
-    state: Mutex<MeterState>,
-}
-
-#[derive(Debug)]
-struct MeterState {
-    framer: Framer,
-    /// Requests whose heads were read and that the service has not taken yet.
-    pending: VecDeque<Arc<RequestBytes>>,
-    /// The request whose body the bytes now belong to.
-    current: Option<Arc<RequestBytes>>,
-    events: Vec<Event>,
-}
-
-impl Meter {
-    fn new(max_head: usize) -> Meter {
-        Meter {
-            state: Mutex::new(MeterState {
-                framer: Framer::new(max_head),
-                pending: VecDeque::new(),
-                current: None,
-                events: Vec::new(),
-            }),
-        }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, MeterState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Bytes just read from the client.
-    fn read(&self, data: &[u8]) {
-        let mut st = self.lock();
-        if st.framer.is_stopped() {
-            return;
-        }
-        let mut events = std::mem::take(&mut st.events);
-        st.framer.feed(data, &mut events);
-        st.apply(&mut events);
-        st.events = events;
-    }
-
-    /// The count of the next request hyper hands the service; `None` if
-    /// the meter lost track.
-    fn next_request(&self) -> Option<Arc<RequestBytes>> {
-        self.lock().pending.pop_front()
-    }
-
-    /// The CONNECT just handled was answered: a tunnel (`accepted`) takes the
-    /// rest of the connection; otherwise the next request follows.
-    fn connect_answered(&self, accepted: bool) {
-        let mut st = self.lock();
-        if accepted {
-            st.framer.stop();
-            st.pending.clear();
-            st.current = None;
-        } else {
-            let mut events = std::mem::take(&mut st.events);
-            st.framer.resume(&mut events);
-            st.apply(&mut events);
-            st.events = events;
-        }
-    }
-}
-
-impl MeterState {
-    fn apply(&mut self, events: &mut Vec<Event>) {
-        for event in events.drain(..) {
-            match event {
-                Event::Head { len } => {
-                    let bytes = Arc::new(RequestBytes {
-                        head: len,
-                        body: AtomicU64::new(0),
-                    });
-                    self.pending.push_back(bytes.clone());
-                    self.current = Some(bytes);
-                }
-                Event::Body(n) => {
-                    if let Some(current) = &self.current {
-                        current.body.fetch_add(n, Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// The client connection, with every byte read shown to the [`Meter`].
-struct Metered<T> {
-    inner: T,
-    meter: Arc<Meter>,
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Metered<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = polled {
-            if let Some(new) = buf.filled().get(before..) {
-                if !new.is_empty() {
-                    self.meter.read(new);
-                }
-            }
-        }
-        polled
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Metered<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
-/// A body that counts the bytes passing through and, for responses, writes
-/// the close record once.
-struct Counted<B> {
-    inner: B,
-    count: Arc<AtomicU64>,
-    closer: Option<CloseRecord>,
-}
-
-impl<B> Counted<B> {
-    fn new(inner: B, count: Arc<AtomicU64>, closer: Option<CloseRecord>) -> Self {
-        Counted {
-            inner,
-            count,
-            closer,
-        }
-    }
-}
-
-impl<B> Drop for Counted<B> {
-    fn drop(&mut self) {
-        if let Some(mut closer) = self.closer.take() {
-            closer.finish(self.count.load(Ordering::Relaxed));
-        }
-    }
-}
-
-impl<B> Body for Counted<B>
-where
-    B: Body<Data = Bytes> + Unpin,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = &mut *self;
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    this.count.fetch_add(data.len() as u64, Ordering::Relaxed);
-                }
-            }
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => {
-                if let Some(mut closer) = this.closer.take() {
-                    closer.finish(this.count.load(Ordering::Relaxed));
-                }
-            }
-            Poll::Pending => {}
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+    match client::response(fut, ctx.limits.idle_timeout.get()).await {
+        Ok(resp) => exchange.relay(resp),
+        Err(e) => exchange.failed(e),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_go_including_connection_named_ones() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("close, x-secret"),
-        );
-        h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert("proxy-authorization", HeaderValue::from_static("Basic x"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert("accept", HeaderValue::from_static("*/*"));
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key("accept"));
-    }
-
-    /// The meter against hyper itself: pipelined requests of every framing
-    /// on one connection, each counted exactly as sent.
-    #[tokio::test]
-    async fn each_request_counts_the_bytes_it_took_on_the_wire() {
-        let long = format!("http://a.test/{}", "x".repeat(3000));
-        let requests: Vec<Vec<u8>> = vec![
-            format!(
-                "GET {long} HTTP/1.1\r\nHost: a.test\r\nX-Pad:   {}  \r\n\r\n",
-                "p".repeat(500)
-            )
-            .into_bytes(),
-            b"\r\nPOST http://a.test/ HTTP/1.1\nHost: a.test\ncontent-length: 11\n\nhello world"
-                .to_vec(),
-            b"PUT http://a.test/ HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n\
-              5;x=y\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n"
-                .to_vec(),
-            b"CONNECT b.test:443 HTTP/1.1\r\nHost: b.test:443\r\n\r\n".to_vec(),
-            b"GET http://a.test/last HTTP/1.1\r\nHost: a.test\r\nConnection: close\r\n\r\n"
-                .to_vec(),
-        ];
-        let (client, server) = tokio::io::duplex(1 << 20);
-        let meter = Arc::new(Meter::new(64 * 1024));
-        let io = Metered {
-            inner: server,
-            meter: meter.clone(),
-        };
-        let svc_meter = meter.clone();
-        let service = service_fn(move |req: Request<Incoming>| {
-            let meter = svc_meter.clone();
-            async move {
-                let bytes = meter.next_request();
-                let connect = req.method() == Method::CONNECT;
-                let _ = req.into_body().collect().await;
-                let counted = bytes.map_or(0, |b| b.total());
-                let mut resp = Response::new(full(counted.to_string()));
-                if connect {
-                    *resp.status_mut() = StatusCode::FORBIDDEN;
-                    meter.connect_answered(false);
-                }
-                Ok::<_, Infallible>(resp)
-            }
-        });
-        let server = tokio::spawn(async move {
-            hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(io), service)
-                .with_upgrades()
-                .await
-        });
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let (mut rd, mut wr) = tokio::io::split(client);
-        wr.write_all(&requests.concat()).await.unwrap();
-        let mut out = Vec::new();
-        rd.read_to_end(&mut out).await.unwrap();
-        let _ = server.await;
-        let text = String::from_utf8_lossy(&out);
-        let counts: Vec<u64> = text
-            .split("HTTP/1.1 ")
-            .skip(1)
-            .map(|resp| {
-                let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default();
-                body.parse().unwrap_or_else(|_| panic!("{resp}"))
-            })
-            .collect();
-        let want: Vec<u64> = requests.iter().map(|r| r.len() as u64).collect();
-        assert_eq!(counts, want, "{text}");
-    }
 
     #[test]
     fn basic_credentials_split_at_the_first_colon() {

@@ -1,10 +1,26 @@
 //! The proxy: shared state, the decide-then-record step every mode uses, and
-//! the accept loop. Explicit mode (CONNECT and absolute-form HTTP/1.1) lives
-//! in [`explicit`]; byte copying and ClientHello detection in [`tunnel`].
+//! the accept loop.
+//!
+//! - The modes: [`explicit`] (CONNECT and absolute-form HTTP/1.1),
+//!   [`socks5`], [`transparent`]. Tunnels of every mode go through
+//!   [`connect`]: detection and copying in [`tunnel`], verification of what
+//!   a tunnel carries in [`verify`], opt-in TLS interception in
+//!   [`intercept`].
+//! - A decided connection carries its own state ([`conn::Conn`]) from the
+//!   decision to the close; evidence records are built from it when written.
+//! - HTTP (explicit mode, intercepted connections) is served and forwarded
+//!   through one layer, [`http`], and a forwarded request ends in
+//!   [`forward`].
+//! - Whatever fails is told to the client from one mapping, [`failure`].
+//! - Connection caps and rate limits: [`limits`].
 
+pub mod conn;
 pub mod connect;
-pub mod deny;
 pub mod explicit;
+pub mod failure;
+pub mod forward;
+pub mod http;
+pub mod intercept;
 pub mod limits;
 pub mod socks5;
 pub mod transparent;
@@ -99,6 +115,20 @@ impl View {
         let mut r = Record::decision(kind, mode, client, verdict, self.policy.hash_arc());
         r.host = host.map(|h| h.to_string());
         r.port = port;
+        r
+    }
+
+    /// The record of a refusal decided before any target: `reason`, for
+    /// this view's client, with `detail`.
+    pub fn refusal(
+        &self,
+        (kind, mode): (Kind, Mode),
+        client: SocketAddr,
+        reason: Reason,
+        detail: String,
+    ) -> Record {
+        let mut r = self.record(kind, mode, client, &self.verdict(reason), None, None);
+        r.detail = Some(detail);
         r
     }
 
@@ -394,11 +424,14 @@ fn reject_over_limit(
     view: &View,
     hit: limits::LimitHit,
 ) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Explicit, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Explicit),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
-    let response = deny::raw_response(Reason::LimitExceeded, Some(&record.id));
+    let response = failure::Failure::Denied(Reason::LimitExceeded).raw_response(&record.id);
     // Non-blocking: a flood must not tie up the accept loop.
     if stream.try_write(response.as_bytes()).is_err() {
         return;

@@ -18,9 +18,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tracing::{debug, info_span, Instrument};
 
-use super::connect::{self, Refused};
+use super::connect;
 use super::limits::{LimitHit, Permit};
-use super::{Ctx, DialError, View};
+use super::{Ctx, View};
 use crate::evidence::{Kind, Mode};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
@@ -47,9 +47,12 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
 
 /// Over a limit: record it and answer "no acceptable methods".
 fn refuse_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Socks5, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Socks5),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
     // Best effort and non-blocking.
     let _ = stream.try_write(&socks5::method_reply(METHOD_UNACCEPTABLE));
@@ -279,12 +282,7 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Per
     let opened = match connect::open(&ctx, &view, Mode::Socks5, peer, host, port).await {
         Ok(opened) => opened,
         Err(refused) => {
-            let code = match &refused {
-                Refused::Denied { reason, .. } => reply_for(*reason),
-                Refused::Unreachable { written: false, .. } => Reply::GeneralFailure,
-                Refused::Unreachable { error, .. } => reply_for_dial(error),
-            };
-            hs.send(&socks5::reply(code)).await;
+            hs.send(&socks5::reply(refused.failure.socks_reply())).await;
             debug!(?refused, "socks5 connect refused");
             return;
         }
@@ -301,44 +299,4 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Per
 async fn auth_refused(ctx: &Ctx, view: &View, peer: SocketAddr, e: IdentityError) {
     let detail = e.to_string();
     refuse(ctx, view, peer, e.reason(), (None, None), &detail).await;
-}
-
-/// The reply code for a denial.
-pub fn reply_for(reason: Reason) -> Reply {
-    match reason {
-        Reason::RuleMatch | Reason::ReportOnly => Reply::Succeeded,
-        Reason::ResolutionFailed => Reply::HostUnreachable,
-        Reason::BadRequest | Reason::EvidenceUnavailable | Reason::LimitExceeded => {
-            Reply::GeneralFailure
-        }
-        _ => Reply::NotAllowed,
-    }
-}
-
-/// The reply code for an allowed target that could not be reached.
-fn reply_for_dial(err: &DialError) -> Reply {
-    match err {
-        DialError::Io { source, .. } => match source.kind() {
-            std::io::ErrorKind::ConnectionRefused => Reply::ConnectionRefused,
-            std::io::ErrorKind::NetworkUnreachable => Reply::NetworkUnreachable,
-            _ => Reply::HostUnreachable,
-        },
-        DialError::Timeout { .. } | DialError::NoAddress => Reply::HostUnreachable,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_denial_has_a_failure_reply() {
-        for r in Reason::ALL {
-            let code = reply_for(r);
-            assert_eq!(code == Reply::Succeeded, r.is_allow(), "{r}");
-        }
-        assert_eq!(reply_for(Reason::ExplicitDeny), Reply::NotAllowed);
-        assert_eq!(reply_for(Reason::AuthFailed), Reply::NotAllowed);
-        assert_eq!(reply_for(Reason::ResolutionFailed), Reply::HostUnreachable);
-    }
 }

@@ -17,12 +17,13 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info_span, Instrument};
 
+use super::conn::Conn;
+use super::intercept::{self, serve::Session, Plan};
 use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
 use super::{connect, decide_with, verify, Ctx, Outcome, View};
 use crate::config::Carry;
-use crate::evidence::{Kind, Mode, Record};
-use crate::intercept::{self, serve::Session};
+use crate::evidence::{Kind, Mode};
 use crate::policy::{canonical, Decision, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -55,9 +56,12 @@ pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
 
 /// Over a limit: record it and reset.
 fn refuse(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let verdict = view.verdict(Reason::LimitExceeded);
-    let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
-    record.detail = Some(hit.describe().to_string());
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Transparent),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
     ctx.submit(&mut record);
     reset(stream);
 }
@@ -95,37 +99,39 @@ async fn handle(
         Ok(orig) => orig,
         Err(e) => {
             // Connected to the listener directly (no REDIRECT): nowhere to go.
-            let verdict = view.verdict(Reason::BadRequest);
-            let mut record = view.record(Kind::Tcp, Mode::Transparent, peer, &verdict, None, None);
-            record.detail = Some(format!("no original destination: {e}"));
+            let mut record = view.refusal(
+                (Kind::Tcp, Mode::Transparent),
+                peer,
+                Reason::BadRequest,
+                format!("no original destination: {e}"),
+            );
             ctx.write(&mut record).await;
             return reset(client);
         }
     };
     let orig = SocketAddr::new(canonical(orig.ip()), orig.port());
-    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
-        let verdict = view.verdict(Reason::LimitExceeded);
-        let mut record = view.record(
-            Kind::Tcp,
-            Mode::Transparent,
+    let conn_for = |verdict: Verdict, host: Host| {
+        let mut conn = Conn::new(
+            view.clone(),
+            (Kind::Tcp, Mode::Transparent),
             peer,
-            &verdict,
-            Some(&Host::Ip(orig.ip())),
-            Some(orig.port()),
+            (host, orig.port()),
+            verdict,
         );
-        record.ip = Some(orig.ip());
-        record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-        ctx.write(&mut record).await;
+        // The original destination is recorded whatever the decision.
+        conn.ip = Some(orig.ip());
+        conn
+    };
+    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
+        let mut conn = conn_for(view.verdict(Reason::LimitExceeded), Host::Ip(orig.ip()));
+        conn.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
+        let _ = connect::write(&ctx, &conn).await;
         return reset(client);
     };
     let mut first = Vec::new();
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
-    let sni = match &detected {
-        Detected::Tls(hello) => hello.sni.clone(),
-        _ => None,
-    };
     let started = Instant::now();
     let (outcome, name) = match presented_name(&detected, orig.port()) {
         Ok(name) => (
@@ -148,42 +154,28 @@ async fn handle(
         ),
     };
     ctx.metrics
-        .time_decision(Mode::Transparent, started.elapsed());
+        .decision_duration_seconds
+        .with_label_values(&[Mode::Transparent.as_str()])
+        .observe(started.elapsed().as_secs_f64());
 
-    let host = name.unwrap_or(Host::Ip(orig.ip()));
-    let mut record = view.record(
-        Kind::Tcp,
-        Mode::Transparent,
-        peer,
-        &outcome.verdict,
-        Some(&host),
-        Some(orig.port()),
-    );
-    record.sni = sni;
-    // The original destination is recorded whatever the decision.
-    record.ip = Some(orig.ip());
-    record.detail = outcome.detail.clone();
-    if !outcome.verdict.is_allow() || detected == Detected::Closed {
-        ctx.write(&mut record).await;
-        debug!(reason = %record.reason, record = %record.id, "transparent connection denied");
+    let mut conn = conn_for(outcome.verdict, name.unwrap_or(Host::Ip(orig.ip())));
+    if let Detected::Tls(hello) = &detected {
+        conn.sni = hello.sni.clone();
+    }
+    conn.detail = outcome.detail;
+    if !conn.is_allow() || detected == Detected::Closed {
+        deny(&ctx, &conn).await;
         return reset(client);
     }
     if !ctx.evidence.is_healthy() {
-        deny_unrecorded(&ctx, &mut record).await;
+        conn.refuse(Reason::EvidenceUnavailable, None);
+        let _ = connect::write(&ctx, &conn).await;
         return reset(client);
     }
     // What the rule lets the connection carry: judge the first unit again
     // as the verifier sees it (an ECH hello, an h2c preface, ...), before
     // anything is dialled.
-    let carry = match &view.org {
-        Some(org) => view.policy.carry(
-            org,
-            record.rule.as_deref(),
-            matches!(host, Host::Name(_)),
-            orig.port(),
-        ),
-        None => Carry::Opaque,
-    };
+    let carry = conn.carry();
     let mut guard = None;
     let mut verified = 0;
     if carry != Carry::Opaque {
@@ -191,7 +183,7 @@ async fn handle(
             &mut client,
             &mut first,
             carry,
-            (&host, orig.port()),
+            (&conn.host, orig.port()),
             connect::guard_limits(&ctx),
             ctx.limits.detect_timeout.get(),
             &ctx.detect_slots,
@@ -199,74 +191,67 @@ async fn handle(
         .await;
         match judged {
             verify::First::Passed { guard: g, forward } => {
-                record.tunnel = Some(g.carry());
+                conn.tunnel = Some(g.carry());
                 guard = Some(g);
                 verified = forward;
             }
             verify::First::Denied(v) if view.is_report() && verify::reason(v.kind).reportable() => {
-                record.would_deny.get_or_insert(verify::reason(v.kind));
-                record.reason = Reason::ReportOnly;
-                record.decision = Reason::ReportOnly.decision();
-                record.detail = Some(v.detail);
-                record.tunnel = Some(Carry::Opaque);
+                conn.report(verify::reason(v.kind), Some(v.detail));
+                conn.tunnel = Some(Carry::Opaque);
             }
             verify::First::Denied(v) => {
-                let reason = verify::reason(v.kind);
-                record.reason = reason;
-                record.decision = reason.decision();
-                record.rule = None;
-                record.would_deny = None;
-                record.detail = Some(v.detail);
-                ctx.write(&mut record).await;
-                debug!(reason = %reason, record = %record.id, "transparent connection denied");
+                conn.deny(verify::reason(v.kind), Some(v.detail));
+                deny(&ctx, &conn).await;
                 return reset(client);
             }
             verify::First::Closed => {
-                ctx.write(&mut record).await;
+                let _ = connect::write(&ctx, &conn).await;
                 return reset(client);
             }
             verify::First::OverBudget => {
-                record.reason = Reason::LimitExceeded;
-                record.decision = Reason::LimitExceeded.decision();
-                record.rule = None;
-                record.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-                ctx.write(&mut record).await;
+                conn.refuse(
+                    Reason::LimitExceeded,
+                    Some(super::DETECT_BUDGET_EXHAUSTED.into()),
+                );
+                let _ = connect::write(&ctx, &conn).await;
                 return reset(client);
             }
         }
     } else {
-        record.tunnel = Some(Carry::Opaque);
+        conn.tunnel = Some(Carry::Opaque);
     }
-    let upstream = match ctx.dial(&outcome.dial, orig.port()).await {
-        Ok((upstream, _)) => upstream,
+    let (upstream, addr) = match ctx.dial(&outcome.dial, orig.port()).await {
+        Ok(dialled) => dialled,
         Err(e) => {
-            record.detail = Some(e.to_string());
-            ctx.write(&mut record).await;
+            conn.detail = Some(e.to_string());
+            let _ = connect::write(&ctx, &conn).await;
             return reset(client);
         }
     };
-    // Opt-in TLS interception (src/intercept), as in explicit mode.
-    let plan = intercept::plan(view.intercept.as_deref(), view, &mut record, &detected);
-    if !ctx.write(&mut record).await || !record.reason.is_allow() {
+    // Opt-in TLS interception, as in explicit mode.
+    conn.settle(intercept::plan(
+        conn.view.intercept.as_ref(),
+        &conn,
+        &detected,
+    ));
+    let Ok(id) = connect::write(&ctx, &conn).await else {
+        return reset(client);
+    };
+    if !conn.is_allow() {
         return reset(client);
     }
-    if plan == intercept::Plan::Intercept {
-        if let Some(s) = Session::new(ctx.clone(), view.clone(), Mode::Transparent, record) {
-            intercept::serve::serve(s, client, first, upstream).await;
-        }
+    if let Plan::Intercept(how) = conn.plan.clone() {
+        let session = Session::new(ctx.clone(), conn, id, addr, how);
+        intercept::serve::serve(session, client, first, upstream).await;
         return;
     }
-    connect::relay(
-        &ctx, client, upstream, guard, first, verified, &record, view,
-    )
-    .await;
+    connect::relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
 }
 
-async fn deny_unrecorded(ctx: &Ctx, record: &mut Record) {
-    record.reason = Reason::EvidenceUnavailable;
-    record.decision = Reason::EvidenceUnavailable.decision();
-    record.rule = None;
-    ctx.write(record).await;
+/// Record a denied connection.
+async fn deny(ctx: &Ctx, conn: &Conn) {
+    let id = connect::write(ctx, conn).await.unwrap_or_else(|id| id);
+    debug!(reason = %conn.verdict.reason, record = %id, "transparent connection denied");
 }
 
 /// Report mode: a name/address mismatch is let through to the original

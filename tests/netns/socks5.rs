@@ -7,7 +7,6 @@
 use crate::lab::{self, dump, Lab, BANNER, BANNER_PORT, DEFAULT_POLICY};
 use crate::{assert_client_ip, assert_refused, record_id};
 use serde_json::Value;
-use std::time::Duration;
 
 const SOCKS_ADDR: &str = "198.18.1.1:1080";
 
@@ -82,6 +81,36 @@ fn socks_denials_with(lab: &Lab, reason: &str, detail: &str) -> Vec<Value> {
         .collect()
 }
 
+/// What reached the upstream since log line `before`, once a positive
+/// marker has: an allowed request for `marker` through the SOCKS5
+/// listener, sent after every refusal was answered. A refused target would
+/// have been dialled before its reply, so by the time the marker is logged
+/// (and every upstream connection logged closed) it would be in the log
+/// too. The marker's own connection is left out.
+fn upstream_after_marker(lab: &Lab, before: usize, marker: &str) -> Vec<Value> {
+    let proxy = format!("socks5h://{SOCKS_ADDR}");
+    let url = format!("http://allowed.test{marker}");
+    let m = lab.client_curl(&["-x", &proxy, &url]);
+    assert_eq!(
+        m.status,
+        200,
+        "marker {marker}: {m:#?}\n{}",
+        lab.proxy_output()
+    );
+    let seen = lab.wait_upstream(marker, |v| {
+        v["event"] == "close"
+            && v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with(&format!("GET {marker} ")))
+    });
+    lab.upstream_settled();
+    lab.upstream_log()
+        .into_iter()
+        .skip(before)
+        .filter(|v| v["id"] != seen["id"])
+        .collect()
+}
+
 #[test]
 fn curl_socks5_hostname_allowed_denied_and_sni_checked() {
     let lab = socks_lab(&policy());
@@ -119,8 +148,7 @@ fn curl_socks5_hostname_allowed_denied_and_sni_checked() {
     assert_ne!(spelled.exit, Some(0), "{spelled:#?}");
     socks_record(&lab, "127.0.0.1", "deny", "denied_address");
 
-    std::thread::sleep(Duration::from_millis(300));
-    let after: Vec<Value> = lab.upstream_log().into_iter().skip(before).collect();
+    let after = upstream_after_marker(&lab, before, "/marker-after-socks-denials");
     assert!(
         after.is_empty(),
         "denied targets were dialled:\n{}",
@@ -225,8 +253,7 @@ fn raw_socks5_client_reaches_an_allowed_tcp_service_only() {
     let out = socks(&lab, &["--target", "nx.test:80"]);
     assert_eq!(out["reply"], 4, "{out}");
     socks_record(&lab, "nx.test", "deny", "resolution_failed");
-    std::thread::sleep(Duration::from_millis(300));
-    let after: Vec<Value> = lab.upstream_log().into_iter().skip(before).collect();
+    let after = upstream_after_marker(&lab, before, "/marker-after-socks-refusals");
     assert!(
         after.is_empty(),
         "refused targets reached upstream:\n{}",

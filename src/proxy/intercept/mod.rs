@@ -1,4 +1,6 @@
-//! Opt-in TLS interception, per org and per host.
+//! Opt-in TLS interception, per org and per host: a part of the proxy,
+//! served through its HTTP layer ([`super::http`]) and answering failures
+//! through its one mapping ([`super::failure`]).
 //!
 //! An allow rule with `intercept = true` makes Palisade terminate the
 //! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
@@ -20,11 +22,11 @@ use std::time::Instant;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 use rustls_pki_types::CertificateDer;
 
+use super::conn::Conn;
+use super::tunnel::Detected;
+use super::View;
 use crate::config::{Config, CredentialConfig};
-use crate::evidence::Record;
-use crate::policy::Reason;
-use crate::proxy::tunnel::Detected;
-use crate::proxy::View;
+use crate::policy::OrgRef;
 
 use self::ca::{CaError, LeafCache, OrgCa};
 use self::secret::{Secret, SecretError};
@@ -196,54 +198,44 @@ impl Interceptor {
 }
 
 /// What to do with an allowed tunnel once its first bytes are known.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Plan {
     /// Not intercepted: copy bytes untouched.
     PassThrough,
     /// Terminate TLS and decide each request.
-    Intercept,
+    Intercept(Intercepting),
     /// The rule intercepts but this connection cannot be: deny, fail closed.
     Refuse(&'static str),
 }
 
-/// Decide pass-through or interception for an allowed connection whose
-/// decision record is `record`, and mark the record accordingly (a refusal
-/// turns it into a `bad_request` deny). Only an allow rule the org marked
-/// `intercept = true` is ever intercepted.
-pub fn plan(
-    intercept: Option<&Interceptor>,
-    view: &View,
-    record: &mut Record,
-    detected: &Detected,
-) -> Plan {
-    let plan = plan_for(intercept, view, record, detected);
-    match plan {
-        Plan::Intercept => record.intercepted = Some(true),
-        Plan::Refuse(why) => {
-            record.reason = Reason::BadRequest;
-            record.decision = Reason::BadRequest.decision();
-            record.rule = None;
-            record.detail = Some(why.to_string());
-        }
-        Plan::PassThrough => {}
-    }
-    plan
+/// What an intercepted connection is served with.
+#[derive(Debug, Clone)]
+pub struct Intercepting {
+    pub interceptor: Arc<Interceptor>,
+    /// The org whose CA and credentials serve it.
+    pub org: OrgRef,
+    /// The intercepting allow rule: it decides every request inside.
+    pub rule: Arc<str>,
 }
 
-fn plan_for(
-    intercept: Option<&Interceptor>,
-    view: &View,
-    record: &Record,
-    detected: &Detected,
-) -> Plan {
-    let (Some(org), Some(rule)) = (&view.org, &record.rule) else {
+/// Pass-through or interception for the connection `conn` (allowed or
+/// not) whose first bytes were `detected`. Only an allow rule the org
+/// marked `intercept = true` is ever intercepted; such a rule fails closed
+/// when the connection cannot be (no TLS, interception not set up).
+pub fn plan(intercept: Option<&Arc<Interceptor>>, conn: &Conn, detected: &Detected) -> Plan {
+    let view = &conn.view;
+    let (Some(org), Some(rule)) = (&view.org, &conn.verdict.rule) else {
         return Plan::PassThrough;
     };
-    if !record.reason.is_allow() || view.policy.intercept_rules(org, rule).is_none() {
+    if !conn.is_allow() || view.policy.intercept_rules(org, rule).is_none() {
         return Plan::PassThrough;
     }
     match (detected, intercept) {
-        (Detected::Tls(_), Some(_)) => Plan::Intercept,
+        (Detected::Tls(_), Some(ic)) => Plan::Intercept(Intercepting {
+            interceptor: ic.clone(),
+            org: org.clone(),
+            rule: rule.clone(),
+        }),
         (Detected::Tls(_), None) => Plan::Refuse("interception is not set up"),
         (Detected::Closed, _) => Plan::PassThrough,
         _ => Plan::Refuse("the host is intercepted: the connection must carry TLS"),

@@ -1,0 +1,244 @@
+//! A decided connection's own state, carried from the decision through
+//! dialling, the first bytes, interception and copying to the close.
+//!
+//! A [`Conn`] holds what the connection is (client, target, mode), the
+//! view it was decided under, the verdict as it stands, and what was
+//! learnt on the way (the address dialled, the SNI, what the tunnel
+//! carries, the interception [`Plan`]). Evidence records are built from
+//! it only when they are written ([`Conn::record`], [`Conn::close`]); the
+//! record's `decision` follows from its reason.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Instant;
+
+use super::intercept::Plan;
+use super::View;
+use crate::config::Carry;
+use crate::evidence::{Kind, Mode, Record};
+use crate::policy::{Reason, Verdict};
+use crate::proto::target::Host;
+
+/// A connection (a tunnel, a transparent connection) or a forwarded
+/// request, decided for one target.
+#[derive(Debug, Clone)]
+pub struct Conn {
+    /// The policy and org it was decided under.
+    pub view: View,
+    pub kind: Kind,
+    pub mode: Mode,
+    pub client: SocketAddr,
+    /// The target as decided: the normalised name, or the canonical IP.
+    pub host: Host,
+    pub port: u16,
+    /// The verdict as it stands: an allow can turn into a report (report
+    /// mode) or a denial of its own ([`Conn::deny`], [`Conn::refuse`]).
+    pub verdict: Verdict,
+    /// The address dialled (or tried; transparent: the original destination).
+    pub ip: Option<IpAddr>,
+    /// The SNI of the client's ClientHello.
+    pub sni: Option<String>,
+    /// What the tunnel was verified to carry (or `opaque`).
+    pub tunnel: Option<Carry>,
+    /// Pass-through or interception, once the first bytes are known.
+    pub plan: Plan,
+    /// Method and path of a forwarded request.
+    pub method: Option<String>,
+    pub path: Option<String>,
+    /// A request inside an intercepted connection: the connection's
+    /// decision record id, and the ids of the credentials added.
+    pub within: Option<String>,
+    pub credential: Option<String>,
+    /// Why it failed after an allow, or the detail of a denial.
+    pub detail: Option<String>,
+}
+
+impl Conn {
+    pub fn new(
+        view: View,
+        (kind, mode): (Kind, Mode),
+        client: SocketAddr,
+        (host, port): (Host, u16),
+        verdict: Verdict,
+    ) -> Conn {
+        Conn {
+            view,
+            kind,
+            mode,
+            client,
+            host,
+            port,
+            verdict,
+            ip: None,
+            sni: None,
+            tunnel: None,
+            plan: Plan::PassThrough,
+            method: None,
+            path: None,
+            within: None,
+            credential: None,
+            detail: None,
+        }
+    }
+
+    pub fn is_allow(&self) -> bool {
+        self.verdict.is_allow()
+    }
+
+    /// Denied by a check of its own (the first bytes, a name mismatch):
+    /// the rule no longer decides and nothing is left to report. `detail`
+    /// replaces the one held, if given.
+    pub fn deny(&mut self, reason: Reason, detail: Option<String>) {
+        self.refuse(reason, detail);
+        self.verdict.would_deny = None;
+    }
+
+    /// Refused for a cause outside the policy (a limit, evidence, a host
+    /// that cannot be intercepted): the rule no longer decides; what report
+    /// mode would have denied stays on record.
+    pub fn refuse(&mut self, reason: Reason, detail: Option<String>) {
+        self.verdict.reason = reason;
+        self.verdict.rule = None;
+        if detail.is_some() {
+            self.detail = detail;
+        }
+    }
+
+    /// Report mode: let through what enforcement would deny `would`; an
+    /// earlier `would_deny` (the policy's own) stays first.
+    pub fn report(&mut self, would: Reason, detail: Option<String>) {
+        self.verdict.would_deny.get_or_insert(would);
+        self.verdict.reason = Reason::ReportOnly;
+        if detail.is_some() {
+            self.detail = detail;
+        }
+    }
+
+    /// What the connection's rule lets it carry (no rule, no org: anything).
+    pub fn carry(&self) -> Carry {
+        match &self.view.org {
+            Some(org) => self.view.policy.carry(
+                org,
+                self.verdict.rule.as_deref(),
+                matches!(self.host, Host::Name(_)),
+                self.port,
+            ),
+            None => Carry::Opaque,
+        }
+    }
+
+    /// Settle pass-through or interception ([`super::intercept::plan`]): a
+    /// host that must be intercepted but cannot be is refused
+    /// `bad_request`.
+    pub fn settle(&mut self, plan: Plan) {
+        if let Plan::Refuse(why) = plan {
+            self.refuse(Reason::BadRequest, Some(why.to_string()));
+        }
+        self.plan = plan;
+    }
+
+    /// The decision record, as the state stands now.
+    pub fn record(&self) -> Record {
+        let mut r = Record::decision(
+            self.kind,
+            self.mode,
+            self.client,
+            &self.verdict,
+            self.view.policy.hash_arc(),
+        );
+        r.host = Some(self.host.to_string());
+        r.port = Some(self.port);
+        r.ip = self.ip;
+        r.sni = self.sni.clone();
+        r.tunnel = self.tunnel;
+        r.intercepted = matches!(self.plan, Plan::Intercept(_)).then_some(true);
+        r.method = self.method.clone();
+        r.path = self.path.clone();
+        r.conn = self.within.clone();
+        r.credential = self.credential.clone();
+        r.detail = self.detail.clone();
+        r
+    }
+
+    /// The close record of the decision record written as `id`.
+    pub fn close(&self, id: &str, (up, down): (u64, u64), started: Instant) -> Record {
+        let mut decision = self.record();
+        decision.id = id.to_string();
+        decision.close(up, down, started.elapsed().as_millis() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::policy::Policy;
+
+    fn conn() -> Conn {
+        let src = "[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+                   [[org.allow]]\nhost = \"a.test\"\n";
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let policy = Arc::new(Policy::new(&config));
+        let org = policy.org_for("198.18.1.2".parse().unwrap());
+        let verdict = Verdict {
+            org: org.clone(),
+            reason: Reason::RuleMatch,
+            rule: Some(Arc::from("acme/allow/0")),
+            would_deny: Some(Reason::PortNotAllowed),
+        };
+        let metrics = Arc::new(crate::metrics::Metrics::new(Arc::default()));
+        let served = crate::served::Served::load(&config, policy, &metrics).unwrap();
+        Conn::new(
+            View {
+                served: Arc::new(served),
+                org,
+            },
+            (Kind::Tcp, Mode::Explicit),
+            "198.18.1.2:5000".parse().unwrap(),
+            (Host::Name("a.test".into()), 443),
+            verdict,
+        )
+    }
+
+    #[test]
+    fn records_follow_the_state() {
+        let mut c = conn();
+        c.ip = Some("198.18.2.10".parse().unwrap());
+        let r = c.record();
+        assert_eq!(
+            (r.decision_str(), r.reason, r.rule.as_deref()),
+            ("allow", Reason::RuleMatch, Some("acme/allow/0"))
+        );
+        assert_eq!(r.host.as_deref(), Some("a.test"));
+        assert_eq!(r.ip, c.ip);
+        assert_eq!(r.org.as_deref(), Some("acme"));
+
+        let mut refused = c.clone();
+        refused.refuse(Reason::LimitExceeded, Some("over".into()));
+        let r = refused.record();
+        assert_eq!((r.decision_str(), r.rule.as_deref()), ("deny", None));
+        assert_eq!(r.would_deny, Some(Reason::PortNotAllowed));
+        assert_eq!(r.detail.as_deref(), Some("over"));
+
+        let mut denied = c.clone();
+        denied.deny(Reason::SniMismatch, None);
+        let r = denied.record();
+        assert_eq!((r.reason, r.would_deny), (Reason::SniMismatch, None));
+
+        let mut reported = c.clone();
+        reported.report(Reason::SniMismatch, Some("seen".into()));
+        let r = reported.record();
+        assert_eq!(r.decision_str(), "allow");
+        assert_eq!(r.would_deny, Some(Reason::PortNotAllowed));
+
+        let mut refused = c.clone();
+        refused.settle(Plan::Refuse("must carry TLS"));
+        assert_eq!(refused.record().reason, Reason::BadRequest);
+        assert_eq!(refused.record().intercepted, None);
+
+        let close = c.close("d1", (3, 4), Instant::now());
+        assert_eq!(close.conn.as_deref(), Some("d1"));
+        assert_eq!((close.bytes_up, close.bytes_down), (Some(3), Some(4)));
+        assert_eq!(close.detail, None);
+    }
+}

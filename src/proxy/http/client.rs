@@ -1,0 +1,106 @@
+//! The upstream side of the HTTP layer: a connection handshaken as
+//! HTTP/1.1 (one exchange at a time) or HTTP/2 (multiplexed), and the wait
+//! for a response head, bounded.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_util::task::TaskTracker;
+use tracing::debug;
+
+use super::Body;
+
+/// A response head on its way.
+pub type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
+
+/// Why a forwarded request got no complete response head.
+#[derive(Debug, thiserror::Error)]
+pub enum NoResponse {
+    #[error("upstream response timed out")]
+    Timeout,
+    /// Closed, reset, or not HTTP.
+    #[error("{0}")]
+    Failed(#[from] hyper::Error),
+    /// The request could not be handed to an upstream connection.
+    #[error("request not sent: {0}")]
+    NotSent(String),
+}
+
+/// One HTTP connection to an upstream.
+pub enum Sender {
+    H1(http1::SendRequest<Body>),
+    H2(http2::SendRequest<Body>),
+}
+
+impl Sender {
+    /// Handshake HTTP/2 (`h2`) or HTTP/1.1 on `io`; the connection itself
+    /// runs in a task of `tasks` until it closes.
+    pub async fn handshake<I>(io: I, h2: bool, tasks: &TaskTracker) -> hyper::Result<Sender>
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let io = TokioIo::new(io);
+        if h2 {
+            let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+                .timer(TokioTimer::new())
+                .handshake(io)
+                .await?;
+            tasks.spawn(async move {
+                if let Err(e) = conn.await {
+                    debug!(error = %e, "upstream h2 connection error");
+                }
+            });
+            Ok(Sender::H2(sender))
+        } else {
+            let (sender, conn) = http1::handshake(io).await?;
+            tasks.spawn(async move {
+                if let Err(e) = conn.await {
+                    debug!(error = %e, "upstream connection error");
+                }
+            });
+            Ok(Sender::H1(sender))
+        }
+    }
+
+    pub fn is_closed(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_closed(),
+            Sender::H2(s) => s.is_closed(),
+        }
+    }
+
+    pub fn is_h2(&self) -> bool {
+        matches!(self, Sender::H2(_))
+    }
+
+    /// Hand `req` to the connection once it can take one (HTTP/1.1: after
+    /// the previous exchange); `Err(req)` if the connection closed first.
+    pub async fn send(&mut self, req: Request<Body>) -> Result<ResponseFuture, Request<Body>> {
+        match self {
+            Sender::H2(s) => Ok(Box::pin(s.clone().send_request(req))),
+            Sender::H1(s) => {
+                if s.ready().await.is_err() {
+                    return Err(req);
+                }
+                Ok(Box::pin(s.send_request(req)))
+            }
+        }
+    }
+}
+
+/// Wait for the response head, at most `timeout`.
+pub async fn response(
+    fut: impl Future<Output = hyper::Result<Response<Incoming>>>,
+    timeout: Duration,
+) -> Result<Response<Incoming>, NoResponse> {
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(NoResponse::Timeout),
+    }
+}

@@ -1,0 +1,673 @@
+//! One intercepted connection: terminate the client's TLS with a minted
+//! leaf, then serve HTTP/1.1 or HTTP/2 (by the client's ALPN) through the
+//! proxy's HTTP layer and decide each request on its own before forwarding
+//! it over Palisade's own, verified TLS connection to the upstream
+//! (HTTP/1.1 or HTTP/2 by the upstream's ALPN, negotiated separately).
+//!
+//! Per request, in order ([`decide_parts`], pure): CONNECT, absolute-form
+//! (HTTP/1.1) and protocol upgrades are refused (`bad_request`); Host /
+//! `:authority` must name the connection's host and port (`host_mismatch`);
+//! then [`Policy::decide_request`](crate::policy::Policy::decide_request)
+//! normalises the path, applies the rule's method and path rules and picks
+//! the credentials (the same call `palisade explain` makes). Then the
+//! credentials are added (any client copy of the header dropped); the
+//! upstream TLS is set up on first use (a failure is `upstream_tls_error`,
+//! never a downgrade); the decision is recorded; and the request is sent
+//! with the normalised path (and the query as received). Failures are
+//! answered through [`Failure`], as everywhere in the proxy.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Method, Request, Response, Uri, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use rustls_pki_types::ServerName;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpStream;
+use tracing::debug;
+
+use super::Intercepting;
+use crate::config::CredentialConfig;
+use crate::evidence::Kind;
+use crate::policy::request::{RequestDecision, RequestFacts};
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
+use crate::proto::target::{parse_authority, Host};
+use crate::proxy::conn::Conn;
+use crate::proxy::failure::Failure;
+use crate::proxy::forward::Exchange;
+use crate::proxy::http::body::Metered;
+use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
+use crate::proxy::http::replay::Replay;
+use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
+use crate::proxy::{Ctx, DialError};
+
+/// An allowed connection the tunnel code hands over: decided (allow, by
+/// an intercepting rule), its decision record written, its upstream
+/// connected. Everything a request inside is decided and recorded with.
+pub struct Session {
+    ctx: Arc<Ctx>,
+    /// The connection's state, as recorded.
+    conn: Conn,
+    /// Its `tcp` decision record's id.
+    id: String,
+    /// The checked address the upstream was reached at (re-dialled there).
+    upstream: SocketAddr,
+    how: Intercepting,
+    /// The name (CONNECT host or SNI, checked against each other).
+    name: String,
+}
+
+impl Session {
+    pub fn new(
+        ctx: Arc<Ctx>,
+        conn: Conn,
+        id: String,
+        upstream: SocketAddr,
+        how: Intercepting,
+    ) -> Session {
+        let name = conn.host.to_string();
+        Session {
+            ctx,
+            conn,
+            id,
+            upstream,
+            how,
+            name,
+        }
+    }
+
+    /// The `tcp` close record of the connection.
+    fn close(&self, (up, down): (u64, u64), started: Instant, detail: Option<&str>) {
+        let mut close = self.conn.close(&self.id, (up, down), started);
+        close.detail = detail.map(str::to_string);
+        self.ctx.submit(&mut close);
+    }
+
+    /// A request inside, as first decided: allowed by the connection's rule,
+    /// linked to its record. `path` is what the client sent.
+    fn request(&self, method: &Method, path: &str) -> Conn {
+        let verdict = Verdict {
+            org: Some(self.how.org.clone()),
+            reason: Reason::RuleMatch,
+            rule: Some(self.how.rule.clone()),
+            would_deny: None,
+        };
+        let mut req = Conn::new(
+            self.conn.view.clone(),
+            (Kind::Http, self.conn.mode),
+            self.conn.client,
+            (self.conn.host.clone(), self.conn.port),
+            verdict,
+        );
+        req.sni = self.conn.sni.clone();
+        req.ip = Some(self.upstream.ip());
+        req.within = Some(self.id.clone());
+        req.method = Some(method.as_str().to_string());
+        req.path = Some(recorded_path(path));
+        req
+    }
+}
+
+/// Serve an intercepted connection until it ends; writes the `tcp` close
+/// record. `first` holds the client bytes read during detection.
+pub async fn serve<C>(s: Session, client: C, first: Vec<u8>, upstream: TcpStream)
+where
+    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let started = Instant::now();
+    let ic = &s.how.interceptor;
+    let Some(server_config) = ic.server_config(&s.how.org.name, &s.name) else {
+        s.close((0, 0), started, Some("no leaf certificate could be minted"));
+        return;
+    };
+    let accept = tokio_rustls::TlsAcceptor::from(server_config).accept(Replay::new(first, client));
+    let tls = match tokio::time::timeout(ic.handshake_timeout, accept).await {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            // Typically a client that does not trust the org CA (a pinned
+            // client): it stays broken rather than bypassing the rules.
+            let detail = format!("client TLS handshake failed: {e}");
+            debug!(%detail);
+            s.close((0, 0), started, Some(&detail));
+            return;
+        }
+        Err(_) => {
+            s.close((0, 0), started, Some("client TLS handshake timed out"));
+            return;
+        }
+    };
+    let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+    let ctx = s.ctx.clone();
+    let shared = Arc::new(Shared {
+        up: AtomicU64::new(0),
+        down: AtomicU64::new(0),
+        upstream: tokio::sync::Mutex::new(Upstream {
+            fresh: Some(upstream),
+            sender: None,
+        }),
+        session: s,
+    });
+    let svc_shared = shared.clone();
+    let service = service_fn(move |req| {
+        let shared = svc_shared.clone();
+        async move { Ok::<_, Infallible>(handle(shared, req).await) }
+    });
+    let limits = &ctx.limits;
+    let protocol = if h2 {
+        Protocol::Http2 {
+            max_header_list_size: limits.max_request_head_bytes as u32,
+        }
+    } else {
+        Protocol::Http1 {
+            header_read_timeout: limits.header_read_timeout.get(),
+            max_buf_size: limits.max_request_head_bytes.max(8192),
+            max_headers: limits.max_headers,
+        }
+    };
+    let drain = Drain {
+        shutdown: &ctx.shutdown,
+        hard_stop: &ctx.hard_stop,
+    };
+    if let Err(e) = layer::serve(tls, service, protocol, drain).await {
+        debug!(error = %e, "intercepted connection ended with error");
+    }
+    let totals = (
+        shared.up.load(Ordering::Relaxed),
+        shared.down.load(Ordering::Relaxed),
+    );
+    shared.session.close(totals, started, None);
+}
+
+struct Shared {
+    session: Session,
+    upstream: tokio::sync::Mutex<Upstream>,
+    /// Request and response body bytes of every request, for the close record.
+    up: AtomicU64,
+    down: AtomicU64,
+}
+
+/// The upstream side: the connection dialled at the decision (used first),
+/// then re-dialled to the same checked address when it closes.
+struct Upstream {
+    fresh: Option<TcpStream>,
+    sender: Option<Sender>,
+}
+
+/// Why the upstream could not take a request.
+#[derive(Debug, thiserror::Error)]
+enum UpstreamError {
+    #[error("{0}")]
+    Dial(#[from] DialError),
+    /// TLS handshake or certificate verification failed.
+    #[error("{0}")]
+    Tls(String),
+    /// The HTTP handshake failed.
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+    #[error("upstream connection closed")]
+    Closed,
+}
+
+/// After an allow: an upstream that cannot be dialled is unreachable;
+/// any other failure leaves the request without a response.
+impl From<UpstreamError> for Failure {
+    fn from(e: UpstreamError) -> Failure {
+        match e {
+            UpstreamError::Dial(e) => Failure::Unreachable(e),
+            UpstreamError::Http(e) => Failure::NoResponse(NoResponse::Failed(e)),
+            UpstreamError::Tls(_) | UpstreamError::Closed => {
+                Failure::NoResponse(NoResponse::NotSent(e.to_string()))
+            }
+        }
+    }
+}
+
+impl Shared {
+    /// An open connection to the upstream (TCP, verified TLS, HTTP
+    /// handshake), set up now if there is none. Returns whether it speaks
+    /// HTTP/2.
+    async fn ready(&self) -> Result<bool, UpstreamError> {
+        let mut up = self.upstream.lock().await;
+        if up.sender.as_ref().is_none_or(Sender::is_closed) {
+            let fresh = up.fresh.take();
+            up.sender = Some(self.connect(fresh).await?);
+        }
+        Ok(up.sender.as_ref().is_some_and(Sender::is_h2))
+    }
+
+    /// Send one request upstream, connecting again first if the
+    /// connection closed meanwhile. HTTP/1.1 upstream connections carry one
+    /// request at a time; HTTP/2 ones multiplex.
+    async fn send(&self, req: Request<Body>) -> Result<ResponseFuture, UpstreamError> {
+        let mut up = self.upstream.lock().await;
+        let mut req = req;
+        for _ in 0..2 {
+            let sender = match up.sender.as_mut() {
+                Some(s) if !s.is_closed() => s,
+                _ => {
+                    let fresh = up.fresh.take();
+                    up.sender.insert(self.connect(fresh).await?)
+                }
+            };
+            match sender.send(req).await {
+                Ok(fut) => return Ok(fut),
+                Err(back) => {
+                    up.sender = None;
+                    req = back;
+                }
+            }
+        }
+        Err(UpstreamError::Closed)
+    }
+
+    async fn connect(&self, fresh: Option<TcpStream>) -> Result<Sender, UpstreamError> {
+        let s = &self.session;
+        let tcp = match fresh {
+            Some(t) => t,
+            None => {
+                let addr = s.upstream;
+                s.ctx.dial(&[addr.ip()], addr.port()).await?.0
+            }
+        };
+        let server_name = ServerName::try_from(s.name.clone())
+            .map_err(|e| UpstreamError::Tls(format!("invalid server name: {e}")))?;
+        let ic = &s.how.interceptor;
+        let connector = tokio_rustls::TlsConnector::from(ic.upstream.clone());
+        let tls =
+            match tokio::time::timeout(ic.handshake_timeout, connector.connect(server_name, tcp))
+                .await
+            {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => return Err(UpstreamError::Tls(e.to_string())),
+                Err(_) => {
+                    return Err(UpstreamError::Tls(
+                        "upstream TLS handshake timed out".into(),
+                    ))
+                }
+            };
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        Ok(Sender::handshake(tls, h2, &s.ctx.tasks).await?)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// One request
+
+/// Largest request path kept in evidence.
+const MAX_RECORDED_PATH: usize = 256;
+
+/// The request checks that need no policy: what the request addresses.
+/// Returns the path (no query) or the reason to refuse and why.
+fn check_request(
+    req: &http::request::Parts,
+    host: &Host,
+    port: u16,
+) -> Result<(), (Reason, String)> {
+    let bad = |m: &str| Err((Reason::BadRequest, m.to_string()));
+    if req.method == Method::CONNECT {
+        return bad("CONNECT inside an intercepted connection is refused");
+    }
+    if req.headers.contains_key(header::UPGRADE) {
+        return bad("protocol upgrades (WebSocket) inside an intercepted connection are refused");
+    }
+    let uri = &req.uri;
+    let authority = if req.version == Version::HTTP_2 {
+        let Some(a) = uri.authority() else {
+            return bad("HTTP/2 request without :authority");
+        };
+        a.as_str().to_string()
+    } else {
+        if uri.scheme().is_some() || uri.authority().is_some() {
+            return bad("absolute-form request inside an intercepted connection is refused");
+        }
+        let mut hosts = req.headers.get_all(header::HOST).iter();
+        let (Some(h), None) = (hosts.next(), hosts.next()) else {
+            return bad("HTTP/1.1 request needs exactly one Host header");
+        };
+        match h.to_str() {
+            Ok(t) => t.to_string(),
+            Err(_) => return bad("Host header is not ASCII"),
+        }
+    };
+    // An HTTP/2 request may carry Host too: it must agree.
+    let mut names = vec![authority];
+    if req.version == Version::HTTP_2 {
+        for h in req.headers.get_all(header::HOST) {
+            names.push(String::from_utf8_lossy(h.as_bytes()).into_owned());
+        }
+    }
+    for name in names {
+        match parse_authority(&name, Some(443)) {
+            Ok((h, p)) if &h == host && p == port => {}
+            _ => {
+                return Err((
+                    Reason::HostMismatch,
+                    format!("request names {name:?}, the connection is to {host}:{port}"),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The live decision on one request inside an intercepted connection to
+/// `name`:`port` under allow rule `rule`: what the request addresses
+/// ([`check_request`]), then [`Policy::decide_request`] (path
+/// normalisation, method and path rules, credentials from `credentials`).
+/// Pure, for HTTP/1.1 and HTTP/2 alike.
+pub(crate) fn decide_parts<'a>(
+    policy: &Policy,
+    org: &OrgRef,
+    rule: &str,
+    (name, port): (&str, u16),
+    parts: &http::request::Parts,
+    credentials: impl IntoIterator<Item = &'a CredentialConfig>,
+) -> RequestDecision {
+    if let Err((reason, detail)) = check_request(parts, &Host::Name(name.to_string()), port) {
+        return RequestDecision {
+            verdict: Verdict {
+                org: Some(org.clone()),
+                reason,
+                rule: None,
+                would_deny: None,
+            },
+            detail: Some(detail),
+            path: None,
+            credentials: Vec::new(),
+        };
+    }
+    let req = RequestFacts {
+        host: name,
+        method: parts.method.as_str(),
+        path: parts.uri.path(),
+    };
+    policy.decide_request(org, rule, req, credentials)
+}
+
+async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
+    let (parts, body) = req.into_parts();
+    let mut body = Some(body);
+    let response = decide_and_send(&shared, parts, &mut body).await;
+    if let Some(body) = body {
+        // Refused: read (and drop) what the client is still sending, a
+        // bounded amount, so that the refusal is not lost to a reset.
+        drain(body).await;
+    }
+    response
+}
+
+/// Bytes of a refused request's body read before answering.
+const MAX_DRAIN_BYTES: u64 = 1024 * 1024;
+/// Time spent reading a refused request's body before answering.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn drain(mut body: Incoming) {
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        let mut seen = 0u64;
+        while let Some(Ok(frame)) = body.frame().await {
+            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
+            if seen > MAX_DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
+async fn decide_and_send(
+    shared: &Arc<Shared>,
+    mut parts: http::request::Parts,
+    body: &mut Option<Incoming>,
+) -> Response<Body> {
+    let started = Instant::now();
+    let s = &shared.session;
+    let raw_path = parts.uri.path().to_string();
+    let mut req = s.request(&parts.method, &raw_path);
+    let creds = s.how.interceptor.credentials(&s.how.org.name);
+    let decision = decide_parts(
+        &s.conn.view.policy,
+        &s.how.org,
+        &s.how.rule,
+        (&s.name, s.conn.port),
+        &parts,
+        creds.iter().map(|c| &c.config),
+    );
+    // The verdict on record is the request's own (a refusal by the rule's
+    // method or path rules names the rule; any other refusal none).
+    req.verdict = decision.verdict.clone();
+    if let Some(p) = decision.path.as_ref().filter(|p| p.as_str() != raw_path) {
+        // Recorded as decided and forwarded; what the client sent in detail.
+        req.path = Some(recorded_path(p.as_str()));
+        req.detail = Some(format!("path normalised from {}", recorded_path(&raw_path)));
+    }
+    let (true, Some(path)) = (decision.is_allow(), &decision.path) else {
+        let detail = decision.detail.as_deref().unwrap_or("refused");
+        return refused(shared, req, detail).await;
+    };
+
+    // Build the upstream request.
+    strip_hop_by_hop(&mut parts.headers);
+    let mut used = Vec::new();
+    for c in decision.credentials.iter().filter_map(|&i| creds.get(i)) {
+        let Ok(name) = HeaderName::from_bytes(c.config.header.as_bytes()) else {
+            continue;
+        };
+        // Whatever the client sent under this name goes, every copy.
+        parts.headers.remove(&name);
+        match c.value() {
+            Some(v) => {
+                parts.headers.insert(name, v);
+                used.push(c.config.id.clone());
+            }
+            None => {
+                req.deny(Reason::BadRequest, None);
+                return refused(shared, req, "credential unusable").await;
+            }
+        }
+    }
+    if !used.is_empty() {
+        req.credential = Some(used.join(","));
+    }
+    // The path the rules matched, never the raw one; the query as received.
+    let path_and_query = match parts.uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    let authority = if s.conn.port == 443 {
+        s.name.clone()
+    } else {
+        format!("{}:{}", s.name, s.conn.port)
+    };
+
+    // Evidence before any byte of this request reaches the upstream. The
+    // upstream connection (and its TLS) is set up after the connection's
+    // own `tcp` record, which is already written.
+    let up_count = Arc::new(AtomicU64::new(0));
+    let Some(client_body) = body.take() else {
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, "request body gone").await;
+    };
+    let body = Metered::new(client_body, up_count.clone()).boxed();
+    let h2_upstream = match shared.ready().await {
+        Ok(h2) => h2,
+        Err(UpstreamError::Tls(detail)) => {
+            s.ctx
+                .metrics
+                .upstream_tls_errors_total
+                .with_label_values(&[&*s.how.org.name])
+                .inc();
+            // The rule allowed; the upstream failed verification.
+            req.verdict.reason = Reason::UpstreamTlsError;
+            return refused(shared, req, &detail).await;
+        }
+        Err(e) => return unreachable(shared, req, e.into()).await,
+    };
+    let uri = if h2_upstream {
+        Uri::builder()
+            .scheme("https")
+            .authority(authority.as_str())
+            .path_and_query(path_and_query.as_str())
+            .build()
+    } else {
+        Uri::builder()
+            .path_and_query(path_and_query.as_str())
+            .build()
+    };
+    parts.uri = match uri {
+        Ok(u) => u,
+        Err(e) => {
+            req.deny(Reason::BadRequest, None);
+            return refused(shared, req, &e.to_string()).await;
+        }
+    };
+    if h2_upstream {
+        parts.headers.remove(header::HOST);
+        parts.version = Version::HTTP_2;
+    } else {
+        if let Ok(v) = HeaderValue::from_str(&authority) {
+            parts.headers.insert(header::HOST, v);
+        }
+        parts.version = Version::HTTP_11;
+    }
+    let mut record = req.record();
+    if !s.ctx.write(&mut record).await {
+        count(shared, Reason::EvidenceUnavailable);
+        return Failure::Denied(Reason::EvidenceUnavailable).response(&record.id, None);
+    }
+    count(shared, Reason::RuleMatch);
+
+    let totals = shared.clone();
+    let up = up_count.clone();
+    let exchange = Exchange {
+        ctx: s.ctx.clone(),
+        req,
+        id: record.id,
+        started,
+        up: Box::new(move || up.load(Ordering::Relaxed)),
+        with_status: true,
+        on_close: Some(Box::new(move |up, down| {
+            totals.up.fetch_add(up, Ordering::Relaxed);
+            totals.down.fetch_add(down, Ordering::Relaxed);
+        })),
+    };
+    let fut = match shared.send(Request::from_parts(parts, body)).await {
+        Ok(f) => f,
+        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
+    };
+    match client::response(fut, s.ctx.limits.response_timeout.get()).await {
+        Ok(resp) => {
+            s.ctx
+                .metrics
+                .intercepted_request_duration_seconds
+                .with_label_values(&[&*s.how.org.name])
+                .observe(started.elapsed().as_secs_f64());
+            exchange.relay(resp)
+        }
+        Err(e) => exchange.failed(e),
+    }
+}
+
+/// A path as evidence keeps it.
+fn recorded_path(path: &str) -> String {
+    path.chars().take(MAX_RECORDED_PATH).collect()
+}
+
+fn count(shared: &Shared, reason: Reason) {
+    shared
+        .session
+        .ctx
+        .metrics
+        .intercepted_requests_total
+        .with_label_values(&[
+            &*shared.session.how.org.name,
+            reason.decision(),
+            reason.as_str(),
+        ])
+        .inc();
+}
+
+/// Record a refused request (its verdict as set) and answer it inside the
+/// intercepted connection.
+async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body> {
+    req.detail = Some(detail.to_string());
+    let mut record = req.record();
+    let written = shared.session.ctx.write(&mut record).await;
+    let failure = Failure::Denied(req.verdict.reason).recorded(written);
+    count(shared, failure.reason());
+    debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
+    failure.response(&record.id, Some(detail))
+}
+
+/// The upstream could not be reached (or spoke no HTTP) for an allowed
+/// request: the allow is recorded with the cause, nothing was sent.
+async fn unreachable(shared: &Shared, mut req: Conn, failure: Failure) -> Response<Body> {
+    req.detail = Some(failure.to_string());
+    let mut record = req.record();
+    let failure = failure.recorded(shared.session.ctx.write(&mut record).await);
+    count(shared, failure.reason());
+    failure.response(&record.id, None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(req: Request<()>) -> http::request::Parts {
+        req.into_parts().0
+    }
+
+    #[test]
+    fn every_request_must_name_the_tunnels_host() {
+        let host = Host::Name("reg.test".into());
+        let h1 = |hosts: &[&str]| {
+            let mut b = Request::builder().uri("/x");
+            for h in hosts {
+                b = b.header(header::HOST, *h);
+            }
+            check_request(&parts(b.body(()).unwrap()), &host, 443)
+        };
+        assert!(h1(&["reg.test"]).is_ok());
+        assert!(h1(&["REG.test:443"]).is_ok());
+        assert!(h1(&["reg.test."]).is_ok());
+        for bad in [&["other.test"][..], &["reg.test:8443"], &["reg.test.evil"]] {
+            assert_eq!(h1(bad).unwrap_err().0, Reason::HostMismatch, "{bad:?}");
+        }
+        assert_eq!(h1(&[]).unwrap_err().0, Reason::BadRequest);
+        assert_eq!(
+            h1(&["reg.test", "reg.test"]).unwrap_err().0,
+            Reason::BadRequest
+        );
+        let absolute = Request::builder()
+            .uri("https://reg.test/x")
+            .header(header::HOST, "reg.test")
+            .body(())
+            .unwrap();
+        assert_eq!(
+            check_request(&parts(absolute), &host, 443).unwrap_err().0,
+            Reason::BadRequest
+        );
+        let h2 = |authority: &str, hosts: &[&str]| {
+            let mut b = Request::builder()
+                .version(Version::HTTP_2)
+                .uri(format!("https://{authority}/x"));
+            for h in hosts {
+                b = b.header(header::HOST, *h);
+            }
+            check_request(&parts(b.body(()).unwrap()), &host, 443)
+        };
+        assert!(h2("reg.test", &[]).is_ok());
+        assert!(h2("reg.test", &["reg.test"]).is_ok());
+        assert_eq!(h2("other.test", &[]).unwrap_err().0, Reason::HostMismatch);
+        // :authority right, Host wrong: refused too.
+        assert_eq!(
+            h2("reg.test", &["other.test"]).unwrap_err().0,
+            Reason::HostMismatch
+        );
+    }
+}
