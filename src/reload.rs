@@ -377,7 +377,9 @@ host = "example.com"
             [
                 "proxy.listen",
                 "proxy.max_connections",
-                "proxy.idle_timeout"
+                "proxy.idle_timeout",
+                // Unset, it follows idle_timeout.
+                "proxy.response_timeout"
             ]
         );
         let dns = config(&format!(
