@@ -46,6 +46,7 @@ pub mod dns;
 pub mod evidence;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod intercept;
 pub mod metrics;
 pub mod policy;
 pub mod probe;
@@ -54,7 +55,3 @@ pub mod proxy;
 pub mod reload;
 pub mod resolve;
 pub mod served;
-
-/// TLS interception is a part of the proxy ([`proxy::intercept`]); this
-/// path stays for callers that name it from the crate root.
-pub use proxy::intercept;

@@ -13,8 +13,9 @@ use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
 
-use crate::config::{Config, OrgMode};
-use crate::dns::decide::OrgDns;
+use hickory_server::proto::rr::RecordType;
+
+use crate::config::{Config, DnsDenied, OrgConfig, OrgMode};
 use crate::intercept::{InterceptError, Interceptor};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
@@ -102,6 +103,26 @@ impl PolicyInfo {
                     deny_rules: o.deny.len(),
                     mode: o.mode,
                 })
+                .collect(),
+        }
+    }
+}
+
+/// Per-org DNS settings, by org index.
+#[derive(Debug, Clone, Default)]
+pub struct OrgDns {
+    pub denied: DnsDenied,
+    pub types: Vec<RecordType>,
+}
+
+impl OrgDns {
+    pub fn from_config(org: &OrgConfig) -> OrgDns {
+        OrgDns {
+            denied: org.dns_denied,
+            types: org
+                .dns_types
+                .iter()
+                .filter_map(|t| t.parse::<RecordType>().ok())
                 .collect(),
         }
     }

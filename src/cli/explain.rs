@@ -417,7 +417,7 @@ secret_env = "T3"
                             b.uri(path).header(http::header::HOST, name)
                         };
                         let parts = b.body(()).unwrap().into_parts().0;
-                        let live = crate::intercept::serve::decide_parts(
+                        let live = crate::proxy::intercept::serve::decide_parts(
                             &policy,
                             &org,
                             rule,

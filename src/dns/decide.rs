@@ -25,9 +25,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use hickory_server::proto::rr::RecordType;
 
-use crate::config::{DnsDenied, OrgConfig};
+use crate::config::DnsDenied;
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{normalize_host, Host};
+pub use crate::served::OrgDns;
 
 /// Types answered for every allowed name.
 pub const DEFAULT_TYPES: [RecordType; 5] = [
@@ -54,26 +55,6 @@ const NEVER_FORWARDED: [&str; 7] = [
     "in-addr.arpa",
     "ip6.arpa",
 ];
-
-/// Per-org DNS settings, by org index.
-#[derive(Debug, Clone, Default)]
-pub struct OrgDns {
-    pub denied: DnsDenied,
-    pub types: Vec<RecordType>,
-}
-
-impl OrgDns {
-    pub fn from_config(org: &OrgConfig) -> OrgDns {
-        OrgDns {
-            denied: org.dns_denied,
-            types: org
-                .dns_types
-                .iter()
-                .filter_map(|t| t.parse::<RecordType>().ok())
-                .collect(),
-        }
-    }
-}
 
 /// What to do with a query.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -460,7 +460,7 @@ async fn forward(
         mut verdict,
         dial: addrs,
         detail,
-    } = ctx.decide(view, &host, port).await;
+    } = ctx.decide_in(Mode::Explicit, view, &host, port).await;
     if host_mismatch.is_some() && verdict.is_allow() {
         // Report mode: what enforcement would have said first.
         verdict.would_deny = Some(Reason::HostMismatch);
@@ -584,7 +584,7 @@ async fn forward(
             return exchange.failed(e);
         }
     };
-    match client::response(fut, ctx.limits.idle_timeout.get()).await {
+    match client::response(fut, ctx.limits.response_timeout.get()).await {
         Ok(resp) => exchange.relay(resp),
         Err(e) => exchange.failed(e),
     }

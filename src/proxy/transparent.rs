@@ -154,9 +154,7 @@ async fn handle(
         ),
     };
     ctx.metrics
-        .decision_duration_seconds
-        .with_label_values(&[Mode::Transparent.as_str()])
-        .observe(started.elapsed().as_secs_f64());
+        .time_decision(Mode::Transparent, started.elapsed());
 
     let mut conn = conn_for(outcome.verdict, name.unwrap_or(Host::Ip(orig.ip())));
     if let Detected::Tls(hello) = &detected {

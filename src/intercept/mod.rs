@@ -1,0 +1,196 @@
+//! What opt-in TLS interception needs, per org: the CAs its leaves are
+//! minted from ([`ca`]), the credentials added to requests with their
+//! secrets ([`secret`]), and the upstream trust. Built at start and by each
+//! reload into the served state ([`crate::served`]); the serving itself is
+//! a part of the proxy ([`crate::proxy::intercept`]).
+//!
+//! An allow rule with `intercept = true` makes Palisade terminate the
+//! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
+//! originate its own verified TLS to the upstream, and decide every HTTP
+//! request inside on its own (`proxy::intercept::serve`): Host/`:authority`
+//! must be the SNI, the path is normalised and the rule's method and path
+//! rules apply, and
+//! the org's credentials ([`secret`]) are added to matching requests, all in
+//! one pure decision ([`crate::policy::request::decide`]).
+//! Every other connection passes through untouched.
+
+pub mod ca;
+pub mod secret;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::CertificateDer;
+
+use crate::config::{Config, CredentialConfig};
+
+use self::ca::{CaError, LeafCache, OrgCa};
+use self::secret::{Secret, SecretError};
+
+/// A credential with its secret, ready to be added to requests.
+#[derive(Debug)]
+pub struct Credential {
+    pub config: CredentialConfig,
+    secret: Secret,
+}
+
+impl Credential {
+    /// The header value to send (prefix + secret), marked sensitive.
+    pub fn value(&self) -> Option<http::HeaderValue> {
+        self.secret.header_value(&self.config.prefix)
+    }
+}
+
+/// Why interception could not be set up (at start or on a reload).
+#[derive(Debug, thiserror::Error)]
+pub enum InterceptError {
+    #[error("org {org}: CA: {source}")]
+    Ca { org: String, source: CaError },
+    #[error("{0}")]
+    Secret(#[from] SecretError),
+    #[error("upstream_ca {path}: {why}")]
+    Roots { path: String, why: String },
+    #[error("tls: {0}")]
+    Tls(#[from] rustls::Error),
+}
+
+/// Everything interception needs, built at start and by each reload
+/// ([`crate::served::Served::load`]).
+pub struct Interceptor {
+    provider: Arc<rustls::crypto::CryptoProvider>,
+    cas: HashMap<String, OrgCa>,
+    cache: Mutex<LeafCache>,
+    /// Upstream TLS: verified against `[intercept] upstream_ca`.
+    pub upstream: Arc<ClientConfig>,
+    credentials: HashMap<String, Vec<Arc<Credential>>>,
+    pub handshake_timeout: std::time::Duration,
+    metrics: Arc<crate::metrics::Metrics>,
+}
+
+impl std::fmt::Debug for Interceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interceptor")
+            .field("orgs", &self.cas.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The ring provider, the only one built in.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Trust anchors from a PEM bundle.
+pub fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptError> {
+    use rustls_pki_types::pem::PemObject;
+    let err = |why: String| InterceptError::Roots {
+        path: path.display().to_string(),
+        why,
+    };
+    let mut roots = RootCertStore::empty();
+    let iter = CertificateDer::pem_file_iter(path).map_err(|e| err(e.to_string()))?;
+    for cert in iter {
+        let cert = cert.map_err(|e| err(e.to_string()))?;
+        // Bundles carry the odd certificate webpki cannot use; skip those.
+        let _ = roots.add(cert);
+    }
+    if roots.is_empty() {
+        return Err(err("no usable certificate in the bundle".into()));
+    }
+    Ok(roots)
+}
+
+impl Interceptor {
+    /// Build from the config; `None` when no org intercepts anything.
+    pub fn new(
+        config: &Config,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> Result<Option<Interceptor>, InterceptError> {
+        if !config.orgs.iter().any(|o| o.intercepts()) {
+            return Ok(None);
+        }
+        let provider = provider();
+        let mut cas = HashMap::new();
+        let mut credentials: HashMap<String, Vec<Arc<Credential>>> = HashMap::new();
+        for org in config.orgs.iter().filter(|o| o.intercepts()) {
+            let ca =
+                OrgCa::load_or_create(&config.intercept.ca_dir, &org.name).map_err(|source| {
+                    InterceptError::Ca {
+                        org: org.name.clone(),
+                        source,
+                    }
+                })?;
+            cas.insert(org.name.clone(), ca);
+            for c in &org.credentials {
+                let secret = Secret::load(c)?;
+                credentials
+                    .entry(org.name.clone())
+                    .or_default()
+                    .push(Arc::new(Credential {
+                        config: c.clone(),
+                        secret,
+                    }));
+            }
+        }
+        let roots = load_roots(&config.intercept.upstream_ca)?;
+        let mut upstream = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        upstream.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Some(Interceptor {
+            provider,
+            cas,
+            cache: Mutex::new(LeafCache::new(config.intercept.cert_cache)),
+            upstream: Arc::new(upstream),
+            credentials,
+            handshake_timeout: config.intercept.handshake_timeout.get(),
+            metrics,
+        }))
+    }
+
+    /// The TLS server config presenting a leaf for `name` from `org`'s CA,
+    /// from the cache or freshly minted.
+    pub fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
+        let m = &self.metrics;
+        let now = Instant::now();
+        if let Some(c) = self.lock_cache().get(org, name, now) {
+            m.intercept_cert_cache_total
+                .with_label_values(&["hit"])
+                .inc();
+            return Some(c);
+        }
+        m.intercept_cert_cache_total
+            .with_label_values(&["miss"])
+            .inc();
+        let ca = self.cas.get(&**org)?;
+        let config = match ca.server_config(name, &self.provider) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot mint a leaf certificate");
+                return None;
+            }
+        };
+        let mut cache = self.lock_cache();
+        let evicted = cache.insert(org.clone(), name.to_string(), config.clone(), now);
+        m.intercept_cert_cache_total
+            .with_label_values(&["evict"])
+            .inc_by(evicted as u64);
+        m.intercept_cert_cache_entries.set(cache.len() as i64);
+        Some(config)
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, LeafCache> {
+        // A panic while holding the lock cannot leave the map inconsistent
+        // in a way that matters (worst case: a missing entry).
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The org's credentials, in file order: the request decision
+    /// ([`crate::policy::request::decide`]) picks those to add.
+    pub fn credentials(&self, org: &str) -> &[Arc<Credential>] {
+        self.credentials.get(org).map_or(&[], Vec::as_slice)
+    }
+}
