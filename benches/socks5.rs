@@ -10,12 +10,12 @@
 //! Under `cargo test` it runs one short round as a smoke test.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Child;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 #[path = "common/mod.rs"]
 mod common;
@@ -25,22 +25,13 @@ const STEP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reads one byte, answers "ok", closes.
 async fn upstream() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut b = [0u8; 1];
-                if let Ok(Ok(1)) = tokio::time::timeout(STEP_TIMEOUT, s.read(&mut b)).await {
-                    let _ = s.write_all(b"ok").await;
-                }
-            });
+    common::serve_tcp(|mut s| async move {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(1)) = tokio::time::timeout(STEP_TIMEOUT, s.read(&mut b)).await {
+            let _ = s.write_all(b"ok").await;
         }
-    });
-    addr
+    })
+    .await
 }
 
 fn start(root: &Path, up: SocketAddr) -> (Child, SocketAddr, SocketAddr) {
@@ -106,15 +97,8 @@ async fn load(via: Via, proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let (rounds, secs) = if full { (3, 4.0) } else { (1, 0.3) };
-    let root: PathBuf =
-        std::env::temp_dir().join(format!("palisade-socksbench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let root = common::scratch("socksbench");
+    let rt = common::runtime();
     let up = rt.block_on(upstream());
     let (child, http, socks) = start(&root, up);
     let (mut connect, mut socks5) = (Vec::new(), Vec::new());

@@ -18,12 +18,12 @@
 //! Under `cargo test` it runs one short round as a smoke test.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Child;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UdpSocket};
+use tokio::net::{TcpStream, UdpSocket};
 
 #[path = "common/mod.rs"]
 mod common;
@@ -35,32 +35,23 @@ const RESPONSE: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
 
 /// Keep-alive origin: answers every request head with [`RESPONSE`].
 async fn origin() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move {
+    common::serve_tcp(|mut s| async move {
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
         loop {
-            let Ok((mut s, _)) = l.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        buf.drain(..i + 4);
-                        if s.write_all(RESPONSE).await.is_err() {
-                            return;
-                        }
-                    }
-                    match tokio::time::timeout(STEP_TIMEOUT, s.read(&mut chunk)).await {
-                        Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
+            while let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                buf.drain(..i + 4);
+                if s.write_all(RESPONSE).await.is_err() {
+                    return;
                 }
-            });
+            }
+            match tokio::time::timeout(STEP_TIMEOUT, s.read(&mut chunk)).await {
+                Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                _ => return,
+            }
         }
-    });
-    addr
+    })
+    .await
 }
 
 /// A DNS server answering every A query with 127.0.0.1 (and anything else
@@ -190,15 +181,8 @@ fn round(
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
     let (rounds, secs) = if full { (5, 3.0) } else { (1, 0.3) };
-    let root: PathBuf =
-        std::env::temp_dir().join(format!("palisade-verifybench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let root = common::scratch("verifybench");
+    let rt = common::runtime();
     let up = rt.block_on(origin());
     let resolver = rt.block_on(dns());
     let (child, proxy) = start(&root, up, resolver);

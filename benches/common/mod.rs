@@ -146,3 +146,39 @@ pub async fn connect_tunnel(
     }
     head.starts_with(b"HTTP/1.1 200").then_some(s)
 }
+
+/// A loopback TCP server: every accepted connection is handed to `handle`
+/// in a task of its own. Returns the address it listens on.
+pub async fn serve_tcp<F, Fut>(handle: F) -> std::net::SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            if let Ok((s, _)) = l.accept().await {
+                tokio::spawn(handle(s));
+            }
+        }
+    });
+    addr
+}
+
+/// A fresh scratch directory for one bench process.
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let root = std::env::temp_dir().join(format!("palisade-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    root
+}
+
+/// The load generator's runtime: one worker thread.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}

@@ -2,7 +2,7 @@
 //! slow clients, connection caps, idle tunnels, drain on SIGTERM, malformed
 //! requests, name spellings, keep-alive and server-speaks-first tunnels.
 
-use crate::lab::{self, dump, Closed, Lab, RawConn, BANNER, BANNER_PORT, DEFAULT_POLICY};
+use crate::lab::{self, dump, Closed, Lab, RawConn, BANNER, BANNER_PORT};
 use crate::{assert_client_ip, assert_refused, record_id};
 use serde_json::Value;
 use std::thread;
@@ -12,19 +12,14 @@ use std::time::{Duration, Instant};
 /// a denied and a good address, and an internationalised name.
 fn policy() -> String {
     format!(
-        "{DEFAULT_POLICY}
-[[org.allow]]
-id = \"banner\"
-host = \"allowed.test\"
-ports = [{BANNER_PORT}]
-tunnel = \"opaque\"
-
+        "{}
 [[org.allow]]
 host = \"mixed.test\"
 
 [[org.allow]]
 host = \"bücher.test\"
-"
+",
+        lab::banner_policy()
     )
 }
 

@@ -17,15 +17,7 @@ use crate::lab::{
 const SECS5: Duration = Duration::from_secs(5);
 
 fn policy() -> String {
-    format!(
-        "{DEFAULT_POLICY}
-[[org.allow]]
-id = \"banner\"
-host = \"allowed.test\"
-ports = [{BANNER_PORT}]
-tunnel = \"opaque\"
-"
-    )
+    lab::banner_policy()
 }
 
 fn lab() -> Lab {

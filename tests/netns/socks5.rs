@@ -4,7 +4,7 @@
 //! listener keeps serving, and orgs behind one source address told apart
 //! by their tokens on both the explicit and the SOCKS5 listener.
 
-use crate::lab::{self, dump, Lab, BANNER, BANNER_PORT, DEFAULT_POLICY};
+use crate::lab::{self, dump, Lab, BANNER, BANNER_PORT};
 use crate::{assert_client_ip, assert_refused, record_id};
 use serde_json::Value;
 
@@ -14,18 +14,13 @@ const SOCKS_ADDR: &str = "198.18.1.1:1080";
 /// cidr host.
 fn policy() -> String {
     format!(
-        "{DEFAULT_POLICY}
-[[org.allow]]
-id = \"banner\"
-host = \"allowed.test\"
-ports = [{BANNER_PORT}]
-tunnel = \"opaque\"
-
+        "{}
 [[org.allow]]
 id = \"banner-cidr\"
 cidr = \"{}/32\"
 ports = [{BANNER_PORT}]
 ",
+        lab::banner_policy(),
         lab::CIDR_IP
     )
 }

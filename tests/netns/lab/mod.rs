@@ -143,6 +143,20 @@ ports = [80]
 host = "blocked.wild.test"
 "#;
 
+/// The default policy plus [`BANNER_PORT`] on allowed.test, carried
+/// `opaque`: the fixture speaks first, so no TLS or HTTP could be verified.
+pub fn banner_policy() -> String {
+    format!(
+        "{DEFAULT_POLICY}
+[[org.allow]]
+id = \"banner\"
+host = \"allowed.test\"
+ports = [{BANNER_PORT}]
+tunnel = \"opaque\"
+"
+    )
+}
+
 const NS_PREFIX: &str = "pltest-";
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(50);
