@@ -3,14 +3,23 @@
 //! The path of one explicit-proxy connection through the modules:
 //!
 //! 1. [`proxy`] accepts it (a connection permit from [`proxy::limits`]) and
-//!    hyper parses the request head within bounded size and time.
+//!    the HTTP layer ([`proxy::http`]) reads the request head within
+//!    bounded size and time.
 //! 2. [`proto::target`] normalises the target (names, every IP spelling).
-//! 3. [`policy`] decides, purely: client → org, name rules, then the
-//!    addresses [`resolve`] found, each checked before it may be dialled.
-//! 4. [`evidence`] writes the decision; only then does a byte flow.
-//! 5. [`proxy`] dials exactly a checked address, checks a tunnel's TLS
-//!    ClientHello ([`proto::client_hello`]) against the CONNECT host, and
-//!    copies bytes until close, which is recorded too.
+//! 3. [`policy`] decides, purely, under one version of the served state
+//!    ([`served`], loaded once as the connection's [`proxy::View`]): client
+//!    → org, name rules, then the addresses [`resolve`] found, each checked
+//!    before it may be dialled. The decided connection carries its state
+//!    ([`proxy::conn::Conn`]) from here to its close.
+//! 4. [`proxy`] dials exactly a checked address. A CONNECT tunnel then
+//!    answers `200` and judges the client's first unit (a ClientHello, a
+//!    request head) against the rule's `tunnel` ([`proxy::verify`], over
+//!    the pure [`proto::tls_stream`] and [`proto::http_stream`]).
+//! 5. [`evidence`] writes the decision record; only then does a byte reach
+//!    the upstream. A tunnel keeps being verified until it is opaque, and a
+//!    violation on the way is a denial record of its own.
+//! 6. Bytes are copied until close, which is recorded too. Whatever fails
+//!    is told to the client from one mapping ([`proxy::failure`]).
 //!
 //! A DNS query takes the same steps in [`dns`]: org by source address, the
 //! policy's name decision ([`dns::decide`]), upstream through [`resolve`],
@@ -20,21 +29,20 @@
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
 //! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
-//! interception ([`proxy::intercept`]) hooks in. A decided connection
-//! carries its state ([`proxy::conn`]) to its close; explicit mode and
-//! interception serve HTTP through one layer ([`proxy::http`]); whatever
-//! fails is told to the client from one mapping ([`proxy::failure`]).
+//! interception ([`proxy::intercept`], with the per-org CAs and
+//! credentials of [`intercept`]) hooks in and serves HTTP through the same
+//! layer as explicit mode.
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per
 //! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
-//! change; [`app`] wires listeners, the metrics, the admin endpoints and
-//! shutdown; [`probe`] demonstrates containment
-//! (a probe plan run in the sandbox, joined with verified evidence).
-//! [`cli`] holds the commands of the `palisade` binary, among them
-//! [`cli::explain`], which runs the same decision for one target from the
-//! command line, and [`cli::replay`], which re-decides recorded decisions
-//! under a candidate policy.
+//! change; [`metrics`] is one value handed to whoever counts; [`app`] wires
+//! listeners, the metrics, the admin endpoints ([`admin`]) and shutdown;
+//! [`probe`] demonstrates containment (a probe plan run in the sandbox,
+//! joined with verified evidence). [`cli`] holds the commands of the
+//! `palisade` binary, among them [`cli::explain`], which runs the same
+//! decision for one target from the command line, and [`cli::replay`],
+//! which re-decides recorded decisions under a candidate policy.
 
 #![forbid(unsafe_code)]
 
