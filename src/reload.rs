@@ -171,12 +171,16 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 idle_timeout,
                 query_timeout,
                 max_tcp_connections,
+                max_tcp_connections_per_client,
+                max_tcp_connections_per_org,
                 max_queries_in_flight,
+                max_queries_in_flight_per_org,
                 max_queries_per_second_per_client,
                 min_ttl,
                 max_ttl,
                 binding_grace,
                 max_bindings_per_name,
+                max_bindings_per_org,
                 max_bindings
             }
         );
