@@ -101,7 +101,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let policy = served.load().policy.clone();
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
-    let bindings = Arc::new(Bindings::new(dns.max_bindings_per_name, dns.max_bindings));
+    let bindings = Arc::new(Bindings::new(
+        dns.max_bindings_per_name,
+        dns.max_bindings_per_org,
+        dns.max_bindings,
+    ));
     let dns_listeners =
         dns::bind(&dns.listen)
             .await
