@@ -13,11 +13,13 @@
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
 //!    configured servers only, lowercased, cached); the answers are filtered
 //!    (always-denied addresses, `ech`, hints) and bound to (org, name).
-//! 4. Evidence is written before the answer is sent; refusals are queued.
+//! 4. Evidence is written before the answer is sent; refusals are queued
+//!    when the writer has room, else summarised ([`refusals`]).
 
 pub mod bindings;
 pub mod decide;
 mod handler;
+pub mod refusals;
 
 use std::io;
 use std::net::SocketAddr;
@@ -109,11 +111,29 @@ pub fn serve(
     }
     tracker.close();
     tokio::spawn(async move {
-        shutdown.cancelled().await;
+        // Refusals that found no room in the evidence queue are written as
+        // summaries, now and then, and once more when everything stopped.
+        let wait = shim.config.query_timeout.get();
+        let mut tick = tokio::time::interval(refusals::SUMMARY_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => shim.refusals.flush(wait).await,
+            }
+        }
         if let Err(e) = server.shutdown_gracefully().await {
             warn!(error = %e, "dns: udp server stopped with an error");
         }
         tracker.wait().await;
+        shim.refusals.flush(wait).await;
+        let left = shim.refusals.pending_count();
+        if left > 0 {
+            warn!(
+                refusals = left,
+                "dns: refusals summarised but not written before shutdown"
+            );
+        }
     })
 }
 
