@@ -14,10 +14,10 @@ use hickory_server::proto::rr::rdata::{A, AAAA, HINFO, HTTPS, PTR, SVCB};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use hickory_server::server::{Request, ResponseHandler, ResponseInfo};
 use hickory_server::zone_handler::MessageResponseBuilder;
-use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use super::bindings::Bindings;
+use super::budget::{QueryBudget, TcpBudget};
 use super::decide::{decide_query, Action};
 use super::refusals::{Recorded, Refusals};
 use crate::config::{DnsConfig, DnsDenied};
@@ -48,7 +48,10 @@ pub struct Shim {
     pub metrics: Arc<Metrics>,
     pub bindings: Arc<Bindings>,
     pub config: DnsConfig,
-    pub in_flight: Arc<Semaphore>,
+    /// Queries in flight: global, per org (per address for a client in no org).
+    pub queries: QueryBudget,
+    /// DNS-over-TCP connections: global, per client address, per org.
+    pub tcp: TcpBudget,
     /// Queries per second per client address.
     pub per_client: Arc<crate::proxy::limits::RateLimiter<IpAddr>>,
     /// Refusal records, one by one while the writer has room, else tallied.
@@ -107,7 +110,8 @@ impl Shim {
         config: DnsConfig,
     ) -> Shim {
         Shim {
-            in_flight: Arc::new(Semaphore::new(config.max_queries_in_flight)),
+            queries: QueryBudget::new(&config),
+            tcp: TcpBudget::new(&config),
             per_client: Arc::new(crate::proxy::limits::RateLimiter::new(
                 config.max_queries_per_second_per_client,
                 65_536,
@@ -360,25 +364,29 @@ impl Shim {
                 blocked(ResponseCode::Refused, &verdict, &recorded)
             }
         };
-        if query.query_class() != DNSClass::IN {
-            return refuse(Reason::BadRequest, "class").await;
+        if !self.per_client.allow(&client, Instant::now()) {
+            let limit = "max_queries_per_second_per_client exceeded";
+            return refuse(Reason::LimitExceeded, limit).await;
         }
-
-        let over_rate = !self.per_client.allow(&client, Instant::now());
-        let permit = self.in_flight.clone().try_acquire_owned();
-        let (false, Ok(_permit)) = (over_rate, permit) else {
-            return refuse(
-                Reason::LimitExceeded,
-                if over_rate {
-                    "max_queries_per_second_per_client exceeded"
-                } else {
-                    "max_queries_in_flight reached"
-                },
-            )
-            .await;
+        let org_name = org.as_ref().map(|o| &o.name);
+        let _held = match self.queries.try_take(client, org_name) {
+            Ok(held) => held,
+            Err(limit) => return refuse(Reason::LimitExceeded, limit).await,
         };
         // Within the budgets: a refusal record may wait for room.
         let wait = self.config.query_timeout.get();
+        if query.query_class() != DNSClass::IN {
+            let verdict = Verdict {
+                org: org.clone(),
+                reason: Reason::BadRequest,
+                rule: None,
+                would_deny: None,
+            };
+            let detail = Some("class".to_string());
+            let rec = self.refusal(served, src, &verdict, Some(&shown), Some(qtype), detail);
+            let recorded = self.record_refusal(rec, wait).await;
+            return blocked(ResponseCode::Refused, &verdict, &recorded);
+        }
 
         let decision = decide_query(&served.policy, &served.dns, client, &qname, qtype);
         let host = decision.name.clone().unwrap_or(shown);
@@ -556,6 +564,19 @@ impl Shim {
         rec.upstream = Some(false);
         rec.detail = detail;
         rec
+    }
+
+    /// Record a DNS-over-TCP connection closed at once over `limit`.
+    pub(crate) async fn refuse_connection(&self, src: SocketAddr, limit: &str) {
+        let served = self.served.load_full();
+        let verdict = Verdict {
+            org: served.policy.org_for(src.ip()),
+            reason: Reason::LimitExceeded,
+            rule: None,
+            would_deny: None,
+        };
+        let rec = self.refusal(&served, src, &verdict, None, None, Some(limit.into()));
+        self.record_refusal(rec, Duration::ZERO).await;
     }
 
     /// Record a refusal (nothing flows because of it, so the answer does

@@ -464,7 +464,11 @@ fn tcp_connections_are_capped_and_idle_ones_closed() {
     let lab = Lab::builder()
         .policy(POLICY)
         .dns_listen(&[SHIM])
-        .dns_extra("max_tcp_connections = 2\nidle_timeout = \"1s\"\n")
+        // The global cap, with room for it in the client's and org's own.
+        .dns_extra(
+            "max_tcp_connections = 2\nmax_tcp_connections_per_client = 2\n\
+             max_tcp_connections_per_org = 2\nidle_timeout = \"1s\"\n",
+        )
         .start();
     let q = message(0x2201, 0x0100, 1, &[("allowed.test", 1)]);
     let script = format!(
