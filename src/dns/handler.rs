@@ -20,6 +20,7 @@ use super::bindings::Bindings;
 use super::budget::{QueryBudget, TcpBudget};
 use super::decide::{decide_query, Action};
 use super::refusals::{Recorded, Refusals};
+use super::ttl::TtlMemo;
 use crate::config::{DnsConfig, DnsDenied};
 use crate::evidence::{Evidence, Kind, Mode, Record as EvRecord};
 use crate::metrics::Metrics;
@@ -56,6 +57,8 @@ pub struct Shim {
     pub per_client: Arc<crate::proxy::limits::RateLimiter<IpAddr>>,
     /// Refusal records, one by one while the writer has room, else tallied.
     pub refusals: Refusals,
+    /// Answer TTLs as first seen, so they do not count down across orgs.
+    pub ttls: TtlMemo,
 }
 
 /// The answer to send, before encoding.
@@ -117,6 +120,7 @@ impl Shim {
                 65_536,
             )),
             refusals: Refusals::new(evidence.clone(), metrics.clone()),
+            ttls: TtlMemo::default(),
             served,
             resolver,
             evidence,
@@ -300,7 +304,11 @@ impl Shim {
             error,
         };
         match lookup {
-            Ok(records) => self.filter(served, org, qtype, records),
+            Ok(mut records) => {
+                // Every org gets the TTLs the answer had when first seen.
+                self.ttls.apply(name, qtype, &mut records, Instant::now());
+                self.filter(served, org, qtype, records)
+            }
             Err(RecordsError::NxDomain) => failed(ResponseCode::NXDomain, None),
             Err(RecordsError::NoData) => failed(ResponseCode::NoError, None),
             Err(e) => failed(ResponseCode::ServFail, Some(e.to_string())),

@@ -13,7 +13,8 @@
 //! 2. [`decide::decide_query`] decides purely: client → org, shape, special
 //!    names, the policy's name decision, the query type.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
-//!    configured servers only, lowercased, cached); the answers are filtered
+//!    configured servers only, lowercased, cached); the answers get their
+//!    TTLs as first seen ([`ttl`]: no countdown across orgs), are filtered
 //!    (always-denied addresses, `ech`, hints) and bound to (org, name).
 //! 4. Evidence is written before the answer is sent; refusals are queued
 //!    when the writer has room, else summarised ([`refusals`]).
@@ -23,6 +24,7 @@ pub mod budget;
 pub mod decide;
 mod handler;
 pub mod refusals;
+pub mod ttl;
 
 use std::io;
 use std::net::SocketAddr;
