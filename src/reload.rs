@@ -363,6 +363,24 @@ host = "example.com"
     }
 
     #[test]
+    fn dns_budgets_are_restart_only() {
+        let old = config(BASE);
+        let budgets = config(&format!(
+            "[dns]\nmax_tcp_connections_per_client = 2\nmax_tcp_connections_per_org = 3\n\
+             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{BASE}"
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &budgets),
+            [
+                "dns.max_tcp_connections_per_client",
+                "dns.max_tcp_connections_per_org",
+                "dns.max_queries_in_flight_per_org",
+                "dns.max_bindings_per_org"
+            ]
+        );
+    }
+
+    #[test]
     fn orgs_and_intercept_reload_the_rest_is_named_key_by_key() {
         let old = config(BASE);
         let more_rules = config(&format!(
@@ -387,9 +405,14 @@ host = "example.com"
         let dns = config(&format!(
             "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{BASE}"
         ));
+        // The per-org share follows the global cap it defaults from.
         assert_eq!(
             restart_only_changes(&old, &dns),
-            ["dns.max_queries_in_flight", "admin.listen"]
+            [
+                "dns.max_queries_in_flight",
+                "dns.max_queries_in_flight_per_org",
+                "admin.listen"
+            ]
         );
         let evidence = config(&BASE.replace(
             "dir = \"/tmp/palisade-reload-test-evidence\"",
