@@ -356,9 +356,9 @@ impl Shim {
         let shown: String = super::decide::shown_name(&qname)
             .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect());
 
-        // Refused before the decision, with what was asked; over a limit,
-        // the record waits for nothing.
-        let refuse = |reason: Reason, detail: &str| {
+        // Refused before the decision, with what was asked; the record
+        // waits for room at most `wait`.
+        let refuse = |reason: Reason, detail: &str, wait: Duration| {
             let verdict = Verdict {
                 org: org.clone(),
                 reason,
@@ -368,32 +368,24 @@ impl Shim {
             let (host, qtype) = (Some(shown.as_str()), Some(qtype));
             let rec = self.refusal(served, src, &verdict, host, qtype, Some(detail.into()));
             async move {
-                let recorded = self.record_refusal(rec, Duration::ZERO).await;
+                let recorded = self.record_refusal(rec, wait).await;
                 blocked(ResponseCode::Refused, &verdict, &recorded)
             }
         };
+        // Over a limit, the record waits for nothing.
         if !self.per_client.allow(&client, Instant::now()) {
             let limit = "max_queries_per_second_per_client exceeded";
-            return refuse(Reason::LimitExceeded, limit).await;
+            return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await;
         }
         let org_name = org.as_ref().map(|o| &o.name);
         let _held = match self.queries.try_take(client, org_name) {
             Ok(held) => held,
-            Err(limit) => return refuse(Reason::LimitExceeded, limit).await,
+            Err(limit) => return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await,
         };
         // Within the budgets: a refusal record may wait for room.
         let wait = self.config.query_timeout.get();
         if query.query_class() != DNSClass::IN {
-            let verdict = Verdict {
-                org: org.clone(),
-                reason: Reason::BadRequest,
-                rule: None,
-                would_deny: None,
-            };
-            let detail = Some("class".to_string());
-            let rec = self.refusal(served, src, &verdict, Some(&shown), Some(qtype), detail);
-            let recorded = self.record_refusal(rec, wait).await;
-            return blocked(ResponseCode::Refused, &verdict, &recorded);
+            return refuse(Reason::BadRequest, "class", wait).await;
         }
 
         let decision = decide_query(&served.policy, &served.dns, client, &qname, qtype);
