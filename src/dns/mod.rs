@@ -8,8 +8,8 @@
 //!    decode get FORMERR; responses are dropped). TCP: our own accept loop
 //!    ([`serve_tcp`]) holds one place per connection in the [`budget`]s
 //!    (global, per client address, per org), closes idle connections and
-//!    hands each message to the same handler. A query takes a place in the
-//!    query budgets (global, per org) before anything else.
+//!    hands each message to the same handler. A well-formed query takes a
+//!    place in the query budgets (global, per org) before its decision.
 //! 2. [`decide::decide_query`] decides purely: client → org, shape, special
 //!    names, the policy's name decision, the query type.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the

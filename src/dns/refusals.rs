@@ -144,16 +144,23 @@ impl Refusals {
         }
     }
 
-    /// Write each tally as one record; a tally that finds no room within
-    /// `wait` (or an unhealthy writer) is kept for the next flush.
+    /// Write each tally as one record. Once one finds no room within
+    /// `wait` the others are not tried: they are all kept for the next
+    /// flush (as they are while the writer is unhealthy), so a flush waits
+    /// at most `wait` in all.
     pub async fn flush(&self, wait: Duration) {
         if !self.evidence.is_healthy() {
             return;
         }
         let taken: Vec<(Key, Tally)> = self.lock().drain().collect();
+        let mut room = true;
         for (key, tally) in taken {
-            let mut rec = tally.summary();
-            if !self.evidence.submit_within(&mut rec, wait).await {
+            room = room
+                && self
+                    .evidence
+                    .submit_within(&mut tally.summary(), wait)
+                    .await;
+            if !room {
                 self.add(key, || tally);
             }
         }
