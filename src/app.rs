@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
-use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -101,7 +100,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let policy = served.load().policy.clone();
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
-    let bindings = Arc::new(Bindings::new(dns.max_bindings_per_name, dns.max_bindings));
+    let bindings = Arc::new(Bindings::new(
+        dns.max_bindings_per_name,
+        dns.max_bindings_per_org,
+        dns.max_bindings,
+    ));
     let dns_listeners =
         dns::bind(&dns.listen)
             .await
@@ -180,19 +183,14 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for listener in socks5_listeners {
         listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
     }
-    let dns_shim: dns::ShimHandle = Arc::new(dns::Shim {
-        served: served.clone(),
-        resolver: resolver.clone(),
-        evidence: evidence.clone(),
-        metrics: metrics.clone(),
-        bindings: bindings.clone(),
-        config: dns.clone(),
-        in_flight: Arc::new(Semaphore::new(dns.max_queries_in_flight)),
-        per_client: Arc::new(proxy::limits::RateLimiter::new(
-            dns.max_queries_per_second_per_client,
-            65_536,
-        )),
-    });
+    let dns_shim: dns::ShimHandle = Arc::new(dns::Shim::new(
+        served.clone(),
+        resolver.clone(),
+        evidence.clone(),
+        metrics.clone(),
+        bindings.clone(),
+        dns.clone(),
+    ));
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(

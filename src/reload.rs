@@ -171,12 +171,16 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 idle_timeout,
                 query_timeout,
                 max_tcp_connections,
+                max_tcp_connections_per_client,
+                max_tcp_connections_per_org,
                 max_queries_in_flight,
+                max_queries_in_flight_per_org,
                 max_queries_per_second_per_client,
                 min_ttl,
                 max_ttl,
                 binding_grace,
                 max_bindings_per_name,
+                max_bindings_per_org,
                 max_bindings
             }
         );
@@ -359,6 +363,24 @@ host = "example.com"
     }
 
     #[test]
+    fn dns_budgets_are_restart_only() {
+        let old = config(BASE);
+        let budgets = config(&format!(
+            "[dns]\nmax_tcp_connections_per_client = 2\nmax_tcp_connections_per_org = 3\n\
+             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{BASE}"
+        ));
+        assert_eq!(
+            restart_only_changes(&old, &budgets),
+            [
+                "dns.max_tcp_connections_per_client",
+                "dns.max_tcp_connections_per_org",
+                "dns.max_queries_in_flight_per_org",
+                "dns.max_bindings_per_org"
+            ]
+        );
+    }
+
+    #[test]
     fn orgs_and_intercept_reload_the_rest_is_named_key_by_key() {
         let old = config(BASE);
         let more_rules = config(&format!(
@@ -385,9 +407,14 @@ host = "example.com"
         let dns = config(&format!(
             "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{BASE}"
         ));
+        // The per-org share follows the global cap it defaults from.
         assert_eq!(
             restart_only_changes(&old, &dns),
-            ["dns.max_queries_in_flight", "admin.listen"]
+            [
+                "dns.max_queries_in_flight",
+                "dns.max_queries_in_flight_per_org",
+                "admin.listen"
+            ]
         );
         let evidence = config(&BASE.replace(
             "dir = \"/tmp/palisade-reload-test-evidence\"",

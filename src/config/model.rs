@@ -32,6 +32,8 @@ pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 pub const DEFAULT_MAX_HEADERS: usize = 100;
 /// Default cap on concurrent DNS-over-TCP connections, all listeners together.
 pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
+/// Default cap on concurrent DNS-over-TCP connections from one client address.
+pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS_PER_CLIENT: usize = 16;
 /// Default DNS queries per second per client address.
 pub const DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT: usize = 2_000;
 /// Default cap on DNS queries being answered at once (UDP and TCP).
@@ -44,8 +46,14 @@ pub const DEFAULT_DNS_MAX_TTL: Duration = Duration::from_secs(3600);
 pub const DEFAULT_DNS_BINDING_GRACE: Duration = Duration::from_secs(60);
 /// Default cap on addresses bound to one (org, name).
 pub const DEFAULT_DNS_MAX_BINDINGS_PER_NAME: usize = 32;
-/// Default cap on all name-address bindings together (oldest evicted first).
+/// Default cap on all name-address bindings together.
 pub const DEFAULT_DNS_MAX_BINDINGS: usize = 100_000;
+
+/// The default of a per-org DNS cap: a quarter of its global cap (rounded
+/// up), so that no one org can take more than a quarter of the shim.
+pub fn dns_org_share(global: usize) -> usize {
+    global.div_ceil(4).max(1)
+}
 /// Query types the DNS shim never answers, whatever an org enables.
 pub const DNS_NEVER_TYPES: [&str; 5] = ["ANY", "AXFR", "IXFR", "OPT", "TSIG"];
 /// Ports an allow rule covers when it names none.
@@ -200,7 +208,14 @@ pub struct DnsConfig {
     /// One query, end to end; past it the client gets SERVFAIL.
     pub query_timeout: DnsQueryTimeout,
     pub max_tcp_connections: usize,
+    /// DNS-over-TCP connections one client address may hold.
+    pub max_tcp_connections_per_client: usize,
+    /// DNS-over-TCP connections the clients of one org may hold together.
+    pub max_tcp_connections_per_org: usize,
     pub max_queries_in_flight: usize,
+    /// Queries of one org being answered at once; a client in no org has
+    /// a budget of this size for its own address.
+    pub max_queries_in_flight_per_org: usize,
     /// Queries one client address may send per second (token bucket).
     pub max_queries_per_second_per_client: usize,
     /// Answer TTLs are clamped to `min_ttl..=max_ttl` (whole seconds).
@@ -209,6 +224,9 @@ pub struct DnsConfig {
     /// A binding stays valid for the (clamped) TTL plus this.
     pub binding_grace: Duration,
     pub max_bindings_per_name: usize,
+    /// Bindings one org may hold; over it, its own oldest goes.
+    pub max_bindings_per_org: usize,
+    /// All bindings; when full, the org holding the most loses its oldest.
     pub max_bindings: usize,
 }
 
@@ -221,12 +239,16 @@ impl Default for DnsConfig {
             idle_timeout: DEFAULT_DNS_IDLE_TIMEOUT,
             query_timeout: DEFAULT_DNS_QUERY_TIMEOUT,
             max_tcp_connections: DEFAULT_DNS_MAX_TCP_CONNECTIONS,
+            max_tcp_connections_per_client: DEFAULT_DNS_MAX_TCP_CONNECTIONS_PER_CLIENT,
+            max_tcp_connections_per_org: dns_org_share(DEFAULT_DNS_MAX_TCP_CONNECTIONS),
             max_queries_in_flight: DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT,
+            max_queries_in_flight_per_org: dns_org_share(DEFAULT_DNS_MAX_QUERIES_IN_FLIGHT),
             max_queries_per_second_per_client: DEFAULT_DNS_MAX_QUERIES_PER_SECOND_PER_CLIENT,
             min_ttl: DEFAULT_DNS_MIN_TTL,
             max_ttl: DEFAULT_DNS_MAX_TTL,
             binding_grace: DEFAULT_DNS_BINDING_GRACE,
             max_bindings_per_name: DEFAULT_DNS_MAX_BINDINGS_PER_NAME,
+            max_bindings_per_org: dns_org_share(DEFAULT_DNS_MAX_BINDINGS),
             max_bindings: DEFAULT_DNS_MAX_BINDINGS,
         }
     }
@@ -600,12 +622,16 @@ impl Config {
             idle_timeout: _,
             query_timeout: _,
             max_tcp_connections: _,
+            max_tcp_connections_per_client: _,
+            max_tcp_connections_per_org: _,
             max_queries_in_flight: _,
+            max_queries_in_flight_per_org: _,
             max_queries_per_second_per_client: _,
             min_ttl: _,
             max_ttl: _,
             binding_grace: _,
             max_bindings_per_name: _,
+            max_bindings_per_org: _,
             max_bindings: _,
         } = dns;
         let AdminConfig {

@@ -78,12 +78,16 @@ pub(super) struct RawDns {
     pub(super) idle_timeout: Option<Spanned<String>>,
     pub(super) query_timeout: Option<Spanned<String>>,
     pub(super) max_tcp_connections: Option<Spanned<i64>>,
+    pub(super) max_tcp_connections_per_client: Option<Spanned<i64>>,
+    pub(super) max_tcp_connections_per_org: Option<Spanned<i64>>,
     pub(super) max_queries_in_flight: Option<Spanned<i64>>,
+    pub(super) max_queries_in_flight_per_org: Option<Spanned<i64>>,
     pub(super) max_queries_per_second_per_client: Option<Spanned<i64>>,
     pub(super) min_ttl: Option<Spanned<String>>,
     pub(super) max_ttl: Option<Spanned<String>>,
     pub(super) binding_grace: Option<Spanned<String>>,
     pub(super) max_bindings_per_name: Option<Spanned<i64>>,
+    pub(super) max_bindings_per_org: Option<Spanned<i64>>,
     pub(super) max_bindings: Option<Spanned<i64>>,
 }
 

@@ -4,9 +4,15 @@
 //! PTR queries are answered from [`Bindings::names_for`].
 //!
 //! Pure bookkeeping: the caller passes `now`, nothing here reads a clock.
-//! Bounded: at most `per_name` addresses per (org, name), the soonest to
-//! expire replaced first; at most `total` bindings overall, the oldest
-//! (least recently handed out) evicted first.
+//! Bounded, and one org's churn cannot evict another org's bindings:
+//!
+//! - at most `per_name` addresses per (org, name): the soonest to expire
+//!   is replaced;
+//! - at most `per_org` bindings per org: over it, that org's own oldest
+//!   (least recently handed out) binding is evicted;
+//! - at most `total` bindings overall: when full, an expired binding goes
+//!   first, else the oldest binding of the org holding the most. An org
+//!   holding no more than any other is never evicted for another's sake.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -15,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::policy::canonical;
 
-/// Expired bindings checked (and dropped) per `bind` call, oldest first.
+/// Expired bindings of the binding org checked (and dropped) per `bind` call, oldest first.
 const SWEEP_PER_BIND: usize = 8;
 
 #[derive(Debug, Clone, Copy)]
@@ -29,13 +35,36 @@ struct Entry {
 struct OrgBindings {
     by_name: HashMap<String, Vec<Entry>>,
     by_addr: HashMap<IpAddr, Vec<String>>,
+    /// This org's bindings by the sequence number of their last `bind`: the first is the oldest.
+    order: BTreeMap<u64, (String, IpAddr)>,
+}
+
+impl OrgBindings {
+    fn entry(&self, name: &str, addr: IpAddr) -> Option<Entry> {
+        self.by_name
+            .get(name)?
+            .iter()
+            .find(|e| e.addr == addr)
+            .copied()
+    }
+
+    /// The oldest binding, if it has expired at `now`.
+    fn oldest_expired(&self, now: Instant) -> Option<(String, IpAddr)> {
+        let (_, (name, addr)) = self.order.first_key_value()?;
+        let e = self.entry(name, *addr)?;
+        (e.expires <= now).then(|| (name.clone(), *addr))
+    }
+
+    fn oldest(&self) -> Option<(String, IpAddr)> {
+        self.order.first_key_value().map(|(_, b)| b.clone())
+    }
 }
 
 #[derive(Debug, Default)]
 struct Inner {
     orgs: HashMap<Arc<str>, OrgBindings>,
-    /// Every binding by the sequence number of its last `bind`: the first is the oldest.
-    order: BTreeMap<u64, (Arc<str>, String, IpAddr)>,
+    /// Bindings held, all orgs together.
+    len: usize,
     next_seq: u64,
 }
 
@@ -47,7 +76,8 @@ impl Inner {
         if let Some(list) = o.by_name.get_mut(name) {
             if let Some(pos) = list.iter().position(|e| e.addr == addr) {
                 let e = list.swap_remove(pos);
-                self.order.remove(&e.seq);
+                o.order.remove(&e.seq);
+                self.len -= 1;
             }
             if list.is_empty() {
                 o.by_name.remove(name);
@@ -65,13 +95,30 @@ impl Inner {
     }
 
     fn entry(&self, org: &str, name: &str, addr: IpAddr) -> Option<Entry> {
-        self.orgs
-            .get(org)?
-            .by_name
-            .get(name)?
+        self.orgs.get(org)?.entry(name, addr)
+    }
+
+    fn org_len(&self, org: &str) -> usize {
+        self.orgs.get(org).map_or(0, |o| o.order.len())
+    }
+
+    /// The binding to evict when all are taken: an expired one of any
+    /// org, else the oldest of the org holding the most (ties: the org
+    /// whose oldest is older).
+    fn global_victim(&self, now: Instant) -> Option<(Arc<str>, String, IpAddr)> {
+        if let Some((org, (name, addr))) = self
+            .orgs
             .iter()
-            .find(|e| e.addr == addr)
-            .copied()
+            .find_map(|(org, o)| Some((org, o.oldest_expired(now)?)))
+        {
+            return Some((org.clone(), name, addr));
+        }
+        let (org, o) = self.orgs.iter().max_by_key(|(_, o)| {
+            let oldest = o.order.first_key_value().map_or(u64::MAX, |(s, _)| *s);
+            (o.order.len(), std::cmp::Reverse(oldest))
+        })?;
+        let (name, addr) = o.oldest()?;
+        Some((org.clone(), name, addr))
     }
 }
 
@@ -80,15 +127,17 @@ impl Inner {
 pub struct Bindings {
     inner: Mutex<Inner>,
     per_name: usize,
+    per_org: usize,
     total: usize,
 }
 
 impl Bindings {
-    /// `per_name` and `total` are clamped to at least 1.
-    pub fn new(per_name: usize, total: usize) -> Bindings {
+    /// `per_name`, `per_org` and `total` are clamped to at least 1.
+    pub fn new(per_name: usize, per_org: usize, total: usize) -> Bindings {
         Bindings {
             inner: Mutex::new(Inner::default()),
             per_name: per_name.max(1),
+            per_org: per_org.max(1),
             total: total.max(1),
         }
     }
@@ -109,33 +158,28 @@ impl Bindings {
         let seq = inner.next_seq;
         inner.next_seq += 1;
 
-        // Drop a few expired bindings, oldest first, so memory follows use.
-        let stale: Vec<(Arc<str>, String, IpAddr)> = inner
-            .order
-            .values()
-            .take(SWEEP_PER_BIND)
-            .filter(|(o, n, a)| inner.entry(o, n, *a).is_none_or(|e| e.expires <= now))
-            .cloned()
-            .collect();
-        for (o, n, a) in stale {
-            inner.remove(&o, &n, a);
+        // Drop a few of this org's expired bindings, oldest first, so
+        // memory follows use.
+        for _ in 0..SWEEP_PER_BIND {
+            let Some((n, a)) = inner.orgs.get(org).and_then(|o| o.oldest_expired(now)) else {
+                break;
+            };
+            inner.remove(org, &n, a);
         }
 
-        if let Some(old) = inner.entry(org, name, addr) {
-            inner.order.remove(&old.seq);
-            let o = inner.orgs.entry(org.clone()).or_default();
+        if let Some(o) = inner.orgs.get_mut(org) {
             if let Some(e) = o
                 .by_name
                 .get_mut(name)
                 .and_then(|l| l.iter_mut().find(|e| e.addr == addr))
             {
+                let old_seq = e.seq;
                 e.expires = e.expires.max(expires);
                 e.seq = seq;
+                o.order.remove(&old_seq);
+                o.order.insert(seq, (name.to_string(), addr));
+                return;
             }
-            inner
-                .order
-                .insert(seq, (org.clone(), name.to_string(), addr));
-            return;
         }
 
         // Per-name cap: replace the binding that expires soonest.
@@ -148,9 +192,16 @@ impl Bindings {
         if let Some(victim) = full {
             inner.remove(org, name, victim);
         }
-        // Global cap: evict the oldest.
-        while inner.order.len() >= self.total {
-            let Some((_, (o, n, a))) = inner.order.pop_first() else {
+        // Per-org cap: this org's own oldest goes.
+        while inner.org_len(org) >= self.per_org {
+            let Some((n, a)) = inner.orgs.get(org).and_then(OrgBindings::oldest) else {
+                break;
+            };
+            inner.remove(org, &n, a);
+        }
+        // Global cap: an expired binding, else the biggest holder's oldest.
+        while inner.len >= self.total {
+            let Some((o, n, a)) = inner.global_victim(now) else {
                 break;
             };
             inner.remove(&o, &n, a);
@@ -162,9 +213,8 @@ impl Bindings {
             .or_default()
             .push(Entry { addr, expires, seq });
         o.by_addr.entry(addr).or_default().push(name.to_string());
-        inner
-            .order
-            .insert(seq, (org.clone(), name.to_string(), addr));
+        o.order.insert(seq, (name.to_string(), addr));
+        inner.len += 1;
     }
 
     /// Did `org` receive `addr` for `name`, and is that still valid at `now`?
@@ -195,7 +245,12 @@ impl Bindings {
 
     /// Number of bindings held (expired ones not yet swept included).
     pub fn len(&self) -> usize {
-        self.lock().order.len()
+        self.lock().len
+    }
+
+    /// Number of bindings `org` holds (expired ones not yet swept included).
+    pub fn len_of(&self, org: &str) -> usize {
+        self.lock().org_len(org)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -222,7 +277,7 @@ mod tests {
 
     #[test]
     fn bound_until_expiry_and_per_org() {
-        let b = Bindings::new(4, 100);
+        let b = Bindings::new(4, 100, 100);
         let t0 = Instant::now();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
@@ -237,7 +292,7 @@ mod tests {
 
     #[test]
     fn rebinding_refreshes() {
-        let b = Bindings::new(4, 100);
+        let b = Bindings::new(4, 100, 100);
         let t0 = Instant::now();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
@@ -248,7 +303,7 @@ mod tests {
 
     #[test]
     fn per_name_cap_replaces_soonest_expiry() {
-        let b = Bindings::new(2, 100);
+        let b = Bindings::new(2, 100, 100);
         let t0 = Instant::now();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.1"), 5 * SEC, t0);
@@ -263,7 +318,7 @@ mod tests {
 
     #[test]
     fn global_cap_evicts_oldest() {
-        let b = Bindings::new(8, 3);
+        let b = Bindings::new(8, 3, 3);
         let t0 = Instant::now();
         let acme: Arc<str> = Arc::from("acme");
         for i in 1..=5u8 {
@@ -283,7 +338,7 @@ mod tests {
 
     #[test]
     fn expired_bindings_are_swept() {
-        let b = Bindings::new(8, 100);
+        let b = Bindings::new(8, 100, 100);
         let t0 = Instant::now();
         let acme: Arc<str> = Arc::from("acme");
         for i in 0..4u8 {
@@ -298,7 +353,7 @@ mod tests {
 
     #[test]
     fn names_for_is_per_org_with_remaining_validity() {
-        let b = Bindings::new(8, 100);
+        let b = Bindings::new(8, 100, 100);
         let t0 = Instant::now();
         let (acme, other): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("other"));
         b.bind(&acme, "b.test", ip("198.18.2.1"), 30 * SEC, t0);
@@ -313,5 +368,56 @@ mod tests {
             ]
         );
         assert_eq!(b.names_for("nobody", ip("198.18.2.1"), t0), vec![]);
+    }
+
+    /// `org` binds `n` names (`pattern` with `{}` replaced by 0..n) to one
+    /// address for 10 minutes, one millisecond apart from `t0`.
+    fn bind_many(b: &Bindings, org: &str, pattern: &str, n: u32, t0: Instant) {
+        let org: Arc<str> = Arc::from(org);
+        for i in 0..n {
+            let t = t0 + Duration::from_millis(u64::from(i));
+            let name = pattern.replace("{}", &i.to_string());
+            b.bind(&org, &name, ip("198.18.2.2"), 600 * SEC, t);
+        }
+    }
+
+    #[test]
+    fn an_org_churning_ten_times_its_share_leaves_other_orgs_intact() {
+        // Room for 40 bindings, 10 per org.
+        let b = Bindings::new(8, 10, 40);
+        let t0 = Instant::now();
+        bind_many(&b, "b", "b{}.test", 10, t0);
+        // Org a churns random names under its wildcard: 10x its share.
+        bind_many(&b, "a", "r{}.wild.test", 100, t0);
+        assert_eq!(b.len_of("a"), 10);
+        assert_eq!(b.len_of("b"), 10);
+        for i in 0..10u8 {
+            let name = format!("b{i}.test");
+            assert!(b.is_bound("b", &name, ip("198.18.2.2"), t0 + SEC), "{name}");
+        }
+        // a keeps its newest.
+        assert!(b.is_bound("a", "r99.wild.test", ip("198.18.2.2"), t0 + SEC));
+        assert!(!b.is_bound("a", "r89.wild.test", ip("198.18.2.2"), t0 + SEC));
+    }
+
+    #[test]
+    fn when_all_are_taken_the_biggest_holder_loses_its_oldest() {
+        // No org cap to speak of: only the global one.
+        let b = Bindings::new(8, 100, 10);
+        let t0 = Instant::now();
+        bind_many(&b, "b", "b{}.test", 3, t0);
+        bind_many(&b, "a", "r{}.test", 50, t0);
+        let a: Arc<str> = Arc::from("a");
+        assert_eq!(b.len(), 10);
+        assert_eq!(b.len_of("b"), 3);
+        assert_eq!(b.len_of("a"), 7);
+        // An expired binding goes before any live one, whoever holds it.
+        let c: Arc<str> = Arc::from("c");
+        b.bind(&c, "short.test", ip("198.18.2.3"), SEC, t0);
+        assert_eq!(b.len_of("a"), 6);
+        b.bind(&a, "late.test", ip("198.18.2.2"), 600 * SEC, t0 + 2 * SEC);
+        assert_eq!(b.len_of("c"), 0);
+        assert_eq!(b.len_of("a"), 7);
+        assert_eq!(b.len_of("b"), 3);
     }
 }

@@ -14,11 +14,13 @@ use hickory_server::proto::rr::rdata::{A, AAAA, HINFO, HTTPS, PTR, SVCB};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use hickory_server::server::{Request, ResponseHandler, ResponseInfo};
 use hickory_server::zone_handler::MessageResponseBuilder;
-use tokio::sync::Semaphore;
 use tracing::{debug, warn};
 
 use super::bindings::Bindings;
+use super::budget::{QueryBudget, TcpBudget};
 use super::decide::{decide_query, Action};
+use super::refusals::{Recorded, Refusals};
+use super::ttl::TtlMemo;
 use crate::config::{DnsConfig, DnsDenied};
 use crate::evidence::{Evidence, Kind, Mode, Record as EvRecord};
 use crate::metrics::Metrics;
@@ -47,9 +49,16 @@ pub struct Shim {
     pub metrics: Arc<Metrics>,
     pub bindings: Arc<Bindings>,
     pub config: DnsConfig,
-    pub in_flight: Arc<Semaphore>,
+    /// Queries in flight: global, per org (per address for a client in no org).
+    pub queries: QueryBudget,
+    /// DNS-over-TCP connections: global, per client address, per org.
+    pub tcp: TcpBudget,
     /// Queries per second per client address.
     pub per_client: Arc<crate::proxy::limits::RateLimiter<IpAddr>>,
+    /// Refusal records, one by one while the writer has room, else tallied.
+    pub refusals: Refusals,
+    /// Answer TTLs as first seen, so they do not count down across orgs.
+    pub ttls: TtlMemo,
 }
 
 /// The answer to send, before encoding.
@@ -94,6 +103,33 @@ fn describe(r: &Record) -> String {
 }
 
 impl Shim {
+    /// The shim of `config`, its limits sized from it.
+    pub fn new(
+        served: ServedHandle,
+        resolver: Arc<Resolver>,
+        evidence: Arc<Evidence>,
+        metrics: Arc<Metrics>,
+        bindings: Arc<Bindings>,
+        config: DnsConfig,
+    ) -> Shim {
+        Shim {
+            queries: QueryBudget::new(&config),
+            tcp: TcpBudget::new(&config),
+            per_client: Arc::new(crate::proxy::limits::RateLimiter::new(
+                config.max_queries_per_second_per_client,
+                65_536,
+            )),
+            refusals: Refusals::new(evidence.clone(), metrics.clone()),
+            ttls: TtlMemo::default(),
+            served,
+            resolver,
+            evidence,
+            metrics,
+            bindings,
+            config,
+        }
+    }
+
     fn clamp_ttl(&self, ttl: u32) -> u32 {
         let min = u32::try_from(self.config.min_ttl.as_secs()).unwrap_or(u32::MAX);
         let max = u32::try_from(self.config.max_ttl.as_secs()).unwrap_or(u32::MAX);
@@ -268,7 +304,11 @@ impl Shim {
             error,
         };
         match lookup {
-            Ok(records) => self.filter(served, org, qtype, records),
+            Ok(mut records) => {
+                // Every org gets the TTLs the answer had when first seen.
+                self.ttls.apply(name, qtype, &mut records, Instant::now());
+                self.filter(served, org, qtype, records)
+            }
             Err(RecordsError::NxDomain) => failed(ResponseCode::NXDomain, None),
             Err(RecordsError::NoData) => failed(ResponseCode::NoError, None),
             Err(e) => failed(ResponseCode::ServFail, Some(e.to_string())),
@@ -304,7 +344,8 @@ impl Shim {
                     rule: None,
                     would_deny: None,
                 };
-                self.record_refusal(served, src, &verdict, None, None, Some(detail));
+                let rec = self.refusal(served, src, &verdict, None, None, Some(detail));
+                self.record_refusal(rec, Duration::ZERO).await;
                 return Reply::empty(rcode);
             }
         };
@@ -315,8 +356,9 @@ impl Shim {
         let shown: String = super::decide::shown_name(&qname)
             .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect());
 
-        // Refused before the decision, with what was asked.
-        let refuse = |reason: Reason, detail: &str| {
+        // Refused before the decision, with what was asked; the record
+        // waits for room at most `wait`.
+        let refuse = |reason: Reason, detail: &str, wait: Duration| {
             let verdict = Verdict {
                 org: org.clone(),
                 reason,
@@ -324,25 +366,27 @@ impl Shim {
                 would_deny: None,
             };
             let (host, qtype) = (Some(shown.as_str()), Some(qtype));
-            let id = self.record_refusal(served, src, &verdict, host, qtype, Some(detail.into()));
-            blocked(ResponseCode::Refused, &verdict, &id)
+            let rec = self.refusal(served, src, &verdict, host, qtype, Some(detail.into()));
+            async move {
+                let recorded = self.record_refusal(rec, wait).await;
+                blocked(ResponseCode::Refused, &verdict, &recorded)
+            }
         };
-        if query.query_class() != DNSClass::IN {
-            return refuse(Reason::BadRequest, "class");
+        // Over a limit, the record waits for nothing.
+        if !self.per_client.allow(&client, Instant::now()) {
+            let limit = "max_queries_per_second_per_client exceeded";
+            return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await;
         }
-
-        let over_rate = !self.per_client.allow(&client, Instant::now());
-        let permit = self.in_flight.clone().try_acquire_owned();
-        let (false, Ok(_permit)) = (over_rate, permit) else {
-            return refuse(
-                Reason::LimitExceeded,
-                if over_rate {
-                    "max_queries_per_second_per_client exceeded"
-                } else {
-                    "max_queries_in_flight reached"
-                },
-            );
+        let org_name = org.as_ref().map(|o| &o.name);
+        let _held = match self.queries.try_take(client, org_name) {
+            Ok(held) => held,
+            Err(limit) => return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await,
         };
+        // Within the budgets: a refusal record may wait for room.
+        let wait = self.config.query_timeout.get();
+        if query.query_class() != DNSClass::IN {
+            return refuse(Reason::BadRequest, "class", wait).await;
+        }
 
         let decision = decide_query(&served.policy, &served.dns, client, &qname, qtype);
         let host = decision.name.clone().unwrap_or(shown);
@@ -350,16 +394,14 @@ impl Shim {
         let now = Instant::now();
         let reply = match decision.action {
             Action::Refuse => {
-                let id = self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
-                blocked(ResponseCode::Refused, &verdict, &id)
+                let rec = self.refusal(served, src, &verdict, Some(&host), Some(qtype), None);
+                let recorded = self.record_refusal(rec, wait).await;
+                blocked(ResponseCode::Refused, &verdict, &recorded)
             }
             Action::Denied(style) => {
-                let id = self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
-                let rcode = match style {
-                    DnsDenied::Refused => ResponseCode::Refused,
-                    DnsDenied::Nxdomain => ResponseCode::NXDomain,
-                };
-                blocked(rcode, &verdict, &id)
+                let rec = self.refusal(served, src, &verdict, Some(&host), Some(qtype), None);
+                let recorded = self.record_refusal(rec, wait).await;
+                blocked(denied_rcode(style), &verdict, &recorded)
             }
             Action::NxDomain | Action::NoData => {
                 let rcode = if decision.action == Action::NxDomain {
@@ -367,7 +409,8 @@ impl Shim {
                 } else {
                     ResponseCode::NoError
                 };
-                self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
+                let rec = self.refusal(served, src, &verdict, Some(&host), Some(qtype), None);
+                self.record_refusal(rec, wait).await;
                 Reply::empty(rcode)
             }
             Action::AnyHinfo => {
@@ -413,13 +456,9 @@ impl Shim {
                         .get(verdict.org.as_ref().map_or(usize::MAX, |o| o.index))
                         .map(|o| o.denied)
                         .unwrap_or_default();
-                    let id =
-                        self.record_refusal(served, src, &verdict, Some(&host), Some(qtype), None);
-                    let rcode = match style {
-                        DnsDenied::Refused => ResponseCode::Refused,
-                        DnsDenied::Nxdomain => ResponseCode::NXDomain,
-                    };
-                    blocked(rcode, &verdict, &id)
+                    let rec = self.refusal(served, src, &verdict, Some(&host), Some(qtype), None);
+                    let recorded = self.record_refusal(rec, wait).await;
+                    blocked(denied_rcode(style), &verdict, &recorded)
                 } else {
                     verdict.reason = Reason::RuleMatch;
                     let mut rec = self.record(served, src, &verdict, &host, qtype);
@@ -507,9 +546,8 @@ impl Shim {
         rec
     }
 
-    /// Record a query that gets no answers and sends nothing upstream
-    /// (queued, not awaited: nothing flows because of it); returns its id.
-    fn record_refusal(
+    /// The record of a query that gets no answers and sends nothing upstream.
+    fn refusal(
         &self,
         served: &Served,
         src: SocketAddr,
@@ -517,7 +555,7 @@ impl Shim {
         host: Option<&str>,
         qtype: Option<RecordType>,
         detail: Option<String>,
-    ) -> String {
+    ) -> EvRecord {
         let hash = served.policy.hash_arc();
         let mut rec = EvRecord::decision(Kind::Dns, Mode::Dns, src, verdict, hash);
         rec.host = host.map(str::to_string);
@@ -525,10 +563,29 @@ impl Shim {
         rec.answers = Some(Vec::new());
         rec.upstream = Some(false);
         rec.detail = detail;
-        self.evidence.submit(&mut rec);
-        self.metrics.count_record(&rec);
-        debug!(client = %src, host = ?host, reason = %verdict.reason, "dns refused");
-        rec.id
+        rec
+    }
+
+    /// Record a DNS-over-TCP connection closed at once over `limit`.
+    pub(crate) async fn refuse_connection(&self, src: SocketAddr, limit: &str) {
+        let served = self.served.load_full();
+        let verdict = Verdict {
+            org: served.policy.org_for(src.ip()),
+            reason: Reason::LimitExceeded,
+            rule: None,
+            would_deny: None,
+        };
+        let rec = self.refusal(&served, src, &verdict, None, None, Some(limit.into()));
+        self.record_refusal(rec, Duration::ZERO).await;
+    }
+
+    /// Record a refusal (nothing flows because of it, so the answer does
+    /// not wait for the write): queued when the writer has room within
+    /// `wait`, else counted into a summary ([`Refusals`]).
+    async fn record_refusal(&self, mut rec: EvRecord, wait: Duration) -> Recorded {
+        let recorded = self.refusals.record(&mut rec, wait).await;
+        debug!(client = ?rec.client, host = ?rec.host, reason = %rec.reason, ?recorded, "dns refused");
+        recorded
     }
 
     /// Write the record of an answer before it is sent; without evidence,
@@ -553,8 +610,17 @@ impl Shim {
     }
 }
 
-/// A refusal with its Extended DNS Error.
-fn blocked(rcode: ResponseCode, verdict: &Verdict, id: &str) -> Reply {
+/// The rcode of a denied name, as the org wants it.
+fn denied_rcode(style: DnsDenied) -> ResponseCode {
+    match style {
+        DnsDenied::Refused => ResponseCode::Refused,
+        DnsDenied::Nxdomain => ResponseCode::NXDomain,
+    }
+}
+
+/// A refusal with its Extended DNS Error (naming its record, or saying it
+/// was summarised).
+fn blocked(rcode: ResponseCode, verdict: &Verdict, recorded: &Recorded) -> Reply {
     let code = if verdict.reason == Reason::UnknownClient {
         EDE_PROHIBITED
     } else {
@@ -563,7 +629,10 @@ fn blocked(rcode: ResponseCode, verdict: &Verdict, id: &str) -> Reply {
     Reply {
         rcode,
         answers: Vec::new(),
-        ede: Some((code, format!("palisade: {}; record={id}", verdict.reason))),
+        ede: Some((
+            code,
+            format!("palisade: {}; {}", verdict.reason, recorded.reference()),
+        )),
     }
 }
 

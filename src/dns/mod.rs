@@ -6,18 +6,25 @@
 //!
 //! 1. UDP: hickory-server's [`Server`] receives it (messages that do not
 //!    decode get FORMERR; responses are dropped). TCP: our own accept loop
-//!    ([`serve_tcp`]) holds one permit per connection (`max_tcp_connections`),
-//!    closes idle connections and hands each message to the same handler.
+//!    ([`serve_tcp`]) holds one place per connection in the [`budget`]s
+//!    (global, per client address, per org), closes idle connections and
+//!    hands each message to the same handler. A well-formed query takes a
+//!    place in the query budgets (global, per org) before its decision.
 //! 2. [`decide::decide_query`] decides purely: client → org, shape, special
 //!    names, the policy's name decision, the query type.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
-//!    configured servers only, lowercased, cached); the answers are filtered
+//!    configured servers only, lowercased, cached); the answers get their
+//!    TTLs as first seen ([`ttl`]: no countdown across orgs), are filtered
 //!    (always-denied addresses, `ech`, hints) and bound to (org, name).
-//! 4. Evidence is written before the answer is sent; refusals are queued.
+//! 4. Evidence is written before the answer is sent; refusals are queued
+//!    when the writer has room, else summarised ([`refusals`]).
 
 pub mod bindings;
+pub mod budget;
 pub mod decide;
 mod handler;
+pub mod refusals;
+pub mod ttl;
 
 use std::io;
 use std::net::SocketAddr;
@@ -35,7 +42,6 @@ use hickory_server::zone_handler::MessageResponse;
 use hickory_server::Server;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -97,34 +103,42 @@ pub fn serve(
     for socket in udp {
         server.register_socket(socket);
     }
-    let conns = Arc::new(Semaphore::new(shim.config.max_tcp_connections));
     let tracker = TaskTracker::new();
     for listener in tcp {
-        tracker.spawn(serve_tcp(
-            listener,
-            shim.clone(),
-            conns.clone(),
-            shutdown.clone(),
-        ));
+        tracker.spawn(serve_tcp(listener, shim.clone(), shutdown.clone()));
     }
     tracker.close();
     tokio::spawn(async move {
-        shutdown.cancelled().await;
+        // Refusals that found no room in the evidence queue are written as
+        // summaries, now and then, and once more when everything stopped.
+        let wait = shim.config.query_timeout.get();
+        let mut tick = tokio::time::interval(refusals::SUMMARY_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = tick.tick() => shim.refusals.flush(wait).await,
+            }
+        }
         if let Err(e) = server.shutdown_gracefully().await {
             warn!(error = %e, "dns: udp server stopped with an error");
         }
         tracker.wait().await;
+        shim.refusals.flush(wait).await;
+        let left = shim.refusals.pending_count();
+        if left > 0 {
+            warn!(
+                refusals = left,
+                "dns: refusals summarised but not written before shutdown"
+            );
+        }
     })
 }
 
-/// hickory's own TCP loop has no connection cap: accept here, one permit per
-/// connection; over the cap a new connection is closed at once.
-async fn serve_tcp(
-    listener: TcpListener,
-    shim: ShimHandle,
-    conns: Arc<Semaphore>,
-    shutdown: CancellationToken,
-) {
+/// hickory's own TCP loop has no connection cap: accept here, one place in
+/// the TCP budgets (global, per client address, per org) per connection;
+/// over any of them a new connection is closed at once, and recorded.
+async fn serve_tcp(listener: TcpListener, shim: ShimHandle, shutdown: CancellationToken) {
     let tasks = TaskTracker::new();
     loop {
         let (stream, src) = tokio::select! {
@@ -138,10 +152,15 @@ async fn serve_tcp(
                 }
             },
         };
-        let Ok(permit) = conns.clone().try_acquire_owned() else {
-            debug!(client = %src, "dns: tcp connection cap reached; closing");
-            drop(stream);
-            continue;
+        let org = shim.served.load().policy.org_for(src.ip());
+        let permit = match shim.tcp.try_take(src.ip(), org.as_ref().map(|o| &o.name)) {
+            Ok(held) => held,
+            Err(limit) => {
+                debug!(client = %src, limit, "dns: tcp connection over a cap; closing");
+                drop(stream);
+                shim.refuse_connection(src, limit).await;
+                continue;
+            }
         };
         let shim = shim.clone();
         let shutdown = shutdown.clone();

@@ -162,6 +162,10 @@ pub struct Record {
     /// `opaque` when its rule lets it carry anything unverified.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
+    /// Summary records: how many decisions this one record stands for
+    /// (DNS refusals that found no room in the writer's queue).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
 }
 
 impl Record {
@@ -205,6 +209,7 @@ impl Record {
             status: None,
             credential: None,
             tunnel: None,
+            count: None,
         }
     }
 
@@ -470,6 +475,59 @@ impl Evidence {
             tracing::error!(id = %record.id, "evidence record submitted after the seal");
             self.shared.counters.write_failed();
         }
+    }
+
+    /// Assign `id` and `ts` and queue the record, only into a free place in
+    /// the writer's queue, waiting at most `wait` for one; returns whether
+    /// it was queued (once queued it is never dropped, as with
+    /// [`Evidence::submit`]). For records that may be counted into a
+    /// summary instead, so that a flood never grows the queue.
+    pub async fn submit_within(&self, record: &mut Record, wait: std::time::Duration) -> bool {
+        let permit = match self.shared.slots.try_acquire() {
+            Ok(p) => p,
+            Err(tokio::sync::TryAcquireError::NoPermits) if !wait.is_zero() => {
+                match tokio::time::timeout(wait, self.shared.slots.acquire()).await {
+                    Ok(Ok(p)) => p,
+                    _ => return false,
+                }
+            }
+            Err(_) => return false,
+        };
+        let fields = match self.stamp(record) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::error!(error = %e, "evidence record not serialisable");
+                self.shared.counters.write_failed();
+                return false;
+            }
+        };
+        permit.forget();
+        let msg = Msg {
+            fields,
+            ack: None,
+            permit: true,
+        };
+        if self.enqueue(msg).is_err() {
+            self.shared.slots.add_permits(1);
+            return false;
+        }
+        true
+    }
+
+    /// Stop (or resume) taking records off the queue, as a writer stuck
+    /// in a slow `write(2)` would (tests).
+    #[cfg(test)]
+    pub(crate) fn pause_writer(&self, paused: bool) {
+        if let Ok(mut q) = self.shared.queue.lock() {
+            q.paused = paused;
+        }
+        self.shared.cv.notify_one();
+    }
+
+    /// Records waiting in the writer's queue (tests).
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.shared.queue.lock().map_or(0, |q| q.items.len())
     }
 
     /// Wait until the writer's queue has room (accept loops call this so a

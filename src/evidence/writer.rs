@@ -49,6 +49,9 @@ pub(super) struct Queue {
     pub stop: Option<oneshot::Sender<bool>>,
     /// Stop without sealing (tests that simulate a crash).
     pub abandon: bool,
+    /// Take nothing off the queue until cleared (tests that simulate a
+    /// writer stuck in a slow write).
+    pub paused: bool,
 }
 
 pub(super) struct Shared {
@@ -584,12 +587,17 @@ impl Writer {
                     Ok(q) => q,
                     Err(p) => p.into_inner(),
                 };
-                while q.items.is_empty() && q.stop.is_none() && !q.abandon {
+                while (q.items.is_empty() || q.paused) && q.stop.is_none() && !q.abandon {
                     let now = Instant::now();
-                    if now >= deadline {
+                    if now >= deadline && !q.paused {
                         break;
                     }
-                    q = match self.shared.cv.wait_timeout(q, deadline - now) {
+                    let wait = if q.paused {
+                        BACKOFF_MIN
+                    } else {
+                        deadline - now
+                    };
+                    q = match self.shared.cv.wait_timeout(q, wait) {
                         Ok((q, _)) => q,
                         Err(p) => p.into_inner().0,
                     };

@@ -62,7 +62,7 @@ fn dns_lab() -> Lab {
 }
 
 /// `dig` from the second sandbox (org beta).
-fn dig2(lab: &Lab, args: &[&str]) -> Dig {
+pub fn dig2(lab: &Lab, args: &[&str]) -> Dig {
     let server = format!("@{SHIM_IP}");
     let mut full = vec![server.as_str()];
     full.extend_from_slice(args);
@@ -464,7 +464,11 @@ fn tcp_connections_are_capped_and_idle_ones_closed() {
     let lab = Lab::builder()
         .policy(POLICY)
         .dns_listen(&[SHIM])
-        .dns_extra("max_tcp_connections = 2\nidle_timeout = \"1s\"\n")
+        // The global cap, with room for it in the client's and org's own.
+        .dns_extra(
+            "max_tcp_connections = 2\nmax_tcp_connections_per_client = 2\n\
+             max_tcp_connections_per_org = 2\nidle_timeout = \"1s\"\n",
+        )
         .start();
     let q = message(0x2201, 0x0100, 1, &[("allowed.test", 1)]);
     let script = format!(

@@ -11,6 +11,7 @@ mod addresses;
 mod bounds;
 mod cli;
 mod dns;
+mod dns_budget;
 mod evidence;
 mod infra;
 mod intercept;

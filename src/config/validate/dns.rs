@@ -2,7 +2,7 @@
 
 use super::{count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
-use crate::config::model::DnsConfig;
+use crate::config::model::{dns_org_share, DnsConfig};
 use crate::config::raw::RawDns;
 
 pub(super) fn validate_dns(
@@ -17,16 +17,24 @@ pub(super) fn validate_dns(
         idle_timeout,
         query_timeout,
         max_tcp_connections,
+        max_tcp_connections_per_client,
+        max_tcp_connections_per_org,
         max_queries_in_flight,
+        max_queries_in_flight_per_org,
         max_queries_per_second_per_client,
         min_ttl,
         max_ttl,
         binding_grace,
         max_bindings_per_name,
+        max_bindings_per_org,
         max_bindings,
     } = raw;
     let d = DnsConfig::default();
     let max_ttl_span = max_ttl.as_ref().map(|m| m.span());
+    // Per-org caps default to a share of their global cap, as set.
+    let max_tcp = count(max_tcp_connections, d.max_tcp_connections, errors);
+    let max_in_flight = count(max_queries_in_flight, d.max_queries_in_flight, errors);
+    let max_all_bindings = count(max_bindings, d.max_bindings, errors);
     let config = DnsConfig {
         listen: listen
             .iter()
@@ -39,8 +47,23 @@ pub(super) fn validate_dns(
         resolve_timeout: timeout(resolve_timeout, errors),
         idle_timeout: timeout(idle_timeout, errors),
         query_timeout: timeout(query_timeout, errors),
-        max_tcp_connections: count(max_tcp_connections, d.max_tcp_connections, errors),
-        max_queries_in_flight: count(max_queries_in_flight, d.max_queries_in_flight, errors),
+        max_tcp_connections: max_tcp,
+        max_tcp_connections_per_client: count(
+            max_tcp_connections_per_client,
+            d.max_tcp_connections_per_client,
+            errors,
+        ),
+        max_tcp_connections_per_org: count(
+            max_tcp_connections_per_org,
+            dns_org_share(max_tcp),
+            errors,
+        ),
+        max_queries_in_flight: max_in_flight,
+        max_queries_in_flight_per_org: count(
+            max_queries_in_flight_per_org,
+            dns_org_share(max_in_flight),
+            errors,
+        ),
         max_queries_per_second_per_client: count(
             max_queries_per_second_per_client,
             d.max_queries_per_second_per_client,
@@ -50,7 +73,12 @@ pub(super) fn validate_dns(
         max_ttl: duration(max_ttl, d.max_ttl, errors),
         binding_grace: duration(binding_grace, d.binding_grace, errors),
         max_bindings_per_name: count(max_bindings_per_name, d.max_bindings_per_name, errors),
-        max_bindings: count(max_bindings, d.max_bindings, errors),
+        max_bindings_per_org: count(
+            max_bindings_per_org,
+            dns_org_share(max_all_bindings),
+            errors,
+        ),
+        max_bindings: max_all_bindings,
     };
     if config.min_ttl > config.max_ttl {
         errors.at(
@@ -81,6 +109,11 @@ mod tests {
         );
         assert_eq!(c.orgs[0].dns_denied, DnsDenied::Refused);
         assert!(c.orgs[0].dns_types.is_empty());
+        // Per-org caps: a quarter of the global ones.
+        assert_eq!(c.dns.max_tcp_connections_per_client, 16);
+        assert_eq!(c.dns.max_tcp_connections_per_org, 64);
+        assert_eq!(c.dns.max_queries_in_flight_per_org, 256);
+        assert_eq!(c.dns.max_bindings_per_org, 25_000);
 
         let src = format!(
             "[dns]\nidle_timeout = \"2s\"\nquery_timeout = \"1s\"\nmax_tcp_connections = 3\n\
@@ -98,6 +131,10 @@ mod tests {
         assert_eq!(c.dns.binding_grace, Duration::from_secs(5));
         assert_eq!(c.dns.max_bindings_per_name, 4);
         assert_eq!(c.dns.max_bindings, 10);
+        // Unset per-org caps follow the global ones as set.
+        assert_eq!(c.dns.max_tcp_connections_per_org, 1);
+        assert_eq!(c.dns.max_queries_in_flight_per_org, 3);
+        assert_eq!(c.dns.max_bindings_per_org, 3);
         assert_eq!(c.orgs[0].dns_denied, DnsDenied::Nxdomain);
         assert_eq!(
             c.orgs[0].dns_types,
@@ -120,5 +157,30 @@ mod tests {
         assert!(e.contains("below min_ttl"), "{e}");
         let e = first_error(&format!("[dns]\nmax_tcp_connections = 0\n{BASE}"));
         assert!(e.starts_with("t.toml:2:") && e.contains("positive"), "{e}");
+        for key in [
+            "max_tcp_connections_per_client",
+            "max_tcp_connections_per_org",
+            "max_queries_in_flight_per_org",
+            "max_bindings_per_org",
+        ] {
+            let e = first_error(&format!("[dns]\n{key} = 0\n{BASE}"));
+            assert!(
+                e.starts_with("t.toml:2:") && e.contains("positive"),
+                "{key}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn per_org_dns_caps_parse() {
+        let src = format!(
+            "[dns]\nmax_tcp_connections_per_client = 2\nmax_tcp_connections_per_org = 5\n\
+             max_queries_in_flight_per_org = 7\nmax_bindings_per_org = 11\n{BASE}"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(c.dns.max_tcp_connections_per_client, 2);
+        assert_eq!(c.dns.max_tcp_connections_per_org, 5);
+        assert_eq!(c.dns.max_queries_in_flight_per_org, 7);
+        assert_eq!(c.dns.max_bindings_per_org, 11);
     }
 }

@@ -1,0 +1,258 @@
+//! The shim's budgets, so that one client or one org cannot take what all
+//! share: queries in flight (global, and per org, or per address for a
+//! client in no org) and DNS-over-TCP connections (global, per client
+//! address, per org). A charge is held for the life of the query or the
+//! connection and gives its place back when dropped.
+//!
+//! | budget | charged to | over it |
+//! |---|---|---|
+//! | `max_queries_in_flight` | everyone | REFUSED `limit_exceeded` |
+//! | `max_queries_in_flight_per_org` | the client's org; a client in no org: its own address, never an org | REFUSED `limit_exceeded` |
+//! | `max_tcp_connections` | everyone | connection closed at once, `limit_exceeded` |
+//! | `max_tcp_connections_per_client` | the client address | connection closed at once, `limit_exceeded` |
+//! | `max_tcp_connections_per_org` | the client's org (a client in no org: none) | connection closed at once, `limit_exceeded` |
+//!
+//! The global place is taken first, so the per-key tables never hold more
+//! keys than there are global places.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::DnsConfig;
+
+/// At most `max` charges per key; a key is held only while charged.
+#[derive(Debug)]
+pub struct Budget<K: Eq + Hash> {
+    max: usize,
+    used: Mutex<HashMap<K, usize>>,
+}
+
+/// One place in a [`Budget`], given back when dropped.
+#[derive(Debug)]
+pub struct Charge<K: Eq + Hash> {
+    budget: Arc<Budget<K>>,
+    key: K,
+}
+
+impl<K: Eq + Hash + Clone> Budget<K> {
+    pub fn new(max: usize) -> Arc<Budget<K>> {
+        Arc::new(Budget {
+            max: max.max(1),
+            used: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<K, usize>> {
+        self.used.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for `key`, if it has fewer than `max`.
+    pub fn try_charge(self: &Arc<Self>, key: K) -> Option<Charge<K>> {
+        let mut used = self.lock();
+        let n = used.entry(key.clone()).or_insert(0);
+        if *n >= self.max {
+            return None;
+        }
+        *n += 1;
+        Some(Charge {
+            budget: self.clone(),
+            key,
+        })
+    }
+
+    /// Keys holding a place.
+    pub fn keys(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+impl<K: Eq + Hash> Drop for Charge<K> {
+    fn drop(&mut self) {
+        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = used.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                used.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// Who a query is charged to besides the global budget.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Payer {
+    Org(Arc<str>),
+    /// A client in no org: its own address.
+    Client(IpAddr),
+}
+
+impl Payer {
+    pub fn of(client: IpAddr, org: Option<&Arc<str>>) -> Payer {
+        org.map_or(Payer::Client(client), |o| Payer::Org(o.clone()))
+    }
+}
+
+/// Held while a query (or a TCP connection) is being served.
+#[derive(Debug)]
+pub struct Held {
+    _global: OwnedSemaphorePermit,
+    _charges: Vec<Charge<Payer>>,
+}
+
+/// A place in a global budget, or the name of its limit.
+fn global_place(
+    global: &Arc<Semaphore>,
+    limit: &'static str,
+) -> Result<OwnedSemaphorePermit, &'static str> {
+    global.clone().try_acquire_owned().map_err(|_| limit)
+}
+
+/// Queries in flight: global, and per payer.
+#[derive(Debug)]
+pub struct QueryBudget {
+    global: Arc<Semaphore>,
+    per_payer: Arc<Budget<Payer>>,
+}
+
+impl QueryBudget {
+    pub fn new(config: &DnsConfig) -> QueryBudget {
+        QueryBudget {
+            global: Arc::new(Semaphore::new(config.max_queries_in_flight)),
+            per_payer: Budget::new(config.max_queries_in_flight_per_org),
+        }
+    }
+
+    /// A place for one query, or the name of the limit it is over.
+    pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
+        let global = global_place(&self.global, "max_queries_in_flight reached")?;
+        let payer = Payer::of(client, org);
+        let over = match payer {
+            Payer::Org(_) => "max_queries_in_flight_per_org reached",
+            Payer::Client(_) => "max_queries_in_flight_per_org reached by this address (in no org)",
+        };
+        let charge = self.per_payer.try_charge(payer).ok_or(over)?;
+        Ok(Held {
+            _global: global,
+            _charges: vec![charge],
+        })
+    }
+}
+
+/// DNS-over-TCP connections: global, per client address, per org.
+#[derive(Debug)]
+pub struct TcpBudget {
+    global: Arc<Semaphore>,
+    per_client: Arc<Budget<Payer>>,
+    per_org: Arc<Budget<Payer>>,
+}
+
+impl TcpBudget {
+    pub fn new(config: &DnsConfig) -> TcpBudget {
+        TcpBudget {
+            global: Arc::new(Semaphore::new(config.max_tcp_connections)),
+            per_client: Budget::new(config.max_tcp_connections_per_client),
+            per_org: Budget::new(config.max_tcp_connections_per_org),
+        }
+    }
+
+    /// A place for one connection, or the name of the limit it is over.
+    pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
+        let global = global_place(&self.global, "max_tcp_connections reached")?;
+        let mut charges = vec![self
+            .per_client
+            .try_charge(Payer::Client(client))
+            .ok_or("max_tcp_connections_per_client reached")?];
+        if let Some(org) = org {
+            charges.push(
+                self.per_org
+                    .try_charge(Payer::Org(org.clone()))
+                    .ok_or("max_tcp_connections_per_org reached")?,
+            );
+        }
+        Ok(Held {
+            _global: global,
+            _charges: charges,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(tcp: usize, per_client: usize, per_org: usize) -> DnsConfig {
+        DnsConfig {
+            max_tcp_connections: tcp,
+            max_tcp_connections_per_client: per_client,
+            max_tcp_connections_per_org: per_org,
+            max_queries_in_flight: tcp,
+            max_queries_in_flight_per_org: per_org,
+            ..DnsConfig::default()
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn one_client_cannot_take_every_tcp_place() {
+        let b = TcpBudget::new(&config(8, 2, 4));
+        let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
+        let a1 = ip("198.18.1.2");
+        let held: Vec<Held> = (0..2)
+            .map(|_| b.try_take(a1, Some(&acme)).unwrap())
+            .collect();
+        assert_eq!(
+            b.try_take(a1, Some(&acme)).unwrap_err(),
+            "max_tcp_connections_per_client reached"
+        );
+        // Other clients of the org, up to the org's share.
+        let more: Vec<Held> = ["198.18.1.3", "198.18.1.3"]
+            .iter()
+            .map(|c| b.try_take(ip(c), Some(&acme)).unwrap())
+            .collect();
+        assert_eq!(
+            b.try_take(ip("198.18.1.4"), Some(&acme)).unwrap_err(),
+            "max_tcp_connections_per_org reached"
+        );
+        // Another org is untouched.
+        let other = b.try_take(ip("198.18.4.2"), Some(&beta)).unwrap();
+        // A refused charge gives back what it took.
+        assert_eq!(b.global.available_permits(), 8 - 5);
+        drop((held, more, other));
+        assert_eq!(b.global.available_permits(), 8);
+        assert_eq!(b.per_client.keys(), 0);
+        assert_eq!(b.per_org.keys(), 0);
+    }
+
+    #[test]
+    fn clients_in_no_org_pay_by_address_never_for_an_org() {
+        let b = QueryBudget::new(&config(16, 1, 2));
+        let acme: Arc<str> = Arc::from("acme");
+        let stranger = ip("198.18.3.2");
+        let held: Vec<Held> = (0..2)
+            .map(|_| b.try_take(stranger, None).unwrap())
+            .collect();
+        assert!(b
+            .try_take(stranger, None)
+            .unwrap_err()
+            .contains("by this address"));
+        // Another stranger has its own budget; the org keeps all of its own.
+        let other = b.try_take(ip("198.18.3.3"), None).unwrap();
+        let orgs: Vec<Held> = (0..2)
+            .map(|_| b.try_take(ip("198.18.1.2"), Some(&acme)).unwrap())
+            .collect();
+        assert_eq!(
+            b.try_take(ip("198.18.1.2"), Some(&acme)).unwrap_err(),
+            "max_queries_in_flight_per_org reached"
+        );
+        drop((held, other, orgs));
+        assert_eq!(b.per_payer.keys(), 0);
+        assert_eq!(b.global.available_permits(), 16);
+    }
+}

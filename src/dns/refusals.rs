@@ -1,0 +1,310 @@
+//! Refusal records that take part in back-pressure without ever growing.
+//!
+//! A refusal lets nothing through, so its record need not be written before
+//! the answer; but queued without limit (as [`Evidence::submit`] does), a
+//! query flood during an evidence writer stall piles up records in memory
+//! and then drowns every other record. Here a refusal goes into the
+//! writer's queue only into a free place, waiting at most as long as its
+//! caller allows (the query timeout within the query budgets, nothing over
+//! a limit). What finds no place, or meets an unhealthy writer, is counted
+//! into one tally per (org, reason) instead, and [`Refusals::flush`] later
+//! writes each tally as ONE record:
+//!
+//! ```json
+//! {"kind": "dns", "event": "decision", "decision": "deny",
+//!  "reason": "limit_exceeded", "org": "acme", "client": null, "count": 1234,
+//!  "detail": "1234 refusals summarised (limit_exceeded) between T1 and T2", ...}
+//! ```
+//!
+//! Memory is bounded by the number of (org, reason) pairs, whatever the flood.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use crate::evidence::{Evidence, Record};
+use crate::metrics::Metrics;
+use crate::policy::Reason;
+
+/// How often tallies are written, when the writer has room.
+pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
+
+/// How a refusal was recorded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recorded {
+    /// Queued as its own record, with this id.
+    Record(String),
+    /// Counted into its (org, reason) tally.
+    Summarised,
+}
+
+impl Recorded {
+    /// What the client is told in the EDE text after the reason.
+    pub fn reference(&self) -> String {
+        match self {
+            Recorded::Record(id) => format!("record={id}"),
+            Recorded::Summarised => "summarised".to_string(),
+        }
+    }
+}
+
+/// Refusals not written one by one, for one (org, reason).
+#[derive(Debug)]
+struct Tally {
+    count: u64,
+    first: SystemTime,
+    last: SystemTime,
+    /// The first refusal's record; the summary is built from it.
+    template: Record,
+}
+
+impl Tally {
+    fn merge(&mut self, other: Tally) {
+        self.count += other.count;
+        self.first = self.first.min(other.first);
+        if other.last >= self.last {
+            self.last = other.last;
+            self.template.policy = other.template.policy;
+        }
+    }
+
+    /// The one record that stands for every counted refusal.
+    fn summary(&self) -> Record {
+        let ts = |t: SystemTime| humantime::format_rfc3339_micros(t).to_string();
+        Record {
+            client: None,
+            host: None,
+            port: None,
+            sni: None,
+            ip: None,
+            rule: None,
+            would_deny: None,
+            qtype: None,
+            answers: Some(Vec::new()),
+            upstream: Some(false),
+            detail: Some(format!(
+                "{} refusals summarised ({}) between {} and {}",
+                self.count,
+                self.template.reason,
+                ts(self.first),
+                ts(self.last)
+            )),
+            count: Some(self.count),
+            ..self.template.clone()
+        }
+    }
+}
+
+type Key = (Option<Arc<str>>, Reason);
+
+/// Records refusals: one by one while the writer has room, in tallies when not.
+pub struct Refusals {
+    evidence: Arc<Evidence>,
+    metrics: Arc<Metrics>,
+    tallies: Mutex<HashMap<Key, Tally>>,
+}
+
+impl Refusals {
+    pub fn new(evidence: Arc<Evidence>, metrics: Arc<Metrics>) -> Refusals {
+        Refusals {
+            evidence,
+            metrics,
+            tallies: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
+        self.tallies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Record a refusal (counted in the metrics either way): queued when
+    /// the writer is healthy and has room within `wait`, else tallied.
+    pub async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
+        self.metrics.count_record(rec);
+        if self.evidence.is_healthy() && self.evidence.submit_within(rec, wait).await {
+            return Recorded::Record(rec.id.clone());
+        }
+        let now = SystemTime::now();
+        self.add((rec.org.clone(), rec.reason), || Tally {
+            count: 1,
+            first: now,
+            last: now,
+            template: rec.clone(),
+        });
+        Recorded::Summarised
+    }
+
+    fn add(&self, key: Key, tally: impl FnOnce() -> Tally) {
+        let mut tallies = self.lock();
+        match tallies.get_mut(&key) {
+            Some(t) => t.merge(tally()),
+            None => {
+                tallies.insert(key, tally());
+            }
+        }
+    }
+
+    /// Write each tally as one record. Once one finds no room within
+    /// `wait` the others are not tried: they are all kept for the next
+    /// flush (as they are while the writer is unhealthy), so a flush waits
+    /// at most `wait` in all.
+    pub async fn flush(&self, wait: Duration) {
+        if !self.evidence.is_healthy() {
+            return;
+        }
+        let taken: Vec<(Key, Tally)> = self.lock().drain().collect();
+        let mut room = true;
+        for (key, tally) in taken {
+            room = room
+                && self
+                    .evidence
+                    .submit_within(&mut tally.summary(), wait)
+                    .await;
+            if !room {
+                self.add(key, || tally);
+            }
+        }
+    }
+
+    /// Tallies waiting to be written.
+    pub fn pending(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Refusals counted into the waiting tallies.
+    pub fn pending_count(&self) -> u64 {
+        self.lock().values().map(|t| t.count).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+    use crate::evidence::{Kind, Mode};
+    use crate::policy::Verdict;
+
+    static N: AtomicU32 = AtomicU32::new(0);
+
+    fn scratch() -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "palisade-refusals-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    fn refusal(org: &str, reason: Reason, i: usize) -> Record {
+        let verdict = Verdict {
+            org: None,
+            reason,
+            rule: None,
+            would_deny: None,
+        };
+        let client: SocketAddr = format!("198.18.1.2:{}", 1024 + i % 60_000).parse().unwrap();
+        let mut r = Record::decision(Kind::Dns, Mode::Dns, client, &verdict, &Arc::from("p"));
+        r.org = Some(Arc::from(org));
+        r.host = Some(format!("n{i}.flood.test"));
+        r
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_with_the_writer_stalled_stays_bounded_and_is_summarised() {
+        let dir = scratch();
+        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
+        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let refusals = Refusals::new(ev.clone(), metrics);
+        ev.pause_writer(true);
+
+        // Far more refusals than the queue holds, from many tasks; those
+        // within a budget wait a little for room, the others not at all.
+        const FLOOD: usize = 20_000;
+        let refusals = Arc::new(refusals);
+        let mut tasks = Vec::new();
+        for t in 0..8 {
+            let refusals = refusals.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut summarised = 0u64;
+                for i in (t..FLOOD).step_by(8) {
+                    let reason = if i % 2 == 0 {
+                        Reason::LimitExceeded
+                    } else {
+                        Reason::NoMatchingRule
+                    };
+                    let wait = if i % 16 == 1 {
+                        Duration::from_millis(1)
+                    } else {
+                        Duration::ZERO
+                    };
+                    let org = if i % 3 == 0 { "acme" } else { "beta" };
+                    let mut r = refusal(org, reason, i);
+                    if refusals.record(&mut r, wait).await == Recorded::Summarised {
+                        summarised += 1;
+                    }
+                }
+                summarised
+            }));
+        }
+        let mut summarised = 0;
+        for t in tasks {
+            summarised += t.await.unwrap();
+        }
+        let queued = ev.queued();
+        assert!(queued <= 8192, "the queue grew to {queued}");
+        assert_eq!(queued as u64 + summarised, FLOOD as u64);
+        // Bounded by (org, reason), not by the flood.
+        assert_eq!(refusals.pending(), 4);
+        assert_eq!(refusals.pending_count(), summarised);
+
+        // While the writer is stuck, flushing finds no room and keeps the tallies.
+        refusals.flush(Duration::from_millis(10)).await;
+        assert_eq!(refusals.pending_count(), summarised);
+
+        ev.pause_writer(false);
+        refusals.flush(Duration::from_secs(5)).await;
+        assert_eq!(refusals.pending(), 0);
+        assert!(ev.seal().await);
+
+        let records: Vec<serde_json::Value> = crate::evidence::segment::list(&dir.join("evidence"))
+            .unwrap()
+            .iter()
+            .flat_map(|p| {
+                std::fs::read_to_string(p)
+                    .unwrap()
+                    .lines()
+                    .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let summaries: Vec<&serde_json::Value> =
+            records.iter().filter(|v| v["count"].is_u64()).collect();
+        assert_eq!(summaries.len(), 4, "{summaries:?}");
+        let mut total = 0;
+        for s in &summaries {
+            assert_eq!(s["event"], "decision", "{s}");
+            assert_eq!(s["kind"], "dns", "{s}");
+            assert_eq!(s["decision"], "deny", "{s}");
+            assert!(s["client"].is_null() && s["host"].is_null(), "{s}");
+            let n = s["count"].as_u64().unwrap();
+            let detail = s["detail"].as_str().unwrap();
+            let want = format!(
+                "{n} refusals summarised ({}) between ",
+                s["reason"].as_str().unwrap()
+            );
+            assert!(detail.starts_with(&want), "{detail}");
+            total += n;
+        }
+        assert_eq!(total, summarised);
+        let individual = records
+            .iter()
+            .filter(|v| v["kind"] == "dns" && v["count"].is_null())
+            .count();
+        assert_eq!(individual as u64 + total, FLOOD as u64);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
