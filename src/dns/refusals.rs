@@ -71,27 +71,26 @@ impl Tally {
     /// The one record that stands for every counted refusal.
     fn summary(&self) -> Record {
         let ts = |t: SystemTime| humantime::format_rfc3339_micros(t).to_string();
-        Record {
-            client: None,
-            host: None,
-            port: None,
-            sni: None,
-            ip: None,
-            rule: None,
-            would_deny: None,
-            qtype: None,
-            answers: Some(Vec::new()),
-            upstream: Some(false),
-            detail: Some(format!(
-                "{} refusals summarised ({}) between {} and {}",
-                self.count,
-                self.template.reason,
-                ts(self.first),
-                ts(self.last)
-            )),
-            count: Some(self.count),
-            ..self.template.clone()
-        }
+        let mut r = self.template.clone();
+        r.client = None;
+        r.host = None;
+        r.port = None;
+        r.sni = None;
+        r.ip = None;
+        r.rule = None;
+        r.would_deny = None;
+        r.qtype = None;
+        r.answers = Some(Vec::new());
+        r.upstream = Some(false);
+        r.detail = Some(format!(
+            "{} refusals summarised ({}) between {} and {}",
+            self.count,
+            self.template.reason,
+            ts(self.first),
+            ts(self.last)
+        ));
+        r.count = Some(self.count);
+        r
     }
 }
 
