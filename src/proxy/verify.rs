@@ -388,7 +388,9 @@ where
         let mut buf: Vec<u8> = Vec::new();
         loop {
             if client_opaque.load(Ordering::Relaxed) {
-                // Nothing left to follow on this side either.
+                // Nothing left to follow on this side either; the plain
+                // copy keeps no buffer while idle.
+                drop(std::mem::take(&mut buf));
                 tunnel::copy(&mut upstream_r, &mut client_w, &down, &touch).await;
                 break;
             }
