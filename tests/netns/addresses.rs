@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::lab::{
     self, dump, in_netns, run_with_timeout, scratch_dir, Lab, CLIENT2_IP, OTHER_IP, STRANGER_IP,
 };
+use crate::transparent::{load_gateway, TRANSPARENT};
 use crate::{assert_refused, record_id};
 
 const SHIM: &str = "198.18.1.1:53";
@@ -200,6 +201,76 @@ fn a_broad_rule_opens_no_always_denied_address() {
 
 /// `bytes_up` of an absolute-form request counts its request line and
 /// headers as sent, not only the body.
+/// The same rules hold in the other modes: a SOCKS5 CONNECT and a
+/// transparent (REDIRECTed) connection to the metadata address or to the
+/// sibling sandbox under the broad rule are denied `denied_address`, and
+/// nothing arrives at the sibling.
+#[test]
+fn a_broad_rule_opens_nothing_through_socks5_or_the_gateway() {
+    const SOCKS: &str = "198.18.1.1:1080";
+    let lab = Lab::builder()
+        .policy(POLICY)
+        .second_client()
+        .proxy_option(&format!("socks5 = [{SOCKS:?}]"))
+        .proxy_option(&format!("transparent = [{TRANSPARENT:?}]"))
+        .start();
+    load_gateway(&lab);
+    let out = lab.proxy_ns_exec(
+        "nft",
+        &[
+            "insert", "rule", "inet", "palisade", "input", "iifname", "\"p0\"", "tcp", "dport",
+            "1080", "accept",
+        ],
+    );
+    assert!(out.success(), "nft insert: {}", out.describe());
+    let sibling80 = sibling_listener(&lab, 80);
+
+    for (ip, port) in [([169, 254, 169, 254], 80u16), ([198, 18, 4, 2], 80)] {
+        let target = format!("{}.{}.{}.{}:{port}", ip[0], ip[1], ip[2], ip[3]);
+        // SOCKS5: no authentication, CONNECT to the IPv4 address.
+        let mut c = lab.client_conn_to(SOCKS);
+        let mut req = vec![5, 1, 0, 5, 1, 0, 1];
+        req.extend_from_slice(&ip);
+        req.extend_from_slice(&port.to_be_bytes());
+        c.send(&req).expect("socks5 request");
+        let method = c.read_until(&[5, 0], Duration::from_secs(5));
+        assert!(method.is_some(), "socks5 {target}: no method reply");
+        let reply = c
+            .read_until(&[0, 1], Duration::from_secs(5))
+            .unwrap_or_else(|| panic!("socks5 {target}: no reply\n{}", lab.proxy_output()));
+        assert_ne!(
+            reply.get(1),
+            Some(&0),
+            "socks5 {target}: succeeded {reply:?}"
+        );
+        let rec = lab.wait_evidence(&format!("socks5 {target} denied"), |v| {
+            v["mode"] == "socks5"
+                && v["decision"] == "deny"
+                && v["host"] == target.split(':').next().unwrap_or_default()
+        });
+        assert_eq!(rec["reason"], "denied_address", "{rec}");
+        assert_eq!(rec["port"], port, "{rec}");
+
+        // Transparent: the client connects straight to the address and the
+        // gateway redirects it to Palisade.
+        let mut t = lab.client_conn_to(&target);
+        // Bytes that name no host: the address alone decides.
+        let _ = t.send(b"SSH-2.0-probe\r\n");
+        let rec = lab.wait_evidence(&format!("transparent {target} denied"), |v| {
+            v["mode"] == "transparent"
+                && v["decision"] == "deny"
+                && v["ip"] == target.split(':').next().unwrap_or_default()
+        });
+        assert_eq!(rec["reason"], "denied_address", "{rec}");
+    }
+    // Both denials were recorded before this check (the positive marker):
+    // nothing was dialled to the sibling.
+    assert!(
+        !arrived(&sibling80),
+        "the sibling sandbox received a connection"
+    );
+}
+
 #[test]
 fn http_close_record_counts_the_request_head() {
     let lab = lab();
