@@ -68,13 +68,22 @@ struct Setup {
 }
 
 fn start() -> Setup {
+    start_with(&[])
+}
+
+/// [`start`], with extra `[proxy]` lines (other listeners).
+fn start_with(proxy_options: &[&str]) -> Setup {
     let dir = scratch_dir("intercept");
     let secret = dir.join("registry.token");
     fs::write(&secret, format!("{SECRET}\n")).unwrap();
     let scoped = dir.join("scoped.token");
     fs::write(&scoped, format!("{SCOPED_SECRET}\n")).unwrap();
     let ca_dir = dir.join("ca");
-    let lab = Lab::builder()
+    let mut builder = Lab::builder();
+    for line in proxy_options {
+        builder = builder.proxy_option(line);
+    }
+    let lab = builder
         .policy(&policy(&secret, &scoped))
         .intercept_config(&format!(
             "ca_dir = {:?}\nupstream_ca = {:?}\ncert_cache = 8",
@@ -534,6 +543,61 @@ fn paths_are_normalised_before_rules_and_credential_scopes() {
         "{}",
         x.stdout
     );
+}
+
+/// The same request decision holds through SOCKS5 and the transparent
+/// gateway: an encoded denied path is refused (and never forwarded, and
+/// gets no credential) whichever way the client came.
+#[test]
+fn encoded_paths_are_refused_through_socks5_and_the_gateway_too() {
+    const SOCKS: &str = "198.18.1.1:1080";
+    let Setup { lab, org_ca } = start_with(&[
+        &format!("socks5 = [{SOCKS:?}]"),
+        &format!("transparent = [{:?}]", crate::transparent::TRANSPARENT),
+    ]);
+    crate::transparent::load_gateway(&lab);
+    let out = lab.proxy_ns_exec(
+        "nft",
+        &[
+            "insert", "rule", "inet", "palisade", "input", "iifname", "\"p0\"", "tcp", "dport",
+            "1080", "accept",
+        ],
+    );
+    assert!(out.success(), "nft insert: {}", out.describe());
+    let ca = org_ca.display().to_string();
+    let resolve = format!("allowed.test:443:{}", lab::ALLOWED_IP);
+    let url = "https://allowed.test/api/%69nternal";
+    for (mode, args) in [
+        (
+            "socks5",
+            vec!["--socks5-hostname", SOCKS, "--cacert", &ca, url],
+        ),
+        (
+            "transparent",
+            vec!["--resolve", &resolve, "--cacert", &ca, url],
+        ),
+    ] {
+        let resp = lab.client_curl(&args);
+        assert_eq!(resp.status, 403, "{mode}: {resp:?}\n{}", lab.proxy_output());
+        let rec = lab.wait_evidence(&format!("{mode}: deny the encoded path"), |v| {
+            v["kind"] == "http" && v["mode"] == mode && v["decision"] == "deny"
+        });
+        assert_eq!(rec["reason"], "path_not_allowed", "{mode}: {rec}");
+        assert_eq!(rec["path"], "/api/internal", "{mode}: {rec}");
+        assert!(rec["credential"].is_null(), "{mode}: {rec}");
+    }
+    // Both refusals are recorded (the positive marker): the upstream never
+    // received the path, in any spelling.
+    let reached: Vec<_> = lab
+        .upstream_log()
+        .into_iter()
+        .filter(|v| {
+            v["request_line"]
+                .as_str()
+                .is_some_and(|l| l.contains("nternal"))
+        })
+        .collect();
+    assert!(reached.is_empty(), "{}", dump(&reached));
 }
 
 #[test]
