@@ -18,6 +18,7 @@ mod intercept;
 mod lab;
 mod lifecycle;
 mod metrics;
+mod noisy;
 mod policy;
 mod probe;
 mod reload;
