@@ -272,7 +272,8 @@ fn dns(lab: &Lab, port: u16, tcp: bool, ctx: &str) -> Done {
     }
 }
 
-/// p50 and p99 of each kind of request, as one printable line.
+/// p50 and p99 of each kind of request, as one printable line (DNS
+/// times are dig's own, in whole milliseconds; HTTPS times are curl's).
 fn percentiles(done: &[Done]) -> String {
     let mut by: BTreeMap<&str, Vec<Duration>> = BTreeMap::new();
     for d in done {
@@ -282,7 +283,13 @@ fn percentiles(done: &[Done]) -> String {
         .map(|(what, v)| {
             v.sort();
             let at = |p: usize| v[(v.len() * p / 100).min(v.len() - 1)];
-            format!("{what} n={} p50={:?} p99={:?}", v.len(), at(50), at(99))
+            let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+            format!(
+                "{what} n={} p50={:.1}ms p99={:.1}ms",
+                v.len(),
+                ms(at(50)),
+                ms(at(99))
+            )
         })
         .collect::<Vec<_>>()
         .join("; ")
