@@ -75,6 +75,11 @@ pub struct FilterArgs {
     /// Target host: exact name or *.example.com.
     #[arg(long)]
     pub host: Option<String>,
+    /// The record a client was shown (`record=REF` in a 403 body,
+    /// `Proxy-Status` or DNS error text), or a record id; also matches
+    /// that decision's close record.
+    #[arg(long = "ref", visible_alias = "id", value_name = "REF")]
+    pub reference: Option<String>,
 }
 
 impl FilterArgs {
@@ -100,6 +105,7 @@ impl FilterArgs {
             host: self
                 .host
                 .map(|h| h.trim_end_matches('.').to_ascii_lowercase()),
+            record: self.reference.map(|r| r.trim().to_ascii_lowercase()),
         })
     }
 }

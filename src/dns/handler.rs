@@ -603,7 +603,7 @@ impl Shim {
         if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
             reply.ede = Some((
                 EDE_BLOCKED,
-                format!("palisade: {}; record={}", rec.reason, rec.id),
+                format!("palisade: {}; record={}", rec.reason, rec.shown()),
             ));
         }
         reply

@@ -32,7 +32,7 @@ pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
 /// How a refusal was recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Recorded {
-    /// Queued as its own record, with this id.
+    /// Queued as its own record, shown to the client as this reference.
     Record(String),
     /// Counted into its (org, reason) tally.
     Summarised,
@@ -121,7 +121,7 @@ impl Refusals {
     pub async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
         self.metrics.count_record(rec);
         if self.evidence.is_healthy() && self.evidence.submit_within(rec, wait).await {
-            return Recorded::Record(rec.id.clone());
+            return Recorded::Record(rec.shown().to_string());
         }
         let now = SystemTime::now();
         self.add((rec.org.clone(), rec.reason), || Tally {

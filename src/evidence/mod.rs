@@ -12,6 +12,7 @@
 pub mod chain;
 pub mod key;
 pub mod query;
+pub mod reference;
 pub mod segment;
 pub mod verify;
 mod writer;
@@ -103,6 +104,10 @@ impl Event {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
     pub id: String,
+    /// What a client is shown instead of `id` ([`reference`]): an opaque
+    /// keyed hash of it, set with `id` when the record is written.
+    #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
     pub ts: String,
     pub kind: Kind,
     pub event: Event,
@@ -180,6 +185,7 @@ impl Record {
         // `policy` is the hash of the policy that decided.
         Record {
             id: String::new(),
+            reference: None,
             ts: String::new(),
             kind,
             event: Event::Decision,
@@ -216,6 +222,18 @@ impl Record {
     /// `allow` or `deny`, as `reason` says.
     pub fn decision_str(&self) -> &'static str {
         self.reason.decision()
+    }
+
+    /// What a client may be shown of this record: its reference (never its
+    /// `id`, which counts every org's decisions).
+    pub fn shown(&self) -> &str {
+        self.reference.as_deref().unwrap_or_default()
+    }
+
+    /// Whether `quoted` names this record: its reference (what a client is
+    /// shown) or its id (what an operator may quote).
+    pub fn is_named(&self, quoted: &str) -> bool {
+        self.id == quoted || self.reference.as_deref() == Some(quoted)
     }
 
     /// The close record of the connection this decision record opened.
@@ -328,6 +346,7 @@ impl Evidence {
     /// open a new segment and start the writer thread.
     pub fn start(cfg: &EvidenceConfig) -> io::Result<Evidence> {
         let key = key::load_or_create(&cfg.key)?;
+        let refs = reference::RefKey::from_seed(&key.to_bytes());
         let public_key = key::public_hex(&key);
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -342,6 +361,7 @@ impl Evidence {
                 prefix: format!("{:x}{:05x}", now.as_secs(), now.subsec_micros()),
                 next: AtomicU64::new(0),
             },
+            refs,
             counters: Arc::default(),
         });
         let w = Writer::open(cfg.clone(), key, shared.clone())?;
@@ -389,6 +409,7 @@ impl Evidence {
         record: &mut Record,
     ) -> Result<serde_json::Map<String, serde_json::Value>, EvidenceError> {
         record.id = self.shared.ids.next();
+        record.reference = Some(self.shared.refs.of(&record.id));
         record.ts = writer::now_ts();
         // Derived, never set: whatever changed `reason`, they agree.
         record.decision = record.reason.decision();

@@ -184,6 +184,9 @@ pub struct Filter {
     pub until: Option<SystemTime>,
     /// Exact name, or `*.example.com` for names strictly below it.
     pub host: Option<String>,
+    /// A record's reference (what its client was shown) or its `id`; a
+    /// close record matches too when it closes that decision.
+    pub record: Option<String>,
 }
 
 fn ts_of(r: &Record) -> Option<SystemTime> {
@@ -192,6 +195,11 @@ fn ts_of(r: &Record) -> Option<SystemTime> {
 
 impl Filter {
     pub fn matches(&self, r: &Record) -> bool {
+        if let Some(x) = &self.record {
+            if !(r.is_named(x) || r.conn.as_deref() == Some(x.as_str())) {
+                return false;
+            }
+        }
         if let Some(o) = &self.org {
             if r.org.as_deref().unwrap_or("unknown") != o {
                 return false;

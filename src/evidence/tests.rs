@@ -403,3 +403,42 @@ async fn decision_is_derived_from_reason_when_written() {
     }
     assert!(ev.seal().await);
 }
+
+/// Every record carries the reference its client is shown: opaque, the
+/// same after a restart under the same key, and what `query --ref` finds.
+#[tokio::test]
+async fn references_are_stored_stable_and_found() {
+    let root = scratch();
+    let cfg = config(&root);
+    let first = {
+        let ev = Evidence::start(&cfg).unwrap();
+        let mut r = record(1, false);
+        ev.write(&mut r).await.unwrap();
+        assert!(ev.seal().await);
+        r
+    };
+    let shown = first.shown().to_string();
+    assert!(reference::is_ref(&shown), "{shown}");
+    assert!(!shown.contains(&first.id));
+    let again = reference::RefKey::from_seed(&key::load(&cfg.key).unwrap().to_bytes());
+    assert_eq!(again.of(&first.id), shown);
+    // A second instance on the same dir keeps the key, and references differ.
+    let ev = Evidence::start(&cfg).unwrap();
+    let mut r = record(2, false);
+    ev.write(&mut r).await.unwrap();
+    assert!(ev.seal().await);
+    assert_ne!(r.shown(), shown);
+    assert!(verify_with(&cfg.dir, &pinned(&cfg)).is_ok());
+    let all: Vec<Record> = query::read_records(&cfg.dir)
+        .map(|s| s.unwrap().record)
+        .collect();
+    let filter = query::Filter {
+        record: Some(shown.clone()),
+        ..Default::default()
+    };
+    let found: Vec<&Record> = all.iter().filter(|r| filter.matches(r)).collect();
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].id, first.id);
+    assert_eq!(found[0].reference.as_deref(), Some(shown.as_str()));
+    let _ = fs::remove_dir_all(&root);
+}

@@ -61,6 +61,7 @@ pub(super) struct Shared {
     pub healthy: AtomicBool,
     pub closed: AtomicBool,
     pub ids: Ids,
+    pub refs: super::reference::RefKey,
     pub counters: Arc<super::Counters>,
 }
 

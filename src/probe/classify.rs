@@ -5,7 +5,7 @@
 //!
 //! Matching rules (a record belongs to a probe if any holds):
 //!
-//! 1. its `id` is the record id Palisade quoted back to the probe (the 403
+//! 1. its `ref` (or `id`) is the record Palisade quoted back to the probe (the 403
 //!    body, `Proxy-Status` `record=`, or the DNS Extended Error text);
 //! 2. its `path` or `host` contains the probe's marker (HTTP paths and DNS
 //!    labels the plan put `{marker}` in);
@@ -89,7 +89,7 @@ pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Reco
     let mut out: Vec<&Record> = records
         .iter()
         .filter(|r| {
-            let by_id = o.palisade_record.as_deref() == Some(r.id.as_str());
+            let by_id = o.palisade_record.as_deref().is_some_and(|q| r.is_named(q));
             let by_marker = !o.marker.is_empty()
                 && [&r.path, &r.host]
                     .iter()
@@ -207,7 +207,7 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     let unresolved = only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed);
     let infra = only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason));
     if let Some(q) = &o.palisade_record {
-        if !recs.iter().any(|r| r.id == *q) {
+        if !recs.iter().any(|r| r.is_named(q)) {
             return (
                 Class::Inconclusive,
                 format!("Palisade quoted record {q}, which is not in the evidence given: wrong evidence directory or an incomplete copy"),

@@ -262,6 +262,9 @@ impl ProbeResult {
 #[derive(Debug, Clone, Serialize)]
 pub struct CitedRecord {
     pub id: String,
+    /// The reference Palisade showed the client for it.
+    #[serde(rename = "ref", skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
     pub ts: String,
     pub kind: Kind,
     pub mode: Mode,
@@ -281,6 +284,7 @@ impl From<&Record> for CitedRecord {
     fn from(r: &Record) -> CitedRecord {
         CitedRecord {
             id: r.id.clone(),
+            reference: r.reference.clone(),
             ts: r.ts.clone(),
             kind: r.kind,
             mode: r.mode,

@@ -429,7 +429,8 @@ async fn read_head<S: AsyncRead + Unpin>(
     }
 }
 
-/// `record=ID` or `evidence record ID` in a text from Palisade.
+/// `record=REF` or `evidence record REF` in a text from Palisade (a
+/// record's reference; older instances quoted its id).
 pub fn quoted_record(text: &str) -> Option<String> {
     for key in ["record=", "evidence record "] {
         if let Some(i) = text.find(key) {

@@ -36,7 +36,16 @@ pub struct Opened {
     pub conn: Conn,
 }
 
-/// Why nothing was opened: the failure, recorded as `record`.
+/// A written decision record: its `id` (what its close record names) and
+/// the reference its client may be shown.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub id: String,
+    pub shown: String,
+}
+
+/// Why nothing was opened: the failure, recorded under the reference
+/// `record` (what the client is shown).
 #[derive(Debug)]
 pub struct Refused {
     /// `evidence_unavailable` if the record itself could not be written.
@@ -123,7 +132,7 @@ pub async fn record_denial(
     debug!(reason = %failure.reason(), side = ?failure.side(), record = %record.id, "denied");
     Refused {
         failure,
-        record: record.id,
+        record: record.shown().to_string(),
         detail: detail.map(str::to_string),
     }
 }
@@ -136,8 +145,8 @@ pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refuse
         conn.ip = Some(addr.ip());
     }
     let (written, record) = match write(ctx, conn).await {
-        Ok(id) => (true, id),
-        Err(id) => (false, id),
+        Ok(w) => (true, w.shown),
+        Err(w) => (false, w.shown),
     };
     Refused {
         failure: Failure::Unreachable(error).recorded(written),
@@ -147,14 +156,19 @@ pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refuse
 }
 
 /// Write `conn`'s decision record as it stands and wait until it is with
-/// the operating system: `Ok(id)`, or `Err(id)` if it could not be written
-/// (then nothing may flow).
-pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<String, String> {
+/// the operating system: `Ok`, or `Err` if it could not be written (then
+/// nothing may flow).
+pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
     let mut record = conn.record();
-    if ctx.write(&mut record).await {
-        Ok(record.id)
+    let written = ctx.write(&mut record).await;
+    let w = Written {
+        shown: record.shown().to_string(),
+        id: record.id,
+    };
+    if written {
+        Ok(w)
     } else {
-        Err(record.id)
+        Err(w)
     }
 }
 
@@ -225,7 +239,7 @@ where
         &conn,
         detected.as_ref().unwrap_or(&Detected::NotTls),
     ));
-    let Ok(id) = write(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write(&ctx, &conn).await else {
         return;
     };
     if !conn.is_allow() {
@@ -420,14 +434,14 @@ async fn run_opaque<C>(
         Some(reason) if report && reason.reportable() => conn.report(reason, None),
         Some(reason) => {
             conn.deny(reason, None);
-            let id = write(&ctx, &conn).await.unwrap_or_else(|id| id);
+            let id = write(&ctx, &conn).await.unwrap_or_else(|w| w).id;
             debug!(reason = %reason, record = %id, "tunnel denied after detection");
             return; // both sides dropped: nothing reached the upstream
         }
         None => {}
     }
     // (Interception needs a TLS rule: an opaque tunnel is never intercepted.)
-    let Ok(id) = write(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write(&ctx, &conn).await else {
         return;
     };
     if detected == Detected::Closed || !conn.is_allow() {

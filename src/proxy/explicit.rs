@@ -524,9 +524,9 @@ async fn forward(
         Err(e) => return connect::dial_failed(&ctx, &mut conn, e).await.response(),
     };
     conn.ip = Some(addr.ip());
-    let id = match connect::write(&ctx, &conn).await {
-        Ok(id) => id,
-        Err(id) => return Failure::Denied(Reason::EvidenceUnavailable).response(&id, None),
+    let written = match connect::write(&ctx, &conn).await {
+        Ok(w) => w,
+        Err(w) => return Failure::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
     };
 
     let head_estimate = head_size(&req) as u64;
@@ -542,7 +542,8 @@ async fn forward(
     let exchange = Exchange {
         ctx: ctx.clone(),
         req: conn,
-        id,
+        id: written.id,
+        shown: written.shown,
         started,
         up: Box::new(move || up.get()),
         with_status: false,

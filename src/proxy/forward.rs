@@ -28,6 +28,8 @@ pub struct Exchange {
     /// The request as recorded, under `id`.
     pub req: Conn,
     pub id: String,
+    /// The reference its client is shown for it.
+    pub shown: String,
     pub started: Instant,
     /// The request's bytes up so far (read at close).
     pub up: Box<dyn Fn() -> u64 + Send + Sync>,
@@ -60,6 +62,6 @@ impl Exchange {
         let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
         close.detail = Some(e.to_string());
         self.ctx.submit(&mut close);
-        Failure::NoResponse(e).response(&self.id, None)
+        Failure::NoResponse(e).response(&self.shown, None)
     }
 }

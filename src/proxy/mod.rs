@@ -431,7 +431,7 @@ fn reject_over_limit(
         hit.describe().to_string(),
     );
     ctx.submit(&mut record);
-    let response = failure::Failure::Denied(Reason::LimitExceeded).raw_response(&record.id);
+    let response = failure::Failure::Denied(Reason::LimitExceeded).raw_response(record.shown());
     // Non-blocking: a flood must not tie up the accept loop.
     if stream.try_write(response.as_bytes()).is_err() {
         return;

@@ -232,7 +232,7 @@ async fn handle(
         &conn,
         &detected,
     ));
-    let Ok(id) = connect::write(&ctx, &conn).await else {
+    let Ok(connect::Written { id, .. }) = connect::write(&ctx, &conn).await else {
         return reset(client);
     };
     if !conn.is_allow() {
@@ -248,7 +248,7 @@ async fn handle(
 
 /// Record a denied connection.
 async fn deny(ctx: &Ctx, conn: &Conn) {
-    let id = connect::write(ctx, conn).await.unwrap_or_else(|id| id);
+    let id = connect::write(ctx, conn).await.unwrap_or_else(|w| w).id;
     debug!(reason = %conn.verdict.reason, record = %id, "transparent connection denied");
 }
 

@@ -16,7 +16,7 @@ use crate::lab::{
     self, dump, in_netns, run_with_timeout, scratch_dir, Lab, CLIENT2_IP, OTHER_IP, STRANGER_IP,
 };
 use crate::transparent::{load_gateway, TRANSPARENT};
-use crate::{assert_refused, record_id};
+use crate::{assert_refused, record_id, record_ref};
 
 const SHIM: &str = "198.18.1.1:53";
 
@@ -184,7 +184,7 @@ fn a_broad_rule_opens_no_always_denied_address() {
         assert_eq!(d.status, "NOERROR", "{name}: {}", d.output);
         assert!(d.answers.is_empty(), "{name}: {}", d.output);
         let id = d.record_id().expect("EDE with record id");
-        let rec = lab.wait_evidence(name, |v| record_id(v).as_deref() == Some(id.as_str()));
+        let rec = lab.wait_evidence(name, |v| record_ref(v).as_deref() == Some(id.as_str()));
         assert_eq!(rec["reason"], "denied_address", "{rec}");
     }
 
@@ -193,7 +193,7 @@ fn a_broad_rule_opens_no_always_denied_address() {
     assert_eq!(d.status, "REFUSED", "{}", d.output);
     let id = d.record_id().expect("EDE with record id");
     let rec = lab.wait_evidence("unknown client", |v| {
-        record_id(v).as_deref() == Some(id.as_str())
+        record_ref(v).as_deref() == Some(id.as_str())
     });
     assert_eq!(rec["reason"], "unknown_client", "{rec}");
     assert_eq!(rec["host"], "allowed.test", "{rec}");

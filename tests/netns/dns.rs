@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::lab::{self, Dig, Lab, CLIENT2_IP, SHIM_IP, STRANGER_IP};
-use crate::record_id;
+use crate::record_ref;
 
 const SHIM: &str = "198.18.1.1:53";
 
@@ -69,10 +69,10 @@ pub fn dig2(lab: &Lab, args: &[&str]) -> Dig {
     lab.dig_in(&lab.ns_client2.clone(), &full)
 }
 
-/// The evidence record with this id.
-fn record(lab: &Lab, id: &str) -> Value {
-    lab.wait_evidence(&format!("record {id}"), |v| {
-        record_id(v).as_deref() == Some(id)
+/// The evidence record a client was shown as `shown` (its reference).
+fn record(lab: &Lab, shown: &str) -> Value {
+    lab.wait_evidence(&format!("record {shown}"), |v| {
+        record_ref(v).as_deref() == Some(shown)
     })
 }
 

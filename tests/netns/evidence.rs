@@ -303,6 +303,20 @@ fn query_and_export_read_the_live_evidence() {
         .collect();
     assert_eq!(rows.len(), 1, "{}", q.stdout);
     assert_eq!(rows[0]["reason"], "no_matching_rule");
+    // What the client was shown finds the record (`--ref`, or `--id`).
+    let shown = denied
+        .body
+        .split("evidence record ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or_else(|| panic!("no reference in {:?}", denied.body));
+    assert_eq!(rows[0]["ref"], shown, "{}", q.stdout);
+    assert_ne!(rows[0]["id"], shown);
+    for flag in ["--ref", "--id"] {
+        let by = palisade(&["evidence", "query", &dir, flag, shown]);
+        assert!(by.success(), "{}", by.describe());
+        assert_eq!(by.stdout.trim(), q.stdout.trim(), "{flag}");
+    }
     let t = palisade(&["evidence", "query", &dir, "--org", "acme", "--table"]);
     assert!(t.stdout.lines().count() >= 3, "{}", t.stdout);
     let x = palisade(&["evidence", "export", &dir, "--format", "ocsf"]);

@@ -18,6 +18,7 @@ mod intercept;
 mod lab;
 mod lifecycle;
 mod metrics;
+mod noisy;
 mod policy;
 mod probe;
 mod reload;
@@ -37,6 +38,14 @@ pub fn record_id(v: &Value) -> Option<String> {
         Value::Number(n) => Some(n.to_string()),
         _ => None,
     }
+}
+
+/// The reference a client is shown for a record (its `ref` field).
+pub fn record_ref(v: &Value) -> Option<String> {
+    v["ref"]
+        .as_str()
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
 }
 
 /// A refused request: status, reason code and evidence id in the body, a
@@ -62,8 +71,14 @@ pub fn assert_refused(lab: &Lab, resp: &HttpResp, status: u16, reason: &str, ctx
         v["decision"] == "deny"
             && v["reason"] == reason
             // Delimited: record "X-1" must not match a body naming "X-10".
-            && record_id(v).is_some_and(|id| body.contains(&format!("record {id})")))
+            && record_ref(v).is_some_and(|r| body.contains(&format!("record {r})")))
     });
+    // The client sees the opaque reference, never the counting id.
+    let id = record_id(&rec).unwrap_or_default();
+    assert!(
+        !body.contains(&id) && !ps.contains(&id),
+        "{ctx}: the record id {id} is shown to the client: {body:?} {ps:?}"
+    );
     assert_eq!(rec["event"], "decision", "{ctx}: {rec}");
     assert_eq!(rec["mode"], "explicit", "{ctx}: {rec}");
     assert!(

@@ -1,7 +1,7 @@
 //! Allow/deny decisions of the explicit proxy, checked end to end.
 
 use crate::lab::{self, dump, Lab, DEFAULT_POLICY};
-use crate::{assert_client_ip, assert_refused, record_id};
+use crate::{assert_client_ip, assert_refused, record_id, record_ref};
 use serde_json::Value;
 
 /// Port number of a record, accepting 443 or "443".
@@ -192,7 +192,7 @@ fn port_not_allowed() {
     let body = r.body.clone();
     let rec = lab.wait_evidence("deny for CONNECT 198.18.2.30:443", |v| {
         v["decision"] == "deny"
-            && record_id(v).is_some_and(|id| body.contains(&format!("record {id})")))
+            && record_ref(v).is_some_and(|r| body.contains(&format!("record {r})")))
     });
     assert!(
         rec["reason"] == "port_not_allowed" || rec["reason"] == "no_matching_rule",

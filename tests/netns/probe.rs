@@ -397,7 +397,7 @@ fn explicit_proxy_plan_is_classified_and_rendered() {
     let path = cited("encoded-path", "path_not_allowed");
     assert_eq!(
         r.probe("encoded-path")["observation"]["palisade_record"],
-        path["id"]
+        path["ref"]
     );
     assert_eq!(r.probe("encoded-path")["observation"]["http_status"], 403);
     // The cited records carry the reason Palisade gave.

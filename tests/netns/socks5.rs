@@ -5,7 +5,7 @@
 //! by their tokens on both the explicit and the SOCKS5 listener.
 
 use crate::lab::{self, dump, Lab, BANNER, BANNER_PORT};
-use crate::{assert_client_ip, assert_refused, record_id};
+use crate::{assert_client_ip, assert_refused, record_id, record_ref};
 use serde_json::Value;
 
 const SOCKS_ADDR: &str = "198.18.1.1:1080";
@@ -469,7 +469,7 @@ fn tokens_tell_orgs_behind_one_address_apart() {
     assert!(rec["org"].is_null(), "{rec}");
 
     // Wrong token, another org's token, an org that does not exist: the
-    // same 407 auth_failed; only the record id differs.
+    // same 407 auth_failed; only the record reference differs.
     let mut bodies = Vec::new();
     for (user, token) in [
         ("red", "wrong-token"),
@@ -480,8 +480,8 @@ fn tokens_tell_orgs_behind_one_address_apart() {
         let rec = assert_refused(&lab, &r, 407, "auth_failed", &format!("{user} bad token"));
         assert!(rec["org"].is_null(), "{rec}");
         assert!(r.header("proxy-authenticate").is_some(), "{r:#?}");
-        let id = record_id(&rec).unwrap();
-        bodies.push(r.body.replace(&id, "ID"));
+        let shown = record_ref(&rec).unwrap();
+        bodies.push(r.body.replace(&shown, "REF"));
     }
     assert!(bodies.windows(2).all(|w| w[0] == w[1]), "{bodies:#?}");
     assert!(

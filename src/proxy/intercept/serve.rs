@@ -538,7 +538,7 @@ async fn decide_and_send(
     let mut record = req.record();
     if !s.ctx.write(&mut record).await {
         count(shared, Reason::EvidenceUnavailable);
-        return Failure::Denied(Reason::EvidenceUnavailable).response(&record.id, None);
+        return Failure::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
     }
     count(shared, Reason::RuleMatch);
 
@@ -547,6 +547,7 @@ async fn decide_and_send(
     let exchange = Exchange {
         ctx: s.ctx.clone(),
         req,
+        shown: record.shown().to_string(),
         id: record.id,
         started,
         up: Box::new(move || up.load(Ordering::Relaxed)),
@@ -601,7 +602,7 @@ async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body>
     let failure = Failure::Denied(req.verdict.reason).recorded(written);
     count(shared, failure.reason());
     debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
-    failure.response(&record.id, Some(detail))
+    failure.response(record.shown(), Some(detail))
 }
 
 /// The upstream could not be reached (or spoke no HTTP) for an allowed
@@ -611,7 +612,7 @@ async fn unreachable(shared: &Shared, mut req: Conn, failure: Failure) -> Respon
     let mut record = req.record();
     let failure = failure.recorded(shared.session.ctx.write(&mut record).await);
     count(shared, failure.reason());
-    failure.response(&record.id, None)
+    failure.response(record.shown(), None)
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ impl Dig {
             .collect()
     }
 
-    /// The evidence record id named in the EDE text (`record=ID`).
+    /// The record reference named in the EDE text (`record=REF`).
     pub fn record_id(&self) -> Option<String> {
         let ede = self.ede.as_deref()?;
         let rest = ede.split("record=").nth(1)?;
