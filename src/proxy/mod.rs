@@ -224,6 +224,13 @@ impl Ctx {
         }
     }
 
+    /// Charge the connection's `permit` to the org of `view`, the one it
+    /// is decided for (see [`limits`]); over that org's cap or rate, the
+    /// limit to name in the refusal.
+    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), limits::LimitHit> {
+        self.conns.charge(permit, view.org.as_ref())
+    }
+
     /// Queue a record without waiting (close records, refusals that let
     /// nothing through). Its id is assigned at once; it is never dropped.
     pub fn submit(&self, record: &mut Record) {
@@ -361,8 +368,10 @@ pub async fn dial(
 
 /// The accept loop every TCP listener shares: stop on shutdown, hold back
 /// while the evidence queue is full (records are never dropped), back off on
-/// accept errors, take a connection permit, then `serve` the connection in a
-/// tracked task, or `refuse` it over a limit.
+/// accept errors, take a connection permit (charged to the address's org,
+/// or to the address itself: see [`limits`]), then `serve` the connection
+/// in a tracked task, or `refuse` it over a limit. Each mode charges the
+/// permit to the org it finally decides for ([`Ctx::charge`]).
 pub async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
     listener: TcpListener,
@@ -392,7 +401,7 @@ pub async fn accept_loop<S, F, R>(
             }
         };
         let view = ctx.view(peer.ip());
-        match ctx.conns.try_acquire(view.org.as_ref()) {
+        match ctx.conns.try_acquire(peer.ip(), view.org.as_ref()) {
             Ok(permit) => {
                 ctx.tasks
                     .spawn(serve(ctx.clone(), stream, peer, view, permit));

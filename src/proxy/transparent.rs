@@ -92,7 +92,7 @@ async fn handle(
     mut client: TcpStream,
     peer: SocketAddr,
     view: View,
-    _permit: Permit,
+    permit: Permit,
 ) {
     let view = &view;
     let orig = match original_destination(&client) {
@@ -163,6 +163,13 @@ async fn handle(
     conn.detail = outcome.detail;
     if !conn.is_allow() || detected == Detected::Closed {
         deny(&ctx, &conn).await;
+        return reset(client);
+    }
+    // Charged at accept to the address's org, if it has one; the decision
+    // cannot name another, so this only confirms it (see `limits`).
+    if let Err(hit) = ctx.charge(&permit, view) {
+        conn.refuse(Reason::LimitExceeded, Some(hit.describe().into()));
+        let _ = connect::write(&ctx, &conn).await;
         return reset(client);
     }
     if !ctx.evidence.is_healthy() {

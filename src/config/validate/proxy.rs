@@ -19,6 +19,9 @@ pub(super) fn validate_proxy(
         max_connections_per_org,
         max_new_connections_per_second_per_org,
         max_detect_memory_bytes,
+        max_detect_memory_bytes_per_org,
+        max_connections_per_client,
+        max_new_connections_per_second_per_client,
         max_request_head_bytes,
         max_headers,
         header_read_timeout,
@@ -35,6 +38,7 @@ pub(super) fn validate_proxy(
         Some(value) => timeout(Some(value), errors),
         None => ResponseTimeout::from(idle_timeout),
     };
+    let max_detect_memory_bytes = count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors);
     let limits = Limits {
         max_connections: count(max_connections, d.max_connections, errors),
         max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
@@ -43,7 +47,23 @@ pub(super) fn validate_proxy(
             d.max_new_connections_per_second_per_org,
             errors,
         ),
-        max_detect_memory_bytes: count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors),
+        max_detect_memory_bytes,
+        // Unset, an org's share follows the global: a quarter of it.
+        max_detect_memory_bytes_per_org: count(
+            max_detect_memory_bytes_per_org,
+            max_detect_memory_bytes / crate::config::model::DETECT_MEMORY_ORG_SHARE,
+            errors,
+        ),
+        max_connections_per_client: count(
+            max_connections_per_client,
+            d.max_connections_per_client,
+            errors,
+        ),
+        max_new_connections_per_second_per_client: count(
+            max_new_connections_per_second_per_client,
+            d.max_new_connections_per_second_per_client,
+            errors,
+        ),
         max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
         max_headers: count(max_headers, d.max_headers, errors),
         header_read_timeout: timeout(header_read_timeout, errors),
