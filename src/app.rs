@@ -150,9 +150,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
-        detect_slots: tokio::sync::Semaphore::new(
-            (limits.max_detect_memory_bytes / proxy::tunnel::MAX_DETECT_BYTES).max(1),
-        ),
+        detect: proxy::limits::DetectMemory::new(&limits),
         served: served.clone(),
         evidence: evidence.clone(),
         metrics: metrics.clone(),

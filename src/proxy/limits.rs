@@ -26,7 +26,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::config::Limits;
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::config::{Limits, DETECT_MEMORY_CLIENT_SHARE};
 use crate::policy::OrgRef;
 
 /// Counters for the global cap, each org's cap and each source address's
@@ -38,8 +40,8 @@ pub struct ConnLimits {
     per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     new_per_org: RateLimiter<Arc<str>>,
     max_per_client: usize,
-    /// Connections held per address key, an entry only while non-zero.
-    per_client: Arc<Mutex<HashMap<IpAddr, usize>>>,
+    /// Connections held per address key.
+    per_client: Arc<Shares<IpAddr>>,
     new_per_client: RateLimiter<IpAddr>,
     /// `palisade_active_connections`, by org.
     active: prometheus::IntGaugeVec,
@@ -214,24 +216,97 @@ impl Slot {
 enum Charge {
     Org(Arc<str>, Arc<Slot>),
     // Read by nobody: held for its `Drop`, which frees the address's slot.
-    Client(#[allow(dead_code)] ClientHold),
+    Client(#[allow(dead_code)] Share<IpAddr>),
 }
 
-/// One connection counted for an address key; uncounted when dropped.
+/// Units held per key, each key bounded (the bound given at each take);
+/// a key has an entry only while it holds something.
 #[derive(Debug)]
-struct ClientHold {
-    table: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    key: IpAddr,
+pub struct Shares<K> {
+    table: Mutex<HashMap<K, usize>>,
 }
 
-impl Drop for ClientHold {
-    fn drop(&mut self) {
-        let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = table.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
+/// Units of one key held; given back when dropped.
+#[derive(Debug)]
+pub struct Share<K: Hash + Eq + Clone> {
+    shares: Arc<Shares<K>>,
+    key: K,
+    max: usize,
+    held: usize,
+}
+
+impl<K: Hash + Eq + Clone> Shares<K> {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Shares {
+            table: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `n` units of `key`, if that keeps it within `max`.
+    pub fn take(self: &Arc<Self>, key: K, n: usize, max: usize) -> Option<Share<K>> {
+        let mut share = Share {
+            shares: self.clone(),
+            key,
+            max,
+            held: 0,
+        };
+        share.grow(n).then_some(share)
+    }
+
+    /// Units `key` holds now.
+    pub fn held(&self, key: &K) -> usize {
+        let table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        table.get(key).copied().unwrap_or(0)
+    }
+
+    /// Keys holding anything.
+    pub fn keys(&self) -> usize {
+        self.table.lock().map_or(0, |t| t.len())
+    }
+}
+
+impl<K: Hash + Eq + Clone> Share<K> {
+    /// Hold `n` more units, if the key stays within its bound.
+    pub fn grow(&mut self, n: usize) -> bool {
+        if n == 0 {
+            return true;
+        }
+        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
+        let used = table.entry(self.key.clone()).or_insert(0);
+        if *used + n > self.max {
+            if *used == 0 {
                 table.remove(&self.key);
             }
+            return false;
+        }
+        *used += n;
+        self.held += n;
+        true
+    }
+
+    /// Give back `n` units.
+    pub fn shrink(&mut self, n: usize) {
+        let n = n.min(self.held);
+        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(used) = table.get_mut(&self.key) {
+            *used -= n.min(*used);
+            if *used == 0 {
+                table.remove(&self.key);
+            }
+        }
+        self.held -= n;
+    }
+
+    /// Units this share holds.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
+
+impl<K: Hash + Eq + Clone> Drop for Share<K> {
+    fn drop(&mut self) {
+        if self.held > 0 {
+            self.shrink(self.held);
         }
     }
 }
@@ -288,7 +363,7 @@ impl ConnLimits {
             // Orgs come from the config: a small, bounded set.
             new_per_org: RateLimiter::new(new_per_second_per_org, 65_536),
             max_per_client,
-            per_client: Arc::new(Mutex::new(HashMap::new())),
+            per_client: Shares::new(),
             // Full of addresses active this second, a new one is refused.
             new_per_client: RateLimiter::new(new_per_second_per_client, 65_536),
             active,
@@ -316,21 +391,14 @@ impl ConnLimits {
     }
 
     /// Take a slot of `client`'s address key, with its rate token.
-    fn take_client(&self, client: IpAddr) -> Result<ClientHold, LimitHit> {
+    fn take_client(&self, client: IpAddr) -> Result<Share<IpAddr>, LimitHit> {
         let key = client_key(client);
         if !self.new_per_client.allow(&key, Instant::now()) {
             return Err(LimitHit::ClientRate);
         }
-        let mut table = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
-        let n = table.entry(key).or_insert(0);
-        if *n >= self.max_per_client {
-            return Err(LimitHit::Client);
-        }
-        *n += 1;
-        Ok(ClientHold {
-            table: self.per_client.clone(),
-            key,
-        })
+        self.per_client
+            .take(key, 1, self.max_per_client)
+            .ok_or(LimitHit::Client)
     }
 
     /// A permit at accept, if no cap or rate is exceeded: charged to `org`
@@ -386,8 +454,154 @@ impl ConnLimits {
 
     /// Connections held by `client`'s address key while charged to no org.
     pub fn held_by_client(&self, client: IpAddr) -> usize {
-        let table = self.per_client.lock().unwrap_or_else(|p| p.into_inner());
-        table.get(&client_key(client)).copied().unwrap_or(0)
+        self.per_client.held(&client_key(client))
+    }
+}
+
+/// Whose share of detection memory bytes held before a decision count in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Holder {
+    Org(Arc<str>),
+    /// A client of no org, by its address key ([`client_key`]).
+    Client(IpAddr),
+}
+
+/// Detection memory (first bytes read and held before a decision), in
+/// units of [`crate::proxy::tunnel::MAX_DETECT_BYTES`]: a global pool, a
+/// share per org (`max_detect_memory_bytes_per_org`) and a small share per
+/// address of no org (a sixty-fourth of the global), so that neither one
+/// org nor one stranger can take the whole pool.
+#[derive(Debug)]
+pub struct DetectMemory {
+    global: Semaphore,
+    shares: Arc<Shares<Holder>>,
+    per_org: usize,
+    per_client: usize,
+}
+
+impl DetectMemory {
+    /// The pools of `limits`.
+    pub fn new(limits: &Limits) -> DetectMemory {
+        let unit = crate::proxy::tunnel::MAX_DETECT_BYTES;
+        let units = |bytes: usize| (bytes / unit).max(1);
+        DetectMemory::with_units(
+            units(limits.max_detect_memory_bytes),
+            units(limits.max_detect_memory_bytes_per_org),
+            units(limits.max_detect_memory_bytes / DETECT_MEMORY_CLIENT_SHARE),
+        )
+    }
+
+    pub fn with_units(global: usize, per_org: usize, per_client: usize) -> DetectMemory {
+        DetectMemory {
+            global: Semaphore::new(global),
+            shares: Shares::new(),
+            per_org,
+            per_client,
+        }
+    }
+
+    /// Where a connection of `org` (or of none) from `client` is charged.
+    pub fn scope(&self, org: Option<&OrgRef>, client: IpAddr) -> DetectScope<'_> {
+        let (holder, max) = match org {
+            Some(o) => (Holder::Org(o.name.clone()), self.per_org),
+            None => (Holder::Client(client_key(client)), self.per_client),
+        };
+        DetectScope {
+            memory: self,
+            holder,
+            max,
+        }
+    }
+
+    /// Units free in the global pool.
+    pub fn available(&self) -> usize {
+        self.global.available_permits()
+    }
+
+    /// Units `holder` holds now.
+    pub fn held_by(&self, holder: &Holder) -> usize {
+        self.shares.held(holder)
+    }
+}
+
+/// One holder's view of the detection memory.
+#[derive(Debug, Clone)]
+pub struct DetectScope<'a> {
+    memory: &'a DetectMemory,
+    holder: Holder,
+    max: usize,
+}
+
+impl<'a> DetectScope<'a> {
+    /// Nothing held yet; grow with [`DetectHold::cover`].
+    pub fn hold(&self) -> DetectHold<'a> {
+        DetectHold {
+            scope: self.clone(),
+            global: None,
+            share: None,
+        }
+    }
+
+    /// `units` held at once, or `None` over the global pool or the share.
+    pub fn try_hold(&self, units: usize) -> Option<DetectHold<'a>> {
+        let mut hold = self.hold();
+        hold.cover(units).then_some(hold)
+    }
+}
+
+/// Units held from the global pool and the holder's share; released on drop.
+#[derive(Debug)]
+pub struct DetectHold<'a> {
+    scope: DetectScope<'a>,
+    global: Option<SemaphorePermit<'a>>,
+    share: Option<Share<Holder>>,
+}
+
+impl DetectHold<'_> {
+    /// Hold `units` in all (more if needed); `false` if the global pool or
+    /// the holder's share has no room (what was held stays held).
+    pub fn cover(&mut self, units: usize) -> bool {
+        let have = self.global.as_ref().map_or(0, |p| p.num_permits());
+        if units <= have {
+            return true;
+        }
+        let more = units - have;
+        let share_ok =
+            match &mut self.share {
+                Some(share) => share.grow(more),
+                None => match self.scope.memory.shares.take(
+                    self.scope.holder.clone(),
+                    more,
+                    self.scope.max,
+                ) {
+                    Some(share) => {
+                        self.share = Some(share);
+                        true
+                    }
+                    None => false,
+                },
+            };
+        if !share_ok {
+            return false;
+        }
+        let Ok(taken) = self.scope.memory.global.try_acquire_many(more as u32) else {
+            // Give the share back to what the global pool covers.
+            if let Some(share) = &mut self.share {
+                share.shrink(more);
+            }
+            return false;
+        };
+        match &mut self.global {
+            Some(p) => p.merge(taken),
+            None => self.global = Some(taken),
+        }
+        true
+    }
+
+    /// Give everything back.
+    pub fn release(&mut self) {
+        self.global = None;
+        self.share = None;
     }
 }
 
@@ -501,7 +715,7 @@ mod tests {
             0,
             "entries go with their slots"
         );
-        assert_eq!(limits.per_client.lock().unwrap().len(), 0);
+        assert_eq!(limits.per_client.keys(), 0);
         assert_eq!(limits.in_use(), 0);
     }
 
@@ -544,6 +758,35 @@ mod tests {
         drop(p);
         assert_eq!(active.with_label_values(&["tok"]).get(), 0);
         assert_eq!(limits.in_use(), 0);
+    }
+
+    #[test]
+    fn detection_memory_is_shared_per_org_and_per_stranger_address() {
+        let memory = DetectMemory::with_units(10, 4, 2);
+        let (a, b) = (org(0, "a"), org(1, "b"));
+        // One org takes its share, no more, and other orgs still get theirs.
+        let mut hold_a = memory.scope(Some(&a), A).hold();
+        assert!(hold_a.cover(4));
+        assert!(!hold_a.cover(5), "org share");
+        assert_eq!(memory.held_by(&Holder::Org("a".into())), 4, "kept");
+        assert!(
+            memory.scope(Some(&a), B).try_hold(1).is_none(),
+            "share of the org, whatever the address"
+        );
+        let hold_b = memory.scope(Some(&b), B).try_hold(4).unwrap();
+        // A stranger: its address's small share, never an org's.
+        let s1 = memory.scope(None, STRANGER).try_hold(2).unwrap();
+        assert!(memory.scope(None, STRANGER).try_hold(1).is_none());
+        assert_eq!(memory.held_by(&Holder::Org("a".into())), 4);
+        assert_eq!(memory.available(), 0);
+        // The global pool bounds them all: nothing left for another address,
+        // and a refusal by the pool leaves its share untouched.
+        assert!(memory.scope(None, A).try_hold(1).is_none());
+        assert_eq!(memory.held_by(&Holder::Client(A)), 0);
+        drop((hold_b, s1));
+        hold_a.release();
+        assert_eq!(memory.available(), 10);
+        assert_eq!(memory.shares.keys(), 0, "no entry outlives its holds");
     }
 
     #[test]

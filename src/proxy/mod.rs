@@ -49,7 +49,7 @@ use self::limits::{ConnLimits, Permit};
 
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
 pub const DETECT_BUDGET_EXHAUSTED: &str =
-    "max_detect_memory_bytes in use: no room to read the first bytes";
+    "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
 
 /// What the DNS shim handed out: did org `org` receive `addr` for `name`,
 /// and is that binding still valid? Transparent mode uses it to check that
@@ -70,9 +70,9 @@ pub struct Ctx {
     pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
     pub conns: ConnLimits,
-    /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:
-    /// bounds the memory held for first bytes before decisions.
-    pub detect_slots: tokio::sync::Semaphore,
+    /// Memory held for first bytes before decisions: a global pool, a
+    /// share per org and per address of no org (see [`limits::DetectMemory`]).
+    pub detect: limits::DetectMemory,
     /// Refused connections being drained before close (bounded).
     pub refusal_drains: Arc<tokio::sync::Semaphore>,
     /// Stop accepting; finish in-flight requests.
@@ -222,6 +222,11 @@ impl Ctx {
                 false
             }
         }
+    }
+
+    /// Where the first bytes of `client`, of `view`'s org, are charged.
+    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> limits::DetectScope<'_> {
+        self.detect.scope(view.org.as_ref(), client.ip())
     }
 
     /// Charge the connection's `permit` to the org of `view`, the one it
