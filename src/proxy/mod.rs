@@ -16,6 +16,7 @@
 
 pub mod conn;
 pub mod connect;
+pub mod denials;
 pub mod explicit;
 pub mod failure;
 pub mod forward;
@@ -70,6 +71,8 @@ pub struct Ctx {
     pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
     pub conns: ConnLimits,
+    /// Which denials are written one by one, and the tallies of the rest.
+    pub denials: denials::Denials,
     /// Memory held for first bytes before decisions: a global pool, a
     /// share per org and per address of no org (see [`limits::DetectMemory`]).
     pub detect: limits::DetectMemory,
@@ -210,8 +213,12 @@ impl Ctx {
 
     /// Write a record and wait until it is with the operating system.
     /// `false` means evidence is unavailable and the caller must not let
-    /// anything through.
+    /// anything through. A denial over its client's record rate is counted
+    /// into a summary instead (its id becomes [`denials::SUMMARISED`]).
     pub async fn write(&self, record: &mut Record) -> bool {
+        if self.summarised(record) {
+            return true;
+        }
         match self.evidence.write(record).await {
             Ok(()) => {
                 self.metrics.count_record(record);
@@ -224,6 +231,40 @@ impl Ctx {
         }
     }
 
+    /// Whether `record`, a denial over its client's record rate, was
+    /// counted into a summary (and in the metrics) rather than written.
+    fn summarised(&self, record: &mut Record) -> bool {
+        let now = (std::time::Instant::now(), std::time::SystemTime::now());
+        if self.denials.admit(record, now.0, now.1) {
+            return false;
+        }
+        record.id = denials::SUMMARISED.to_string();
+        self.metrics.count_record(record);
+        let org = record.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG);
+        self.metrics
+            .evidence_suppressed_total
+            .with_label_values(&[org])
+            .inc();
+        true
+    }
+
+    /// Queue a record without waiting (close records, refusals that let
+    /// nothing through). Its id is assigned at once; it is never dropped,
+    /// but a denial over its client's record rate goes into a summary.
+    pub fn submit(&self, record: &mut Record) {
+        if self.summarised(record) {
+            return;
+        }
+        self.evidence.submit(record);
+        self.metrics.count_record(record);
+    }
+
+    /// Write the denial summaries (every [`denials::SUMMARY_INTERVAL`],
+    /// and once at shutdown), counted in the metrics' record totals.
+    pub async fn flush_denials(&self) {
+        self.denials.flush(&self.evidence).await;
+    }
+
     /// Where the first bytes of `client`, of `view`'s org, are charged.
     pub fn detect_scope(&self, view: &View, client: SocketAddr) -> limits::DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
@@ -234,13 +275,6 @@ impl Ctx {
     /// limit to name in the refusal.
     pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), limits::LimitHit> {
         self.conns.charge(permit, view.org.as_ref())
-    }
-
-    /// Queue a record without waiting (close records, refusals that let
-    /// nothing through). Its id is assigned at once; it is never dropped.
-    pub fn submit(&self, record: &mut Record) {
-        self.evidence.submit(record);
-        self.metrics.count_record(record);
     }
 }
 
