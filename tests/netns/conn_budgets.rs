@@ -2,8 +2,6 @@
 //! and a stranger's address can exhaust only its own pre-authentication
 //! budget (`max_connections_per_client`), never an org's.
 
-use std::process::{Command, Stdio};
-
 use crate::lab::{self, Lab};
 use crate::socks5::new_token;
 
@@ -44,21 +42,8 @@ fn a_stranger_holding_idle_connections_leaves_token_clients_served() {
         .proxy_option("max_connections_per_org = 50")
         .proxy_option("header_read_timeout = \"60s\"")
         .start();
-    let mut stranger = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_client, "python3", "-c", HOLD])
-        .args(["120", lab::STRANGER_IP, "10"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(stranger.stdout.as_mut().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "kept 40 refused 80", "{}", lab.proxy_output());
+    let (mut stranger, line) = lab.spawn_client_script(HOLD, &["120", lab::STRANGER_IP, "10"]);
+    assert_eq!(line, "kept 40 refused 80", "{}", lab.proxy_output());
 
     // A token client on another address is served, again and again, while
     // the stranger holds its whole budget.
