@@ -121,6 +121,39 @@ mod tests {
     }
 
     #[test]
+    fn budgets_have_defaults_and_the_org_share_follows_the_global() {
+        let d = parse(BASE).unwrap().proxy.limits;
+        assert_eq!(d.max_connections_per_client, 256);
+        assert_eq!(d.max_new_connections_per_second_per_client, 200);
+        assert_eq!(d.max_denial_records_per_second_per_client, 50);
+        assert_eq!(d.max_detect_memory_bytes_per_org, 16 * 1024 * 1024);
+        let src = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_detect_memory_bytes = 4000000\nmax_connections_per_client = 9\n",
+        );
+        let c = parse(&src).unwrap().proxy.limits;
+        assert_eq!(c.max_detect_memory_bytes_per_org, 1_000_000, "a quarter");
+        assert_eq!(c.max_connections_per_client, 9);
+        let set = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_detect_memory_bytes_per_org = 5\n",
+        );
+        assert_eq!(
+            parse(&set)
+                .unwrap()
+                .proxy
+                .limits
+                .max_detect_memory_bytes_per_org,
+            5
+        );
+        let zero = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_denial_records_per_second_per_client = 0\n",
+        );
+        assert!(first_error(&zero).contains("positive"));
+    }
+
+    #[test]
     fn socks5_listeners_are_own_addresses_and_unique() {
         let src = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:1080\"]\n");
         let c = parse(&src).unwrap();
