@@ -12,7 +12,10 @@
 //!   through one layer, [`http`], and a forwarded request ends in
 //!   [`forward`].
 //! - Whatever fails is told to the client from one mapping, [`failure`].
-//! - Connection caps and rate limits: [`limits`].
+//! - Connection caps and rate limits, charged to the org a connection is
+//!   decided for (strangers to their own address), and the shares of
+//!   detection memory: [`limits`]. Denials over a client's record rate
+//!   are written as summaries: [`denials`].
 
 pub mod conn;
 pub mod connect;

@@ -3,6 +3,7 @@
 //! budget (`max_connections_per_client`), never an org's.
 
 use crate::lab::{self, Lab};
+use crate::metrics::scalar_from_scrape;
 use crate::socks5::new_token;
 
 /// Hold N idle connections to the explicit listener from the stranger's
@@ -81,6 +82,25 @@ fn a_stranger_holding_idle_connections_leaves_token_clients_served() {
             .unwrap()
             .starts_with(lab::STRANGER_IP),
         "{refused}"
+    );
+    // 80 refusals in a burst: the first 50 (the default rate's burst) are
+    // written one by one, the rest folded into a summary naming the
+    // stranger, counted, and never lost.
+    let summary = lab.wait_evidence("summary of the stranger's refusals", |v| {
+        v["count"].is_u64()
+            && v["client"]
+                .as_str()
+                .is_some_and(|c| c.starts_with(lab::STRANGER_IP))
+    });
+    assert_eq!(summary["reason"], "limit_exceeded", "{summary}");
+    assert!(summary["org"].is_null(), "{summary}");
+    let n = summary["count"].as_u64().unwrap();
+    assert_eq!(summary["reasons"]["limit_exceeded"], n, "{summary}");
+    let suppressed =
+        scalar_from_scrape(&lab, "palisade_evidence_suppressed_total{org=\"unknown\"}");
+    assert!(
+        suppressed >= n as f64 && suppressed <= 30.0,
+        "{suppressed} vs {n}"
     );
     let _ = stranger.kill();
     let _ = stranger.wait();
