@@ -149,10 +149,9 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
+        denials: proxy::denials::Denials::new(limits.max_denial_records_per_second_per_client),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
-        detect_slots: tokio::sync::Semaphore::new(
-            (limits.max_detect_memory_bytes / proxy::tunnel::MAX_DETECT_BYTES).max(1),
-        ),
+        detect: proxy::limits::DetectMemory::new(&limits),
         served: served.clone(),
         evidence: evidence.clone(),
         metrics: metrics.clone(),
@@ -219,6 +218,22 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         "palisade serving"
     );
 
+    // Denials over a client's record rate are written as summaries, now
+    // and then, and once more when every connection is drained.
+    let flusher = {
+        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(proxy::denials::SUMMARY_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tick.tick() => ctx.flush_denials().await,
+                }
+            }
+        })
+    };
+
     let mut reloader =
         crate::reload::Reloader::new(config.clone(), served.clone(), metrics.clone()).await;
     let mut config_poll = tokio::time::interval(crate::reload::DEFAULT_CONFIG_POLL_INTERVAL);
@@ -254,6 +269,14 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         );
         hard_stop.cancel();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+    }
+    let _ = flusher.await;
+    ctx.flush_denials().await;
+    if ctx.denials.pending_count() > 0 {
+        warn!(
+            denials = ctx.denials.pending_count(),
+            "denials summarised but not written before shutdown"
+        );
     }
     // Everything is drained: seal the chain with a final signed checkpoint.
     if evidence.seal().await {

@@ -46,6 +46,9 @@ pub struct Metrics {
     pub resolve_duration_seconds: HistogramVec,
     /// Report mode: decisions let through that enforcement would have denied.
     pub would_deny_total: IntCounterVec,
+    /// Proxy denials over the per-client record rate, counted into summary
+    /// records instead of written one by one, by org.
+    pub evidence_suppressed_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     ready: IntGauge,
     /// Requests decided inside intercepted connections, by org, decision and reason.
@@ -86,6 +89,14 @@ const EVIDENCE_QUEUE_DEPTH: (&str, &str) = (
     "palisade_evidence_queue_depth",
     "Evidence records queued for the writer thread.",
 );
+const EVIDENCE_DISK_FREE: (&str, &str) = (
+    "palisade_evidence_disk_free_bytes",
+    "Bytes free (for unprivileged writers) on the file system of the evidence dir, read at scrape time.",
+);
+const EVIDENCE_DISK_SIZE: (&str, &str) = (
+    "palisade_evidence_disk_size_bytes",
+    "Size in bytes of the file system of the evidence dir, read at scrape time.",
+);
 
 /// The evidence writer's own counters, exposed as they are at scrape time.
 struct EvidenceCollector {
@@ -100,6 +111,8 @@ impl EvidenceCollector {
             EVIDENCE_RECORDS,
             EVIDENCE_WRITE_ERRORS,
             EVIDENCE_QUEUE_DEPTH,
+            EVIDENCE_DISK_FREE,
+            EVIDENCE_DISK_SIZE,
         ] {
             descs.push(Desc::new(
                 name.into(),
@@ -126,6 +139,13 @@ impl EvidenceCollector {
         let depth = IntGauge::new(name, help)?;
         depth.set(i64::try_from(c.queue_depth()).unwrap_or(i64::MAX));
         out.extend(depth.collect());
+        if let Some((free, size)) = c.disk_space() {
+            for ((name, help), value) in [(EVIDENCE_DISK_FREE, free), (EVIDENCE_DISK_SIZE, size)] {
+                let gauge = IntGauge::new(name, help)?;
+                gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+                out.extend(gauge.collect());
+            }
+        }
         Ok(out)
     }
 }
@@ -222,6 +242,11 @@ impl Metrics {
                 "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
                 &["org", "mode", "reason"],
             )?,
+            evidence_suppressed_total: counter_vec(
+                "palisade_evidence_suppressed_total",
+                "Proxy denials over max_denial_records_per_second_per_client, folded into summary records instead of written one by one, by org.",
+                &["org"],
+            )?,
             ready: IntGauge::new(
                 "palisade_ready",
                 "1 while every listener is bound and evidence is writable (what /readyz reports).",
@@ -269,6 +294,7 @@ impl Metrics {
             Box::new(m.resolve_duration_seconds.clone()),
             Box::new(m.ready.clone()),
             Box::new(m.would_deny_total.clone()),
+            Box::new(m.evidence_suppressed_total.clone()),
             Box::new(m.intercepted_requests_total.clone()),
             Box::new(m.intercepted_request_duration_seconds.clone()),
             Box::new(m.intercept_cert_cache_total.clone()),
@@ -367,6 +393,7 @@ impl Metrics {
                 ]);
             }
             self.active_connections.with_label_values(&[org]);
+            self.evidence_suppressed_total.with_label_values(&[org]);
             for direction in ["up", "down"] {
                 self.bytes_total.with_label_values(&[org, direction]);
             }
@@ -450,6 +477,9 @@ mod tests {
             "palisade_evidence_records_total",
             "palisade_evidence_write_errors_total",
             "palisade_evidence_queue_depth",
+            "palisade_evidence_suppressed_total",
+            "palisade_evidence_disk_free_bytes",
+            "palisade_evidence_disk_size_bytes",
             "palisade_policy_reloads_total",
             "palisade_build_info",
             "palisade_ready",
@@ -480,6 +510,13 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(value(&text, "palisade_ready"), Some(1.0));
+        assert_eq!(
+            value(&text, "palisade_evidence_suppressed_total{org=\"acme\"}"),
+            Some(0.0)
+        );
+        let free = value(&text, "palisade_evidence_disk_free_bytes").unwrap();
+        let size = value(&text, "palisade_evidence_disk_size_bytes").unwrap();
+        assert!(free > 0.0 && free <= size, "{free} of {size}");
 
         // Records as the proxy and the DNS shim write them, through evidence.
         let rt = tokio::runtime::Builder::new_current_thread()

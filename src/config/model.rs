@@ -26,6 +26,19 @@ pub const DEFAULT_MAX_CONNECTIONS_PER_ORG: usize = 2_000;
 pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG: usize = 20_000;
 /// Default cap on detection buffers, all connections together.
 pub const DEFAULT_MAX_DETECT_MEMORY_BYTES: usize = 64 * 1024 * 1024;
+/// Connections one source address holds before they are charged to an org
+/// (clients of no org, token clients before their credentials).
+pub const DEFAULT_MAX_CONNECTIONS_PER_CLIENT: usize = 256;
+/// New connections one source address of no org (at accept) may open per second.
+pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_CLIENT: usize = 200;
+/// Denial records one source address of a proxy listener may have written
+/// one by one per second (burst of as many); beyond, they are summarised.
+pub const DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_CLIENT: usize = 50;
+/// The share of `max_detect_memory_bytes` one org may hold, unset: a quarter.
+pub const DETECT_MEMORY_ORG_SHARE: usize = 4;
+/// The share of `max_detect_memory_bytes` one source address of no org may
+/// hold before its decision: a sixty-fourth.
+pub const DETECT_MEMORY_CLIENT_SHARE: usize = 64;
 /// Default cap on the size of an HTTP request head (request line and headers).
 pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 /// Default cap on the number of request headers.
@@ -167,6 +180,18 @@ pub struct Limits {
     /// Memory all connections together may hold in detection buffers
     /// (first bytes read and held before the decision).
     pub max_detect_memory_bytes: usize,
+    /// Detection memory one org may hold (a quarter of the global unless set).
+    pub max_detect_memory_bytes_per_org: usize,
+    /// Connections one source address (an IPv6 /64) holds while charged to
+    /// no org: before its credentials, or for good when it has none.
+    pub max_connections_per_client: usize,
+    /// New connections per second of one source address that maps to no
+    /// org at accept (token bucket, burst of one second's worth).
+    pub max_new_connections_per_second_per_client: usize,
+    /// Denials of one source address (IPv6: /64) written one record each
+    /// per second (token bucket, burst of as many); beyond, they are
+    /// counted into summary records.
+    pub max_denial_records_per_second_per_client: usize,
     pub max_request_head_bytes: usize,
     pub max_headers: usize,
     pub header_read_timeout: HeaderReadTimeout,
@@ -186,6 +211,13 @@ impl Default for Limits {
             max_connections_per_org: DEFAULT_MAX_CONNECTIONS_PER_ORG,
             max_new_connections_per_second_per_org: DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_ORG,
             max_detect_memory_bytes: DEFAULT_MAX_DETECT_MEMORY_BYTES,
+            max_detect_memory_bytes_per_org: DEFAULT_MAX_DETECT_MEMORY_BYTES
+                / DETECT_MEMORY_ORG_SHARE,
+            max_connections_per_client: DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+            max_new_connections_per_second_per_client:
+                DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_CLIENT,
+            max_denial_records_per_second_per_client:
+                DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_CLIENT,
             max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
             max_headers: DEFAULT_MAX_HEADERS,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,

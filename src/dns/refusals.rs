@@ -70,26 +70,14 @@ impl Tally {
 
     /// The one record that stands for every counted refusal.
     fn summary(&self) -> Record {
-        let ts = |t: SystemTime| humantime::format_rfc3339_micros(t).to_string();
-        let mut r = self.template.clone();
-        r.client = None;
-        r.host = None;
-        r.port = None;
-        r.sni = None;
-        r.ip = None;
-        r.rule = None;
-        r.would_deny = None;
-        r.qtype = None;
+        let mut r = self.template.summary(self.count, self.first, self.last);
         r.answers = Some(Vec::new());
         r.upstream = Some(false);
+        let [first, last] = r.window.clone().unwrap_or_default();
         r.detail = Some(format!(
-            "{} refusals summarised ({}) between {} and {}",
-            self.count,
-            self.template.reason,
-            ts(self.first),
-            ts(self.last)
+            "{} refusals summarised ({}) between {first} and {last}",
+            self.count, self.template.reason,
         ));
-        r.count = Some(self.count);
         r
     }
 }

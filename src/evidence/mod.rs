@@ -168,9 +168,19 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
     /// Summary records: how many decisions this one record stands for
-    /// (DNS refusals that found no room in the writer's queue).
+    /// (DNS refusals that found no room in the writer's queue, proxy
+    /// denials over the per-client rate).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
+    /// Proxy denial summaries: the count by reason code, and by host (the
+    /// busiest few, the rest under `other`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasons: Option<std::collections::BTreeMap<String, u64>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hosts: Option<std::collections::BTreeMap<String, u64>>,
+    /// Summary records: the first and last summarised decision's time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<[String; 2]>,
 }
 
 impl Record {
@@ -216,6 +226,33 @@ impl Record {
             credential: None,
             tunnel: None,
             count: None,
+            reasons: None,
+            hosts: None,
+            window: None,
+        }
+    }
+
+    /// A record to stand for `count` decisions like this one, made between
+    /// `first` and `last`: what names one decision's target (client, host,
+    /// port, SNI, address, rule, request, DNS question) is cleared, and
+    /// `count` and `window` set. The caller adds what it tallied.
+    pub fn summary(&self, count: u64, first: SystemTime, last: SystemTime) -> Record {
+        let ts = |t: SystemTime| humantime::format_rfc3339_micros(t).to_string();
+        Record {
+            client: None,
+            host: None,
+            port: None,
+            sni: None,
+            ip: None,
+            rule: None,
+            would_deny: None,
+            method: None,
+            path: None,
+            tunnel: None,
+            qtype: None,
+            count: Some(count),
+            window: Some([ts(first), ts(last)]),
+            ..self.clone()
         }
     }
 
@@ -287,6 +324,8 @@ pub struct Counters {
     write_errors: AtomicU64,
     /// Records waiting for the writer thread.
     queue_depth: AtomicU64,
+    /// The evidence dir, for the disk space metrics read at scrape time.
+    dir: std::sync::OnceLock<PathBuf>,
 }
 
 impl Counters {
@@ -300,6 +339,17 @@ impl Counters {
 
     pub fn queue_depth(&self) -> u64 {
         self.queue_depth.load(Ordering::Relaxed)
+    }
+
+    /// Bytes free for unprivileged writers, and the size, of the file
+    /// system holding the evidence dir (statvfs), when known.
+    pub fn disk_space(&self) -> Option<(u64, u64)> {
+        let st = rustix::fs::statvfs(self.dir.get()?).ok()?;
+        let unit = st.f_frsize.max(1);
+        Some((
+            st.f_bavail.saturating_mul(unit),
+            st.f_blocks.saturating_mul(unit),
+        ))
     }
 
     fn written(&self, lines: u64) {
@@ -364,6 +414,7 @@ impl Evidence {
             refs,
             counters: Arc::default(),
         });
+        let _ = shared.counters.dir.set(cfg.dir.clone());
         let w = Writer::open(cfg.clone(), key, shared.clone())?;
         let segment = w.current_path();
         let thread = std::thread::Builder::new()

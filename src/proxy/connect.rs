@@ -200,7 +200,7 @@ where
         (&conn.host, conn.port),
         guard_limits(&ctx),
         ctx.limits.detect_timeout.get(),
-        &ctx.detect_slots,
+        &ctx.detect_scope(&conn.view, conn.client),
     )
     .await;
     let (guard, verified) = match judged {
@@ -306,7 +306,7 @@ pub async fn relay<C>(
         verified,
         ctx.limits.idle_timeout.get(),
         &ctx.hard_stop,
-        &ctx.detect_slots,
+        &ctx.detect_scope(&conn.view, conn.client),
         report,
     )
     .await;
@@ -398,7 +398,7 @@ async fn run_opaque<C>(
 {
     let report = conn.view.is_report();
     conn.tunnel = Some(Carry::Opaque);
-    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
+    let Some(detect_slot) = ctx.detect_scope(&conn.view, conn.client).try_hold(1) else {
         deny_over_budget(&ctx, &mut conn).await;
         return;
     };

@@ -132,6 +132,26 @@ async fn handle(
         Err((view, e)) => return auth_refused(&ctx, &view, peer, &req, e).await,
     };
     let view = &view;
+    // The connection now counts for the org this request names (see
+    // `limits`): a token client leaves its address's pre-auth budget.
+    if let Err(hit) = ctx.charge(&permit, view) {
+        let kind = if req.method() == Method::CONNECT {
+            Kind::Tcp
+        } else {
+            Kind::Http
+        };
+        let verdict = view.verdict(Reason::LimitExceeded);
+        return reject(
+            &ctx,
+            view,
+            kind,
+            peer,
+            &verdict,
+            (None, None),
+            Some(hit.describe()),
+        )
+        .await;
+    }
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
     let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
         Some("request head too large")

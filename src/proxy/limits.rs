@@ -1,24 +1,48 @@
-//! Connection caps: one global, one per org. A permit moves into the
-//! connection's task and frees its slots when dropped. Orgs are counted by
-//! name, so a policy reload that reorders or adds orgs keeps every count.
+//! Connection caps: one global, one per org, one per source address for
+//! connections charged to no org. A permit moves into the connection's task
+//! and frees its slots when dropped. Orgs are counted by name, so a policy
+//! reload that reorders or adds orgs keeps every count.
+//!
+//! A connection is charged to the org it is finally decided for:
+//!
+//! | at accept, the address maps to | charged at accept to | later |
+//! |---|---|---|
+//! | an org (identity `address`) | that org's cap and rate | moved if credentials name another org |
+//! | no org (strangers, token clients) | its address's cap and rate (pre-authentication) | moved to the org its credentials name (explicit: the request head; SOCKS5: the authentication) |
+//!
+//! Moving to an org takes that org's rate token and cap slot first and only
+//! then releases the address's slot: the pre-authentication permit is not
+//! kept for the connection's life, so a NAT gateway of many token clients
+//! is bounded by their orgs, not by `max_connections_per_client`. A
+//! connection that never names an org (a stranger) stays on its address's
+//! budget until it closes: one address can exhaust only its own budget.
+//! IPv6 addresses are counted by /64, the block one host usually holds.
+//! The global cap is taken at accept and held throughout.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::config::Limits;
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::config::{Limits, DETECT_MEMORY_CLIENT_SHARE};
 use crate::policy::OrgRef;
 
-/// Counters for the global cap and each org's cap (clients of no org share
-/// the `unknown` one), and each org's rate of new connections.
+/// Counters for the global cap, each org's cap and each source address's
+/// cap, and the rates of new connections per org and per address.
 #[derive(Debug)]
 pub struct ConnLimits {
     global: Arc<Slot>,
     max_per_org: usize,
     per_org: Mutex<HashMap<Arc<str>, Arc<Slot>>>,
     new_per_org: RateLimiter<Arc<str>>,
+    max_per_client: usize,
+    /// Connections held per address key.
+    per_client: Arc<Shares<IpAddr>>,
+    new_per_client: RateLimiter<IpAddr>,
     /// `palisade_active_connections`, by org.
     active: prometheus::IntGaugeVec,
 }
@@ -29,6 +53,8 @@ pub enum LimitHit {
     Global,
     Org,
     Rate,
+    Client,
+    ClientRate,
 }
 
 impl LimitHit {
@@ -37,7 +63,21 @@ impl LimitHit {
             LimitHit::Global => "max_connections reached",
             LimitHit::Org => "max_connections_per_org reached",
             LimitHit::Rate => "max_new_connections_per_second_per_org exceeded",
+            LimitHit::Client => "max_connections_per_client reached",
+            LimitHit::ClientRate => "max_new_connections_per_second_per_client exceeded",
         }
+    }
+}
+
+/// The key a source address is counted under: IPv4 (and IPv4-mapped IPv6)
+/// as is, other IPv6 by its /64.
+pub fn client_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+        }
+        v4 => v4,
     }
 }
 
@@ -171,20 +211,133 @@ impl Slot {
     }
 }
 
+/// What a connection is charged to besides the global cap.
+#[derive(Debug)]
+enum Charge {
+    Org(Arc<str>, Arc<Slot>),
+    // Read by nobody: held for its `Drop`, which frees the address's slot.
+    Client(#[allow(dead_code)] Share<IpAddr>),
+}
+
+/// Units held per key, each key bounded (the bound given at each take);
+/// a key has an entry only while it holds something.
+#[derive(Debug)]
+pub struct Shares<K> {
+    table: Mutex<HashMap<K, usize>>,
+}
+
+/// Units of one key held; given back when dropped.
+#[derive(Debug)]
+pub struct Share<K: Hash + Eq + Clone> {
+    shares: Arc<Shares<K>>,
+    key: K,
+    max: usize,
+    held: usize,
+}
+
+impl<K: Hash + Eq + Clone> Shares<K> {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Shares {
+            table: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `n` units of `key`, if that keeps it within `max`.
+    pub fn take(self: &Arc<Self>, key: K, n: usize, max: usize) -> Option<Share<K>> {
+        let mut share = Share {
+            shares: self.clone(),
+            key,
+            max,
+            held: 0,
+        };
+        share.grow(n).then_some(share)
+    }
+
+    /// Units `key` holds now.
+    pub fn held(&self, key: &K) -> usize {
+        let table = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        table.get(key).copied().unwrap_or(0)
+    }
+
+    /// Keys holding anything.
+    pub fn keys(&self) -> usize {
+        self.table.lock().map_or(0, |t| t.len())
+    }
+}
+
+impl<K: Hash + Eq + Clone> Share<K> {
+    /// Hold `n` more units, if the key stays within its bound.
+    pub fn grow(&mut self, n: usize) -> bool {
+        if n == 0 {
+            return true;
+        }
+        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
+        let used = table.entry(self.key.clone()).or_insert(0);
+        if *used + n > self.max {
+            if *used == 0 {
+                table.remove(&self.key);
+            }
+            return false;
+        }
+        *used += n;
+        self.held += n;
+        true
+    }
+
+    /// Give back `n` units.
+    pub fn shrink(&mut self, n: usize) {
+        let n = n.min(self.held);
+        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(used) = table.get_mut(&self.key) {
+            *used -= n.min(*used);
+            if *used == 0 {
+                table.remove(&self.key);
+            }
+        }
+        self.held -= n;
+    }
+
+    /// Units this share holds.
+    pub fn held(&self) -> usize {
+        self.held
+    }
+}
+
+impl<K: Hash + Eq + Clone> Drop for Share<K> {
+    fn drop(&mut self) {
+        if self.held > 0 {
+            self.shrink(self.held);
+        }
+    }
+}
+
 /// Held for the life of one client connection; counted in
-/// `palisade_active_connections` while it lives.
+/// `palisade_active_connections` under the org it is charged to
+/// (`unknown` while none).
 #[derive(Debug)]
 pub struct Permit {
-    slots: [Arc<Slot>; 2],
-    active: prometheus::IntGauge,
+    global: Arc<Slot>,
+    charge: Mutex<(Charge, prometheus::IntGauge)>,
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        for slot in &self.slots {
+        self.global.give_back();
+        let charge = self.charge.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Charge::Org(_, slot) = &charge.0 {
             slot.give_back();
         }
-        self.active.dec();
+        charge.1.dec();
+    }
+}
+
+impl Permit {
+    /// The org this connection is charged to, if any.
+    pub fn org(&self) -> Option<Arc<str>> {
+        match &self.charge.lock().unwrap_or_else(|p| p.into_inner()).0 {
+            Charge::Org(name, _) => Some(name.clone()),
+            Charge::Client(_) => None,
+        }
     }
 }
 
@@ -196,6 +349,8 @@ impl ConnLimits {
             max_connections: max_global,
             max_connections_per_org: max_per_org,
             max_new_connections_per_second_per_org: new_per_second_per_org,
+            max_connections_per_client: max_per_client,
+            max_new_connections_per_second_per_client: new_per_second_per_client,
             ..
         } = *limits;
         ConnLimits {
@@ -205,19 +360,19 @@ impl ConnLimits {
             }),
             max_per_org,
             per_org: Mutex::new(HashMap::new()),
-            // Orgs come from the config (plus `unknown`): a small, bounded set.
+            // Orgs come from the config: a small, bounded set.
             new_per_org: RateLimiter::new(new_per_second_per_org, 65_536),
+            max_per_client,
+            per_client: Shares::new(),
+            // Full of addresses active this second, a new one is refused.
+            new_per_client: RateLimiter::new(new_per_second_per_client, 65_536),
             active,
         }
     }
 
-    fn org_slot(&self, org: Option<&OrgRef>) -> Arc<Slot> {
-        let name: Arc<str> = org.map_or_else(
-            || Arc::from(crate::metrics::UNKNOWN_ORG),
-            |o| o.name.clone(),
-        );
+    fn org_slot(&self, name: &Arc<str>) -> Arc<Slot> {
         let mut map = self.per_org.lock().unwrap_or_else(|p| p.into_inner());
-        map.entry(name)
+        map.entry(name.clone())
             .or_insert_with(|| {
                 Arc::new(Slot {
                     used: AtomicUsize::new(0),
@@ -227,38 +382,226 @@ impl ConnLimits {
             .clone()
     }
 
-    /// A permit if no cap or rate is exceeded.
-    pub fn try_acquire(&self, org: Option<&OrgRef>) -> Result<Permit, LimitHit> {
-        let name: Arc<str> = org.map_or_else(
-            || Arc::from(crate::metrics::UNKNOWN_ORG),
-            |o| o.name.clone(),
-        );
-        if !self.new_per_org.allow(&name, Instant::now()) {
+    /// Take `org`'s rate token and cap slot.
+    fn take_org(&self, name: &Arc<str>) -> Result<Arc<Slot>, LimitHit> {
+        if !self.new_per_org.allow(name, Instant::now()) {
             return Err(LimitHit::Rate);
         }
-        let org_slot = self.org_slot(org);
-        let global = self.global.try_take().ok_or(LimitHit::Global)?;
-        match org_slot.try_take() {
-            Some(org_slot) => {
-                let active = self
-                    .active
-                    .with_label_values(&[crate::metrics::org_label(org)]);
-                active.inc();
-                Ok(Permit {
-                    slots: [global, org_slot],
-                    active,
-                })
-            }
-            None => {
-                global.give_back();
-                Err(LimitHit::Org)
-            }
+        self.org_slot(name).try_take().ok_or(LimitHit::Org)
+    }
+
+    /// Take a slot of `client`'s address key, with its rate token.
+    fn take_client(&self, client: IpAddr) -> Result<Share<IpAddr>, LimitHit> {
+        let key = client_key(client);
+        if !self.new_per_client.allow(&key, Instant::now()) {
+            return Err(LimitHit::ClientRate);
         }
+        self.per_client
+            .take(key, 1, self.max_per_client)
+            .ok_or(LimitHit::Client)
+    }
+
+    /// A permit at accept, if no cap or rate is exceeded: charged to `org`
+    /// when the address names one, otherwise to the address `client`.
+    pub fn try_acquire(&self, client: IpAddr, org: Option<&OrgRef>) -> Result<Permit, LimitHit> {
+        let charge = match org {
+            Some(o) => Charge::Org(o.name.clone(), self.take_org(&o.name)?),
+            None => Charge::Client(self.take_client(client)?),
+        };
+        let Some(global) = self.global.try_take() else {
+            if let Charge::Org(_, slot) = &charge {
+                slot.give_back();
+            }
+            return Err(LimitHit::Global);
+        };
+        let active = self
+            .active
+            .with_label_values(&[crate::metrics::org_label(org)]);
+        active.inc();
+        Ok(Permit {
+            global,
+            charge: Mutex::new((charge, active)),
+        })
+    }
+
+    /// Charge `permit` to `org`, the org it is decided for, once known.
+    /// Nothing changes when it is already charged to `org`, or when `org`
+    /// is none (the connection stays on what it holds). Otherwise `org`'s
+    /// rate and cap are taken first, then what the permit held is released;
+    /// over them, the permit keeps what it held.
+    pub fn charge(&self, permit: &Permit, org: Option<&OrgRef>) -> Result<(), LimitHit> {
+        let Some(org) = org else { return Ok(()) };
+        let mut charge = permit.charge.lock().unwrap_or_else(|p| p.into_inner());
+        if matches!(&charge.0, Charge::Org(name, _) if *name == org.name) {
+            return Ok(());
+        }
+        let slot = self.take_org(&org.name)?;
+        let active = self.active.with_label_values(&[&org.name]);
+        active.inc();
+        let (old, old_active) =
+            std::mem::replace(&mut *charge, (Charge::Org(org.name.clone(), slot), active));
+        if let Charge::Org(_, slot) = old {
+            slot.give_back();
+        }
+        old_active.dec();
+        Ok(())
     }
 
     /// Connections currently held, all orgs together.
     pub fn in_use(&self) -> usize {
         self.global.used.load(Ordering::Relaxed)
+    }
+
+    /// Connections held by `client`'s address key while charged to no org.
+    pub fn held_by_client(&self, client: IpAddr) -> usize {
+        self.per_client.held(&client_key(client))
+    }
+}
+
+/// Whose share of detection memory bytes held before a decision count in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Holder {
+    Org(Arc<str>),
+    /// A client of no org, by its address key ([`client_key`]).
+    Client(IpAddr),
+}
+
+/// Detection memory (first bytes read and held before a decision), in
+/// units of [`crate::proxy::tunnel::MAX_DETECT_BYTES`]: a global pool, a
+/// share per org (`max_detect_memory_bytes_per_org`) and a small share per
+/// address of no org (a sixty-fourth of the global), so that neither one
+/// org nor one stranger can take the whole pool.
+#[derive(Debug)]
+pub struct DetectMemory {
+    global: Semaphore,
+    shares: Arc<Shares<Holder>>,
+    per_org: usize,
+    per_client: usize,
+}
+
+impl DetectMemory {
+    /// The pools of `limits`.
+    pub fn new(limits: &Limits) -> DetectMemory {
+        let unit = crate::proxy::tunnel::MAX_DETECT_BYTES;
+        let units = |bytes: usize| (bytes / unit).max(1);
+        DetectMemory::with_units(
+            units(limits.max_detect_memory_bytes),
+            units(limits.max_detect_memory_bytes_per_org),
+            units(limits.max_detect_memory_bytes / DETECT_MEMORY_CLIENT_SHARE),
+        )
+    }
+
+    pub fn with_units(global: usize, per_org: usize, per_client: usize) -> DetectMemory {
+        DetectMemory {
+            global: Semaphore::new(global),
+            shares: Shares::new(),
+            per_org,
+            per_client,
+        }
+    }
+
+    /// Where a connection of `org` (or of none) from `client` is charged.
+    pub fn scope(&self, org: Option<&OrgRef>, client: IpAddr) -> DetectScope<'_> {
+        let (holder, max) = match org {
+            Some(o) => (Holder::Org(o.name.clone()), self.per_org),
+            None => (Holder::Client(client_key(client)), self.per_client),
+        };
+        DetectScope {
+            memory: self,
+            holder,
+            max,
+        }
+    }
+
+    /// Units free in the global pool.
+    pub fn available(&self) -> usize {
+        self.global.available_permits()
+    }
+
+    /// Units `holder` holds now.
+    pub fn held_by(&self, holder: &Holder) -> usize {
+        self.shares.held(holder)
+    }
+}
+
+/// One holder's view of the detection memory.
+#[derive(Debug, Clone)]
+pub struct DetectScope<'a> {
+    memory: &'a DetectMemory,
+    holder: Holder,
+    max: usize,
+}
+
+impl<'a> DetectScope<'a> {
+    /// Nothing held yet; grow with [`DetectHold::cover`].
+    pub fn hold(&self) -> DetectHold<'a> {
+        DetectHold {
+            scope: self.clone(),
+            global: None,
+            share: None,
+        }
+    }
+
+    /// `units` held at once, or `None` over the global pool or the share.
+    pub fn try_hold(&self, units: usize) -> Option<DetectHold<'a>> {
+        let mut hold = self.hold();
+        hold.cover(units).then_some(hold)
+    }
+}
+
+/// Units held from the global pool and the holder's share; released on drop.
+#[derive(Debug)]
+pub struct DetectHold<'a> {
+    scope: DetectScope<'a>,
+    global: Option<SemaphorePermit<'a>>,
+    share: Option<Share<Holder>>,
+}
+
+impl DetectHold<'_> {
+    /// Hold `units` in all (more if needed); `false` if the global pool or
+    /// the holder's share has no room (what was held stays held).
+    pub fn cover(&mut self, units: usize) -> bool {
+        let have = self.global.as_ref().map_or(0, |p| p.num_permits());
+        if units <= have {
+            return true;
+        }
+        let more = units - have;
+        let share_ok =
+            match &mut self.share {
+                Some(share) => share.grow(more),
+                None => match self.scope.memory.shares.take(
+                    self.scope.holder.clone(),
+                    more,
+                    self.scope.max,
+                ) {
+                    Some(share) => {
+                        self.share = Some(share);
+                        true
+                    }
+                    None => false,
+                },
+            };
+        if !share_ok {
+            return false;
+        }
+        let Ok(taken) = self.scope.memory.global.try_acquire_many(more as u32) else {
+            // Give the share back to what the global pool covers.
+            if let Some(share) = &mut self.share {
+                share.shrink(more);
+            }
+            return false;
+        };
+        match &mut self.global {
+            Some(p) => p.merge(taken),
+            None => self.global = Some(taken),
+        }
+        true
+    }
+
+    /// Give everything back.
+    pub fn release(&mut self) {
+        self.global = None;
+        self.share = None;
     }
 }
 
@@ -291,36 +634,159 @@ mod tests {
         );
     }
 
-    #[test]
-    fn caps_hold_and_release() {
+    fn limits(l: Limits) -> (ConnLimits, prometheus::IntGaugeVec) {
         let active =
             prometheus::IntGaugeVec::new(prometheus::Opts::new("a", "a"), &["org"]).unwrap();
-        let limits = ConnLimits::new(
-            &Limits {
-                max_connections: 3,
-                max_connections_per_org: 2,
-                max_new_connections_per_second_per_org: 1000,
-                ..Limits::default()
-            },
-            active.clone(),
-        );
-        let a = limits.try_acquire(Some(&org(0, "a"))).unwrap();
-        let _b = limits.try_acquire(Some(&org(7, "a"))).unwrap();
+        (ConnLimits::new(&l, active.clone()), active)
+    }
+
+    const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(198, 19, 1, 1));
+    const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(198, 19, 1, 2));
+    const STRANGER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 9));
+
+    #[test]
+    fn caps_hold_and_release() {
+        let (limits, active) = limits(Limits {
+            max_connections: 3,
+            max_connections_per_org: 2,
+            max_new_connections_per_second_per_org: 1000,
+            ..Limits::default()
+        });
+        let a = limits.try_acquire(A, Some(&org(0, "a"))).unwrap();
+        let _b = limits.try_acquire(A, Some(&org(7, "a"))).unwrap();
         assert!(
-            limits.try_acquire(Some(&org(0, "a"))).err() == Some(LimitHit::Org),
+            limits.try_acquire(A, Some(&org(0, "a"))).err() == Some(LimitHit::Org),
             "per-org cap, by name"
         );
-        let _c = limits.try_acquire(Some(&org(0, "b"))).unwrap();
+        let _c = limits.try_acquire(B, Some(&org(0, "b"))).unwrap();
         assert_eq!(
-            limits.try_acquire(None).err(),
+            limits.try_acquire(STRANGER, None).err(),
             Some(LimitHit::Global),
             "global cap"
         );
         assert_eq!(limits.in_use(), 3);
         assert_eq!(active.with_label_values(&["a"]).get(), 2);
+        assert_eq!(limits.held_by_client(STRANGER), 0, "refused: nothing held");
         drop(a);
         assert_eq!(active.with_label_values(&["a"]).get(), 1);
-        assert!(limits.try_acquire(None).is_ok());
+        assert!(limits.try_acquire(STRANGER, None).is_ok());
+    }
+
+    #[test]
+    fn a_stranger_exhausts_only_its_own_address_budget() {
+        let (limits, active) = limits(Limits {
+            max_connections_per_client: 3,
+            max_connections_per_org: 2,
+            ..Limits::default()
+        });
+        let held: Vec<Permit> = (0..3)
+            .map(|_| limits.try_acquire(STRANGER, None).unwrap())
+            .collect();
+        assert_eq!(
+            limits.try_acquire(STRANGER, None).err(),
+            Some(LimitHit::Client)
+        );
+        assert_eq!(limits.held_by_client(STRANGER), 3);
+        assert_eq!(active.with_label_values(&["unknown"]).get(), 3);
+        // A token client on another address: pre-auth on its own address,
+        // then charged to its org, whose cap is untouched by the stranger.
+        let token = org(1, "tok");
+        let p = limits.try_acquire(A, None).unwrap();
+        assert_eq!(limits.held_by_client(A), 1);
+        limits.charge(&p, Some(&token)).unwrap();
+        assert_eq!(limits.held_by_client(A), 0, "pre-auth slot released");
+        assert_eq!(p.org().as_deref(), Some("tok"));
+        assert_eq!(active.with_label_values(&["tok"]).get(), 1);
+        assert_eq!(active.with_label_values(&["unknown"]).get(), 3);
+        limits.charge(&p, Some(&token)).unwrap();
+        let q = limits.try_acquire(A, None).unwrap();
+        limits.charge(&q, Some(&token)).unwrap();
+        // Over the org's cap: the connection keeps its pre-auth slot.
+        let r = limits.try_acquire(A, None).unwrap();
+        assert_eq!(limits.charge(&r, Some(&token)), Err(LimitHit::Org));
+        assert_eq!(limits.held_by_client(A), 1);
+        assert_eq!(r.org(), None);
+        drop((p, q, r));
+        assert_eq!(limits.held_by_client(A), 0);
+        assert_eq!(active.with_label_values(&["tok"]).get(), 0);
+        drop(held);
+        assert_eq!(
+            limits.held_by_client(STRANGER),
+            0,
+            "entries go with their slots"
+        );
+        assert_eq!(limits.per_client.keys(), 0);
+        assert_eq!(limits.in_use(), 0);
+    }
+
+    #[test]
+    fn a_stranger_spends_only_its_own_address_rate() {
+        let (limits, _) = limits(Limits {
+            max_new_connections_per_second_per_client: 2,
+            ..Limits::default()
+        });
+        let _held: Vec<Permit> = (0..2)
+            .map(|_| limits.try_acquire(STRANGER, None).unwrap())
+            .collect();
+        assert_eq!(
+            limits.try_acquire(STRANGER, None).err(),
+            Some(LimitHit::ClientRate)
+        );
+        assert!(limits.try_acquire(A, None).is_ok(), "another address");
+    }
+
+    #[test]
+    fn ipv6_addresses_count_by_their_64() {
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(client_key(a), client_key(b));
+        assert_ne!(client_key(a), client_key(c));
+        let mapped: IpAddr = "::ffff:198.19.1.1".parse().unwrap();
+        assert_eq!(client_key(mapped), A);
+    }
+
+    #[test]
+    fn an_org_moves_its_connection_to_another_org() {
+        let (limits, active) = limits(Limits::default());
+        let p = limits.try_acquire(A, Some(&org(0, "addr"))).unwrap();
+        limits.charge(&p, None).unwrap();
+        assert_eq!(p.org().as_deref(), Some("addr"), "no org named: kept");
+        limits.charge(&p, Some(&org(1, "tok"))).unwrap();
+        assert_eq!(active.with_label_values(&["addr"]).get(), 0);
+        assert_eq!(active.with_label_values(&["tok"]).get(), 1);
+        drop(p);
+        assert_eq!(active.with_label_values(&["tok"]).get(), 0);
+        assert_eq!(limits.in_use(), 0);
+    }
+
+    #[test]
+    fn detection_memory_is_shared_per_org_and_per_stranger_address() {
+        let memory = DetectMemory::with_units(10, 4, 2);
+        let (a, b) = (org(0, "a"), org(1, "b"));
+        // One org takes its share, no more, and other orgs still get theirs.
+        let mut hold_a = memory.scope(Some(&a), A).hold();
+        assert!(hold_a.cover(4));
+        assert!(!hold_a.cover(5), "org share");
+        assert_eq!(memory.held_by(&Holder::Org("a".into())), 4, "kept");
+        assert!(
+            memory.scope(Some(&a), B).try_hold(1).is_none(),
+            "share of the org, whatever the address"
+        );
+        let hold_b = memory.scope(Some(&b), B).try_hold(4).unwrap();
+        // A stranger: its address's small share, never an org's.
+        let s1 = memory.scope(None, STRANGER).try_hold(2).unwrap();
+        assert!(memory.scope(None, STRANGER).try_hold(1).is_none());
+        assert_eq!(memory.held_by(&Holder::Org("a".into())), 4);
+        assert_eq!(memory.available(), 0);
+        // The global pool bounds them all: nothing left for another address,
+        // and a refusal by the pool leaves its share untouched.
+        assert!(memory.scope(None, A).try_hold(1).is_none());
+        assert_eq!(memory.held_by(&Holder::Client(A)), 0);
+        drop((hold_b, s1));
+        hold_a.release();
+        assert_eq!(memory.available(), 10);
+        assert_eq!(memory.shares.keys(), 0, "no entry outlives its holds");
     }
 
     #[test]

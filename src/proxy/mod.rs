@@ -12,10 +12,14 @@
 //!   through one layer, [`http`], and a forwarded request ends in
 //!   [`forward`].
 //! - Whatever fails is told to the client from one mapping, [`failure`].
-//! - Connection caps and rate limits: [`limits`].
+//! - Connection caps and rate limits, charged to the org a connection is
+//!   decided for (strangers to their own address), and the shares of
+//!   detection memory: [`limits`]. Denials over a client's record rate
+//!   are written as summaries: [`denials`].
 
 pub mod conn;
 pub mod connect;
+pub mod denials;
 pub mod explicit;
 pub mod failure;
 pub mod forward;
@@ -49,7 +53,7 @@ use self::limits::{ConnLimits, Permit};
 
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
 pub const DETECT_BUDGET_EXHAUSTED: &str =
-    "max_detect_memory_bytes in use: no room to read the first bytes";
+    "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
 
 /// What the DNS shim handed out: did org `org` receive `addr` for `name`,
 /// and is that binding still valid? Transparent mode uses it to check that
@@ -70,9 +74,11 @@ pub struct Ctx {
     pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
     pub conns: ConnLimits,
-    /// Detection buffers in use, in units of `tunnel::MAX_DETECT_BYTES`:
-    /// bounds the memory held for first bytes before decisions.
-    pub detect_slots: tokio::sync::Semaphore,
+    /// Which denials are written one by one, and the tallies of the rest.
+    pub denials: denials::Denials,
+    /// Memory held for first bytes before decisions: a global pool, a
+    /// share per org and per address of no org (see [`limits::DetectMemory`]).
+    pub detect: limits::DetectMemory,
     /// Refused connections being drained before close (bounded).
     pub refusal_drains: Arc<tokio::sync::Semaphore>,
     /// Stop accepting; finish in-flight requests.
@@ -210,8 +216,12 @@ impl Ctx {
 
     /// Write a record and wait until it is with the operating system.
     /// `false` means evidence is unavailable and the caller must not let
-    /// anything through.
+    /// anything through. A denial over its client's record rate is counted
+    /// into a summary instead (its id becomes [`denials::SUMMARISED`]).
     pub async fn write(&self, record: &mut Record) -> bool {
+        if self.summarised(record) {
+            return true;
+        }
         match self.evidence.write(record).await {
             Ok(()) => {
                 self.metrics.count_record(record);
@@ -224,11 +234,50 @@ impl Ctx {
         }
     }
 
+    /// Whether `record`, a denial over its client's record rate, was
+    /// counted into a summary (and in the metrics) rather than written.
+    fn summarised(&self, record: &mut Record) -> bool {
+        let now = (std::time::Instant::now(), std::time::SystemTime::now());
+        if self.denials.admit(record, now.0, now.1) {
+            return false;
+        }
+        record.id = denials::SUMMARISED.to_string();
+        self.metrics.count_record(record);
+        let org = record.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG);
+        self.metrics
+            .evidence_suppressed_total
+            .with_label_values(&[org])
+            .inc();
+        true
+    }
+
     /// Queue a record without waiting (close records, refusals that let
-    /// nothing through). Its id is assigned at once; it is never dropped.
+    /// nothing through). Its id is assigned at once; it is never dropped,
+    /// but a denial over its client's record rate goes into a summary.
     pub fn submit(&self, record: &mut Record) {
+        if self.summarised(record) {
+            return;
+        }
         self.evidence.submit(record);
         self.metrics.count_record(record);
+    }
+
+    /// Write the denial summaries (every [`denials::SUMMARY_INTERVAL`],
+    /// and once at shutdown), counted in the metrics' record totals.
+    pub async fn flush_denials(&self) {
+        self.denials.flush(&self.evidence).await;
+    }
+
+    /// Where the first bytes of `client`, of `view`'s org, are charged.
+    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> limits::DetectScope<'_> {
+        self.detect.scope(view.org.as_ref(), client.ip())
+    }
+
+    /// Charge the connection's `permit` to the org of `view`, the one it
+    /// is decided for (see [`limits`]); over that org's cap or rate, the
+    /// limit to name in the refusal.
+    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), limits::LimitHit> {
+        self.conns.charge(permit, view.org.as_ref())
     }
 }
 
@@ -361,8 +410,10 @@ pub async fn dial(
 
 /// The accept loop every TCP listener shares: stop on shutdown, hold back
 /// while the evidence queue is full (records are never dropped), back off on
-/// accept errors, take a connection permit, then `serve` the connection in a
-/// tracked task, or `refuse` it over a limit.
+/// accept errors, take a connection permit (charged to the address's org,
+/// or to the address itself: see [`limits`]), then `serve` the connection
+/// in a tracked task, or `refuse` it over a limit. Each mode charges the
+/// permit to the org it finally decides for ([`Ctx::charge`]).
 pub async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
     listener: TcpListener,
@@ -392,7 +443,7 @@ pub async fn accept_loop<S, F, R>(
             }
         };
         let view = ctx.view(peer.ip());
-        match ctx.conns.try_acquire(view.org.as_ref()) {
+        match ctx.conns.try_acquire(peer.ip(), view.org.as_ref()) {
             Ok(permit) => {
                 ctx.tasks
                     .spawn(serve(ctx.clone(), stream, peer, view, permit));

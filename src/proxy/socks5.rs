@@ -29,8 +29,9 @@ use crate::proto::socks5::{
 };
 use crate::proto::target::{normalize_host, Host};
 
-/// Accept SOCKS5 connections until shutdown. Connection caps count the org
-/// the address names (the token, if any, arrives later).
+/// Accept SOCKS5 connections until shutdown. A connection counts for the
+/// org its address names, or its address's own budget, until the
+/// authentication names its org (see [`super::limits`]).
 pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
     super::accept_loop(
         ctx,
@@ -131,6 +132,34 @@ async fn refuse(
     .await;
 }
 
+/// The client's identity is settled: charge the connection to its org
+/// and answer `yes`, or answer `no` and record why not (a failed identity,
+/// the org's connection cap or rate). `None`: the connection is done.
+async fn settle_identity(
+    ctx: &Ctx,
+    hs: &mut Handshake,
+    permit: &Permit,
+    peer: SocketAddr,
+    identified: Result<View, (View, IdentityError)>,
+    [yes, no]: [[u8; 2]; 2],
+) -> Option<View> {
+    let view = match identified {
+        Ok(view) => view,
+        Err((view, e)) => {
+            hs.send(&no).await;
+            auth_refused(ctx, &view, peer, e).await;
+            return None;
+        }
+    };
+    if let Err(hit) = ctx.charge(permit, &view) {
+        hs.send(&no).await;
+        let (reason, detail) = (Reason::LimitExceeded, hit.describe());
+        refuse(ctx, &view, peer, reason, (None, None), detail).await;
+        return None;
+    }
+    hs.send(&yes).await.then_some(view)
+}
+
 fn read_fail_detail(step: &str, fail: &ReadFail) -> String {
     match fail {
         ReadFail::Malformed(m) => format!("socks5 {step}: {}", m.why),
@@ -139,7 +168,7 @@ fn read_fail_detail(step: &str, fail: &ReadFail) -> String {
     }
 }
 
-async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Permit) {
+async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Permit) {
     let mut hs = Handshake {
         stream,
         buf: Vec::new(),
@@ -194,30 +223,21 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, _permit: Per
             user: &creds.user,
             token: &creds.password,
         };
-        match ctx.view_as(peer.ip(), Some(credential)) {
-            Ok(view) => {
-                if !hs.send(&socks5::auth_reply(true)).await {
-                    return;
-                }
-                view
-            }
-            Err((view, e)) => {
-                hs.send(&socks5::auth_reply(false)).await;
-                return auth_refused(&ctx, &view, peer, e).await;
-            }
+        let identified = ctx.view_as(peer.ip(), Some(credential));
+        let replies = [socks5::auth_reply(true), socks5::auth_reply(false)];
+        match settle_identity(&ctx, &mut hs, &permit, peer, identified, replies).await {
+            Some(view) => view,
+            None => return,
         }
     } else if greeting.offers(METHOD_NONE) {
-        match ctx.view_as(peer.ip(), None) {
-            Ok(view) => {
-                if !hs.send(&socks5::method_reply(METHOD_NONE)).await {
-                    return;
-                }
-                view
-            }
-            Err((view, e)) => {
-                hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
-                return auth_refused(&ctx, &view, peer, e).await;
-            }
+        let identified = ctx.view_as(peer.ip(), None);
+        let replies = [
+            socks5::method_reply(METHOD_NONE),
+            socks5::method_reply(METHOD_UNACCEPTABLE),
+        ];
+        match settle_identity(&ctx, &mut hs, &permit, peer, identified, replies).await {
+            Some(view) => view,
+            None => return,
         }
     } else {
         hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;

@@ -92,7 +92,7 @@ async fn handle(
     mut client: TcpStream,
     peer: SocketAddr,
     view: View,
-    _permit: Permit,
+    permit: Permit,
 ) {
     let view = &view;
     let orig = match original_destination(&client) {
@@ -122,7 +122,9 @@ async fn handle(
         conn.ip = Some(orig.ip());
         conn
     };
-    let Ok(detect_slot) = ctx.detect_slots.try_acquire() else {
+    // Before the decision: charged to the address's org, or for a client
+    // of no org to its address's small share, never to another org.
+    let Some(detect_slot) = ctx.detect_scope(view, peer).try_hold(1) else {
         let mut conn = conn_for(view.verdict(Reason::LimitExceeded), Host::Ip(orig.ip()));
         conn.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
         let _ = connect::write(&ctx, &conn).await;
@@ -165,6 +167,13 @@ async fn handle(
         deny(&ctx, &conn).await;
         return reset(client);
     }
+    // Charged at accept to the address's org, if it has one; the decision
+    // cannot name another, so this only confirms it (see `limits`).
+    if let Err(hit) = ctx.charge(&permit, view) {
+        conn.refuse(Reason::LimitExceeded, Some(hit.describe().into()));
+        let _ = connect::write(&ctx, &conn).await;
+        return reset(client);
+    }
     if !ctx.evidence.is_healthy() {
         conn.refuse(Reason::EvidenceUnavailable, None);
         let _ = connect::write(&ctx, &conn).await;
@@ -184,7 +193,7 @@ async fn handle(
             (&conn.host, orig.port()),
             connect::guard_limits(&ctx),
             ctx.limits.detect_timeout.get(),
-            &ctx.detect_slots,
+            &ctx.detect_scope(view, peer),
         )
         .await;
         match judged {

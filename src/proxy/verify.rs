@@ -28,7 +28,9 @@ use std::time::Duration;
 
 use bytes::BufMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{Notify, Semaphore, SemaphorePermit};
+use tokio::sync::Notify;
+
+use super::limits::{DetectHold, DetectScope};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -92,39 +94,27 @@ impl Guard {
     }
 }
 
-/// Bytes held unverified, charged to the detection memory budget in units
-/// of [`MAX_DETECT_BYTES`].
+/// Bytes held unverified, charged to the detection memory budget (the
+/// global pool and the holder's share: the org's, or for a client of no org
+/// its address's) in units of [`MAX_DETECT_BYTES`].
 struct Budget<'a> {
-    slots: &'a Semaphore,
-    held: Option<SemaphorePermit<'a>>,
+    hold: DetectHold<'a>,
 }
 
 impl<'a> Budget<'a> {
-    fn new(slots: &'a Semaphore) -> Self {
-        Budget { slots, held: None }
+    fn new(detect: &DetectScope<'a>) -> Self {
+        Budget {
+            hold: detect.hold(),
+        }
     }
 
     /// Cover `bytes` held bytes; `false` if the budget has no room.
     fn cover(&mut self, bytes: usize) -> bool {
-        let want = bytes.div_ceil(MAX_DETECT_BYTES) as u32;
-        let have = self.held.as_ref().map_or(0, |p| p.num_permits() as u32);
-        if want <= have {
-            return true;
-        }
-        match self.slots.try_acquire_many(want - have) {
-            Ok(more) => {
-                match &mut self.held {
-                    Some(p) => p.merge(more),
-                    None => self.held = Some(more),
-                }
-                true
-            }
-            Err(_) => false,
-        }
+        self.hold.cover(bytes.div_ceil(MAX_DETECT_BYTES))
     }
 
     fn release(&mut self) {
-        self.held = None;
+        self.hold.release();
     }
 }
 
@@ -155,11 +145,11 @@ pub async fn first<R: AsyncRead + Unpin>(
     target: (&Host, u16),
     limits: guard::Limits,
     timeout: Duration,
-    slots: &Semaphore,
+    detect: &DetectScope<'_>,
 ) -> First {
     let (host, port) = target;
     let deadline = Instant::now() + timeout;
-    let mut budget = Budget::new(slots);
+    let mut budget = Budget::new(detect);
     let mut guard: Option<Guard> = None;
     let cap = hold_cap(limits);
     loop {
@@ -279,7 +269,7 @@ pub async fn pump<C, U>(
     verified: usize,
     idle: Duration,
     stop: &CancellationToken,
-    slots: &Semaphore,
+    detect: &DetectScope<'_>,
     report: Option<&(dyn Fn(&Violation) + Sync)>,
 ) -> (Totals, End)
 where
@@ -307,7 +297,7 @@ where
     let up_dir = async {
         let mut held = held;
         let mut verified = verified.min(held.len());
-        let mut budget = Budget::new(slots);
+        let mut budget = Budget::new(detect);
         let mut opaque = false;
         loop {
             if verified > 0 {
@@ -457,6 +447,9 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::limits::{DetectMemory, Holder};
+
+    const CLIENT: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 7));
     use tokio::io::duplex;
 
     fn allowed() -> Host {
@@ -474,7 +467,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn silence_is_a_protocol_mismatch() {
         let (mut client, _peer) = duplex(1024);
-        let slots = Semaphore::new(4);
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
         let mut held = Vec::new();
         let got = first(
             &mut client,
@@ -491,7 +485,8 @@ mod tests {
         };
         assert_eq!(v.kind, ViolationKind::ProtocolMismatch);
         assert!(v.detail.contains("nothing"), "{}", v.detail);
-        assert_eq!(slots.available_permits(), 4, "budget released");
+        assert_eq!(memory.available(), 4, "budget released");
+        assert_eq!(memory.held_by(&Holder::Client(CLIENT)), 0, "share released");
     }
 
     #[tokio::test]
@@ -504,7 +499,8 @@ mod tests {
         ] {
             let (mut client, mut peer) = duplex(1024);
             peer.write_all(request).await.unwrap();
-            let slots = Semaphore::new(4);
+            let memory = DetectMemory::with_units(4, 4, 4);
+            let slots = memory.scope(None, CLIENT);
             let mut held = Vec::new();
             let got = first(
                 &mut client,
@@ -523,7 +519,8 @@ mod tests {
         }
         let (mut client, peer) = duplex(1024);
         drop(peer);
-        let slots = Semaphore::new(4);
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
         let got = first(
             &mut client,
             &mut Vec::new(),
@@ -541,7 +538,8 @@ mod tests {
     async fn a_second_request_for_another_host_never_reaches_the_upstream() {
         let (client, mut client_peer) = duplex(64 * 1024);
         let (upstream, mut upstream_peer) = duplex(64 * 1024);
-        let slots = Semaphore::new(4);
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
         let stop = CancellationToken::new();
         let good = b"GET /a HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
         let bad = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
@@ -586,7 +584,8 @@ mod tests {
     async fn report_mode_hands_over_the_violation_and_carries_on() {
         let (client, mut client_peer) = duplex(64 * 1024);
         let (upstream, mut upstream_peer) = duplex(64 * 1024);
-        let slots = Semaphore::new(4);
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
         let stop = CancellationToken::new();
         let seen = Mutex::new(Vec::new());
         let report = |v: &Violation| seen.lock().unwrap().push(v.kind);

@@ -10,6 +10,7 @@ mod abuse;
 mod addresses;
 mod bounds;
 mod cli;
+mod conn_budgets;
 mod dns;
 mod dns_budget;
 mod evidence;

@@ -166,6 +166,18 @@ const ALERT_PROBES: &[(&str, &str)] = &[
         "PalisadeResolutionFailures",
         "sum by (org) (rate(palisade_connections_total{reason=\"resolution_failed\"}[5m]))",
     ),
+    (
+        "PalisadeEvidenceDiskLow",
+        "palisade_evidence_disk_free_bytes",
+    ),
+    (
+        "PalisadeEvidenceDiskLow",
+        "palisade_evidence_disk_size_bytes",
+    ),
+    (
+        "PalisadeEvidenceSuppressed",
+        "sum by (org) (rate(palisade_evidence_suppressed_total[5m]))",
+    ),
 ];
 
 fn promtool(args: &[&str], stdin: Option<&[u8]>) -> lab::CmdOutput {
@@ -284,7 +296,7 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        list.len() == 6 && list.iter().all(|r| r["health"] == "ok")
+        list.len() == 8 && list.iter().all(|r| r["health"] == "ok")
     });
     let alerts = api(&lab, "alerts", "").unwrap();
     let active: BTreeSet<String> = alerts["data"]["alerts"]

@@ -384,7 +384,7 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// A fresh token from `palisade token new`, and its config line.
-fn new_token(org: &str) -> (String, String) {
+pub(crate) fn new_token(org: &str) -> (String, String) {
     let out = lab::run_with_timeout(
         std::process::Command::new(lab::palisade_bin()).args(["token", "new", "--org", org]),
         None,

@@ -19,6 +19,10 @@ pub(super) fn validate_proxy(
         max_connections_per_org,
         max_new_connections_per_second_per_org,
         max_detect_memory_bytes,
+        max_detect_memory_bytes_per_org,
+        max_connections_per_client,
+        max_new_connections_per_second_per_client,
+        max_denial_records_per_second_per_client,
         max_request_head_bytes,
         max_headers,
         header_read_timeout,
@@ -35,6 +39,7 @@ pub(super) fn validate_proxy(
         Some(value) => timeout(Some(value), errors),
         None => ResponseTimeout::from(idle_timeout),
     };
+    let max_detect_memory_bytes = count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors);
     let limits = Limits {
         max_connections: count(max_connections, d.max_connections, errors),
         max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
@@ -43,7 +48,28 @@ pub(super) fn validate_proxy(
             d.max_new_connections_per_second_per_org,
             errors,
         ),
-        max_detect_memory_bytes: count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors),
+        max_detect_memory_bytes,
+        // Unset, an org's share follows the global: a quarter of it.
+        max_detect_memory_bytes_per_org: count(
+            max_detect_memory_bytes_per_org,
+            max_detect_memory_bytes / crate::config::model::DETECT_MEMORY_ORG_SHARE,
+            errors,
+        ),
+        max_connections_per_client: count(
+            max_connections_per_client,
+            d.max_connections_per_client,
+            errors,
+        ),
+        max_new_connections_per_second_per_client: count(
+            max_new_connections_per_second_per_client,
+            d.max_new_connections_per_second_per_client,
+            errors,
+        ),
+        max_denial_records_per_second_per_client: count(
+            max_denial_records_per_second_per_client,
+            d.max_denial_records_per_second_per_client,
+            errors,
+        ),
         max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
         max_headers: count(max_headers, d.max_headers, errors),
         header_read_timeout: timeout(header_read_timeout, errors),
@@ -91,6 +117,39 @@ mod tests {
         let bad = BASE.replace("[proxy]\n", "[proxy]\nidle_timeout = \"soon\"\n");
         assert!(first_error(&bad).contains("invalid duration \"soon\""));
         let zero = BASE.replace("[proxy]\n", "[proxy]\nmax_headers = 0\n");
+        assert!(first_error(&zero).contains("positive"));
+    }
+
+    #[test]
+    fn budgets_have_defaults_and_the_org_share_follows_the_global() {
+        let d = parse(BASE).unwrap().proxy.limits;
+        assert_eq!(d.max_connections_per_client, 256);
+        assert_eq!(d.max_new_connections_per_second_per_client, 200);
+        assert_eq!(d.max_denial_records_per_second_per_client, 50);
+        assert_eq!(d.max_detect_memory_bytes_per_org, 16 * 1024 * 1024);
+        let src = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_detect_memory_bytes = 4000000\nmax_connections_per_client = 9\n",
+        );
+        let c = parse(&src).unwrap().proxy.limits;
+        assert_eq!(c.max_detect_memory_bytes_per_org, 1_000_000, "a quarter");
+        assert_eq!(c.max_connections_per_client, 9);
+        let set = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_detect_memory_bytes_per_org = 5\n",
+        );
+        assert_eq!(
+            parse(&set)
+                .unwrap()
+                .proxy
+                .limits
+                .max_detect_memory_bytes_per_org,
+            5
+        );
+        let zero = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_denial_records_per_second_per_client = 0\n",
+        );
         assert!(first_error(&zero).contains("positive"));
     }
 

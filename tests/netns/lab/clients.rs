@@ -24,6 +24,29 @@ impl Lab {
         )
     }
 
+    /// Start a Python script in the client namespace, in the background,
+    /// and wait for the first line it prints (it says it is ready, and how).
+    /// Kill the child when done.
+    pub fn spawn_client_script(
+        &self,
+        script: &str,
+        args: &[&str],
+    ) -> (std::process::Child, String) {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.ns_client, "python3", "-c", script])
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start python3 in the client namespace");
+        let mut line = String::new();
+        if let Some(out) = child.stdout.as_mut() {
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        }
+        (child, line.trim().to_string())
+    }
+
     pub(super) fn exec_must(&self, ns: &str, prog: &str, args: &[&str]) -> CmdOutput {
         let out = self.exec(ns, prog, args);
         assert!(

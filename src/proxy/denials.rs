@@ -1,0 +1,408 @@
+//! Evidence flood control for proxy denials that never goes silent.
+//!
+//! Every allow is written one by one, before anything flows. A denial lets
+//! nothing through; one source address (an IPv6 /64) has up to
+//! `max_denial_records_per_second_per_client` of them written one record
+//! each (a token bucket, burst of as many). Beyond that its denials are
+//! counted into one tally per (org, address), and [`Denials::flush`] writes
+//! each tally as ONE signed, chained record, the same shape as the DNS
+//! refusal summaries ([`crate::dns::refusals`]):
+//!
+//! ```json
+//! {"kind": "tcp", "event": "decision", "decision": "deny",
+//!  "reason": "no_matching_rule", "org": "acme", "client": "198.19.1.7:0",
+//!  "count": 1234, "reasons": {"no_matching_rule": 1200, "sni_mismatch": 34},
+//!  "hosts": {"a.test": 900, "b.test": 300, "other": 34},
+//!  "window": ["T1", "T2"], "detail": "1234 denials summarised ...", ...}
+//! ```
+//!
+//! Summaries are written only into a free place in the writer's queue,
+//! never waiting: a flood of denials can neither grow the queue nor hold
+//! up the writer for anyone else's records, so fail-closed is not reached
+//! through one org's denials. Memory is bounded: at most [`MAX_TALLIES`]
+//! tallies (beyond, an org's further addresses share one tally with
+//! `client: null`), each with at most [`TRACKED_HOSTS`] host counters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::evidence::{Event, Evidence, Record};
+use crate::policy::Reason;
+
+use super::limits::{client_key, RateLimiter};
+
+/// How often tallies are written.
+pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
+/// Hosts a summary names; the others are counted under `other`.
+pub const TOP_HOSTS: usize = 10;
+/// Host counters a tally keeps; later hosts go straight to `other`.
+pub const TRACKED_HOSTS: usize = 64;
+/// Tallies kept at once.
+pub const MAX_TALLIES: usize = 4096;
+/// The `id` a summarised denial is answered with: its record is the
+/// summary, written later.
+pub const SUMMARISED: &str = "summarised";
+
+/// Denials not written one by one, for one (org, address).
+#[derive(Debug)]
+struct Tally {
+    count: u64,
+    first: SystemTime,
+    last: SystemTime,
+    reasons: HashMap<Reason, u64>,
+    hosts: HashMap<String, u64>,
+    other_hosts: u64,
+    /// The first denial's record; the summary is built from it.
+    template: Record,
+}
+
+impl Tally {
+    fn new(record: &Record, now: SystemTime) -> Tally {
+        Tally {
+            count: 0,
+            first: now,
+            last: now,
+            reasons: HashMap::new(),
+            hosts: HashMap::new(),
+            other_hosts: 0,
+            template: record.clone(),
+        }
+    }
+
+    fn add(&mut self, record: &Record, now: SystemTime) {
+        self.count += 1;
+        self.first = self.first.min(now);
+        if now >= self.last {
+            self.last = now;
+            self.template.policy = record.policy.clone();
+        }
+        *self.reasons.entry(record.reason).or_insert(0) += 1;
+        self.count_host(record.host.as_deref().unwrap_or("-"), 1);
+    }
+
+    fn count_host(&mut self, host: &str, n: u64) {
+        if let Some(m) = self.hosts.get_mut(host) {
+            *m += n;
+        } else if self.hosts.len() < TRACKED_HOSTS {
+            self.hosts.insert(host.to_string(), n);
+        } else {
+            self.other_hosts += n;
+        }
+    }
+
+    fn merge(&mut self, other: Tally) {
+        self.count += other.count;
+        self.first = self.first.min(other.first);
+        self.last = self.last.max(other.last);
+        for (reason, n) in other.reasons {
+            *self.reasons.entry(reason).or_insert(0) += n;
+        }
+        self.other_hosts += other.other_hosts;
+        for (host, n) in other.hosts {
+            self.count_host(&host, n);
+        }
+    }
+
+    /// The one record that stands for every counted denial.
+    fn summary(&self, client: Option<IpAddr>) -> Record {
+        let mut r = self.template.summary(self.count, self.first, self.last);
+        r.client = client.map(|ip| SocketAddr::new(ip, 0));
+        // The most frequent reason stands as the record's own.
+        let top = self
+            .reasons
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.as_str().cmp(a.0.as_str())));
+        if let Some((reason, _)) = top {
+            r.reason = *reason;
+        }
+        let mut hosts: Vec<(&String, &u64)> = self.hosts.iter().collect();
+        hosts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let other: u64 =
+            self.other_hosts + hosts.iter().skip(TOP_HOSTS).map(|(_, n)| **n).sum::<u64>();
+        let mut named: BTreeMap<String, u64> = hosts
+            .into_iter()
+            .take(TOP_HOSTS)
+            .map(|(h, n)| (h.clone(), *n))
+            .collect();
+        if other > 0 {
+            *named.entry("other".to_string()).or_insert(0) += other;
+        }
+        r.reasons = Some(
+            self.reasons
+                .iter()
+                .map(|(k, v)| (k.as_str().to_string(), *v))
+                .collect(),
+        );
+        r.hosts = Some(named);
+        let [first, last] = r.window.clone().unwrap_or_default();
+        r.detail = Some(format!(
+            "{} denials summarised between {first} and {last}: over \
+             max_denial_records_per_second_per_client",
+            self.count,
+        ));
+        r
+    }
+}
+
+/// (org, address key); no address: the org's overflow tally.
+type Key = (Option<Arc<str>>, Option<IpAddr>);
+
+/// Decides which denials are written one by one and tallies the rest.
+pub struct Denials {
+    rate: RateLimiter<IpAddr>,
+    tallies: Mutex<HashMap<Key, Tally>>,
+}
+
+impl std::fmt::Debug for Denials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Denials").finish_non_exhaustive()
+    }
+}
+
+impl Denials {
+    /// `per_second` denial records one by one per address (burst of as many).
+    pub fn new(per_second: usize) -> Denials {
+        Denials {
+            // Full of addresses denied this second, further ones are summarised.
+            rate: RateLimiter::new(per_second, 65_536),
+            tallies: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
+        self.tallies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `record` is written as its own record: every record but a
+    /// denial decision, and a denial within its address's rate. Otherwise
+    /// it is counted into its tally (at `now`, `wall`) and `false`.
+    pub fn admit(&self, record: &Record, now: Instant, wall: SystemTime) -> bool {
+        let deny = record.event == Event::Decision && record.decision_str() == "deny";
+        let Some(client) = record.client.filter(|_| deny) else {
+            return true;
+        };
+        let key = client_key(client.ip());
+        if self.rate.allow(&key, now) {
+            return true;
+        }
+        let mut tallies = self.lock();
+        let mut k = (record.org.clone(), Some(key));
+        if !tallies.contains_key(&k) && tallies.len() >= MAX_TALLIES {
+            k.1 = None;
+        }
+        tallies
+            .entry(k)
+            .or_insert_with(|| Tally::new(record, wall))
+            .add(record, wall);
+        false
+    }
+
+    /// Write each tally as one record, into free places of the writer's
+    /// queue only, never waiting; what finds none (or meets an unhealthy
+    /// writer) is kept for the next flush. Returns the records written.
+    pub async fn flush(&self, evidence: &Evidence) -> Vec<Record> {
+        if !evidence.is_healthy() {
+            return Vec::new();
+        }
+        let taken: Vec<(Key, Tally)> = self.lock().drain().collect();
+        let mut written = Vec::new();
+        let mut room = true;
+        for (key, tally) in taken {
+            let mut summary = tally.summary(key.1);
+            room = room && evidence.submit_within(&mut summary, Duration::ZERO).await;
+            if room {
+                written.push(summary);
+            } else {
+                let mut tallies = self.lock();
+                match tallies.get_mut(&key) {
+                    Some(t) => t.merge(tally),
+                    None => {
+                        tallies.insert(key, tally);
+                    }
+                }
+            }
+        }
+        written
+    }
+
+    /// Denials counted into the waiting tallies.
+    pub fn pending_count(&self) -> u64 {
+        self.lock().values().map(|t| t.count).sum()
+    }
+
+    /// Tallies waiting.
+    pub fn pending(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::evidence::{Kind, Mode};
+    use crate::policy::{OrgRef, Verdict};
+
+    fn denial(org: &str, client: &str, host: &str, reason: Reason) -> Record {
+        let verdict = Verdict {
+            org: Some(OrgRef {
+                index: 0,
+                name: Arc::from(org),
+            }),
+            reason,
+            rule: None,
+            would_deny: None,
+        };
+        let client: SocketAddr = client.parse().unwrap();
+        let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+        r.host = Some(host.to_string());
+        r.port = Some(443);
+        r
+    }
+
+    #[test]
+    fn a_flood_is_written_within_the_rate_then_tallied_in_bounded_memory() {
+        let d = Denials::new(5);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        let mut one_by_one = 0;
+        for i in 0..10_000 {
+            let host = format!("h{}.flood.test", i % 500);
+            let reason = if i % 4 == 0 {
+                Reason::SniMismatch
+            } else {
+                Reason::NoMatchingRule
+            };
+            let r = denial("acme", "198.19.1.7:4000", &host, reason);
+            if d.admit(&r, t0, wall) {
+                one_by_one += 1;
+            }
+        }
+        assert_eq!(one_by_one, 5, "the burst, one by one");
+        assert_eq!(d.pending(), 1, "one tally per (org, address)");
+        assert_eq!(d.pending_count(), 9_995);
+        let lock = d.lock();
+        let tally = lock.values().next().unwrap();
+        assert!(tally.hosts.len() <= TRACKED_HOSTS);
+        let s = tally.summary(Some("198.19.1.7".parse().unwrap()));
+        assert_eq!(s.count, Some(9_995));
+        assert_eq!(s.reason, Reason::NoMatchingRule, "the most frequent");
+        let hosts = s.hosts.as_ref().unwrap();
+        assert_eq!(hosts.len(), TOP_HOSTS + 1, "{hosts:?}");
+        assert_eq!(hosts.values().sum::<u64>(), 9_995, "nothing lost");
+        let reasons = s.reasons.as_ref().unwrap();
+        assert_eq!(reasons.values().sum::<u64>(), 9_995);
+        assert_eq!(s.client, Some("198.19.1.7:0".parse().unwrap()));
+        assert_eq!(s.org.as_deref(), Some("acme"));
+        assert!(s.window.is_some() && s.host.is_none());
+    }
+
+    #[test]
+    fn allows_and_other_addresses_are_never_summarised() {
+        let d = Denials::new(1);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        let deny = denial("acme", "198.19.1.7:1", "a.test", Reason::NoMatchingRule);
+        assert!(d.admit(&deny, t0, wall));
+        assert!(!d.admit(&deny, t0, wall));
+        let mut allow = deny.clone();
+        allow.reason = Reason::RuleMatch;
+        for _ in 0..100 {
+            assert!(d.admit(&allow, t0, wall), "allows one by one");
+        }
+        let other = denial("beta", "198.19.2.9:1", "a.test", Reason::NoMatchingRule);
+        assert!(
+            d.admit(&other, t0, wall),
+            "another address has its own rate"
+        );
+        let close = deny.close(1, 2, 3);
+        assert!(d.admit(&close, t0, wall));
+        assert!(
+            d.admit(&deny, t0 + Duration::from_secs(1), wall),
+            "refilled"
+        );
+    }
+
+    #[tokio::test]
+    async fn summaries_are_chained_signed_records_and_wait_for_room() {
+        let dir = std::env::temp_dir().join(format!("palisade-denials-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ev = Evidence::open(&dir.join("evidence")).unwrap();
+        let d = Denials::new(2);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        let mut written = 0;
+        for i in 0..500 {
+            let org = if i % 2 == 0 { "acme" } else { "beta" };
+            let client = if i % 2 == 0 {
+                "198.19.1.7:1"
+            } else {
+                "198.19.2.7:1"
+            };
+            let mut r = denial(org, client, "x.test", Reason::NoMatchingRule);
+            if d.admit(&r, t0, wall) {
+                ev.write(&mut r).await.unwrap();
+                written += 1;
+            }
+        }
+        assert_eq!(written, 4);
+        // A stalled writer: no room, nothing lost, nothing waited for.
+        ev.pause_writer(true);
+        let mut filler = denial("acme", "198.19.1.8:1", "y.test", Reason::NoMatchingRule);
+        while ev.submit_within(&mut filler, Duration::ZERO).await {}
+        assert!(d.flush(&ev).await.is_empty());
+        assert_eq!(d.pending_count(), 496);
+        ev.pause_writer(false);
+        let summaries = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                let s = d.flush(&ev).await;
+                if !s.is_empty() {
+                    return s;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(summaries.len(), 2);
+        assert_eq!(d.pending(), 0);
+        assert!(ev.seal().await);
+        let summary = crate::evidence::verify::verify_path(&dir.join("evidence")).unwrap();
+        assert!(format!("{summary:?}").contains("records"), "{summary:?}");
+        let text: String = crate::evidence::segment::list(&dir.join("evidence"))
+            .unwrap()
+            .iter()
+            .map(|p| std::fs::read_to_string(p).unwrap())
+            .collect();
+        let counted: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["count"].is_u64())
+            .collect();
+        assert_eq!(counted.len(), 2);
+        for v in &counted {
+            assert_eq!(v["count"], 248, "{v}");
+            assert_eq!(v["hosts"]["x.test"], 248, "{v}");
+            assert_eq!(v["reasons"]["no_matching_rule"], 248, "{v}");
+            assert!(v["client"].as_str().unwrap().ends_with(":0"), "{v}");
+            assert!(v["window"].is_array() && v["hash"].is_string(), "{v}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn tallies_stay_bounded_whatever_the_number_of_addresses() {
+        let d = Denials::new(1);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        for i in 0..(MAX_TALLIES as u32 + 100) {
+            let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i);
+            let r = denial("acme", &format!("{ip}:1"), "a.test", Reason::NoMatchingRule);
+            d.admit(&r, t0, wall);
+            d.admit(&r, t0, wall);
+        }
+        assert_eq!(
+            d.pending(),
+            MAX_TALLIES + 1,
+            "plus the org's overflow tally"
+        );
+        assert_eq!(d.pending_count(), MAX_TALLIES as u64 + 100);
+    }
+}
