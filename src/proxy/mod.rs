@@ -242,6 +242,8 @@ impl Ctx {
             return false;
         }
         record.id = denials::SUMMARISED.to_string();
+        // What the client is shown: the summary, not a record of its own.
+        record.reference = Some(denials::SUMMARISED.to_string());
         self.metrics.count_record(record);
         let org = record.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG);
         self.metrics
