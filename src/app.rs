@@ -149,7 +149,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let limits = proxy_config.limits.clone();
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
-        denials: proxy::denials::Denials::new(limits.max_denial_records_per_second_per_client),
+        denials: proxy::denials::Denials::new(
+            limits.max_denial_records_per_second_per_client,
+            limits.max_denial_records_per_second_per_org,
+        ),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
         detect: proxy::limits::DetectMemory::new(&limits),
         served: served.clone(),

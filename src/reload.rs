@@ -151,6 +151,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 max_connections_per_client,
                 max_new_connections_per_second_per_client,
                 max_denial_records_per_second_per_client,
+                max_denial_records_per_second_per_org,
                 max_request_head_bytes,
                 max_headers,
                 header_read_timeout,

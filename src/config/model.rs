@@ -34,6 +34,8 @@ pub const DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_CLIENT: usize = 200;
 /// Denial records one source address of a proxy listener may have written
 /// one by one per second (burst of as many); beyond, they are summarised.
 pub const DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_CLIENT: usize = 50;
+/// Denial records of one org per second, over all its addresses.
+pub const DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_ORG: usize = 500;
 /// The share of `max_detect_memory_bytes` one org may hold, unset: a quarter.
 pub const DETECT_MEMORY_ORG_SHARE: usize = 4;
 /// The share of `max_detect_memory_bytes` one source address of no org may
@@ -192,6 +194,9 @@ pub struct Limits {
     /// per second (token bucket, burst of as many); beyond, they are
     /// counted into summary records.
     pub max_denial_records_per_second_per_client: usize,
+    /// Denials of one org (or of clients of no org, together) written one
+    /// record each per second over all its addresses; beyond, summarised.
+    pub max_denial_records_per_second_per_org: usize,
     pub max_request_head_bytes: usize,
     pub max_headers: usize,
     pub header_read_timeout: HeaderReadTimeout,
@@ -218,6 +223,7 @@ impl Default for Limits {
                 DEFAULT_MAX_NEW_CONNECTIONS_PER_SECOND_PER_CLIENT,
             max_denial_records_per_second_per_client:
                 DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_CLIENT,
+            max_denial_records_per_second_per_org: DEFAULT_MAX_DENIAL_RECORDS_PER_SECOND_PER_ORG,
             max_request_head_bytes: DEFAULT_MAX_REQUEST_HEAD_BYTES,
             max_headers: DEFAULT_MAX_HEADERS,
             header_read_timeout: DEFAULT_HEADER_READ_TIMEOUT,

@@ -61,6 +61,7 @@ pub(super) struct RawProxy {
     pub(super) max_connections_per_client: Option<Spanned<i64>>,
     pub(super) max_new_connections_per_second_per_client: Option<Spanned<i64>>,
     pub(super) max_denial_records_per_second_per_client: Option<Spanned<i64>>,
+    pub(super) max_denial_records_per_second_per_org: Option<Spanned<i64>>,
     pub(super) max_request_head_bytes: Option<Spanned<i64>>,
     pub(super) max_headers: Option<Spanned<i64>>,
     pub(super) header_read_timeout: Option<Spanned<String>>,

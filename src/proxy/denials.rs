@@ -152,6 +152,9 @@ type Key = (Option<Arc<str>>, Option<IpAddr>);
 /// Decides which denials are written one by one and tallies the rest.
 pub struct Denials {
     rate: RateLimiter<IpAddr>,
+    /// The same per org (clients of no org share one bucket), so that an
+    /// org flooding from many addresses is bounded too.
+    org_rate: RateLimiter<Option<Arc<str>>>,
     tallies: Mutex<HashMap<Key, Tally>>,
 }
 
@@ -162,11 +165,13 @@ impl std::fmt::Debug for Denials {
 }
 
 impl Denials {
-    /// `per_second` denial records one by one per address (burst of as many).
-    pub fn new(per_second: usize) -> Denials {
+    /// `per_client` denial records one by one per address, and `per_org`
+    /// per org over all its addresses (bursts of as many).
+    pub fn new(per_client: usize, per_org: usize) -> Denials {
         Denials {
             // Full of addresses denied this second, further ones are summarised.
-            rate: RateLimiter::new(per_second, 65_536),
+            rate: RateLimiter::new(per_client, 65_536),
+            org_rate: RateLimiter::new(per_org, 65_536),
             tallies: Mutex::new(HashMap::new()),
         }
     }
@@ -184,7 +189,7 @@ impl Denials {
             return true;
         };
         let key = client_key(client.ip());
-        if self.rate.allow(&key, now) {
+        if self.rate.allow(&key, now) && self.org_rate.allow(&record.org, now) {
             return true;
         }
         let mut tallies = self.lock();
@@ -263,7 +268,7 @@ mod tests {
 
     #[test]
     fn a_flood_is_written_within_the_rate_then_tallied_in_bounded_memory() {
-        let d = Denials::new(5);
+        let d = Denials::new(5, 1_000_000);
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let mut one_by_one = 0;
         for i in 0..10_000 {
@@ -298,8 +303,31 @@ mod tests {
     }
 
     #[test]
+    fn an_org_flooding_from_many_addresses_is_bounded_by_its_own_rate() {
+        let d = Denials::new(5, 20);
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        let mut acme = 0;
+        for i in 0..200 {
+            // 200 addresses, one denial each: every address within its rate.
+            let client = format!("198.19.{}.{}:4000", i / 200, i % 200 + 1);
+            if d.admit(
+                &denial("acme", &client, "x.test", Reason::NoMatchingRule),
+                t0,
+                wall,
+            ) {
+                acme += 1;
+            }
+        }
+        assert_eq!(acme, 20, "the org's burst, one by one; the rest tallied");
+        assert_eq!(d.pending_count(), 180);
+        // Another org's denials keep their own budget.
+        let beta = denial("beta", "198.19.9.9:1", "x.test", Reason::NoMatchingRule);
+        assert!(d.admit(&beta, t0, wall));
+    }
+
+    #[test]
     fn allows_and_other_addresses_are_never_summarised() {
-        let d = Denials::new(1);
+        let d = Denials::new(1, 1_000_000);
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let deny = denial("acme", "198.19.1.7:1", "a.test", Reason::NoMatchingRule);
         assert!(d.admit(&deny, t0, wall));
@@ -327,7 +355,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("palisade-denials-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let ev = Evidence::open(&dir.join("evidence")).unwrap();
-        let d = Denials::new(2);
+        let d = Denials::new(2, 1_000_000);
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let mut written = 0;
         for i in 0..500 {
@@ -390,7 +418,7 @@ mod tests {
 
     #[test]
     fn tallies_stay_bounded_whatever_the_number_of_addresses() {
-        let d = Denials::new(1);
+        let d = Denials::new(1, 1_000_000);
         let (t0, wall) = (Instant::now(), SystemTime::now());
         for i in 0..(MAX_TALLIES as u32 + 100) {
             let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i);

@@ -23,6 +23,7 @@ pub(super) fn validate_proxy(
         max_connections_per_client,
         max_new_connections_per_second_per_client,
         max_denial_records_per_second_per_client,
+        max_denial_records_per_second_per_org,
         max_request_head_bytes,
         max_headers,
         header_read_timeout,
@@ -68,6 +69,11 @@ pub(super) fn validate_proxy(
         max_denial_records_per_second_per_client: count(
             max_denial_records_per_second_per_client,
             d.max_denial_records_per_second_per_client,
+            errors,
+        ),
+        max_denial_records_per_second_per_org: count(
+            max_denial_records_per_second_per_org,
+            d.max_denial_records_per_second_per_org,
             errors,
         ),
         max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
