@@ -304,7 +304,10 @@ pub async fn relay<C>(
         guard,
         held,
         verified,
-        ctx.limits.idle_timeout.get(),
+        (
+            ctx.limits.idle_timeout.get(),
+            ctx.limits.header_read_timeout.get(),
+        ),
         &ctx.hard_stop,
         &ctx.detect_scope(&conn.view, conn.client),
         report,

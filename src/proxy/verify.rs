@@ -169,29 +169,16 @@ pub async fn first<R: AsyncRead + Unpin>(
             }
         }
         if let Some(g) = guard.as_mut() {
-            match g.client(held) {
-                Step::Forward(n) => {
-                    let forward = n.min(held.len());
-                    return First::Passed {
-                        guard: guard.take().expect("guard is set"),
-                        forward,
-                    };
-                }
-                Step::Opaque => {
-                    let forward = held.len();
-                    return First::Passed {
-                        guard: guard.take().expect("guard is set"),
-                        forward,
-                    };
-                }
-                Step::Wait => {
-                    return First::Passed {
-                        guard: guard.take().expect("guard is set"),
-                        forward: 0,
-                    }
-                }
+            // How much of the first unit is verified, once it is judged.
+            let forward = match g.client(held) {
+                Step::Forward(n) => Some(n.min(held.len())),
+                Step::Opaque => Some(held.len()),
+                Step::Wait => Some(0),
                 Step::Deny(v) => return First::Denied(v),
-                Step::NeedMore => {}
+                Step::NeedMore => None,
+            };
+            if let (Some(forward), Some(guard)) = (forward, guard.take_if(|_| forward.is_some())) {
+                return First::Passed { guard, forward };
             }
         }
         if held.len() >= cap {
@@ -259,7 +246,9 @@ const READ_CHUNK: usize = 16 * 1024;
 /// client byte before it is forwarded. `held[..verified]` is forwarded
 /// first; the rest of `held` is judged like any later byte. With `report`,
 /// a violation is handed to it and the tunnel continues unverified (report
-/// mode); otherwise the tunnel ends with [`End::Violation`].
+/// mode); otherwise the tunnel ends with [`End::Violation`]. A unit the
+/// verifier holds (a request head, a ClientHello) must be complete within
+/// `unit_timeout` of its first byte, however the client trickles it.
 #[allow(clippy::too_many_arguments)]
 pub async fn pump<C, U>(
     client: C,
@@ -267,7 +256,7 @@ pub async fn pump<C, U>(
     guard: Guard,
     held: Vec<u8>,
     verified: usize,
-    idle: Duration,
+    (idle, unit_timeout): (Duration, Duration),
     stop: &CancellationToken,
     detect: &DetectScope<'_>,
     report: Option<&(dyn Fn(&Violation) + Sync)>,
@@ -299,6 +288,8 @@ where
         let mut verified = verified.min(held.len());
         let mut budget = Budget::new(detect);
         let mut opaque = false;
+        // When the unit now held began to arrive.
+        let mut unit_since: Option<Instant> = None;
         loop {
             if verified > 0 {
                 if upstream_w.write_all(&held[..verified]).await.is_err() {
@@ -330,6 +321,7 @@ where
                 match judge(&held) {
                     Step::Forward(n) => {
                         verified = n.min(held.len());
+                        unit_since = None;
                         continue;
                     }
                     Step::Opaque => {
@@ -352,7 +344,9 @@ where
                         seen.await;
                         continue;
                     }
-                    Step::NeedMore => {}
+                    Step::NeedMore => {
+                        unit_since.get_or_insert_with(Instant::now);
+                    }
                 }
             } else if held.capacity() > 4 * READ_CHUNK {
                 // An idle tunnel keeps no large buffer.
@@ -364,7 +358,33 @@ where
                 return End::OverBudget;
             }
             held.reserve(READ_CHUNK);
-            match client_r.read_buf(&mut (&mut held).limit(READ_CHUNK)).await {
+            let mut room = (&mut held).limit(READ_CHUNK);
+            let read = client_r.read_buf(&mut room);
+            let read = match unit_since {
+                Some(since) => match tokio::time::timeout_at(since + unit_timeout, read).await {
+                    Ok(read) => read,
+                    Err(_) => {
+                        let v = Violation::new(
+                            ViolationKind::ProtocolMismatch,
+                            None,
+                            format!(
+                                "a unit incomplete {} after its first byte",
+                                humantime::format_duration(unit_timeout)
+                            ),
+                        );
+                        match report {
+                            Some(report) => {
+                                report(&v);
+                                opaque = true;
+                                continue;
+                            }
+                            None => return End::Violation(v),
+                        }
+                    }
+                },
+                None => read.await,
+            };
+            match read {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {}
             }
@@ -550,7 +570,7 @@ mod tests {
                 http_guard(),
                 Vec::new(),
                 0,
-                Duration::from_secs(5),
+                (Duration::from_secs(5), Duration::from_secs(5)),
                 &stop,
                 &slots,
                 None,
@@ -580,6 +600,52 @@ mod tests {
         assert!(rest.is_empty(), "forwarded after the violation: {rest:?}");
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_trickled_head_must_complete_within_the_unit_timeout() {
+        let (client, mut client_peer) = duplex(64 * 1024);
+        let (upstream, mut upstream_peer) = duplex(64 * 1024);
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
+        let stop = CancellationToken::new();
+        let good = b"GET /a HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
+        let task = pump(
+            client,
+            upstream,
+            http_guard(),
+            Vec::new(),
+            0,
+            (Duration::from_secs(300), Duration::from_secs(10)),
+            &stop,
+            &slots,
+            None,
+        );
+        let drive = async {
+            client_peer.write_all(good).await.unwrap();
+            let mut got = vec![0u8; good.len()];
+            upstream_peer.read_exact(&mut got).await.unwrap();
+            upstream_peer
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            // A second head, one byte every few seconds, never finished.
+            // (Writes fail once the tunnel is cut.)
+            for b in b"GET /b HTTP/1.1\r\nHost: allo" {
+                if client_peer.write_all(&[*b]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(3)).await;
+            }
+            (client_peer, upstream_peer)
+        };
+        let ((totals, end), _peers) = tokio::join!(task, drive);
+        let End::Violation(v) = end else {
+            panic!("a trickled head was held open: {end:?}")
+        };
+        assert_eq!(v.kind, ViolationKind::ProtocolMismatch);
+        assert!(v.detail.contains("incomplete"), "{}", v.detail);
+        assert_eq!(totals.up, good.len() as u64, "nothing of the second head");
+    }
+
     #[tokio::test]
     async fn report_mode_hands_over_the_violation_and_carries_on() {
         let (client, mut client_peer) = duplex(64 * 1024);
@@ -596,7 +662,7 @@ mod tests {
             http_guard(),
             bytes.to_vec(),
             0,
-            Duration::from_secs(5),
+            (Duration::from_secs(5), Duration::from_secs(5)),
             &stop,
             &slots,
             Some(&report),
