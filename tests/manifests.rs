@@ -488,6 +488,18 @@ fn the_manifests_keep_their_promises() {
                     "{what}: {v} is not per replica"
                 );
             }
+            // Retention keeps the evidence under its volume's limit (past it
+            // the kubelet evicts the pod).
+            let limit = quantity_bytes(
+                volume("evidence")["emptyDir"]["sizeLimit"]
+                    .as_str()
+                    .unwrap(),
+            );
+            let retain = config.evidence.retain_size.expect("[evidence] retain_size");
+            assert!(
+                retain + config.evidence.rotate_size < limit,
+                "{what}: retain_size {retain} + a segment outgrows the evidence volume {limit}"
+            );
             assert_eq!(
                 mount_of(palisade, "policy").unwrap()["readOnly"],
                 true,
