@@ -100,6 +100,7 @@ fn grafana_to_promql(expr: &str) -> String {
         .replace("$__range", "5m")
         .replace("$__interval", "5s")
         .replace("$org", ".*")
+        .replace("$replica", ".*")
 }
 
 /// Every (dashboard, panel title, expr) of every dashboard JSON.
@@ -177,6 +178,10 @@ const ALERT_PROBES: &[(&str, &str)] = &[
     (
         "PalisadeEvidenceSuppressed",
         "sum by (org) (rate(palisade_evidence_suppressed_total[5m]))",
+    ),
+    (
+        "PalisadeFleetPolicyMismatch",
+        "count by (job, namespace, policy) (palisade_build_info)",
     ),
 ];
 
@@ -296,7 +301,7 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        list.len() == 8 && list.iter().all(|r| r["health"] == "ok")
+        list.len() == 9 && list.iter().all(|r| r["health"] == "ok")
     });
     let alerts = api(&lab, "alerts", "").unwrap();
     let active: BTreeSet<String> = alerts["data"]["alerts"]
@@ -313,6 +318,11 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
         );
     }
     assert!(!active.contains("PalisadeNotReady"), "{active:?}");
+    // One replica serves one policy: the fleet alert stays quiet.
+    assert!(
+        !active.contains("PalisadeFleetPolicyMismatch"),
+        "{active:?}"
+    );
 
     // promtool lints a real scrape.
     let scrape = lab.proxy_ns_exec(
