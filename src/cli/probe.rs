@@ -47,8 +47,10 @@ pub enum Command {
     },
     /// Verify evidence, classify observations, write report.json/.md/.html.
     Report {
-        #[arg(long)]
-        observations: PathBuf,
+        /// observations.json of a run; repeat it for one run per sandbox
+        /// (probe ids then carry `@RUN`).
+        #[arg(long, required = true)]
+        observations: Vec<PathBuf>,
         /// An evidence directory; repeat it, or give a tree with one
         /// directory per replica, for a fleet.
         #[arg(long, required = true)]

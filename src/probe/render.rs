@@ -159,7 +159,22 @@ pub fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(m);
     let _ = writeln!(m, "## Environment (collected by the probe)\n");
-    for (k, v) in r.environment.as_object().into_iter().flatten() {
+    if r.scope.probe_run.contains(", ") {
+        // Several runs: each run's environment under its run id.
+        for (run, env) in r.environment.as_object().into_iter().flatten() {
+            let _ = writeln!(m, "### Run {run}\n");
+            environment_list(&mut m, env);
+            let _ = writeln!(m);
+        }
+    } else {
+        environment_list(&mut m, &r.environment);
+    }
+    m
+}
+
+/// One run's environment as a markdown list.
+fn environment_list(m: &mut String, env: &Value) {
+    for (k, v) in env.as_object().into_iter().flatten() {
         match v {
             Value::Array(a) => {
                 let _ = writeln!(m, "- {k}:");
@@ -172,7 +187,6 @@ pub fn markdown(r: &Report) -> String {
             }
         }
     }
-    m
 }
 
 /// ` (any layer)` after the expectation of a probe any layer may deny.

@@ -12,7 +12,9 @@
 //! unpinned while others are pinned), nothing is classified and the report
 //! names it and the intact ones. Otherwise the records of all replicas are
 //! matched together, and each probe (and each cited record) names the
-//! replica that decided it.
+//! replica that decided it. Several observations files (a sandbox behind
+//! each replica, one plan run in each) make one report
+//! ([`merge_observations`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -32,7 +34,9 @@ use crate::policy::Reason;
 
 /// Inputs of a report.
 pub struct Options<'a> {
-    pub observations: &'a Path,
+    /// One observations file, or one per sandbox (a fleet: see
+    /// [`merge_observations`]).
+    pub observations: &'a [PathBuf],
     /// One chain, or a fleet (several paths, or a tree).
     pub evidence: &'a [PathBuf],
     /// The checkpoint keys: a plain one for one chain, or per replica.
@@ -454,6 +458,75 @@ fn read_observations(path: &Path) -> Result<Observations, BadInput> {
     Ok(obs)
 }
 
+/// Several runs as one: the same org and policy; runs, plan hashes and
+/// versions listed, the window spanning them all, each run's environment
+/// under its run id, and every probe id suffixed `@RUN` so the same plan
+/// run from two sandboxes stays two sets of probes. One run is returned as
+/// it is.
+pub fn merge_observations(mut sets: Vec<Observations>) -> Result<Observations, BadInput> {
+    if sets.len() <= 1 {
+        return sets
+            .pop()
+            .ok_or_else(|| BadInput("no observations file given".into()));
+    }
+    let first = &sets[0];
+    for o in &sets[1..] {
+        if o.plan.org != first.plan.org || o.plan.policy != first.plan.policy {
+            return Err(BadInput(format!(
+                "observations of runs {} and {} are of different plans (org {:?} and {:?}, policy {:?} and {:?}): report them separately",
+                first.run, o.run, first.plan.org, o.plan.org, first.plan.policy, o.plan.policy
+            )));
+        }
+    }
+    let runs: Vec<String> = sets.iter().map(|o| o.run.clone()).collect();
+    if runs.iter().collect::<BTreeSet<_>>().len() != runs.len() {
+        return Err(BadInput(format!(
+            "one probe run given twice (runs {})",
+            runs.join(", ")
+        )));
+    }
+    let joined = |f: &dyn Fn(&Observations) -> String| {
+        let mut seen: Vec<String> = Vec::new();
+        for o in &sets {
+            let v = f(o);
+            if !seen.contains(&v) {
+                seen.push(v);
+            }
+        }
+        seen.join(", ")
+    };
+    let mut environment = serde_json::Map::new();
+    for o in &sets {
+        environment.insert(o.run.clone(), o.environment.clone());
+    }
+    let mut merged = Observations {
+        format: first.format.clone(),
+        run: runs.join(", "),
+        palisade_version: joined(&|o| o.palisade_version.clone()),
+        plan_sha256: joined(&|o| o.plan_sha256.clone()),
+        plan: first.plan.clone(),
+        started: sets
+            .iter()
+            .map(|o| o.started.clone())
+            .min()
+            .unwrap_or_default(),
+        finished: sets
+            .iter()
+            .map(|o| o.finished.clone())
+            .max()
+            .unwrap_or_default(),
+        environment: Value::Object(environment),
+        observations: Vec::new(),
+    };
+    for set in sets {
+        for mut o in set.observations {
+            o.id = format!("{}@{}", o.id, set.run);
+            merged.observations.push(o);
+        }
+    }
+    Ok(merged)
+}
+
 /// The decision records under `path` (close records say nothing a probe
 /// is matched by).
 fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
@@ -576,7 +649,12 @@ fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verific
 
 /// Build the report.
 pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
-    let obs = read_observations(opts.observations)?;
+    let sets = opts
+        .observations
+        .iter()
+        .map(|p| read_observations(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let obs = merge_observations(sets)?;
     if opts.evidence.is_empty() {
         return Err(BadInput("no evidence path given".into()));
     }
@@ -889,9 +967,18 @@ mod tests {
         (ids.remove(0), ids.remove(0))
     }
 
-    /// A sealed chain with a decision per (client port, host, reason); the
-    /// record ids and the public key.
+    /// A sealed chain with a decision per (client port, host, reason),
+    /// from 198.18.1.2; the record ids and the public key.
     async fn chain_of(dir: &Path, decisions: &[(u16, &str, Reason)]) -> (Vec<String>, String) {
+        chain_from(dir, [198, 18, 1, 2], decisions).await
+    }
+
+    /// As [`chain_of`], from client address `ip`.
+    async fn chain_from(
+        dir: &Path,
+        ip: [u8; 4],
+        decisions: &[(u16, &str, Reason)],
+    ) -> (Vec<String>, String) {
         let ev = Evidence::open(dir).unwrap();
         let mut ids = Vec::new();
         for &(port, host, reason) in decisions {
@@ -901,7 +988,7 @@ mod tests {
                 rule: reason.is_allow().then(|| "allow-0".into()),
                 would_deny: None,
             };
-            let client = SocketAddr::from(([198, 18, 1, 2], port));
+            let client = SocketAddr::from((ip, port));
             let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
             r.host = Some(host.into());
             r.port = Some(443);
@@ -960,8 +1047,9 @@ mod tests {
 
     fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
         let evidence = [evidence.to_path_buf()];
+        let observations = [observations.to_path_buf()];
         let opts = Options {
-            observations,
+            observations: &observations,
             evidence: &evidence,
             pins: fleet::Pins::default(),
             allow_unsealed: false,
@@ -1089,7 +1177,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    fn fleet_report(observations: &Path, evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
+    fn fleet_report(observations: &[PathBuf], evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
         let opts = Options {
             observations,
             evidence,
@@ -1132,7 +1220,11 @@ mod tests {
                 .collect(),
             ..fleet::Pins::default()
         };
-        let r = fleet_report(&obs, std::slice::from_ref(&tree), pins.clone());
+        let r = fleet_report(
+            std::slice::from_ref(&obs),
+            std::slice::from_ref(&tree),
+            pins.clone(),
+        );
         let j = &r.json;
         assert_eq!(j["verification"]["ok"], true, "{j:#}");
         assert_eq!(j["verification"]["key_pinned"], true);
@@ -1197,7 +1289,11 @@ mod tests {
             text.replacen("\"host\":\"other.test\"", "\"host\":\"fine.test\"", 1),
         )
         .unwrap();
-        let t = fleet_report(&obs, std::slice::from_ref(&tree), pins);
+        let t = fleet_report(
+            std::slice::from_ref(&obs),
+            std::slice::from_ref(&tree),
+            pins,
+        );
         let j = &t.json;
         assert_eq!(t.exit, 1);
         assert_eq!(j["verification"]["ok"], false);
@@ -1224,6 +1320,99 @@ mod tests {
         assert!(t
             .html
             .contains("data-replica=\"gw-b\" data-status=\"broken\""));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two sandboxes' runs of one plan make one report: probe ids carry
+    /// their run, the window spans both, each attributed to its replica.
+    #[tokio::test]
+    async fn runs_from_two_sandboxes_make_one_report() {
+        let dir = scratch("runs");
+        let tree = dir.join("tree");
+        let (a_ids, _) = chain_of(
+            &tree.join("gw-a"),
+            &[
+                (40001, "allowed.test", Reason::RuleMatch),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        let (b_ids, _) = chain_from(
+            &tree.join("gw-b"),
+            [198, 18, 4, 2],
+            &[
+                (40001, "allowed.test", Reason::RuleMatch),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        let a = dir.join("a");
+        let b = dir.join("b");
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let obs_a = observations(&a, &a_ids[1]);
+        let obs_b = observations(&b, &b_ids[1]);
+        // The two sandboxes: one run id each, sandbox b from another address.
+        let mut vb: Value =
+            serde_json::from_str(&std::fs::read_to_string(&obs_b).unwrap()).unwrap();
+        vb["run"] = "r2".into();
+        for o in vb["observations"].as_array_mut().unwrap() {
+            let local = o["sockets"][0]["local"]
+                .as_str()
+                .unwrap()
+                .replace("198.18.1.2", "198.18.4.2");
+            o["sockets"][0]["local"] = local.into();
+        }
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        let both = [obs_a.clone(), obs_b.clone()];
+        let r = fleet_report(&both, std::slice::from_ref(&tree), fleet::Pins::default());
+        let j = &r.json;
+        assert_eq!(j["scope"]["probe_run"], "r1, r2");
+        let classes = classes(j);
+        assert_eq!(classes["deny-name@r1"], "enforced_deny", "{j:#}");
+        assert_eq!(classes["deny-name@r2"], "enforced_deny");
+        let probe = |id: &str| {
+            j["probes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["id"] == id)
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(probe("deny-name@r1")["replica"], "gw-a");
+        assert_eq!(probe("deny-name@r2")["replica"], "gw-b");
+        assert_eq!(probe("allow-https@r1")["replica"], "gw-a");
+        assert_eq!(probe("allow-https@r2")["replica"], "gw-b");
+        let sources = j["verdict"].as_str().unwrap();
+        assert!(
+            sources.contains("from 198.18.1.2, 198.18.4.2 during"),
+            "{sources}"
+        );
+        assert_eq!(j["environment"]["r2"]["hostname"], "sandbox");
+        assert!(
+            r.markdown
+                .contains("### Run r2\n\n- addresses:\n  - `1: lo <x>`"),
+            "{}",
+            r.markdown
+        );
+        // One run given twice, or runs of different plans: bad input.
+        let twice = [obs_a.clone(), obs_a.clone()];
+        let opts = Options {
+            observations: &twice,
+            evidence: std::slice::from_ref(&tree),
+            pins: fleet::Pins::default(),
+            allow_unsealed: false,
+        };
+        assert!(build(&opts).is_err());
+        vb["plan"]["org"] = "other".into();
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        let opts = Options {
+            observations: &both,
+            ..opts
+        };
+        let e = build(&opts).map(|_| ()).unwrap_err();
+        assert!(e.0.contains("different plans"), "{}", e.0);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
