@@ -1,4 +1,8 @@
 //! `palisade evidence verify|pubkey|query|export`.
+//!
+//! `verify`, `query` and `export` take one chain (a directory of segments
+//! or one segment file), as they always have, or a fleet: several paths,
+//! or one tree with a directory per replica ([`fleet`]).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -7,18 +11,20 @@ use std::time::SystemTime;
 use ed25519_dalek::VerifyingKey;
 
 use super::{load_config, Failure, Status, DEFAULT_CONFIG};
-use crate::evidence::{chain, key, query, verify};
+use crate::evidence::{chain, fleet, key, query, verify};
 
 /// `palisade evidence ...`.
 #[derive(clap::Subcommand, Debug)]
 pub enum Command {
     /// Check an evidence file or directory end to end: hashes, sequence,
-    /// segment links, checkpoint signatures and a sealed end.
+    /// segment links, checkpoint signatures and a sealed end. Several
+    /// paths, or a tree with one directory per replica, are a fleet: each
+    /// chain is checked on its own and gets one line.
     Verify {
-        path: PathBuf,
-        /// Public key (hex, or a file holding it) every checkpoint must be signed with.
-        #[arg(long)]
-        key: Option<String>,
+        #[arg(required = true, value_name = "PATH")]
+        paths: Vec<PathBuf>,
+        #[command(flatten)]
+        keys: KeyArgs,
         /// Accept a chain whose end is not sealed (a live or crashed instance).
         #[arg(long)]
         allow_unsealed: bool,
@@ -29,22 +35,30 @@ pub enum Command {
         config: PathBuf,
     },
     /// Print decision and close records that match every filter given.
+    /// A fleet's chains are verified first and merged by time; each record
+    /// gains a `replica` field.
     Query {
-        path: PathBuf,
+        #[arg(required = true, value_name = "PATH")]
+        paths: Vec<PathBuf>,
         #[command(flatten)]
         filter: FilterArgs,
         /// A tab-separated table instead of JSON Lines.
         #[arg(long)]
         table: bool,
+        #[command(flatten)]
+        fleet: FleetArgs,
     },
     /// Export decision and close records in another schema.
     Export {
-        path: PathBuf,
+        #[arg(required = true, value_name = "PATH")]
+        paths: Vec<PathBuf>,
         /// Output schema: ocsf (OCSF 1.x JSON Lines).
         #[arg(long)]
         format: ExportFormat,
         #[command(flatten)]
         filter: FilterArgs,
+        #[command(flatten)]
+        fleet: FleetArgs,
     },
 }
 
@@ -52,6 +66,81 @@ pub enum Command {
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum ExportFormat {
     Ocsf,
+}
+
+/// Checkpoint keys: one chain's, or each replica's.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct KeyArgs {
+    /// Public key (hex, or a file holding it) every checkpoint must be
+    /// signed with; REPLICA=KEY pins one replica's (repeatable).
+    #[arg(long, value_name = "[REPLICA=]KEY")]
+    pub key: Vec<String>,
+    /// A file of `REPLICA HEX` lines pinning each replica's key.
+    #[arg(long, value_name = "FILE")]
+    pub keys: Option<PathBuf>,
+    /// Accept a replica with no pinned key while others have one (its
+    /// headers' key is used: consistency, not origin).
+    #[arg(long)]
+    pub allow_unpinned: bool,
+}
+
+impl KeyArgs {
+    /// The pins, or 2 naming the bad key, file or line.
+    pub fn pins(&self) -> Result<fleet::Pins, Failure> {
+        let mut pins = fleet::Pins {
+            allow_unpinned: self.allow_unpinned,
+            ..fleet::Pins::default()
+        };
+        let bad = |m: String| Failure::new(Status::BadInput, m);
+        for arg in &self.key {
+            match fleet::split_pin(arg) {
+                (Some(name), text) => {
+                    let k = parse_key(text)
+                        .map_err(|_| bad(format!("--key {name}=...: not an Ed25519 public key (64 hex characters, or a file holding them)")))?;
+                    if pins.by_replica.insert(name.to_string(), k).is_some() {
+                        return Err(bad(format!("--key: replica {name:?} pinned twice")));
+                    }
+                }
+                (None, text) => {
+                    if pins.single.replace(parse_key(text)?).is_some() {
+                        return Err(bad(
+                            "--key given twice without a replica: pin each with --key REPLICA=HEX"
+                                .into(),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(file) = &self.keys {
+            let name = file.display().to_string();
+            let text = std::fs::read_to_string(file).map_err(|e| bad(format!("{name}: {e}")))?;
+            let lines = fleet::parse_keys_file(&text, &name).map_err(|e| bad(e.0))?;
+            for (replica, hex, line) in lines {
+                let k = chain::parse_pubkey(&hex).ok_or_else(|| {
+                    bad(format!(
+                        "{name}:{line}: not an Ed25519 public key (64 hex characters)"
+                    ))
+                })?;
+                if pins.by_replica.insert(replica.clone(), k).is_some() {
+                    return Err(bad(format!(
+                        "{name}:{line}: replica {replica:?} is also pinned with --key"
+                    )));
+                }
+            }
+        }
+        Ok(pins)
+    }
+}
+
+/// What `query`/`export` accept of a fleet.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct FleetArgs {
+    #[command(flatten)]
+    pub keys: KeyArgs,
+    /// Print a fleet's records even when a chain is broken or missing
+    /// (each named on stderr); without it such a fleet is refused.
+    #[arg(long)]
+    pub include_broken: bool,
 }
 
 /// The record filters of `evidence query` and `evidence export`.
@@ -130,57 +219,75 @@ pub fn parse_key(arg: &str) -> Result<VerifyingKey, Failure> {
     })
 }
 
-/// What `query`/`export` print.
-enum Output {
-    JsonLines,
-    Table,
-    Ocsf,
-}
-
-/// `verify`: 0 intact, 1 broken, 2 bad key. `pubkey`: 1 without a key.
-/// `query`/`export`: 1 on an unreadable path, 2 on a bad time.
+/// `verify`: 0 intact, 1 broken (any replica of a fleet), 2 bad key or
+/// fleet. `pubkey`: 1 without a key. `query`/`export`: 1 on an unreadable
+/// path or a fleet with a broken or missing chain, 2 on a bad time, key or
+/// fleet.
 pub fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Verify {
-            path,
-            key,
+            paths,
+            keys,
             allow_unsealed,
-        } => verify(&path, key.as_deref(), allow_unsealed),
+        } => verify(&paths, &keys, allow_unsealed),
         Command::Pubkey { config } => pubkey(&config),
         Command::Query {
-            path,
+            paths,
             filter,
             table,
+            fleet,
         } => {
             let output = if table {
-                Output::Table
+                query::Output::Table
             } else {
-                Output::JsonLines
+                query::Output::JsonLines
             };
-            records(&path, filter, output)
+            records(&paths, filter, output, &fleet)
         }
         Command::Export {
-            path,
+            paths,
             format: ExportFormat::Ocsf,
             filter,
-        } => records(&path, filter, Output::Ocsf),
+            fleet,
+        } => records(&paths, filter, query::Output::Ocsf, &fleet),
     }
 }
 
-fn verify(path: &Path, key: Option<&str>, allow_unsealed: bool) -> Result<(), Failure> {
-    let opts = verify::Options {
-        key: key.map(parse_key).transpose()?,
+/// The fleet `paths` name, or 2.
+fn resolve(paths: &[PathBuf]) -> Result<fleet::Fleet, Failure> {
+    fleet::resolve(paths).map_err(|e| Failure::new(Status::BadInput, e))
+}
+
+fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(), Failure> {
+    let pins = keys.pins()?;
+    if !fleet::is_fleet(paths) && pins.by_replica.is_empty() {
+        // One chain: what `evidence verify PATH` has always printed.
+        let opts = verify::Options {
+            key: pins.single,
+            allow_unsealed,
+        };
+        return match verify::verify_with(&paths[0], &opts) {
+            Ok(summary) => {
+                println!("{summary}");
+                Ok(())
+            }
+            Err(e) => {
+                println!("broken: {e}");
+                Err(Failure::bare(Status::Failed, e))
+            }
+        };
+    }
+    let fleet = resolve(paths)?;
+    let opts = fleet::Options {
+        pins,
         allow_unsealed,
     };
-    match verify::verify_with(path, &opts) {
-        Ok(summary) => {
-            println!("{summary}");
-            Ok(())
-        }
-        Err(e) => {
-            println!("broken: {e}");
-            Err(Failure::bare(Status::Failed, e))
-        }
+    let checked = fleet::check(&fleet, &opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+    println!("{}", checked.text());
+    if checked.ok() {
+        Ok(())
+    } else {
+        Err(Failure::silent(Status::Failed))
     }
 }
 
@@ -196,16 +303,52 @@ fn pubkey(config: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-fn records(path: &Path, filter: FilterArgs, output: Output) -> Result<(), Failure> {
+fn records(
+    paths: &[PathBuf],
+    filter: FilterArgs,
+    output: query::Output,
+    args: &FleetArgs,
+) -> Result<(), Failure> {
     let filter = filter.filter()?;
+    let pins = args.keys.pins()?;
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
-    let result = match output {
-        Output::JsonLines => query::query(path, &filter, false, &mut out),
-        Output::Table => query::query(path, &filter, true, &mut out),
-        Output::Ocsf => query::export_ocsf(path, &filter, &mut out),
+    if !fleet::is_fleet(paths) && pins.by_replica.is_empty() {
+        // One chain: read as it is, as always (run `verify` first).
+        let path = &paths[0];
+        let records = query::read_records(path).map(|r| r.map(|s| (None, s)));
+        return query::print(records, false, &filter, output, &mut out)
+            .and_then(|_| out.flush())
+            .map_err(|e| Failure::new(Status::Failed, format_args!("{}: {e}", path.display())));
+    }
+    let fleet = resolve(paths)?;
+    // A live fleet is not sealed: only what verify calls broken (or a
+    // missing chain, or an unpinned one) stops a query.
+    let opts = fleet::Options {
+        pins,
+        allow_unsealed: true,
     };
-    result
+    let checked = fleet::check(&fleet, &opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+    if !checked.ok() {
+        for c in checked.failing() {
+            eprintln!("palisade: {}", c.line());
+        }
+        if !args.include_broken {
+            let names: Vec<&str> = checked.failing().map(|c| c.name.as_str()).collect();
+            return Err(Failure::new(
+                Status::Failed,
+                format_args!(
+                    "refusing to print the fleet's records: replica {} failed verification (--include-broken prints the records anyway)",
+                    names.join(", ")
+                ),
+            ));
+        }
+        eprintln!(
+            "palisade: --include-broken: printing the records of every chain that could be read"
+        );
+    }
+    let records = fleet::read_merged(&fleet.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
+    query::print(records, true, &filter, output, &mut out)
         .and_then(|_| out.flush())
-        .map_err(|e| Failure::new(Status::Failed, format_args!("{}: {e}", path.display())))
+        .map_err(|e| Failure::new(Status::Failed, e))
 }

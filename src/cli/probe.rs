@@ -8,7 +8,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-use super::evidence::parse_key;
+use super::evidence::KeyArgs;
 use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
 use crate::probe::report::Checked;
 use crate::probe::{plan, report, run as probe_run};
@@ -47,13 +47,16 @@ pub enum Command {
     },
     /// Verify evidence, classify observations, write report.json/.md/.html.
     Report {
-        #[arg(long)]
-        observations: PathBuf,
-        #[arg(long)]
-        evidence: PathBuf,
-        /// Evidence public key (hex, or a file holding it).
-        #[arg(long)]
-        key: Option<String>,
+        /// observations.json of a run; repeat it for one run per sandbox
+        /// (probe ids then carry `@RUN`).
+        #[arg(long, required = true)]
+        observations: Vec<PathBuf>,
+        /// An evidence directory; repeat it, or give a tree with one
+        /// directory per replica, for a fleet.
+        #[arg(long, required = true)]
+        evidence: Vec<PathBuf>,
+        #[command(flatten)]
+        keys: KeyArgs,
         /// Accept an evidence chain whose end is not sealed (a live instance).
         #[arg(long)]
         allow_unsealed: bool,
@@ -87,14 +90,14 @@ pub fn run(command: Command) -> Result<(), Failure> {
         Command::Report {
             observations,
             evidence,
-            key,
+            keys,
             allow_unsealed,
             out,
         } => {
             let opts = report::Options {
                 observations: &observations,
                 evidence: &evidence,
-                key: key.as_deref().map(parse_key).transpose()?,
+                pins: keys.pins()?,
                 allow_unsealed,
             };
             write_report(&opts, &out)
@@ -155,6 +158,9 @@ fn write_report(opts: &report::Options, out: &Path) -> Result<(), Failure> {
         })
         .map_err(|e| bad_input(out, e))?;
     println!("{}", r.report.verdict);
+    for replica in &r.report.verification.replicas {
+        println!("{}", replica.text);
+    }
     println!("wrote {}/report.{{json,md,html}}", out.display());
     if let Checked::Failed { error, .. } = &r.report.verification.checked {
         return Err(Failure::new(

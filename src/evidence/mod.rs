@@ -10,6 +10,7 @@
 //! [`verify`] checks a directory end to end; [`query`] filters and exports.
 
 pub mod chain;
+pub mod fleet;
 pub mod key;
 pub mod query;
 pub mod reference;

@@ -4,12 +4,15 @@
 //!
 //! Records are read typed ([`read_records`]: a [`Record`] and its chain
 //! link, [`Stored`]); chain bookkeeping lines (headers, checkpoints, the
-//! seal) are skipped. Neither command checks the chain: run `palisade
-//! evidence verify` first (it reads lines as raw JSON, since it hashes them).
+//! seal) are skipped. On one chain neither command checks it: run
+//! `palisade evidence verify` first (it reads lines as raw JSON, since it
+//! hashes them). On a fleet ([`super::fleet`]) the CLI verifies every chain
+//! first and [`print`]s the records merged by time, each with its replica.
 
 use std::borrow::Cow;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -270,28 +273,90 @@ pub fn table_header() -> String {
     TABLE_COLUMNS.join("\t")
 }
 
-/// Print the matching records; returns how many matched. JSON Lines hold
-/// each record whole, keys sorted (the form a segment stores it in).
-pub fn query(path: &Path, filter: &Filter, table: bool, out: &mut impl Write) -> io::Result<u64> {
+/// What `query`/`export` print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Each record whole, keys sorted (the form a segment stores it in).
+    JsonLines,
+    /// Tab-separated columns ([`table_header`]).
+    Table,
+    /// OCSF 1.x events ([`to_ocsf`]).
+    Ocsf,
+}
+
+/// Print the matching records of `records`, each with the replica whose
+/// chain holds it, or none when reading one chain (then the output is
+/// exactly what a single directory has always given). Returns how many
+/// matched. With a replica: JSON Lines gain a `replica` field, the table a
+/// first `replica` column, OCSF events `unmapped.replica`.
+pub fn print(
+    records: impl Iterator<Item = Result<(Option<Arc<str>>, Stored), ReadError>>,
+    fleet: bool,
+    filter: &Filter,
+    output: Output,
+    out: &mut impl Write,
+) -> io::Result<u64> {
     let mut n = 0;
-    if table {
+    if output == Output::Table {
+        if fleet {
+            write!(out, "replica\t")?;
+        }
         writeln!(out, "{}", table_header())?;
     }
-    for stored in read_records(path) {
-        let stored = stored?;
+    for item in records {
+        let (replica, stored) = item?;
         if !filter.matches(&stored.record) {
             continue;
         }
         n += 1;
-        if table {
-            writeln!(out, "{}", table_row(&stored.record))?;
-        } else {
-            // Through a Value: its map sorts the keys.
-            serde_json::to_writer(&mut *out, &serde_json::to_value(&stored)?)?;
-            out.write_all(b"\n")?;
+        match output {
+            Output::Table => {
+                if fleet {
+                    let name = replica.as_deref().unwrap_or("-");
+                    write!(out, "{}\t", name.replace(['\t', '\n'], " "))?;
+                }
+                writeln!(out, "{}", table_row(&stored.record))?;
+            }
+            Output::JsonLines => {
+                // Through a Value: its map sorts the keys.
+                let mut v = serde_json::to_value(&stored)?;
+                if let (Some(r), Value::Object(m)) = (&replica, &mut v) {
+                    m.insert("replica".into(), r.as_ref().into());
+                }
+                serde_json::to_writer(&mut *out, &v)?;
+                out.write_all(b"\n")?;
+            }
+            Output::Ocsf => {
+                let mut e = to_ocsf(&stored);
+                if let Some(r) = &replica {
+                    if let Some(Value::Object(u)) = e.get_mut("unmapped") {
+                        u.insert("replica".into(), r.as_ref().into());
+                    }
+                }
+                serde_json::to_writer(&mut *out, &e)?;
+                out.write_all(b"\n")?;
+            }
         }
     }
     Ok(n)
+}
+
+/// Print the matching records under `path` (one chain); returns how many
+/// matched. JSON Lines hold each record whole, keys sorted (the form a
+/// segment stores it in).
+pub fn query(path: &Path, filter: &Filter, table: bool, out: &mut impl Write) -> io::Result<u64> {
+    let output = if table {
+        Output::Table
+    } else {
+        Output::JsonLines
+    };
+    print(
+        read_records(path).map(|r| r.map(|s| (None, s))),
+        false,
+        filter,
+        output,
+        out,
+    )
 }
 
 /// The OCSF version the export targets.
@@ -480,16 +545,13 @@ pub fn to_ocsf(stored: &Stored) -> Value {
 /// Print every matching decision and close record under `path` as OCSF
 /// JSON Lines.
 pub fn export_ocsf(path: &Path, filter: &Filter, out: &mut impl Write) -> io::Result<u64> {
-    let mut n = 0;
-    for stored in read_records(path) {
-        let stored = stored?;
-        if filter.matches(&stored.record) {
-            n += 1;
-            serde_json::to_writer(&mut *out, &to_ocsf(&stored))?;
-            out.write_all(b"\n")?;
-        }
-    }
-    Ok(n)
+    print(
+        read_records(path).map(|r| r.map(|s| (None, s))),
+        false,
+        filter,
+        Output::Ocsf,
+        out,
+    )
 }
 
 #[cfg(test)]

@@ -75,6 +75,16 @@ fn parse_ts(text: &str) -> Option<SystemTime> {
 
 /// Records that belong to an observation (see the module doc).
 pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Record> {
+    match_indices(o, records)
+        .into_iter()
+        .map(|i| &records[i])
+        .collect()
+}
+
+/// The positions in `records` of those that belong to an observation, in
+/// the order [`match_records`] gives them (a fleet report looks up each
+/// one's replica by position).
+pub fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
     let start = parse_ts(&o.started).map(|t| t - SLACK);
     let end = parse_ts(&o.finished).map(|t| t + SLACK);
     let locals: Vec<(SocketAddr, &str)> = o
@@ -86,9 +96,10 @@ pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Reco
         (Some(t), Some(a), Some(b)) => t >= a && t <= b,
         _ => false,
     };
-    let mut out: Vec<&Record> = records
+    let mut out: Vec<usize> = records
         .iter()
-        .filter(|r| {
+        .enumerate()
+        .filter(|(_, r)| {
             let by_id = o.palisade_record.as_deref().is_some_and(|q| r.is_named(q));
             let by_marker = !o.marker.is_empty()
                 && [&r.path, &r.host]
@@ -104,17 +115,20 @@ pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Reco
             }) && in_window(r);
             by_id || by_marker || by_socket
         })
+        .map(|(i, _)| i)
         .collect();
     // Rule 4: records pointing at a matched one (in-tunnel denials).
-    let ids: BTreeSet<&str> = out.iter().map(|r| r.id.as_str()).collect();
-    let pointing: Vec<&Record> = records
+    let ids: BTreeSet<&str> = out.iter().map(|i| records[*i].id.as_str()).collect();
+    let pointing: Vec<usize> = records
         .iter()
-        .filter(|r| {
+        .enumerate()
+        .filter(|(_, r)| {
             r.conn
                 .as_deref()
                 .is_some_and(|c| !c.is_empty() && ids.contains(c))
                 && !ids.contains(r.id.as_str())
         })
+        .map(|(i, _)| i)
         .collect();
     out.extend(pointing);
     out

@@ -2,6 +2,11 @@
 //! (no script, no outside resource; a CSP that allows only its inline
 //! style), both from the typed [`Report`]. HTML goes through maud, which
 //! escapes every value it splices in.
+//!
+//! A fleet report (evidence of several replicas) adds a table of every
+//! replica's chain status to the verification section, and a `replica`
+//! column to the findings and probe tables; a one-chain report is laid out
+//! as it always was.
 
 use std::fmt::Write as _;
 
@@ -17,8 +22,19 @@ fn cell(v: &str) -> String {
     v.replace('|', "\\|").replace('\n', " ")
 }
 
+/// Whether the report covers a fleet.
+fn is_fleet(r: &Report) -> bool {
+    !r.verification.replicas.is_empty()
+}
+
+/// The replica(s) that decided a probe, or `-`.
+fn replica_of(p: &ProbeResult) -> &str {
+    p.replica.as_deref().unwrap_or("-")
+}
+
 /// `report.md`.
 pub fn markdown(r: &Report) -> String {
+    let fleet = is_fleet(r);
     let mut m = String::new();
     let _ = writeln!(m, "# Palisade containment report\n");
     let _ = writeln!(m, "**Verdict:** {}\n", r.verdict);
@@ -43,6 +59,28 @@ pub fn markdown(r: &Report) -> String {
             let _ = writeln!(m, "**FAILED:** {error}\n\nNo probe was classified.\n");
         }
     }
+    if fleet {
+        let _ = writeln!(m, "Replicas:\n");
+        let _ = writeln!(
+            m,
+            "| replica | chain | records | detail |\n|---|---|---|---|"
+        );
+        for c in &r.verification.replicas {
+            let records = c.records.map_or_else(|| "-".into(), |n| n.to_string());
+            let status = if c.ok {
+                c.status.to_string()
+            } else {
+                format!("**{}**", c.status.to_uppercase())
+            };
+            let _ = writeln!(
+                m,
+                "| {} | {status} | {records} | {} |",
+                cell(&c.replica),
+                cell(&c.text)
+            );
+        }
+        let _ = writeln!(m);
+    }
     let _ = writeln!(m, "## Scope\n");
     let _ = writeln!(m, "| | |\n|---|---|");
     for (label, val) in scope_rows(&r.scope) {
@@ -61,11 +99,21 @@ pub fn markdown(r: &Report) -> String {
     if r.findings.is_empty() {
         let _ = writeln!(m, "None among the probes classified.\n");
     } else {
-        let _ = writeln!(m, "| probe | target | via | expected | class | why | records |\n|---|---|---|---|---|---|---|");
+        let (head, rule) = if fleet {
+            (" replica |", "---|")
+        } else {
+            ("", "")
+        };
+        let _ = writeln!(m, "| probe | target | via | expected | class |{head} why | records |\n|---|---|---|---|---|{rule}---|---|");
         for f in &r.findings {
+            let replica = if fleet {
+                format!(" {} |", cell(replica_of(f)))
+            } else {
+                String::new()
+            };
             let _ = writeln!(
                 m,
-                "| {} | `{}` | {} | {} | **{}** | {} | {} |",
+                "| {} | `{}` | {} | {} | **{}** |{replica} {} | {} |",
                 f.id,
                 cell(&f.target),
                 f.via.as_str(),
@@ -78,11 +126,21 @@ pub fn markdown(r: &Report) -> String {
         let _ = writeln!(m);
     }
     let _ = writeln!(m, "## Probes\n");
-    let _ = writeln!(m, "| probe | target | via | expected | observed | class | matches plan | Palisade records |\n|---|---|---|---|---|---|---|---|");
+    let (head, rule) = if fleet {
+        (" replica |", "---|")
+    } else {
+        ("", "")
+    };
+    let _ = writeln!(m, "| probe | target | via | expected | observed | class | matches plan |{head} Palisade records |\n|---|---|---|---|---|---|---|{rule}---|");
     for p in &r.probes {
+        let replica = if fleet {
+            format!(" {} |", cell(replica_of(p)))
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             m,
-            "| {} | `{}` | {} | {}{} | {} | {} | {} | {} |",
+            "| {} | `{}` | {} | {}{} | {} | {} | {} |{replica} {} |",
             p.id,
             cell(&p.target),
             p.via.as_str(),
@@ -101,7 +159,22 @@ pub fn markdown(r: &Report) -> String {
     }
     let _ = writeln!(m);
     let _ = writeln!(m, "## Environment (collected by the probe)\n");
-    for (k, v) in r.environment.as_object().into_iter().flatten() {
+    if r.scope.probe_run.contains(", ") {
+        // Several runs: each run's environment under its run id.
+        for (run, env) in r.environment.as_object().into_iter().flatten() {
+            let _ = writeln!(m, "### Run {run}\n");
+            environment_list(&mut m, env);
+            let _ = writeln!(m);
+        }
+    } else {
+        environment_list(&mut m, &r.environment);
+    }
+    m
+}
+
+/// One run's environment as a markdown list.
+fn environment_list(m: &mut String, env: &Value) {
+    for (k, v) in env.as_object().into_iter().flatten() {
         match v {
             Value::Array(a) => {
                 let _ = writeln!(m, "- {k}:");
@@ -114,7 +187,6 @@ pub fn markdown(r: &Report) -> String {
             }
         }
     }
-    m
 }
 
 /// ` (any layer)` after the expectation of a probe any layer may deny.
@@ -134,13 +206,14 @@ fn text(v: &Value) -> String {
     }
 }
 
-/// The scope as labelled rows for markdown (`-` where not known).
-fn scope_rows(s: &Scope) -> [(&'static str, String); 14] {
+/// The scope as labelled rows for markdown (`-` where not known); a
+/// fleet's replicas last.
+fn scope_rows(s: &Scope) -> Vec<(&'static str, String)> {
     let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
     let joined =
         |v: &std::collections::BTreeSet<String>| v.iter().cloned().collect::<Vec<_>>().join(", ");
     let e = s.evidence.as_ref();
-    [
+    let mut rows = vec![
         ("org (plan)", or_dash(s.org.clone())),
         ("policy hash (plan)", or_dash(s.plan_policy.clone())),
         (
@@ -179,7 +252,11 @@ fn scope_rows(s: &Scope) -> [(&'static str, String); 14] {
         ("evidence", s.evidence_path.clone()),
         ("probe run", s.probe_run.clone()),
         ("plan SHA-256", s.plan_sha256.clone()),
-    ]
+    ];
+    if !s.replicas.is_empty() {
+        rows.push(("replicas", s.replicas.join(", ")));
+    }
+    rows
 }
 
 /// Every field of a value that serialises as an object, in key order: the
@@ -206,6 +283,42 @@ const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#111
 
 /// `report.html`.
 pub fn html(r: &Report) -> String {
+    let fleet = is_fleet(r);
+    let finding_heads: &[&str] = if fleet {
+        &[
+            "probe", "target", "via", "expected", "class", "replica", "why", "records",
+        ]
+    } else {
+        &[
+            "probe", "target", "via", "expected", "class", "why", "records",
+        ]
+    };
+    let probe_heads: &[&str] = if fleet {
+        &[
+            "probe",
+            "target",
+            "via",
+            "expected",
+            "observed",
+            "class",
+            "matches plan",
+            "replica",
+            "why",
+            "Palisade records",
+        ]
+    } else {
+        &[
+            "probe",
+            "target",
+            "via",
+            "expected",
+            "observed",
+            "class",
+            "matches plan",
+            "why",
+            "Palisade records",
+        ]
+    };
     let doc = page! {
         (DOCTYPE)
         html lang="en" {
@@ -229,18 +342,19 @@ pub fn html(r: &Report) -> String {
                 h2 { "Findings" }
                 table #findings {
                     tr {
-                        @for h in ["probe", "target", "via", "expected", "class", "why", "records"] { th { (h) } }
+                        @for h in finding_heads { th { (h) } }
                     }
                     @if r.findings.is_empty() {
-                        tr { td colspan="7" { "None among the probes classified." } }
+                        tr { td colspan=(finding_heads.len()) { "None among the probes classified." } }
                     }
                     @for f in &r.findings {
-                        tr.finding data-probe=(f.id) data-class=(f.class.as_str()) {
+                        tr.finding data-probe=(f.id) data-class=(f.class.as_str()) data-replica=[f.replica.as_deref()] {
                             td { (f.id) }
                             td { code { (f.target) } }
                             td { (f.via.as_str()) }
                             td { (f.expect.as_str()) }
                             td.bad { (f.class.as_str()) }
+                            @if fleet { td { (replica_of(f)) } }
                             td { (f.why) }
                             td { (f.record_cite()) }
                         }
@@ -249,10 +363,10 @@ pub fn html(r: &Report) -> String {
                 h2 { "Probes" }
                 table #probes {
                     tr {
-                        @for h in ["probe", "target", "via", "expected", "observed", "class", "matches plan", "why", "Palisade records"] { th { (h) } }
+                        @for h in probe_heads { th { (h) } }
                     }
                     @for p in &r.probes {
-                        tr data-probe=(p.id) data-class=(p.class.as_str()) class=[p.finding.then_some("finding")] {
+                        tr data-probe=(p.id) data-class=(p.class.as_str()) data-replica=[p.replica.as_deref()] class=[p.finding.then_some("finding")] {
                             td { (p.id) }
                             td { code { (p.target) } }
                             td { (p.via.as_str()) }
@@ -260,6 +374,7 @@ pub fn html(r: &Report) -> String {
                             td { (p.observed) }
                             td { (p.class.as_str()) }
                             td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
+                            @if fleet { td { (replica_of(p)) } }
                             td { (p.why) }
                             td { (p.record_cite()) }
                         }
@@ -297,6 +412,19 @@ fn verification(r: &Report) -> Markup {
             Checked::Failed { error, .. } => {
                 p.bad #verification-failed { "FAILED: " (error) }
                 p { "No probe was classified." }
+            }
+        }
+        @if !r.verification.replicas.is_empty() {
+            table #replicas {
+                tr { @for h in ["replica", "chain", "records", "detail"] { th { (h) } } }
+                @for c in &r.verification.replicas {
+                    tr data-replica=(c.replica) data-status=(c.status) {
+                        td { (c.replica) }
+                        td class=(if c.ok { "ok" } else { "bad" }) { (c.status) }
+                        td { (c.records.map_or_else(|| "-".to_string(), |n| n.to_string())) }
+                        td { code { (c.text) } }
+                    }
+                }
             }
         }
     }

@@ -4,29 +4,56 @@
 //! [`super::render`] makes `report.md` and a self-contained `report.html`
 //! from it. Evidence that fails verification is reported, and no probe is
 //! classified.
+//!
+//! The evidence may be a fleet ([`crate::evidence::fleet`]): several
+//! directories, or a tree with one per replica. Each chain is verified on
+//! its own and the verification lists every replica's status; if any
+//! replica fails (broken, missing, unsealed without `--allow-unsealed`,
+//! unpinned while others are pinned), nothing is classified and the report
+//! names it and the intact ones. Otherwise the records of all replicas are
+//! matched together, and each probe (and each cited record) names the
+//! replica that decided it. Several observations files (a sandbox behind
+//! each replica, one plan run in each) make one report
+//! ([`merge_observations`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::classify::{classify, in_tunnel, match_records, observed_text};
+use super::classify::{classify, in_tunnel, match_indices, observed_text};
 use super::plan::parse_target;
 use super::run::{Observation, Observations, Outcome};
 use super::{render, Class, Expect, Layer, Via, REPORT_FORMAT};
-use crate::evidence::{query, verify, Event, Kind, Mode, Record};
+use crate::evidence::{fleet, query, verify, Event, Kind, Mode, Record};
 use crate::policy::Reason;
 
 /// Inputs of a report.
 pub struct Options<'a> {
-    pub observations: &'a Path,
-    pub evidence: &'a Path,
-    pub key: Option<VerifyingKey>,
+    /// One observations file, or one per sandbox (a fleet: see
+    /// [`merge_observations`]).
+    pub observations: &'a [PathBuf],
+    /// One chain, or a fleet (several paths, or a tree).
+    pub evidence: &'a [PathBuf],
+    /// The checkpoint keys: a plain one for one chain, or per replica.
+    pub pins: fleet::Pins,
     pub allow_unsealed: bool,
+}
+
+impl Options<'_> {
+    /// The one key of a single-chain report.
+    fn key(&self) -> Option<VerifyingKey> {
+        self.pins.single
+    }
+
+    /// Whether the evidence is read as a fleet.
+    fn is_fleet(&self) -> bool {
+        fleet::is_fleet(self.evidence) || !self.pins.by_replica.is_empty()
+    }
 }
 
 /// A finished report, rendered, and its exit status (0 all matched, 1
@@ -73,6 +100,51 @@ pub struct Verification {
     pub allow_unsealed: bool,
     #[serde(flatten)]
     pub checked: Checked,
+    /// A fleet: every replica's chain, by name (empty for one chain).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<ReplicaCheck>,
+}
+
+/// One replica's chain as verified.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaCheck {
+    pub replica: String,
+    pub path: Option<String>,
+    /// `intact`, `broken`, `unsealed`, `unpinned` or `missing`.
+    pub status: &'static str,
+    pub ok: bool,
+    pub records: Option<u64>,
+    pub sealed: Option<bool>,
+    pub key_pinned: Option<bool>,
+    pub public_key: Option<String>,
+    /// Where a broken chain broke.
+    pub file: Option<String>,
+    pub line: Option<u64>,
+    /// `palisade evidence verify`'s line for it.
+    pub text: String,
+}
+
+impl ReplicaCheck {
+    fn of(c: &fleet::ChainCheck) -> ReplicaCheck {
+        let (file, line) = match &c.status {
+            fleet::Status::Broken(e) => (Some(e.file.clone()), Some(e.line)),
+            _ => (None, None),
+        };
+        let s = c.summary.as_ref();
+        ReplicaCheck {
+            replica: c.name.clone(),
+            path: c.path.as_ref().map(|p| p.display().to_string()),
+            status: c.status.as_str(),
+            ok: c.ok(),
+            records: s.map(|s| s.records),
+            sealed: s.map(|s| s.sealed),
+            key_pinned: s.map(|s| s.key_pinned),
+            public_key: s.and_then(|s| s.key.clone()),
+            file,
+            line,
+            text: c.line(),
+        }
+    }
 }
 
 /// The outcome of verification.
@@ -104,13 +176,14 @@ impl Verification {
                 sealed: summary.sealed,
                 notes: summary.notes.clone(),
             },
+            replicas: Vec::new(),
         }
     }
 
     fn failed(e: &verify::VerifyError, opts: &Options) -> Verification {
         Verification {
             ok: false,
-            key_pinned: opts.key.is_some(),
+            key_pinned: opts.key().is_some(),
             allow_unsealed: opts.allow_unsealed,
             checked: Checked::Failed {
                 error: e.to_string(),
@@ -118,6 +191,66 @@ impl Verification {
                 line: e.line,
                 message: e.message.clone(),
             },
+            replicas: Vec::new(),
+        }
+    }
+
+    /// A fleet, every replica checked.
+    fn of_fleet(checked: &fleet::FleetCheck, allow_unsealed: bool) -> Verification {
+        let replicas: Vec<ReplicaCheck> = checked.chains.iter().map(ReplicaCheck::of).collect();
+        let sums = || checked.chains.iter().filter_map(|c| c.summary.as_ref());
+        let key_pinned = !checked.chains.is_empty()
+            && checked
+                .chains
+                .iter()
+                .all(|c| c.summary.as_ref().is_some_and(|s| s.key_pinned));
+        let checked_as = if checked.ok() {
+            Checked::Verified {
+                summary: checked.text(),
+                sealed: sums().all(|s| s.sealed),
+                notes: checked
+                    .chains
+                    .iter()
+                    .flat_map(|c| {
+                        c.summary
+                            .iter()
+                            .flat_map(|s| s.notes.iter())
+                            .map(|n| format!("{}: {n}", c.name))
+                    })
+                    .collect(),
+            }
+        } else {
+            let first = checked.failing().next();
+            let (file, line, message) = match first.map(|c| (&c.status, c)) {
+                Some((fleet::Status::Broken(e), _)) => (e.file.clone(), e.line, e.message.clone()),
+                Some((_, c)) => (
+                    c.path
+                        .as_ref()
+                        .map_or_else(String::new, |p| p.display().to_string()),
+                    0,
+                    c.line(),
+                ),
+                None => (String::new(), 0, "no replica given".into()),
+            };
+            Checked::Failed {
+                error: format!(
+                    "{}; {}",
+                    checked
+                        .first_problem()
+                        .unwrap_or_else(|| "no replica given".into()),
+                    checked.total_line()
+                ),
+                file,
+                line,
+                message,
+            }
+        };
+        Verification {
+            ok: checked.ok(),
+            key_pinned,
+            allow_unsealed,
+            checked: checked_as,
+            replicas,
         }
     }
 }
@@ -134,6 +267,9 @@ pub struct Scope {
     pub report_palisade_version: &'static str,
     pub window: Window,
     pub evidence_path: String,
+    /// A fleet: the replicas' names (empty for one chain).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<String>,
     /// What the verified evidence says; none when it failed verification.
     #[serde(flatten)]
     pub evidence: Option<EvidenceScope>,
@@ -231,6 +367,8 @@ pub struct ProbeResult {
     pub expect: Expect,
     pub layer: Layer,
     pub class: Class,
+    /// The replica(s) whose records decided the probe (a fleet), `, `-separated.
+    pub replica: Option<String>,
     /// The class is a finding ([`Class::is_finding`]).
     pub finding: bool,
     /// The class is what the plan agreed.
@@ -261,6 +399,9 @@ impl ProbeResult {
 /// A record matched to a probe: the fields that show what Palisade did.
 #[derive(Debug, Clone, Serialize)]
 pub struct CitedRecord {
+    /// The replica whose chain holds it (a fleet).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica: Option<Arc<str>>,
     pub id: String,
     /// The reference Palisade showed the client for it.
     #[serde(rename = "ref", skip_serializing_if = "Option::is_none")]
@@ -283,6 +424,7 @@ pub struct CitedRecord {
 impl From<&Record> for CitedRecord {
     fn from(r: &Record) -> CitedRecord {
         CitedRecord {
+            replica: None,
             id: r.id.clone(),
             reference: r.reference.clone(),
             ts: r.ts.clone(),
@@ -316,6 +458,75 @@ fn read_observations(path: &Path) -> Result<Observations, BadInput> {
     Ok(obs)
 }
 
+/// Several runs as one: the same org and policy; runs, plan hashes and
+/// versions listed, the window spanning them all, each run's environment
+/// under its run id, and every probe id suffixed `@RUN` so the same plan
+/// run from two sandboxes stays two sets of probes. One run is returned as
+/// it is.
+pub fn merge_observations(mut sets: Vec<Observations>) -> Result<Observations, BadInput> {
+    if sets.len() <= 1 {
+        return sets
+            .pop()
+            .ok_or_else(|| BadInput("no observations file given".into()));
+    }
+    let first = &sets[0];
+    for o in &sets[1..] {
+        if o.plan.org != first.plan.org || o.plan.policy != first.plan.policy {
+            return Err(BadInput(format!(
+                "observations of runs {} and {} are of different plans (org {:?} and {:?}, policy {:?} and {:?}): report them separately",
+                first.run, o.run, first.plan.org, o.plan.org, first.plan.policy, o.plan.policy
+            )));
+        }
+    }
+    let runs: Vec<String> = sets.iter().map(|o| o.run.clone()).collect();
+    if runs.iter().collect::<BTreeSet<_>>().len() != runs.len() {
+        return Err(BadInput(format!(
+            "one probe run given twice (runs {})",
+            runs.join(", ")
+        )));
+    }
+    let joined = |f: &dyn Fn(&Observations) -> String| {
+        let mut seen: Vec<String> = Vec::new();
+        for o in &sets {
+            let v = f(o);
+            if !seen.contains(&v) {
+                seen.push(v);
+            }
+        }
+        seen.join(", ")
+    };
+    let mut environment = serde_json::Map::new();
+    for o in &sets {
+        environment.insert(o.run.clone(), o.environment.clone());
+    }
+    let mut merged = Observations {
+        format: first.format.clone(),
+        run: runs.join(", "),
+        palisade_version: joined(&|o| o.palisade_version.clone()),
+        plan_sha256: joined(&|o| o.plan_sha256.clone()),
+        plan: first.plan.clone(),
+        started: sets
+            .iter()
+            .map(|o| o.started.clone())
+            .min()
+            .unwrap_or_default(),
+        finished: sets
+            .iter()
+            .map(|o| o.finished.clone())
+            .max()
+            .unwrap_or_default(),
+        environment: Value::Object(environment),
+        observations: Vec::new(),
+    };
+    for set in sets {
+        for mut o in set.observations {
+            o.id = format!("{}@{}", o.id, set.run);
+            merged.observations.push(o);
+        }
+    }
+    Ok(merged)
+}
+
 /// The decision records under `path` (close records say nothing a probe
 /// is matched by).
 fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
@@ -329,19 +540,124 @@ fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
     Ok(out)
 }
 
-/// Build the report.
-pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
-    let obs = read_observations(opts.observations)?;
-    if !opts.evidence.exists() {
+/// A fleet's decision records merged by time, and each one's replica.
+fn fleet_decisions(chains: &[fleet::Chain]) -> Result<(Vec<Record>, Vec<Arc<str>>), BadInput> {
+    let (mut records, mut replicas) = (Vec::new(), Vec::new());
+    for t in fleet::read_merged(chains) {
+        let t = t.map_err(|e| BadInput(e.to_string()))?;
+        if t.stored.record.event == Event::Decision {
+            records.push(t.stored.record);
+            replicas.push(t.replica);
+        }
+    }
+    Ok((records, replicas))
+}
+
+/// What verified evidence gives the report.
+struct Verified {
+    verification: Verification,
+    scope: EvidenceScope,
+    records: Vec<Record>,
+    /// A fleet: each record's replica, by position.
+    replicas: Option<Vec<Arc<str>>>,
+}
+
+/// One chain: verified, then read.
+fn verify_one(opts: &Options) -> Result<Result<Verified, Verification>, BadInput> {
+    let path = &opts.evidence[0];
+    if !path.exists() {
         return Err(BadInput(format!(
             "{}: no such evidence path",
-            opts.evidence.display()
+            path.display()
         )));
     }
     let vopts = verify::Options {
-        key: opts.key,
+        key: opts.key(),
         allow_unsealed: opts.allow_unsealed,
     };
+    let summary = match verify::verify_with(path, &vopts) {
+        Ok(s) => s,
+        Err(e) => return Ok(Err(Verification::failed(&e, opts))),
+    };
+    Ok(Ok(Verified {
+        verification: Verification::passed(&summary, opts.allow_unsealed),
+        scope: EvidenceScope {
+            evidence_public_key: summary.key.clone(),
+            evidence_key_pinned: summary.key_pinned,
+            evidence_sealed: summary.sealed,
+            evidence_unsigned_tail: summary.unsigned_tail,
+            evidence_span: Span {
+                first: summary.first_ts.clone(),
+                last: summary.last_ts.clone(),
+                records: summary.records,
+            },
+            policy_matches_plan: None,
+            policy_in_evidence: BTreeSet::new(),
+            orgs_in_evidence: BTreeSet::new(),
+        },
+        records: decisions(path)?,
+        replicas: None,
+    }))
+}
+
+/// A fleet: every chain verified on its own, then all read merged.
+fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verification>), BadInput> {
+    let fl = fleet::resolve(opts.evidence).map_err(|e| BadInput(e.0))?;
+    let fopts = fleet::Options {
+        pins: opts.pins.clone(),
+        allow_unsealed: opts.allow_unsealed,
+    };
+    let checked = fleet::check(&fl, &fopts).map_err(|e| BadInput(e.0))?;
+    let names: Vec<String> = checked.chains.iter().map(|c| c.name.clone()).collect();
+    let verification = Verification::of_fleet(&checked, opts.allow_unsealed);
+    if !checked.ok() {
+        return Ok((names, Err(verification)));
+    }
+    let sums: Vec<(&str, &verify::Summary)> = checked
+        .chains
+        .iter()
+        .filter_map(|c| Some((c.name.as_str(), c.summary.as_ref()?)))
+        .collect();
+    let keys: Vec<String> = sums
+        .iter()
+        .map(|(n, s)| format!("{n}={}", s.key.as_deref().unwrap_or("-")))
+        .collect();
+    let (records, replicas) = fleet_decisions(&fl.chains)?;
+    Ok((
+        names,
+        Ok(Verified {
+            scope: EvidenceScope {
+                evidence_public_key: Some(keys.join(", ")),
+                evidence_key_pinned: verification.key_pinned,
+                evidence_sealed: sums.iter().all(|(_, s)| s.sealed),
+                evidence_unsigned_tail: sums.iter().map(|(_, s)| s.unsigned_tail).sum(),
+                evidence_span: Span {
+                    first: sums.iter().filter_map(|(_, s)| s.first_ts.clone()).min(),
+                    last: sums.iter().filter_map(|(_, s)| s.last_ts.clone()).max(),
+                    records: sums.iter().map(|(_, s)| s.records).sum(),
+                },
+                policy_matches_plan: None,
+                policy_in_evidence: BTreeSet::new(),
+                orgs_in_evidence: BTreeSet::new(),
+            },
+            verification,
+            records,
+            replicas: Some(replicas),
+        }),
+    ))
+}
+
+/// Build the report.
+pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
+    let sets = opts
+        .observations
+        .iter()
+        .map(|p| read_observations(p))
+        .collect::<Result<Vec<_>, _>>()?;
+    let obs = merge_observations(sets)?;
+    if opts.evidence.is_empty() {
+        return Err(BadInput("no evidence path given".into()));
+    }
     let mut scope = Scope {
         org: obs.plan.org.clone(),
         plan_policy: obs.plan.policy.clone(),
@@ -353,19 +669,41 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
             start: obs.started.clone(),
             end: obs.finished.clone(),
         },
-        evidence_path: opts.evidence.display().to_string(),
+        evidence_path: opts
+            .evidence
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        replicas: Vec::new(),
         evidence: None,
     };
-    let summary = match verify::verify_with(opts.evidence, &vopts) {
-        Ok(s) => s,
-        Err(e) => {
+    let verified = if opts.is_fleet() {
+        let (names, v) = verify_fleet(opts)?;
+        scope.replicas = names;
+        v
+    } else {
+        verify_one(opts)?
+    };
+    let Verified {
+        verification,
+        scope: mut evidence_scope,
+        records,
+        replicas: record_replicas,
+    } = match verified {
+        Ok(v) => v,
+        Err(verification) => {
+            let problem = match &verification.checked {
+                Checked::Failed { error, .. } => error.clone(),
+                Checked::Verified { .. } => String::new(),
+            };
             let verdict = format!(
-                "Not assessed: the evidence failed verification ({e}). No probe was classified: \
+                "Not assessed: the evidence failed verification ({problem}). No probe was classified: \
                  evidence that cannot be trusted cannot show what Palisade enforced."
             );
             return Ok(render(Report {
                 format: REPORT_FORMAT,
-                verification: Verification::failed(&e, opts),
+                verification,
                 scope,
                 environment: obs.environment,
                 counts: None,
@@ -377,17 +715,19 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
             }));
         }
     };
-    let records = decisions(opts.evidence)?;
+    let replica_of = |i: usize| record_replicas.as_ref().and_then(|r| r.get(i)).cloned();
 
     let mut probes = Vec::new();
     let mut policies = BTreeSet::new();
     let mut record_orgs = BTreeSet::new();
     for o in &obs.observations {
-        let matched = match_records(o, &records);
+        let indices = match_indices(o, &records);
+        let matched: Vec<&Record> = indices.iter().map(|i| &records[*i]).collect();
         for r in &matched {
             policies.insert(r.policy.to_string());
             record_orgs.insert(r.org.as_deref().unwrap_or_default().to_string());
         }
+        let deciding: BTreeSet<Arc<str>> = indices.iter().filter_map(|i| replica_of(*i)).collect();
         let (class, why) = classify(o, &matched);
         let matched_expectation = match class {
             Class::EnforcedAllow => o.expect == Expect::Allow,
@@ -403,12 +743,25 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
             expect: o.expect,
             layer: o.layer,
             class,
+            replica: (!deciding.is_empty()).then(|| {
+                deciding
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }),
             finding: class.is_finding(),
             matched: matched_expectation,
             why,
             observed: observed_text(o),
             outcome: o.outcome,
-            records: matched.iter().map(|r| CitedRecord::from(*r)).collect(),
+            records: indices
+                .iter()
+                .map(|i| CitedRecord {
+                    replica: replica_of(*i),
+                    ..CitedRecord::from(&records[*i])
+                })
+                .collect(),
             note: o.note.clone(),
             marker: o.marker.clone(),
             started: o.started.clone(),
@@ -422,20 +775,10 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
         .policy
         .as_ref()
         .map(|p| policies.len() == 1 && policies.contains(p));
-    scope.evidence = Some(EvidenceScope {
-        evidence_public_key: summary.key.clone(),
-        evidence_key_pinned: summary.key_pinned,
-        evidence_sealed: summary.sealed,
-        evidence_unsigned_tail: summary.unsigned_tail,
-        evidence_span: Span {
-            first: summary.first_ts.clone(),
-            last: summary.last_ts.clone(),
-            records: summary.records,
-        },
-        policy_matches_plan: policy_matches,
-        policy_in_evidence: policies,
-        orgs_in_evidence: record_orgs,
-    });
+    evidence_scope.policy_matches_plan = policy_matches;
+    evidence_scope.policy_in_evidence = policies;
+    evidence_scope.orgs_in_evidence = record_orgs;
+    scope.evidence = Some(evidence_scope);
 
     let counts = Counts::of(&probes);
     let findings: Vec<ProbeResult> = probes.iter().filter(|p| p.finding).cloned().collect();
@@ -490,7 +833,7 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
     }
     Ok(render(Report {
         format: REPORT_FORMAT,
-        verification: Verification::passed(&summary, opts.allow_unsealed),
+        verification,
         scope,
         environment: obs.environment,
         counts: Some(counts),
@@ -613,27 +956,48 @@ mod tests {
     /// A sealed chain with an allow for allowed.test (from port 40001) and
     /// a deny for other.test (from 40002); their ids.
     async fn chain(dir: &Path) -> (String, String) {
+        let (mut ids, _) = chain_of(
+            dir,
+            &[
+                (40001, "allowed.test", Reason::RuleMatch),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        (ids.remove(0), ids.remove(0))
+    }
+
+    /// A sealed chain with a decision per (client port, host, reason),
+    /// from 198.18.1.2; the record ids and the public key.
+    async fn chain_of(dir: &Path, decisions: &[(u16, &str, Reason)]) -> (Vec<String>, String) {
+        chain_from(dir, [198, 18, 1, 2], decisions).await
+    }
+
+    /// As [`chain_of`], from client address `ip`.
+    async fn chain_from(
+        dir: &Path,
+        ip: [u8; 4],
+        decisions: &[(u16, &str, Reason)],
+    ) -> (Vec<String>, String) {
         let ev = Evidence::open(dir).unwrap();
         let mut ids = Vec::new();
-        for (port, host, reason) in [
-            (40001, "allowed.test", Reason::RuleMatch),
-            (40002, "other.test", Reason::NoMatchingRule),
-        ] {
+        for &(port, host, reason) in decisions {
             let verdict = Verdict {
                 org: None,
                 reason,
                 rule: reason.is_allow().then(|| "allow-0".into()),
                 would_deny: None,
             };
-            let client = SocketAddr::from(([198, 18, 1, 2], port));
+            let client = SocketAddr::from((ip, port));
             let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
             r.host = Some(host.into());
             r.port = Some(443);
             ev.write(&mut r).await.unwrap();
             ids.push(r.id);
         }
+        let key = ev.public_key().to_string();
         assert!(ev.seal().await);
-        (ids.remove(0), ids.remove(0))
+        (ids, key)
     }
 
     fn ts(t: SystemTime) -> String {
@@ -682,10 +1046,12 @@ mod tests {
     }
 
     fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
+        let evidence = [evidence.to_path_buf()];
+        let observations = [observations.to_path_buf()];
         let opts = Options {
-            observations,
-            evidence,
-            key: None,
+            observations: &observations,
+            evidence: &evidence,
+            pins: fleet::Pins::default(),
             allow_unsealed: false,
         };
         build(&opts).map_err(|e| e.0)
@@ -808,6 +1174,245 @@ mod tests {
         // Bad input is not a report.
         std::fs::write(&obs, "{").unwrap();
         assert!(report(&obs, &evidence).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn fleet_report(observations: &[PathBuf], evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
+        let opts = Options {
+            observations,
+            evidence,
+            pins,
+            allow_unsealed: false,
+        };
+        build(&opts).map_err(|e| e.0).unwrap()
+    }
+
+    /// Two replicas: the allow in one chain, the denial in the other. Each
+    /// probe names the replica that decided it; a tampered replica stops
+    /// the report, named, with the other named intact.
+    #[tokio::test]
+    async fn fleet_probes_name_their_replica() {
+        let dir = scratch("fleet");
+        let tree = dir.join("tree");
+        let (_, ka) = chain_of(
+            &tree.join("gw-a"),
+            &[(40001, "allowed.test", Reason::RuleMatch)],
+        )
+        .await;
+        let (ids, kb) = chain_of(
+            &tree.join("gw-b"),
+            &[
+                (40009, "unrelated.test", Reason::NoMatchingRule),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        let obs = observations(&dir, &ids[1]);
+        let pins = fleet::Pins {
+            by_replica: [("gw-a", &ka), ("gw-b", &kb)]
+                .into_iter()
+                .map(|(n, k)| {
+                    (
+                        n.to_string(),
+                        crate::evidence::chain::parse_pubkey(k).unwrap(),
+                    )
+                })
+                .collect(),
+            ..fleet::Pins::default()
+        };
+        let r = fleet_report(
+            std::slice::from_ref(&obs),
+            std::slice::from_ref(&tree),
+            pins.clone(),
+        );
+        let j = &r.json;
+        assert_eq!(j["verification"]["ok"], true, "{j:#}");
+        assert_eq!(j["verification"]["key_pinned"], true);
+        let replicas = j["verification"]["replicas"].as_array().unwrap();
+        assert_eq!(replicas.len(), 2);
+        assert_eq!(replicas[0]["replica"], "gw-a");
+        assert_eq!(replicas[1]["status"], "intact");
+        assert_eq!(classes(j)["allow-https"], "enforced_allow");
+        assert_eq!(classes(j)["deny-name"], "enforced_deny");
+        assert_eq!(j["probes"][0]["replica"], "gw-a");
+        assert_eq!(j["probes"][0]["records"][0]["replica"], "gw-a");
+        assert_eq!(j["probes"][1]["replica"], "gw-b");
+        assert_eq!(j["probes"][1]["records"][0]["id"], ids[1].as_str());
+        assert!(j["probes"][2]["replica"].is_null(), "no record, no replica");
+        assert_eq!(j["scope"]["replicas"], json!(["gw-a", "gw-b"]));
+        assert_eq!(j["scope"]["evidence_span"]["records"], 3 + 4);
+        assert!(
+            r.markdown
+                .contains("| gw-a | intact | 3 | gw-a: intact: 3 records"),
+            "{}",
+            r.markdown
+        );
+        assert!(
+            r.markdown
+                .contains("| matches plan | replica | Palisade records |"),
+            "{}",
+            r.markdown
+        );
+        assert!(
+            r.markdown.contains("| enforced_deny | yes | gw-b |"),
+            "{}",
+            r.markdown
+        );
+        assert!(
+            r.markdown.contains("| replicas | gw-a, gw-b |"),
+            "{}",
+            r.markdown
+        );
+        assert!(
+            r.html.contains(
+                "data-probe=\"deny-name\" data-class=\"enforced_deny\" data-replica=\"gw-b\""
+            ),
+            "{}",
+            r.html
+        );
+        assert!(
+            r.html
+                .contains("<tr data-replica=\"gw-a\" data-status=\"intact\">"),
+            "{}",
+            r.html
+        );
+        // One chain's report keeps its layout: no replica column.
+        let single = report(&obs, &tree.join("gw-b")).unwrap();
+        assert!(!single.markdown.contains("replica"), "{}", single.markdown);
+        assert!(single.json["probes"][1]["replica"].is_null());
+
+        // Tamper with gw-b's denial.
+        let seg = &crate::evidence::segment::list(&tree.join("gw-b")).unwrap()[0];
+        let text = std::fs::read_to_string(seg).unwrap();
+        std::fs::write(
+            seg,
+            text.replacen("\"host\":\"other.test\"", "\"host\":\"fine.test\"", 1),
+        )
+        .unwrap();
+        let t = fleet_report(
+            std::slice::from_ref(&obs),
+            std::slice::from_ref(&tree),
+            pins,
+        );
+        let j = &t.json;
+        assert_eq!(t.exit, 1);
+        assert_eq!(j["verification"]["ok"], false);
+        assert!(j.get("counts").is_none());
+        assert_eq!(j["probes"].as_array().unwrap().len(), 0);
+        let error = j["verification"]["error"].as_str().unwrap();
+        assert!(error.starts_with("replica gw-b: BROKEN at "), "{error}");
+        assert!(error.contains("hash does not match"), "{error}");
+        assert!(error.ends_with("intact: gw-a"), "{error}");
+        assert_eq!(j["verification"]["replicas"][0]["status"], "intact");
+        assert_eq!(j["verification"]["replicas"][1]["status"], "broken");
+        assert_eq!(j["verification"]["replicas"][1]["line"], 3);
+        let verdict = j["verdict"].as_str().unwrap();
+        assert!(
+            verdict.starts_with("Not assessed") && verdict.contains("replica gw-b"),
+            "{verdict}"
+        );
+        assert!(
+            t.markdown.contains("| gw-b | **BROKEN** |"),
+            "{}",
+            t.markdown
+        );
+        assert!(t.markdown.contains("| gw-a | intact |"), "{}", t.markdown);
+        assert!(t
+            .html
+            .contains("data-replica=\"gw-b\" data-status=\"broken\""));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Two sandboxes' runs of one plan make one report: probe ids carry
+    /// their run, the window spans both, each attributed to its replica.
+    #[tokio::test]
+    async fn runs_from_two_sandboxes_make_one_report() {
+        let dir = scratch("runs");
+        let tree = dir.join("tree");
+        let (a_ids, _) = chain_of(
+            &tree.join("gw-a"),
+            &[
+                (40001, "allowed.test", Reason::RuleMatch),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        let (b_ids, _) = chain_from(
+            &tree.join("gw-b"),
+            [198, 18, 4, 2],
+            &[
+                (40001, "allowed.test", Reason::RuleMatch),
+                (40002, "other.test", Reason::NoMatchingRule),
+            ],
+        )
+        .await;
+        let a = dir.join("a");
+        let b = dir.join("b");
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let obs_a = observations(&a, &a_ids[1]);
+        let obs_b = observations(&b, &b_ids[1]);
+        // The two sandboxes: one run id each, sandbox b from another address.
+        let mut vb: Value =
+            serde_json::from_str(&std::fs::read_to_string(&obs_b).unwrap()).unwrap();
+        vb["run"] = "r2".into();
+        for o in vb["observations"].as_array_mut().unwrap() {
+            let local = o["sockets"][0]["local"]
+                .as_str()
+                .unwrap()
+                .replace("198.18.1.2", "198.18.4.2");
+            o["sockets"][0]["local"] = local.into();
+        }
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        let both = [obs_a.clone(), obs_b.clone()];
+        let r = fleet_report(&both, std::slice::from_ref(&tree), fleet::Pins::default());
+        let j = &r.json;
+        assert_eq!(j["scope"]["probe_run"], "r1, r2");
+        let classes = classes(j);
+        assert_eq!(classes["deny-name@r1"], "enforced_deny", "{j:#}");
+        assert_eq!(classes["deny-name@r2"], "enforced_deny");
+        let probe = |id: &str| {
+            j["probes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|p| p["id"] == id)
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(probe("deny-name@r1")["replica"], "gw-a");
+        assert_eq!(probe("deny-name@r2")["replica"], "gw-b");
+        assert_eq!(probe("allow-https@r1")["replica"], "gw-a");
+        assert_eq!(probe("allow-https@r2")["replica"], "gw-b");
+        let sources = j["verdict"].as_str().unwrap();
+        assert!(
+            sources.contains("from 198.18.1.2, 198.18.4.2 during"),
+            "{sources}"
+        );
+        assert_eq!(j["environment"]["r2"]["hostname"], "sandbox");
+        assert!(
+            r.markdown
+                .contains("### Run r2\n\n- addresses:\n  - `1: lo <x>`"),
+            "{}",
+            r.markdown
+        );
+        // One run given twice, or runs of different plans: bad input.
+        let twice = [obs_a.clone(), obs_a.clone()];
+        let opts = Options {
+            observations: &twice,
+            evidence: std::slice::from_ref(&tree),
+            pins: fleet::Pins::default(),
+            allow_unsealed: false,
+        };
+        assert!(build(&opts).is_err());
+        vb["plan"]["org"] = "other".into();
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        let opts = Options {
+            observations: &both,
+            ..opts
+        };
+        let e = build(&opts).map(|_| ()).unwrap_err();
+        assert!(e.0.contains("different plans"), "{}", e.0);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -14,6 +14,7 @@ mod conn_budgets;
 mod dns;
 mod dns_budget;
 mod evidence;
+mod fleet;
 mod infra;
 mod intercept;
 mod lab;
