@@ -215,7 +215,10 @@ pub const EVIDENCE_BUDGET_EXHAUSTED: &str =
 /// | a close record | never | (at most one per allow) |
 ///
 /// So an org's one-by-one decision records in any `T` seconds are at most
-/// `rate * (T + 1)`, whatever it floods with.
+/// `rate * (T + 1)`, whatever it floods with. (A tunnel allowed and then
+/// denied on its first bytes pays twice: its allow at the decision, its
+/// denial when written. Records of report-mode violations inside a
+/// tunnel, which cannot be refused, are not charged.)
 #[derive(Debug)]
 pub struct EvidenceBudget {
     rate: usize,
