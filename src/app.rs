@@ -147,11 +147,16 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let hard_stop = CancellationToken::new();
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
+    // One evidence budget per org, charged by the proxy and the DNS shim.
+    let evidence_budget = Arc::new(proxy::limits::EvidenceBudget::new(
+        evidence_config.max_records_per_second_per_org,
+    ));
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         denials: proxy::denials::Denials::new(
             limits.max_denial_records_per_second_per_client,
             limits.max_denial_records_per_second_per_org,
+            evidence_budget.clone(),
         ),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
         detect: proxy::limits::DetectMemory::new(&limits),
@@ -185,14 +190,17 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     for listener in socks5_listeners {
         listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
     }
-    let dns_shim: dns::ShimHandle = Arc::new(dns::Shim::new(
-        served.clone(),
-        resolver.clone(),
-        evidence.clone(),
-        metrics.clone(),
-        bindings.clone(),
-        dns.clone(),
-    ));
+    let dns_shim: dns::ShimHandle = Arc::new(
+        dns::Shim::new(
+            served.clone(),
+            resolver.clone(),
+            evidence.clone(),
+            metrics.clone(),
+            bindings.clone(),
+            dns.clone(),
+        )
+        .with_evidence_budget(evidence_budget),
+    );
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(

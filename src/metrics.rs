@@ -46,8 +46,8 @@ pub struct Metrics {
     pub resolve_duration_seconds: HistogramVec,
     /// Report mode: decisions let through that enforcement would have denied.
     pub would_deny_total: IntCounterVec,
-    /// Proxy denials over the per-client record rate, counted into summary
-    /// records instead of written one by one, by org.
+    /// Decisions counted into summary records instead of written one by
+    /// one (proxy denials, DNS refusals), by org.
     pub evidence_suppressed_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     ready: IntGauge,
@@ -244,7 +244,7 @@ impl Metrics {
             )?,
             evidence_suppressed_total: counter_vec(
                 "palisade_evidence_suppressed_total",
-                "Proxy denials over max_denial_records_per_second_per_client, folded into summary records instead of written one by one, by org.",
+                "Decisions folded into summary records instead of written one by one (proxy denials over their record rates or their org's evidence budget, DNS refusals over the evidence budget or without room in the writer's queue), by org.",
                 &["org"],
             )?,
             ready: IntGauge::new(

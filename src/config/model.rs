@@ -64,6 +64,24 @@ pub const DEFAULT_DNS_MAX_BINDINGS_PER_NAME: usize = 32;
 /// Default cap on all name-address bindings together.
 pub const DEFAULT_DNS_MAX_BINDINGS: usize = 100_000;
 
+/// The least default evidence budget of an org (decision records per second).
+pub const MIN_DEFAULT_MAX_RECORDS_PER_SECOND_PER_ORG: usize = 10_000;
+
+/// The default of `[evidence] max_records_per_second_per_org`: never below
+/// what the operator's own rates let one org cause, so that an explicit
+/// rate is never cut short by a budget it did not set: two records per new
+/// connection (its decision, and one more inside it: a request or a
+/// denial on its first bytes), plus one per DNS query a client may send;
+/// at least [`MIN_DEFAULT_MAX_RECORDS_PER_SECOND_PER_ORG`]. With the
+/// defaults: 2 x 20000 + 2000 = 42000.
+pub fn default_max_records_per_second_per_org(limits: &Limits, dns: &DnsConfig) -> usize {
+    limits
+        .max_new_connections_per_second_per_org
+        .saturating_mul(2)
+        .saturating_add(dns.max_queries_per_second_per_client)
+        .max(MIN_DEFAULT_MAX_RECORDS_PER_SECOND_PER_ORG)
+}
+
 /// The default of a per-org DNS cap: a quarter of its global cap (rounded
 /// up), so that no one org can take more than a quarter of the shim.
 pub fn dns_org_share(global: usize) -> usize {
@@ -343,6 +361,11 @@ pub struct EvidenceConfig {
     pub retain_size: Option<u64>,
     /// Remove closed segments last written longer ago than this.
     pub retain_age: Option<Duration>,
+    /// Decision records one org may cause per second, proxy and DNS
+    /// together (token bucket, burst of one second's worth); clients of no
+    /// org share one such budget. Over it an allow is refused
+    /// `limit_exceeded` and a denial summarised.
+    pub max_records_per_second_per_org: usize,
 }
 
 impl EvidenceConfig {
@@ -358,6 +381,10 @@ impl EvidenceConfig {
             rotate_age: DEFAULT_ROTATE_AGE,
             retain_size: None,
             retain_age: None,
+            max_records_per_second_per_org: default_max_records_per_second_per_org(
+                &Limits::default(),
+                &DnsConfig::default(),
+            ),
         }
     }
 }

@@ -119,7 +119,17 @@ impl Shim {
                 config.max_queries_per_second_per_client,
                 65_536,
             )),
-            refusals: Refusals::new(evidence.clone(), metrics.clone()),
+            // Its own until the proxy's is shared ([`Shim::with_evidence_budget`]).
+            refusals: Refusals::new(
+                evidence.clone(),
+                metrics.clone(),
+                Arc::new(crate::proxy::limits::EvidenceBudget::new(
+                    crate::config::default_max_records_per_second_per_org(
+                        &crate::config::Limits::default(),
+                        &config,
+                    ),
+                )),
+            ),
             ttls: TtlMemo::default(),
             served,
             resolver,
@@ -128,6 +138,16 @@ impl Shim {
             bindings,
             config,
         }
+    }
+
+    /// Charge records to `budget`, the evidence budget the proxy charges
+    /// too (`[evidence] max_records_per_second_per_org`).
+    pub fn with_evidence_budget(
+        mut self,
+        budget: Arc<crate::proxy::limits::EvidenceBudget>,
+    ) -> Shim {
+        self.refusals.set_budget(budget);
+        self
     }
 
     fn clamp_ttl(&self, ttl: u32) -> u32 {
@@ -389,6 +409,21 @@ impl Shim {
         }
 
         let decision = decide_query(&served.policy, &served.dns, client, &qname, qtype);
+        // An answer's record is paid for from the org's evidence budget
+        // before anything is forwarded; spent, the query is refused (and
+        // its refusal summarised).
+        let answers = matches!(
+            decision.action,
+            Action::Forward | Action::AnyHinfo | Action::Ptr(_)
+        );
+        if answers
+            && !self
+                .refusals
+                .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
+        {
+            let limit = crate::proxy::limits::EVIDENCE_BUDGET_EXHAUSTED;
+            return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await;
+        }
         let host = decision.name.clone().unwrap_or(shown);
         let mut verdict = decision.verdict;
         let now = Instant::now();

@@ -1,4 +1,5 @@
-//! Refusal records that take part in back-pressure without ever growing.
+//! Refusal records that take part in back-pressure without ever growing,
+//! within each org's evidence budget.
 //!
 //! A refusal lets nothing through, so its record need not be written before
 //! the answer; but queued without limit (as [`Evidence::submit`] does), a
@@ -16,15 +17,23 @@
 //!  "detail": "1234 refusals summarised (limit_exceeded) between T1 and T2", ...}
 //! ```
 //!
+//! A refusal is written one by one only while its org's evidence budget
+//! ([`EvidenceBudget`], shared with the proxy) has a record left; beyond,
+//! it is tallied the same way. So is an answer the shim refuses because
+//! its org's budget is spent ([`Refusals::pay`] says so before anything is
+//! forwarded). Each summary written is charged to its org's budget too,
+//! whatever is left (it cannot be refused).
+//!
 //! Memory is bounded by the number of (org, reason) pairs, whatever the flood.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use crate::evidence::{Evidence, Record};
 use crate::metrics::Metrics;
 use crate::policy::Reason;
+use crate::proxy::limits::EvidenceBudget;
 
 /// How often tallies are written, when the writer has room.
 pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
@@ -88,16 +97,35 @@ type Key = (Option<Arc<str>>, Reason);
 pub struct Refusals {
     evidence: Arc<Evidence>,
     metrics: Arc<Metrics>,
+    /// Decision records per org (shared with the proxy).
+    budget: Arc<EvidenceBudget>,
     tallies: Mutex<HashMap<Key, Tally>>,
 }
 
 impl Refusals {
-    pub fn new(evidence: Arc<Evidence>, metrics: Arc<Metrics>) -> Refusals {
+    pub fn new(
+        evidence: Arc<Evidence>,
+        metrics: Arc<Metrics>,
+        budget: Arc<EvidenceBudget>,
+    ) -> Refusals {
         Refusals {
             evidence,
             metrics,
+            budget,
             tallies: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Use `budget` (the one the proxy shares) from now on.
+    pub fn set_budget(&mut self, budget: Arc<EvidenceBudget>) {
+        self.budget = budget;
+    }
+
+    /// Take one record of `org`'s evidence budget (none: clients of no
+    /// org) for an answer, before anything is forwarded. `false`: spent,
+    /// the answer must be refused `limit_exceeded`.
+    pub fn pay(&self, org: &Option<Arc<str>>) -> bool {
+        self.budget.take(org, Instant::now())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
@@ -105,12 +133,20 @@ impl Refusals {
     }
 
     /// Record a refusal (counted in the metrics either way): queued when
-    /// the writer is healthy and has room within `wait`, else tallied.
+    /// its org's evidence budget has a record left and the writer is
+    /// healthy and has room within `wait`, else tallied.
     pub async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
         self.metrics.count_record(rec);
-        if self.evidence.is_healthy() && self.evidence.submit_within(rec, wait).await {
+        if self.pay(&rec.org)
+            && self.evidence.is_healthy()
+            && self.evidence.submit_within(rec, wait).await
+        {
             return Recorded::Record(rec.shown().to_string());
         }
+        self.metrics
+            .evidence_suppressed_total
+            .with_label_values(&[rec.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG)])
+            .inc();
         let now = SystemTime::now();
         self.add((rec.org.clone(), rec.reason), || Tally {
             count: 1,
@@ -147,7 +183,10 @@ impl Refusals {
                     .evidence
                     .submit_within(&mut tally.summary(), wait)
                     .await;
-            if !room {
+            if room {
+                // Written: charged to the org, whatever is left.
+                self.budget.charge(&key.0, Instant::now());
+            } else {
                 self.add(key, || tally);
             }
         }
@@ -200,12 +239,54 @@ mod tests {
         r
     }
 
+    #[tokio::test]
+    async fn refusals_beyond_the_orgs_evidence_budget_are_summarised() {
+        let dir = scratch();
+        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
+        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let refusals = Refusals::new(
+            ev.clone(),
+            metrics.clone(),
+            Arc::new(EvidenceBudget::new(10)),
+        );
+        let mut one_by_one = 0u64;
+        for i in 0..100 {
+            let mut r = refusal("acme", Reason::NoMatchingRule, i);
+            if let Recorded::Record(_) = refusals.record(&mut r, Duration::ZERO).await {
+                one_by_one += 1;
+            }
+        }
+        // The burst (plus what refilled meanwhile, 10 a second), no more.
+        assert!((10..=12).contains(&one_by_one), "{one_by_one}");
+        assert_eq!(refusals.pending_count(), 100 - one_by_one);
+        assert_eq!(
+            metrics
+                .evidence_suppressed_total
+                .with_label_values(&["acme"])
+                .get(),
+            100 - one_by_one
+        );
+        // beta's budget is its own.
+        let mut r = refusal("beta", Reason::NoMatchingRule, 0);
+        assert!(matches!(
+            refusals.record(&mut r, Duration::ZERO).await,
+            Recorded::Record(_)
+        ));
+        // Summaries are written whatever is left, and charged: acme's
+        // next answer finds its budget spent.
+        refusals.flush(Duration::from_secs(5)).await;
+        assert_eq!(refusals.pending(), 0);
+        assert!(!refusals.pay(&Some(Arc::from("acme"))));
+        assert!(ev.seal().await);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_flood_with_the_writer_stalled_stays_bounded_and_is_summarised() {
         let dir = scratch();
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
         let metrics = Arc::new(Metrics::new(ev.counters().clone()));
-        let refusals = Refusals::new(ev.clone(), metrics);
+        let refusals = Refusals::new(ev.clone(), metrics, Arc::new(EvidenceBudget::new(1 << 30)));
         ev.pause_writer(true);
 
         // Far more refusals than the queue holds, from many tasks; those

@@ -1,12 +1,16 @@
 //! Evidence flood control for proxy denials that never goes silent.
 //!
-//! Every allow is written one by one, before anything flows. A denial lets
-//! nothing through; one source address (an IPv6 /64) has up to
-//! `max_denial_records_per_second_per_client` of them written one record
-//! each (a token bucket, burst of as many). Beyond that its denials are
-//! counted into one tally per (org, address), and [`Denials::flush`] writes
-//! each tally as ONE signed, chained record, the same shape as the DNS
-//! refusal summaries ([`crate::dns::refusals`]):
+//! Every allow is written one by one, before anything flows, and paid for
+//! at its decision from its org's evidence budget ([`EvidenceBudget`],
+//! [`Denials::pay_allow`]); an allow that finds it spent is refused
+//! `limit_exceeded` instead. A denial lets nothing through; one source
+//! address (an IPv6 /64) has up to `max_denial_records_per_second_per_client`
+//! of them written one record each (a token bucket, burst of as many), its
+//! org up to `max_denial_records_per_second_per_org`, and each one written
+//! takes a record of the org's evidence budget. Beyond any of them its
+//! denials are counted into one tally per (org, address), and
+//! [`Denials::flush`] writes each tally as ONE signed, chained record, the
+//! same shape as the DNS refusal summaries ([`crate::dns::refusals`]):
 //!
 //! ```json
 //! {"kind": "tcp", "event": "decision", "decision": "deny",
@@ -19,9 +23,14 @@
 //! Summaries are written only into a free place in the writer's queue,
 //! never waiting: a flood of denials can neither grow the queue nor hold
 //! up the writer for anyone else's records, so fail-closed is not reached
-//! through one org's denials. Memory is bounded: at most [`MAX_TALLIES`]
-//! tallies (beyond, an org's further addresses share one tally with
-//! `client: null`), each with at most [`TRACKED_HOSTS`] host counters.
+//! through one org's denials. Each summary is charged to its org's
+//! evidence budget too; once that is spent, the org's tallies of a flush
+//! are folded into one (`client: null` when they came from several
+//! addresses), so an org adds at most one unpaid summary a flush, however
+//! many addresses it floods from. Memory is bounded: at most
+//! [`MAX_TALLIES`] tallies (beyond, an org's further addresses share one
+//! tally with `client: null`), each with at most [`TRACKED_HOSTS`] host
+//! counters.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -31,7 +40,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::evidence::{Event, Evidence, Record};
 use crate::policy::Reason;
 
-use super::limits::{client_key, RateLimiter};
+use super::limits::{client_key, EvidenceBudget, RateLimiter};
 
 /// How often tallies are written.
 pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
@@ -139,7 +148,8 @@ impl Tally {
         let [first, last] = r.window.clone().unwrap_or_default();
         r.detail = Some(format!(
             "{} denials summarised between {first} and {last}: over \
-             max_denial_records_per_second_per_client",
+             max_denial_records_per_second_per_client, _per_org or the \
+             org's evidence budget",
             self.count,
         ));
         r
@@ -155,6 +165,9 @@ pub struct Denials {
     /// The same per org (clients of no org share one bucket), so that an
     /// org flooding from many addresses is bounded too.
     org_rate: RateLimiter<Option<Arc<str>>>,
+    /// Decision records per org, allows and denials together (shared with
+    /// the DNS shim).
+    budget: Arc<EvidenceBudget>,
     tallies: Mutex<HashMap<Key, Tally>>,
 }
 
@@ -166,14 +179,29 @@ impl std::fmt::Debug for Denials {
 
 impl Denials {
     /// `per_client` denial records one by one per address, and `per_org`
-    /// per org over all its addresses (bursts of as many).
-    pub fn new(per_client: usize, per_org: usize) -> Denials {
+    /// per org over all its addresses (bursts of as many), each within its
+    /// org's evidence `budget`.
+    pub fn new(per_client: usize, per_org: usize, budget: Arc<EvidenceBudget>) -> Denials {
         Denials {
             // Full of addresses denied this second, further ones are summarised.
             rate: RateLimiter::new(per_client, 65_536),
             org_rate: RateLimiter::new(per_org, 65_536),
+            budget,
             tallies: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Pay for the record of an allow decision of `org` (none: a client of
+    /// no org) from its evidence budget, before anything flows. `false`:
+    /// the budget is spent and the allow must be refused `limit_exceeded`
+    /// ([`super::limits::EVIDENCE_BUDGET_EXHAUSTED`]).
+    pub fn pay_allow(&self, org: &Option<Arc<str>>) -> bool {
+        self.budget.take(org, Instant::now())
+    }
+
+    /// The evidence budget the denials are written within.
+    pub fn budget(&self) -> &Arc<EvidenceBudget> {
+        &self.budget
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
@@ -181,15 +209,20 @@ impl Denials {
     }
 
     /// Whether `record` is written as its own record: every record but a
-    /// denial decision, and a denial within its address's rate. Otherwise
-    /// it is counted into its tally (at `now`, `wall`) and `false`.
+    /// denial decision (allows are paid for at their decision, with
+    /// [`Denials::pay_allow`]), and a denial within its address's and its
+    /// org's rates and its org's evidence budget. Otherwise it is counted
+    /// into its tally (at `now`, `wall`) and `false`.
     pub fn admit(&self, record: &Record, now: Instant, wall: SystemTime) -> bool {
         let deny = record.event == Event::Decision && record.decision_str() == "deny";
         let Some(client) = record.client.filter(|_| deny) else {
             return true;
         };
         let key = client_key(client.ip());
-        if self.rate.allow(&key, now) && self.org_rate.allow(&record.org, now) {
+        if self.rate.allow(&key, now)
+            && self.org_rate.allow(&record.org, now)
+            && self.budget.take(&record.org, now)
+        {
             return true;
         }
         let mut tallies = self.lock();
@@ -211,7 +244,8 @@ impl Denials {
         if !evidence.is_healthy() {
             return Vec::new();
         }
-        let taken: Vec<(Key, Tally)> = self.lock().drain().collect();
+        let drained: Vec<(Key, Tally)> = self.lock().drain().collect();
+        let taken = self.pay_summaries(drained, Instant::now());
         let mut written = Vec::new();
         let mut room = true;
         for (key, tally) in taken {
@@ -232,6 +266,37 @@ impl Denials {
         written
     }
 
+    /// Charge each tally's summary to its org's evidence budget. Those it
+    /// cannot pay for are folded into one per org (keeping the address if
+    /// they all came from one), charged whatever is left: an org adds at
+    /// most one unpaid summary per flush.
+    fn pay_summaries(&self, tallies: Vec<(Key, Tally)>, now: Instant) -> Vec<(Key, Tally)> {
+        let mut paid = Vec::with_capacity(tallies.len());
+        let mut unpaid: HashMap<Option<Arc<str>>, (Option<IpAddr>, Tally)> = HashMap::new();
+        for ((org, client), tally) in tallies {
+            if self.budget.take(&org, now) {
+                paid.push(((org, client), tally));
+                continue;
+            }
+            match unpaid.get_mut(&org) {
+                Some((folded_client, folded)) => {
+                    if *folded_client != client {
+                        *folded_client = None;
+                    }
+                    folded.merge(tally);
+                }
+                None => {
+                    unpaid.insert(org, (client, tally));
+                }
+            }
+        }
+        for (org, (client, tally)) in unpaid {
+            self.budget.charge(&org, now);
+            paid.push(((org, client), tally));
+        }
+        paid
+    }
+
     /// Denials counted into the waiting tallies.
     pub fn pending_count(&self) -> u64 {
         self.lock().values().map(|t| t.count).sum()
@@ -248,6 +313,10 @@ mod tests {
     use super::*;
     use crate::evidence::{Kind, Mode};
     use crate::policy::{OrgRef, Verdict};
+
+    fn unlimited() -> Arc<EvidenceBudget> {
+        Arc::new(EvidenceBudget::new(1_000_000_000))
+    }
 
     fn denial(org: &str, client: &str, host: &str, reason: Reason) -> Record {
         let verdict = Verdict {
@@ -268,7 +337,7 @@ mod tests {
 
     #[test]
     fn a_flood_is_written_within_the_rate_then_tallied_in_bounded_memory() {
-        let d = Denials::new(5, 1_000_000);
+        let d = Denials::new(5, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let mut one_by_one = 0;
         for i in 0..10_000 {
@@ -304,7 +373,7 @@ mod tests {
 
     #[test]
     fn an_org_flooding_from_many_addresses_is_bounded_by_its_own_rate() {
-        let d = Denials::new(5, 20);
+        let d = Denials::new(5, 20, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let mut acme = 0;
         for i in 0..200 {
@@ -327,7 +396,7 @@ mod tests {
 
     #[test]
     fn allows_and_other_addresses_are_never_summarised() {
-        let d = Denials::new(1, 1_000_000);
+        let d = Denials::new(1, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let deny = denial("acme", "198.19.1.7:1", "a.test", Reason::NoMatchingRule);
         assert!(d.admit(&deny, t0, wall));
@@ -350,12 +419,86 @@ mod tests {
         );
     }
 
+    #[test]
+    fn allows_and_denials_share_the_orgs_evidence_budget() {
+        let d = Denials::new(1000, 1000, Arc::new(EvidenceBudget::new(5)));
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        let acme: Option<Arc<str>> = Some(Arc::from("acme"));
+        assert!(d.pay_allow(&acme) && d.pay_allow(&acme), "two allows paid");
+        let deny = denial("acme", "198.19.1.7:1", "a.test", Reason::NoMatchingRule);
+        let one_by_one = (0..100).filter(|_| d.admit(&deny, t0, wall)).count();
+        assert_eq!(one_by_one, 3, "the rest of the burst, then summarised");
+        assert_eq!(d.pending_count(), 97);
+        assert!(!d.pay_allow(&acme), "spent: the next allow is refused");
+        // Another org, and the clients of no org, pay from their own.
+        assert!(d.pay_allow(&Some(Arc::from("beta"))));
+        assert!(d.pay_allow(&None));
+        let mut stranger = denial("x", "203.0.113.9:1", "a.test", Reason::UnknownClient);
+        stranger.org = None;
+        assert!(d.admit(&stranger, t0, wall));
+    }
+
+    #[test]
+    fn an_orgs_unpaid_summaries_fold_into_one_whatever_its_addresses() {
+        let d = Denials::new(1, 1_000_000, Arc::new(EvidenceBudget::new(5)));
+        let (t0, wall) = (Instant::now(), SystemTime::now());
+        for i in 0..20 {
+            let client = format!("198.19.1.{}:4000", i + 1);
+            for _ in 0..2 {
+                d.admit(
+                    &denial("acme", &client, "x.test", Reason::NoMatchingRule),
+                    t0,
+                    wall,
+                );
+            }
+        }
+        // One address of beta, whose budget is untouched.
+        for _ in 0..3 {
+            d.admit(
+                &denial("beta", "198.19.9.9:1", "y.test", Reason::NoMatchingRule),
+                t0,
+                wall,
+            );
+        }
+        assert_eq!(d.pending(), 21);
+        let drained: Vec<(Key, Tally)> = d.lock().drain().collect();
+        let paid = d.pay_summaries(drained, t0);
+        let acme: Vec<&(Key, Tally)> = paid
+            .iter()
+            .filter(|((org, _), _)| org.as_deref() == Some("acme"))
+            .collect();
+        assert_eq!(acme.len(), 1, "acme's budget is spent: one summary");
+        let ((_, client), tally) = acme[0];
+        assert_eq!(*client, None, "from several addresses");
+        assert_eq!(tally.count, 40 - 5, "nothing lost in the fold");
+        let beta: Vec<&(Key, Tally)> = paid
+            .iter()
+            .filter(|((org, _), _)| org.as_deref() == Some("beta"))
+            .collect();
+        assert_eq!(beta.len(), 1);
+        assert_eq!(
+            beta[0].0 .1,
+            Some("198.19.9.9".parse().unwrap()),
+            "paid for: its address kept"
+        );
+        // Unpaid again, a single address keeps its own.
+        let r = denial("beta", "198.19.9.9:1", "y.test", Reason::NoMatchingRule);
+        for _ in 0..10 {
+            d.budget.charge(&r.org, t0);
+        }
+        d.admit(&r, t0, wall);
+        let drained: Vec<(Key, Tally)> = d.lock().drain().collect();
+        let paid = d.pay_summaries(drained, t0);
+        assert_eq!(paid.len(), 1);
+        assert_eq!(paid[0].0 .1, Some("198.19.9.9".parse().unwrap()));
+    }
+
     #[tokio::test]
     async fn summaries_are_chained_signed_records_and_wait_for_room() {
         let dir = std::env::temp_dir().join(format!("palisade-denials-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let ev = Evidence::open(&dir.join("evidence")).unwrap();
-        let d = Denials::new(2, 1_000_000);
+        let d = Denials::new(2, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let mut written = 0;
         for i in 0..500 {
@@ -418,7 +561,7 @@ mod tests {
 
     #[test]
     fn tallies_stay_bounded_whatever_the_number_of_addresses() {
-        let d = Denials::new(1, 1_000_000);
+        let d = Denials::new(1, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
         for i in 0..(MAX_TALLIES as u32 + 100) {
             let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i);

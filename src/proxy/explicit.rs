@@ -530,6 +530,20 @@ async fn forward(
         )
         .await;
     }
+    // The request's record is paid for from the org's evidence budget.
+    if !ctx
+        .denials
+        .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    {
+        let verdict = Verdict {
+            reason: Reason::LimitExceeded,
+            rule: None,
+            ..verdict
+        };
+        let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
+        let target = (Some(&host), Some(port));
+        return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;
+    }
     let mut conn = Conn::new(
         view.clone(),
         (Kind::Http, Mode::Explicit),

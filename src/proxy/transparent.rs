@@ -179,6 +179,16 @@ async fn handle(
         let _ = connect::write(&ctx, &conn).await;
         return reset(client);
     }
+    // The allow's record is paid for from the org's evidence budget.
+    if !ctx
+        .denials
+        .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    {
+        let detail = super::limits::EVIDENCE_BUDGET_EXHAUSTED.to_string();
+        conn.refuse(Reason::LimitExceeded, Some(detail));
+        let _ = connect::write(&ctx, &conn).await;
+        return reset(client);
+    }
     // What the rule lets the connection carry: judge the first unit again
     // as the verifier sees it (an ECH hello, an h2c preface, ...), before
     // anything is dialled.

@@ -166,3 +166,122 @@ fn ttl_seen_by_another_org_equals_the_first_orgs() {
         .count();
     assert_eq!(asked, 1, "{}", crate::lab::dump(&lab.dns_log()));
 }
+
+/// Sends N A queries for allowed.test over UDP (with EDNS, so refusals
+/// carry their Extended DNS Error), as fast as it can, reading answers as
+/// they come (bounded to 20 s), then prints one JSON line: the seconds
+/// taken, the count per rcode, and the raw EDE text of one REFUSED.
+const DNS_BURST: &str = r#"
+import json, socket, struct, sys, time
+D = ("198.18.1.1", 53)
+OPT = b"\x00" + struct.pack(">HHIH", 41, 1232, 0, 0)
+def query(qid):
+    h = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 1)
+    q = b"".join(bytes([len(l)]) + l.encode() for l in "allowed.test".split(".")) + b"\0"
+    return h + q + struct.pack(">HH", 1, 1) + OPT
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(1.0)
+names = {0: "NOERROR", 5: "REFUSED"}
+counts, ede, seen = {}, "", set()
+t0 = time.time()
+n = int(sys.argv[1])
+sent = 0
+while (sent < n or len(seen) < sent) and time.time() - t0 < 20:
+    if sent < n and sent - len(seen) < 32:
+        s.sendto(query(sent), D)
+        sent += 1
+        continue
+    try:
+        r = s.recv(4096)
+    except OSError:
+        break
+    qid, flags = struct.unpack(">HH", r[:4])
+    if qid in seen:
+        continue
+    seen.add(qid)
+    rcode = names.get(flags & 0xF, str(flags & 0xF))
+    counts[rcode] = counts.get(rcode, 0) + 1
+    if rcode == "REFUSED" and b"palisade" in r:
+        ede = r[r.index(b"palisade"):].decode(errors="replace")
+print(json.dumps({"secs": time.time() - t0, "counts": counts, "ede": ede}), flush=True)
+"#;
+
+#[test]
+fn an_orgs_answers_over_its_evidence_budget_are_refused_and_summarised() {
+    const BUDGET: u64 = 20;
+    let lab = Lab::builder()
+        .policy(POLICY)
+        .dns_listen(&["198.18.1.1:53"])
+        .second_client()
+        .evidence_config(&format!("max_records_per_second_per_org = {BUDGET}"))
+        .start();
+    let (mut burst, line) = lab.spawn_client_script(DNS_BURST, &["400"]);
+    let _ = burst.wait();
+    let out: serde_json::Value = serde_json::from_str(&line)
+        .unwrap_or_else(|e| panic!("{e}: {line:?}\n{}", lab.proxy_output()));
+    let secs = out["secs"].as_f64().unwrap();
+    let answered = out["counts"]["NOERROR"].as_u64().unwrap_or(0);
+    let refused = out["counts"]["REFUSED"].as_u64().unwrap_or(0);
+    let bound = (BUDGET as f64 * (secs + 1.0)) as u64 + 1;
+    assert!(
+        answered >= BUDGET && answered <= bound,
+        "{answered} answered, bound {bound}: {out}"
+    );
+    assert!(refused > 0, "nothing refused in {secs:.1} s: {out}");
+    let ede = out["ede"].as_str().unwrap();
+    assert!(
+        ede.starts_with("palisade: limit_exceeded; summarised"),
+        "{ede:?}"
+    );
+
+    // Another org's answers come out of its own budget.
+    let d = dig2(&lab, &["other.test", "A"]);
+    assert_eq!(d.status, "NOERROR", "{}", d.output);
+    assert_eq!(d.of("A"), [OTHER_IP], "{}", d.output);
+
+    // Each answer is on record one by one; the refusals are summarised (or
+    // on record one by one when a record refilled meanwhile).
+    let (mut summarised, mut one_by_one) = (0, 0);
+    crate::lab::wait_until("acme's refusals on record", Duration::from_secs(10), || {
+        let ev = lab.evidence();
+        summarised = ev
+            .iter()
+            .filter(|v| {
+                v["org"] == "acme" && v["reason"] == "limit_exceeded" && v["count"].is_u64()
+            })
+            .map(|v| v["count"].as_u64().unwrap())
+            .sum::<u64>();
+        one_by_one = ev
+            .iter()
+            .filter(|v| {
+                v["org"] == "acme"
+                    && v["reason"] == "limit_exceeded"
+                    && v["count"].is_null()
+                    && v["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains("evidence budget"))
+            })
+            .count() as u64;
+        summarised + one_by_one == refused
+    });
+    assert!(summarised > 0, "nothing summarised");
+    let ev = lab.evidence();
+    let allows = ev
+        .iter()
+        .filter(|v| v["org"] == "acme" && v["kind"] == "dns" && v["decision"] == "allow")
+        .count() as u64;
+    assert_eq!(allows, answered, "one record per answer");
+    assert!(allows + one_by_one <= bound, "over the budget's {bound}");
+    let limited = crate::conn_budgets::scrape_sum(
+        &lab,
+        "palisade_dns_queries_total",
+        &["org=\"acme\"", "reason=\"limit_exceeded\""],
+    );
+    assert_eq!(limited, refused as f64, "counted as limit_exceeded");
+    let suppressed = crate::conn_budgets::scrape_sum(
+        &lab,
+        "palisade_evidence_suppressed_total",
+        &["org=\"acme\""],
+    );
+    assert_eq!(suppressed, summarised as f64);
+}

@@ -2,15 +2,23 @@
 //! minute (CONNECTs, denials on one keep-alive connection, DNS over UDP and
 //! over many TCP connections, name churn under an allowed wildcard, and an
 //! unknown client), while another org's HTTPS and DNS requests must all
-//! succeed, each within its own time bound, and each be on record. At the
-//! end the chain verifies and the proxy's memory stayed under a ceiling.
+//! succeed and each be on record. Every org has an evidence budget of
+//! [`BUDGET`] decision records a second: the flooder's evidence grows by
+//! no more than that budget allows (plus its summaries, whose number is
+//! bounded too). At the end the chain verifies and the proxy's memory
+//! stayed under a ceiling.
 //!
-//! Latencies and A's evidence rate are printed for the record, never
+//! Then, in the same run, a shorter flood with summaries effectively off
+//! (the denial record rates and the evidence budget set far above the
+//! flood, in a restarted Palisade writing a second evidence directory), to
+//! print the flooder's evidence rate with and without the summaries.
+//!
+//! Latencies and the evidence rates are printed for the record, never
 //! asserted: the machine is shared and timing assertions would flake.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -39,8 +47,15 @@ ports = [443]
 host = "other.test"
 "#;
 
-/// How long the flood runs.
+/// Each org's evidence budget (`[evidence] max_records_per_second_per_org`)
+/// in the budgeted phase; the clients of no org share one of this size.
+const BUDGET: u64 = 300;
+/// A value no flood here reaches: summaries effectively off.
+const UNBOUNDED: u64 = 100_000_000;
+/// How long the budgeted flood runs.
 const FLOOD: Duration = Duration::from_secs(60);
+/// How long the flood with summaries off runs.
+const FLOOD_UNBUDGETED: Duration = Duration::from_secs(20);
 /// beta's requests under attack: at least this many must complete.
 const MIN_REQUESTS: usize = 60;
 /// The proxy's resident memory must stay under this, flood or not. Its
@@ -48,6 +63,12 @@ const MIN_REQUESTS: usize = 60;
 /// 16 DNS TCP connections per client); 256 MiB is far above what they
 /// hold and far below what an unbounded queue would reach in a minute.
 const RSS_CEILING_KIB: u64 = 256 * 1024;
+/// The longest a one-by-one record of this flood may be: its longest name
+/// is 36 bytes and every other field is short and fixed (checked below).
+const RECORD_MAX_BYTES: u64 = 1024;
+/// The longest a summary may be: at most ten hosts named, one `other`, and
+/// a reason count per reason code (checked below).
+const SUMMARY_MAX_BYTES: u64 = 4096;
 
 /// The attacker: one thread per kind of flood, each bounded by the end
 /// time and by a count. Prints `started`, then the counts as JSON.
@@ -197,8 +218,8 @@ struct Done {
     took: Duration,
 }
 
-/// beta's HTTPS request through the proxy; panics unless it got a 200.
-fn https(lab: &Lab, ctx: &str) -> Done {
+/// beta's HTTPS request through the proxy; an error unless it got a 200.
+fn https(lab: &Lab, ctx: &str) -> Result<Done, String> {
     let ca = lab::ca_pem().display().to_string();
     let out = lab.exec(
         &lab.ns_client2,
@@ -220,20 +241,21 @@ fn https(lab: &Lab, ctx: &str) -> Done {
         ],
     );
     let w: Vec<&str> = out.stdout.split_whitespace().collect();
-    assert!(
-        out.success() && w.first() == Some(&"200"),
-        "{ctx}: beta's HTTPS request failed: {}",
-        out.describe()
-    );
-    Done {
+    if !(out.success() && w.first() == Some(&"200")) {
+        return Err(format!(
+            "{ctx}: beta's HTTPS request failed: {}",
+            out.describe()
+        ));
+    }
+    Ok(Done {
         what: "https",
         port: w[1].parse().expect("local port"),
         took: Duration::from_secs_f64(w[2].parse().expect("time_total")),
-    }
+    })
 }
 
-/// beta's DNS query from source port `port`; panics unless answered.
-fn dns(lab: &Lab, port: u16, tcp: bool, ctx: &str) -> Done {
+/// beta's DNS query from source port `port`; an error unless answered.
+fn dns(lab: &Lab, port: u16, tcp: bool, ctx: &str) -> Result<Done, String> {
     let server = format!("@{SHIM_IP}");
     let source = format!("{CLIENT2_IP}#{port}");
     let mut args = vec![
@@ -253,23 +275,24 @@ fn dns(lab: &Lab, port: u16, tcp: bool, ctx: &str) -> Done {
     let out = lab.exec(&lab.ns_client2, "dig", &args);
     let wall = started.elapsed();
     let d = lab::Dig::parse(&out.stdout, out.code());
-    assert!(
-        d.status == "NOERROR" && d.of("A") == [OTHER_IP],
-        "{ctx}: beta's DNS query ({}) failed: {}",
-        if tcp { "tcp" } else { "udp" },
-        out.describe()
-    );
+    if !(d.status == "NOERROR" && d.of("A") == [OTHER_IP]) {
+        return Err(format!(
+            "{ctx}: beta's DNS query ({}) failed: {}",
+            if tcp { "tcp" } else { "udp" },
+            out.describe()
+        ));
+    }
     let took = d
         .output
         .lines()
         .find_map(|l| l.strip_prefix(";; Query time: "))
         .and_then(|t| t.split_whitespace().next()?.parse().ok())
         .map_or(wall, Duration::from_millis);
-    Done {
+    Ok(Done {
         what: if tcp { "dns_tcp" } else { "dns_udp" },
         port,
         took,
-    }
+    })
 }
 
 /// p50 and p99 of each kind of request, as one printable line (DNS
@@ -295,12 +318,28 @@ fn percentiles(done: &[Done]) -> String {
         .join("; ")
 }
 
-/// Every evidence line, read once: beta's records (parsed), and the bytes
-/// and count of acme's and the unknown client's.
-fn scan(dir: &Path) -> (Vec<Value>, u64, u64) {
+/// What one payer (acme, or the clients of no org) left in the evidence.
+#[derive(Debug, Default)]
+struct Spent {
+    /// Decision records written one by one.
+    decisions: u64,
+    closes: u64,
+    summaries: u64,
+    /// Decisions the summaries stand for.
+    summarised: u64,
+    bytes: u64,
+    longest_record: u64,
+    longest_summary: u64,
+    /// What a summary is kept per: (kind, client, and for DNS the reason).
+    summary_keys: BTreeSet<String>,
+}
+
+/// Every evidence record, read once: beta's records, and what acme and the
+/// unknown client spent (keyed "acme" and "unknown").
+fn scan(dir: &Path) -> (Vec<Value>, BTreeMap<&'static str, Spent>) {
     let mut beta = Vec::new();
-    let (mut a_bytes, mut a_records) = (0u64, 0u64);
-    let mut files: Vec<_> = fs::read_dir(dir)
+    let mut spent: BTreeMap<&'static str, Spent> = BTreeMap::new();
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
         .unwrap()
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
@@ -309,105 +348,49 @@ fn scan(dir: &Path) -> (Vec<Value>, u64, u64) {
     for f in files {
         let text = fs::read_to_string(&f).unwrap_or_default();
         for line in text.lines() {
-            if line.contains(&format!("\"client\":\"{CLIENT2_IP}:")) {
-                beta.push(serde_json::from_str(line).expect("evidence line"));
-            } else if line.contains("\"org\":\"acme\"") || line.contains("\"org\":null") {
-                a_bytes += line.len() as u64 + 1;
-                a_records += 1;
+            let v: Value = serde_json::from_str(line).expect("evidence line");
+            let event = v["event"].as_str().unwrap_or_default();
+            if event != "decision" && event != "close" {
+                continue; // checkpoints, start, seal: nobody's
+            }
+            let payer = match v["org"].as_str() {
+                Some("beta") => {
+                    beta.push(v);
+                    continue;
+                }
+                Some("acme") => "acme",
+                None => "unknown",
+                Some(other) => panic!("a record of org {other}: {line}"),
+            };
+            let s = spent.entry(payer).or_default();
+            let n = line.len() as u64 + 1;
+            s.bytes += n;
+            if let Some(count) = v["count"].as_u64() {
+                s.summaries += 1;
+                s.summarised += count;
+                s.longest_summary = s.longest_summary.max(n);
+                let reason = if v["kind"] == "dns" {
+                    &v["reason"]
+                } else {
+                    &Value::Null
+                };
+                s.summary_keys
+                    .insert(format!("{} {} {}", v["kind"], v["client"], reason));
+            } else if event == "close" {
+                s.closes += 1;
+                s.longest_record = s.longest_record.max(n);
+            } else {
+                s.decisions += 1;
+                s.longest_record = s.longest_record.max(n);
             }
         }
     }
-    (beta, a_bytes, a_records)
+    (beta, spent)
 }
 
-#[test]
-fn a_flooding_org_neither_starves_another_nor_breaks_the_evidence() {
-    let mut lab = Lab::builder()
-        .policy(POLICY)
-        .dns_listen(&["198.18.1.1:53"])
-        .second_client()
-        .start();
-    let pid = lab.proxy_pid();
-    let mut ports = 41000u16..;
-    let mut next_port = || ports.next().expect("ports");
-
-    // Quiet: beta alone, for the baseline.
-    let mut quiet = Vec::new();
-    for i in 0..20 {
-        quiet.push(https(&lab, "quiet"));
-        quiet.push(dns(&lab, next_port(), i % 2 == 1, "quiet"));
-    }
-    let rss_quiet = rss_kib(pid);
-
-    // The flood.
-    let out = lab.dir.join("flood.out");
-    let script = format!(
-        "python3 - {} {STRANGER_IP} <<'EOF'\n{FLOOD_SCRIPT}\nEOF",
-        FLOOD.as_secs()
-    );
-    let mut flood = lab.client_spawn(&script, &out);
-    let started = Instant::now();
-    lab::wait_until("the flood to start", Duration::from_secs(10), || {
-        fs::read_to_string(&out).is_ok_and(|t| t.starts_with("started"))
-    });
-
-    // beta under attack: every request must succeed within its bound.
-    let mut attacked = Vec::new();
-    let mut rss_max = rss_quiet;
-    let mut i = 0;
-    while started.elapsed() + Duration::from_secs(3) < FLOOD && i < 5000 {
-        let ctx = format!("request {i} under attack, {:?} in", started.elapsed());
-        attacked.push(https(&lab, &ctx));
-        attacked.push(dns(&lab, next_port(), i % 2 == 1, &ctx));
-        rss_max = rss_max.max(rss_kib(pid));
-        assert!(
-            rss_max < RSS_CEILING_KIB,
-            "proxy RSS {rss_max} KiB over the {RSS_CEILING_KIB} KiB ceiling"
-        );
-        i += 1;
-    }
-    assert!(
-        attacked.len() >= MIN_REQUESTS,
-        "beta completed only {} requests in {:?} of flood",
-        attacked.len(),
-        started.elapsed()
-    );
-    // The flood ends on its own (bounded); wait for its counts.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while flood.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    let flood_secs = started.elapsed().as_secs_f64().min(FLOOD.as_secs_f64());
-    let _ = flood.kill();
-    let _ = flood.wait();
-    let text = fs::read_to_string(&out).unwrap_or_default();
-    let counts = text.lines().last().unwrap_or_default().to_string();
-    assert_eq!(lab.admin_status("/healthz"), 200, "{}", lab.proxy_output());
-    rss_max = rss_max.max(rss_kib(pid));
-
-    // A clean stop seals the chain, and the chain verifies.
-    lab.signal_proxy("-TERM");
-    let exit = lab.wait_proxy_exit(Duration::from_secs(60));
-    assert!(
-        exit.is_some_and(|s| s.success()),
-        "proxy did not stop cleanly after the flood: {exit:?}\n{}",
-        lab.proxy_output()
-    );
-    let dir = lab.evidence_dir.display().to_string();
-    let v = lab::run_with_timeout(
-        std::process::Command::new(lab::palisade_bin()).args(["evidence", "verify", &dir]),
-        None,
-        Duration::from_secs(120),
-    );
-    assert!(
-        v.success(),
-        "evidence verify after the flood:\n{}",
-        v.describe()
-    );
-
-    // Every one of beta's decisions is on record, as an allow.
-    let (beta, a_bytes, a_records) = scan(&lab.evidence_dir);
-    for d in quiet.iter().chain(&attacked) {
+/// Every one of beta's requests in `done` has its allow on record.
+fn assert_beta_on_record<'a>(beta: &[Value], done: impl IntoIterator<Item = &'a Done>, ctx: &str) {
+    for d in done {
         let client = format!("{CLIENT2_IP}:{}", d.port);
         let (kind, host) = match d.what {
             "https" => ("tcp", "allowed.test"),
@@ -419,23 +402,297 @@ fn a_flooding_org_neither_starves_another_nor_breaks_the_evidence() {
                 && r["kind"] == kind
                 && r["host"] == host
                 && r["decision"] == "allow"),
-            "no allow record for beta's {} from {client}",
+            "{ctx}: no allow record for beta's {} from {client}",
             d.what
+        );
+    }
+}
+
+/// One flood, from its start to a clean stop of the proxy.
+struct Phase {
+    /// beta's requests meanwhile that were answered.
+    attacked: Vec<Done>,
+    /// beta's requests meanwhile that failed (only when not `strict`).
+    failed: Vec<String>,
+    /// The flooder's own counts (JSON).
+    counts: String,
+    /// How long the flood ran.
+    flood_secs: f64,
+    /// From just before the flood started to the proxy's exit: every
+    /// decision of the flooder lies inside it.
+    span_secs: f64,
+    rss_max: u64,
+    /// `evidence verify`'s first line.
+    verified: String,
+}
+
+/// Flood for `length` while beta works (`strict`: each of beta's requests
+/// must succeed), then stop the proxy cleanly and verify its evidence.
+fn flood(
+    lab: &mut Lab,
+    length: Duration,
+    next_port: &mut dyn FnMut() -> u16,
+    name: &str,
+    strict: bool,
+) -> Phase {
+    let pid = lab.proxy_pid();
+    let mut rss_max = rss_kib(pid);
+    let out = lab.dir.join(format!("flood-{name}.out"));
+    let script = format!(
+        "python3 - {} {STRANGER_IP} <<'EOF'\n{FLOOD_SCRIPT}\nEOF",
+        length.as_secs()
+    );
+    let spawned = Instant::now();
+    let mut flood = lab.client_spawn(&script, &out);
+    lab::wait_until("the flood to start", Duration::from_secs(10), || {
+        fs::read_to_string(&out).is_ok_and(|t| t.starts_with("started"))
+    });
+    let started = Instant::now();
+
+    // beta under attack.
+    let (mut attacked, mut failed) = (Vec::new(), Vec::new());
+    let mut keep = |done: Result<Done, String>| match done {
+        Ok(d) => attacked.push(d),
+        Err(e) if strict => panic!("{e}"),
+        Err(e) => failed.push(e),
+    };
+    let mut i = 0;
+    while started.elapsed() + Duration::from_secs(3) < length && i < 5000 {
+        let ctx = format!(
+            "{name}: request {i} under attack, {:?} in",
+            started.elapsed()
+        );
+        keep(https(lab, &ctx));
+        keep(dns(lab, next_port(), i % 2 == 1, &ctx));
+        rss_max = rss_max.max(rss_kib(pid));
+        assert!(
+            rss_max < RSS_CEILING_KIB,
+            "{name}: proxy RSS {rss_max} KiB over the {RSS_CEILING_KIB} KiB ceiling"
+        );
+        i += 1;
+    }
+    // The flood ends on its own (bounded); wait for its counts.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while flood.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let flood_secs = started.elapsed().as_secs_f64().min(length.as_secs_f64());
+    let _ = flood.kill();
+    let _ = flood.wait();
+    let text = fs::read_to_string(&out).unwrap_or_default();
+    let counts = text.lines().last().unwrap_or_default().trim().to_string();
+    assert_eq!(lab.admin_status("/healthz"), 200, "{}", lab.proxy_output());
+    rss_max = rss_max.max(rss_kib(pid));
+
+    // A clean stop seals the chain, and the chain verifies.
+    lab.signal_proxy("-TERM");
+    let exit = lab.wait_proxy_exit(Duration::from_secs(60));
+    let span_secs = spawned.elapsed().as_secs_f64();
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "{name}: proxy did not stop cleanly after the flood: {exit:?}\n{}",
+        lab.proxy_output()
+    );
+    let dir = lab.evidence_dir.display().to_string();
+    let v = lab::run_with_timeout(
+        std::process::Command::new(lab::palisade_bin()).args(["evidence", "verify", &dir]),
+        None,
+        Duration::from_secs(120),
+    );
+    assert!(
+        v.success(),
+        "{name}: evidence verify after the flood:\n{}",
+        v.describe()
+    );
+    Phase {
+        attacked,
+        failed,
+        counts,
+        flood_secs,
+        span_secs,
+        rss_max,
+        verified: v.stdout.lines().next().unwrap_or_default().to_string(),
+    }
+}
+
+#[test]
+fn a_flooding_org_neither_starves_another_nor_grows_the_evidence_past_its_budget() {
+    let mut lab = Lab::builder()
+        .policy(POLICY)
+        .dns_listen(&["198.18.1.1:53"])
+        .second_client()
+        .evidence_config(&format!("max_records_per_second_per_org = {BUDGET}"))
+        .start();
+    let mut ports = 41000u16..;
+    let mut next_port = || ports.next().expect("ports");
+
+    // Quiet: beta alone, for the baseline.
+    let mut quiet = Vec::new();
+    for i in 0..20 {
+        quiet.push(https(&lab, "quiet").unwrap_or_else(|e| panic!("{e}")));
+        quiet.push(dns(&lab, next_port(), i % 2 == 1, "quiet").unwrap_or_else(|e| panic!("{e}")));
+    }
+    let rss_quiet = rss_kib(lab.proxy_pid());
+
+    // The flood, within the evidence budget.
+    let budgeted = flood(&mut lab, FLOOD, &mut next_port, "budgeted", true);
+    assert!(
+        budgeted.attacked.len() >= MIN_REQUESTS,
+        "beta completed only {} requests in {:.0} s of flood",
+        budgeted.attacked.len(),
+        budgeted.flood_secs
+    );
+    let (beta, spent) = scan(&lab.evidence_dir);
+    assert_beta_on_record(&beta, quiet.iter().chain(&budgeted.attacked), "budgeted");
+
+    // The bound. Each payer's one-by-one decision records come out of its
+    // bucket: at most one second's burst plus BUDGET a second over the
+    // span in which it could decide anything. Its summaries: at most one
+    // per key (proxy: its address, or one for the org once its budget is
+    // spent; DNS: the reason) per one-second flush, plus the final flush.
+    // Close records: at most one per allow. So the bytes are at most
+    // 2 x decisions x RECORD_MAX_BYTES + summaries x SUMMARY_MAX_BYTES.
+    let t = budgeted.span_secs;
+    let decision_bound = (BUDGET as f64 * (t + 1.0)) as u64;
+    let mut bytes_bound_total = 0;
+    for (payer, s) in &spent {
+        let summary_bound = (t.ceil() as u64 + 2) * s.summary_keys.len() as u64;
+        let bytes_bound = 2 * decision_bound * RECORD_MAX_BYTES + summary_bound * SUMMARY_MAX_BYTES;
+        bytes_bound_total += bytes_bound;
+        eprintln!(
+            "noisy: budgeted {payer}: {} decisions (bound {decision_bound}), {} closes, {} summaries \
+             standing for {} decisions (bound {summary_bound}), {} bytes (bound {bytes_bound}), \
+             longest record {} B, summary {} B, over {t:.1} s",
+            s.decisions,
+            s.closes,
+            s.summaries,
+            s.summarised,
+            s.bytes,
+            s.longest_record,
+            s.longest_summary
+        );
+        assert!(
+            s.decisions <= decision_bound,
+            "{payer}: {} decision records written one by one, over its budget's {decision_bound}",
+            s.decisions
+        );
+        assert!(
+            s.closes <= s.decisions,
+            "{payer}: more closes than decisions"
+        );
+        assert!(
+            s.summaries <= summary_bound,
+            "{payer}: {} summaries over {summary_bound} ({:?})",
+            s.summaries,
+            s.summary_keys
+        );
+        assert!(
+            s.longest_record <= RECORD_MAX_BYTES && s.longest_summary <= SUMMARY_MAX_BYTES,
+            "{payer}: a record longer than the bound assumes"
+        );
+        assert!(
+            s.bytes <= bytes_bound,
+            "{payer}: {} bytes over {bytes_bound}",
+            s.bytes
+        );
+    }
+    // The flood did run into the budget: without it, far more was decided.
+    let acme = spent.get("acme").expect("acme's records");
+    assert!(
+        acme.summarised > acme.decisions,
+        "acme's flood stayed within its budget: {acme:?}"
+    );
+    let budgeted_bytes: u64 = spent.values().map(|s| s.bytes).sum();
+
+    // The same flood, shorter, with summaries effectively off: a fresh
+    // Palisade (these settings need a restart) writing its own evidence.
+    let config = fs::read_to_string(&lab.config_path).expect("config");
+    let old_dir = format!("dir = {:?}", lab.evidence_dir.display().to_string());
+    let new_dir = lab.dir.join("evidence-unbudgeted");
+    let budget_line = format!("max_records_per_second_per_org = {BUDGET}");
+    assert!(
+        config.contains(&old_dir) && config.contains(&budget_line),
+        "{config}"
+    );
+    let config = config
+        .replace(
+            &old_dir,
+            &format!("dir = {:?}", new_dir.display().to_string()),
+        )
+        .replace(
+            &budget_line,
+            &format!("max_records_per_second_per_org = {UNBOUNDED}"),
+        )
+        .replace(
+            "[proxy]\n",
+            &format!(
+                "[proxy]\nmax_denial_records_per_second_per_client = {UNBOUNDED}\n\
+                 max_denial_records_per_second_per_org = {UNBOUNDED}\n"
+            ),
+        );
+    fs::write(&lab.config_path, config).expect("write config");
+    lab.evidence_dir = new_dir;
+    lab.restart_proxy();
+    // beta's requests are measured, not required, here: without the
+    // budget, the flood's records queue ahead of beta's in the one writer.
+    let unbudgeted = flood(
+        &mut lab,
+        FLOOD_UNBUDGETED,
+        &mut next_port,
+        "unbudgeted",
+        false,
+    );
+    let (beta2, spent2) = scan(&lab.evidence_dir);
+    assert_beta_on_record(&beta2, &unbudgeted.attacked, "unbudgeted");
+    let unbudgeted_bytes: u64 = spent2.values().map(|s| s.bytes).sum();
+    for (payer, s) in &spent2 {
+        eprintln!(
+            "noisy: unbudgeted {payer}: {} decisions, {} closes, {} summaries, {} bytes",
+            s.decisions, s.closes, s.summaries, s.bytes
         );
     }
 
     eprintln!(
-        "noisy: flood counts (acme's client side): {}",
-        counts.trim()
+        "noisy: flood counts, budgeted (acme's client side): {}",
+        budgeted.counts
     );
-    eprintln!("noisy: beta quiet:        {}", percentiles(&quiet));
-    eprintln!("noisy: beta under attack: {}", percentiles(&attacked));
+    eprintln!("noisy: flood counts, unbudgeted: {}", unbudgeted.counts);
     eprintln!(
-        "noisy: acme+unknown evidence: {a_records} records, {a_bytes} bytes, {:.0} bytes/s over the {flood_secs:.0} s flood",
-        a_bytes as f64 / flood_secs
+        "noisy: beta quiet:                   {}",
+        percentiles(&quiet)
     );
     eprintln!(
-        "noisy: proxy RSS quiet {rss_quiet} KiB, max {rss_max} KiB (ceiling {RSS_CEILING_KIB} KiB); verify: {}",
-        v.stdout.lines().next().unwrap_or_default()
+        "noisy: beta under attack, budgeted:   {}",
+        percentiles(&budgeted.attacked)
+    );
+    eprintln!(
+        "noisy: beta under attack, unbudgeted: {}",
+        percentiles(&unbudgeted.attacked)
+    );
+    eprintln!(
+        "noisy: beta's requests that failed under the unbudgeted flood: {} of {}{}",
+        unbudgeted.failed.len(),
+        unbudgeted.failed.len() + unbudgeted.attacked.len(),
+        unbudgeted
+            .failed
+            .first()
+            .map(|e| format!(" (first: {})", e.lines().next().unwrap_or_default()))
+            .unwrap_or_default()
+    );
+    eprintln!(
+        "noisy: acme+unknown evidence WITH the summaries and a budget of {BUDGET}/s: {budgeted_bytes} bytes, \
+         {:.0} bytes/s over the {:.0} s flood (bound {bytes_bound_total} bytes)",
+        budgeted_bytes as f64 / budgeted.flood_secs,
+        budgeted.flood_secs
+    );
+    eprintln!(
+        "noisy: acme+unknown evidence WITHOUT them: {unbudgeted_bytes} bytes, {:.0} bytes/s over the {:.0} s flood",
+        unbudgeted_bytes as f64 / unbudgeted.flood_secs,
+        unbudgeted.flood_secs
+    );
+    eprintln!(
+        "noisy: proxy RSS quiet {rss_quiet} KiB, max {} KiB budgeted, {} KiB unbudgeted (ceiling {RSS_CEILING_KIB} KiB); \
+         verify: {} / {}",
+        budgeted.rss_max, unbudgeted.rss_max, budgeted.verified, unbudgeted.verified
     );
 }

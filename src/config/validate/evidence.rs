@@ -10,7 +10,13 @@ use crate::config::error::Errors;
 use crate::config::model::{Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
 use crate::config::raw::{RawEvidence, RawSize};
 
-pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> EvidenceConfig {
+/// `[evidence]`; `default_budget` is what `max_records_per_second_per_org`
+/// is when unset (derived from the proxy's and the DNS shim's rates).
+pub(super) fn validate_evidence(
+    raw: RawEvidence,
+    default_budget: usize,
+    errors: &mut Errors<'_>,
+) -> EvidenceConfig {
     let RawEvidence {
         dir,
         key,
@@ -21,6 +27,7 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         rotate_age,
         retain_size,
         retain_age,
+        max_records_per_second_per_org,
     } = raw;
     let dir = path(
         dir,
@@ -71,6 +78,11 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         rotate_age,
         retain_size,
         retain_age,
+        max_records_per_second_per_org: count(
+            max_records_per_second_per_org,
+            default_budget,
+            errors,
+        ),
     }
 }
 

@@ -46,7 +46,8 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let proxy = validate_proxy(proxy, &mut listeners, errors);
     let dns = validate_dns(dns, &mut listeners, errors);
     let admin = validate_admin(admin, &mut listeners, errors);
-    let evidence = validate_evidence(evidence, errors);
+    let default_budget = super::model::default_max_records_per_second_per_org(&proxy.limits, &dns);
+    let evidence = validate_evidence(evidence, default_budget, errors);
 
     let intercept = validate_intercept(intercept, errors);
     let orgs = validate_orgs(org, errors);

@@ -160,6 +160,45 @@ mod tests {
     }
 
     #[test]
+    fn the_evidence_budget_defaults_to_what_the_rates_allow_and_an_explicit_value_wins() {
+        let budget = |src: &str| parse(src).unwrap().evidence.max_records_per_second_per_org;
+        // 2 x 20000 new connections + 2000 queries, per second.
+        assert_eq!(budget(BASE), 42_000);
+        assert_eq!(
+            crate::config::EvidenceConfig::for_dir(std::path::Path::new("e"))
+                .max_records_per_second_per_org,
+            42_000
+        );
+        // The benchmark's settings: far above, never throttled by default.
+        let bench = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_new_connections_per_second_per_org = 100000000\n",
+        ) + "[dns]\nmax_queries_per_second_per_client = 100000000\n";
+        assert_eq!(budget(&bench), 300_000_000);
+        // Small rates: the floor.
+        let small = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_new_connections_per_second_per_org = 100\n",
+        ) + "[dns]\nmax_queries_per_second_per_client = 10\n";
+        assert_eq!(budget(&small), 10_000);
+        // No overflow, whatever the rates.
+        let huge = BASE.replace(
+            "[proxy]\n",
+            &format!(
+                "[proxy]\nmax_new_connections_per_second_per_org = {}\n",
+                i64::MAX
+            ),
+        );
+        assert_eq!(budget(&huge), usize::MAX);
+        // An explicit value wins over the derived one.
+        let set = format!("{bench}[evidence]\nmax_records_per_second_per_org = 300\n");
+        assert_eq!(budget(&set), 300);
+        let zero = format!("{BASE}[evidence]\nmax_records_per_second_per_org = 0\n");
+        let e = first_error(&zero);
+        assert!(e.contains("positive") && e.starts_with("t.toml:10:"), "{e}");
+    }
+
+    #[test]
     fn socks5_listeners_are_own_addresses_and_unique() {
         let src = BASE.replace("[proxy]\n", "[proxy]\nsocks5 = [\"127.0.0.1:1080\"]\n");
         let c = parse(&src).unwrap();

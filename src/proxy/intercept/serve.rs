@@ -450,6 +450,12 @@ async fn decide_and_send(
         let detail = decision.detail.as_deref().unwrap_or("refused");
         return refused(shared, req, detail).await;
     };
+    // The request's record is paid for from the org's evidence budget.
+    if !s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
+        req.refuse(Reason::LimitExceeded, None);
+        let detail = crate::proxy::limits::EVIDENCE_BUDGET_EXHAUSTED;
+        return refused(shared, req, detail).await;
+    }
 
     // Build the upstream request.
     strip_hop_by_hop(&mut parts.headers);
