@@ -3,7 +3,10 @@
 //! that logs every connection it accepts and every request by connection,
 //! and answers by path: keep-alive by default, `Connection: close` for
 //! `/close`, and for `/idle-close` keep-alive, then closes the idle
-//! connection a moment later (and says so in its log).
+//! connection a moment later (and says so in its log); after
+//! `/drop-next`, it reads the next request on that connection and closes
+//! it without an answer (the race of an upstream closing a kept-alive
+//! connection just as a request is sent).
 //!
 //! (a) keep-alive requests of one org, over several client connections,
 //!     ride one upstream connection;
@@ -11,7 +14,9 @@
 //! (c) a connection the upstream marked close, or closed while idle, is
 //!     not reused, and the next request succeeds on a new connection;
 //! (d) every pooled request has its own decision record and its own close
-//!     record with the exact bytes.
+//!     record with the exact bytes;
+//! (e) a request lost with a pooled connection is sent again over a new
+//!     one when that is safe (idempotent, no body), else answered 502.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
@@ -59,6 +64,7 @@ def log(obj):
 def serve(conn, cid):
     conn.settimeout(10)
     buf = b""
+    drop_next = False
     try:
         for n in range(1000):
             while b"\r\n\r\n" not in buf:
@@ -83,6 +89,10 @@ def serve(conn, cid):
                 buf += data
             buf = buf[length:]
             log({"event": "request", "id": cid, "n": n, "path": target})
+            if drop_next:
+                log({"event": "dropped", "id": cid, "path": target})
+                return
+            drop_next = target.startswith("/drop-next")
             body = ("conn=%d n=%d path=%s\n" % (cid, n, target)).encode()
             close = target.startswith("/close")
             head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % len(body)
@@ -383,4 +393,61 @@ fn every_pooled_request_has_its_own_decision_and_exact_close_record() {
         .filter(|v| v["event"] == "decision" && v["kind"] == "http")
         .count();
     assert_eq!(decisions, sent.len());
+}
+
+#[test]
+fn a_request_lost_with_a_pooled_connection_is_retried_only_when_safe() {
+    let (lab, up) = lab();
+    let mut c = lab.client_conn();
+    // The upstream will drop the next request on this connection.
+    get(&lab, &mut c, "/drop-next/0");
+    let first = up.conn_of("/drop-next/0");
+    // A GET without a body: sent again over a new connection, answered.
+    get(&lab, &mut c, "/e/get");
+    let log = up.log();
+    let arrivals: Vec<u64> = log
+        .iter()
+        .filter(|v| v["event"] == "request" && v["path"] == "/e/get")
+        .filter_map(|v| v["id"].as_u64())
+        .collect();
+    assert_eq!(arrivals.len(), 2, "{}", dump(&log));
+    assert_eq!(arrivals[0], first, "it rode the pooled connection first");
+    assert_ne!(arrivals[1], first, "then a new one: {}", dump(&log));
+    let decision = lab.wait_evidence("decision of /e/get", |v| {
+        v["event"] == "decision" && v["path"] == "/e/get"
+    });
+    let id = record_id(&decision).expect("id");
+    let close = lab.wait_evidence("close of /e/get", |v| {
+        v["event"] == "close" && v["conn"].as_str() == Some(id.as_str())
+    });
+    assert!(close["detail"].is_null(), "{close}");
+    assert_eq!(decision["ip"], ALLOWED_IP, "{decision}");
+
+    // A POST with a body on a connection about to be dropped: not replayed.
+    get(&lab, &mut c, "/drop-next/1");
+    let req = format!(
+        "POST {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\nContent-Length: 5\r\n\r\nhello",
+        url("/e/post")
+    );
+    c.send(req.as_bytes()).expect("send");
+    let resp = c.read_response(Duration::from_secs(10));
+    assert_eq!(resp.status, 502, "{resp:?}");
+    let log = up.log();
+    let posts = log
+        .iter()
+        .filter(|v| v["event"] == "request" && v["path"] == "/e/post")
+        .count();
+    assert_eq!(posts, 1, "sent once: {}", dump(&log));
+    let decision = lab.wait_evidence("decision of /e/post", |v| {
+        v["event"] == "decision" && v["path"] == "/e/post"
+    });
+    let id = record_id(&decision).expect("id");
+    let close = lab.wait_evidence("close of /e/post", |v| {
+        v["event"] == "close" && v["conn"].as_str() == Some(id.as_str())
+    });
+    assert!(
+        close["detail"].is_string(),
+        "the cause is recorded: {close}"
+    );
+    assert_eq!(close["bytes_up"], req.len(), "{close}");
 }

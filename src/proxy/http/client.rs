@@ -195,3 +195,68 @@ pub async fn response(
         Err(_) => Err(NoResponse::Timeout),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+
+    use super::super::full;
+    use super::*;
+
+    fn get() -> Request<Body> {
+        Request::builder()
+            .uri("/")
+            .header("host", "a.test")
+            .body(full(""))
+            .unwrap()
+    }
+
+    async fn connected() -> (Sender, tokio::io::DuplexStream, TaskTracker) {
+        let (client, server) = tokio::io::duplex(4096);
+        let tasks = TaskTracker::new();
+        let sender = Sender::handshake(client, false, &tasks).await.unwrap();
+        (sender, server, tasks)
+    }
+
+    #[tokio::test]
+    async fn closed_after_reading_the_request_is_a_lost_connection() {
+        let (mut sender, mut server, _tasks) = connected().await;
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let _ = server.read(&mut buf).await;
+        });
+        match sender.exchange(get(), Duration::from_secs(5)).await {
+            Err(Attempt::Failed(e)) => assert!(e.is_connection_lost(), "{e}"),
+            Err(Attempt::Unsent(_)) => panic!("it was written"),
+            Ok(resp) => panic!("{resp:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn closed_before_the_request_gives_it_back_unsent() {
+        let (mut sender, server, _tasks) = connected().await;
+        drop(server);
+        for _ in 0..500 {
+            if sender.is_closed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(sender.is_closed());
+        assert!(!sender.is_ready());
+        let got = sender.exchange(get(), Duration::from_secs(5)).await;
+        assert!(matches!(got, Err(Attempt::Unsent(_))), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn no_answer_in_time_is_a_timeout_not_a_lost_connection() {
+        let (mut sender, _server, _tasks) = connected().await;
+        match sender.exchange(get(), Duration::from_millis(20)).await {
+            Err(Attempt::Failed(e)) => {
+                assert!(matches!(e, NoResponse::Timeout), "{e}");
+                assert!(!e.is_connection_lost());
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
