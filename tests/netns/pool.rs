@@ -16,7 +16,9 @@
 //! (d) every pooled request has its own decision record and its own close
 //!     record with the exact bytes;
 //! (e) a request lost with a pooled connection is sent again over a new
-//!     one when that is safe (idempotent, no body), else answered 502.
+//!     one when that is safe (idempotent, no body), else answered 502;
+//! (f) an idle connection is closed by Palisade after
+//!     `upstream_idle_timeout`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
@@ -103,8 +105,8 @@ def serve(conn, cid):
             if target.startswith("/idle-close"):
                 time.sleep(0.2)
                 return
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError) as e:
+        log({"event": "error", "id": cid, "error": repr(e)})
     finally:
         conn.close()
         log({"event": "closed", "id": cid})
@@ -191,12 +193,17 @@ impl Upstream {
 }
 
 fn lab() -> (Lab, Upstream) {
+    lab_with(&[])
+}
+
+/// The lab with extra `[proxy]` lines.
+fn lab_with(options: &[&str]) -> (Lab, Upstream) {
     // The lab's own fixtures start first; ours binds port 8080 beside them.
-    let mut lab = Lab::builder()
-        .policy(POLICY)
-        .second_client()
-        .without_proxy()
-        .start();
+    let mut builder = Lab::builder().policy(POLICY).second_client();
+    for line in options {
+        builder = builder.proxy_option(line);
+    }
+    let mut lab = builder.without_proxy().start();
     let up = Upstream::start(&lab);
     lab.spawn_proxy();
     lab.wait_proxy_ready();
@@ -450,4 +457,25 @@ fn a_request_lost_with_a_pooled_connection_is_retried_only_when_safe() {
         "the cause is recorded: {close}"
     );
     assert_eq!(close["bytes_up"], req.len(), "{close}");
+}
+
+#[test]
+fn an_idle_connection_is_closed_after_the_idle_timeout() {
+    let (lab, up) = lab_with(&["upstream_idle_timeout = \"1s\""]);
+    let mut c = lab.client_conn();
+    get(&lab, &mut c, "/f/0");
+    let first = up.conn_of("/f/0");
+    // Palisade closes it (the upstream would keep it 10 s, then time out).
+    up.wait_closed(first);
+    let log = up.log();
+    assert!(
+        !log.iter()
+            .any(|v| v["event"] == "error" && v["id"] == first),
+        "the upstream timed out first: {}",
+        dump(&log)
+    );
+    assert_eq!(metric(&lab, "palisade_upstream_idle_connections"), 0.0);
+    get(&lab, &mut c, "/f/1");
+    assert_ne!(up.conn_of("/f/1"), first, "{}", dump(&up.log()));
+    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
 }
