@@ -607,10 +607,13 @@ fn which(program: &str) -> Option<PathBuf> {
 fn start_palisade(root: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
     let port = common::free_port();
     let cfg = root.join("palisade.toml");
+    // LOAD_PALISADE_PROXY="max_idle_upstream_connections = 0" (say) adds
+    // lines to its [proxy] table: to compare upstream reuse off and on.
+    let extra = std::env::var("LOAD_PALISADE_PROXY").unwrap_or_default();
     let config = common::palisade_config(
         &format!(
             "listen = [\"127.0.0.1:{port}\"]\n\
-             max_connections = 100000\nmax_connections_per_org = 100000"
+             max_connections = 100000\nmax_connections_per_org = 100000\n{extra}"
         ),
         "127.0.0.1:53",
         &format!("dir = {:?}", root.join("evidence")),

@@ -160,6 +160,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         ),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
         detect: proxy::limits::DetectMemory::new(&limits),
+        upstream_pool: proxy::pool::UpstreamPool::new(
+            &limits,
+            metrics.upstream_idle_connections.clone(),
+            metrics.upstream_reused_total.clone(),
+        ),
         served: served.clone(),
         evidence: evidence.clone(),
         metrics: metrics.clone(),
@@ -178,6 +183,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         metrics: metrics.clone(),
     });
     let mut listener_tasks = Vec::new();
+    let pool_reaper = tokio::spawn(proxy::pool::reap(ctx.clone()));
     for listener in proxy_listeners {
         listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
     }
@@ -269,6 +275,8 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         let _ = t.await;
     }
     let _ = dns_task.await;
+    // Idle upstream connections are closed, so the drain does not wait on them.
+    let _ = pool_reaper.await;
     tasks.close();
     if tokio::time::timeout(limits.drain_timeout.get(), tasks.wait())
         .await

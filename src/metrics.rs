@@ -61,6 +61,10 @@ pub struct Metrics {
     pub intercept_cert_cache_entries: IntGauge,
     /// Upstream TLS handshakes of intercepted connections that failed, by org.
     pub upstream_tls_errors_total: IntCounterVec,
+    /// Idle upstream connections kept for reuse (absolute-form HTTP).
+    pub upstream_idle_connections: IntGauge,
+    /// Forwarded requests sent over a reused upstream connection.
+    pub upstream_reused_total: IntCounter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -278,6 +282,14 @@ impl Metrics {
                 "Failed upstream TLS handshakes of intercepted connections, by org.",
                 &["org"],
             )?,
+            upstream_idle_connections: IntGauge::new(
+                "palisade_upstream_idle_connections",
+                "Idle upstream connections kept for reuse by forwarded HTTP requests.",
+            )?,
+            upstream_reused_total: IntCounter::new(
+                "palisade_upstream_reused_total",
+                "Forwarded HTTP requests sent over a reused upstream connection.",
+            )?,
             registry,
         };
         let collectors: Vec<Box<dyn Collector>> = vec![
@@ -300,6 +312,8 @@ impl Metrics {
             Box::new(m.intercept_cert_cache_total.clone()),
             Box::new(m.intercept_cert_cache_entries.clone()),
             Box::new(m.upstream_tls_errors_total.clone()),
+            Box::new(m.upstream_idle_connections.clone()),
+            Box::new(m.upstream_reused_total.clone()),
             // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
             Box::new(prometheus::process_collector::ProcessCollector::for_self()),
         ];

@@ -159,7 +159,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 idle_timeout,
                 response_timeout,
                 detect_timeout,
-                drain_timeout
+                drain_timeout,
+                upstream_idle_timeout,
+                max_idle_upstream_connections,
+                max_idle_upstream_connections_per_target
             }
         );
     }

@@ -12,10 +12,11 @@ use serde::Serialize;
 
 use super::timeout::{
     ConnectTimeout, DetectTimeout, DnsIdleTimeout, DnsQueryTimeout, DrainTimeout, HandshakeTimeout,
-    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT, DEFAULT_DNS_QUERY_TIMEOUT,
-    DEFAULT_DRAIN_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_HEADER_READ_TIMEOUT,
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT, DEFAULT_RESPONSE_TIMEOUT,
+    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, UpstreamIdleTimeout,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT,
+    DEFAULT_DNS_QUERY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT,
+    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
 };
 
 /// Default cap on concurrent client connections, all orgs together.
@@ -45,6 +46,11 @@ pub const DETECT_MEMORY_CLIENT_SHARE: usize = 64;
 pub const DEFAULT_MAX_REQUEST_HEAD_BYTES: usize = 64 * 1024;
 /// Default cap on the number of request headers.
 pub const DEFAULT_MAX_HEADERS: usize = 100;
+/// Default cap on idle upstream connections kept for reuse, all together.
+pub const DEFAULT_MAX_IDLE_UPSTREAM_CONNECTIONS: usize = 256;
+/// Default cap on idle upstream connections kept under one org, host, port
+/// and address.
+pub const DEFAULT_MAX_IDLE_UPSTREAM_CONNECTIONS_PER_TARGET: usize = 64;
 /// Default cap on concurrent DNS-over-TCP connections, all listeners together.
 pub const DEFAULT_DNS_MAX_TCP_CONNECTIONS: usize = 256;
 /// Default cap on concurrent DNS-over-TCP connections from one client address.
@@ -225,6 +231,12 @@ pub struct Limits {
     pub response_timeout: ResponseTimeout,
     pub detect_timeout: DetectTimeout,
     pub drain_timeout: DrainTimeout,
+    /// An idle upstream connection of forwarded HTTP is closed after this.
+    pub upstream_idle_timeout: UpstreamIdleTimeout,
+    /// Idle upstream connections kept for reuse, all together; 0: none.
+    pub max_idle_upstream_connections: usize,
+    /// Idle upstream connections kept under one (org, host, port, address).
+    pub max_idle_upstream_connections_per_target: usize,
 }
 
 impl Default for Limits {
@@ -250,6 +262,10 @@ impl Default for Limits {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             detect_timeout: DEFAULT_DETECT_TIMEOUT,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            upstream_idle_timeout: DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+            max_idle_upstream_connections: DEFAULT_MAX_IDLE_UPSTREAM_CONNECTIONS,
+            max_idle_upstream_connections_per_target:
+                DEFAULT_MAX_IDLE_UPSTREAM_CONNECTIONS_PER_TARGET,
         }
     }
 }

@@ -70,6 +70,9 @@ pub(super) struct RawProxy {
     pub(super) response_timeout: Option<Spanned<String>>,
     pub(super) detect_timeout: Option<Spanned<String>>,
     pub(super) drain_timeout: Option<Spanned<String>>,
+    pub(super) upstream_idle_timeout: Option<Spanned<String>>,
+    pub(super) max_idle_upstream_connections: Option<Spanned<i64>>,
+    pub(super) max_idle_upstream_connections_per_target: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

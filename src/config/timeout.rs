@@ -116,6 +116,11 @@ timeouts! {
     /// (ClientHello or request head detection).
     DetectTimeout, "detect_timeout",
         DEFAULT_DETECT_TIMEOUT = Duration::from_millis(1000), max Duration::from_secs(MINUTE);
+    /// `[proxy]`: the time an upstream connection of forwarded absolute-form
+    /// HTTP requests is kept open, idle, for the next request of its org
+    /// to the same host, port and address.
+    UpstreamIdleTimeout, "upstream_idle_timeout",
+        DEFAULT_UPSTREAM_IDLE_TIMEOUT = Duration::from_secs(30), max Duration::from_secs(10 * MINUTE);
     /// `[proxy]`: the grace period for open connections after SIGTERM/SIGINT.
     DrainTimeout, "drain_timeout",
         DEFAULT_DRAIN_TIMEOUT = Duration::from_secs(10), max Duration::from_secs(HOUR);

@@ -4,14 +4,12 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
-use http::{Method, Request, Response, Uri};
-use http_body_util::BodyExt;
+use http::header;
+use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -21,11 +19,8 @@ use tracing::{debug, info_span, Instrument};
 use super::conn::Conn;
 use super::connect;
 use super::failure::Failure;
-use super::forward::Exchange;
-use super::http::body::Metered;
-use super::http::client::{self, NoResponse, Sender};
-use super::http::wire::{Meter, MeteredIo, RequestBytes, UpCount};
-use super::http::{self as layer, full, strip_hop_by_hop, Body, Drain, Protocol};
+use super::http::wire::{Meter, MeteredIo, RequestBytes};
+use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercept;
 use super::limits::Permit;
 use super::{Ctx, Outcome, View};
@@ -553,76 +548,8 @@ async fn forward(
     );
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
-    let (upstream, addr) = match ctx.dial(&addrs, port).await {
-        Ok(ok) => ok,
-        Err(e) => return connect::dial_failed(&ctx, &mut conn, e).await.response(),
-    };
-    conn.ip = Some(addr.ip());
-    let written = match connect::write(&ctx, &conn).await {
-        Ok(w) => w,
-        Err(w) => return Failure::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
-    };
-
     let head_estimate = head_size(&req) as u64;
-    let up_count = Arc::new(AtomicU64::new(0));
-    let up = match bytes {
-        Some(bytes) => UpCount::Wire(bytes),
-        // Only if the meter lost track (it stops where hyper refuses).
-        None => UpCount::Estimate {
-            head: head_estimate,
-            body: up_count.clone(),
-        },
-    };
-    let exchange = Exchange {
-        ctx: ctx.clone(),
-        req: conn,
-        id: written.id,
-        shown: written.shown,
-        started,
-        up: Box::new(move || up.get()),
-        with_status: false,
-        on_close: None,
-    };
-    let mut sender = match Sender::handshake(upstream, false, &ctx.tasks).await {
-        Ok(s) => s,
-        Err(e) => return exchange.failed(NoResponse::Failed(e)),
-    };
-
-    // Rebuild the request in origin form, without hop-by-hop headers.
-    let (mut parts, body) = req.into_parts();
-    let path = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .to_string();
-    parts.uri = match Uri::builder().path_and_query(path).build() {
-        Ok(uri) => uri,
-        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
-    };
-    strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(header::HOST) {
-        let value = match (&host, port) {
-            (Host::Ip(std::net::IpAddr::V6(v6)), 80) => format!("[{v6}]"),
-            (Host::Ip(std::net::IpAddr::V6(v6)), p) => format!("[{v6}]:{p}"),
-            (h, 80) => h.to_string(),
-            (h, p) => format!("{h}:{p}"),
-        };
-        if let Ok(v) = HeaderValue::from_str(&value) {
-            parts.headers.insert(header::HOST, v);
-        }
-    }
-    let body = Metered::new(body, up_count).boxed();
-    let fut = match sender.send(Request::from_parts(parts, body)).await {
-        Ok(fut) => fut,
-        Err(_) => {
-            let e = NoResponse::NotSent("upstream connection closed".into());
-            return exchange.failed(e);
-        }
-    };
-    match client::response(fut, ctx.limits.response_timeout.get()).await {
-        Ok(resp) => exchange.relay(resp),
-        Err(e) => exchange.failed(e),
-    }
+    super::forward::absolute(ctx, conn, &addrs, req, (bytes, head_estimate), started).await
 }
 
 #[cfg(test)]

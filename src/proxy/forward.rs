@@ -4,20 +4,33 @@
 //! write the request's close record when the response ends; or, without a
 //! complete response head, write the close record with the cause and
 //! answer the one failure for it ([`Failure::NoResponse`]).
+//!
+//! [`absolute`] takes an explicit-mode absolute-form request from its
+//! allow to its response, over an idle upstream connection of the
+//! [`pool`](super::pool) when there is one for its key, else a new one.
 
+use std::net::IpAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::Response;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
+use tokio::net::TcpStream;
 
 use super::conn::Conn;
+use super::connect;
 use super::failure::Failure;
-use super::http::body::Metered;
-use super::http::client::NoResponse;
-use super::http::{strip_hop_by_hop, Body};
+use super::http::body::{Metered, OnComplete};
+use super::http::client::{Attempt, NoResponse, Sender};
+use super::http::wire::{RequestBytes, UpCount};
+use super::http::{full, strip_hop_by_hop, Body};
+use super::pool::{self, Key};
 use super::Ctx;
+use crate::policy::Reason;
+use crate::proto::target::Host;
 
 /// Called with the request's `(bytes_up, bytes_down)` when it closes.
 pub type OnClose = Box<dyn FnOnce(u64, u64) + Send + Sync>;
@@ -41,6 +54,16 @@ pub struct Exchange {
 impl Exchange {
     /// Relay `resp`; the close record is written when its body ends.
     pub fn relay(self, resp: Response<Incoming>) -> Response<Body> {
+        self.relay_then(resp, None)
+    }
+
+    /// [`Exchange::relay`], then `on_complete` if the response body was
+    /// read to its end.
+    fn relay_then(
+        self,
+        resp: Response<Incoming>,
+        on_complete: Option<OnComplete>,
+    ) -> Response<Body> {
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let status = self.with_status.then_some(parts.status.as_u16());
@@ -53,7 +76,12 @@ impl Exchange {
             close.status = status;
             self.ctx.submit(&mut close);
         });
-        Response::from_parts(parts, Metered::on_finish(body, finish).boxed())
+        let body = Metered::on_finish(body, finish);
+        let body = match on_complete {
+            Some(f) => body.on_complete(f),
+            None => body,
+        };
+        Response::from_parts(parts, body.boxed())
     }
 
     /// No complete response came: close the request with the cause (no
@@ -63,5 +91,288 @@ impl Exchange {
         close.detail = Some(e.to_string());
         self.ctx.submit(&mut close);
         Failure::NoResponse(e).response(&self.shown, None)
+    }
+}
+
+/// The upstream connection an allowed request goes over.
+enum Upstream {
+    /// Idle in the pool, kept for this request's key.
+    Pooled(Sender),
+    /// Just dialled.
+    Dialled(TcpStream),
+}
+
+/// Forward an allowed absolute-form request (explicit mode): take an idle
+/// pooled connection to one of `addrs` (each checked by its decision) or
+/// dial them in order; record the decision with the address reached
+/// (`conn.ip`) before a byte is sent; send the request in origin form;
+/// relay the response, its close record written at its end. A connection
+/// whose response was read to its end goes back to the pool.
+///
+/// A pooled connection the upstream closed just as the request came is
+/// not the client's problem: a request not a byte of which was written
+/// goes again over a new connection to the same address, and so does one
+/// that was written if it is idempotent and has no body ([`retry_fresh`]).
+/// The request keeps its one decision record: the address is the same.
+pub async fn absolute(
+    ctx: Arc<Ctx>,
+    mut conn: Conn,
+    addrs: &[IpAddr],
+    req: Request<Incoming>,
+    (bytes, head_estimate): (Option<Arc<RequestBytes>>, u64),
+    started: Instant,
+) -> Response<Body> {
+    let (host, port) = (conn.host.clone(), conn.port);
+    // Only an org's allowed request is pooled (never one of no org).
+    let org = conn.view.org.as_ref().map(|o| o.name.clone());
+    let pooled = org
+        .as_ref()
+        .and_then(|org| ctx.upstream_pool.checkout(org, &host, port, addrs));
+    let (upstream, addr) = match pooled {
+        Some((sender, addr)) => (Upstream::Pooled(sender), addr),
+        None => match ctx.dial(addrs, port).await {
+            Ok((stream, addr)) => (Upstream::Dialled(stream), addr),
+            Err(e) => return connect::dial_failed(&ctx, &mut conn, e).await.response(),
+        },
+    };
+    conn.ip = Some(addr.ip());
+    let written = match connect::write(&ctx, &conn).await {
+        Ok(w) => w,
+        Err(w) => return Failure::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
+    };
+
+    let up_count = Arc::new(AtomicU64::new(0));
+    let up = match bytes {
+        Some(bytes) => UpCount::Wire(bytes),
+        // Only if the meter lost track (it stops where hyper refuses).
+        None => UpCount::Estimate {
+            head: head_estimate,
+            body: up_count.clone(),
+        },
+    };
+    let exchange = Exchange {
+        ctx: ctx.clone(),
+        req: conn,
+        id: written.id,
+        shown: written.shown,
+        started,
+        up: Box::new(move || up.get()),
+        with_status: false,
+        on_close: None,
+    };
+
+    let (parts, body) = match origin_form(req, &host, port) {
+        Ok(p) => p,
+        Err(e) => return exchange.failed(NoResponse::NotSent(e)),
+    };
+    let reused = matches!(upstream, Upstream::Pooled(_));
+    // What a retry needs to send the request again, kept only when one
+    // could be (a reused connection, an idempotent request without a body).
+    let again = (reused && replayable(&parts.method, body.is_end_stream())).then(|| Resend {
+        method: parts.method.clone(),
+        uri: parts.uri.clone(),
+        version: parts.version,
+        headers: parts.headers.clone(),
+    });
+    let req = Request::from_parts(parts, Metered::new(body, up_count).boxed());
+    let mut sender = match upstream {
+        Upstream::Pooled(sender) => sender,
+        Upstream::Dialled(stream) => match Sender::handshake(stream, false, &ctx.tasks).await {
+            Ok(s) => s,
+            Err(e) => return exchange.failed(NoResponse::Failed(e)),
+        },
+    };
+    let timeout = ctx.limits.response_timeout.get();
+    let result = match sender.exchange(req, timeout).await {
+        Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
+        Err(Attempt::Failed(e)) if retry_fresh(reused, again.is_some(), e.is_connection_lost()) => {
+            match again {
+                Some(again) => resend(&ctx, addr, &mut sender, again.request()).await,
+                None => Err(Attempt::Failed(e)),
+            }
+        }
+        other => other,
+    };
+    match result {
+        Ok(resp) => {
+            let give_back = org.map(|org| {
+                let key = Key {
+                    org,
+                    host,
+                    port,
+                    addr,
+                };
+                let ctx = ctx.clone();
+                Box::new(move || pool::give_back(&ctx, key, sender)) as OnComplete
+            });
+            exchange.relay_then(resp, give_back)
+        }
+        Err(Attempt::Unsent(_)) => {
+            exchange.failed(NoResponse::NotSent("upstream connection closed".into()))
+        }
+        Err(Attempt::Failed(e)) => exchange.failed(e),
+    }
+}
+
+/// Send `req` again over a new connection to the address the request was
+/// decided and recorded for (no other: the record names it); `sender`
+/// becomes that connection.
+async fn resend(
+    ctx: &Ctx,
+    addr: std::net::SocketAddr,
+    sender: &mut Sender,
+    req: Request<Body>,
+) -> Result<Response<Incoming>, Attempt> {
+    let (stream, _) = ctx
+        .dial(&[addr.ip()], addr.port())
+        .await
+        .map_err(|e| Attempt::Failed(NoResponse::NotSent(format!("reconnecting: {e}"))))?;
+    *sender = Sender::handshake(stream, false, &ctx.tasks)
+        .await
+        .map_err(|e| Attempt::Failed(NoResponse::Failed(e)))?;
+    sender
+        .exchange(req, ctx.limits.response_timeout.get())
+        .await
+}
+
+/// The request in origin form for the upstream, hop-by-hop headers gone,
+/// a Host header added when it had none.
+fn origin_form(
+    req: Request<Incoming>,
+    host: &Host,
+    port: u16,
+) -> Result<(http::request::Parts, Incoming), String> {
+    let (mut parts, body) = req.into_parts();
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    parts.uri = Uri::builder()
+        .path_and_query(path)
+        .build()
+        .map_err(|e| e.to_string())?;
+    strip_hop_by_hop(&mut parts.headers);
+    if !parts.headers.contains_key(header::HOST) {
+        if let Ok(v) = HeaderValue::from_str(&host_header(host, port)) {
+            parts.headers.insert(header::HOST, v);
+        }
+    }
+    Ok((parts, body))
+}
+
+/// `host[:port]` as a Host header names it (the port only when not 80).
+fn host_header(host: &Host, port: u16) -> String {
+    match (host, port) {
+        (Host::Ip(IpAddr::V6(v6)), 80) => format!("[{v6}]"),
+        (Host::Ip(IpAddr::V6(v6)), p) => format!("[{v6}]:{p}"),
+        (h, 80) => h.to_string(),
+        (h, p) => format!("{h}:{p}"),
+    }
+}
+
+/// A request head kept to send again.
+struct Resend {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    headers: HeaderMap,
+}
+
+impl Resend {
+    fn request(self) -> Request<Body> {
+        let mut req = Request::new(full(bytes::Bytes::new()));
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.version_mut() = self.version;
+        *req.headers_mut() = self.headers;
+        req
+    }
+}
+
+/// Whether a request may be sent again after a connection failed under
+/// it: idempotent (RFC 9110 §9.2.2) and without a body to replay.
+fn replayable(method: &Method, body_empty: bool) -> bool {
+    body_empty
+        && matches!(
+            *method,
+            Method::GET
+                | Method::HEAD
+                | Method::OPTIONS
+                | Method::TRACE
+                | Method::PUT
+                | Method::DELETE
+        )
+}
+
+/// Whether a request that failed on its connection goes again over a new
+/// one: only off a reused connection (a new one failing is the upstream's
+/// answer), only when the connection was lost before a response came, and
+/// only a request that may be replayed (RFC 9112 §9.3.1). A request not a
+/// byte of which was written always may ([`Attempt::Unsent`]).
+fn retry_fresh(reused: bool, replayable: bool, connection_lost: bool) -> bool {
+    reused && replayable && connection_lost
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_bodiless_idempotent_requests_replay() {
+        for m in [
+            Method::GET,
+            Method::HEAD,
+            Method::PUT,
+            Method::DELETE,
+            Method::OPTIONS,
+        ] {
+            assert!(replayable(&m, true), "{m}");
+            assert!(!replayable(&m, false), "{m} with a body");
+        }
+        for m in [Method::POST, Method::PATCH, Method::CONNECT] {
+            assert!(!replayable(&m, true), "{m}");
+        }
+    }
+
+    #[test]
+    fn only_a_reused_connection_lost_under_a_replayable_request_retries() {
+        assert!(retry_fresh(true, true, true));
+        assert!(
+            !retry_fresh(false, true, true),
+            "a new connection's failure stands"
+        );
+        assert!(!retry_fresh(true, false, true), "not replayable");
+        assert!(
+            !retry_fresh(true, true, false),
+            "a timeout or bad response stands"
+        );
+    }
+
+    #[test]
+    fn host_header_names_the_port_unless_80() {
+        let name = Host::Name("a.test".into());
+        assert_eq!(host_header(&name, 80), "a.test");
+        assert_eq!(host_header(&name, 8080), "a.test:8080");
+        let v6 = Host::Ip("2001:db8::1".parse().unwrap());
+        assert_eq!(host_header(&v6, 80), "[2001:db8::1]");
+        assert_eq!(host_header(&v6, 81), "[2001:db8::1]:81");
+    }
+
+    #[test]
+    fn a_resent_request_keeps_its_head_and_has_no_body() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, HeaderValue::from_static("a.test"));
+        let req = Resend {
+            method: Method::GET,
+            uri: Uri::from_static("/x?y"),
+            version: Version::HTTP_11,
+            headers,
+        }
+        .request();
+        assert_eq!(req.method(), Method::GET);
+        assert_eq!(req.uri(), "/x?y");
+        assert_eq!(req.headers()[header::HOST], "a.test");
+        assert!(req.body().is_end_stream());
     }
 }

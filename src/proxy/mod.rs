@@ -26,6 +26,7 @@ pub mod forward;
 pub mod http;
 pub mod intercept;
 pub mod limits;
+pub mod pool;
 pub mod socks5;
 pub mod transparent;
 pub mod tunnel;
@@ -81,6 +82,8 @@ pub struct Ctx {
     pub detect: limits::DetectMemory,
     /// Refused connections being drained before close (bounded).
     pub refusal_drains: Arc<tokio::sync::Semaphore>,
+    /// Idle upstream connections of absolute-form HTTP kept for reuse.
+    pub upstream_pool: pool::UpstreamPool,
     /// Stop accepting; finish in-flight requests.
     pub shutdown: CancellationToken,
     /// The drain grace period is over: close tunnels now.

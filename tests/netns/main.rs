@@ -22,6 +22,7 @@ mod lifecycle;
 mod metrics;
 mod noisy;
 mod policy;
+mod pool;
 mod probe;
 mod reload;
 mod report;

@@ -32,6 +32,9 @@ pub(super) fn validate_proxy(
         response_timeout,
         detect_timeout,
         drain_timeout,
+        upstream_idle_timeout,
+        max_idle_upstream_connections,
+        max_idle_upstream_connections_per_target,
     } = raw;
     let d = Limits::default();
     let idle_timeout: IdleTimeout = timeout(idle_timeout, errors);
@@ -84,6 +87,18 @@ pub(super) fn validate_proxy(
         response_timeout,
         detect_timeout: timeout(detect_timeout, errors),
         drain_timeout: timeout(drain_timeout, errors),
+        upstream_idle_timeout: timeout(upstream_idle_timeout, errors),
+        // 0 keeps no idle upstream connection: reuse off.
+        max_idle_upstream_connections: count_or_zero(
+            max_idle_upstream_connections,
+            d.max_idle_upstream_connections,
+            errors,
+        ),
+        max_idle_upstream_connections_per_target: count(
+            max_idle_upstream_connections_per_target,
+            d.max_idle_upstream_connections_per_target,
+            errors,
+        ),
     };
     ProxyConfig {
         listen: listen
@@ -100,6 +115,22 @@ pub(super) fn validate_proxy(
             .collect(),
         limits,
     }
+}
+
+/// A count where 0 means "none": `default` when unset.
+fn count_or_zero(
+    value: Option<toml::Spanned<i64>>,
+    default: usize,
+    errors: &mut Errors<'_>,
+) -> usize {
+    let Some(value) = value else { return default };
+    usize::try_from(*value.get_ref()).unwrap_or_else(|_| {
+        errors.at(
+            value.span(),
+            format!("limit {} must be 0 or a positive integer", value.get_ref()),
+        );
+        default
+    })
 }
 
 #[cfg(test)]
@@ -196,6 +227,42 @@ mod tests {
         let zero = format!("{BASE}[evidence]\nmax_records_per_second_per_org = 0\n");
         let e = first_error(&zero);
         assert!(e.contains("positive") && e.starts_with("t.toml:10:"), "{e}");
+    }
+
+    #[test]
+    fn upstream_reuse_keys_have_defaults_zero_turns_it_off_and_errors_are_located() {
+        let d = parse(BASE).unwrap().proxy.limits;
+        assert_eq!(d.max_idle_upstream_connections, 256);
+        assert_eq!(d.max_idle_upstream_connections_per_target, 64);
+        assert_eq!(d.upstream_idle_timeout.get(), Duration::from_secs(30));
+        let src = BASE.replace(
+            "[proxy]\n",
+            "[proxy]\nmax_idle_upstream_connections = 0\nupstream_idle_timeout = \"10m\"\n",
+        );
+        let c = parse(&src).unwrap().proxy.limits;
+        assert_eq!(c.max_idle_upstream_connections, 0);
+        assert_eq!(c.upstream_idle_timeout.get(), Duration::from_secs(600));
+        for (line, want) in [
+            (
+                "max_idle_upstream_connections = -1",
+                "t.toml:3:33: limit -1 must be 0 or a positive integer",
+            ),
+            (
+                "max_idle_upstream_connections_per_target = 0",
+                "t.toml:3:44: limit 0 must be a positive integer",
+            ),
+            (
+                "upstream_idle_timeout = \"11m\"",
+                "t.toml:3:25: upstream_idle_timeout \"11m\" is above the maximum of 10m",
+            ),
+            (
+                "upstream_idle_timeout = \"0s\"",
+                "t.toml:3:25: duration \"0s\" must be positive",
+            ),
+        ] {
+            let src = BASE.replace("[proxy]\n", &format!("[proxy]\n{line}\n"));
+            assert_eq!(first_error(&src), want, "{line}");
+        }
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! A body that counts the bytes passing through and, once, at its end (or
 //! when dropped before it), hands the count to an `on_finish` hook: the
-//! close record of a forwarded request is written from there.
+//! close record of a forwarded request is written from there. An
+//! `on_complete` hook runs after it only if the body was read to its very
+//! end (not on an error, not when dropped early): a pooled upstream
+//! connection goes back from there.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,11 +16,17 @@ use hyper::body::{Body, Frame, SizeHint};
 /// Called once with the bytes counted.
 pub type OnFinish = Box<dyn FnOnce(u64) + Send + Sync>;
 
+/// Called once the body was read to its end.
+pub type OnComplete = Box<dyn FnOnce() + Send + Sync>;
+
 /// `inner`, counted into `count`.
 pub struct Metered<B> {
     inner: B,
     count: Arc<AtomicU64>,
     on_finish: Option<OnFinish>,
+    on_complete: Option<OnComplete>,
+    /// `inner` said it is at its end (a reader may stop polling then).
+    at_end: bool,
 }
 
 impl<B> Metered<B> {
@@ -27,6 +36,8 @@ impl<B> Metered<B> {
             inner,
             count,
             on_finish: None,
+            on_complete: None,
+            at_end: false,
         }
     }
 
@@ -36,19 +47,40 @@ impl<B> Metered<B> {
             inner,
             count: Arc::default(),
             on_finish: Some(on_finish),
+            on_complete: None,
+            at_end: false,
         }
     }
 
-    fn finish(&mut self) {
+    /// Also call `on_complete` (after `on_finish`) if the body is read to
+    /// its end.
+    pub fn on_complete(mut self, on_complete: OnComplete) -> Self
+    where
+        B: Body,
+    {
+        self.at_end = self.inner.is_end_stream();
+        self.on_complete = Some(on_complete);
+        self
+    }
+
+    fn finish(&mut self, complete: bool) {
         if let Some(f) = self.on_finish.take() {
             f(self.count.load(Ordering::Relaxed));
+        }
+        if let Some(f) = self.on_complete.take() {
+            if complete {
+                f();
+            }
         }
     }
 }
 
 impl<B> Drop for Metered<B> {
     fn drop(&mut self) {
-        self.finish();
+        // A reader may stop polling once the body says it is at its end
+        // (an empty body, or its last frame read): complete all the same.
+        let complete = self.at_end;
+        self.finish(complete);
     }
 }
 
@@ -70,8 +102,10 @@ where
                 if let Some(data) = frame.data_ref() {
                     this.count.fetch_add(data.len() as u64, Ordering::Relaxed);
                 }
+                this.at_end = this.inner.is_end_stream();
             }
-            Poll::Ready(None) | Poll::Ready(Some(Err(_))) => this.finish(),
+            Poll::Ready(None) => this.finish(true),
+            Poll::Ready(Some(Err(_))) => this.finish(false),
             Poll::Pending => {}
         }
         polled
@@ -113,8 +147,62 @@ mod tests {
         assert_eq!(*seen.lock().unwrap(), vec![5, 0]);
 
         let shared = Arc::new(AtomicU64::new(0));
+        let shared_body = Metered::new(Full::new(Bytes::from_static(b"abc")), shared.clone());
+        drop(shared_body);
+        assert_eq!(shared.load(Ordering::Relaxed), 0);
         let body = Metered::new(Full::new(Bytes::from_static(b"abc")), shared.clone());
         body.collect().await.unwrap();
         assert_eq!(shared.load(Ordering::Relaxed), 3);
+    }
+
+    /// A body with one frame that is not at its end until polled once more.
+    struct TwoStep(u8);
+
+    impl Body for TwoStep {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            self.0 += 1;
+            match self.0 {
+                1 => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"ab"))))),
+                _ => Poll::Ready(None),
+            }
+        }
+
+        fn is_end_stream(&self) -> bool {
+            self.0 >= 2
+        }
+    }
+
+    #[tokio::test]
+    async fn complete_only_when_read_to_the_end() {
+        let completed = Arc::new(Mutex::new(Vec::new()));
+        let metered = |name: &'static str, body: TwoStep| {
+            let (c, f) = (completed.clone(), completed.clone());
+            Metered::on_finish(body, Box::new(move |n| f.lock().unwrap().push((name, n))))
+                .on_complete(Box::new(move || c.lock().unwrap().push((name, 99))))
+        };
+        // Read to the end.
+        metered("full", TwoStep(0)).collect().await.unwrap();
+        // Dropped before its end.
+        let mut early = metered("early", TwoStep(0));
+        let _ = std::future::poll_fn(|cx| Pin::new(&mut early).poll_frame(cx)).await;
+        drop(early);
+        // Dropped at its end without the last poll (as hyper does).
+        drop(metered("at-end", TwoStep(2)));
+        assert_eq!(
+            *completed.lock().unwrap(),
+            vec![
+                ("full", 2),
+                ("full", 99),
+                ("early", 2),
+                ("at-end", 0),
+                ("at-end", 99)
+            ]
+        );
     }
 }

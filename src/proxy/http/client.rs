@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -79,6 +80,28 @@ impl Sender {
         matches!(self, Sender::H2(_))
     }
 
+    /// Whether the connection can take a request now (HTTP/1.1: idle,
+    /// its last exchange over).
+    pub fn is_ready(&self) -> bool {
+        match self {
+            Sender::H1(s) => s.is_ready(),
+            Sender::H2(s) => s.is_ready(),
+        }
+    }
+
+    /// Ready for a request; an error once the connection closed.
+    pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<()>> {
+        match self {
+            Sender::H1(s) => s.poll_ready(cx),
+            Sender::H2(s) => s.poll_ready(cx),
+        }
+    }
+
+    /// Wait until the connection can take a request; an error once it closed.
+    pub async fn ready(&mut self) -> hyper::Result<()> {
+        std::future::poll_fn(|cx| self.poll_ready(cx)).await
+    }
+
     /// Hand `req` to the connection once it can take one (HTTP/1.1: after
     /// the previous exchange); `Err(req)` if the connection closed first.
     pub async fn send(&mut self, req: Request<Body>) -> Result<ResponseFuture, Request<Body>> {
@@ -92,6 +115,74 @@ impl Sender {
             }
         }
     }
+
+    /// Send `req` and wait for the response head, at most `timeout`. A
+    /// request the connection closed before writing any of it comes back
+    /// untouched ([`Attempt::Unsent`]): it may go to another connection,
+    /// whatever its method.
+    pub async fn exchange(
+        &mut self,
+        req: Request<Body>,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, Attempt> {
+        if self.ready().await.is_err() {
+            return Err(Attempt::Unsent(Box::new(req)));
+        }
+        let fut = match self {
+            Sender::H1(s) => s.try_send_request(req),
+            Sender::H2(s) => {
+                let mut s = s.clone();
+                return response(s.send_request(req), timeout)
+                    .await
+                    .map_err(Attempt::Failed);
+            }
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(mut e)) => match e.take_message() {
+                Some(req) => Err(Attempt::Unsent(Box::new(req))),
+                None => Err(Attempt::Failed(NoResponse::Failed(e.into_error()))),
+            },
+            Err(_) => Err(Attempt::Failed(NoResponse::Timeout)),
+        }
+    }
+}
+
+/// A request [`Sender::exchange`] got no response head for.
+#[derive(Debug)]
+pub enum Attempt {
+    /// Not a byte of it was written (boxed: it is large, and rare).
+    Unsent(Box<Request<Body>>),
+    Failed(NoResponse),
+}
+
+impl NoResponse {
+    /// The connection closed or was reset before a complete response head
+    /// came: what a kept-alive connection the upstream just closed looks
+    /// like (RFC 9112 §9.3.1), as opposed to a timeout or a response that
+    /// is not HTTP.
+    pub fn is_connection_lost(&self) -> bool {
+        let NoResponse::Failed(e) = self else {
+            return false;
+        };
+        if e.is_incomplete_message() || e.is_canceled() {
+            return true;
+        }
+        let mut source = std::error::Error::source(e);
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                return matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::BrokenPipe
+                        | std::io::ErrorKind::UnexpectedEof
+                );
+            }
+            source = s.source();
+        }
+        false
+    }
 }
 
 /// Wait for the response head, at most `timeout`.
@@ -102,5 +193,70 @@ pub async fn response(
     match tokio::time::timeout(timeout, fut).await {
         Ok(r) => Ok(r?),
         Err(_) => Err(NoResponse::Timeout),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncReadExt;
+
+    use super::super::full;
+    use super::*;
+
+    fn get() -> Request<Body> {
+        Request::builder()
+            .uri("/")
+            .header("host", "a.test")
+            .body(full(""))
+            .unwrap()
+    }
+
+    async fn connected() -> (Sender, tokio::io::DuplexStream, TaskTracker) {
+        let (client, server) = tokio::io::duplex(4096);
+        let tasks = TaskTracker::new();
+        let sender = Sender::handshake(client, false, &tasks).await.unwrap();
+        (sender, server, tasks)
+    }
+
+    #[tokio::test]
+    async fn closed_after_reading_the_request_is_a_lost_connection() {
+        let (mut sender, mut server, _tasks) = connected().await;
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1024];
+            let _ = server.read(&mut buf).await;
+        });
+        match sender.exchange(get(), Duration::from_secs(5)).await {
+            Err(Attempt::Failed(e)) => assert!(e.is_connection_lost(), "{e}"),
+            Err(Attempt::Unsent(_)) => panic!("it was written"),
+            Ok(resp) => panic!("{resp:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn closed_before_the_request_gives_it_back_unsent() {
+        let (mut sender, server, _tasks) = connected().await;
+        drop(server);
+        for _ in 0..500 {
+            if sender.is_closed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert!(sender.is_closed());
+        assert!(!sender.is_ready());
+        let got = sender.exchange(get(), Duration::from_secs(5)).await;
+        assert!(matches!(got, Err(Attempt::Unsent(_))), "{got:?}");
+    }
+
+    #[tokio::test]
+    async fn no_answer_in_time_is_a_timeout_not_a_lost_connection() {
+        let (mut sender, _server, _tasks) = connected().await;
+        match sender.exchange(get(), Duration::from_millis(20)).await {
+            Err(Attempt::Failed(e)) => {
+                assert!(matches!(e, NoResponse::Timeout), "{e}");
+                assert!(!e.is_connection_lost());
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }
