@@ -10,14 +10,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::conn::Conn;
 use super::failure::Failure;
+use super::http::wire::MeteredIo;
 use super::http::Body;
 use super::intercept::{self, serve::Session, Plan};
+use super::splice::Stream;
 use super::tunnel::{self, Detected};
 use super::{verify, Ctx, DialError, View};
 use crate::config::Carry;
@@ -180,7 +183,7 @@ pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
 /// judged and replayed too.
 pub async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
 where
-    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    C: Stream + 'static,
 {
     let Opened {
         upstream,
@@ -247,10 +250,28 @@ where
     }
     if let Plan::Intercept(how) = conn.plan.clone() {
         let session = Session::new(ctx.clone(), conn, id, addr, how);
-        intercept::serve::serve(session, client, first, upstream).await;
+        // Boxed: its state is large, and a tunnel that is not intercepted
+        // should not carry room for it.
+        Box::pin(intercept::serve::serve(session, client, first, upstream)).await;
         return;
     }
     relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
+}
+
+/// [`run`] for a CONNECT tunnel as hyper hands it over: on the TCP socket
+/// under it (so that the tunnel can splice), with any bytes hyper read past
+/// the CONNECT head as the first client bytes; on the upgrade itself
+/// (copied in user space) if hyper would not give the socket back.
+pub async fn run_upgraded(ctx: Arc<Ctx>, upgraded: Upgraded, opened: Opened) {
+    match upgraded.downcast::<TokioIo<MeteredIo<TcpStream>>>() {
+        Ok(parts) => {
+            // An empty read buffer is dropped here, not held by the tunnel.
+            let first = parts.read_buf.to_vec();
+            let client = parts.io.into_inner().into_inner();
+            Box::pin(run(ctx, client, opened, first)).await
+        }
+        Err(upgraded) => Box::pin(run(ctx, TokioIo::new(upgraded), opened, Vec::new())).await,
+    }
 }
 
 /// The bounds a tunnel verifier applies: the explicit listener's head limits.
@@ -275,7 +296,7 @@ pub async fn relay<C>(
     conn: &Conn,
     id: &str,
 ) where
-    C: AsyncRead + AsyncWrite + Unpin,
+    C: Stream,
 {
     let started = Instant::now();
     let Some(guard) = guard else {
@@ -397,7 +418,7 @@ async fn run_opaque<C>(
     mut conn: Conn,
     mut first: Vec<u8>,
 ) where
-    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    C: Stream + 'static,
 {
     let report = conn.view.is_report();
     conn.tunnel = Some(Carry::Opaque);

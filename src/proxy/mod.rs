@@ -27,6 +27,7 @@ pub mod http;
 pub mod intercept;
 pub mod limits;
 pub mod socks5;
+pub mod splice;
 pub mod transparent;
 pub mod tunnel;
 pub mod verify;
