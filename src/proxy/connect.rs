@@ -162,17 +162,22 @@ pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refuse
 /// the operating system: `Ok`, or `Err` if it could not be written (then
 /// nothing may flow).
 pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
-    let mut record = conn.record();
-    let written = ctx.write(&mut record).await;
-    let w = Written {
-        shown: record.shown().to_string(),
-        id: record.id,
-    };
-    if written {
-        Ok(w)
-    } else {
-        Err(w)
-    }
+    // Boxed: a record and its write are large, and a tunnel task would
+    // otherwise keep room for them all its life.
+    Box::pin(async {
+        let mut record = conn.record();
+        let written = ctx.write(&mut record).await;
+        let w = Written {
+            shown: record.shown().to_string(),
+            id: record.id,
+        };
+        if written {
+            Ok(w)
+        } else {
+            Err(w)
+        }
+    })
+    .await
 }
 
 /// After the client was told the tunnel is open: check its first bytes
@@ -192,7 +197,7 @@ where
     } = opened;
     let carry = conn.carry();
     if carry == Carry::Opaque {
-        return run_opaque(ctx, client, upstream, conn, first).await;
+        return Box::pin(run_opaque(ctx, client, upstream, conn, first)).await;
     }
     // Bytes held to judge the first unit are charged to the detection
     // budget inside `verify::first`, and released once it is judged.
@@ -222,7 +227,7 @@ where
             let reason = verify::reason(v.kind);
             if !(conn.view.is_report() && reason.reportable()) {
                 let mut r = violation_record(&conn, &v, None, false);
-                ctx.write(&mut r).await;
+                Box::pin(ctx.write(&mut r)).await;
                 debug!(reason = %reason, record = %r.id, "tunnel denied on its first bytes");
                 return; // both sides dropped: nothing reached the upstream
             }
@@ -338,7 +343,7 @@ pub async fn relay<C>(
         verify::End::Closed => {}
         verify::End::Violation(v) => {
             let mut r = violation_record(conn, &v, Some(id), false);
-            ctx.write(&mut r).await;
+            Box::pin(ctx.write(&mut r)).await;
             debug!(reason = %r.reason, record = %r.id, "tunnel cut by verification");
         }
         verify::End::OverBudget => {
@@ -348,7 +353,7 @@ pub async fn relay<C>(
                 Some(super::DETECT_BUDGET_EXHAUSTED.into()),
             );
             over.within = Some(id.to_string());
-            ctx.write(&mut over.record()).await;
+            Box::pin(ctx.write(&mut over.record())).await;
         }
     }
     close(ctx, conn, id, totals, started);

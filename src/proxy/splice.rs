@@ -362,8 +362,10 @@ mod tests {
         (a.unwrap(), b.unwrap().0)
     }
 
-    /// Bound of [`tunnel_task_state_is_small`].
-    const TASK_STATE_MAX: usize = 64 * 1024;
+    /// Bound of [`tunnel_task_state_is_small`] (a debug build; 10.7 KB
+    /// before the intercept path, the opaque path and the record writes
+    /// were boxed and the pumps' directions pinned in place).
+    const TASK_STATE_MAX: usize = 4 * 1024;
 
     #[test]
     fn want_is_bounded_by_the_limit_and_the_pipe() {

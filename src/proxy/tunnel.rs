@@ -147,8 +147,15 @@ where
         forward(&mut client_r, &mut upstream_w, &up, &touch).await;
     };
     let down_dir = forward(&mut upstream_r, &mut client_w, &down, &touch);
+    // Pinned here and polled through references: every tunnel task holds
+    // one copy of each direction's state, not one per combinator.
+    tokio::pin!(up_dir, down_dir);
+    let both = async {
+        tokio::join!(&mut up_dir, &mut down_dir);
+    };
+    tokio::pin!(both);
     tokio::select! {
-        _ = async { tokio::join!(up_dir, down_dir) } => {}
+        _ = &mut both => {}
         _ = idle_for(idle, start, &last) => {}
         _ = stop.cancelled() => {}
     }

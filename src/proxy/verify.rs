@@ -355,7 +355,9 @@ where
                 }
                 drop(held);
                 budget.release();
-                tunnel::forward(&mut client_r, &mut upstream_w, &up, &touch).await;
+                // Boxed, as every branch below that is not where an idle
+                // tunnel waits: the task keeps room only for the largest.
+                Box::pin(tunnel::forward(&mut client_r, &mut upstream_w, &up, &touch)).await;
                 return End::Closed;
             }
             if !held.is_empty() {
@@ -399,7 +401,7 @@ where
                 if body > 0 {
                     if let (Some(from), Some(to)) = (client_r.as_tcp(), upstream_w.as_tcp()) {
                         let before = up.load(Ordering::Relaxed);
-                        let end = splice::splice(from, to, Some(body), &up, &touch).await;
+                        let end = Box::pin(splice::splice(from, to, Some(body), &up, &touch)).await;
                         lock().client_passed(up.load(Ordering::Relaxed) - before);
                         match end {
                             Spliced::Limit => continue,
@@ -425,27 +427,29 @@ where
             let mut room = (&mut held).limit(READ_CHUNK);
             let read = client_r.read_buf(&mut room);
             let read = match unit_since {
-                Some(since) => match tokio::time::timeout_at(since + unit_timeout, read).await {
-                    Ok(read) => read,
-                    Err(_) => {
-                        let v = Violation::new(
-                            ViolationKind::ProtocolMismatch,
-                            None,
-                            format!(
-                                "a unit incomplete {} after its first byte",
-                                humantime::format_duration(unit_timeout)
-                            ),
-                        );
-                        match report {
-                            Some(report) => {
-                                report(&v);
-                                opaque = true;
-                                continue;
+                Some(since) => {
+                    match Box::pin(tokio::time::timeout_at(since + unit_timeout, read)).await {
+                        Ok(read) => read,
+                        Err(_) => {
+                            let v = Violation::new(
+                                ViolationKind::ProtocolMismatch,
+                                None,
+                                format!(
+                                    "a unit incomplete {} after its first byte",
+                                    humantime::format_duration(unit_timeout)
+                                ),
+                            );
+                            match report {
+                                Some(report) => {
+                                    report(&v);
+                                    opaque = true;
+                                    continue;
+                                }
+                                None => return End::Violation(v),
                             }
-                            None => return End::Violation(v),
                         }
                     }
-                },
+                }
                 None => read.await,
             };
             match read {
@@ -464,7 +468,13 @@ where
             if client_opaque.load(Ordering::Relaxed) {
                 // Nothing left to follow on this side either.
                 drop(std::mem::take(&mut buf));
-                tunnel::forward(&mut upstream_r, &mut client_w, &down, &touch).await;
+                Box::pin(tunnel::forward(
+                    &mut upstream_r,
+                    &mut client_w,
+                    &down,
+                    &touch,
+                ))
+                .await;
                 break;
             }
             // The rest of a response body of known length goes by
@@ -474,7 +484,7 @@ where
                 if let (Some(from), Some(to)) = (upstream_r.as_tcp(), client_w.as_tcp()) {
                     buf = Vec::new();
                     let before = down.load(Ordering::Relaxed);
-                    let end = splice::splice(from, to, Some(body), &down, &touch).await;
+                    let end = Box::pin(splice::splice(from, to, Some(body), &down, &touch)).await;
                     lock().server_passed(down.load(Ordering::Relaxed) - before);
                     server_seen.notify_waiters();
                     match end {
@@ -517,10 +527,10 @@ where
     };
 
     // Both directions until both finish; a violation ends the tunnel at
-    // once, whatever the upstream is still sending.
+    // once, whatever the upstream is still sending. Pinned here and polled
+    // through references: one copy of each direction's state per tunnel.
+    tokio::pin!(up_dir, down_dir);
     let both = async {
-        tokio::pin!(up_dir);
-        tokio::pin!(down_dir);
         let mut up_done = false;
         let mut down_done = false;
         loop {
@@ -538,8 +548,9 @@ where
             }
         }
     };
+    tokio::pin!(both);
     let end = tokio::select! {
-        end = both => end,
+        end = &mut both => end,
         _ = tunnel::idle_for(idle, start, &last) => End::Closed,
         _ = stop.cancelled() => End::Closed,
     };
