@@ -145,8 +145,11 @@ pub async fn splice<F: Fn()>(
     imp::splice(from, to, limit, count, touch).await
 }
 
-/// Bytes to ask of one splice into an empty pipe: the whole default pipe.
-const PIPE_CHUNK: usize = 64 * 1024;
+/// Bytes to ask of one splice into an empty pipe: the size pipes are
+/// asked to have (fewer, larger moves). Where the kernel keeps a pipe
+/// smaller (an unprivileged user past `pipe-user-pages-soft`), a splice
+/// simply moves less: an empty pipe still takes at least one page.
+const PIPE_CHUNK: usize = 256 * 1024;
 
 /// How much of `left` (a byte limit, `None` for none) one splice may ask.
 pub fn want(left: Option<u64>) -> usize {
@@ -225,6 +228,8 @@ mod imp {
             return Ok(p);
         }
         let (r, w) = pipe_with(PipeFlags::NONBLOCK | PipeFlags::CLOEXEC)?;
+        // Best effort: the default (64 KiB) works too.
+        let _ = rustix::pipe::fcntl_setpipe_size(&w, super::PIPE_CHUNK);
         Ok(Pipe(r, w))
     }
 
