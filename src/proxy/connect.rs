@@ -6,7 +6,9 @@
 //! a ClientHello's SNI or an HTTP Host against the target, record the
 //! decision, replay the held bytes and copy until close, record the close.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -266,16 +268,22 @@ where
 /// [`run`] for a CONNECT tunnel as hyper hands it over: on the TCP socket
 /// under it (so that the tunnel can splice), with any bytes hyper read past
 /// the CONNECT head as the first client bytes; on the upgrade itself
-/// (copied in user space) if hyper would not give the socket back.
-pub async fn run_upgraded(ctx: Arc<Ctx>, upgraded: Upgraded, opened: Opened) {
+/// (copied in user space) if hyper would not give the socket back. Not an
+/// async fn: the tunnel's state lives in one box, not also in a wrapper
+/// that keeps its own copy of the arguments.
+pub fn run_upgraded(
+    ctx: Arc<Ctx>,
+    upgraded: Upgraded,
+    opened: Opened,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     match upgraded.downcast::<TokioIo<MeteredIo<TcpStream>>>() {
         Ok(parts) => {
             // An empty read buffer is dropped here, not held by the tunnel.
             let first = parts.read_buf.to_vec();
             let client = parts.io.into_inner().into_inner();
-            Box::pin(run(ctx, client, opened, first)).await
+            Box::pin(run(ctx, client, opened, first))
         }
-        Err(upgraded) => Box::pin(run(ctx, TokioIo::new(upgraded), opened, Vec::new())).await,
+        Err(upgraded) => Box::pin(run(ctx, TokioIo::new(upgraded), opened, Vec::new())),
     }
 }
 
