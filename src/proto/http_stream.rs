@@ -209,6 +209,45 @@ impl HttpGuard {
         self.first_host.as_deref()
     }
 
+    /// Client bytes that are, for certain, the rest of a request body of
+    /// known length (`Content-Length`), counted from the first byte the
+    /// driver does not hold yet (ask with nothing held): it may forward up
+    /// to this many without holding or showing them, then report them with
+    /// [`Self::client_passed`]. 0 anywhere else (chunked bodies, heads).
+    pub fn client_body_left(&self) -> u64 {
+        match self.state {
+            Client::Body { left, .. } => left,
+            _ => 0,
+        }
+    }
+
+    /// `n` client bytes (at most [`Self::client_body_left`]) went by
+    /// unjudged: the state moves exactly as judging them would have moved it.
+    pub fn client_passed(&mut self, n: u64) {
+        if let Client::Body { left, then } = &mut self.state {
+            *left -= n.min(*left);
+            if *left == 0 {
+                let then = *then;
+                self.state = then.state();
+            }
+        }
+    }
+
+    /// Upstream bytes that are, for certain, the rest of a response body of
+    /// known length: the driver may forward up to this many without showing
+    /// them to [`Self::server`], then report them with
+    /// [`Self::server_passed`]. 0 anywhere else (heads, chunked bodies, a
+    /// partial unit held).
+    pub fn server_body_left(&self) -> u64 {
+        self.upstream.body_left()
+    }
+
+    /// `n` upstream bytes (at most [`Self::server_body_left`]) went by
+    /// unobserved: the tracker moves exactly as observing them would have.
+    pub fn server_passed(&mut self, n: u64) {
+        self.upstream.passed(n);
+    }
+
     fn client_step(&mut self, held: &[u8]) -> Inner {
         match &mut self.state {
             Client::Denied(v) => Inner::Stop(Step::Deny(v.clone())),
@@ -966,6 +1005,24 @@ impl Upstream {
             Up::Head | Up::Body(_) | Up::Chunked(_) | Up::Switched => None,
             Up::UntilClose => Some("a close-delimited response"),
             Up::Lost(why) => Some(why),
+        }
+    }
+
+    /// Bytes left of a Content-Length body, when nothing is pending.
+    fn body_left(&self) -> u64 {
+        match self.state {
+            Up::Body(left) if self.pending.is_empty() => left,
+            _ => 0,
+        }
+    }
+
+    /// `n` body bytes passed unobserved (the `Up::Body` step of [`Self::step`]).
+    fn passed(&mut self, n: u64) {
+        if let Up::Body(left) = self.state {
+            if self.pending.is_empty() {
+                let left = left - n.min(left);
+                self.state = if left == 0 { Up::Head } else { Up::Body(left) };
+            }
         }
     }
 
@@ -1897,6 +1954,60 @@ mod tests {
         let mut g = guard();
         assert_eq!(g.client(b"GET / HTTP/1.1\r\nHost: allowed"), Step::NeedMore);
         assert_eq!(deny_kind(g.client(B)), HostMismatch);
+    }
+
+    /// Bodies of known length passed unjudged (the driver's splice) leave
+    /// the guard exactly where judging them would: the next head is judged.
+    #[test]
+    fn bodies_passed_unjudged_end_where_judged_ones_do() {
+        // Request body: POST with 10 bytes, then a head for another host.
+        let post = b"POST / HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: 10\r\n\r\n";
+        let mut g = guard();
+        assert_eq!(g.client_body_left(), 0);
+        assert_eq!(g.client(post), Step::Forward(post.len()));
+        assert_eq!(g.client_body_left(), 10);
+        g.client_passed(4);
+        assert_eq!(g.client_body_left(), 6);
+        g.client_passed(6);
+        assert_eq!(g.client_body_left(), 0);
+        assert_eq!(deny_kind(g.client(B)), HostMismatch);
+        // Passing more than is left never runs into the next head.
+        let mut g = guard();
+        assert_eq!(g.client(post), Step::Forward(post.len()));
+        g.client_passed(1000);
+        assert_eq!(g.client_body_left(), 0);
+        assert_eq!(deny_kind(g.client(b"\x16")), ProtocolMismatch);
+        // Chunked bodies are never passed unjudged.
+        let mut g = guard();
+        let chunked =
+            b"POST / HTTP/1.1\r\nHost: allowed.test\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(g.client(chunked), Step::Forward(chunked.len()));
+        assert_eq!(g.client_body_left(), 0);
+
+        // Response body: passed unobserved, the next response is followed
+        // from its first byte (one byte off and the 101 would be lost).
+        for split in [0usize, 1, 5, 9] {
+            let mut g = guard();
+            assert_eq!(g.client(&cat(&[A, WS])), Step::Forward(A.len() + WS.len()));
+            assert_eq!(g.server_body_left(), 0);
+            g.server(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n");
+            g.server(&b"012345678"[..split]);
+            assert_eq!(g.server_body_left(), 9 - split as u64);
+            g.server_passed(9 - split as u64);
+            assert_eq!(g.server_body_left(), 0);
+            // The upgrade's outcome is still to come: Wait, then 101.
+            assert_eq!(g.client(A), Step::Wait);
+            g.server(SWITCHED);
+            assert_eq!(g.client(A), Step::Opaque);
+        }
+        // A partial head pending: nothing may pass unobserved.
+        let mut g = guard();
+        assert_eq!(g.client(A), Step::Forward(A.len()));
+        g.server(b"HTTP/1.1 200 OK\r\nContent-Le");
+        assert_eq!(g.server_body_left(), 0);
+        g.server_passed(5);
+        g.server(b"ngth: 2\r\n\r\n");
+        assert_eq!(g.server_body_left(), 2);
     }
 
     #[test]

@@ -6,18 +6,23 @@
 //! a ClientHello's SNI or an HTTP Host against the target, record the
 //! decision, replay the held bytes and copy until close, record the close.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
 use super::conn::Conn;
 use super::failure::Failure;
+use super::http::wire::MeteredIo;
 use super::http::Body;
 use super::intercept::{self, serve::Session, Plan};
+use super::splice::Stream;
 use super::tunnel::{self, Detected};
 use super::{verify, Ctx, DialError, View};
 use crate::config::Carry;
@@ -175,17 +180,22 @@ pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refuse
 /// the operating system: `Ok`, or `Err` if it could not be written (then
 /// nothing may flow).
 pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
-    let mut record = conn.record();
-    let written = ctx.write(&mut record).await;
-    let w = Written {
-        shown: record.shown().to_string(),
-        id: record.id,
-    };
-    if written {
-        Ok(w)
-    } else {
-        Err(w)
-    }
+    // Boxed: a record and its write are large, and a tunnel task would
+    // otherwise keep room for them all its life.
+    Box::pin(async {
+        let mut record = conn.record();
+        let written = ctx.write(&mut record).await;
+        let w = Written {
+            shown: record.shown().to_string(),
+            id: record.id,
+        };
+        if written {
+            Ok(w)
+        } else {
+            Err(w)
+        }
+    })
+    .await
 }
 
 /// After the client was told the tunnel is open: check its first bytes
@@ -196,7 +206,7 @@ pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
 /// judged and replayed too.
 pub async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
 where
-    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    C: Stream + 'static,
 {
     let Opened {
         upstream,
@@ -205,7 +215,7 @@ where
     } = opened;
     let carry = conn.carry();
     if carry == Carry::Opaque {
-        return run_opaque(ctx, client, upstream, conn, first).await;
+        return Box::pin(run_opaque(ctx, client, upstream, conn, first)).await;
     }
     // Bytes held to judge the first unit are charged to the detection
     // budget inside `verify::first`, and released once it is judged.
@@ -235,7 +245,7 @@ where
             let reason = verify::reason(v.kind);
             if !(conn.view.is_report() && reason.reportable()) {
                 let mut r = violation_record(&conn, &v, None, false);
-                ctx.write(&mut r).await;
+                Box::pin(ctx.write(&mut r)).await;
                 debug!(reason = %reason, record = %r.id, "tunnel denied on its first bytes");
                 return; // both sides dropped: nothing reached the upstream
             }
@@ -263,10 +273,34 @@ where
     }
     if let Plan::Intercept(how) = conn.plan.clone() {
         let session = Session::new(ctx.clone(), conn, id, addr, how);
-        intercept::serve::serve(session, client, first, upstream).await;
+        // Boxed: its state is large, and a tunnel that is not intercepted
+        // should not carry room for it.
+        Box::pin(intercept::serve::serve(session, client, first, upstream)).await;
         return;
     }
     relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
+}
+
+/// [`run`] for a CONNECT tunnel as hyper hands it over: on the TCP socket
+/// under it (so that the tunnel can splice), with any bytes hyper read past
+/// the CONNECT head as the first client bytes; on the upgrade itself
+/// (copied in user space) if hyper would not give the socket back. Not an
+/// async fn: the tunnel's state lives in one box, not also in a wrapper
+/// that keeps its own copy of the arguments.
+pub fn run_upgraded(
+    ctx: Arc<Ctx>,
+    upgraded: Upgraded,
+    opened: Opened,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    match upgraded.downcast::<TokioIo<MeteredIo<TcpStream>>>() {
+        Ok(parts) => {
+            // An empty read buffer is dropped here, not held by the tunnel.
+            let first = parts.read_buf.to_vec();
+            let client = parts.io.into_inner().into_inner();
+            Box::pin(run(ctx, client, opened, first))
+        }
+        Err(upgraded) => Box::pin(run(ctx, TokioIo::new(upgraded), opened, Vec::new())),
+    }
 }
 
 /// The bounds a tunnel verifier applies: the explicit listener's head limits.
@@ -291,7 +325,7 @@ pub async fn relay<C>(
     conn: &Conn,
     id: &str,
 ) where
-    C: AsyncRead + AsyncWrite + Unpin,
+    C: Stream,
 {
     let started = Instant::now();
     let Some(guard) = guard else {
@@ -333,7 +367,7 @@ pub async fn relay<C>(
         verify::End::Closed => {}
         verify::End::Violation(v) => {
             let mut r = violation_record(conn, &v, Some(id), false);
-            ctx.write(&mut r).await;
+            Box::pin(ctx.write(&mut r)).await;
             debug!(reason = %r.reason, record = %r.id, "tunnel cut by verification");
         }
         verify::End::OverBudget => {
@@ -343,7 +377,7 @@ pub async fn relay<C>(
                 Some(super::DETECT_BUDGET_EXHAUSTED.into()),
             );
             over.within = Some(id.to_string());
-            ctx.write(&mut over.record()).await;
+            Box::pin(ctx.write(&mut over.record())).await;
         }
     }
     close(ctx, conn, id, totals, started);
@@ -413,7 +447,7 @@ async fn run_opaque<C>(
     mut conn: Conn,
     mut first: Vec<u8>,
 ) where
-    C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    C: Stream + 'static,
 {
     let report = conn.view.is_report();
     conn.tunnel = Some(Carry::Opaque);

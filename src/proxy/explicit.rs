@@ -12,7 +12,6 @@ use http::header;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::{debug, info_span, Instrument};
 
@@ -368,9 +367,7 @@ async fn connect(
         async move {
             let _permit = permit;
             match on_upgrade.await {
-                Ok(upgraded) => {
-                    connect::run(tunnel_ctx, TokioIo::new(upgraded), opened, Vec::new()).await
-                }
+                Ok(upgraded) => connect::run_upgraded(tunnel_ctx, upgraded, opened).await,
                 Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
             }
         }

@@ -3,9 +3,9 @@
 //!
 //! - The modes: [`explicit`] (CONNECT and absolute-form HTTP/1.1),
 //!   [`socks5`], [`transparent`]. Tunnels of every mode go through
-//!   [`connect`]: detection and copying in [`tunnel`], verification of what
-//!   a tunnel carries in [`verify`], opt-in TLS interception in
-//!   [`intercept`].
+//!   [`connect`]: detection and copying in [`tunnel`] (zero-copy with
+//!   splice(2) in [`splice`]), verification of what a tunnel carries in
+//!   [`verify`], opt-in TLS interception in [`intercept`].
 //! - A decided connection carries its own state ([`conn::Conn`]) from the
 //!   decision to the close; evidence records are built from it when written.
 //! - HTTP (explicit mode, intercepted connections) is served and forwarded
@@ -28,6 +28,7 @@ pub mod intercept;
 pub mod limits;
 pub mod pool;
 pub mod socks5;
+pub mod splice;
 pub mod transparent;
 pub mod tunnel;
 pub mod verify;

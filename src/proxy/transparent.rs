@@ -259,7 +259,9 @@ async fn handle(
     }
     if let Plan::Intercept(how) = conn.plan.clone() {
         let session = Session::new(ctx.clone(), conn, id, addr, how);
-        intercept::serve::serve(session, client, first, upstream).await;
+        // Boxed: its state is large, and a tunnel that is not intercepted
+        // should not carry room for it.
+        Box::pin(intercept::serve::serve(session, client, first, upstream)).await;
         return;
     }
     connect::relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;

@@ -7,9 +7,11 @@ use std::time::Duration;
 
 use bytes::BufMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::splice::{self, AsTcp, Spliced, Stream};
 use crate::proto::client_hello::{self, ClientHello, MAX_HELLO_LEN};
 use crate::proto::http_head;
 
@@ -36,12 +38,12 @@ pub enum Detected {
 
 /// Read from `client` into `buf` until the first bytes are classified or
 /// `timeout` passes. Nothing is consumed from `buf`: the caller replays it.
-pub async fn detect<R: AsyncRead + Unpin>(
-    client: &mut R,
-    buf: &mut Vec<u8>,
-    timeout: Duration,
-) -> Detected {
+pub async fn detect<R: Stream>(client: &mut R, buf: &mut Vec<u8>, timeout: Duration) -> Detected {
     let deadline = Instant::now() + timeout;
+    // A client that sends nothing yet costs no buffer: wait for its bytes.
+    if buf.is_empty() && !readable(client.tcp(), deadline).await {
+        return Detected::Silent;
+    }
     loop {
         if !buf.is_empty() {
             if let Some(detected) = classify(buf) {
@@ -93,33 +95,44 @@ pub struct Totals {
 
 /// Largest size of each direction's copy buffer.
 const COPY_BUF: usize = 64 * 1024;
-/// Each direction reads into a small inline buffer (in the task's own
-/// state) until a read fills it; then into a heap buffer of
-/// `COPY_BUF_INITIAL`, grown to `COPY_BUF` once a read fills that. An idle
-/// or chatty tunnel holds no heap buffer; a bulk one gets 64 KiB reads.
-const COPY_INLINE: usize = 1024;
+/// A direction's first read after idling takes a buffer of this size,
+/// grown to `COPY_BUF` once a read fills it. A read that does not fill it
+/// drained the socket: the buffer is given back. An idle direction over
+/// TCP holds no buffer (it waits for readability first).
 const COPY_BUF_INITIAL: usize = 8 * 1024;
+
+/// Wait until a client's socket `tcp` has bytes (or EOF) to read, at most
+/// until `deadline`; `false` at the deadline. Streams that are not TCP
+/// sockets (`None`) cannot be waited on without a buffer: `true` at once.
+pub(crate) async fn readable(tcp: Option<&TcpStream>, deadline: Instant) -> bool {
+    match tcp {
+        Some(tcp) => tokio::time::timeout_at(deadline, tcp.readable())
+            .await
+            .is_ok(),
+        None => true,
+    }
+}
 
 /// Copy both ways until both sides finish, both are silent for `idle`, or
 /// `stop` fires. `first_up` is written to the upstream before anything else
 /// (the bytes read during detection).
 pub async fn pump<C, U>(
-    client: C,
-    upstream: U,
+    mut client: C,
+    mut upstream: U,
     first_up: &[u8],
     idle: Duration,
     stop: &CancellationToken,
 ) -> Totals
 where
-    C: AsyncRead + AsyncWrite + Unpin,
-    U: AsyncRead + AsyncWrite + Unpin,
+    C: Stream,
+    U: Stream,
 {
     let start = Instant::now();
     let last = AtomicU64::new(0);
     let up = AtomicU64::new(0);
     let down = AtomicU64::new(0);
-    let (mut client_r, mut client_w) = tokio::io::split(client);
-    let (mut upstream_r, mut upstream_w) = tokio::io::split(upstream);
+    let (mut client_r, mut client_w) = client.halves();
+    let (mut upstream_r, mut upstream_w) = upstream.halves();
 
     let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
 
@@ -131,11 +144,18 @@ where
             up.fetch_add(first_up.len() as u64, Ordering::Relaxed);
             touch();
         }
-        copy(&mut client_r, &mut upstream_w, &up, &touch).await;
+        forward(&mut client_r, &mut upstream_w, &up, &touch).await;
     };
-    let down_dir = copy(&mut upstream_r, &mut client_w, &down, &touch);
+    let down_dir = forward(&mut upstream_r, &mut client_w, &down, &touch);
+    // Pinned here and polled through references: every tunnel task holds
+    // one copy of each direction's state, not one per combinator.
+    tokio::pin!(up_dir, down_dir);
+    let both = async {
+        tokio::join!(&mut up_dir, &mut down_dir);
+    };
+    tokio::pin!(both);
     tokio::select! {
-        _ = async { tokio::join!(up_dir, down_dir) } => {}
+        _ = &mut both => {}
         _ = idle_for(idle, start, &last) => {}
         _ = stop.cancelled() => {}
     }
@@ -159,43 +179,62 @@ pub(crate) async fn idle_for(idle: Duration, start: Instant, last: &AtomicU64) {
     }
 }
 
+/// Move one direction until EOF or error, then half-close the writer:
+/// with splice(2) when both ends are TCP sockets, else (or where splice is
+/// unavailable) through a user-space buffer.
+pub(crate) async fn forward<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
+where
+    R: AsyncRead + AsTcp + Unpin,
+    W: AsyncWrite + AsTcp + Unpin,
+    F: Fn(),
+{
+    if let (Some(from), Some(to)) = (reader.as_tcp(), writer.as_tcp()) {
+        if splice::splice(from, to, None, count, touch).await != Spliced::Unsupported {
+            let _ = writer.shutdown().await;
+            return;
+        }
+    }
+    copy(reader, writer, count, touch).await;
+}
+
 /// Copy one direction until EOF or error, then half-close the writer.
 pub(crate) async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
-    R: AsyncRead + Unpin,
+    R: AsyncRead + AsTcp + Unpin,
     W: AsyncWrite + Unpin,
     F: Fn(),
 {
-    let mut inline = [0u8; COPY_INLINE];
-    // Heap reads go into spare (uninitialised) capacity: no memset.
+    // Reads go into spare (uninitialised) capacity: no memset.
     let mut buf: Vec<u8> = Vec::new();
+    let mut size = COPY_BUF_INITIAL;
     loop {
+        if buf.capacity() == 0 {
+            if let Some(tcp) = reader.as_tcp() {
+                if tcp.readable().await.is_err() {
+                    break;
+                }
+            }
+            buf.reserve_exact(size);
+        }
         buf.clear();
-        let read = if buf.capacity() == 0 {
-            reader.read(&mut inline).await
-        } else {
-            reader.read_buf(&mut buf).await
-        };
-        let n = match read {
+        let n = match reader.read_buf(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        let data = if buf.capacity() == 0 {
-            &inline[..n]
-        } else {
-            &buf[..n]
-        };
-        if writer.write_all(data).await.is_err() {
+        if writer.write_all(&buf[..n]).await.is_err() {
             break;
-        }
-        if buf.capacity() == 0 && n == COPY_INLINE {
-            buf.reserve_exact(COPY_BUF_INITIAL);
-        } else if n == buf.capacity() && n < COPY_BUF {
-            buf.clear();
-            buf.reserve_exact(COPY_BUF);
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
         touch();
+        if n < buf.capacity() {
+            // Drained: give the buffer back while the reader is quiet.
+            if reader.as_tcp().is_some() {
+                buf = Vec::new();
+            }
+        } else if size < COPY_BUF {
+            size = COPY_BUF;
+            buf = Vec::new();
+        }
     }
     let _ = writer.shutdown().await;
 }
@@ -298,6 +337,54 @@ mod tests {
         drop(writer.await.unwrap());
         let totals = task.await.unwrap();
         assert_eq!(totals.down, body.len() as u64);
+    }
+
+    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        (a.unwrap(), b.unwrap().0)
+    }
+
+    /// Between TCP sockets (spliced where the kernel allows): intact both
+    /// ways, counted, and a client that shuts its write side still
+    /// receives everything.
+    #[tokio::test]
+    async fn pump_over_tcp_half_closes_and_counts() {
+        let (client, mut client_peer) = tcp_pair().await;
+        let (upstream, mut upstream_peer) = tcp_pair().await;
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(async move {
+            pump(client, upstream, b"hi", Duration::from_secs(5), &stop).await
+        });
+        let up: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let down: Vec<u8> = (0..2_000_000u32).map(|i| (i % 239) as u8).collect();
+        let sent = up.clone();
+        let client_side = tokio::spawn(async move {
+            client_peer.write_all(&sent).await.unwrap();
+            client_peer.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            client_peer.read_to_end(&mut got).await.unwrap();
+            got
+        });
+        let mut got = Vec::new();
+        upstream_peer.read_to_end(&mut got).await.unwrap();
+        assert!(
+            got == [&b"hi"[..], &up].concat(),
+            "upstream got other bytes"
+        );
+        upstream_peer.write_all(&down).await.unwrap();
+        upstream_peer.shutdown().await.unwrap();
+        let got = client_side.await.unwrap();
+        assert!(got == down, "client got other bytes");
+        let totals = task.await.unwrap();
+        assert_eq!(
+            totals,
+            Totals {
+                up: up.len() as u64 + 2,
+                down: down.len() as u64
+            }
+        );
     }
 
     #[tokio::test(start_paused = true)]

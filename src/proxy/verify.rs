@@ -27,13 +27,14 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::BufMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
 
 use super::limits::{DetectHold, DetectScope};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::splice::{self, AsTcp, Spliced, Stream};
 use super::tunnel::{self, Detected, Totals, MAX_DETECT_BYTES};
 use crate::config::Carry;
 use crate::policy::Reason;
@@ -73,6 +74,36 @@ impl Guard {
         match self {
             Guard::Tls(g) => g.server(bytes),
             Guard::Http(g) => g.server(bytes),
+        }
+    }
+
+    /// Client bytes that may pass unjudged: the rest of a request body of
+    /// known length (HTTP), counted from the first byte not held.
+    fn client_body_left(&self) -> u64 {
+        match self {
+            Guard::Tls(_) => 0,
+            Guard::Http(g) => g.client_body_left(),
+        }
+    }
+
+    fn client_passed(&mut self, n: u64) {
+        if let Guard::Http(g) = self {
+            g.client_passed(n);
+        }
+    }
+
+    /// Upstream bytes that may pass unobserved: the rest of a response body
+    /// of known length (HTTP).
+    fn server_body_left(&self) -> u64 {
+        match self {
+            Guard::Tls(_) => 0,
+            Guard::Http(g) => g.server_body_left(),
+        }
+    }
+
+    fn server_passed(&mut self, n: u64) {
+        if let Guard::Http(g) = self {
+            g.server_passed(n);
         }
     }
 
@@ -138,7 +169,7 @@ fn hold_cap(limits: guard::Limits) -> usize {
 /// Read and judge the client's first unit for a tunnel to `host:port`
 /// that must carry `carry` (not [`Carry::Opaque`]). `held` may already hold
 /// bytes the client sent early; on return it holds every byte read.
-pub async fn first<R: AsyncRead + Unpin>(
+pub async fn first<R: Stream>(
     client: &mut R,
     held: &mut Vec<u8>,
     carry: Carry,
@@ -192,19 +223,26 @@ pub async fn first<R: AsyncRead + Unpin>(
         if !budget.cover(held.len() + room) {
             return First::OverBudget;
         }
-        held.reserve(room);
-        let read = tokio::time::timeout_at(deadline, client.read_buf(&mut held.limit(room))).await;
+        // A silent client holds its share of the budget, but no buffer.
+        let read = if held.is_empty() && !tunnel::readable(client.tcp(), deadline).await {
+            None
+        } else {
+            held.reserve(room);
+            tokio::time::timeout_at(deadline, client.read_buf(&mut held.limit(room)))
+                .await
+                .ok()
+        };
         match read {
-            Ok(Ok(0)) | Ok(Err(_)) if held.is_empty() => return First::Closed,
-            Ok(Ok(0)) | Ok(Err(_)) => {
+            Some(Ok(0)) | Some(Err(_)) if held.is_empty() => return First::Closed,
+            Some(Ok(0)) | Some(Err(_)) => {
                 return First::Denied(Violation::new(
                     ViolationKind::Malformed,
                     None,
                     format!("client closed in the middle of its first {carry} unit"),
                 ))
             }
-            Ok(Ok(_)) => {}
-            Err(_) if held.is_empty() => {
+            Some(Ok(_)) => {}
+            None if held.is_empty() => {
                 return First::Denied(Violation::new(
                     ViolationKind::ProtocolMismatch,
                     None,
@@ -214,7 +252,7 @@ pub async fn first<R: AsyncRead + Unpin>(
                     ),
                 ))
             }
-            Err(_) => {
+            None => {
                 return First::Denied(Violation::new(
                     ViolationKind::ProtocolMismatch,
                     None,
@@ -249,10 +287,16 @@ const READ_CHUNK: usize = 16 * 1024;
 /// mode); otherwise the tunnel ends with [`End::Violation`]. A unit the
 /// verifier holds (a request head, a ClientHello) must be complete within
 /// `unit_timeout` of its first byte, however the client trickles it.
+///
+/// What needs no judging moves with splice(2) when both ends are TCP
+/// sockets: a direction gone opaque, and a body of known length (the
+/// verifier says how many bytes; exactly those pass, and judging resumes
+/// at the next head). Over TCP, a direction waits for readability before
+/// it takes a buffer, and gives the buffer back once drained.
 #[allow(clippy::too_many_arguments)]
 pub async fn pump<C, U>(
-    client: C,
-    upstream: U,
+    mut client: C,
+    mut upstream: U,
     guard: Guard,
     held: Vec<u8>,
     verified: usize,
@@ -262,8 +306,8 @@ pub async fn pump<C, U>(
     report: Option<&(dyn Fn(&Violation) + Sync)>,
 ) -> (Totals, End)
 where
-    C: AsyncRead + AsyncWrite + Unpin,
-    U: AsyncRead + AsyncWrite + Unpin,
+    C: Stream,
+    U: Stream,
 {
     let start = Instant::now();
     let last = AtomicU64::new(0);
@@ -273,15 +317,15 @@ where
     let server_seen = Notify::new();
     let server_closed = AtomicBool::new(false);
     let client_opaque = AtomicBool::new(false);
-    let (mut client_r, mut client_w) = tokio::io::split(client);
-    let (mut upstream_r, mut upstream_w) = tokio::io::split(upstream);
+    let (mut client_r, mut client_w) = client.halves();
+    let (mut upstream_r, mut upstream_w) = upstream.halves();
     let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-    let judge = |held: &[u8]| {
+    let lock = || {
         guard
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .client(held)
     };
+    let judge = |held: &[u8]| lock().client(held);
 
     let up_dir = async {
         let mut held = held;
@@ -311,7 +355,9 @@ where
                 }
                 drop(held);
                 budget.release();
-                tunnel::copy(&mut client_r, &mut upstream_w, &up, &touch).await;
+                // Boxed, as every branch below that is not where an idle
+                // tunnel waits: the task keeps room only for the largest.
+                Box::pin(tunnel::forward(&mut client_r, &mut upstream_w, &up, &touch)).await;
                 return End::Closed;
             }
             if !held.is_empty() {
@@ -348,12 +394,32 @@ where
                         unit_since.get_or_insert_with(Instant::now);
                     }
                 }
-            } else if held.capacity() > 4 * READ_CHUNK {
-                // An idle tunnel keeps no large buffer.
-                held = Vec::new();
+            } else {
+                // Nothing held: the rest of a body of known length may go
+                // by unheld, exactly that many bytes.
+                let body = lock().client_body_left();
+                if body > 0 {
+                    if let (Some(from), Some(to)) = (client_r.as_tcp(), upstream_w.as_tcp()) {
+                        let before = up.load(Ordering::Relaxed);
+                        let end = Box::pin(splice::splice(from, to, Some(body), &up, &touch)).await;
+                        lock().client_passed(up.load(Ordering::Relaxed) - before);
+                        match end {
+                            Spliced::Limit => continue,
+                            Spliced::Unsupported => {}
+                            Spliced::Eof | Spliced::Failed => break,
+                        }
+                    }
+                }
             }
             if held.is_empty() {
                 budget.release();
+                if let Some(tcp) = client_r.as_tcp() {
+                    // An idle tunnel holds no buffer.
+                    held = Vec::new();
+                    if tcp.readable().await.is_err() {
+                        break;
+                    }
+                }
             } else if !budget.cover(held.len() + READ_CHUNK) {
                 return End::OverBudget;
             }
@@ -361,27 +427,29 @@ where
             let mut room = (&mut held).limit(READ_CHUNK);
             let read = client_r.read_buf(&mut room);
             let read = match unit_since {
-                Some(since) => match tokio::time::timeout_at(since + unit_timeout, read).await {
-                    Ok(read) => read,
-                    Err(_) => {
-                        let v = Violation::new(
-                            ViolationKind::ProtocolMismatch,
-                            None,
-                            format!(
-                                "a unit incomplete {} after its first byte",
-                                humantime::format_duration(unit_timeout)
-                            ),
-                        );
-                        match report {
-                            Some(report) => {
-                                report(&v);
-                                opaque = true;
-                                continue;
+                Some(since) => {
+                    match Box::pin(tokio::time::timeout_at(since + unit_timeout, read)).await {
+                        Ok(read) => read,
+                        Err(_) => {
+                            let v = Violation::new(
+                                ViolationKind::ProtocolMismatch,
+                                None,
+                                format!(
+                                    "a unit incomplete {} after its first byte",
+                                    humantime::format_duration(unit_timeout)
+                                ),
+                            );
+                            match report {
+                                Some(report) => {
+                                    report(&v);
+                                    opaque = true;
+                                    continue;
+                                }
+                                None => return End::Violation(v),
                             }
-                            None => return End::Violation(v),
                         }
                     }
-                },
+                }
                 None => read.await,
             };
             match read {
@@ -398,11 +466,40 @@ where
         let mut buf: Vec<u8> = Vec::new();
         loop {
             if client_opaque.load(Ordering::Relaxed) {
-                // Nothing left to follow on this side either; the plain
-                // copy keeps no buffer while idle.
+                // Nothing left to follow on this side either.
                 drop(std::mem::take(&mut buf));
-                tunnel::copy(&mut upstream_r, &mut client_w, &down, &touch).await;
+                Box::pin(tunnel::forward(
+                    &mut upstream_r,
+                    &mut client_w,
+                    &down,
+                    &touch,
+                ))
+                .await;
                 break;
+            }
+            // The rest of a response body of known length goes by
+            // unobserved, exactly that many bytes.
+            let body = lock().server_body_left();
+            if body > 0 {
+                if let (Some(from), Some(to)) = (upstream_r.as_tcp(), client_w.as_tcp()) {
+                    buf = Vec::new();
+                    let before = down.load(Ordering::Relaxed);
+                    let end = Box::pin(splice::splice(from, to, Some(body), &down, &touch)).await;
+                    lock().server_passed(down.load(Ordering::Relaxed) - before);
+                    server_seen.notify_waiters();
+                    match end {
+                        Spliced::Limit => continue,
+                        Spliced::Unsupported => {}
+                        Spliced::Eof | Spliced::Failed => break,
+                    }
+                }
+            }
+            if buf.capacity() == 0 {
+                if let Some(tcp) = upstream_r.as_tcp() {
+                    if tcp.readable().await.is_err() {
+                        break;
+                    }
+                }
             }
             buf.clear();
             buf.reserve(READ_CHUNK);
@@ -412,16 +509,17 @@ where
             };
             // Observe before forwarding: the client's answer to these bytes
             // must be judged in the state they create.
-            guard
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .server(&buf[..n]);
+            lock().server(&buf[..n]);
             server_seen.notify_waiters();
             if client_w.write_all(&buf[..n]).await.is_err() {
                 break;
             }
             down.fetch_add(n as u64, Ordering::Relaxed);
             touch();
+            if n < READ_CHUNK && upstream_r.as_tcp().is_some() {
+                // Drained: hold no buffer while the upstream is quiet.
+                buf = Vec::new();
+            }
         }
         server_closed.store(true, Ordering::Relaxed);
         server_seen.notify_waiters();
@@ -429,10 +527,10 @@ where
     };
 
     // Both directions until both finish; a violation ends the tunnel at
-    // once, whatever the upstream is still sending.
+    // once, whatever the upstream is still sending. Pinned here and polled
+    // through references: one copy of each direction's state per tunnel.
+    tokio::pin!(up_dir, down_dir);
     let both = async {
-        tokio::pin!(up_dir);
-        tokio::pin!(down_dir);
         let mut up_done = false;
         let mut down_done = false;
         loop {
@@ -450,8 +548,9 @@ where
             }
         }
     };
+    tokio::pin!(both);
     let end = tokio::select! {
-        end = both => end,
+        end = &mut both => end,
         _ = tunnel::idle_for(idle, start, &last) => End::Closed,
         _ = stop.cancelled() => End::Closed,
     };
@@ -595,6 +694,84 @@ mod tests {
         assert_eq!(v.kind, ViolationKind::HostMismatch);
         assert_eq!(v.seen.as_deref(), Some("other.test"));
         assert_eq!(totals.up, good.len() as u64);
+        let mut rest = Vec::new();
+        upstream_peer.read_to_end(&mut rest).await.unwrap();
+        assert!(rest.is_empty(), "forwarded after the violation: {rest:?}");
+    }
+
+    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        (a.unwrap(), b.unwrap().0)
+    }
+
+    /// Over TCP, bodies of known length move unjudged (spliced) both ways,
+    /// counted exactly; the head after them is judged as ever.
+    #[tokio::test]
+    async fn after_bodies_of_known_length_the_next_head_is_judged() {
+        let (client, mut client_peer) = tcp_pair().await;
+        let (upstream, mut upstream_peer) = tcp_pair().await;
+        let memory = DetectMemory::with_units(4, 4, 4);
+        let slots = memory.scope(None, CLIENT);
+        let stop = CancellationToken::new();
+        let body: Vec<u8> = (0..300_000u32).map(|i| (i % 253) as u8).collect();
+        let post = format!(
+            "POST /a HTTP/1.1\r\nHost: allowed.test\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let reply: Vec<u8> = (0..500_000u32).map(|i| (i % 241) as u8).collect();
+        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", reply.len());
+        let bad = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
+        let task = pump(
+            client,
+            upstream,
+            http_guard(),
+            Vec::new(),
+            0,
+            (Duration::from_secs(5), Duration::from_secs(5)),
+            &stop,
+            &slots,
+            None,
+        );
+        let drive = async {
+            let up = async {
+                client_peer.write_all(post.as_bytes()).await.unwrap();
+                client_peer.write_all(&body).await.unwrap();
+            };
+            let got = async {
+                let mut got = vec![0u8; post.len() + body.len()];
+                upstream_peer.read_exact(&mut got).await.unwrap();
+                got
+            };
+            let ((), got) = tokio::join!(up, got);
+            assert!(
+                got == [post.as_bytes(), &body].concat(),
+                "request bytes differ"
+            );
+            let down = async {
+                upstream_peer.write_all(head.as_bytes()).await.unwrap();
+                upstream_peer.write_all(&reply).await.unwrap();
+            };
+            let got = async {
+                let mut got = vec![0u8; head.len() + reply.len()];
+                client_peer.read_exact(&mut got).await.unwrap();
+                got
+            };
+            let ((), got) = tokio::join!(down, got);
+            assert!(
+                got == [head.as_bytes(), &reply].concat(),
+                "response bytes differ"
+            );
+            client_peer.write_all(bad).await.unwrap();
+        };
+        let ((totals, end), ()) = tokio::join!(task, drive);
+        let End::Violation(v) = end else {
+            panic!("a head after the bodies passed: {end:?}")
+        };
+        assert_eq!(v.kind, ViolationKind::HostMismatch);
+        assert_eq!(totals.up, (post.len() + body.len()) as u64);
+        assert_eq!(totals.down, (head.len() + reply.len()) as u64);
         let mut rest = Vec::new();
         upstream_peer.read_to_end(&mut rest).await.unwrap();
         assert!(rest.is_empty(), "forwarded after the violation: {rest:?}");

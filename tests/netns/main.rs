@@ -27,6 +27,7 @@ mod probe;
 mod reload;
 mod report;
 mod socks5;
+mod splice;
 mod tls;
 mod transparent;
 mod tunnel;

@@ -145,6 +145,12 @@ impl<T> MeteredIo<T> {
     pub fn new(inner: T, meter: Arc<Meter>) -> Self {
         MeteredIo { inner, meter }
     }
+
+    /// The stream, once nothing more is to be counted (a CONNECT tunnel
+    /// took the connection).
+    pub fn into_inner(self) -> T {
+        self.inner
+    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for MeteredIo<T> {
