@@ -206,7 +206,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 rotate_size,
                 rotate_age,
                 retain_size,
-                retain_age
+                retain_age,
+                replica
             }
         );
     }

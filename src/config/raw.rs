@@ -114,6 +114,7 @@ pub(super) struct RawEvidence {
     pub(super) rotate_age: Option<Spanned<String>>,
     pub(super) retain_size: Option<Spanned<RawSize>>,
     pub(super) retain_age: Option<Spanned<String>>,
+    pub(super) replica: Option<Spanned<String>>,
 }
 
 /// A byte size: an integer, or a string such as "64MiB", "500kB", "1GiB".

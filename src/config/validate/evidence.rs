@@ -7,7 +7,7 @@ use toml::Spanned;
 
 use super::{count, duration, path};
 use crate::config::error::Errors;
-use crate::config::model::{Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
+use crate::config::model::{replica_problem, Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
 use crate::config::raw::{RawEvidence, RawSize};
 
 pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> EvidenceConfig {
@@ -21,6 +21,7 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         rotate_age,
         retain_size,
         retain_age,
+        replica,
     } = raw;
     let dir = path(
         dir,
@@ -61,6 +62,15 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         Some(n)
     });
     let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
+    let replica = match replica {
+        None => d.replica,
+        Some(v) => {
+            if let Some(problem) = replica_problem(v.get_ref()) {
+                errors.at(v.span(), format!("replica {:?} {problem}", v.get_ref()));
+            }
+            v.into_inner()
+        }
+    };
     EvidenceConfig {
         dir,
         key,
@@ -71,6 +81,7 @@ pub(super) fn validate_evidence(raw: RawEvidence, errors: &mut Errors<'_>) -> Ev
         rotate_age,
         retain_size,
         retain_age,
+        replica,
     }
 }
 
@@ -119,13 +130,14 @@ mod tests {
     use std::time::Duration;
 
     use crate::config::test_support::{first_error, parse, BASE};
-    use crate::config::Durability;
+    use crate::config::{replica_problem, Durability};
 
     #[test]
     fn evidence_settings() {
         let src = format!(
             "{BASE}[evidence]\ndir = \"/e\"\ndurability = \"fsync\"\ncheckpoint_every = 10\n\
-             checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n"
+             checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n\
+             replica = \"eu-1.a_B\"\n"
         );
         let c = parse(&src).unwrap().evidence;
         assert_eq!(c.key, PathBuf::from("/e.key"));
@@ -135,6 +147,10 @@ mod tests {
         assert_eq!(c.rotate_size, 1 << 20);
         assert_eq!(c.retain_size, Some(4 << 20));
         assert_eq!(c.retain_age, Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(c.replica, "eu-1.a_B");
+        // The default (the host name, made valid) passes its own check.
+        let d = parse(BASE).unwrap().evidence.replica;
+        assert_eq!(replica_problem(&d), None, "{d:?}");
         for (line, want) in [
             ("durability = \"sometimes\"", "durability \"sometimes\""),
             ("rotate_size = \"12 parsecs\"", "size \"12 parsecs\""),
@@ -142,6 +158,13 @@ mod tests {
             ("retain_size = \"1kB\"", "at least rotate_size"),
             ("checkpoint_every = 0", "positive"),
             ("key = \"\"", "key must not be empty"),
+            ("replica = \"\"", "replica \"\" must not be empty"),
+            ("replica = \"a b\"", "replica \"a b\" may hold only"),
+            ("replica = \"r/1\"", "may hold only"),
+            (
+                format!("replica = \"{}\"", "r".repeat(64)).as_str(),
+                "at most 63",
+            ),
         ] {
             let e = first_error(&format!("{BASE}[evidence]\n{line}\n"));
             assert!(e.contains(want), "{line}: {e}");
