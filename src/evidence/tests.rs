@@ -717,3 +717,38 @@ async fn the_replica_is_in_ids_and_headers() {
     verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
     let _ = fs::remove_dir_all(&root);
 }
+
+/// `fsync`: a `write` returns only after its batch is synced; submitted
+/// records reach the file at once and the disk with the next sync, which
+/// the duties thread makes shortly if no `write` comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_syncs_what_is_waited_on_and_soon_the_rest() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.durability = crate::config::Durability::Fsync;
+    cfg.checkpoint_every = 1000;
+    cfg.checkpoint_interval = Duration::from_secs(3600);
+    let ev = Evidence::start(&cfg).unwrap();
+    let (before, _) = ev.log.syncs();
+    ev.write(&mut record(1, true)).await.unwrap();
+    let (after_write, unsynced) = ev.log.syncs();
+    assert_eq!(after_write, before + 1);
+    assert!(!unsynced);
+    let mut close = record(2, false);
+    ev.submit(&mut close);
+    assert!(fs::read_to_string(ev.first_segment())
+        .unwrap()
+        .contains(&close.id));
+    let (after_submit, unsynced) = ev.log.syncs();
+    // Written, not synced yet (unless the duties thread was already quick).
+    assert!(unsynced || after_submit > after_write);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while ev.log.syncs().1 {
+        assert!(std::time::Instant::now() < deadline, "never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ev.log.syncs().0 > after_write);
+    assert!(ev.seal().await);
+    verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
