@@ -170,7 +170,7 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
     /// Summary records: how many decisions this one record stands for
-    /// (DNS refusals that found no room in the writer's queue, proxy
+    /// (DNS refusals that found no room in the evidence queue, proxy
     /// denials over the per-client rate).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
