@@ -10,6 +10,16 @@
 //!     EVIDENCE_DIR=/some/disk cargo bench --bench evidence   # where segments go
 //!
 //! Under `cargo test` it runs one short round as a smoke test.
+//!
+//! A second part measures the append path in-process, without the proxy:
+//! tasks each writing a decision record (`write`, acknowledged) and its close
+//! record (`submit`), as a tunnel does, at concurrency 1 and 64, on a
+//! two-worker runtime as `palisade run` uses on this machine. It reports
+//! records/s, CPU per record and context switches per record (getrusage over
+//! the whole process: workers, writer and blocking threads).
+//!
+//!     cargo bench --bench evidence -- append     # only the in-process part
+//!     cargo bench --bench evidence -- proxy      # only the whole-process part
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -85,8 +95,133 @@ async fn load(proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
     .await
 }
 
+/// CPU time (user + system) and context switches (voluntary and not) of
+/// the whole process so far, threads that ended included.
+fn usage() -> (f64, u64) {
+    let mut ru = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given; RUSAGE_SELF is valid.
+    let ru = unsafe {
+        libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr());
+        ru.assume_init()
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    (
+        secs(ru.ru_utime) + secs(ru.ru_stime),
+        (ru.ru_nvcsw + ru.ru_nivcsw) as u64,
+    )
+}
+
+fn tunnel_record(i: u64) -> palisade::evidence::Record {
+    use palisade::evidence::{Kind, Mode, Record};
+    use palisade::policy::{Reason, Verdict};
+    let verdict = Verdict {
+        org: None,
+        reason: Reason::RuleMatch,
+        rule: Some(Arc::from("acme/allow/0")),
+        would_deny: None,
+    };
+    let client: SocketAddr = format!("198.18.1.2:{}", 1024 + i % 60_000).parse().unwrap();
+    let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+    r.host = Some(format!("h{}.example.com", i % 1000));
+    r.port = Some(443);
+    r.sni = r.host.clone();
+    r.ip = Some("198.18.7.7".parse().unwrap());
+    r
+}
+
+struct Append {
+    records_per_s: f64,
+    cpu_us_per_record: f64,
+    switches_per_record: f64,
+}
+
+/// `clients` tasks each recording tunnels (a written decision record and a
+/// submitted close record) for `secs`, at most `max` tunnels each.
+fn append(root: &Path, durability: &str, clients: usize, secs: f64, max: u64) -> Append {
+    let dir = root.join(format!("append-{durability}-{clients}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cfg = palisade::config::EvidenceConfig::for_dir(&dir);
+    cfg.durability = match durability {
+        "fsync" => palisade::config::Durability::Fsync,
+        _ => palisade::config::Durability::Os,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let ev = Arc::new(palisade::evidence::Evidence::start(&cfg).unwrap());
+    let (cpu0, t0) = (usage(), std::time::Instant::now());
+    let tunnels: u64 = rt.block_on(async {
+        let end = std::time::Instant::now() + Duration::from_secs_f64(secs);
+        let mut tasks = Vec::new();
+        for c in 0..clients as u64 {
+            let ev = ev.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while n < max && std::time::Instant::now() < end {
+                    let mut r = tunnel_record(c * max + n);
+                    ev.write(&mut r).await.unwrap();
+                    ev.submit(&mut r.close(100, 200, 3));
+                    n += 1;
+                }
+                n
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t.await.unwrap();
+        }
+        total
+    });
+    let elapsed = t0.elapsed().as_secs_f64();
+    let cpu1 = usage();
+    rt.block_on(ev.seal());
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&dir);
+    let records = (tunnels * 2) as f64;
+    Append {
+        records_per_s: records / elapsed,
+        cpu_us_per_record: (cpu1.0 - cpu0.0) * 1e6 / records,
+        switches_per_record: (cpu1.1 - cpu0.1) as f64 / records,
+    }
+}
+
+fn append_part(root: &Path, full: bool) {
+    let (rounds, secs) = if full { (3, 2.0) } else { (1, 0.2) };
+    println!(
+        "evidence append path (in-process, 2 workers; a tunnel = write(decision) + submit(close)), median of {rounds} rounds of {secs}s:"
+    );
+    for durability in ["os", "fsync"] {
+        for clients in [1usize, 64] {
+            let mut rps = Vec::new();
+            let mut cpu = Vec::new();
+            let mut sw = Vec::new();
+            for _ in 0..rounds {
+                let a = append(root, durability, clients, secs, 1_000_000);
+                rps.push(a.records_per_s);
+                cpu.push(a.cpu_us_per_record);
+                sw.push(a.switches_per_record);
+            }
+            println!(
+                "  durability = {durability:<5} c = {clients:>2}: {:>8.0} records/s  {:>6.2} us CPU/record  {:>5.2} context switches/record",
+                common::median(&rps),
+                common::median(&cpu),
+                common::median(&sw)
+            );
+        }
+    }
+}
+
 fn main() {
     let full = std::env::args().any(|a| a == "--bench");
+    let only = |part: &str| {
+        let named: Vec<String> = std::env::args()
+            .skip(1)
+            .filter(|a| !a.starts_with('-'))
+            .collect();
+        named.is_empty() || named.iter().any(|a| a == part)
+    };
     let (rounds, secs) = if full { (3, 4.0) } else { (1, 0.3) };
     let root: PathBuf = std::env::var_os("EVIDENCE_DIR")
         .map(PathBuf::from)
@@ -94,6 +229,13 @@ fn main() {
         .join(format!("palisade-evbench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
+    if only("append") {
+        append_part(&root, full);
+    }
+    if !only("proxy") {
+        let _ = std::fs::remove_dir_all(&root);
+        return;
+    }
     let rt = common::runtime();
     let up = rt.block_on(upstream());
     let modes = ["discard", "os", "fsync"];

@@ -36,8 +36,11 @@ pub struct Metrics {
     pub bytes_total: IntCounterVec,
     pub decision_duration_seconds: HistogramVec,
     pub policy_reloads_total: IntCounterVec,
-    /// 1, labelled with the version and the policy hash being served (set at each scrape).
+    /// 1, labelled with the version, the policy hash being served and the
+    /// evidence replica (set at each scrape).
     build_info: IntGaugeVec,
+    /// `[evidence] replica`, the `replica` label of `palisade_build_info`.
+    replica: String,
     /// Unix time the served policy was loaded (set at each scrape).
     policy_loaded_timestamp_seconds: Gauge,
     /// Failed upstream connects by kind (timeout, refused, unreachable, other).
@@ -220,10 +223,11 @@ impl Metrics {
             build_info: IntGaugeVec::new(
                 Opts::new(
                     "palisade_build_info",
-                    "Version and served policy hash (value 1).",
+                    "Version, served policy hash and evidence replica (value 1).",
                 ),
-                &["version", "policy"],
+                &["version", "policy", "replica"],
             )?,
+            replica: evidence.replica().to_string(),
             policy_loaded_timestamp_seconds: Gauge::new(
                 "palisade_policy_loaded_timestamp_seconds",
                 "Unix time the served policy was loaded.",
@@ -420,7 +424,7 @@ impl Metrics {
         self.ready.set(i64::from(ready));
         self.build_info.reset();
         self.build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION"), policy])
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), policy, &self.replica])
             .set(1);
         self.policy_loaded_timestamp_seconds.set(
             loaded
@@ -517,7 +521,8 @@ mod tests {
             value(
                 &text,
                 &format!(
-                    "palisade_build_info{{policy=\"abc\",version=\"{}\"}}",
+                    "palisade_build_info{{policy=\"abc\",replica=\"{}\",version=\"{}\"}}",
+                    evidence.counters().replica(),
                     env!("CARGO_PKG_VERSION")
                 )
             ),

@@ -382,6 +382,9 @@ pub struct EvidenceConfig {
     /// org share one such budget. Over it an allow is refused
     /// `limit_exceeded` and a denial summarised.
     pub max_records_per_second_per_org: usize,
+    /// Who writes this evidence, in every segment header and record id
+    /// (default: the host name).
+    pub replica: String,
 }
 
 impl EvidenceConfig {
@@ -401,7 +404,52 @@ impl EvidenceConfig {
                 &Limits::default(),
                 &DnsConfig::default(),
             ),
+            replica: default_replica(),
         }
+    }
+}
+
+/// Longest `[evidence] replica`.
+pub const REPLICA_MAX_LEN: usize = 63;
+
+/// What is wrong with a replica name, if anything: 1 to 63 of
+/// `A-Z a-z 0-9 . _ -`.
+pub fn replica_problem(name: &str) -> Option<&'static str> {
+    if name.is_empty() {
+        Some("must not be empty")
+    } else if name.len() > REPLICA_MAX_LEN {
+        Some("must be at most 63 characters")
+    } else if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        Some("may hold only A-Z a-z 0-9 . _ -")
+    } else {
+        None
+    }
+}
+
+/// The default replica name: the host name
+/// (`/proc/sys/kernel/hostname`), with characters a replica name may not
+/// hold replaced by `-` and cut to 63; `palisade` when there is none.
+pub fn default_replica() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = host
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(REPLICA_MAX_LEN)
+        .collect();
+    if name.is_empty() {
+        "palisade".into()
+    } else {
+        name
     }
 }
 

@@ -118,6 +118,7 @@ pub(super) struct RawEvidence {
     pub(super) retain_size: Option<Spanned<RawSize>>,
     pub(super) retain_age: Option<Spanned<String>>,
     pub(super) max_records_per_second_per_org: Option<Spanned<i64>>,
+    pub(super) replica: Option<Spanned<String>>,
 }
 
 /// A byte size: an integer, or a string such as "64MiB", "500kB", "1GiB".

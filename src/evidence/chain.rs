@@ -17,6 +17,15 @@
 //! - A checkpoint's `sig` is the Ed25519 signature of
 //!   `SIG_CONTEXT || canonical(record without hash and sig)`; it covers
 //!   `prev`, the hash of the record before it, i.e. the chain head.
+//!
+//! Decision and close records are serialised once, by [`Prepared::of`],
+//! straight from the record's `Serialize` implementation into their
+//! canonical form (no `serde_json::Value` in between); chaining one
+//! ([`Prepared::seal_into`]) splices `seq`, `prev` and `hash` in at their
+//! sorted places and gives exactly the bytes [`seal_line`] gives for the
+//! same record as a JSON object.
+
+use std::fmt::Display;
 
 use data_encoding::{HEXLOWER, HEXLOWER_PERMISSIVE};
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
@@ -177,6 +186,276 @@ pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, V
     (hash, line)
 }
 
+/// The fields the chain adds to a record, in their sorted order: where each
+/// goes in a [`Prepared`] body is noted when it is built.
+const CHAIN_FIELDS: [&str; 3] = ["hash", "prev", "seq"];
+
+/// A record serialised once, in canonical form, waiting for its place in
+/// the chain.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// The canonical form of the record without `seq`, `prev` and `hash`.
+    body: Vec<u8>,
+    /// For each of [`CHAIN_FIELDS`]: the offset in `body` of the first key
+    /// that sorts after it (after that key's comma), or of the closing brace.
+    at: [usize; 3],
+}
+
+/// A record that cannot be serialised into a chained line.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error("a record must serialise as a struct with fields")]
+    NotAStruct,
+    #[error("record field {0:?} is the chain's own")]
+    ChainField(&'static str),
+    #[error("record field {0:?} appears twice")]
+    Duplicate(&'static str),
+    #[error("record not serialisable: {0}")]
+    Value(String),
+}
+
+impl serde::ser::Error for PrepareError {
+    fn custom<T: Display>(msg: T) -> Self {
+        PrepareError::Value(msg.to_string())
+    }
+}
+
+impl Prepared {
+    /// Serialise `record` (a struct whose fields hold strings, integers,
+    /// booleans, nulls, arrays and maps with sorted keys, as
+    /// [`super::Record`] does) into its canonical form.
+    pub fn of<T: serde::Serialize + ?Sized>(record: &T) -> Result<Prepared, PrepareError> {
+        let mut values = Vec::with_capacity(512);
+        let mut fields = Vec::with_capacity(40);
+        record.serialize(Capture {
+            values: &mut values,
+            fields: &mut fields,
+        })?;
+        if fields.is_empty() {
+            return Err(PrepareError::NotAStruct);
+        }
+        fields.sort_unstable_by_key(|f| f.0);
+        if let Some(w) = fields.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(PrepareError::Duplicate(w[0].0));
+        }
+        if let Some(f) = fields.iter().find(|f| CHAIN_FIELDS.contains(&f.0)) {
+            return Err(PrepareError::ChainField(f.0));
+        }
+        let mut body = Vec::with_capacity(values.len() + 16 * fields.len() + 2);
+        let mut at = [0usize; 3];
+        let mut next = 0;
+        body.push(b'{');
+        for (i, (key, start, end)) in fields.iter().enumerate() {
+            if i > 0 {
+                body.push(b',');
+            }
+            while next < CHAIN_FIELDS.len() && CHAIN_FIELDS[next] < *key {
+                at[next] = body.len();
+                next += 1;
+            }
+            string_into(key, &mut body);
+            body.push(b':');
+            body.extend_from_slice(&values[*start..*end]);
+        }
+        for slot in &mut at[next..] {
+            *slot = body.len();
+        }
+        body.push(b'}');
+        Ok(Prepared { body, at })
+    }
+
+    /// The canonical form of the record as serialised (without the chain's
+    /// fields).
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
+    /// Chain the record as number `seq` after the record whose hash is
+    /// `prev`: append its line (with `\n`) to `out` and return its hash.
+    /// The line is byte for byte what [`seal_line`] makes of the record.
+    pub fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
+        let start = out.len();
+        let [at_hash, at_prev, at_seq] = self.at;
+        let mut prev_value = Vec::with_capacity(prev.len() + 2);
+        string_into(prev, &mut prev_value);
+        out.reserve(self.body.len() + 160);
+        out.extend_from_slice(&self.body[..at_prev]);
+        self.field_into("prev", &prev_value, at_prev, out);
+        out.extend_from_slice(&self.body[at_prev..at_seq]);
+        self.field_into("seq", seq.to_string().as_bytes(), at_seq, out);
+        out.extend_from_slice(&self.body[at_seq..]);
+        // The hash covers the line without `hash`; it goes in before `prev`.
+        let hash = HEXLOWER.encode(&Sha256::digest(&out[start..]));
+        let mut field = Vec::with_capacity(80);
+        self.field_into(
+            "hash",
+            format!("\"{hash}\"").as_bytes(),
+            at_hash,
+            &mut field,
+        );
+        let pos = start + at_hash;
+        out.splice(pos..pos, field);
+        out.push(b'\n');
+        hash
+    }
+
+    /// `"key":value` with the comma on the side that keeps the object well
+    /// formed when it goes in at `at`: before the closing brace it follows
+    /// a field (a body is never empty), anywhere else a field follows it.
+    fn field_into(&self, key: &str, value: &[u8], at: usize, out: &mut Vec<u8>) {
+        let closing = at + 1 == self.body.len();
+        if closing {
+            out.push(b',');
+        }
+        string_into(key, out);
+        out.push(b':');
+        out.extend_from_slice(value);
+        if !closing {
+            out.push(b',');
+        }
+    }
+}
+
+/// Collects a struct's fields: each value serialised by serde_json into
+/// `values`, its key and byte range into `fields`.
+struct Capture<'a> {
+    values: &'a mut Vec<u8>,
+    fields: &'a mut Vec<(&'static str, usize, usize)>,
+}
+
+impl serde::ser::SerializeStruct for Capture<'_> {
+    type Ok = ();
+    type Error = PrepareError;
+
+    fn serialize_field<T: serde::Serialize + ?Sized>(
+        &mut self,
+        key: &'static str,
+        value: &T,
+    ) -> Result<(), PrepareError> {
+        let start = self.values.len();
+        serde_json::to_writer(&mut *self.values, value)
+            .map_err(|e| PrepareError::Value(e.to_string()))?;
+        self.fields.push((key, start, self.values.len()));
+        Ok(())
+    }
+
+    fn end(self) -> Result<(), PrepareError> {
+        Ok(())
+    }
+}
+
+/// Everything but a struct is refused.
+macro_rules! not_a_struct {
+    ($($name:ident($($arg:ty),*);)*) => {
+        $(fn $name(self, $(_: $arg),*) -> Result<(), PrepareError> {
+            Err(PrepareError::NotAStruct)
+        })*
+    };
+}
+
+impl<'a> serde::Serializer for Capture<'a> {
+    type Ok = ();
+    type Error = PrepareError;
+    type SerializeSeq = serde::ser::Impossible<(), PrepareError>;
+    type SerializeTuple = serde::ser::Impossible<(), PrepareError>;
+    type SerializeTupleStruct = serde::ser::Impossible<(), PrepareError>;
+    type SerializeTupleVariant = serde::ser::Impossible<(), PrepareError>;
+    type SerializeMap = serde::ser::Impossible<(), PrepareError>;
+    type SerializeStruct = Capture<'a>;
+    type SerializeStructVariant = serde::ser::Impossible<(), PrepareError>;
+
+    fn serialize_struct(
+        self,
+        _name: &'static str,
+        _len: usize,
+    ) -> Result<Capture<'a>, PrepareError> {
+        Ok(self)
+    }
+
+    not_a_struct! {
+        serialize_bool(bool);
+        serialize_i8(i8);
+        serialize_i16(i16);
+        serialize_i32(i32);
+        serialize_i64(i64);
+        serialize_u8(u8);
+        serialize_u16(u16);
+        serialize_u32(u32);
+        serialize_u64(u64);
+        serialize_f32(f32);
+        serialize_f64(f64);
+        serialize_char(char);
+        serialize_str(&str);
+        serialize_bytes(&[u8]);
+        serialize_none();
+        serialize_unit();
+        serialize_unit_struct(&'static str);
+        serialize_unit_variant(&'static str, u32, &'static str);
+    }
+
+    fn serialize_some<T: serde::Serialize + ?Sized>(self, _: &T) -> Result<(), PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_newtype_struct<T: serde::Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: &T,
+    ) -> Result<(), PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_newtype_variant<T: serde::Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: &T,
+    ) -> Result<(), PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_tuple_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleStruct, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleVariant, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_map(self, _: Option<usize>) -> Result<Self::SerializeMap, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStructVariant, PrepareError> {
+        Err(PrepareError::NotAStruct)
+    }
+}
+
 /// A record with every CONTRACT field null, for headers and checkpoints.
 pub fn meta_record(event: &str, id: String, ts: String) -> Map<String, Value> {
     let mut m = Map::new();
@@ -275,5 +554,104 @@ mod seal_tests {
             );
             assert_eq!(record_hash(&m), hash);
         }
+    }
+}
+
+#[cfg(test)]
+mod prepared_tests {
+    use super::*;
+    use serde::Serialize;
+    use std::collections::BTreeMap;
+
+    fn via_value<T: Serialize>(v: &T, seq: u64, prev: &str) -> (String, Vec<u8>) {
+        let Value::Object(mut m) = serde_json::to_value(v).unwrap() else {
+            panic!("not an object")
+        };
+        seal_line(&mut m, seq, prev)
+    }
+
+    fn check<T: Serialize>(v: &T) {
+        for (seq, prev) in [(0, GENESIS), (18446744073709551615, "ab\"c")] {
+            let p = Prepared::of(v).unwrap();
+            let mut out = b"earlier line\n".to_vec();
+            let hash = p.seal_into(seq, prev, &mut out);
+            let (want_hash, want) = via_value(v, seq, prev);
+            assert_eq!(
+                String::from_utf8_lossy(&out[13..]),
+                String::from_utf8_lossy(&want)
+            );
+            assert_eq!(hash, want_hash);
+            let back: Value = serde_json::from_slice(&out[13..]).unwrap();
+            assert_eq!(record_hash(back.as_object().unwrap()), hash);
+        }
+    }
+
+    #[derive(Serialize)]
+    struct Before {
+        a: u8,
+        b: &'static str,
+    }
+
+    #[derive(Serialize)]
+    struct After {
+        z: Option<u8>,
+        sni: bool,
+    }
+
+    #[derive(Serialize)]
+    struct Between {
+        r#ref: &'static str,
+        id: String,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        skipped: Option<u8>,
+        port: u16,
+        reasons: BTreeMap<String, u64>,
+        window: [String; 2],
+        answers: Vec<String>,
+        policy: &'static str,
+        rule: Option<String>,
+        host: &'static str,
+    }
+
+    /// Wherever `hash`, `prev` and `seq` sort among the keys, the line is
+    /// what the `Value` path makes of the same record.
+    #[test]
+    fn prepared_lines_equal_the_value_path() {
+        check(&Before {
+            a: 1,
+            b: "x\ny\u{1}é",
+        });
+        check(&After { z: None, sni: true });
+        check(&Between {
+            r#ref: "r",
+            id: "a-b-1".into(),
+            skipped: None,
+            port: 443,
+            reasons: [("z".to_string(), 1), ("a".to_string(), 2)].into(),
+            window: ["t0".into(), "t1".into()],
+            answers: vec!["198.18.0.1".into()],
+            policy: "p",
+            rule: None,
+            host: "h\"\\",
+        });
+    }
+
+    #[test]
+    fn only_structs_without_chain_fields_are_prepared() {
+        #[derive(Serialize)]
+        struct Forged {
+            hash: u8,
+        }
+        #[derive(Serialize)]
+        struct Empty {}
+        assert!(matches!(
+            Prepared::of(&Forged { hash: 1 }),
+            Err(PrepareError::ChainField("hash"))
+        ));
+        assert!(Prepared::of(&Empty {}).is_err());
+        assert!(Prepared::of(&5u8).is_err());
+        assert!(Prepared::of(&vec![1]).is_err());
+        let m: BTreeMap<String, u8> = BTreeMap::new();
+        assert!(Prepared::of(&m).is_err());
     }
 }

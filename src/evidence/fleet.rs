@@ -717,7 +717,10 @@ mod tests {
     /// A chain in `dir` with one deny decision per host (client port 40000
     /// + i); sealed unless `crash`. Returns the public key (hex).
     async fn chain(dir: &Path, hosts: &[&str], crash: bool) -> String {
-        let ev = Evidence::open(dir).unwrap();
+        // Each chain named by its directory, as replicas on one host must be.
+        let mut cfg = crate::config::EvidenceConfig::for_dir(dir);
+        cfg.replica = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let ev = Evidence::start(&cfg).unwrap();
         for (i, host) in hosts.iter().enumerate() {
             let verdict = Verdict {
                 org: None,
@@ -774,7 +777,7 @@ mod tests {
         let f = resolve(std::slice::from_ref(&tree)).unwrap();
         let names: Vec<&str> = f.chains.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["gw-a", "gw-b"]);
-        assert!(f.chains.iter().all(|c| !c.named_by_header));
+        assert!(f.chains.iter().all(|c| c.named_by_header));
         assert_eq!(f.missing.len(), 1);
         assert_eq!(f.missing[0].name, "gw-c");
         assert!(

@@ -4,10 +4,11 @@
 //! flow. A failed write makes the writer unhealthy and the caller denies
 //! `evidence_unavailable`: nothing is allowed unrecorded.
 //!
-//! Records are hash-chained ([`chain`]), signed at checkpoints with an
-//! Ed25519 key ([`key`]), and written by one dedicated thread
-//! ([`writer`]) in batches, into rotating segment files ([`segment`]).
-//! [`verify`] checks a directory end to end; [`query`] filters and exports.
+//! Records are serialised once into their canonical form and hash-chained
+//! ([`chain`]), signed at checkpoints with an Ed25519 key ([`key`]), and
+//! written in batches by group commit on the callers' own threads
+//! ([`writer`]), into rotating segment files ([`segment`]). [`verify`]
+//! checks a directory end to end; [`query`] filters and exports.
 
 pub mod chain;
 pub mod fleet;
@@ -21,8 +22,8 @@ mod writer;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -30,7 +31,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::config::{Durability, EvidenceConfig};
 use crate::policy::{Reason, Verdict};
-use writer::{Ids, Msg, Queue, Shared, Writer};
+use chain::Prepared;
+use writer::{Entry, Ids, Io, Log};
 
 /// Fields every record has (null where not known), in CONTRACT order.
 pub const CONTRACT_FIELDS: [&str; 15] = [
@@ -169,7 +171,7 @@ pub struct Record {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
     /// Summary records: how many decisions this one record stands for
-    /// (DNS refusals that found no room in the writer's queue, proxy
+    /// (DNS refusals that found no room in the evidence queue, proxy
     /// denials over the per-client rate).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub count: Option<u64>,
@@ -323,10 +325,12 @@ pub struct Counters {
     records_written: AtomicU64,
     /// Writes that failed, and records that could not be queued.
     write_errors: AtomicU64,
-    /// Records waiting for the writer thread.
+    /// Records appended and not yet taken by a writer.
     queue_depth: AtomicU64,
     /// The evidence dir, for the disk space metrics read at scrape time.
     dir: std::sync::OnceLock<PathBuf>,
+    /// The replica this instance records as (`[evidence] replica`).
+    replica: std::sync::OnceLock<String>,
 }
 
 impl Counters {
@@ -340,6 +344,11 @@ impl Counters {
 
     pub fn queue_depth(&self) -> u64 {
         self.queue_depth.load(Ordering::Relaxed)
+    }
+
+    /// The replica this instance records as (empty before it started).
+    pub fn replica(&self) -> &str {
+        self.replica.get().map_or("", String::as_str)
     }
 
     /// Bytes free for unprivileged writers, and the size, of the file
@@ -366,15 +375,19 @@ impl Counters {
     }
 }
 
-/// The evidence writer shared by every listener. Cheap to call from any
-/// task: records go to a dedicated writer thread through a bounded queue.
+/// The evidence log shared by every listener. Cheap to call from any
+/// task: a record is serialised on the caller's thread and written there
+/// too, together with every other record pending at that moment, by
+/// whichever caller finds the log free (group commit, see [`writer`]).
 pub struct Evidence {
-    shared: Arc<Shared>,
+    log: Arc<Log>,
+    /// The duties thread (checkpoints and rotation by time, retries).
     thread: Mutex<Option<JoinHandle<()>>>,
     dir: PathBuf,
     segment: PathBuf,
     durability: Durability,
     public_key: String,
+    refs: reference::RefKey,
 }
 
 impl std::fmt::Debug for Evidence {
@@ -394,7 +407,7 @@ impl Evidence {
     }
 
     /// Load (or create) the signing key, find the chain head in the dir,
-    /// open a new segment and start the writer thread.
+    /// open a new segment and start the duties thread.
     pub fn start(cfg: &EvidenceConfig) -> io::Result<Evidence> {
         let key = key::load_or_create(&cfg.key)?;
         let refs = reference::RefKey::from_seed(&key.to_bytes());
@@ -402,32 +415,25 @@ impl Evidence {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
-        let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue::default()),
-            cv: Condvar::new(),
-            slots: tokio::sync::Semaphore::new(writer::QUEUE_CAPACITY),
-            healthy: AtomicBool::new(true),
-            closed: AtomicBool::new(false),
-            ids: Ids {
-                prefix: format!("{:x}{:05x}", now.as_secs(), now.subsec_micros()),
-                next: AtomicU64::new(0),
-            },
-            refs,
-            counters: Arc::default(),
-        });
-        let _ = shared.counters.dir.set(cfg.dir.clone());
-        let w = Writer::open(cfg.clone(), key, shared.clone())?;
-        let segment = w.current_path();
+        let ids = Ids::new(&cfg.replica, now);
+        let counters: Arc<Counters> = Arc::default();
+        let _ = counters.dir.set(cfg.dir.clone());
+        let _ = counters.replica.set(cfg.replica.clone());
+        let io = Io::open(cfg.clone(), key, &ids, counters.clone())?;
+        let segment = io.current_path();
+        let log = Arc::new(Log::new(io, ids, counters));
+        let duties = log.clone();
         let thread = std::thread::Builder::new()
-            .name("evidence-writer".into())
-            .spawn(move || w.run())?;
+            .name("evidence-duties".into())
+            .spawn(move || duties.duties())?;
         Ok(Evidence {
-            shared,
+            log,
             thread: Mutex::new(Some(thread)),
             dir: cfg.dir.clone(),
             segment,
             durability: cfg.durability,
             public_key,
+            refs,
         })
     }
 
@@ -448,142 +454,127 @@ impl Evidence {
 
     /// What the writer has done so far (read by the metrics layer).
     pub fn counters(&self) -> &Arc<Counters> {
-        &self.shared.counters
+        &self.log.common.counters
     }
 
     /// Whether the last write succeeded (and the chain is not sealed).
     pub fn is_healthy(&self) -> bool {
-        self.shared.healthy.load(Ordering::Relaxed) && !self.shared.closed.load(Ordering::Relaxed)
+        self.log.common.healthy.load(Ordering::Relaxed) && !self.log.closed.load(Ordering::Relaxed)
     }
 
-    fn stamp(
-        &self,
-        record: &mut Record,
-    ) -> Result<serde_json::Map<String, serde_json::Value>, EvidenceError> {
-        record.id = self.shared.ids.next();
-        record.reference = Some(self.shared.refs.of(&record.id));
+    /// Assign `id`, `ref` and `ts`, and serialise the record, once, in its
+    /// canonical form.
+    fn stamp(&self, record: &mut Record) -> Result<Prepared, EvidenceError> {
+        record.id = self.log.common.ids.next();
+        record.reference = Some(self.refs.of(&record.id));
         record.ts = writer::now_ts();
         // Derived, never set: whatever changed `reason`, they agree.
         record.decision = record.reason.decision();
-        match serde_json::to_value(&*record).map_err(io::Error::other)? {
-            serde_json::Value::Object(m) => Ok(m),
-            _ => Err(EvidenceError::Io(io::Error::other(
-                "record is not an object",
-            ))),
-        }
-    }
-
-    fn enqueue(&self, msg: Msg) -> Result<(), Msg> {
-        let mut q = match self.shared.queue.lock() {
-            Ok(q) => q,
-            Err(p) => p.into_inner(),
-        };
-        if self.shared.closed.load(Ordering::Relaxed) || q.stop.is_some() {
-            return Err(msg);
-        }
-        q.items.push_back(msg);
-        drop(q);
-        self.shared.cv.notify_one();
-        Ok(())
+        Prepared::of(&*record).map_err(|e| EvidenceError::Io(io::Error::other(e)))
     }
 
     /// Assign `id` and `ts` and write the record. When this returns `Ok`
     /// the bytes are with the operating system (`os`) or on disk (`fsync`).
-    /// Waits for room in the writer's queue (back-pressure).
+    /// Waits for room in the queue (back-pressure).
     pub async fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
-        let fields = self.stamp(record)?;
+        let line = self.stamp(record)?;
         let permit = self
-            .shared
+            .log
             .slots
             .acquire()
             .await
             .map_err(|_| EvidenceError::Sealed)?;
         permit.forget();
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let msg = Msg {
-            fields,
-            ack: Some(tx),
+        let entry = Entry {
+            line,
+            acked: true,
             permit: true,
         };
-        if self.enqueue(msg).is_err() {
-            self.shared.slots.add_permits(1);
+        let Ok(batch) = self.log.append(entry) else {
+            self.log.slots.add_permits(1);
             return Err(EvidenceError::Sealed);
-        }
-        match rx.await {
-            Ok(true) => Ok(()),
-            _ => Err(EvidenceError::Unavailable),
+        };
+        if self.log.wait(&batch).await {
+            Ok(())
+        } else {
+            Err(EvidenceError::Unavailable)
         }
     }
 
-    /// Assign `id` and `ts` and queue the record without waiting for it to
-    /// be written. It is never dropped: over the queue's capacity it still
-    /// goes in (accept loops wait for room with [`Evidence::wait_capacity`]),
-    /// and after a write error it is kept until writing works again.
-    /// For records that let nothing through (close records, refusals).
+    /// Assign `id` and `ts` and append the record without waiting for it to
+    /// be written (it is written at once unless a writer is at work, which
+    /// then takes it). It is never dropped: over the queue's capacity it
+    /// still goes in (accept loops wait for room with
+    /// [`Evidence::wait_capacity`]), and after a write error it is kept until
+    /// writing works again. For records that let nothing through (close
+    /// records, refusals).
     pub fn submit(&self, record: &mut Record) {
-        let fields = match self.stamp(record) {
-            Ok(f) => f,
+        let line = match self.stamp(record) {
+            Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "evidence record not serialisable");
-                self.shared.counters.write_failed();
+                self.log.common.counters.write_failed();
                 return;
             }
         };
-        let permit = match self.shared.slots.try_acquire() {
+        let permit = match self.log.slots.try_acquire() {
             Ok(p) => {
                 p.forget();
                 true
             }
             Err(_) => false,
         };
-        let msg = Msg {
-            fields,
-            ack: None,
+        let entry = Entry {
+            line,
+            acked: false,
             permit,
         };
-        if let Err(msg) = self.enqueue(msg) {
-            if msg.permit {
-                self.shared.slots.add_permits(1);
+        if let Err(entry) = self.log.append(entry) {
+            if entry.permit {
+                self.log.slots.add_permits(1);
             }
             tracing::error!(id = %record.id, "evidence record submitted after the seal");
-            self.shared.counters.write_failed();
+            self.log.common.counters.write_failed();
+            return;
         }
+        self.log.try_lead();
     }
 
-    /// Assign `id` and `ts` and queue the record, only into a free place in
-    /// the writer's queue, waiting at most `wait` for one; returns whether
-    /// it was queued (once queued it is never dropped, as with
-    /// [`Evidence::submit`]). For records that may be counted into a
-    /// summary instead, so that a flood never grows the queue.
+    /// Assign `id` and `ts` and append the record, only into a free place
+    /// in the queue, waiting at most `wait` for one; returns whether it was
+    /// taken (once taken it is never dropped, as with [`Evidence::submit`]).
+    /// For records that may be counted into a summary instead, so that a
+    /// flood never grows the queue.
     pub async fn submit_within(&self, record: &mut Record, wait: std::time::Duration) -> bool {
-        let permit = match self.shared.slots.try_acquire() {
+        let permit = match self.log.slots.try_acquire() {
             Ok(p) => p,
             Err(tokio::sync::TryAcquireError::NoPermits) if !wait.is_zero() => {
-                match tokio::time::timeout(wait, self.shared.slots.acquire()).await {
+                match tokio::time::timeout(wait, self.log.slots.acquire()).await {
                     Ok(Ok(p)) => p,
                     _ => return false,
                 }
             }
             Err(_) => return false,
         };
-        let fields = match self.stamp(record) {
-            Ok(f) => f,
+        let line = match self.stamp(record) {
+            Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "evidence record not serialisable");
-                self.shared.counters.write_failed();
+                self.log.common.counters.write_failed();
                 return false;
             }
         };
         permit.forget();
-        let msg = Msg {
-            fields,
-            ack: None,
+        let entry = Entry {
+            line,
+            acked: false,
             permit: true,
         };
-        if self.enqueue(msg).is_err() {
-            self.shared.slots.add_permits(1);
+        if self.log.append(entry).is_err() {
+            self.log.slots.add_permits(1);
             return false;
         }
+        self.log.try_lead();
         true
     }
 
@@ -591,54 +582,37 @@ impl Evidence {
     /// in a slow `write(2)` would (tests).
     #[cfg(test)]
     pub(crate) fn pause_writer(&self, paused: bool) {
-        if let Ok(mut q) = self.shared.queue.lock() {
-            q.paused = paused;
-        }
-        self.shared.cv.notify_one();
+        self.log.pause(paused);
     }
 
-    /// Records waiting in the writer's queue (tests).
+    /// Records waiting in the queue (tests).
     #[cfg(test)]
     pub(crate) fn queued(&self) -> usize {
-        self.shared.queue.lock().map_or(0, |q| q.items.len())
+        self.log.queued()
     }
 
-    /// Wait until the writer's queue has room (accept loops call this so a
-    /// flood of connections waits instead of piling up records).
+    /// Wait until the queue has room (accept loops call this so a flood of
+    /// connections waits instead of piling up records).
     pub async fn wait_capacity(&self) {
-        if let Ok(p) = self.shared.slots.acquire().await {
+        if let Ok(p) = self.log.slots.acquire().await {
             drop(p);
         }
     }
 
-    /// Write everything queued, then a final signed `seal` record, and stop
-    /// the writer. Later writes fail. Returns whether the seal was written.
+    /// Write everything pending, then a final signed `seal` record, and stop
+    /// the duties thread. Later writes fail. Returns whether the seal was
+    /// written.
     pub async fn seal(&self) -> bool {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        {
-            let mut q = match self.shared.queue.lock() {
-                Ok(q) => q,
-                Err(p) => p.into_inner(),
-            };
-            if q.stop.is_some() || self.shared.closed.load(Ordering::Relaxed) {
-                return false;
-            }
-            q.stop = Some(tx);
-        }
-        self.shared.cv.notify_one();
-        let sealed = rx.await.unwrap_or(false);
+        let sealed = self.log.close(true);
         self.join();
         sealed
     }
 
-    /// Stop the writer without sealing, as a crash would (tests).
+    /// Stop without sealing, as a crash would (tests): what is pending is
+    /// not written.
     #[doc(hidden)]
     pub fn abandon(&self) {
-        if let Ok(mut q) = self.shared.queue.lock() {
-            q.abandon = true;
-        }
-        self.shared.closed.store(true, Ordering::Relaxed);
-        self.shared.cv.notify_one();
+        self.log.close(false);
         self.join();
     }
 
@@ -656,17 +630,7 @@ impl Evidence {
 impl Drop for Evidence {
     /// An Evidence dropped without [`Evidence::seal`] seals on the way out.
     fn drop(&mut self) {
-        let running = self.thread.lock().map(|t| t.is_some()).unwrap_or(false);
-        if !running {
-            return;
-        }
-        let (tx, _rx) = tokio::sync::oneshot::channel();
-        if let Ok(mut q) = self.shared.queue.lock() {
-            if q.stop.is_none() {
-                q.stop = Some(tx);
-            }
-        }
-        self.shared.cv.notify_one();
+        self.log.close(true);
         self.join();
     }
 }

@@ -1,8 +1,8 @@
 //! Record references: what a client is shown instead of a record's `id`.
 //!
-//! Ids are a per-start prefix and a global counter, so two ids shown to
-//! one org would tell it how many decisions every other org caused in
-//! between. A client is shown `ref` instead: the first 8 bytes (16
+//! Ids are the replica, a per-start prefix and a global counter
+//! (`REPLICA-START-N`), so two ids shown to one org would tell it how many
+//! decisions every other org caused in between. A client is shown `ref` instead: the first 8 bytes (16
 //! lowercase hex characters) of HMAC-SHA256 over the record's `id`, keyed
 //! with a key derived from the checkpoint signing key. The record keeps
 //! both fields (the chain covers `ref` like any other field), so an

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use super::chain::Prepared;
 use super::verify::{verify_with, Options};
 use super::*;
 use crate::config::EvidenceConfig;
@@ -398,7 +399,8 @@ async fn decision_is_derived_from_reason_when_written() {
         (&mut deny_then_reported, "allow"),
     ] {
         assert_eq!(r.decision_str(), want);
-        let fields = ev.stamp(r).unwrap();
+        let line = ev.stamp(r).unwrap();
+        let fields: Value = serde_json::from_slice(line.body()).unwrap();
         assert_eq!(fields["decision"], want, "{fields:?}");
     }
     assert!(ev.seal().await);
@@ -440,5 +442,313 @@ async fn references_are_stored_stable_and_found() {
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].id, first.id);
     assert_eq!(found[0].reference.as_deref(), Some(shown.as_str()));
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// A record with every field set, every optional one present.
+fn full_record() -> Record {
+    Record {
+        id: "r1-6b0d-7".into(),
+        reference: Some("0011223344556677".into()),
+        ts: "2026-12-01T02:03:04.000005Z".into(),
+        kind: Kind::Http,
+        event: Event::Close,
+        org: Some(Arc::from("acme")),
+        client: Some("[2001:db8::1]:4444".parse().unwrap()),
+        mode: Mode::Socks5,
+        host: Some("a.example.com".into()),
+        port: Some(443),
+        sni: Some("a.example.com".into()),
+        ip: Some("198.18.7.7".parse().unwrap()),
+        decision: "allow",
+        reason: Reason::RuleMatch,
+        rule: Some(Arc::from("acme/allow/0")),
+        policy: Arc::from("p0"),
+        would_deny: Some(Reason::NoMatchingRule),
+        method: Some("GET".into()),
+        path: Some("/x?q=\"1\"&\u{7}\u{2028}é".into()),
+        detail: Some("line\nbreak\ttab\\".into()),
+        conn: Some("r1-6b0d-6".into()),
+        bytes_up: Some(u64::MAX),
+        bytes_down: Some(0),
+        duration_ms: Some(12),
+        qtype: Some("AAAA".into()),
+        answers: Some(vec!["198.18.0.1".into(), "2001:db8::2".into()]),
+        upstream: Some(false),
+        intercepted: Some(true),
+        status: Some(204),
+        credential: Some("cred-1".into()),
+        tunnel: Some(crate::config::Carry::TlsOrHttp),
+        count: Some(3),
+        reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),
+        hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),
+        window: Some(["t0".into(), "t1".into()]),
+    }
+}
+
+/// The record serialised once, straight to canonical form, is the line the
+/// `serde_json::Value` path made before: old and new files chain alike.
+#[test]
+fn one_serialisation_gives_the_canonical_line() {
+    for r in [
+        full_record(),
+        record(3, true),
+        record(4, false).close(1, 2, 3),
+    ] {
+        let Value::Object(mut m) = serde_json::to_value(&r).unwrap() else {
+            panic!()
+        };
+        let (want_hash, want) = chain::seal_line(&mut m, 41, chain::GENESIS);
+        let mut line = Vec::new();
+        let hash = Prepared::of(&r)
+            .unwrap()
+            .seal_into(41, chain::GENESIS, &mut line);
+        assert_eq!(
+            String::from_utf8(line).unwrap(),
+            String::from_utf8(want).unwrap()
+        );
+        assert_eq!(hash, want_hash);
+    }
+}
+
+fn ids_in(dir: &Path) -> Vec<String> {
+    segments(dir)
+        .iter()
+        .flat_map(|p| lines(p))
+        .map(|l| {
+            let v: Value = serde_json::from_str(&l).unwrap();
+            v["id"].as_str().unwrap_or_default().to_string()
+        })
+        .collect()
+}
+
+/// Many tasks on two worker threads write at once: every acknowledged
+/// record is in the file when its write returns, each exactly once, records
+/// share writes (group commit), and the chain verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_share_writes_and_every_ack_is_on_disk() {
+    for durability in [
+        crate::config::Durability::Os,
+        crate::config::Durability::Fsync,
+    ] {
+        let root = scratch();
+        let mut cfg = config(&root);
+        cfg.durability = durability;
+        cfg.checkpoint_every = 50;
+        let ev = Arc::new(Evidence::start(&cfg).unwrap());
+        let seg = ev.first_segment().to_path_buf();
+        const TASKS: u32 = 64;
+        const EACH: u32 = 8;
+        let mut tasks = Vec::new();
+        for t in 0..TASKS {
+            let ev = ev.clone();
+            let seg = seg.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for i in 0..EACH {
+                    let mut r = record(t * EACH + i, true);
+                    ev.write(&mut r).await.unwrap();
+                    let on_disk = fs::read_to_string(&seg).unwrap();
+                    assert!(
+                        on_disk.contains(&format!("\"id\":\"{}\"", r.id)),
+                        "{} acknowledged but not in the file",
+                        r.id
+                    );
+                    ids.push(r.id.clone());
+                    ev.submit(&mut r.close(1, 2, 3));
+                }
+                ids
+            }));
+        }
+        let mut acked = Vec::new();
+        for t in tasks {
+            acked.extend(t.await.unwrap());
+        }
+        let batches = ev.log.batches();
+        assert!(ev.seal().await);
+        let written = ids_in(&cfg.dir);
+        for id in &acked {
+            assert_eq!(written.iter().filter(|w| *w == id).count(), 1, "{id}");
+        }
+        let records = (TASKS * EACH * 2) as u64;
+        assert!(
+            batches < records,
+            "{durability:?}: {batches} writes for {records} records"
+        );
+        let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+        assert_eq!(s.allow, (TASKS * EACH) as u64);
+        assert_eq!(s.closes, (TASKS * EACH) as u64);
+        assert!(s.sealed);
+        let _ = fs::remove_dir_all(&root);
+    }
+}
+
+/// Writers that arrive while a batch is being written wait and go out
+/// together: one write for all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_waiting_on_a_busy_log_go_out_in_one_write() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.checkpoint_interval = Duration::from_secs(3600);
+    let ev = Arc::new(Evidence::start(&cfg).unwrap());
+    ev.pause_writer(true);
+    let mut tasks = Vec::new();
+    for i in 0..32 {
+        let ev = ev.clone();
+        tasks.push(tokio::spawn(async move {
+            ev.write(&mut record(i, true)).await.is_ok()
+        }));
+    }
+    while ev.queued() < 32 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let before = ev.log.batches();
+    ev.pause_writer(false);
+    for t in tasks {
+        assert!(t.await.unwrap());
+    }
+    assert_eq!(ev.log.batches() - before, 1);
+    assert!(ev.seal().await);
+    verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// A write that fails (half of it reached the disk) fails every waiter of
+/// its batch, makes the log unhealthy, is cut off the file, and keeps the
+/// submitted records; writing recovers by itself with an `outage` record
+/// and the chain verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_fails_its_whole_batch_and_recovers() {
+    let root = scratch();
+    let cfg = config(&root);
+    let ev = Arc::new(Evidence::start(&cfg).unwrap());
+    fill(&ev, 4).await;
+    let errors_before = ev.counters().write_errors();
+    ev.pause_writer(true);
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let ev = ev.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut r = record(100 + i, true);
+            let ok = ev.write(&mut r).await.is_ok();
+            (r.id, ok)
+        }));
+    }
+    let mut kept = record(200, false);
+    ev.submit(&mut kept);
+    while ev.queued() < 17 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    ev.log.fail_next_write();
+    ev.pause_writer(false);
+    let mut failed = Vec::new();
+    for t in tasks {
+        let (id, ok) = t.await.unwrap();
+        assert!(!ok, "{id} acknowledged from a failed write");
+        failed.push(id);
+    }
+    assert!(!ev.is_healthy());
+    assert!(ev.counters().write_errors() > errors_before);
+    // The duties thread retries by itself.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !ev.is_healthy() {
+        assert!(std::time::Instant::now() < deadline, "never recovered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ev.write(&mut record(301, true)).await.unwrap();
+    assert!(ev.seal().await);
+    let written = ids_in(&cfg.dir);
+    for id in &failed {
+        assert!(!written.contains(id), "{id} failed but is in the chain");
+    }
+    assert!(
+        written.contains(&kept.id),
+        "the submitted record was dropped"
+    );
+    let all: String = segments(&cfg.dir).iter().flat_map(|p| lines(p)).collect();
+    assert!(all.contains("\"failed_writes\":16"), "{all}");
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.sealed);
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// A submitted record is written on the submitting thread when the log is
+/// free: it is in the file when `submit` returns.
+#[tokio::test]
+async fn a_submitted_record_is_written_at_once_on_a_free_log() {
+    let root = scratch();
+    let cfg = config(&root);
+    let ev = Evidence::start(&cfg).unwrap();
+    for i in 0..3 {
+        let mut r = record(i, false);
+        ev.submit(&mut r);
+        let on_disk = fs::read_to_string(ev.first_segment()).unwrap();
+        assert!(on_disk.contains(&r.id), "{}", r.id);
+    }
+    assert_eq!(ev.queued(), 0);
+    assert!(ev.seal().await);
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// Record ids name the replica, and every segment header carries it.
+#[tokio::test]
+async fn the_replica_is_in_ids_and_headers() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.replica = "eu-1.b".into();
+    cfg.rotate_size = 2000;
+    let ev = Evidence::start(&cfg).unwrap();
+    let mut r = record(1, true);
+    ev.write(&mut r).await.unwrap();
+    assert!(r.id.starts_with("eu-1.b-"), "{}", r.id);
+    fill(&ev, 10).await;
+    assert_eq!(ev.counters().replica(), "eu-1.b");
+    assert!(ev.seal().await);
+    let segs = segments(&cfg.dir);
+    assert!(segs.len() >= 2);
+    for seg in &segs {
+        let header: Value = serde_json::from_str(&lines(seg)[0]).unwrap();
+        assert_eq!(header["event"], "segment_start");
+        assert_eq!(header["replica"], "eu-1.b", "{header}");
+    }
+    for id in ids_in(&cfg.dir) {
+        assert!(id.starts_with("eu-1.b-"), "{id}");
+    }
+    verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// `fsync`: a `write` returns only after its batch is synced; submitted
+/// records reach the file at once and the disk with the next sync, which
+/// the duties thread makes shortly if no `write` comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsync_syncs_what_is_waited_on_and_soon_the_rest() {
+    let root = scratch();
+    let mut cfg = config(&root);
+    cfg.durability = crate::config::Durability::Fsync;
+    cfg.checkpoint_every = 1000;
+    cfg.checkpoint_interval = Duration::from_secs(3600);
+    let ev = Evidence::start(&cfg).unwrap();
+    let (before, _) = ev.log.syncs();
+    ev.write(&mut record(1, true)).await.unwrap();
+    let (after_write, unsynced) = ev.log.syncs();
+    assert_eq!(after_write, before + 1);
+    assert!(!unsynced);
+    let mut close = record(2, false);
+    ev.submit(&mut close);
+    assert!(fs::read_to_string(ev.first_segment())
+        .unwrap()
+        .contains(&close.id));
+    let (after_submit, unsynced) = ev.log.syncs();
+    // Written, not synced yet (unless the duties thread was already quick).
+    assert!(unsynced || after_submit > after_write);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while ev.log.syncs().1 {
+        assert!(std::time::Instant::now() < deadline, "never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(ev.log.syncs().0 > after_write);
+    assert!(ev.seal().await);
+    verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
     let _ = fs::remove_dir_all(&root);
 }

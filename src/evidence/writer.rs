@@ -1,77 +1,142 @@
-//! The dedicated writer thread: takes records from a bounded queue, chains,
-//! batches and writes them (one `write(2)` per batch), checkpoints, rotates
-//! and retains segments, and recovers from write errors by itself.
+//! Group commit on the callers' own threads.
+//!
+//! A caller serialises its record ([`Prepared`]), appends it to the pending
+//! batch and tries to become the leader: the first to find the log free
+//! takes every pending record, chains them, writes them with one `write(2)`
+//! (and one `fdatasync` with `durability = "fsync"`), checkpoints, rotates
+//! and retains segments as due, then wakes the callers of that batch. A
+//! caller that finds a leader at work waits for its batch to be written or
+//! for the log to be free again, whichever comes first. With the log
+//! healthy no record waits for another thread.
+//!
+//! With `fsync`, a batch nobody waits on (submitted records only) is
+//! written without a sync: the next synced batch's `fdatasync` covers it,
+//! and the duties thread syncs it at the latest `SYNC_LAG` later. Records a
+//! `write` caller waits on are always synced before the caller goes on.
+//!
+//! A small duties thread does what time asks for: a checkpoint
+//! `checkpoint_interval` after the first unsigned record, rotation by age,
+//! retries after a write error, a lagging sync, and records nobody is left
+//! to write (a leader hands those over after a few rounds). It leads like
+//! anyone else.
 //!
 //! Failure handling keeps the chain consistent: a batch that fails is cut
 //! off the file again (`ftruncate` to the last good length) and never
 //! counted; `write` callers in it get an error (their connection is denied),
 //! submitted records are kept and written first once writing works again,
 //! after an `outage` record saying how many writes failed since when. If the
-//! file cannot be cut back, the writer moves to a new segment whose header
+//! file cannot be cut back, the leader moves to a new segment whose header
 //! says how many lines of the old one belong to the chain.
+//!
+//! Lock order: `io` before `pending`; `io` before the duties' lock. Nothing
+//! takes `io` while holding another of them, and `io` is only ever waited
+//! for by the duties thread, `seal` and `abandon`: callers only try it.
 
-use std::collections::VecDeque;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant, SystemTime};
 
 use ed25519_dalek::SigningKey;
 use serde_json::{Map, Value};
-use tokio::sync::oneshot;
+use tokio::sync::Notify;
 use tracing::{error, info, warn};
 
-use super::chain::{self, GENESIS};
+use super::chain::{self, Prepared, GENESIS};
 use super::segment::{self, Tail};
 use crate::config::{Durability, EvidenceConfig};
 
-/// Records waiting for the writer before `write` callers (and accept loops)
+/// Records appended with a place reserved (`write`, `submit_within`, and
+/// `submit` while there is room) before `write` callers (and accept loops)
 /// wait for room.
 pub const QUEUE_CAPACITY: usize = 8192;
-/// Most records written with one `write(2)`.
-const MAX_BATCH: usize = 4096;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// Batches a leader writes in a row for records nobody waits on (submitted
+/// ones) before it leaves the rest to the duties thread.
+const MAX_ROUNDS: usize = 4;
+/// How long the duties thread sleeps when nothing is due.
+const IDLE: Duration = Duration::from_secs(3600);
+/// `fsync`: longest a written record nobody waits on stays unsynced.
+const SYNC_LAG: Duration = Duration::from_millis(100);
 
-pub(super) struct Msg {
-    pub fields: Map<String, Value>,
-    pub ack: Option<oneshot::Sender<bool>>,
+/// One record waiting to be written.
+pub(super) struct Entry {
+    pub line: Prepared,
+    /// A `write` caller waits for this record's batch.
+    pub acked: bool,
+    /// It holds a place in the queue's capacity.
     pub permit: bool,
 }
 
-#[derive(Default)]
-pub(super) struct Queue {
-    pub items: VecDeque<Msg>,
-    /// Seal and stop; the sender learns whether the seal was written.
-    pub stop: Option<oneshot::Sender<bool>>,
-    /// Stop without sealing (tests that simulate a crash).
-    pub abandon: bool,
-    /// Take nothing off the queue until cleared (tests that simulate a
-    /// writer stuck in a slow write).
-    pub paused: bool,
+const OPEN: u8 = 0;
+const WRITTEN: u8 = 1;
+const FAILED: u8 = 2;
+
+/// What the `write` callers of one batch wait on.
+pub(super) struct Batch {
+    outcome: AtomicU8,
+    notify: Notify,
 }
 
-pub(super) struct Shared {
-    pub queue: Mutex<Queue>,
-    pub cv: Condvar,
-    pub slots: tokio::sync::Semaphore,
-    pub healthy: AtomicBool,
-    pub closed: AtomicBool,
-    pub ids: Ids,
-    pub refs: super::reference::RefKey,
-    pub counters: Arc<super::Counters>,
+impl Batch {
+    fn new() -> Arc<Batch> {
+        Arc::new(Batch {
+            outcome: AtomicU8::new(OPEN),
+            notify: Notify::new(),
+        })
+    }
+
+    /// Whether the batch was written, once it is decided.
+    fn outcome(&self) -> Option<bool> {
+        match self.outcome.load(Ordering::Acquire) {
+            OPEN => None,
+            o => Some(o == WRITTEN),
+        }
+    }
+
+    fn decide(&self, written: bool) {
+        let o = if written { WRITTEN } else { FAILED };
+        self.outcome.store(o, Ordering::Release);
+        self.notify.notify_waiters();
+    }
 }
 
-/// Record ids: a per-start prefix and a counter.
+/// Records appended and not yet taken by a leader.
+struct Pending {
+    entries: Vec<Entry>,
+    /// The batch `entries` will be written in.
+    batch: Arc<Batch>,
+    /// Entries whose caller waits.
+    acked: usize,
+    /// Take nothing (tests that simulate a writer stuck in a slow write).
+    paused: bool,
+    /// Sealed or abandoned: nothing more is appended.
+    closed: bool,
+}
+
+/// Record ids: the replica, a per-start prefix and a counter.
 pub(super) struct Ids {
-    pub prefix: String,
-    pub next: AtomicU64,
+    prefix: String,
+    next: AtomicU64,
 }
 
 impl Ids {
+    /// `REPLICA-START-N`: unique across replicas and restarts.
+    pub fn new(replica: &str, start: Duration) -> Ids {
+        Ids {
+            prefix: format!(
+                "{replica}-{:x}{:05x}",
+                start.as_secs(),
+                start.subsec_micros()
+            ),
+            next: AtomicU64::new(0),
+        }
+    }
+
     pub fn next(&self) -> String {
         format!(
             "{}-{}",
@@ -83,6 +148,347 @@ impl Ids {
 
 pub(super) fn now_ts() -> String {
     humantime::format_rfc3339_micros(SystemTime::now()).to_string()
+}
+
+/// What leaders share with the callers.
+pub(super) struct Common {
+    pub healthy: AtomicBool,
+    pub ids: Ids,
+    pub counters: Arc<super::Counters>,
+    duties: Duties,
+}
+
+/// Wakes the duties thread.
+struct Duties {
+    state: Mutex<DutyState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct DutyState {
+    poked: bool,
+    stop: bool,
+}
+
+impl Duties {
+    fn lock(&self) -> MutexGuard<'_, DutyState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn poke(&self) {
+        self.lock().poked = true;
+        self.cv.notify_one();
+    }
+
+    fn stop(&self) {
+        self.lock().stop = true;
+        self.cv.notify_one();
+    }
+}
+
+/// The log: pending records, and the leader's state.
+pub(super) struct Log {
+    pending: Mutex<Pending>,
+    io: Mutex<Io>,
+    pub common: Common,
+    /// Places in the queue's capacity.
+    pub slots: tokio::sync::Semaphore,
+    /// Sealed or abandoned.
+    pub closed: AtomicBool,
+    fsync: bool,
+}
+
+impl Log {
+    pub fn new(io: Io, ids: Ids, counters: Arc<super::Counters>) -> Log {
+        let fsync = io.cfg.durability == Durability::Fsync;
+        Log {
+            pending: Mutex::new(Pending {
+                entries: Vec::new(),
+                batch: Batch::new(),
+                acked: 0,
+                paused: false,
+                closed: false,
+            }),
+            io: Mutex::new(io),
+            common: Common {
+                healthy: AtomicBool::new(true),
+                ids,
+                counters,
+                duties: Duties {
+                    state: Mutex::new(DutyState::default()),
+                    cv: Condvar::new(),
+                },
+            },
+            slots: tokio::sync::Semaphore::new(QUEUE_CAPACITY),
+            closed: AtomicBool::new(false),
+            fsync,
+        }
+    }
+
+    fn pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn io(&self) -> MutexGuard<'_, Io> {
+        self.io.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn try_io(&self) -> Option<MutexGuard<'_, Io>> {
+        match self.io.try_lock() {
+            Ok(g) => Some(g),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// Add a record to the pending batch; the batch it will be written in,
+    /// or the entry back if the log is closed.
+    pub fn append(&self, entry: Entry) -> Result<Arc<Batch>, Entry> {
+        let mut p = self.pending();
+        if p.closed {
+            return Err(entry);
+        }
+        p.acked += usize::from(entry.acked);
+        p.entries.push(entry);
+        self.common.counters.set_queue_depth(p.entries.len());
+        Ok(p.batch.clone())
+    }
+
+    /// Run `f`, which may `fdatasync`, where blocking is allowed: in
+    /// `fsync` mode on a multi-threaded runtime's worker the worker's other
+    /// tasks move elsewhere meanwhile (`block_in_place`). Measured
+    /// (benches/evidence.rs) against syncing on the worker itself: within
+    /// 5% in CPU per record, and a slow disk's sync then holds up no
+    /// connection's task but the writers'.
+    fn blocking<R>(&self, f: impl FnOnce() -> R) -> R {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let multi = Handle::try_current()
+            .is_ok_and(|h| matches!(h.runtime_flavor(), RuntimeFlavor::MultiThread));
+        if self.fsync && multi {
+            tokio::task::block_in_place(f)
+        } else {
+            f()
+        }
+    }
+
+    /// Write what is pending if no leader is at work; whether this call led.
+    pub fn try_lead(&self) -> bool {
+        match self.try_io() {
+            Some(io) => {
+                self.lead(io);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Wait until `batch` is written (`true`) or refused (`false`), leading
+    /// whenever the log is free.
+    pub async fn wait(&self, batch: &Batch) -> bool {
+        loop {
+            let notified = batch.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(written) = batch.outcome() {
+                return written;
+            }
+            // Leading writes the batch, unless the log is paused.
+            if self.try_lead() {
+                if let Some(written) = batch.outcome() {
+                    return written;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// As leader: write the pending batch, then hand over. Records nobody
+    /// waits on are written for a few more rounds; `write` callers are
+    /// woken to lead themselves; what is left goes to the duties thread.
+    fn lead<'a>(&'a self, mut io: MutexGuard<'a, Io>) {
+        let mut rounds = 0;
+        loop {
+            self.commit(&mut io, None);
+            drop(io);
+            let batch = {
+                let p = self.pending();
+                if p.entries.is_empty() || p.paused || p.closed {
+                    return;
+                }
+                if p.acked > 0 {
+                    Some(p.batch.clone())
+                } else {
+                    None
+                }
+            };
+            if let Some(b) = batch {
+                // Its callers wait on it: the first to wake leads.
+                b.notify.notify_waiters();
+                return;
+            }
+            rounds += 1;
+            if rounds >= MAX_ROUNDS {
+                self.common.duties.poke();
+                return;
+            }
+            match self.try_io() {
+                Some(g) => io = g,
+                // Another leader took over and will see them.
+                None => return,
+            }
+        }
+    }
+
+    /// Take the pending batch and write it (with the seal when `finish`).
+    /// Returns whether what was written was written.
+    fn commit(&self, io: &mut Io, finish: Option<&str>) -> bool {
+        let (entries, batch) = {
+            let mut p = self.pending();
+            if p.closed && finish.is_none() {
+                return false;
+            }
+            if p.paused && finish.is_none() {
+                return true;
+            }
+            p.acked = 0;
+            let batch = std::mem::replace(&mut p.batch, Batch::new());
+            let entries = std::mem::take(&mut p.entries);
+            self.common.counters.set_queue_depth(0);
+            (entries, batch)
+        };
+        let permits = entries.iter().filter(|e| e.permit).count();
+        if permits > 0 {
+            self.slots.add_permits(permits);
+        }
+        // `fsync`: only what someone waits on is synced at once (a `write`,
+        // the seal); submitted records reach the OS now and the disk with
+        // the next sync, at the latest SYNC_LAG later.
+        let sync =
+            self.fsync && (finish.is_some() || entries.iter().any(|e| e.acked) || io.sync_due());
+        let written = if sync {
+            self.blocking(|| io.step(&self.common, entries, finish, true))
+        } else {
+            io.step(&self.common, entries, finish, false)
+        };
+        batch.decide(written);
+        written
+    }
+
+    /// Stop taking records. With `seal`, write everything pending and a
+    /// final signed `seal` record first (returns whether it was written);
+    /// without, drop what is pending as a crash would (its `write` callers
+    /// get an error). Idempotent: a second call returns `false`.
+    pub fn close(&self, seal: bool) -> bool {
+        {
+            let mut p = self.pending();
+            if p.closed {
+                return false;
+            }
+            p.closed = true;
+        }
+        // Waits for a leader at work; not moved off a runtime worker, as
+        // this also runs when `Evidence` is dropped, where that may not be
+        // allowed. Shutdown may block a worker for one write.
+        let mut io = self.io();
+        let sealed = if seal {
+            let sealed = self.commit(&mut io, Some("seal"));
+            if !sealed {
+                error!("could not seal the evidence chain");
+            }
+            sealed
+        } else {
+            let (entries, batch) = {
+                let mut p = self.pending();
+                p.acked = 0;
+                let batch = std::mem::replace(&mut p.batch, Batch::new());
+                (std::mem::take(&mut p.entries), batch)
+            };
+            let permits = entries.iter().filter(|e| e.permit).count();
+            self.slots.add_permits(permits);
+            batch.decide(false);
+            false
+        };
+        drop(io);
+        self.closed.store(true, Ordering::Relaxed);
+        self.common.duties.stop();
+        sealed
+    }
+
+    /// Stop (or resume) taking records, as a writer stuck in a slow
+    /// `write(2)` would (tests).
+    #[cfg(test)]
+    pub fn pause(&self, paused: bool) {
+        let batch = {
+            let mut p = self.pending();
+            p.paused = paused;
+            p.batch.clone()
+        };
+        if !paused {
+            batch.notify.notify_waiters();
+            self.common.duties.poke();
+        }
+    }
+
+    /// Records appended and not yet taken (tests).
+    #[cfg(test)]
+    pub fn queued(&self) -> usize {
+        self.pending().entries.len()
+    }
+
+    /// Fail the next write, half of it written (tests).
+    #[cfg(test)]
+    pub fn fail_next_write(&self) {
+        self.io().fail_next = true;
+    }
+
+    /// Writes so far (tests).
+    #[cfg(test)]
+    pub fn batches(&self) -> u64 {
+        self.io().batches
+    }
+
+    /// Syncs of batches so far, and whether written records wait for one
+    /// (tests).
+    #[cfg(test)]
+    pub fn syncs(&self) -> (u64, bool) {
+        let io = self.io();
+        (io.syncs, io.unsynced.is_some())
+    }
+
+    /// The duties thread: checkpoints and rotation by time, retries after
+    /// a write error, records left behind; until the log is closed.
+    pub fn duties(self: Arc<Log>) {
+        loop {
+            let deadline = {
+                let mut io = self.io();
+                let d = io.next_deadline();
+                io.armed = d;
+                d
+            };
+            {
+                let mut st = self.common.duties.lock();
+                loop {
+                    if st.stop {
+                        return;
+                    }
+                    if st.poked {
+                        break;
+                    }
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break;
+                    }
+                    st = match self.common.duties.cv.wait_timeout(st, deadline - now) {
+                        Ok((s, _)) => s,
+                        Err(p) => p.into_inner().0,
+                    };
+                }
+                st.poked = false;
+            }
+            let io = self.io();
+            self.lead(io);
+        }
+    }
 }
 
 struct Segment {
@@ -113,47 +519,81 @@ struct Head {
     since_ckpt: u64,
 }
 
-pub(super) struct Writer {
+/// The leader's state: the open segment and the chain head.
+pub(super) struct Io {
     cfg: EvidenceConfig,
     key: SigningKey,
     pubkey: String,
-    shared: Arc<Shared>,
     head: Head,
     seg: Option<Segment>,
     last_ckpt: Instant,
     outage: Option<Outage>,
-    pending: VecDeque<Map<String, Value>>,
+    /// Submitted records of failed batches, written first once writing
+    /// works again.
+    kept: Vec<Prepared>,
     healthy: bool,
     retry_at: Instant,
     backoff: Duration,
+    /// The deadline the duties thread sleeps until: a leader that makes
+    /// something due earlier wakes it.
+    armed: Instant,
+    /// The batch buffer, kept between batches.
+    buf: Vec<u8>,
+    /// `fsync`: since when records written without a sync wait for one.
+    unsynced: Option<Instant>,
+    counters: Arc<super::Counters>,
+    /// Tests: fail the next write after half of it reached the file.
+    #[cfg(test)]
+    fail_next: bool,
+    /// Tests: successful writes so far.
+    #[cfg(test)]
+    batches: u64,
+    /// Tests: successful `fdatasync`s of batches so far.
+    #[cfg(test)]
+    syncs: u64,
 }
 
 fn io_err(what: impl std::fmt::Display) -> io::Error {
     io::Error::other(what.to_string())
 }
 
-impl Writer {
+impl Io {
     /// Open the evidence dir: find the chain head left by the previous run
     /// and start a new segment whose header records how that run ended.
-    pub fn open(cfg: EvidenceConfig, key: SigningKey, shared: Arc<Shared>) -> io::Result<Writer> {
+    pub fn open(
+        cfg: EvidenceConfig,
+        key: SigningKey,
+        ids: &Ids,
+        counters: Arc<super::Counters>,
+    ) -> io::Result<Io> {
         let pubkey = super::key::public_hex(&key);
-        let mut w = Writer {
+        let now = Instant::now();
+        let mut w = Io {
             cfg,
             key,
             pubkey,
-            shared,
             head: Head {
                 seq: None,
                 hash: GENESIS.to_string(),
                 since_ckpt: 0,
             },
             seg: None,
-            last_ckpt: Instant::now(),
+            last_ckpt: now,
             outage: None,
-            pending: VecDeque::new(),
+            kept: Vec::new(),
             healthy: true,
-            retry_at: Instant::now(),
+            retry_at: now,
             backoff: BACKOFF_MIN,
+            armed: now + IDLE,
+            buf: Vec::new(),
+            unsynced: None,
+            counters,
+            #[cfg(test)]
+            fail_next: false,
+            #[cfg(test)]
+            batches: 0,
+            #[cfg(test)]
+            syncs: 0,
         };
         if w.cfg.durability == Durability::Discard {
             let file = OpenOptions::new().write(true).open("/dev/null")?;
@@ -162,7 +602,7 @@ impl Writer {
                 name: "/dev/null".into(),
                 len: 0,
                 lines: 0,
-                opened: Instant::now(),
+                opened: now,
                 data: 0,
                 closed: false,
                 dirty: false,
@@ -202,7 +642,7 @@ impl Writer {
             }
         };
         let (removed, unlink) = w.retention(None);
-        w.new_segment(start, predecessor, removed)?;
+        w.new_segment(ids, start, predecessor, removed)?;
         w.unlink(unlink);
         Ok(w)
     }
@@ -214,8 +654,8 @@ impl Writer {
         }
     }
 
-    fn meta(&self, event: &str) -> Map<String, Value> {
-        chain::meta_record(event, self.shared.ids.next(), now_ts())
+    fn meta(ids: &Ids, event: &str) -> Map<String, Value> {
+        chain::meta_record(event, ids.next(), now_ts())
     }
 
     fn sync_dir(&self) {
@@ -229,6 +669,7 @@ impl Writer {
     /// Create the next segment (as `.tmp`, header written, then renamed).
     fn new_segment(
         &mut self,
+        ids: &Ids,
         start: &str,
         predecessor: Value,
         removed: Vec<Value>,
@@ -238,13 +679,14 @@ impl Writer {
         let path = self.cfg.dir.join(&name);
         let tmp = self.cfg.dir.join(format!("{name}.tmp"));
         let _ = fs::remove_file(&tmp);
-        let mut m = self.meta("segment_start");
+        let mut m = Self::meta(ids, "segment_start");
         m.insert("format".into(), chain::FORMAT.into());
         m.insert("segment".into(), name.clone().into());
         m.insert("start".into(), start.into());
         m.insert("predecessor".into(), predecessor);
         m.insert("removed".into(), Value::Array(removed));
         m.insert("key".into(), self.pubkey.clone().into());
+        m.insert("replica".into(), self.cfg.replica.clone().into());
         m.insert("durability".into(), self.cfg.durability.as_str().into());
         let (hash, line) = chain::seal_line(&mut m, seq, &self.head.hash);
         let result = (|| {
@@ -281,7 +723,7 @@ impl Writer {
             closed: false,
             dirty: false,
         });
-        self.shared.counters.written(1);
+        self.counters.written(1);
         info!(segment = %self.current_path().display(), start, "evidence segment opened");
         Ok(())
     }
@@ -359,7 +801,7 @@ impl Writer {
     }
 
     /// Close the current segment with a checkpoint and open the next one.
-    fn rotate(&mut self) -> io::Result<()> {
+    fn rotate(&mut self, ids: &Ids) -> io::Result<()> {
         let (end, kind) = match &self.seg {
             Some(s) if s.dirty => ("write_error", "write_error"),
             _ => ("checkpoint", "rotate"),
@@ -367,8 +809,9 @@ impl Writer {
         if self.seg.as_ref().is_some_and(|s| !s.closed && !s.dirty) {
             let mut buf = Vec::new();
             let mut head = self.head.clone();
-            self.push_checkpoint(&mut head, &mut buf, "checkpoint");
-            self.write_buf(&buf, 1, &head)?;
+            self.push_checkpoint(ids, &mut head, &mut buf, "checkpoint");
+            self.write_buf(&buf, 1, &head, true)?;
+            self.counters.written(1);
             if let Some(s) = &mut self.seg {
                 s.closed = true;
             }
@@ -388,13 +831,13 @@ impl Writer {
         };
         let keep = seg.name.clone();
         let (removed, unlink) = self.retention(Some(&keep));
-        self.new_segment(kind, tail.to_json(end), removed)?;
+        self.new_segment(ids, kind, tail.to_json(end), removed)?;
         self.unlink(unlink);
         Ok(())
     }
 
     /// Chain `m` after `head`, append its line to `buf`.
-    fn push(&self, head: &mut Head, buf: &mut Vec<u8>, m: &mut Map<String, Value>) {
+    fn push(head: &mut Head, buf: &mut Vec<u8>, m: &mut Map<String, Value>) {
         let seq = head.seq.map_or(0, |s| s + 1);
         let (hash, line) = chain::seal_line(m, seq, &head.hash);
         buf.extend_from_slice(&line);
@@ -403,32 +846,66 @@ impl Writer {
         head.since_ckpt += 1;
     }
 
-    fn push_checkpoint(&self, head: &mut Head, buf: &mut Vec<u8>, event: &str) {
-        let mut m = self.meta(event);
+    /// Chain a prepared record after `head`, straight into `buf`.
+    fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared) {
+        let seq = head.seq.map_or(0, |s| s + 1);
+        head.hash = p.seal_into(seq, &head.hash, buf);
+        head.seq = Some(seq);
+        head.since_ckpt += 1;
+    }
+
+    fn push_checkpoint(&self, ids: &Ids, head: &mut Head, buf: &mut Vec<u8>, event: &str) {
+        let mut m = Self::meta(ids, event);
         m.insert("key".into(), self.pubkey.clone().into());
         m.insert("signed".into(), head.since_ckpt.into());
         m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);
-        self.push(head, buf, &mut m);
+        Self::push(head, buf, &mut m);
         head.since_ckpt = 0;
     }
 
     /// Write `buf` (holding `lines` lines) to the current segment and make
     /// `head` the chain head. On failure the segment is cut back.
-    fn write_buf(&mut self, buf: &[u8], lines: u64, head: &Head) -> io::Result<()> {
+    /// With `sync` (`fsync` mode) the file is `fdatasync`ed after.
+    fn write_buf(&mut self, buf: &[u8], lines: u64, head: &Head, sync: bool) -> io::Result<()> {
         let fsync = self.cfg.durability == Durability::Fsync;
+        let sync_now = fsync && sync;
+        #[cfg(test)]
+        let inject = std::mem::take(&mut self.fail_next);
         let Some(seg) = &mut self.seg else {
             return Err(io_err("no segment"));
         };
-        let result =
-            seg.file
-                .write_all(buf)
-                .and_then(|()| if fsync { seg.file.sync_data() } else { Ok(()) });
+        #[cfg(test)]
+        if inject {
+            // Half the batch reaches the file, then the disk is full.
+            let _ = seg.file.write_all(&buf[..buf.len() / 2]);
+            return self.cut_back(io::Error::from(io::ErrorKind::StorageFull));
+        }
+        let result = seg.file.write_all(buf).and_then(|()| {
+            if sync_now {
+                seg.file.sync_data()
+            } else {
+                Ok(())
+            }
+        });
         match result {
             Ok(()) => {
+                #[cfg(test)]
+                {
+                    self.batches += 1;
+                }
                 seg.len += buf.len() as u64;
                 seg.lines += lines;
+                if sync_now {
+                    self.unsynced = None;
+                    #[cfg(test)]
+                    {
+                        self.syncs += 1;
+                    }
+                } else if fsync && self.unsynced.is_none() {
+                    self.unsynced = Some(Instant::now());
+                }
                 let was_ckpt = head.since_ckpt == 0;
                 self.head = head.clone();
                 if was_ckpt {
@@ -436,114 +913,152 @@ impl Writer {
                 }
                 Ok(())
             }
-            Err(e) => {
-                if self.cfg.durability != Durability::Discard {
-                    let cut = seg.file.set_len(seg.len);
-                    let len = seg.file.metadata().map(|m| m.len());
-                    if cut.is_err() || len.ok() != Some(seg.len) {
-                        seg.dirty = true;
-                    }
-                }
-                Err(e)
-            }
+            Err(e) => self.cut_back(e),
         }
     }
 
-    /// Write queued records (and an outage record, pending submissions and
-    /// a checkpoint or seal when due).
-    fn attempt(&mut self, batch: &mut [Msg], finish: Option<&str>) -> io::Result<u64> {
-        if self.rotation_due() {
-            self.rotate()?;
+    /// `fsync`: sync what was written without a sync (submitted records).
+    fn sync_tail(&mut self) -> io::Result<()> {
+        let Some(seg) = &self.seg else {
+            return Err(io_err("no segment"));
+        };
+        seg.file.sync_data()?;
+        self.unsynced = None;
+        #[cfg(test)]
+        {
+            self.syncs += 1;
         }
-        let mut head = self.head.clone();
-        let mut buf = Vec::with_capacity(600 * (batch.len() + self.pending.len() + 2));
+        Ok(())
+    }
+
+    /// `fsync`: written records have waited SYNC_LAG for a sync.
+    fn sync_due(&self) -> bool {
+        self.unsynced.is_some_and(|t| t.elapsed() >= SYNC_LAG)
+    }
+
+    /// After a failed write: cut the segment back to its last good length
+    /// (or mark it for rotation if that fails), and return `e`.
+    fn cut_back(&mut self, e: io::Error) -> io::Result<()> {
+        if self.cfg.durability != Durability::Discard {
+            if let Some(seg) = &mut self.seg {
+                let cut = seg.file.set_len(seg.len);
+                let len = seg.file.metadata().map(|m| m.len());
+                if cut.is_err() || len.ok() != Some(seg.len) {
+                    seg.dirty = true;
+                }
+            }
+        }
+        Err(e)
+    }
+
+    /// Write the batch (after an outage record and kept submissions, with
+    /// a checkpoint or seal when due). Returns the lines written.
+    fn attempt(
+        &mut self,
+        ids: &Ids,
+        batch: &[Entry],
+        finish: Option<&str>,
+        sync: bool,
+    ) -> io::Result<()> {
+        if self.rotation_due() {
+            self.rotate(ids)?;
+        }
         let mut lines = 0u64;
+        let mut head = self.head.clone();
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
         let mut data = 0u64;
         if let Some(o) = &self.outage {
-            let mut m = self.meta("outage");
+            let mut m = Self::meta(ids, "outage");
             m.insert("since".into(), o.since.clone().into());
             m.insert("failed_writes".into(), o.failed_writes.into());
             m.insert("error".into(), o.error.clone().into());
-            self.push(&mut head, &mut buf, &mut m);
+            Self::push(&mut head, &mut buf, &mut m);
             lines += 1;
         }
-        let mut pending = std::mem::take(&mut self.pending);
-        for m in pending.iter_mut() {
-            self.push(&mut head, &mut buf, m);
+        for p in &self.kept {
+            Self::push_prepared(&mut head, &mut buf, p);
             lines += 1;
             data += 1;
         }
-        for msg in batch.iter_mut() {
-            self.push(&mut head, &mut buf, &mut msg.fields);
+        for e in batch {
+            Self::push_prepared(&mut head, &mut buf, &e.line);
             lines += 1;
             data += 1;
         }
         let ckpt_due = head.since_ckpt >= self.cfg.checkpoint_every
             || (head.since_ckpt > 0 && self.last_ckpt.elapsed() >= self.cfg.checkpoint_interval);
         if let Some(event) = finish {
-            self.push_checkpoint(&mut head, &mut buf, event);
+            self.push_checkpoint(ids, &mut head, &mut buf, event);
             lines += 1;
         } else if ckpt_due {
-            self.push_checkpoint(&mut head, &mut buf, "checkpoint");
+            self.push_checkpoint(ids, &mut head, &mut buf, "checkpoint");
             lines += 1;
         }
-        if lines == 0 {
-            return Ok(0);
+        let result = if !buf.is_empty() {
+            self.write_buf(&buf, lines, &head, sync)
+        } else if sync && self.unsynced.is_some() {
+            self.sync_tail()
+        } else {
+            Ok(())
+        };
+        // Bounded: a batch buffer grown by a burst is not kept.
+        if buf.capacity() <= 1 << 20 {
+            self.buf = buf;
         }
-        match self.write_buf(&buf, lines, &head) {
-            Ok(()) => {
-                if let Some(s) = &mut self.seg {
-                    s.data += data;
-                }
-                Ok(lines)
-            }
-            Err(e) => {
-                self.pending = pending;
-                Err(e)
+        if result.is_ok() {
+            self.counters.written(lines);
+            self.kept.clear();
+            if let Some(s) = &mut self.seg {
+                s.data += data;
             }
         }
+        result
     }
 
-    /// One round: write the batch, acknowledge it, handle failure.
-    fn step(&mut self, mut batch: Vec<Msg>, finish: Option<&str>) -> bool {
+    /// One batch: write it, or refuse it while writing is failing and the
+    /// next retry is not due. Returns whether it was written.
+    fn step(&mut self, c: &Common, batch: Vec<Entry>, finish: Option<&str>, sync: bool) -> bool {
         if !self.healthy && Instant::now() < self.retry_at && finish.is_none() {
             self.refuse(batch, None);
             return false;
         }
-        match self.attempt(&mut batch, finish) {
-            Ok(lines) => {
-                self.shared.counters.written(lines);
+        let written = match self.attempt(&c.ids, &batch, finish, sync) {
+            Ok(()) => {
                 if !self.healthy {
                     info!("evidence writable again");
                 }
                 self.healthy = true;
-                self.shared.healthy.store(true, Ordering::Relaxed);
+                c.healthy.store(true, Ordering::Relaxed);
                 self.outage = None;
                 self.backoff = BACKOFF_MIN;
-                for msg in batch {
-                    if let Some(ack) = msg.ack {
-                        let _ = ack.send(true);
-                    }
-                }
                 true
             }
             Err(e) => {
-                self.shared.counters.write_failed();
+                c.counters.write_failed();
                 if self.healthy {
                     error!(error = %e, "evidence write failed; denying new connections until it works again");
                 }
                 self.healthy = false;
-                self.shared.healthy.store(false, Ordering::Relaxed);
+                c.healthy.store(false, Ordering::Relaxed);
                 self.retry_at = Instant::now() + self.backoff;
                 self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
                 self.refuse(batch, Some(e.to_string()));
                 false
             }
+        };
+        // Something due earlier than the duties thread sleeps (the first
+        // unsigned record, the first record of a segment, a retry): wake it.
+        let due = self.next_deadline();
+        if due < self.armed {
+            self.armed = due;
+            c.duties.poke();
         }
+        written
     }
 
     /// Fail the waiting writes of a batch; keep its submitted records.
-    fn refuse(&mut self, batch: Vec<Msg>, error: Option<String>) {
+    fn refuse(&mut self, batch: Vec<Entry>, error: Option<String>) {
         let outage = self.outage.get_or_insert_with(|| Outage {
             since: now_ts(),
             failed_writes: 0,
@@ -552,19 +1067,17 @@ impl Writer {
         if let Some(e) = error {
             outage.error = e;
         }
-        for msg in batch {
-            match msg.ack {
-                Some(ack) => {
-                    outage.failed_writes += 1;
-                    let _ = ack.send(false);
-                }
-                None => self.pending.push_back(msg.fields),
+        for e in batch {
+            if e.acked {
+                outage.failed_writes += 1;
+            } else {
+                self.kept.push(e.line);
             }
         }
     }
 
     fn next_deadline(&self) -> Instant {
-        let mut d = Instant::now() + Duration::from_secs(3600);
+        let mut d = self.last_ckpt.max(self.retry_at) + IDLE;
         if !self.healthy {
             d = d.min(self.retry_at);
         }
@@ -576,64 +1089,9 @@ impl Writer {
                 d = d.min(s.opened + self.cfg.rotate_age);
             }
         }
-        d
-    }
-
-    /// The writer thread's loop.
-    pub fn run(mut self) {
-        loop {
-            let deadline = self.next_deadline();
-            let (batch, stop, abandon) = {
-                let mut q = match self.shared.queue.lock() {
-                    Ok(q) => q,
-                    Err(p) => p.into_inner(),
-                };
-                while (q.items.is_empty() || q.paused) && q.stop.is_none() && !q.abandon {
-                    let now = Instant::now();
-                    if now >= deadline && !q.paused {
-                        break;
-                    }
-                    let wait = if q.paused {
-                        BACKOFF_MIN
-                    } else {
-                        deadline - now
-                    };
-                    q = match self.shared.cv.wait_timeout(q, wait) {
-                        Ok((q, _)) => q,
-                        Err(p) => p.into_inner().0,
-                    };
-                }
-                let n = q.items.len().min(MAX_BATCH);
-                let batch: Vec<Msg> = q.items.drain(..n).collect();
-                self.shared.counters.set_queue_depth(q.items.len());
-                let stop = if q.items.is_empty() {
-                    q.stop.take()
-                } else {
-                    None
-                };
-                (batch, stop, q.abandon)
-            };
-            let permits = batch.iter().filter(|m| m.permit).count();
-            self.shared.slots.add_permits(permits);
-            if abandon {
-                return;
-            }
-            if let Some(done) = stop {
-                let sealed = self.step(batch, Some("seal"));
-                if !sealed {
-                    error!("could not seal the evidence chain");
-                }
-                self.shared.closed.store(true, Ordering::Relaxed);
-                let _ = done.send(sealed);
-                return;
-            }
-            let due = !batch.is_empty()
-                || !self.healthy
-                || !self.pending.is_empty()
-                || Instant::now() >= deadline;
-            if due {
-                self.step(batch, None);
-            }
+        if let Some(t) = self.unsynced {
+            d = d.min(t + SYNC_LAG);
         }
+        d
     }
 }

@@ -979,7 +979,10 @@ mod tests {
         ip: [u8; 4],
         decisions: &[(u16, &str, Reason)],
     ) -> (Vec<String>, String) {
-        let ev = Evidence::open(dir).unwrap();
+        // Each chain named by its directory, as replicas on one host must be.
+        let mut cfg = crate::config::EvidenceConfig::for_dir(dir);
+        cfg.replica = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let ev = Evidence::start(&cfg).unwrap();
         let mut ids = Vec::new();
         for &(port, host, reason) in decisions {
             let verdict = Verdict {

@@ -7,7 +7,7 @@ use toml::Spanned;
 
 use super::{count, duration, path};
 use crate::config::error::Errors;
-use crate::config::model::{Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
+use crate::config::model::{replica_problem, Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
 use crate::config::raw::{RawEvidence, RawSize};
 
 /// `[evidence]`; `default_budget` is what `max_records_per_second_per_org`
@@ -28,6 +28,7 @@ pub(super) fn validate_evidence(
         retain_size,
         retain_age,
         max_records_per_second_per_org,
+        replica,
     } = raw;
     let dir = path(
         dir,
@@ -68,6 +69,15 @@ pub(super) fn validate_evidence(
         Some(n)
     });
     let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
+    let replica = match replica {
+        None => d.replica,
+        Some(v) => {
+            if let Some(problem) = replica_problem(v.get_ref()) {
+                errors.at(v.span(), format!("replica {:?} {problem}", v.get_ref()));
+            }
+            v.into_inner()
+        }
+    };
     EvidenceConfig {
         dir,
         key,
@@ -83,6 +93,7 @@ pub(super) fn validate_evidence(
             default_budget,
             errors,
         ),
+        replica,
     }
 }
 
@@ -131,13 +142,14 @@ mod tests {
     use std::time::Duration;
 
     use crate::config::test_support::{first_error, parse, BASE};
-    use crate::config::Durability;
+    use crate::config::{replica_problem, Durability};
 
     #[test]
     fn evidence_settings() {
         let src = format!(
             "{BASE}[evidence]\ndir = \"/e\"\ndurability = \"fsync\"\ncheckpoint_every = 10\n\
-             checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n"
+             checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n\
+             replica = \"eu-1.a_B\"\n"
         );
         let c = parse(&src).unwrap().evidence;
         assert_eq!(c.key, PathBuf::from("/e.key"));
@@ -147,6 +159,10 @@ mod tests {
         assert_eq!(c.rotate_size, 1 << 20);
         assert_eq!(c.retain_size, Some(4 << 20));
         assert_eq!(c.retain_age, Some(Duration::from_secs(7 * 86400)));
+        assert_eq!(c.replica, "eu-1.a_B");
+        // The default (the host name, made valid) passes its own check.
+        let d = parse(BASE).unwrap().evidence.replica;
+        assert_eq!(replica_problem(&d), None, "{d:?}");
         for (line, want) in [
             ("durability = \"sometimes\"", "durability \"sometimes\""),
             ("rotate_size = \"12 parsecs\"", "size \"12 parsecs\""),
@@ -154,6 +170,13 @@ mod tests {
             ("retain_size = \"1kB\"", "at least rotate_size"),
             ("checkpoint_every = 0", "positive"),
             ("key = \"\"", "key must not be empty"),
+            ("replica = \"\"", "replica \"\" must not be empty"),
+            ("replica = \"a b\"", "replica \"a b\" may hold only"),
+            ("replica = \"r/1\"", "may hold only"),
+            (
+                format!("replica = \"{}\"", "r".repeat(64)).as_str(),
+                "at most 63",
+            ),
         ] {
             let e = first_error(&format!("{BASE}[evidence]\n{line}\n"));
             assert!(e.contains(want), "{line}: {e}");
