@@ -94,7 +94,7 @@ const EVIDENCE_WRITE_ERRORS: (&str, &str) = (
 );
 const EVIDENCE_QUEUE_DEPTH: (&str, &str) = (
     "palisade_evidence_queue_depth",
-    "Evidence records queued for the writer thread.",
+    "Evidence records appended and not yet taken by a write.",
 );
 const EVIDENCE_DISK_FREE: (&str, &str) = (
     "palisade_evidence_disk_free_bytes",
