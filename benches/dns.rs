@@ -13,6 +13,10 @@
 //!     cargo bench --bench dns
 //!     DNS_BENCH_BASELINE=old/palisade DNS_SECS=5 DNS_REPS=3 cargo bench --bench dns
 //!
+//! `DNS_BENCH_PALISADE=path` measures that binary instead of this build's
+//! (e.g. a release binary, with the bench itself built by `cargo test`:
+//! `target/debug/deps/dns-HASH --bench`).
+//!
 //! Under `cargo test` a tiny smoke round checks that every server answers
 //! and writes nothing. Every load is bounded in time and count; every
 //! socket wait has a timeout.
@@ -172,7 +176,11 @@ fn wait_answering(server: SocketAddr, child: &mut Child, what: &str) {
         if let Ok(Some(status)) = child.try_wait() {
             panic!("{what} exited during start-up: {status}");
         }
-        assert!(Instant::now() < deadline, "{what} does not answer {QNAME}");
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} does not answer {QNAME}");
+        }
         id = id.wrapping_add(1);
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -219,13 +227,28 @@ fn dnsperf(server: SocketAddr, secs: f64, qfile: &Path) -> (f64, f64) {
             .and_then(|v| v.parse().ok())
             .unwrap_or(f64::NAN)
     };
+    // A few lost datagrams (socket buffers full at -q 200) are normal;
+    // CPU is counted per completed query.
     let completed = field("Queries completed:");
-    let lost = field("Queries lost:");
-    assert!(
-        lost == 0.0 || lost.is_nan(),
-        "dnsperf lost {lost} queries\n{text}"
-    );
+    assert!(completed > 0.0, "dnsperf completed nothing\n{text}");
     (completed, field("Queries per second:"))
+}
+
+/// A server process, stopped when dropped (also when a check panics).
+struct Server(Option<Child>);
+
+impl Server {
+    fn pid(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.take() {
+            common::stop(child);
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -264,7 +287,8 @@ fn palisade_config(root: &Path, dns: SocketAddr, upstream: SocketAddr) -> PathBu
          [admin]\nlisten = \"127.0.0.1:{}\"\n\
          [evidence]\ndir = {:?}\n\
          [[org]]\nname = \"bench\"\nclients = [\"127.0.0.0/8\"]\n\
-         [[org.allow]]\nhost = \"{QNAME}\"\n",
+         [[org.allow]]\nhost = \"{QNAME}\"\n\
+         [[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [80, 443]\n",
         common::free_port(),
         common::free_port(),
         root.join("evidence"),
@@ -330,10 +354,12 @@ fn main() {
     std::fs::write(&qfile, format!("{QNAME} A\n")).unwrap();
     let up = upstream();
 
-    let mut servers: Vec<(String, Option<PathBuf>)> = vec![(
-        "palisade".into(),
-        Some(PathBuf::from(env!("CARGO_BIN_EXE_palisade"))),
-    )];
+    // DNS_BENCH_PALISADE: another binary under test than this build's
+    // (say, a release binary while the bench itself runs unoptimised).
+    let under_test = std::env::var("DNS_BENCH_PALISADE")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_palisade").to_string());
+    let mut servers: Vec<(String, Option<PathBuf>)> =
+        vec![("palisade".into(), Some(PathBuf::from(under_test)))];
     if let Ok(b) = std::env::var("DNS_BENCH_BASELINE") {
         servers.insert(0, ("baseline".into(), Some(PathBuf::from(b))));
     }
@@ -349,13 +375,15 @@ fn main() {
                 Some(bin) => start_palisade(bin, &dir, up),
                 None => start_dnsmasq(&which("dnsmasq").unwrap(), up),
             };
+            let server = Server(Some(child));
+            let pid = server.pid();
             if full {
-                measure(child.id(), addr, secs, &qfile, hz, &mut figures[i]);
+                measure(pid, addr, secs, &qfile, hz, &mut figures[i]);
             } else {
                 let (p50, _, n) = latency_c1(addr, secs);
                 assert!(n > 0 && p50 > 0.0, "{name}: no answers");
             }
-            common::stop(child);
+            drop(server);
         }
     }
     let _ = std::fs::remove_dir_all(&root);
