@@ -621,7 +621,9 @@ impl Shim {
                 let (Some(org), Some(key)) = (verdict.org.clone(), key) else {
                     return Reply::empty(ResponseCode::Refused);
                 };
-                let (fwd, until) = self.forward(served, &org, &host, qtype).await;
+                // Boxed: the resolver's future is large and only this
+                // (uncached) path needs it; every query's task stays small.
+                let (fwd, until) = Box::pin(self.forward(served, &org, &host, qtype)).await;
                 let outcome = Arc::new(Self::outcome(verdict, host, fwd));
                 if let Some(until) = until {
                     self.cache
