@@ -3,7 +3,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{
     ConnectionConfig, NameServerConfig, ResolveHosts, ResolverConfig, ResolverOpts,
@@ -34,14 +34,24 @@ pub enum ResolveError {
 pub enum RecordsError {
     #[error("no upstream resolver configured")]
     NoUpstream,
+    /// The resolver may keep saying so for `negative_ttl` seconds (when the
+    /// upstream answer carried an SOA to tell).
     #[error("name does not exist")]
-    NxDomain,
+    NxDomain { negative_ttl: Option<u32> },
     #[error("no records of this type")]
-    NoData,
+    NoData { negative_ttl: Option<u32> },
     #[error("timed out")]
     Timeout,
     #[error("{0}")]
     Failed(String),
+}
+
+/// The records of a general query, and until when the resolver's cache
+/// gives this same answer (its TTLs counting down meanwhile).
+#[derive(Debug)]
+pub struct Records {
+    pub records: Vec<Record>,
+    pub valid_until: Instant,
 }
 
 /// Resolves names through the configured upstream servers.
@@ -141,7 +151,7 @@ impl Resolver {
         &self,
         name: &str,
         qtype: RecordType,
-    ) -> Result<Vec<Record>, RecordsError> {
+    ) -> Result<Records, RecordsError> {
         let Some(inner) = &self.inner else {
             return Err(RecordsError::NoUpstream);
         };
@@ -151,12 +161,16 @@ impl Resolver {
             .await
             .map_err(|_| RecordsError::Timeout)?;
         match lookup {
-            Ok(l) => Ok(l.answers().to_vec()),
+            Ok(l) => Ok(Records {
+                records: l.answers().to_vec(),
+                valid_until: l.valid_until(),
+            }),
             Err(NetError::Dns(DnsError::NoRecordsFound(nr))) => {
+                let negative_ttl = nr.negative_ttl;
                 if nr.response_code == ResponseCode::NXDomain {
-                    Err(RecordsError::NxDomain)
+                    Err(RecordsError::NxDomain { negative_ttl })
                 } else {
-                    Err(RecordsError::NoData)
+                    Err(RecordsError::NoData { negative_ttl })
                 }
             }
             Err(NetError::Timeout) => Err(RecordsError::Timeout),

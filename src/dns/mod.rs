@@ -4,14 +4,19 @@
 //!
 //! The path of one query:
 //!
-//! 1. UDP: hickory-server's [`Server`] receives it (messages that do not
-//!    decode get FORMERR; responses are dropped). TCP: our own accept loop
-//!    ([`serve_tcp`]) holds one place per connection in the [`budget`]s
-//!    (global, per client address, per org), closes idle connections and
-//!    hands each message to the same handler. A well-formed query takes a
+//! 1. UDP: our own receive loop ([`serve_udp`]) hands each datagram to a
+//!    task of its own, which answers straight back on the socket. TCP: our
+//!    own accept loop ([`serve_tcp`]) holds one place per connection in the
+//!    [`budget`]s (global, per client address, per org), closes idle
+//!    connections and hands each message to the same handler. Both decode
+//!    with hickory ([`answer_bytes`]): messages that do not decode get
+//!    FORMERR, responses and runts are dropped. A well-formed query takes a
 //!    place in the query budgets (global, per org) before its decision.
 //! 2. [`decide::decide_query`] decides purely: client → org, shape, special
-//!    names, the policy's name decision, the query type.
+//!    names, the policy's name decision, the query type. A question this
+//!    org asked before under the same served version, whose answer has not
+//!    expired, skips this step and the next: [`cache`] keeps what they
+//!    made of it, and the record, bindings and budgets are as in step 3-4.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
 //!    configured servers only, lowercased, cached); the answers get their
 //!    TTLs as first seen ([`ttl`]: no countdown across orgs), are filtered
@@ -21,25 +26,22 @@
 
 pub mod bindings;
 pub mod budget;
+pub mod cache;
 pub mod decide;
 mod handler;
 pub mod refusals;
 pub mod ttl;
 
 use std::io;
-use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
 use hickory_server::net::xfer::Protocol;
-use hickory_server::net::NetError;
 use hickory_server::proto::op::{Header, HeaderCounts, MessageType, Metadata, ResponseCode};
-use hickory_server::proto::rr::Record;
 use hickory_server::proto::serialize::binary::{
     BinDecodable, BinDecoder, BinEncodable, BinEncoder,
 };
-use hickory_server::server::{Request, ResponseHandler, ResponseInfo};
-use hickory_server::zone_handler::MessageResponse;
-use hickory_server::Server;
+use hickory_server::server::Request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::task::JoinHandle;
@@ -52,6 +54,9 @@ pub use handler::{Shim, EDE_BLOCKED, EDE_OPTION};
 
 /// Queries answered on one TCP connection before it is closed.
 const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
+/// Longest UDP datagram read (hickory's own bound); a longer one is cut
+/// short and gets FORMERR.
+const MAX_UDP_MESSAGE: usize = 4096;
 
 /// Bound sockets for every `[dns] listen` address.
 pub struct DnsListeners {
@@ -78,20 +83,6 @@ pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io:
 /// reload changes is in its [`Shim::served`], loaded once per query.
 pub type ShimHandle = Arc<Shim>;
 
-/// The hickory handler.
-struct Handler(ShimHandle);
-
-#[async_trait::async_trait]
-impl hickory_server::server::RequestHandler for Handler {
-    async fn handle_request<R: ResponseHandler, T: hickory_server::net::runtime::Time>(
-        &self,
-        request: &Request,
-        response_handle: R,
-    ) -> ResponseInfo {
-        self.0.respond(request, response_handle).await
-    }
-}
-
 /// Serve until `shutdown`; the returned task ends when every listener has stopped.
 pub fn serve(
     shim: ShimHandle,
@@ -99,11 +90,10 @@ pub fn serve(
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     let DnsListeners { udp, tcp } = listeners;
-    let mut server = Server::new(Handler(shim.clone()));
-    for socket in udp {
-        server.register_socket(socket);
-    }
     let tracker = TaskTracker::new();
+    for socket in udp {
+        tracker.spawn(serve_udp(Arc::new(socket), shim.clone(), shutdown.clone()));
+    }
     for listener in tcp {
         tracker.spawn(serve_tcp(listener, shim.clone(), shutdown.clone()));
     }
@@ -120,9 +110,6 @@ pub fn serve(
                 _ = tick.tick() => shim.refusals.flush(wait).await,
             }
         }
-        if let Err(e) = server.shutdown_gracefully().await {
-            warn!(error = %e, "dns: udp server stopped with an error");
-        }
         tracker.wait().await;
         shim.refusals.flush(wait).await;
         let left = shim.refusals.pending_count();
@@ -133,6 +120,62 @@ pub fn serve(
             );
         }
     })
+}
+
+/// Can an answer be sent to `src`? Not to port 0, an unspecified or the
+/// broadcast address (as hickory's server checks).
+fn replyable(src: SocketAddr) -> bool {
+    src.port() != 0
+        && match src.ip() {
+            IpAddr::V4(v4) => !v4.is_unspecified() && !v4.is_broadcast(),
+            IpAddr::V6(v6) => !v6.is_unspecified(),
+        }
+}
+
+/// Receive datagrams until `shutdown`; each is answered by a task of its
+/// own (the query budgets bound how many are being served; a task over
+/// them ends at once), straight back on the socket.
+async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: CancellationToken) {
+    let tasks = TaskTracker::new();
+    let mut buf = vec![0u8; MAX_UDP_MESSAGE];
+    loop {
+        let (n, src) = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = socket.recv_from(&mut buf) => match r {
+                Ok(r) => r,
+                Err(e) => {
+                    debug!(error = %e, "dns: udp receive failed");
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::NotConnected | io::ErrorKind::ConnectionAborted
+                    ) {
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    continue;
+                }
+            },
+        };
+        if !replyable(src) {
+            debug!(client = %src, "dns: datagram from an address that cannot be answered");
+            continue;
+        }
+        let raw = buf[..n].to_vec();
+        let (shim, socket) = (shim.clone(), socket.clone());
+        tasks.spawn(async move {
+            // The handler bounds upstream time itself; this is a backstop.
+            let backstop = shim.config.query_timeout.get() * 2;
+            let answer =
+                tokio::time::timeout(backstop, answer_bytes(&shim, raw, src, Protocol::Udp));
+            if let Ok(Some(resp)) = answer.await {
+                if let Err(e) = socket.send_to(&resp, src).await {
+                    debug!(client = %src, error = %e, "dns: sending the response failed");
+                }
+            }
+        });
+    }
+    tasks.close();
+    tasks.wait().await;
 }
 
 /// hickory's own TCP loop has no connection cap: accept here, one place in
@@ -201,7 +244,8 @@ async fn tcp_connection(
             return;
         }
         // The handler bounds upstream time itself; this is a backstop.
-        let answer = tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src)).await;
+        let answer =
+            tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src, Protocol::Tcp)).await;
         let Ok(Some(resp)) = answer else {
             continue;
         };
@@ -220,9 +264,15 @@ async fn tcp_connection(
     }
 }
 
-/// One DNS message in, the encoded answer out (None: no answer), the way
-/// hickory's server treats a UDP message.
-async fn answer_bytes(shim: &Shim, raw: Vec<u8>, src: SocketAddr) -> Option<Vec<u8>> {
+/// One DNS message in, the encoded answer out (None: no answer): a runt
+/// (no complete header) or a response is dropped, a message that does not
+/// decode gets FORMERR.
+async fn answer_bytes(
+    shim: &Shim,
+    raw: Vec<u8>,
+    src: SocketAddr,
+    protocol: Protocol,
+) -> Option<Vec<u8>> {
     let header = {
         let mut decoder = BinDecoder::new(&raw);
         Header::read(&mut decoder).ok()?
@@ -230,11 +280,10 @@ async fn answer_bytes(shim: &Shim, raw: Vec<u8>, src: SocketAddr) -> Option<Vec<
     if header.metadata.message_type == MessageType::Response {
         return None;
     }
-    match Request::from_bytes(raw, src, Protocol::Tcp) {
+    match Request::from_bytes(raw, src, protocol) {
         Ok(request) => {
-            let capture = Capture::default();
-            shim.respond(&request, capture.clone()).await;
-            capture.take()
+            let bytes = shim.respond(&request, protocol).await;
+            (!bytes.is_empty()).then_some(bytes)
         }
         Err(e) => {
             debug!(client = %src, error = %e, "dns: undecodable message; FORMERR");
@@ -250,39 +299,5 @@ async fn answer_bytes(shim: &Shim, raw: Vec<u8>, src: SocketAddr) -> Option<Vec<
             .ok()?;
             Some(bytes)
         }
-    }
-}
-
-/// A response handler that keeps the encoded response (TCP path).
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Option<Vec<u8>>>>);
-
-impl Capture {
-    fn take(&self) -> Option<Vec<u8>> {
-        self.0.lock().ok()?.take()
-    }
-}
-
-#[async_trait::async_trait]
-impl ResponseHandler for Capture {
-    async fn send_response<'a>(
-        &mut self,
-        response: MessageResponse<
-            '_,
-            'a,
-            impl Iterator<Item = &'a Record> + Send + 'a,
-            impl Iterator<Item = &'a Record> + Send + 'a,
-            impl Iterator<Item = &'a Record> + Send + 'a,
-            impl Iterator<Item = &'a Record> + Send + 'a,
-        >,
-    ) -> Result<ResponseInfo, NetError> {
-        let mut bytes = Vec::with_capacity(512);
-        let mut encoder = BinEncoder::new(&mut bytes);
-        encoder.set_max_size(u16::MAX);
-        let info = response.destructive_emit(&mut encoder)?;
-        if let Ok(mut slot) = self.0.lock() {
-            *slot = Some(bytes);
-        }
-        Ok(info)
     }
 }

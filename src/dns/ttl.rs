@@ -84,9 +84,16 @@ impl TtlMemo {
 
     /// Give `records` (the answer for `name`/`qtype`, as the resolver
     /// returned it at `now`) the TTLs the same answer had when first seen.
-    pub fn apply(&self, name: &str, qtype: RecordType, records: &mut [Record], now: Instant) {
+    /// Returns until when those TTLs hold (`None`: no records).
+    pub fn apply(
+        &self,
+        name: &str,
+        qtype: RecordType,
+        records: &mut [Record],
+        now: Instant,
+    ) -> Option<Instant> {
         if records.is_empty() {
-            return;
+            return None;
         }
         let fp = fingerprint(records);
         let key: Key = (name.to_string(), qtype);
@@ -96,7 +103,7 @@ impl TtlMemo {
                 for (r, ttl) in records.iter_mut().zip(&m.ttls) {
                     r.ttl = *ttl;
                 }
-                return;
+                return Some(m.until);
             }
         }
         // A new answer (or the old one expired): it is the first sighting.
@@ -129,6 +136,7 @@ impl TtlMemo {
                 seq,
             },
         );
+        Some(until)
     }
 
     /// Answers remembered.
@@ -172,17 +180,21 @@ mod tests {
         let t0 = Instant::now();
         // Org A's query: the resolver fetched it just now.
         let mut first = answer(600, 300, 10);
-        memo.apply("www.shared.test", RecordType::A, &mut first, t0);
+        let until = memo.apply("www.shared.test", RecordType::A, &mut first, t0);
         assert_eq!(ttls(&first), [600, 300]);
+        // The TTLs hold until the shortest of them has run out.
+        assert_eq!(until, Some(t0 + 300 * SEC));
         // Org B, 100 s later: the shared cache counted the TTLs down.
         let mut second = answer(500, 200, 10);
-        memo.apply(
+        let again = memo.apply(
             "www.shared.test",
             RecordType::A,
             &mut second,
             t0 + 100 * SEC,
         );
         assert_eq!(ttls(&second), ttls(&first));
+        assert_eq!(again, until);
+        assert_eq!(memo.apply("x.test", RecordType::A, &mut [], t0), None);
         // Another type of the same name is its own answer.
         let mut aaaa = answer(550, 250, 10);
         memo.apply(

@@ -13,6 +13,7 @@ mod cli;
 mod conn_budgets;
 mod dns;
 mod dns_budget;
+mod dns_cache;
 mod evidence;
 mod fleet;
 mod infra;

@@ -1,0 +1,335 @@
+//! Answers to allowed names, kept per (org, name, type) so that a repeated
+//! query skips the decision, the resolver and the answer filter.
+//!
+//! What is kept is what the full path produced for one org under one
+//! served version: the verdict, the filtered answers with their TTLs (as
+//! [`super::ttl`] fixed them), what evidence records about them and the
+//! addresses to bind. A hit hands back exactly that, so the answer and the
+//! record are those the full path would give; everything done per query
+//! (budgets, the record written before the answer, bindings, metrics) is
+//! still done per query by the caller.
+//!
+//! - **Version**: entries belong to one served version (the `Arc` the
+//!   caller passes, compared by identity). A reload swaps it, and the first
+//!   query that sees the new one empties the cache: a name the new policy
+//!   denies is refused at once.
+//! - **Orgs**: the org is part of the key; one org's entry is never
+//!   another's answer (its first query goes the full path, its own TTLs and
+//!   record).
+//! - **Expiry**: an entry lives until its answer would have changed on the
+//!   full path (the resolver's cache entry or the TTL memo expires,
+//!   whichever is first), never past the caller's bound.
+//! - **Bounds**: at most `per_org` entries per org (over it, that org's own
+//!   soonest-expiring entry goes) and `capacity` in all (when full, an
+//!   expired entry goes first, else the soonest-expiring entry of the org
+//!   holding the most).
+//!
+//! Pure: no clock, the caller passes `now`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use hickory_server::proto::rr::{LowerName, RecordType};
+
+/// Entries kept at most, all orgs together.
+pub const CACHE_CAPACITY: usize = 16_384;
+/// Entries kept at most for one org.
+pub const CACHE_PER_ORG: usize = 4_096;
+
+/// One question of one org: the org's index in the served policy, the
+/// query name as received (lowercased by hickory), the query type.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub org: usize,
+    pub name: LowerName,
+    pub qtype: RecordType,
+}
+
+#[derive(Debug)]
+struct Entry<A> {
+    value: Arc<A>,
+    until: Instant,
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct Inner<V, A> {
+    version: Option<Arc<V>>,
+    entries: HashMap<Key, Entry<A>>,
+    /// Every entry by expiry: the first expires soonest.
+    expiry: BTreeMap<(Instant, u64), Key>,
+    /// Per org, its entries by expiry.
+    orgs: HashMap<usize, BTreeMap<(Instant, u64), Key>>,
+    next_seq: u64,
+}
+
+impl<V, A> Inner<V, A> {
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.expiry.clear();
+        self.orgs.clear();
+    }
+
+    fn remove(&mut self, key: &Key) {
+        let Some(e) = self.entries.remove(key) else {
+            return;
+        };
+        self.expiry.remove(&(e.until, e.seq));
+        if let Some(o) = self.orgs.get_mut(&key.org) {
+            o.remove(&(e.until, e.seq));
+            if o.is_empty() {
+                self.orgs.remove(&key.org);
+            }
+        }
+    }
+
+    /// The soonest-expiring entry of `org`.
+    fn soonest_of(&self, org: usize) -> Option<Key> {
+        self.orgs
+            .get(&org)?
+            .first_key_value()
+            .map(|(_, k)| k.clone())
+    }
+
+    /// The entry to evict when all places are taken: an expired one, else
+    /// the soonest-expiring of the org holding the most.
+    fn victim(&self, now: Instant) -> Option<Key> {
+        if let Some(((until, _), k)) = self.expiry.first_key_value() {
+            if *until <= now {
+                return Some(k.clone());
+            }
+        }
+        let (org, _) = self
+            .orgs
+            .iter()
+            .max_by_key(|(org, o)| (o.len(), std::cmp::Reverse(**org)))?;
+        self.soonest_of(*org)
+    }
+}
+
+/// The answer cache: `V` is the served version, `A` what is kept.
+#[derive(Debug)]
+pub struct AnswerCache<V, A> {
+    inner: Mutex<Inner<V, A>>,
+    capacity: usize,
+    per_org: usize,
+    hits: AtomicU64,
+}
+
+impl<V, A> Default for AnswerCache<V, A> {
+    fn default() -> Self {
+        AnswerCache::new(CACHE_CAPACITY, CACHE_PER_ORG)
+    }
+}
+
+impl<V, A> AnswerCache<V, A> {
+    /// A cache of at most `capacity` entries, `per_org` of one org. A
+    /// capacity of 0 keeps nothing (every query takes the full path).
+    pub fn new(capacity: usize, per_org: usize) -> AnswerCache<V, A> {
+        AnswerCache {
+            inner: Mutex::new(Inner {
+                version: None,
+                entries: HashMap::new(),
+                expiry: BTreeMap::new(),
+                orgs: HashMap::new(),
+                next_seq: 0,
+            }),
+            capacity,
+            per_org: per_org.clamp(1, capacity.max(1)),
+            hits: AtomicU64::new(0),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<V, A>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Adopt `version`: entries of any other version are dropped.
+    fn adopt(inner: &mut Inner<V, A>, version: &Arc<V>) {
+        if !inner
+            .version
+            .as_ref()
+            .is_some_and(|v| Arc::ptr_eq(v, version))
+        {
+            inner.clear();
+            inner.version = Some(version.clone());
+        }
+    }
+
+    /// The answer kept for `key` under `version`, if it has not expired at `now`.
+    pub fn get(&self, version: &Arc<V>, key: &Key, now: Instant) -> Option<Arc<A>> {
+        if self.capacity == 0 {
+            return None;
+        }
+        let mut inner = self.lock();
+        Self::adopt(&mut inner, version);
+        let e = inner.entries.get(key)?;
+        if e.until <= now {
+            inner.remove(key);
+            return None;
+        }
+        let value = e.value.clone();
+        drop(inner);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(value)
+    }
+
+    /// Keep `value` for `key` under `version` until `until`.
+    pub fn insert(&self, version: &Arc<V>, key: Key, value: Arc<A>, until: Instant, now: Instant) {
+        if self.capacity == 0 || until <= now {
+            return;
+        }
+        let mut inner = self.lock();
+        Self::adopt(&mut inner, version);
+        inner.remove(&key);
+        // This org's own entries first, then everyone's.
+        while inner.orgs.get(&key.org).map_or(0, BTreeMap::len) >= self.per_org {
+            let Some(k) = inner.soonest_of(key.org) else {
+                break;
+            };
+            inner.remove(&k);
+        }
+        while inner.entries.len() >= self.capacity {
+            let Some(k) = inner.victim(now) else {
+                break;
+            };
+            inner.remove(&k);
+        }
+        let seq = inner.next_seq;
+        inner.next_seq += 1;
+        inner.expiry.insert((until, seq), key.clone());
+        inner
+            .orgs
+            .entry(key.org)
+            .or_default()
+            .insert((until, seq), key.clone());
+        inner.entries.insert(key, Entry { value, until, seq });
+    }
+
+    /// Entries kept (expired ones included until they are found or evicted).
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entries kept for `org`.
+    pub fn org_len(&self, org: usize) -> usize {
+        self.lock().orgs.get(&org).map_or(0, BTreeMap::len)
+    }
+
+    /// Answers handed out from the cache so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_server::proto::rr::Name;
+    use std::time::Duration;
+
+    const SEC: Duration = Duration::from_secs(1);
+
+    fn key(org: usize, name: &str, qtype: RecordType) -> Key {
+        Key {
+            org,
+            name: LowerName::new(&Name::from_ascii(name).unwrap()),
+            qtype,
+        }
+    }
+
+    #[test]
+    fn keyed_by_org_name_type_and_version() {
+        let cache: AnswerCache<u32, &str> = AnswerCache::default();
+        let (v1, v2) = (Arc::new(1), Arc::new(1));
+        let t0 = Instant::now();
+        let k = key(0, "allowed.test.", RecordType::A);
+        cache.insert(&v1, k.clone(), Arc::new("a"), t0 + 60 * SEC, t0);
+        assert_eq!(cache.get(&v1, &k, t0).as_deref(), Some(&"a"));
+        // The name as received, any case, is the same question.
+        let upper = key(0, "ALLOWED.Test.", RecordType::A);
+        assert_eq!(cache.get(&v1, &upper, t0).as_deref(), Some(&"a"));
+        // Another org, another type, another name: not this entry.
+        assert!(cache
+            .get(&v1, &key(1, "allowed.test.", RecordType::A), t0)
+            .is_none());
+        assert!(cache
+            .get(&v1, &key(0, "allowed.test.", RecordType::AAAA), t0)
+            .is_none());
+        assert!(cache
+            .get(&v1, &key(0, "x.allowed.test.", RecordType::A), t0)
+            .is_none());
+        assert_eq!(cache.hits(), 2);
+        // Another served version (even an equal value): nothing kept.
+        assert!(cache.get(&v2, &k, t0).is_none());
+        assert!(cache.is_empty());
+        assert!(cache.get(&v1, &k, t0).is_none());
+    }
+
+    #[test]
+    fn expires() {
+        let cache: AnswerCache<(), u8> = AnswerCache::default();
+        let v = Arc::new(());
+        let t0 = Instant::now();
+        let k = key(0, "a.test.", RecordType::A);
+        cache.insert(&v, k.clone(), Arc::new(1), t0 + 30 * SEC, t0);
+        assert!(cache.get(&v, &k, t0 + 29 * SEC).is_some());
+        assert!(cache.get(&v, &k, t0 + 30 * SEC).is_none());
+        assert!(cache.is_empty());
+        // Nothing is kept that has already expired.
+        cache.insert(&v, k.clone(), Arc::new(1), t0, t0);
+        assert!(cache.is_empty());
+    }
+
+    #[test]
+    fn bounded_per_org_and_in_all() {
+        let cache: AnswerCache<(), usize> = AnswerCache::new(8, 5);
+        let v = Arc::new(());
+        let t0 = Instant::now();
+        // One org alone cannot take more than its share...
+        for i in 0..100 {
+            let k = key(0, &format!("n{i}.test."), RecordType::A);
+            cache.insert(&v, k, Arc::new(i), t0 + SEC * (100 + i as u32), t0);
+        }
+        assert_eq!(cache.org_len(0), 5);
+        // ...and what it keeps is what lives longest.
+        let last = key(0, "n99.test.", RecordType::A);
+        assert_eq!(cache.get(&v, &last, t0).as_deref(), Some(&99));
+        assert!(cache
+            .get(&v, &key(0, "n0.test.", RecordType::A), t0)
+            .is_none());
+        // Other orgs fill the rest; when full, the org holding the most pays.
+        for org in 1..4 {
+            let k = key(org, "shared.test.", RecordType::A);
+            cache.insert(&v, k, Arc::new(org), t0 + 10 * SEC, t0);
+        }
+        assert_eq!(cache.len(), 8);
+        let k = key(4, "shared.test.", RecordType::A);
+        cache.insert(&v, k.clone(), Arc::new(4), t0 + 10 * SEC, t0);
+        assert_eq!(cache.len(), 8);
+        assert_eq!(cache.org_len(0), 4);
+        assert!(cache.get(&v, &k, t0).is_some());
+        // An expired entry goes before anyone's live one.
+        let t1 = t0 + 20 * SEC;
+        let k5 = key(5, "late.test.", RecordType::A);
+        cache.insert(&v, k5.clone(), Arc::new(5), t1 + 10 * SEC, t1);
+        assert_eq!(cache.org_len(0), 4);
+        assert!(cache.get(&v, &k5, t1).is_some());
+    }
+
+    #[test]
+    fn zero_capacity_keeps_nothing() {
+        let cache: AnswerCache<(), u8> = AnswerCache::new(0, 0);
+        let v = Arc::new(());
+        let t0 = Instant::now();
+        let k = key(0, "a.test.", RecordType::A);
+        cache.insert(&v, k.clone(), Arc::new(1), t0 + SEC, t0);
+        assert!(cache.get(&v, &k, t0).is_none());
+    }
+}
