@@ -1,8 +1,9 @@
 //! Upstream name resolution for the proxy: only the configured servers, no
 //! hosts file, no search list, every name queried as fully qualified.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hickory_resolver::config::{
@@ -11,7 +12,7 @@ use hickory_resolver::config::{
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::net::{DnsError, NetError};
 use hickory_resolver::proto::op::ResponseCode;
-use hickory_resolver::proto::rr::{Name, Record, RecordType};
+use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
 use hickory_resolver::TokioResolver;
 
 use crate::metrics::Metrics;
@@ -60,6 +61,44 @@ pub struct Resolver {
     timeout: Duration,
     /// Where resolution time is counted, when served.
     metrics: Option<Arc<Metrics>>,
+    failed_families: FailedFamilies,
+}
+
+/// How long a family that failed (while the other answered) is not asked.
+pub const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
+/// Names remembered at most; when full, expired entries go, then all.
+const FAILED_FAMILY_NAMES: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// Names whose A or AAAA query failed while the other family answered:
+/// bounded, each for [`FAILED_FAMILY_HOLD`].
+#[derive(Default)]
+struct FailedFamilies(Mutex<HashMap<String, (Family, Instant)>>);
+
+impl FailedFamilies {
+    fn held(&self, name: &str, now: Instant) -> Option<Family> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get(name) {
+            Some(&(fam, until)) if until > now => Some(fam),
+            _ => None,
+        }
+    }
+
+    fn hold(&self, name: &str, fam: Family, now: Instant) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= FAILED_FAMILY_NAMES && !map.contains_key(name) {
+            map.retain(|_, (_, until)| *until > now);
+            if map.len() >= FAILED_FAMILY_NAMES {
+                map.clear();
+            }
+        }
+        map.insert(name.to_string(), (fam, now + FAILED_FAMILY_HOLD));
+    }
 }
 
 impl Resolver {
@@ -69,6 +108,7 @@ impl Resolver {
                 inner: None,
                 timeout,
                 metrics: None,
+                failed_families: FailedFamilies::default(),
             });
         }
         let servers = upstreams
@@ -86,7 +126,6 @@ impl Resolver {
         opts.ndots = 0;
         opts.timeout = timeout;
         opts.attempts = 1;
-        opts.ip_strategy = hickory_resolver::config::LookupIpStrategy::Ipv4AndIpv6;
         opts.cache_size = 4096;
         let inner = TokioResolver::builder_with_config(
             ResolverConfig::from_name_servers(servers),
@@ -102,6 +141,7 @@ impl Resolver {
             inner: Some(inner),
             timeout,
             metrics: None,
+            failed_families: FailedFamilies::default(),
         })
     }
 
@@ -112,37 +152,89 @@ impl Resolver {
     }
 
     /// Addresses of a normalised name, A records before AAAA.
+    ///
+    /// A and AAAA are asked for side by side through the cache. The cache
+    /// keeps answers and (with an SOA) "no such records", but not a failure
+    /// such as `REFUSED` or `SERVFAIL`: an upstream that always fails one
+    /// family would be asked again on every connection. So when one family
+    /// fails while the other has addresses, that family is not asked for
+    /// this name for [`FAILED_FAMILY_HOLD`]; the addresses dialled are still
+    /// the other family's, decided as always.
     pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
         let Some(inner) = &self.inner else {
             return Err(ResolveError::NoUpstream);
         };
-        let fqdn = format!("{name}.");
-        let started = std::time::Instant::now();
-        let result = tokio::time::timeout(self.timeout, inner.lookup_ip(fqdn.as_str())).await;
+        let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| ResolveError::Failed {
+            name: name.to_string(),
+            reason: e.to_string(),
+        })?;
+        let started = Instant::now();
+        let held = self.failed_families.held(name, started);
+        let family = |qtype: RecordType, skip: bool| {
+            let fqdn = fqdn.clone();
+            async move {
+                if skip {
+                    return None;
+                }
+                Some(inner.lookup(fqdn, qtype).await.map(|l| {
+                    l.answers()
+                        .iter()
+                        .filter_map(|r| match &r.data {
+                            RData::A(a) => Some(IpAddr::V4(a.0)),
+                            RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+                            _ => None,
+                        })
+                        .collect::<Vec<IpAddr>>()
+                }))
+            }
+        };
+        let both = async {
+            tokio::join!(
+                family(RecordType::A, held == Some(Family::V4)),
+                family(RecordType::AAAA, held == Some(Family::V6)),
+            )
+        };
+        let result = tokio::time::timeout(self.timeout, both).await;
+        let outcome = match result {
+            Err(_) => Err(ResolveError::Timeout {
+                name: name.to_string(),
+            }),
+            Ok((v4, v6)) => {
+                let mut addrs = Vec::new();
+                let mut failure = None;
+                for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
+                    match answer {
+                        None => {}
+                        Some(Ok(found)) => addrs.extend(found),
+                        Some(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => {}
+                        Some(Err(e)) => {
+                            failure.get_or_insert((fam, e.to_string()));
+                        }
+                    }
+                }
+                match (addrs.is_empty(), failure) {
+                    (true, Some((_, reason))) => Err(ResolveError::Failed {
+                        name: name.to_string(),
+                        reason,
+                    }),
+                    (true, None) => Err(ResolveError::Empty {
+                        name: name.to_string(),
+                    }),
+                    (false, failed) => {
+                        if let Some((fam, _)) = failed {
+                            self.failed_families.hold(name, fam, started);
+                        }
+                        Ok(addrs)
+                    }
+                }
+            }
+        };
         if let Some(m) = &self.metrics {
             m.resolve_duration_seconds
-                .with_label_values(&[if matches!(result, Ok(Ok(_))) {
-                    "ok"
-                } else {
-                    "error"
-                }])
+                .with_label_values(&[if outcome.is_ok() { "ok" } else { "error" }])
                 .observe(started.elapsed().as_secs_f64());
         }
-        let lookup = result
-            .map_err(|_| ResolveError::Timeout {
-                name: name.to_string(),
-            })?
-            .map_err(|e| ResolveError::Failed {
-                name: name.to_string(),
-                reason: e.to_string(),
-            })?;
-        let addrs: Vec<IpAddr> = lookup.iter().collect();
-        if addrs.is_empty() {
-            return Err(ResolveError::Empty {
-                name: name.to_string(),
-            });
-        }
-        Ok(addrs)
+        outcome
     }
 
     /// Records of any type for a normalised name, through the same cache.
@@ -176,5 +268,89 @@ impl Resolver {
             Err(NetError::Timeout) => Err(RecordsError::Timeout),
             Err(e) => Err(RecordsError::Failed(e.to_string())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_resolver::proto::op::{Message, MessageType, OpCode};
+    use hickory_resolver::proto::rr::rdata::A;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::net::UdpSocket;
+
+    /// A loopback upstream that answers A with 198.18.0.5 and AAAA with
+    /// `REFUSED`, counting the AAAA queries it gets.
+    async fn refusing_aaaa() -> (SocketAddr, Arc<AtomicUsize>) {
+        let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = sock.local_addr().unwrap();
+        let aaaa = Arc::new(AtomicUsize::new(0));
+        let counted = aaaa.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 1500];
+            loop {
+                let Ok((n, from)) = sock.recv_from(&mut buf).await else {
+                    return;
+                };
+                let Ok(query) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let mut reply =
+                    Message::new(query.metadata.id, MessageType::Response, OpCode::Query);
+                reply.metadata.recursion_available = true;
+                reply.queries = query.queries.clone();
+                let Some(q) = query.queries.first() else {
+                    continue;
+                };
+                if q.query_type() == RecordType::AAAA {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    reply.metadata.response_code = ResponseCode::Refused;
+                } else {
+                    reply.add_answer(Record::from_rdata(
+                        q.name().clone(),
+                        300,
+                        RData::A(A::new(198, 18, 0, 5)),
+                    ));
+                }
+                let _ = sock.send_to(&reply.to_vec().unwrap(), from).await;
+            }
+        });
+        (addr, aaaa)
+    }
+
+    #[tokio::test]
+    async fn a_family_that_fails_is_not_asked_again_while_the_other_answers() {
+        let (upstream, aaaa) = refusing_aaaa().await;
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        let want = vec![IpAddr::from([198, 18, 0, 5])];
+        assert_eq!(resolver.lookup("two.test").await.unwrap(), want);
+        let asked = aaaa.load(Ordering::SeqCst);
+        assert!(asked >= 1, "AAAA was asked");
+        for _ in 0..5 {
+            assert_eq!(resolver.lookup("two.test").await.unwrap(), want);
+        }
+        assert_eq!(aaaa.load(Ordering::SeqCst), asked, "REFUSED AAAA held");
+        // another name is asked for both families
+        assert_eq!(resolver.lookup("other.test").await.unwrap(), want);
+        assert!(aaaa.load(Ordering::SeqCst) > asked);
+    }
+
+    #[test]
+    fn held_families_expire_and_stay_bounded() {
+        let held = FailedFamilies::default();
+        let t0 = Instant::now();
+        held.hold("a.test", Family::V6, t0);
+        assert_eq!(held.held("a.test", t0), Some(Family::V6));
+        assert_eq!(held.held("b.test", t0), None);
+        assert_eq!(held.held("a.test", t0 + FAILED_FAMILY_HOLD), None);
+        for i in 0..FAILED_FAMILY_NAMES + 10 {
+            held.hold(&format!("n{i}.test"), Family::V4, t0);
+        }
+        let len = held.0.lock().unwrap().len();
+        assert!(len <= FAILED_FAMILY_NAMES, "{len} names held");
+        assert_eq!(
+            held.held(&format!("n{}.test", FAILED_FAMILY_NAMES + 9), t0),
+            Some(Family::V4)
+        );
     }
 }
