@@ -69,6 +69,17 @@ pub const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
 /// Names remembered at most; when full, expired entries go, then all.
 const FAILED_FAMILY_NAMES: usize = 4096;
 
+/// Why one family's query gave no addresses.
+#[derive(Debug, thiserror::Error)]
+enum Failure {
+    #[error("no records found")]
+    NoRecords,
+    #[error("timed out")]
+    Timeout,
+    #[error("{0}")]
+    Other(String),
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Family {
     V4,
@@ -155,8 +166,9 @@ impl Resolver {
     ///
     /// A and AAAA are asked for side by side through the cache. The cache
     /// keeps answers and (with an SOA) "no such records", but not a failure
-    /// such as `REFUSED` or `SERVFAIL`: an upstream that always fails one
-    /// family would be asked again on every connection. So when one family
+    /// such as `REFUSED`, `SERVFAIL` or no answer in time: an upstream that
+    /// always fails one family would be asked again (or waited for) on every
+    /// connection. So when one family
     /// fails while the other has addresses, that family is not asked for
     /// this name for [`FAILED_FAMILY_HOLD`]; the addresses dialled are still
     /// the other family's, decided as always.
@@ -170,63 +182,65 @@ impl Resolver {
         })?;
         let started = Instant::now();
         let held = self.failed_families.held(name, started);
+        // Each family within `timeout` on its own: one that hangs (an
+        // upstream that drops AAAA queries) fails alone, and the other's
+        // addresses still count.
+        let timeout = self.timeout;
         let family = |qtype: RecordType, skip: bool| {
             let fqdn = fqdn.clone();
             async move {
                 if skip {
                     return None;
                 }
-                Some(inner.lookup(fqdn, qtype).await.map(|l| {
-                    l.answers()
+                let answer = match tokio::time::timeout(timeout, inner.lookup(fqdn, qtype)).await {
+                    Err(_) => Err(Failure::Timeout),
+                    Ok(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => Err(Failure::NoRecords),
+                    Ok(Err(NetError::Timeout)) => Err(Failure::Timeout),
+                    Ok(Err(e)) => Err(Failure::Other(e.to_string())),
+                    Ok(Ok(l)) => Ok(l
+                        .answers()
                         .iter()
                         .filter_map(|r| match &r.data {
                             RData::A(a) => Some(IpAddr::V4(a.0)),
                             RData::AAAA(a) => Some(IpAddr::V6(a.0)),
                             _ => None,
                         })
-                        .collect::<Vec<IpAddr>>()
-                }))
+                        .collect::<Vec<IpAddr>>()),
+                };
+                Some(answer)
             }
         };
-        let both = async {
-            tokio::join!(
-                family(RecordType::A, held == Some(Family::V4)),
-                family(RecordType::AAAA, held == Some(Family::V6)),
-            )
-        };
-        let result = tokio::time::timeout(self.timeout, both).await;
-        let outcome = match result {
-            Err(_) => Err(ResolveError::Timeout {
+        let (v4, v6) = tokio::join!(
+            family(RecordType::A, held == Some(Family::V4)),
+            family(RecordType::AAAA, held == Some(Family::V6)),
+        );
+        let mut addrs = Vec::new();
+        let mut failure: Option<(Family, Failure)> = None;
+        for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
+            match answer {
+                None | Some(Err(Failure::NoRecords)) => {}
+                Some(Ok(found)) => addrs.extend(found),
+                Some(Err(f)) => {
+                    failure.get_or_insert((fam, f));
+                }
+            }
+        }
+        let outcome = match (addrs.is_empty(), failure) {
+            (true, Some((_, Failure::Timeout))) => Err(ResolveError::Timeout {
                 name: name.to_string(),
             }),
-            Ok((v4, v6)) => {
-                let mut addrs = Vec::new();
-                let mut failure = None;
-                for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
-                    match answer {
-                        None => {}
-                        Some(Ok(found)) => addrs.extend(found),
-                        Some(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => {}
-                        Some(Err(e)) => {
-                            failure.get_or_insert((fam, e.to_string()));
-                        }
-                    }
+            (true, Some((_, f))) => Err(ResolveError::Failed {
+                name: name.to_string(),
+                reason: f.to_string(),
+            }),
+            (true, None) => Err(ResolveError::Empty {
+                name: name.to_string(),
+            }),
+            (false, failed) => {
+                if let Some((fam, _)) = failed {
+                    self.failed_families.hold(name, fam, started);
                 }
-                match (addrs.is_empty(), failure) {
-                    (true, Some((_, reason))) => Err(ResolveError::Failed {
-                        name: name.to_string(),
-                        reason,
-                    }),
-                    (true, None) => Err(ResolveError::Empty {
-                        name: name.to_string(),
-                    }),
-                    (false, failed) => {
-                        if let Some((fam, _)) = failed {
-                            self.failed_families.hold(name, fam, started);
-                        }
-                        Ok(addrs)
-                    }
-                }
+                Ok(addrs)
             }
         };
         if let Some(m) = &self.metrics {
@@ -280,8 +294,8 @@ mod tests {
     use tokio::net::UdpSocket;
 
     /// A loopback upstream that answers A with 198.18.0.5 and AAAA with
-    /// `REFUSED`, counting the AAAA queries it gets.
-    async fn refusing_aaaa() -> (SocketAddr, Arc<AtomicUsize>) {
+    /// `REFUSED` (or not at all, `drop_aaaa`), counting the AAAA queries.
+    async fn failing_aaaa(drop_aaaa: bool) -> (SocketAddr, Arc<AtomicUsize>) {
         let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = sock.local_addr().unwrap();
         let aaaa = Arc::new(AtomicUsize::new(0));
@@ -304,6 +318,9 @@ mod tests {
                 };
                 if q.query_type() == RecordType::AAAA {
                     counted.fetch_add(1, Ordering::SeqCst);
+                    if drop_aaaa {
+                        continue;
+                    }
                     reply.metadata.response_code = ResponseCode::Refused;
                 } else {
                     reply.add_answer(Record::from_rdata(
@@ -320,7 +337,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_family_that_fails_is_not_asked_again_while_the_other_answers() {
-        let (upstream, aaaa) = refusing_aaaa().await;
+        let (upstream, aaaa) = failing_aaaa(false).await;
         let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
         let want = vec![IpAddr::from([198, 18, 0, 5])];
         assert_eq!(resolver.lookup("two.test").await.unwrap(), want);
@@ -333,6 +350,30 @@ mod tests {
         // another name is asked for both families
         assert_eq!(resolver.lookup("other.test").await.unwrap(), want);
         assert!(aaaa.load(Ordering::SeqCst) > asked);
+    }
+
+    #[tokio::test]
+    async fn a_family_that_never_answers_does_not_fail_the_other() {
+        let (upstream, aaaa) = failing_aaaa(true).await;
+        let resolver = Resolver::new(&[upstream], Duration::from_millis(300)).unwrap();
+        let want = vec![IpAddr::from([198, 18, 0, 5])];
+        assert_eq!(resolver.lookup("slow.test").await.unwrap(), want);
+        let asked = aaaa.load(Ordering::SeqCst);
+        assert!(asked >= 1, "AAAA was asked");
+        assert_eq!(resolver.lookup("slow.test").await.unwrap(), want);
+        assert_eq!(aaaa.load(Ordering::SeqCst), asked, "silent AAAA held");
+    }
+
+    #[tokio::test]
+    async fn no_answer_at_all_is_a_timeout() {
+        let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let resolver =
+            Resolver::new(&[sock.local_addr().unwrap()], Duration::from_millis(200)).unwrap();
+        match resolver.lookup("silent.test").await {
+            Err(ResolveError::Timeout { name }) => assert_eq!(name, "silent.test"),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+        drop(sock);
     }
 
     #[test]
