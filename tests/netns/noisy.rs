@@ -1,7 +1,9 @@
 //! Noisy neighbours: one org floods Palisade from every side at once for a
-//! minute (CONNECTs, denials on one keep-alive connection, DNS over UDP and
-//! over many TCP connections, name churn under an allowed wildcard, and an
-//! unknown client), while another org's HTTPS and DNS requests must all
+//! minute (CONNECTs, denials on one keep-alive connection, idle connections
+//! held, tunnels whose ClientHello never completes, DNS over UDP and over
+//! many TCP connections, name churn under an allowed wildcard, and an
+//! unknown client sending requests, DNS and idle connections past its
+//! per-address cap), while another org's HTTPS and DNS requests must all
 //! succeed and each be on record. Every org has an evidence budget of
 //! [`BUDGET`] decision records a second: the flooder's evidence grows by
 //! no more than that budget allows (plus its summaries, whose number is
@@ -180,6 +182,49 @@ def stranger_http():
             s.close()
         except OSError:
             bump("stranger_error")
+def idle_hold(src, n, key):
+    # connections that never send a byte, held and renewed: the pre-auth
+    # (stranger) and per-org connection caps
+    for i in range(1000):
+        if time.time() > END:
+            return
+        held = []
+        for _ in range(n):
+            try:
+                held.append(conn(src))
+                bump(key + "_held")
+            except OSError:
+                bump(key + "_refused")
+        time.sleep(max(0.0, min(2.0, END - time.time())))
+        for c in held:
+            c.close()
+def slow_hello():
+    # tunnels whose ClientHello never completes: detection memory
+    for i in range(100000):
+        if time.time() > END:
+            return
+        held = []
+        for _ in range(128):
+            try:
+                s = conn(A)
+                s.sendall(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+                code = head(s).decode()
+                if code != "200":
+                    bump("slow_hello_" + code)
+                    s.close()
+                    continue
+                # a handshake record announcing 8 KiB, cut short
+                s.sendall(b"\x16\x03\x01\x20\x00\x01" + b"\x00" * 6000)
+                held.append(s)
+            except OSError:
+                bump("slow_hello_error")
+        for s in held:
+            try:
+                s.settimeout(5)
+                bump("slow_hello_cut" if s.recv(1) == b"" else "slow_hello_answered")
+            except OSError:
+                bump("slow_hello_cut")
+            s.close()
 floods = [
     threading.Thread(target=connect_flood),
     threading.Thread(target=denials_keepalive),
@@ -188,6 +233,9 @@ floods = [
     threading.Thread(target=udp_flood, args=(S, lambda i: "allowed.test", "stranger_udp")),
     threading.Thread(target=tcp_dns_flood),
     threading.Thread(target=stranger_http),
+    threading.Thread(target=idle_hold, args=(A, 200, "idle")),
+    threading.Thread(target=idle_hold, args=(S, 300, "stranger_idle")),
+    threading.Thread(target=slow_hello),
 ]
 for t in floods:
     t.daemon = True
