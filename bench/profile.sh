@@ -1,28 +1,43 @@
 #!/usr/bin/env bash
-# User-space instructions per CONNECT tunnel, counted by callgrind (for
-# machines whose `perf stat` has no PMU to count them):
+# Where Palisade's CPU goes per tunnel and per DNS query, on the
+# configuration ../shared/bench/palisade-put.sh gives it (org "bench" =
+# loopback, allowed.bench by name, evidence on), behind a loopback nginx and
+# dnsmasq, driven by the bench harness's loadgen:
 #
-#   sudo bench/instructions.sh [BIN...]     # default: target/release/palisade
+#   sudo bench/profile.sh instructions [BIN...]   # default BIN: target/release/palisade
+#   sudo bench/profile.sh perf [BIN]
 #
-# For each binary and concurrency (CONC, default "1 64"), runs Palisade on
-# the configuration ../shared/bench/palisade-put.sh gives it (org "bench" =
-# loopback, allowed.bench:8080 by name, evidence on) under
-# `valgrind --tool=callgrind`, drives N1 and then N2 tunnels (CONNECT, GET
-# /small from a loopback nginx, close) with the bench harness's loadgen, and
-# prints (I(N2) - I(N1)) / (tunnels(N2) - tunnels(N1)): the start-up cost
-# cancels out. Valgrind hides the CPU's SHA extensions, so SHA-256 is counted
-# in software. Bounded: N1=200, N2=1200 tunnels, 120 s per run at most.
-# Needs valgrind, nginx (nginx-light), dnsmasq, and the harness's loadgen
-# (built by ../shared/bench/run-palisade.sh, or LOADGEN=path).
+# instructions: user-space instructions per CONNECT tunnel counted by
+#   callgrind (for machines whose `perf stat` has no PMU to count them). For
+#   each binary and concurrency (CONC, default "1 64"), runs Palisade under
+#   `valgrind --tool=callgrind`, drives N1 and then N2 tunnels (CONNECT, GET
+#   /small, close) and prints (I(N2) - I(N1)) / (tunnels(N2) - tunnels(N1)):
+#   the start-up cost cancels out. Valgrind hides the CPU's SHA extensions,
+#   so SHA-256 is counted in software. Bounded: N1=200, N2=1200 tunnels,
+#   120 s per run at most.
+# perf: `perf record` (software clock, call graphs) of Palisade pinned to
+#   core 0 while loadgen on core 1 opens tunnels at concurrency 64 for 10 s,
+#   then while dnsperf on core 1 asks the DNS shim for allowed.bench for
+#   10 s; prints the split by object and the top symbols of each.
+# Needs valgrind or perf, nginx (nginx-light), dnsmasq, dnsperf (perf mode),
+# and the harness's loadgen (built by ../shared/bench/run-palisade.sh, or
+# LOADGEN=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mode=${1:-}
+case "$mode" in
+  instructions | perf) shift ;;
+  *) echo "usage: bench/profile.sh instructions|perf [BIN...]" >&2; exit 2 ;;
+esac
 N1=${N1:-200} N2=${N2:-1200} CONC=${CONC:-"1 64"}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
 [ "$#" -gt 0 ] || set -- target/release/palisade
-for b in valgrind nginx dnsmasq "$LOADGEN"; do
+tools=(nginx dnsmasq "$LOADGEN")
+if [ "$mode" = instructions ]; then tools+=(valgrind); else tools+=(perf dnsperf taskset); fi
+for b in "${tools[@]}"; do
   command -v "$b" >/dev/null || [ -x "$b" ] || { echo "missing: $b" >&2; exit 1; }
 done
-run=$(mktemp -d /tmp/palisade-instr.XXXXXX)
+run=$(mktemp -d /tmp/palisade-profile.XXXXXX)
 chmod 755 "$run" # dnsmasq and nginx workers drop root and must read their files
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -112,6 +127,42 @@ one() {
   fi
   echo "$ok $ir"
 }
+
+# Prints the split by object and the top symbols of a perf data file.
+top() {
+  # head closes the pipe early: not a failure
+  perf report -i "$1" --no-children --sort dso -g none 2>/dev/null | grep '%' | head -n 5 || true
+  perf report -i "$1" --no-children --sort sym -g none 2>/dev/null | grep '%' | head -n 20 || true
+}
+
+if [ "$mode" = perf ]; then
+  bin=$1
+  rm -rf "$run/evidence" "$run/evidence.key"
+  taskset -c 0 "$bin" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
+  p=$!
+  pids+=("$p")
+  wait_port 13140
+  taskset -c 1 timeout 30 "$LOADGEN" tunnel-rate --proxy 127.0.0.1:13140 \
+    --host allowed.bench:18080 --path /small --concurrency 64 --duration 10 --warmup 0 \
+    >"$run/loadgen.perf" &
+  lg=$!
+  sleep 2
+  perf record -F 999 -g -o "$run/tunnel.data" -p "$p" -- sleep 6 >/dev/null 2>&1
+  wait "$lg"
+  echo "== tunnels, c=64: $(grep -o '"rate_per_s":[0-9.]*' "$run/loadgen.perf")"
+  top "$run/tunnel.data"
+  echo "allowed.bench A" >"$run/queries"
+  taskset -c 1 timeout 30 dnsperf -s 127.0.0.1 -p 15311 -d "$run/queries" -l 10 -c 4 -q 200 \
+    >"$run/dnsperf.txt" 2>&1 &
+  dp=$!
+  sleep 2
+  perf record -F 999 -g -o "$run/dns.data" -p "$p" -- sleep 6 >/dev/null 2>&1
+  wait "$dp"
+  echo "== DNS, cached allowed name: $(grep 'Queries per second' "$run/dnsperf.txt")"
+  top "$run/dns.data"
+  echo "perf data: $run/tunnel.data, $run/dns.data"
+  exit 0
+fi
 
 for bin in "$@"; do
   for conc in $CONC; do
