@@ -168,10 +168,10 @@ impl Resolver {
     /// keeps answers and (with an SOA) "no such records", but not a failure
     /// such as `REFUSED`, `SERVFAIL` or no answer in time: an upstream that
     /// always fails one family would be asked again (or waited for) on every
-    /// connection. So when one family
-    /// fails while the other has addresses, that family is not asked for
-    /// this name for [`FAILED_FAMILY_HOLD`]; the addresses dialled are still
-    /// the other family's, decided as always.
+    /// connection. So when one family fails while the other has addresses,
+    /// that family is not asked for this name for [`FAILED_FAMILY_HOLD`];
+    /// the addresses dialled are still the other family's, decided as
+    /// always.
     pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
         let Some(inner) = &self.inner else {
             return Err(ResolveError::NoUpstream);
