@@ -308,7 +308,7 @@ where
     let started = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + Duration::from_secs_f64(secs);
     let errors: Arc<Mutex<Option<String>>> = Arc::default();
-    let cpu0 = p.pid.map(cpu_secs);
+    let cpu0 = p.pid.map(common::cpu_seconds);
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for _ in 0..conc {
@@ -344,7 +344,7 @@ where
     }
     run.secs = t0.elapsed().as_secs_f64();
     run.cpu = match (p.pid, cpu0) {
-        (Some(pid), Some(c0)) => cpu_secs(pid) - c0,
+        (Some(pid), Some(c0)) => common::cpu_seconds(pid) - c0,
         _ => f64::NAN,
     };
     run.lat.sort_by(|a, b| a.total_cmp(b));
@@ -356,7 +356,7 @@ where
 async fn keepalive(p: PathTo, conc: usize, secs: f64, max: u64) -> Run {
     let started = Arc::new(AtomicU64::new(0));
     let end = Instant::now() + Duration::from_secs_f64(secs);
-    let cpu0 = p.pid.map(cpu_secs);
+    let cpu0 = p.pid.map(common::cpu_seconds);
     let t0 = Instant::now();
     let req = Arc::new(get(p.origin, &http_target(&p), false).into_bytes());
     let mut tasks = Vec::new();
@@ -408,7 +408,7 @@ async fn keepalive(p: PathTo, conc: usize, secs: f64, max: u64) -> Run {
     }
     run.secs = t0.elapsed().as_secs_f64();
     run.cpu = match (p.pid, cpu0) {
-        (Some(pid), Some(c0)) => cpu_secs(pid) - c0,
+        (Some(pid), Some(c0)) => common::cpu_seconds(pid) - c0,
         _ => f64::NAN,
     };
     run.lat.sort_by(|a, b| a.total_cmp(b));
@@ -418,7 +418,7 @@ async fn keepalive(p: PathTo, conc: usize, secs: f64, max: u64) -> Run {
 /// Throughput of `streams` tunnels each reading the endless body for `secs`;
 /// `ok` is the bytes read.
 async fn throughput(p: PathTo, streams: usize, secs: f64) -> Run {
-    let cpu0 = p.pid.map(cpu_secs);
+    let cpu0 = p.pid.map(common::cpu_seconds);
     let mut tasks = Vec::new();
     // Open every stream first, then measure them together.
     let mut conns = Vec::new();
@@ -475,7 +475,7 @@ async fn throughput(p: PathTo, streams: usize, secs: f64) -> Run {
     }
     run.secs = t0.elapsed().as_secs_f64();
     run.cpu = match (p.pid, cpu0) {
-        (Some(pid), Some(c0)) => cpu_secs(pid) - c0,
+        (Some(pid), Some(c0)) => common::cpu_seconds(pid) - c0,
         _ => f64::NAN,
     };
     run
@@ -488,7 +488,7 @@ async fn idle_rss(p: PathTo, n: usize, deadline_secs: f64) -> (f64, usize, Optio
         return (f64::NAN, 0, None);
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let before = rss_kib(pid);
+    let before = common::rss_kib(pid);
     let end = Instant::now() + Duration::from_secs_f64(deadline_secs);
     let conns: Arc<Mutex<Vec<Conn>>> = Arc::default();
     let next = Arc::new(AtomicU64::new(0));
@@ -521,7 +521,7 @@ async fn idle_rss(p: PathTo, n: usize, deadline_secs: f64) -> (f64, usize, Optio
         t.await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    let after = rss_kib(pid);
+    let after = common::rss_kib(pid);
     let open = conns.lock().unwrap().len();
     let per = (after - before) / open.max(1) as f64;
     drop(conns);
@@ -532,32 +532,6 @@ async fn idle_rss(p: PathTo, n: usize, deadline_secs: f64) -> (f64, usize, Optio
 
 // ---------------------------------------------------------------------------
 // Processes.
-
-fn cpu_secs(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return f64::NAN;
-    };
-    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-        return f64::NAN;
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: f64 =
-        f[11].parse::<f64>().unwrap_or(f64::NAN) + f[12].parse::<f64>().unwrap_or(f64::NAN);
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    ticks / hz
-}
-
-fn rss_kib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(f64::NAN)
-}
 
 /// The 1-minute load average, to show what else ran on the machine.
 fn loadavg() -> String {

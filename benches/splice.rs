@@ -24,7 +24,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::net::TcpStream;
 
 #[path = "common/mod.rs"]
 mod common;
@@ -65,38 +65,6 @@ async fn origin(large: u64) -> SocketAddr {
         }
     })
     .await
-}
-
-/// A DNS server answering every A query with 127.0.0.1.
-async fn dns() -> SocketAddr {
-    let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = sock.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
-                continue;
-            };
-            let q = &buf[..n];
-            let Some(end) = q.iter().skip(12).position(|&b| b == 0).map(|p| 12 + p + 5) else {
-                continue;
-            };
-            if end > n {
-                continue;
-            }
-            let qtype = u16::from_be_bytes([q[end - 4], q[end - 3]]);
-            let mut r = q[..end].to_vec();
-            r[2] = 0x81;
-            r[3] = 0x80;
-            r[6..8].copy_from_slice(&u16::from(qtype == 1).to_be_bytes());
-            r[8..12].fill(0);
-            if qtype == 1 {
-                r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
-            }
-            let _ = sock.send_to(&r, peer).await;
-        }
-    });
-    addr
 }
 
 /// `palisade run` of `bin`, the user-space copy forced when `no_splice`.
@@ -145,34 +113,6 @@ fn start(
     (child, proxy)
 }
 
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| {
-        fields
-            .get(i - 3)
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(14) + ticks(15)) / hz
-}
-
-fn rss_kib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        })
-        .unwrap_or(f64::NAN)
-}
-
 /// Read one response head and its Content-Length body to the end (the body
 /// is counted and dropped); the body's length.
 async fn response(s: &mut TcpStream, buf: &mut [u8]) -> Option<u64> {
@@ -206,7 +146,7 @@ async fn response(s: &mut TcpStream, buf: &mut [u8]) -> Option<u64> {
 
 /// (proxy CPU ms per GiB, MiB/s) of one `GET /large` through one tunnel.
 fn throughput(rt: &tokio::runtime::Runtime, pid: u32, proxy: SocketAddr, port: u16) -> (f64, f64) {
-    let cpu0 = cpu_seconds(pid);
+    let cpu0 = common::cpu_seconds(pid);
     let t0 = Instant::now();
     let moved = rt.block_on(async {
         let mut s = common::connect_tunnel(proxy, &format!("http.bench:{port}")).await?;
@@ -216,7 +156,7 @@ fn throughput(rt: &tokio::runtime::Runtime, pid: u32, proxy: SocketAddr, port: u
         response(&mut s, &mut buf).await
     });
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = cpu_seconds(pid) - cpu0;
+    let cpu = common::cpu_seconds(pid) - cpu0;
     let moved = moved.expect("the large GET failed") as f64;
     let gib = moved / f64::from(1u32 << 30);
     (cpu * 1e3 / gib, moved / f64::from(1u32 << 20) / wall)
@@ -234,7 +174,7 @@ fn idle_rss(
     request: bool,
 ) -> f64 {
     std::thread::sleep(Duration::from_millis(300));
-    let before = rss_kib(pid);
+    let before = common::rss_kib(pid);
     let held = rt.block_on(async {
         let mut held = Vec::new();
         for _ in 0..n {
@@ -258,7 +198,7 @@ fn idle_rss(
         held
     });
     std::thread::sleep(Duration::from_millis(1000));
-    let after = rss_kib(pid);
+    let after = common::rss_kib(pid);
     drop(held);
     (after - before) / n as f64
 }
@@ -276,7 +216,7 @@ fn main() {
     let root = common::scratch("splicebench");
     let rt = common::runtime();
     let up = rt.block_on(origin(large));
-    let resolver = rt.block_on(dns());
+    let resolver = rt.block_on(common::dns());
     let port = up.port();
     let mut rows = Vec::new();
     for (label, no_splice) in [("splice", false), ("user-space copy", true)] {

@@ -23,7 +23,7 @@ use std::process::Child;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::net::TcpStream;
 
 #[path = "common/mod.rs"]
 mod common;
@@ -52,40 +52,6 @@ async fn origin() -> SocketAddr {
         }
     })
     .await
-}
-
-/// A DNS server answering every A query with 127.0.0.1 (and anything else
-/// with no answer), so that the bench names resolve to the origin.
-async fn dns() -> SocketAddr {
-    let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let addr = sock.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
-                continue;
-            };
-            let q = &buf[..n];
-            // Header (12) + one question: name, type (2), class (2).
-            let Some(end) = q.iter().skip(12).position(|&b| b == 0).map(|p| 12 + p + 5) else {
-                continue;
-            };
-            if end > n {
-                continue;
-            }
-            let qtype = u16::from_be_bytes([q[end - 4], q[end - 3]]);
-            let mut r = q[..end].to_vec();
-            r[2] = 0x81; // QR, RD
-            r[3] = 0x80; // RA, NOERROR
-            r[6..8].copy_from_slice(&u16::from(qtype == 1).to_be_bytes());
-            r[8..12].fill(0);
-            if qtype == 1 {
-                r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
-            }
-            let _ = sock.send_to(&r, peer).await;
-        }
-    });
-    addr
 }
 
 fn start(root: &Path, origin: SocketAddr, dns: SocketAddr) -> (Child, SocketAddr) {
@@ -141,25 +107,6 @@ async fn one(proxy: SocketAddr, host: &'static str, port: u16) -> bool {
     )
 }
 
-/// Proxy CPU seconds so far (utime + stime).
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    // After the command: state is field 3; utime and stime are 14 and 15.
-    let ticks = |i: usize| {
-        fields
-            .get(i - 3)
-            .and_then(|f| f.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(14) + ticks(15)) / hz
-}
-
 /// (requests per second, proxy CPU µs per request) of one round.
 fn round(
     rt: &tokio::runtime::Runtime,
@@ -169,11 +116,11 @@ fn round(
     port: u16,
     secs: f64,
 ) -> (f64, f64) {
-    let cpu0 = cpu_seconds(pid);
+    let cpu0 = common::cpu_seconds(pid);
     let tunnels = rt.block_on(common::closed_loop(CONCURRENCY, secs, move || {
         one(proxy, host, port)
     }));
-    let cpu = cpu_seconds(pid) - cpu0;
+    let cpu = common::cpu_seconds(pid) - cpu0;
     let requests = tunnels * REQUESTS_PER_TUNNEL as f64;
     (requests, cpu / (requests * secs) * 1e6)
 }
@@ -184,7 +131,7 @@ fn main() {
     let root = common::scratch("verifybench");
     let rt = common::runtime();
     let up = rt.block_on(origin());
-    let resolver = rt.block_on(dns());
+    let resolver = rt.block_on(common::dns());
     let (child, proxy) = start(&root, up, resolver);
     let pid = child.id();
     let port = up.port();

@@ -1,5 +1,6 @@
 //! Pieces the whole-process benches share: a bounded closed-loop load,
-//! stopping a child process, and medians.
+//! stopping a child process, medians, a loopback DNS server, and a
+//! process's CPU time and resident memory.
 
 #![allow(dead_code)]
 
@@ -181,4 +182,71 @@ pub fn runtime() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// A loopback DNS server answering every A query with 127.0.0.1 (and
+/// anything else with no answer), so that the bench names resolve to the
+/// origin.
+pub async fn dns() -> std::net::SocketAddr {
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = sock.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut buf = [0u8; 512];
+        loop {
+            let Ok((n, peer)) = sock.recv_from(&mut buf).await else {
+                continue;
+            };
+            let q = &buf[..n];
+            // Header (12) + one question: name, type (2), class (2).
+            let Some(end) = q.iter().skip(12).position(|&b| b == 0).map(|p| 12 + p + 5) else {
+                continue;
+            };
+            if end > n {
+                continue;
+            }
+            let qtype = u16::from_be_bytes([q[end - 4], q[end - 3]]);
+            let mut r = q[..end].to_vec();
+            r[2] = 0x81; // QR, RD
+            r[3] = 0x80; // RA, NOERROR
+            r[6..8].copy_from_slice(&u16::from(qtype == 1).to_be_bytes());
+            r[8..12].fill(0);
+            if qtype == 1 {
+                r.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
+            }
+            let _ = sock.send_to(&r, peer).await;
+        }
+    });
+    addr
+}
+
+/// CPU seconds a process has used so far (utime + stime from
+/// `/proc/PID/stat`); NaN when it cannot be read.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return f64::NAN;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the command: state is field 3; utime and stime are 14 and 15.
+    let ticks = |i: usize| {
+        fields
+            .get(i - 3)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(14) + ticks(15)) / hz
+}
+
+/// Resident memory of a process in KiB (`VmRSS`); NaN when unreadable.
+pub fn rss_kib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(f64::NAN)
 }
