@@ -108,6 +108,21 @@ fn a_stranger_holding_idle_connections_leaves_token_clients_served() {
     let _ = stranger.wait();
 }
 
+/// An org's refusals written one record each because its evidence budget
+/// was spent (not folded into a summary).
+pub fn budget_refusals_one_by_one(ev: &[serde_json::Value], org: &str) -> u64 {
+    ev.iter()
+        .filter(|v| {
+            v["org"] == org
+                && v["reason"] == "limit_exceeded"
+                && v["count"].is_null()
+                && v["detail"]
+                    .as_str()
+                    .is_some_and(|d| d.contains("evidence budget"))
+        })
+        .count() as u64
+}
+
 /// The sum of every sample of metric `name` whose labels include all of
 /// `labels` (each `key="value"`), whatever their order.
 pub fn scrape_sum(lab: &Lab, name: &str, labels: &[&str]) -> f64 {
@@ -221,17 +236,7 @@ fn an_org_over_its_evidence_budget_is_refused_and_summarised_and_another_is_serv
             .filter(|v| v["org"] == "acme" && v["count"].is_u64())
             .map(|v| v["reasons"]["limit_exceeded"].as_u64().unwrap_or(0))
             .sum::<u64>();
-        one_by_one = ev
-            .iter()
-            .filter(|v| {
-                v["org"] == "acme"
-                    && v["reason"] == "limit_exceeded"
-                    && v["count"].is_null()
-                    && v["detail"]
-                        .as_str()
-                        .is_some_and(|d| d.contains("evidence budget"))
-            })
-            .count() as u64;
+        one_by_one = budget_refusals_one_by_one(&ev, "acme");
         summarised + one_by_one == refused
     });
     assert!(summarised > 0, "nothing summarised");

@@ -251,17 +251,7 @@ fn an_orgs_answers_over_its_evidence_budget_are_refused_and_summarised() {
             })
             .map(|v| v["count"].as_u64().unwrap())
             .sum::<u64>();
-        one_by_one = ev
-            .iter()
-            .filter(|v| {
-                v["org"] == "acme"
-                    && v["reason"] == "limit_exceeded"
-                    && v["count"].is_null()
-                    && v["detail"]
-                        .as_str()
-                        .is_some_and(|d| d.contains("evidence budget"))
-            })
-            .count() as u64;
+        one_by_one = crate::conn_budgets::budget_refusals_one_by_one(&ev, "acme");
         summarised + one_by_one == refused
     });
     assert!(summarised > 0, "nothing summarised");
