@@ -63,3 +63,5 @@ pub mod proxy;
 pub mod reload;
 pub mod resolve;
 pub mod served;
+#[cfg(test)]
+mod testing;

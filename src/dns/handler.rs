@@ -840,8 +840,8 @@ fn encode(request: &Request, reply: &Reply, protocol: Protocol) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::{Path, PathBuf};
-    use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+    use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use hickory_server::proto::op::{Message, Query};
     use hickory_server::proto::rr::rdata::{CNAME, SOA};
@@ -849,19 +849,6 @@ mod tests {
 
     use crate::config;
     use crate::policy::Policy;
-
-    static N: AtomicU32 = AtomicU32::new(0);
-
-    fn scratch() -> PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "palisade-dnscache-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
 
     fn name(s: &str) -> Name {
         Name::from_ascii(s).unwrap()
@@ -1076,7 +1063,10 @@ host = "allowed.test"
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn cached_answers_and_records_are_the_full_paths() {
         let (up, seen) = upstream().await;
-        let (dir_c, dir_u) = (scratch(), scratch());
+        let (dir_c, dir_u) = (
+            crate::testing::scratch("dnscache"),
+            crate::testing::scratch("dnscache"),
+        );
         let mut cached = shim(&dir_c, up, true);
         let plain = shim(&dir_u, up, false);
         let cases: &[(&str, RecordType, bool)] = &[
@@ -1155,7 +1145,7 @@ host = "allowed.test"
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn never_shared_across_orgs_or_policy_versions() {
         let (up, _) = upstream().await;
-        let dir = scratch();
+        let dir = crate::testing::scratch("dnscache");
         let shim = shim(&dir, up, true);
         let a = request(ACME, "allowed.test.", RecordType::A);
         let b = request(BETA, "allowed.test.", RecordType::A);

@@ -206,24 +206,10 @@ impl Refusals {
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
-    use std::sync::atomic::{AtomicU32, Ordering};
 
     use super::*;
     use crate::evidence::{Kind, Mode};
     use crate::policy::Verdict;
-
-    static N: AtomicU32 = AtomicU32::new(0);
-
-    fn scratch() -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!(
-            "palisade-refusals-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
 
     fn refusal(org: &str, reason: Reason, i: usize) -> Record {
         let verdict = Verdict {
@@ -241,7 +227,7 @@ mod tests {
 
     #[tokio::test]
     async fn refusals_beyond_the_orgs_evidence_budget_are_summarised() {
-        let dir = scratch();
+        let dir = crate::testing::scratch("refusals");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
         let metrics = Arc::new(Metrics::new(ev.counters().clone()));
         let refusals = Refusals::new(
@@ -283,7 +269,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_flood_with_the_writer_stalled_stays_bounded_and_is_summarised() {
-        let dir = scratch();
+        let dir = crate::testing::scratch("refusals");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
         let metrics = Arc::new(Metrics::new(ev.counters().clone()));
         let refusals = Refusals::new(ev.clone(), metrics, Arc::new(EvidenceBudget::new(1 << 30)));

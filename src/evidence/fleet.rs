@@ -702,18 +702,6 @@ mod tests {
     use crate::evidence::{Evidence, Kind, Mode, Record};
     use crate::policy::{Reason, Verdict};
 
-    fn scratch(tag: &str) -> PathBuf {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let d = std::env::temp_dir().join(format!(
-            "palisade-fleet-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     /// A chain in `dir` with one deny decision per host (client port 40000
     /// + i); sealed unless `crash`. Returns the public key (hex).
     async fn chain(dir: &Path, hosts: &[&str], crash: bool) -> String {
@@ -763,7 +751,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_tree_is_detected_and_every_subdirectory_is_a_replica() {
-        let tree = scratch("tree");
+        let tree = crate::testing::scratch("fleet-tree");
         chain(&tree.join("gw-a"), &["a.test"], false).await;
         chain(&tree.join("gw-b"), &["b.test"], false).await;
         std::fs::create_dir_all(tree.join("gw-c").join("policies")).unwrap();
@@ -823,7 +811,7 @@ mod tests {
         ] {
             assert_eq!(replica_of_header_line(bad), None);
         }
-        let dir = scratch("header").join("evidence");
+        let dir = crate::testing::scratch("fleet-header").join("evidence");
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join(segment::segment_name(0)),
@@ -838,7 +826,7 @@ mod tests {
 
     #[tokio::test]
     async fn keys_are_pinned_per_replica() {
-        let tree = scratch("pins");
+        let tree = crate::testing::scratch("fleet-pins");
         let ka = chain(&tree.join("gw-a"), &["a.test"], false).await;
         let kb = chain(&tree.join("gw-b"), &["b.test"], false).await;
         let f = resolve(std::slice::from_ref(&tree)).unwrap();
@@ -943,7 +931,7 @@ mod tests {
 
     #[tokio::test]
     async fn broken_and_unsealed_replicas_are_named() {
-        let tree = scratch("broken");
+        let tree = crate::testing::scratch("fleet-broken");
         chain(&tree.join("gw-a"), &["a.test", "b.test"], false).await;
         chain(&tree.join("gw-b"), &["c.test", "d.test"], false).await;
         chain(&tree.join("gw-c"), &["e.test"], true).await;
@@ -1075,7 +1063,7 @@ mod tests {
 
     #[tokio::test]
     async fn fleet_records_are_read_merged_and_tagged() {
-        let tree = scratch("merged");
+        let tree = crate::testing::scratch("fleet-merged");
         chain(&tree.join("gw-b"), &["b1.test"], false).await;
         chain(&tree.join("gw-a"), &["a1.test"], false).await;
         chain(&tree.join("gw-b2"), &["b2.test", "b3.test"], false).await;

@@ -4,7 +4,6 @@
 use std::fs;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,19 +14,6 @@ use super::verify::{verify_with, Options};
 use super::*;
 use crate::config::EvidenceConfig;
 use crate::policy::{Reason, Verdict};
-
-static N: AtomicU32 = AtomicU32::new(0);
-
-fn scratch() -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "palisade-evtest-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = fs::remove_dir_all(&d);
-    fs::create_dir_all(&d).unwrap();
-    d
-}
 
 fn config(root: &Path) -> EvidenceConfig {
     let mut c = EvidenceConfig::for_dir(&root.join("evidence"));
@@ -120,7 +106,7 @@ fn expect_err(dir: &Path, opts: &Options, file: &Path, line: u64, what: &str) {
 
 #[tokio::test]
 async fn written_chain_verifies_with_summary() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     sealed_chain(&cfg, 30).await;
     let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
@@ -151,7 +137,7 @@ async fn written_chain_verifies_with_summary() {
 
 #[tokio::test]
 async fn every_single_byte_edit_is_found_at_its_line() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     sealed_chain(&cfg, 6).await;
     let seg = segments(&cfg.dir)[0].clone();
@@ -183,7 +169,7 @@ async fn every_single_byte_edit_is_found_at_its_line() {
 
 #[tokio::test]
 async fn deletion_insertion_swap_and_forged_signature_are_found() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     sealed_chain(&cfg, 12).await;
     let seg = segments(&cfg.dir)[0].clone();
@@ -245,7 +231,7 @@ async fn deletion_insertion_swap_and_forged_signature_are_found() {
 
 #[tokio::test]
 async fn rotation_retention_and_dropped_segments() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.rotate_size = 3000;
     sealed_chain(&cfg, 40).await;
@@ -275,7 +261,7 @@ async fn rotation_retention_and_dropped_segments() {
     let _ = fs::remove_dir_all(&root);
 
     // With a retention cap, removal is recorded and the rest verifies.
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.rotate_size = 3000;
     cfg.retain_size = Some(9000);
@@ -297,7 +283,7 @@ async fn rotation_retention_and_dropped_segments() {
 
 #[tokio::test]
 async fn crash_torn_tail_and_restart() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     let ev = Evidence::start(&cfg).unwrap();
     fill(&ev, 7).await;
@@ -363,7 +349,7 @@ async fn crash_torn_tail_and_restart() {
 
 #[tokio::test]
 async fn time_checkpoints_bound_unsigned_records() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.checkpoint_every = 1000;
     cfg.checkpoint_interval = Duration::from_millis(100);
@@ -388,7 +374,7 @@ async fn time_checkpoints_bound_unsigned_records() {
 /// was written: it is derived, never set.
 #[tokio::test]
 async fn decision_is_derived_from_reason_when_written() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let ev = Evidence::start(&config(&root)).unwrap();
     let mut allow_then_denied = record(0, true);
     allow_then_denied.reason = Reason::SniMismatch;
@@ -410,7 +396,7 @@ async fn decision_is_derived_from_reason_when_written() {
 /// same after a restart under the same key, and what `query --ref` finds.
 #[tokio::test]
 async fn references_are_stored_stable_and_found() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     let first = {
         let ev = Evidence::start(&cfg).unwrap();
@@ -531,7 +517,7 @@ async fn concurrent_writers_share_writes_and_every_ack_is_on_disk() {
         crate::config::Durability::Os,
         crate::config::Durability::Fsync,
     ] {
-        let root = scratch();
+        let root = crate::testing::scratch("evtest");
         let mut cfg = config(&root);
         cfg.durability = durability;
         cfg.checkpoint_every = 50;
@@ -587,7 +573,7 @@ async fn concurrent_writers_share_writes_and_every_ack_is_on_disk() {
 /// together: one write for all of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_waiting_on_a_busy_log_go_out_in_one_write() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.checkpoint_interval = Duration::from_secs(3600);
     let ev = Arc::new(Evidence::start(&cfg).unwrap());
@@ -619,7 +605,7 @@ async fn writers_waiting_on_a_busy_log_go_out_in_one_write() {
 /// and the chain verifies.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_write_fails_its_whole_batch_and_recovers() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     let ev = Arc::new(Evidence::start(&cfg).unwrap());
     fill(&ev, 4).await;
@@ -676,7 +662,7 @@ async fn a_failed_write_fails_its_whole_batch_and_recovers() {
 /// free: it is in the file when `submit` returns.
 #[tokio::test]
 async fn a_submitted_record_is_written_at_once_on_a_free_log() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     let ev = Evidence::start(&cfg).unwrap();
     for i in 0..3 {
@@ -693,7 +679,7 @@ async fn a_submitted_record_is_written_at_once_on_a_free_log() {
 /// Record ids name the replica, and every segment header carries it.
 #[tokio::test]
 async fn the_replica_is_in_ids_and_headers() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.replica = "eu-1.b".into();
     cfg.rotate_size = 2000;
@@ -723,7 +709,7 @@ async fn the_replica_is_in_ids_and_headers() {
 /// the duties thread makes shortly if no `write` comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fsync_syncs_what_is_waited_on_and_soon_the_rest() {
-    let root = scratch();
+    let root = crate::testing::scratch("evtest");
     let mut cfg = config(&root);
     cfg.durability = crate::config::Durability::Fsync;
     cfg.checkpoint_every = 1000;

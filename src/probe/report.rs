@@ -946,13 +946,6 @@ mod tests {
     use crate::evidence::Evidence;
     use crate::policy::Verdict;
 
-    fn scratch(tag: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("palisade-report-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
-    }
-
     /// A sealed chain with an allow for allowed.test (from port 40001) and
     /// a deny for other.test (from 40002); their ids.
     async fn chain(dir: &Path) -> (String, String) {
@@ -1064,7 +1057,7 @@ mod tests {
     /// markdown and the HTML the netns tests read.
     #[tokio::test]
     async fn verified_evidence_is_classified_and_rendered() {
-        let dir = scratch("ok");
+        let dir = crate::testing::scratch("report-ok");
         let evidence = dir.join("evidence");
         let (allow_id, deny_id) = chain(&evidence).await;
         let obs = observations(&dir, &deny_id);
@@ -1144,7 +1137,7 @@ mod tests {
     /// Evidence that fails verification: reported, nothing classified.
     #[tokio::test]
     async fn tampered_evidence_classifies_nothing() {
-        let dir = scratch("tampered");
+        let dir = crate::testing::scratch("report-tampered");
         let evidence = dir.join("evidence");
         let (_, deny_id) = chain(&evidence).await;
         let segment = &crate::evidence::segment::list(&evidence).unwrap()[0];
@@ -1195,7 +1188,7 @@ mod tests {
     /// the report, named, with the other named intact.
     #[tokio::test]
     async fn fleet_probes_name_their_replica() {
-        let dir = scratch("fleet");
+        let dir = crate::testing::scratch("report-fleet");
         let tree = dir.join("tree");
         let (_, ka) = chain_of(
             &tree.join("gw-a"),
@@ -1330,7 +1323,7 @@ mod tests {
     /// their run, the window spans both, each attributed to its replica.
     #[tokio::test]
     async fn runs_from_two_sandboxes_make_one_report() {
-        let dir = scratch("runs");
+        let dir = crate::testing::scratch("report-runs");
         let tree = dir.join("tree");
         let (a_ids, _) = chain_of(
             &tree.join("gw-a"),
