@@ -123,17 +123,7 @@ fn spawn(lab: &Lab, r: &Replica) -> Child {
         .stdin(Stdio::null())
         .stdout(log("stdout"))
         .stderr(log("stderr"));
-    for var in [
-        "http_proxy",
-        "HTTP_PROXY",
-        "https_proxy",
-        "HTTPS_PROXY",
-        "all_proxy",
-        "ALL_PROXY",
-    ] {
-        cmd.env_remove(var);
-    }
-    cmd.spawn().expect("spawn palisade")
+    lab::sanitize(&mut cmd).spawn().expect("spawn palisade")
 }
 
 fn output_of(lab: &Lab, name: &str) -> String {
@@ -158,22 +148,7 @@ fn wait_ready(lab: &Lab, r: &Replica, child: &mut Child) {
                 output_of(lab, r.name)
             );
         }
-        let out = lab.exec(
-            &lab.ns_proxy,
-            "curl",
-            &[
-                "-q",
-                "-s",
-                "-o",
-                "/dev/null",
-                "-w",
-                "%{http_code}",
-                "--max-time",
-                "2",
-                &url,
-            ],
-        );
-        if out.stdout.trim() == "200" {
+        if lab.proxy_ns_status(&url) == 200 {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));

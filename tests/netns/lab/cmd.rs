@@ -62,7 +62,9 @@ impl CmdOutput {
     }
 }
 
-pub(super) fn sanitize(cmd: &mut Command) -> &mut Command {
+/// Strip proxy variables from `cmd`'s environment: test clients connect
+/// only where they are told to.
+pub fn sanitize(cmd: &mut Command) -> &mut Command {
     for var in [
         "http_proxy",
         "HTTP_PROXY",

@@ -45,6 +45,12 @@ impl Lab {
     /// HTTP status of GET http://ADMIN/path from inside the proxy namespace
     /// (0 when the connection failed).
     pub fn admin_status(&self, path: &str) -> u16 {
+        self.proxy_ns_status(&format!("http://{ADMIN_ADDR}{path}"))
+    }
+
+    /// HTTP status of GET `url` from inside the proxy namespace (0 when the
+    /// connection failed).
+    pub fn proxy_ns_status(&self, url: &str) -> u16 {
         let out = self.exec(
             &self.ns_proxy.clone(),
             "curl",
@@ -57,7 +63,7 @@ impl Lab {
                 "%{http_code}",
                 "--max-time",
                 "2",
-                &format!("http://{ADMIN_ADDR}{path}"),
+                url,
             ],
         );
         out.stdout.trim().parse().unwrap_or(0)
