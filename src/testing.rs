@@ -16,3 +16,11 @@ pub fn scratch(tag: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Two connected loopback TCP sockets.
+pub async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+    (a.unwrap(), b.unwrap().0)
+}

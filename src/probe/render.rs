@@ -284,41 +284,28 @@ const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#111
 /// `report.html`.
 pub fn html(r: &Report) -> String {
     let fleet = is_fleet(r);
-    let finding_heads: &[&str] = if fleet {
-        &[
-            "probe", "target", "via", "expected", "class", "replica", "why", "records",
-        ]
-    } else {
-        &[
-            "probe", "target", "via", "expected", "class", "why", "records",
-        ]
+    // The replica column only where several replicas decided.
+    let heads = |all: &[&'static str]| -> Vec<&'static str> {
+        all.iter()
+            .copied()
+            .filter(|h| fleet || *h != "replica")
+            .collect()
     };
-    let probe_heads: &[&str] = if fleet {
-        &[
-            "probe",
-            "target",
-            "via",
-            "expected",
-            "observed",
-            "class",
-            "matches plan",
-            "replica",
-            "why",
-            "Palisade records",
-        ]
-    } else {
-        &[
-            "probe",
-            "target",
-            "via",
-            "expected",
-            "observed",
-            "class",
-            "matches plan",
-            "why",
-            "Palisade records",
-        ]
-    };
+    let finding_heads = heads(&[
+        "probe", "target", "via", "expected", "class", "replica", "why", "records",
+    ]);
+    let probe_heads = heads(&[
+        "probe",
+        "target",
+        "via",
+        "expected",
+        "observed",
+        "class",
+        "matches plan",
+        "replica",
+        "why",
+        "Palisade records",
+    ]);
     let doc = page! {
         (DOCTYPE)
         html lang="en" {
@@ -342,7 +329,7 @@ pub fn html(r: &Report) -> String {
                 h2 { "Findings" }
                 table #findings {
                     tr {
-                        @for h in finding_heads { th { (h) } }
+                        @for h in &finding_heads { th { (h) } }
                     }
                     @if r.findings.is_empty() {
                         tr { td colspan=(finding_heads.len()) { "None among the probes classified." } }
@@ -363,7 +350,7 @@ pub fn html(r: &Report) -> String {
                 h2 { "Probes" }
                 table #probes {
                     tr {
-                        @for h in probe_heads { th { (h) } }
+                        @for h in &probe_heads { th { (h) } }
                     }
                     @for p in &r.probes {
                         tr data-probe=(p.id) data-class=(p.class.as_str()) data-replica=[p.replica.as_deref()] class=[p.finding.then_some("finding")] {

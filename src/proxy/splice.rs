@@ -358,14 +358,6 @@ mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpListener;
-
-    async fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (a, b) = tokio::join!(TcpStream::connect(addr), l.accept());
-        (a.unwrap(), b.unwrap().0)
-    }
 
     /// Bound of [`tunnel_task_state_is_small`] (a debug build; 10.7 KB
     /// before the intercept path, the opaque path and the record writes
@@ -411,8 +403,8 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn splices_intact_counts_and_stops_at_a_limit() {
-        let (mut src, from) = pair().await;
-        let (to, mut dst) = pair().await;
+        let (mut src, from) = crate::testing::tcp_pair().await;
+        let (to, mut dst) = crate::testing::tcp_pair().await;
         let body: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         let sent = body.clone();
         let writer = tokio::spawn(async move {

@@ -339,20 +339,13 @@ mod tests {
         assert_eq!(totals.down, body.len() as u64);
     }
 
-    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
-        (a.unwrap(), b.unwrap().0)
-    }
-
     /// Between TCP sockets (spliced where the kernel allows): intact both
     /// ways, counted, and a client that shuts its write side still
     /// receives everything.
     #[tokio::test]
     async fn pump_over_tcp_half_closes_and_counts() {
-        let (client, mut client_peer) = tcp_pair().await;
-        let (upstream, mut upstream_peer) = tcp_pair().await;
+        let (client, mut client_peer) = crate::testing::tcp_pair().await;
+        let (upstream, mut upstream_peer) = crate::testing::tcp_pair().await;
         let stop = CancellationToken::new();
         let task = tokio::spawn(async move {
             pump(client, upstream, b"hi", Duration::from_secs(5), &stop).await

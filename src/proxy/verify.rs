@@ -699,19 +699,12 @@ mod tests {
         assert!(rest.is_empty(), "forwarded after the violation: {rest:?}");
     }
 
-    async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
-        (a.unwrap(), b.unwrap().0)
-    }
-
     /// Over TCP, bodies of known length move unjudged (spliced) both ways,
     /// counted exactly; the head after them is judged as ever.
     #[tokio::test]
     async fn after_bodies_of_known_length_the_next_head_is_judged() {
-        let (client, mut client_peer) = tcp_pair().await;
-        let (upstream, mut upstream_peer) = tcp_pair().await;
+        let (client, mut client_peer) = crate::testing::tcp_pair().await;
+        let (upstream, mut upstream_peer) = crate::testing::tcp_pair().await;
         let memory = DetectMemory::with_units(4, 4, 4);
         let slots = memory.scope(None, CLIENT);
         let stop = CancellationToken::new();
