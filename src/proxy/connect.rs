@@ -102,15 +102,8 @@ pub async fn open(
     }
     // The allow's record is paid for from the org's evidence budget now;
     // spent, the tunnel is refused (the refusal summarised).
-    if !ctx
-        .denials
-        .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
-    {
-        let verdict = Verdict {
-            reason: Reason::LimitExceeded,
-            rule: None,
-            ..outcome.verdict
-        };
+    if !ctx.pay_allow(view) {
+        let verdict = super::budget_spent(outcome.verdict);
         let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
         return Err(
             record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, detail).await,

@@ -523,15 +523,8 @@ async fn forward(
         .await;
     }
     // The request's record is paid for from the org's evidence budget.
-    if !ctx
-        .denials
-        .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
-    {
-        let verdict = Verdict {
-            reason: Reason::LimitExceeded,
-            rule: None,
-            ..verdict
-        };
+    if !ctx.pay_allow(view) {
+        let verdict = super::budget_spent(verdict);
         let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
         let target = (Some(&host), Some(port));
         return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;

@@ -92,6 +92,16 @@ pub struct Ctx {
     pub tasks: TaskTracker,
 }
 
+/// An allow refused because its org's evidence budget is spent: the same
+/// decision as `limit_exceeded`, naming no rule.
+pub fn budget_spent(allowed: Verdict) -> Verdict {
+    Verdict {
+        reason: Reason::LimitExceeded,
+        rule: None,
+        ..allowed
+    }
+}
+
 /// One decision's view of what is served: the [`Served`] state as it was
 /// when the request arrived (its `policy`, `intercept` and credentials are
 /// reached through this view), and the client's org in it. Everything
@@ -168,6 +178,14 @@ pub struct Outcome {
 }
 
 impl Ctx {
+    /// Pay for an allow's record from the evidence budget of `view`'s org,
+    /// at its decision, before anything is dialled or forwarded; `false`:
+    /// spent, the allow is to be refused ([`budget_spent`]).
+    pub fn pay_allow(&self, view: &View) -> bool {
+        self.denials
+            .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    }
+
     /// What is served now, and the client's org in it.
     pub fn view(&self, client: IpAddr) -> View {
         let served = self.served.load_full();

@@ -180,10 +180,7 @@ async fn handle(
         return reset(client);
     }
     // The allow's record is paid for from the org's evidence budget.
-    if !ctx
-        .denials
-        .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
-    {
+    if !ctx.pay_allow(view) {
         let detail = super::limits::EVIDENCE_BUDGET_EXHAUSTED.to_string();
         conn.refuse(Reason::LimitExceeded, Some(detail));
         let _ = connect::write(&ctx, &conn).await;
