@@ -13,12 +13,14 @@
 use std::path::Path;
 
 mod error;
+mod keys;
 mod model;
 mod raw;
 mod timeout;
 mod validate;
 
 pub use error::{ConfigError, ConfigErrors};
+pub use keys::accepted_keys;
 pub use model::*;
 pub use timeout::*;
 
