@@ -269,18 +269,18 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_states_every_bound() {
-        let readme = include_str!("../../../README.md");
+    fn the_configuration_reference_states_every_bound() {
+        let reference = include_str!("../../../docs/configuration.md");
         for (table, key, max) in TIMEOUTS {
             let (start, end) = (
                 format!("| `[{table}] {key}` |"),
                 format!("| {} |", short(max)),
             );
             assert!(
-                readme
+                reference
                     .lines()
                     .any(|l| l.starts_with(&start) && l.ends_with(&end)),
-                "README.md has no row {start} ... {end}"
+                "docs/configuration.md has no row {start} ... {end}"
             );
         }
     }
