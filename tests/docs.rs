@@ -10,6 +10,8 @@
 //!   `KEY = ...` (or `# KEY = ...`, commented out) inside a ```` ```toml ````
 //!   block, under the `[TABLE]` or `[[TABLE]]` header (or `# [TABLE]`) of
 //!   its table, so `org.allow.host` is `host = ...` under `[[org.allow]]`;
+//! - no page names a `../` path outside the repository, but for the one
+//!   command of the team's bench harness on the performance page;
 //! - `README.md` is the front door: at most 300 lines, with the two
 //!   commands, and a link to every page in `docs/`.
 
@@ -237,6 +239,57 @@ fn the_link_check_catches_what_it_should() {
     let a = anchors("# Cost\n## Cost\n```\n# not\n```\n## What it costs?\n");
     let want: BTreeSet<String> = ["cost", "cost-1", "what-it-costs"].map(String::from).into();
     assert_eq!(a, want);
+}
+
+/// The one command outside the repository the manual may name: the team's
+/// reference bench harness, kept beside the checkout (run from the root).
+const HARNESS: &str = "../shared/bench/run-palisade.sh";
+
+/// Every `../` path written anywhere in a page (links, code, prose) that
+/// climbs out of the repository, from the page's folder.
+fn paths_leaving(page: &Path, text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    let mut offset = 0;
+    while let Some(i) = rest.find("../") {
+        let start = offset + i;
+        // Back to the start of the path (a link target may begin `./`).
+        let head = text[..start]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || "._/-".contains(c)))
+            .map_or(0, |j| j + 1);
+        let len = text[head..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || "._/-".contains(c)))
+            .unwrap_or(text.len() - head);
+        let path = &text[head..head + len];
+        // `/a/../b` (a request path, say) is no relative file path.
+        let relative = path.starts_with("../") || path.starts_with("./");
+        let allowed = path == HARNESS && page == Path::new("docs/performance.md");
+        if relative && !allowed && resolve(page, path).is_err() {
+            out.push(format!("{}: {path}", page.display()));
+        }
+        offset = head + len.max(start + 3 - head);
+        rest = &text[offset..];
+    }
+    out
+}
+
+#[test]
+fn no_page_names_a_file_outside_the_repository() {
+    let mut problems = Vec::new();
+    for page in pages() {
+        problems.extend(paths_leaving(&page, &read(&root().join(&page))));
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    let page = Path::new("docs/x.md");
+    assert!(paths_leaving(page, "see [a](../src/lib.rs) and `../../x/y.sh`").len() == 1);
+    assert!(
+        paths_leaving(
+            Path::new("README.md"),
+            "run ../shared/bench/run-palisade.sh"
+        )
+        .len()
+            == 1
+    );
 }
 
 /// The keys `docs/configuration.md` documents, by the convention of the
