@@ -422,13 +422,13 @@ fn the_readme_is_a_front_door_to_every_page() {
 }
 
 #[test]
-fn every_page_says_whom_it_is_for() {
+fn every_page_says_whom_it_is_for_and_what_it_holds() {
     for page in pages().into_iter().skip(1) {
         let text = read(&root().join(&page));
         let head: String = text.lines().take(12).collect::<Vec<_>>().join("\n");
         assert!(
-            head.starts_with("# ") && head.contains("For "),
-            "{} should start with its title and whom it is for",
+            head.starts_with("# ") && head.contains("For ") && head.contains("\nContents:\n"),
+            "{} should start with its title, whom it is for and its contents",
             page.display()
         );
     }
