@@ -4,25 +4,33 @@
 //! policy's hash, load time and summary, JSON).
 //!
 //! It runs on its own thread and runtime, so a flood on the proxy listeners
-//! cannot starve it.
+//! cannot starve it. Connections go through the shared accept loop and
+//! HTTP/1 server ([`crate::serve`]): a fixed cap, a tracked task and span
+//! per connection, drained on shutdown like the proxy. Responses are
+//! [`Body`]s, so an endpoint may stream ([`crate::serve::http::channel`]).
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, warn};
 
 use crate::evidence::Evidence;
 use crate::metrics::Metrics;
+use crate::serve::http::{full, Body, Drain, Http1, WriteStall};
+use crate::serve::{self, Admission, Listener};
 use crate::served::ServedHandle;
 
 pub use crate::served::{OrgSummary, PolicyInfo};
@@ -42,7 +50,7 @@ impl Health {
     }
 }
 
-fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+fn respond(health: &Health, req: &Request<Incoming>) -> Response<Body> {
     let get = matches!(req.method(), &Method::GET | &Method::HEAD);
     match req.uri().path() {
         "/metrics" if get => {
@@ -50,7 +58,7 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             let text = health
                 .metrics
                 .render(health.is_ready(), &served.info.hash, served.loaded);
-            let mut resp = Response::new(Full::new(Bytes::from(text)));
+            let mut resp = Response::new(full(text));
             resp.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
@@ -59,7 +67,7 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         }
         "/policy" if get => {
             let body = serde_json::to_vec_pretty(&health.served.load().info).unwrap_or_default();
-            let mut resp = Response::new(Full::new(Bytes::from(body)));
+            let mut resp = Response::new(full(body));
             resp.headers_mut().insert(
                 http::header::CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),
@@ -79,16 +87,18 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         (&Method::GET | &Method::HEAD, _) => (StatusCode::NOT_FOUND, "not found\n"),
         _ => (StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n"),
     };
-    let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+    let mut resp = Response::new(full(Bytes::from_static(body.as_bytes())));
     *resp.status_mut() = status;
     resp
 }
 
-/// Serve the admin endpoints on a dedicated thread until shutdown.
+/// Serve the admin endpoints on a dedicated thread until shutdown, then
+/// drain them within `drain_timeout` (see [`serve`]).
 pub fn spawn(
     listener: std::net::TcpListener,
     health: Arc<Health>,
     shutdown: CancellationToken,
+    drain_timeout: Duration,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     listener.set_nonblocking(true)?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -99,7 +109,7 @@ pub fn spawn(
         .spawn(move || {
             runtime.block_on(async move {
                 match TcpListener::from_std(listener) {
-                    Ok(listener) => serve(listener, health, shutdown).await,
+                    Ok(listener) => serve(listener, health, shutdown, drain_timeout).await,
                     Err(e) => warn!(error = %e, "admin listener unusable"),
                 }
             })
@@ -109,38 +119,92 @@ pub fn spawn(
 /// Admin connections allowed at once; more are closed at accept.
 const MAX_ADMIN_CONNECTIONS: usize = 64;
 
-/// Serve the admin endpoints until shutdown. Admin connections are few and
-/// short: each gets a small head limit and a read timeout.
-pub async fn serve(listener: TcpListener, health: Arc<Health>, shutdown: CancellationToken) {
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
-        let Ok(permit) = open.clone().try_acquire_owned() else {
-            continue; // over the cap: drop the connection
-        };
-        let health = health.clone();
-        tokio::spawn(async move {
+/// The bounds of an admin connection: a small head, read within 5 s (which
+/// also closes idle keep-alive connections). A response may last as long
+/// as it streams; a client that stops reading it is cut after
+/// [`ADMIN_WRITE_STALL`].
+const ADMIN_HTTP: Http1 = Http1 {
+    header_read_timeout: Duration::from_secs(5),
+    max_buf_size: 16 * 1024,
+    max_headers: None,
+    keep_alive: true,
+    upgrades: false,
+};
+
+/// Time a write to an admin client may make no progress.
+const ADMIN_WRITE_STALL: Duration = Duration::from_secs(30);
+
+/// Time admin connections get to close after the drain ends.
+const HARD_STOP_GRACE: Duration = Duration::from_secs(1);
+
+/// Serve the admin endpoints until shutdown: then stop accepting (the
+/// listener closes), let requests in flight finish within `drain_timeout`
+/// while idle connections close at once, and cut what is left.
+pub async fn serve(
+    listener: TcpListener,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    drain_timeout: Duration,
+) {
+    let on = Listener {
+        what: "admin",
+        shutdown: shutdown.clone(),
+        tasks: TaskTracker::new(),
+    };
+    let hard_stop = CancellationToken::new();
+    let admission = Admit {
+        open: Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS)),
+        health,
+        shutdown,
+        hard_stop: hard_stop.clone(),
+    };
+    serve::accept(listener, &on, admission).await;
+    let tasks = on.tasks;
+    tasks.close();
+    if tokio::time::timeout(drain_timeout, tasks.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            open = tasks.len(),
+            "admin: drain grace period over; closing remaining connections"
+        );
+        hard_stop.cancel();
+        let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+    }
+}
+
+/// The admin listener's cap: a fixed number of connections at once, the
+/// excess closed at accept.
+struct Admit {
+    open: Arc<Semaphore>,
+    health: Arc<Health>,
+    shutdown: CancellationToken,
+    hard_stop: CancellationToken,
+}
+
+impl Admission for Admit {
+    type Conn = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+    async fn admit(&self, stream: TcpStream, _peer: SocketAddr) -> Option<Self::Conn> {
+        // Over the cap: the connection is dropped (closed).
+        let permit = self.open.clone().try_acquire_owned().ok()?;
+        let health = self.health.clone();
+        let (shutdown, hard_stop) = (self.shutdown.clone(), self.hard_stop.clone());
+        Some(Box::pin(async move {
             let _permit = permit;
             let service = service_fn(move |req| {
                 let resp = respond(&health, &req);
                 async move { Ok::<_, Infallible>(resp) }
             });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(5))
-                .max_buf_size(16 * 1024)
-                .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(Duration::from_secs(30), conn).await;
-        });
+            let drain = Drain {
+                shutdown: &shutdown,
+                hard_stop: &hard_stop,
+            };
+            let io = WriteStall::new(stream, ADMIN_WRITE_STALL);
+            if let Err(e) = serve::http::serve_http1(io, service, ADMIN_HTTP, drain).await {
+                debug!(error = %e, "admin connection ended with error");
+            }
+        }))
     }
 }

@@ -210,12 +210,17 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(
-            admin::spawn(listener, health.clone(), shutdown.clone()).map_err(|source| {
-                StartError::Bind {
-                    addr: admin_config.listen.unwrap_or(([0, 0, 0, 0], 0).into()),
-                    what: "admin",
-                    source,
-                }
+            // Drained like the proxy: in-flight requests get the same grace.
+            admin::spawn(
+                listener,
+                health.clone(),
+                shutdown.clone(),
+                limits.drain_timeout.get(),
+            )
+            .map_err(|source| StartError::Bind {
+                addr: admin_config.listen.unwrap_or(([0, 0, 0, 0], 0).into()),
+                what: "admin",
+                source,
             })?,
         ),
         None => None,

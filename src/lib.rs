@@ -62,6 +62,7 @@ pub mod proto;
 pub mod proxy;
 pub mod reload;
 pub mod resolve;
+pub mod serve;
 pub mod served;
 #[cfg(test)]
 mod testing;

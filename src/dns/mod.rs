@@ -178,42 +178,51 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
     tasks.wait().await;
 }
 
-/// hickory's own TCP loop has no connection cap: accept here, one place in
-/// the TCP budgets (global, per client address, per org) per connection;
-/// over any of them a new connection is closed at once, and recorded.
+/// hickory's own TCP loop has no connection cap: accept here, through the
+/// shared accept loop ([`crate::serve::accept`]), one place in the TCP
+/// budgets (global, per client address, per org) per connection; over any
+/// of them a new connection is closed at once, and recorded.
 async fn serve_tcp(listener: TcpListener, shim: ShimHandle, shutdown: CancellationToken) {
-    let tasks = TaskTracker::new();
-    loop {
-        let (stream, src) = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    debug!(error = %e, "dns: tcp accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    continue;
-                }
-            },
-        };
-        let org = shim.served.load().policy.org_for(src.ip());
-        let permit = match shim.tcp.try_take(src.ip(), org.as_ref().map(|o| &o.name)) {
+    let on = crate::serve::Listener {
+        what: "dns",
+        shutdown: shutdown.clone(),
+        tasks: TaskTracker::new(),
+    };
+    crate::serve::accept(listener, &on, TcpAdmission { shim, shutdown }).await;
+    on.tasks.close();
+    on.tasks.wait().await;
+}
+
+/// The DNS-over-TCP cap at accept, for [`serve_tcp`].
+struct TcpAdmission {
+    shim: ShimHandle,
+    shutdown: CancellationToken,
+}
+
+impl crate::serve::Admission for TcpAdmission {
+    type Conn = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+    async fn admit(&self, stream: TcpStream, src: SocketAddr) -> Option<Self::Conn> {
+        let org = self.shim.served.load().policy.org_for(src.ip());
+        let permit = match self
+            .shim
+            .tcp
+            .try_take(src.ip(), org.as_ref().map(|o| &o.name))
+        {
             Ok(held) => held,
             Err(limit) => {
                 debug!(client = %src, limit, "dns: tcp connection over a cap; closing");
                 drop(stream);
-                shim.refuse_connection(src, limit).await;
-                continue;
+                self.shim.refuse_connection(src, limit).await;
+                return None;
             }
         };
-        let shim = shim.clone();
-        let shutdown = shutdown.clone();
-        tasks.spawn(async move {
+        let (shim, shutdown) = (self.shim.clone(), self.shutdown.clone());
+        Some(Box::pin(async move {
             let _permit = permit;
             tcp_connection(stream, src, shim, shutdown).await;
-        });
+        }))
     }
-    tasks.close();
-    tasks.wait().await;
 }
 
 async fn tcp_connection(

@@ -8,6 +8,7 @@
 
 mod abuse;
 mod addresses;
+mod admin;
 mod bounds;
 mod cli;
 mod conn_budgets;

@@ -3,7 +3,8 @@
 //!
 //! - [`serve`]: one client connection, HTTP/1.1 or HTTP/2, under the
 //!   configured bounds, drained on shutdown (graceful close, then cut at
-//!   the end of the grace period).
+//!   the end of the grace period); HTTP/1.1 through the server shared with
+//!   the admin listener ([`crate::serve::http`]).
 //! - [`client`]: the upstream side, HTTP/1.1 or HTTP/2.
 //! - [`strip_hop_by_hop`]: headers that never cross the proxy.
 //! - [`body::Metered`]: a body that counts its bytes and reports once at
@@ -18,8 +19,6 @@ pub mod replay;
 pub mod wire;
 
 use std::convert::Infallible;
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,7 +29,8 @@ use hyper::body::Incoming;
 use hyper::service::HttpService;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio_util::sync::CancellationToken;
+
+use crate::serve::http::drained;
 
 /// The body of every response the proxy serves and request it forwards.
 pub type Body = BoxBody<Bytes, hyper::Error>;
@@ -104,13 +104,8 @@ pub enum Protocol {
 /// HTTP/2 streams one client connection may have open at once.
 pub const MAX_CONCURRENT_STREAMS: u32 = 100;
 
-/// The shutdown signals a served connection follows: `shutdown` closes it
-/// gracefully (in-flight requests finish, no new ones), `hard_stop` cuts it.
-#[derive(Debug, Clone, Copy)]
-pub struct Drain<'a> {
-    pub shutdown: &'a CancellationToken,
-    pub hard_stop: &'a CancellationToken,
-}
+/// The shutdown signals a served connection follows (the shared server's).
+pub use crate::serve::http::Drain;
 
 /// Serve one client connection with `service` until it closes, or the
 /// drain ends it.
@@ -125,21 +120,21 @@ where
     S: HttpService<Incoming, ResBody = Body, Error = Infallible> + Send + 'static,
     S::Future: Send + 'static,
 {
-    let io = TokioIo::new(io);
     match protocol {
         Protocol::Http1 {
             header_read_timeout,
             max_buf_size,
             max_headers,
         } => {
-            let mut b = hyper::server::conn::http1::Builder::new();
-            b.timer(TokioTimer::new())
-                .header_read_timeout(header_read_timeout)
-                .max_buf_size(max_buf_size)
-                .max_headers(max_headers)
-                .keep_alive(true);
-            let conn = b.serve_connection(io, service).with_upgrades();
-            drained(conn, |c| c.graceful_shutdown(), drain).await
+            // The one HTTP/1 server, shared with the admin listener.
+            let settings = crate::serve::http::Http1 {
+                header_read_timeout,
+                max_buf_size,
+                max_headers: Some(max_headers),
+                keep_alive: true,
+                upgrades: true,
+            };
+            crate::serve::http::serve_http1(io, service, settings, drain).await
         }
         Protocol::Http2 {
             max_header_list_size,
@@ -148,31 +143,8 @@ where
             b.timer(TokioTimer::new())
                 .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
                 .max_header_list_size(max_header_list_size);
-            let conn = b.serve_connection(io, service);
+            let conn = b.serve_connection(TokioIo::new(io), service);
             drained(conn, |c| c.graceful_shutdown(), drain).await
-        }
-    }
-}
-
-/// Run `conn` to its end; on shutdown ask it to finish gracefully, and
-/// stop waiting at the hard stop.
-async fn drained<C>(
-    conn: C,
-    graceful: impl FnOnce(Pin<&mut C>),
-    drain: Drain<'_>,
-) -> hyper::Result<()>
-where
-    C: Future<Output = hyper::Result<()>>,
-{
-    tokio::pin!(conn);
-    tokio::select! {
-        r = conn.as_mut() => r,
-        _ = drain.shutdown.cancelled() => {
-            graceful(conn.as_mut());
-            tokio::select! {
-                r = conn.as_mut() => r,
-                _ = drain.hard_stop.cancelled() => Ok(()),
-            }
         }
     }
 }
@@ -182,6 +154,7 @@ mod tests {
     use http::Request;
     use hyper::service::service_fn;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_util::sync::CancellationToken;
 
     use super::*;
 
