@@ -643,6 +643,26 @@ fn proxy_imports_run_down_its_layers() {
     );
 }
 
+/// `proxy/mod.rs` only declares and re-exports: a file of `proxy/` that
+/// named something through it would hide an edge of the graph above.
+#[test]
+fn proxy_files_name_each_other_not_the_re_exports() {
+    let krate = read_crate();
+    let proxy = vec!["proxy".to_string()];
+    let through: Vec<String> = krate
+        .refs
+        .iter()
+        .filter(|(file, named)| {
+            file.len() > 1 && file.starts_with(&proxy) && named.contains(&proxy)
+        })
+        .map(|(file, _)| file.join("::"))
+        .collect();
+    assert!(
+        through.is_empty(),
+        "these name an item of src/proxy/mod.rs (a re-export) instead of the file that defines it: {through:?}"
+    );
+}
+
 #[test]
 fn the_scan_reads_what_rustc_sees() {
     let text = r##"
