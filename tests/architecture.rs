@@ -668,7 +668,11 @@ fn the_scan_reads_what_rustc_sees() {
     let text = r##"
 //! crate::doc::comment
 use crate::policy::X;
-use super::{conn, verify::{self, First}, http as layer};
+use super::{
+    conn,
+    verify::{self, First}, // crate::not_this
+    http as layer,
+};
 use super::super::up;
 pub(crate) use self::kid::Item;
 /* crate::block /* nested */ crate::still */

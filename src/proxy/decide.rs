@@ -16,7 +16,9 @@ use crate::resolve::Resolver;
 pub struct Decided {
     pub verdict: Verdict,
     pub dial: Vec<IpAddr>,
-    /// Why resolution failed, for evidence and the response.
+    /// Why it was denied without a rule (resolution failed; transparent
+    /// mode: a name that does not own the address), for evidence and the
+    /// response.
     pub detail: Option<String>,
 }
 

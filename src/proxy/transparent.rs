@@ -305,37 +305,29 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
     let Some(org) = &view.org else {
         return ctx.decide(view, &Host::Ip(orig.ip()), orig.port()).await;
     };
-    let by = |host| {
-        decide_with(
-            &view.policy,
-            &ctx.resolver,
-            org,
-            (host, orig.port()),
-            Addresses::Resolved,
-        )
-    };
-    match name {
-        None => by(&Host::Ip(orig.ip())).await,
-        Some(Host::Ip(ip)) if canonical(*ip) != orig.ip() => Decided::mismatch(
-            org,
-            format!("client named {ip} but connected to {}", orig.ip()),
-        ),
-        Some(host @ Host::Ip(_)) => by(host).await,
-        // The name's rules, then the original destination checked as the
-        // name's address (it must belong to the name).
-        Some(host @ Host::Name(_)) => {
-            let original = Addresses::Original {
-                ip: orig.ip(),
-                bindings: ctx.bindings.as_deref(),
-            };
-            decide_with(
-                &view.policy,
-                &ctx.resolver,
+    let by_address = Host::Ip(orig.ip());
+    let host = match name {
+        None => &by_address,
+        Some(Host::Ip(ip)) if canonical(*ip) != orig.ip() => {
+            return Decided::mismatch(
                 org,
-                (host, orig.port()),
-                original,
+                format!("client named {ip} but connected to {}", orig.ip()),
             )
-            .await
         }
-    }
+        Some(host) => host,
+    };
+    // A name's address is the original destination, which must belong to
+    // it (an IP target is decided by its own rules alone).
+    let original = Addresses::Original {
+        ip: orig.ip(),
+        bindings: ctx.bindings.as_deref(),
+    };
+    decide_with(
+        &view.policy,
+        &ctx.resolver,
+        org,
+        (host, orig.port()),
+        original,
+    )
+    .await
 }
