@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::conn::{Conn, Intercepting, Plan};
 use super::ctx::View;
 use super::tunnel::Detected;
-pub use crate::intercept::*;
+use crate::intercept::Interceptor;
 
 /// Pass-through or interception for the connection `conn` (allowed or
 /// not) whose first bytes were `detected`. Only an allow rule the org
