@@ -160,11 +160,11 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         ),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
         detect: proxy::limits::DetectMemory::new(&limits),
-        upstream_pool: proxy::pool::UpstreamPool::new(
+        upstream_pool: Arc::new(proxy::pool::UpstreamPool::new(
             &limits,
             metrics.upstream_idle_connections.clone(),
             metrics.upstream_reused_total.clone(),
-        ),
+        )),
         served: served.clone(),
         evidence: evidence.clone(),
         metrics: metrics.clone(),
@@ -183,7 +183,10 @@ pub async fn run(config: Config) -> Result<(), StartError> {
         metrics: metrics.clone(),
     });
     let mut listener_tasks = Vec::new();
-    let pool_reaper = tokio::spawn(proxy::pool::reap(ctx.clone()));
+    let pool_reaper = tokio::spawn(proxy::pool::reap(
+        ctx.upstream_pool.clone(),
+        ctx.shutdown.clone(),
+    ));
     for listener in proxy_listeners {
         listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
     }

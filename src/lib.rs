@@ -2,22 +2,26 @@
 //!
 //! The path of one explicit-proxy connection through the modules:
 //!
-//! 1. [`proxy`] accepts it (a connection permit from [`proxy::limits`]) and
-//!    the HTTP layer ([`proxy::http`]) reads the request head within
-//!    bounded size and time.
+//! 1. [`proxy::explicit`] accepts it through [`proxy::listen`] (a
+//!    connection permit from [`proxy::limits`]) and the HTTP layer
+//!    ([`proxy::http`]) reads the request head within bounded size and
+//!    time.
 //! 2. [`proto::target`] normalises the target (names, every IP spelling).
 //! 3. [`policy`] decides, purely, under one version of the served state
-//!    ([`served`], loaded once as the connection's [`proxy::View`]): client
-//!    → org, name rules, then the addresses [`resolve`] found, each checked
+//!    ([`served`], loaded once as the connection's [`proxy::ctx::View`]),
+//!    in the proxy's one decision step ([`proxy::decide`]): client → org,
+//!    name rules, then the addresses [`resolve`] found, each checked
 //!    before it may be dialled. The decided connection carries its state
 //!    ([`proxy::conn::Conn`]) from here to its close.
-//! 4. [`proxy`] dials exactly a checked address. A CONNECT tunnel then
-//!    answers `200` and judges the client's first unit (a ClientHello, a
-//!    request head) against the rule's `tunnel` ([`proxy::verify`], over
-//!    the pure [`proto::tls_stream`] and [`proto::http_stream`]).
-//! 5. [`evidence`] writes the decision record; only then does a byte reach
-//!    the upstream. A tunnel keeps being verified until it is opaque, and a
-//!    violation on the way is a denial record of its own.
+//! 4. [`proxy::dial`](mod@proxy::dial) dials exactly a checked address.
+//!    A CONNECT tunnel ([`proxy::connect`]) then answers `200` and judges
+//!    the client's first unit (a ClientHello, a request head) against the
+//!    rule's `tunnel` ([`proxy::verify`], over the pure
+//!    [`proto::tls_stream`] and [`proto::http_stream`]).
+//! 5. [`evidence`] writes the decision record ([`proxy::record`]); only
+//!    then does a byte reach the upstream. A tunnel keeps being verified
+//!    until it is opaque, and a violation on the way is a denial record of
+//!    its own.
 //! 6. Bytes are copied until close, which is recorded too. Whatever fails
 //!    is told to the client from one mapping ([`proxy::failure`]).
 //!
@@ -28,10 +32,12 @@
 //!
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
-//! client presented; all tunnels share [`proxy::connect`], where opt-in TLS
-//! interception ([`proxy::intercept`], with the per-org CAs and
-//! credentials of [`intercept`]) hooks in and serves HTTP through the same
-//! layer as explicit mode.
+//! client presented; all tunnels share [`proxy::connect`], where an
+//! intercepted connection (opt-in TLS interception, [`proxy::intercepted`],
+//! with the per-org CAs and credentials of [`intercept`]) is served HTTP
+//! through the same layer as explicit mode. The proxy's files are layered
+//! from the modes down to the shared context ([`proxy::ctx`]); its module
+//! doc has the map.
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per

@@ -14,7 +14,7 @@ use crate::dns::decide::{decide_query, OrgDns};
 use crate::policy::request::RequestFacts;
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_explain_target, ExplainTarget, Host};
-use crate::proxy::decide_with;
+use crate::proxy::decide::{decide_with, Addresses};
 use crate::resolve::Resolver;
 
 /// Arguments of `palisade explain`.
@@ -210,7 +210,9 @@ pub async fn explain_request(
             };
             let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
             let outcome = match resolver {
-                Ok(resolver) => decide_with(&policy, &resolver, &org, host, *port).await,
+                Ok(resolver) => {
+                    decide_with(&policy, &resolver, &org, (host, *port), Addresses::Resolved).await
+                }
                 Err(e) => {
                     let mut x = explanation(
                         client,
@@ -417,7 +419,7 @@ secret_env = "T3"
                             b.uri(path).header(http::header::HOST, name)
                         };
                         let parts = b.body(()).unwrap().into_parts().0;
-                        let live = crate::proxy::intercept::serve::decide_parts(
+                        let live = crate::proxy::intercepted::serve::decide_parts(
                             &policy,
                             &org,
                             rule,

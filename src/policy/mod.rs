@@ -6,6 +6,24 @@
 //! address the name resolves to against the address checks; the caller dials
 //! only addresses that passed.
 //!
+//! # Which decide is which
+//!
+//! Every `decide*` function in the crate, from the policy's pure steps up
+//! to the callers that do I/O around them:
+//!
+//! | function | decides | for whom |
+//! |---|---|---|
+//! | [`Policy::decide`] | client address → org, then [`Policy::decide_for_org`] | `palisade replay`, tests |
+//! | [`Policy::decide_for_org`] | one target for a known org: an IP at once, a name's rules (then [`Decision::Resolve`]) | every decision of a target |
+//! | `Policy::decide_name`, `decide_name_rules`, `decide_ip` (private) | the name step, its host rules, the address step of an IP target | [`Policy::decide_for_org`] |
+//! | [`Policy::decide_name_any_port`] (and private `decide_name_any_port_enforced`) | a name on any port, addresses not considered | the DNS shim |
+//! | [`Policy::decide_request`], over [`request::decide`] | one request inside an intercepted connection: method and path rules, credentials | interception, plain `http://` under an intercepting rule |
+//! | `dns::decide::decide_query` | one DNS query: org, name, query type | the DNS shim |
+//! | [`crate::proxy::decide::decide_with`] | a target with I/O: the name step, resolution (or transparent mode's original destination), the address step | every proxy mode, `palisade explain` |
+//! | [`crate::proxy::ctx::Ctx::decide`], `Ctx::decide_in` | [`crate::proxy::decide::decide_with`] for a view's org (untimed, timed under a mode) | explicit, SOCKS5, transparent without a name |
+//! | `proxy::transparent::decide` (private) | a transparent connection: the presented name against the original destination | transparent mode |
+//! | `proxy::intercepted::serve::decide_parts` (crate), `decide_and_send` (private) | a request in an intercepted connection: what it addresses, then [`Policy::decide_request`]; then record and send it | interception, `palisade explain` |
+//!
 //! # Truth table
 //!
 //! Checks run top to bottom; the first row that applies decides.

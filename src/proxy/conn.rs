@@ -9,14 +9,36 @@
 //! record's `decision` follows from its reason.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::intercept::Plan;
-use super::View;
+use super::ctx::View;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{Reason, Verdict};
+use crate::intercept::Interceptor;
+use crate::policy::{OrgRef, Reason, Verdict};
 use crate::proto::target::Host;
+
+/// What to do with an allowed tunnel once its first bytes are known.
+#[derive(Debug, Clone)]
+pub enum Plan {
+    /// Not intercepted: copy bytes untouched.
+    PassThrough,
+    /// Terminate TLS and decide each request.
+    Intercept(Intercepting),
+    /// The rule intercepts but this connection cannot be: deny, fail closed.
+    Refuse(&'static str),
+}
+
+/// What an intercepted connection is served with.
+#[derive(Debug, Clone)]
+pub struct Intercepting {
+    pub interceptor: Arc<Interceptor>,
+    /// The org whose CA and credentials serve it.
+    pub org: OrgRef,
+    /// The intercepting allow rule: it decides every request inside.
+    pub rule: Arc<str>,
+}
 
 /// A connection (a tunnel, a transparent connection) or a forwarded
 /// request, decided for one target.
@@ -126,7 +148,7 @@ impl Conn {
         }
     }
 
-    /// Settle pass-through or interception ([`super::intercept::plan`]): a
+    /// Settle pass-through or interception ([`super::intercepted::plan`]): a
     /// host that must be intercepted but cannot be is refused
     /// `bad_request`.
     pub fn settle(&mut self, plan: Plan) {
@@ -169,8 +191,6 @@ impl Conn {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
     use crate::policy::Policy;
 

@@ -17,14 +17,15 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::conn::Conn;
-use super::failure::Failure;
+use super::conn::{Conn, Plan};
+use super::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
 use super::http::wire::MeteredIo;
-use super::http::Body;
-use super::intercept::{self, serve::Session, Plan};
+use super::intercepted::{self, serve::Session};
+use super::limits::EVIDENCE_BUDGET_EXHAUSTED;
+use super::record::{dial_failed, record_denial, write_record, Refused, Written};
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
-use super::{verify, Ctx, DialError, View};
+use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
 use crate::policy::{Reason, Verdict};
@@ -39,32 +40,6 @@ pub struct Opened {
     pub addr: SocketAddr,
     /// The connection as decided: what its records are built from.
     pub conn: Conn,
-}
-
-/// A written decision record: its `id` (what its close record names) and
-/// the reference its client may be shown.
-#[derive(Debug, Clone)]
-pub struct Written {
-    pub id: String,
-    pub shown: String,
-}
-
-/// Why nothing was opened: the failure, recorded under the reference
-/// `record` (what the client is shown).
-#[derive(Debug)]
-pub struct Refused {
-    /// `evidence_unavailable` if the record itself could not be written.
-    pub failure: Failure,
-    pub record: String,
-    /// What the client may be told beyond the reason.
-    pub detail: Option<String>,
-}
-
-impl Refused {
-    /// The HTTP answer.
-    pub fn response(&self) -> http::Response<Body> {
-        self.failure.response(&self.record, self.detail.as_deref())
-    }
 }
 
 /// Decide `host:port` for the view's client, and dial it if allowed.
@@ -103,8 +78,8 @@ pub async fn open(
     // The allow's record is paid for from the org's evidence budget now;
     // spent, the tunnel is refused (the refusal summarised).
     if !ctx.pay_allow(view) {
-        let verdict = super::budget_spent(outcome.verdict);
-        let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
+        let verdict = budget_spent(outcome.verdict);
+        let detail = Some(EVIDENCE_BUDGET_EXHAUSTED);
         return Err(
             record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, detail).await,
         );
@@ -127,68 +102,6 @@ pub async fn open(
         }
         Err(error) => Err(dial_failed(ctx, &mut conn, error).await),
     }
-}
-
-/// Write the record of a denial.
-pub async fn record_denial(
-    ctx: &Ctx,
-    view: &View,
-    (kind, mode): (Kind, Mode),
-    peer: SocketAddr,
-    verdict: &Verdict,
-    (host, port): (Option<&Host>, Option<u16>),
-    detail: Option<&str>,
-) -> Refused {
-    let mut record = view.record(kind, mode, peer, verdict, host, port);
-    record.detail = detail.map(str::to_string);
-    let written = ctx.write(&mut record).await;
-    let failure = Failure::Denied(verdict.reason).recorded(written);
-    debug!(reason = %failure.reason(), side = ?failure.side(), record = %record.id, "denied");
-    Refused {
-        failure,
-        record: record.shown().to_string(),
-        detail: detail.map(str::to_string),
-    }
-}
-
-/// An allowed decision whose upstream could not be reached: record it
-/// (keeping `decision: allow`) with the error and the last address tried.
-pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refused {
-    conn.detail = Some(error.to_string());
-    if let DialError::Timeout { addr } | DialError::Io { addr, .. } = &error {
-        conn.ip = Some(addr.ip());
-    }
-    let (written, record) = match write(ctx, conn).await {
-        Ok(w) => (true, w.shown),
-        Err(w) => (false, w.shown),
-    };
-    Refused {
-        failure: Failure::Unreachable(error).recorded(written),
-        record,
-        detail: None,
-    }
-}
-
-/// Write `conn`'s decision record as it stands and wait until it is with
-/// the operating system: `Ok`, or `Err` if it could not be written (then
-/// nothing may flow).
-pub async fn write(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
-    // Boxed: a record and its write are large, and a tunnel task would
-    // otherwise keep room for them all its life.
-    Box::pin(async {
-        let mut record = conn.record();
-        let written = ctx.write(&mut record).await;
-        let w = Written {
-            shown: record.shown().to_string(),
-            id: record.id,
-        };
-        if written {
-            Ok(w)
-        } else {
-            Err(w)
-        }
-    })
-    .await
 }
 
 /// After the client was told the tunnel is open: check its first bytes
@@ -227,7 +140,7 @@ where
         verify::First::Closed => {
             // Nothing was sent, so nothing flowed: the allow stands on record.
             conn.tunnel = Some(carry);
-            let _ = write(&ctx, &conn).await;
+            let _ = write_record(&ctx, &conn).await;
             return;
         }
         verify::First::OverBudget => {
@@ -253,12 +166,12 @@ where
     conn.tunnel = Some(guard.as_ref().map_or(Carry::Opaque, verify::Guard::carry));
     // Opt-in TLS interception: only for an allow rule with `intercept =
     // true` (which carries TLS, so the hello was checked).
-    conn.settle(intercept::plan(
+    conn.settle(intercepted::plan(
         conn.view.intercept.as_ref(),
         &conn,
         detected.as_ref().unwrap_or(&Detected::NotTls),
     ));
-    let Ok(Written { id, .. }) = write(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
         return;
     };
     if !conn.is_allow() {
@@ -268,7 +181,7 @@ where
         let session = Session::new(ctx.clone(), conn, id, addr, how);
         // Boxed: its state is large, and a tunnel that is not intercepted
         // should not carry room for it.
-        Box::pin(intercept::serve::serve(session, client, first, upstream)).await;
+        Box::pin(intercepted::serve::serve(session, client, first, upstream)).await;
         return;
     }
     relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
@@ -365,10 +278,7 @@ pub async fn relay<C>(
         }
         verify::End::OverBudget => {
             let mut over = conn.clone();
-            over.deny(
-                Reason::LimitExceeded,
-                Some(super::DETECT_BUDGET_EXHAUSTED.into()),
-            );
+            over.deny(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
             over.within = Some(id.to_string());
             Box::pin(ctx.write(&mut over.record())).await;
         }
@@ -418,11 +328,8 @@ fn violation_record(
 
 /// No room in the detection budget: refused `limit_exceeded`.
 async fn deny_over_budget(ctx: &Ctx, conn: &mut Conn) {
-    conn.refuse(
-        Reason::LimitExceeded,
-        Some(super::DETECT_BUDGET_EXHAUSTED.into()),
-    );
-    let _ = write(ctx, conn).await;
+    conn.refuse(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
+    let _ = write_record(ctx, conn).await;
 }
 
 /// Queue the close record (nothing waits on it; it is never dropped).
@@ -480,14 +387,14 @@ async fn run_opaque<C>(
         Some(reason) if report && reason.reportable() => conn.report(reason, None),
         Some(reason) => {
             conn.deny(reason, None);
-            let id = write(&ctx, &conn).await.unwrap_or_else(|w| w).id;
+            let id = write_record(&ctx, &conn).await.unwrap_or_else(|w| w).id;
             debug!(reason = %reason, record = %id, "tunnel denied after detection");
             return; // both sides dropped: nothing reached the upstream
         }
         None => {}
     }
     // (Interception needs a TLS rule: an opaque tunnel is never intercepted.)
-    let Ok(Written { id, .. }) = write(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
         return;
     };
     if detected == Detected::Closed || !conn.is_allow() {

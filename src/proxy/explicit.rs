@@ -5,24 +5,27 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info_span, Instrument};
 
 use super::conn::Conn;
 use super::connect;
-use super::failure::Failure;
+use super::ctx::{budget_spent, Ctx, View};
+use super::decide::Decided;
+use super::failure::Unserved;
+use super::forward;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
-use super::intercept;
-use super::limits::Permit;
-use super::{Ctx, Outcome, View};
+use super::intercepted;
+use super::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
+use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
@@ -160,7 +163,7 @@ async fn handle(
         } else {
             Kind::Http
         };
-        let mut refused = connect::record_denial(
+        let mut refused = record_denial(
             &ctx,
             view,
             (kind, Mode::Explicit),
@@ -171,7 +174,7 @@ async fn handle(
         )
         .await;
         if refused.failure.reason() == Reason::BadRequest {
-            refused.failure = Failure::HeadTooLarge;
+            refused.failure = Unserved::HeadTooLarge;
         }
         return refused.response();
     }
@@ -258,7 +261,7 @@ async fn auth_refused(
     };
     let detail = e.to_string();
     let verdict = view.verdict(e.reason());
-    let mut refused = connect::record_denial(
+    let mut refused = record_denial(
         ctx,
         view,
         (kind, Mode::Explicit),
@@ -300,7 +303,7 @@ async fn reject(
     target: (Option<&Host>, Option<u16>),
     detail: Option<&str>,
 ) -> Response<Body> {
-    connect::record_denial(
+    record_denial(
         ctx,
         view,
         (kind, Mode::Explicit),
@@ -468,7 +471,7 @@ async fn forward(
             .await;
         }
     };
-    let Outcome {
+    let Decided {
         mut verdict,
         dial: addrs,
         detail,
@@ -493,7 +496,7 @@ async fn forward(
     // An intercepting rule's method and path rules bind plain http:// too
     // (credentials are never added to plain HTTP).
     if let Some((verdict, detail)) =
-        intercept::plain_request(view, &verdict, req.method(), req.uri())
+        intercepted::plain_request(view, &verdict, req.method(), req.uri())
     {
         return reject(
             &ctx,
@@ -524,8 +527,8 @@ async fn forward(
     }
     // The request's record is paid for from the org's evidence budget.
     if !ctx.pay_allow(view) {
-        let verdict = super::budget_spent(verdict);
-        let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
+        let verdict = budget_spent(verdict);
+        let detail = Some(EVIDENCE_BUDGET_EXHAUSTED);
         let target = (Some(&host), Some(port));
         return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;
     }
@@ -539,8 +542,67 @@ async fn forward(
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
     let head_estimate = head_size(&req) as u64;
-    super::forward::absolute(ctx, conn, &addrs, req, (bytes, head_estimate), started).await
+    forward::absolute(ctx, conn, &addrs, req, (bytes, head_estimate), started).await
 }
+
+/// Accept connections on an explicit-proxy listener until shutdown.
+pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
+    super::listen::accept_loop(
+        ctx,
+        listener,
+        "explicit",
+        |ctx, stream, peer, view, permit| serve_connection(ctx, stream, peer, view.org, permit),
+        reject_over_limit,
+    )
+    .await
+}
+
+/// Over a connection cap: record it, answer 503 without waiting, close.
+fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
+    let mut record = view.refusal(
+        (Kind::Tcp, Mode::Explicit),
+        peer,
+        Reason::LimitExceeded,
+        hit.describe().to_string(),
+    );
+    ctx.submit(&mut record);
+    let response = Unserved::Denied(Reason::LimitExceeded).raw_response(record.shown());
+    // Non-blocking: a flood must not tie up the accept loop.
+    if stream.try_write(response.as_bytes()).is_err() {
+        return;
+    }
+    // Closing with the request unread would reset the connection and could
+    // destroy the 503 before the client reads it: drain briefly first, in a
+    // bounded number of short-lived tasks (beyond them, just close).
+    let Ok(permit) = ctx.refusal_drains.clone().try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut stream).await;
+        let mut sink = [0u8; 4096];
+        let deadline = tokio::time::Instant::now() + REFUSAL_DRAIN_TIME;
+        let mut left = REFUSAL_DRAIN_BYTES;
+        while left > 0 {
+            match tokio::time::timeout_at(
+                deadline,
+                tokio::io::AsyncReadExt::read(&mut stream, &mut sink),
+            )
+            .await
+            {
+                Ok(Ok(n)) if n > 0 => left = left.saturating_sub(n),
+                _ => break,
+            }
+        }
+    });
+}
+
+/// How long, and how many bytes, a refused connection is drained before closing.
+const REFUSAL_DRAIN_TIME: Duration = Duration::from_millis(500);
+const REFUSAL_DRAIN_BYTES: usize = 64 * 1024;
+/// Refused connections drained at once.
+pub const MAX_REFUSAL_DRAINS: usize = 256;
 
 #[cfg(test)]
 mod tests {

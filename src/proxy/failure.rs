@@ -1,5 +1,5 @@
 //! What a client is told when its connection or request does not go
-//! through, in this one place: a typed [`Failure`], which knows the side at
+//! through, in this one place: a typed [`Unserved`], which knows the side at
 //! fault, maps to the reason code on record, the HTTP status, the RFC 9209
 //! `Proxy-Status` header, the one-line body and the SOCKS5 reply. Every
 //! mode (explicit, SOCKS5, intercepted requests) answers through it; a
@@ -19,9 +19,9 @@
 
 use http::StatusCode;
 
+use super::dial::DialError;
 use super::http::client::NoResponse;
 use super::http::{text_response, Body};
-use super::DialError;
 use crate::policy::Reason;
 use crate::proto::socks5::Reply;
 
@@ -36,7 +36,7 @@ pub enum Side {
 
 /// Why a connection or request did not go through.
 #[derive(Debug, thiserror::Error)]
-pub enum Failure {
+pub enum Unserved {
     /// Refused: by policy, verification, identity, a limit, or because
     /// evidence could not be written. The reason code says which.
     #[error("denied: {0}")]
@@ -56,74 +56,74 @@ pub enum Failure {
     NoResponse(#[from] NoResponse),
 }
 
-impl Failure {
+impl Unserved {
     /// A failure whose record could not be written is told as
     /// `evidence_unavailable`, whatever it was.
-    pub fn recorded(self, written: bool) -> Failure {
+    pub fn recorded(self, written: bool) -> Unserved {
         if written {
             self
         } else {
-            Failure::Denied(Reason::EvidenceUnavailable)
+            Unserved::Denied(Reason::EvidenceUnavailable)
         }
     }
 
     /// The reason code on record: a failure after an allow keeps the allow.
     pub fn reason(&self) -> Reason {
         match self {
-            Failure::Denied(reason) => *reason,
-            Failure::HeadTooLarge => Reason::BadRequest,
-            Failure::Unreachable(_) | Failure::NoResponse(_) => Reason::RuleMatch,
+            Unserved::Denied(reason) => *reason,
+            Unserved::HeadTooLarge => Reason::BadRequest,
+            Unserved::Unreachable(_) | Unserved::NoResponse(_) => Reason::RuleMatch,
         }
     }
 
     /// The side at fault.
     pub fn side(&self) -> Side {
         match self {
-            Failure::Denied(reason) => side_of(*reason),
-            Failure::HeadTooLarge => Side::Client,
-            Failure::Unreachable(_) | Failure::NoResponse(_) => Side::Upstream,
+            Unserved::Denied(reason) => side_of(*reason),
+            Unserved::HeadTooLarge => Side::Client,
+            Unserved::Unreachable(_) | Unserved::NoResponse(_) => Side::Upstream,
         }
     }
 
     pub fn status(&self) -> StatusCode {
         match self {
-            Failure::Denied(reason) => status(*reason),
-            Failure::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            Failure::Unreachable(DialError::Timeout { .. }) => StatusCode::GATEWAY_TIMEOUT,
-            Failure::Unreachable(_) | Failure::NoResponse(_) => StatusCode::BAD_GATEWAY,
+            Unserved::Denied(reason) => status(*reason),
+            Unserved::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            Unserved::Unreachable(DialError::Timeout { .. }) => StatusCode::GATEWAY_TIMEOUT,
+            Unserved::Unreachable(_) | Unserved::NoResponse(_) => StatusCode::BAD_GATEWAY,
         }
     }
 
     /// The RFC 9209 error type.
     pub fn proxy_error(&self) -> &'static str {
         match self {
-            Failure::Denied(reason) => proxy_error(*reason),
-            Failure::HeadTooLarge => proxy_error(Reason::BadRequest),
-            Failure::Unreachable(DialError::Timeout { .. }) => "connection_timeout",
-            Failure::Unreachable(DialError::Io { source, .. })
+            Unserved::Denied(reason) => proxy_error(*reason),
+            Unserved::HeadTooLarge => proxy_error(Reason::BadRequest),
+            Unserved::Unreachable(DialError::Timeout { .. }) => "connection_timeout",
+            Unserved::Unreachable(DialError::Io { source, .. })
                 if source.kind() == std::io::ErrorKind::ConnectionRefused =>
             {
                 "connection_refused"
             }
-            Failure::Unreachable(_) => "destination_unavailable",
-            Failure::NoResponse(_) => "http_response_incomplete",
+            Unserved::Unreachable(_) => "destination_unavailable",
+            Unserved::NoResponse(_) => "http_response_incomplete",
         }
     }
 
     /// The SOCKS5 reply (RFC 1928 §6).
     pub fn socks_reply(&self) -> Reply {
         match self {
-            Failure::Denied(reason) => socks_reply(*reason),
-            Failure::HeadTooLarge => socks_reply(Reason::BadRequest),
-            Failure::Unreachable(DialError::Io { source, .. }) => match source.kind() {
+            Unserved::Denied(reason) => socks_reply(*reason),
+            Unserved::HeadTooLarge => socks_reply(Reason::BadRequest),
+            Unserved::Unreachable(DialError::Io { source, .. }) => match source.kind() {
                 std::io::ErrorKind::ConnectionRefused => Reply::ConnectionRefused,
                 std::io::ErrorKind::NetworkUnreachable => Reply::NetworkUnreachable,
                 _ => Reply::HostUnreachable,
             },
-            Failure::Unreachable(DialError::Timeout { .. } | DialError::NoAddress) => {
+            Unserved::Unreachable(DialError::Timeout { .. } | DialError::NoAddress) => {
                 Reply::HostUnreachable
             }
-            Failure::NoResponse(_) => Reply::GeneralFailure,
+            Unserved::NoResponse(_) => Reply::GeneralFailure,
         }
     }
 
@@ -140,12 +140,12 @@ impl Failure {
     /// learn); a failure after an allow shows its own cause.
     pub fn body(&self, record: &str, detail: Option<&str>) -> String {
         let (what, detail) = match self {
-            Failure::Denied(_) | Failure::HeadTooLarge => (
+            Unserved::Denied(_) | Unserved::HeadTooLarge => (
                 format!("denied: {}", self.reason()),
                 detail.map(str::to_string),
             ),
-            Failure::Unreachable(e) => ("upstream unreachable".to_string(), Some(e.to_string())),
-            Failure::NoResponse(e) => ("upstream failed".to_string(), Some(e.to_string())),
+            Unserved::Unreachable(e) => ("upstream unreachable".to_string(), Some(e.to_string())),
+            Unserved::NoResponse(e) => ("upstream failed".to_string(), Some(e.to_string())),
         };
         let mut text = format!("palisade: {what} (evidence record {record})");
         if let Some(detail) = detail {
@@ -264,21 +264,21 @@ mod tests {
     #[test]
     fn every_reason_maps() {
         for r in Reason::ALL.into_iter().filter(|r| !r.is_allow()) {
-            let f = Failure::Denied(r);
+            let f = Unserved::Denied(r);
             let s = f.status();
             assert!(s.is_client_error() || s.is_server_error(), "{r}");
             let b = f.body("id-1", Some("x\ny"));
             assert!(b.contains(r.as_str()) && b.contains("id-1") && b.ends_with("xy\n"));
             assert_eq!(f.reason(), r);
         }
-        let status = |r| Failure::Denied(r).status();
+        let status = |r| Unserved::Denied(r).status();
         assert_eq!(status(Reason::NoMatchingRule), StatusCode::FORBIDDEN);
         assert_eq!(status(Reason::ResolutionFailed), StatusCode::BAD_GATEWAY);
         assert_eq!(
             status(Reason::AuthFailed),
             StatusCode::PROXY_AUTHENTICATION_REQUIRED
         );
-        let raw = Failure::Denied(Reason::LimitExceeded).raw_response("r7");
+        let raw = Unserved::Denied(Reason::LimitExceeded).raw_response("r7");
         assert!(raw.starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
         assert!(
             raw.contains("error=connection_limit_reached; details=\"limit_exceeded; record=r7\"")
@@ -291,7 +291,7 @@ mod tests {
             let code = socks_reply(r);
             assert_eq!(code == Reply::Succeeded, r.is_allow(), "{r}");
         }
-        let reply = |r| Failure::Denied(r).socks_reply();
+        let reply = |r| Unserved::Denied(r).socks_reply();
         assert_eq!(reply(Reason::ExplicitDeny), Reply::NotAllowed);
         assert_eq!(reply(Reason::AuthFailed), Reply::NotAllowed);
         assert_eq!(reply(Reason::ResolutionFailed), Reply::HostUnreachable);
@@ -303,14 +303,14 @@ mod tests {
     fn upstream_failures_follow_rfc_9209() {
         let addr: SocketAddr = "198.18.2.10:443".parse().unwrap();
         let io_err = |kind| {
-            Failure::Unreachable(DialError::Io {
+            Unserved::Unreachable(DialError::Io {
                 addr,
                 source: io::Error::from(kind),
             })
         };
         let cases = [
             (
-                Failure::Unreachable(DialError::Timeout { addr }),
+                Unserved::Unreachable(DialError::Timeout { addr }),
                 504,
                 "connection_timeout",
                 Reply::HostUnreachable,
@@ -328,7 +328,7 @@ mod tests {
                 Reply::NetworkUnreachable,
             ),
             (
-                Failure::NoResponse(NoResponse::NotSent("upstream connection closed".into())),
+                Unserved::NoResponse(NoResponse::NotSent("upstream connection closed".into())),
                 502,
                 "http_response_incomplete",
                 Reply::GeneralFailure,
@@ -345,7 +345,7 @@ mod tests {
                 .ends_with("details=\"rule_match; record=r1\""));
         }
         // Unrecorded, anything is told as evidence_unavailable.
-        let f = Failure::NoResponse(NoResponse::Timeout).recorded(false);
+        let f = Unserved::NoResponse(NoResponse::Timeout).recorded(false);
         assert_eq!(f.reason(), Reason::EvidenceUnavailable);
         assert_eq!(f.side(), Side::Internal);
         assert_eq!(f.status(), StatusCode::SERVICE_UNAVAILABLE);
@@ -353,13 +353,13 @@ mod tests {
 
     #[test]
     fn auth_failures_carry_a_challenge() {
-        let resp = Failure::Denied(Reason::AuthRequired).response("r2", None);
+        let resp = Unserved::Denied(Reason::AuthRequired).response("r2", None);
         assert_eq!(resp.status(), StatusCode::PROXY_AUTHENTICATION_REQUIRED);
         assert_eq!(
             resp.headers()[http::header::PROXY_AUTHENTICATE],
             "Basic realm=\"palisade\""
         );
-        let resp = Failure::Denied(Reason::NoMatchingRule).response("r3", None);
+        let resp = Unserved::Denied(Reason::NoMatchingRule).response("r3", None);
         assert!(resp
             .headers()
             .get(http::header::PROXY_AUTHENTICATE)

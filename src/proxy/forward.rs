@@ -3,7 +3,7 @@
 //! upstream's response (hop-by-hop headers stripped, the body metered) and
 //! write the request's close record when the response ends; or, without a
 //! complete response head, write the close record with the cause and
-//! answer the one failure for it ([`Failure::NoResponse`]).
+//! answer the one failure for it ([`Unserved::NoResponse`]).
 //!
 //! [`absolute`] takes an explicit-mode absolute-form request from its
 //! allow to its response, over an idle upstream connection of the
@@ -21,14 +21,14 @@ use hyper::body::{Body as _, Incoming};
 use tokio::net::TcpStream;
 
 use super::conn::Conn;
-use super::connect;
-use super::failure::Failure;
+use super::ctx::Ctx;
+use super::failure::Unserved;
 use super::http::body::{Metered, OnComplete};
 use super::http::client::{Attempt, NoResponse, Sender};
 use super::http::wire::{RequestBytes, UpCount};
 use super::http::{full, strip_hop_by_hop, Body};
 use super::pool::{self, Key};
-use super::Ctx;
+use super::record::{dial_failed, write_record};
 use crate::policy::Reason;
 use crate::proto::target::Host;
 
@@ -90,7 +90,7 @@ impl Exchange {
         let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
         close.detail = Some(e.to_string());
         self.ctx.submit(&mut close);
-        Failure::NoResponse(e).response(&self.shown, None)
+        Unserved::NoResponse(e).response(&self.shown, None)
     }
 }
 
@@ -132,13 +132,13 @@ pub async fn absolute(
         Some((sender, addr)) => (Upstream::Pooled(sender), addr),
         None => match ctx.dial(addrs, port).await {
             Ok((stream, addr)) => (Upstream::Dialled(stream), addr),
-            Err(e) => return connect::dial_failed(&ctx, &mut conn, e).await.response(),
+            Err(e) => return dial_failed(&ctx, &mut conn, e).await.response(),
         },
     };
     conn.ip = Some(addr.ip());
-    let written = match connect::write(&ctx, &conn).await {
+    let written = match write_record(&ctx, &conn).await {
         Ok(w) => w,
-        Err(w) => return Failure::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
+        Err(w) => return Unserved::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
     };
 
     let up_count = Arc::new(AtomicU64::new(0));
@@ -203,7 +203,9 @@ pub async fn absolute(
                     addr,
                 };
                 let ctx = ctx.clone();
-                Box::new(move || pool::give_back(&ctx, key, sender)) as OnComplete
+                Box::new(move || {
+                    pool::give_back(&ctx.upstream_pool, (&ctx.tasks, &ctx.shutdown), key, sender)
+                }) as OnComplete
             });
             exchange.relay_then(resp, give_back)
         }

@@ -33,8 +33,10 @@ use std::time::{Duration, Instant};
 
 use prometheus::{IntCounter, IntGauge};
 
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
 use super::http::client::Sender;
-use super::Ctx;
 use crate::config::Limits;
 use crate::proto::target::Host;
 
@@ -358,38 +360,42 @@ fn prune_interval(idle_timeout: Duration) -> Duration {
 /// once hyper says it can take another request; a connection the upstream
 /// marked close (or that failed) never becomes ready and is dropped. The
 /// wait is bounded by the idle timeout and ends at shutdown.
-pub fn give_back(ctx: &Arc<Ctx>, key: Key, sender: Sender) {
-    let pool = &ctx.upstream_pool;
+pub fn give_back(
+    pool: &Arc<UpstreamPool>,
+    (tasks, shutdown): (&TaskTracker, &CancellationToken),
+    key: Key,
+    sender: Sender,
+) {
     let Some((key, mut sender)) = pool.checkin_if_ready(key, sender) else {
         return;
     };
-    let (ctx2, wait) = (ctx.clone(), pool.bounds.idle_timeout);
-    ctx.tasks.spawn(async move {
+    let (pool, shutdown, wait) = (pool.clone(), shutdown.clone(), pool.bounds.idle_timeout);
+    tasks.spawn(async move {
         let ready = tokio::select! {
             r = tokio::time::timeout(wait, sender.ready()) => matches!(r, Ok(Ok(()))),
-            _ = ctx2.shutdown.cancelled() => false,
+            _ = shutdown.cancelled() => false,
         };
         if ready {
-            ctx2.upstream_pool.checkin(key, sender);
+            pool.checkin(key, sender);
         }
     });
 }
 
-/// Prune the pool now and then; at shutdown, close every idle connection
+/// Prune the pool now and then; at `shutdown`, close every idle connection
 /// (their connection tasks then end, and the drain does not wait on them).
-pub async fn reap(ctx: Arc<Ctx>) {
-    if !ctx.upstream_pool.enabled() {
+pub async fn reap(pool: Arc<UpstreamPool>, shutdown: CancellationToken) {
+    if !pool.enabled() {
         return;
     }
-    let mut tick = tokio::time::interval(ctx.upstream_pool.prune_interval());
+    let mut tick = tokio::time::interval(pool.prune_interval());
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = ctx.shutdown.cancelled() => break,
-            _ = tick.tick() => ctx.upstream_pool.prune(),
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => pool.prune(),
         }
     }
-    ctx.upstream_pool.close();
+    pool.close();
 }
 
 #[cfg(test)]

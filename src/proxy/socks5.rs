@@ -19,8 +19,10 @@ use tokio::time::Instant;
 use tracing::{debug, info_span, Instrument};
 
 use super::connect;
+use super::ctx::{Ctx, View};
 use super::limits::{LimitHit, Permit};
-use super::{Ctx, View};
+use super::listen::accept_loop;
+use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
@@ -33,7 +35,7 @@ use crate::proto::target::{normalize_host, Host};
 /// org its address names, or its address's own budget, until the
 /// authentication names its org (see [`super::limits`]).
 pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    super::accept_loop(
+    accept_loop(
         ctx,
         listener,
         "socks5",
@@ -120,7 +122,7 @@ async fn refuse(
     detail: &str,
 ) {
     let verdict = view.verdict(reason);
-    connect::record_denial(
+    record_denial(
         ctx,
         view,
         (Kind::Tcp, Mode::Socks5),

@@ -17,14 +17,19 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, info_span, Instrument};
 
-use super::conn::Conn;
-use super::intercept::{self, serve::Session, Plan};
-use super::limits::{LimitHit, Permit};
+use super::conn::{Conn, Plan};
+use super::connect;
+use super::ctx::{Ctx, View, DETECT_BUDGET_EXHAUSTED};
+use super::decide::{decide_with, Addresses, Decided};
+use super::intercepted::{self, serve::Session};
+use super::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
+use super::listen::accept_loop;
+use super::record::{write_record, Written};
 use super::tunnel::{self, Detected};
-use super::{connect, decide_with, verify, Ctx, Outcome, View};
+use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode};
-use crate::policy::{canonical, Decision, Reason, Verdict};
+use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// Where a REDIRECTed connection was going.
@@ -41,7 +46,7 @@ pub fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
 pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    super::accept_loop(
+    accept_loop(
         ctx,
         listener,
         "transparent",
@@ -126,8 +131,8 @@ async fn handle(
     // of no org to its address's small share, never to another org.
     let Some(detect_slot) = ctx.detect_scope(view, peer).try_hold(1) else {
         let mut conn = conn_for(view.verdict(Reason::LimitExceeded), Host::Ip(orig.ip()));
-        conn.detail = Some(super::DETECT_BUDGET_EXHAUSTED.into());
-        let _ = connect::write(&ctx, &conn).await;
+        conn.detail = Some(DETECT_BUDGET_EXHAUSTED.into());
+        let _ = write_record(&ctx, &conn).await;
         return reset(client);
     };
     let mut first = Vec::new();
@@ -147,7 +152,7 @@ async fn handle(
             name,
         ),
         Err(why) => (
-            Outcome {
+            Decided {
                 verdict: view.verdict(Reason::BadRequest),
                 dial: Vec::new(),
                 detail: Some(why.to_string()),
@@ -171,19 +176,19 @@ async fn handle(
     // cannot name another, so this only confirms it (see `limits`).
     if let Err(hit) = ctx.charge(&permit, view) {
         conn.refuse(Reason::LimitExceeded, Some(hit.describe().into()));
-        let _ = connect::write(&ctx, &conn).await;
+        let _ = write_record(&ctx, &conn).await;
         return reset(client);
     }
     if !ctx.evidence.is_healthy() {
         conn.refuse(Reason::EvidenceUnavailable, None);
-        let _ = connect::write(&ctx, &conn).await;
+        let _ = write_record(&ctx, &conn).await;
         return reset(client);
     }
     // The allow's record is paid for from the org's evidence budget.
     if !ctx.pay_allow(view) {
-        let detail = super::limits::EVIDENCE_BUDGET_EXHAUSTED.to_string();
+        let detail = EVIDENCE_BUDGET_EXHAUSTED.to_string();
         conn.refuse(Reason::LimitExceeded, Some(detail));
-        let _ = connect::write(&ctx, &conn).await;
+        let _ = write_record(&ctx, &conn).await;
         return reset(client);
     }
     // What the rule lets the connection carry: judge the first unit again
@@ -219,15 +224,12 @@ async fn handle(
                 return reset(client);
             }
             verify::First::Closed => {
-                let _ = connect::write(&ctx, &conn).await;
+                let _ = write_record(&ctx, &conn).await;
                 return reset(client);
             }
             verify::First::OverBudget => {
-                conn.refuse(
-                    Reason::LimitExceeded,
-                    Some(super::DETECT_BUDGET_EXHAUSTED.into()),
-                );
-                let _ = connect::write(&ctx, &conn).await;
+                conn.refuse(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
+                let _ = write_record(&ctx, &conn).await;
                 return reset(client);
             }
         }
@@ -238,17 +240,17 @@ async fn handle(
         Ok(dialled) => dialled,
         Err(e) => {
             conn.detail = Some(e.to_string());
-            let _ = connect::write(&ctx, &conn).await;
+            let _ = write_record(&ctx, &conn).await;
             return reset(client);
         }
     };
     // Opt-in TLS interception, as in explicit mode.
-    conn.settle(intercept::plan(
+    conn.settle(intercepted::plan(
         conn.view.intercept.as_ref(),
         &conn,
         &detected,
     ));
-    let Ok(connect::Written { id, .. }) = connect::write(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
         return reset(client);
     };
     if !conn.is_allow() {
@@ -258,7 +260,7 @@ async fn handle(
         let session = Session::new(ctx.clone(), conn, id, addr, how);
         // Boxed: its state is large, and a tunnel that is not intercepted
         // should not carry room for it.
-        Box::pin(intercept::serve::serve(session, client, first, upstream)).await;
+        Box::pin(intercepted::serve::serve(session, client, first, upstream)).await;
         return;
     }
     connect::relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
@@ -266,14 +268,14 @@ async fn handle(
 
 /// Record a denied connection.
 async fn deny(ctx: &Ctx, conn: &Conn) {
-    let id = connect::write(ctx, conn).await.unwrap_or_else(|w| w).id;
+    let id = write_record(ctx, conn).await.unwrap_or_else(|w| w).id;
     debug!(reason = %conn.verdict.reason, record = %id, "transparent connection denied");
 }
 
 /// Report mode: a name/address mismatch is let through to the original
 /// destination, judged as an IP target (safety checks still apply), and
 /// recorded as what enforcement would have denied.
-async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Outcome, orig: SocketAddr) -> Outcome {
+async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Decided, orig: SocketAddr) -> Decided {
     let (Some(org), Reason::SniMismatch) = (&view.org, outcome.verdict.reason) else {
         return outcome;
     };
@@ -284,8 +286,8 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Outcome, orig: SocketA
         &view.policy,
         &ctx.resolver,
         org,
-        &Host::Ip(orig.ip()),
-        orig.port(),
+        (&Host::Ip(orig.ip()), orig.port()),
+        Addresses::Resolved,
     )
     .await;
     if by_address.verdict.is_allow() {
@@ -299,74 +301,33 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Outcome, orig: SocketA
 /// The transparent decision: the name's rules and the address's consistency
 /// with the name, or cidr rules alone without a name. `outcome.dial` is the
 /// original destination when allowed.
-async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -> Outcome {
+async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -> Decided {
     let Some(org) = &view.org else {
         return ctx.decide(view, &Host::Ip(orig.ip()), orig.port()).await;
     };
-    let policy = &view.policy;
-    let mismatch = |detail: String| Outcome {
-        verdict: Verdict {
-            org: Some(org.clone()),
-            reason: Reason::SniMismatch,
-            rule: None,
-            would_deny: None,
-        },
-        dial: Vec::new(),
-        detail: Some(detail),
-    };
-    match name {
-        None => {
-            decide_with(
-                policy,
-                &ctx.resolver,
-                org,
-                &Host::Ip(orig.ip()),
-                orig.port(),
-            )
-            .await
-        }
+    let by_address = Host::Ip(orig.ip());
+    let host = match name {
+        None => &by_address,
         Some(Host::Ip(ip)) if canonical(*ip) != orig.ip() => {
-            mismatch(format!("client named {ip} but connected to {}", orig.ip()))
+            return Decided::mismatch(
+                org,
+                format!("client named {ip} but connected to {}", orig.ip()),
+            )
         }
-        Some(host @ Host::Ip(_)) => {
-            decide_with(policy, &ctx.resolver, org, host, orig.port()).await
-        }
-        Some(host @ Host::Name(n)) => match policy.decide_for_org(org, host, orig.port()) {
-            Decision::Final(verdict) => Outcome {
-                verdict,
-                dial: Vec::new(),
-                detail: None,
-            },
-            Decision::Resolve(pending) => {
-                let bound = ctx
-                    .bindings
-                    .as_ref()
-                    .is_some_and(|b| b.is_bound(&org.name, n, orig.ip()));
-                if !bound {
-                    match ctx.resolver.lookup(n).await {
-                        Ok(addrs) if addrs.iter().any(|a| canonical(*a) == orig.ip()) => {}
-                        Ok(_) => return mismatch(format!("{n} does not resolve to {}", orig.ip())),
-                        Err(e) => {
-                            return Outcome {
-                                verdict: Verdict {
-                                    org: Some(org.clone()),
-                                    reason: Reason::ResolutionFailed,
-                                    rule: pending.rule.clone(),
-                                    would_deny: None,
-                                },
-                                dial: Vec::new(),
-                                detail: Some(e.to_string()),
-                            }
-                        }
-                    }
-                }
-                let av = policy.check_addresses(&pending, &[orig.ip()]);
-                Outcome {
-                    verdict: av.verdict,
-                    dial: av.dial,
-                    detail: None,
-                }
-            }
-        },
-    }
+        Some(host) => host,
+    };
+    // A name's address is the original destination, which must belong to
+    // it (an IP target is decided by its own rules alone).
+    let original = Addresses::Original {
+        ip: orig.ip(),
+        bindings: ctx.bindings.as_deref(),
+    };
+    decide_with(
+        &view.policy,
+        &ctx.resolver,
+        org,
+        (host, orig.port()),
+        original,
+    )
+    .await
 }

@@ -14,7 +14,7 @@
 //! upstream TLS is set up on first use (a failure is `upstream_tls_error`,
 //! never a downgrade); the decision is recorded; and the request is sent
 //! with the normalised path (and the query as received). Failures are
-//! answered through [`Failure`], as everywhere in the proxy.
+//! answered through [`Unserved`], as everywhere in the proxy.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -32,20 +32,20 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::Intercepting;
 use crate::config::CredentialConfig;
 use crate::evidence::Kind;
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
-use crate::proxy::conn::Conn;
-use crate::proxy::failure::Failure;
+use crate::proxy::conn::{Conn, Intercepting};
+use crate::proxy::ctx::Ctx;
+use crate::proxy::dial::DialError;
+use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::body::Metered;
 use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
-use crate::proxy::{Ctx, DialError};
 
 /// An allowed connection the tunnel code hands over: decided (allow, by
 /// an intercepting rule), its decision record written, its upstream
@@ -216,13 +216,13 @@ enum UpstreamError {
 
 /// After an allow: an upstream that cannot be dialled is unreachable;
 /// any other failure leaves the request without a response.
-impl From<UpstreamError> for Failure {
-    fn from(e: UpstreamError) -> Failure {
+impl From<UpstreamError> for Unserved {
+    fn from(e: UpstreamError) -> Unserved {
         match e {
-            UpstreamError::Dial(e) => Failure::Unreachable(e),
-            UpstreamError::Http(e) => Failure::NoResponse(NoResponse::Failed(e)),
+            UpstreamError::Dial(e) => Unserved::Unreachable(e),
+            UpstreamError::Http(e) => Unserved::NoResponse(NoResponse::Failed(e)),
             UpstreamError::Tls(_) | UpstreamError::Closed => {
-                Failure::NoResponse(NoResponse::NotSent(e.to_string()))
+                Unserved::NoResponse(NoResponse::NotSent(e.to_string()))
             }
         }
     }
@@ -544,7 +544,7 @@ async fn decide_and_send(
     let mut record = req.record();
     if !s.ctx.write(&mut record).await {
         count(shared, Reason::EvidenceUnavailable);
-        return Failure::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
+        return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
     }
     count(shared, Reason::RuleMatch);
 
@@ -605,7 +605,7 @@ async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body>
     req.detail = Some(detail.to_string());
     let mut record = req.record();
     let written = shared.session.ctx.write(&mut record).await;
-    let failure = Failure::Denied(req.verdict.reason).recorded(written);
+    let failure = Unserved::Denied(req.verdict.reason).recorded(written);
     count(shared, failure.reason());
     debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
     failure.response(record.shown(), Some(detail))
@@ -613,7 +613,7 @@ async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body>
 
 /// The upstream could not be reached (or spoke no HTTP) for an allowed
 /// request: the allow is recorded with the cause, nothing was sent.
-async fn unreachable(shared: &Shared, mut req: Conn, failure: Failure) -> Response<Body> {
+async fn unreachable(shared: &Shared, mut req: Conn, failure: Unserved) -> Response<Body> {
     req.detail = Some(failure.to_string());
     let mut record = req.record();
     let failure = failure.recorded(shared.session.ctx.write(&mut record).await);

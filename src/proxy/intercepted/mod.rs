@@ -1,5 +1,5 @@
-//! TLS interception as a part of the proxy: which allowed connections are
-//! intercepted ([`plan`]), and serving them ([`serve`]) through the proxy's
+//! Intercepted connections: which allowed connections are intercepted
+//! ([`plan`]), and serving them ([`serve`]) through the proxy's
 //! HTTP layer ([`super::http`]), answering failures through its one mapping
 //! ([`super::failure`]). What interception needs per org (CAs, credentials,
 //! upstream trust) is [`crate::intercept`], held in the served state.
@@ -8,32 +8,10 @@ pub mod serve;
 
 use std::sync::Arc;
 
-use super::conn::Conn;
+use super::conn::{Conn, Intercepting, Plan};
+use super::ctx::View;
 use super::tunnel::Detected;
-use super::View;
-pub use crate::intercept::*;
-use crate::policy::OrgRef;
-
-/// What to do with an allowed tunnel once its first bytes are known.
-#[derive(Debug, Clone)]
-pub enum Plan {
-    /// Not intercepted: copy bytes untouched.
-    PassThrough,
-    /// Terminate TLS and decide each request.
-    Intercept(Intercepting),
-    /// The rule intercepts but this connection cannot be: deny, fail closed.
-    Refuse(&'static str),
-}
-
-/// What an intercepted connection is served with.
-#[derive(Debug, Clone)]
-pub struct Intercepting {
-    pub interceptor: Arc<Interceptor>,
-    /// The org whose CA and credentials serve it.
-    pub org: OrgRef,
-    /// The intercepting allow rule: it decides every request inside.
-    pub rule: Arc<str>,
-}
+use crate::intercept::Interceptor;
 
 /// Pass-through or interception for the connection `conn` (allowed or
 /// not) whose first bytes were `detected`. Only an allow rule the org

@@ -1,0 +1,206 @@
+//! The context every connection shares ([`Ctx`]: what is served, evidence,
+//! metrics, the resolver, limits, shutdown) and one decision's view of what
+//! is served ([`View`]). The bottom of the proxy's layers: it names none of
+//! the files above it.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::warn;
+
+use super::denials::{self, Denials};
+use super::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
+use super::pool::UpstreamPool;
+use crate::config::Limits;
+use crate::evidence::{Evidence, Record};
+use crate::metrics::Metrics;
+use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
+use crate::resolve::Resolver;
+use crate::served::{Served, ServedHandle};
+
+/// Detail of a `limit_exceeded` when detection buffers are all in use.
+pub const DETECT_BUDGET_EXHAUSTED: &str =
+    "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
+
+/// What the DNS shim handed out: did org `org` receive `addr` for `name`,
+/// and is that binding still valid? Transparent mode uses it to check that
+/// a connection's original destination belongs to the name it presents.
+pub trait NameBindings: Send + Sync {
+    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
+}
+
+/// Everything a connection handler needs, shared by all connections.
+pub struct Ctx {
+    /// What is served (policy, interception, credentials); a reload swaps
+    /// it whole. Read it through [`Ctx::view`]: once per decision.
+    pub served: ServedHandle,
+    pub evidence: Arc<Evidence>,
+    pub metrics: Arc<Metrics>,
+    pub resolver: Arc<Resolver>,
+    /// The DNS shim's bindings, when it runs.
+    pub bindings: Option<Arc<dyn NameBindings>>,
+    pub limits: Limits,
+    pub conns: ConnLimits,
+    /// Which denials are written one by one, and the tallies of the rest.
+    pub denials: Denials,
+    /// Memory held for first bytes before decisions: a global pool, a
+    /// share per org and per address of no org (see [`DetectMemory`]).
+    pub detect: DetectMemory,
+    /// Refused connections being drained before close (bounded).
+    pub refusal_drains: Arc<tokio::sync::Semaphore>,
+    /// Idle upstream connections of absolute-form HTTP kept for reuse.
+    pub upstream_pool: Arc<UpstreamPool>,
+    /// Stop accepting; finish in-flight requests.
+    pub shutdown: CancellationToken,
+    /// The drain grace period is over: close tunnels now.
+    pub hard_stop: CancellationToken,
+    pub tasks: TaskTracker,
+}
+
+/// An allow refused because its org's evidence budget is spent: the same
+/// decision as `limit_exceeded`, naming no rule.
+pub fn budget_spent(allowed: Verdict) -> Verdict {
+    Verdict {
+        reason: Reason::LimitExceeded,
+        rule: None,
+        ..allowed
+    }
+}
+
+/// One decision's view of what is served: the [`Served`] state as it was
+/// when the request arrived (its `policy`, `intercept` and credentials are
+/// reached through this view), and the client's org in it. Everything
+/// about one request (org, decision, interception, the policy hash in its
+/// records) comes from the same view, whatever a reload does meanwhile.
+#[derive(Debug, Clone)]
+pub struct View {
+    pub served: Arc<Served>,
+    pub org: Option<OrgRef>,
+}
+
+impl std::ops::Deref for View {
+    type Target = Served;
+
+    fn deref(&self) -> &Served {
+        &self.served
+    }
+}
+
+impl View {
+    /// Whether the client's org only reports its allowlist's denials.
+    pub fn is_report(&self) -> bool {
+        self.org.as_ref().is_some_and(|o| self.policy.is_report(o))
+    }
+
+    /// A verdict of this view's org, decided without a rule.
+    pub fn verdict(&self, reason: Reason) -> Verdict {
+        Verdict {
+            org: self.org.clone(),
+            reason,
+            rule: None,
+            would_deny: None,
+        }
+    }
+}
+
+impl Ctx {
+    /// Pay for an allow's record from the evidence budget of `view`'s org,
+    /// at its decision, before anything is dialled or forwarded; `false`:
+    /// spent, the allow is to be refused ([`budget_spent`]).
+    pub fn pay_allow(&self, view: &View) -> bool {
+        self.denials
+            .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    }
+
+    /// What is served now, and the client's org in it.
+    pub fn view(&self, client: IpAddr) -> View {
+        let served = self.served.load_full();
+        let org = served.policy.org_for(client);
+        View { served, org }
+    }
+
+    /// What is served now, and the org of a client that presented
+    /// `credential` (see the identity table in [`crate::policy`]). On
+    /// failure, a view without an org to record the refusal under.
+    pub fn view_as(
+        &self,
+        client: IpAddr,
+        credential: Option<Credential<'_>>,
+    ) -> Result<View, (View, IdentityError)> {
+        let served = self.served.load_full();
+        match served.policy.org_for_identity(client, credential) {
+            Ok(org) => Ok(View { served, org }),
+            Err(e) => Err((View { served, org: None }, e)),
+        }
+    }
+
+    /// Write a record and wait until it is with the operating system.
+    /// `false` means evidence is unavailable and the caller must not let
+    /// anything through. A denial over its client's record rate is counted
+    /// into a summary instead (its id becomes [`denials::SUMMARISED`]).
+    pub async fn write(&self, record: &mut Record) -> bool {
+        if self.summarised(record) {
+            return true;
+        }
+        match self.evidence.write(record).await {
+            Ok(()) => {
+                self.metrics.count_record(record);
+                true
+            }
+            Err(e) => {
+                warn!(error = %e, "evidence write failed; denying");
+                false
+            }
+        }
+    }
+
+    /// Whether `record`, a denial over its client's record rate, was
+    /// counted into a summary (and in the metrics) rather than written.
+    fn summarised(&self, record: &mut Record) -> bool {
+        let now = (std::time::Instant::now(), std::time::SystemTime::now());
+        if self.denials.admit(record, now.0, now.1) {
+            return false;
+        }
+        record.id = denials::SUMMARISED.to_string();
+        // What the client is shown: the summary, not a record of its own.
+        record.reference = Some(denials::SUMMARISED.to_string());
+        self.metrics.count_record(record);
+        let org = record.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG);
+        self.metrics
+            .evidence_suppressed_total
+            .with_label_values(&[org])
+            .inc();
+        true
+    }
+
+    /// Queue a record without waiting (close records, refusals that let
+    /// nothing through). Its id is assigned at once; it is never dropped,
+    /// but a denial over its client's record rate goes into a summary.
+    pub fn submit(&self, record: &mut Record) {
+        if self.summarised(record) {
+            return;
+        }
+        self.evidence.submit(record);
+        self.metrics.count_record(record);
+    }
+
+    /// Write the denial summaries (every [`denials::SUMMARY_INTERVAL`],
+    /// and once at shutdown), counted in the metrics' record totals.
+    pub async fn flush_denials(&self) {
+        self.denials.flush(&self.evidence).await;
+    }
+
+    /// Where the first bytes of `client`, of `view`'s org, are charged.
+    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
+        self.detect.scope(view.org.as_ref(), client.ip())
+    }
+
+    /// Charge the connection's `permit` to the org of `view`, the one it
+    /// is decided for (see [`super::limits`]); over that org's cap or rate, the
+    /// limit to name in the refusal.
+    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
+        self.conns.charge(permit, view.org.as_ref())
+    }
+}

@@ -1,0 +1,81 @@
+//! Dialling: exactly the checked addresses, in order, within the connect
+//! timeout, each failure counted.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tracing::debug;
+
+use super::ctx::Ctx;
+use crate::metrics::Metrics;
+
+/// Why dialling every checked address failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("connecting to {addr} timed out")]
+    Timeout { addr: SocketAddr },
+    #[error("connecting to {addr} failed: {source}")]
+    Io { addr: SocketAddr, source: io::Error },
+    #[error("no address to dial")]
+    NoAddress,
+}
+
+impl DialError {
+    /// A bounded label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DialError::Timeout { .. } => "timeout",
+            DialError::Io { source, .. } => match source.kind() {
+                io::ErrorKind::ConnectionRefused => "refused",
+                io::ErrorKind::HostUnreachable | io::ErrorKind::NetworkUnreachable => "unreachable",
+                _ => "other",
+            },
+            DialError::NoAddress => "no_address",
+        }
+    }
+}
+
+impl Ctx {
+    /// [`dial`] within `connect_timeout`, failures counted.
+    pub async fn dial(
+        &self,
+        addrs: &[IpAddr],
+        port: u16,
+    ) -> Result<(TcpStream, SocketAddr), DialError> {
+        dial(
+            &self.metrics,
+            addrs,
+            port,
+            self.limits.connect_timeout.get(),
+        )
+        .await
+    }
+}
+
+/// Dial the checked addresses in order until one answers; returns the
+/// stream and the address it reached, or the last error. Each failed
+/// address counts in `palisade_upstream_connect_errors_total`.
+pub async fn dial(
+    metrics: &Metrics,
+    addrs: &[IpAddr],
+    port: u16,
+    timeout: Duration,
+) -> Result<(TcpStream, SocketAddr), DialError> {
+    let mut last = DialError::NoAddress;
+    for ip in addrs {
+        let addr = SocketAddr::new(*ip, port);
+        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => {
+                let _ = stream.set_nodelay(true);
+                return Ok((stream, addr));
+            }
+            Ok(Err(source)) => last = DialError::Io { addr, source },
+            Err(_) => last = DialError::Timeout { addr },
+        }
+        metrics.count_connect_error(last.kind());
+        debug!(%addr, error = %last, "dial failed; trying next address");
+    }
+    Err(last)
+}
