@@ -18,12 +18,12 @@ use hickory_server::server::Request;
 use hickory_server::zone_handler::MessageResponseBuilder;
 use tracing::{debug, warn};
 
-use super::bindings::Bindings;
 use super::budget::{QueryBudget, TcpBudget};
 use super::cache::{AnswerCache, Key};
 use super::decide::{decide_query, Action};
 use super::refusals::{Recorded, Refusals};
 use super::ttl::TtlMemo;
+use crate::bindings::Bindings;
 use crate::config::{DnsConfig, DnsDenied};
 use crate::evidence::{Evidence, Kind, Mode, Record as EvRecord};
 use crate::metrics::Metrics;
@@ -57,7 +57,7 @@ pub struct Shim {
     /// DNS-over-TCP connections: global, per client address, per org.
     pub tcp: TcpBudget,
     /// Queries per second per client address.
-    pub per_client: Arc<crate::proxy::limits::RateLimiter<IpAddr>>,
+    pub per_client: Arc<crate::limits::RateLimiter<IpAddr>>,
     /// Refusal records, one by one while the writer has room, else tallied.
     pub refusals: Refusals,
     /// Answer TTLs as first seen, so they do not count down across orgs.
@@ -142,7 +142,7 @@ impl Shim {
         Shim {
             queries: QueryBudget::new(&config),
             tcp: TcpBudget::new(&config),
-            per_client: Arc::new(crate::proxy::limits::RateLimiter::new(
+            per_client: Arc::new(crate::limits::RateLimiter::new(
                 config.max_queries_per_second_per_client,
                 65_536,
             )),
@@ -150,7 +150,7 @@ impl Shim {
             refusals: Refusals::new(
                 evidence.clone(),
                 metrics.clone(),
-                Arc::new(crate::proxy::limits::EvidenceBudget::new(
+                Arc::new(crate::limits::EvidenceBudget::new(
                     crate::config::default_max_records_per_second_per_org(
                         &crate::config::Limits::default(),
                         &config,
@@ -170,10 +170,7 @@ impl Shim {
 
     /// Charge records to `budget`, the evidence budget the proxy charges
     /// too (`[evidence] max_records_per_second_per_org`).
-    pub fn with_evidence_budget(
-        mut self,
-        budget: Arc<crate::proxy::limits::EvidenceBudget>,
-    ) -> Shim {
+    pub fn with_evidence_budget(mut self, budget: Arc<crate::limits::EvidenceBudget>) -> Shim {
         self.refusals.set_budget(budget);
         self
     }
@@ -545,7 +542,7 @@ impl Shim {
             if let Some(kept) = self.cache.get(&served_now, key, now) {
                 // Only answers are kept: paid for like any other (below).
                 if !self.refusals.pay(&Some(org.name.clone())) {
-                    let limit = crate::proxy::limits::EVIDENCE_BUDGET_EXHAUSTED;
+                    let limit = crate::limits::EVIDENCE_BUDGET_EXHAUSTED;
                     return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await;
                 }
                 let reply = self.deliver(served, src, qtype, org, &kept, now).await;
@@ -568,7 +565,7 @@ impl Shim {
                 .refusals
                 .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
         {
-            let limit = crate::proxy::limits::EVIDENCE_BUDGET_EXHAUSTED;
+            let limit = crate::limits::EVIDENCE_BUDGET_EXHAUSTED;
             return refuse(Reason::LimitExceeded, limit, Duration::ZERO).await;
         }
         let host = decision.name.clone().unwrap_or_else(shown);

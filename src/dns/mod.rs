@@ -1,6 +1,6 @@
 //! The DNS shim: answers only names the client's org may reach, refuses the
 //! rest without sending a packet upstream, and remembers which addresses it
-//! handed to which org for which name ([`Bindings`]).
+//! handed to which org for which name ([`crate::bindings`]).
 //!
 //! The path of one query:
 //!
@@ -24,7 +24,6 @@
 //! 4. Evidence is written before the answer is sent; refusals are queued
 //!    when the writer has room, else summarised ([`refusals`]).
 
-pub mod bindings;
 pub mod budget;
 pub mod cache;
 pub mod decide;
@@ -49,7 +48,6 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-pub use bindings::Bindings;
 pub use handler::{Shim, EDE_BLOCKED, EDE_OPTION};
 
 /// Queries answered on one TCP connection before it is closed.

@@ -104,7 +104,7 @@ pub async fn open(
     // spent, the tunnel is refused (the refusal summarised).
     if !ctx.pay_allow(view) {
         let verdict = super::budget_spent(outcome.verdict);
-        let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
+        let detail = Some(crate::limits::EVIDENCE_BUDGET_EXHAUSTED);
         return Err(
             record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, detail).await,
         );

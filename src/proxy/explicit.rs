@@ -21,9 +21,9 @@ use super::failure::Failure;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercept;
-use super::limits::Permit;
 use super::{Ctx, Outcome, View};
 use crate::evidence::{Kind, Mode};
+use crate::limits::Permit;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -525,7 +525,7 @@ async fn forward(
     // The request's record is paid for from the org's evidence budget.
     if !ctx.pay_allow(view) {
         let verdict = super::budget_spent(verdict);
-        let detail = Some(super::limits::EVIDENCE_BUDGET_EXHAUSTED);
+        let detail = Some(crate::limits::EVIDENCE_BUDGET_EXHAUSTED);
         let target = (Some(&host), Some(port));
         return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;
     }

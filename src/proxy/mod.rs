@@ -14,7 +14,7 @@
 //! - Whatever fails is told to the client from one mapping, [`failure`].
 //! - Connection caps and rate limits, charged to the org a connection is
 //!   decided for (strangers to their own address), and the shares of
-//!   detection memory: [`limits`]. Denials over a client's record rate
+//!   detection memory: [`crate::limits`]. Denials over a client's record rate
 //!   are written as summaries: [`denials`].
 
 pub mod conn;
@@ -25,7 +25,6 @@ pub mod failure;
 pub mod forward;
 pub mod http;
 pub mod intercept;
-pub mod limits;
 pub mod pool;
 pub mod socks5;
 pub mod splice;
@@ -51,18 +50,12 @@ use crate::proto::target::Host;
 use crate::resolve::Resolver;
 use crate::served::{Served, ServedHandle};
 
-use self::limits::{ConnLimits, Permit};
+use crate::bindings::NameBindings;
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
 
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
 pub const DETECT_BUDGET_EXHAUSTED: &str =
     "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
-
-/// What the DNS shim handed out: did org `org` receive `addr` for `name`,
-/// and is that binding still valid? Transparent mode uses it to check that
-/// a connection's original destination belongs to the name it presents.
-pub trait NameBindings: Send + Sync {
-    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
-}
 
 /// Everything a connection handler needs, shared by all connections.
 pub struct Ctx {
@@ -79,8 +72,8 @@ pub struct Ctx {
     /// Which denials are written one by one, and the tallies of the rest.
     pub denials: denials::Denials,
     /// Memory held for first bytes before decisions: a global pool, a
-    /// share per org and per address of no org (see [`limits::DetectMemory`]).
-    pub detect: limits::DetectMemory,
+    /// share per org and per address of no org (see [`DetectMemory`]).
+    pub detect: DetectMemory,
     /// Refused connections being drained before close (bounded).
     pub refusal_drains: Arc<tokio::sync::Semaphore>,
     /// Idle upstream connections of absolute-form HTTP kept for reuse.
@@ -293,14 +286,14 @@ impl Ctx {
     }
 
     /// Where the first bytes of `client`, of `view`'s org, are charged.
-    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> limits::DetectScope<'_> {
+    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
     }
 
     /// Charge the connection's `permit` to the org of `view`, the one it
     /// is decided for (see [`limits`]); over that org's cap or rate, the
     /// limit to name in the refusal.
-    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), limits::LimitHit> {
+    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
         self.conns.charge(permit, view.org.as_ref())
     }
 }
@@ -447,7 +440,7 @@ pub async fn accept_loop<S, F, R>(
 ) where
     S: Fn(Arc<Ctx>, TcpStream, SocketAddr, View, Permit) -> F,
     F: std::future::Future<Output = ()> + Send + 'static,
-    R: Fn(&Ctx, TcpStream, SocketAddr, &View, limits::LimitHit),
+    R: Fn(&Ctx, TcpStream, SocketAddr, &View, LimitHit),
 {
     loop {
         let accepted = tokio::select! {
@@ -492,13 +485,7 @@ pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
 }
 
 /// Over a connection cap: record it, answer 503 without waiting, close.
-fn reject_over_limit(
-    ctx: &Ctx,
-    stream: TcpStream,
-    peer: SocketAddr,
-    view: &View,
-    hit: limits::LimitHit,
-) {
+fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
     let mut record = view.refusal(
         (Kind::Tcp, Mode::Explicit),
         peer,

@@ -19,9 +19,9 @@ use tokio::time::Instant;
 use tracing::{debug, info_span, Instrument};
 
 use super::connect;
-use super::limits::{LimitHit, Permit};
 use super::{Ctx, View};
 use crate::evidence::{Kind, Mode};
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
     self, Address, Command, Malformed, Parse, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,

@@ -19,11 +19,11 @@ use tracing::{debug, info_span, Instrument};
 
 use super::conn::Conn;
 use super::intercept::{self, serve::Session, Plan};
-use super::limits::{LimitHit, Permit};
 use super::tunnel::{self, Detected};
 use super::{connect, decide_with, verify, Ctx, Outcome, View};
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode};
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{canonical, Decision, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -181,7 +181,7 @@ async fn handle(
     }
     // The allow's record is paid for from the org's evidence budget.
     if !ctx.pay_allow(view) {
-        let detail = super::limits::EVIDENCE_BUDGET_EXHAUSTED.to_string();
+        let detail = crate::limits::EVIDENCE_BUDGET_EXHAUSTED.to_string();
         conn.refuse(Reason::LimitExceeded, Some(detail));
         let _ = connect::write(&ctx, &conn).await;
         return reset(client);
