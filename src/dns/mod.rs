@@ -24,11 +24,15 @@
 //! 4. Evidence is written before the answer is sent; refusals are queued
 //!    when the writer has room, else summarised ([`refusals`]).
 
+mod answer;
 pub mod budget;
 pub mod cache;
 pub mod decide;
-mod handler;
+mod encode;
+mod filter;
+mod query;
 pub mod refusals;
+mod shim;
 pub mod ttl;
 
 use std::io;
@@ -48,7 +52,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-pub use handler::{Shim, EDE_BLOCKED, EDE_OPTION};
+pub use encode::{EDE_BLOCKED, EDE_OPTION};
+pub use filter::Forwarded;
+pub use shim::Shim;
 
 /// Queries answered on one TCP connection before it is closed.
 const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
