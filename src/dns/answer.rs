@@ -117,7 +117,33 @@ impl Shim {
             return reply;
         }
 
+        match self
+            .decide(&served, &mut state, query, key, wait, now)
+            .await
+        {
+            Ok(reply) => {
+                self.metrics.time_decision(Mode::Dns, started.elapsed());
+                reply
+            }
+            Err(refused) => refused,
+        }
+    }
+
+    /// The policy's decision and what it says to do, within `wait` for a
+    /// refusal's record. `Err`: refused before anything decided was done
+    /// (the org's evidence budget spent, no org to forward for), not
+    /// timed as a decision.
+    async fn decide(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        key: Option<Key>,
+        wait: Duration,
+        now: Instant,
+    ) -> Result<Reply, Reply> {
         let qname = query.name().to_string();
+        let qtype = query.query_type();
         let decision = decide_query(
             &served.policy,
             &served.dns,
@@ -138,52 +164,60 @@ impl Shim {
                 .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
         {
             let limit = EVIDENCE_BUDGET_EXHAUSTED;
-            return self
-                .refuse_early(
-                    &mut state,
-                    query,
-                    Reason::LimitExceeded,
-                    limit,
-                    Duration::ZERO,
-                )
+            let refused = self
+                .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;
+            return Err(refused);
         }
         let host = decision.name.clone().unwrap_or_else(|| shown_name(query));
         state.decided(decision.verdict, host);
-        let reply = match decision.action {
+        Ok(match decision.action {
             Action::Refuse => {
-                self.refuse_decided(&state, ResponseCode::Refused, wait)
+                self.refuse_decided(state, ResponseCode::Refused, wait)
                     .await
             }
-            Action::Denied(style) => self.refuse_decided(&state, denied_rcode(style), wait).await,
+            Action::Denied(style) => self.refuse_decided(state, denied_rcode(style), wait).await,
             Action::NxDomain => {
-                self.record_refusal(&state, wait).await;
+                self.record_refusal(state, wait).await;
                 Reply::empty(ResponseCode::NXDomain)
             }
             Action::NoData => {
-                self.record_refusal(&state, wait).await;
+                self.record_refusal(state, wait).await;
                 Reply::empty(ResponseCode::NoError)
             }
-            Action::AnyHinfo => self.any_hinfo(&mut state, query).await,
-            Action::Ptr(addr) => self.ptr(&served, &mut state, query, addr, wait, now).await,
+            Action::AnyHinfo => self.any_hinfo(state, query).await,
+            Action::Ptr(addr) => self.ptr(served, state, query, addr, wait, now).await,
             Action::Forward => {
                 let (Some(org), Some(key)) = (state.verdict_org().cloned(), key) else {
-                    return Reply::empty(ResponseCode::Refused);
+                    return Err(Reply::empty(ResponseCode::Refused));
                 };
-                let host = state.name.clone().unwrap_or_default();
-                // Boxed: the resolver's future is large and only this
-                // (uncached) path needs it; every query's task stays small.
-                let (fwd, until) =
-                    Box::pin(self.forward(&served, &org, state.verdict.clone(), host, qtype)).await;
-                let fwd = Arc::new(fwd);
-                if let Some(until) = until {
-                    self.cache.insert(&served, key, fwd.clone(), until, now);
-                }
-                self.deliver(&mut state, &org, &fwd, now).await
+                self.forward_and_deliver(served, state, &org, key, now)
+                    .await
             }
-        };
-        self.metrics.time_decision(Mode::Dns, started.elapsed());
-        reply
+        })
+    }
+
+    /// Forward the decided name upstream, keep what that made of it in
+    /// the cache while it lasts, and deliver it.
+    async fn forward_and_deliver(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        org: &OrgRef,
+        key: Key,
+        now: Instant,
+    ) -> Reply {
+        let host = state.name.clone().unwrap_or_default();
+        let qtype = key.qtype;
+        // Boxed: the resolver's future is large and only this (uncached)
+        // path needs it; every query's task stays small.
+        let (fwd, until) =
+            Box::pin(self.forward(served, org, state.verdict.clone(), host, qtype)).await;
+        let fwd = Arc::new(fwd);
+        if let Some(until) = until {
+            self.cache.insert(served, key, fwd.clone(), until, now);
+        }
+        self.deliver(state, org, &fwd, now).await
     }
 
     /// A place for the query within the client's query rate and the query
