@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
 use hickory_server::proto::rr::rdata::{HINFO, PTR};
-use hickory_server::proto::rr::{DNSClass, Name, RData, Record};
+use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
@@ -31,13 +31,14 @@ use super::budget::Held;
 use super::cache::Key;
 use super::decide::{decide_query, Action};
 use super::encode::{blocked, denied_rcode, Reply, EDE_BLOCKED};
-use super::filter::{describe, Forwarded};
+use super::filter::{describe, filter, Filtered, Forwarded};
 use super::query::QueryState;
 use super::refusals::Recorded;
 use super::shim::Shim;
 use crate::evidence::Mode;
 use crate::limits::{client_key, EVIDENCE_BUDGET_EXHAUSTED};
-use crate::policy::{OrgRef, Reason};
+use crate::policy::{OrgRef, Reason, Verdict};
+use crate::resolve::RecordsError;
 use crate::served::Served;
 
 /// Longest query name kept in evidence for a name that is not a host name.
@@ -218,6 +219,70 @@ impl Shim {
             self.cache.insert(served, key, fwd.clone(), until, now);
         }
         self.deliver(state, org, &fwd, now).await
+    }
+
+    /// Forward `host`, decided `verdict` for `org`: what that made of
+    /// it, and until when the same query would get the same (`None`: not
+    /// to be kept).
+    pub(super) async fn forward(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        verdict: Verdict,
+        host: String,
+        qtype: RecordType,
+    ) -> (Forwarded, Option<Instant>) {
+        let (filtered, until) = self.lookup(served, org, &host, qtype).await;
+        (Forwarded::new(verdict, host, filtered), until)
+    }
+
+    /// Resolve and filter; with the result, until when the same query
+    /// would get the same result (`None`: not to be kept).
+    async fn lookup(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        name: &str,
+        qtype: RecordType,
+    ) -> (Filtered, Option<Instant>) {
+        let lookup = tokio::time::timeout(
+            self.config.query_timeout.get(),
+            self.resolver.lookup_records(name, qtype),
+        )
+        .await
+        .unwrap_or(Err(RecordsError::Timeout));
+        let now = Instant::now();
+        // Kept no longer than `max_ttl`, whatever the resolver says.
+        let bound = now + self.config.max_ttl;
+        let negative = |ttl: Option<u32>| {
+            ttl.filter(|t| *t > 0)
+                .map(|t| (now + Duration::from_secs(u64::from(t))).min(bound))
+        };
+        match lookup {
+            Ok(mut found) => {
+                // Every org gets the TTLs the answer had when first seen.
+                let memo = self.ttls.apply(name, qtype, &mut found.records, now);
+                // The same answer while both the resolver's entry and the
+                // memo last.
+                let until = memo.map(|m| m.min(found.valid_until).min(bound));
+                (
+                    filter(&self.config, served, org, qtype, found.records),
+                    until,
+                )
+            }
+            Err(RecordsError::NxDomain { negative_ttl }) => (
+                Filtered::failed(ResponseCode::NXDomain, None),
+                negative(negative_ttl),
+            ),
+            Err(RecordsError::NoData { negative_ttl }) => (
+                Filtered::failed(ResponseCode::NoError, None),
+                negative(negative_ttl),
+            ),
+            Err(e) => (
+                Filtered::failed(ResponseCode::ServFail, Some(e.to_string())),
+                None,
+            ),
+        }
     }
 
     /// A place for the query within the client's query rate and the query

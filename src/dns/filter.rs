@@ -7,16 +7,14 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use hickory_server::proto::op::ResponseCode;
 use hickory_server::proto::rr::rdata::svcb::{IpHint, Mandatory, SvcParamKey, SvcParamValue};
 use hickory_server::proto::rr::rdata::{A, AAAA, HTTPS, SVCB};
 use hickory_server::proto::rr::{RData, Record, RecordType};
 
-use super::shim::Shim;
+use crate::config::DnsConfig;
 use crate::policy::{OrgRef, Reason, Verdict};
-use crate::resolve::RecordsError;
 use crate::served::Served;
 
 /// What forwarding made of a query, before its record is written: the
@@ -41,7 +39,7 @@ pub struct Forwarded {
 }
 
 /// The resolver's answer, filtered.
-struct Filtered {
+pub(super) struct Filtered {
     rcode: ResponseCode,
     answers: Vec<Record>,
     /// Addresses handed out (answers and SVCB hints), with their TTL.
@@ -52,6 +50,20 @@ struct Filtered {
     error: Option<String>,
 }
 
+impl Filtered {
+    /// No answer: `rcode`, and the error that made it, if any.
+    pub(super) fn failed(rcode: ResponseCode, error: Option<String>) -> Filtered {
+        Filtered {
+            rcode,
+            answers: Vec::new(),
+            bind: Vec::new(),
+            stripped: Vec::new(),
+            denial: None,
+            error,
+        }
+    }
+}
+
 /// An answer as its record shows it.
 pub(super) fn describe(r: &Record) -> String {
     format!("{} {}", r.record_type(), r.data)
@@ -59,7 +71,7 @@ pub(super) fn describe(r: &Record) -> String {
 
 impl Forwarded {
     /// What forwarding `host` produced, as the record and the reply show it.
-    fn new(mut verdict: Verdict, host: String, fwd: Filtered) -> Forwarded {
+    pub(super) fn new(mut verdict: Verdict, host: String, fwd: Filtered) -> Forwarded {
         if let Some(d) = fwd.denial.clone() {
             verdict = Verdict {
                 rule: d.rule.or(verdict.rule),
@@ -92,214 +104,151 @@ impl Forwarded {
     }
 }
 
-impl Shim {
-    /// Strip `ech` from an SVCB/HTTPS record and hints the org may not be
-    /// handed; returns the kept hints.
-    fn filter_svcb(
-        &self,
-        served: &Served,
-        org: &OrgRef,
-        svcb: &SVCB,
-    ) -> (SVCB, Vec<IpAddr>, Vec<String>) {
-        let mut kept_hints = Vec::new();
-        let mut stripped = Vec::new();
-        let mut params = Vec::with_capacity(svcb.svc_params.len());
-        for (key, value) in &svcb.svc_params {
-            match (key, value) {
-                (SvcParamKey::EchConfigList, _) => stripped.push("ech".to_string()),
-                (_, SvcParamValue::Mandatory(Mandatory(keys))) => {
-                    let keys: Vec<SvcParamKey> = keys
-                        .iter()
-                        .copied()
-                        .filter(|k| *k != SvcParamKey::EchConfigList)
-                        .collect();
-                    params.push((*key, SvcParamValue::Mandatory(Mandatory(keys))));
-                }
-                (_, SvcParamValue::Ipv4Hint(IpHint(hints))) => {
-                    let mut keep = Vec::new();
-                    for h in hints {
-                        let ip = IpAddr::V4(h.0);
-                        if served.policy.answer_allowed(org, ip).is_ok() {
-                            keep.push(*h);
-                            kept_hints.push(ip);
-                        } else {
-                            stripped.push(format!("ipv4hint {ip}"));
-                        }
-                    }
-                    if !keep.is_empty() {
-                        params.push((*key, SvcParamValue::Ipv4Hint(IpHint(keep))));
-                    }
-                }
-                (_, SvcParamValue::Ipv6Hint(IpHint(hints))) => {
-                    let mut keep = Vec::new();
-                    for h in hints {
-                        let ip = IpAddr::V6(h.0);
-                        if served.policy.answer_allowed(org, ip).is_ok() {
-                            keep.push(*h);
-                            kept_hints.push(ip);
-                        } else {
-                            stripped.push(format!("ipv6hint {ip}"));
-                        }
-                    }
-                    if !keep.is_empty() {
-                        params.push((*key, SvcParamValue::Ipv6Hint(IpHint(keep))));
-                    }
-                }
-                _ => params.push((*key, value.clone())),
-            }
-        }
-        let out = SVCB::new(svcb.svc_priority, svcb.target_name.clone(), params);
-        (out, kept_hints, stripped)
-    }
+/// `ttl` within `min_ttl`..`max_ttl`.
+pub(super) fn clamp_ttl(config: &DnsConfig, ttl: u32) -> u32 {
+    let min = u32::try_from(config.min_ttl.as_secs()).unwrap_or(u32::MAX);
+    let max = u32::try_from(config.max_ttl.as_secs()).unwrap_or(u32::MAX);
+    ttl.clamp(min, max.max(min))
+}
 
-    /// Keep what may be handed out, in order.
-    fn filter(
-        &self,
-        served: &Served,
-        org: &OrgRef,
-        qtype: RecordType,
-        records: Vec<Record>,
-    ) -> Filtered {
-        let mut out = Filtered {
-            rcode: ResponseCode::NoError,
-            answers: Vec::new(),
-            bind: Vec::new(),
-            stripped: Vec::new(),
-            denial: None,
-            error: None,
+/// Strip `ech` from an SVCB/HTTPS record and hints the org may not be
+/// handed; returns the kept hints.
+fn filter_svcb(served: &Served, org: &OrgRef, svcb: &SVCB) -> (SVCB, Vec<IpAddr>, Vec<String>) {
+    let mut kept_hints = Vec::new();
+    let mut stripped = Vec::new();
+    let mut params = Vec::with_capacity(svcb.svc_params.len());
+    for (key, value) in &svcb.svc_params {
+        match (key, value) {
+            (SvcParamKey::EchConfigList, _) => stripped.push("ech".to_string()),
+            (_, SvcParamValue::Mandatory(Mandatory(keys))) => {
+                let keys: Vec<SvcParamKey> = keys
+                    .iter()
+                    .copied()
+                    .filter(|k| *k != SvcParamKey::EchConfigList)
+                    .collect();
+                params.push((*key, SvcParamValue::Mandatory(Mandatory(keys))));
+            }
+            (_, SvcParamValue::Ipv4Hint(IpHint(hints))) => {
+                let mut keep = Vec::new();
+                for h in hints {
+                    let ip = IpAddr::V4(h.0);
+                    if served.policy.answer_allowed(org, ip).is_ok() {
+                        keep.push(*h);
+                        kept_hints.push(ip);
+                    } else {
+                        stripped.push(format!("ipv4hint {ip}"));
+                    }
+                }
+                if !keep.is_empty() {
+                    params.push((*key, SvcParamValue::Ipv4Hint(IpHint(keep))));
+                }
+            }
+            (_, SvcParamValue::Ipv6Hint(IpHint(hints))) => {
+                let mut keep = Vec::new();
+                for h in hints {
+                    let ip = IpAddr::V6(h.0);
+                    if served.policy.answer_allowed(org, ip).is_ok() {
+                        keep.push(*h);
+                        kept_hints.push(ip);
+                    } else {
+                        stripped.push(format!("ipv6hint {ip}"));
+                    }
+                }
+                if !keep.is_empty() {
+                    params.push((*key, SvcParamValue::Ipv6Hint(IpHint(keep))));
+                }
+            }
+            _ => params.push((*key, value.clone())),
+        }
+    }
+    let out = SVCB::new(svcb.svc_priority, svcb.target_name.clone(), params);
+    (out, kept_hints, stripped)
+}
+
+/// Keep what may be handed out, in order.
+pub(super) fn filter(
+    config: &DnsConfig,
+    served: &Served,
+    org: &OrgRef,
+    qtype: RecordType,
+    records: Vec<Record>,
+) -> Filtered {
+    let mut out = Filtered {
+        rcode: ResponseCode::NoError,
+        answers: Vec::new(),
+        bind: Vec::new(),
+        stripped: Vec::new(),
+        denial: None,
+        error: None,
+    };
+    let mut had_address = false;
+    for r in records {
+        let ttl = clamp_ttl(config, r.ttl);
+        let address = match &r.data {
+            RData::A(a) => Some(IpAddr::V4(a.0)),
+            RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+            _ => None,
         };
-        let mut had_address = false;
-        for r in records {
-            let ttl = self.clamp_ttl(r.ttl);
-            let address = match &r.data {
-                RData::A(a) => Some(IpAddr::V4(a.0)),
-                RData::AAAA(a) => Some(IpAddr::V6(a.0)),
-                _ => None,
-            };
-            let data = match (address, &r.data) {
-                (Some(ip), _) => self.address(served, org, ip, ttl, &mut out, &mut had_address),
-                (_, RData::CNAME(_)) => Some(r.data.clone()),
-                (_, RData::HTTPS(h)) => {
-                    let (svcb, hints, stripped) = self.filter_svcb(served, org, &h.0);
-                    out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
-                    out.stripped.extend(stripped);
-                    Some(RData::HTTPS(HTTPS(svcb)))
-                }
-                (_, RData::SVCB(s)) => {
-                    let (svcb, hints, stripped) = self.filter_svcb(served, org, s);
-                    out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
-                    out.stripped.extend(stripped);
-                    Some(RData::SVCB(svcb))
-                }
-                (_, other) if r.record_type() == qtype => Some(other.clone()),
-                _ => None,
-            };
-            if let Some(data) = data {
-                out.answers
-                    .push(Record::from_rdata(r.name.clone(), ttl, data));
+        let data = match (address, &r.data) {
+            (Some(ip), _) => keep_address(served, org, ip, ttl, &mut out, &mut had_address),
+            (_, RData::CNAME(_)) => Some(r.data.clone()),
+            (_, RData::HTTPS(h)) => {
+                let (svcb, hints, stripped) = filter_svcb(served, org, &h.0);
+                out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
+                out.stripped.extend(stripped);
+                Some(RData::HTTPS(HTTPS(svcb)))
             }
-        }
-        let addresses_left = out
-            .answers
-            .iter()
-            .any(|r| matches!(r.data, RData::A(_) | RData::AAAA(_)));
-        if had_address && !addresses_left && out.denial.is_some() {
-            // Every address was stripped: NODATA, and nothing to bind.
-            out.answers.clear();
-            out.bind.clear();
-        } else {
-            out.denial = None;
-        }
-        out
-    }
-
-    fn address(
-        &self,
-        served: &Served,
-        org: &OrgRef,
-        ip: IpAddr,
-        ttl: u32,
-        out: &mut Filtered,
-        had_address: &mut bool,
-    ) -> Option<RData> {
-        *had_address = true;
-        match served.policy.answer_allowed(org, ip) {
-            Ok(()) => {
-                out.bind.push((ip, ttl));
-                Some(match ip {
-                    IpAddr::V4(v4) => RData::A(A(v4)),
-                    IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
-                })
+            (_, RData::SVCB(s)) => {
+                let (svcb, hints, stripped) = filter_svcb(served, org, s);
+                out.bind.extend(hints.into_iter().map(|ip| (ip, ttl)));
+                out.stripped.extend(stripped);
+                Some(RData::SVCB(svcb))
             }
-            Err(v) => {
-                out.stripped.push(ip.to_string());
-                out.denial.get_or_insert(v);
-                None
-            }
-        }
-    }
-
-    /// Forward `host`, decided `verdict` for `org`: what that made of
-    /// it, and until when the same query would get the same (`None`: not
-    /// to be kept).
-    pub(super) async fn forward(
-        &self,
-        served: &Served,
-        org: &OrgRef,
-        verdict: Verdict,
-        host: String,
-        qtype: RecordType,
-    ) -> (Forwarded, Option<Instant>) {
-        let (filtered, until) = self.lookup(served, org, &host, qtype).await;
-        (Forwarded::new(verdict, host, filtered), until)
-    }
-
-    /// Resolve and filter; with the result, until when the same query
-    /// would get the same result (`None`: not to be kept).
-    async fn lookup(
-        &self,
-        served: &Served,
-        org: &OrgRef,
-        name: &str,
-        qtype: RecordType,
-    ) -> (Filtered, Option<Instant>) {
-        let lookup = tokio::time::timeout(
-            self.config.query_timeout.get(),
-            self.resolver.lookup_records(name, qtype),
-        )
-        .await
-        .unwrap_or(Err(RecordsError::Timeout));
-        let failed = |rcode, error: Option<String>| Filtered {
-            rcode,
-            answers: Vec::new(),
-            bind: Vec::new(),
-            stripped: Vec::new(),
-            denial: None,
-            error,
+            (_, other) if r.record_type() == qtype => Some(other.clone()),
+            _ => None,
         };
-        let now = Instant::now();
-        // Kept no longer than `max_ttl`, whatever the resolver says.
-        let bound = now + self.config.max_ttl;
-        let negative = |ttl: Option<u32>| {
-            ttl.filter(|t| *t > 0)
-                .map(|t| (now + Duration::from_secs(u64::from(t))).min(bound))
-        };
-        match lookup {
-            Ok(mut found) => {
-                // Every org gets the TTLs the answer had when first seen.
-                let memo = self.ttls.apply(name, qtype, &mut found.records, now);
-                // The same answer while both the resolver's entry and the
-                // memo last.
-                let until = memo.map(|m| m.min(found.valid_until).min(bound));
-                (self.filter(served, org, qtype, found.records), until)
-            }
-            Err(RecordsError::NxDomain { negative_ttl }) => {
-                (failed(ResponseCode::NXDomain, None), negative(negative_ttl))
-            }
-            Err(RecordsError::NoData { negative_ttl }) => {
-                (failed(ResponseCode::NoError, None), negative(negative_ttl))
-            }
-            Err(e) => (failed(ResponseCode::ServFail, Some(e.to_string())), None),
+        if let Some(data) = data {
+            out.answers
+                .push(Record::from_rdata(r.name.clone(), ttl, data));
+        }
+    }
+    let addresses_left = out
+        .answers
+        .iter()
+        .any(|r| matches!(r.data, RData::A(_) | RData::AAAA(_)));
+    if had_address && !addresses_left && out.denial.is_some() {
+        // Every address was stripped: NODATA, and nothing to bind.
+        out.answers.clear();
+        out.bind.clear();
+    } else {
+        out.denial = None;
+    }
+    out
+}
+
+/// An address record's data, if `org` may be handed `ip` (bound with
+/// `ttl`); else it is stripped.
+fn keep_address(
+    served: &Served,
+    org: &OrgRef,
+    ip: IpAddr,
+    ttl: u32,
+    out: &mut Filtered,
+    had_address: &mut bool,
+) -> Option<RData> {
+    *had_address = true;
+    match served.policy.answer_allowed(org, ip) {
+        Ok(()) => {
+            out.bind.push((ip, ttl));
+            Some(match ip {
+                IpAddr::V4(v4) => RData::A(A(v4)),
+                IpAddr::V6(v6) => RData::AAAA(AAAA(v6)),
+            })
+        }
+        Err(v) => {
+            out.stripped.push(ip.to_string());
+            out.denial.get_or_insert(v);
+            None
         }
     }
 }

@@ -13,7 +13,7 @@ use hickory_server::server::Request;
 use super::budget::{QueryBudget, TcpBudget};
 use super::cache::AnswerCache;
 use super::encode::encode;
-use super::filter::Forwarded;
+use super::filter::{clamp_ttl, Forwarded};
 use super::query::QueryState;
 use super::refusals::Refusals;
 use super::ttl::TtlMemo;
@@ -99,9 +99,7 @@ impl Shim {
 
     /// `ttl` within `min_ttl`..`max_ttl`.
     pub(super) fn clamp_ttl(&self, ttl: u32) -> u32 {
-        let min = u32::try_from(self.config.min_ttl.as_secs()).unwrap_or(u32::MAX);
-        let max = u32::try_from(self.config.max_ttl.as_secs()).unwrap_or(u32::MAX);
-        ttl.clamp(min, max.max(min))
+        clamp_ttl(&self.config, ttl)
     }
 
     /// Answer one decoded request: the encoded response (see
