@@ -291,7 +291,7 @@ impl Ctx {
     }
 
     /// Charge the connection's `permit` to the org of `view`, the one it
-    /// is decided for (see [`limits`]); over that org's cap or rate, the
+    /// is decided for (see [`crate::limits`]); over that org's cap or rate, the
     /// limit to name in the refusal.
     pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
         self.conns.charge(permit, view.org.as_ref())
@@ -428,7 +428,7 @@ pub async fn dial(
 /// The accept loop every TCP listener shares: stop on shutdown, hold back
 /// while the evidence queue is full (records are never dropped), back off on
 /// accept errors, take a connection permit (charged to the address's org,
-/// or to the address itself: see [`limits`]), then `serve` the connection
+/// or to the address itself: see [`crate::limits`]), then `serve` the connection
 /// in a tracked task, or `refuse` it over a limit. Each mode charges the
 /// permit to the org it finally decides for ([`Ctx::charge`]).
 pub async fn accept_loop<S, F, R>(
