@@ -13,12 +13,14 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::admin::{self, Health};
+use crate::bindings::Bindings;
 use crate::config::Config;
-use crate::dns::{self, Bindings};
+use crate::dns;
 use crate::evidence::Evidence;
+use crate::limits::{ConnLimits, DetectMemory, EvidenceBudget};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
-use crate::proxy::{self, limits::ConnLimits, Ctx};
+use crate::proxy::{self, Ctx};
 use crate::resolve::Resolver;
 use crate::served::Served;
 
@@ -148,7 +150,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     // One evidence budget per org, charged by the proxy and the DNS shim.
-    let evidence_budget = Arc::new(proxy::limits::EvidenceBudget::new(
+    let evidence_budget = Arc::new(EvidenceBudget::new(
         evidence_config.max_records_per_second_per_org,
     ));
     let ctx = Arc::new(Ctx {
@@ -159,7 +161,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
             evidence_budget.clone(),
         ),
         refusal_drains: Arc::new(tokio::sync::Semaphore::new(proxy::MAX_REFUSAL_DRAINS)),
-        detect: proxy::limits::DetectMemory::new(&limits),
+        detect: DetectMemory::new(&limits, proxy::tunnel::MAX_DETECT_BYTES),
         upstream_pool: Arc::new(proxy::pool::UpstreamPool::new(
             &limits,
             metrics.upstream_idle_connections.clone(),

@@ -3,7 +3,7 @@
 //! The path of one explicit-proxy connection through the modules:
 //!
 //! 1. [`proxy::explicit`] accepts it through [`proxy::listen`] (a
-//!    connection permit from [`proxy::limits`]) and the HTTP layer
+//!    connection permit from [`limits`]) and the HTTP layer
 //!    ([`proxy::http`]) reads the request head within bounded size and
 //!    time.
 //! 2. [`proto::target`] normalises the target (names, every IP spelling).
@@ -28,7 +28,7 @@
 //! A DNS query takes the same steps in [`dns`]: org by source address, the
 //! policy's name decision ([`dns::decide`]), upstream through [`resolve`],
 //! answers filtered by the policy's address checks and bound to the name in
-//! [`dns::Bindings`], evidence, then the answer.
+//! [`bindings`], evidence, then the answer.
 //!
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
@@ -54,6 +54,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod bindings;
 pub mod cli;
 pub mod config;
 pub mod dns;
@@ -61,6 +62,7 @@ pub mod evidence;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod intercept;
+pub mod limits;
 pub mod metrics;
 pub mod policy;
 pub mod probe;

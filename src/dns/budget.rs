@@ -13,94 +13,23 @@
 //! | `max_tcp_connections_per_org` | the client's org (a client in no org: none) | connection closed at once, `limit_exceeded` |
 //!
 //! The global place is taken first, so the per-key tables never hold more
-//! keys than there are global places.
+//! keys than there are global places. Who pays, and the shares they hold,
+//! are the proxy's too ([`crate::limits::share`]): an org, else the client's
+//! address (IPv6 by /64).
 
-use std::collections::HashMap;
-use std::hash::Hash;
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::DnsConfig;
-
-/// At most `max` charges per key; a key is held only while charged.
-#[derive(Debug)]
-pub struct Budget<K: Eq + Hash> {
-    max: usize,
-    used: Mutex<HashMap<K, usize>>,
-}
-
-/// One place in a [`Budget`], given back when dropped.
-#[derive(Debug)]
-pub struct Charge<K: Eq + Hash> {
-    budget: Arc<Budget<K>>,
-    key: K,
-}
-
-impl<K: Eq + Hash + Clone> Budget<K> {
-    pub fn new(max: usize) -> Arc<Budget<K>> {
-        Arc::new(Budget {
-            max: max.max(1),
-            used: Mutex::new(HashMap::new()),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<K, usize>> {
-        self.used.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A place for `key`, if it has fewer than `max`.
-    pub fn try_charge(self: &Arc<Self>, key: K) -> Option<Charge<K>> {
-        let mut used = self.lock();
-        let n = used.entry(key.clone()).or_insert(0);
-        if *n >= self.max {
-            return None;
-        }
-        *n += 1;
-        Some(Charge {
-            budget: self.clone(),
-            key,
-        })
-    }
-
-    /// Keys holding a place.
-    pub fn keys(&self) -> usize {
-        self.lock().len()
-    }
-}
-
-impl<K: Eq + Hash> Drop for Charge<K> {
-    fn drop(&mut self) {
-        let mut used = self.budget.used.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = used.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                used.remove(&self.key);
-            }
-        }
-    }
-}
-
-/// Who a query is charged to besides the global budget.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Payer {
-    Org(Arc<str>),
-    /// A client in no org: its own address.
-    Client(IpAddr),
-}
-
-impl Payer {
-    pub fn of(client: IpAddr, org: Option<&Arc<str>>) -> Payer {
-        org.map_or(Payer::Client(client), |o| Payer::Org(o.clone()))
-    }
-}
+use crate::limits::{Payer, Share, Shares};
 
 /// Held while a query (or a TCP connection) is being served.
 #[derive(Debug)]
 pub struct Held {
     _global: OwnedSemaphorePermit,
-    _charges: Vec<Charge<Payer>>,
+    _charges: Vec<Share<Payer>>,
 }
 
 /// A place in a global budget, or the name of its limit.
@@ -115,26 +44,31 @@ fn global_place(
 #[derive(Debug)]
 pub struct QueryBudget {
     global: Arc<Semaphore>,
-    per_payer: Arc<Budget<Payer>>,
+    per_payer: Arc<Shares<Payer>>,
+    max_per_payer: usize,
 }
 
 impl QueryBudget {
     pub fn new(config: &DnsConfig) -> QueryBudget {
         QueryBudget {
             global: Arc::new(Semaphore::new(config.max_queries_in_flight)),
-            per_payer: Budget::new(config.max_queries_in_flight_per_org),
+            per_payer: Shares::new(),
+            max_per_payer: config.max_queries_in_flight_per_org.max(1),
         }
     }
 
     /// A place for one query, or the name of the limit it is over.
     pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
         let global = global_place(&self.global, "max_queries_in_flight reached")?;
-        let payer = Payer::of(client, org);
+        let payer = Payer::of(org, client);
         let over = match payer {
             Payer::Org(_) => "max_queries_in_flight_per_org reached",
             Payer::Client(_) => "max_queries_in_flight_per_org reached by this address (in no org)",
         };
-        let charge = self.per_payer.try_charge(payer).ok_or(over)?;
+        let charge = self
+            .per_payer
+            .take(payer, 1, self.max_per_payer)
+            .ok_or(over)?;
         Ok(Held {
             _global: global,
             _charges: vec![charge],
@@ -146,16 +80,19 @@ impl QueryBudget {
 #[derive(Debug)]
 pub struct TcpBudget {
     global: Arc<Semaphore>,
-    per_client: Arc<Budget<Payer>>,
-    per_org: Arc<Budget<Payer>>,
+    /// Connections per client address and per org, in one table.
+    held: Arc<Shares<Payer>>,
+    max_per_client: usize,
+    max_per_org: usize,
 }
 
 impl TcpBudget {
     pub fn new(config: &DnsConfig) -> TcpBudget {
         TcpBudget {
             global: Arc::new(Semaphore::new(config.max_tcp_connections)),
-            per_client: Budget::new(config.max_tcp_connections_per_client),
-            per_org: Budget::new(config.max_tcp_connections_per_org),
+            held: Shares::new(),
+            max_per_client: config.max_tcp_connections_per_client.max(1),
+            max_per_org: config.max_tcp_connections_per_org.max(1),
         }
     }
 
@@ -163,13 +100,13 @@ impl TcpBudget {
     pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
         let global = global_place(&self.global, "max_tcp_connections reached")?;
         let mut charges = vec![self
-            .per_client
-            .try_charge(Payer::Client(client))
+            .held
+            .take(Payer::client(client), 1, self.max_per_client)
             .ok_or("max_tcp_connections_per_client reached")?];
         if let Some(org) = org {
             charges.push(
-                self.per_org
-                    .try_charge(Payer::Org(org.clone()))
+                self.held
+                    .take(Payer::Org(org.clone()), 1, self.max_per_org)
                     .ok_or("max_tcp_connections_per_org reached")?,
             );
         }
@@ -226,8 +163,7 @@ mod tests {
         assert_eq!(b.global.available_permits(), 8 - 5);
         drop((held, more, other));
         assert_eq!(b.global.available_permits(), 8);
-        assert_eq!(b.per_client.keys(), 0);
-        assert_eq!(b.per_org.keys(), 0);
+        assert_eq!(b.held.keys(), 0);
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The DNS shim: answers only names the client's org may reach, refuses the
 //! rest without sending a packet upstream, and remembers which addresses it
-//! handed to which org for which name ([`Bindings`]).
+//! handed to which org for which name ([`crate::bindings`]).
 //!
-//! The path of one query:
+//! The path of one query, which carries its own state ([`query`]'s
+//! `QueryState`, the counterpart of the proxy's `Conn`) from arrival to
+//! answer; its evidence record is built from it when written:
 //!
 //! 1. UDP: our own receive loop ([`serve_udp`]) hands each datagram to a
 //!    task of its own, which answers straight back on the socket. TCP: our
@@ -11,25 +13,34 @@
 //!    connections and hands each message to the same handler. Both decode
 //!    with hickory ([`answer_bytes`]): messages that do not decode get
 //!    FORMERR, responses and runts are dropped. A well-formed query takes a
-//!    place in the query budgets (global, per org) before its decision.
+//!    place in the query budgets (global, per org) before its decision
+//!    ([`answer`], the flow in short steps; the limits are
+//!    [`crate::limits`]', shared with the proxy).
 //! 2. [`decide::decide_query`] decides purely: client → org, shape, special
 //!    names, the policy's name decision, the query type. A question this
 //!    org asked before under the same served version, whose answer has not
 //!    expired, skips this step and the next: [`cache`] keeps what they
-//!    made of it, and the record, bindings and budgets are as in step 3-4.
+//!    made of it ([`Forwarded`]), and the record, bindings and budgets are
+//!    as in step 3-4.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
 //!    configured servers only, lowercased, cached); the answers get their
 //!    TTLs as first seen ([`ttl`]: no countdown across orgs), are filtered
-//!    (always-denied addresses, `ech`, hints) and bound to (org, name).
+//!    (always-denied addresses, `ech`, hints: [`filter`]) and bound to
+//!    (org, name).
 //! 4. Evidence is written before the answer is sent; refusals are queued
-//!    when the writer has room, else summarised ([`refusals`]).
+//!    when the writer has room, else summarised ([`refusals`], through the
+//!    proxy's summary engine, [`crate::limits::summary`]). The reply is
+//!    encoded in [`encode`].
 
-pub mod bindings;
+mod answer;
 pub mod budget;
 pub mod cache;
 pub mod decide;
-mod handler;
+mod encode;
+mod filter;
+mod query;
 pub mod refusals;
+mod shim;
 pub mod ttl;
 
 use std::io;
@@ -49,8 +60,9 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-pub use bindings::Bindings;
-pub use handler::{Shim, EDE_BLOCKED, EDE_OPTION};
+pub use encode::{EDE_BLOCKED, EDE_OPTION};
+pub use filter::Forwarded;
+pub use shim::Shim;
 
 /// Queries answered on one TCP connection before it is closed.
 const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;

@@ -24,19 +24,20 @@
 //! forwarded). Each summary written is charged to its org's budget too,
 //! whatever is left (it cannot be refused).
 //!
-//! Memory is bounded by the number of (org, reason) pairs, whatever the flood.
+//! Memory is bounded by the number of (org, reason) pairs, whatever the
+//! flood. The tallies are the proxy's denial summaries' engine
+//! ([`crate::limits::summary`]), with the DNS shape ([`RefusalSummary`]).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::evidence::{Evidence, Record};
+use crate::limits::summary::{Shape, Tallies, Tally};
+use crate::limits::EvidenceBudget;
 use crate::metrics::Metrics;
 use crate::policy::Reason;
-use crate::proxy::limits::EvidenceBudget;
 
-/// How often tallies are written, when the writer has room.
-pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
+pub use crate::limits::summary::SUMMARY_INTERVAL;
 
 /// How a refusal was recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,41 +58,26 @@ impl Recorded {
     }
 }
 
-/// Refusals not written one by one, for one (org, reason).
+/// The shape of a refusal summary: one per (org, reason), no answers,
+/// nothing upstream.
 #[derive(Debug)]
-struct Tally {
-    count: u64,
-    first: SystemTime,
-    last: SystemTime,
-    /// The first refusal's record; the summary is built from it.
-    template: Record,
-}
+pub struct RefusalSummary;
 
-impl Tally {
-    fn merge(&mut self, other: Tally) {
-        self.count += other.count;
-        self.first = self.first.min(other.first);
-        if other.last >= self.last {
-            self.last = other.last;
-            self.template.policy = other.template.policy;
-        }
-    }
+impl Shape for RefusalSummary {
+    type Key = (Option<Arc<str>>, Reason);
+    const BREAKDOWN: bool = false;
 
-    /// The one record that stands for every counted refusal.
-    fn summary(&self) -> Record {
-        let mut r = self.template.summary(self.count, self.first, self.last);
+    fn finish(_: &Self::Key, tally: &Tally, r: &mut Record) {
         r.answers = Some(Vec::new());
         r.upstream = Some(false);
         let [first, last] = r.window.clone().unwrap_or_default();
         r.detail = Some(format!(
             "{} refusals summarised ({}) between {first} and {last}",
-            self.count, self.template.reason,
+            tally.count(),
+            tally.reason(),
         ));
-        r
     }
 }
-
-type Key = (Option<Arc<str>>, Reason);
 
 /// Records refusals: one by one while the writer has room, in tallies when not.
 pub struct Refusals {
@@ -99,7 +85,7 @@ pub struct Refusals {
     metrics: Arc<Metrics>,
     /// Decision records per org (shared with the proxy).
     budget: Arc<EvidenceBudget>,
-    tallies: Mutex<HashMap<Key, Tally>>,
+    tallies: Tallies<RefusalSummary>,
 }
 
 impl Refusals {
@@ -112,7 +98,7 @@ impl Refusals {
             evidence,
             metrics,
             budget,
-            tallies: Mutex::new(HashMap::new()),
+            tallies: Tallies::default(),
         }
     }
 
@@ -126,10 +112,6 @@ impl Refusals {
     /// the answer must be refused `limit_exceeded`.
     pub fn pay(&self, org: &Option<Arc<str>>) -> bool {
         self.budget.take(org, Instant::now())
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
-        self.tallies.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Record a refusal (counted in the metrics either way): queued when
@@ -147,24 +129,9 @@ impl Refusals {
             .evidence_suppressed_total
             .with_label_values(&[rec.org.as_deref().unwrap_or(crate::metrics::UNKNOWN_ORG)])
             .inc();
-        let now = SystemTime::now();
-        self.add((rec.org.clone(), rec.reason), || Tally {
-            count: 1,
-            first: now,
-            last: now,
-            template: rec.clone(),
-        });
+        self.tallies
+            .add((rec.org.clone(), rec.reason), rec, SystemTime::now());
         Recorded::Summarised
-    }
-
-    fn add(&self, key: Key, tally: impl FnOnce() -> Tally) {
-        let mut tallies = self.lock();
-        match tallies.get_mut(&key) {
-            Some(t) => t.merge(tally()),
-            None => {
-                tallies.insert(key, tally());
-            }
-        }
     }
 
     /// Write each tally as one record. Once one finds no room within
@@ -175,31 +142,22 @@ impl Refusals {
         if !self.evidence.is_healthy() {
             return;
         }
-        let taken: Vec<(Key, Tally)> = self.lock().drain().collect();
-        let mut room = true;
-        for (key, tally) in taken {
-            room = room
-                && self
-                    .evidence
-                    .submit_within(&mut tally.summary(), wait)
-                    .await;
-            if room {
-                // Written: charged to the org, whatever is left.
-                self.budget.charge(&key.0, Instant::now());
-            } else {
-                self.add(key, || tally);
-            }
+        let taken = self.tallies.drain();
+        let written = self.tallies.write(&self.evidence, taken, wait).await;
+        for ((org, _), _) in written {
+            // Written: charged to the org, whatever is left.
+            self.budget.charge(&org, Instant::now());
         }
     }
 
     /// Tallies waiting to be written.
     pub fn pending(&self) -> usize {
-        self.lock().len()
+        self.tallies.pending()
     }
 
     /// Refusals counted into the waiting tallies.
     pub fn pending_count(&self) -> u64 {
-        self.lock().values().map(|t| t.count).sum()
+        self.tallies.pending_count()
     }
 }
 

@@ -11,10 +11,11 @@ use tokio_util::task::TaskTracker;
 use tracing::warn;
 
 use super::denials::{self, Denials};
-use super::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
 use super::pool::UpstreamPool;
+use crate::bindings::NameBindings;
 use crate::config::Limits;
 use crate::evidence::{Evidence, Record};
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -23,13 +24,6 @@ use crate::served::{Served, ServedHandle};
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
 pub const DETECT_BUDGET_EXHAUSTED: &str =
     "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
-
-/// What the DNS shim handed out: did org `org` receive `addr` for `name`,
-/// and is that binding still valid? Transparent mode uses it to check that
-/// a connection's original destination belongs to the name it presents.
-pub trait NameBindings: Send + Sync {
-    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
-}
 
 /// Everything a connection handler needs, shared by all connections.
 pub struct Ctx {

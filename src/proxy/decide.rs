@@ -5,7 +5,8 @@
 
 use std::net::IpAddr;
 
-use super::ctx::{Ctx, NameBindings, View};
+use super::ctx::{Ctx, View};
+use crate::bindings::NameBindings;
 use crate::evidence::Mode;
 use crate::policy::{canonical, Decision, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::Host;

@@ -10,7 +10,8 @@
 //! takes a record of the org's evidence budget. Beyond any of them its
 //! denials are counted into one tally per (org, address), and
 //! [`Denials::flush`] writes each tally as ONE signed, chained record, the
-//! same shape as the DNS refusal summaries ([`crate::dns::refusals`]):
+//! same shape as the DNS refusal summaries ([`crate::dns::refusals`]),
+//! through the same engine ([`crate::limits::summary`]):
 //!
 //! ```json
 //! {"kind": "tcp", "event": "decision", "decision": "deny",
@@ -32,127 +33,52 @@
 //! tally with `client: null`), each with at most [`TRACKED_HOSTS`] host
 //! counters.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::evidence::{Event, Evidence, Record};
-use crate::policy::Reason;
+use crate::limits::summary::{Shape, Tallies, Tally};
+use crate::limits::{client_key, EvidenceBudget, RateLimiter};
 
-use super::limits::{client_key, EvidenceBudget, RateLimiter};
+pub use crate::limits::summary::{SUMMARY_INTERVAL, TOP_HOSTS, TRACKED_HOSTS};
 
-/// How often tallies are written.
-pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
-/// Hosts a summary names; the others are counted under `other`.
-pub const TOP_HOSTS: usize = 10;
-/// Host counters a tally keeps; later hosts go straight to `other`.
-pub const TRACKED_HOSTS: usize = 64;
 /// Tallies kept at once.
 pub const MAX_TALLIES: usize = 4096;
 /// The `id` a summarised denial is answered with: its record is the
 /// summary, written later.
 pub const SUMMARISED: &str = "summarised";
 
-/// Denials not written one by one, for one (org, address).
+/// The shape of a denial summary: one per (org, address), the address as
+/// its `client`, the most frequent reason as its own, with the reasons and
+/// hosts it counted.
 #[derive(Debug)]
-struct Tally {
-    count: u64,
-    first: SystemTime,
-    last: SystemTime,
-    reasons: HashMap<Reason, u64>,
-    hosts: HashMap<String, u64>,
-    other_hosts: u64,
-    /// The first denial's record; the summary is built from it.
-    template: Record,
-}
+pub struct DenialSummary;
 
-impl Tally {
-    fn new(record: &Record, now: SystemTime) -> Tally {
-        Tally {
-            count: 0,
-            first: now,
-            last: now,
-            reasons: HashMap::new(),
-            hosts: HashMap::new(),
-            other_hosts: 0,
-            template: record.clone(),
-        }
+impl Shape for DenialSummary {
+    type Key = Key;
+    const MAX_TALLIES: usize = MAX_TALLIES;
+
+    /// Beyond [`MAX_TALLIES`], an org's further addresses share one tally.
+    fn overflow((org, _): Key) -> Key {
+        (org, None)
     }
 
-    fn add(&mut self, record: &Record, now: SystemTime) {
-        self.count += 1;
-        self.first = self.first.min(now);
-        if now >= self.last {
-            self.last = now;
-            self.template.policy = record.policy.clone();
-        }
-        *self.reasons.entry(record.reason).or_insert(0) += 1;
-        self.count_host(record.host.as_deref().unwrap_or("-"), 1);
-    }
-
-    fn count_host(&mut self, host: &str, n: u64) {
-        if let Some(m) = self.hosts.get_mut(host) {
-            *m += n;
-        } else if self.hosts.len() < TRACKED_HOSTS {
-            self.hosts.insert(host.to_string(), n);
-        } else {
-            self.other_hosts += n;
-        }
-    }
-
-    fn merge(&mut self, other: Tally) {
-        self.count += other.count;
-        self.first = self.first.min(other.first);
-        self.last = self.last.max(other.last);
-        for (reason, n) in other.reasons {
-            *self.reasons.entry(reason).or_insert(0) += n;
-        }
-        self.other_hosts += other.other_hosts;
-        for (host, n) in other.hosts {
-            self.count_host(&host, n);
-        }
-    }
-
-    /// The one record that stands for every counted denial.
-    fn summary(&self, client: Option<IpAddr>) -> Record {
-        let mut r = self.template.summary(self.count, self.first, self.last);
+    fn finish((_, client): &Key, tally: &Tally, r: &mut Record) {
         r.client = client.map(|ip| SocketAddr::new(ip, 0));
-        // The most frequent reason stands as the record's own.
-        let top = self
-            .reasons
-            .iter()
-            .max_by(|a, b| a.1.cmp(b.1).then(b.0.as_str().cmp(a.0.as_str())));
-        if let Some((reason, _)) = top {
-            r.reason = *reason;
+        if let Some(reason) = tally.top_reason() {
+            r.reason = reason;
         }
-        let mut hosts: Vec<(&String, &u64)> = self.hosts.iter().collect();
-        hosts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-        let other: u64 =
-            self.other_hosts + hosts.iter().skip(TOP_HOSTS).map(|(_, n)| **n).sum::<u64>();
-        let mut named: BTreeMap<String, u64> = hosts
-            .into_iter()
-            .take(TOP_HOSTS)
-            .map(|(h, n)| (h.clone(), *n))
-            .collect();
-        if other > 0 {
-            *named.entry("other".to_string()).or_insert(0) += other;
-        }
-        r.reasons = Some(
-            self.reasons
-                .iter()
-                .map(|(k, v)| (k.as_str().to_string(), *v))
-                .collect(),
-        );
-        r.hosts = Some(named);
+        r.reasons = Some(tally.reasons());
+        r.hosts = Some(tally.top_hosts());
         let [first, last] = r.window.clone().unwrap_or_default();
         r.detail = Some(format!(
             "{} denials summarised between {first} and {last}: over \
              max_denial_records_per_second_per_client, _per_org or the \
              org's evidence budget",
-            self.count,
+            tally.count(),
         ));
-        r
     }
 }
 
@@ -168,7 +94,7 @@ pub struct Denials {
     /// Decision records per org, allows and denials together (shared with
     /// the DNS shim).
     budget: Arc<EvidenceBudget>,
-    tallies: Mutex<HashMap<Key, Tally>>,
+    tallies: Tallies<DenialSummary>,
 }
 
 impl std::fmt::Debug for Denials {
@@ -187,14 +113,14 @@ impl Denials {
             rate: RateLimiter::new(per_client, 65_536),
             org_rate: RateLimiter::new(per_org, 65_536),
             budget,
-            tallies: Mutex::new(HashMap::new()),
+            tallies: Tallies::default(),
         }
     }
 
     /// Pay for the record of an allow decision of `org` (none: a client of
     /// no org) from its evidence budget, before anything flows. `false`:
     /// the budget is spent and the allow must be refused `limit_exceeded`
-    /// ([`super::limits::EVIDENCE_BUDGET_EXHAUSTED`]).
+    /// ([`crate::limits::EVIDENCE_BUDGET_EXHAUSTED`]).
     pub fn pay_allow(&self, org: &Option<Arc<str>>) -> bool {
         self.budget.take(org, Instant::now())
     }
@@ -202,10 +128,6 @@ impl Denials {
     /// The evidence budget the denials are written within.
     pub fn budget(&self) -> &Arc<EvidenceBudget> {
         &self.budget
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Tally>> {
-        self.tallies.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether `record` is written as its own record: every record but a
@@ -225,15 +147,8 @@ impl Denials {
         {
             return true;
         }
-        let mut tallies = self.lock();
-        let mut k = (record.org.clone(), Some(key));
-        if !tallies.contains_key(&k) && tallies.len() >= MAX_TALLIES {
-            k.1 = None;
-        }
-        tallies
-            .entry(k)
-            .or_insert_with(|| Tally::new(record, wall))
-            .add(record, wall);
+        self.tallies
+            .add((record.org.clone(), Some(key)), record, wall);
         false
     }
 
@@ -244,26 +159,9 @@ impl Denials {
         if !evidence.is_healthy() {
             return Vec::new();
         }
-        let drained: Vec<(Key, Tally)> = self.lock().drain().collect();
-        let taken = self.pay_summaries(drained, Instant::now());
-        let mut written = Vec::new();
-        let mut room = true;
-        for (key, tally) in taken {
-            let mut summary = tally.summary(key.1);
-            room = room && evidence.submit_within(&mut summary, Duration::ZERO).await;
-            if room {
-                written.push(summary);
-            } else {
-                let mut tallies = self.lock();
-                match tallies.get_mut(&key) {
-                    Some(t) => t.merge(tally),
-                    None => {
-                        tallies.insert(key, tally);
-                    }
-                }
-            }
-        }
-        written
+        let taken = self.pay_summaries(self.tallies.drain(), Instant::now());
+        let written = self.tallies.write(evidence, taken, Duration::ZERO).await;
+        written.into_iter().map(|(_, summary)| summary).collect()
     }
 
     /// Charge each tally's summary to its org's evidence budget. Those it
@@ -299,12 +197,12 @@ impl Denials {
 
     /// Denials counted into the waiting tallies.
     pub fn pending_count(&self) -> u64 {
-        self.lock().values().map(|t| t.count).sum()
+        self.tallies.pending_count()
     }
 
     /// Tallies waiting.
     pub fn pending(&self) -> usize {
-        self.lock().len()
+        self.tallies.pending()
     }
 }
 
@@ -312,7 +210,7 @@ impl Denials {
 mod tests {
     use super::*;
     use crate::evidence::{Kind, Mode};
-    use crate::policy::{OrgRef, Verdict};
+    use crate::policy::{OrgRef, Reason, Verdict};
 
     fn unlimited() -> Arc<EvidenceBudget> {
         Arc::new(EvidenceBudget::new(1_000_000_000))
@@ -355,10 +253,11 @@ mod tests {
         assert_eq!(one_by_one, 5, "the burst, one by one");
         assert_eq!(d.pending(), 1, "one tally per (org, address)");
         assert_eq!(d.pending_count(), 9_995);
-        let lock = d.lock();
-        let tally = lock.values().next().unwrap();
-        assert!(tally.hosts.len() <= TRACKED_HOSTS);
-        let s = tally.summary(Some("198.19.1.7".parse().unwrap()));
+        let drained = d.tallies.drain();
+        let (key, tally) = &drained[0];
+        assert!(tally.tracked_hosts() <= TRACKED_HOSTS);
+        assert_eq!(key.1, Some("198.19.1.7".parse().unwrap()));
+        let s = tally.summary::<DenialSummary>(key);
         assert_eq!(s.count, Some(9_995));
         assert_eq!(s.reason, Reason::NoMatchingRule, "the most frequent");
         let hosts = s.hosts.as_ref().unwrap();
@@ -461,7 +360,7 @@ mod tests {
             );
         }
         assert_eq!(d.pending(), 21);
-        let drained: Vec<(Key, Tally)> = d.lock().drain().collect();
+        let drained = d.tallies.drain();
         let paid = d.pay_summaries(drained, t0);
         let acme: Vec<&(Key, Tally)> = paid
             .iter()
@@ -470,7 +369,7 @@ mod tests {
         assert_eq!(acme.len(), 1, "acme's budget is spent: one summary");
         let ((_, client), tally) = acme[0];
         assert_eq!(*client, None, "from several addresses");
-        assert_eq!(tally.count, 40 - 5, "nothing lost in the fold");
+        assert_eq!(tally.count(), 40 - 5, "nothing lost in the fold");
         let beta: Vec<&(Key, Tally)> = paid
             .iter()
             .filter(|((org, _), _)| org.as_deref() == Some("beta"))
@@ -487,7 +386,7 @@ mod tests {
             d.budget.charge(&r.org, t0);
         }
         d.admit(&r, t0, wall);
-        let drained: Vec<(Key, Tally)> = d.lock().drain().collect();
+        let drained = d.tallies.drain();
         let paid = d.pay_summaries(drained, t0);
         assert_eq!(paid.len(), 1);
         assert_eq!(paid[0].0 .1, Some("198.19.9.9".parse().unwrap()));

@@ -24,9 +24,9 @@ use super::forward;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
-use super::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
 use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
+use crate::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::ctx::{Ctx, View};
-use super::limits::{self, Permit};
+use crate::limits::{self, Permit};
 
 /// The accept loop of every proxy listener: the shared loop of
 /// [`crate::serve::accept`] (stop on shutdown, back off on accept errors, a

@@ -23,7 +23,7 @@
 //!   decision's view of what is served: [`ctx`].
 //! - Connection caps and rate limits, charged to the org a connection is
 //!   decided for (strangers to their own address), and the shares of
-//!   detection memory: [`limits`]. Denials over a client's record rate
+//!   detection memory: [`crate::limits`]. Denials over a client's record rate
 //!   are written as summaries: [`denials`].
 
 pub mod conn;
@@ -37,7 +37,6 @@ pub mod failure;
 pub mod forward;
 pub mod http;
 pub mod intercepted;
-pub mod limits;
 pub mod listen;
 pub mod pool;
 pub mod record;
@@ -47,7 +46,7 @@ pub mod transparent;
 pub mod tunnel;
 pub mod verify;
 
-pub use self::ctx::{budget_spent, Ctx, NameBindings, View, DETECT_BUDGET_EXHAUSTED};
+pub use self::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
 pub use self::decide::{decide_with, Addresses, Decided};
 pub use self::dial::DialError;
 pub use self::explicit::{serve_explicit, MAX_REFUSAL_DRAINS};

@@ -20,10 +20,10 @@ use tracing::{debug, info_span, Instrument};
 
 use super::connect;
 use super::ctx::{Ctx, View};
-use super::limits::{LimitHit, Permit};
 use super::listen::accept_loop;
 use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
     self, Address, Command, Malformed, Parse, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,

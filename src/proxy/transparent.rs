@@ -22,13 +22,13 @@ use super::connect;
 use super::ctx::{Ctx, View, DETECT_BUDGET_EXHAUSTED};
 use super::decide::{decide_with, Addresses, Decided};
 use super::intercepted::{self, serve::Session};
-use super::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
 use super::listen::accept_loop;
 use super::record::{write_record, Written};
 use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode};
+use crate::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 

@@ -30,7 +30,7 @@ use bytes::BufMut;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;
 
-use super::limits::{DetectHold, DetectScope};
+use crate::limits::{DetectHold, DetectScope};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -566,7 +566,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::limits::{DetectMemory, Holder};
+    use crate::limits::{DetectMemory, Payer as Holder};
 
     const CLIENT: std::net::IpAddr = std::net::IpAddr::V4(std::net::Ipv4Addr::new(203, 0, 113, 7));
     use tokio::io::duplex;

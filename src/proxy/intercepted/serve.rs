@@ -453,7 +453,7 @@ async fn decide_and_send(
     // The request's record is paid for from the org's evidence budget.
     if !s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
         req.refuse(Reason::LimitExceeded, None);
-        let detail = crate::proxy::limits::EVIDENCE_BUDGET_EXHAUSTED;
+        let detail = crate::limits::EVIDENCE_BUDGET_EXHAUSTED;
         return refused(shared, req, detail).await;
     }
 

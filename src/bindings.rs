@@ -1,7 +1,9 @@
 //! Which addresses the DNS shim handed to which org for which name, and
-//! until when. The transparent proxy asks [`Bindings::is_bound`] before it
-//! believes that a connection to an address belongs to an allowed name;
-//! PTR queries are answered from [`Bindings::names_for`].
+//! until when: written by the shim ([`crate::dns`]), read by the
+//! transparent proxy through [`NameBindings`], which asks
+//! [`Bindings::is_bound`] before it believes that a connection to an
+//! address belongs to an allowed name; PTR queries are answered from
+//! [`Bindings::names_for`].
 //!
 //! Pure bookkeeping: the caller passes `now`, nothing here reads a clock.
 //! Bounded, and one org's churn cannot evict another org's bindings:
@@ -258,8 +260,15 @@ impl Bindings {
     }
 }
 
+/// What the DNS shim handed out: did org `org` receive `addr` for `name`,
+/// and is that binding still valid? Transparent mode uses it to check that
+/// a connection's original destination belongs to the name it presents.
+pub trait NameBindings: Send + Sync {
+    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
+}
+
 /// The proxy's view of the bindings (transparent mode): valid as of now.
-impl crate::proxy::NameBindings for Bindings {
+impl NameBindings for Bindings {
     fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool {
         Bindings::is_bound(self, org, name, addr, Instant::now())
     }

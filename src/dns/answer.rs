@@ -1,0 +1,850 @@
+//! One query's path through the shim, in short steps, carrying its
+//! [`QueryState`]:
+//!
+//! 1. [`well_formed`]: a query, opcode QUERY, exactly one question; else
+//!    FORMERR/NOTIMP and a `bad_request` record.
+//! 2. [`Shim::admit`]: the client's query rate and the query budgets
+//!    (global, per org or per address), held until the answer; then the
+//!    class.
+//! 3. [`Shim::answer_kept`]: a question this org asked before under the same
+//!    served version gets what the full path made of it, recorded and bound
+//!    again.
+//! 4. The policy's decision ([`decide_query`]); an answer is paid for from
+//!    its org's evidence budget before anything is forwarded.
+//! 5. The decided action: a refusal, an RFC 8482 HINFO, a PTR from this
+//!    org's bindings, or forwarding ([`Shim::forward`], in
+//!    [`super::filter`]) and [`Shim::deliver`].
+//! 6. Evidence: an answer's record is written before the answer
+//!    ([`Shim::finish`]); a refusal's is queued or summarised
+//!    ([`Shim::record_refusal`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
+use hickory_server::proto::rr::rdata::{HINFO, PTR};
+use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use hickory_server::server::{Request, RequestInfo};
+use tracing::{debug, warn};
+
+use super::budget::Held;
+use super::cache::Key;
+use super::decide::{decide_query, Action};
+use super::encode::{blocked, denied_rcode, Reply, EDE_BLOCKED};
+use super::filter::{describe, filter, Filtered, Forwarded};
+use super::query::QueryState;
+use super::refusals::Recorded;
+use super::shim::Shim;
+use crate::evidence::Mode;
+use crate::limits::{client_key, EVIDENCE_BUDGET_EXHAUSTED};
+use crate::policy::{OrgRef, Reason, Verdict};
+use crate::resolve::RecordsError;
+use crate::served::Served;
+
+/// Longest query name kept in evidence for a name that is not a host name.
+const MAX_SHOWN_NAME: usize = 300;
+
+/// The request's one question, if it is a well-formed query; else what is
+/// wrong with it and the rcode that says so.
+fn well_formed(request: &Request) -> Result<RequestInfo<'_>, (&'static str, ResponseCode)> {
+    if request.metadata.message_type != MessageType::Query {
+        return Err(("not a query", ResponseCode::FormErr));
+    }
+    if request.metadata.op_code != OpCode::Query {
+        return Err(("unsupported opcode", ResponseCode::NotImp));
+    }
+    request
+        .request_info()
+        .map_err(|_| ("not exactly one question", ResponseCode::FormErr))
+}
+
+/// The name as every record shows it: host names without the trailing
+/// dot, others as sent (cut short).
+fn shown_name(query: &LowerQuery) -> String {
+    let qname = query.name().to_string();
+    super::decide::shown_name(&qname)
+        .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect())
+}
+
+impl Shim {
+    /// Decide, forward if allowed, record, and build the reply.
+    pub(super) async fn answer(&self, request: &Request) -> Reply {
+        let started = Instant::now();
+        // What is served now: this query is decided and recorded under it.
+        let served = self.served.load_full();
+        let mut state = QueryState::new(&served, request.src());
+        let query = match well_formed(request) {
+            Ok(info) => info.query,
+            Err((detail, rcode)) => {
+                state.refuse(Reason::BadRequest, Some(detail.into()));
+                self.record_refusal(&state, Duration::ZERO).await;
+                return Reply::empty(rcode);
+            }
+        };
+        let qtype = query.query_type();
+        state.qtype = Some(qtype);
+        // Over a limit, the record waits for nothing.
+        let _held = match self.admit(&state) {
+            Ok(held) => held,
+            Err(limit) => {
+                return self
+                    .refuse_early(
+                        &mut state,
+                        query,
+                        Reason::LimitExceeded,
+                        limit,
+                        Duration::ZERO,
+                    )
+                    .await
+            }
+        };
+        // Within the budgets: a refusal record may wait for room.
+        let wait = self.config.query_timeout.get();
+        if query.query_class() != DNSClass::IN {
+            return self
+                .refuse_early(&mut state, query, Reason::BadRequest, "class", wait)
+                .await;
+        }
+        let now = Instant::now();
+        let key = state.org.as_ref().map(|o| Key {
+            org: o.index,
+            name: query.name().clone(),
+            qtype,
+        });
+        if let Some(reply) = self
+            .answer_kept(&served, &mut state, query, key.as_ref(), started, now)
+            .await
+        {
+            return reply;
+        }
+
+        match self
+            .decide(&served, &mut state, query, key, wait, now)
+            .await
+        {
+            Ok(reply) => {
+                self.metrics.time_decision(Mode::Dns, started.elapsed());
+                reply
+            }
+            Err(refused) => refused,
+        }
+    }
+
+    /// The policy's decision and what it says to do, within `wait` for a
+    /// refusal's record. `Err`: refused before anything decided was done
+    /// (the org's evidence budget spent, no org to forward for), not
+    /// timed as a decision.
+    async fn decide(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        key: Option<Key>,
+        wait: Duration,
+        now: Instant,
+    ) -> Result<Reply, Reply> {
+        let qname = query.name().to_string();
+        let qtype = query.query_type();
+        let decision = decide_query(
+            &served.policy,
+            &served.dns,
+            state.client.ip(),
+            &qname,
+            qtype,
+        );
+        // An answer's record is paid for from the org's evidence budget
+        // before anything is forwarded; spent, the query is refused (and
+        // its refusal summarised).
+        let answers = matches!(
+            decision.action,
+            Action::Forward | Action::AnyHinfo | Action::Ptr(_)
+        );
+        if answers
+            && !self
+                .refusals
+                .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
+        {
+            let limit = EVIDENCE_BUDGET_EXHAUSTED;
+            let refused = self
+                .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
+                .await;
+            return Err(refused);
+        }
+        let host = decision.name.clone().unwrap_or_else(|| shown_name(query));
+        state.decided(decision.verdict, host);
+        Ok(match decision.action {
+            Action::Refuse => {
+                self.refuse_decided(state, ResponseCode::Refused, wait)
+                    .await
+            }
+            Action::Denied(style) => self.refuse_decided(state, denied_rcode(style), wait).await,
+            Action::NxDomain => {
+                self.record_refusal(state, wait).await;
+                Reply::empty(ResponseCode::NXDomain)
+            }
+            Action::NoData => {
+                self.record_refusal(state, wait).await;
+                Reply::empty(ResponseCode::NoError)
+            }
+            Action::AnyHinfo => self.any_hinfo(state, query).await,
+            Action::Ptr(addr) => self.ptr(served, state, query, addr, wait, now).await,
+            Action::Forward => {
+                let (Some(org), Some(key)) = (state.verdict_org().cloned(), key) else {
+                    return Err(Reply::empty(ResponseCode::Refused));
+                };
+                self.forward_and_deliver(served, state, &org, key, now)
+                    .await
+            }
+        })
+    }
+
+    /// Forward the decided name upstream, keep what that made of it in
+    /// the cache while it lasts, and deliver it.
+    async fn forward_and_deliver(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        org: &OrgRef,
+        key: Key,
+        now: Instant,
+    ) -> Reply {
+        let host = state.name.clone().unwrap_or_default();
+        let qtype = key.qtype;
+        // Boxed: the resolver's future is large and only this (uncached)
+        // path needs it; every query's task stays small.
+        let (fwd, until) =
+            Box::pin(self.forward(served, org, state.verdict.clone(), host, qtype)).await;
+        let fwd = Arc::new(fwd);
+        if let Some(until) = until {
+            self.cache.insert(served, key, fwd.clone(), until, now);
+        }
+        self.deliver(state, org, &fwd, now).await
+    }
+
+    /// Forward `host`, decided `verdict` for `org`: what that made of
+    /// it, and until when the same query would get the same (`None`: not
+    /// to be kept).
+    pub(super) async fn forward(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        verdict: Verdict,
+        host: String,
+        qtype: RecordType,
+    ) -> (Forwarded, Option<Instant>) {
+        let (filtered, until) = self.lookup(served, org, &host, qtype).await;
+        (Forwarded::new(verdict, host, filtered), until)
+    }
+
+    /// Resolve and filter; with the result, until when the same query
+    /// would get the same result (`None`: not to be kept).
+    async fn lookup(
+        &self,
+        served: &Served,
+        org: &OrgRef,
+        name: &str,
+        qtype: RecordType,
+    ) -> (Filtered, Option<Instant>) {
+        let lookup = tokio::time::timeout(
+            self.config.query_timeout.get(),
+            self.resolver.lookup_records(name, qtype),
+        )
+        .await
+        .unwrap_or(Err(RecordsError::Timeout));
+        let now = Instant::now();
+        // Kept no longer than `max_ttl`, whatever the resolver says.
+        let bound = now + self.config.max_ttl;
+        let negative = |ttl: Option<u32>| {
+            ttl.filter(|t| *t > 0)
+                .map(|t| (now + Duration::from_secs(u64::from(t))).min(bound))
+        };
+        match lookup {
+            Ok(mut found) => {
+                // Every org gets the TTLs the answer had when first seen.
+                let memo = self.ttls.apply(name, qtype, &mut found.records, now);
+                // The same answer while both the resolver's entry and the
+                // memo last.
+                let until = memo.map(|m| m.min(found.valid_until).min(bound));
+                (
+                    filter(&self.config, served, org, qtype, found.records),
+                    until,
+                )
+            }
+            Err(RecordsError::NxDomain { negative_ttl }) => (
+                Filtered::failed(ResponseCode::NXDomain, None),
+                negative(negative_ttl),
+            ),
+            Err(RecordsError::NoData { negative_ttl }) => (
+                Filtered::failed(ResponseCode::NoError, None),
+                negative(negative_ttl),
+            ),
+            Err(e) => (
+                Filtered::failed(ResponseCode::ServFail, Some(e.to_string())),
+                None,
+            ),
+        }
+    }
+
+    /// A place for the query within the client's query rate and the query
+    /// budgets (held until it is answered), or the limit it is over.
+    fn admit(&self, state: &QueryState) -> Result<Held, &'static str> {
+        let client = state.client.ip();
+        if !self.per_client.allow(&client_key(client), Instant::now()) {
+            return Err("max_queries_per_second_per_client exceeded");
+        }
+        self.queries
+            .try_take(client, state.org.as_ref().map(|o| &o.name))
+    }
+
+    /// Asked before by this org, under this served version: what the full
+    /// path made of it then, recorded and bound again now (paid for like
+    /// any other answer). `None`: not kept.
+    async fn answer_kept(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        key: Option<&Key>,
+        started: Instant,
+        now: Instant,
+    ) -> Option<Reply> {
+        let (Some(org), Some(key)) = (state.org.clone(), key) else {
+            return None;
+        };
+        let kept = self.cache.get(served, key, now)?;
+        if !self.refusals.pay(&Some(org.name.clone())) {
+            let limit = EVIDENCE_BUDGET_EXHAUSTED;
+            let reply = self
+                .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
+                .await;
+            return Some(reply);
+        }
+        let reply = self.deliver(state, &org, &kept, now).await;
+        self.metrics.time_decision(Mode::Dns, started.elapsed());
+        Some(reply)
+    }
+
+    /// Refused before the decision, with what was asked; the record
+    /// waits for room at most `wait`.
+    async fn refuse_early(
+        &self,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        reason: Reason,
+        detail: &str,
+        wait: Duration,
+    ) -> Reply {
+        state.name = Some(shown_name(query));
+        state.refuse(reason, Some(detail.into()));
+        let recorded = self.record_refusal(state, wait).await;
+        blocked(ResponseCode::Refused, &state.verdict, &recorded)
+    }
+
+    /// Refused by the decision, answered `rcode` with its EDE.
+    async fn refuse_decided(
+        &self,
+        state: &QueryState,
+        rcode: ResponseCode,
+        wait: Duration,
+    ) -> Reply {
+        let recorded = self.record_refusal(state, wait).await;
+        blocked(rcode, &state.verdict, &recorded)
+    }
+
+    /// ANY is answered with one HINFO (RFC 8482), nothing upstream.
+    async fn any_hinfo(&self, state: &mut QueryState, query: &LowerQuery) -> Reply {
+        let hinfo = Record::from_rdata(
+            query.original().name().clone(),
+            self.clamp_ttl(3600),
+            RData::HINFO(HINFO::new("RFC8482".into(), String::new())),
+        );
+        state.answers = vec![describe(&hinfo)];
+        state.upstream = false;
+        let reply = Reply {
+            rcode: ResponseCode::NoError,
+            answers: Arc::new([hinfo]),
+            ede: None,
+        };
+        self.finish(state, reply).await
+    }
+
+    /// A reverse query, answered from this org's bindings only: the names
+    /// it was handed `addr` for, or its denial.
+    async fn ptr(
+        &self,
+        served: &Served,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        addr: std::net::IpAddr,
+        wait: Duration,
+        now: Instant,
+    ) -> Reply {
+        let names = state
+            .verdict_org()
+            .map(|o| self.bindings.names_for(&o.name, addr, now))
+            .unwrap_or_default();
+        let answers: Vec<Record> = names
+            .iter()
+            .filter_map(|(n, left)| {
+                let target = Name::from_ascii(format!("{n}.")).ok()?;
+                let ttl = u32::try_from(left.as_secs()).unwrap_or(u32::MAX).max(1);
+                Some(Record::from_rdata(
+                    query.original().name().clone(),
+                    ttl.min(self.clamp_ttl(ttl)),
+                    RData::PTR(PTR(target)),
+                ))
+            })
+            .collect();
+        if answers.is_empty() {
+            let style = served
+                .dns
+                .get(state.verdict_org().map_or(usize::MAX, |o| o.index))
+                .map(|o| o.denied)
+                .unwrap_or_default();
+            return self.refuse_decided(state, denied_rcode(style), wait).await;
+        }
+        state.verdict.reason = Reason::RuleMatch;
+        state.answers = answers.iter().map(describe).collect();
+        state.upstream = false;
+        state.detail = Some("answered from this org's bindings".into());
+        let reply = Reply {
+            rcode: ResponseCode::NoError,
+            answers: answers.into(),
+            ede: None,
+        };
+        self.finish(state, reply).await
+    }
+
+    /// Record what forwarding made of a query (before the answer), bind
+    /// its addresses, and build the reply: the same steps whether it was
+    /// just made or kept from an earlier query.
+    async fn deliver(
+        &self,
+        state: &mut QueryState,
+        org: &OrgRef,
+        fwd: &Forwarded,
+        now: Instant,
+    ) -> Reply {
+        state.verdict = fwd.verdict.clone();
+        state.name = Some(fwd.host.clone());
+        state.answers = fwd.described.clone();
+        state.upstream = true;
+        state.detail = fwd.detail.clone();
+        let reply = Reply {
+            rcode: fwd.rcode,
+            answers: fwd.answers.clone(),
+            ede: None,
+        };
+        let mut reply = self.finish(state, reply).await;
+        if fwd.filtered {
+            if let Some((_, text)) = &mut reply.ede {
+                text.push_str("; answer addresses removed");
+            }
+        }
+        if reply.rcode != ResponseCode::ServFail {
+            let valid_for =
+                |ttl: u32| Duration::from_secs(u64::from(ttl)) + self.config.binding_grace;
+            for (ip, ttl) in &fwd.bind {
+                self.bindings
+                    .bind(&org.name, &fwd.host, *ip, valid_for(*ttl), now);
+            }
+        }
+        reply
+    }
+
+    /// Record a refusal (nothing flows because of it, so the answer does
+    /// not wait for the write): queued when the writer has room within
+    /// `wait`, else counted into a summary ([`super::refusals`]).
+    pub(super) async fn record_refusal(&self, state: &QueryState, wait: Duration) -> Recorded {
+        let mut rec = state.record();
+        let recorded = self.refusals.record(&mut rec, wait).await;
+        debug!(client = ?rec.client, host = ?rec.host, reason = %rec.reason, ?recorded, "dns refused");
+        recorded
+    }
+
+    /// Write the record of an answer before it is sent; without evidence,
+    /// no answer (SERVFAIL, `evidence_unavailable`).
+    async fn finish(&self, state: &mut QueryState, mut reply: Reply) -> Reply {
+        let mut rec = state.record();
+        if let Err(e) = self.evidence.write(&mut rec).await {
+            warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
+            // Counted as what happened: refused, unrecorded.
+            state.unrecorded();
+            self.metrics.count_record(&state.record());
+            return Reply::empty(ResponseCode::ServFail);
+        }
+        self.metrics.count_record(&rec);
+        if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
+            reply.ede = Some((
+                EDE_BLOCKED,
+                format!("palisade: {}; record={}", rec.reason, rec.shown()),
+            ));
+        }
+        reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use hickory_server::proto::op::{Message, Query};
+    use hickory_server::proto::rr::rdata::{CNAME, SOA};
+    use serde_json::Value;
+
+    use std::net::SocketAddr;
+
+    use hickory_server::net::xfer::Protocol;
+    use hickory_server::proto::op::Edns;
+    use hickory_server::proto::rr::rdata::A;
+    use hickory_server::proto::rr::RecordType;
+
+    use crate::bindings::Bindings;
+    use crate::config::{self, DnsConfig};
+    use crate::dns::cache::AnswerCache;
+    use crate::dns::encode::encode;
+    use crate::evidence::Evidence;
+    use crate::metrics::Metrics;
+    use crate::policy::Policy;
+    use crate::resolve::Resolver;
+
+    fn name(s: &str) -> Name {
+        Name::from_ascii(s).unwrap()
+    }
+
+    /// The upstream's answer to `q` (rcode, answers, authorities).
+    fn upstream_answer(q: &Query) -> (ResponseCode, Vec<Record>, Vec<Record>) {
+        let n = q.name().to_ascii().to_ascii_lowercase();
+        let a = |owner: &str, ttl: u32, ip: [u8; 4]| {
+            Record::from_rdata(
+                name(owner),
+                ttl,
+                RData::A(A::new(ip[0], ip[1], ip[2], ip[3])),
+            )
+        };
+        let soa = Record::from_rdata(
+            name("test."),
+            3600,
+            RData::SOA(SOA::new(
+                name("ns.test."),
+                name("h.test."),
+                1,
+                60,
+                60,
+                600,
+                60,
+            )),
+        );
+        match (n.as_str(), q.query_type()) {
+            ("allowed.test.", RecordType::A) => (
+                ResponseCode::NoError,
+                vec![a("allowed.test.", 300, [198, 18, 2, 10])],
+                vec![],
+            ),
+            ("chain.test.", RecordType::A) => (
+                ResponseCode::NoError,
+                vec![
+                    Record::from_rdata(
+                        name("chain.test."),
+                        600,
+                        RData::CNAME(CNAME(name("c1.elsewhere.test."))),
+                    ),
+                    Record::from_rdata(
+                        name("c1.elsewhere.test."),
+                        500,
+                        RData::CNAME(CNAME(name("c2.far.test."))),
+                    ),
+                    a("c2.far.test.", 120, [198, 18, 2, 11]),
+                ],
+                vec![],
+            ),
+            // One address the org may not be handed, one it may.
+            ("rebind.test.", RecordType::A) => (
+                ResponseCode::NoError,
+                vec![
+                    a("rebind.test.", 300, [127, 0, 0, 1]),
+                    a("rebind.test.", 300, [198, 18, 2, 10]),
+                ],
+                vec![],
+            ),
+            // Only addresses it may not be handed.
+            ("private.test.", RecordType::A) => (
+                ResponseCode::NoError,
+                vec![a("private.test.", 300, [169, 254, 169, 254])],
+                vec![],
+            ),
+            ("nx.test.", _) => (ResponseCode::NXDomain, vec![], vec![soa]),
+            ("nodata.test.", _) => (ResponseCode::NoError, vec![], vec![]),
+            (_, _) => (ResponseCode::ServFail, vec![], vec![]),
+        }
+    }
+
+    /// A loopback upstream answering [`upstream_answer`]; counts queries.
+    async fn upstream() -> (SocketAddr, Arc<AtomicUsize>) {
+        let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = sock.local_addr().unwrap();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let count = seen.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+                let Ok(q) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                count.fetch_add(1, Ordering::Relaxed);
+                let mut m = Message::response(q.metadata.id, OpCode::Query);
+                m.metadata.recursion_desired = q.metadata.recursion_desired;
+                m.metadata.recursion_available = true;
+                if let Some(query) = q.queries.first() {
+                    let (rcode, answers, authorities) = upstream_answer(query);
+                    m.metadata.response_code = rcode;
+                    m.add_query(query.clone());
+                    m.add_answers(answers);
+                    for r in authorities {
+                        m.add_authority(r);
+                    }
+                }
+                let _ = sock.send_to(&m.to_vec().unwrap(), from).await;
+            }
+        });
+        (addr, seen)
+    }
+
+    const POLICY: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+[[org.allow]]
+host = "allowed.test"
+[[org.allow]]
+host = "chain.test"
+[[org.allow]]
+host = "rebind.test"
+[[org.allow]]
+host = "private.test"
+[[org.allow]]
+host = "nx.test"
+[[org.allow]]
+host = "nodata.test"
+[[org.allow]]
+host = "fail.test"
+
+[[org]]
+name = "beta"
+clients = ["198.18.4.0/24"]
+[[org.allow]]
+host = "allowed.test"
+"#;
+
+    fn served(policy: &str, metrics: &Arc<Metrics>) -> Served {
+        let c = config::from_str(policy, Path::new("t.toml")).unwrap();
+        Served::load(&c, Arc::new(Policy::new(&c)), metrics).unwrap()
+    }
+
+    /// A shim on `dir`'s evidence, resolving through `upstream`; with an
+    /// answer cache or without.
+    fn shim(dir: &Path, upstream: SocketAddr, cached: bool) -> Shim {
+        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
+        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        let mut shim = Shim::new(
+            served(POLICY, &metrics).into_handle(),
+            Arc::new(resolver),
+            ev,
+            metrics,
+            Arc::new(Bindings::new(8, 1024, 4096)),
+            DnsConfig::default(),
+        );
+        if !cached {
+            shim.cache = AnswerCache::new(0, 0);
+        }
+        shim
+    }
+
+    fn request(client: &str, qname: &str, qtype: RecordType) -> Request {
+        let mut m = Message::query();
+        m.metadata.id = 0x4242;
+        m.metadata.recursion_desired = true;
+        m.add_query(Query::query(name(qname), qtype));
+        m.edns = Some(Edns::new());
+        let src = SocketAddr::new(client.parse().unwrap(), 40000);
+        Request::from_bytes(m.to_vec().unwrap(), src, Protocol::Udp).unwrap()
+    }
+
+    /// A reply with the record reference in its EDE masked.
+    fn shown(reply: &Reply) -> (ResponseCode, Vec<Record>, Option<(u16, String)>) {
+        let ede = reply.ede.clone().map(|(code, text)| {
+            let masked = match text.find("record=") {
+                Some(i) => {
+                    let rest = &text[i + 7..];
+                    let end = rest.find(';').unwrap_or(rest.len());
+                    format!("{}record=*{}", &text[..i], &rest[end..])
+                }
+                None => text,
+            };
+            (code, masked)
+        });
+        (reply.rcode, reply.answers.to_vec(), ede)
+    }
+
+    /// The dns decision records in `dir`, without what differs per record.
+    async fn records(shim: &Shim, dir: &Path) -> Vec<Value> {
+        assert!(shim.evidence.seal().await);
+        crate::evidence::segment::list(&dir.join("evidence"))
+            .unwrap()
+            .iter()
+            .flat_map(|p| {
+                std::fs::read_to_string(p)
+                    .unwrap()
+                    .lines()
+                    .map(|l| serde_json::from_str::<Value>(l).unwrap())
+                    .collect::<Vec<_>>()
+            })
+            .filter(|v| v["kind"] == "dns")
+            .map(|mut v| {
+                let m = v.as_object_mut().unwrap();
+                for k in ["id", "ts", "ref", "seq", "prev", "hash"] {
+                    m.remove(k);
+                }
+                v
+            })
+            .collect()
+    }
+
+    const ACME: &str = "198.18.1.2";
+    const BETA: &str = "198.18.4.2";
+
+    /// Every kind of forwarded answer, asked twice of a caching shim (the
+    /// second from its cache, or not when it may not be kept) and once of
+    /// a shim without a cache: the same reply, the same bytes on the wire,
+    /// the same record, the same bindings.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn cached_answers_and_records_are_the_full_paths() {
+        let (up, seen) = upstream().await;
+        let (dir_c, dir_u) = (
+            crate::testing::scratch("dnscache"),
+            crate::testing::scratch("dnscache"),
+        );
+        let mut cached = shim(&dir_c, up, true);
+        let plain = shim(&dir_u, up, false);
+        let cases: &[(&str, RecordType, bool)] = &[
+            ("allowed.test.", RecordType::A, true),
+            ("chain.test.", RecordType::A, true),
+            ("rebind.test.", RecordType::A, true),
+            ("private.test.", RecordType::A, true),
+            ("nx.test.", RecordType::A, true),
+            // No SOA: the upstream did not say for how long; not kept.
+            ("nodata.test.", RecordType::A, false),
+            // SERVFAIL is never kept.
+            ("fail.test.", RecordType::A, false),
+            // Denied: decided every time, never kept.
+            ("nope.test.", RecordType::A, false),
+        ];
+        let mut wire = Vec::new();
+        for &(qname, qtype, kept) in cases {
+            let req = request(ACME, qname, qtype);
+            let hits = cached.cache.hits();
+            // The full path, with fresh bindings to see what it binds.
+            cached.bindings = Arc::new(Bindings::new(8, 1024, 4096));
+            let first = cached.answer(&req).await;
+            assert_eq!(cached.cache.hits(), hits, "{qname}: first is a miss");
+            let bound_first = cached.bindings.len();
+            cached.bindings = Arc::new(Bindings::new(8, 1024, 4096));
+            let second = cached.answer(&req).await;
+            let hit = cached.cache.hits() == hits + 1;
+            assert_eq!(hit, kept, "{qname}: kept");
+            assert_eq!(cached.bindings.len(), bound_first, "{qname}: bindings");
+            let third = plain.answer(&req).await;
+            assert_eq!(shown(&first), shown(&second), "{qname}");
+            assert_eq!(shown(&first), shown(&third), "{qname}");
+            let bytes = [&first, &second, &third].map(|r| encode(&req, r, Protocol::Udp));
+            if first.ede.is_none() {
+                assert_eq!(bytes[0], bytes[1], "{qname}: wire");
+                assert_eq!(bytes[0], bytes[2], "{qname}: wire");
+            }
+            wire.push((qname, first));
+        }
+        // What the answers are, so that "the same" is not "equally empty".
+        let get = |q: &str| &wire.iter().find(|(n, _)| *n == q).unwrap().1;
+        assert_eq!(get("allowed.test.").answers.len(), 1);
+        assert_eq!(get("allowed.test.").answers[0].ttl, 300);
+        assert_eq!(get("chain.test.").answers.len(), 3);
+        assert_eq!(get("rebind.test.").answers.len(), 1);
+        assert_eq!(get("private.test.").answers.len(), 0);
+        assert!(get("private.test.").ede.is_some());
+        assert_eq!(get("nx.test.").rcode, ResponseCode::NXDomain);
+        assert_eq!(get("fail.test.").rcode, ResponseCode::ServFail);
+        assert_eq!(get("nope.test.").rcode, ResponseCode::Refused);
+        assert!(seen.load(Ordering::Relaxed) > 0);
+
+        // Records: per query, in order, the same whether cached or not.
+        let (rc, ru) = (
+            records(&cached, &dir_c).await,
+            records(&plain, &dir_u).await,
+        );
+        assert_eq!(rc.len(), 2 * cases.len(), "{rc:#?}");
+        assert_eq!(ru.len(), cases.len(), "{ru:#?}");
+        for (i, (qname, _, _)) in cases.iter().enumerate() {
+            assert_eq!(rc[2 * i], rc[2 * i + 1], "{qname}: cached record");
+            assert_eq!(rc[2 * i], ru[i], "{qname}: uncached record");
+        }
+        let allowed = &rc[0];
+        assert_eq!(allowed["decision"], "allow", "{allowed}");
+        assert_eq!(allowed["upstream"], true, "{allowed}");
+        assert_eq!(allowed["org"], "acme", "{allowed}");
+        assert!(allowed["answers"].to_string().contains("198.18.2.10"));
+        let _ = std::fs::remove_dir_all(&dir_c);
+        let _ = std::fs::remove_dir_all(&dir_u);
+    }
+
+    /// Org beta asking what acme has in the cache goes the full path: its
+    /// own record, the TTL not counted down; a reload denying the name
+    /// refuses it at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn never_shared_across_orgs_or_policy_versions() {
+        let (up, _) = upstream().await;
+        let dir = crate::testing::scratch("dnscache");
+        let shim = shim(&dir, up, true);
+        let a = request(ACME, "allowed.test.", RecordType::A);
+        let b = request(BETA, "allowed.test.", RecordType::A);
+        let first = shim.answer(&a).await;
+        assert_eq!(shim.answer(&a).await.answers[0].ttl, 300);
+        assert_eq!(shim.cache.hits(), 1);
+        // The same name in any case is the same question.
+        let upper = request(ACME, "ALLOWED.Test.", RecordType::A);
+        assert_eq!(shown(&shim.answer(&upper).await), shown(&first));
+        assert_eq!(shim.cache.hits(), 2);
+        let beta = shim.answer(&b).await;
+        assert_eq!(shim.cache.hits(), 2, "beta's first answer is its own");
+        assert_eq!(beta.answers.len(), 1);
+        assert_eq!(beta.answers[0].ttl, 300);
+        shim.answer(&b).await;
+        assert_eq!(shim.cache.hits(), 3);
+        assert_eq!(shim.cache.org_len(0), 1);
+        assert_eq!(shim.cache.org_len(1), 1);
+
+        // A reload that denies the name to acme.
+        let denied = POLICY.replacen("host = \"allowed.test\"", "host = \"other.test\"", 1);
+        shim.served.store(Arc::new(served(&denied, &shim.metrics)));
+        let refused = shim.answer(&a).await;
+        assert_eq!(refused.rcode, ResponseCode::Refused);
+        assert_eq!(shim.cache.hits(), 3);
+        // Beta's entry went with the old version; its answer is unchanged.
+        let beta_again = shim.answer(&b).await;
+        assert_eq!(shown(&beta_again), shown(&beta));
+        assert_eq!(shim.cache.hits(), 3);
+
+        let recs = records(&shim, &dir).await;
+        let orgs: Vec<&str> = recs.iter().map(|r| r["org"].as_str().unwrap()).collect();
+        assert_eq!(
+            orgs,
+            ["acme", "acme", "acme", "beta", "beta", "acme", "beta"]
+        );
+        assert_eq!(recs[1], recs[2], "any case: the same record");
+        assert_eq!(recs[5]["decision"], "deny", "{}", recs[5]);
+        assert_ne!(recs[5]["policy"], recs[0]["policy"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

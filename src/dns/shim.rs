@@ -1,0 +1,119 @@
+//! The shim: everything it needs to answer, shared by the UDP server and
+//! every TCP connection. One query's path is in [`super::answer`],
+//! forwarding and filtering in [`super::filter`], the wire in
+//! [`super::encode`].
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hickory_server::net::xfer::Protocol;
+use hickory_server::server::Request;
+
+use super::budget::{QueryBudget, TcpBudget};
+use super::cache::AnswerCache;
+use super::encode::encode;
+use super::filter::{clamp_ttl, Forwarded};
+use super::query::QueryState;
+use super::refusals::Refusals;
+use super::ttl::TtlMemo;
+use crate::bindings::Bindings;
+use crate::config::DnsConfig;
+use crate::evidence::Evidence;
+use crate::limits::{EvidenceBudget, RateLimiter};
+use crate::metrics::Metrics;
+use crate::policy::Reason;
+use crate::resolve::Resolver;
+use crate::served::{Served, ServedHandle};
+
+/// Everything the shim needs to answer. What a reload changes (the policy,
+/// each org's DNS settings) is in `served`, loaded once per query: one
+/// query is decided and recorded under one policy version.
+pub struct Shim {
+    pub served: ServedHandle,
+    pub resolver: Arc<Resolver>,
+    pub evidence: Arc<Evidence>,
+    pub metrics: Arc<Metrics>,
+    pub bindings: Arc<Bindings>,
+    pub config: DnsConfig,
+    /// Queries in flight: global, per org (per address for a client in no org).
+    pub queries: QueryBudget,
+    /// DNS-over-TCP connections: global, per client address, per org.
+    pub tcp: TcpBudget,
+    /// Queries per second per client address.
+    pub per_client: Arc<RateLimiter<IpAddr>>,
+    /// Refusal records, one by one while the writer has room, else tallied.
+    pub refusals: Refusals,
+    /// Answer TTLs as first seen, so they do not count down across orgs.
+    pub ttls: TtlMemo,
+    /// What forwarding produced, per (org, name, type), for the served
+    /// version it was decided under ([`super::cache`]).
+    pub cache: AnswerCache<Served, Forwarded>,
+}
+
+impl Shim {
+    /// The shim of `config`, its limits sized from it.
+    pub fn new(
+        served: ServedHandle,
+        resolver: Arc<Resolver>,
+        evidence: Arc<Evidence>,
+        metrics: Arc<Metrics>,
+        bindings: Arc<Bindings>,
+        config: DnsConfig,
+    ) -> Shim {
+        Shim {
+            queries: QueryBudget::new(&config),
+            tcp: TcpBudget::new(&config),
+            per_client: Arc::new(RateLimiter::new(
+                config.max_queries_per_second_per_client,
+                65_536,
+            )),
+            // Its own until the proxy's is shared ([`Shim::with_evidence_budget`]).
+            refusals: Refusals::new(
+                evidence.clone(),
+                metrics.clone(),
+                Arc::new(EvidenceBudget::new(
+                    crate::config::default_max_records_per_second_per_org(
+                        &crate::config::Limits::default(),
+                        &config,
+                    ),
+                )),
+            ),
+            ttls: TtlMemo::default(),
+            cache: AnswerCache::default(),
+            served,
+            resolver,
+            evidence,
+            metrics,
+            bindings,
+            config,
+        }
+    }
+
+    /// Charge records to `budget`, the evidence budget the proxy charges
+    /// too (`[evidence] max_records_per_second_per_org`).
+    pub fn with_evidence_budget(mut self, budget: Arc<EvidenceBudget>) -> Shim {
+        self.refusals.set_budget(budget);
+        self
+    }
+
+    /// `ttl` within `min_ttl`..`max_ttl`.
+    pub(super) fn clamp_ttl(&self, ttl: u32) -> u32 {
+        clamp_ttl(&self.config, ttl)
+    }
+
+    /// Answer one decoded request: the encoded response (see
+    /// [`super::encode`]).
+    pub(crate) async fn respond(&self, request: &Request, protocol: Protocol) -> Vec<u8> {
+        let reply = self.answer(request).await;
+        encode(request, &reply, protocol)
+    }
+
+    /// Record a DNS-over-TCP connection closed at once over `limit`.
+    pub(crate) async fn refuse_connection(&self, src: SocketAddr, limit: &str) {
+        let served = self.served.load_full();
+        let mut query = QueryState::new(&served, src);
+        query.refuse(Reason::LimitExceeded, Some(limit.into()));
+        self.record_refusal(&query, Duration::ZERO).await;
+    }
+}

@@ -1,0 +1,27 @@
+//! The limits layer under the proxy and the DNS shim: what one client or
+//! one org may take of what all share, and the evidence it may cause.
+//!
+//! | what | file | used by |
+//! |---|---|---|
+//! | who pays (org, else source address; IPv6 by /64) and the keyed shares they hold | [`share`] | connection caps, detection memory, DNS budgets |
+//! | token buckets per key (rates, bounded tables) | [`rate`] | new connections, DNS queries, denial records |
+//! | connection caps and permits | [`conns`] | the proxy |
+//! | detection memory (first bytes held before a decision) | [`detect`] | the proxy |
+//! | the evidence budget, per org, proxy and DNS together | [`evidence`] | the proxy, the DNS shim |
+//! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
+//!
+//! Nothing here knows the proxy or DNS: each passes its own specifics
+//! (keys, caps, the shape of its summaries) as parameters.
+
+pub mod conns;
+pub mod detect;
+pub mod evidence;
+pub mod rate;
+pub mod share;
+pub mod summary;
+
+pub use conns::{ConnLimits, LimitHit, Permit};
+pub use detect::{DetectHold, DetectMemory, DetectScope};
+pub use evidence::{EvidenceBudget, EVIDENCE_BUDGET_EXHAUSTED};
+pub use rate::{RateLimiter, SWEEP_PER_INSERT};
+pub use share::{client_key, Payer, Share, Shares};

@@ -1,0 +1,343 @@
+//! One summary engine for evidence floods: the proxy's denials
+//! ([`crate::proxy::denials`]) and the DNS shim's refusals
+//! ([`crate::dns::refusals`]) that are not written one by one are counted
+//! into tallies, and each tally is later written as ONE signed, chained
+//! record of the same shape: the first counted record's fields, with
+//! `count` and `window`, and what its [`Shape`] adds.
+//!
+//! | | key | tallies | a summary adds |
+//! |---|---|---|---|
+//! | proxy denials | (org, address key) | at most `MAX_TALLIES`, then one per org | `client`, the most frequent `reason`, `reasons`, `hosts`, `detail` |
+//! | DNS refusals | (org, reason) | bounded by the pairs | `answers: []`, `upstream: false`, `detail` |
+//!
+//! Summaries go into the writer's queue only into a free place, waiting at
+//! most what the caller allows; what finds none (or meets an unhealthy
+//! writer) is kept for the next flush, so a flood can neither grow the
+//! queue nor be lost.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+use std::marker::PhantomData;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use crate::evidence::{Evidence, Record};
+use crate::policy::Reason;
+
+/// How often tallies are written.
+pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
+/// Hosts a summary names; the others are counted under `other`.
+pub const TOP_HOSTS: usize = 10;
+/// Host counters a tally keeps; later hosts go straight to `other`.
+pub const TRACKED_HOSTS: usize = 64;
+
+/// What one kind of summary is keyed by and says beyond the shared fields.
+pub trait Shape {
+    /// What the records are tallied by.
+    type Key: Hash + Eq + Clone;
+    /// Tallies kept at once; beyond, a new key is counted under
+    /// [`Shape::overflow`] of it.
+    const MAX_TALLIES: usize = usize::MAX;
+    /// Whether tallies count their records' reasons and hosts.
+    const BREAKDOWN: bool = true;
+
+    /// Where a record of `key` is counted once the tallies are full.
+    fn overflow(key: Self::Key) -> Self::Key {
+        key
+    }
+
+    /// Complete `summary` (the template's fields with `count` and
+    /// `window`) for the tally of `key`.
+    fn finish(key: &Self::Key, tally: &Tally, summary: &mut Record);
+}
+
+/// Records not written one by one, for one key.
+#[derive(Debug)]
+pub struct Tally {
+    count: u64,
+    first: SystemTime,
+    last: SystemTime,
+    reasons: HashMap<Reason, u64>,
+    hosts: HashMap<String, u64>,
+    other_hosts: u64,
+    /// The first record's; the summary is built from it (with the policy
+    /// of the latest).
+    template: Record,
+}
+
+impl Tally {
+    fn new(record: &Record, now: SystemTime) -> Tally {
+        Tally {
+            count: 0,
+            first: now,
+            last: now,
+            reasons: HashMap::new(),
+            hosts: HashMap::new(),
+            other_hosts: 0,
+            template: record.clone(),
+        }
+    }
+
+    fn add(&mut self, record: &Record, now: SystemTime, breakdown: bool) {
+        self.count += 1;
+        self.first = self.first.min(now);
+        if now >= self.last {
+            self.last = now;
+            self.template.policy = record.policy.clone();
+        }
+        if breakdown {
+            *self.reasons.entry(record.reason).or_insert(0) += 1;
+            self.count_host(record.host.as_deref().unwrap_or("-"), 1);
+        }
+    }
+
+    fn count_host(&mut self, host: &str, n: u64) {
+        if let Some(m) = self.hosts.get_mut(host) {
+            *m += n;
+        } else if self.hosts.len() < TRACKED_HOSTS {
+            self.hosts.insert(host.to_string(), n);
+        } else {
+            self.other_hosts += n;
+        }
+    }
+
+    /// Count `other`'s records in this tally too.
+    pub fn merge(&mut self, other: Tally) {
+        self.count += other.count;
+        self.first = self.first.min(other.first);
+        if other.last >= self.last {
+            self.last = other.last;
+            self.template.policy = other.template.policy;
+        }
+        for (reason, n) in other.reasons {
+            *self.reasons.entry(reason).or_insert(0) += n;
+        }
+        self.other_hosts += other.other_hosts;
+        for (host, n) in other.hosts {
+            self.count_host(&host, n);
+        }
+    }
+
+    /// Records counted.
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The first counted record's reason.
+    pub fn reason(&self) -> Reason {
+        self.template.reason
+    }
+
+    /// The most frequent reason (the greater name loses a tie).
+    pub fn top_reason(&self) -> Option<Reason> {
+        self.reasons
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(b.0.as_str().cmp(a.0.as_str())))
+            .map(|(reason, _)| *reason)
+    }
+
+    /// Records counted per reason.
+    pub fn reasons(&self) -> BTreeMap<String, u64> {
+        self.reasons
+            .iter()
+            .map(|(k, v)| (k.as_str().to_string(), *v))
+            .collect()
+    }
+
+    /// Records counted per host: the [`TOP_HOSTS`] most frequent, the rest
+    /// under `other`.
+    pub fn top_hosts(&self) -> BTreeMap<String, u64> {
+        let mut hosts: Vec<(&String, &u64)> = self.hosts.iter().collect();
+        hosts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        let other: u64 =
+            self.other_hosts + hosts.iter().skip(TOP_HOSTS).map(|(_, n)| **n).sum::<u64>();
+        let mut named: BTreeMap<String, u64> = hosts
+            .into_iter()
+            .take(TOP_HOSTS)
+            .map(|(h, n)| (h.clone(), *n))
+            .collect();
+        if other > 0 {
+            *named.entry("other".to_string()).or_insert(0) += other;
+        }
+        named
+    }
+
+    /// Host counters kept.
+    pub fn tracked_hosts(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// The one record that stands for every counted record of `key`.
+    pub fn summary<S: Shape>(&self, key: &S::Key) -> Record {
+        let mut r = self.template.summary(self.count, self.first, self.last);
+        S::finish(key, self, &mut r);
+        r
+    }
+}
+
+/// The tallies of one [`Shape`] of summary.
+pub struct Tallies<S: Shape> {
+    map: Mutex<HashMap<S::Key, Tally>>,
+    shape: PhantomData<S>,
+}
+
+impl<S: Shape> Default for Tallies<S> {
+    fn default() -> Self {
+        Tallies {
+            map: Mutex::new(HashMap::new()),
+            shape: PhantomData,
+        }
+    }
+}
+
+impl<S: Shape> std::fmt::Debug for Tallies<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tallies")
+            .field("pending", &self.pending())
+            .finish()
+    }
+}
+
+impl<S: Shape> Tallies<S> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<S::Key, Tally>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Count `record` (at `wall`) into the tally of `key`.
+    pub fn add(&self, key: S::Key, record: &Record, wall: SystemTime) {
+        let mut tallies = self.lock();
+        let key = if !tallies.contains_key(&key) && tallies.len() >= S::MAX_TALLIES {
+            S::overflow(key)
+        } else {
+            key
+        };
+        tallies
+            .entry(key)
+            .or_insert_with(|| Tally::new(record, wall))
+            .add(record, wall, S::BREAKDOWN);
+    }
+
+    /// Every tally, taken out.
+    pub fn drain(&self) -> Vec<(S::Key, Tally)> {
+        self.lock().drain().collect()
+    }
+
+    /// Keep `tally` for the next flush (with what `key` counted since).
+    pub fn put_back(&self, key: S::Key, tally: Tally) {
+        let mut tallies = self.lock();
+        match tallies.get_mut(&key) {
+            Some(t) => t.merge(tally),
+            None => {
+                tallies.insert(key, tally);
+            }
+        }
+    }
+
+    /// Write each of `taken` as its summary while the writer finds room
+    /// within `wait`; once one finds none the others are not tried, and
+    /// are all put back (so a flush waits at most `wait` in all). Returns
+    /// the summaries written.
+    pub async fn write(
+        &self,
+        evidence: &Evidence,
+        taken: Vec<(S::Key, Tally)>,
+        wait: Duration,
+    ) -> Vec<(S::Key, Record)> {
+        let mut written = Vec::new();
+        let mut room = true;
+        for (key, tally) in taken {
+            let mut summary = tally.summary::<S>(&key);
+            room = room && evidence.submit_within(&mut summary, wait).await;
+            if room {
+                written.push((key, summary));
+            } else {
+                self.put_back(key, tally);
+            }
+        }
+        written
+    }
+
+    /// Tallies waiting.
+    pub fn pending(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Records counted into the waiting tallies.
+    pub fn pending_count(&self) -> u64 {
+        self.lock().values().map(|t| t.count).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::evidence::{Kind, Mode};
+    use crate::policy::Verdict;
+
+    struct ByReason;
+
+    impl Shape for ByReason {
+        type Key = Reason;
+        const MAX_TALLIES: usize = 2;
+
+        fn overflow(_: Reason) -> Reason {
+            Reason::LimitExceeded
+        }
+
+        fn finish(_: &Reason, tally: &Tally, summary: &mut Record) {
+            summary.reasons = Some(tally.reasons());
+            summary.hosts = Some(tally.top_hosts());
+        }
+    }
+
+    fn record(reason: Reason, host: &str) -> Record {
+        let verdict = Verdict {
+            org: None,
+            reason,
+            rule: None,
+            would_deny: None,
+        };
+        let client: SocketAddr = "198.19.1.7:1".parse().unwrap();
+        let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+        r.host = Some(host.to_string());
+        r
+    }
+
+    #[test]
+    fn tallies_are_bounded_and_lose_nothing() {
+        let t: Tallies<ByReason> = Tallies::default();
+        let wall = SystemTime::now();
+        let reasons = [
+            Reason::NoMatchingRule,
+            Reason::SniMismatch,
+            Reason::BadRequest,
+        ];
+        for i in 0..300 {
+            let host = format!("h{}.test", i % 100);
+            t.add(reasons[i % 3], &record(reasons[i % 3], &host), wall);
+        }
+        assert_eq!(t.pending(), 3, "two keys and the overflow");
+        assert_eq!(t.pending_count(), 300);
+        let drained = t.drain();
+        assert_eq!(t.pending(), 0);
+        for (key, tally) in &drained {
+            assert!(tally.tracked_hosts() <= TRACKED_HOSTS);
+            let s = tally.summary::<ByReason>(key);
+            assert_eq!(s.count, Some(100));
+            let hosts = s.hosts.unwrap();
+            assert_eq!(hosts.len(), TOP_HOSTS + 1, "{hosts:?}");
+            assert_eq!(hosts.values().sum::<u64>(), 100);
+            assert!(s.window.is_some());
+        }
+        let (key, first) = drained.into_iter().next().unwrap();
+        let mut again = Tally::new(&record(Reason::BadRequest, "x"), wall);
+        again.add(&record(Reason::BadRequest, "x"), wall, true);
+        again.merge(first);
+        assert_eq!(again.count(), 101);
+        t.put_back(key, again);
+        assert_eq!(t.pending_count(), 101);
+    }
+}
