@@ -31,7 +31,7 @@ const PROXY_LAYERS: &[&[&str]] = &[
     &["decide", "dial"],
     &["ctx"],
     &["pool", "denials"],
-    &["verify", "limits"],
+    &["verify"],
     &["tunnel"],
     &["splice"],
     &["http"],
