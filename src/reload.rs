@@ -438,9 +438,8 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_reload_applies_whole_or_not_at_all() {
-        let dir = std::env::temp_dir().join(format!("palisade-reload-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let path = dir.join("palisade.toml");
         let base = BASE.replace(
             "/tmp/palisade-reload-test-evidence",
@@ -492,6 +491,5 @@ host = "example.com"
         assert_eq!(reloader.reload("test").await, Outcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
         assert_eq!((count("ok"), count("error")), (2, 2));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

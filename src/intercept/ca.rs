@@ -262,8 +262,8 @@ mod tests {
 
     #[test]
     fn ca_is_created_0600_reloaded_and_mints_leaves() {
-        let dir = std::env::temp_dir().join(format!("palisade-ca-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ca");
         let a = OrgCa::load_or_create(&dir, "acme").unwrap();
         let (cert, key) = ca_paths(&dir, "acme");
         assert_eq!(
@@ -281,13 +281,12 @@ mod tests {
             OrgCa::load_or_create(&dir, "acme"),
             Err(CaError::Permissions { .. })
         ));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn cache_is_bounded_and_evicts_oldest() {
-        let dir = std::env::temp_dir().join(format!("palisade-ca2-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ca");
         let ca = OrgCa::load_or_create(&dir, "o").unwrap();
         let cfg = ca.server_config("a.test", &provider()).unwrap();
         let mut c = LeafCache::new(2);
@@ -300,6 +299,5 @@ mod tests {
         assert!(c.get(&org, "a", now).is_none());
         assert!(c.get(&org, "c", now).is_some());
         assert!(c.get(&org, "c", now + LEAF_REFRESH).is_none());
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
