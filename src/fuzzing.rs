@@ -9,11 +9,11 @@ use crate::proto::target::{
     normalize_host, parse_authority, parse_explain_target, ExplainTarget, Host,
 };
 use crate::proto::tls_stream::{TlsGuard, HELLO_RETRY_REQUEST_RANDOM};
-use crate::proto::{client_hello, http_head};
+use crate::proto::{client_hello, http_head, Parse};
 
 /// A ClientHello parse never claims more bytes than it was given.
 pub fn client_hello(data: &[u8]) {
-    if let client_hello::Parse::Done { len, .. } = client_hello::parse(data) {
+    if let Parse::Done { len, .. } = client_hello::parse(data) {
         assert!(len <= data.len(), "len {len} > input {}", data.len());
     }
 }
@@ -21,7 +21,7 @@ pub fn client_hello(data: &[u8]) {
 /// A request-head parse never claims more bytes than it was given, and a
 /// head it accepts is within the bound.
 pub fn http_head(data: &[u8]) {
-    if let http_head::Parse::Done { len, .. } = http_head::parse(data) {
+    if let Parse::Done { len, .. } = http_head::parse(data) {
         assert!(len <= data.len() && len <= http_head::MAX_HEAD_LEN);
     }
 }
@@ -91,7 +91,7 @@ const TLS_STREAM_HOST: &str = "api.example.com";
 pub fn tls_stream(data: &[u8]) {
     let host = Host::Name(TLS_STREAM_HOST.to_owned());
     let first_len = match client_hello::parse(data) {
-        client_hello::Parse::Done { len, .. } => len,
+        Parse::Done { len, .. } => len,
         _ => 0,
     };
     let hrr = server_hello_bytes(true);

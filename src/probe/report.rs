@@ -27,7 +27,7 @@ use serde_json::Value;
 
 use super::classify::{classify, in_tunnel, match_indices, observed_text};
 use super::plan::parse_target;
-use super::run::{Observation, Observations, Outcome};
+use super::run::{Observation, Observations, ProbeOutcome};
 use super::{render, Class, Expect, Layer, Via, REPORT_FORMAT};
 use crate::evidence::{fleet, query, verify, Event, Kind, Mode, Record};
 use crate::policy::Reason;
@@ -376,7 +376,7 @@ pub struct ProbeResult {
     pub why: String,
     /// What the client saw, in one line.
     pub observed: String,
-    pub outcome: Outcome,
+    pub outcome: ProbeOutcome,
     pub records: Vec<CitedRecord>,
     pub note: Option<String>,
     pub marker: String,
