@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use super::evidence::KeyArgs;
 use super::{load_config, runtime, CliError, Status, DEFAULT_CONFIG};
 use crate::probe::report::Checked;
-use crate::probe::{plan, report, run as probe_run};
+use crate::probe::{generate, plan, render, report, run as probe_run};
 
 /// `palisade probe ...`.
 // The doc comments of fields are `--help` text, not rustdoc: `[dns]` is
@@ -77,7 +77,7 @@ pub fn run(command: Command) -> Result<(), CliError> {
         } => {
             let config = load_config(&config, Status::BadInput)?;
             let transparent = transparent || !config.proxy.transparent.is_empty();
-            let opts = plan::GenerateOptions {
+            let opts = generate::GenerateOptions {
                 org,
                 proxy,
                 resolver,
@@ -111,9 +111,9 @@ fn bad_input(path: &Path, e: impl std::fmt::Display) -> CliError {
 
 fn print_plan(
     config: &crate::config::Config,
-    opts: &plan::GenerateOptions,
+    opts: &generate::GenerateOptions,
 ) -> Result<(), CliError> {
-    let p = plan::generate(config, opts).map_err(|e| CliError::new(Status::BadInput, e))?;
+    let p = generate::generate(config, opts).map_err(|e| CliError::new(Status::BadInput, e))?;
     let header = format!(
         "Palisade probe plan for org {:?}, policy {}\nGenerated from {} by palisade {}. Review every expectation: the plan is the agreement.",
         opts.org,
@@ -151,8 +151,9 @@ fn run_plan(path: &Path, out: &Path) -> Result<(), CliError> {
 }
 
 fn write_report(opts: &report::Options, out: &Path) -> Result<(), CliError> {
-    let r =
+    let report =
         report::build(opts).map_err(|report::BadInput(e)| CliError::new(Status::BadInput, e))?;
+    let r = render::outputs(report);
     let json = serde_json::to_vec_pretty(&r.json).unwrap_or_default();
     std::fs::create_dir_all(out)
         .and_then(|_| {

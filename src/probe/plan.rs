@@ -1,5 +1,6 @@
 //! The probe plan: its TOML format, its targets, and its validation. A
-//! default plan is generated from a policy by [`super::generate`].
+//! default plan is generated from a policy by `probe plan` (the `generate`
+//! module, which depends on this one).
 //!
 //! ```toml
 //! org = "acme"                    # informational: the org the sandbox belongs to
@@ -54,9 +55,6 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::{Expect, Layer, Via};
-
-// `probe plan` lived here; the CLI's paths stay.
-pub use super::generate::{generate, GenerateOptions};
 
 /// Per-probe timeout when the plan names none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
