@@ -121,7 +121,10 @@ fn print_plan(
         config.path.display(),
         env!("CARGO_PKG_VERSION")
     );
-    print!("{}", p.to_toml(&header));
+    let text = p
+        .to_toml(&header)
+        .map_err(|e| CliError::new(Status::Failed, format_args!("plan as TOML: {e}")))?;
+    print!("{text}");
     Ok(())
 }
 
