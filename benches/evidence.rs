@@ -223,12 +223,14 @@ fn main() {
         named.is_empty() || named.iter().any(|a| a == part)
     };
     let (rounds, secs) = if full { (3, 4.0) } else { (1, 0.3) };
-    let root: PathBuf = std::env::var_os("EVIDENCE_DIR")
+    let base: PathBuf = std::env::var_os("EVIDENCE_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
-        .join(format!("palisade-evbench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+        .unwrap_or_else(std::env::temp_dir);
+    let root = tempfile::Builder::new()
+        .prefix("palisade-evbench-")
+        .tempdir_in(&base)
+        .unwrap()
+        .into_path();
     if only("append") {
         append_part(&root, full);
     }

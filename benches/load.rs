@@ -779,9 +779,7 @@ fn main() {
     let scenario = |name: &str| only("LOAD_SCENARIOS", name);
 
     let load_before = loadavg();
-    let root = std::env::temp_dir().join(format!("palisade-load-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
+    let root = common::scratch("load");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

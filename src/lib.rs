@@ -59,6 +59,7 @@ pub mod cli;
 pub mod config;
 pub mod dns;
 pub mod evidence;
+#[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod intercept;

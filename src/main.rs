@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use palisade::cli::{self, Failure};
+use palisade::cli::{self, CliError};
 
 #[derive(Parser)]
 #[command(
@@ -54,7 +54,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let result: Result<(), Failure> = match Cli::parse().command {
+    let result: Result<(), CliError> = match Cli::parse().command {
         Command::Run(args) => cli::run::run(args),
         Command::Check(args) => cli::check::run(args),
         Command::Explain(args) => cli::explain::run(args),

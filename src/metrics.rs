@@ -481,8 +481,7 @@ mod tests {
 
     #[test]
     fn contract_series_exist_at_zero_and_count_what_is_recorded() {
-        let dir = std::env::temp_dir().join(format!("palisade-metrics-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = crate::testing::scratch("metrics").join("evidence");
         let evidence = Evidence::open(&dir).unwrap();
         let m = Metrics::new(evidence.counters().clone());
         m.init_series(["acme"]);

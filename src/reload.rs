@@ -46,7 +46,7 @@ pub struct Reloader {
 
 /// What a reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum ReloadOutcome {
     /// The new state is served (`hash`: its policy).
     Applied { hash: String },
     /// The file is valid and serves what is already served.
@@ -260,7 +260,7 @@ impl Reloader {
     }
 
     /// Reload if the file's content changed since it was last read.
-    pub async fn poll(&mut self) -> Option<Outcome> {
+    pub async fn poll(&mut self) -> Option<ReloadOutcome> {
         let path = self.path.clone();
         let now = blocking(move || digest(&path)).await.ok().flatten();
         if now.is_none() || now == self.seen {
@@ -270,7 +270,7 @@ impl Reloader {
     }
 
     /// Load and check the file and, if it is accepted, serve it.
-    pub async fn reload(&mut self, why: &str) -> Outcome {
+    pub async fn reload(&mut self, why: &str) -> ReloadOutcome {
         let current = self.served.load_full();
         let (path, running, metrics) = (
             self.path.clone(),
@@ -298,7 +298,7 @@ impl Reloader {
                     .with_label_values(&["ok"])
                     .inc();
                 info!(why, policy = %current.policy.hash(), "reload: nothing changed");
-                return Outcome::Unchanged;
+                return ReloadOutcome::Unchanged;
             }
             Err(e) => {
                 self.metrics
@@ -316,7 +316,7 @@ impl Reloader {
                         warn!(why, error = %e, "policy reload rejected; the old policy keeps serving")
                     }
                 }
-                return Outcome::Rejected;
+                return ReloadOutcome::Rejected;
             }
         };
         let hash = served.policy.hash().to_string();
@@ -345,7 +345,7 @@ impl Reloader {
             "policy reloaded"
         );
         self.running = Arc::from(config);
-        Outcome::Applied { hash }
+        ReloadOutcome::Applied { hash }
     }
 }
 
@@ -438,9 +438,8 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_reload_applies_whole_or_not_at_all() {
-        let dir = std::env::temp_dir().join(format!("palisade-reload-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let path = dir.join("palisade.toml");
         let base = BASE.replace(
             "/tmp/palisade-reload-test-evidence",
@@ -462,7 +461,7 @@ host = "example.com"
                 .get()
         };
 
-        assert_eq!(reloader.reload("test").await, Outcome::Unchanged);
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Unchanged);
         assert_eq!(reloader.poll().await, None, "nothing new to read");
 
         std::fs::write(
@@ -470,7 +469,7 @@ host = "example.com"
             format!("{base}\n[[org.allow]]\nhost = \"b.example\"\n"),
         )
         .unwrap();
-        let Some(Outcome::Applied { hash }) = reloader.poll().await else {
+        let Some(ReloadOutcome::Applied { hash }) = reloader.poll().await else {
             panic!("the changed file was not applied");
         };
         assert_ne!(hash, first);
@@ -485,13 +484,12 @@ host = "example.com"
             format!("{refused}\n[[org.allow]]\nhost = \"c.example\"\n"),
         )
         .unwrap();
-        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
         // An invalid file likewise.
         std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
-        assert_eq!(reloader.reload("test").await, Outcome::Rejected);
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
         assert_eq!((count("ok"), count("error")), (2, 2));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -71,7 +71,7 @@ const FAILED_FAMILY_NAMES: usize = 4096;
 
 /// Why one family's query gave no addresses.
 #[derive(Debug, thiserror::Error)]
-enum Failure {
+enum FamilyError {
     #[error("no records found")]
     NoRecords,
     #[error("timed out")]
@@ -193,10 +193,12 @@ impl Resolver {
                     return None;
                 }
                 let answer = match tokio::time::timeout(timeout, inner.lookup(fqdn, qtype)).await {
-                    Err(_) => Err(Failure::Timeout),
-                    Ok(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => Err(Failure::NoRecords),
-                    Ok(Err(NetError::Timeout)) => Err(Failure::Timeout),
-                    Ok(Err(e)) => Err(Failure::Other(e.to_string())),
+                    Err(_) => Err(FamilyError::Timeout),
+                    Ok(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => {
+                        Err(FamilyError::NoRecords)
+                    }
+                    Ok(Err(NetError::Timeout)) => Err(FamilyError::Timeout),
+                    Ok(Err(e)) => Err(FamilyError::Other(e.to_string())),
                     Ok(Ok(l)) => Ok(l
                         .answers()
                         .iter()
@@ -215,10 +217,10 @@ impl Resolver {
             family(RecordType::AAAA, held == Some(Family::V6)),
         );
         let mut addrs = Vec::new();
-        let mut failure: Option<(Family, Failure)> = None;
+        let mut failure: Option<(Family, FamilyError)> = None;
         for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
             match answer {
-                None | Some(Err(Failure::NoRecords)) => {}
+                None | Some(Err(FamilyError::NoRecords)) => {}
                 Some(Ok(found)) => addrs.extend(found),
                 Some(Err(f)) => {
                     failure.get_or_insert((fam, f));
@@ -226,7 +228,7 @@ impl Resolver {
             }
         }
         let outcome = match (addrs.is_empty(), failure) {
-            (true, Some((_, Failure::Timeout))) => Err(ResolveError::Timeout {
+            (true, Some((_, FamilyError::Timeout))) => Err(ResolveError::Timeout {
                 name: name.to_string(),
             }),
             (true, Some((_, f))) => Err(ResolveError::Failed {

@@ -95,13 +95,14 @@ fn run(cmd: &mut Command, timeout: Duration, install: &str) -> Output {
 
 const TOOL_TIMEOUT: Duration = Duration::from_secs(120);
 
-/// A scratch directory of this test process.
+/// A fresh scratch directory (kept after the test, for a look at what a
+/// failing tool left).
 fn scratch(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("palisade-manifests-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    tempfile::Builder::new()
+        .prefix(&format!("palisade-manifests-{name}-"))
+        .tempdir()
+        .unwrap()
+        .into_path()
 }
 
 fn k8s_files() -> Vec<PathBuf> {

@@ -167,12 +167,13 @@ where
     addr
 }
 
-/// A fresh scratch directory for one bench process.
+/// A fresh scratch directory for one bench process (kept after the run).
 pub fn scratch(name: &str) -> std::path::PathBuf {
-    let root = std::env::temp_dir().join(format!("palisade-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(&root).unwrap();
-    root
+    tempfile::Builder::new()
+        .prefix(&format!("palisade-{name}-"))
+        .tempdir()
+        .unwrap()
+        .into_path()
 }
 
 /// The load generator's runtime: one worker thread.

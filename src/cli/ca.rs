@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use super::{load_config, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, CliError, Status, DEFAULT_CONFIG};
 use crate::intercept::ca::OrgCa;
 
 /// `palisade ca ...`.
@@ -19,17 +19,17 @@ pub enum Command {
 }
 
 /// 1 on a bad config, an unknown org or an unusable CA.
-pub fn run(command: Command) -> Result<(), Failure> {
+pub fn run(command: Command) -> Result<(), CliError> {
     let Command::Export { config: path, org } = command;
     let config = load_config(&path, Status::Failed)?;
     if !config.orgs.iter().any(|o| o.name == org) {
-        return Err(Failure::new(
+        return Err(CliError::new(
             Status::Failed,
             format_args!("no org {org:?} in {}", path.display()),
         ));
     }
     let ca = OrgCa::load_or_create(&config.intercept.ca_dir, &org)
-        .map_err(|e| Failure::new(Status::Failed, format_args!("org {org}: CA: {e}")))?;
+        .map_err(|e| CliError::new(Status::Failed, format_args!("org {org}: CA: {e}")))?;
     print!("{}", ca.cert_pem);
     Ok(())
 }

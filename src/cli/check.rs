@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use super::{load_config, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, CliError, Status, DEFAULT_CONFIG};
 use crate::config::PortSet;
 use crate::policy::{Opening, Policy};
 
@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 /// 1 on an invalid config, each error as `FILE:LINE:COL: message`.
-pub fn run(args: Args) -> Result<(), Failure> {
+pub fn run(args: Args) -> Result<(), CliError> {
     let path = args.config;
     let config = load_config(&path, Status::Failed)?;
     let policy = Policy::new(&config);

@@ -10,7 +10,7 @@ use std::time::SystemTime;
 
 use ed25519_dalek::VerifyingKey;
 
-use super::{load_config, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, CliError, Status, DEFAULT_CONFIG};
 use crate::evidence::{chain, fleet, key, query, verify};
 
 /// `palisade evidence ...`.
@@ -86,12 +86,12 @@ pub struct KeyArgs {
 
 impl KeyArgs {
     /// The pins, or 2 naming the bad key, file or line.
-    pub fn pins(&self) -> Result<fleet::Pins, Failure> {
+    pub fn pins(&self) -> Result<fleet::Pins, CliError> {
         let mut pins = fleet::Pins {
             allow_unpinned: self.allow_unpinned,
             ..fleet::Pins::default()
         };
-        let bad = |m: String| Failure::new(Status::BadInput, m);
+        let bad = |m: String| CliError::new(Status::BadInput, m);
         for arg in &self.key {
             match fleet::split_pin(arg) {
                 (Some(name), text) => {
@@ -173,7 +173,7 @@ pub struct FilterArgs {
 
 impl FilterArgs {
     /// The filter, or 2 with every unparseable time named.
-    fn filter(self) -> Result<query::Filter, Failure> {
+    fn filter(self) -> Result<query::Filter, CliError> {
         let (since, until) = match (
             parse_time("since", self.since),
             parse_time("until", self.until),
@@ -182,7 +182,7 @@ impl FilterArgs {
             (since, until) => {
                 let errors: Vec<String> =
                     [since.err(), until.err()].into_iter().flatten().collect();
-                return Err(Failure::bare(Status::BadInput, errors.join("\n")));
+                return Err(CliError::bare(Status::BadInput, errors.join("\n")));
             }
         };
         Ok(query::Filter {
@@ -209,10 +209,10 @@ fn parse_time(flag: &str, value: Option<String>) -> Result<Option<SystemTime>, S
 
 /// `--key`: an Ed25519 public key in hex, or a file holding it; 2 when it
 /// is neither.
-pub fn parse_key(arg: &str) -> Result<VerifyingKey, Failure> {
+pub fn parse_key(arg: &str) -> Result<VerifyingKey, CliError> {
     let text = std::fs::read_to_string(arg).unwrap_or_else(|_| arg.to_string());
     chain::parse_pubkey(&text).ok_or_else(|| {
-        Failure::new(
+        CliError::new(
             Status::BadInput,
             "--key: not an Ed25519 public key (64 hex characters, or a file holding them)",
         )
@@ -223,7 +223,7 @@ pub fn parse_key(arg: &str) -> Result<VerifyingKey, Failure> {
 /// fleet. `pubkey`: 1 without a key. `query`/`export`: 1 on an unreadable
 /// path or a fleet with a broken or missing chain, 2 on a bad time, key or
 /// fleet.
-pub fn run(command: Command) -> Result<(), Failure> {
+pub fn run(command: Command) -> Result<(), CliError> {
     match command {
         Command::Verify {
             paths,
@@ -254,11 +254,11 @@ pub fn run(command: Command) -> Result<(), Failure> {
 }
 
 /// The fleet `paths` name, or 2.
-fn resolve(paths: &[PathBuf]) -> Result<fleet::Fleet, Failure> {
-    fleet::resolve(paths).map_err(|e| Failure::new(Status::BadInput, e))
+fn resolve(paths: &[PathBuf]) -> Result<fleet::Fleet, CliError> {
+    fleet::resolve(paths).map_err(|e| CliError::new(Status::BadInput, e))
 }
 
-fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(), Failure> {
+fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(), CliError> {
     let pins = keys.pins()?;
     if !fleet::is_fleet(paths) && pins.by_replica.is_empty() {
         // One chain: what `evidence verify PATH` has always printed.
@@ -273,7 +273,7 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
             }
             Err(e) => {
                 println!("broken: {e}");
-                Err(Failure::bare(Status::Failed, e))
+                Err(CliError::bare(Status::Failed, e))
             }
         };
     }
@@ -282,19 +282,19 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
         pins,
         allow_unsealed,
     };
-    let checked = fleet::check(&fleet, &opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+    let checked = fleet::check(&fleet, &opts).map_err(|e| CliError::new(Status::BadInput, e))?;
     println!("{}", checked.text());
     if checked.ok() {
         Ok(())
     } else {
-        Err(Failure::silent(Status::Failed))
+        Err(CliError::silent(Status::Failed))
     }
 }
 
-fn pubkey(config: &Path) -> Result<(), Failure> {
+fn pubkey(config: &Path) -> Result<(), CliError> {
     let config = load_config(config, Status::Failed)?;
     let k = key::load(&config.evidence.key).map_err(|e| {
-        Failure::new(
+        CliError::new(
             Status::Failed,
             format_args!("{e} (palisade run creates it on first start)"),
         )
@@ -308,7 +308,7 @@ fn records(
     filter: FilterArgs,
     output: query::Output,
     args: &FleetArgs,
-) -> Result<(), Failure> {
+) -> Result<(), CliError> {
     let filter = filter.filter()?;
     let pins = args.keys.pins()?;
     let stdout = std::io::stdout();
@@ -319,7 +319,7 @@ fn records(
         let records = query::read_records(path).map(|r| r.map(|s| (None, s)));
         return query::print(records, false, &filter, output, &mut out)
             .and_then(|_| out.flush())
-            .map_err(|e| Failure::new(Status::Failed, format_args!("{}: {e}", path.display())));
+            .map_err(|e| CliError::new(Status::Failed, format_args!("{}: {e}", path.display())));
     }
     let fleet = resolve(paths)?;
     // A live fleet is not sealed: only what verify calls broken (or a
@@ -328,14 +328,14 @@ fn records(
         pins,
         allow_unsealed: true,
     };
-    let checked = fleet::check(&fleet, &opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+    let checked = fleet::check(&fleet, &opts).map_err(|e| CliError::new(Status::BadInput, e))?;
     if !checked.ok() {
         for c in checked.failing() {
             eprintln!("palisade: {}", c.line());
         }
         if !args.include_broken {
             let names: Vec<&str> = checked.failing().map(|c| c.name.as_str()).collect();
-            return Err(Failure::new(
+            return Err(CliError::new(
                 Status::Failed,
                 format_args!(
                     "refusing to print the fleet's records: replica {} failed verification (--include-broken prints the records anyway)",
@@ -350,5 +350,5 @@ fn records(
     let records = fleet::read_merged(&fleet.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
     query::print(records, true, &filter, output, &mut out)
         .and_then(|_| out.flush())
-        .map_err(|e| Failure::new(Status::Failed, e))
+        .map_err(|e| CliError::new(Status::Failed, e))
 }

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use hickory_server::proto::rr::RecordType;
 
-use super::{load_config, print_json, runtime, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, print_json, runtime, CliError, Status, DEFAULT_CONFIG};
 use crate::config::Config;
 use crate::dns::decide::{decide_query, OrgDns};
 use crate::policy::request::RequestFacts;
@@ -41,9 +41,9 @@ pub struct Args {
 
 /// Print the decision, as text or JSON. 0 whatever the decision; 1 on a
 /// bad target or config.
-pub fn run(args: Args) -> Result<(), Failure> {
+pub fn run(args: Args) -> Result<(), CliError> {
     let target = parse_explain_target(&args.target)
-        .map_err(|e| Failure::new(Status::Failed, format_args!("bad target: {e}")))?;
+        .map_err(|e| CliError::new(Status::Failed, format_args!("bad target: {e}")))?;
     let config = load_config(&args.config, Status::Failed)?;
     let req_path = target_path(&args.target);
     let request = match (&args.method, &req_path) {

@@ -1,6 +1,6 @@
 //! The `palisade` command line: one module per command, each with its
-//! arguments (clap) and a handler that returns `Result<(), Failure>`.
-//! `main` parses, calls the handler and maps a [`Failure`] to the exit
+//! arguments (clap) and a handler that returns `Result<(), CliError>`.
+//! `main` parses, calls the handler and maps a [`CliError`] to the exit
 //! status in one place; no handler exits the process itself.
 //!
 //! Exit statuses, as the README's "Commands" table documents them: 0 the
@@ -38,15 +38,15 @@ pub enum Status {
 /// A command that did not succeed: its exit status and what to say on
 /// stderr.
 #[derive(Debug)]
-pub struct Failure {
+pub struct CliError {
     status: Status,
     message: Option<String>,
 }
 
-impl Failure {
+impl CliError {
     /// `palisade: {message}` on stderr.
-    pub fn new(status: Status, message: impl Display) -> Failure {
-        Failure {
+    pub fn new(status: Status, message: impl Display) -> CliError {
+        CliError {
             status,
             message: Some(format!("palisade: {message}")),
         }
@@ -54,16 +54,16 @@ impl Failure {
 
     /// `message` on stderr as it is: for messages that name their own
     /// source (`FILE:LINE:COL: ...`).
-    pub fn bare(status: Status, message: impl Display) -> Failure {
-        Failure {
+    pub fn bare(status: Status, message: impl Display) -> CliError {
+        CliError {
             status,
             message: Some(message.to_string()),
         }
     }
 
     /// Nothing more on stderr: the command's output has said it.
-    pub fn silent(status: Status) -> Failure {
-        Failure {
+    pub fn silent(status: Status) -> CliError {
+        CliError {
             status,
             message: None,
         }
@@ -86,24 +86,24 @@ impl Failure {
 
 /// Load and validate the config at `path`; when it is unusable, every
 /// error as `FILE:LINE:COL: message`, with exit status `status`.
-pub fn load_config(path: &Path, status: Status) -> Result<Config, Failure> {
-    config::load(path).map_err(|errors| Failure::bare(status, errors))
+pub fn load_config(path: &Path, status: Status) -> Result<Config, CliError> {
+    config::load(path).map_err(|errors| CliError::bare(status, errors))
 }
 
 /// `value` as pretty JSON on stdout (`--json`).
-pub fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| Failure::new(Status::Failed, e))?;
+pub fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| CliError::new(Status::Failed, e))?;
     println!("{text}");
     Ok(())
 }
 
 /// The async runtime for the commands that do network work.
-pub fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
+pub fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .map_err(|e| {
-            Failure::new(
+            CliError::new(
                 Status::Failed,
                 format_args!("cannot start the async runtime: {e}"),
             )
@@ -116,12 +116,12 @@ mod tests {
 
     #[test]
     fn failure_codes_and_messages() {
-        let f = Failure::new(Status::BadInput, "bad plan");
+        let f = CliError::new(Status::BadInput, "bad plan");
         assert_eq!((f.code(), f.message()), (2, Some("palisade: bad plan")));
-        let f = Failure::bare(Status::Failed, "a.toml:3:1: unknown field");
+        let f = CliError::bare(Status::Failed, "a.toml:3:1: unknown field");
         assert_eq!(f.message(), Some("a.toml:3:1: unknown field"));
         assert_eq!(f.status(), Status::Failed);
-        assert_eq!(Failure::silent(Status::Failed).message(), None);
+        assert_eq!(CliError::silent(Status::Failed).message(), None);
     }
 
     #[test]

@@ -9,9 +9,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use super::evidence::KeyArgs;
-use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, runtime, CliError, Status, DEFAULT_CONFIG};
 use crate::probe::report::Checked;
-use crate::probe::{plan, report, run as probe_run};
+use crate::probe::{generate, plan, render, report, run as probe_run};
 
 /// `palisade probe ...`.
 // The doc comments of fields are `--help` text, not rustdoc: `[dns]` is
@@ -65,7 +65,7 @@ pub enum Command {
     },
 }
 
-pub fn run(command: Command) -> Result<(), Failure> {
+pub fn run(command: Command) -> Result<(), CliError> {
     match command {
         Command::Plan {
             config,
@@ -77,7 +77,7 @@ pub fn run(command: Command) -> Result<(), Failure> {
         } => {
             let config = load_config(&config, Status::BadInput)?;
             let transparent = transparent || !config.proxy.transparent.is_empty();
-            let opts = plan::GenerateOptions {
+            let opts = generate::GenerateOptions {
                 org,
                 proxy,
                 resolver,
@@ -105,12 +105,15 @@ pub fn run(command: Command) -> Result<(), Failure> {
     }
 }
 
-fn bad_input(path: &Path, e: impl std::fmt::Display) -> Failure {
-    Failure::new(Status::BadInput, format_args!("{}: {e}", path.display()))
+fn bad_input(path: &Path, e: impl std::fmt::Display) -> CliError {
+    CliError::new(Status::BadInput, format_args!("{}: {e}", path.display()))
 }
 
-fn print_plan(config: &crate::config::Config, opts: &plan::GenerateOptions) -> Result<(), Failure> {
-    let p = plan::generate(config, opts).map_err(|e| Failure::new(Status::BadInput, e))?;
+fn print_plan(
+    config: &crate::config::Config,
+    opts: &generate::GenerateOptions,
+) -> Result<(), CliError> {
+    let p = generate::generate(config, opts).map_err(|e| CliError::new(Status::BadInput, e))?;
     let header = format!(
         "Palisade probe plan for org {:?}, policy {}\nGenerated from {} by palisade {}. Review every expectation: the plan is the agreement.",
         opts.org,
@@ -118,11 +121,14 @@ fn print_plan(config: &crate::config::Config, opts: &plan::GenerateOptions) -> R
         config.path.display(),
         env!("CARGO_PKG_VERSION")
     );
-    print!("{}", p.to_toml(&header));
+    let text = p
+        .to_toml(&header)
+        .map_err(|e| CliError::new(Status::Failed, format_args!("plan as TOML: {e}")))?;
+    print!("{text}");
     Ok(())
 }
 
-fn run_plan(path: &Path, out: &Path) -> Result<(), Failure> {
+fn run_plan(path: &Path, out: &Path) -> Result<(), CliError> {
     let text = std::fs::read_to_string(path).map_err(|e| bad_input(path, e))?;
     let p = plan::Plan::from_toml(&text).map_err(|e| bad_input(path, e))?;
     let obs = runtime()?.block_on(probe_run::run(&p, &text));
@@ -147,8 +153,10 @@ fn run_plan(path: &Path, out: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-fn write_report(opts: &report::Options, out: &Path) -> Result<(), Failure> {
-    let r = report::build(opts).map_err(|report::BadInput(e)| Failure::new(Status::BadInput, e))?;
+fn write_report(opts: &report::Options, out: &Path) -> Result<(), CliError> {
+    let report =
+        report::build(opts).map_err(|report::BadInput(e)| CliError::new(Status::BadInput, e))?;
+    let r = render::outputs(report);
     let json = serde_json::to_vec_pretty(&r.json).unwrap_or_default();
     std::fs::create_dir_all(out)
         .and_then(|_| {
@@ -163,13 +171,13 @@ fn write_report(opts: &report::Options, out: &Path) -> Result<(), Failure> {
     }
     println!("wrote {}/report.{{json,md,html}}", out.display());
     if let Checked::Failed { error, .. } = &r.report.verification.checked {
-        return Err(Failure::new(
+        return Err(CliError::new(
             Status::Failed,
             format_args!("evidence verification failed: {error}"),
         ));
     }
     match r.exit {
         0 => Ok(()),
-        _ => Err(Failure::silent(Status::Failed)),
+        _ => Err(CliError::silent(Status::Failed)),
     }
 }

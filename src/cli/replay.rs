@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::{load_config, print_json, Failure, Status};
+use super::{load_config, print_json, CliError, Status};
 use crate::evidence::{Event, Kind, Record};
 use crate::policy::{Decision, Policy, Reason};
 use crate::proto::target::normalize_host;
@@ -38,11 +38,11 @@ pub struct Args {
 
 /// Print the flows that would flip, as text or JSON. 1 on a bad config or
 /// unreadable evidence.
-pub fn run(args: Args) -> Result<(), Failure> {
+pub fn run(args: Args) -> Result<(), CliError> {
     let config = load_config(&args.config, Status::Failed)?;
     let policy = Policy::new(&config);
     let report = replay(&args.evidence, &policy).map_err(|e| {
-        Failure::new(
+        CliError::new(
             Status::Failed,
             format_args!("cannot read evidence {}: {e}", args.evidence.display()),
         )

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use super::{load_config, runtime, Failure, Status, DEFAULT_CONFIG};
+use super::{load_config, runtime, CliError, Status, DEFAULT_CONFIG};
 
 /// Arguments of `palisade run`.
 #[derive(clap::Args, Debug)]
@@ -13,7 +13,7 @@ pub struct Args {
 
 /// Log to stderr (filter from `PALISADE_LOG`), load the config and serve
 /// until shutdown. 1 on a bad config or a start-up failure.
-pub fn run(args: Args) -> Result<(), Failure> {
+pub fn run(args: Args) -> Result<(), CliError> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("PALISADE_LOG")
@@ -25,5 +25,5 @@ pub fn run(args: Args) -> Result<(), Failure> {
     let config = load_config(&args.config, Status::Failed)?;
     runtime()?
         .block_on(crate::app::run(config))
-        .map_err(|e| Failure::new(Status::Failed, e))
+        .map_err(|e| CliError::new(Status::Failed, e))
 }

@@ -1,6 +1,6 @@
 //! `palisade token new`: a fresh org token and its config line.
 
-use super::{Failure, Status};
+use super::{CliError, Status};
 use crate::config;
 
 /// `palisade token ...`.
@@ -15,10 +15,10 @@ pub enum Command {
 }
 
 /// 1 if there is no randomness for a token.
-pub fn run(command: Command) -> Result<(), Failure> {
+pub fn run(command: Command) -> Result<(), CliError> {
     let Command::New { org } = command;
     let (token, digest) = config::new_token().map_err(|e| {
-        Failure::new(
+        CliError::new(
             Status::Failed,
             format_args!("no randomness for a token: {e}"),
         )

@@ -75,8 +75,7 @@ mod tests {
 
     #[test]
     fn created_0600_reloaded_and_refused_when_open() {
-        let dir = std::env::temp_dir().join(format!("palisade-key-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
+        let dir = crate::testing::scratch("key").join("keys");
         let path = dir.join("k");
         let a = load_or_create(&path).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;

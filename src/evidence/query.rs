@@ -678,13 +678,7 @@ mod tests {
 
     /// A file of `lines`, one JSON value each, in a fresh directory.
     fn file_of(lines: &[Value]) -> std::path::PathBuf {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "palisade-query-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = crate::testing::scratch("query");
         let path = dir.join("palisade-00000000000000000000.jsonl");
         let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
         std::fs::write(&path, text).unwrap();

@@ -2,14 +2,18 @@
 //!
 //! `DIR/ORG.pem` (certificate) and `DIR/ORG.key` (PKCS#8 key, 0600) are
 //! created on first use, or provided by the operator. A leaf is minted for
-//! each SNI on demand and kept in a bounded cache keyed by (org, SNI).
+//! each SNI on demand and kept in a bounded cache keyed by (org, SNI),
+//! minted once however many handshakes ask for it at the same time.
 
-use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
+
+use quick_cache::sync::{Cache, EntryAction, EntryResult};
+use quick_cache::{DefaultHashBuilder, Lifecycle, OptionsBuilder, UnitWeighter};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
@@ -189,68 +193,117 @@ fn create(org: &str, cert_path: &Path, key_path: &Path) -> Result<(), CaError> {
     Ok(())
 }
 
-/// Minted server configs by (org, SNI), bounded; the oldest entry goes first.
+type LeafKey = (Arc<str>, String);
+type LeafEntry = (Arc<ServerConfig>, Instant);
+
+/// Counts the entries the cache evicts, for the metrics.
+#[derive(Clone, Default)]
+struct Evictions(Arc<AtomicU64>);
+
+impl Lifecycle<LeafKey, LeafEntry> for Evictions {
+    type RequestState = ();
+
+    fn begin_request(&self) {}
+
+    fn on_evict(&self, _: &mut (), _: LeafKey, _: LeafEntry) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What [`LeafCache::get_or_mint`] found.
+pub enum Leaf {
+    /// A fresh cached config (perhaps minted just now by another handshake
+    /// that this one waited for).
+    Cached(Arc<ServerConfig>),
+    /// Minted by this call (`None`: minting failed, nothing was cached).
+    Minted(Option<Arc<ServerConfig>>),
+}
+
+/// Minted server configs by (org, SNI), at most `max` of them (quick_cache,
+/// one shard so that `max` is a hard bound). A leaf is minted once however
+/// many handshakes ask for it at the same time: the others wait for it.
 pub struct LeafCache {
-    max: usize,
-    map: HashMap<(Arc<str>, String), (Arc<ServerConfig>, Instant)>,
-    order: VecDeque<(Arc<str>, String)>,
+    cache: Cache<LeafKey, LeafEntry, UnitWeighter, DefaultHashBuilder, Evictions>,
+    evictions: Evictions,
 }
 
 impl LeafCache {
     pub fn new(max: usize) -> LeafCache {
-        LeafCache {
-            max: max.max(1),
-            map: HashMap::new(),
-            order: VecDeque::new(),
-        }
+        let max = max.max(1);
+        let evictions = Evictions::default();
+        let options = OptionsBuilder::new()
+            .shards(1)
+            .estimated_items_capacity(max)
+            .weight_capacity(max as u64)
+            .build();
+        let cache = match options {
+            Ok(options) => Cache::with_options(
+                options,
+                UnitWeighter,
+                DefaultHashBuilder::default(),
+                evictions.clone(),
+            ),
+            // Never: every option above is set.
+            Err(_) => Cache::with(
+                max,
+                max as u64,
+                UnitWeighter,
+                DefaultHashBuilder::default(),
+                evictions.clone(),
+            ),
+        };
+        LeafCache { cache, evictions }
     }
 
-    /// A fresh cached config, if any.
-    pub fn get(&self, org: &Arc<str>, name: &str, now: Instant) -> Option<Arc<ServerConfig>> {
-        let (config, minted) = self.map.get(&(org.clone(), name.to_string()))?;
-        (now.saturating_duration_since(*minted) < LEAF_REFRESH).then(|| config.clone())
-    }
-
-    /// Insert; returns how many entries were evicted.
-    pub fn insert(
-        &mut self,
-        org: Arc<str>,
-        name: String,
-        config: Arc<ServerConfig>,
+    /// The config for `name` from `org`'s CA: the cached one if it is
+    /// younger than [`LEAF_REFRESH`] at `now`, else the one `mint` makes,
+    /// cached from `now` on.
+    pub fn get_or_mint(
+        &self,
+        org: &Arc<str>,
+        name: &str,
         now: Instant,
-    ) -> usize {
-        let key = (org, name);
-        if let Some(slot) = self.map.get_mut(&key) {
-            *slot = (config, now);
-            return 0;
-        }
-        let mut evicted = 0;
-        while self.map.len() >= self.max {
-            match self.order.pop_front() {
-                Some(old) => {
-                    if self.map.remove(&old).is_some() {
-                        evicted += 1;
-                    }
-                }
-                None => break,
+        mint: impl FnOnce() -> Option<Arc<ServerConfig>>,
+    ) -> Leaf {
+        let fresh = |minted: &Instant| now.saturating_duration_since(*minted) < LEAF_REFRESH;
+        let key: LeafKey = (org.clone(), name.to_string());
+        if let Some((config, minted)) = self.cache.get(&key) {
+            if fresh(&minted) {
+                return Leaf::Cached(config);
             }
         }
-        self.order.push_back(key.clone());
-        self.map.insert(key, (config, now));
-        evicted
+        let guard = match self.cache.entry(&key, None, |_, (config, minted)| {
+            if fresh(minted) {
+                EntryAction::Retain(config.clone())
+            } else {
+                EntryAction::ReplaceWithGuard
+            }
+        }) {
+            EntryResult::Retained(config) => return Leaf::Cached(config),
+            EntryResult::Vacant(guard) | EntryResult::Replaced(guard, _) => Some(guard),
+            // Neither is asked for (no Remove, no timeout): mint uncached.
+            EntryResult::Removed(..) | EntryResult::Timeout => None,
+        };
+        let config = mint();
+        if let (Some(guard), Some(config)) = (guard, &config) {
+            let _ = guard.insert((config.clone(), now));
+        }
+        Leaf::Minted(config)
+    }
+
+    /// Entries evicted since the last call.
+    pub fn take_evictions(&self) -> u64 {
+        self.evictions.0.swap(0, Ordering::Relaxed)
     }
 
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.cache.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.cache.is_empty()
     }
 }
-
-/// A cache shared by every connection.
-pub type SharedCache = Mutex<LeafCache>;
 
 #[cfg(test)]
 mod tests {
@@ -262,8 +315,8 @@ mod tests {
 
     #[test]
     fn ca_is_created_0600_reloaded_and_mints_leaves() {
-        let dir = std::env::temp_dir().join(format!("palisade-ca-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ca");
         let a = OrgCa::load_or_create(&dir, "acme").unwrap();
         let (cert, key) = ca_paths(&dir, "acme");
         assert_eq!(
@@ -281,25 +334,96 @@ mod tests {
             OrgCa::load_or_create(&dir, "acme"),
             Err(CaError::Permissions { .. })
         ));
-        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn cached(leaf: Leaf) -> Option<Arc<ServerConfig>> {
+        match leaf {
+            Leaf::Cached(c) => Some(c),
+            Leaf::Minted(_) => None,
+        }
     }
 
     #[test]
-    fn cache_is_bounded_and_evicts_oldest() {
-        let dir = std::env::temp_dir().join(format!("palisade-ca2-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+    fn cache_is_bounded_and_refreshes_old_leaves() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ca");
         let ca = OrgCa::load_or_create(&dir, "o").unwrap();
         let cfg = ca.server_config("a.test", &provider()).unwrap();
-        let mut c = LeafCache::new(2);
+        let c = LeafCache::new(2);
         let org: Arc<str> = Arc::from("o");
         let now = Instant::now();
-        assert_eq!(c.insert(org.clone(), "a".into(), cfg.clone(), now), 0);
-        assert_eq!(c.insert(org.clone(), "b".into(), cfg.clone(), now), 0);
-        assert_eq!(c.insert(org.clone(), "c".into(), cfg.clone(), now), 1);
+        let minted = AtomicU64::new(0);
+        let mint = || {
+            minted.fetch_add(1, Ordering::Relaxed);
+            Some(cfg.clone())
+        };
+        for name in ["a", "b", "c", "d", "e"] {
+            assert!(matches!(
+                c.get_or_mint(&org, name, now, mint),
+                Leaf::Minted(Some(_))
+            ));
+            assert!(c.len() <= 2, "{} entries", c.len());
+        }
         assert_eq!(c.len(), 2);
-        assert!(c.get(&org, "a", now).is_none());
-        assert!(c.get(&org, "c", now).is_some());
-        assert!(c.get(&org, "c", now + LEAF_REFRESH).is_none());
-        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(c.take_evictions(), 3);
+        assert_eq!(c.take_evictions(), 0);
+        // What stayed is a hit; at LEAF_REFRESH it is minted again.
+        let kept = ["a", "b", "c", "d", "e"]
+            .into_iter()
+            .find(|n| cached(c.get_or_mint(&org, n, now, || None)).is_some())
+            .unwrap();
+        let before = minted.load(Ordering::Relaxed);
+        assert!(matches!(
+            c.get_or_mint(&org, kept, now + LEAF_REFRESH, mint),
+            Leaf::Minted(Some(_))
+        ));
+        assert_eq!(minted.load(Ordering::Relaxed), before + 1);
+        assert!(cached(c.get_or_mint(&org, kept, now + LEAF_REFRESH, || None)).is_some());
+        // A failed mint caches nothing.
+        assert!(matches!(
+            c.get_or_mint(&org, "f", now, || None),
+            Leaf::Minted(None)
+        ));
+        assert!(matches!(
+            c.get_or_mint(&org, "f", now, || None),
+            Leaf::Minted(None)
+        ));
+        assert!(c.len() <= 2);
+    }
+
+    /// Two handshakes for one host at the same time mint one leaf: the
+    /// second waits for the first's and is handed the same config.
+    #[test]
+    fn concurrent_lookups_for_one_host_mint_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ca = OrgCa::load_or_create(&tmp.path().join("ca"), "o").unwrap();
+        let provider = provider();
+        let c = LeafCache::new(8);
+        let org: Arc<str> = Arc::from("o");
+        let minted = AtomicU64::new(0);
+        let start = std::sync::Barrier::new(2);
+        let got: Vec<Arc<ServerConfig>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        start.wait();
+                        let leaf = c.get_or_mint(&org, "a.test", Instant::now(), || {
+                            minted.fetch_add(1, Ordering::Relaxed);
+                            // Long enough for the other lookup to arrive.
+                            std::thread::sleep(Duration::from_millis(200));
+                            ca.server_config("a.test", &provider).ok()
+                        });
+                        match leaf {
+                            Leaf::Cached(c) | Leaf::Minted(Some(c)) => c,
+                            Leaf::Minted(None) => panic!("mint failed"),
+                        }
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(minted.load(Ordering::Relaxed), 1);
+        assert!(Arc::ptr_eq(&got[0], &got[1]));
+        assert_eq!(c.len(), 1);
     }
 }

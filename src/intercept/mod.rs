@@ -18,7 +18,7 @@ pub mod ca;
 pub mod secret;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
@@ -26,7 +26,7 @@ use rustls_pki_types::CertificateDer;
 
 use crate::config::{Config, CredentialConfig};
 
-use self::ca::{CaError, LeafCache, OrgCa};
+use self::ca::{CaError, Leaf, LeafCache, OrgCa};
 use self::secret::{Secret, SecretError};
 
 /// A credential with its secret, ready to be added to requests.
@@ -61,7 +61,7 @@ pub enum InterceptError {
 pub struct Interceptor {
     provider: Arc<rustls::crypto::CryptoProvider>,
     cas: HashMap<String, OrgCa>,
-    cache: Mutex<LeafCache>,
+    cache: LeafCache,
     /// Upstream TLS: verified against `[intercept] upstream_ca`.
     pub upstream: Arc<ClientConfig>,
     credentials: HashMap<String, Vec<Arc<Credential>>>,
@@ -143,7 +143,7 @@ impl Interceptor {
         Ok(Some(Interceptor {
             provider,
             cas,
-            cache: Mutex::new(LeafCache::new(config.intercept.cert_cache)),
+            cache: LeafCache::new(config.intercept.cert_cache),
             upstream: Arc::new(upstream),
             credentials,
             handshake_timeout: config.intercept.handshake_timeout.get(),
@@ -152,40 +152,38 @@ impl Interceptor {
     }
 
     /// The TLS server config presenting a leaf for `name` from `org`'s CA,
-    /// from the cache or freshly minted.
+    /// from the cache or freshly minted (once for concurrent handshakes).
     pub fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
         let m = &self.metrics;
-        let now = Instant::now();
-        if let Some(c) = self.lock_cache().get(org, name, now) {
+        let mint = || {
             m.intercept_cert_cache_total
-                .with_label_values(&["hit"])
+                .with_label_values(&["miss"])
                 .inc();
-            return Some(c);
-        }
-        m.intercept_cert_cache_total
-            .with_label_values(&["miss"])
-            .inc();
-        let ca = self.cas.get(&**org)?;
-        let config = match ca.server_config(name, &self.provider) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot mint a leaf certificate");
-                return None;
+            let ca = self.cas.get(&**org)?;
+            match ca.server_config(name, &self.provider) {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot mint a leaf certificate");
+                    None
+                }
             }
         };
-        let mut cache = self.lock_cache();
-        let evicted = cache.insert(org.clone(), name.to_string(), config.clone(), now);
-        m.intercept_cert_cache_total
-            .with_label_values(&["evict"])
-            .inc_by(evicted as u64);
-        m.intercept_cert_cache_entries.set(cache.len() as i64);
-        Some(config)
-    }
-
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, LeafCache> {
-        // A panic while holding the lock cannot leave the map inconsistent
-        // in a way that matters (worst case: a missing entry).
-        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+        match self.cache.get_or_mint(org, name, Instant::now(), mint) {
+            Leaf::Cached(c) => {
+                m.intercept_cert_cache_total
+                    .with_label_values(&["hit"])
+                    .inc();
+                Some(c)
+            }
+            Leaf::Minted(config) => {
+                m.intercept_cert_cache_total
+                    .with_label_values(&["evict"])
+                    .inc_by(self.cache.take_evictions());
+                m.intercept_cert_cache_entries
+                    .set(i64::try_from(self.cache.len()).unwrap_or(i64::MAX));
+                config
+            }
+        }
     }
 
     /// The org's credentials, in file order: the request decision

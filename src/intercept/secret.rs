@@ -125,9 +125,8 @@ mod tests {
 
     #[test]
     fn file_secret_loads_without_newline_and_never_prints() {
-        let dir = std::env::temp_dir().join(format!("palisade-secret-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("s");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s");
         std::fs::write(&path, b"tok-123\r\n").unwrap();
         let s = Secret::load(&cred(SecretSource::File(path.clone()), "Bearer ")).unwrap();
         let v = s.header_value("Bearer ").unwrap();
@@ -143,6 +142,5 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("PALISADE_NO_SUCH_VAR_X"));
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

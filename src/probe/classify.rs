@@ -61,7 +61,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, SystemTime};
 
 use super::plan::{parse_target, Target};
-use super::run::{Observation, Outcome};
+use super::run::{Observation, ProbeOutcome};
 use super::{Class, Expect, Via};
 use crate::evidence::Record;
 use crate::policy::Reason;
@@ -229,12 +229,12 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
         }
     }
     let answered = match o.outcome {
-        Outcome::Reached => {
+        ProbeOutcome::Reached => {
             !(o.kind == "dns" && o.expect == Expect::Allow && o.dns_answers.is_empty())
         }
         _ => false,
     };
-    if o.outcome == Outcome::SetupFailed && recs.is_empty() {
+    if o.outcome == ProbeOutcome::SetupFailed && recs.is_empty() {
         return (
             Class::Inconclusive,
             format!(
@@ -246,7 +246,7 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     }
     match o.expect {
         Expect::Deny => {
-            if o.outcome == Outcome::Reached {
+            if o.outcome == ProbeOutcome::Reached {
                 let cite = if allow.is_empty() {
                     "with no Palisade record".to_string()
                 } else {
@@ -389,7 +389,7 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
                     ),
                 );
             }
-            if o.outcome == Outcome::SetupFailed
+            if o.outcome == ProbeOutcome::SetupFailed
                 || (o.via == Via::Proxy && o.stage == "proxy_connect")
             {
                 return (
@@ -450,7 +450,7 @@ pub fn observed_text(o: &Observation) -> String {
     if o.kind == "tcp" && o.connected && o.error.is_none() {
         parts.push(format!("connected, {} bytes received", o.bytes_received));
     }
-    if o.kind == "udp" && o.outcome == Outcome::Reached {
+    if o.kind == "udp" && o.outcome == ProbeOutcome::Reached {
         parts.push(format!("UDP reply, {} bytes", o.bytes_received));
     }
     if let Some(e) = &o.error {

@@ -544,7 +544,7 @@ mod tests {
         let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
         let opts = options(false);
         let plan = generate(&config, &opts).unwrap();
-        let text = plan.to_toml("generated");
+        let text = plan.to_toml("generated").unwrap();
         let back = Plan::from_toml(&text).unwrap();
         assert_eq!(back.probes.len(), plan.probes.len());
         let t = |id: &str| {
@@ -593,7 +593,7 @@ mod tests {
         let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
         let plan = generate(&config, &options(transparent)).unwrap();
         // What is printed is what is run.
-        let back = Plan::from_toml(&plan.to_toml("generated")).unwrap();
+        let back = Plan::from_toml(&plan.to_toml("generated").unwrap()).unwrap();
         assert_eq!(
             serde_json::to_value(&back.probes).unwrap(),
             serde_json::to_value(&plan.probes).unwrap()

@@ -160,7 +160,8 @@ pub fn extension_types(record: &[u8]) -> Option<Vec<u16>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::client_hello::{parse, Parse};
+    use crate::proto::client_hello::parse;
+    use crate::proto::Parse;
 
     fn fixed() -> Random {
         let mut n = 0u8;
@@ -182,7 +183,7 @@ mod tests {
         ] {
             let bytes = build(&Hello { sni, ech }, &fixed());
             match parse(&bytes) {
-                Parse::Done { hello, len } => {
+                Parse::Done { value: hello, len } => {
                     assert_eq!(hello.sni.as_deref(), sni);
                     assert_eq!(hello.ech, ech, "{sni:?} ech={ech}");
                     assert_eq!(hello.alpn, ["http/1.1"]);

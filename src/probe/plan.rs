@@ -1,5 +1,6 @@
 //! The probe plan: its TOML format, its targets, and its validation. A
-//! default plan is generated from a policy by [`super::generate`].
+//! default plan is generated from a policy by `probe plan` (the `generate`
+//! module, which depends on this one).
 //!
 //! ```toml
 //! org = "acme"                    # informational: the org the sandbox belongs to
@@ -47,16 +48,12 @@
 //! `tcp://host:port`, `tls://host:port[?sni=NAME]`, `dns:NAME[/TYPE]`,
 //! `udp://ip:port`. `{marker}` in a target is replaced by the probe's marker.
 
-use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::{Expect, Layer, Via};
-
-// `probe plan` lived here; the CLI's paths stay.
-pub use super::generate::{generate, GenerateOptions};
 
 /// Per-probe timeout when the plan names none.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -425,64 +422,67 @@ impl Plan {
         Ok(())
     }
 
-    /// The plan as TOML (the format `from_toml` reads).
-    pub fn to_toml(&self, header: &str) -> String {
-        let q = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
-        let mut out = String::new();
-        for line in header.lines() {
-            let _ = writeln!(out, "# {line}");
-        }
-        let top: [(&str, Option<String>); 6] = [
-            ("org", self.org.clone()),
-            ("policy", self.policy.clone()),
-            ("proxy", self.proxy.map(|a| a.to_string())),
-            ("resolver", self.resolver.map(|a| a.to_string())),
-            ("timeout", self.timeout.clone()),
-            ("deadline", self.deadline.clone()),
-        ];
-        for (k, v) in top {
-            if let Some(v) = v {
-                let _ = writeln!(out, "{k} = {}", q(&v));
-            }
-        }
-        for p in &self.probes {
-            out.push_str("\n[[probe]]\n");
-            let _ = writeln!(out, "id = {}", q(&p.id));
-            let _ = writeln!(out, "target = {}", q(&p.target));
-            let _ = writeln!(out, "via = {}", q(p.via.as_str()));
-            let _ = writeln!(out, "expect = {}", q(p.expect.as_str()));
-            if p.layer == Layer::Any {
-                out.push_str("layer = \"any\"\n");
-            }
-            let opt: [(&str, Option<String>); 6] = [
-                ("proxy", p.proxy.map(|a| a.to_string())),
-                ("server", p.server.map(|a| a.to_string())),
-                ("resolve", p.resolve.map(|a| a.to_string())),
-                ("host_header", p.host_header.clone()),
-                ("second_host", p.second_host.clone()),
-                ("silence", p.silence.clone()),
-            ];
-            for (k, v) in opt {
-                if let Some(v) = v {
-                    let _ = writeln!(out, "{k} = {}", q(&v));
-                }
-            }
-            for (k, on) in [("ech", p.ech), ("request", p.request)] {
-                if on {
-                    let _ = writeln!(out, "{k} = true");
-                }
-            }
-            if let Some(note) = &p.note {
-                let _ = writeln!(out, "note = {}", q(note));
-            }
-        }
-        out
+    /// The plan as TOML (the format `from_toml` reads), through its serde
+    /// form; each line of `header` becomes a comment above it.
+    pub fn to_toml(&self, header: &str) -> Result<String, toml::ser::Error> {
+        let body = toml::to_string(self)?;
+        let mut out: String = header.lines().map(|l| format!("# {l}\n")).collect();
+        out.push_str(&body);
+        Ok(out)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every field, and text that needs escaping, comes back as it was
+    /// written; the header lines are comments. (Every option at once is no
+    /// valid plan, so this reads the text back without validating it; the
+    /// generated plans' tests read theirs through `from_toml`.)
+    #[test]
+    fn to_toml_parses_back_to_the_same_plan() {
+        let mut full = Probe::new("a \"b\" \\ c", "https://a.test/x", Via::Proxy, Expect::Deny);
+        full.layer = Layer::Any;
+        full.proxy = Some("198.18.1.1:3128".parse().unwrap());
+        full.server = Some("[2001:db8::1]:443".parse().unwrap());
+        full.resolve = Some("198.18.2.2".parse().unwrap());
+        full.host_header = Some("b.test".into());
+        full.second_host = Some("c.test".into());
+        full.silence = Some("2s".into());
+        full.ech = true;
+        full.request = true;
+        full.note = Some("line one\nline 'two'\t\u{e9}".into());
+        let plan = Plan {
+            org: Some("acme".into()),
+            policy: Some("sha256:00".into()),
+            proxy: Some("198.18.1.1:3128".parse().unwrap()),
+            resolver: Some("198.18.1.1:53".parse().unwrap()),
+            timeout: Some("5s".into()),
+            deadline: Some("5m".into()),
+            probes: vec![
+                full,
+                Probe::new("plain", "dns:a.test/A", Via::Direct, Expect::Allow),
+            ],
+        };
+        let text = plan.to_toml("first\nsecond").unwrap();
+        assert!(text.starts_with("# first\n# second\n"), "{text}");
+        let back: Plan = toml::from_str(&text).unwrap();
+        assert_eq!(
+            serde_json::to_value(&back).unwrap(),
+            serde_json::to_value(&plan).unwrap(),
+            "{text}"
+        );
+        // Options left out are not written.
+        let bare = Plan {
+            probes: vec![Probe::new("p", "dns:a.test/A", Via::Direct, Expect::Allow)],
+            ..plan
+        };
+        let text = bare.to_toml("").unwrap();
+        for key in ["layer", "server", "ech", "request", "note", "silence"] {
+            assert!(!text.contains(key), "{key} in {text}");
+        }
+    }
 
     #[test]
     fn targets_parse() {

@@ -1,7 +1,7 @@
 //! `palisade probe report`: verify the evidence chain first, join each
 //! observation to Palisade's records and classify it ([`super::classify`]),
 //! and build the [`Report`]: `report.json` is its serialisation, and
-//! [`super::render`] makes `report.md` and a self-contained `report.html`
+//! the render module makes `report.md` and a self-contained `report.html`
 //! from it. Evidence that fails verification is reported, and no probe is
 //! classified.
 //!
@@ -27,8 +27,8 @@ use serde_json::Value;
 
 use super::classify::{classify, in_tunnel, match_indices, observed_text};
 use super::plan::parse_target;
-use super::run::{Observation, Observations, Outcome};
-use super::{render, Class, Expect, Layer, Via, REPORT_FORMAT};
+use super::run::{Observation, Observations, ProbeOutcome};
+use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
 use crate::evidence::{fleet, query, verify, Event, Kind, Mode, Record};
 use crate::policy::Reason;
 
@@ -54,17 +54,6 @@ impl Options<'_> {
     fn is_fleet(&self) -> bool {
         fleet::is_fleet(self.evidence) || !self.pins.by_replica.is_empty()
     }
-}
-
-/// A finished report, rendered, and its exit status (0 all matched, 1
-/// otherwise).
-pub struct Rendered {
-    pub report: Report,
-    /// `report.json`: the report as JSON (keys sorted).
-    pub json: Value,
-    pub markdown: String,
-    pub html: String,
-    pub exit: u8,
 }
 
 /// Bad input (exit status 2).
@@ -376,7 +365,7 @@ pub struct ProbeResult {
     pub why: String,
     /// What the client saw, in one line.
     pub observed: String,
-    pub outcome: Outcome,
+    pub outcome: ProbeOutcome,
     pub records: Vec<CitedRecord>,
     pub note: Option<String>,
     pub marker: String,
@@ -648,7 +637,7 @@ fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verific
 }
 
 /// Build the report.
-pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
+pub fn build(opts: &Options) -> Result<Report, BadInput> {
     let sets = opts
         .observations
         .iter()
@@ -701,7 +690,7 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
                 "Not assessed: the evidence failed verification ({problem}). No probe was classified: \
                  evidence that cannot be trusted cannot show what Palisade enforced."
             );
-            return Ok(render(Report {
+            return Ok(Report {
                 format: REPORT_FORMAT,
                 verification,
                 scope,
@@ -712,7 +701,7 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
                 findings: Vec::new(),
                 probes: Vec::new(),
                 untested: Vec::new(),
-            }));
+            });
         }
     };
     let replica_of = |i: usize| record_replicas.as_ref().and_then(|r| r.get(i)).cloned();
@@ -831,7 +820,7 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
             "The policy that decided (policy hash in evidence) is not the one the plan names: the results describe the policy in the evidence.".into(),
         );
     }
-    Ok(render(Report {
+    Ok(Report {
         format: REPORT_FORMAT,
         verification,
         scope,
@@ -842,7 +831,7 @@ pub fn build(opts: &Options) -> Result<Rendered, BadInput> {
         findings,
         probes,
         untested,
-    }))
+    })
 }
 
 /// What the plan did not cover, listed explicitly.
@@ -914,16 +903,6 @@ fn untested(obs: &Observations, sources: &str) -> Vec<String> {
     out
 }
 
-fn render(report: Report) -> Rendered {
-    Rendered {
-        json: serde_json::to_value(&report).unwrap_or(Value::Null),
-        markdown: render::markdown(&report),
-        html: render::html(&report),
-        exit: report.exit_status,
-        report,
-    }
-}
-
 /// The class of every probe in a `report.json`, by probe id.
 pub fn classes(report: &Value) -> BTreeMap<String, String> {
     let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
@@ -933,482 +912,4 @@ pub fn classes(report: &Value) -> BTreeMap<String, String> {
         .flatten()
         .map(|p| (text(&p["id"]), text(&p["class"])))
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::PathBuf;
-    use std::time::{Duration, SystemTime};
-
-    use serde_json::json;
-
-    use super::*;
-    use crate::evidence::Evidence;
-    use crate::policy::Verdict;
-
-    /// A sealed chain with an allow for allowed.test (from port 40001) and
-    /// a deny for other.test (from 40002); their ids.
-    async fn chain(dir: &Path) -> (String, String) {
-        let (mut ids, _) = chain_of(
-            dir,
-            &[
-                (40001, "allowed.test", Reason::RuleMatch),
-                (40002, "other.test", Reason::NoMatchingRule),
-            ],
-        )
-        .await;
-        (ids.remove(0), ids.remove(0))
-    }
-
-    /// A sealed chain with a decision per (client port, host, reason),
-    /// from 198.18.1.2; the record ids and the public key.
-    async fn chain_of(dir: &Path, decisions: &[(u16, &str, Reason)]) -> (Vec<String>, String) {
-        chain_from(dir, [198, 18, 1, 2], decisions).await
-    }
-
-    /// As [`chain_of`], from client address `ip`.
-    async fn chain_from(
-        dir: &Path,
-        ip: [u8; 4],
-        decisions: &[(u16, &str, Reason)],
-    ) -> (Vec<String>, String) {
-        // Each chain named by its directory, as replicas on one host must be.
-        let mut cfg = crate::config::EvidenceConfig::for_dir(dir);
-        cfg.replica = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let ev = Evidence::start(&cfg).unwrap();
-        let mut ids = Vec::new();
-        for &(port, host, reason) in decisions {
-            let verdict = Verdict {
-                org: None,
-                reason,
-                rule: reason.is_allow().then(|| "allow-0".into()),
-                would_deny: None,
-            };
-            let client = SocketAddr::from((ip, port));
-            let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
-            r.host = Some(host.into());
-            r.port = Some(443);
-            ev.write(&mut r).await.unwrap();
-            ids.push(r.id);
-        }
-        let key = ev.public_key().to_string();
-        assert!(ev.seal().await);
-        (ids, key)
-    }
-
-    fn ts(t: SystemTime) -> String {
-        humantime::format_rfc3339_micros(t).to_string()
-    }
-
-    /// An observation from local port `port` around now.
-    fn observation(id: &str, port: u16, expect: &str, extra: Value) -> Value {
-        let now = SystemTime::now();
-        let mut v = json!({
-            "id": id, "marker": format!("pp-1-{id}"), "target": "https://allowed.test/",
-            "kind": "https", "via": "proxy", "expect": expect,
-            "started": ts(now - Duration::from_secs(5)), "finished": ts(now + Duration::from_secs(1)),
-            "elapsed_ms": 6000,
-            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": format!("198.18.1.2:{port}"), "remote": "198.18.1.1:3128"}],
-            "resolved": [], "connected": true, "bytes_sent": 0, "bytes_received": 0,
-            "dns_answers": [], "stage": "done", "outcome": "failed",
-        });
-        for (k, x) in extra.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-        v
-    }
-
-    fn observations(dir: &Path, deny_id: &str) -> PathBuf {
-        let now = ts(SystemTime::now());
-        let obs = json!({
-            "format": super::super::OBSERVATIONS_FORMAT, "run": "r1", "palisade_version": "0",
-            "plan_sha256": "00", "plan": {"org": "acme", "policy": "p0", "probe": []},
-            "started": now, "finished": now,
-            "environment": {"hostname": "sandbox", "addresses": ["1: lo <x>", "2: eth0 198.18.1.2/24"]},
-            "observations": [
-                observation("allow-https", 40001, "allow",
-                    json!({"connect_status": 200, "tls": "server_hello", "outcome": "reached"})),
-                observation("deny-name", 40002, "deny",
-                    json!({"target": "https://other.test/", "connect_status": 403, "connected": false,
-                           "outcome": "refused", "palisade_record": deny_id})),
-                observation("routed-away", 40003, "deny",
-                    json!({"target": "tcp://198.18.2.20:80", "kind": "tcp", "via": "direct", "layer": "any",
-                           "error": "timeout", "connected": false})),
-            ],
-        });
-        let path = dir.join("observations.json");
-        std::fs::write(&path, obs.to_string()).unwrap();
-        path
-    }
-
-    fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
-        let evidence = [evidence.to_path_buf()];
-        let observations = [observations.to_path_buf()];
-        let opts = Options {
-            observations: &observations,
-            evidence: &evidence,
-            pins: fleet::Pins::default(),
-            allow_unsealed: false,
-        };
-        build(&opts).map_err(|e| e.0)
-    }
-
-    /// From evidence and observations to the report.json fields, the
-    /// markdown and the HTML the netns tests read.
-    #[tokio::test]
-    async fn verified_evidence_is_classified_and_rendered() {
-        let dir = crate::testing::scratch("report-ok");
-        let evidence = dir.join("evidence");
-        let (allow_id, deny_id) = chain(&evidence).await;
-        let obs = observations(&dir, &deny_id);
-        let r = report(&obs, &evidence).unwrap();
-        let j = &r.json;
-        assert_eq!(j["format"], REPORT_FORMAT);
-        assert_eq!(j["verification"]["ok"], true, "{j:#}");
-        assert_eq!(j["verification"]["sealed"], true);
-        let classes = classes(j);
-        assert_eq!(classes["allow-https"], "enforced_allow");
-        assert_eq!(classes["deny-name"], "enforced_deny");
-        assert_eq!(classes["routed-away"], "blocked_elsewhere");
-        assert_eq!((r.exit, j["exit_status"].clone()), (0, json!(0)));
-        assert_eq!(j["counts"]["probes"], 3);
-        assert_eq!(j["counts"]["not_matching_expectation"], 0);
-        let deny = &j["probes"][1];
-        assert_eq!(deny["records"][0]["id"], deny_id.as_str());
-        assert_eq!(deny["records"][0]["reason"], "no_matching_rule");
-        assert_eq!(deny["records"][0]["client"], "198.18.1.2:40002");
-        assert!(deny["records"][0]["detail"].is_null());
-        assert_eq!(deny["observation"]["palisade_record"], deny_id.as_str());
-        assert_eq!(
-            j["probes"][0]["why"],
-            format!("Palisade allowed: {allow_id}")
-        );
-        assert_eq!(j["scope"]["policy_matches_plan"], true);
-        assert_eq!(j["scope"]["evidence_sealed"], true);
-        assert_eq!(
-            j["scope"]["evidence_span"]["records"], 4,
-            "{:#}",
-            j["scope"]
-        );
-        assert!(j["findings"].as_array().unwrap().is_empty());
-        assert!(j["verdict"]
-            .as_str()
-            .unwrap()
-            .starts_with("Within the 3 paths tested"));
-        assert!(j["untested"][0]
-            .as_str()
-            .unwrap()
-            .starts_with("IPv6: not probed"));
-
-        assert!(
-            r.markdown
-                .contains("| evidence policy = plan policy | true |"),
-            "{}",
-            r.markdown
-        );
-        assert!(r
-            .markdown
-            .contains("| routed-away | `tcp://198.18.2.20:80` | direct | deny (any layer) |"));
-        assert!(r.markdown.contains("None among the probes classified."));
-        assert!(r.markdown.contains("  - `2: eth0 198.18.1.2/24`"));
-        for needle in [
-            "id=\"findings\"",
-            "data-probe=\"deny-name\" data-class=\"enforced_deny\"",
-            "<pre id=\"verification\">",
-            "<td colspan=\"7\">None among the probes classified.</td>",
-            "<th>evidence_sealed</th><td><code>true</code></td>",
-            "<pre>1: lo &lt;x&gt;\n2: eth0 198.18.1.2/24</pre>",
-        ] {
-            assert!(r.html.contains(needle), "{needle} not in {}", r.html);
-        }
-        // Values are escaped wherever they land.
-        let mut report = r.report;
-        report.verdict = "<script>alert(1)</script>".into();
-        report.probes[0].why = "\"><img src=x>".into();
-        let html = render::html(&report);
-        assert!(
-            !html.contains("<script>") && !html.contains("<img"),
-            "{html}"
-        );
-        assert!(html.contains("&lt;script&gt;"));
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    /// Evidence that fails verification: reported, nothing classified.
-    #[tokio::test]
-    async fn tampered_evidence_classifies_nothing() {
-        let dir = crate::testing::scratch("report-tampered");
-        let evidence = dir.join("evidence");
-        let (_, deny_id) = chain(&evidence).await;
-        let segment = &crate::evidence::segment::list(&evidence).unwrap()[0];
-        let text = std::fs::read_to_string(segment).unwrap();
-        std::fs::write(
-            segment,
-            text.replace("\"decision\":\"deny\"", "\"decision\":\"allow\""),
-        )
-        .unwrap();
-        let obs = observations(&dir, &deny_id);
-        let r = report(&obs, &evidence).unwrap();
-        let j = &r.json;
-        assert_eq!(j["verification"]["ok"], false);
-        assert!(
-            j["verification"]["error"]
-                .as_str()
-                .unwrap()
-                .contains("hash does not match"),
-            "{j:#}"
-        );
-        assert!(j["verification"]["line"].as_u64().is_some());
-        assert!(j.get("counts").is_none());
-        assert!(j["scope"].get("evidence_sealed").is_none());
-        assert_eq!(j["probes"].as_array().unwrap().len(), 0);
-        assert_eq!(r.exit, 1);
-        assert!(j["verdict"].as_str().unwrap().starts_with("Not assessed"));
-        assert!(r.markdown.contains("**FAILED:**") && !r.markdown.contains("## Counts"));
-        assert!(r.markdown.contains("| evidence sealed | - |"));
-        assert!(r.html.contains("id=\"verification-failed\""));
-        // Bad input is not a report.
-        std::fs::write(&obs, "{").unwrap();
-        assert!(report(&obs, &evidence).is_err());
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    fn fleet_report(observations: &[PathBuf], evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
-        let opts = Options {
-            observations,
-            evidence,
-            pins,
-            allow_unsealed: false,
-        };
-        build(&opts).map_err(|e| e.0).unwrap()
-    }
-
-    /// Two replicas: the allow in one chain, the denial in the other. Each
-    /// probe names the replica that decided it; a tampered replica stops
-    /// the report, named, with the other named intact.
-    #[tokio::test]
-    async fn fleet_probes_name_their_replica() {
-        let dir = crate::testing::scratch("report-fleet");
-        let tree = dir.join("tree");
-        let (_, ka) = chain_of(
-            &tree.join("gw-a"),
-            &[(40001, "allowed.test", Reason::RuleMatch)],
-        )
-        .await;
-        let (ids, kb) = chain_of(
-            &tree.join("gw-b"),
-            &[
-                (40009, "unrelated.test", Reason::NoMatchingRule),
-                (40002, "other.test", Reason::NoMatchingRule),
-            ],
-        )
-        .await;
-        let obs = observations(&dir, &ids[1]);
-        let pins = fleet::Pins {
-            by_replica: [("gw-a", &ka), ("gw-b", &kb)]
-                .into_iter()
-                .map(|(n, k)| {
-                    (
-                        n.to_string(),
-                        crate::evidence::chain::parse_pubkey(k).unwrap(),
-                    )
-                })
-                .collect(),
-            ..fleet::Pins::default()
-        };
-        let r = fleet_report(
-            std::slice::from_ref(&obs),
-            std::slice::from_ref(&tree),
-            pins.clone(),
-        );
-        let j = &r.json;
-        assert_eq!(j["verification"]["ok"], true, "{j:#}");
-        assert_eq!(j["verification"]["key_pinned"], true);
-        let replicas = j["verification"]["replicas"].as_array().unwrap();
-        assert_eq!(replicas.len(), 2);
-        assert_eq!(replicas[0]["replica"], "gw-a");
-        assert_eq!(replicas[1]["status"], "intact");
-        assert_eq!(classes(j)["allow-https"], "enforced_allow");
-        assert_eq!(classes(j)["deny-name"], "enforced_deny");
-        assert_eq!(j["probes"][0]["replica"], "gw-a");
-        assert_eq!(j["probes"][0]["records"][0]["replica"], "gw-a");
-        assert_eq!(j["probes"][1]["replica"], "gw-b");
-        assert_eq!(j["probes"][1]["records"][0]["id"], ids[1].as_str());
-        assert!(j["probes"][2]["replica"].is_null(), "no record, no replica");
-        assert_eq!(j["scope"]["replicas"], json!(["gw-a", "gw-b"]));
-        assert_eq!(j["scope"]["evidence_span"]["records"], 3 + 4);
-        assert!(
-            r.markdown
-                .contains("| gw-a | intact | 3 | gw-a: intact: 3 records"),
-            "{}",
-            r.markdown
-        );
-        assert!(
-            r.markdown
-                .contains("| matches plan | replica | Palisade records |"),
-            "{}",
-            r.markdown
-        );
-        assert!(
-            r.markdown.contains("| enforced_deny | yes | gw-b |"),
-            "{}",
-            r.markdown
-        );
-        assert!(
-            r.markdown.contains("| replicas | gw-a, gw-b |"),
-            "{}",
-            r.markdown
-        );
-        assert!(
-            r.html.contains(
-                "data-probe=\"deny-name\" data-class=\"enforced_deny\" data-replica=\"gw-b\""
-            ),
-            "{}",
-            r.html
-        );
-        assert!(
-            r.html
-                .contains("<tr data-replica=\"gw-a\" data-status=\"intact\">"),
-            "{}",
-            r.html
-        );
-        // One chain's report keeps its layout: no replica column.
-        let single = report(&obs, &tree.join("gw-b")).unwrap();
-        assert!(!single.markdown.contains("replica"), "{}", single.markdown);
-        assert!(single.json["probes"][1]["replica"].is_null());
-
-        // Tamper with gw-b's denial.
-        let seg = &crate::evidence::segment::list(&tree.join("gw-b")).unwrap()[0];
-        let text = std::fs::read_to_string(seg).unwrap();
-        std::fs::write(
-            seg,
-            text.replacen("\"host\":\"other.test\"", "\"host\":\"fine.test\"", 1),
-        )
-        .unwrap();
-        let t = fleet_report(
-            std::slice::from_ref(&obs),
-            std::slice::from_ref(&tree),
-            pins,
-        );
-        let j = &t.json;
-        assert_eq!(t.exit, 1);
-        assert_eq!(j["verification"]["ok"], false);
-        assert!(j.get("counts").is_none());
-        assert_eq!(j["probes"].as_array().unwrap().len(), 0);
-        let error = j["verification"]["error"].as_str().unwrap();
-        assert!(error.starts_with("replica gw-b: BROKEN at "), "{error}");
-        assert!(error.contains("hash does not match"), "{error}");
-        assert!(error.ends_with("intact: gw-a"), "{error}");
-        assert_eq!(j["verification"]["replicas"][0]["status"], "intact");
-        assert_eq!(j["verification"]["replicas"][1]["status"], "broken");
-        assert_eq!(j["verification"]["replicas"][1]["line"], 3);
-        let verdict = j["verdict"].as_str().unwrap();
-        assert!(
-            verdict.starts_with("Not assessed") && verdict.contains("replica gw-b"),
-            "{verdict}"
-        );
-        assert!(
-            t.markdown.contains("| gw-b | **BROKEN** |"),
-            "{}",
-            t.markdown
-        );
-        assert!(t.markdown.contains("| gw-a | intact |"), "{}", t.markdown);
-        assert!(t
-            .html
-            .contains("data-replica=\"gw-b\" data-status=\"broken\""));
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    /// Two sandboxes' runs of one plan make one report: probe ids carry
-    /// their run, the window spans both, each attributed to its replica.
-    #[tokio::test]
-    async fn runs_from_two_sandboxes_make_one_report() {
-        let dir = crate::testing::scratch("report-runs");
-        let tree = dir.join("tree");
-        let (a_ids, _) = chain_of(
-            &tree.join("gw-a"),
-            &[
-                (40001, "allowed.test", Reason::RuleMatch),
-                (40002, "other.test", Reason::NoMatchingRule),
-            ],
-        )
-        .await;
-        let (b_ids, _) = chain_from(
-            &tree.join("gw-b"),
-            [198, 18, 4, 2],
-            &[
-                (40001, "allowed.test", Reason::RuleMatch),
-                (40002, "other.test", Reason::NoMatchingRule),
-            ],
-        )
-        .await;
-        let a = dir.join("a");
-        let b = dir.join("b");
-        std::fs::create_dir_all(&a).unwrap();
-        std::fs::create_dir_all(&b).unwrap();
-        let obs_a = observations(&a, &a_ids[1]);
-        let obs_b = observations(&b, &b_ids[1]);
-        // The two sandboxes: one run id each, sandbox b from another address.
-        let mut vb: Value =
-            serde_json::from_str(&std::fs::read_to_string(&obs_b).unwrap()).unwrap();
-        vb["run"] = "r2".into();
-        for o in vb["observations"].as_array_mut().unwrap() {
-            let local = o["sockets"][0]["local"]
-                .as_str()
-                .unwrap()
-                .replace("198.18.1.2", "198.18.4.2");
-            o["sockets"][0]["local"] = local.into();
-        }
-        std::fs::write(&obs_b, vb.to_string()).unwrap();
-        let both = [obs_a.clone(), obs_b.clone()];
-        let r = fleet_report(&both, std::slice::from_ref(&tree), fleet::Pins::default());
-        let j = &r.json;
-        assert_eq!(j["scope"]["probe_run"], "r1, r2");
-        let classes = classes(j);
-        assert_eq!(classes["deny-name@r1"], "enforced_deny", "{j:#}");
-        assert_eq!(classes["deny-name@r2"], "enforced_deny");
-        let probe = |id: &str| {
-            j["probes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|p| p["id"] == id)
-                .cloned()
-                .unwrap()
-        };
-        assert_eq!(probe("deny-name@r1")["replica"], "gw-a");
-        assert_eq!(probe("deny-name@r2")["replica"], "gw-b");
-        assert_eq!(probe("allow-https@r1")["replica"], "gw-a");
-        assert_eq!(probe("allow-https@r2")["replica"], "gw-b");
-        let sources = j["verdict"].as_str().unwrap();
-        assert!(
-            sources.contains("from 198.18.1.2, 198.18.4.2 during"),
-            "{sources}"
-        );
-        assert_eq!(j["environment"]["r2"]["hostname"], "sandbox");
-        assert!(
-            r.markdown
-                .contains("### Run r2\n\n- addresses:\n  - `1: lo <x>`"),
-            "{}",
-            r.markdown
-        );
-        // One run given twice, or runs of different plans: bad input.
-        let twice = [obs_a.clone(), obs_a.clone()];
-        let opts = Options {
-            observations: &twice,
-            evidence: std::slice::from_ref(&tree),
-            pins: fleet::Pins::default(),
-            allow_unsealed: false,
-        };
-        assert!(build(&opts).is_err());
-        vb["plan"]["org"] = "other".into();
-        std::fs::write(&obs_b, vb.to_string()).unwrap();
-        let opts = Options {
-            observations: &both,
-            ..opts
-        };
-        let e = build(&opts).map(|_| ()).unwrap_err();
-        assert!(e.0.contains("different plans"), "{}", e.0);
-        let _ = std::fs::remove_dir_all(&dir);
-    }
 }

@@ -50,7 +50,7 @@ const REPLY_WINDOW: Duration = Duration::from_secs(4);
 /// What the client saw, in one word.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Outcome {
+pub enum ProbeOutcome {
     /// The target answered: an HTTP response not made by the proxy, a TLS
     /// server reply, TCP bytes or a connection left open, a DNS answer, a
     /// UDP reply.
@@ -115,7 +115,7 @@ pub struct Observation {
     /// `connect_response`, `silence`, `request`, `response`,
     /// `second_request`, `second_response`, `done`.
     pub stage: String,
-    pub outcome: Outcome,
+    pub outcome: ProbeOutcome,
     /// `silence` probes: how long the client stayed silent (ms), and when
     /// the connection was closed during that silence (ms after it opened).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -188,7 +188,7 @@ pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
         let mut obs = Observation::new(probe, &marker, plan);
         if budget < Duration::from_millis(200) {
             obs.fail(
-                Outcome::SetupFailed,
+                ProbeOutcome::SetupFailed,
                 "deadline",
                 "the run's deadline left no time for this probe",
             );
@@ -203,9 +203,9 @@ pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
             if timeout(budget, ctx.perform(&mut obs)).await.is_err() {
                 obs.fail(
                     if obs.stage == "proxy_connect" {
-                        Outcome::SetupFailed
+                        ProbeOutcome::SetupFailed
                     } else {
-                        Outcome::Failed
+                        ProbeOutcome::Failed
                     },
                     "timeout",
                     &format!("no result within {budget:?} (at stage {})", obs.stage),
@@ -266,7 +266,7 @@ impl Observation {
             error: None,
             error_detail: None,
             stage: "start".into(),
-            outcome: Outcome::Failed,
+            outcome: ProbeOutcome::Failed,
             silence_ms: None,
             closed_in_silence_ms: None,
             ech: false,
@@ -278,13 +278,13 @@ impl Observation {
         }
     }
 
-    fn fail(&mut self, outcome: Outcome, error: &str, detail: &str) {
+    fn fail(&mut self, outcome: ProbeOutcome, error: &str, detail: &str) {
         self.outcome = outcome;
         self.error = Some(error.into());
         self.error_detail = Some(detail.chars().take(300).collect());
     }
 
-    fn io_fail(&mut self, outcome: Outcome, e: &io::Error) {
+    fn io_fail(&mut self, outcome: ProbeOutcome, e: &io::Error) {
         let kind = error_kind(e);
         self.fail(outcome, kind, &e.to_string());
     }
@@ -464,7 +464,7 @@ impl Ctx<'_> {
         let target = match parse_target(&obs.target) {
             Ok(t) => t,
             Err(e) => {
-                obs.fail(Outcome::SetupFailed, "bad_target", &e);
+                obs.fail(ProbeOutcome::SetupFailed, "bad_target", &e);
                 return;
             }
         };
@@ -472,7 +472,7 @@ impl Ctx<'_> {
             (Target::Dns { name, qtype }, _) => {
                 let Some(server) = self.probe.server.or(self.resolver) else {
                     obs.fail(
-                        Outcome::SetupFailed,
+                        ProbeOutcome::SetupFailed,
                         "resolve_failed",
                         "no resolver: set `resolver` in the plan",
                     );
@@ -495,12 +495,12 @@ impl Ctx<'_> {
                         let refused =
                             matches!(r.rcode.as_str(), "Refused" | "NXDomain") && r.ede.is_some();
                         obs.outcome = if r.rcode == "NoError" && !r.answers.is_empty() {
-                            Outcome::Reached
+                            ProbeOutcome::Reached
                         } else if refused || r.rcode == "Refused" {
-                            Outcome::Refused
+                            ProbeOutcome::Refused
                         } else {
                             // NXDOMAIN/NODATA/SERVFAIL without a refusal: a resolver answered.
-                            Outcome::Reached
+                            ProbeOutcome::Reached
                         };
                         obs.dns_rcode = Some(r.rcode);
                         obs.dns_answers = r.answers;
@@ -513,7 +513,7 @@ impl Ctx<'_> {
                             local: local.map(|a| a.to_string()),
                             remote: server.to_string(),
                         });
-                        obs.io_fail(Outcome::Failed, &e);
+                        obs.io_fail(ProbeOutcome::Failed, &e);
                     }
                 }
             }
@@ -532,7 +532,7 @@ impl Ctx<'_> {
         obs.stage = "connect".into();
         let sock = match UdpSocket::bind(bind).await {
             Ok(s) => s,
-            Err(e) => return obs.io_fail(Outcome::SetupFailed, &e),
+            Err(e) => return obs.io_fail(ProbeOutcome::SetupFailed, &e),
         };
         let connected = sock.connect(addr).await;
         obs.sockets.push(Sock {
@@ -542,7 +542,7 @@ impl Ctx<'_> {
             remote: addr.to_string(),
         });
         if let Err(e) = connected {
-            return obs.io_fail(Outcome::Failed, &e);
+            return obs.io_fail(ProbeOutcome::Failed, &e);
         }
         // A QUIC long-header Initial look-alike (version 1), padded to 1200 bytes.
         let mut payload = vec![0u8; 1200];
@@ -554,17 +554,17 @@ impl Ctx<'_> {
         obs.stage = "request".into();
         match sock.send(&payload).await {
             Ok(n) => obs.bytes_sent = n as u64,
-            Err(e) => return obs.io_fail(Outcome::Failed, &e),
+            Err(e) => return obs.io_fail(ProbeOutcome::Failed, &e),
         }
         let mut buf = [0u8; 2048];
         match timeout(self.left(), sock.recv(&mut buf)).await {
             Ok(Ok(n)) => {
                 obs.bytes_received = n as u64;
                 obs.stage = "done".into();
-                obs.outcome = Outcome::Reached;
+                obs.outcome = ProbeOutcome::Reached;
             }
-            Ok(Err(e)) => obs.io_fail(Outcome::Failed, &e),
-            Err(_) => obs.fail(Outcome::Failed, "timeout", "no UDP reply"),
+            Ok(Err(e)) => obs.io_fail(ProbeOutcome::Failed, &e),
+            Err(_) => obs.fail(ProbeOutcome::Failed, "timeout", "no UDP reply"),
         }
     }
 
@@ -574,7 +574,7 @@ impl Ctx<'_> {
             .as_deref()
             .and_then(|p| p.parse::<SocketAddr>().ok())
         else {
-            return obs.fail(Outcome::SetupFailed, "bad_target", "no proxy address");
+            return obs.fail(ProbeOutcome::SetupFailed, "bad_target", "no proxy address");
         };
         obs.stage = "proxy_connect".into();
         let mut stream = match TcpStream::connect(proxy).await {
@@ -586,7 +586,7 @@ impl Ctx<'_> {
                     local: None,
                     remote: proxy.to_string(),
                 });
-                return obs.io_fail(Outcome::SetupFailed, &e);
+                return obs.io_fail(ProbeOutcome::SetupFailed, &e);
             }
         };
         obs.sockets.push(Sock {
@@ -628,12 +628,12 @@ impl Ctx<'_> {
         );
         obs.stage = "connect_response".into();
         if let Err(e) = stream.write_all(req.as_bytes()).await {
-            return obs.io_fail(Outcome::Failed, &e);
+            return obs.io_fail(ProbeOutcome::Failed, &e);
         }
         obs.bytes_sent += req.len() as u64;
         let (status, headers, rest, n) = match read_head(&mut stream).await {
             Ok(v) => v,
-            Err(e) => return obs.io_fail(Outcome::Failed, &e),
+            Err(e) => return obs.io_fail(ProbeOutcome::Failed, &e),
         };
         obs.bytes_received += n;
         obs.connect_status = Some(status);
@@ -646,7 +646,7 @@ impl Ctx<'_> {
                 .and_then(quoted_record)
                 .or_else(|| quoted_record(&String::from_utf8_lossy(&body)));
             obs.stage = "done".into();
-            obs.outcome = Outcome::Refused;
+            obs.outcome = ProbeOutcome::Refused;
             return;
         }
         obs.connected = true;
@@ -674,7 +674,7 @@ impl Ctx<'_> {
         from_proxy: bool,
     ) {
         if let Err(e) = stream.write_all(req).await {
-            return obs.io_fail(Outcome::Failed, &e);
+            return obs.io_fail(ProbeOutcome::Failed, &e);
         }
         obs.bytes_sent += req.len() as u64;
         obs.stage = "response".into();
@@ -682,9 +682,9 @@ impl Ctx<'_> {
             Ok(v) => v,
             Err(e) => {
                 let outcome = if obs.via == Via::Direct {
-                    Outcome::Refused
+                    ProbeOutcome::Refused
                 } else {
-                    Outcome::Failed
+                    ProbeOutcome::Failed
                 };
                 return obs.io_fail(outcome, &e);
             }
@@ -707,9 +707,9 @@ impl Ctx<'_> {
         }
         obs.stage = "done".into();
         obs.outcome = if from_palisade || (from_proxy && status == 403) {
-            Outcome::Refused
+            ProbeOutcome::Refused
         } else {
-            Outcome::Reached
+            ProbeOutcome::Reached
         };
     }
 
@@ -757,13 +757,13 @@ impl Ctx<'_> {
                 obs.bytes_received += r.total;
                 obs.stage = "done".into();
                 match (r.total, r.end) {
-                    (n, _) if n > 0 => obs.outcome = Outcome::Reached,
+                    (n, _) if n > 0 => obs.outcome = ProbeOutcome::Reached,
                     (_, "timeout") => {
-                        obs.outcome = Outcome::Reached;
+                        obs.outcome = ProbeOutcome::Reached;
                         obs.error_detail = Some("connection open and silent".into());
                     }
                     (_, end) => obs.fail(
-                        Outcome::Refused,
+                        ProbeOutcome::Refused,
                         if end == "reset" { "reset" } else { "closed" },
                         "closed with no bytes",
                     ),
@@ -787,7 +787,7 @@ impl Ctx<'_> {
         });
         obs.stage = "request".into();
         if let Err(e) = stream.write_all(&hello).await {
-            return obs.io_fail(Outcome::Refused, &e);
+            return obs.io_fail(ProbeOutcome::Refused, &e);
         }
         obs.bytes_sent += hello.len() as u64;
         obs.stage = "response".into();
@@ -803,10 +803,14 @@ impl Ctx<'_> {
         obs.tls = Some(tls.into());
         obs.stage = "done".into();
         match tls {
-            "server_hello" | "alert" | "not_tls" => obs.outcome = Outcome::Reached,
-            "no_reply" => obs.fail(Outcome::Failed, "timeout", "no reply to the ClientHello"),
+            "server_hello" | "alert" | "not_tls" => obs.outcome = ProbeOutcome::Reached,
+            "no_reply" => obs.fail(
+                ProbeOutcome::Failed,
+                "timeout",
+                "no reply to the ClientHello",
+            ),
             _ => obs.fail(
-                Outcome::Refused,
+                ProbeOutcome::Refused,
                 if r.end == "reset" { "reset" } else { "closed" },
                 "closed after the ClientHello, no reply",
             ),
@@ -849,17 +853,17 @@ impl Ctx<'_> {
         obs.stage = "request".into();
         let first = req(first_host, "keep-alive");
         if let Err(e) = stream.write_all(first.as_bytes()).await {
-            return obs.io_fail(Outcome::Refused, &e);
+            return obs.io_fail(ProbeOutcome::Refused, &e);
         }
         obs.bytes_sent += first.len() as u64;
         obs.stage = "response".into();
         let window = self.left().min(REPLY_WINDOW);
         let (status, headers, rest, n) = match timeout(window, read_head(stream)).await {
             Ok(Ok(v)) => v,
-            Ok(Err(e)) => return obs.io_fail(Outcome::Refused, &e),
+            Ok(Err(e)) => return obs.io_fail(ProbeOutcome::Refused, &e),
             Err(_) => {
                 return obs.fail(
-                    Outcome::Failed,
+                    ProbeOutcome::Failed,
                     "timeout",
                     "no response to the first request",
                 )
@@ -882,7 +886,7 @@ impl Ctx<'_> {
                 .and_then(quoted_record)
                 .or_else(|| quoted_record(&String::from_utf8_lossy(&body)));
             obs.stage = "done".into();
-            obs.outcome = Outcome::Refused;
+            obs.outcome = ProbeOutcome::Refused;
             return;
         }
         let length = header(&headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
@@ -929,7 +933,7 @@ impl Ctx<'_> {
             };
             obs.second = Some(kind.into());
             obs.stage = "done".into();
-            return obs.io_fail(Outcome::Refused, &e);
+            return obs.io_fail(ProbeOutcome::Refused, &e);
         }
         obs.bytes_sent += second_req.len() as u64;
         obs.stage = "second_response".into();
@@ -947,9 +951,9 @@ impl Ctx<'_> {
                     obs.palisade_record = quoted_record(&p)
                         .or_else(|| quoted_record(&String::from_utf8_lossy(&body)));
                     obs.proxy_status = Some(p);
-                    obs.outcome = Outcome::Refused;
+                    obs.outcome = ProbeOutcome::Refused;
                 } else {
-                    obs.outcome = Outcome::Reached;
+                    obs.outcome = ProbeOutcome::Reached;
                 }
             }
             Ok(Err(e)) => {
@@ -958,7 +962,7 @@ impl Ctx<'_> {
                 obs.second = Some(kind.into());
                 obs.stage = "done".into();
                 obs.fail(
-                    Outcome::Refused,
+                    ProbeOutcome::Refused,
                     kind,
                     &format!("no response to the second request: {e}"),
                 );
@@ -967,7 +971,7 @@ impl Ctx<'_> {
                 obs.second = Some("silent".into());
                 obs.stage = "done".into();
                 obs.fail(
-                    Outcome::Failed,
+                    ProbeOutcome::Failed,
                     "timeout",
                     "the connection stayed open with no response to the second request",
                 );
@@ -988,11 +992,11 @@ impl Ctx<'_> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let name = match rustls_pki_types::ServerName::try_from(bare.to_string()) {
             Ok(n) => n,
-            Err(e) => return obs.fail(Outcome::SetupFailed, "bad_target", &e.to_string()),
+            Err(e) => return obs.fail(ProbeOutcome::SetupFailed, "bad_target", &e.to_string()),
         };
         let config = match insecure_client_config() {
             Ok(c) => c,
-            Err(e) => return obs.fail(Outcome::SetupFailed, "io", &e),
+            Err(e) => return obs.fail(ProbeOutcome::SetupFailed, "io", &e),
         };
         obs.stage = "request".into();
         let connector = tokio_rustls::TlsConnector::from(config);
@@ -1007,13 +1011,13 @@ impl Ctx<'_> {
                 obs.stage = "done".into();
                 // An alert is the far side answering; a close is not.
                 let outcome = if alert {
-                    Outcome::Reached
+                    ProbeOutcome::Reached
                 } else {
-                    Outcome::Refused
+                    ProbeOutcome::Refused
                 };
                 return obs.fail(outcome, "tls", &format!("TLS handshake failed: {e}"));
             }
-            Err(_) => return obs.fail(Outcome::Failed, "timeout", "TLS handshake timed out"),
+            Err(_) => return obs.fail(ProbeOutcome::Failed, "timeout", "TLS handshake timed out"),
         };
         obs.tls = Some("handshake".into());
         obs.handshake = true;
@@ -1043,7 +1047,7 @@ impl Ctx<'_> {
                     Some(ip) => ip,
                     None => return,
                 },
-                Err(e) => return obs.fail(Outcome::SetupFailed, "bad_target", &e.to_string()),
+                Err(e) => return obs.fail(ProbeOutcome::SetupFailed, "bad_target", &e.to_string()),
             },
         };
         obs.resolved.push(ip.to_string());
@@ -1055,7 +1059,7 @@ impl Ctx<'_> {
             tokio::net::TcpSocket::new_v4()
         } {
             Ok(s) => s,
-            Err(e) => return obs.io_fail(Outcome::SetupFailed, &e),
+            Err(e) => return obs.io_fail(ProbeOutcome::SetupFailed, &e),
         };
         // Bind first so the local port is known even when the connect fails.
         let any: SocketAddr = if ip.is_ipv6() {
@@ -1076,11 +1080,11 @@ impl Ctx<'_> {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => {
                 obs.sockets.push(sock);
-                return obs.io_fail(Outcome::Failed, &e);
+                return obs.io_fail(ProbeOutcome::Failed, &e);
             }
             Err(_) => {
                 obs.sockets.push(sock);
-                return obs.fail(Outcome::Failed, "timeout", "TCP connect timed out");
+                return obs.fail(ProbeOutcome::Failed, "timeout", "TCP connect timed out");
             }
         };
         sock.local = stream.local_addr().ok().map(|a| a.to_string());
@@ -1093,7 +1097,7 @@ impl Ctx<'_> {
     async fn resolve_name(&self, obs: &mut Observation, name: &str) -> Option<IpAddr> {
         let Some(server) = self.resolver else {
             obs.fail(
-                Outcome::SetupFailed,
+                ProbeOutcome::SetupFailed,
                 "resolve_failed",
                 "no resolver: set `resolver` or `resolve` in the plan",
             );
@@ -1118,13 +1122,13 @@ impl Ctx<'_> {
                     obs.palisade_record = r.ede.as_deref().and_then(quoted_record);
                     if obs.palisade_record.is_some() {
                         obs.fail(
-                            Outcome::Refused,
+                            ProbeOutcome::Refused,
                             "resolve_failed",
                             &format!("the resolver refused the name: {}", r.rcode),
                         );
                     } else {
                         obs.fail(
-                            Outcome::SetupFailed,
+                            ProbeOutcome::SetupFailed,
                             "resolve_failed",
                             &format!("the name did not resolve: {}", r.rcode),
                         );
@@ -1141,7 +1145,7 @@ impl Ctx<'_> {
                     remote: server.to_string(),
                 });
                 obs.fail(
-                    Outcome::SetupFailed,
+                    ProbeOutcome::SetupFailed,
                     "resolve_failed",
                     &format!("no answer from {server}: {e}"),
                 );
@@ -1422,20 +1426,21 @@ mod tests {
 
     #[test]
     fn client_hello_carries_the_sni_palisade_reads() {
-        use crate::proto::client_hello::{parse, Parse};
+        use crate::proto::client_hello::parse;
+        use crate::proto::Parse;
         let hello = client_hello(&Hello {
             sni: Some("allowed.test"),
             ech: false,
         });
         match parse(&hello) {
-            Parse::Done { hello: h, len } => {
+            Parse::Done { value: h, len } => {
                 assert_eq!(h.sni.as_deref(), Some("allowed.test"));
                 assert_eq!(len, hello.len());
             }
             other => panic!("{other:?}"),
         }
         match parse(&client_hello(&Hello::default())) {
-            Parse::Done { hello: h, .. } => assert_eq!(h.sni, None),
+            Parse::Done { value: h, .. } => assert_eq!(h.sni, None),
             other => panic!("{other:?}"),
         }
     }
@@ -1521,7 +1526,7 @@ mod tests {
         assert_eq!(o.http_status, Some(200));
         assert_eq!(o.second_host.as_deref(), Some("other.test"));
         assert_eq!(o.second.as_deref(), Some("closed"), "{o:?}");
-        assert_eq!(o.outcome, Outcome::Refused);
+        assert_eq!(o.outcome, ProbeOutcome::Refused);
         assert!(!o.first_close);
     }
 
@@ -1538,7 +1543,7 @@ mod tests {
         let o = run_one(proxy, SECOND).await;
         assert_eq!(o.second.as_deref(), Some("answered"), "{o:?}");
         assert_eq!(o.second_status, Some(200));
-        assert_eq!(o.outcome, Outcome::Reached);
+        assert_eq!(o.outcome, ProbeOutcome::Reached);
     }
 
     #[tokio::test]
@@ -1556,7 +1561,7 @@ mod tests {
         let o = run_one(proxy, SECOND).await;
         assert!(o.first_close, "{o:?}");
         assert_eq!(o.second.as_deref(), Some("closed"));
-        assert_eq!(o.outcome, Outcome::Refused);
+        assert_eq!(o.outcome, ProbeOutcome::Refused);
     }
 
     #[tokio::test]
@@ -1575,7 +1580,7 @@ mod tests {
         let closed = o.closed_in_silence_ms.expect("closed during the silence");
         assert!((250..1500).contains(&closed), "{closed}");
         assert_eq!(o.tls.as_deref(), Some("closed"));
-        assert_eq!(o.outcome, Outcome::Refused);
+        assert_eq!(o.outcome, ProbeOutcome::Refused);
     }
 
     #[tokio::test]
@@ -1598,7 +1603,7 @@ mod tests {
         let (waited, hello) = rx.await.unwrap();
         assert!(waited >= Duration::from_millis(390), "{waited:?}");
         match crate::proto::client_hello::parse(&hello) {
-            crate::proto::client_hello::Parse::Done { hello, .. } => {
+            crate::proto::Parse::Done { value: hello, .. } => {
                 assert!(hello.ech);
                 assert_eq!(hello.sni.as_deref(), Some("allowed.test"));
             }
@@ -1606,7 +1611,7 @@ mod tests {
         }
         assert!(o.ech && o.closed_in_silence_ms.is_none());
         assert_eq!(o.tls.as_deref(), Some("server_hello"));
-        assert_eq!(o.outcome, Outcome::Reached);
+        assert_eq!(o.outcome, ProbeOutcome::Reached);
     }
 
     /// A `request` probe completes the handshake with whatever certificate
@@ -1663,6 +1668,6 @@ mod tests {
         );
         assert_eq!(o.http_status, Some(403));
         assert_eq!(o.palisade_record.as_deref(), Some("ab-7"));
-        assert_eq!(o.outcome, Outcome::Refused);
+        assert_eq!(o.outcome, ProbeOutcome::Refused);
     }
 }

@@ -1,6 +1,8 @@
 //! TLS ClientHello parser: SNI, ALPN and ECH presence from the first bytes a
 //! client sends, reassembled across TLS records. Pure and bounds-checked.
 
+use super::Parse;
+
 /// Handshake message cap: a ClientHello body longer than this is `Malformed`.
 pub const MAX_HELLO_LEN: usize = 16 * 1024;
 
@@ -32,23 +34,16 @@ pub struct ClientHello {
     pub ech: bool,
 }
 
-/// Result of [`parse`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Parse {
-    /// A complete ClientHello was parsed; `len` = number of bytes of TLS records consumed up to the end of the record carrying the hello's last byte.
-    Done { hello: ClientHello, len: usize },
-    /// Bytes so far are a valid prefix; read more.
-    NeedMore,
-    /// Not a TLS handshake at all (first byte not 0x16, or record version major != 3, or first handshake type != client_hello).
-    NotTls,
-    /// Looks like TLS but is malformed (bad lengths, duplicate/garbled SNI, SNI not a valid hostname byte string, hello larger than MAX_HELLO_LEN, etc.).
-    Malformed(&'static str),
-}
-
 /// Parse the ClientHello at the start of `buf`, reassembling it from as many
 /// handshake records as it spans. The hello's last record must end with the
 /// hello: no ClientHello is followed by another handshake message in its flight.
-pub fn parse(buf: &[u8]) -> Parse {
+/// `Done`'s `len` is the number of bytes of TLS records consumed up to the end
+/// of the record carrying the hello's last byte. `NotThis`: not a TLS
+/// handshake at all (first byte not 0x16, or record version major != 3, or
+/// first handshake type != client_hello). `Malformed`: looks like TLS but is
+/// malformed (bad lengths, duplicate/garbled SNI, SNI not a valid hostname
+/// byte string, hello larger than MAX_HELLO_LEN, etc.).
+pub fn parse(buf: &[u8]) -> Parse<ClientHello> {
     let mut msg: Vec<u8> = Vec::new();
     let mut pos = 0usize;
     loop {
@@ -61,7 +56,7 @@ pub fn parse(buf: &[u8]) -> Parse {
         };
         if content_type != CONTENT_HANDSHAKE {
             return if first {
-                Parse::NotTls
+                Parse::NotThis
             } else {
                 Parse::Malformed("non-handshake record inside ClientHello")
             };
@@ -71,7 +66,7 @@ pub fn parse(buf: &[u8]) -> Parse {
         };
         if major != 3 {
             return if first {
-                Parse::NotTls
+                Parse::NotThis
             } else {
                 Parse::Malformed("bad record version")
             };
@@ -100,7 +95,7 @@ pub fn parse(buf: &[u8]) -> Parse {
 
         if let Some(&msg_type) = msg.first() {
             if msg_type != HANDSHAKE_CLIENT_HELLO {
-                return Parse::NotTls;
+                return Parse::NotThis;
             }
         }
         if let Some(&[_, a, b, c]) = msg.get(..HANDSHAKE_HEADER_LEN) {
@@ -118,7 +113,7 @@ pub fn parse(buf: &[u8]) -> Parse {
                     Err(e) => Parse::Malformed(e),
                     Ok(_) if frag.len() < rec_len => Parse::NeedMore,
                     Ok(hello) => Parse::Done {
-                        hello,
+                        value: hello,
                         len: pos + RECORD_HEADER_LEN + rec_len,
                     },
                 };
@@ -331,7 +326,7 @@ mod tests {
 
     fn expect_done(buf: &[u8]) -> (ClientHello, usize) {
         match parse(buf) {
-            Parse::Done { hello, len } => (hello, len),
+            Parse::Done { value, len } => (value, len),
             other => panic!("expected Done, got {other:?}"),
         }
     }
@@ -704,14 +699,14 @@ mod tests {
 
     #[test]
     fn not_tls() {
-        assert_eq!(parse(b"GET / HTTP/1.1\r\n"), Parse::NotTls);
-        assert_eq!(parse(b"SSH-2.0-OpenSSH_9.6\r\n"), Parse::NotTls);
-        assert_eq!(parse(b"SSH-2.0"), Parse::NotTls);
+        assert_eq!(parse(b"GET / HTTP/1.1\r\n"), Parse::NotThis);
+        assert_eq!(parse(b"SSH-2.0-OpenSSH_9.6\r\n"), Parse::NotThis);
+        assert_eq!(parse(b"SSH-2.0"), Parse::NotThis);
         // SSLv2-compatible hello (RFC 5246 Appendix E.2).
-        assert_eq!(parse(&[0x80, 0x2e, 0x01, 0x00, 0x02]), Parse::NotTls);
-        assert_eq!(parse(&[0x16, 0x02]), Parse::NotTls);
-        assert_eq!(parse(&[0x16, 0x03, 0x01, 0x00, 0x04, 0x02]), Parse::NotTls);
-        assert_eq!(parse(&[0x17, 0x03, 0x03]), Parse::NotTls);
+        assert_eq!(parse(&[0x80, 0x2e, 0x01, 0x00, 0x02]), Parse::NotThis);
+        assert_eq!(parse(&[0x16, 0x02]), Parse::NotThis);
+        assert_eq!(parse(&[0x16, 0x03, 0x01, 0x00, 0x04, 0x02]), Parse::NotThis);
+        assert_eq!(parse(&[0x17, 0x03, 0x03]), Parse::NotThis);
         assert_eq!(parse(&[]), Parse::NeedMore);
         assert_eq!(parse(&[0x16]), Parse::NeedMore);
         assert_eq!(

@@ -7,20 +7,7 @@ pub const MAX_HEAD_LEN: usize = 16 * 1024;
 /// Largest number of headers looked at; more is `Malformed`.
 pub const MAX_HEADERS: usize = 100;
 
-/// What the bytes so far are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Parse {
-    /// A complete request head; `host` is the Host header (or the authority
-    /// of an absolute-form target), as sent, if any; `len` the head's length.
-    Done { host: Option<String>, len: usize },
-    /// A valid prefix of an HTTP request head.
-    NeedMore,
-    /// Not an HTTP/1.x request.
-    NotHttp,
-    /// Looks like HTTP but is malformed, ambiguous (two Host headers, Host
-    /// disagreeing with an absolute-form target) or too large.
-    Malformed(&'static str),
-}
+use super::Parse;
 
 /// The request line starts with a method token (RFC 9110 §9: uppercase
 /// letters in practice) followed by a space, within the first 16 bytes.
@@ -39,9 +26,13 @@ fn looks_like_http(buf: &[u8]) -> Option<bool> {
     }
 }
 
-/// Classify `buf`. Empty lines before the request line are skipped, as
-/// servers skip them (RFC 9112 §2.2), and counted in `len`.
-pub fn parse(buf: &[u8]) -> Parse {
+/// Classify `buf`. `Done`'s value is the Host header (or the authority of an
+/// absolute-form target), as sent, if any, and `len` the head's length;
+/// `NotThis` is not an HTTP/1.x request; `Malformed` looks like HTTP but is
+/// malformed, ambiguous (two Host headers, Host disagreeing with an
+/// absolute-form target) or too large. Empty lines before the request line
+/// are skipped, as servers skip them (RFC 9112 §2.2), and counted in `len`.
+pub fn parse(buf: &[u8]) -> Parse<Option<String>> {
     let skip = buf
         .iter()
         .position(|&b| b != b'\r' && b != b'\n')
@@ -50,8 +41,8 @@ pub fn parse(buf: &[u8]) -> Parse {
         return Parse::Malformed("request head too large");
     }
     match parse_head(buf.get(skip..).unwrap_or_default(), MAX_HEAD_LEN - skip) {
-        Parse::Done { host, len } => Parse::Done {
-            host,
+        Parse::Done { value, len } => Parse::Done {
+            value,
             len: len + skip,
         },
         other => other,
@@ -59,10 +50,10 @@ pub fn parse(buf: &[u8]) -> Parse {
 }
 
 /// [`parse`] after any empty lines, with `max` bytes left for the head.
-fn parse_head(buf: &[u8], max: usize) -> Parse {
+fn parse_head(buf: &[u8], max: usize) -> Parse<Option<String>> {
     match looks_like_http(buf) {
         None => return Parse::NeedMore,
-        Some(false) => return Parse::NotHttp,
+        Some(false) => return Parse::NotThis,
         Some(true) => {}
     }
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
@@ -103,8 +94,11 @@ fn parse_head(buf: &[u8], max: usize) -> Parse {
         (Some(h), Some(t)) if !h.eq_ignore_ascii_case(&t) => {
             Parse::Malformed("Host header and request target disagree")
         }
-        (Some(h), _) => Parse::Done { host: Some(h), len },
-        (None, t) => Parse::Done { host: t, len },
+        (Some(h), _) => Parse::Done {
+            value: Some(h),
+            len,
+        },
+        (None, t) => Parse::Done { value: t, len },
     }
 }
 
@@ -121,12 +115,12 @@ mod tests {
         assert_eq!(
             parse(&req),
             Parse::Done {
-                host: Some("Allowed.test".into()),
+                value: Some("Allowed.test".into()),
                 len: GET.len() - 4 + 3
             }
         );
         assert_eq!(parse(b"\r\n\r\n"), Parse::NeedMore);
-        assert_eq!(parse(b"\r\nSSH-2.0-x\r\n"), Parse::NotHttp);
+        assert_eq!(parse(b"\r\nSSH-2.0-x\r\n"), Parse::NotThis);
     }
 
     #[test]
@@ -138,7 +132,7 @@ mod tests {
         assert_eq!(
             parse(GET),
             Parse::Done {
-                host: Some("Allowed.test".into()),
+                value: Some("Allowed.test".into()),
                 len: end
             }
         );
@@ -146,10 +140,10 @@ mod tests {
 
     #[test]
     fn not_http() {
-        assert_eq!(parse(b"SSH-2.0-OpenSSH\r\n"), Parse::NotHttp);
-        assert_eq!(parse(&[0x16, 0x03, 0x01]), Parse::NotHttp);
-        assert_eq!(parse(b"get / HTTP/1.1\r\n"), Parse::NotHttp);
-        assert_eq!(parse(b"AAAAAAAAAAAAAAAAAAAA"), Parse::NotHttp);
+        assert_eq!(parse(b"SSH-2.0-OpenSSH\r\n"), Parse::NotThis);
+        assert_eq!(parse(&[0x16, 0x03, 0x01]), Parse::NotThis);
+        assert_eq!(parse(b"get / HTTP/1.1\r\n"), Parse::NotThis);
+        assert_eq!(parse(b"AAAAAAAAAAAAAAAAAAAA"), Parse::NotThis);
     }
 
     #[test]
@@ -162,7 +156,7 @@ mod tests {
         assert_eq!(
             parse(abs),
             Parse::Done {
-                host: Some("b.test:8080".into()),
+                value: Some("b.test:8080".into()),
                 len: abs.len()
             }
         );
@@ -170,7 +164,7 @@ mod tests {
         assert_eq!(
             parse(none),
             Parse::Done {
-                host: None,
+                value: None,
                 len: none.len()
             }
         );

@@ -10,3 +10,18 @@ pub mod http_stream;
 pub mod socks5;
 pub mod target;
 pub mod tls_stream;
+
+/// What a parser handed the bytes read so far makes of them: the one answer
+/// of the HTTP head, ClientHello and SOCKS5 parsers. `M` says why a message
+/// is malformed (a reason, or for SOCKS5 the reply its sender gets).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Parse<T, M = &'static str> {
+    /// A complete message, `len` bytes from the start of the buffer.
+    Done { value: T, len: usize },
+    /// A valid prefix: read more.
+    NeedMore,
+    /// Not this protocol at all.
+    NotThis,
+    /// This protocol, but malformed, ambiguous or too large.
+    Malformed(M),
+}

@@ -1,11 +1,15 @@
 //! SOCKS5 (RFC 1928) and its username/password sub-negotiation (RFC 1929):
 //! pure parsers over the bytes read so far, and the server's replies.
 //!
-//! Each parser answers done (with the message and its length), need more
-//! bytes, or malformed (with the reply code the client gets). Every message
-//! is bounded by its own length fields: at most [`MAX_MESSAGE`] bytes.
+//! Each parser answers a [`Parse`]: done (with the message and its length),
+//! need more bytes, not SOCKS5 (a greeting whose first byte is not version 5;
+//! a server answers it [`NOT_SOCKS5`]), or malformed (with the reply code the
+//! client gets). Every message is bounded by its own length fields: at most
+//! [`MAX_MESSAGE`] bytes.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
+
+use super::Parse;
 
 /// The longest message any parser here reads (an RFC 1929 request:
 /// 1 + 1 + 255 + 1 + 255).
@@ -43,20 +47,14 @@ pub struct Malformed {
     pub why: &'static str,
 }
 
-/// What the bytes so far are.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Parse<T> {
-    /// A complete message of `len` bytes.
-    Done {
-        value: T,
-        len: usize,
-    },
-    /// A valid prefix.
-    NeedMore,
-    Malformed(Malformed),
-}
+/// What a server answers a first byte that is not SOCKS5's version (the
+/// greeting's [`Parse::NotThis`]).
+pub const NOT_SOCKS5: Malformed = Malformed {
+    reply: Reply::GeneralFailure,
+    why: "not a SOCKS5 greeting",
+};
 
-fn malformed<T>(reply: Reply, why: &'static str) -> Parse<T> {
+fn malformed<T>(reply: Reply, why: &'static str) -> Parse<T, Malformed> {
     Parse::Malformed(Malformed { reply, why })
 }
 
@@ -73,12 +71,12 @@ impl Greeting {
 }
 
 /// `VER NMETHODS METHODS...` (RFC 1928 §3).
-pub fn parse_greeting(buf: &[u8]) -> Parse<Greeting> {
+pub fn parse_greeting(buf: &[u8]) -> Parse<Greeting, Malformed> {
     let Some(&ver) = buf.first() else {
         return Parse::NeedMore;
     };
     if ver != VERSION {
-        return malformed(Reply::GeneralFailure, "not a SOCKS5 greeting");
+        return Parse::NotThis;
     }
     let Some(&n) = buf.get(1) else {
         return Parse::NeedMore;
@@ -116,7 +114,7 @@ impl std::fmt::Debug for Credentials {
 }
 
 /// `VER ULEN UNAME PLEN PASSWD` (RFC 1929 §2).
-pub fn parse_auth(buf: &[u8]) -> Parse<Credentials> {
+pub fn parse_auth(buf: &[u8]) -> Parse<Credentials, Malformed> {
     let Some(&ver) = buf.first() else {
         return Parse::NeedMore;
     };
@@ -198,7 +196,7 @@ pub struct Request {
 }
 
 /// Parse a request.
-pub fn parse_request(buf: &[u8]) -> Parse<Request> {
+pub fn parse_request(buf: &[u8]) -> Parse<Request, Malformed> {
     if buf.is_empty() {
         return Parse::NeedMore;
     }
@@ -280,7 +278,7 @@ mod tests {
     /// with its length, whatever follows it.
     fn check_all_prefixes<T: std::fmt::Debug + PartialEq + Clone>(
         msg: &[u8],
-        parse: fn(&[u8]) -> Parse<T>,
+        parse: fn(&[u8]) -> Parse<T, Malformed>,
         want: T,
     ) {
         for n in 0..msg.len() {
@@ -299,9 +297,11 @@ mod tests {
         }
     }
 
-    fn reply_of<T>(p: Parse<T>) -> Option<Reply> {
+    /// The reply a server sends for `p`, if it refuses it.
+    fn reply_of<T>(p: Parse<T, Malformed>) -> Option<Reply> {
         match p {
             Parse::Malformed(m) => Some(m.reply),
+            Parse::NotThis => Some(NOT_SOCKS5.reply),
             _ => None,
         }
     }
@@ -315,6 +315,8 @@ mod tests {
                 methods: vec![0, 2],
             },
         );
+        assert_eq!(parse_greeting(&[4, 1, 0]), Parse::NotThis);
+        assert_eq!(parse_greeting(b"GET / HTTP/1.1\r\n"), Parse::NotThis);
         assert_eq!(
             reply_of(parse_greeting(&[4, 1, 0])),
             Some(Reply::GeneralFailure)
@@ -438,7 +440,7 @@ mod tests {
         }
     }
 
-    impl<T> Parse<T> {
+    impl<T> Parse<T, Malformed> {
         fn is_done_with(&self, f: impl Fn(&T) -> bool) -> bool {
             matches!(self, Parse::Done { value, .. } if f(value))
         }

@@ -35,6 +35,7 @@
 use super::client_hello::{self, ClientHello, MAX_RECORD_LEN};
 use super::guard::{Step, Violation, ViolationKind};
 use super::target::{normalize_host, Host};
+use super::Parse;
 
 /// ContentType values (RFC 8446 §5.1; RFC 5246 §6.2.1).
 const CONTENT_CHANGE_CIPHER_SPEC: u8 = 20;
@@ -135,10 +136,10 @@ impl TlsGuard {
 
     fn first_hello(&mut self, held: &[u8]) -> Step {
         match client_hello::parse(held) {
-            client_hello::Parse::NeedMore => Step::NeedMore,
-            client_hello::Parse::NotTls => deny(ViolationKind::ProtocolMismatch, None, NOT_A_HELLO),
-            client_hello::Parse::Malformed(why) => deny(ViolationKind::Malformed, None, why),
-            client_hello::Parse::Done { hello, len } => {
+            Parse::NeedMore => Step::NeedMore,
+            Parse::NotThis => deny(ViolationKind::ProtocolMismatch, None, NOT_A_HELLO),
+            Parse::Malformed(why) => deny(ViolationKind::Malformed, None, why),
+            Parse::Done { value: hello, len } => {
                 let verdict = self.check(&hello);
                 self.hello = Some(hello);
                 match verdict {
@@ -203,14 +204,12 @@ impl TlsGuard {
     /// §5.1), so the hello's records are contiguous in `held`.
     fn later_hello(&mut self, held: &[u8]) -> Step {
         match client_hello::parse(held) {
-            client_hello::Parse::NeedMore => Step::NeedMore,
+            Parse::NeedMore => Step::NeedMore,
             // The record type and version were checked by the caller, so
             // this is the handshake type.
-            client_hello::Parse::NotTls => {
-                deny(ViolationKind::ProtocolMismatch, None, NOT_A_HELLO_LATER)
-            }
-            client_hello::Parse::Malformed(why) => deny(ViolationKind::Malformed, None, why),
-            client_hello::Parse::Done { hello, len } => match self.check(&hello) {
+            Parse::NotThis => deny(ViolationKind::ProtocolMismatch, None, NOT_A_HELLO_LATER),
+            Parse::Malformed(why) => deny(ViolationKind::Malformed, None, why),
+            Parse::Done { value: hello, len } => match self.check(&hello) {
                 Err(v) => Step::Deny(v),
                 Ok(()) => Step::Forward(len),
             },

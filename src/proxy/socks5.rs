@@ -26,10 +26,11 @@ use crate::evidence::{Kind, Mode};
 use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
-    self, Address, Command, Malformed, Parse, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
+    self, Address, Command, Malformed, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
     METHOD_USERPASS,
 };
 use crate::proto::target::{normalize_host, Host};
+use crate::proto::Parse;
 
 /// Accept SOCKS5 connections until shutdown. A connection counts for the
 /// org its address names, or its address's own budget, until the
@@ -78,7 +79,7 @@ struct Handshake {
 impl Handshake {
     /// Read until `parse` is done with a message; the message's bytes are
     /// consumed, anything after them stays in `buf`.
-    async fn read<T>(&mut self, parse: fn(&[u8]) -> Parse<T>) -> Result<T, ReadFail> {
+    async fn read<T>(&mut self, parse: fn(&[u8]) -> Parse<T, Malformed>) -> Result<T, ReadFail> {
         loop {
             match parse(&self.buf) {
                 Parse::Done { value, len } => {
@@ -86,6 +87,7 @@ impl Handshake {
                     return Ok(value);
                 }
                 Parse::Malformed(m) => return Err(ReadFail::Malformed(m)),
+                Parse::NotThis => return Err(ReadFail::Malformed(socks5::NOT_SOCKS5)),
                 Parse::NeedMore => {}
             }
             // Every message fits in MAX_MESSAGE; a valid prefix never exceeds it.

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::splice::{self, AsTcp, Spliced, Stream};
 use crate::proto::client_hello::{self, ClientHello, MAX_HELLO_LEN};
-use crate::proto::http_head;
+use crate::proto::{http_head, Parse};
 
 /// Largest number of bytes read while detecting: a maximal hello plus the
 /// record headers of a hello split into many records.
@@ -72,14 +72,14 @@ pub async fn detect<R: Stream>(client: &mut R, buf: &mut Vec<u8>, timeout: Durat
 /// What `buf` is, or `None` if more bytes are needed to tell.
 fn classify(buf: &[u8]) -> Option<Detected> {
     match client_hello::parse(buf) {
-        client_hello::Parse::Done { hello, .. } => Some(Detected::Tls(hello)),
-        client_hello::Parse::Malformed(why) => Some(Detected::Malformed(why)),
-        client_hello::Parse::NeedMore => None,
-        client_hello::Parse::NotTls => match http_head::parse(buf) {
-            http_head::Parse::Done { host, .. } => Some(Detected::Http(host)),
-            http_head::Parse::NotHttp => Some(Detected::NotTls),
-            http_head::Parse::Malformed(why) => Some(Detected::Malformed(why)),
-            http_head::Parse::NeedMore => None,
+        Parse::Done { value: hello, .. } => Some(Detected::Tls(hello)),
+        Parse::Malformed(why) => Some(Detected::Malformed(why)),
+        Parse::NeedMore => None,
+        Parse::NotThis => match http_head::parse(buf) {
+            Parse::Done { value: host, .. } => Some(Detected::Http(host)),
+            Parse::NotThis => Some(Detected::NotTls),
+            Parse::Malformed(why) => Some(Detected::Malformed(why)),
+            Parse::NeedMore => None,
         },
     }
 }

@@ -203,9 +203,11 @@ fn get(host: &str, keep_alive: bool) -> String {
 }
 
 /// A TLS 1.3 ClientHello record naming `sni` (none: no server_name
-/// extension), with an encrypted_client_hello extension if `ech`.
+/// extension), with an encrypted_client_hello extension if `ech`: the
+/// probe's hello, with fixed random values.
 fn client_hello(sni: Option<&str>, ech: bool) -> Vec<u8> {
-    palisade::fuzzing::client_hello_bytes(sni, ech)
+    use palisade::probe::hello::{build, Hello, Random};
+    build(&Hello { sni, ech }, &Random::from_fn(|b| b.fill(0x5a)))
 }
 
 // ---------------------------------------------------------------------------

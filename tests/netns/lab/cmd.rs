@@ -10,18 +10,26 @@ pub fn palisade_bin() -> &'static str {
     env!("CARGO_BIN_EXE_palisade")
 }
 
-/// Per-process scratch directory under the system temp dir.
-pub fn scratch_root() -> PathBuf {
-    std::env::temp_dir().join(format!("palisade-netns-{}", std::process::id()))
+/// Per-process scratch directory under the system temp dir,
+/// `palisade-netns-PID-` and a random suffix (see `clean_stale_scratch`).
+pub fn scratch_root() -> &'static Path {
+    static ROOT: OnceLock<PathBuf> = OnceLock::new();
+    ROOT.get_or_init(|| {
+        tempfile::Builder::new()
+            .prefix(&format!("palisade-netns-{}-", std::process::id()))
+            .tempdir()
+            .expect("create scratch root")
+            .into_path()
+    })
 }
 
-/// Fresh empty directory for one test.
+/// Fresh empty directory for one test, kept after it for `dump` and a look.
 pub fn scratch_dir(tag: &str) -> PathBuf {
-    let n = COUNTER.fetch_add(1, Ordering::SeqCst);
-    let dir = scratch_root().join(format!("{tag}-{n}"));
-    let _ = fs::remove_dir_all(&dir);
-    fs::create_dir_all(&dir).expect("create scratch dir");
-    dir
+    tempfile::Builder::new()
+        .prefix(&format!("{tag}-"))
+        .tempdir_in(scratch_root())
+        .expect("create scratch dir")
+        .into_path()
 }
 
 /// These tests need CAP_NET_ADMIN and CAP_SYS_ADMIN: fail loudly, never skip.

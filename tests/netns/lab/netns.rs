@@ -66,9 +66,10 @@ pub(super) fn clean_stale_scratch() {
     };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix("palisade-netns-") else {
+        let Some(rest) = name.strip_prefix("palisade-netns-") else {
             continue;
         };
+        let pid = rest.split_once('-').map_or(rest, |(pid, _)| pid);
         match pid.parse::<u32>() {
             Ok(pid) if pid != std::process::id() && !pid_alive(pid) => {
                 let _ = fs::remove_dir_all(e.path());
