@@ -33,10 +33,8 @@ use crate::serve::http::{full, Body, Drain, Http1, WriteStall};
 use crate::serve::{self, Admission, Listener};
 use crate::served::ServedHandle;
 
-pub use crate::served::{OrgSummary, PolicyInfo};
-
 /// What readiness depends on, and what `/policy` and `/metrics` show.
-pub struct Health {
+pub(crate) struct Health {
     pub listeners_bound: AtomicBool,
     pub evidence: Arc<Evidence>,
     /// The served state: `/policy` and the policy series of `/metrics`.
@@ -45,7 +43,7 @@ pub struct Health {
 }
 
 impl Health {
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         self.listeners_bound.load(Ordering::Relaxed) && self.evidence.is_healthy()
     }
 }
@@ -94,7 +92,7 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Body> {
 
 /// Serve the admin endpoints on a dedicated thread until shutdown, then
 /// drain them within `drain_timeout` (see [`serve`]).
-pub fn spawn(
+pub(crate) fn spawn(
     listener: std::net::TcpListener,
     health: Arc<Health>,
     shutdown: CancellationToken,
@@ -140,7 +138,7 @@ const HARD_STOP_GRACE: Duration = Duration::from_secs(1);
 /// Serve the admin endpoints until shutdown: then stop accepting (the
 /// listener closes), let requests in flight finish within `drain_timeout`
 /// while idle connections close at once, and cut what is left.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     health: Arc<Health>,
     shutdown: CancellationToken,

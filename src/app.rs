@@ -29,7 +29,7 @@ const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// A start-up failure, printed as one line.
 #[derive(Debug, thiserror::Error)]
-pub enum StartError {
+pub(crate) enum StartError {
     #[error("cannot open evidence dir {dir}: {source}")]
     Evidence { dir: String, source: std::io::Error },
     #[error("cannot listen on {addr} ({what}): {source}")]
@@ -38,8 +38,6 @@ pub enum StartError {
         what: &'static str,
         source: std::io::Error,
     },
-    #[error("{0}")]
-    Unsupported(String),
     #[error("resolver: {0}")]
     Resolver(String),
     #[error("signal handler: {0}")]
@@ -55,7 +53,7 @@ async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, Start
 }
 
 /// Serve until a shutdown signal; returns once drained.
-pub async fn run(config: Config) -> Result<(), StartError> {
+pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     let Config {
         path: _,
         proxy: proxy_config,

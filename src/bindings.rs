@@ -126,7 +126,7 @@ impl Inner {
 
 /// Name-address bindings of every org, shared by the DNS shim and the proxy.
 #[derive(Debug)]
-pub struct Bindings {
+pub(crate) struct Bindings {
     inner: Mutex<Inner>,
     per_name: usize,
     per_org: usize,
@@ -135,7 +135,7 @@ pub struct Bindings {
 
 impl Bindings {
     /// `per_name`, `per_org` and `total` are clamped to at least 1.
-    pub fn new(per_name: usize, per_org: usize, total: usize) -> Bindings {
+    pub(crate) fn new(per_name: usize, per_org: usize, total: usize) -> Bindings {
         Bindings {
             inner: Mutex::new(Inner::default()),
             per_name: per_name.max(1),
@@ -153,7 +153,14 @@ impl Bindings {
     /// Record that `org` received `addr` for `name`, valid for `valid`
     /// (the answer's TTL plus the grace period) from `now`. Binding an
     /// address again refreshes it.
-    pub fn bind(&self, org: &Arc<str>, name: &str, addr: IpAddr, valid: Duration, now: Instant) {
+    pub(crate) fn bind(
+        &self,
+        org: &Arc<str>,
+        name: &str,
+        addr: IpAddr,
+        valid: Duration,
+        now: Instant,
+    ) {
         let addr = canonical(addr);
         let expires = now + valid;
         let mut inner = self.lock();
@@ -220,7 +227,7 @@ impl Bindings {
     }
 
     /// Did `org` receive `addr` for `name`, and is that still valid at `now`?
-    pub fn is_bound(&self, org: &str, name: &str, addr: IpAddr, now: Instant) -> bool {
+    pub(crate) fn is_bound(&self, org: &str, name: &str, addr: IpAddr, now: Instant) -> bool {
         self.lock()
             .entry(org, name, canonical(addr))
             .is_some_and(|e| e.expires > now)
@@ -228,7 +235,12 @@ impl Bindings {
 
     /// Names `org` received `addr` for that are still valid at `now`, each
     /// with its remaining validity; sorted by name.
-    pub fn names_for(&self, org: &str, addr: IpAddr, now: Instant) -> Vec<(String, Duration)> {
+    pub(crate) fn names_for(
+        &self,
+        org: &str,
+        addr: IpAddr,
+        now: Instant,
+    ) -> Vec<(String, Duration)> {
         let addr = canonical(addr);
         let inner = self.lock();
         let Some(names) = inner.orgs.get(org).and_then(|o| o.by_addr.get(&addr)) else {
@@ -246,24 +258,22 @@ impl Bindings {
     }
 
     /// Number of bindings held (expired ones not yet swept included).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.lock().len
     }
 
     /// Number of bindings `org` holds (expired ones not yet swept included).
-    pub fn len_of(&self, org: &str) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len_of(&self, org: &str) -> usize {
         self.lock().org_len(org)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
 /// What the DNS shim handed out: did org `org` receive `addr` for `name`,
 /// and is that binding still valid? Transparent mode uses it to check that
 /// a connection's original destination belongs to the name it presents.
-pub trait NameBindings: Send + Sync {
+pub(crate) trait NameBindings: Send + Sync {
     fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
 }
 

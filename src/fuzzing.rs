@@ -220,7 +220,8 @@ const BUILT_X25519_SHARE: [u8; 32] = [
 /// encrypted_client_hello extension (draft-ietf-tls-esni §5), as sent when
 /// the real name is hidden. For tests, integration tests and probes that
 /// must send raw hellos; names over 16 KiB give a malformed hello.
-pub fn client_hello_bytes(sni: Option<&str>, ech: bool) -> Vec<u8> {
+#[cfg(test)]
+pub(crate) fn client_hello_bytes(sni: Option<&str>, ech: bool) -> Vec<u8> {
     let mut exts = Vec::new();
     if let Some(name) = sni {
         // server_name (RFC 6066 §3): one host_name(0) entry.
@@ -273,7 +274,7 @@ pub fn client_hello_bytes(sni: Option<&str>, ech: bool) -> Vec<u8> {
 /// A TLS 1.3 ServerHello in one handshake record (RFC 8446 §4.1.3); `hrr`:
 /// a HelloRetryRequest (its random is the SHA-256 of "HelloRetryRequest")
 /// asking for a secp256r1 share.
-pub fn server_hello_bytes(hrr: bool) -> Vec<u8> {
+pub(crate) fn server_hello_bytes(hrr: bool) -> Vec<u8> {
     let mut body = vec![0x03, 0x03]; // legacy_version
     body.extend(if hrr {
         HELLO_RETRY_REQUEST_RANDOM
@@ -329,7 +330,7 @@ fn record(version: [u8; 2], fragment: &[u8]) -> Vec<u8> {
 
 /// What a scripted tunnel pump over an [`HttpGuard`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Pumped {
+pub(crate) struct Pumped {
     /// Client bytes forwarded upstream (all of them once `Opaque`).
     pub forwarded: usize,
     /// The last answer that was not `Forward`.
@@ -345,7 +346,7 @@ pub struct Pumped {
 /// Panics if the guard breaks the [`crate::proto::guard`] protocol: a
 /// `Forward` of nothing or of more than is held, or another answer when
 /// asked again about the same bytes.
-pub fn pump_http(guard: &mut HttpGuard, client: &[&[u8]], server: &[&[u8]]) -> Pumped {
+pub(crate) fn pump_http(guard: &mut HttpGuard, client: &[&[u8]], server: &[&[u8]]) -> Pumped {
     let total = client.iter().map(|c| c.len()).sum();
     let mut pieces = client.iter();
     let mut held = Vec::new();

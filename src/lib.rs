@@ -52,26 +52,26 @@
 
 #![forbid(unsafe_code)]
 
-pub mod admin;
-pub mod app;
-pub mod bindings;
+pub(crate) mod admin;
+pub(crate) mod app;
+pub(crate) mod bindings;
 pub mod cli;
 pub mod config;
-pub mod dns;
+pub(crate) mod dns;
 pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod intercept;
-pub mod limits;
-pub mod metrics;
+pub(crate) mod intercept;
+pub(crate) mod limits;
+pub(crate) mod metrics;
 pub mod policy;
 pub mod probe;
 pub mod proto;
-pub mod proxy;
-pub mod reload;
-pub mod resolve;
-pub mod serve;
-pub mod served;
+pub(crate) mod proxy;
+pub(crate) mod reload;
+pub(crate) mod resolve;
+pub(crate) mod serve;
+pub(crate) mod served;
 #[cfg(test)]
 mod testing;

@@ -22,13 +22,13 @@ use crate::evidence::{Counters, Event, Mode, Record};
 use crate::policy::{OrgRef, Reason};
 
 /// Values of the `mode` label of `palisade_connections_total`.
-pub const MODES: &[&str] = &["explicit", "transparent", "socks5"];
+pub(crate) const MODES: &[&str] = &["explicit", "transparent", "socks5"];
 
 /// Label value for clients that match no org.
-pub const UNKNOWN_ORG: &str = "unknown";
+pub(crate) const UNKNOWN_ORG: &str = "unknown";
 
 /// All of Palisade's metrics, registered in one registry.
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     pub connections_total: IntCounterVec,
     pub dns_queries_total: IntCounterVec,
@@ -171,7 +171,7 @@ impl Collector for EvidenceCollector {
 impl Metrics {
     /// Every metric, registered, with the series that exist from the start;
     /// the evidence series read `evidence` at each scrape.
-    pub fn new(evidence: Arc<Counters>) -> Metrics {
+    pub(crate) fn new(evidence: Arc<Counters>) -> Metrics {
         match Metrics::build(evidence) {
             Ok(m) => m,
             // Static names and labels: failing here is a programming error caught by the tests.
@@ -341,7 +341,7 @@ impl Metrics {
     /// (proxy and DNS alike): decisions by org, decision, reason and mode
     /// (DNS in `palisade_dns_queries_total`), report-mode decisions by what
     /// enforcement would have done; close records add their bytes.
-    pub fn count_record(&self, record: &Record) {
+    pub(crate) fn count_record(&self, record: &Record) {
         let org = record.org.as_deref().unwrap_or(UNKNOWN_ORG);
         match record.event {
             Event::Decision => {
@@ -377,14 +377,14 @@ impl Metrics {
     }
 
     /// Time one decision under its mode's label.
-    pub fn time_decision(&self, mode: Mode, took: Duration) {
+    pub(crate) fn time_decision(&self, mode: Mode, took: Duration) {
         self.decision_duration_seconds
             .with_label_values(&[mode.as_str()])
             .observe(took.as_secs_f64());
     }
 
     /// Count one failed connect to an upstream address.
-    pub fn count_connect_error(&self, kind: &str) {
+    pub(crate) fn count_connect_error(&self, kind: &str) {
         self.upstream_connect_errors_total
             .with_label_values(&[kind])
             .inc();
@@ -393,7 +393,7 @@ impl Metrics {
     /// Create the zero-valued series of every org (and `unknown`) so that
     /// dashboards and alerts see zeros, not gaps, before the first event.
     /// The label space is bounded: orgs × reason codes × modes.
-    pub fn init_series<'a>(&self, orgs: impl IntoIterator<Item = &'a str>) {
+    pub(crate) fn init_series<'a>(&self, orgs: impl IntoIterator<Item = &'a str>) {
         for org in orgs.into_iter().chain([UNKNOWN_ORG]) {
             for reason in Reason::ALL {
                 for mode in MODES {
@@ -420,7 +420,7 @@ impl Metrics {
 
     /// The text exposition of every metric, with what is read at scrape
     /// time: readiness and the policy served (its hash and load time).
-    pub fn render(&self, ready: bool, policy: &str, loaded: SystemTime) -> String {
+    pub(crate) fn render(&self, ready: bool, policy: &str, loaded: SystemTime) -> String {
         self.ready.set(i64::from(ready));
         self.build_info.reset();
         self.build_info
@@ -442,7 +442,7 @@ impl Metrics {
 }
 
 /// The org label for an optional org.
-pub fn org_label(org: Option<&OrgRef>) -> &str {
+pub(crate) fn org_label(org: Option<&OrgRef>) -> &str {
     org.map_or(UNKNOWN_ORG, |o| &o.name)
 }
 

@@ -30,10 +30,10 @@ use crate::policy::Policy;
 use crate::served::{Served, ServedHandle};
 
 /// How often the config file's content is checked for changes.
-pub const DEFAULT_CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
+pub(crate) const DEFAULT_CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Reloads the config file into the served state.
-pub struct Reloader {
+pub(crate) struct Reloader {
     path: PathBuf,
     /// The config whose settings are served (its orgs and `[intercept]`
     /// are those of the served state).
@@ -46,7 +46,7 @@ pub struct Reloader {
 
 /// What a reload did.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReloadOutcome {
+pub(crate) enum ReloadOutcome {
     /// The new state is served (`hash`: its policy).
     Applied { hash: String },
     /// The file is valid and serves what is already served.
@@ -57,7 +57,7 @@ pub enum ReloadOutcome {
 
 /// Why a reload was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum ReloadError {
+pub(crate) enum ReloadError {
     #[error("{0}")]
     Config(config::ConfigErrors),
     #[error("{} cannot change without a restart", .0.join(", "))]
@@ -89,7 +89,7 @@ async fn blocking<T: Send + 'static>(
 
 /// Write the canonical policy text of `hash` beside the evidence, so any
 /// record can be re-explained later (`DIR/policies/HASH.json`). Blocking.
-pub fn store_policy_text(evidence_dir: &Path, config: &Config, hash: &str) {
+pub(crate) fn store_policy_text(evidence_dir: &Path, config: &Config, hash: &str) {
     let dir = evidence_dir.join("policies");
     let path = dir.join(format!("{hash}.json"));
     if path.exists() {
@@ -244,7 +244,11 @@ fn prepare(
 
 impl Reloader {
     /// A reloader of `running`'s file into `served` (which serves it now).
-    pub async fn new(running: Config, served: ServedHandle, metrics: Arc<Metrics>) -> Reloader {
+    pub(crate) async fn new(
+        running: Config,
+        served: ServedHandle,
+        metrics: Arc<Metrics>,
+    ) -> Reloader {
         let path = running.path.clone();
         let seen = {
             let path = path.clone();
@@ -260,7 +264,7 @@ impl Reloader {
     }
 
     /// Reload if the file's content changed since it was last read.
-    pub async fn poll(&mut self) -> Option<ReloadOutcome> {
+    pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
         let path = self.path.clone();
         let now = blocking(move || digest(&path)).await.ok().flatten();
         if now.is_none() || now == self.seen {
@@ -270,7 +274,7 @@ impl Reloader {
     }
 
     /// Load and check the file and, if it is accepted, serve it.
-    pub async fn reload(&mut self, why: &str) -> ReloadOutcome {
+    pub(crate) async fn reload(&mut self, why: &str) -> ReloadOutcome {
         let current = self.served.load_full();
         let (path, running, metrics) = (
             self.path.clone(),

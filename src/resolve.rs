@@ -19,7 +19,7 @@ use crate::metrics::Metrics;
 
 /// Why a name has no addresses.
 #[derive(Debug, thiserror::Error)]
-pub enum ResolveError {
+pub(crate) enum ResolveError {
     #[error("no upstream resolver configured")]
     NoUpstream,
     #[error("resolving {name:?} timed out")]
@@ -32,7 +32,7 @@ pub enum ResolveError {
 
 /// What an upstream answer to a general query was, when it had no records.
 #[derive(Debug, thiserror::Error)]
-pub enum RecordsError {
+pub(crate) enum RecordsError {
     #[error("no upstream resolver configured")]
     NoUpstream,
     /// The resolver may keep saying so for `negative_ttl` seconds (when the
@@ -50,13 +50,13 @@ pub enum RecordsError {
 /// The records of a general query, and until when the resolver's cache
 /// gives this same answer (its TTLs counting down meanwhile).
 #[derive(Debug)]
-pub struct Records {
+pub(crate) struct Records {
     pub records: Vec<Record>,
     pub valid_until: Instant,
 }
 
 /// Resolves names through the configured upstream servers.
-pub struct Resolver {
+pub(crate) struct Resolver {
     inner: Option<TokioResolver>,
     timeout: Duration,
     /// Where resolution time is counted, when served.
@@ -65,7 +65,7 @@ pub struct Resolver {
 }
 
 /// How long a family that failed (while the other answered) is not asked.
-pub const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
+pub(crate) const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
 /// Names remembered at most; when full, expired entries go, then all.
 const FAILED_FAMILY_NAMES: usize = 4096;
 
@@ -113,7 +113,10 @@ impl FailedFamilies {
 }
 
 impl Resolver {
-    pub fn new(upstreams: &[SocketAddr], timeout: Duration) -> Result<Resolver, ResolveError> {
+    pub(crate) fn new(
+        upstreams: &[SocketAddr],
+        timeout: Duration,
+    ) -> Result<Resolver, ResolveError> {
         if upstreams.is_empty() {
             return Ok(Resolver {
                 inner: None,
@@ -157,7 +160,7 @@ impl Resolver {
     }
 
     /// Count resolution time in `metrics`.
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Resolver {
+    pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Resolver {
         self.metrics = Some(metrics);
         self
     }
@@ -172,7 +175,7 @@ impl Resolver {
     /// that family is not asked for this name for [`FAILED_FAMILY_HOLD`];
     /// the addresses dialled are still the other family's, decided as
     /// always.
-    pub async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
+    pub(crate) async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
         let Some(inner) = &self.inner else {
             return Err(ResolveError::NoUpstream);
         };
@@ -255,7 +258,7 @@ impl Resolver {
 
     /// Records of any type for a normalised name, through the same cache.
     /// The answer keeps a CNAME chain in front of the records it leads to.
-    pub async fn lookup_records(
+    pub(crate) async fn lookup_records(
         &self,
         name: &str,
         qtype: RecordType,

@@ -22,7 +22,7 @@ use crate::policy::Policy;
 
 /// One version of what is served.
 #[derive(Debug)]
-pub struct Served {
+pub(crate) struct Served {
     /// The compiled orgs and rules.
     pub policy: Arc<Policy>,
     /// Each org's DNS settings (denied-name answer, query types), indexed
@@ -38,14 +38,14 @@ pub struct Served {
 }
 
 /// The served state shared by every reader; a reload swaps it whole.
-pub type ServedHandle = Arc<ArcSwap<Served>>;
+pub(crate) type ServedHandle = Arc<ArcSwap<Served>>;
 
 impl Served {
     /// Build everything `config` (already validated, its orgs compiled into
     /// `policy`) serves. Blocking: it reads the per-org CAs (creating
     /// missing ones), the credentials' secrets and the upstream trust
     /// bundle; call it off the async runtime.
-    pub fn load(
+    pub(crate) fn load(
         config: &Config,
         policy: Arc<Policy>,
         metrics: &Arc<Metrics>,
@@ -62,14 +62,14 @@ impl Served {
     }
 
     /// A handle serving `self`.
-    pub fn into_handle(self) -> ServedHandle {
+    pub(crate) fn into_handle(self) -> ServedHandle {
         Arc::new(ArcSwap::from_pointee(self))
     }
 }
 
 /// The served policy, as `/policy` reports it.
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct PolicyInfo {
+pub(crate) struct PolicyInfo {
     pub hash: String,
     /// RFC 3339 time it was loaded.
     pub loaded_at: String,
@@ -78,7 +78,7 @@ pub struct PolicyInfo {
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
-pub struct OrgSummary {
+pub(crate) struct OrgSummary {
     pub name: String,
     pub clients: Vec<String>,
     pub allow_rules: usize,
@@ -88,7 +88,7 @@ pub struct OrgSummary {
 }
 
 impl PolicyInfo {
-    pub fn new(config: &Config, hash: &str, loaded: SystemTime) -> PolicyInfo {
+    pub(crate) fn new(config: &Config, hash: &str, loaded: SystemTime) -> PolicyInfo {
         PolicyInfo {
             hash: hash.to_string(),
             loaded_at: humantime::format_rfc3339_millis(loaded).to_string(),
@@ -110,13 +110,13 @@ impl PolicyInfo {
 
 /// Per-org DNS settings, by org index.
 #[derive(Debug, Clone, Default)]
-pub struct OrgDns {
+pub(crate) struct OrgDns {
     pub denied: DnsDenied,
     pub types: Vec<RecordType>,
 }
 
 impl OrgDns {
-    pub fn from_config(org: &OrgConfig) -> OrgDns {
+    pub(crate) fn from_config(org: &OrgConfig) -> OrgDns {
         OrgDns {
             denied: org.dns_denied,
             types: org

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 /// A fresh, empty directory under the system temp dir, unique per call
 /// (`palisade-TAG-` and a random suffix, made by `tempfile`). It is kept
 /// after the test, for a look at what a failing test left.
-pub fn scratch(tag: &str) -> PathBuf {
+pub(crate) fn scratch(tag: &str) -> PathBuf {
     tempfile::Builder::new()
         .prefix(&format!("palisade-{tag}-"))
         .tempdir()
@@ -14,7 +14,7 @@ pub fn scratch(tag: &str) -> PathBuf {
 }
 
 /// Two connected loopback TCP sockets.
-pub async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+pub(crate) async fn tcp_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let (a, b) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// `clients` tasks each run `op` back to back for `secs`; returns completed
 /// operations per second. Panics if any operation failed: a rate with
 /// failures in it is not a measurement.
-pub async fn closed_loop<F, Fut>(clients: usize, secs: f64, op: F) -> f64
+pub(crate) async fn closed_loop<F, Fut>(clients: usize, secs: f64, op: F) -> f64
 where
     F: Fn() -> Fut + Clone + Send + 'static,
     Fut: Future<Output = bool> + Send,
@@ -44,7 +44,7 @@ where
 }
 
 /// SIGTERM, then SIGKILL after 15 s.
-pub fn stop(mut child: Child) {
+pub(crate) fn stop(mut child: Child) {
     let _ = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status();
@@ -58,7 +58,7 @@ pub fn stop(mut child: Child) {
 }
 
 /// The median of the numbers that are not NaN (NaN if none).
-pub fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v: Vec<f64> = v.iter().copied().filter(|x| !x.is_nan()).collect();
     if v.is_empty() {
         return f64::NAN;
@@ -68,7 +68,7 @@ pub fn median(v: &[f64]) -> f64 {
 }
 
 /// A free TCP port on loopback (bound and released at once).
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -82,7 +82,12 @@ pub fn free_port() -> u16 {
 /// admin listener on a free port. `proxy` holds the `[proxy]` lines (the
 /// listeners first), `dns_upstream` the resolver, `evidence` the
 /// `[evidence]` lines, `rules` the `[[org.allow]]` tables.
-pub fn palisade_config(proxy: &str, dns_upstream: &str, evidence: &str, rules: &str) -> String {
+pub(crate) fn palisade_config(
+    proxy: &str,
+    dns_upstream: &str,
+    evidence: &str,
+    rules: &str,
+) -> String {
     format!(
         "[proxy]\n{proxy}\nmax_new_connections_per_second_per_org = 10000000\n\
          [dns]\nlisten = []\nupstream = [\"{dns_upstream}\"]\n\
@@ -95,13 +100,16 @@ pub fn palisade_config(proxy: &str, dns_upstream: &str, evidence: &str, rules: &
 
 /// An allow rule for the loopback address on `port` (loopback is
 /// always denied unless a rule inside it opens it).
-pub fn loopback_rule(port: u16) -> String {
+pub(crate) fn loopback_rule(port: u16) -> String {
     format!("[[org.allow]]\ncidr = \"127.0.0.1/32\"\nports = [{port}]\n")
 }
 
 /// `palisade run -c CONFIG` (stderr inherited, log level warn), waiting
 /// until every address in `listening` accepts connections.
-pub fn spawn_palisade(config: &std::path::Path, listening: &[std::net::SocketAddr]) -> Child {
+pub(crate) fn spawn_palisade(
+    config: &std::path::Path,
+    listening: &[std::net::SocketAddr],
+) -> Child {
     let mut child = Command::new(env!("CARGO_BIN_EXE_palisade"))
         .args(["run", "-c"])
         .arg(config)
@@ -127,7 +135,7 @@ pub fn spawn_palisade(config: &std::path::Path, listening: &[std::net::SocketAdd
 
 /// A CONNECT tunnel to `target` (`host:port`) through `proxy`: the stream
 /// once the proxy answered 200, or `None` on any failure.
-pub async fn connect_tunnel(
+pub(crate) async fn connect_tunnel(
     proxy: std::net::SocketAddr,
     target: &str,
 ) -> Option<tokio::net::TcpStream> {
@@ -150,7 +158,7 @@ pub async fn connect_tunnel(
 
 /// A loopback TCP server: every accepted connection is handed to `handle`
 /// in a task of its own. Returns the address it listens on.
-pub async fn serve_tcp<F, Fut>(handle: F) -> std::net::SocketAddr
+pub(crate) async fn serve_tcp<F, Fut>(handle: F) -> std::net::SocketAddr
 where
     F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
@@ -168,7 +176,7 @@ where
 }
 
 /// A fresh scratch directory for one bench process (kept after the run).
-pub fn scratch(name: &str) -> std::path::PathBuf {
+pub(crate) fn scratch(name: &str) -> std::path::PathBuf {
     tempfile::Builder::new()
         .prefix(&format!("palisade-{name}-"))
         .tempdir()
@@ -177,7 +185,7 @@ pub fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 /// The load generator's runtime: one worker thread.
-pub fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -188,7 +196,7 @@ pub fn runtime() -> tokio::runtime::Runtime {
 /// A loopback DNS server answering every A query with 127.0.0.1 (and
 /// anything else with no answer), so that the bench names resolve to the
 /// origin.
-pub async fn dns() -> std::net::SocketAddr {
+pub(crate) async fn dns() -> std::net::SocketAddr {
     let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
     let addr = sock.local_addr().unwrap();
     tokio::spawn(async move {
@@ -222,7 +230,7 @@ pub async fn dns() -> std::net::SocketAddr {
 
 /// CPU seconds a process has used so far (utime + stime from
 /// `/proc/PID/stat`); NaN when it cannot be read.
-pub fn cpu_seconds(pid: u32) -> f64 {
+pub(crate) fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let Some((_, rest)) = stat.rsplit_once(')') else {
         return f64::NAN;
@@ -241,7 +249,7 @@ pub fn cpu_seconds(pid: u32) -> f64 {
 }
 
 /// Resident memory of a process in KiB (`VmRSS`); NaN when unreadable.
-pub fn rss_kib(pid: u32) -> f64 {
+pub(crate) fn rss_kib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {

@@ -27,7 +27,7 @@ use crate::limits::{Payer, Share, Shares};
 
 /// Held while a query (or a TCP connection) is being served.
 #[derive(Debug)]
-pub struct Held {
+pub(crate) struct Held {
     _global: OwnedSemaphorePermit,
     _charges: Vec<Share<Payer>>,
 }
@@ -42,14 +42,14 @@ fn global_place(
 
 /// Queries in flight: global, and per payer.
 #[derive(Debug)]
-pub struct QueryBudget {
+pub(crate) struct QueryBudget {
     global: Arc<Semaphore>,
     per_payer: Arc<Shares<Payer>>,
     max_per_payer: usize,
 }
 
 impl QueryBudget {
-    pub fn new(config: &DnsConfig) -> QueryBudget {
+    pub(crate) fn new(config: &DnsConfig) -> QueryBudget {
         QueryBudget {
             global: Arc::new(Semaphore::new(config.max_queries_in_flight)),
             per_payer: Shares::new(),
@@ -58,7 +58,11 @@ impl QueryBudget {
     }
 
     /// A place for one query, or the name of the limit it is over.
-    pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
+    pub(crate) fn try_take(
+        &self,
+        client: IpAddr,
+        org: Option<&Arc<str>>,
+    ) -> Result<Held, &'static str> {
         let global = global_place(&self.global, "max_queries_in_flight reached")?;
         let payer = Payer::of(org, client);
         let over = match payer {
@@ -78,7 +82,7 @@ impl QueryBudget {
 
 /// DNS-over-TCP connections: global, per client address, per org.
 #[derive(Debug)]
-pub struct TcpBudget {
+pub(crate) struct TcpBudget {
     global: Arc<Semaphore>,
     /// Connections per client address and per org, in one table.
     held: Arc<Shares<Payer>>,
@@ -87,7 +91,7 @@ pub struct TcpBudget {
 }
 
 impl TcpBudget {
-    pub fn new(config: &DnsConfig) -> TcpBudget {
+    pub(crate) fn new(config: &DnsConfig) -> TcpBudget {
         TcpBudget {
             global: Arc::new(Semaphore::new(config.max_tcp_connections)),
             held: Shares::new(),
@@ -97,7 +101,11 @@ impl TcpBudget {
     }
 
     /// A place for one connection, or the name of the limit it is over.
-    pub fn try_take(&self, client: IpAddr, org: Option<&Arc<str>>) -> Result<Held, &'static str> {
+    pub(crate) fn try_take(
+        &self,
+        client: IpAddr,
+        org: Option<&Arc<str>>,
+    ) -> Result<Held, &'static str> {
         let global = global_place(&self.global, "max_tcp_connections reached")?;
         let mut charges = vec![self
             .held

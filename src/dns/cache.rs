@@ -34,14 +34,14 @@ use std::time::Instant;
 use hickory_server::proto::rr::{LowerName, RecordType};
 
 /// Entries kept at most, all orgs together.
-pub const CACHE_CAPACITY: usize = 16_384;
+pub(crate) const CACHE_CAPACITY: usize = 16_384;
 /// Entries kept at most for one org.
-pub const CACHE_PER_ORG: usize = 4_096;
+pub(crate) const CACHE_PER_ORG: usize = 4_096;
 
 /// One question of one org: the org's index in the served policy, the
 /// query name as received (lowercased by hickory), the query type.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Key {
+pub(crate) struct Key {
     pub org: usize,
     pub name: LowerName,
     pub qtype: RecordType,
@@ -111,7 +111,7 @@ impl<V, A> Inner<V, A> {
 
 /// The answer cache: `V` is the served version, `A` what is kept.
 #[derive(Debug)]
-pub struct AnswerCache<V, A> {
+pub(crate) struct AnswerCache<V, A> {
     inner: Mutex<Inner<V, A>>,
     capacity: usize,
     per_org: usize,
@@ -127,7 +127,7 @@ impl<V, A> Default for AnswerCache<V, A> {
 impl<V, A> AnswerCache<V, A> {
     /// A cache of at most `capacity` entries, `per_org` of one org. A
     /// capacity of 0 keeps nothing (every query takes the full path).
-    pub fn new(capacity: usize, per_org: usize) -> AnswerCache<V, A> {
+    pub(crate) fn new(capacity: usize, per_org: usize) -> AnswerCache<V, A> {
         AnswerCache {
             inner: Mutex::new(Inner {
                 version: None,
@@ -159,7 +159,7 @@ impl<V, A> AnswerCache<V, A> {
     }
 
     /// The answer kept for `key` under `version`, if it has not expired at `now`.
-    pub fn get(&self, version: &Arc<V>, key: &Key, now: Instant) -> Option<Arc<A>> {
+    pub(crate) fn get(&self, version: &Arc<V>, key: &Key, now: Instant) -> Option<Arc<A>> {
         if self.capacity == 0 {
             return None;
         }
@@ -177,7 +177,14 @@ impl<V, A> AnswerCache<V, A> {
     }
 
     /// Keep `value` for `key` under `version` until `until`.
-    pub fn insert(&self, version: &Arc<V>, key: Key, value: Arc<A>, until: Instant, now: Instant) {
+    pub(crate) fn insert(
+        &self,
+        version: &Arc<V>,
+        key: Key,
+        value: Arc<A>,
+        until: Instant,
+        now: Instant,
+    ) {
         if self.capacity == 0 || until <= now {
             return;
         }
@@ -209,21 +216,25 @@ impl<V, A> AnswerCache<V, A> {
     }
 
     /// Entries kept (expired ones included until they are found or evicted).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.lock().entries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Entries kept for `org`.
-    pub fn org_len(&self, org: usize) -> usize {
+    #[cfg(test)]
+    pub(crate) fn org_len(&self, org: usize) -> usize {
         self.lock().orgs.get(&org).map_or(0, BTreeMap::len)
     }
 
     /// Answers handed out from the cache so far.
-    pub fn hits(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn hits(&self) -> u64 {
         self.hits.load(Ordering::Relaxed)
     }
 }

@@ -28,10 +28,10 @@ use hickory_server::proto::rr::RecordType;
 use crate::config::DnsDenied;
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{normalize_host, Host};
-pub use crate::served::OrgDns;
+pub(crate) use crate::served::OrgDns;
 
 /// Types answered for every allowed name.
-pub const DEFAULT_TYPES: [RecordType; 5] = [
+pub(crate) const DEFAULT_TYPES: [RecordType; 5] = [
     RecordType::A,
     RecordType::AAAA,
     RecordType::CNAME,
@@ -41,9 +41,9 @@ pub const DEFAULT_TYPES: [RecordType; 5] = [
 
 /// Answered NXDOMAIN for every known client: browsers take it as "this
 /// network does not want DNS-over-HTTPS" (Mozilla's canary domain).
-pub const DOH_CANARY: &str = "use-application-dns.net";
+pub(crate) const DOH_CANARY: &str = "use-application-dns.net";
 /// Discovery of designated resolvers (RFC 9462): NODATA, nothing to discover.
-pub const DDR_NAME: &str = "_dns.resolver.arpa";
+pub(crate) const DDR_NAME: &str = "_dns.resolver.arpa";
 
 /// Names (and everything below them) never forwarded, even when a rule allows them.
 const NEVER_FORWARDED: [&str; 7] = [
@@ -58,7 +58,7 @@ const NEVER_FORWARDED: [&str; 7] = [
 
 /// What to do with a query.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Action {
+pub(crate) enum Action {
     /// REFUSED, with EDE 15 "Blocked" (unknown client, type not enabled).
     Refuse,
     /// The org's answer to a denied name.
@@ -77,7 +77,7 @@ pub enum Action {
 
 /// The decision for one query.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QueryDecision {
+pub(crate) struct QueryDecision {
     pub verdict: Verdict,
     pub action: Action,
     /// The normalised name, when the query name is one.
@@ -86,7 +86,7 @@ pub struct QueryDecision {
 
 impl Action {
     /// How `explain` and the docs describe the answer.
-    pub fn describe(&self) -> &'static str {
+    pub(crate) fn describe(&self) -> &'static str {
         match self {
             Action::Refuse => "REFUSED (EDE 15 Blocked), nothing sent upstream",
             Action::Denied(DnsDenied::Refused) => "REFUSED (EDE 15 Blocked), nothing sent upstream",
@@ -110,13 +110,13 @@ fn is_under(name: &str, zone: &str) -> bool {
 }
 
 /// Is `name` in a zone that is never forwarded?
-pub fn never_forwarded(name: &str) -> bool {
+pub(crate) fn never_forwarded(name: &str) -> bool {
     NEVER_FORWARDED.iter().any(|z| is_under(name, z))
 }
 
 /// The address a reverse-lookup name stands for, if it is a complete one
 /// (`4.3.2.1.in-addr.arpa`, 32 nibbles under `ip6.arpa`).
-pub fn reverse_address(name: &str) -> Option<IpAddr> {
+pub(crate) fn reverse_address(name: &str) -> Option<IpAddr> {
     if let Some(rest) = name.strip_suffix(".in-addr.arpa") {
         let parts: Vec<&str> = rest.split('.').collect();
         if parts.len() != 4 {
@@ -151,7 +151,7 @@ pub fn reverse_address(name: &str) -> Option<IpAddr> {
 /// The normalised form of a query name that is a host name (lowercase,
 /// punycode, no trailing dot), as evidence records it; `None` for anything
 /// else (the root, bad characters, an IP spelling).
-pub fn shown_name(qname: &str) -> Option<String> {
+pub(crate) fn shown_name(qname: &str) -> Option<String> {
     match normalize_host(qname) {
         Ok(Host::Name(name)) => Some(name),
         _ => None,
@@ -160,7 +160,7 @@ pub fn shown_name(qname: &str) -> Option<String> {
 
 /// Decide one query from `client` for `qname` (as received, any case, with
 /// or without the trailing dot) of type `qtype`.
-pub fn decide_query(
+pub(crate) fn decide_query(
     policy: &Policy,
     orgs: &[OrgDns],
     client: IpAddr,

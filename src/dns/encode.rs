@@ -17,11 +17,11 @@ use crate::config::DnsDenied;
 use crate::policy::{Reason, Verdict};
 
 /// EDNS option code of an Extended DNS Error (RFC 8914).
-pub const EDE_OPTION: u16 = 15;
+pub(crate) const EDE_OPTION: u16 = 15;
 /// EDE info-code 15, "Blocked".
-pub const EDE_BLOCKED: u16 = 15;
+pub(crate) const EDE_BLOCKED: u16 = 15;
 /// EDE info-code 18, "Prohibited" (unknown clients).
-pub const EDE_PROHIBITED: u16 = 18;
+pub(super) const EDE_PROHIBITED: u16 = 18;
 /// Largest UDP payload we advertise and send (DNS flag day 2020).
 pub(super) const MAX_UDP_PAYLOAD: u16 = 1232;
 

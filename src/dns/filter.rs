@@ -21,7 +21,7 @@ use crate::served::Served;
 /// same for every query of one org for one name and type while the answer
 /// lasts, so it is what [`super::cache`] keeps.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Forwarded {
+pub(crate) struct Forwarded {
     /// The verdict the record carries (a stripped answer's denial).
     pub(super) verdict: Verdict,
     /// The normalised name.

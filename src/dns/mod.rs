@@ -33,15 +33,15 @@
 //!    encoded in [`encode`].
 
 mod answer;
-pub mod budget;
-pub mod cache;
-pub mod decide;
+pub(crate) mod budget;
+pub(crate) mod cache;
+pub(crate) mod decide;
 mod encode;
 mod filter;
 mod query;
-pub mod refusals;
+pub(crate) mod refusals;
 mod shim;
-pub mod ttl;
+pub(crate) mod ttl;
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -60,9 +60,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-pub use encode::{EDE_BLOCKED, EDE_OPTION};
-pub use filter::Forwarded;
-pub use shim::Shim;
+pub(crate) use shim::Shim;
 
 /// Queries answered on one TCP connection before it is closed.
 const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
@@ -71,13 +69,13 @@ const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
 const MAX_UDP_MESSAGE: usize = 4096;
 
 /// Bound sockets for every `[dns] listen` address.
-pub struct DnsListeners {
+pub(crate) struct DnsListeners {
     udp: Vec<UdpSocket>,
     tcp: Vec<TcpListener>,
 }
 
 /// Bind UDP and TCP on every address; the first failure is returned with its address.
-pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io::Error)> {
+pub(crate) async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io::Error)> {
     let mut l = DnsListeners {
         udp: Vec::new(),
         tcp: Vec::new(),
@@ -93,10 +91,10 @@ pub async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAddr, io:
 
 /// The shim, shared by the UDP server and every TCP connection. What a
 /// reload changes is in its [`Shim::served`], loaded once per query.
-pub type ShimHandle = Arc<Shim>;
+pub(crate) type ShimHandle = Arc<Shim>;
 
 /// Serve until `shutdown`; the returned task ends when every listener has stopped.
-pub fn serve(
+pub(crate) fn serve(
     shim: ShimHandle,
     listeners: DnsListeners,
     shutdown: CancellationToken,

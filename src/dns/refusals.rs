@@ -37,11 +37,11 @@ use crate::limits::EvidenceBudget;
 use crate::metrics::Metrics;
 use crate::policy::Reason;
 
-pub use crate::limits::summary::SUMMARY_INTERVAL;
+pub(crate) use crate::limits::summary::SUMMARY_INTERVAL;
 
 /// How a refusal was recorded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Recorded {
+pub(crate) enum Recorded {
     /// Queued as its own record, shown to the client as this reference.
     Record(String),
     /// Counted into its (org, reason) tally.
@@ -50,7 +50,7 @@ pub enum Recorded {
 
 impl Recorded {
     /// What the client is told in the EDE text after the reason.
-    pub fn reference(&self) -> String {
+    pub(crate) fn reference(&self) -> String {
         match self {
             Recorded::Record(id) => format!("record={id}"),
             Recorded::Summarised => "summarised".to_string(),
@@ -61,7 +61,7 @@ impl Recorded {
 /// The shape of a refusal summary: one per (org, reason), no answers,
 /// nothing upstream.
 #[derive(Debug)]
-pub struct RefusalSummary;
+pub(crate) struct RefusalSummary;
 
 impl Shape for RefusalSummary {
     type Key = (Option<Arc<str>>, Reason);
@@ -80,7 +80,7 @@ impl Shape for RefusalSummary {
 }
 
 /// Records refusals: one by one while the writer has room, in tallies when not.
-pub struct Refusals {
+pub(crate) struct Refusals {
     evidence: Arc<Evidence>,
     metrics: Arc<Metrics>,
     /// Decision records per org (shared with the proxy).
@@ -89,7 +89,7 @@ pub struct Refusals {
 }
 
 impl Refusals {
-    pub fn new(
+    pub(crate) fn new(
         evidence: Arc<Evidence>,
         metrics: Arc<Metrics>,
         budget: Arc<EvidenceBudget>,
@@ -103,21 +103,21 @@ impl Refusals {
     }
 
     /// Use `budget` (the one the proxy shares) from now on.
-    pub fn set_budget(&mut self, budget: Arc<EvidenceBudget>) {
+    pub(crate) fn set_budget(&mut self, budget: Arc<EvidenceBudget>) {
         self.budget = budget;
     }
 
     /// Take one record of `org`'s evidence budget (none: clients of no
     /// org) for an answer, before anything is forwarded. `false`: spent,
     /// the answer must be refused `limit_exceeded`.
-    pub fn pay(&self, org: &Option<Arc<str>>) -> bool {
+    pub(crate) fn pay(&self, org: &Option<Arc<str>>) -> bool {
         self.budget.take(org, Instant::now())
     }
 
     /// Record a refusal (counted in the metrics either way): queued when
     /// its org's evidence budget has a record left and the writer is
     /// healthy and has room within `wait`, else tallied.
-    pub async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
+    pub(crate) async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
         self.metrics.count_record(rec);
         if self.pay(&rec.org)
             && self.evidence.is_healthy()
@@ -138,7 +138,7 @@ impl Refusals {
     /// `wait` the others are not tried: they are all kept for the next
     /// flush (as they are while the writer is unhealthy), so a flush waits
     /// at most `wait` in all.
-    pub async fn flush(&self, wait: Duration) {
+    pub(crate) async fn flush(&self, wait: Duration) {
         if !self.evidence.is_healthy() {
             return;
         }
@@ -151,12 +151,13 @@ impl Refusals {
     }
 
     /// Tallies waiting to be written.
-    pub fn pending(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> usize {
         self.tallies.pending()
     }
 
     /// Refusals counted into the waiting tallies.
-    pub fn pending_count(&self) -> u64 {
+    pub(crate) fn pending_count(&self) -> u64 {
         self.tallies.pending_count()
     }
 }

@@ -29,7 +29,7 @@ use crate::served::{Served, ServedHandle};
 /// Everything the shim needs to answer. What a reload changes (the policy,
 /// each org's DNS settings) is in `served`, loaded once per query: one
 /// query is decided and recorded under one policy version.
-pub struct Shim {
+pub(crate) struct Shim {
     pub served: ServedHandle,
     pub resolver: Arc<Resolver>,
     pub evidence: Arc<Evidence>,
@@ -53,7 +53,7 @@ pub struct Shim {
 
 impl Shim {
     /// The shim of `config`, its limits sized from it.
-    pub fn new(
+    pub(crate) fn new(
         served: ServedHandle,
         resolver: Arc<Resolver>,
         evidence: Arc<Evidence>,
@@ -92,7 +92,7 @@ impl Shim {
 
     /// Charge records to `budget`, the evidence budget the proxy charges
     /// too (`[evidence] max_records_per_second_per_org`).
-    pub fn with_evidence_budget(mut self, budget: Arc<EvidenceBudget>) -> Shim {
+    pub(crate) fn with_evidence_budget(mut self, budget: Arc<EvidenceBudget>) -> Shim {
         self.refusals.set_budget(budget);
         self
     }

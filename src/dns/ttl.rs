@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use hickory_server::proto::rr::{Record, RecordType};
 
 /// Answers remembered at most; the one that expires soonest goes first.
-pub const MEMO_CAPACITY: usize = 16_384;
+pub(crate) const MEMO_CAPACITY: usize = 16_384;
 
 type Key = (String, RecordType);
 
@@ -52,7 +52,7 @@ struct Inner {
 
 /// The TTLs of each answer as first seen.
 #[derive(Debug)]
-pub struct TtlMemo {
+pub(crate) struct TtlMemo {
     inner: Mutex<Inner>,
     capacity: usize,
 }
@@ -75,7 +75,7 @@ impl Default for TtlMemo {
 }
 
 impl TtlMemo {
-    pub fn new(capacity: usize) -> TtlMemo {
+    pub(crate) fn new(capacity: usize) -> TtlMemo {
         TtlMemo {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
@@ -85,7 +85,7 @@ impl TtlMemo {
     /// Give `records` (the answer for `name`/`qtype`, as the resolver
     /// returned it at `now`) the TTLs the same answer had when first seen.
     /// Returns until when those TTLs hold (`None`: no records).
-    pub fn apply(
+    pub(crate) fn apply(
         &self,
         name: &str,
         qtype: RecordType,
@@ -140,16 +140,13 @@ impl TtlMemo {
     }
 
     /// Answers remembered.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .memos
             .len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -33,16 +33,16 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 /// `prev` of the very first record of a chain.
-pub const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+pub(crate) const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 /// Domain separation for checkpoint signatures.
-pub const SIG_CONTEXT: &[u8] = b"palisade-evidence-checkpoint-v1\n";
+pub(crate) const SIG_CONTEXT: &[u8] = b"palisade-evidence-checkpoint-v1\n";
 
 /// Format tag written into every segment header.
-pub const FORMAT: &str = "palisade-evidence/1";
+pub(crate) const FORMAT: &str = "palisade-evidence/1";
 
 /// Append the canonical form of `v` to `out`.
-pub fn canonical_into(v: &Value, out: &mut Vec<u8>) {
+pub(crate) fn canonical_into(v: &Value, out: &mut Vec<u8>) {
     match v {
         Value::Object(m) => object_into(m, &[], out, |_, _| {}),
         Value::Array(a) => {
@@ -93,7 +93,7 @@ fn string_into(s: &str, out: &mut Vec<u8>) {
 }
 
 /// The canonical form of an object, leaving out the named keys.
-pub fn canonical_without(m: &Map<String, Value>, skip: &[&str]) -> Vec<u8> {
+pub(crate) fn canonical_without(m: &Map<String, Value>, skip: &[&str]) -> Vec<u8> {
     let mut out = Vec::with_capacity(512);
     object_into(m, skip, &mut out, |_, _| {});
     out
@@ -101,7 +101,7 @@ pub fn canonical_without(m: &Map<String, Value>, skip: &[&str]) -> Vec<u8> {
 
 /// Exactly `N` bytes from `2 * N` hex digits of either case (surrounding
 /// white space ignored).
-pub fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
+pub(crate) fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
     HEXLOWER_PERMISSIVE
         .decode(s.trim().as_bytes())
         .ok()?
@@ -110,7 +110,7 @@ pub fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
 }
 
 /// The hash of a record: SHA-256 over its canonical form without `hash`.
-pub fn record_hash(m: &Map<String, Value>) -> String {
+pub(crate) fn record_hash(m: &Map<String, Value>) -> String {
     HEXLOWER.encode(&Sha256::digest(canonical_without(m, &["hash"])))
 }
 
@@ -121,7 +121,7 @@ fn sig_message(m: &Map<String, Value>) -> Vec<u8> {
 }
 
 /// Sign a checkpoint record (sets `sig`; `key`, `seq` and `prev` must be set).
-pub fn sign(m: &mut Map<String, Value>, key: &SigningKey) {
+pub(crate) fn sign(m: &mut Map<String, Value>, key: &SigningKey) {
     let sig = key.sign(&sig_message(m));
     m.insert(
         "sig".into(),
@@ -130,7 +130,7 @@ pub fn sign(m: &mut Map<String, Value>, key: &SigningKey) {
 }
 
 /// Check a checkpoint record's `sig` against `key`.
-pub fn check_sig(m: &Map<String, Value>, key: &VerifyingKey) -> bool {
+pub(crate) fn check_sig(m: &Map<String, Value>, key: &VerifyingKey) -> bool {
     let Some(sig) = m.get("sig").and_then(Value::as_str).and_then(unhex::<64>) else {
         return false;
     };
@@ -139,7 +139,7 @@ pub fn check_sig(m: &Map<String, Value>, key: &VerifyingKey) -> bool {
 }
 
 /// Parse a hex public key.
-pub fn parse_pubkey(s: &str) -> Option<VerifyingKey> {
+pub(crate) fn parse_pubkey(s: &str) -> Option<VerifyingKey> {
     VerifyingKey::from_bytes(&unhex::<32>(s)?).ok()
 }
 
@@ -148,7 +148,7 @@ pub fn parse_pubkey(s: &str) -> Option<VerifyingKey> {
 /// The record is serialised once: its canonical form without `hash` is
 /// hashed, then `"hash":"…"` is spliced in at its sorted position, which
 /// gives exactly the canonical form of the record with `hash`.
-pub fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, Vec<u8>) {
+pub(crate) fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (String, Vec<u8>) {
     m.insert("seq".into(), Value::from(seq));
     m.insert("prev".into(), Value::String(prev.to_string()));
     m.remove("hash");
@@ -193,7 +193,7 @@ const CHAIN_FIELDS: [&str; 3] = ["hash", "prev", "seq"];
 /// A record serialised once, in canonical form, waiting for its place in
 /// the chain.
 #[derive(Debug, Clone)]
-pub struct Prepared {
+pub(crate) struct Prepared {
     /// The canonical form of the record without `seq`, `prev` and `hash`.
     body: Vec<u8>,
     /// For each of [`CHAIN_FIELDS`]: the offset in `body` of the first key
@@ -203,7 +203,7 @@ pub struct Prepared {
 
 /// A record that cannot be serialised into a chained line.
 #[derive(Debug, thiserror::Error)]
-pub enum PrepareError {
+pub(crate) enum PrepareError {
     #[error("a record must serialise as a struct with fields")]
     NotAStruct,
     #[error("record field {0:?} is the chain's own")]
@@ -224,7 +224,7 @@ impl Prepared {
     /// Serialise `record` (a struct whose fields hold strings, integers,
     /// booleans, nulls, arrays and maps with sorted keys, as
     /// [`super::Record`] does) into its canonical form.
-    pub fn of<T: serde::Serialize + ?Sized>(record: &T) -> Result<Prepared, PrepareError> {
+    pub(crate) fn of<T: serde::Serialize + ?Sized>(record: &T) -> Result<Prepared, PrepareError> {
         let mut values = Vec::with_capacity(512);
         let mut fields = Vec::with_capacity(40);
         record.serialize(Capture {
@@ -266,14 +266,15 @@ impl Prepared {
 
     /// The canonical form of the record as serialised (without the chain's
     /// fields).
-    pub fn body(&self) -> &[u8] {
+    #[cfg(test)]
+    pub(crate) fn body(&self) -> &[u8] {
         &self.body
     }
 
     /// Chain the record as number `seq` after the record whose hash is
     /// `prev`: append its line (with `\n`) to `out` and return its hash.
     /// The line is byte for byte what [`seal_line`] makes of the record.
-    pub fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
+    pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
         let start = out.len();
         let [at_hash, at_prev, at_seq] = self.at;
         let mut prev_value = Vec::with_capacity(prev.len() + 2);
@@ -457,7 +458,7 @@ impl<'a> serde::Serializer for Capture<'a> {
 }
 
 /// A record with every CONTRACT field null, for headers and checkpoints.
-pub fn meta_record(event: &str, id: String, ts: String) -> Map<String, Value> {
+pub(crate) fn meta_record(event: &str, id: String, ts: String) -> Map<String, Value> {
     let mut m = Map::new();
     for k in super::CONTRACT_FIELDS {
         m.insert(k.to_string(), Value::Null);

@@ -49,7 +49,7 @@ use super::segment;
 use super::verify::{self, Summary, VerifyError};
 
 /// At most this many replicas in one fleet.
-pub const MAX_REPLICAS: usize = 4096;
+pub(crate) const MAX_REPLICAS: usize = 4096;
 /// A segment header line longer than this is not read for its replica name.
 const MAX_HEADER_LINE: u64 = 64 * 1024;
 /// Longest replica name taken from a header.
@@ -58,11 +58,11 @@ const MAX_NAME: usize = 253;
 /// Input that does not make a fleet (exit status 2).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct FleetError(pub String);
+pub(crate) struct FleetError(pub String);
 
 /// One replica's chain.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Chain {
+pub(crate) struct Chain {
     pub name: String,
     /// A directory of segments, or one segment file.
     pub path: PathBuf,
@@ -72,7 +72,7 @@ pub struct Chain {
 
 /// A replica named but without a chain to read.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Missing {
+pub(crate) struct Missing {
     pub name: String,
     pub path: Option<PathBuf>,
     pub why: String,
@@ -80,7 +80,7 @@ pub struct Missing {
 
 /// The chains given, and the replicas missing among them.
 #[derive(Debug, Clone, Default)]
-pub struct Fleet {
+pub(crate) struct Fleet {
     /// Sorted by name.
     pub chains: Vec<Chain>,
     pub missing: Vec<Missing>,
@@ -108,13 +108,13 @@ fn subdirs(dir: &Path) -> Vec<PathBuf> {
 
 /// Is `path` a fleet tree: a directory with no segment file of its own
 /// and at least one subdirectory that holds segment files?
-pub fn is_tree(path: &Path) -> bool {
+pub(crate) fn is_tree(path: &Path) -> bool {
     path.is_dir() && !holds_segments(path) && subdirs(path).iter().any(|d| holds_segments(d))
 }
 
 /// Whether `paths` are to be read as a fleet rather than as the one chain
 /// `evidence verify PATH` has always checked.
-pub fn is_fleet(paths: &[PathBuf]) -> bool {
+pub(crate) fn is_fleet(paths: &[PathBuf]) -> bool {
     paths.len() != 1 || paths.iter().any(|p| is_tree(p))
 }
 
@@ -139,7 +139,7 @@ fn valid_header_name(name: &str) -> bool {
 }
 
 /// The `replica` of a `segment_start` header line, if it names a valid one.
-pub fn replica_of_header_line(line: &[u8]) -> Option<String> {
+pub(crate) fn replica_of_header_line(line: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(line).ok()?;
     if v.get("event").and_then(Value::as_str) != Some("segment_start") {
         return None;
@@ -191,7 +191,7 @@ fn chain_at(path: &Path) -> Chain {
 
 /// The chains (and missing replicas) `paths` name: each path is a segment
 /// file, a chain directory or a tree of them (see the module doc).
-pub fn resolve(paths: &[PathBuf]) -> Result<Fleet, FleetError> {
+pub(crate) fn resolve(paths: &[PathBuf]) -> Result<Fleet, FleetError> {
     let mut fleet = Fleet::default();
     for path in paths {
         match std::fs::metadata(path) {
@@ -276,14 +276,14 @@ pub struct Pins {
 }
 
 /// A replica name usable in `--key REPLICA=HEX` and a keys file.
-pub fn valid_pin_name(name: &str) -> bool {
+pub(crate) fn valid_pin_name(name: &str) -> bool {
     valid_header_name(name) && !name.contains(['=', '/'])
 }
 
 /// `--key` value: `REPLICA=KEY` (the replica, and the key text: hex or a
 /// file), or a plain `KEY`. A value whose part before `=` holds a `/` is a
 /// plain key (a file path).
-pub fn split_pin(arg: &str) -> (Option<&str>, &str) {
+pub(crate) fn split_pin(arg: &str) -> (Option<&str>, &str) {
     match arg.split_once('=') {
         Some((name, key)) if valid_pin_name(name) => (Some(name), key),
         _ => (None, arg),
@@ -293,7 +293,10 @@ pub fn split_pin(arg: &str) -> (Option<&str>, &str) {
 /// The lines of a `--keys` file: `REPLICA HEX` (blank lines and `#`
 /// comments ignored), each with its line number; or the first bad line as
 /// `FILE:LINE: message`.
-pub fn parse_keys_file(text: &str, file: &str) -> Result<Vec<(String, String, usize)>, FleetError> {
+pub(crate) fn parse_keys_file(
+    text: &str,
+    file: &str,
+) -> Result<Vec<(String, String, usize)>, FleetError> {
     let mut out: Vec<(String, String, usize)> = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;
@@ -319,14 +322,14 @@ pub fn parse_keys_file(text: &str, file: &str) -> Result<Vec<(String, String, us
 
 /// What to accept when checking a fleet.
 #[derive(Debug, Clone, Default)]
-pub struct Options {
+pub(crate) struct Options {
     pub pins: Pins,
     pub allow_unsealed: bool,
 }
 
 /// A replica's chain as checked.
 #[derive(Debug)]
-pub enum Status {
+pub(crate) enum Status {
     Intact,
     /// Verified, but the end is not sealed and that was not accepted.
     Unsealed,
@@ -337,7 +340,7 @@ pub enum Status {
 }
 
 impl Status {
-    pub fn as_str(&self) -> &'static str {
+    pub(crate) fn as_str(&self) -> &'static str {
         match self {
             Status::Intact => "intact",
             Status::Unsealed => "unsealed",
@@ -350,7 +353,7 @@ impl Status {
 
 /// One replica: its chain's status and, when it verified, the summary.
 #[derive(Debug)]
-pub struct ChainCheck {
+pub(crate) struct ChainCheck {
     pub name: String,
     pub path: Option<PathBuf>,
     pub status: Status,
@@ -358,12 +361,12 @@ pub struct ChainCheck {
 }
 
 impl ChainCheck {
-    pub fn ok(&self) -> bool {
+    pub(crate) fn ok(&self) -> bool {
         matches!(self.status, Status::Intact)
     }
 
     /// The line `evidence verify` prints for this replica.
-    pub fn line(&self) -> String {
+    pub(crate) fn line(&self) -> String {
         let at = self
             .path
             .as_ref()
@@ -422,16 +425,16 @@ impl ChainCheck {
 
 /// Every replica of a fleet, checked; sorted by name.
 #[derive(Debug, Default)]
-pub struct FleetCheck {
+pub(crate) struct FleetCheck {
     pub chains: Vec<ChainCheck>,
 }
 
 impl FleetCheck {
-    pub fn ok(&self) -> bool {
+    pub(crate) fn ok(&self) -> bool {
         !self.chains.is_empty() && self.chains.iter().all(ChainCheck::ok)
     }
 
-    pub fn failing(&self) -> impl Iterator<Item = &ChainCheck> {
+    pub(crate) fn failing(&self) -> impl Iterator<Item = &ChainCheck> {
         self.chains.iter().filter(|c| !c.ok())
     }
 
@@ -445,7 +448,7 @@ impl FleetCheck {
     }
 
     /// The last line of `evidence verify` for a fleet.
-    pub fn total_line(&self) -> String {
+    pub(crate) fn total_line(&self) -> String {
         let intact = Self::names(self.chains.iter().filter(|c| c.ok()).map(|c| &c.name));
         if self.ok() {
             let sums = || self.chains.iter().filter_map(|c| c.summary.as_ref());
@@ -477,7 +480,7 @@ impl FleetCheck {
     }
 
     /// Every replica's line, then the total.
-    pub fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         let mut s = String::new();
         for c in &self.chains {
             let _ = writeln!(s, "{}", c.line());
@@ -488,7 +491,7 @@ impl FleetCheck {
 
     /// The first failing replica's problem in one line: `replica NAME:
     /// FILE:LINE: message` (or why it failed).
-    pub fn first_problem(&self) -> Option<String> {
+    pub(crate) fn first_problem(&self) -> Option<String> {
         let c = self.failing().next()?;
         Some(format!("replica {}", c.line()))
     }
@@ -504,7 +507,7 @@ fn key_for(fleet: &Fleet, name: &str, pins: &Pins) -> Option<VerifyingKey> {
 }
 
 /// A plain key with several chains, or with replica pins, is ambiguous.
-pub fn check_pins(fleet: &Fleet, pins: &Pins) -> Result<(), FleetError> {
+pub(crate) fn check_pins(fleet: &Fleet, pins: &Pins) -> Result<(), FleetError> {
     if pins.single.is_some() && !pins.by_replica.is_empty() {
         return Err(FleetError(
             "--key HEX (no replica) cannot be combined with --key REPLICA=HEX or --keys".into(),
@@ -520,7 +523,7 @@ pub fn check_pins(fleet: &Fleet, pins: &Pins) -> Result<(), FleetError> {
 }
 
 /// Check every chain of `fleet` on its own (see the module doc's table).
-pub fn check(fleet: &Fleet, opts: &Options) -> Result<FleetCheck, FleetError> {
+pub(crate) fn check(fleet: &Fleet, opts: &Options) -> Result<FleetCheck, FleetError> {
     check_pins(fleet, &opts.pins)?;
     let any_pinned = !opts.pins.by_replica.is_empty();
     let mut out = FleetCheck::default();
@@ -581,14 +584,14 @@ pub fn check(fleet: &Fleet, opts: &Options) -> Result<FleetCheck, FleetError> {
 
 /// A record and the replica whose chain holds it.
 #[derive(Debug, Clone)]
-pub struct Tagged {
+pub(crate) struct Tagged {
     pub replica: Arc<str>,
     pub stored: Stored,
 }
 
 /// Merge order of a record: time, then replica, then chain position.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct MergeKey {
+pub(crate) struct MergeKey {
     /// `None` (an unreadable `ts`) sorts first.
     pub ts: Option<SystemTime>,
     pub replica: Arc<str>,
@@ -596,7 +599,7 @@ pub struct MergeKey {
 }
 
 impl MergeKey {
-    pub fn of(t: &Tagged) -> MergeKey {
+    pub(crate) fn of(t: &Tagged) -> MergeKey {
         MergeKey {
             ts: humantime::parse_rfc3339_weak(&t.stored.record.ts).ok(),
             replica: t.replica.clone(),
@@ -606,13 +609,13 @@ impl MergeKey {
 }
 
 /// One input of [`merge`].
-pub type Source<T, E> = Box<dyn Iterator<Item = Result<T, E>>>;
+pub(crate) type Source<T, E> = Box<dyn Iterator<Item = Result<T, E>>>;
 
 /// A k-way merge of sources that are each in their own order: the
 /// smallest head by `key` first (ties: the earlier source). An error from
 /// a source is yielded as soon as it is read, and that source is not read
 /// further.
-pub fn merge<T: 'static, K: Ord, E: 'static>(
+pub(crate) fn merge<T: 'static, K: Ord, E: 'static>(
     sources: Vec<Source<T, E>>,
     key: impl Fn(&T) -> K,
 ) -> impl Iterator<Item = Result<T, E>> {
@@ -675,7 +678,7 @@ pub fn merge<T: 'static, K: Ord, E: 'static>(
 
 /// Every decision and close record of `chains`, each tagged with its
 /// replica, merged by [`MergeKey`].
-pub fn read_merged(chains: &[Chain]) -> impl Iterator<Item = Result<Tagged, ReadError>> {
+pub(crate) fn read_merged(chains: &[Chain]) -> impl Iterator<Item = Result<Tagged, ReadError>> {
     let sources: Vec<Source<Tagged, ReadError>> = chains
         .iter()
         .map(|c| {

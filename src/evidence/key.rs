@@ -13,15 +13,12 @@ use ed25519_dalek::SigningKey;
 
 use super::chain::unhex;
 
-/// The default key path for an evidence dir (config decides it).
-pub use crate::config::default_key_path;
-
 fn bad(path: &Path, what: impl std::fmt::Display) -> io::Error {
     io::Error::other(format!("signing key {}: {what}", path.display()))
 }
 
 /// Read the key at `path`.
-pub fn load(path: &Path) -> io::Result<SigningKey> {
+pub(crate) fn load(path: &Path) -> io::Result<SigningKey> {
     let meta = fs::metadata(path).map_err(|e| bad(path, e))?;
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
@@ -36,7 +33,7 @@ pub fn load(path: &Path) -> io::Result<SigningKey> {
 }
 
 /// Read the key at `path`, creating it (mode 0600) if it does not exist.
-pub fn load_or_create(path: &Path) -> io::Result<SigningKey> {
+pub(crate) fn load_or_create(path: &Path) -> io::Result<SigningKey> {
     match fs::symlink_metadata(path) {
         Ok(_) => return load(path),
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -65,7 +62,7 @@ pub fn load_or_create(path: &Path) -> io::Result<SigningKey> {
 
 /// The public key as hex, the form `palisade evidence pubkey` prints and
 /// `verify --key` takes.
-pub fn public_hex(key: &SigningKey) -> String {
+pub(crate) fn public_hex(key: &SigningKey) -> String {
     HEXLOWER.encode(key.verifying_key().as_bytes())
 }
 

@@ -10,13 +10,13 @@
 //! ([`writer`]), into rotating segment files ([`segment`]). [`verify`]
 //! checks a directory end to end; [`query`] filters and exports.
 
-pub mod chain;
-pub mod fleet;
-pub mod key;
-pub mod query;
-pub mod reference;
-pub mod segment;
-pub mod verify;
+pub(crate) mod chain;
+pub(crate) mod fleet;
+pub(crate) mod key;
+pub(crate) mod query;
+pub(crate) mod reference;
+pub(crate) mod segment;
+pub(crate) mod verify;
 mod writer;
 
 use std::io;

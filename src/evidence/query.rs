@@ -24,7 +24,7 @@ use super::{Event, Kind, Record};
 /// A decision or close record as a segment holds it: the record, and the
 /// chain fields the writer added (absent from a file that is not a chain).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Stored {
+pub(crate) struct Stored {
     #[serde(flatten)]
     pub record: Record,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -161,7 +161,7 @@ fn map_lines<T>(
 /// one file), in chain order. Lines that are not JSON objects, and chain
 /// bookkeeping, are skipped; a decision or close line that does not read
 /// as a [`Record`] is an error (a record from another version, or an edit).
-pub fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadError>> {
+pub(crate) fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadError>> {
     map_lines(path, |file, line, bytes| {
         let event = serde_json::from_slice::<EventOnly>(bytes).ok()?.event?;
         if event != Event::Decision.as_str() && event != Event::Close.as_str() {
@@ -179,7 +179,7 @@ pub fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadErro
 
 /// Filters of `palisade evidence query`; `None` matches everything.
 #[derive(Debug, Default, Clone)]
-pub struct Filter {
+pub(crate) struct Filter {
     pub org: Option<String>,
     pub decision: Option<String>,
     pub reason: Option<String>,
@@ -197,7 +197,7 @@ fn ts_of(r: &Record) -> Option<SystemTime> {
 }
 
 impl Filter {
-    pub fn matches(&self, r: &Record) -> bool {
+    pub(crate) fn matches(&self, r: &Record) -> bool {
         if let Some(x) = &self.record {
             if !(r.is_named(x) || r.conn.as_deref() == Some(x.as_str())) {
                 return false;
@@ -246,7 +246,7 @@ const TABLE_COLUMNS: [&str; 10] = [
 ];
 
 /// One table row: the columns above, tab-separated (`-` where unknown).
-pub fn table_row(r: &Record) -> String {
+pub(crate) fn table_row(r: &Record) -> String {
     let cells: [Option<String>; 10] = [
         Some(r.ts.clone()),
         Some(r.event.as_str().into()),
@@ -269,13 +269,13 @@ pub fn table_row(r: &Record) -> String {
         .join("\t")
 }
 
-pub fn table_header() -> String {
+pub(crate) fn table_header() -> String {
     TABLE_COLUMNS.join("\t")
 }
 
 /// What `query`/`export` print.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Output {
+pub(crate) enum Output {
     /// Each record whole, keys sorted (the form a segment stores it in).
     JsonLines,
     /// Tab-separated columns ([`table_header`]).
@@ -289,7 +289,7 @@ pub enum Output {
 /// exactly what a single directory has always given). Returns how many
 /// matched. With a replica: JSON Lines gain a `replica` field, the table a
 /// first `replica` column, OCSF events `unmapped.replica`.
-pub fn print(
+pub(crate) fn print(
     records: impl Iterator<Item = Result<(Option<Arc<str>>, Stored), ReadError>>,
     fleet: bool,
     filter: &Filter,
@@ -344,7 +344,13 @@ pub fn print(
 /// Print the matching records under `path` (one chain); returns how many
 /// matched. JSON Lines hold each record whole, keys sorted (the form a
 /// segment stores it in).
-pub fn query(path: &Path, filter: &Filter, table: bool, out: &mut impl Write) -> io::Result<u64> {
+#[cfg(test)]
+pub(crate) fn query(
+    path: &Path,
+    filter: &Filter,
+    table: bool,
+    out: &mut impl Write,
+) -> io::Result<u64> {
     let output = if table {
         Output::Table
     } else {
@@ -360,7 +366,7 @@ pub fn query(path: &Path, filter: &Filter, table: bool, out: &mut impl Write) ->
 }
 
 /// The OCSF version the export targets.
-pub const OCSF_VERSION: &str = "1.3.0";
+pub(crate) const OCSF_VERSION: &str = "1.3.0";
 
 fn endpoint_of_addr(addr: std::net::SocketAddr) -> Value {
     json!({"ip": addr.ip().to_string(), "port": addr.port()})
@@ -382,7 +388,7 @@ fn http_method_activity(method: Option<&str>) -> u64 {
 }
 
 /// Map one decision or close record to an OCSF event.
-pub fn to_ocsf(stored: &Stored) -> Value {
+pub(crate) fn to_ocsf(stored: &Stored) -> Value {
     let r = &stored.record;
     let allowed = r.decision_str() == "allow";
     let is_close = r.event == Event::Close;
@@ -544,7 +550,8 @@ pub fn to_ocsf(stored: &Stored) -> Value {
 
 /// Print every matching decision and close record under `path` as OCSF
 /// JSON Lines.
-pub fn export_ocsf(path: &Path, filter: &Filter, out: &mut impl Write) -> io::Result<u64> {
+#[cfg(test)]
+pub(crate) fn export_ocsf(path: &Path, filter: &Filter, out: &mut impl Write) -> io::Result<u64> {
     print(
         read_records(path).map(|r| r.map(|s| (None, s))),
         false,

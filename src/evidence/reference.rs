@@ -14,7 +14,7 @@ use data_encoding::HEXLOWER;
 use sha2::{Digest, Sha256};
 
 /// Characters in a reference (hex of its first 8 HMAC bytes).
-pub const REF_LEN: usize = 16;
+pub(crate) const REF_LEN: usize = 16;
 
 /// Domain separation: this key is used for nothing but references.
 const CONTEXT: &[u8] = b"palisade record reference v1\0";
@@ -23,7 +23,7 @@ const BLOCK: usize = 64;
 
 /// The HMAC key references are made with.
 #[derive(Clone)]
-pub struct RefKey([u8; 32]);
+pub(crate) struct RefKey([u8; 32]);
 
 impl std::fmt::Debug for RefKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -33,7 +33,7 @@ impl std::fmt::Debug for RefKey {
 
 impl RefKey {
     /// Derived from the 32-byte signing key seed.
-    pub fn from_seed(seed: &[u8; 32]) -> RefKey {
+    pub(crate) fn from_seed(seed: &[u8; 32]) -> RefKey {
         let mut h = Sha256::new();
         h.update(CONTEXT);
         h.update(seed);
@@ -41,7 +41,7 @@ impl RefKey {
     }
 
     /// The reference shown for record `id`.
-    pub fn of(&self, id: &str) -> String {
+    pub(crate) fn of(&self, id: &str) -> String {
         let mac = hmac_sha256(&self.0, id.as_bytes());
         HEXLOWER.encode(&mac[..REF_LEN / 2])
     }
@@ -65,7 +65,8 @@ fn hmac_sha256(key: &[u8; 32], msg: &[u8]) -> [u8; 32] {
 }
 
 /// Whether `s` has the shape of a reference (not whether one exists).
-pub fn is_ref(s: &str) -> bool {
+#[cfg(test)]
+pub(crate) fn is_ref(s: &str) -> bool {
     s.len() == REF_LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 

@@ -10,15 +10,15 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
-pub const PREFIX: &str = "palisade-";
-pub const SUFFIX: &str = ".jsonl";
+pub(crate) const PREFIX: &str = "palisade-";
+pub(crate) const SUFFIX: &str = ".jsonl";
 
-pub fn segment_name(first_seq: u64) -> String {
+pub(crate) fn segment_name(first_seq: u64) -> String {
     format!("{PREFIX}{first_seq:020}{SUFFIX}")
 }
 
 /// Segment files in `dir`, in chain order.
-pub fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
+pub(crate) fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
     let mut v: Vec<PathBuf> = fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
@@ -33,7 +33,7 @@ pub fn list(dir: &Path) -> io::Result<Vec<PathBuf>> {
 
 /// Remove `*.jsonl.tmp` left by a crash during rotation (they were never
 /// part of the chain).
-pub fn remove_stale_tmp(dir: &Path) {
+pub(crate) fn remove_stale_tmp(dir: &Path) {
     if let Ok(rd) = fs::read_dir(dir) {
         for e in rd.flatten() {
             let p = e.path();
@@ -46,7 +46,7 @@ pub fn remove_stale_tmp(dir: &Path) {
 
 /// Split file content into complete lines and a torn remainder (bytes after
 /// the last newline).
-pub fn split_lines(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
+pub(crate) fn split_lines(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
     let mut lines = Vec::new();
     let mut start = 0;
     for (i, b) in data.iter().enumerate() {
@@ -60,7 +60,7 @@ pub fn split_lines(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
 
 /// What the end of a segment looks like.
 #[derive(Debug, Clone)]
-pub struct Tail {
+pub(crate) struct Tail {
     pub name: String,
     /// Complete lines that parse as chained records.
     pub lines: u64,
@@ -76,7 +76,7 @@ pub struct Tail {
 
 impl Tail {
     /// `seal`, `checkpoint` (closed by rotation), or `crash`.
-    pub fn end(&self) -> &'static str {
+    pub(crate) fn end(&self) -> &'static str {
         match self.last_event.as_str() {
             "seal" => "seal",
             "checkpoint" => "checkpoint",
@@ -85,7 +85,7 @@ impl Tail {
     }
 
     /// The `predecessor` object of the next segment's header.
-    pub fn to_json(&self, end: &str) -> Value {
+    pub(crate) fn to_json(&self, end: &str) -> Value {
         let mut m = Map::new();
         m.insert("segment".into(), self.name.clone().into());
         m.insert("lines".into(), self.lines.into());
@@ -103,7 +103,7 @@ impl Tail {
 
 /// Read a segment and find its last chained record. Lines that do not
 /// parse stop the scan: the head is the record before them.
-pub fn read_tail(path: &Path) -> io::Result<Tail> {
+pub(crate) fn read_tail(path: &Path) -> io::Result<Tail> {
     let data = fs::read(path)?;
     let name = path
         .file_name()

@@ -21,7 +21,7 @@ use super::CONTRACT_FIELDS;
 
 /// What to accept.
 #[derive(Debug, Default, Clone)]
-pub struct Options {
+pub(crate) struct Options {
     /// The public key every checkpoint must be signed with. Without it the
     /// key named in the segment headers is used (consistency, not origin).
     pub key: Option<VerifyingKey>,
@@ -31,7 +31,7 @@ pub struct Options {
 
 /// An intact evidence set.
 #[derive(Debug, Default)]
-pub struct Summary {
+pub(crate) struct Summary {
     pub files: usize,
     /// Every chained record, headers and checkpoints included.
     pub records: u64,
@@ -122,7 +122,7 @@ impl fmt::Display for Summary {
 /// The first problem found.
 #[derive(Debug, thiserror::Error)]
 #[error("{file}:{line}: {message}")]
-pub struct VerifyError {
+pub(crate) struct VerifyError {
     pub file: String,
     pub line: u64,
     pub message: String,
@@ -163,12 +163,13 @@ fn str_of<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
 
 /// Check every record under `path` with default options (sealed end
 /// required, embedded key).
-pub fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
+#[cfg(test)]
+pub(crate) fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
     verify_with(path, &Options::default())
 }
 
 /// Check every record under `path`.
-pub fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> {
+pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> {
     let (list, single) = files(path)?;
     let headers: Vec<Option<Map<String, Value>>> = list.iter().map(|p| header_of(p)).collect();
     // Hashes of segments removed by retention, as recorded by later headers.

@@ -52,7 +52,7 @@ use crate::config::{Durability, EvidenceConfig};
 /// Records appended with a place reserved (`write`, `submit_within`, and
 /// `submit` while there is room) before `write` callers (and accept loops)
 /// wait for room.
-pub const QUEUE_CAPACITY: usize = 8192;
+pub(super) const QUEUE_CAPACITY: usize = 8192;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Batches a leader writes in a row for records nobody waits on (submitted
@@ -126,7 +126,7 @@ pub(super) struct Ids {
 
 impl Ids {
     /// `REPLICA-START-N`: unique across replicas and restarts.
-    pub fn new(replica: &str, start: Duration) -> Ids {
+    pub(super) fn new(replica: &str, start: Duration) -> Ids {
         Ids {
             prefix: format!(
                 "{replica}-{:x}{:05x}",
@@ -137,7 +137,7 @@ impl Ids {
         }
     }
 
-    pub fn next(&self) -> String {
+    pub(super) fn next(&self) -> String {
         format!(
             "{}-{}",
             self.prefix,
@@ -199,7 +199,7 @@ pub(super) struct Log {
 }
 
 impl Log {
-    pub fn new(io: Io, ids: Ids, counters: Arc<super::Counters>) -> Log {
+    pub(super) fn new(io: Io, ids: Ids, counters: Arc<super::Counters>) -> Log {
         let fsync = io.cfg.durability == Durability::Fsync;
         Log {
             pending: Mutex::new(Pending {
@@ -243,7 +243,7 @@ impl Log {
 
     /// Add a record to the pending batch; the batch it will be written in,
     /// or the entry back if the log is closed.
-    pub fn append(&self, entry: Entry) -> Result<Arc<Batch>, Entry> {
+    pub(super) fn append(&self, entry: Entry) -> Result<Arc<Batch>, Entry> {
         let mut p = self.pending();
         if p.closed {
             return Err(entry);
@@ -272,7 +272,7 @@ impl Log {
     }
 
     /// Write what is pending if no leader is at work; whether this call led.
-    pub fn try_lead(&self) -> bool {
+    pub(super) fn try_lead(&self) -> bool {
         match self.try_io() {
             Some(io) => {
                 self.lead(io);
@@ -284,7 +284,7 @@ impl Log {
 
     /// Wait until `batch` is written (`true`) or refused (`false`), leading
     /// whenever the log is free.
-    pub async fn wait(&self, batch: &Batch) -> bool {
+    pub(super) async fn wait(&self, batch: &Batch) -> bool {
         loop {
             let notified = batch.notify.notified();
             tokio::pin!(notified);
@@ -378,7 +378,7 @@ impl Log {
     /// final signed `seal` record first (returns whether it was written);
     /// without, drop what is pending as a crash would (its `write` callers
     /// get an error). Idempotent: a second call returns `false`.
-    pub fn close(&self, seal: bool) -> bool {
+    pub(super) fn close(&self, seal: bool) -> bool {
         {
             let mut p = self.pending();
             if p.closed {
@@ -417,7 +417,7 @@ impl Log {
     /// Stop (or resume) taking records, as a writer stuck in a slow
     /// `write(2)` would (tests).
     #[cfg(test)]
-    pub fn pause(&self, paused: bool) {
+    pub(super) fn pause(&self, paused: bool) {
         let batch = {
             let mut p = self.pending();
             p.paused = paused;
@@ -431,33 +431,33 @@ impl Log {
 
     /// Records appended and not yet taken (tests).
     #[cfg(test)]
-    pub fn queued(&self) -> usize {
+    pub(super) fn queued(&self) -> usize {
         self.pending().entries.len()
     }
 
     /// Fail the next write, half of it written (tests).
     #[cfg(test)]
-    pub fn fail_next_write(&self) {
+    pub(super) fn fail_next_write(&self) {
         self.io().fail_next = true;
     }
 
     /// Writes so far (tests).
     #[cfg(test)]
-    pub fn batches(&self) -> u64 {
+    pub(super) fn batches(&self) -> u64 {
         self.io().batches
     }
 
     /// Syncs of batches so far, and whether written records wait for one
     /// (tests).
     #[cfg(test)]
-    pub fn syncs(&self) -> (u64, bool) {
+    pub(super) fn syncs(&self) -> (u64, bool) {
         let io = self.io();
         (io.syncs, io.unsynced.is_some())
     }
 
     /// The duties thread: checkpoints and rotation by time, retries after
     /// a write error, records left behind; until the log is closed.
-    pub fn duties(self: Arc<Log>) {
+    pub(super) fn duties(self: Arc<Log>) {
         loop {
             let deadline = {
                 let mut io = self.io();
@@ -560,7 +560,7 @@ fn io_err(what: impl std::fmt::Display) -> io::Error {
 impl Io {
     /// Open the evidence dir: find the chain head left by the previous run
     /// and start a new segment whose header records how that run ended.
-    pub fn open(
+    pub(super) fn open(
         cfg: EvidenceConfig,
         key: SigningKey,
         ids: &Ids,
@@ -647,7 +647,7 @@ impl Io {
         Ok(w)
     }
 
-    pub fn current_path(&self) -> PathBuf {
+    pub(super) fn current_path(&self) -> PathBuf {
         match &self.seg {
             Some(s) if self.cfg.durability != Durability::Discard => self.cfg.dir.join(&s.name),
             _ => PathBuf::from("/dev/null"),

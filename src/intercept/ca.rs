@@ -33,7 +33,7 @@ const BACKDATE: Duration = Duration::from_secs(3600);
 
 /// A CA problem, naming the file.
 #[derive(Debug, thiserror::Error)]
-pub enum CaError {
+pub(crate) enum CaError {
     #[error("{path}: {source}")]
     Io {
         path: String,
@@ -50,7 +50,7 @@ pub enum CaError {
 }
 
 /// The certificate and key files of an org's CA.
-pub fn ca_paths(dir: &Path, org: &str) -> (PathBuf, PathBuf) {
+pub(crate) fn ca_paths(dir: &Path, org: &str) -> (PathBuf, PathBuf) {
     (
         dir.join(format!("{org}.pem")),
         dir.join(format!("{org}.key")),
@@ -58,7 +58,7 @@ pub fn ca_paths(dir: &Path, org: &str) -> (PathBuf, PathBuf) {
 }
 
 /// An org's CA: its certificate (PEM, for `ca export`) and an issuer.
-pub struct OrgCa {
+pub(crate) struct OrgCa {
     pub cert_pem: String,
     cert_der: CertificateDer<'static>,
     issuer: Issuer<'static, KeyPair>,
@@ -80,7 +80,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CaError + '_ {
 impl OrgCa {
     /// Load the org's CA from `dir`, creating it (and `dir`, 0700) if
     /// neither file exists. A key file open to group or others is refused.
-    pub fn load_or_create(dir: &Path, org: &str) -> Result<OrgCa, CaError> {
+    pub(crate) fn load_or_create(dir: &Path, org: &str) -> Result<OrgCa, CaError> {
         let (cert_path, key_path) = ca_paths(dir, org);
         if !key_path.exists() && !cert_path.exists() {
             std::fs::DirBuilder::new()
@@ -94,7 +94,7 @@ impl OrgCa {
     }
 
     /// Load an existing CA.
-    pub fn load(cert_path: &Path, key_path: &Path) -> Result<OrgCa, CaError> {
+    pub(crate) fn load(cert_path: &Path, key_path: &Path) -> Result<OrgCa, CaError> {
         let meta = std::fs::metadata(key_path).map_err(io_err(key_path))?;
         if meta.permissions().mode() & 0o077 != 0 {
             return Err(CaError::Permissions {
@@ -128,7 +128,7 @@ impl OrgCa {
 
     /// Mint a leaf for `name` and build the TLS server config that presents
     /// it (ALPN h2 and http/1.1).
-    pub fn server_config(
+    pub(crate) fn server_config(
         &self,
         name: &str,
         provider: &Arc<rustls::crypto::CryptoProvider>,
@@ -211,7 +211,7 @@ impl Lifecycle<LeafKey, LeafEntry> for Evictions {
 }
 
 /// What [`LeafCache::get_or_mint`] found.
-pub enum Leaf {
+pub(crate) enum Leaf {
     /// A fresh cached config (perhaps minted just now by another handshake
     /// that this one waited for).
     Cached(Arc<ServerConfig>),
@@ -222,13 +222,13 @@ pub enum Leaf {
 /// Minted server configs by (org, SNI), at most `max` of them (quick_cache,
 /// one shard so that `max` is a hard bound). A leaf is minted once however
 /// many handshakes ask for it at the same time: the others wait for it.
-pub struct LeafCache {
+pub(crate) struct LeafCache {
     cache: Cache<LeafKey, LeafEntry, UnitWeighter, DefaultHashBuilder, Evictions>,
     evictions: Evictions,
 }
 
 impl LeafCache {
-    pub fn new(max: usize) -> LeafCache {
+    pub(crate) fn new(max: usize) -> LeafCache {
         let max = max.max(1);
         let evictions = Evictions::default();
         let options = OptionsBuilder::new()
@@ -258,7 +258,7 @@ impl LeafCache {
     /// The config for `name` from `org`'s CA: the cached one if it is
     /// younger than [`LEAF_REFRESH`] at `now`, else the one `mint` makes,
     /// cached from `now` on.
-    pub fn get_or_mint(
+    pub(crate) fn get_or_mint(
         &self,
         org: &Arc<str>,
         name: &str,
@@ -292,16 +292,12 @@ impl LeafCache {
     }
 
     /// Entries evicted since the last call.
-    pub fn take_evictions(&self) -> u64 {
+    pub(crate) fn take_evictions(&self) -> u64 {
         self.evictions.0.swap(0, Ordering::Relaxed)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.cache.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.cache.is_empty()
     }
 }
 

@@ -14,8 +14,8 @@
 //! one pure decision ([`crate::policy::request::decide`]).
 //! Every other connection passes through untouched.
 
-pub mod ca;
-pub mod secret;
+pub(crate) mod ca;
+pub(crate) mod secret;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -31,21 +31,21 @@ use self::secret::{Secret, SecretError};
 
 /// A credential with its secret, ready to be added to requests.
 #[derive(Debug)]
-pub struct Credential {
+pub(crate) struct Credential {
     pub config: CredentialConfig,
     secret: Secret,
 }
 
 impl Credential {
     /// The header value to send (prefix + secret), marked sensitive.
-    pub fn value(&self) -> Option<http::HeaderValue> {
+    pub(crate) fn value(&self) -> Option<http::HeaderValue> {
         self.secret.header_value(&self.config.prefix)
     }
 }
 
 /// Why interception could not be set up (at start or on a reload).
 #[derive(Debug, thiserror::Error)]
-pub enum InterceptError {
+pub(crate) enum InterceptError {
     #[error("org {org}: CA: {source}")]
     Ca { org: String, source: CaError },
     #[error("{0}")]
@@ -58,7 +58,7 @@ pub enum InterceptError {
 
 /// Everything interception needs, built at start and by each reload
 /// ([`crate::served::Served::load`]).
-pub struct Interceptor {
+pub(crate) struct Interceptor {
     provider: Arc<rustls::crypto::CryptoProvider>,
     cas: HashMap<String, OrgCa>,
     cache: LeafCache,
@@ -78,12 +78,12 @@ impl std::fmt::Debug for Interceptor {
 }
 
 /// The ring provider, the only one built in.
-pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Trust anchors from a PEM bundle.
-pub fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptError> {
+pub(crate) fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptError> {
     use rustls_pki_types::pem::PemObject;
     let err = |why: String| InterceptError::Roots {
         path: path.display().to_string(),
@@ -104,7 +104,7 @@ pub fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptErro
 
 impl Interceptor {
     /// Build from the config; `None` when no org intercepts anything.
-    pub fn new(
+    pub(crate) fn new(
         config: &Config,
         metrics: Arc<crate::metrics::Metrics>,
     ) -> Result<Option<Interceptor>, InterceptError> {
@@ -153,7 +153,7 @@ impl Interceptor {
 
     /// The TLS server config presenting a leaf for `name` from `org`'s CA,
     /// from the cache or freshly minted (once for concurrent handshakes).
-    pub fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
+    pub(crate) fn server_config(&self, org: &Arc<str>, name: &str) -> Option<Arc<ServerConfig>> {
         let m = &self.metrics;
         let mint = || {
             m.intercept_cert_cache_total
@@ -188,7 +188,7 @@ impl Interceptor {
 
     /// The org's credentials, in file order: the request decision
     /// ([`crate::policy::request::decide`]) picks those to add.
-    pub fn credentials(&self, org: &str) -> &[Arc<Credential>] {
+    pub(crate) fn credentials(&self, org: &str) -> &[Arc<Credential>] {
         self.credentials.get(org).map_or(&[], Vec::as_slice)
     }
 }

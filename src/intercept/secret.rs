@@ -10,10 +10,10 @@ use zeroize::Zeroizing;
 use crate::config::{CredentialConfig, SecretSource};
 
 /// Largest secret accepted (a header value; bounded like any input).
-pub const MAX_SECRET_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_SECRET_BYTES: usize = 16 * 1024;
 
 /// A secret's bytes. Zeroised on drop.
-pub struct Secret(Zeroizing<Vec<u8>>);
+pub(crate) struct Secret(Zeroizing<Vec<u8>>);
 
 impl std::fmt::Debug for Secret {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -24,7 +24,7 @@ impl std::fmt::Debug for Secret {
 /// Why a secret could not be loaded. Names the credential and the source,
 /// never the value.
 #[derive(Debug, thiserror::Error)]
-pub enum SecretError {
+pub(crate) enum SecretError {
     #[error("credential {id}: cannot read secret_file {path}: {source}")]
     File {
         id: String,
@@ -44,7 +44,7 @@ pub enum SecretError {
 impl Secret {
     /// Load the secret a credential names. One trailing newline (`\n` or
     /// `\r\n`) of a file is dropped.
-    pub fn load(c: &CredentialConfig) -> Result<Secret, SecretError> {
+    pub(crate) fn load(c: &CredentialConfig) -> Result<Secret, SecretError> {
         let id = c.id.clone();
         let mut bytes = Zeroizing::new(match &c.source {
             SecretSource::File(path) => read_file(path).map_err(|source| SecretError::File {
@@ -80,20 +80,13 @@ impl Secret {
 
     /// `prefix` followed by the secret, as a header value marked sensitive
     /// (HPACK never indexes it; `Debug` hides it).
-    pub fn header_value(&self, prefix: &str) -> Option<HeaderValue> {
+    pub(crate) fn header_value(&self, prefix: &str) -> Option<HeaderValue> {
         let mut buf = Zeroizing::new(Vec::with_capacity(prefix.len() + self.0.len()));
         buf.extend_from_slice(prefix.as_bytes());
         buf.extend_from_slice(&self.0);
         let mut v = HeaderValue::from_bytes(&buf).ok()?;
         v.set_sensitive(true);
         Some(v)
-    }
-
-    /// Whether `haystack` contains the secret (tests and self-checks only).
-    pub fn appears_in(&self, haystack: &[u8]) -> bool {
-        haystack
-            .windows(self.0.len())
-            .any(|w| w == self.0.as_slice())
     }
 }
 

@@ -32,7 +32,7 @@ use crate::policy::OrgRef;
 /// Counters for the global cap, each org's cap and each source address's
 /// cap, and the rates of new connections per org and per address.
 #[derive(Debug)]
-pub struct ConnLimits {
+pub(crate) struct ConnLimits {
     global: Arc<Slot>,
     max_per_org: usize,
     new_per_org: RateLimiter<Arc<str>>,
@@ -46,7 +46,7 @@ pub struct ConnLimits {
 
 /// Which limit refused a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LimitHit {
+pub(crate) enum LimitHit {
     Global,
     Org,
     Rate,
@@ -55,7 +55,7 @@ pub enum LimitHit {
 }
 
 impl LimitHit {
-    pub fn describe(self) -> &'static str {
+    pub(crate) fn describe(self) -> &'static str {
         match self {
             LimitHit::Global => "max_connections reached",
             LimitHit::Org => "max_connections_per_org reached",
@@ -100,7 +100,7 @@ impl Slot {
 /// `palisade_active_connections` under the org it is charged to
 /// (`unknown` while none).
 #[derive(Debug)]
-pub struct Permit {
+pub(crate) struct Permit {
     global: Arc<Slot>,
     /// What it is charged to besides the global cap (its org, else its
     /// address), and its gauge.
@@ -117,7 +117,8 @@ impl Drop for Permit {
 
 impl Permit {
     /// The org this connection is charged to, if any.
-    pub fn org(&self) -> Option<Arc<str>> {
+    #[cfg(test)]
+    pub(crate) fn org(&self) -> Option<Arc<str>> {
         let charge = self.charge.lock().unwrap_or_else(|p| p.into_inner());
         charge.0.key().org().cloned()
     }
@@ -126,7 +127,7 @@ impl Permit {
 impl ConnLimits {
     /// The caps of `limits`; permits count in `active`
     /// (`palisade_active_connections`).
-    pub fn new(limits: &Limits, active: prometheus::IntGaugeVec) -> ConnLimits {
+    pub(crate) fn new(limits: &Limits, active: prometheus::IntGaugeVec) -> ConnLimits {
         let Limits {
             max_connections: max_global,
             max_connections_per_org: max_per_org,
@@ -174,7 +175,11 @@ impl ConnLimits {
 
     /// A permit at accept, if no cap or rate is exceeded: charged to `org`
     /// when the address names one, otherwise to the address `client`.
-    pub fn try_acquire(&self, client: IpAddr, org: Option<&OrgRef>) -> Result<Permit, LimitHit> {
+    pub(crate) fn try_acquire(
+        &self,
+        client: IpAddr,
+        org: Option<&OrgRef>,
+    ) -> Result<Permit, LimitHit> {
         let charge = match org {
             Some(o) => self.take_org(&o.name)?,
             None => self.take_client(client)?,
@@ -196,7 +201,7 @@ impl ConnLimits {
     /// is none (the connection stays on what it holds). Otherwise `org`'s
     /// rate and cap are taken first, then what the permit held is released;
     /// over them, the permit keeps what it held.
-    pub fn charge(&self, permit: &Permit, org: Option<&OrgRef>) -> Result<(), LimitHit> {
+    pub(crate) fn charge(&self, permit: &Permit, org: Option<&OrgRef>) -> Result<(), LimitHit> {
         let Some(org) = org else { return Ok(()) };
         let mut charge = permit.charge.lock().unwrap_or_else(|p| p.into_inner());
         if charge.0.key().org() == Some(&org.name) {
@@ -212,12 +217,14 @@ impl ConnLimits {
     }
 
     /// Connections currently held, all orgs together.
-    pub fn in_use(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn in_use(&self) -> usize {
         self.global.used.load(Ordering::Relaxed)
     }
 
     /// Connections held by `client`'s address key while charged to no org.
-    pub fn held_by_client(&self, client: IpAddr) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held_by_client(&self, client: IpAddr) -> usize {
         self.held.held(&Payer::client(client))
     }
 }

@@ -17,7 +17,7 @@ use crate::policy::OrgRef;
 /// address of no org (a sixty-fourth of the global), so that neither one
 /// org nor one stranger can take the whole pool.
 #[derive(Debug)]
-pub struct DetectMemory {
+pub(crate) struct DetectMemory {
     global: Semaphore,
     shares: Arc<Shares<Payer>>,
     per_org: usize,
@@ -26,7 +26,7 @@ pub struct DetectMemory {
 
 impl DetectMemory {
     /// The pools of `limits`, in units of `unit` bytes.
-    pub fn new(limits: &Limits, unit: usize) -> DetectMemory {
+    pub(crate) fn new(limits: &Limits, unit: usize) -> DetectMemory {
         let unit = unit.max(1);
         let units = |bytes: usize| (bytes / unit).max(1);
         DetectMemory::with_units(
@@ -36,7 +36,7 @@ impl DetectMemory {
         )
     }
 
-    pub fn with_units(global: usize, per_org: usize, per_client: usize) -> DetectMemory {
+    pub(crate) fn with_units(global: usize, per_org: usize, per_client: usize) -> DetectMemory {
         DetectMemory {
             global: Semaphore::new(global),
             shares: Shares::new(),
@@ -46,7 +46,7 @@ impl DetectMemory {
     }
 
     /// Where a connection of `org` (or of none) from `client` is charged.
-    pub fn scope(&self, org: Option<&OrgRef>, client: IpAddr) -> DetectScope<'_> {
+    pub(crate) fn scope(&self, org: Option<&OrgRef>, client: IpAddr) -> DetectScope<'_> {
         let holder = Payer::of(org.map(|o| &o.name), client);
         let max = match holder {
             Payer::Org(_) => self.per_org,
@@ -60,19 +60,21 @@ impl DetectMemory {
     }
 
     /// Units free in the global pool.
-    pub fn available(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn available(&self) -> usize {
         self.global.available_permits()
     }
 
     /// Units `holder` holds now.
-    pub fn held_by(&self, holder: &Payer) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held_by(&self, holder: &Payer) -> usize {
         self.shares.held(holder)
     }
 }
 
 /// One holder's view of the detection memory.
 #[derive(Debug, Clone)]
-pub struct DetectScope<'a> {
+pub(crate) struct DetectScope<'a> {
     memory: &'a DetectMemory,
     holder: Payer,
     max: usize,
@@ -80,7 +82,7 @@ pub struct DetectScope<'a> {
 
 impl<'a> DetectScope<'a> {
     /// Nothing held yet; grow with [`DetectHold::cover`].
-    pub fn hold(&self) -> DetectHold<'a> {
+    pub(crate) fn hold(&self) -> DetectHold<'a> {
         DetectHold {
             scope: self.clone(),
             global: None,
@@ -89,7 +91,7 @@ impl<'a> DetectScope<'a> {
     }
 
     /// `units` held at once, or `None` over the global pool or the share.
-    pub fn try_hold(&self, units: usize) -> Option<DetectHold<'a>> {
+    pub(crate) fn try_hold(&self, units: usize) -> Option<DetectHold<'a>> {
         let mut hold = self.hold();
         hold.cover(units).then_some(hold)
     }
@@ -97,7 +99,7 @@ impl<'a> DetectScope<'a> {
 
 /// Units held from the global pool and the holder's share; released on drop.
 #[derive(Debug)]
-pub struct DetectHold<'a> {
+pub(crate) struct DetectHold<'a> {
     scope: DetectScope<'a>,
     global: Option<SemaphorePermit<'a>>,
     share: Option<Share<Payer>>,
@@ -106,7 +108,7 @@ pub struct DetectHold<'a> {
 impl DetectHold<'_> {
     /// Hold `units` in all (more if needed); `false` if the global pool or
     /// the holder's share has no room (what was held stays held).
-    pub fn cover(&mut self, units: usize) -> bool {
+    pub(crate) fn cover(&mut self, units: usize) -> bool {
         let have = self.global.as_ref().map_or(0, |p| p.num_permits());
         if units <= have {
             return true;
@@ -145,7 +147,7 @@ impl DetectHold<'_> {
     }
 
     /// Give everything back.
-    pub fn release(&mut self) {
+    pub(crate) fn release(&mut self) {
         self.global = None;
         self.share = None;
     }

@@ -8,7 +8,7 @@ use super::rate::RateLimiter;
 
 /// Detail of a `limit_exceeded` for an allow refused because its org's
 /// evidence budget is spent.
-pub const EVIDENCE_BUDGET_EXHAUSTED: &str =
+pub(crate) const EVIDENCE_BUDGET_EXHAUSTED: &str =
     "evidence budget spent: over [evidence] max_records_per_second_per_org for this org";
 
 /// The evidence budget: decision records each org may cause per second,
@@ -29,34 +29,27 @@ pub const EVIDENCE_BUDGET_EXHAUSTED: &str =
 /// denial when written. Records of report-mode violations inside a
 /// tunnel, which cannot be refused, are not charged.)
 #[derive(Debug)]
-pub struct EvidenceBudget {
-    rate: usize,
+pub(crate) struct EvidenceBudget {
     buckets: RateLimiter<Option<Arc<str>>>,
 }
 
 impl EvidenceBudget {
     /// `per_second` decision records per org (and for clients of no org).
-    pub fn new(per_second: usize) -> EvidenceBudget {
+    pub(crate) fn new(per_second: usize) -> EvidenceBudget {
         EvidenceBudget {
-            rate: per_second.max(1),
             // Orgs come from the config, plus one key for no org.
             buckets: RateLimiter::new(per_second, 65_536),
         }
     }
 
     /// Take one record of `org`'s budget at `now`, if one is left.
-    pub fn take(&self, org: &Option<Arc<str>>, now: Instant) -> bool {
+    pub(crate) fn take(&self, org: &Option<Arc<str>>, now: Instant) -> bool {
         self.buckets.allow(org, now)
     }
 
     /// Charge one record that is written whatever the budget (a summary).
-    pub fn charge(&self, org: &Option<Arc<str>>, now: Instant) {
+    pub(crate) fn charge(&self, org: &Option<Arc<str>>, now: Instant) {
         self.buckets.charge(org, now)
-    }
-
-    /// Records per second per org.
-    pub fn rate(&self) -> usize {
-        self.rate
     }
 }
 
@@ -95,6 +88,5 @@ mod tests {
         }
         assert!(!budget.take(&acme, later + std::time::Duration::from_millis(400)));
         assert!(budget.take(&beta, later));
-        assert_eq!(budget.rate(), 100);
     }
 }

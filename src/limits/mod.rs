@@ -13,15 +13,15 @@
 //! Nothing here knows the proxy or DNS: each passes its own specifics
 //! (keys, caps, the shape of its summaries) as parameters.
 
-pub mod conns;
-pub mod detect;
-pub mod evidence;
-pub mod rate;
-pub mod share;
-pub mod summary;
+pub(crate) mod conns;
+pub(crate) mod detect;
+pub(crate) mod evidence;
+pub(crate) mod rate;
+pub(crate) mod share;
+pub(crate) mod summary;
 
-pub use conns::{ConnLimits, LimitHit, Permit};
-pub use detect::{DetectHold, DetectMemory, DetectScope};
-pub use evidence::{EvidenceBudget, EVIDENCE_BUDGET_EXHAUSTED};
-pub use rate::{RateLimiter, SWEEP_PER_INSERT};
-pub use share::{client_key, Payer, Share, Shares};
+pub(crate) use conns::{ConnLimits, LimitHit, Permit};
+pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};
+pub(crate) use evidence::{EvidenceBudget, EVIDENCE_BUDGET_EXHAUSTED};
+pub(crate) use rate::RateLimiter;
+pub(crate) use share::{client_key, Payer, Share, Shares};

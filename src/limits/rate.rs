@@ -15,14 +15,14 @@ use std::time::Instant;
 /// have gone longest without a look, drops those whose bucket has refilled
 /// (a full bucket carries no state) and sends the others to the back.
 #[derive(Debug)]
-pub struct RateLimiter<K> {
+pub(crate) struct RateLimiter<K> {
     rate: f64,
     max_keys: usize,
     table: Mutex<Table<K>>,
 }
 
 /// Keys looked at (and dropped if refilled) before each new key goes in.
-pub const SWEEP_PER_INSERT: usize = 4;
+pub(crate) const SWEEP_PER_INSERT: usize = 4;
 
 #[derive(Debug)]
 struct Table<K> {
@@ -45,7 +45,7 @@ impl Bucket {
 }
 
 impl<K: Hash + Eq + Clone> RateLimiter<K> {
-    pub fn new(rate_per_second: usize, max_keys: usize) -> Self {
+    pub(crate) fn new(rate_per_second: usize, max_keys: usize) -> Self {
         RateLimiter {
             rate: rate_per_second.max(1) as f64,
             max_keys,
@@ -57,7 +57,7 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
     }
 
     /// Take one token for `key` at `now`.
-    pub fn allow(&self, key: &K, now: Instant) -> bool {
+    pub(crate) fn allow(&self, key: &K, now: Instant) -> bool {
         self.take(key, now, false)
     }
 
@@ -66,7 +66,7 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
     /// worth (`-rate`) at most, which later refills pay back before
     /// [`RateLimiter::allow`] succeeds again. With the table full of
     /// active keys a new key is not charged.
-    pub fn charge(&self, key: &K, now: Instant) {
+    pub(crate) fn charge(&self, key: &K, now: Instant) {
         self.take(key, now, true);
     }
 
@@ -113,12 +113,9 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
     }
 
     /// Keys held now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.table.lock().map_or(0, |t| t.buckets.len())
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 /// The key a source address is counted under: IPv4 (and IPv4-mapped IPv6)
 /// as is, other IPv6 by its /64.
-pub fn client_key(ip: IpAddr) -> IpAddr {
+pub(crate) fn client_key(ip: IpAddr) -> IpAddr {
     match ip.to_canonical() {
         IpAddr::V6(v6) => {
             let s = v6.segments();
@@ -26,7 +26,7 @@ pub fn client_key(ip: IpAddr) -> IpAddr {
 
 /// Who a connection, a query or held memory is charged to.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Payer {
+pub(crate) enum Payer {
     Org(Arc<str>),
     /// A client of no org, by its address key ([`client_key`]).
     Client(IpAddr),
@@ -34,17 +34,17 @@ pub enum Payer {
 
 impl Payer {
     /// `org` when there is one, else `client`'s address key.
-    pub fn of(org: Option<&Arc<str>>, client: IpAddr) -> Payer {
+    pub(crate) fn of(org: Option<&Arc<str>>, client: IpAddr) -> Payer {
         org.map_or_else(|| Payer::client(client), |o| Payer::Org(o.clone()))
     }
 
     /// `client`'s address key, whatever its org.
-    pub fn client(client: IpAddr) -> Payer {
+    pub(crate) fn client(client: IpAddr) -> Payer {
         Payer::Client(client_key(client))
     }
 
     /// The org that pays, if one does.
-    pub fn org(&self) -> Option<&Arc<str>> {
+    pub(crate) fn org(&self) -> Option<&Arc<str>> {
         match self {
             Payer::Org(name) => Some(name),
             Payer::Client(_) => None,
@@ -55,13 +55,13 @@ impl Payer {
 /// Units held per key, each key bounded (the bound given at each take);
 /// a key has an entry only while it holds something.
 #[derive(Debug)]
-pub struct Shares<K> {
+pub(crate) struct Shares<K> {
     table: Mutex<HashMap<K, usize>>,
 }
 
 /// Units of one key held; given back when dropped.
 #[derive(Debug)]
-pub struct Share<K: Hash + Eq + Clone> {
+pub(crate) struct Share<K: Hash + Eq + Clone> {
     shares: Arc<Shares<K>>,
     key: K,
     max: usize,
@@ -69,14 +69,14 @@ pub struct Share<K: Hash + Eq + Clone> {
 }
 
 impl<K: Hash + Eq + Clone> Shares<K> {
-    pub fn new() -> Arc<Self> {
+    pub(crate) fn new() -> Arc<Self> {
         Arc::new(Shares {
             table: Mutex::new(HashMap::new()),
         })
     }
 
     /// `n` units of `key`, if that keeps it within `max`.
-    pub fn take(self: &Arc<Self>, key: K, n: usize, max: usize) -> Option<Share<K>> {
+    pub(crate) fn take(self: &Arc<Self>, key: K, n: usize, max: usize) -> Option<Share<K>> {
         let mut share = Share {
             shares: self.clone(),
             key,
@@ -87,20 +87,22 @@ impl<K: Hash + Eq + Clone> Shares<K> {
     }
 
     /// Units `key` holds now.
-    pub fn held(&self, key: &K) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held(&self, key: &K) -> usize {
         let table = self.table.lock().unwrap_or_else(|p| p.into_inner());
         table.get(key).copied().unwrap_or(0)
     }
 
     /// Keys holding anything.
-    pub fn keys(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn keys(&self) -> usize {
         self.table.lock().map_or(0, |t| t.len())
     }
 }
 
 impl<K: Hash + Eq + Clone> Share<K> {
     /// Hold `n` more units, if the key stays within its bound.
-    pub fn grow(&mut self, n: usize) -> bool {
+    pub(crate) fn grow(&mut self, n: usize) -> bool {
         if n == 0 {
             return true;
         }
@@ -118,7 +120,7 @@ impl<K: Hash + Eq + Clone> Share<K> {
     }
 
     /// Give back `n` units.
-    pub fn shrink(&mut self, n: usize) {
+    pub(crate) fn shrink(&mut self, n: usize) {
         let n = n.min(self.held);
         let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(used) = table.get_mut(&self.key) {
@@ -131,12 +133,13 @@ impl<K: Hash + Eq + Clone> Share<K> {
     }
 
     /// Units this share holds.
-    pub fn held(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> usize {
         self.held
     }
 
     /// The key it is held under.
-    pub fn key(&self) -> &K {
+    pub(crate) fn key(&self) -> &K {
         &self.key
     }
 }

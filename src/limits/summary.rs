@@ -25,14 +25,14 @@ use crate::evidence::{Evidence, Record};
 use crate::policy::Reason;
 
 /// How often tallies are written.
-pub const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const SUMMARY_INTERVAL: Duration = Duration::from_secs(1);
 /// Hosts a summary names; the others are counted under `other`.
-pub const TOP_HOSTS: usize = 10;
+pub(crate) const TOP_HOSTS: usize = 10;
 /// Host counters a tally keeps; later hosts go straight to `other`.
-pub const TRACKED_HOSTS: usize = 64;
+pub(crate) const TRACKED_HOSTS: usize = 64;
 
 /// What one kind of summary is keyed by and says beyond the shared fields.
-pub trait Shape {
+pub(crate) trait Shape {
     /// What the records are tallied by.
     type Key: Hash + Eq + Clone;
     /// Tallies kept at once; beyond, a new key is counted under
@@ -53,7 +53,7 @@ pub trait Shape {
 
 /// Records not written one by one, for one key.
 #[derive(Debug)]
-pub struct Tally {
+pub(crate) struct Tally {
     count: u64,
     first: SystemTime,
     last: SystemTime,
@@ -102,7 +102,7 @@ impl Tally {
     }
 
     /// Count `other`'s records in this tally too.
-    pub fn merge(&mut self, other: Tally) {
+    pub(crate) fn merge(&mut self, other: Tally) {
         self.count += other.count;
         self.first = self.first.min(other.first);
         if other.last >= self.last {
@@ -119,17 +119,17 @@ impl Tally {
     }
 
     /// Records counted.
-    pub fn count(&self) -> u64 {
+    pub(crate) fn count(&self) -> u64 {
         self.count
     }
 
     /// The first counted record's reason.
-    pub fn reason(&self) -> Reason {
+    pub(crate) fn reason(&self) -> Reason {
         self.template.reason
     }
 
     /// The most frequent reason (the greater name loses a tie).
-    pub fn top_reason(&self) -> Option<Reason> {
+    pub(crate) fn top_reason(&self) -> Option<Reason> {
         self.reasons
             .iter()
             .max_by(|a, b| a.1.cmp(b.1).then(b.0.as_str().cmp(a.0.as_str())))
@@ -137,7 +137,7 @@ impl Tally {
     }
 
     /// Records counted per reason.
-    pub fn reasons(&self) -> BTreeMap<String, u64> {
+    pub(crate) fn reasons(&self) -> BTreeMap<String, u64> {
         self.reasons
             .iter()
             .map(|(k, v)| (k.as_str().to_string(), *v))
@@ -146,7 +146,7 @@ impl Tally {
 
     /// Records counted per host: the [`TOP_HOSTS`] most frequent, the rest
     /// under `other`.
-    pub fn top_hosts(&self) -> BTreeMap<String, u64> {
+    pub(crate) fn top_hosts(&self) -> BTreeMap<String, u64> {
         let mut hosts: Vec<(&String, &u64)> = self.hosts.iter().collect();
         hosts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
         let other: u64 =
@@ -163,12 +163,13 @@ impl Tally {
     }
 
     /// Host counters kept.
-    pub fn tracked_hosts(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tracked_hosts(&self) -> usize {
         self.hosts.len()
     }
 
     /// The one record that stands for every counted record of `key`.
-    pub fn summary<S: Shape>(&self, key: &S::Key) -> Record {
+    pub(crate) fn summary<S: Shape>(&self, key: &S::Key) -> Record {
         let mut r = self.template.summary(self.count, self.first, self.last);
         S::finish(key, self, &mut r);
         r
@@ -176,7 +177,7 @@ impl Tally {
 }
 
 /// The tallies of one [`Shape`] of summary.
-pub struct Tallies<S: Shape> {
+pub(crate) struct Tallies<S: Shape> {
     map: Mutex<HashMap<S::Key, Tally>>,
     shape: PhantomData<S>,
 }
@@ -204,7 +205,7 @@ impl<S: Shape> Tallies<S> {
     }
 
     /// Count `record` (at `wall`) into the tally of `key`.
-    pub fn add(&self, key: S::Key, record: &Record, wall: SystemTime) {
+    pub(crate) fn add(&self, key: S::Key, record: &Record, wall: SystemTime) {
         let mut tallies = self.lock();
         let key = if !tallies.contains_key(&key) && tallies.len() >= S::MAX_TALLIES {
             S::overflow(key)
@@ -218,12 +219,12 @@ impl<S: Shape> Tallies<S> {
     }
 
     /// Every tally, taken out.
-    pub fn drain(&self) -> Vec<(S::Key, Tally)> {
+    pub(crate) fn drain(&self) -> Vec<(S::Key, Tally)> {
         self.lock().drain().collect()
     }
 
     /// Keep `tally` for the next flush (with what `key` counted since).
-    pub fn put_back(&self, key: S::Key, tally: Tally) {
+    pub(crate) fn put_back(&self, key: S::Key, tally: Tally) {
         let mut tallies = self.lock();
         match tallies.get_mut(&key) {
             Some(t) => t.merge(tally),
@@ -237,7 +238,7 @@ impl<S: Shape> Tallies<S> {
     /// within `wait`; once one finds none the others are not tried, and
     /// are all put back (so a flush waits at most `wait` in all). Returns
     /// the summaries written.
-    pub async fn write(
+    pub(crate) async fn write(
         &self,
         evidence: &Evidence,
         taken: Vec<(S::Key, Tally)>,
@@ -258,12 +259,12 @@ impl<S: Shape> Tallies<S> {
     }
 
     /// Tallies waiting.
-    pub fn pending(&self) -> usize {
+    pub(crate) fn pending(&self) -> usize {
         self.lock().len()
     }
 
     /// Records counted into the waiting tallies.
-    pub fn pending_count(&self) -> u64 {
+    pub(crate) fn pending_count(&self) -> u64 {
         self.lock().values().map(|t| t.count).sum()
     }
 }

@@ -1223,7 +1223,7 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
-pub mod request;
+pub(crate) mod request;
 mod token;
 
 #[cfg(test)]

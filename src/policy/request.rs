@@ -47,7 +47,7 @@
 use std::sync::Arc;
 
 use crate::config::{CredentialConfig, PathPattern, RequestRules, RuleTarget};
-pub use crate::proto::http_request::{is_method_token, NormalPath, PathRefusal};
+pub(crate) use crate::proto::http_request::{is_method_token, NormalPath};
 
 use super::{OrgRef, Reason, Verdict};
 
@@ -56,7 +56,7 @@ const MAX_SHOWN_PATH: usize = 200;
 
 /// `TRACE` and `TRACK` (any case): they echo the request, headers and all,
 /// so they get no credential and are refused unless a rule names them.
-pub fn is_trace(method: &str) -> bool {
+pub(crate) fn is_trace(method: &str) -> bool {
     method.eq_ignore_ascii_case("TRACE") || method.eq_ignore_ascii_case("TRACK")
 }
 
@@ -76,7 +76,7 @@ impl PathPattern {
 /// and everything else matches literally. The policy asks it only of
 /// normalised paths ([`PathPattern::matches`]). The two-pointer
 /// algorithm: linear-ish, no exponential backtracking.
-pub fn pattern_matches(pattern: &str, text: &str) -> bool {
+pub(crate) fn pattern_matches(pattern: &str, text: &str) -> bool {
     if !pattern.contains('*') {
         return text.starts_with(pattern);
     }
@@ -156,7 +156,7 @@ impl RequestDecision {
 /// intercepts (`rules`: its request rules, `None` if it does not
 /// intercept), and choose the `credentials` to add. See the module's
 /// truth table.
-pub fn decide<'a>(
+pub(crate) fn decide<'a>(
     org: &OrgRef,
     rule: &str,
     rules: Option<&RequestRules>,

@@ -67,14 +67,15 @@ use crate::evidence::Record;
 use crate::policy::Reason;
 
 /// Widening of each probe's time window when matching by client address.
-pub const SLACK: Duration = Duration::from_secs(2);
+pub(crate) const SLACK: Duration = Duration::from_secs(2);
 
 fn parse_ts(text: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(text).ok()
 }
 
 /// Records that belong to an observation (see the module doc).
-pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Record> {
+#[cfg(test)]
+pub(crate) fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Record> {
     match_indices(o, records)
         .into_iter()
         .map(|i| &records[i])
@@ -84,7 +85,7 @@ pub fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Reco
 /// The positions in `records` of those that belong to an observation, in
 /// the order [`match_records`] gives them (a fleet report looks up each
 /// one's replica by position).
-pub fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
+pub(crate) fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
     let start = parse_ts(&o.started).map(|t| t - SLACK);
     let end = parse_ts(&o.finished).map(|t| t + SLACK);
     let locals: Vec<(SocketAddr, &str)> = o
@@ -135,7 +136,7 @@ pub fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
 }
 
 /// Reasons Palisade gives when it closes a tunnel for what it carried.
-pub const TUNNEL_REASONS: [Reason; 7] = [
+pub(crate) const TUNNEL_REASONS: [Reason; 7] = [
     Reason::ProtocolMismatch,
     Reason::SniMismatch,
     Reason::SniMissing,
@@ -146,7 +147,7 @@ pub const TUNNEL_REASONS: [Reason; 7] = [
 ];
 
 /// Does the probe test what an open tunnel carries?
-pub fn in_tunnel(o: &Observation) -> bool {
+pub(crate) fn in_tunnel(o: &Observation) -> bool {
     o.second_host.is_some() || o.silence_ms.is_some() || o.ech
 }
 
@@ -207,7 +208,7 @@ fn reasons(rs: &[&Record]) -> String {
 }
 
 /// The class of one observation given the records matched to it, and why.
-pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
+pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     let only = |keep: &dyn Fn(&Record) -> bool| -> Vec<&Record> {
         recs.iter().copied().filter(|r| keep(r)).collect()
     };
@@ -409,7 +410,7 @@ pub fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
 }
 
 /// One line on what the client saw.
-pub fn observed_text(o: &Observation) -> String {
+pub(crate) fn observed_text(o: &Observation) -> String {
     let mut parts: Vec<String> = Vec::new();
     if let Some(c) = o.connect_status {
         parts.push(format!("CONNECT {c}"));

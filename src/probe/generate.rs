@@ -13,11 +13,11 @@ use crate::config::{Config, PathPattern, RuleTarget};
 use crate::policy::request::NormalPath;
 
 /// What a generated `silence` probe waits beyond the proxy's `detect_timeout`.
-pub const SILENCE_MARGIN: Duration = Duration::from_millis(500);
+pub(crate) const SILENCE_MARGIN: Duration = Duration::from_millis(500);
 
 /// Options for [`generate`].
 #[derive(Debug, Clone)]
-pub struct GenerateOptions {
+pub(crate) struct GenerateOptions {
     pub org: String,
     /// Explicit proxy address; default: the config's first `[proxy] listen`.
     pub proxy: Option<SocketAddr>,
@@ -32,10 +32,10 @@ pub struct GenerateOptions {
 }
 
 /// Canary name that no policy should allow (RFC 2606 `.example`).
-pub const CANARY_DOMAIN: &str = "canary.palisade-probe.example";
+pub(crate) const CANARY_DOMAIN: &str = "canary.palisade-probe.example";
 
 /// A default plan: one probe per allow rule, canaries, standard bypass attempts.
-pub fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String> {
+pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String> {
     let org = config
         .orgs
         .iter()
@@ -392,7 +392,7 @@ fn matches_as_written(pattern: &str, path: &str) -> bool {
 /// written (else the probe would test nothing) while normalising to the
 /// same path (so Palisade, decoding it, must deny it). Letters and digits
 /// only: an encoded `.`, `/` or `\` is refused outright by Palisade.
-pub fn encoded_denied_path(pattern: &str) -> Option<String> {
+pub(crate) fn encoded_denied_path(pattern: &str) -> Option<String> {
     let stem = pattern.trim_end_matches('*');
     // (byte, written in the pattern?)
     let path: Vec<(u8, bool)> = stem

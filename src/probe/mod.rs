@@ -19,13 +19,13 @@
 //!   observation, and builds the typed report (`report.json`).
 //! - [`render`]: `report.md` and a self-contained `report.html`.
 
-pub mod classify;
-pub mod generate;
+pub(crate) mod classify;
+pub(crate) mod generate;
 pub mod hello;
-pub mod plan;
-pub mod render;
+pub(crate) mod plan;
+pub(crate) mod render;
 pub mod report;
-pub mod run;
+pub(crate) mod run;
 
 use serde::{Deserialize, Serialize};
 

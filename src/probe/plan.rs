@@ -56,15 +56,15 @@ use serde::{Deserialize, Serialize};
 use super::{Expect, Layer, Via};
 
 /// Per-probe timeout when the plan names none.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Whole-run deadline when the plan names none.
-pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+pub(crate) const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 const MAX_TIMEOUT: Duration = Duration::from_secs(60);
 const MAX_DEADLINE: Duration = Duration::from_secs(3600);
 /// Longest `silence` of a probe.
 const MAX_SILENCE: Duration = Duration::from_secs(60);
 /// Probes in one plan.
-pub const MAX_PROBES: usize = 2000;
+pub(crate) const MAX_PROBES: usize = 2000;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -154,7 +154,7 @@ impl Probe {
 
 /// A parsed target.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
+pub(crate) enum Target {
     /// `http://` (tls false) or `https://` (tls true). `host` is as written
     /// (IP spellings are kept verbatim for the proxy to judge).
     Http {
@@ -182,7 +182,7 @@ pub enum Target {
 }
 
 impl Target {
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Target::Http { tls: false, .. } => "http",
             Target::Http { tls: true, .. } => "https",
@@ -194,7 +194,7 @@ impl Target {
     }
 
     /// Host and port connected to (None for dns and udp).
-    pub fn host_port(&self) -> Option<(&str, u16)> {
+    pub(crate) fn host_port(&self) -> Option<(&str, u16)> {
         match self {
             Target::Http { host, port, .. }
             | Target::Tcp { host, port }
@@ -204,7 +204,7 @@ impl Target {
     }
 
     /// Whether the target is an IPv6 address (any spelling Palisade treats as one).
-    pub fn is_ipv6(&self) -> bool {
+    pub(crate) fn is_ipv6(&self) -> bool {
         match self {
             Target::Udp { addr } => addr.is_ipv6(),
             _ => self.host_port().is_some_and(|(h, _)| {
@@ -228,7 +228,7 @@ fn split_authority(auth: &str, default_port: Option<u16>) -> Result<(String, u16
 }
 
 /// Parse a target (after `{marker}` substitution).
-pub fn parse_target(input: &str) -> Result<Target, String> {
+pub(crate) fn parse_target(input: &str) -> Result<Target, String> {
     if input.len() > 2048 {
         return Err("target longer than 2048 bytes".into());
     }
@@ -309,7 +309,7 @@ pub fn parse_target(input: &str) -> Result<Target, String> {
 }
 
 /// A duration in the plan ("5s", "300ms", "2m").
-pub fn parse_duration(s: &str, max: Duration, what: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str, max: Duration, what: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| format!("{what} {s:?}: {e}"))?;
     if d.is_zero() || d > max {
         return Err(format!("{what} {s:?}: must be above 0 and at most {max:?}"));

@@ -19,7 +19,7 @@ use super::Layer;
 
 /// A finished report, rendered, and its exit status (0 all matched, 1
 /// otherwise).
-pub struct Rendered {
+pub(crate) struct Rendered {
     pub report: Report,
     /// `report.json`: the report as JSON (keys sorted).
     pub json: Value,
@@ -29,7 +29,7 @@ pub struct Rendered {
 }
 
 /// Render `report` as `report.json`, `report.md` and `report.html`.
-pub fn outputs(report: Report) -> Rendered {
+pub(crate) fn outputs(report: Report) -> Rendered {
     Rendered {
         json: serde_json::to_value(&report).unwrap_or(Value::Null),
         markdown: markdown(&report),
@@ -55,7 +55,7 @@ fn replica_of(p: &ProbeResult) -> &str {
 }
 
 /// `report.md`.
-pub fn markdown(r: &Report) -> String {
+pub(crate) fn markdown(r: &Report) -> String {
     let fleet = is_fleet(r);
     let mut m = String::new();
     let _ = writeln!(m, "# Palisade containment report\n");
@@ -304,7 +304,7 @@ const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#111
     code,pre{font-family:ui-monospace,monospace;font-size:.9em}.verdict{font-size:1.1em;padding:.5em;border:2px solid #333}";
 
 /// `report.html`.
-pub fn html(r: &Report) -> String {
+pub(crate) fn html(r: &Report) -> String {
     let fleet = is_fleet(r);
     // The replica column only where several replicas decided.
     let heads = |all: &[&'static str]| -> Vec<&'static str> {

@@ -171,7 +171,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 }
 
 /// Run every probe of `plan`.
-pub async fn run(plan: &Plan, plan_text: &str) -> Observations {
+pub(crate) async fn run(plan: &Plan, plan_text: &str) -> Observations {
     use sha2::Digest;
     let run_id = data_encoding::HEXLOWER.encode(&random_bytes::<4>());
     let started = now_text();
@@ -291,7 +291,7 @@ impl Observation {
 }
 
 /// A short, stable name for an I/O error.
-pub fn error_kind(e: &io::Error) -> &'static str {
+pub(crate) fn error_kind(e: &io::Error) -> &'static str {
     match e.kind() {
         io::ErrorKind::ConnectionRefused => "connection_refused",
         io::ErrorKind::ConnectionReset
@@ -431,7 +431,7 @@ async fn read_head<S: AsyncRead + Unpin>(
 
 /// `record=REF` or `evidence record REF` in a text from Palisade (a
 /// record's reference; older instances quoted its id).
-pub fn quoted_record(text: &str) -> Option<String> {
+pub(crate) fn quoted_record(text: &str) -> Option<String> {
     for key in ["record=", "evidence record "] {
         if let Some(i) = text.find(key) {
             let id: String = text[i + key.len()..]
@@ -1256,7 +1256,7 @@ async fn dns_query(
 }
 
 /// The ClientHello a probe sends (see [`super::hello`]), with fresh random values.
-pub fn client_hello(h: &Hello<'_>) -> Vec<u8> {
+pub(crate) fn client_hello(h: &Hello<'_>) -> Vec<u8> {
     // A failing OS RNG leaves zeros: nothing is ever encrypted with them.
     hello::build(
         h,

@@ -4,11 +4,11 @@
 use super::Parse;
 
 /// Handshake message cap: a ClientHello body longer than this is `Malformed`.
-pub const MAX_HELLO_LEN: usize = 16 * 1024;
+pub(crate) const MAX_HELLO_LEN: usize = 16 * 1024;
 
 /// TLSCiphertext fragment limit, 2^14 + 2048 (RFC 5246 §6.2.3); plaintext is
 /// 2^14 (RFC 8446 §5.1), the slack tolerates lax senders.
-pub const MAX_RECORD_LEN: usize = 16384 + 2048;
+pub(crate) const MAX_RECORD_LEN: usize = 16384 + 2048;
 /// ContentType handshake (RFC 8446 §5.1).
 const CONTENT_HANDSHAKE: u8 = 0x16;
 /// HandshakeType client_hello (RFC 8446 §4).
@@ -43,7 +43,7 @@ pub struct ClientHello {
 /// first handshake type != client_hello). `Malformed`: looks like TLS but is
 /// malformed (bad lengths, duplicate/garbled SNI, SNI not a valid hostname
 /// byte string, hello larger than MAX_HELLO_LEN, etc.).
-pub fn parse(buf: &[u8]) -> Parse<ClientHello> {
+pub(crate) fn parse(buf: &[u8]) -> Parse<ClientHello> {
     let mut msg: Vec<u8> = Vec::new();
     let mut pos = 0usize;
     loop {

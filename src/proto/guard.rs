@@ -86,7 +86,7 @@ impl fmt::Display for Violation {
 
 /// Bounds a verifier enforces on what it must hold to judge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Largest request head (request line and headers, including leading
     /// empty lines) of an HTTP tunnel.
     pub max_head_bytes: usize,

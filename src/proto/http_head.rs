@@ -3,9 +3,9 @@
 //! nothing is consumed (the caller replays the bytes upstream).
 
 /// Largest request head looked at; more is `Malformed`.
-pub const MAX_HEAD_LEN: usize = 16 * 1024;
+pub(crate) const MAX_HEAD_LEN: usize = 16 * 1024;
 /// Largest number of headers looked at; more is `Malformed`.
-pub const MAX_HEADERS: usize = 100;
+pub(crate) const MAX_HEADERS: usize = 100;
 
 use super::Parse;
 
@@ -32,7 +32,7 @@ fn looks_like_http(buf: &[u8]) -> Option<bool> {
 /// malformed, ambiguous (two Host headers, Host disagreeing with an
 /// absolute-form target) or too large. Empty lines before the request line
 /// are skipped, as servers skip them (RFC 9112 §2.2), and counted in `len`.
-pub fn parse(buf: &[u8]) -> Parse<Option<String>> {
+pub(crate) fn parse(buf: &[u8]) -> Parse<Option<String>> {
     let skip = buf
         .iter()
         .position(|&b| b != b'\r' && b != b'\n')

@@ -10,7 +10,7 @@
 
 /// What a fed slice contained, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Event {
+pub(crate) enum Event {
     /// A complete request head of `len` bytes (leading empty lines included).
     Head { len: u64 },
     /// `n` more bytes of the current request's body, framing included.
@@ -54,7 +54,7 @@ enum State {
 
 /// Splits one connection's incoming bytes into requests.
 #[derive(Debug)]
-pub struct Framer {
+pub(crate) struct Framer {
     state: State,
     /// The head read so far, or the bytes held while paused.
     buf: Vec<u8>,
@@ -64,7 +64,7 @@ pub struct Framer {
 impl Framer {
     /// `max_head`: the most bytes a head (or the bytes held after a
     /// CONNECT) may take before the framer gives up, as hyper does.
-    pub fn new(max_head: usize) -> Framer {
+    pub(crate) fn new(max_head: usize) -> Framer {
         Framer {
             state: State::Head,
             buf: Vec::new(),
@@ -73,7 +73,7 @@ impl Framer {
     }
 
     /// Feed the next bytes read from the client.
-    pub fn feed(&mut self, mut data: &[u8], events: &mut Vec<Event>) {
+    pub(crate) fn feed(&mut self, mut data: &[u8], events: &mut Vec<Event>) {
         let mut body = 0u64;
         while !data.is_empty() {
             match self.state {
@@ -148,7 +148,7 @@ impl Framer {
     }
 
     /// The CONNECT just read was refused: what follows is the next request.
-    pub fn resume(&mut self, events: &mut Vec<Event>) {
+    pub(crate) fn resume(&mut self, events: &mut Vec<Event>) {
         if let State::Paused(next) = self.state {
             self.state = body_state(next);
             let held = std::mem::take(&mut self.buf);
@@ -157,12 +157,12 @@ impl Framer {
     }
 
     /// No more requests will be counted (a tunnel took the connection).
-    pub fn stop(&mut self) {
+    pub(crate) fn stop(&mut self) {
         self.state = State::Stopped;
         self.buf = Vec::new();
     }
 
-    pub fn is_stopped(&self) -> bool {
+    pub(crate) fn is_stopped(&self) -> bool {
         self.state == State::Stopped
     }
 }

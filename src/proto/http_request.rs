@@ -155,7 +155,7 @@ fn hex(b: u8) -> Option<u8> {
 }
 
 /// An RFC 9110 method token (`tchar`s, at most 32 of them).
-pub fn is_method_token(method: &str) -> bool {
+pub(crate) fn is_method_token(method: &str) -> bool {
     !method.is_empty()
         && method.len() <= 32
         && method

@@ -54,14 +54,14 @@ use super::guard::{Limits, Step, Violation, ViolationKind};
 use super::target::{parse_authority, Host, TargetError};
 
 /// Longest chunk-size line (size, extensions, CRLF).
-pub const MAX_CHUNK_LINE: usize = 4096;
+pub(crate) const MAX_CHUNK_LINE: usize = 4096;
 /// Largest response head the upstream tracker holds.
-pub const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+pub(crate) const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 /// Most response header fields the upstream tracker accepts.
-pub const MAX_RESPONSE_HEADERS: usize = 256;
+pub(crate) const MAX_RESPONSE_HEADERS: usize = 256;
 /// Most forwarded requests awaiting their final response; past it the
 /// client gets `Wait`, so the tracker's memory stays bounded.
-pub const MAX_IN_FLIGHT: usize = 1024;
+pub(crate) const MAX_IN_FLIGHT: usize = 1024;
 
 /// Why an upgrade request cannot be judged: its outcome would never be known.
 fn upstream_lost(why: &str) -> Violation {
@@ -74,7 +74,7 @@ fn upstream_lost(why: &str) -> Violation {
 
 /// The verifier of one tunnel's client->upstream HTTP/1 bytes.
 #[derive(Debug)]
-pub struct HttpGuard {
+pub(crate) struct HttpGuard {
     host: Host,
     port: u16,
     limits: Limits,
@@ -158,7 +158,7 @@ fn malformed(detail: impl Into<String>) -> Violation {
 
 impl HttpGuard {
     /// `host`/`port`: the tunnel's normalised target.
-    pub fn new(host: Host, port: u16, limits: Limits) -> Self {
+    pub(crate) fn new(host: Host, port: u16, limits: Limits) -> Self {
         HttpGuard {
             host,
             port,
@@ -174,7 +174,7 @@ impl HttpGuard {
     /// Judge the client bytes the driver holds (see [`super::guard`] for the
     /// protocol: `Forward(n)` = first n held bytes verified; the driver drops
     /// them and calls again with the rest).
-    pub fn client(&mut self, held: &[u8]) -> Step {
+    pub(crate) fn client(&mut self, held: &[u8]) -> Step {
         let mut done = 0;
         loop {
             let rest = held.get(done..).unwrap_or_default();
@@ -195,17 +195,18 @@ impl HttpGuard {
 
     /// Observe upstream->client bytes as they pass (they are always
     /// forwarded).
-    pub fn server(&mut self, bytes: &[u8]) {
+    pub(crate) fn server(&mut self, bytes: &[u8]) {
         self.upstream.observe(bytes);
     }
 
     /// Request heads verified so far.
-    pub fn requests(&self) -> u64 {
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub(crate) fn requests(&self) -> u64 {
         self.requests
     }
 
     /// Host header (as sent) of the first verified request.
-    pub fn first_host(&self) -> Option<&str> {
+    pub(crate) fn first_host(&self) -> Option<&str> {
         self.first_host.as_deref()
     }
 
@@ -214,7 +215,7 @@ impl HttpGuard {
     /// driver does not hold yet (ask with nothing held): it may forward up
     /// to this many without holding or showing them, then report them with
     /// [`Self::client_passed`]. 0 anywhere else (chunked bodies, heads).
-    pub fn client_body_left(&self) -> u64 {
+    pub(crate) fn client_body_left(&self) -> u64 {
         match self.state {
             Client::Body { left, .. } => left,
             _ => 0,
@@ -223,7 +224,7 @@ impl HttpGuard {
 
     /// `n` client bytes (at most [`Self::client_body_left`]) went by
     /// unjudged: the state moves exactly as judging them would have moved it.
-    pub fn client_passed(&mut self, n: u64) {
+    pub(crate) fn client_passed(&mut self, n: u64) {
         if let Client::Body { left, then } = &mut self.state {
             *left -= n.min(*left);
             if *left == 0 {
@@ -238,13 +239,13 @@ impl HttpGuard {
     /// them to [`Self::server`], then report them with
     /// [`Self::server_passed`]. 0 anywhere else (heads, chunked bodies, a
     /// partial unit held).
-    pub fn server_body_left(&self) -> u64 {
+    pub(crate) fn server_body_left(&self) -> u64 {
         self.upstream.body_left()
     }
 
     /// `n` upstream bytes (at most [`Self::server_body_left`]) went by
     /// unobserved: the tracker moves exactly as observing them would have.
-    pub fn server_passed(&mut self, n: u64) {
+    pub(crate) fn server_passed(&mut self, n: u64) {
         self.upstream.passed(n);
     }
 

@@ -13,43 +13,42 @@ use super::Parse;
 
 /// The longest message any parser here reads (an RFC 1929 request:
 /// 1 + 1 + 255 + 1 + 255).
-pub const MAX_MESSAGE: usize = 513;
+pub(crate) const MAX_MESSAGE: usize = 513;
 
 /// Protocol version byte of SOCKS5 greetings, requests and replies.
-pub const VERSION: u8 = 0x05;
+pub(crate) const VERSION: u8 = 0x05;
 /// Version byte of the RFC 1929 sub-negotiation.
-pub const AUTH_VERSION: u8 = 0x01;
+pub(crate) const AUTH_VERSION: u8 = 0x01;
 
 /// Authentication methods (RFC 1928 §3).
-pub const METHOD_NONE: u8 = 0x00;
-pub const METHOD_USERPASS: u8 = 0x02;
-pub const METHOD_UNACCEPTABLE: u8 = 0xFF;
+pub(crate) const METHOD_NONE: u8 = 0x00;
+pub(crate) const METHOD_USERPASS: u8 = 0x02;
+pub(crate) const METHOD_UNACCEPTABLE: u8 = 0xFF;
 
 /// Reply codes (RFC 1928 §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum Reply {
+pub(crate) enum Reply {
     Succeeded = 0x00,
     GeneralFailure = 0x01,
     NotAllowed = 0x02,
     NetworkUnreachable = 0x03,
     HostUnreachable = 0x04,
     ConnectionRefused = 0x05,
-    TtlExpired = 0x06,
     CommandNotSupported = 0x07,
     AddressTypeNotSupported = 0x08,
 }
 
 /// A message that cannot be parsed, with the reply its sender gets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Malformed {
+pub(crate) struct Malformed {
     pub reply: Reply,
     pub why: &'static str,
 }
 
 /// What a server answers a first byte that is not SOCKS5's version (the
 /// greeting's [`Parse::NotThis`]).
-pub const NOT_SOCKS5: Malformed = Malformed {
+pub(crate) const NOT_SOCKS5: Malformed = Malformed {
     reply: Reply::GeneralFailure,
     why: "not a SOCKS5 greeting",
 };
@@ -60,18 +59,18 @@ fn malformed<T>(reply: Reply, why: &'static str) -> Parse<T, Malformed> {
 
 /// The client's greeting: the methods it offers.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Greeting {
+pub(crate) struct Greeting {
     pub methods: Vec<u8>,
 }
 
 impl Greeting {
-    pub fn offers(&self, method: u8) -> bool {
+    pub(crate) fn offers(&self, method: u8) -> bool {
         self.methods.contains(&method)
     }
 }
 
 /// `VER NMETHODS METHODS...` (RFC 1928 §3).
-pub fn parse_greeting(buf: &[u8]) -> Parse<Greeting, Malformed> {
+pub(crate) fn parse_greeting(buf: &[u8]) -> Parse<Greeting, Malformed> {
     let Some(&ver) = buf.first() else {
         return Parse::NeedMore;
     };
@@ -98,7 +97,7 @@ pub fn parse_greeting(buf: &[u8]) -> Parse<Greeting, Malformed> {
 
 /// Username and password of an RFC 1929 request.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Credentials {
+pub(crate) struct Credentials {
     pub user: Vec<u8>,
     pub password: Vec<u8>,
 }
@@ -114,7 +113,7 @@ impl std::fmt::Debug for Credentials {
 }
 
 /// `VER ULEN UNAME PLEN PASSWD` (RFC 1929 §2).
-pub fn parse_auth(buf: &[u8]) -> Parse<Credentials, Malformed> {
+pub(crate) fn parse_auth(buf: &[u8]) -> Parse<Credentials, Malformed> {
     let Some(&ver) = buf.first() else {
         return Parse::NeedMore;
     };
@@ -151,25 +150,25 @@ pub fn parse_auth(buf: &[u8]) -> Parse<Credentials, Malformed> {
 }
 
 /// The RFC 1929 reply: status 0 is success, anything else failure.
-pub fn auth_reply(ok: bool) -> [u8; 2] {
+pub(crate) fn auth_reply(ok: bool) -> [u8; 2] {
     [AUTH_VERSION, if ok { 0x00 } else { 0x01 }]
 }
 
 /// The method-selection reply.
-pub fn method_reply(method: u8) -> [u8; 2] {
+pub(crate) fn method_reply(method: u8) -> [u8; 2] {
     [VERSION, method]
 }
 
 /// Request commands (RFC 1928 §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
+pub(crate) enum Command {
     Connect,
     Bind,
     UdpAssociate,
 }
 
 impl Command {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Command::Connect => "CONNECT",
             Command::Bind => "BIND",
@@ -180,7 +179,7 @@ impl Command {
 
 /// A request's destination address.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Address {
+pub(crate) enum Address {
     V4(Ipv4Addr),
     V6(Ipv6Addr),
     /// A domain name as sent (ASCII-checked, not yet normalised).
@@ -189,14 +188,14 @@ pub enum Address {
 
 /// `VER CMD RSV ATYP DST.ADDR DST.PORT` (RFC 1928 §4).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Request {
+pub(crate) struct Request {
     pub command: Command,
     pub address: Address,
     pub port: u16,
 }
 
 /// Parse a request.
-pub fn parse_request(buf: &[u8]) -> Parse<Request, Malformed> {
+pub(crate) fn parse_request(buf: &[u8]) -> Parse<Request, Malformed> {
     if buf.is_empty() {
         return Parse::NeedMore;
     }
@@ -266,7 +265,7 @@ pub fn parse_request(buf: &[u8]) -> Parse<Request, Malformed> {
 
 /// A reply to a request. The bound address is always `0.0.0.0:0`: the
 /// client has no use for Palisade's upstream-side address.
-pub fn reply(code: Reply) -> [u8; 10] {
+pub(crate) fn reply(code: Reply) -> [u8; 10] {
     [VERSION, code as u8, 0x00, 0x01, 0, 0, 0, 0, 0, 0]
 }
 

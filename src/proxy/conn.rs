@@ -21,7 +21,7 @@ use crate::proto::target::Host;
 
 /// What to do with an allowed tunnel once its first bytes are known.
 #[derive(Debug, Clone)]
-pub enum Plan {
+pub(crate) enum Plan {
     /// Not intercepted: copy bytes untouched.
     PassThrough,
     /// Terminate TLS and decide each request.
@@ -32,7 +32,7 @@ pub enum Plan {
 
 /// What an intercepted connection is served with.
 #[derive(Debug, Clone)]
-pub struct Intercepting {
+pub(crate) struct Intercepting {
     pub interceptor: Arc<Interceptor>,
     /// The org whose CA and credentials serve it.
     pub org: OrgRef,
@@ -43,7 +43,7 @@ pub struct Intercepting {
 /// A connection (a tunnel, a transparent connection) or a forwarded
 /// request, decided for one target.
 #[derive(Debug, Clone)]
-pub struct Conn {
+pub(crate) struct Conn {
     /// The policy and org it was decided under.
     pub view: View,
     pub kind: Kind,
@@ -75,7 +75,7 @@ pub struct Conn {
 }
 
 impl Conn {
-    pub fn new(
+    pub(crate) fn new(
         view: View,
         (kind, mode): (Kind, Mode),
         client: SocketAddr,
@@ -102,14 +102,14 @@ impl Conn {
         }
     }
 
-    pub fn is_allow(&self) -> bool {
+    pub(crate) fn is_allow(&self) -> bool {
         self.verdict.is_allow()
     }
 
     /// Denied by a check of its own (the first bytes, a name mismatch):
     /// the rule no longer decides and nothing is left to report. `detail`
     /// replaces the one held, if given.
-    pub fn deny(&mut self, reason: Reason, detail: Option<String>) {
+    pub(crate) fn deny(&mut self, reason: Reason, detail: Option<String>) {
         self.refuse(reason, detail);
         self.verdict.would_deny = None;
     }
@@ -117,7 +117,7 @@ impl Conn {
     /// Refused for a cause outside the policy (a limit, evidence, a host
     /// that cannot be intercepted): the rule no longer decides; what report
     /// mode would have denied stays on record.
-    pub fn refuse(&mut self, reason: Reason, detail: Option<String>) {
+    pub(crate) fn refuse(&mut self, reason: Reason, detail: Option<String>) {
         self.verdict.reason = reason;
         self.verdict.rule = None;
         if detail.is_some() {
@@ -127,7 +127,7 @@ impl Conn {
 
     /// Report mode: let through what enforcement would deny `would`; an
     /// earlier `would_deny` (the policy's own) stays first.
-    pub fn report(&mut self, would: Reason, detail: Option<String>) {
+    pub(crate) fn report(&mut self, would: Reason, detail: Option<String>) {
         self.verdict.would_deny.get_or_insert(would);
         self.verdict.reason = Reason::ReportOnly;
         if detail.is_some() {
@@ -136,7 +136,7 @@ impl Conn {
     }
 
     /// What the connection's rule lets it carry (no rule, no org: anything).
-    pub fn carry(&self) -> Carry {
+    pub(crate) fn carry(&self) -> Carry {
         match &self.view.org {
             Some(org) => self.view.policy.carry(
                 org,
@@ -151,7 +151,7 @@ impl Conn {
     /// Settle pass-through or interception ([`super::intercepted::plan`]): a
     /// host that must be intercepted but cannot be is refused
     /// `bad_request`.
-    pub fn settle(&mut self, plan: Plan) {
+    pub(crate) fn settle(&mut self, plan: Plan) {
         if let Plan::Refuse(why) = plan {
             self.refuse(Reason::BadRequest, Some(why.to_string()));
         }
@@ -159,7 +159,7 @@ impl Conn {
     }
 
     /// The decision record, as the state stands now.
-    pub fn record(&self) -> Record {
+    pub(crate) fn record(&self) -> Record {
         let mut r = Record::decision(
             self.kind,
             self.mode,
@@ -182,7 +182,7 @@ impl Conn {
     }
 
     /// The close record of the decision record written as `id`.
-    pub fn close(&self, id: &str, (up, down): (u64, u64), started: Instant) -> Record {
+    pub(crate) fn close(&self, id: &str, (up, down): (u64, u64), started: Instant) -> Record {
         let mut decision = self.record();
         decision.id = id.to_string();
         decision.close(up, down, started.elapsed().as_millis() as u64)

@@ -34,7 +34,7 @@ use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// An allowed target with its upstream connected; the decision record is
 /// not written yet (that waits for the client's first bytes).
-pub struct Opened {
+pub(crate) struct Opened {
     pub upstream: TcpStream,
     /// The address the upstream was reached at.
     pub addr: SocketAddr,
@@ -43,7 +43,7 @@ pub struct Opened {
 }
 
 /// Decide `host:port` for the view's client, and dial it if allowed.
-pub async fn open(
+pub(crate) async fn open(
     ctx: &Ctx,
     view: &View,
     mode: Mode,
@@ -110,7 +110,7 @@ pub async fn open(
 /// `opaque`), and record the close. `first` holds client bytes already read
 /// past the handshake (a client that sent data before the reply); they are
 /// judged and replayed too.
-pub async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
+pub(crate) async fn run<C>(ctx: Arc<Ctx>, mut client: C, opened: Opened, mut first: Vec<u8>)
 where
     C: Stream + 'static,
 {
@@ -193,7 +193,7 @@ where
 /// (copied in user space) if hyper would not give the socket back. Not an
 /// async fn: the tunnel's state lives in one box, not also in a wrapper
 /// that keeps its own copy of the arguments.
-pub fn run_upgraded(
+pub(crate) fn run_upgraded(
     ctx: Arc<Ctx>,
     upgraded: Upgraded,
     opened: Opened,
@@ -210,7 +210,7 @@ pub fn run_upgraded(
 }
 
 /// The bounds a tunnel verifier applies: the explicit listener's head limits.
-pub fn guard_limits(ctx: &Ctx) -> guard::Limits {
+pub(crate) fn guard_limits(ctx: &Ctx) -> guard::Limits {
     guard::Limits {
         max_head_bytes: ctx.limits.max_request_head_bytes,
         max_headers: ctx.limits.max_headers,
@@ -223,7 +223,7 @@ pub fn guard_limits(ctx: &Ctx) -> guard::Limits {
 /// its own (linked to the tunnel's allow record by `conn`), or, in report
 /// mode, as what enforcement would have denied. Without one (opaque),
 /// `held` is replayed and the rest copied blind.
-pub async fn relay<C>(
+pub(crate) async fn relay<C>(
     ctx: &Ctx,
     client: C,
     upstream: TcpStream,

@@ -22,11 +22,11 @@ use crate::resolve::Resolver;
 use crate::served::{Served, ServedHandle};
 
 /// Detail of a `limit_exceeded` when detection buffers are all in use.
-pub const DETECT_BUDGET_EXHAUSTED: &str =
+pub(crate) const DETECT_BUDGET_EXHAUSTED: &str =
     "max_detect_memory_bytes (or the share of this org or address) in use: no room to read the first bytes";
 
 /// Everything a connection handler needs, shared by all connections.
-pub struct Ctx {
+pub(crate) struct Ctx {
     /// What is served (policy, interception, credentials); a reload swaps
     /// it whole. Read it through [`Ctx::view`]: once per decision.
     pub served: ServedHandle,
@@ -55,7 +55,7 @@ pub struct Ctx {
 
 /// An allow refused because its org's evidence budget is spent: the same
 /// decision as `limit_exceeded`, naming no rule.
-pub fn budget_spent(allowed: Verdict) -> Verdict {
+pub(crate) fn budget_spent(allowed: Verdict) -> Verdict {
     Verdict {
         reason: Reason::LimitExceeded,
         rule: None,
@@ -69,7 +69,7 @@ pub fn budget_spent(allowed: Verdict) -> Verdict {
 /// about one request (org, decision, interception, the policy hash in its
 /// records) comes from the same view, whatever a reload does meanwhile.
 #[derive(Debug, Clone)]
-pub struct View {
+pub(crate) struct View {
     pub served: Arc<Served>,
     pub org: Option<OrgRef>,
 }
@@ -84,12 +84,12 @@ impl std::ops::Deref for View {
 
 impl View {
     /// Whether the client's org only reports its allowlist's denials.
-    pub fn is_report(&self) -> bool {
+    pub(crate) fn is_report(&self) -> bool {
         self.org.as_ref().is_some_and(|o| self.policy.is_report(o))
     }
 
     /// A verdict of this view's org, decided without a rule.
-    pub fn verdict(&self, reason: Reason) -> Verdict {
+    pub(crate) fn verdict(&self, reason: Reason) -> Verdict {
         Verdict {
             org: self.org.clone(),
             reason,
@@ -103,13 +103,13 @@ impl Ctx {
     /// Pay for an allow's record from the evidence budget of `view`'s org,
     /// at its decision, before anything is dialled or forwarded; `false`:
     /// spent, the allow is to be refused ([`budget_spent`]).
-    pub fn pay_allow(&self, view: &View) -> bool {
+    pub(crate) fn pay_allow(&self, view: &View) -> bool {
         self.denials
             .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
     }
 
     /// What is served now, and the client's org in it.
-    pub fn view(&self, client: IpAddr) -> View {
+    pub(crate) fn view(&self, client: IpAddr) -> View {
         let served = self.served.load_full();
         let org = served.policy.org_for(client);
         View { served, org }
@@ -118,7 +118,7 @@ impl Ctx {
     /// What is served now, and the org of a client that presented
     /// `credential` (see the identity table in [`crate::policy`]). On
     /// failure, a view without an org to record the refusal under.
-    pub fn view_as(
+    pub(crate) fn view_as(
         &self,
         client: IpAddr,
         credential: Option<Credential<'_>>,
@@ -134,7 +134,7 @@ impl Ctx {
     /// `false` means evidence is unavailable and the caller must not let
     /// anything through. A denial over its client's record rate is counted
     /// into a summary instead (its id becomes [`denials::SUMMARISED`]).
-    pub async fn write(&self, record: &mut Record) -> bool {
+    pub(crate) async fn write(&self, record: &mut Record) -> bool {
         if self.summarised(record) {
             return true;
         }
@@ -172,7 +172,7 @@ impl Ctx {
     /// Queue a record without waiting (close records, refusals that let
     /// nothing through). Its id is assigned at once; it is never dropped,
     /// but a denial over its client's record rate goes into a summary.
-    pub fn submit(&self, record: &mut Record) {
+    pub(crate) fn submit(&self, record: &mut Record) {
         if self.summarised(record) {
             return;
         }
@@ -182,19 +182,19 @@ impl Ctx {
 
     /// Write the denial summaries (every [`denials::SUMMARY_INTERVAL`],
     /// and once at shutdown), counted in the metrics' record totals.
-    pub async fn flush_denials(&self) {
+    pub(crate) async fn flush_denials(&self) {
         self.denials.flush(&self.evidence).await;
     }
 
     /// Where the first bytes of `client`, of `view`'s org, are charged.
-    pub fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
+    pub(crate) fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
     }
 
     /// Charge the connection's `permit` to the org of `view`, the one it
     /// is decided for (see [`super::limits`]); over that org's cap or rate, the
     /// limit to name in the refusal.
-    pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
+    pub(crate) fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
         self.conns.charge(permit, view.org.as_ref())
     }
 }

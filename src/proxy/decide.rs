@@ -14,7 +14,7 @@ use crate::resolve::Resolver;
 
 /// A policy decision for one target, with the addresses that may be dialled.
 #[derive(Debug, Clone)]
-pub struct Decided {
+pub(crate) struct Decided {
     pub verdict: Verdict,
     pub dial: Vec<IpAddr>,
     /// Why it was denied without a rule (resolution failed; transparent
@@ -26,7 +26,7 @@ pub struct Decided {
 impl Decided {
     /// `sni_mismatch` for `org`: the name presented does not own the
     /// address connected to.
-    pub fn mismatch(org: &OrgRef, detail: String) -> Decided {
+    pub(crate) fn mismatch(org: &OrgRef, detail: String) -> Decided {
         Decided {
             verdict: Verdict {
                 org: Some(org.clone()),
@@ -42,7 +42,7 @@ impl Decided {
 
 /// Which addresses an allowed name's address step checks.
 #[derive(Clone, Copy)]
-pub enum Addresses<'a> {
+pub(crate) enum Addresses<'a> {
     /// What the name resolves to now (explicit, SOCKS5, `palisade explain`).
     Resolved,
     /// Transparent mode: the original destination `ip` (canonical), which
@@ -59,7 +59,13 @@ impl Ctx {
     /// [`Ctx::decide`], timed under `mode`'s label: for modes whose whole
     /// decision is this one call (explicit, SOCKS5). Transparent mode
     /// decides in several steps and times them together itself.
-    pub async fn decide_in(&self, mode: Mode, view: &View, host: &Host, port: u16) -> Decided {
+    pub(crate) async fn decide_in(
+        &self,
+        mode: Mode,
+        view: &View,
+        host: &Host,
+        port: u16,
+    ) -> Decided {
         let started = std::time::Instant::now();
         let outcome = self.decide(view, host, port).await;
         self.metrics.time_decision(mode, started.elapsed());
@@ -68,7 +74,7 @@ impl Ctx {
 
     /// Decide `host:port` for the view's client: the name step, resolution
     /// when the name is allowed, then the address step. Not timed.
-    pub async fn decide(&self, view: &View, host: &Host, port: u16) -> Decided {
+    pub(crate) async fn decide(&self, view: &View, host: &Host, port: u16) -> Decided {
         let Some(org) = &view.org else {
             return Decided {
                 verdict: Verdict {
@@ -95,7 +101,7 @@ impl Ctx {
 /// The decision procedure shared by the proxy and `palisade explain`: the
 /// name step; for an allowed name, the addresses of `addresses`; then the
 /// address step on them.
-pub async fn decide_with(
+pub(crate) async fn decide_with(
     policy: &Policy,
     resolver: &Resolver,
     org: &OrgRef,

@@ -42,19 +42,19 @@ use crate::evidence::{Event, Evidence, Record};
 use crate::limits::summary::{Shape, Tallies, Tally};
 use crate::limits::{client_key, EvidenceBudget, RateLimiter};
 
-pub use crate::limits::summary::{SUMMARY_INTERVAL, TOP_HOSTS, TRACKED_HOSTS};
+pub(crate) use crate::limits::summary::SUMMARY_INTERVAL;
 
 /// Tallies kept at once.
-pub const MAX_TALLIES: usize = 4096;
+pub(crate) const MAX_TALLIES: usize = 4096;
 /// The `id` a summarised denial is answered with: its record is the
 /// summary, written later.
-pub const SUMMARISED: &str = "summarised";
+pub(crate) const SUMMARISED: &str = "summarised";
 
 /// The shape of a denial summary: one per (org, address), the address as
 /// its `client`, the most frequent reason as its own, with the reasons and
 /// hosts it counted.
 #[derive(Debug)]
-pub struct DenialSummary;
+pub(crate) struct DenialSummary;
 
 impl Shape for DenialSummary {
     type Key = Key;
@@ -86,7 +86,7 @@ impl Shape for DenialSummary {
 type Key = (Option<Arc<str>>, Option<IpAddr>);
 
 /// Decides which denials are written one by one and tallies the rest.
-pub struct Denials {
+pub(crate) struct Denials {
     rate: RateLimiter<IpAddr>,
     /// The same per org (clients of no org share one bucket), so that an
     /// org flooding from many addresses is bounded too.
@@ -107,7 +107,7 @@ impl Denials {
     /// `per_client` denial records one by one per address, and `per_org`
     /// per org over all its addresses (bursts of as many), each within its
     /// org's evidence `budget`.
-    pub fn new(per_client: usize, per_org: usize, budget: Arc<EvidenceBudget>) -> Denials {
+    pub(crate) fn new(per_client: usize, per_org: usize, budget: Arc<EvidenceBudget>) -> Denials {
         Denials {
             // Full of addresses denied this second, further ones are summarised.
             rate: RateLimiter::new(per_client, 65_536),
@@ -121,13 +121,8 @@ impl Denials {
     /// no org) from its evidence budget, before anything flows. `false`:
     /// the budget is spent and the allow must be refused `limit_exceeded`
     /// ([`crate::limits::EVIDENCE_BUDGET_EXHAUSTED`]).
-    pub fn pay_allow(&self, org: &Option<Arc<str>>) -> bool {
+    pub(crate) fn pay_allow(&self, org: &Option<Arc<str>>) -> bool {
         self.budget.take(org, Instant::now())
-    }
-
-    /// The evidence budget the denials are written within.
-    pub fn budget(&self) -> &Arc<EvidenceBudget> {
-        &self.budget
     }
 
     /// Whether `record` is written as its own record: every record but a
@@ -135,7 +130,7 @@ impl Denials {
     /// [`Denials::pay_allow`]), and a denial within its address's and its
     /// org's rates and its org's evidence budget. Otherwise it is counted
     /// into its tally (at `now`, `wall`) and `false`.
-    pub fn admit(&self, record: &Record, now: Instant, wall: SystemTime) -> bool {
+    pub(crate) fn admit(&self, record: &Record, now: Instant, wall: SystemTime) -> bool {
         let deny = record.event == Event::Decision && record.decision_str() == "deny";
         let Some(client) = record.client.filter(|_| deny) else {
             return true;
@@ -155,7 +150,7 @@ impl Denials {
     /// Write each tally as one record, into free places of the writer's
     /// queue only, never waiting; what finds none (or meets an unhealthy
     /// writer) is kept for the next flush. Returns the records written.
-    pub async fn flush(&self, evidence: &Evidence) -> Vec<Record> {
+    pub(crate) async fn flush(&self, evidence: &Evidence) -> Vec<Record> {
         if !evidence.is_healthy() {
             return Vec::new();
         }
@@ -196,12 +191,13 @@ impl Denials {
     }
 
     /// Denials counted into the waiting tallies.
-    pub fn pending_count(&self) -> u64 {
+    pub(crate) fn pending_count(&self) -> u64 {
         self.tallies.pending_count()
     }
 
     /// Tallies waiting.
-    pub fn pending(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn pending(&self) -> usize {
         self.tallies.pending()
     }
 }
@@ -210,6 +206,7 @@ impl Denials {
 mod tests {
     use super::*;
     use crate::evidence::{Kind, Mode};
+    use crate::limits::summary::{TOP_HOSTS, TRACKED_HOSTS};
     use crate::policy::{OrgRef, Reason, Verdict};
 
     fn unlimited() -> Arc<EvidenceBudget> {

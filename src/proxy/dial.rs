@@ -13,7 +13,7 @@ use crate::metrics::Metrics;
 
 /// Why dialling every checked address failed.
 #[derive(Debug, thiserror::Error)]
-pub enum DialError {
+pub(crate) enum DialError {
     #[error("connecting to {addr} timed out")]
     Timeout { addr: SocketAddr },
     #[error("connecting to {addr} failed: {source}")]
@@ -24,7 +24,7 @@ pub enum DialError {
 
 impl DialError {
     /// A bounded label for metrics.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             DialError::Timeout { .. } => "timeout",
             DialError::Io { source, .. } => match source.kind() {
@@ -39,7 +39,7 @@ impl DialError {
 
 impl Ctx {
     /// [`dial`] within `connect_timeout`, failures counted.
-    pub async fn dial(
+    pub(crate) async fn dial(
         &self,
         addrs: &[IpAddr],
         port: u16,
@@ -57,7 +57,7 @@ impl Ctx {
 /// Dial the checked addresses in order until one answers; returns the
 /// stream and the address it reached, or the last error. Each failed
 /// address counts in `palisade_upstream_connect_errors_total`.
-pub async fn dial(
+pub(crate) async fn dial(
     metrics: &Metrics,
     addrs: &[IpAddr],
     port: u16,

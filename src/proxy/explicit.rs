@@ -31,7 +31,7 @@ use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// Serve one client connection until it closes or shutdown drains it.
-pub async fn serve_connection(
+pub(crate) async fn serve_connection(
     ctx: Arc<Ctx>,
     stream: TcpStream,
     peer: SocketAddr,
@@ -546,7 +546,7 @@ async fn forward(
 }
 
 /// Accept connections on an explicit-proxy listener until shutdown.
-pub async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
+pub(crate) async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
     super::listen::accept_loop(
         ctx,
         listener,
@@ -602,7 +602,7 @@ fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View
 const REFUSAL_DRAIN_TIME: Duration = Duration::from_millis(500);
 const REFUSAL_DRAIN_BYTES: usize = 64 * 1024;
 /// Refused connections drained at once.
-pub const MAX_REFUSAL_DRAINS: usize = 256;
+pub(crate) const MAX_REFUSAL_DRAINS: usize = 256;
 
 #[cfg(test)]
 mod tests {

@@ -28,7 +28,7 @@ use crate::proto::socks5::Reply;
 /// Which side a failure is at fault: the client (what it asked for, or
 /// how), the upstream (unreachable, broken), or Palisade itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Side {
+pub(crate) enum Side {
     Client,
     Upstream,
     Internal,
@@ -36,7 +36,7 @@ pub enum Side {
 
 /// Why a connection or request did not go through.
 #[derive(Debug, thiserror::Error)]
-pub enum Unserved {
+pub(crate) enum Unserved {
     /// Refused: by policy, verification, identity, a limit, or because
     /// evidence could not be written. The reason code says which.
     #[error("denied: {0}")]
@@ -59,7 +59,7 @@ pub enum Unserved {
 impl Unserved {
     /// A failure whose record could not be written is told as
     /// `evidence_unavailable`, whatever it was.
-    pub fn recorded(self, written: bool) -> Unserved {
+    pub(crate) fn recorded(self, written: bool) -> Unserved {
         if written {
             self
         } else {
@@ -68,7 +68,7 @@ impl Unserved {
     }
 
     /// The reason code on record: a failure after an allow keeps the allow.
-    pub fn reason(&self) -> Reason {
+    pub(crate) fn reason(&self) -> Reason {
         match self {
             Unserved::Denied(reason) => *reason,
             Unserved::HeadTooLarge => Reason::BadRequest,
@@ -77,7 +77,7 @@ impl Unserved {
     }
 
     /// The side at fault.
-    pub fn side(&self) -> Side {
+    pub(crate) fn side(&self) -> Side {
         match self {
             Unserved::Denied(reason) => side_of(*reason),
             Unserved::HeadTooLarge => Side::Client,
@@ -85,7 +85,7 @@ impl Unserved {
         }
     }
 
-    pub fn status(&self) -> StatusCode {
+    pub(crate) fn status(&self) -> StatusCode {
         match self {
             Unserved::Denied(reason) => status(*reason),
             Unserved::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -95,7 +95,7 @@ impl Unserved {
     }
 
     /// The RFC 9209 error type.
-    pub fn proxy_error(&self) -> &'static str {
+    pub(crate) fn proxy_error(&self) -> &'static str {
         match self {
             Unserved::Denied(reason) => proxy_error(*reason),
             Unserved::HeadTooLarge => proxy_error(Reason::BadRequest),
@@ -111,7 +111,7 @@ impl Unserved {
     }
 
     /// The SOCKS5 reply (RFC 1928 §6).
-    pub fn socks_reply(&self) -> Reply {
+    pub(crate) fn socks_reply(&self) -> Reply {
         match self {
             Unserved::Denied(reason) => socks_reply(*reason),
             Unserved::HeadTooLarge => socks_reply(Reason::BadRequest),
@@ -128,7 +128,7 @@ impl Unserved {
     }
 
     /// The `Proxy-Status` header value, naming the reason code and record.
-    pub fn proxy_status(&self, record: &str) -> String {
+    pub(crate) fn proxy_status(&self, record: &str) -> String {
         format!(
             "palisade; error={}; details=\"{}; record={record}\"",
             self.proxy_error(),
@@ -138,7 +138,7 @@ impl Unserved {
 
     /// The one-line body. A denial shows `detail` (what the client may
     /// learn); a failure after an allow shows its own cause.
-    pub fn body(&self, record: &str, detail: Option<&str>) -> String {
+    pub(crate) fn body(&self, record: &str, detail: Option<&str>) -> String {
         let (what, detail) = match self {
             Unserved::Denied(_) | Unserved::HeadTooLarge => (
                 format!("denied: {}", self.reason()),
@@ -162,7 +162,7 @@ impl Unserved {
     }
 
     /// The HTTP response.
-    pub fn response(&self, record: &str, detail: Option<&str>) -> http::Response<Body> {
+    pub(crate) fn response(&self, record: &str, detail: Option<&str>) -> http::Response<Body> {
         let mut resp = text_response(
             self.status(),
             &self.proxy_status(record),
@@ -179,7 +179,7 @@ impl Unserved {
 
     /// A complete HTTP/1.1 response for paths that answer without hyper
     /// (connection caps), closing the connection.
-    pub fn raw_response(&self, record: &str) -> String {
+    pub(crate) fn raw_response(&self, record: &str) -> String {
         let status = self.status();
         let body = self.body(record, None);
         format!(

@@ -33,10 +33,10 @@ use crate::policy::Reason;
 use crate::proto::target::Host;
 
 /// Called with the request's `(bytes_up, bytes_down)` when it closes.
-pub type OnClose = Box<dyn FnOnce(u64, u64) + Send + Sync>;
+pub(crate) type OnClose = Box<dyn FnOnce(u64, u64) + Send + Sync>;
 
 /// A recorded, sent request waiting for its response.
-pub struct Exchange {
+pub(crate) struct Exchange {
     pub ctx: Arc<Ctx>,
     /// The request as recorded, under `id`.
     pub req: Conn,
@@ -53,7 +53,7 @@ pub struct Exchange {
 
 impl Exchange {
     /// Relay `resp`; the close record is written when its body ends.
-    pub fn relay(self, resp: Response<Incoming>) -> Response<Body> {
+    pub(crate) fn relay(self, resp: Response<Incoming>) -> Response<Body> {
         self.relay_then(resp, None)
     }
 
@@ -86,7 +86,7 @@ impl Exchange {
 
     /// No complete response came: close the request with the cause (no
     /// `on_close`: nothing came back).
-    pub fn failed(self, e: NoResponse) -> Response<Body> {
+    pub(crate) fn failed(self, e: NoResponse) -> Response<Body> {
         let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
         close.detail = Some(e.to_string());
         self.ctx.submit(&mut close);
@@ -114,7 +114,7 @@ enum Upstream {
 /// goes again over a new connection to the same address, and so does one
 /// that was written if it is idempotent and has no body ([`retry_fresh`]).
 /// The request keeps its one decision record: the address is the same.
-pub async fn absolute(
+pub(crate) async fn absolute(
     ctx: Arc<Ctx>,
     mut conn: Conn,
     addrs: &[IpAddr],

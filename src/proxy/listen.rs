@@ -16,7 +16,7 @@ use crate::limits::{self, Permit};
 /// itself: see [`limits`]), then `serve` the connection, or `refuse` it
 /// over a limit. Each mode charges the permit to the org it finally
 /// decides for ([`Ctx::charge`]).
-pub async fn accept_loop<S, F, R>(
+pub(crate) async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
     listener: TcpListener,
     what: &'static str,

@@ -26,28 +26,25 @@
 //!   detection memory: [`crate::limits`]. Denials over a client's record rate
 //!   are written as summaries: [`denials`].
 
-pub mod conn;
-pub mod connect;
-pub mod ctx;
-pub mod decide;
-pub mod denials;
-pub mod dial;
-pub mod explicit;
-pub mod failure;
-pub mod forward;
-pub mod http;
-pub mod intercepted;
-pub mod listen;
-pub mod pool;
-pub mod record;
-pub mod socks5;
-pub mod splice;
-pub mod transparent;
-pub mod tunnel;
-pub mod verify;
+pub(crate) mod conn;
+pub(crate) mod connect;
+pub(crate) mod ctx;
+pub(crate) mod decide;
+pub(crate) mod denials;
+pub(crate) mod dial;
+pub(crate) mod explicit;
+pub(crate) mod failure;
+pub(crate) mod forward;
+pub(crate) mod http;
+pub(crate) mod intercepted;
+pub(crate) mod listen;
+pub(crate) mod pool;
+pub(crate) mod record;
+pub(crate) mod socks5;
+pub(crate) mod splice;
+pub(crate) mod transparent;
+pub(crate) mod tunnel;
+pub(crate) mod verify;
 
-pub use self::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
-pub use self::decide::{decide_with, Addresses, Decided};
-pub use self::dial::DialError;
-pub use self::explicit::{serve_explicit, MAX_REFUSAL_DRAINS};
-pub use self::listen::accept_loop;
+pub(crate) use self::ctx::Ctx;
+pub(crate) use self::explicit::{serve_explicit, MAX_REFUSAL_DRAINS};

@@ -42,7 +42,7 @@ use crate::proto::target::Host;
 
 /// How many idle connections are kept, and for how long.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Bounds {
+pub(crate) struct Bounds {
     /// All keys together; 0 turns reuse off.
     pub max_total: usize,
     /// Under one key.
@@ -51,7 +51,7 @@ pub struct Bounds {
 }
 
 impl Bounds {
-    pub fn of(limits: &Limits) -> Bounds {
+    pub(crate) fn of(limits: &Limits) -> Bounds {
         Bounds {
             max_total: limits.max_idle_upstream_connections,
             max_per_key: limits.max_idle_upstream_connections_per_target,
@@ -59,7 +59,7 @@ impl Bounds {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.max_total > 0 && self.max_per_key > 0
     }
 }
@@ -76,7 +76,7 @@ struct Entry<T> {
 /// `idle_timeout`; the newest of a key is handed out first (the likeliest
 /// to be alive), the oldest overall is dropped first.
 #[derive(Debug)]
-pub struct Pool<K, T> {
+pub(crate) struct Pool<K, T> {
     bounds: Bounds,
     /// Per key, oldest first (ascending `seq`).
     keys: HashMap<K, VecDeque<Entry<T>>>,
@@ -86,7 +86,7 @@ pub struct Pool<K, T> {
 }
 
 impl<K: Hash + Eq + Clone, T> Pool<K, T> {
-    pub fn new(bounds: Bounds) -> Self {
+    pub(crate) fn new(bounds: Bounds) -> Self {
         Pool {
             bounds,
             keys: HashMap::new(),
@@ -96,17 +96,22 @@ impl<K: Hash + Eq + Clone, T> Pool<K, T> {
     }
 
     /// Idle values held.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.order.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
 
     /// The newest idle value under `key` that has not expired and is still
     /// `usable`; the expired and unusable ones met on the way are dropped.
-    pub fn checkout(&mut self, key: &K, now: Instant, usable: impl Fn(&T) -> bool) -> Option<T> {
+    pub(crate) fn checkout(
+        &mut self,
+        key: &K,
+        now: Instant,
+        usable: impl Fn(&T) -> bool,
+    ) -> Option<T> {
         let timeout = self.bounds.idle_timeout;
         let idle = self.keys.get_mut(key)?;
         let mut found = None;
@@ -126,7 +131,7 @@ impl<K: Hash + Eq + Clone, T> Pool<K, T> {
     /// Keep `value` idle under `key` from `now`; `false` (and the value
     /// dropped) when reuse is off. Over a bound, the oldest idle value (of
     /// the key, else of all) is dropped to make room.
-    pub fn checkin(&mut self, key: K, value: T, now: Instant) -> bool {
+    pub(crate) fn checkin(&mut self, key: K, value: T, now: Instant) -> bool {
         if !self.bounds.enabled() {
             return false;
         }
@@ -170,7 +175,7 @@ impl<K: Hash + Eq + Clone, T> Pool<K, T> {
     }
 
     /// Drop every expired or unusable idle value; returns how many went.
-    pub fn prune(&mut self, now: Instant, usable: impl Fn(&T) -> bool) -> usize {
+    pub(crate) fn prune(&mut self, now: Instant, usable: impl Fn(&T) -> bool) -> usize {
         let before = self.order.len();
         let timeout = self.bounds.idle_timeout;
         let mut gone = Vec::new();
@@ -191,7 +196,7 @@ impl<K: Hash + Eq + Clone, T> Pool<K, T> {
     }
 
     /// Drop everything.
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.keys.clear();
         self.order.clear();
     }
@@ -206,7 +211,7 @@ impl<K: Hash + Eq + Clone, T> Pool<K, T> {
 /// Where a pooled connection goes: never shared across orgs, hosts, ports
 /// or dialled addresses.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Key {
+pub(crate) struct Key {
     pub org: Arc<str>,
     pub host: Host,
     pub port: u16,
@@ -214,7 +219,7 @@ pub struct Key {
 }
 
 /// The proxy's pool of idle upstream HTTP/1.1 connections.
-pub struct UpstreamPool {
+pub(crate) struct UpstreamPool {
     idle: Mutex<Pool<Key, Sender>>,
     bounds: Bounds,
     /// Shutdown began: nothing is kept or handed out any more.
@@ -239,7 +244,7 @@ fn usable(s: &Sender) -> bool {
 }
 
 impl UpstreamPool {
-    pub fn new(limits: &Limits, gauge: IntGauge, reused: IntCounter) -> Self {
+    pub(crate) fn new(limits: &Limits, gauge: IntGauge, reused: IntCounter) -> Self {
         let bounds = Bounds::of(limits);
         UpstreamPool {
             idle: Mutex::new(Pool::new(bounds)),
@@ -250,7 +255,7 @@ impl UpstreamPool {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.bounds.enabled() && !self.closed.load(Ordering::Relaxed)
     }
 
@@ -265,7 +270,7 @@ impl UpstreamPool {
 
     /// An idle connection to one of `addrs` (each checked by the request's
     /// decision, tried in their order) on `port`, for `org` and `host`.
-    pub fn checkout(
+    pub(crate) fn checkout(
         &self,
         org: &Arc<str>,
         host: &Host,
@@ -330,14 +335,14 @@ impl UpstreamPool {
     }
 
     /// Drop what expired or closed.
-    pub fn prune(&self) {
+    pub(crate) fn prune(&self) {
         let mut pool = self.lock();
         pool.prune(Instant::now(), usable);
         self.update_gauge(&pool);
     }
 
     /// Shutdown: close every idle connection, keep none from now on.
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let mut pool = self.lock();
         pool.clear();
@@ -346,7 +351,7 @@ impl UpstreamPool {
 
     /// How often [`reap`] prunes: often enough that an expired connection
     /// does not linger long past its timeout, rarely enough to cost nothing.
-    pub fn prune_interval(&self) -> Duration {
+    pub(crate) fn prune_interval(&self) -> Duration {
         prune_interval(self.bounds.idle_timeout)
     }
 }
@@ -360,7 +365,7 @@ fn prune_interval(idle_timeout: Duration) -> Duration {
 /// once hyper says it can take another request; a connection the upstream
 /// marked close (or that failed) never becomes ready and is dropped. The
 /// wait is bounded by the idle timeout and ends at shutdown.
-pub fn give_back(
+pub(crate) fn give_back(
     pool: &Arc<UpstreamPool>,
     (tasks, shutdown): (&TaskTracker, &CancellationToken),
     key: Key,
@@ -383,7 +388,7 @@ pub fn give_back(
 
 /// Prune the pool now and then; at `shutdown`, close every idle connection
 /// (their connection tasks then end, and the drain does not wait on them).
-pub async fn reap(pool: Arc<UpstreamPool>, shutdown: CancellationToken) {
+pub(crate) async fn reap(pool: Arc<UpstreamPool>, shutdown: CancellationToken) {
     if !pool.enabled() {
         return;
     }

@@ -21,7 +21,7 @@ use crate::proto::target::Host;
 /// A written decision record: its `id` (what its close record names) and
 /// the reference its client may be shown.
 #[derive(Debug, Clone)]
-pub struct Written {
+pub(crate) struct Written {
     pub id: String,
     pub shown: String,
 }
@@ -29,7 +29,7 @@ pub struct Written {
 /// Why nothing was opened: the failure, recorded under the reference
 /// `record` (what the client is shown).
 #[derive(Debug)]
-pub struct Refused {
+pub(crate) struct Refused {
     /// `evidence_unavailable` if the record itself could not be written.
     pub failure: Unserved,
     pub record: String,
@@ -39,13 +39,13 @@ pub struct Refused {
 
 impl Refused {
     /// The HTTP answer.
-    pub fn response(&self) -> http::Response<Body> {
+    pub(crate) fn response(&self) -> http::Response<Body> {
         self.failure.response(&self.record, self.detail.as_deref())
     }
 }
 
 /// Write the record of a denial.
-pub async fn record_denial(
+pub(crate) async fn record_denial(
     ctx: &Ctx,
     view: &View,
     (kind, mode): (Kind, Mode),
@@ -68,7 +68,7 @@ pub async fn record_denial(
 
 /// An allowed decision whose upstream could not be reached: record it
 /// (keeping `decision: allow`) with the error and the last address tried.
-pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refused {
+pub(crate) async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refused {
     conn.detail = Some(error.to_string());
     if let DialError::Timeout { addr } | DialError::Io { addr, .. } = &error {
         conn.ip = Some(addr.ip());
@@ -87,7 +87,7 @@ pub async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) -> Refuse
 /// Write `conn`'s decision record as it stands and wait until it is with
 /// the operating system: `Ok`, or `Err` if it could not be written (then
 /// nothing may flow).
-pub async fn write_record(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
+pub(crate) async fn write_record(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
     // Boxed: a record and its write are large, and a tunnel task would
     // otherwise keep room for them all its life.
     Box::pin(async {
@@ -108,7 +108,7 @@ pub async fn write_record(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
 
 impl View {
     /// A decision record for this client and target.
-    pub fn record(
+    pub(crate) fn record(
         &self,
         kind: Kind,
         mode: Mode,
@@ -125,7 +125,7 @@ impl View {
 
     /// The record of a refusal decided before any target: `reason`, for
     /// this view's client, with `detail`.
-    pub fn refusal(
+    pub(crate) fn refusal(
         &self,
         (kind, mode): (Kind, Mode),
         client: SocketAddr,

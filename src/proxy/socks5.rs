@@ -35,7 +35,7 @@ use crate::proto::Parse;
 /// Accept SOCKS5 connections until shutdown. A connection counts for the
 /// org its address names, or its address's own budget, until the
 /// authentication names its org (see [`super::limits`]).
-pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
+pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
     accept_loop(
         ctx,
         listener,

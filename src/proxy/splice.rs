@@ -30,7 +30,7 @@ use tokio::io::{AsyncRead, AsyncWrite, DuplexStream};
 use tokio::net::{tcp, TcpStream};
 
 /// The TCP socket under a stream half, when there is one.
-pub trait AsTcp {
+pub(crate) trait AsTcp {
     fn as_tcp(&self) -> Option<&TcpStream>;
 }
 
@@ -60,7 +60,7 @@ impl<T> AsTcp for tokio::io::WriteHalf<T> {
 
 /// One end of a tunnel: split into a read and a write half that may show
 /// the TCP socket under them.
-pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
+pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send {
     type Read<'a>: AsyncRead + AsTcp + Unpin + Send
     where
         Self: 'a;
@@ -109,7 +109,7 @@ user_space!(DuplexStream, TokioIo<Upgraded>);
 
 /// How a spliced direction ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Spliced {
+pub(crate) enum Spliced {
     /// splice(2) is not available here; no byte was read or written.
     Unsupported,
     /// The reader reached EOF; everything read was written.
@@ -122,11 +122,11 @@ pub enum Spliced {
 }
 
 /// Idle pipes kept for reuse (each is two file descriptors).
-pub const MAX_POOLED: usize = 64;
+pub(crate) const MAX_POOLED: usize = 64;
 
 /// Is splicing switched on? `PALISADE_SPLICE=off` in the environment
 /// forces the user-space copy (a diagnostic switch; the tests use it).
-pub fn enabled() -> bool {
+pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("PALISADE_SPLICE").is_none_or(|v| v != "off"))
 }
@@ -135,7 +135,7 @@ pub fn enabled() -> bool {
 /// `limit` bytes (when given). Written bytes are added to `count` and
 /// `touch` is called after each write, as the user-space copy does. The
 /// writer is not shut down: the caller does that, whatever the end.
-pub async fn splice<F: Fn()>(
+pub(crate) async fn splice<F: Fn()>(
     from: &TcpStream,
     to: &TcpStream,
     limit: Option<u64>,
@@ -152,7 +152,7 @@ pub async fn splice<F: Fn()>(
 const PIPE_CHUNK: usize = 256 * 1024;
 
 /// How much of `left` (a byte limit, `None` for none) one splice may ask.
-pub fn want(left: Option<u64>) -> usize {
+pub(crate) fn want(left: Option<u64>) -> usize {
     match left {
         Some(left) => usize::try_from(left).unwrap_or(usize::MAX).min(PIPE_CHUNK),
         None => PIPE_CHUNK,
@@ -170,13 +170,13 @@ fn unsupported(e: &io::Error) -> bool {
 }
 
 /// Pooled pipes, with accounting for tests and metrics.
-pub struct Pool<P> {
+pub(crate) struct Pool<P> {
     idle: std::sync::Mutex<Vec<P>>,
     max: usize,
 }
 
 impl<P> Pool<P> {
-    pub const fn new(max: usize) -> Self {
+    pub(crate) const fn new(max: usize) -> Self {
         Pool {
             idle: std::sync::Mutex::new(Vec::new()),
             max,
@@ -188,12 +188,12 @@ impl<P> Pool<P> {
     }
 
     /// An idle pipe, if one is pooled.
-    pub fn take(&self) -> Option<P> {
+    pub(crate) fn take(&self) -> Option<P> {
         self.lock().pop()
     }
 
     /// Keep an empty pipe for reuse; beyond `max` it is dropped (closed).
-    pub fn give(&self, pipe: P) {
+    pub(crate) fn give(&self, pipe: P) {
         let mut idle = self.lock();
         if idle.len() < self.max {
             idle.push(pipe);
@@ -201,7 +201,8 @@ impl<P> Pool<P> {
     }
 
     /// Pipes now pooled.
-    pub fn idle(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn idle(&self) -> usize {
         self.lock().len()
     }
 }

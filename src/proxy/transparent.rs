@@ -33,7 +33,7 @@ use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// Where a REDIRECTed connection was going.
-pub fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
+pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
     let sock = socket2::SockRef::from(stream);
     let addr = match stream.local_addr()? {
         SocketAddr::V4(_) => sock.original_dst_v4()?,
@@ -45,7 +45,7 @@ pub fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
 
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
-pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
+pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
     accept_loop(
         ctx,
         listener,

@@ -17,11 +17,11 @@ use crate::proto::{http_head, Parse};
 
 /// Largest number of bytes read while detecting: a maximal hello plus the
 /// record headers of a hello split into many records.
-pub const MAX_DETECT_BYTES: usize = MAX_HELLO_LEN + 4 * 1024;
+pub(crate) const MAX_DETECT_BYTES: usize = MAX_HELLO_LEN + 4 * 1024;
 
 /// What the client sent first.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Detected {
+pub(crate) enum Detected {
     /// A complete TLS ClientHello.
     Tls(ClientHello),
     /// A complete HTTP/1.x request head, with its Host (as sent) if any.
@@ -38,7 +38,11 @@ pub enum Detected {
 
 /// Read from `client` into `buf` until the first bytes are classified or
 /// `timeout` passes. Nothing is consumed from `buf`: the caller replays it.
-pub async fn detect<R: Stream>(client: &mut R, buf: &mut Vec<u8>, timeout: Duration) -> Detected {
+pub(crate) async fn detect<R: Stream>(
+    client: &mut R,
+    buf: &mut Vec<u8>,
+    timeout: Duration,
+) -> Detected {
     let deadline = Instant::now() + timeout;
     // A client that sends nothing yet costs no buffer: wait for its bytes.
     if buf.is_empty() && !readable(client.tcp(), deadline).await {
@@ -86,7 +90,7 @@ fn classify(buf: &[u8]) -> Option<Detected> {
 
 /// Bytes moved by a tunnel.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Totals {
+pub(crate) struct Totals {
     /// Client to upstream.
     pub up: u64,
     /// Upstream to client.
@@ -116,7 +120,7 @@ pub(crate) async fn readable(tcp: Option<&TcpStream>, deadline: Instant) -> bool
 /// Copy both ways until both sides finish, both are silent for `idle`, or
 /// `stop` fires. `first_up` is written to the upstream before anything else
 /// (the bytes read during detection).
-pub async fn pump<C, U>(
+pub(crate) async fn pump<C, U>(
     mut client: C,
     mut upstream: U,
     first_up: &[u8],

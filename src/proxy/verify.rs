@@ -44,7 +44,7 @@ use crate::proto::target::Host;
 use crate::proto::tls_stream::TlsGuard;
 
 /// The reason code a violation is recorded with.
-pub fn reason(kind: ViolationKind) -> Reason {
+pub(crate) fn reason(kind: ViolationKind) -> Reason {
     match kind {
         ViolationKind::ProtocolMismatch => Reason::ProtocolMismatch,
         ViolationKind::SniMissing => Reason::SniMissing,
@@ -57,7 +57,7 @@ pub fn reason(kind: ViolationKind) -> Reason {
 }
 
 /// The verifier of one tunnel.
-pub enum Guard {
+pub(crate) enum Guard {
     Tls(Box<TlsGuard>),
     Http(Box<HttpGuard>),
 }
@@ -108,7 +108,7 @@ impl Guard {
     }
 
     /// What the tunnel was verified as.
-    pub fn carry(&self) -> Carry {
+    pub(crate) fn carry(&self) -> Carry {
         match self {
             Guard::Tls(_) => Carry::Tls,
             Guard::Http(_) => Carry::Http,
@@ -117,7 +117,7 @@ impl Guard {
 
     /// The first unit, as the rest of the proxy knows it (evidence `sni`,
     /// the interception plan).
-    pub fn detected(&self) -> Detected {
+    pub(crate) fn detected(&self) -> Detected {
         match self {
             Guard::Tls(g) => Detected::Tls(g.hello().cloned().unwrap_or_default()),
             Guard::Http(g) => Detected::Http(g.first_host().map(str::to_string)),
@@ -150,7 +150,7 @@ impl<'a> Budget<'a> {
 }
 
 /// What reading the first unit concluded.
-pub enum First {
+pub(crate) enum First {
     /// The first unit passed; the first `forward` held bytes are verified.
     Passed { guard: Guard, forward: usize },
     /// The first bytes (or their absence) fail the rule.
@@ -169,7 +169,7 @@ fn hold_cap(limits: guard::Limits) -> usize {
 /// Read and judge the client's first unit for a tunnel to `host:port`
 /// that must carry `carry` (not [`Carry::Opaque`]). `held` may already hold
 /// bytes the client sent early; on return it holds every byte read.
-pub async fn first<R: Stream>(
+pub(crate) async fn first<R: Stream>(
     client: &mut R,
     held: &mut Vec<u8>,
     carry: Carry,
@@ -268,7 +268,7 @@ pub async fn first<R: Stream>(
 
 /// How a verified tunnel ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum End {
+pub(crate) enum End {
     /// Closed by either side, idle, or stopped.
     Closed,
     /// A later unit failed verification; the tunnel was cut there.
@@ -294,7 +294,7 @@ const READ_CHUNK: usize = 16 * 1024;
 /// at the next head). Over TCP, a direction waits for readability before
 /// it takes a buffer, and gives the buffer back once drained.
 #[allow(clippy::too_many_arguments)]
-pub async fn pump<C, U>(
+pub(crate) async fn pump<C, U>(
     mut client: C,
     mut upstream: U,
     guard: Guard,

@@ -10,11 +10,11 @@ use tokio_util::task::TaskTracker;
 use tracing::{info_span, warn, Instrument};
 
 /// Pause after a failed accept (EMFILE and friends), instead of spinning.
-pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Where a listener's connections run, and when it stops.
 #[derive(Debug, Clone)]
-pub struct Listener {
+pub(crate) struct Listener {
     /// The listener's name in logs and in each connection's span.
     pub what: &'static str,
     /// Stop accepting (the listener is closed when [`accept`] returns).
@@ -26,7 +26,7 @@ pub struct Listener {
 
 /// A listener's policy at accept: its cap, and what serving an admitted
 /// connection is.
-pub trait Admission {
+pub(crate) trait Admission {
     /// Serving one admitted connection, to its end. It holds whatever
     /// place [`Admission::admit`] took for it (a permit, a budget share).
     type Conn: Future<Output = ()> + Send + 'static;
@@ -52,7 +52,7 @@ pub trait Admission {
 /// listener's name and the client's address. The listener is closed when
 /// this returns, so new connections are refused from then on; the tasks
 /// are not waited for (that is the caller's drain).
-pub async fn accept<A: Admission>(listener: TcpListener, on: &Listener, admission: A) {
+pub(crate) async fn accept<A: Admission>(listener: TcpListener, on: &Listener, admission: A) {
     loop {
         let accepted = tokio::select! {
             _ = on.shutdown.cancelled() => break,

@@ -20,13 +20,13 @@ use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 
 /// Why a streamed body stopped early.
-pub type BodyError = Box<dyn StdError + Send + Sync>;
+pub(crate) type BodyError = Box<dyn StdError + Send + Sync>;
 
 /// A response body, whole or streamed.
-pub type Body = BoxBody<Bytes, BodyError>;
+pub(crate) type Body = BoxBody<Bytes, BodyError>;
 
 /// A body of `data` at once.
-pub fn full(data: impl Into<Bytes>) -> Body {
+pub(crate) fn full(data: impl Into<Bytes>) -> Body {
     Full::new(data.into())
         .map_err(|never| match never {})
         .boxed()
@@ -35,14 +35,16 @@ pub fn full(data: impl Into<Bytes>) -> Body {
 /// A body streamed as it comes: each chunk sent on the returned [`Sender`]
 /// goes to the client as soon as the connection can take it (at most
 /// `buffer` chunks wait); the body ends when the sender is dropped.
-pub fn channel(buffer: usize) -> (Sender<Bytes, BodyError>, Body) {
+// No endpoint streams yet (the decision tail will): only tests use it.
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn channel(buffer: usize) -> (Sender<Bytes, BodyError>, Body) {
     let (tx, body) = Channel::new(buffer);
     (tx, body.boxed())
 }
 
 /// The bounds of one HTTP/1 connection.
 #[derive(Debug, Clone, Copy)]
-pub struct Http1 {
+pub(crate) struct Http1 {
     /// Time a request head may take, counted from the connection's start or
     /// the end of the previous response: it also closes idle keep-alive
     /// connections.
@@ -59,14 +61,14 @@ pub struct Http1 {
 /// The shutdown signals a served connection follows: `shutdown` closes it
 /// gracefully (in-flight requests finish, no new ones), `hard_stop` cuts it.
 #[derive(Debug, Clone, Copy)]
-pub struct Drain<'a> {
+pub(crate) struct Drain<'a> {
     pub shutdown: &'a CancellationToken,
     pub hard_stop: &'a CancellationToken,
 }
 
 /// Serve one HTTP/1 connection with `service` until it closes, or the
 /// drain ends it.
-pub async fn serve_http1<I, S, B>(
+pub(crate) async fn serve_http1<I, S, B>(
     io: I,
     service: S,
     settings: Http1,
@@ -97,7 +99,7 @@ where
 
 /// Run `conn` to its end; on shutdown ask it to finish gracefully, and
 /// stop waiting at the hard stop (the connection is then dropped: closed).
-pub async fn drained<C>(
+pub(crate) async fn drained<C>(
     conn: C,
     graceful: impl FnOnce(Pin<&mut C>),
     drain: Drain<'_>,
@@ -123,7 +125,7 @@ where
 /// cannot hold its connection forever, while one that reads, however long
 /// the response lasts, is never cut. Reads are not bounded here (the head
 /// is, by the header read timeout). hyper has no write timeout of its own.
-pub struct WriteStall<I> {
+pub(crate) struct WriteStall<I> {
     io: I,
     limit: Duration,
     /// Running while a write is pending.
@@ -132,7 +134,7 @@ pub struct WriteStall<I> {
 }
 
 impl<I> WriteStall<I> {
-    pub fn new(io: I, limit: Duration) -> Self {
+    pub(crate) fn new(io: I, limit: Duration) -> Self {
         WriteStall {
             io,
             limit,

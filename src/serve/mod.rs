@@ -14,7 +14,7 @@
 //! Nothing here knows policy, evidence or limits: each listener brings its
 //! own cap as its [`Admission`].
 
-pub mod accept;
-pub mod http;
+pub(crate) mod accept;
+pub(crate) mod http;
 
-pub use accept::{accept, Admission, Listener};
+pub(crate) use accept::{accept, Admission, Listener};

@@ -110,7 +110,7 @@ fn a_stranger_holding_idle_connections_leaves_token_clients_served() {
 
 /// An org's refusals written one record each because its evidence budget
 /// was spent (not folded into a summary).
-pub fn budget_refusals_one_by_one(ev: &[serde_json::Value], org: &str) -> u64 {
+pub(crate) fn budget_refusals_one_by_one(ev: &[serde_json::Value], org: &str) -> u64 {
     ev.iter()
         .filter(|v| {
             v["org"] == org
@@ -125,7 +125,7 @@ pub fn budget_refusals_one_by_one(ev: &[serde_json::Value], org: &str) -> u64 {
 
 /// The sum of every sample of metric `name` whose labels include all of
 /// `labels` (each `key="value"`), whatever their order.
-pub fn scrape_sum(lab: &Lab, name: &str, labels: &[&str]) -> f64 {
+pub(crate) fn scrape_sum(lab: &Lab, name: &str, labels: &[&str]) -> f64 {
     let out = lab.proxy_ns_exec(
         "curl",
         &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],

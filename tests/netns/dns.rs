@@ -62,7 +62,7 @@ fn dns_lab() -> Lab {
 }
 
 /// `dig` from the second sandbox (org beta).
-pub fn dig2(lab: &Lab, args: &[&str]) -> Dig {
+pub(crate) fn dig2(lab: &Lab, args: &[&str]) -> Dig {
     let server = format!("@{SHIM_IP}");
     let mut full = vec![server.as_str()];
     full.extend_from_slice(args);

@@ -475,7 +475,7 @@ time.sleep(float(sys.argv[1]))
 }
 
 /// One sample's value from a direct scrape of the admin listener.
-pub fn scalar_from_scrape(lab: &Lab, series: &str) -> f64 {
+pub(crate) fn scalar_from_scrape(lab: &Lab, series: &str) -> f64 {
     let out = lab.proxy_ns_exec(
         "curl",
         &["-sS", &format!("http://{}/metrics", lab::ADMIN_ADDR)],

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use crate::lab::{self, ca_pem, dump, Lab, DEFAULT_POLICY};
 
-pub const TRANSPARENT: &str = "198.18.1.1:15001";
+pub(crate) const TRANSPARENT: &str = "198.18.1.1:15001";
 
 /// The lab with a transparent listener and the gateway ruleset loaded.
 fn gateway_lab() -> Lab {
@@ -26,7 +26,7 @@ fn gateway_lab() -> Lab {
 /// proxy namespace and route the sandbox through it. The lab needs a
 /// transparent listener on [`TRANSPARENT`] (and a DNS shim on port 5353 for
 /// DNS through the gateway).
-pub fn load_gateway(lab: &Lab) {
+pub(crate) fn load_gateway(lab: &Lab) {
     let rules = std::fs::read_to_string(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docker/nftables.conf"),
     )

@@ -14,13 +14,13 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 
 /// Called once with the bytes counted.
-pub type OnFinish = Box<dyn FnOnce(u64) + Send + Sync>;
+pub(crate) type OnFinish = Box<dyn FnOnce(u64) + Send + Sync>;
 
 /// Called once the body was read to its end.
-pub type OnComplete = Box<dyn FnOnce() + Send + Sync>;
+pub(crate) type OnComplete = Box<dyn FnOnce() + Send + Sync>;
 
 /// `inner`, counted into `count`.
-pub struct Metered<B> {
+pub(crate) struct Metered<B> {
     inner: B,
     count: Arc<AtomicU64>,
     on_finish: Option<OnFinish>,
@@ -31,7 +31,7 @@ pub struct Metered<B> {
 
 impl<B> Metered<B> {
     /// Count into `count` (which the caller may share).
-    pub fn new(inner: B, count: Arc<AtomicU64>) -> Self {
+    pub(crate) fn new(inner: B, count: Arc<AtomicU64>) -> Self {
         Metered {
             inner,
             count,
@@ -42,7 +42,7 @@ impl<B> Metered<B> {
     }
 
     /// Count, and call `on_finish` with the count at the end.
-    pub fn on_finish(inner: B, on_finish: OnFinish) -> Self {
+    pub(crate) fn on_finish(inner: B, on_finish: OnFinish) -> Self {
         Metered {
             inner,
             count: Arc::default(),
@@ -54,7 +54,7 @@ impl<B> Metered<B> {
 
     /// Also call `on_complete` (after `on_finish`) if the body is read to
     /// its end.
-    pub fn on_complete(mut self, on_complete: OnComplete) -> Self
+    pub(crate) fn on_complete(mut self, on_complete: OnComplete) -> Self
     where
         B: Body,
     {

@@ -18,11 +18,12 @@ use tracing::debug;
 use super::Body;
 
 /// A response head on its way.
-pub type ResponseFuture = Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
+pub(crate) type ResponseFuture =
+    Pin<Box<dyn Future<Output = hyper::Result<Response<Incoming>>> + Send>>;
 
 /// Why a forwarded request got no complete response head.
 #[derive(Debug, thiserror::Error)]
-pub enum NoResponse {
+pub(crate) enum NoResponse {
     #[error("upstream response timed out")]
     Timeout,
     /// Closed, reset, or not HTTP.
@@ -34,7 +35,7 @@ pub enum NoResponse {
 }
 
 /// One HTTP connection to an upstream.
-pub enum Sender {
+pub(crate) enum Sender {
     H1(http1::SendRequest<Body>),
     H2(http2::SendRequest<Body>),
 }
@@ -42,7 +43,7 @@ pub enum Sender {
 impl Sender {
     /// Handshake HTTP/2 (`h2`) or HTTP/1.1 on `io`; the connection itself
     /// runs in a task of `tasks` until it closes.
-    pub async fn handshake<I>(io: I, h2: bool, tasks: &TaskTracker) -> hyper::Result<Sender>
+    pub(crate) async fn handshake<I>(io: I, h2: bool, tasks: &TaskTracker) -> hyper::Result<Sender>
     where
         I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
@@ -69,20 +70,20 @@ impl Sender {
         }
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         match self {
             Sender::H1(s) => s.is_closed(),
             Sender::H2(s) => s.is_closed(),
         }
     }
 
-    pub fn is_h2(&self) -> bool {
+    pub(crate) fn is_h2(&self) -> bool {
         matches!(self, Sender::H2(_))
     }
 
     /// Whether the connection can take a request now (HTTP/1.1: idle,
     /// its last exchange over).
-    pub fn is_ready(&self) -> bool {
+    pub(crate) fn is_ready(&self) -> bool {
         match self {
             Sender::H1(s) => s.is_ready(),
             Sender::H2(s) => s.is_ready(),
@@ -90,7 +91,7 @@ impl Sender {
     }
 
     /// Ready for a request; an error once the connection closed.
-    pub fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<()>> {
+    pub(crate) fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<()>> {
         match self {
             Sender::H1(s) => s.poll_ready(cx),
             Sender::H2(s) => s.poll_ready(cx),
@@ -98,13 +99,16 @@ impl Sender {
     }
 
     /// Wait until the connection can take a request; an error once it closed.
-    pub async fn ready(&mut self) -> hyper::Result<()> {
+    pub(crate) async fn ready(&mut self) -> hyper::Result<()> {
         std::future::poll_fn(|cx| self.poll_ready(cx)).await
     }
 
     /// Hand `req` to the connection once it can take one (HTTP/1.1: after
     /// the previous exchange); `Err(req)` if the connection closed first.
-    pub async fn send(&mut self, req: Request<Body>) -> Result<ResponseFuture, Request<Body>> {
+    pub(crate) async fn send(
+        &mut self,
+        req: Request<Body>,
+    ) -> Result<ResponseFuture, Request<Body>> {
         match self {
             Sender::H2(s) => Ok(Box::pin(s.clone().send_request(req))),
             Sender::H1(s) => {
@@ -120,7 +124,7 @@ impl Sender {
     /// request the connection closed before writing any of it comes back
     /// untouched ([`Attempt::Unsent`]): it may go to another connection,
     /// whatever its method.
-    pub async fn exchange(
+    pub(crate) async fn exchange(
         &mut self,
         req: Request<Body>,
         timeout: Duration,
@@ -150,7 +154,7 @@ impl Sender {
 
 /// A request [`Sender::exchange`] got no response head for.
 #[derive(Debug)]
-pub enum Attempt {
+pub(crate) enum Attempt {
     /// Not a byte of it was written (boxed: it is large, and rare).
     Unsent(Box<Request<Body>>),
     Failed(NoResponse),
@@ -161,7 +165,7 @@ impl NoResponse {
     /// came: what a kept-alive connection the upstream just closed looks
     /// like (RFC 9112 §9.3.1), as opposed to a timeout or a response that
     /// is not HTTP.
-    pub fn is_connection_lost(&self) -> bool {
+    pub(crate) fn is_connection_lost(&self) -> bool {
         let NoResponse::Failed(e) = self else {
             return false;
         };
@@ -186,7 +190,7 @@ impl NoResponse {
 }
 
 /// Wait for the response head, at most `timeout`.
-pub async fn response(
+pub(crate) async fn response(
     fut: impl Future<Output = hyper::Result<Response<Incoming>>>,
     timeout: Duration,
 ) -> Result<Response<Incoming>, NoResponse> {

@@ -13,10 +13,10 @@
 //!   ClientHello held for the decision) before reading the socket.
 //! - [`wire`]: each HTTP/1.1 request's bytes as received.
 
-pub mod body;
-pub mod client;
-pub mod replay;
-pub mod wire;
+pub(crate) mod body;
+pub(crate) mod client;
+pub(crate) mod replay;
+pub(crate) mod wire;
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -33,17 +33,21 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use crate::serve::http::drained;
 
 /// The body of every response the proxy serves and request it forwards.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
 
 /// A body of `data` at once.
-pub fn full(data: impl Into<Bytes>) -> Body {
+pub(crate) fn full(data: impl Into<Bytes>) -> Body {
     Full::new(data.into())
         .map_err(|never| match never {})
         .boxed()
 }
 
 /// A short plain-text response with a `Proxy-Status` header.
-pub fn text_response(status: StatusCode, proxy_status: &str, body: String) -> Response<Body> {
+pub(crate) fn text_response(
+    status: StatusCode,
+    proxy_status: &str,
+    body: String,
+) -> Response<Body> {
     let mut resp = Response::new(full(body));
     *resp.status_mut() = status;
     let h = resp.headers_mut();
@@ -71,7 +75,7 @@ const HOP_BY_HOP: [&str; 9] = [
 ];
 
 /// Remove the hop-by-hop headers, and those `Connection` names.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -89,7 +93,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 
 /// The protocol a client connection speaks, with its bounds.
 #[derive(Debug, Clone, Copy)]
-pub enum Protocol {
+pub(crate) enum Protocol {
     /// HTTP/1.1 (upgrades allowed: CONNECT turns a connection into a tunnel).
     Http1 {
         header_read_timeout: Duration,
@@ -102,14 +106,14 @@ pub enum Protocol {
 }
 
 /// HTTP/2 streams one client connection may have open at once.
-pub const MAX_CONCURRENT_STREAMS: u32 = 100;
+pub(crate) const MAX_CONCURRENT_STREAMS: u32 = 100;
 
 /// The shutdown signals a served connection follows (the shared server's).
-pub use crate::serve::http::Drain;
+pub(crate) use crate::serve::http::Drain;
 
 /// Serve one client connection with `service` until it closes, or the
 /// drain ends it.
-pub async fn serve<I, S>(
+pub(crate) async fn serve<I, S>(
     io: I,
     service: S,
     protocol: Protocol,

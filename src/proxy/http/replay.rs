@@ -8,14 +8,14 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// `held`, then `inner`; writes go straight to `inner`.
-pub struct Replay<C> {
+pub(crate) struct Replay<C> {
     held: Vec<u8>,
     pos: usize,
     inner: C,
 }
 
 impl<C> Replay<C> {
-    pub fn new(held: Vec<u8>, inner: C) -> Self {
+    pub(crate) fn new(held: Vec<u8>, inner: C) -> Self {
         Replay {
             held,
             pos: 0,

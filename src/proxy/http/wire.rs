@@ -14,7 +14,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use crate::proto::http_meter::{Event, Framer};
 
 /// `bytes_up` of a forwarded request: every byte the client sent for it.
-pub enum UpCount {
+pub(crate) enum UpCount {
     /// As counted on the wire by the connection's [`Meter`].
     Wire(Arc<RequestBytes>),
     /// Should the meter have lost track: the head as hyper parsed it, and
@@ -23,7 +23,7 @@ pub enum UpCount {
 }
 
 impl UpCount {
-    pub fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         match self {
             UpCount::Wire(bytes) => bytes.total(),
             UpCount::Estimate { head, body } => head + body.load(Ordering::Relaxed),
@@ -34,13 +34,13 @@ impl UpCount {
 /// The bytes one request took on the wire: its head (request line, headers,
 /// any empty lines before it) and its body with any chunk framing.
 #[derive(Debug)]
-pub struct RequestBytes {
+pub(crate) struct RequestBytes {
     head: u64,
     body: AtomicU64,
 }
 
 impl RequestBytes {
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.head + self.body.load(Ordering::Relaxed)
     }
 }
@@ -48,7 +48,7 @@ impl RequestBytes {
 /// Splits what one client connection sends into requests as hyper reads it
 /// (see [`Framer`]); the service takes each request's count in turn.
 #[derive(Debug)]
-pub struct Meter {
+pub(crate) struct Meter {
     state: Mutex<MeterState>,
 }
 
@@ -63,7 +63,7 @@ struct MeterState {
 }
 
 impl Meter {
-    pub fn new(max_head: usize) -> Meter {
+    pub(crate) fn new(max_head: usize) -> Meter {
         Meter {
             state: Mutex::new(MeterState {
                 framer: Framer::new(max_head),
@@ -92,13 +92,13 @@ impl Meter {
 
     /// The count of the next request hyper hands the service; `None` if
     /// the meter lost track.
-    pub fn next_request(&self) -> Option<Arc<RequestBytes>> {
+    pub(crate) fn next_request(&self) -> Option<Arc<RequestBytes>> {
         self.lock().pending.pop_front()
     }
 
     /// The CONNECT just handled was answered: a tunnel (`accepted`) takes the
     /// rest of the connection; otherwise the next request follows.
-    pub fn connect_answered(&self, accepted: bool) {
+    pub(crate) fn connect_answered(&self, accepted: bool) {
         let mut st = self.lock();
         if accepted {
             st.framer.stop();
@@ -136,19 +136,19 @@ impl MeterState {
 }
 
 /// The client connection, with every byte read shown to the [`Meter`].
-pub struct MeteredIo<T> {
+pub(crate) struct MeteredIo<T> {
     inner: T,
     meter: Arc<Meter>,
 }
 
 impl<T> MeteredIo<T> {
-    pub fn new(inner: T, meter: Arc<Meter>) -> Self {
+    pub(crate) fn new(inner: T, meter: Arc<Meter>) -> Self {
         MeteredIo { inner, meter }
     }
 
     /// The stream, once nothing more is to be counted (a CONNECT tunnel
     /// took the connection).
-    pub fn into_inner(self) -> T {
+    pub(crate) fn into_inner(self) -> T {
         self.inner
     }
 }

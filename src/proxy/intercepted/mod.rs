@@ -4,7 +4,7 @@
 //! ([`super::failure`]). What interception needs per org (CAs, credentials,
 //! upstream trust) is [`crate::intercept`], held in the served state.
 
-pub mod serve;
+pub(crate) mod serve;
 
 use std::sync::Arc;
 
@@ -17,7 +17,7 @@ use crate::intercept::Interceptor;
 /// not) whose first bytes were `detected`. Only an allow rule the org
 /// marked `intercept = true` is ever intercepted; such a rule fails closed
 /// when the connection cannot be (no TLS, interception not set up).
-pub fn plan(intercept: Option<&Arc<Interceptor>>, conn: &Conn, detected: &Detected) -> Plan {
+pub(crate) fn plan(intercept: Option<&Arc<Interceptor>>, conn: &Conn, detected: &Detected) -> Plan {
     let view = &conn.view;
     let (Some(org), Some(rule)) = (&view.org, &conn.verdict.rule) else {
         return Plan::PassThrough;
@@ -41,7 +41,7 @@ pub fn plan(intercept: Option<&Arc<Interceptor>>, conn: &Conn, detected: &Detect
 /// refusal and its detail, if the rule's method and path rules refuse it
 /// (the same decision, path normalisation included, as inside an
 /// intercepted connection; credentials are never added to plain HTTP).
-pub fn plain_request(
+pub(crate) fn plain_request(
     view: &View,
     verdict: &crate::policy::Verdict,
     method: &http::Method,

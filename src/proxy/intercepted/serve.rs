@@ -50,7 +50,7 @@ use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol}
 /// An allowed connection the tunnel code hands over: decided (allow, by
 /// an intercepting rule), its decision record written, its upstream
 /// connected. Everything a request inside is decided and recorded with.
-pub struct Session {
+pub(crate) struct Session {
     ctx: Arc<Ctx>,
     /// The connection's state, as recorded.
     conn: Conn,
@@ -64,7 +64,7 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(
+    pub(crate) fn new(
         ctx: Arc<Ctx>,
         conn: Conn,
         id: String,
@@ -116,7 +116,7 @@ impl Session {
 
 /// Serve an intercepted connection until it ends; writes the `tcp` close
 /// record. `first` holds the client bytes read during detection.
-pub async fn serve<C>(s: Session, client: C, first: Vec<u8>, upstream: TcpStream)
+pub(crate) async fn serve<C>(s: Session, client: C, first: Vec<u8>, upstream: TcpStream)
 where
     C: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {

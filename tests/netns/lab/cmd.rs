@@ -2,17 +2,17 @@
 
 use super::*;
 
-pub fn fixtures_dir() -> PathBuf {
+pub(crate) fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
 }
 
-pub fn palisade_bin() -> &'static str {
+pub(crate) fn palisade_bin() -> &'static str {
     env!("CARGO_BIN_EXE_palisade")
 }
 
 /// Per-process scratch directory under the system temp dir,
 /// `palisade-netns-PID-` and a random suffix (see `clean_stale_scratch`).
-pub fn scratch_root() -> &'static Path {
+pub(crate) fn scratch_root() -> &'static Path {
     static ROOT: OnceLock<PathBuf> = OnceLock::new();
     ROOT.get_or_init(|| {
         tempfile::Builder::new()
@@ -24,7 +24,7 @@ pub fn scratch_root() -> &'static Path {
 }
 
 /// Fresh empty directory for one test, kept after it for `dump` and a look.
-pub fn scratch_dir(tag: &str) -> PathBuf {
+pub(crate) fn scratch_dir(tag: &str) -> PathBuf {
     tempfile::Builder::new()
         .prefix(&format!("{tag}-"))
         .tempdir_in(scratch_root())
@@ -33,7 +33,7 @@ pub fn scratch_dir(tag: &str) -> PathBuf {
 }
 
 /// These tests need CAP_NET_ADMIN and CAP_SYS_ADMIN: fail loudly, never skip.
-pub fn require_root() {
+pub(crate) fn require_root() {
     let status = fs::read_to_string("/proc/self/status").expect("read /proc/self/status");
     let euid = status
         .lines()
@@ -72,7 +72,7 @@ impl CmdOutput {
 
 /// Strip proxy variables from `cmd`'s environment: test clients connect
 /// only where they are told to.
-pub fn sanitize(cmd: &mut Command) -> &mut Command {
+pub(crate) fn sanitize(cmd: &mut Command) -> &mut Command {
     for var in [
         "http_proxy",
         "HTTP_PROXY",
@@ -89,7 +89,11 @@ pub fn sanitize(cmd: &mut Command) -> &mut Command {
 }
 
 /// Run `cmd` with `stdin` fed to it, killing it after `timeout`.
-pub fn run_with_timeout(cmd: &mut Command, stdin: Option<&[u8]>, timeout: Duration) -> CmdOutput {
+pub(crate) fn run_with_timeout(
+    cmd: &mut Command,
+    stdin: Option<&[u8]>,
+    timeout: Duration,
+) -> CmdOutput {
     sanitize(cmd);
     cmd.stdin(if stdin.is_some() {
         Stdio::piped()
@@ -145,7 +149,7 @@ pub fn run_with_timeout(cmd: &mut Command, stdin: Option<&[u8]>, timeout: Durati
 }
 
 /// Run a command that must succeed (harness plumbing).
-pub fn must(cmd: &mut Command) -> CmdOutput {
+pub(crate) fn must(cmd: &mut Command) -> CmdOutput {
     let desc = format!("{cmd:?}");
     let out = run_with_timeout(cmd, None, CMD_TIMEOUT);
     assert!(out.success(), "{desc} failed\n{}", out.describe());

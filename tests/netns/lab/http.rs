@@ -30,7 +30,7 @@ impl HttpResp {
 }
 
 /// Parse one or more HTTP response heads; returns (status, headers) of the last.
-pub fn parse_heads(text: &str) -> (u16, Vec<(String, String)>) {
+pub(crate) fn parse_heads(text: &str) -> (u16, Vec<(String, String)>) {
     let mut status = 0;
     let mut headers = Vec::new();
     for line in text.split('\n') {

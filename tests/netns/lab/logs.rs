@@ -172,7 +172,7 @@ impl Lab {
     }
 }
 /// Poll `cond` every 50 ms until it holds; panic after `timeout`.
-pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while !cond() {
         assert!(
@@ -185,7 +185,7 @@ pub fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool)
 
 /// Parse a JSON Lines file.  A missing file is empty; an incomplete last line
 /// (being written) is ignored; any other malformed line fails the test.
-pub fn read_jsonl(path: &Path) -> Vec<Value> {
+pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
     let text = match fs::read_to_string(path) {
         Ok(t) => t,
         Err(_) => return Vec::new(),
@@ -230,6 +230,6 @@ pub(super) fn without_markers(log: Vec<Value>) -> Vec<Value> {
         .collect()
 }
 
-pub fn dump(v: &[Value]) -> String {
+pub(crate) fn dump(v: &[Value]) -> String {
     v.iter().map(|x| format!("{x}\n")).collect()
 }

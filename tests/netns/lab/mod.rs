@@ -37,35 +37,35 @@ use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
-pub const PROXY_ADDR: &str = "198.18.1.1:3128";
-pub const PROXY_URL: &str = "http://198.18.1.1:3128";
-pub const ADMIN_ADDR: &str = "198.18.1.1:9711";
-pub const CLIENT_IP: &str = "198.18.1.2";
+pub(crate) const PROXY_ADDR: &str = "198.18.1.1:3128";
+pub(crate) const PROXY_URL: &str = "http://198.18.1.1:3128";
+pub(crate) const ADMIN_ADDR: &str = "198.18.1.1:9711";
+pub(crate) const CLIENT_IP: &str = "198.18.1.2";
 /// Second client address, not covered by any org's `clients`.
-pub const STRANGER_IP: &str = "198.18.3.2";
-pub const DNS_IP: &str = "198.18.2.2";
+pub(crate) const STRANGER_IP: &str = "198.18.3.2";
+pub(crate) const DNS_IP: &str = "198.18.2.2";
 /// Where the DNS shim listens in labs that run it (the proxy's client-side address).
-pub const SHIM_IP: &str = "198.18.1.1";
+pub(crate) const SHIM_IP: &str = "198.18.1.1";
 /// Second sandbox namespace (see [`LabBuilder::second_client`]).
-pub const CLIENT2_IP: &str = "198.18.4.2";
+pub(crate) const CLIENT2_IP: &str = "198.18.4.2";
 
 /// Test web hosts and DNS records served in the upstream namespace.
-pub const ALLOWED_IP: &str = "198.18.2.10";
-pub const WILD_A_IP: &str = "198.18.2.11";
-pub const BLOCKED_IP: &str = "198.18.2.12";
-pub const OTHER_IP: &str = "198.18.2.13";
-pub const WILD_APEX_IP: &str = "198.18.2.14";
+pub(crate) const ALLOWED_IP: &str = "198.18.2.10";
+pub(crate) const WILD_A_IP: &str = "198.18.2.11";
+pub(crate) const BLOCKED_IP: &str = "198.18.2.12";
+pub(crate) const OTHER_IP: &str = "198.18.2.13";
+pub(crate) const WILD_APEX_IP: &str = "198.18.2.14";
 /// A web host with no rule at all (used for IP-literal spellings).
-pub const UNLISTED_IP: &str = "198.18.2.20";
+pub(crate) const UNLISTED_IP: &str = "198.18.2.20";
 /// A web host allowed by a cidr rule.
-pub const CIDR_IP: &str = "198.18.2.30";
+pub(crate) const CIDR_IP: &str = "198.18.2.30";
 /// `untrusted.test`: an HTTPS upstream whose certificate comes from a CA no
 /// one trusts (see [`LabBuilder::untrusted_upstream`]).
-pub const UNTRUSTED_IP: &str = "198.18.2.21";
+pub(crate) const UNTRUSTED_IP: &str = "198.18.2.21";
 /// Every web host also serves a server-speaks-first protocol on this port:
 /// it sends [`BANNER`] on accept, then echoes what it receives (30 s idle).
-pub const BANNER_PORT: u16 = 2222;
-pub const BANNER: &str = "SSH-2.0-test\r\n";
+pub(crate) const BANNER_PORT: u16 = 2222;
+pub(crate) const BANNER: &str = "SSH-2.0-test\r\n";
 
 const WEB_IPS: &[&str] = &[
     ALLOWED_IP,
@@ -114,7 +114,7 @@ const DNS_EXTRA: &[(&str, &str)] = &[
 ];
 
 /// The policy most tests run with.
-pub const DEFAULT_POLICY: &str = r#"
+pub(crate) const DEFAULT_POLICY: &str = r#"
 [[org]]
 name = "acme"
 clients = ["198.18.1.0/24"]
@@ -145,7 +145,7 @@ host = "blocked.wild.test"
 
 /// The default policy plus [`BANNER_PORT`] on allowed.test, carried
 /// `opaque`: the fixture speaks first, so no TLS or HTTP could be verified.
-pub fn banner_policy() -> String {
+pub(crate) fn banner_policy() -> String {
     format!(
         "{DEFAULT_POLICY}
 [[org.allow]]
@@ -161,7 +161,7 @@ const NS_PREFIX: &str = "pltest-";
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
 const POLL: Duration = Duration::from_millis(50);
 /// Upper bound for any external command the harness runs.
-pub const CMD_TIMEOUT: Duration = Duration::from_secs(20);
+pub(crate) const CMD_TIMEOUT: Duration = Duration::from_secs(20);
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// Marker requests of [`Lab::assert_nothing_reached_upstream`].
@@ -178,12 +178,12 @@ mod netns;
 mod proxy;
 mod setup;
 
-pub use cmd::*;
-pub use dig::*;
-pub use http::*;
-pub use logs::*;
-pub use netns::*;
-pub use setup::*;
+pub(crate) use cmd::*;
+pub(crate) use dig::*;
+pub(crate) use http::*;
+pub(crate) use logs::*;
+pub(crate) use netns::*;
+pub(crate) use setup::*;
 
 /// Configuration knobs for a lab; build with [`Lab::builder`].
 pub struct LabBuilder {

@@ -81,7 +81,7 @@ pub(super) fn clean_stale_scratch() {
 
 /// Run `f` on a fresh thread inside network namespace `ns`.  Sockets created
 /// there stay in that namespace when handed back to other threads.
-pub fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+pub(crate) fn in_netns<T: Send + 'static>(ns: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     let path = format!("/run/netns/{ns}");
     let file = fs::File::open(&path).unwrap_or_else(|e| panic!("open {path}: {e}"));
     thread::spawn(move || {

@@ -3,7 +3,7 @@
 use super::*;
 
 /// Test CA + server certificate, generated once per test process.
-pub fn certs_dir() -> &'static Path {
+pub(crate) fn certs_dir() -> &'static Path {
     CERTS.get_or_init(|| {
         clean_stale_scratch();
         let dir = scratch_root().join("certs");
@@ -17,7 +17,7 @@ pub fn certs_dir() -> &'static Path {
     })
 }
 
-pub fn ca_pem() -> PathBuf {
+pub(crate) fn ca_pem() -> PathBuf {
     certs_dir().join("ca.pem")
 }
 
