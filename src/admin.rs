@@ -91,7 +91,7 @@ fn respond(health: &Health, req: &Request<Incoming>) -> Response<Body> {
 }
 
 /// Serve the admin endpoints on a dedicated thread until shutdown, then
-/// drain them within `drain_timeout` (see [`serve`]).
+/// drain them within `drain_timeout` (see [`serve`](fn@serve)).
 pub(crate) fn spawn(
     listener: std::net::TcpListener,
     health: Arc<Health>,

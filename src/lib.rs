@@ -27,8 +27,9 @@
 //!
 //! A DNS query takes the same steps in [`dns`]: org by source address, the
 //! policy's name decision ([`dns::decide`]), upstream through [`resolve`],
-//! answers filtered by the policy's address checks and bound to the name in
-//! [`bindings`], evidence, then the answer.
+//! answers filtered by the policy's address checks ([`dns::filter`]) and
+//! bound to the name in [`bindings`], then the record, built from the
+//! query's typed state ([`dns::query`]) when written, then the answer.
 //!
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
 //! ([`proxy::socks5`]) join the same path at step 3 with the name the
@@ -38,6 +39,14 @@
 //! through the same layer as explicit mode. The proxy's files are layered
 //! from the modes down to the shared context ([`proxy::ctx`]); its module
 //! doc has the map.
+//!
+//! Below the proxy and DNS, shared by both and importing neither:
+//! [`limits`] (rate limiters, the keyed shares charged to an org or else a
+//! source address, connection caps, detection memory, the evidence budget,
+//! the one summary engine for denials and refusals); [`bindings`]
+//! (name-address bindings the shim hands out and transparent mode checks);
+//! [`serve`] (the one accept loop and the one HTTP/1 server of every
+//! listener: proxy, DNS over TCP, admin).
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per
@@ -49,8 +58,17 @@
 //! `palisade` binary, among them [`cli::explain`], which runs the same
 //! decision for one target from the command line, and [`cli::replay`],
 //! which re-decides recorded decisions under a candidate policy.
+//!
+//! Visibility says what is internal: items are `pub(crate)` unless the
+//! binary, the integration tests, the benches or the fuzz targets use them
+//! (the `unreachable_pub` lint in `Cargo.toml` holds it), and
+//! `tests/architecture.rs` forbids import cycles among the files of any
+//! folder.
 
 #![forbid(unsafe_code)]
+// The map above names internal modules: read it with
+// `cargo doc --document-private-items`.
+#![allow(rustdoc::private_intra_doc_links)]
 
 pub(crate) mod admin;
 pub(crate) mod app;

@@ -2,7 +2,7 @@
 //!
 //! The proxy ([`crate::proxy::Ctx`]), the DNS shim and the admin listener
 //! share one [`ServedHandle`]. Each reader loads it once per decision (the
-//! proxy's [`crate::proxy::View`], one DNS query, one `/policy` answer), so
+//! proxy's [`crate::proxy::ctx::View`], one DNS query, one `/policy` answer), so
 //! the org, the rules, the DNS settings, the interception plan, the
 //! credentials and the `policy` hash in the records all come from the same
 //! version, whatever a reload does meanwhile. [`crate::reload`] builds a new

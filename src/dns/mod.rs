@@ -20,7 +20,7 @@
 //!    names, the policy's name decision, the query type. A question this
 //!    org asked before under the same served version, whose answer has not
 //!    expired, skips this step and the next: [`cache`] keeps what they
-//!    made of it ([`Forwarded`]), and the record, bindings and budgets are
+//!    made of it ([`filter::Forwarded`]), and the record, bindings and budgets are
 //!    as in step 3-4.
 //! 3. Allowed names go upstream through [`crate::resolve::Resolver`] (the
 //!    configured servers only, lowercased, cached); the answers get their
@@ -37,8 +37,8 @@ pub(crate) mod budget;
 pub(crate) mod cache;
 pub(crate) mod decide;
 mod encode;
-mod filter;
-mod query;
+pub(crate) mod filter;
+pub(crate) mod query;
 pub(crate) mod refusals;
 mod shim;
 pub(crate) mod ttl;
@@ -189,7 +189,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
 }
 
 /// hickory's own TCP loop has no connection cap: accept here, through the
-/// shared accept loop ([`crate::serve::accept`]), one place in the TCP
+/// shared accept loop ([`crate::serve::accept`](fn@crate::serve::accept)), one place in the TCP
 /// budgets (global, per client address, per org) per connection; over any
 /// of them a new connection is closed at once, and recorded.
 async fn serve_tcp(listener: TcpListener, shim: ShimHandle, shutdown: CancellationToken) {

@@ -107,7 +107,7 @@ impl Event {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Record {
     pub id: String,
-    /// What a client is shown instead of `id` ([`reference`]): an opaque
+    /// What a client is shown instead of `id` ([`mod@reference`]): an opaque
     /// keyed hash of it, set with `id` when the record is written.
     #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<String>,

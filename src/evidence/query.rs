@@ -7,7 +7,7 @@
 //! seal) are skipped. On one chain neither command checks it: run
 //! `palisade evidence verify` first (it reads lines as raw JSON, since it
 //! hashes them). On a fleet ([`super::fleet`]) the CLI verifies every chain
-//! first and [`print`]s the records merged by time, each with its replica.
+//! first and [`print`](fn@print)s the records merged by time, each with its replica.
 
 use std::borrow::Cow;
 use std::io::{self, Write};

@@ -2,7 +2,7 @@
 //! minted from ([`ca`]), the credentials added to requests with their
 //! secrets ([`secret`]), and the upstream trust. Built at start and by each
 //! reload into the served state ([`crate::served`]); the serving itself is
-//! a part of the proxy ([`crate::proxy::intercept`]).
+//! a part of the proxy ([`crate::proxy::intercepted`]).
 //!
 //! An allow rule with `intercept = true` makes Palisade terminate the
 //! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),

@@ -83,7 +83,7 @@ pub(crate) fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&
 }
 
 /// The positions in `records` of those that belong to an observation, in
-/// the order [`match_records`] gives them (a fleet report looks up each
+/// the order `match_records` gives them (a fleet report looks up each
 /// one's replica by position).
 pub(crate) fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
     let start = parse_ts(&o.started).map(|t| t - SLACK);

@@ -51,7 +51,7 @@ pub enum Scheme {
 /// The TARGET argument of `palisade explain`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExplainTarget {
-    /// host:port, ip:port, [v6]:port, http://host[:port]/path (default 80), https://host[:port]/path (default 443)
+    /// `host:port`, `ip:port`, `[v6]:port`, `http://host[:port]/path` (default 80), `https://host[:port]/path` (default 443)
     Tcp {
         host: Host,
         port: u16,
@@ -105,7 +105,7 @@ fn bad_name(name: &str, reason: &'static str) -> TargetError {
 }
 
 /// Normalise a host as it appears in a URL authority, CONNECT target, Host header or SNI (no port).
-/// Accepts bracketed IPv6 "[::1]" and bare IPv6 "::1". Rejects zone ids, empty, >253 chars, labels >63, chars outside [a-z0-9-_] after IDNA, '*'.
+/// Accepts bracketed IPv6 `"[::1]"` and bare IPv6 "::1". Rejects zone ids, empty, >253 chars, labels >63, chars outside `[a-z0-9-_]` after IDNA, '*'.
 pub fn normalize_host(input: &str) -> Result<Host, TargetError> {
     if input.is_empty() {
         return Err(TargetError::EmptyHost);
@@ -257,7 +257,7 @@ fn parse_ipv6(text: &str, input: &str) -> Result<Host, TargetError> {
     }))
 }
 
-/// Parse "host:port", "[v6]:port" (authority-form, no userinfo allowed: '@' is an error). If the port is missing, use default_port or error when None. Port 0 is an error. Non-digit port is an error.
+/// Parse "host:port", `"[v6]:port"` (authority-form, no userinfo allowed: '@' is an error). If the port is missing, use default_port or error when None. Port 0 is an error. Non-digit port is an error.
 pub fn parse_authority(input: &str, default_port: Option<u16>) -> Result<(Host, u16), TargetError> {
     let (host, port) = split_authority(input, default_port)?;
     Ok((normalize_host(host)?, port))

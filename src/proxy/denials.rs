@@ -30,7 +30,7 @@
 //! addresses), so an org adds at most one unpaid summary a flush, however
 //! many addresses it floods from. Memory is bounded: at most
 //! [`MAX_TALLIES`] tallies (beyond, an org's further addresses share one
-//! tally with `client: null`), each with at most [`TRACKED_HOSTS`] host
+//! tally with `client: null`), each with at most [`TRACKED_HOSTS`](crate::limits::summary::TRACKED_HOSTS) host
 //! counters.
 
 use std::collections::HashMap;
@@ -391,8 +391,7 @@ mod tests {
 
     #[tokio::test]
     async fn summaries_are_chained_signed_records_and_wait_for_room() {
-        let dir = std::env::temp_dir().join(format!("palisade-denials-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = crate::testing::scratch("denials");
         let ev = Evidence::open(&dir.join("evidence")).unwrap();
         let d = Denials::new(2, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());

@@ -40,7 +40,7 @@ pub(crate) async fn serve_connection(
 ) {
     // The permit lives as long as the connection or any tunnel it became.
     let permit = Arc::new(permit);
-    let span = info_span!("conn", client.addr = %peer, org = org.as_ref().map(|o| &*o.name));
+    let span = info_span!("explicit", org = org.as_ref().map(|o| &*o.name));
     async move {
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;

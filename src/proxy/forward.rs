@@ -7,7 +7,7 @@
 //!
 //! [`absolute`] takes an explicit-mode absolute-form request from its
 //! allow to its response, over an idle upstream connection of the
-//! [`pool`](super::pool) when there is one for its key, else a new one.
+//! [`super::pool`] when there is one for its key, else a new one.
 
 use std::net::IpAddr;
 use std::sync::atomic::AtomicU64;

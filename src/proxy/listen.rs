@@ -9,7 +9,7 @@ use super::ctx::{Ctx, View};
 use crate::limits::{self, Permit};
 
 /// The accept loop of every proxy listener: the shared loop of
-/// [`crate::serve::accept`] (stop on shutdown, back off on accept errors, a
+/// [`crate::serve::accept`](fn@crate::serve::accept) (stop on shutdown, back off on accept errors, a
 /// tracked task and span per connection), holding back while the evidence
 /// queue is full (records are never dropped), with the proxy's cap: a
 /// connection permit (charged to the address's org, or to the address

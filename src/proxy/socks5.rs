@@ -16,7 +16,7 @@ use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
-use tracing::{debug, info_span, Instrument};
+use tracing::debug;
 
 use super::connect;
 use super::ctx::{Ctx, View};
@@ -34,16 +34,13 @@ use crate::proto::Parse;
 
 /// Accept SOCKS5 connections until shutdown. A connection counts for the
 /// org its address names, or its address's own budget, until the
-/// authentication names its org (see [`super::limits`]).
+/// authentication names its org (see [`crate::limits`]).
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
     accept_loop(
         ctx,
         listener,
         "socks5",
-        |ctx, stream, peer, _view, permit| {
-            let span = info_span!("socks5", client.addr = %peer);
-            handle(ctx, stream, peer, permit).instrument(span)
-        },
+        |ctx, stream, peer, _view, permit| handle(ctx, stream, peer, permit),
         refuse_over_limit,
     )
     .await

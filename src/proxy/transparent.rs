@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
-use tracing::{debug, info_span, Instrument};
+use tracing::debug;
 
 use super::conn::{Conn, Plan};
 use super::connect;
@@ -46,17 +46,7 @@ pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<Socket
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(
-        ctx,
-        listener,
-        "transparent",
-        |ctx, stream, peer, view, permit| {
-            let span = info_span!("transparent", client.addr = %peer);
-            handle(ctx, stream, peer, view, permit).instrument(span)
-        },
-        refuse,
-    )
-    .await
+    accept_loop(ctx, listener, "transparent", handle, refuse).await
 }
 
 /// Over a limit: record it and reset.

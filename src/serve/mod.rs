@@ -1,6 +1,6 @@
 //! Serving connections, the same way on every listener.
 //!
-//! - [`accept`]: the one accept loop of every TCP listener (the proxy's
+//! - [`accept`](fn@accept): the one accept loop of every TCP listener (the proxy's
 //!   explicit, transparent and SOCKS5 listeners, DNS over TCP, admin):
 //!   stop on the shutdown token, back off on accept errors, let the
 //!   listener's [`Admission`] take (or refuse) a place for the connection,
