@@ -281,17 +281,17 @@ impl HttpGuard {
                 }
             }
             Client::AwaitUpgrade { seq } => match self.upstream.outcome(*seq) {
-                Outcome::Switched => {
+                UpgradeFate::Switched => {
                     self.state = Client::Opaque;
                     Inner::Stop(Step::Opaque)
                 }
-                Outcome::Refused => {
+                UpgradeFate::Refused => {
                     self.state = Client::Head;
                     self.scan = HeadScan::default();
                     self.head_step(held)
                 }
-                Outcome::Lost(why) => Inner::Stop(Step::Deny(upstream_lost(why))),
-                Outcome::Unknown => Inner::Stop(Step::Wait),
+                UpgradeFate::Lost(why) => Inner::Stop(Step::Deny(upstream_lost(why))),
+                UpgradeFate::Unknown => Inner::Stop(Step::Wait),
             },
         }
     }
@@ -966,7 +966,7 @@ enum Up {
 
 /// What became of an upgrade request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Outcome {
+enum UpgradeFate {
     Switched,
     Refused,
     Lost(&'static str),
@@ -1039,15 +1039,15 @@ impl Upstream {
         self.sent
     }
 
-    fn outcome(&self, seq: u64) -> Outcome {
+    fn outcome(&self, seq: u64) -> UpgradeFate {
         if matches!(self.state, Up::Switched) {
-            Outcome::Switched
+            UpgradeFate::Switched
         } else if self.answered >= seq {
-            Outcome::Refused
+            UpgradeFate::Refused
         } else if let Some(why) = self.lost() {
-            Outcome::Lost(why)
+            UpgradeFate::Lost(why)
         } else {
-            Outcome::Unknown
+            UpgradeFate::Unknown
         }
     }
 
