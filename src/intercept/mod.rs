@@ -2,12 +2,12 @@
 //! minted from ([`ca`]), the credentials added to requests with their
 //! secrets ([`secret`]), and the upstream trust. Built at start and by each
 //! reload into the served state ([`crate::served`]); the serving itself is
-//! a part of the proxy ([`crate::proxy::intercept`]).
+//! a part of the proxy ([`crate::proxy::intercepted`]).
 //!
 //! An allow rule with `intercept = true` makes Palisade terminate the
 //! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
 //! originate its own verified TLS to the upstream, and decide every HTTP
-//! request inside on its own (`proxy::intercept::serve`): Host/`:authority`
+//! request inside on its own (`proxy::intercepted::serve`): Host/`:authority`
 //! must be the SNI, the path is normalised and the rule's method and path
 //! rules apply, and
 //! the org's credentials ([`secret`]) are added to matching requests, all in

@@ -192,7 +192,7 @@ impl Ctx {
     }
 
     /// Charge the connection's `permit` to the org of `view`, the one it
-    /// is decided for (see [`super::limits`]); over that org's cap or rate, the
+    /// is decided for (see [`crate::limits`]); over that org's cap or rate, the
     /// limit to name in the refusal.
     pub fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
         self.conns.charge(permit, view.org.as_ref())

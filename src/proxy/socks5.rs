@@ -34,7 +34,7 @@ use crate::proto::Parse;
 
 /// Accept SOCKS5 connections until shutdown. A connection counts for the
 /// org its address names, or its address's own budget, until the
-/// authentication names its org (see [`super::limits`]).
+/// authentication names its org (see [`crate::limits`]).
 pub async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
     accept_loop(
         ctx,
