@@ -424,7 +424,7 @@ pub fn http_stream(data: &[u8]) {
 /// A bounded, stable-Rust fuzz run of every fuzz target's property: the seed
 /// corpus, then deterministic random mutations of it, within a fixed count
 /// and time per target. Coverage-guided runs are `cargo +nightly fuzz run
-/// TARGET` in `fuzz/` (see README).
+/// TARGET` in `fuzz/` (see "Fuzzing" in `docs/architecture.md`).
 #[cfg(test)]
 mod smoke {
     use std::time::{Duration, Instant};

@@ -24,7 +24,8 @@ use serde_json::Value;
 /// sidecars (`restartPolicy: Always` on an init container) need 1.29+.
 const KUBERNETES_VERSION: &str = "1.33.0";
 
-/// Measured resident memory of one idle tunnel (README "Performance").
+/// Measured resident memory of one idle tunnel (docs/deployment.md, "What
+/// each replica needs").
 const RSS_PER_TUNNEL: u64 = 13 * 1024;
 
 fn repo() -> PathBuf {

@@ -7,7 +7,7 @@
 //! An allow rule with `intercept = true` makes Palisade terminate the
 //! client's TLS with a leaf minted for the SNI from the org's CA ([`ca`]),
 //! originate its own verified TLS to the upstream, and decide every HTTP
-//! request inside on its own (`proxy::intercept::serve`): Host/`:authority`
+//! request inside on its own (`proxy::intercepted::serve`): Host/`:authority`
 //! must be the SNI, the path is normalised and the rule's method and path
 //! rules apply, and
 //! the org's credentials ([`secret`]) are added to matching requests, all in

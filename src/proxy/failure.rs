@@ -10,7 +10,7 @@
 //!
 //! | failure | status | `Proxy-Status` error |
 //! |---|---|---|
-//! | a denial | by reason, see the README's "What a denied client sees" | |
+//! | a denial | by reason, see "What a denied client sees" in `docs/decisions.md` | |
 //! | a request head over the configured limits (`bad_request`) | 431 | `http_request_error` |
 //! | connect timed out | 504 | `connection_timeout` |
 //! | connect refused | 502 | `connection_refused` |

@@ -450,8 +450,9 @@ fn unparseable_connect_target_gets_400_with_record() {
     lab.assert_nothing_reached_upstream("CONNECT [::1");
 }
 
-/// README: a body with both Transfer-Encoding and Content-Length is framed
-/// by Transfer-Encoding only and the connection closed after the response.
+/// docs/decisions.md, "Explicit-proxy details": a body with both
+/// Transfer-Encoding and Content-Length is framed by Transfer-Encoding only
+/// and the connection closed after the response.
 #[test]
 fn transfer_encoding_with_content_length_is_never_forwarded_ambiguously() {
     let lab = lab_with(&[]);
