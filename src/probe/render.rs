@@ -54,12 +54,25 @@ fn replica_of(p: &ProbeResult) -> &str {
     p.replica.as_deref().unwrap_or("-")
 }
 
+/// A probe's why, with what the sandbox reported that does not fit.
+fn why(p: &ProbeResult) -> String {
+    if p.mismatches.is_empty() {
+        return p.why.clone();
+    }
+    format!("{}; mismatch: {}", p.why, p.mismatches.join("; "))
+}
+
 /// `report.md`.
 pub(crate) fn markdown(r: &Report) -> String {
     let fleet = is_fleet(r);
     let mut m = String::new();
     let _ = writeln!(m, "# Palisade containment report\n");
     let _ = writeln!(m, "**Verdict:** {}\n", r.verdict);
+    let _ = writeln!(m, "## What this report trusts\n");
+    for t in &r.trust {
+        let _ = writeln!(m, "- {t}");
+    }
+    let _ = writeln!(m);
     let _ = writeln!(m, "## Evidence verification\n");
     match &r.verification.checked {
         Checked::Verified {
@@ -141,7 +154,7 @@ pub(crate) fn markdown(r: &Report) -> String {
                 f.via.as_str(),
                 f.expect.as_str(),
                 f.class.as_str(),
-                cell(&f.why),
+                cell(&why(f)),
                 cell(&f.record_cite())
             );
         }
@@ -340,6 +353,10 @@ pub(crate) fn html(r: &Report) -> String {
             body {
                 h1 { "Palisade containment report" }
                 p.verdict #verdict { (r.verdict) }
+                h2 { "What this report trusts" }
+                ul #trust {
+                    @for t in &r.trust { li { (t) } }
+                }
                 h2 { "Evidence verification" }
                 (verification(r))
                 h2 { "Scope" }
@@ -364,7 +381,7 @@ pub(crate) fn html(r: &Report) -> String {
                             td { (f.expect.as_str()) }
                             td.bad { (f.class.as_str()) }
                             @if fleet { td { (replica_of(f)) } }
-                            td { (f.why) }
+                            td { (why(f)) }
                             td { (f.record_cite()) }
                         }
                     }
@@ -384,7 +401,7 @@ pub(crate) fn html(r: &Report) -> String {
                             td { (p.class.as_str()) }
                             td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
                             @if fleet { td { (replica_of(p)) } }
-                            td { (p.why) }
+                            td { (why(p)) }
                             td { (p.record_cite()) }
                         }
                     }
@@ -526,11 +543,34 @@ mod tests {
         v
     }
 
+    /// The agreed plan of [`observations`], written into `dir`; its sha256.
+    fn plan_file(dir: &Path, org: Option<&str>) -> String {
+        use sha2::Digest;
+        let org = org.map_or_else(String::new, |o| format!("org = {o:?}\n"));
+        let text = format!(
+            "{org}policy = \"p0\"\nproxy = \"198.18.1.1:3128\"\n\n\
+             [[probe]]\nid = \"allow-https\"\ntarget = \"https://allowed.test/\"\nvia = \"proxy\"\nexpect = \"allow\"\n\n\
+             [[probe]]\nid = \"deny-name\"\ntarget = \"https://other.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n\n\
+             [[probe]]\nid = \"routed-away\"\ntarget = \"tcp://198.18.2.20:80\"\nvia = \"direct\"\nexpect = \"deny\"\nlayer = \"any\"\n"
+        );
+        std::fs::write(dir.join("plan.toml"), &text).unwrap();
+        data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(text.as_bytes()))
+    }
+
+    /// The agreed plans of observations files written by [`observations`].
+    fn plans_of(observations: &[PathBuf]) -> Vec<PathBuf> {
+        observations
+            .iter()
+            .map(|o| o.parent().unwrap().join("plan.toml"))
+            .collect()
+    }
+
     fn observations(dir: &Path, deny_id: &str) -> PathBuf {
         let now = ts(SystemTime::now());
+        let sha = plan_file(dir, None);
         let obs = json!({
             "format": super::super::OBSERVATIONS_FORMAT, "run": "r1", "palisade_version": "0",
-            "plan_sha256": "00", "plan": {"org": "acme", "policy": "p0", "probe": []},
+            "plan_sha256": sha, "plan": {"org": "acme", "policy": "p0", "probe": []},
             "started": now, "finished": now,
             "environment": {"hostname": "sandbox", "addresses": ["1: lo <x>", "2: eth0 198.18.1.2/24"]},
             "observations": [
@@ -552,7 +592,9 @@ mod tests {
     fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
         let evidence = [evidence.to_path_buf()];
         let observations = [observations.to_path_buf()];
+        let plans = plans_of(&observations);
         let opts = Options {
+            plans: &plans,
             observations: &observations,
             evidence: &evidence,
             pins: fleet::Pins::default(),
@@ -682,7 +724,9 @@ mod tests {
     }
 
     fn fleet_report(observations: &[PathBuf], evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
+        let plans = plans_of(observations);
         let opts = Options {
+            plans: &plans,
             observations,
             evidence,
             pins,
@@ -902,14 +946,25 @@ mod tests {
         );
         // One run given twice, or runs of different plans: bad input.
         let twice = [obs_a.clone(), obs_a.clone()];
+        let plans = plans_of(&both);
         let opts = Options {
+            plans: &plans,
             observations: &twice,
             evidence: std::slice::from_ref(&tree),
             pins: fleet::Pins::default(),
             allow_unsealed: false,
         };
         assert!(build(&opts).is_err());
+        // The sandbox's copy of the plan is not read; the agreed plans are.
         vb["plan"]["org"] = "other".into();
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        assert!(build(&Options {
+            observations: &both,
+            pins: fleet::Pins::default(),
+            ..opts
+        })
+        .is_ok());
+        vb["plan_sha256"] = plan_file(&b, Some("other")).into();
         std::fs::write(&obs_b, vb.to_string()).unwrap();
         let opts = Options {
             observations: &both,
