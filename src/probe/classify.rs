@@ -101,6 +101,22 @@ fn tunnel_denials<'a>(o: &Observation, deny: &[&'a Record]) -> Vec<&'a Record> {
         .collect()
 }
 
+/// The allows that let the probe's traffic through: all of them but a
+/// tunnel's whose request inside it (an intercepted connection's, from
+/// the same client socket) Palisade denied.
+fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> {
+    allow
+        .iter()
+        .copied()
+        .filter(|a| {
+            !(a.kind == crate::evidence::Kind::Tcp
+                && deny
+                    .iter()
+                    .any(|d| d.kind == crate::evidence::Kind::Http && d.client == a.client))
+        })
+        .collect()
+}
+
 /// Denials that say nothing about policy: Palisade could not decide.
 const INFRA_REASONS: [Reason; 2] = [Reason::EvidenceUnavailable, Reason::LimitExceeded];
 
@@ -188,12 +204,12 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
                         ),
                     );
                 }
-            } else if !allow.is_empty() {
+            } else if !carried_allow(&allow, &policy_deny).is_empty() {
                 return (
                     Class::UnexpectedAllow,
                     format!(
                         "Palisade allowed it ({}), whatever the client reported ({})",
-                        ids(&allow),
+                        ids(&carried_allow(&allow, &policy_deny)),
                         observed_text(o)
                     ),
                 );
