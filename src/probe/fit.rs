@@ -324,3 +324,43 @@ pub(crate) fn quote_misfit(
         "the observation quotes record {id}, which does not fit the probe: {why}"
     ))
 }
+
+/// The records no probe got that are the sandbox's, during the run: from
+/// an address a run claims, or of the plan's `org`, within the probes'
+/// windows (widened by [`SKEW`]). What else the sandbox did while it was
+/// probed, or traffic a misreported probe left behind.
+pub(crate) fn unattributed(
+    cases: &[Option<Case>],
+    records: &[Record],
+    assigned: &[Vec<usize>],
+) -> Vec<usize> {
+    let all_ips: BTreeSet<IpAddr> = cases
+        .iter()
+        .flatten()
+        .flat_map(|c| c.run_ips.iter().copied())
+        .collect();
+    let orgs: BTreeSet<&str> = cases
+        .iter()
+        .flatten()
+        .filter_map(|c| c.org.as_deref())
+        .collect();
+    let windows = cases.iter().flatten().filter_map(|c| c.window);
+    let (Some(first), Some(last)) = (
+        windows.clone().map(|w| w.0).min(),
+        windows.map(|w| w.1).max(),
+    ) else {
+        return Vec::new();
+    };
+    let taken: BTreeSet<usize> = assigned.iter().flatten().copied().collect();
+    records
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| {
+            !taken.contains(i)
+                && parse_ts(&r.ts).is_some_and(|t| t + SKEW >= first && t <= last + SKEW)
+                && (r.client.is_some_and(|c| all_ips.contains(&c.ip()))
+                    || r.org.as_deref().is_some_and(|o| orgs.contains(o)))
+        })
+        .map(|(i, _)| i)
+        .collect()
+}

@@ -54,6 +54,19 @@ fn replica_of(p: &ProbeResult) -> &str {
     p.replica.as_deref().unwrap_or("-")
 }
 
+/// `host:port` of a cited record (and its SNI).
+fn target_of(c: &super::report::CitedRecord) -> String {
+    let mut t = format!(
+        "{}:{}",
+        c.host.as_deref().unwrap_or("-"),
+        c.port.map_or_else(|| "-".into(), |p| p.to_string())
+    );
+    if let Some(sni) = &c.sni {
+        let _ = write!(t, " (SNI {sni})");
+    }
+    t
+}
+
 /// A probe's why, with what the sandbox reported that does not fit.
 fn why(p: &ProbeResult) -> String {
     if p.mismatches.is_empty() {
@@ -188,6 +201,31 @@ pub(crate) fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(m);
+    if r.counts.is_some() {
+        let _ = writeln!(m, "## Records no probe accounts for\n");
+        if r.unattributed.is_empty() {
+            let _ = writeln!(
+                m,
+                "None: every record of the sandbox during the run belongs to a probe.\n"
+            );
+        } else {
+            let _ = writeln!(m, "The sandbox's records during the run that fit no probe (its other traffic, or what a misreported probe left):\n");
+            let _ = writeln!(m, "| record | time | client | target | decision | reason |\n|---|---|---|---|---|---|");
+            for c in &r.unattributed {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    cell(&c.id),
+                    c.ts,
+                    c.client.map_or_else(|| "-".into(), |a| a.to_string()),
+                    cell(&target_of(c)),
+                    c.decision,
+                    c.reason
+                );
+            }
+            let _ = writeln!(m);
+        }
+    }
     let _ = writeln!(m, "## Untested surfaces\n");
     for u in &r.untested {
         let _ = writeln!(m, "- {u}");
@@ -403,6 +441,22 @@ pub(crate) fn html(r: &Report) -> String {
                             @if fleet { td { (replica_of(p)) } }
                             td { (why(p)) }
                             td { (p.record_cite()) }
+                        }
+                    }
+                }
+                @if r.counts.is_some() {
+                    h2 { "Records no probe accounts for" }
+                    table #unattributed {
+                        tr { @for h in ["record", "time", "client", "target", "decision", "reason"] { th { (h) } } }
+                        @for c in &r.unattributed {
+                            tr {
+                                td { (c.id) }
+                                td { (c.ts) }
+                                td { (c.client.map_or_else(|| "-".into(), |a| a.to_string())) }
+                                td { code { (target_of(c)) } }
+                                td { (c.decision) }
+                                td { (c.reason.as_str()) }
+                            }
                         }
                     }
                 }

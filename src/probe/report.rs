@@ -26,7 +26,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::classify::{classify, in_tunnel, observed_text};
-use super::fit::{assign, quote_misfit, Case, SKEW};
+use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
 use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
@@ -83,6 +83,8 @@ pub struct Report {
     /// The probes that are findings, in plan order.
     pub findings: Vec<ProbeResult>,
     pub probes: Vec<ProbeResult>,
+    /// The sandbox's records during the run that no probe accounts for.
+    pub unattributed: Vec<CitedRecord>,
     pub untested: Vec<String>,
 }
 
@@ -957,6 +959,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 exit_status: 1,
                 findings: Vec::new(),
                 probes: Vec::new(),
+                unattributed: Vec::new(),
                 untested: Vec::new(),
             });
         }
@@ -1132,6 +1135,13 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         exit_status: exit,
         findings,
         probes,
+        unattributed: unattributed(&fits, &records, &assigned)
+            .into_iter()
+            .map(|i| CitedRecord {
+                replica: replica_of(i),
+                ..CitedRecord::from(&records[i])
+            })
+            .collect(),
         untested,
     })
 }

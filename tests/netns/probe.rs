@@ -549,6 +549,7 @@ expect = "deny"
         table.contains("data-probe=\"canary\"") && table.contains("unexpected_allow"),
         "{table}"
     );
+    assert_eq!(r.json["unattributed"], serde_json::json!([]), "{}", r.md());
     forged_observations_do_not_hide_the_hole(&lab, &obs, &r);
 }
 
@@ -706,6 +707,21 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
             .unwrap_or_default()
             .contains("quotes record"),
         "{canary:#}"
+    );
+    // The allow it left behind is listed with the records no probe accounts for.
+    assert!(
+        r.json["unattributed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80),
+        "{:#}",
+        r.json["unattributed"]
+    );
+    assert!(
+        r.md().contains("## Records no probe accounts for"),
+        "{}",
+        r.md()
     );
     // 4. The observation deleted: the plan still has the probe.
     let dropped = forge(lab, obs, "forged-dropped", |v| {
