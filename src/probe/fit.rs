@@ -364,3 +364,144 @@ pub(crate) fn unattributed(
         .map(|(i, _)| i)
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::probe::plan::Probe;
+
+    fn obs(id: &str, target: &str, port: u16, from: &str, to: &str) -> Observation {
+        serde_json::from_value(json!({
+            "id": id, "marker": "pp-1-0000", "target": target, "kind": "http",
+            "via": "proxy", "expect": "deny",
+            "started": format!("2030-01-01T12:00:{from}Z"), "finished": format!("2030-01-01T12:00:{to}Z"),
+            "elapsed_ms": 1000,
+            "sockets": [{"purpose": "proxy", "proto": "tcp", "local": format!("198.18.1.2:{port}"), "remote": "198.18.1.1:3128"}],
+            "resolved": [], "connected": true, "bytes_sent": 0, "bytes_received": 0,
+            "dns_answers": [], "stage": "done", "outcome": "refused",
+        }))
+        .unwrap()
+    }
+
+    fn rec(id: &str, client: &str, host: &str, ts: &str, extra: Value) -> Record {
+        let mut v = json!({
+            "id": id, "ts": format!("2030-01-01T12:00:{ts}Z"), "kind": "http", "event": "decision",
+            "org": "acme", "client": client, "mode": "explicit", "decision": "allow",
+            "reason": "rule_match", "host": host, "port": 80, "policy": "p0",
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn case(o: &Observation, org: Option<&str>, ips: &[&str]) -> Option<Case> {
+        let plan = Probe::new(&o.id, &o.target, o.via, o.expect);
+        let ips = ips.iter().map(|i| i.parse().unwrap()).collect();
+        Some(Case::new(o, &plan, org, ips))
+    }
+
+    #[test]
+    fn records_fit_by_org_client_target_and_time() {
+        let canary = obs("canary", "http://other.test/", 40001, "01", "02");
+        let cases = [case(&canary, Some("acme"), &["198.18.1.2"])];
+        let records = [
+            // Fits although the sandbox claims another port.
+            rec("r0", "198.18.1.2:50000", "other.test", "01.5", json!({})),
+            rec(
+                "r1",
+                "198.18.1.2:40001",
+                "other.test",
+                "01.5",
+                json!({"org": "beta"}),
+            ),
+            rec("r2", "198.18.1.2:40001", "allowed.test", "01.5", json!({})),
+            rec(
+                "r3",
+                "198.18.1.2:40001",
+                "other.test",
+                "01.5",
+                json!({"port": 443}),
+            ),
+            rec("r4", "198.18.1.2:40001", "other.test", "09", json!({})),
+            // An address no run claims: a sandbox lying about its own.
+            rec("r5", "198.18.9.9:1", "other.test", "01.5", json!({})),
+        ];
+        assert_eq!(assign(&cases, &records), [vec![0, 5]]);
+        let c = cases[0].as_ref().unwrap();
+        let why = |r: &Record| c.misfit(r, parse_ts(&r.ts), &|_| false).unwrap();
+        assert!(why(&records[1]).contains("org is beta"));
+        assert!(why(&records[2]).contains("host allowed.test"));
+        assert!(why(&records[3]).contains("port 443"));
+        assert!(why(&records[4]).contains("outside the probe's window"));
+        // Records of an address another run claims are that run's.
+        let other = obs("canary", "http://other.test/", 40001, "01", "02");
+        let two = [
+            cases[0].clone(),
+            case(&other, Some("acme"), &["198.18.9.9"]),
+        ];
+        assert_eq!(assign(&two, &records), [vec![0], vec![5]]);
+    }
+
+    #[test]
+    fn a_record_goes_to_the_probe_that_claims_its_socket_else_the_nearest() {
+        let a = obs("a", "http://allowed.test/", 40001, "01", "02");
+        let b = obs("b", "http://allowed.test/", 40002, "02.1", "03");
+        let cases = [
+            case(&a, None, &["198.18.1.2"]),
+            case(&b, None, &["198.18.1.2"]),
+        ];
+        let records = [
+            rec("r0", "198.18.1.2:40001", "allowed.test", "02.5", json!({})),
+            rec("r1", "198.18.1.2:9", "allowed.test", "02.8", json!({})),
+            rec("r2", "198.18.1.2:9", "allowed.test", "01.2", json!({})),
+            // Inside the tunnel of r0, joined by conn.
+            rec(
+                "r3",
+                "198.18.1.2:9",
+                "elsewhere.test",
+                "02.6",
+                json!({"conn": "r0"}),
+            ),
+        ];
+        assert_eq!(assign(&cases, &records), [vec![0, 2, 3], vec![1]]);
+    }
+
+    #[test]
+    fn a_quoted_record_must_fit() {
+        let canary = obs("canary", "http://other.test/", 40001, "01", "02");
+        let blocked = obs("blocked", "http://blocked.test/", 40002, "02.1", "03");
+        let cases = [
+            case(&canary, None, &["198.18.1.2"]),
+            case(&blocked, None, &["198.18.1.2"]),
+        ];
+        let records = [
+            rec(
+                "r0",
+                "198.18.1.2:40002",
+                "blocked.test",
+                "02.5",
+                json!({"reason": "explicit_deny"}),
+            ),
+            rec(
+                "r1",
+                "198.18.1.2:7",
+                "far.test",
+                "02.5",
+                json!({"reason": "explicit_deny"}),
+            ),
+        ];
+        let assigned = assign(&cases, &records);
+        let name = |n: usize| ["canary", "blocked"][n].to_string();
+        let misfit = |q: &str, n: usize| quote_misfit(q, n, &cases, &records, &assigned, &name);
+        assert_eq!(misfit("r0", 1), None);
+        assert!(misfit("r0", 0)
+            .unwrap()
+            .contains("belongs to probe blocked"));
+        assert!(misfit("r1", 0).unwrap().contains("host far.test"));
+        assert!(misfit("r9", 0).unwrap().contains("not in the evidence"));
+        assert_eq!(unattributed(&cases, &records, &assigned), [1]);
+    }
+}
