@@ -738,6 +738,33 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// The plan is the assessor's: a probe with no observation is
+    /// missing, observations of another plan are refused.
+    #[tokio::test]
+    async fn the_plan_decides_what_is_reported() {
+        let dir = crate::testing::scratch("report-plan");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&obs).unwrap()).unwrap();
+        v["observations"].as_array_mut().unwrap().remove(1);
+        std::fs::write(&obs, v.to_string()).unwrap();
+        let r = report(&obs, &evidence).unwrap();
+        assert_eq!(classes(&r.json)["deny-name"], "missing");
+        assert_eq!(r.exit, 1);
+        assert_eq!(r.json["findings"][0]["id"], "deny-name");
+        assert!(r.markdown.contains("## What this report trusts"));
+        assert!(r.markdown.contains("| missing | 1 |"), "{}", r.markdown);
+        v["plan_sha256"] = "ab".repeat(32).into();
+        std::fs::write(&obs, v.to_string()).unwrap();
+        let e = report(&obs, &evidence).map(|_| ()).unwrap_err();
+        assert!(
+            e.contains(&"ab".repeat(32)) && e.contains("plan.toml is sha256 "),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Evidence that fails verification: reported, nothing classified.
     #[tokio::test]
     async fn tampered_evidence_classifies_nothing() {
