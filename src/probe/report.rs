@@ -1,6 +1,9 @@
-//! `palisade probe report`: verify the evidence chain first, join each
-//! observation to Palisade's records and classify it ([`super::classify`]),
-//! and build the [`Report`]: `report.json` is its serialisation, and
+//! `palisade probe report`: verify the evidence chain first, then take
+//! every probe of the assessor's plan (`--plan`; observations of another
+//! plan are refused), give it the records that fit it ([`super::fit`]),
+//! classify it with its observation ([`super::classify`]; none: `missing`),
+//! list what the observation claims that does not fit (mismatches, a
+//! finding), and build the [`Report`]: `report.json` is its serialisation, and
 //! the render module makes `report.md` and a self-contained `report.html`
 //! from it. Evidence that fails verification is reported, and no probe is
 //! classified.
