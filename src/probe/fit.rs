@@ -12,7 +12,8 @@
 //!    address does not hide its records that way);
 //! 3. **target**: its `host` (or `sni`, or dialled `ip`) is a name or
 //!    address the probe presents (target host, SNI, `host_header`,
-//!    `second_host`, `resolve`) and its `port` the target's port; a
+//!    `second_host`, `resolve`) and its `port` the target's port (a
+//!    `tls://` probe's record with an SNI: the probe's SNI); a
 //!    `dns:` probe's record is a DNS record of the probe's name; a lookup
 //!    a direct probe made for its own name fits only when denied (an
 //!    allowed lookup says nothing about the connection);
@@ -199,6 +200,11 @@ impl Case {
             ));
         }
         let sni = r.sni.as_deref().map(norm);
+        if let (Target::Tls { sni: want, .. }, Some(got)) = (target, &sni) {
+            if *got != norm(want) {
+                return Some(format!("its SNI {got} is not the probe's {want}"));
+            }
+        }
         let ip = r.ip.map(|ip| ip.to_string());
         if named(&host) || named(&sni) || named(&ip) {
             return None;
