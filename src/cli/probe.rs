@@ -1,8 +1,10 @@
 //! `palisade probe plan|run|report`: the containment demonstration.
 //!
-//! Exit statuses: 0 all matched (or the step did its work); 1 a finding,
-//! an inconclusive or unenforced probe, or evidence that fails
-//! verification; 2 bad input (config, org, plan, observations, an
+//! Exit statuses: 0 all matched (or the step did its work); 1 a finding
+//! (including a missing probe or an observation that does not fit the
+//! evidence), an inconclusive or unenforced probe, or evidence that fails
+//! verification; 2 bad input (config, org, plan, observations of another
+//! plan, a plan for another org or policy than the evidence, an
 //! unwritable output directory).
 
 use std::net::{IpAddr, SocketAddr};
@@ -47,6 +49,10 @@ pub enum Command {
     },
     /// Verify evidence, classify observations, write report.json/.md/.html.
     Report {
+        /// The agreed plan, from the assessor's side (never the sandbox's
+        /// copy); repeat it when the runs used different plans.
+        #[arg(long, required = true)]
+        plan: Vec<PathBuf>,
         /// observations.json of a run; repeat it for one run per sandbox
         /// (probe ids then carry `@RUN`).
         #[arg(long, required = true)]
@@ -88,6 +94,7 @@ pub fn run(command: Command) -> Result<(), CliError> {
         }
         Command::Run { plan, out } => run_plan(&plan, &out),
         Command::Report {
+            plan,
             observations,
             evidence,
             keys,
@@ -95,6 +102,7 @@ pub fn run(command: Command) -> Result<(), CliError> {
             out,
         } => {
             let opts = report::Options {
+                plans: &plan,
                 observations: &observations,
                 evidence: &evidence,
                 pins: keys.pins()?,

@@ -1,31 +1,16 @@
-//! Classification: which of Palisade's verified records belong to a probe,
-//! and what the probe's observation and those records together show (one
-//! of the six [`Class`]es, and why). Pure: observations and records in,
-//! classes out.
-//!
-//! Matching rules (a record belongs to a probe if any holds):
-//!
-//! 1. its `ref` (or `id`) is the record Palisade quoted back to the probe (the 403
-//!    body, `Proxy-Status` `record=`, or the DNS Extended Error text);
-//! 2. its `path` or `host` contains the probe's marker (HTTP paths and DNS
-//!    labels the plan put `{marker}` in);
-//! 3. its `client` is the local `ip:port` of a socket the probe opened and
-//!    its `ts` lies within the probe's start and finish, widened by
-//!    [`SLACK`] each side (CONNECT, TLS, TCP, transparent and DNS probes);
-//! 4. its `conn` is the id of a record matched by 1-3 (a denial inside a
-//!    tunnel points at the tunnel's allow record).
+//! Classification: what a probe's observation and the records that fit
+//! it ([`super::fit`]) together show (one of the [`Class`]es, and why).
+//! Pure: an observation and records in, a class out.
 //!
 //! In-tunnel probes (`second_host`, `silence`, `ech`) get no 403 to quote:
-//! Palisade closes the tunnel. Their denial is a record matched by rule 3
-//! or 4 whose `reason` is one of the in-tunnel reasons ([`TUNNEL_REASONS`])
+//! Palisade closes the tunnel. Their denial is a fitting record (or one
+//! naming the tunnel's decision record in `conn`) whose `reason` is one of the in-tunnel reasons ([`TUNNEL_REASONS`])
 //! and whose `host` or `sni` is a name the probe presented (the CONNECT
 //! host, the SNI, the second request's Host). `request` probes on an
-//! intercepted host get a 403 and are matched by rule 1.
+//! intercepted host get a 403.
 //!
-//! Ports are reused, so rule 3 needs the time window; probes run one at a
-//! time, so windows do not overlap. A name lookup a direct probe made on
-//! its own behalf counts only when it was denied (an allowed lookup says
-//! nothing about the connection).
+//! The observation only says what the client saw; a record id it quotes
+//! is checked by the report, not here.
 //!
 //! Classification (expect / what the client saw / what Palisade recorded):
 //!
@@ -33,16 +18,16 @@
 //! |---|---|---|---|
 //! | any | probe never got to try (proxy unreachable, name unresolvable, deadline) | none | `inconclusive` |
 //! | deny | target answered | any | `unexpected_allow` |
-//! | deny | did not answer | allow only, or a `resolution_failed` deny naming a rule | `unexpected_allow` |
-//! | deny | did not answer | a policy denial | `enforced_deny` |
+//! | deny, not in-tunnel | any | an allow, whatever else | `unexpected_allow` |
+//! | deny | did not answer | a `resolution_failed` deny naming a rule | `unexpected_allow` |
+//! | deny | did not answer | a policy denial (in-tunnel: one that closed the tunnel, or the tunnel never allowed) | `enforced_deny` |
 //! | deny, `second_host` | no second response, the upstream closed after the first | allow only | `inconclusive` (nothing could answer the second request) |
 //! | deny | did not answer | none | `blocked_elsewhere` |
 //! | allow | target answered | allow | `enforced_allow` |
-//! | allow | target answered | none | `inconclusive` (a path around Palisade, or evidence missing) |
+//! | allow | target answered | none | `inconclusive` (a path around Palisade, or evidence missing; the report lists it as a finding) |
 //! | allow | did not answer | a policy denial | `unexpected_deny` |
 //! | allow | did not answer | `resolution_failed`, allow with a connect failure | `inconclusive` (upstream broken) |
 //! | allow | did not answer | none | `blocked_elsewhere` |
-//! | any | Palisade quoted a record id | that id not in the evidence | `inconclusive` |
 //!
 //! "Target answered" for in-tunnel probes means the part after the tunnel
 //! opened: a response to the second request, a TLS reply to the late or
@@ -55,85 +40,13 @@
 //! A DNS allow probe counts as answered only with at least one answer.
 //! `evidence_unavailable` and `limit_exceeded` denials are `inconclusive`.
 
-use std::collections::BTreeSet;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
-use std::time::{Duration, SystemTime};
 
 use super::plan::{parse_target, Target};
 use super::run::{Observation, ProbeOutcome};
 use super::{Class, Expect, Via};
 use crate::evidence::Record;
 use crate::policy::Reason;
-
-/// Widening of each probe's time window when matching by client address.
-pub(crate) const SLACK: Duration = Duration::from_secs(2);
-
-fn parse_ts(text: &str) -> Option<SystemTime> {
-    humantime::parse_rfc3339_weak(text).ok()
-}
-
-/// Records that belong to an observation (see the module doc).
-#[cfg(test)]
-pub(crate) fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Record> {
-    match_indices(o, records)
-        .into_iter()
-        .map(|i| &records[i])
-        .collect()
-}
-
-/// The positions in `records` of those that belong to an observation, in
-/// the order `match_records` gives them (a fleet report looks up each
-/// one's replica by position).
-pub(crate) fn match_indices(o: &Observation, records: &[Record]) -> Vec<usize> {
-    let start = parse_ts(&o.started).map(|t| t - SLACK);
-    let end = parse_ts(&o.finished).map(|t| t + SLACK);
-    let locals: Vec<(SocketAddr, &str)> = o
-        .sockets
-        .iter()
-        .filter_map(|s| Some((s.local.as_deref()?.parse().ok()?, s.purpose.as_str())))
-        .collect();
-    let in_window = |r: &Record| match (parse_ts(&r.ts), start, end) {
-        (Some(t), Some(a), Some(b)) => t >= a && t <= b,
-        _ => false,
-    };
-    let mut out: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| {
-            let by_id = o.palisade_record.as_deref().is_some_and(|q| r.is_named(q));
-            let by_marker = !o.marker.is_empty()
-                && [&r.path, &r.host]
-                    .iter()
-                    .any(|f| f.as_deref().is_some_and(|x| x.contains(&o.marker)));
-            let by_socket = r.client.is_some_and(|client| {
-                locals.iter().any(|(local, purpose)| {
-                    // Local addresses may be bound to 0.0.0.0 (UDP); compare ports then.
-                    let same = *local == client
-                        || local.ip().is_unspecified() && local.port() == client.port();
-                    same && (*purpose != "resolve" || r.decision_str() == "deny")
-                })
-            }) && in_window(r);
-            by_id || by_marker || by_socket
-        })
-        .map(|(i, _)| i)
-        .collect();
-    // Rule 4: records pointing at a matched one (in-tunnel denials).
-    let ids: BTreeSet<&str> = out.iter().map(|i| records[*i].id.as_str()).collect();
-    let pointing: Vec<usize> = records
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| {
-            r.conn
-                .as_deref()
-                .is_some_and(|c| !c.is_empty() && ids.contains(c))
-                && !ids.contains(r.id.as_str())
-        })
-        .map(|(i, _)| i)
-        .collect();
-    out.extend(pointing);
-    out
-}
 
 /// Reasons Palisade gives when it closes a tunnel for what it carried.
 pub(crate) const TUNNEL_REASONS: [Reason; 7] = [
@@ -188,6 +101,22 @@ fn tunnel_denials<'a>(o: &Observation, deny: &[&'a Record]) -> Vec<&'a Record> {
         .collect()
 }
 
+/// The allows that let the probe's traffic through: all of them but a
+/// tunnel's whose request inside it (an intercepted connection's, from
+/// the same client socket) Palisade denied.
+fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> {
+    allow
+        .iter()
+        .copied()
+        .filter(|a| {
+            !(a.kind == crate::evidence::Kind::Tcp
+                && deny
+                    .iter()
+                    .any(|d| d.kind == crate::evidence::Kind::Http && d.client == a.client))
+        })
+        .collect()
+}
+
 /// Denials that say nothing about policy: Palisade could not decide.
 const INFRA_REASONS: [Reason; 2] = [Reason::EvidenceUnavailable, Reason::LimitExceeded];
 
@@ -221,14 +150,6 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     });
     let unresolved = only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed);
     let infra = only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason));
-    if let Some(q) = &o.palisade_record {
-        if !recs.iter().any(|r| r.is_named(q)) {
-            return (
-                Class::Inconclusive,
-                format!("Palisade quoted record {q}, which is not in the evidence given: wrong evidence directory or an incomplete copy"),
-            );
-        }
-    }
     let answered = match o.outcome {
         ProbeOutcome::Reached => {
             !(o.kind == "dns" && o.expect == Expect::Allow && o.dns_answers.is_empty())
@@ -258,9 +179,23 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
                     format!("the target answered ({}), {cite}", observed_text(o)),
                 );
             }
-            if !policy_deny.is_empty() && in_tunnel(o) {
+            if in_tunnel(o) {
                 let closed = tunnel_denials(o, &policy_deny);
-                if closed.is_empty() {
+                if !closed.is_empty() {
+                    let tunnel = if allow.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (the tunnel was allowed: {})", ids(&allow))
+                    };
+                    return (
+                        Class::EnforcedDeny,
+                        format!(
+                            "Palisade closed the tunnel for what it carried: {}{tunnel}",
+                            reasons(&closed)
+                        ),
+                    );
+                }
+                if allow.is_empty() && !policy_deny.is_empty() {
                     return (
                         Class::EnforcedDeny,
                         format!(
@@ -269,20 +204,16 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
                         ),
                     );
                 }
-                let tunnel = if allow.is_empty() {
-                    String::new()
-                } else {
-                    format!(" (the tunnel was allowed: {})", ids(&allow))
-                };
+            } else if !carried_allow(&allow, &policy_deny).is_empty() {
                 return (
-                    Class::EnforcedDeny,
+                    Class::UnexpectedAllow,
                     format!(
-                        "Palisade closed the tunnel for what it carried: {}{tunnel}",
-                        reasons(&closed)
+                        "Palisade allowed it ({}), whatever the client reported ({})",
+                        ids(&carried_allow(&allow, &policy_deny)),
+                        observed_text(o)
                     ),
                 );
-            }
-            if !policy_deny.is_empty() {
+            } else if !policy_deny.is_empty() {
                 return (
                     Class::EnforcedDeny,
                     format!("Palisade denied: {}", reasons(&policy_deny)),
@@ -304,15 +235,6 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
                         "Palisade allowed the tunnel ({}) and recorded no refusal of what it carried ({})",
                         ids(&allow),
                         observed_text(o)
-                    ),
-                );
-            }
-            if !allow.is_empty() {
-                return (
-                    Class::UnexpectedAllow,
-                    format!(
-                        "Palisade allowed it ({}); only the target failed to answer",
-                        ids(&allow)
                     ),
                 );
             }
@@ -468,6 +390,7 @@ mod tests {
     use serde_json::{json, Value};
 
     use super::*;
+    use crate::probe::fit::{assign, Case};
 
     const CLIENT: &str = "198.18.1.2:40000";
 
@@ -507,6 +430,23 @@ mod tests {
         records
             .iter()
             .map(|v| serde_json::from_value(v.clone()).unwrap())
+            .collect()
+    }
+
+    /// The records that fit `o` as the only probe of a plan with no org.
+    fn match_records<'a>(o: &Observation, records: &'a [Record]) -> Vec<&'a Record> {
+        let mut plan = crate::probe::plan::Probe::new(&o.id, &o.target, o.via, o.expect);
+        plan.second_host = o.second_host.clone();
+        let ips = o
+            .sockets
+            .iter()
+            .filter_map(|s| s.local.as_deref()?.parse::<std::net::SocketAddr>().ok())
+            .map(|a| a.ip())
+            .collect();
+        let cases = [Some(Case::new(o, &plan, None, ips))];
+        assign(&cases, records)[0]
+            .iter()
+            .map(|i| &records[*i])
             .collect()
     }
 
@@ -682,8 +622,9 @@ mod tests {
             )],
         );
         assert_eq!(c, Class::UnexpectedAllow);
-        // The quoted record must be in the evidence given.
-        assert_eq!(class_of(&refused, &[]).0, Class::Inconclusive);
+        // With no record, the 403 alone shows nothing Palisade did (the
+        // report also lists the quoted record missing from the evidence).
+        assert_eq!(class_of(&refused, &[]).0, Class::BlockedElsewhere);
     }
 
     #[test]

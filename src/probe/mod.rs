@@ -13,13 +13,15 @@
 //! - [`run`]: performs each probe within its own timeout and a total
 //!   deadline, and writes `observations.json`; [`hello`] builds the
 //!   ClientHellos it sends (with or without an ECH extension).
-//! - [`classify`]: which verified records belong to an observation, and
-//!   the class the two make (pure).
+//! - [`fit`]: which verified records belong to a planned probe, by what
+//!   Palisade recorded (pure).
+//! - [`classify`]: the class an observation and its records make (pure).
 //! - [`report`]: verifies the evidence chain first, classifies every
 //!   observation, and builds the typed report (`report.json`).
 //! - [`render`]: `report.md` and a self-contained `report.html`.
 
 pub(crate) mod classify;
+pub(crate) mod fit;
 pub(crate) mod generate;
 pub mod hello;
 pub(crate) mod plan;
@@ -102,8 +104,12 @@ pub enum Class {
     /// An allow probe that Palisade denied by policy: a finding.
     UnexpectedDeny,
     /// The probe could not establish anything (setup failed, upstream
-    /// down, never reached Palisade).
+    /// down, never reached Palisade), or what the sandbox reported does not
+    /// fit Palisade's records.
     Inconclusive,
+    /// The plan has the probe and the observations do not: it was not run,
+    /// or its observation was dropped. A finding.
+    Missing,
     /// Failed with no Palisade record: another layer stopped it.
     BlockedElsewhere,
     /// Palisade recorded the denial.
@@ -118,14 +124,19 @@ impl Class {
             Class::UnexpectedAllow => "unexpected_allow",
             Class::UnexpectedDeny => "unexpected_deny",
             Class::Inconclusive => "inconclusive",
+            Class::Missing => "missing",
             Class::BlockedElsewhere => "blocked_elsewhere",
             Class::EnforcedDeny => "enforced_deny",
             Class::EnforcedAllow => "enforced_allow",
         }
     }
 
-    /// A finding: the environment does not match the agreed paths.
+    /// A finding: the environment does not match the agreed paths, or a
+    /// planned probe has no observation.
     pub fn is_finding(self) -> bool {
-        matches!(self, Class::UnexpectedAllow | Class::UnexpectedDeny)
+        matches!(
+            self,
+            Class::UnexpectedAllow | Class::UnexpectedDeny | Class::Missing
+        )
     }
 }

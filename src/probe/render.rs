@@ -54,12 +54,38 @@ fn replica_of(p: &ProbeResult) -> &str {
     p.replica.as_deref().unwrap_or("-")
 }
 
+/// `host:port` of a cited record (and its SNI).
+fn target_of(c: &super::report::CitedRecord) -> String {
+    let mut t = format!(
+        "{}:{}",
+        c.host.as_deref().unwrap_or("-"),
+        c.port.map_or_else(|| "-".into(), |p| p.to_string())
+    );
+    if let Some(sni) = &c.sni {
+        let _ = write!(t, " (SNI {sni})");
+    }
+    t
+}
+
+/// A probe's why, with what the sandbox reported that does not fit.
+fn why(p: &ProbeResult) -> String {
+    if p.mismatches.is_empty() {
+        return p.why.clone();
+    }
+    format!("{}; mismatch: {}", p.why, p.mismatches.join("; "))
+}
+
 /// `report.md`.
 pub(crate) fn markdown(r: &Report) -> String {
     let fleet = is_fleet(r);
     let mut m = String::new();
     let _ = writeln!(m, "# Palisade containment report\n");
     let _ = writeln!(m, "**Verdict:** {}\n", r.verdict);
+    let _ = writeln!(m, "## What this report trusts\n");
+    for t in &r.trust {
+        let _ = writeln!(m, "- {t}");
+    }
+    let _ = writeln!(m);
     let _ = writeln!(m, "## Evidence verification\n");
     match &r.verification.checked {
         Checked::Verified {
@@ -141,7 +167,7 @@ pub(crate) fn markdown(r: &Report) -> String {
                 f.via.as_str(),
                 f.expect.as_str(),
                 f.class.as_str(),
-                cell(&f.why),
+                cell(&why(f)),
                 cell(&f.record_cite())
             );
         }
@@ -175,6 +201,31 @@ pub(crate) fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(m);
+    if r.counts.is_some() {
+        let _ = writeln!(m, "## Records no probe accounts for\n");
+        if r.unattributed.is_empty() {
+            let _ = writeln!(
+                m,
+                "None: every record of the sandbox during the run belongs to a probe.\n"
+            );
+        } else {
+            let _ = writeln!(m, "The sandbox's records during the run that fit no probe (its other traffic, or what a misreported probe left):\n");
+            let _ = writeln!(m, "| record | time | client | target | decision | reason |\n|---|---|---|---|---|---|");
+            for c in &r.unattributed {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    cell(&c.id),
+                    c.ts,
+                    c.client.map_or_else(|| "-".into(), |a| a.to_string()),
+                    cell(&target_of(c)),
+                    c.decision,
+                    c.reason
+                );
+            }
+            let _ = writeln!(m);
+        }
+    }
     let _ = writeln!(m, "## Untested surfaces\n");
     for u in &r.untested {
         let _ = writeln!(m, "- {u}");
@@ -340,6 +391,10 @@ pub(crate) fn html(r: &Report) -> String {
             body {
                 h1 { "Palisade containment report" }
                 p.verdict #verdict { (r.verdict) }
+                h2 { "What this report trusts" }
+                ul #trust {
+                    @for t in &r.trust { li { (t) } }
+                }
                 h2 { "Evidence verification" }
                 (verification(r))
                 h2 { "Scope" }
@@ -364,7 +419,7 @@ pub(crate) fn html(r: &Report) -> String {
                             td { (f.expect.as_str()) }
                             td.bad { (f.class.as_str()) }
                             @if fleet { td { (replica_of(f)) } }
-                            td { (f.why) }
+                            td { (why(f)) }
                             td { (f.record_cite()) }
                         }
                     }
@@ -384,8 +439,24 @@ pub(crate) fn html(r: &Report) -> String {
                             td { (p.class.as_str()) }
                             td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
                             @if fleet { td { (replica_of(p)) } }
-                            td { (p.why) }
+                            td { (why(p)) }
                             td { (p.record_cite()) }
+                        }
+                    }
+                }
+                @if r.counts.is_some() {
+                    h2 { "Records no probe accounts for" }
+                    table #unattributed {
+                        tr { @for h in ["record", "time", "client", "target", "decision", "reason"] { th { (h) } } }
+                        @for c in &r.unattributed {
+                            tr {
+                                td { (c.id) }
+                                td { (c.ts) }
+                                td { (c.client.map_or_else(|| "-".into(), |a| a.to_string())) }
+                                td { code { (target_of(c)) } }
+                                td { (c.decision) }
+                                td { (c.reason.as_str()) }
+                            }
                         }
                     }
                 }
@@ -526,11 +597,34 @@ mod tests {
         v
     }
 
+    /// The agreed plan of [`observations`], written into `dir`; its sha256.
+    fn plan_file(dir: &Path, org: Option<&str>) -> String {
+        use sha2::Digest;
+        let org = org.map_or_else(String::new, |o| format!("org = {o:?}\n"));
+        let text = format!(
+            "{org}policy = \"p0\"\nproxy = \"198.18.1.1:3128\"\n\n\
+             [[probe]]\nid = \"allow-https\"\ntarget = \"https://allowed.test/\"\nvia = \"proxy\"\nexpect = \"allow\"\n\n\
+             [[probe]]\nid = \"deny-name\"\ntarget = \"https://other.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n\n\
+             [[probe]]\nid = \"routed-away\"\ntarget = \"tcp://198.18.2.20:80\"\nvia = \"direct\"\nexpect = \"deny\"\nlayer = \"any\"\n"
+        );
+        std::fs::write(dir.join("plan.toml"), &text).unwrap();
+        data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(text.as_bytes()))
+    }
+
+    /// The agreed plans of observations files written by [`observations`].
+    fn plans_of(observations: &[PathBuf]) -> Vec<PathBuf> {
+        observations
+            .iter()
+            .map(|o| o.parent().unwrap().join("plan.toml"))
+            .collect()
+    }
+
     fn observations(dir: &Path, deny_id: &str) -> PathBuf {
         let now = ts(SystemTime::now());
+        let sha = plan_file(dir, None);
         let obs = json!({
             "format": super::super::OBSERVATIONS_FORMAT, "run": "r1", "palisade_version": "0",
-            "plan_sha256": "00", "plan": {"org": "acme", "policy": "p0", "probe": []},
+            "plan_sha256": sha, "plan": {"org": "acme", "policy": "p0", "probe": []},
             "started": now, "finished": now,
             "environment": {"hostname": "sandbox", "addresses": ["1: lo <x>", "2: eth0 198.18.1.2/24"]},
             "observations": [
@@ -552,7 +646,9 @@ mod tests {
     fn report(observations: &Path, evidence: &Path) -> Result<Rendered, String> {
         let evidence = [evidence.to_path_buf()];
         let observations = [observations.to_path_buf()];
+        let plans = plans_of(&observations);
         let opts = Options {
+            plans: &plans,
             observations: &observations,
             evidence: &evidence,
             pins: fleet::Pins::default(),
@@ -642,6 +738,33 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// The plan is the assessor's: a probe with no observation is
+    /// missing, observations of another plan are refused.
+    #[tokio::test]
+    async fn the_plan_decides_what_is_reported() {
+        let dir = crate::testing::scratch("report-plan");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&obs).unwrap()).unwrap();
+        v["observations"].as_array_mut().unwrap().remove(1);
+        std::fs::write(&obs, v.to_string()).unwrap();
+        let r = report(&obs, &evidence).unwrap();
+        assert_eq!(classes(&r.json)["deny-name"], "missing");
+        assert_eq!(r.exit, 1);
+        assert_eq!(r.json["findings"][0]["id"], "deny-name");
+        assert!(r.markdown.contains("## What this report trusts"));
+        assert!(r.markdown.contains("| missing | 1 |"), "{}", r.markdown);
+        v["plan_sha256"] = "ab".repeat(32).into();
+        std::fs::write(&obs, v.to_string()).unwrap();
+        let e = report(&obs, &evidence).map(|_| ()).unwrap_err();
+        assert!(
+            e.contains(&"ab".repeat(32)) && e.contains("plan.toml is sha256 "),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Evidence that fails verification: reported, nothing classified.
     #[tokio::test]
     async fn tampered_evidence_classifies_nothing() {
@@ -682,7 +805,9 @@ mod tests {
     }
 
     fn fleet_report(observations: &[PathBuf], evidence: &[PathBuf], pins: fleet::Pins) -> Rendered {
+        let plans = plans_of(observations);
         let opts = Options {
+            plans: &plans,
             observations,
             evidence,
             pins,
@@ -902,14 +1027,25 @@ mod tests {
         );
         // One run given twice, or runs of different plans: bad input.
         let twice = [obs_a.clone(), obs_a.clone()];
+        let plans = plans_of(&both);
         let opts = Options {
+            plans: &plans,
             observations: &twice,
             evidence: std::slice::from_ref(&tree),
             pins: fleet::Pins::default(),
             allow_unsealed: false,
         };
         assert!(build(&opts).is_err());
+        // The sandbox's copy of the plan is not read; the agreed plans are.
         vb["plan"]["org"] = "other".into();
+        std::fs::write(&obs_b, vb.to_string()).unwrap();
+        assert!(build(&Options {
+            observations: &both,
+            pins: fleet::Pins::default(),
+            ..opts
+        })
+        .is_ok());
+        vb["plan_sha256"] = plan_file(&b, Some("other")).into();
         std::fs::write(&obs_b, vb.to_string()).unwrap();
         let opts = Options {
             observations: &both,

@@ -1,6 +1,9 @@
-//! `palisade probe report`: verify the evidence chain first, join each
-//! observation to Palisade's records and classify it ([`super::classify`]),
-//! and build the [`Report`]: `report.json` is its serialisation, and
+//! `palisade probe report`: verify the evidence chain first, then take
+//! every probe of the assessor's plan (`--plan`; observations of another
+//! plan are refused), give it the records that fit it ([`super::fit`]),
+//! classify it with its observation ([`super::classify`]; none: `missing`),
+//! list what the observation claims that does not fit (mismatches, a
+//! finding), and build the [`Report`]: `report.json` is its serialisation, and
 //! the render module makes `report.md` and a self-contained `report.html`
 //! from it. Evidence that fails verification is reported, and no probe is
 //! classified.
@@ -25,8 +28,9 @@ use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::classify::{classify, in_tunnel, match_indices, observed_text};
-use super::plan::parse_target;
+use super::classify::{classify, in_tunnel, observed_text};
+use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
+use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
 use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
 use crate::evidence::{fleet, query, verify, Event, Kind, Mode, Record};
@@ -34,6 +38,9 @@ use crate::policy::Reason;
 
 /// Inputs of a report.
 pub struct Options<'a> {
+    /// The agreed plan(s), from the assessor (never the sandbox's copy):
+    /// one per distinct plan the observations ran.
+    pub plans: &'a [PathBuf],
     /// One observations file, or one per sandbox (a fleet: see
     /// [`merge_observations`]).
     pub observations: &'a [PathBuf],
@@ -64,6 +71,9 @@ pub struct BadInput(pub String);
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     pub format: &'static str,
+    /// What the report trusts, and what the sandbox can still do: the
+    /// header, before the verification.
+    pub trust: Vec<String>,
     pub verification: Verification,
     pub scope: Scope,
     /// What the probe collected about the sandbox, as it wrote it.
@@ -76,6 +86,8 @@ pub struct Report {
     /// The probes that are findings, in plan order.
     pub findings: Vec<ProbeResult>,
     pub probes: Vec<ProbeResult>,
+    /// The sandbox's records during the run that no probe accounts for.
+    pub unattributed: Vec<CitedRecord>,
     pub untested: Vec<String>,
 }
 
@@ -306,6 +318,7 @@ pub struct Counts {
     pub unexpected_allow: usize,
     pub unexpected_deny: usize,
     pub inconclusive: usize,
+    pub missing: usize,
     /// Probes whose class is not what the plan agreed.
     pub not_matching_expectation: usize,
 }
@@ -324,6 +337,7 @@ impl Counts {
                 Class::UnexpectedAllow => &mut c.unexpected_allow,
                 Class::UnexpectedDeny => &mut c.unexpected_deny,
                 Class::Inconclusive => &mut c.inconclusive,
+                Class::Missing => &mut c.missing,
             } += 1;
             c.not_matching_expectation += usize::from(!p.matched);
         }
@@ -331,12 +345,13 @@ impl Counts {
     }
 
     /// Name and count of every field, in `report.json`'s (sorted) key order.
-    pub fn rows(&self) -> [(&'static str, usize); 8] {
+    pub fn rows(&self) -> [(&'static str, usize); 9] {
         [
             ("blocked_elsewhere", self.blocked_elsewhere),
             ("enforced_allow", self.enforced_allow),
             ("enforced_deny", self.enforced_deny),
             ("inconclusive", self.inconclusive),
+            ("missing", self.missing),
             ("not_matching_expectation", self.not_matching_expectation),
             ("probes", self.probes),
             ("unexpected_allow", self.unexpected_allow),
@@ -358,20 +373,27 @@ pub struct ProbeResult {
     pub class: Class,
     /// The replica(s) whose records decided the probe (a fleet), `, `-separated.
     pub replica: Option<String>,
-    /// The class is a finding ([`Class::is_finding`]).
+    /// A finding: the class is one ([`Class::is_finding`]), or the
+    /// observation does not fit the plan or the evidence (`mismatches`).
     pub finding: bool,
-    /// The class is what the plan agreed.
+    /// The class is what the plan agreed, and nothing mismatched.
     pub matched: bool,
     pub why: String,
+    /// What the sandbox reported that does not fit the plan or Palisade's
+    /// records (a quoted record of another probe, an answer with no allow
+    /// record, ...).
+    pub mismatches: Vec<String>,
     /// What the client saw, in one line.
     pub observed: String,
-    pub outcome: ProbeOutcome,
+    /// None for a missing probe.
+    pub outcome: Option<ProbeOutcome>,
     pub records: Vec<CitedRecord>,
     pub note: Option<String>,
     pub marker: String,
     pub started: String,
     pub elapsed_ms: u64,
-    pub observation: Observation,
+    /// As the sandbox wrote it, with the plan's target and options.
+    pub observation: Option<Observation>,
 }
 
 impl ProbeResult {
@@ -636,14 +658,249 @@ fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verific
     ))
 }
 
+/// A plan as the assessor gave it (`--plan`).
+struct Agreed {
+    path: PathBuf,
+    sha256: String,
+    plan: Plan,
+}
+
+fn read_plan(path: &Path) -> Result<Agreed, BadInput> {
+    use sha2::Digest;
+    let text =
+        std::fs::read_to_string(path).map_err(|e| BadInput(format!("{}: {e}", path.display())))?;
+    let plan = Plan::from_toml(&text).map_err(|e| BadInput(format!("{}: {e}", path.display())))?;
+    Ok(Agreed {
+        path: path.to_path_buf(),
+        sha256: data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(text.as_bytes())),
+        plan,
+    })
+}
+
+/// One planned probe of one run, with its observation if there is one
+/// (its target and options replaced by the plan's).
+struct Planned {
+    id: String,
+    probe: plan::Probe,
+    org: Option<String>,
+    observation: Option<Observation>,
+    /// What in the observation does not fit the plan or the evidence.
+    mismatches: Vec<String>,
+    run: usize,
+}
+
+/// Every probe of the agreed plan of each run, joined with its
+/// observation by id; what was ignored.
+fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
+    let several = sets.len() > 1;
+    let (mut out, mut ignored) = (Vec::new(), Vec::new());
+    for (run, (set, agreed)) in sets.iter().enumerate() {
+        for probe in &agreed.plan.probes {
+            let mut seen = set.observations.iter().filter(|o| o.id == probe.id);
+            let mut mismatches = Vec::new();
+            let observation = seen.next().map(|o| {
+                let mut o = o.clone();
+                let target = probe.target.replace("{marker}", &o.marker);
+                if o.target != target {
+                    mismatches.push(format!(
+                        "the observation names target {}, the plan's is {target}",
+                        o.target
+                    ));
+                }
+                if (o.expect, o.via, o.layer) != (probe.expect, probe.via, probe.layer) {
+                    mismatches.push(
+                        "the observation restates the probe's expectation, path or layer unlike the plan".into(),
+                    );
+                }
+                o.kind = parse_target(&target)
+                    .map(|t| t.kind())
+                    .unwrap_or("invalid")
+                    .into();
+                o.target = target;
+                o.expect = probe.expect;
+                o.via = probe.via;
+                o.layer = probe.layer;
+                o.note = probe.note.clone();
+                o.second_host = probe.second_host.clone();
+                o.ech = probe.ech;
+                if probe.silence.is_none() {
+                    o.silence_ms = None;
+                    o.closed_in_silence_ms = None;
+                }
+                o
+            });
+            let extra = seen.count();
+            if extra > 0 {
+                mismatches.push(format!(
+                    "{} observations of this probe; the first was used",
+                    extra + 1
+                ));
+            }
+            out.push(Planned {
+                id: if several {
+                    format!("{}@{}", probe.id, set.run)
+                } else {
+                    probe.id.clone()
+                },
+                probe: probe.clone(),
+                org: agreed.plan.org.clone(),
+                observation,
+                mismatches,
+                run,
+            });
+        }
+        for o in &set.observations {
+            if !agreed.plan.probes.iter().any(|p| p.id == o.id) {
+                ignored.push(if several {
+                    format!("{}@{}", o.id, set.run)
+                } else {
+                    o.id.clone()
+                });
+            }
+        }
+    }
+    (out, ignored)
+}
+
+/// The addresses a run's sockets claim to come from.
+fn run_ips(set: &Observations) -> BTreeSet<IpAddr> {
+    set.observations
+        .iter()
+        .flat_map(|o| o.sockets.iter())
+        .filter_map(|s| s.local.as_deref()?.parse::<SocketAddr>().ok())
+        .map(|a| a.ip())
+        .filter(|ip| !ip.is_unspecified())
+        .collect()
+}
+
+/// The plan's org and policy must be the evidence's (exit 2 otherwise).
+fn plan_fits_evidence(agreed: &[Agreed], records: &[Record]) -> Result<(), BadInput> {
+    for a in agreed {
+        if let Some(org) = &a.plan.org {
+            if !records
+                .iter()
+                .any(|r| r.org.as_deref() == Some(org.as_str()))
+            {
+                return Err(BadInput(format!(
+                    "{}: the plan is for org {org:?}, and the evidence has no record of that org",
+                    a.path.display()
+                )));
+            }
+        }
+        if let Some(policy) = &a.plan.policy {
+            if !records.iter().any(|r| &*r.policy == policy.as_str()) {
+                let seen: BTreeSet<&str> = records.iter().map(|r| &*r.policy).collect();
+                return Err(BadInput(format!(
+                    "{}: the plan is for policy {policy}, and no record in the evidence was decided by it (policies there: {})",
+                    a.path.display(),
+                    seen.into_iter().collect::<Vec<_>>().join(", ")
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What the report trusts and what the sandbox can still do: the header.
+fn trust(agreed: &[Agreed], verification: &Verification, ignored: &[String]) -> Vec<String> {
+    let plans: Vec<String> = agreed
+        .iter()
+        .map(|a| format!("{} (sha256 {})", a.path.display(), a.sha256))
+        .collect();
+    let mut out = vec![format!(
+        "The plan is the assessor's: {}. Every probe in it is listed below; the observations were written inside the sandbox, by the party under assessment, and only point at Palisade's records.",
+        plans.join(", ")
+    )];
+    let pinned = if !verification.replicas.is_empty() {
+        let keyed: Vec<&str> = verification
+            .replicas
+            .iter()
+            .filter(|c| c.key_pinned == Some(true))
+            .map(|c| c.replica.as_str())
+            .collect();
+        if keyed.is_empty() {
+            "no key pinned".to_string()
+        } else {
+            format!("keys pinned for {}", keyed.join(", "))
+        }
+    } else if verification.key_pinned {
+        "the checkpoint key pinned".to_string()
+    } else {
+        "no key pinned: the signatures prove consistency, not origin".to_string()
+    };
+    out.push(if verification.ok {
+        format!("The evidence was verified before anything was classified ({pinned}).")
+    } else {
+        format!("The evidence failed verification ({pinned}): nothing was classified.")
+    });
+    out.push(format!(
+        "A probe is enforced only on signed records that fit its target, the sandbox's client address and org, and its time window (± {} s), whatever the observation quotes. What the sandbox can still do: fail to run a probe or drop its observation (the probe is then missing, a finding), or misreport what it saw (at worst inconclusive, never enforced).",
+        SKEW.as_secs()
+    ));
+    if !ignored.is_empty() {
+        out.push(format!(
+            "Observations of probes that are not in the plan were ignored: {}.",
+            ignored.join(", ")
+        ));
+    }
+    out
+}
+
 /// Build the report.
 pub fn build(opts: &Options) -> Result<Report, BadInput> {
+    if opts.plans.is_empty() {
+        return Err(BadInput(
+            "no --plan given: the report needs the agreed plan".into(),
+        ));
+    }
+    let agreed = opts
+        .plans
+        .iter()
+        .map(|p| read_plan(p))
+        .collect::<Result<Vec<_>, _>>()?;
     let sets = opts
         .observations
         .iter()
-        .map(|p| read_observations(p))
-        .collect::<Result<Vec<_>, _>>()?;
-    let obs = merge_observations(sets)?;
+        .map(|p| Ok((p, read_observations(p)?)))
+        .collect::<Result<Vec<_>, BadInput>>()?;
+    let mut paired: Vec<(Observations, &Agreed)> = Vec::new();
+    for (path, set) in sets {
+        let Some(a) = agreed.iter().find(|a| a.sha256 == set.plan_sha256) else {
+            let given: Vec<String> = agreed
+                .iter()
+                .map(|a| format!("{} is sha256 {}", a.path.display(), a.sha256))
+                .collect();
+            return Err(BadInput(format!(
+                "{}: the observations are of plan sha256 {}, not of the agreed plan ({})",
+                path.display(),
+                set.plan_sha256,
+                given.join(", ")
+            )));
+        };
+        paired.push((set, a));
+    }
+    if let Some(a) = agreed
+        .iter()
+        .find(|a| !paired.iter().any(|(_, p)| p.sha256 == a.sha256))
+    {
+        return Err(BadInput(format!(
+            "{}: no observations of this plan (sha256 {}) given",
+            a.path.display(),
+            a.sha256
+        )));
+    }
+    let (cases, ignored) = planned(&paired);
+    let ips: Vec<BTreeSet<IpAddr>> = paired.iter().map(|(s, _)| run_ips(s)).collect();
+    let obs = merge_observations(
+        paired
+            .iter()
+            .map(|(s, a)| Observations {
+                plan: a.plan.clone(),
+                observations: Vec::new(),
+                ..s.clone()
+            })
+            .collect(),
+    )?;
     if opts.evidence.is_empty() {
         return Err(BadInput("no evidence path given".into()));
     }
@@ -651,7 +908,11 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         org: obs.plan.org.clone(),
         plan_policy: obs.plan.policy.clone(),
         probe_run: obs.run.clone(),
-        plan_sha256: obs.plan_sha256.clone(),
+        plan_sha256: {
+            let mut shas: Vec<&str> = agreed.iter().map(|a| a.sha256.as_str()).collect();
+            shas.dedup();
+            shas.join(", ")
+        },
         probe_palisade_version: obs.palisade_version.clone(),
         report_palisade_version: env!("CARGO_PKG_VERSION"),
         window: Window {
@@ -692,6 +953,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             );
             return Ok(Report {
                 format: REPORT_FORMAT,
+                trust: trust(&agreed, &verification, &ignored),
                 verification,
                 scope,
                 environment: obs.environment,
@@ -700,37 +962,85 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 exit_status: 1,
                 findings: Vec::new(),
                 probes: Vec::new(),
+                unattributed: Vec::new(),
                 untested: Vec::new(),
             });
         }
     };
+    plan_fits_evidence(&agreed, &records)?;
     let replica_of = |i: usize| record_replicas.as_ref().and_then(|r| r.get(i)).cloned();
 
+    let fits: Vec<Option<Case>> = cases
+        .iter()
+        .map(|c| {
+            let o = c.observation.as_ref()?;
+            Some(Case::new(o, &c.probe, c.org.as_deref(), ips[c.run].clone()))
+        })
+        .collect();
+    let assigned = assign(&fits, &records);
     let mut probes = Vec::new();
     let mut policies = BTreeSet::new();
     let mut record_orgs = BTreeSet::new();
-    for o in &obs.observations {
-        let indices = match_indices(o, &records);
+    for (n, c) in cases.iter().enumerate() {
+        let indices = &assigned[n];
         let matched: Vec<&Record> = indices.iter().map(|i| &records[*i]).collect();
         for r in &matched {
             policies.insert(r.policy.to_string());
             record_orgs.insert(r.org.as_deref().unwrap_or_default().to_string());
         }
         let deciding: BTreeSet<Arc<str>> = indices.iter().filter_map(|i| replica_of(*i)).collect();
-        let (class, why) = classify(o, &matched);
+        let mut mismatches = c.mismatches.clone();
+        let (class, why, observed, outcome) = match &c.observation {
+            None => (
+                Class::Missing,
+                "the plan has this probe and the observations do not: it was not run, or its observation was removed".to_string(),
+                "no observation".to_string(),
+                None,
+            ),
+            Some(o) => {
+                let (mut class, mut why) = classify(o, &matched);
+                if let Some(q) = &o.palisade_record {
+                    let name = |k: usize| cases[k].id.clone();
+                    mismatches.extend(quote_misfit(q, n, &fits, &records, &assigned, &name));
+                }
+                if o.outcome == ProbeOutcome::Reached
+                    && !matched.iter().any(|r| r.decision_str() == "allow")
+                {
+                    mismatches.push("the client reports the target answered, and no Palisade allow record fits it: traffic that left without a record".into());
+                }
+                if !mismatches.is_empty()
+                    && matches!(
+                        class,
+                        Class::EnforcedAllow | Class::EnforcedDeny | Class::BlockedElsewhere
+                    )
+                {
+                    why = format!(
+                        "what the sandbox reported does not fit Palisade's records (otherwise: {why})"
+                    );
+                    class = Class::Inconclusive;
+                }
+                (class, why, observed_text(o), Some(o.outcome))
+            }
+        };
         let matched_expectation = match class {
-            Class::EnforcedAllow => o.expect == Expect::Allow,
-            Class::EnforcedDeny => o.expect == Expect::Deny,
-            Class::BlockedElsewhere => o.expect == Expect::Deny && o.layer == Layer::Any,
+            Class::EnforcedAllow => c.probe.expect == Expect::Allow,
+            Class::EnforcedDeny => c.probe.expect == Expect::Deny,
+            Class::BlockedElsewhere => {
+                c.probe.expect == Expect::Deny && c.probe.layer == Layer::Any
+            }
             _ => false,
         };
+        let o = c.observation.as_ref();
         probes.push(ProbeResult {
-            id: o.id.clone(),
-            target: o.target.clone(),
-            kind: o.kind.clone(),
-            via: o.via,
-            expect: o.expect,
-            layer: o.layer,
+            id: c.id.clone(),
+            target: o.map_or_else(|| c.probe.target.clone(), |o| o.target.clone()),
+            kind: parse_target(&c.probe.target)
+                .map(|t| t.kind())
+                .unwrap_or("invalid")
+                .into(),
+            via: c.probe.via,
+            expect: c.probe.expect,
+            layer: c.probe.layer,
             class,
             replica: (!deciding.is_empty()).then(|| {
                 deciding
@@ -739,11 +1049,12 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                     .collect::<Vec<_>>()
                     .join(", ")
             }),
-            finding: class.is_finding(),
-            matched: matched_expectation,
+            finding: class.is_finding() || !mismatches.is_empty(),
+            matched: matched_expectation && mismatches.is_empty(),
             why,
-            observed: observed_text(o),
-            outcome: o.outcome,
+            mismatches,
+            observed,
+            outcome,
             records: indices
                 .iter()
                 .map(|i| CitedRecord {
@@ -751,11 +1062,11 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                     ..CitedRecord::from(&records[*i])
                 })
                 .collect(),
-            note: o.note.clone(),
-            marker: o.marker.clone(),
-            started: o.started.clone(),
-            elapsed_ms: o.elapsed_ms,
-            observation: o.clone(),
+            note: c.probe.note.clone(),
+            marker: o.map(|o| o.marker.clone()).unwrap_or_default(),
+            started: o.map(|o| o.started.clone()).unwrap_or_default(),
+            elapsed_ms: o.map_or(0, |o| o.elapsed_ms),
+            observation: o.cloned(),
         });
     }
     policies.remove("");
@@ -773,27 +1084,23 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
     let findings: Vec<ProbeResult> = probes.iter().filter(|p| p.finding).cloned().collect();
     let (total, inconclusive) = (counts.probes, counts.inconclusive);
     let unmatched = counts.not_matching_expectation;
-    let exit = if unmatched == 0 { 0 } else { 1 };
-    let sources: BTreeSet<String> = obs
-        .observations
-        .iter()
-        .flat_map(|o| o.sockets.iter())
-        .filter_map(|s| s.local.as_deref())
-        .filter_map(|l| {
-            l.rsplit_once(':')
-                .map(|(ip, _)| ip.trim_matches(['[', ']']).to_string())
-        })
-        .filter(|ip| ip != "0.0.0.0" && ip != "::")
-        .collect();
+    let exit = if unmatched == 0 && findings.is_empty() {
+        0
+    } else {
+        1
+    };
+    let sources: BTreeSet<String> = ips.iter().flatten().map(|ip| ip.to_string()).collect();
     let sources_text = sources.iter().cloned().collect::<Vec<_>>().join(", ");
     let window = format!("{} .. {}", obs.started, obs.finished);
+    let mismatched = probes.iter().filter(|p| !p.mismatches.is_empty()).count();
     let verdict = if !findings.is_empty() {
         format!(
-            "FINDINGS: {} of {total} probes did not match the agreed paths ({} unexpected allow, {} unexpected deny); {inconclusive} inconclusive. \
-             The environment does not have exactly the agreed network paths. Tested from {sources_text} during {window}.",
+            "FINDINGS: {} of {total} probes did not match the agreed paths ({} unexpected allow, {} unexpected deny, {} missing, {mismatched} reported unlike the evidence); {inconclusive} inconclusive. \
+             Fix or explain each finding below, then re-run the plan: until then the environment is not shown to have the agreed network paths. Tested from {sources_text} during {window}.",
             findings.len(),
             counts.unexpected_allow,
             counts.unexpected_deny,
+            counts.missing,
         )
     } else if unmatched > 0 {
         format!(
@@ -813,7 +1120,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             counts.blocked_elsewhere,
         )
     };
-    let mut untested = untested(&obs, &sources_text);
+    let mut untested = untested(&obs.plan, &probes, &sources_text, &scope.replicas);
     if policy_matches == Some(false) {
         untested.insert(
             0,
@@ -822,6 +1129,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
     }
     Ok(Report {
         format: REPORT_FORMAT,
+        trust: trust(&agreed, &verification, &ignored),
         verification,
         scope,
         environment: obs.environment,
@@ -830,54 +1138,164 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         exit_status: exit,
         findings,
         probes,
+        unattributed: unattributed(&fits, &records, &assigned)
+            .into_iter()
+            .map(|i| CitedRecord {
+                replica: replica_of(i),
+                ..CitedRecord::from(&records[i])
+            })
+            .collect(),
         untested,
     })
 }
 
-/// What the plan did not cover, listed explicitly.
-fn untested(obs: &Observations, sources: &str) -> Vec<String> {
-    let os = &obs.observations;
-    let mut out = Vec::new();
-    let has = |f: &dyn Fn(&Observation) -> bool| os.iter().any(f);
-    let ipv6 = |o: &Observation| {
-        parse_target(&o.target).is_ok_and(|t| t.is_ipv6())
-            || o.server.as_deref().is_some_and(|s| s.starts_with('['))
+/// A surface: none of its probes in the plan (`none` is said), or none
+/// that could run.
+fn surface(
+    out: &mut Vec<String>,
+    probes: &[ProbeResult],
+    name: &str,
+    of: &dyn Fn(&ProbeResult) -> bool,
+    none: &str,
+) {
+    let ran = |p: &ProbeResult| {
+        p.observation
+            .as_ref()
+            .is_some_and(|o| o.outcome != ProbeOutcome::SetupFailed)
     };
-    if !has(&ipv6) {
-        out.push("IPv6: not probed.".to_string());
+    let all: Vec<&ProbeResult> = probes.iter().filter(|p| of(p)).collect();
+    if all.is_empty() {
+        out.push(none.to_string());
+    } else if !all.iter().any(|p| ran(p)) {
+        let ids: Vec<&str> = all.iter().map(|p| p.id.as_str()).collect();
+        out.push(format!(
+            "{name}: planned ({}) but no probe of it could run (missing, or set up failed: e.g. no such path in the sandbox): not examined.",
+            ids.join(", ")
+        ));
     }
-    let udp_ports: BTreeSet<String> = os
+}
+
+/// What the report did not examine, listed explicitly: surfaces the plan
+/// left out or whose probes could not run, the gateway itself, replicas
+/// no probe reached.
+fn untested(
+    plan: &Plan,
+    probes: &[ProbeResult],
+    sources: &str,
+    replicas: &[String],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    let ipv6 = |p: &ProbeResult| {
+        parse_target(&p.target).is_ok_and(|t| t.is_ipv6())
+            || p.observation
+                .as_ref()
+                .and_then(|o| o.server.as_deref())
+                .is_some_and(|s| s.starts_with('['))
+    };
+    surface(&mut out, probes, "IPv6", &ipv6, "IPv6: not probed.");
+    let udp_ports: BTreeSet<String> = probes
         .iter()
-        .filter(|o| o.kind == "udp")
-        .filter_map(|o| o.target.rsplit_once(':').map(|x| x.1.to_string()))
+        .filter(|p| p.kind == "udp")
+        .filter_map(|p| p.target.rsplit_once(':').map(|x| x.1.to_string()))
         .collect();
     if udp_ports.is_empty() {
         out.push("UDP other than DNS (QUIC, NTP, ...): not probed.".to_string());
     } else {
+        surface(
+            &mut out,
+            probes,
+            "UDP other than DNS",
+            &|p| p.kind == "udp",
+            "",
+        );
         out.push(format!(
             "UDP other than DNS: only port(s) {} probed.",
             udp_ports.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
-    if !has(&|o| o.kind == "dns") {
-        out.push("DNS: not probed.".into());
-    }
-    if !has(&|o| o.via == Via::Direct && o.kind != "dns") {
-        out.push("Connections that skip the proxy (direct egress): not probed.".into());
-    }
-    if !has(&|o| o.kind == "https" || o.kind == "tls") {
-        out.push("TLS: not probed.".into());
-    }
-    let not_run: Vec<&str> = os
+    surface(
+        &mut out,
+        probes,
+        "DNS",
+        &|p| p.kind == "dns",
+        "DNS: not probed.",
+    );
+    surface(
+        &mut out,
+        probes,
+        "Connections that skip the proxy (direct egress, the transparent path)",
+        &|p| p.via == Via::Direct && p.kind != "dns",
+        "Connections that skip the proxy (direct egress): not probed.",
+    );
+    surface(
+        &mut out,
+        probes,
+        "TLS",
+        &|p| p.kind == "https" || p.kind == "tls",
+        "TLS: not probed.",
+    );
+    let not_run: Vec<&str> = probes
         .iter()
-        .filter(|o| o.error.as_deref() == Some("deadline"))
-        .map(|o| o.id.as_str())
+        .filter(|p| {
+            p.observation
+                .as_ref()
+                .is_some_and(|o| o.error.as_deref() == Some("deadline"))
+        })
+        .map(|p| p.id.as_str())
         .collect();
     if !not_run.is_empty() {
         out.push(format!(
             "Probes not run (deadline): {}.",
             not_run.join(", ")
         ));
+    }
+    let missing: Vec<&str> = probes
+        .iter()
+        .filter(|p| p.class == Class::Missing)
+        .map(|p| p.id.as_str())
+        .collect();
+    if !missing.is_empty() {
+        out.push(format!(
+            "Probes with no observation (not examined): {}.",
+            missing.join(", ")
+        ));
+    }
+    // The gateway itself: its own addresses beyond the proxy and DNS ports.
+    let gateway: BTreeSet<IpAddr> = plan
+        .proxy
+        .iter()
+        .chain(plan.resolver.iter())
+        .chain(plan.probes.iter().filter_map(|p| p.proxy.as_ref()))
+        .map(|a| a.ip())
+        .collect();
+    let reached_gateway = probes.iter().any(|p| {
+        parse_target(&p.target).is_ok_and(|t| {
+            t.host_port().is_some_and(|(h, _)| {
+                crate::proto::target::normalize_host(h)
+                    .ok()
+                    .and_then(|h| h.to_string().parse::<IpAddr>().ok())
+                    .is_some_and(|ip| gateway.contains(&ip))
+            })
+        })
+    });
+    if !gateway.is_empty() && !reached_gateway {
+        let list: Vec<String> = gateway.iter().map(|ip| ip.to_string()).collect();
+        out.push(format!(
+            "The gateway's own addresses ({}) on ports other than its proxy and DNS service, and its management interfaces (admin listener, SSH): not probed.",
+            list.join(", ")
+        ));
+    }
+    for replica in replicas {
+        let decided = probes.iter().any(|p| {
+            p.replica
+                .as_deref()
+                .is_some_and(|r| r.split(", ").any(|x| x == replica))
+        });
+        if !decided {
+            out.push(format!(
+                "Replica {replica}: no probe was decided by it: its enforcement was not examined."
+            ));
+        }
     }
     out.push("ICMP and IP protocols other than TCP and UDP: not probed.".into());
     out.push("TCP and UDP ports and destinations not in the probe table: not probed.".into());
@@ -887,10 +1305,14 @@ fn untested(obs: &Observations, sources: &str) -> Vec<String> {
     out.push(
         "Wildcard and CIDR rules: probed with the names and addresses in the table only.".into(),
     );
-    let tunnel: Vec<&str> = os
+    let tunnel: Vec<&str> = probes
         .iter()
-        .filter(|o| in_tunnel(o) || o.handshake)
-        .map(|o| o.id.as_str())
+        .filter(|p| {
+            p.observation
+                .as_ref()
+                .is_some_and(|o| in_tunnel(o) || o.handshake)
+        })
+        .map(|p| p.id.as_str())
         .collect();
     if tunnel.is_empty() {
         out.push("TLS probes stop at the server's first reply: data carried inside allowed connections (covert channels, timing) not assessed.".into());

@@ -140,6 +140,7 @@ fn failures_exit_with_the_documented_status_and_message() {
     assert_eq!(ran.code(), Some(0), "{run}:\n{}", ran.describe());
     let observed = observed.join("observations.json");
     let observed = observed.display();
+    let plan = plan.display();
 
     let unreadable = format!("{missing}:1:1: cannot read config");
     let bad_key =
@@ -246,19 +247,27 @@ fn failures_exit_with_the_documented_status_and_message() {
             format!("palisade: {bad_plan}: "),
         ),
         (
-            format!("probe report --observations {obs} --evidence {ev} --key zz --out {out}"),
+            format!("probe report --plan {plan} --observations {obs} --evidence {ev} --key zz --out {out}"),
             2,
             "stderr",
             bad_key.into(),
         ),
         (
-            format!("probe report --observations {obs} --evidence {ev} --out {out}"),
+            format!("probe report --plan {plan} --observations {obs} --evidence {ev} --out {out}"),
             2,
             "stderr",
             format!("palisade: {obs}: not an observations file"),
         ),
         (
-            format!("probe report --observations {observed} --evidence {ev} --out {out}"),
+            format!(
+                "probe report --plan {bad_plan} --observations {observed} --evidence {ev} --out {out}"
+            ),
+            2,
+            "stderr",
+            format!("palisade: {bad_plan}: "),
+        ),
+        (
+            format!("probe report --plan {plan} --observations {observed} --evidence {ev} --out {out}"),
             1,
             "stderr",
             format!("palisade: evidence verification failed: {ev}:0: no evidence segments"),

@@ -239,6 +239,11 @@ fn report(lab: &Lab, tag: &str, obs: &[&Path], evidence: &Path, keys: &Path) -> 
     let dir = lab.dir.join(format!("{tag}.report"));
     let mut cmd = Command::new(palisade_bin());
     cmd.args(["probe", "report"]);
+    // The agreed plans: the assessor's copies, one per replica.
+    for name in ["gw-a", "gw-b"] {
+        cmd.arg("--plan")
+            .arg(lab.dir.join(format!("{name}.plan.toml")));
+    }
     for o in obs {
         cmd.arg("--observations").arg(o);
     }

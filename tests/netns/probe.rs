@@ -73,12 +73,37 @@ impl Reported {
     }
 }
 
-/// `palisade probe report` (run on the Palisade side: no namespace needed).
+/// The agreed plan [`probe_run`] ran for the observations file `obs`
+/// (`DIR/NAME.obs/observations.json` → `DIR/NAME.plan.toml`): the
+/// assessor's copy, never read back from the sandbox.
+fn plan_of(obs: &Path) -> PathBuf {
+    let run_dir = obs.parent().unwrap();
+    let name = run_dir.file_name().unwrap().to_str().unwrap();
+    let name = name.strip_suffix(".obs").unwrap_or(name);
+    run_dir.parent().unwrap().join(format!("{name}.plan.toml"))
+}
+
+/// `palisade probe report` (run on the Palisade side: no namespace
+/// needed) with the agreed plan of `obs`.
 fn probe_report(lab: &Lab, name: &str, obs: &Path, evidence: &Path, extra: &[&str]) -> Reported {
+    probe_report_with(lab, name, &plan_of(obs), obs, evidence, extra)
+}
+
+/// `palisade probe report --plan PLAN` over observations `obs`.
+fn probe_report_with(
+    lab: &Lab,
+    name: &str,
+    plan: &Path,
+    obs: &Path,
+    evidence: &Path,
+    extra: &[&str],
+) -> Reported {
     let dir = lab.dir.join(format!("{name}.report"));
     let out = lab::run_with_timeout(
         Command::new(palisade_bin())
-            .args(["probe", "report", "--observations"])
+            .args(["probe", "report", "--plan"])
+            .arg(plan)
+            .arg("--observations")
             .arg(obs)
             .arg("--evidence")
             .arg(evidence)
@@ -455,7 +480,7 @@ fn explicit_proxy_plan_is_classified_and_rendered() {
 }
 
 #[test]
-fn planted_hole_is_an_unexpected_allow_and_exits_1() {
+fn planted_hole_is_an_unexpected_allow_however_the_sandbox_edits_its_report() {
     // The agreed plan denies other.test; this policy lets it through.
     let policy = format!("{DEFAULT_POLICY}\n[[org.allow]]\nhost = \"other.test\"\n");
     let lab = Lab::start(&policy);
@@ -524,6 +549,249 @@ expect = "deny"
         table.contains("data-probe=\"canary\"") && table.contains("unexpected_allow"),
         "{table}"
     );
+    assert_eq!(r.json["unattributed"], serde_json::json!([]), "{}", r.md());
+    forged_observations_do_not_hide_the_hole(&lab, &obs, &r);
+}
+
+/// An observations file as JSON, edited by `edit`, written as `NAME.json`
+/// beside the lab's files.
+fn forge(lab: &Lab, obs: &Path, name: &str, edit: impl FnOnce(&mut Value)) -> PathBuf {
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(obs).unwrap()).unwrap();
+    edit(&mut v);
+    let path = lab.dir.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    path
+}
+
+/// The observation of probe `id` in an observations file.
+fn observation_mut<'a>(v: &'a mut Value, id: &str) -> &'a mut Value {
+    v["observations"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|o| o["id"] == id)
+        .unwrap_or_else(|| panic!("no observation {id}"))
+}
+
+/// `sha256sum` of a file, as `probe run` writes it into observations.
+fn sha256_of(path: &Path) -> String {
+    let out = lab::run_with_timeout(
+        Command::new("sha256sum").arg(path),
+        None,
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "{}", out.describe());
+    out.stdout.split_whitespace().next().unwrap().to_string()
+}
+
+/// `probe report` that must refuse its input: exit 2, one line, nothing written.
+fn refused_report(lab: &Lab, name: &str, plan: &Path, obs: &Path) -> String {
+    let dir = lab.dir.join(format!("{name}.report"));
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "report", "--plan"])
+            .arg(plan)
+            .arg("--observations")
+            .arg(obs)
+            .arg("--evidence")
+            .arg(&lab.evidence_dir)
+            .args(["--allow-unsealed", "--out"])
+            .arg(&dir),
+        None,
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.code(), Some(2), "{name}: {}", out.describe());
+    assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.describe());
+    assert!(!dir.exists(), "{name}: a report was written");
+    out.stderr
+}
+
+/// The sandbox edits what it reported about the hole (`canary`, allowed
+/// by the policy, denied by the plan): it never becomes `enforced_deny`.
+fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Reported) {
+    let plan = plan_of(obs);
+    // An unrelated denial's reference (what Palisade showed the client), or id.
+    let blocked = &honest.probe("blocked")["records"][0];
+    assert_eq!(blocked["decision"], "deny", "{blocked:#}");
+    let quoted = blocked["ref"]
+        .as_str()
+        .or(blocked["id"].as_str())
+        .unwrap()
+        .to_string();
+    let refused = |o: &mut Value| {
+        o["outcome"] = "refused".into();
+        o["http_status"] = 403.into();
+        o["bytes_received"] = 0.into();
+        o["palisade_record"] = quoted.as_str().into();
+        o["proxy_status"] =
+            format!("palisade; error=destination_ip_prohibited; details=\"record={quoted}\"")
+                .into();
+        o["error"] = Value::Null;
+    };
+    // 1. "refused", quoting the unrelated denial: the allow record fits.
+    let forged = forge(lab, obs, "forged-refused", |v| {
+        refused(observation_mut(v, "canary"))
+    });
+    let r = probe_report_with(
+        lab,
+        "forged",
+        &plan,
+        &forged,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &r,
+        &[("canary", "unexpected_allow"), ("blocked", "enforced_deny")],
+    );
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    let canary = r.probe("canary");
+    assert_eq!(canary["finding"], true);
+    let mismatch = canary["mismatches"][0].as_str().unwrap_or_default();
+    assert!(mismatch.contains("belongs to probe blocked"), "{canary:#}");
+    assert!(
+        canary["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["decision"] == "allow" && x["host"] == "other.test"),
+        "{canary:#}"
+    );
+    assert!(r.md().contains("## What this report trusts"), "{}", r.md());
+    let _ = std::fs::copy(
+        r.dir.join("report.md"),
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("probe-report-forged-refused.md"),
+    );
+    // 2. The same, with the sockets it claims moved to other ports: the
+    // record still fits by address, target and time.
+    let moved = forge(lab, obs, "forged-sockets", |v| {
+        let o = observation_mut(v, "canary");
+        refused(o);
+        for s in o["sockets"].as_array_mut().unwrap() {
+            s["local"] = "198.18.1.2:9".into();
+        }
+    });
+    let r = probe_report_with(
+        lab,
+        "forged-sockets",
+        &plan,
+        &moved,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(&r, &[("canary", "unexpected_allow")]);
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    // 3. And with its time window moved away from the allow record: nothing
+    // fits, so the quote is all there is: inconclusive, the mismatch named.
+    let shifted = forge(lab, obs, "forged-window", |v| {
+        let o = observation_mut(v, "canary");
+        refused(o);
+        o["started"] = "2001-01-01T00:00:00.000000Z".into();
+        o["finished"] = "2001-01-01T00:00:01.000000Z".into();
+    });
+    let r = probe_report_with(
+        lab,
+        "forged-window",
+        &plan,
+        &shifted,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(&r, &[("canary", "inconclusive")]);
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    let canary = r.probe("canary");
+    assert_eq!(canary["finding"], true, "{canary:#}");
+    assert!(
+        canary["mismatches"][0]
+            .as_str()
+            .unwrap_or_default()
+            .contains("quotes record"),
+        "{canary:#}"
+    );
+    // The allow it left behind is listed with the records no probe accounts for.
+    assert!(
+        r.json["unattributed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80),
+        "{:#}",
+        r.json["unattributed"]
+    );
+    assert!(
+        r.md().contains("## Records no probe accounts for"),
+        "{}",
+        r.md()
+    );
+    // 4. The observation deleted: the plan still has the probe.
+    let dropped = forge(lab, obs, "forged-dropped", |v| {
+        v["observations"]
+            .as_array_mut()
+            .unwrap()
+            .retain(|o| o["id"] != "canary");
+    });
+    let r = probe_report_with(
+        lab,
+        "forged-dropped",
+        &plan,
+        &dropped,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &r,
+        &[("canary", "missing"), ("canary-tls", "unexpected_allow")],
+    );
+    assert_eq!(r.code, Some(1), "{}", r.output);
+    assert_eq!(r.json["counts"]["missing"], 1);
+    assert!(
+        r.json["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["id"] == "canary"),
+        "{:#}",
+        r.json["findings"]
+    );
+    // 5. The embedded plan and its hash rewritten to expect the hole: the
+    // agreed plan catches it, naming both hashes.
+    let rewritten_plan = lab.dir.join("rewritten.plan.toml");
+    let text = std::fs::read_to_string(&plan).unwrap().replace(
+        "id = \"canary\"\ntarget = \"http://other.test/palisade-probe/{marker}\"\nvia = \"proxy\"\nexpect = \"deny\"",
+        "id = \"canary\"\ntarget = \"http://other.test/palisade-probe/{marker}\"\nvia = \"proxy\"\nexpect = \"allow\"",
+    );
+    std::fs::write(&rewritten_plan, &text).unwrap();
+    let fake_sha = sha256_of(&rewritten_plan);
+    let rewritten = forge(lab, obs, "forged-plan", |v| {
+        v["plan_sha256"] = fake_sha.as_str().into();
+        for p in v["plan"]["probe"].as_array_mut().unwrap() {
+            if p["id"] == "canary" {
+                p["expect"] = "allow".into();
+            }
+        }
+        observation_mut(v, "canary")["expect"] = "allow".into();
+    });
+    let e = refused_report(lab, "forged-plan", &plan, &rewritten);
+    assert!(
+        e.contains(&fake_sha) && e.contains(&sha256_of(&plan)),
+        "{e}"
+    );
+    // A plan for an org the evidence does not know: refused too.
+    let ghost_plan = lab.dir.join("ghost.plan.toml");
+    std::fs::write(
+        &ghost_plan,
+        format!(
+            "org = \"ghost\"\n{}",
+            std::fs::read_to_string(&plan).unwrap()
+        ),
+    )
+    .unwrap();
+    let ghost_sha = sha256_of(&ghost_plan);
+    let ghost = forge(lab, obs, "forged-ghost", |v| {
+        v["plan_sha256"] = ghost_sha.as_str().into();
+    });
+    let e = refused_report(lab, "ghost", &ghost_plan, &ghost);
+    assert!(e.contains("org \"ghost\""), "{e}");
 }
 
 #[test]
@@ -655,7 +923,9 @@ layer = "any"
     std::fs::write(&junk, "{").unwrap();
     let out = lab::run_with_timeout(
         Command::new(palisade_bin())
-            .args(["probe", "report", "--observations"])
+            .args(["probe", "report", "--plan"])
+            .arg(plan_of(&obs))
+            .arg("--observations")
             .arg(&junk)
             .arg("--evidence")
             .arg(&lab.evidence_dir)
