@@ -210,6 +210,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 rotate_age,
                 retain_size,
                 retain_age,
+                retain_min_age,
+                min_free,
                 max_records_per_second_per_org,
                 replica
             }
