@@ -349,10 +349,12 @@ pub const DEFAULT_RETAIN_MIN_AGE: Duration = Duration::from_secs(3600);
 /// The least `retain_min_age`: the time any shipper is given to copy a
 /// closed segment (one polling every minute with no `--min-age`).
 pub const MIN_RETAIN_MIN_AGE: Duration = Duration::from_secs(60);
-/// Default `[evidence] min_free`: 256 MiB, room for the orgs within their
-/// share to go on being recorded for a while after the store counts as
-/// full (writes fail, and every allow with them, only at none).
-pub const DEFAULT_MIN_FREE: MinFree = MinFree::Bytes(256 << 20);
+/// Default `[evidence] min_free`: 1% of the evidence file system, at most
+/// [`DEFAULT_MIN_FREE_MAX`]: room for the orgs within their share to go on
+/// being recorded for a while after the store counts as full.
+pub const DEFAULT_MIN_FREE: MinFree = MinFree::Default;
+/// The most the default `min_free` asks for on a large file system.
+pub const DEFAULT_MIN_FREE_MAX: u64 = 256 << 20;
 /// Bytes one decision record costs at most in the capacity check: an
 /// allow (about 535 bytes) and its close (about 605), see
 /// docs/evidence.md#sizing.
@@ -367,6 +369,8 @@ pub enum MinFree {
     Bytes(u64),
     /// Percent of the file system's size, above 0 and below 100.
     Percent(f64),
+    /// Unset: 1% of the file system, at most [`DEFAULT_MIN_FREE_MAX`].
+    Default,
 }
 
 impl MinFree {
@@ -375,6 +379,7 @@ impl MinFree {
         match self {
             MinFree::Bytes(b) => b,
             MinFree::Percent(p) => (size as f64 * p / 100.0) as u64,
+            MinFree::Default => (size / 100).min(DEFAULT_MIN_FREE_MAX),
         }
     }
 }

@@ -837,7 +837,9 @@ impl Io {
         let Some((free, size)) = self.counters.disk_space() else {
             return;
         };
-        let low = free < self.cfg.min_free.bytes(size);
+        // None free at all is a truly full disk: writes fail and every
+        // allow with them (`evidence_unavailable`), as they always did.
+        let low = free > 0 && free < self.cfg.min_free.bytes(size);
         if low != self.low_disk {
             if low {
                 warn!(
