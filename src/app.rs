@@ -147,10 +147,18 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     let hard_stop = CancellationToken::new();
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
-    // One evidence budget per org, charged by the proxy and the DNS shim.
-    let evidence_budget = Arc::new(EvidenceBudget::new(
-        evidence_config.max_records_per_second_per_org,
-    ));
+    // One evidence budget per org, charged by the proxy and the DNS shim;
+    // an org over its share of a full store is refused whatever is left
+    // of it. The shares are counted over the orgs served now.
+    let payers = served.clone();
+    evidence
+        .counters()
+        .store()
+        .count_payers(move || payers.load().policy.org_count() + 1);
+    let evidence_budget = Arc::new(
+        EvidenceBudget::new(evidence_config.max_records_per_second_per_org)
+            .with_store(evidence.counters().clone()),
+    );
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         denials: proxy::denials::Denials::new(

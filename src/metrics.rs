@@ -105,6 +105,19 @@ const EVIDENCE_DISK_SIZE: (&str, &str) = (
     "Size in bytes of the file system of the evidence dir, read at scrape time.",
 );
 
+const EVIDENCE_STORE_FULL: (&str, &str) = (
+    "palisade_evidence_store_full",
+    "1 while the evidence store is full (retain_size reached with nothing older than retain_min_age, or free space below min_free), else 0.",
+);
+const EVIDENCE_RETAINED: (&str, &str) = (
+    "palisade_evidence_retained_bytes",
+    "Bytes of records by org in the evidence segments on disk written since start.",
+);
+const EVIDENCE_OVER_SHARE: (&str, &str) = (
+    "palisade_evidence_over_share",
+    "1 while the store is full and the org holds more than its share of it: its allows are refused limit_exceeded and its denials summarised.",
+);
+
 /// The evidence writer's own counters, exposed as they are at scrape time.
 struct EvidenceCollector {
     counters: Arc<Counters>,
@@ -120,11 +133,20 @@ impl EvidenceCollector {
             EVIDENCE_QUEUE_DEPTH,
             EVIDENCE_DISK_FREE,
             EVIDENCE_DISK_SIZE,
+            EVIDENCE_STORE_FULL,
         ] {
             descs.push(Desc::new(
                 name.into(),
                 help.into(),
                 Vec::new(),
+                Default::default(),
+            )?);
+        }
+        for (name, help) in [EVIDENCE_RETAINED, EVIDENCE_OVER_SHARE] {
+            descs.push(Desc::new(
+                name.into(),
+                help.into(),
+                vec!["org".into()],
                 Default::default(),
             )?);
         }
@@ -152,6 +174,31 @@ impl EvidenceCollector {
                 gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
                 out.extend(gauge.collect());
             }
+        }
+        let (name, help) = EVIDENCE_STORE_FULL;
+        let full = IntGauge::new(name, help)?;
+        full.set(i64::from(c.store().is_full()));
+        out.extend(full.collect());
+        let shares = c.store().shares();
+        let retained = IntGaugeVec::new(
+            Opts::new(EVIDENCE_RETAINED.0, EVIDENCE_RETAINED.1),
+            &["org"],
+        )?;
+        let over = IntGaugeVec::new(
+            Opts::new(EVIDENCE_OVER_SHARE.0, EVIDENCE_OVER_SHARE.1),
+            &["org"],
+        )?;
+        for (payer, bytes, is_over) in &shares {
+            let org = payer.as_deref().unwrap_or("unknown");
+            retained
+                .with_label_values(&[org])
+                .set(i64::try_from(*bytes).unwrap_or(i64::MAX));
+            over.with_label_values(&[org]).set(i64::from(*is_over));
+        }
+        // A family without series cannot be encoded.
+        if !shares.is_empty() {
+            out.extend(retained.collect());
+            out.extend(over.collect());
         }
         Ok(out)
     }
@@ -497,6 +544,7 @@ mod tests {
             "palisade_evidence_suppressed_total",
             "palisade_evidence_disk_free_bytes",
             "palisade_evidence_disk_size_bytes",
+            "palisade_evidence_store_full",
             "palisade_policy_reloads_total",
             "palisade_build_info",
             "palisade_ready",
@@ -556,6 +604,15 @@ mod tests {
         for series in [unknown_explicit, acme_dns, acme_socks] {
             assert_eq!(value(&text, series), Some(1.0), "{series}:\n{text}");
         }
+        // The store's shares, by org: not full, so nobody is over.
+        assert_eq!(value(&text, "palisade_evidence_store_full"), Some(0.0));
+        let acme_bytes = value(&text, "palisade_evidence_retained_bytes{org=\"acme\"}");
+        assert!(acme_bytes.is_some_and(|b| b > 1000.0), "{text}");
+        assert!(value(&text, "palisade_evidence_retained_bytes{org=\"unknown\"}").is_some());
+        assert_eq!(
+            value(&text, "palisade_evidence_over_share{org=\"acme\"}"),
+            Some(0.0)
+        );
         assert_eq!(
             value(
                 &text,

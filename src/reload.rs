@@ -210,6 +210,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 rotate_age,
                 retain_size,
                 retain_age,
+                retain_min_age,
+                min_free,
                 max_records_per_second_per_org,
                 replica
             }
@@ -495,5 +497,46 @@ host = "example.com"
         assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
         assert_eq!((count("ok"), count("error")), (2, 2));
+    }
+
+    #[tokio::test]
+    async fn a_reload_whose_orgs_could_outrun_the_evidence_store_is_rejected() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let path = dir.join("palisade.toml");
+        // One org and the clients of no org: 2 x 10 records/s x 1140 bytes
+        // for 2 minutes and a second, and a 1 MiB segment, fit 4 MiB.
+        let base = BASE.replace(
+            "dir = \"/tmp/palisade-reload-test-evidence\"",
+            &format!(
+                "dir = {:?}\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\nmax_records_per_second_per_org = 10",
+                dir.join("evidence").display().to_string()
+            ),
+        );
+        std::fs::write(&path, &base).unwrap();
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let policy = Arc::new(Policy::new(&running));
+        let served = Served::load(&running, policy, &metrics)
+            .unwrap()
+            .into_handle();
+        let hash = served.load().policy.hash().to_string();
+        let mut reloader = Reloader::new(running.clone(), served.clone(), metrics.clone()).await;
+        // A second org is a third budget: no longer within the store.
+        let more = format!("{base}\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n");
+        std::fs::write(&path, &more).unwrap();
+        match prepare(&path, &running, &hash, &metrics) {
+            Err(ReloadError::Config(e)) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("3 payers (2 orgs and the clients of no org)"),
+                    "{e}"
+                );
+            }
+            Err(e) => panic!("rejected for another reason: {e}"),
+            Ok(_) => panic!("a reload past the store's capacity was accepted"),
+        }
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
+        assert_eq!(served.load().policy.hash(), hash);
     }
 }

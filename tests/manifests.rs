@@ -552,6 +552,21 @@ fn the_manifests_keep_their_promises() {
                 "{what}: --min-age {min_age:?} does not exceed rotate_age {:?}: an open segment could be shipped",
                 config.evidence.rotate_age
             );
+            // Size-based retention never removes a segment the shipper has
+            // not had its chance at: one is copied at the latest a pass
+            // (the loop's sleep) after it is --min-age old.
+            let pass: u64 = script
+                .split("sleep ")
+                .nth(1)
+                .and_then(|s| s.split_whitespace().next())
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{what}: no sleep between passes"));
+            let shipped_within = min_age + std::time::Duration::from_secs(pass);
+            assert!(
+                config.evidence.retain_min_age > shipped_within,
+                "{what}: retain_min_age {:?} does not exceed --min-age plus a pass ({shipped_within:?}): retention could remove a segment before it is shipped",
+                config.evidence.retain_min_age
+            );
             let cutoff = script
                 .split("--s3-upload-cutoff ")
                 .nth(1)

@@ -63,6 +63,18 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .map_or("(none)".into(), |a| a.to_string())
     );
     println!("  evidence dir: {}", config.evidence.dir.display());
+    if let Some(c) = crate::config::capacity(&config.evidence, config.orgs.len()) {
+        // What the load-time check computed (it passed, or we would not be here).
+        println!(
+            "  evidence retention: retain_size {} bytes holds {} bytes at worst in retain_min_age {} ({} payers x {} records/s, {:.0} bytes/s, one open segment)",
+            c.retain_size,
+            c.needed,
+            humantime::format_duration(config.evidence.retain_min_age),
+            c.payers,
+            config.evidence.max_records_per_second_per_org,
+            c.bytes_per_second,
+        );
+    }
     println!("  policy: {}", policy.hash());
     if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
         println!(

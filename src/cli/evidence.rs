@@ -291,6 +291,18 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
     }
 }
 
+/// The subdirectories of a fleet tree (one per replica).
+fn replica_dirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn pubkey(config: &Path) -> Result<(), CliError> {
     let config = load_config(config, Status::Failed)?;
     let k = key::load(&config.evidence.key).map_err(|e| {
@@ -311,6 +323,16 @@ fn records(
 ) -> Result<(), CliError> {
     let filter = filter.filter()?;
     let pins = args.keys.pins()?;
+    // A window that retention cut: say so, and where the rest is.
+    if filter.since.is_some() || filter.until.is_some() {
+        for dir in paths.iter().filter(|p| p.is_dir()) {
+            for sub in std::iter::once(dir.clone()).chain(replica_dirs(dir)) {
+                if let Some(note) = verify::retention_cut(&sub, filter.since, filter.until) {
+                    eprintln!("palisade: {note}");
+                }
+            }
+        }
+    }
     let stdout = std::io::stdout();
     let mut out = std::io::BufWriter::new(stdout.lock());
     if !fleet::is_fleet(paths) && pins.by_replica.is_empty() {

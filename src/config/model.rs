@@ -341,6 +341,116 @@ pub const DEFAULT_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 pub const DEFAULT_ROTATE_SIZE: u64 = 64 * 1024 * 1024;
 /// Default segment age that starts a new segment.
 pub const DEFAULT_ROTATE_AGE: Duration = Duration::from_secs(3600);
+/// Default `[evidence] retain_min_age`: no closed segment younger than this
+/// is removed by size-based retention. An hour: three times what the
+/// shipped shipper needs at most (a pass every 5 minutes over segments
+/// untouched for 15).
+pub const DEFAULT_RETAIN_MIN_AGE: Duration = Duration::from_secs(3600);
+/// The least `retain_min_age`: the time any shipper is given to copy a
+/// closed segment (one polling every minute with no `--min-age`).
+pub const MIN_RETAIN_MIN_AGE: Duration = Duration::from_secs(60);
+/// Default `[evidence] min_free`: 1% of the evidence file system, at most
+/// [`DEFAULT_MIN_FREE_MAX`]: room for the orgs within their share to go on
+/// being recorded for a while after the store counts as full.
+pub const DEFAULT_MIN_FREE: MinFree = MinFree::Default;
+/// The most the default `min_free` asks for on a large file system.
+pub const DEFAULT_MIN_FREE_MAX: u64 = 256 << 20;
+/// Bytes one decision record costs at most in the capacity check: an
+/// allow (about 535 bytes) and its close (about 605), see
+/// docs/evidence.md#sizing.
+pub const WORST_BYTES_PER_RECORD: u64 = 1140;
+/// Bytes of one signed checkpoint.
+pub const CHECKPOINT_BYTES: u64 = 612;
+
+/// `[evidence] min_free`: below this much free space on the evidence file
+/// system the store counts as full.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MinFree {
+    Bytes(u64),
+    /// Percent of the file system's size, above 0 and below 100.
+    Percent(f64),
+    /// Unset: 1% of the file system, at most [`DEFAULT_MIN_FREE_MAX`].
+    Default,
+}
+
+impl MinFree {
+    /// The bytes this leaves free on a file system of `size` bytes.
+    pub fn bytes(self, size: u64) -> u64 {
+        match self {
+            MinFree::Bytes(b) => b,
+            MinFree::Percent(p) => (size as f64 * p / 100.0) as u64,
+            MinFree::Default => (size / 100).min(DEFAULT_MIN_FREE_MAX),
+        }
+    }
+}
+
+/// How fast the evidence store can fill in the worst case, and whether
+/// size-based retention can then reach a segment younger than
+/// `retain_min_age` (see [`capacity`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Capacity {
+    /// Who has an evidence budget: every org, and the clients of no org.
+    pub payers: u64,
+    /// Decision records per second, all payers together.
+    pub records_per_second: u64,
+    /// Bytes per second at worst (records, checkpoints).
+    pub bytes_per_second: f64,
+    /// Bytes written in `retain_min_age` at worst (with each budget's
+    /// burst of one second), plus one open segment of `rotate_size`.
+    pub needed: u64,
+    /// `retain_size`.
+    pub retain_size: u64,
+    /// The largest `max_records_per_second_per_org` that fits.
+    pub max_budget: u64,
+    /// The longest `retain_min_age` that fits, if any does.
+    pub max_min_age: Option<Duration>,
+}
+
+impl Capacity {
+    pub fn fits(&self) -> bool {
+        self.needed <= self.retain_size
+    }
+}
+
+/// The worst-case fill of the store of `e` with `orgs` orgs, when
+/// size-based retention is on: each of `orgs + 1` payers (the clients of no
+/// org share one budget) writes its whole budget of allows with their
+/// closes ([`WORST_BYTES_PER_RECORD`]) for `retain_min_age` plus one
+/// second of burst, with a checkpoint every `checkpoint_every` records or
+/// `checkpoint_interval`; the newest segment can hold `rotate_size` more.
+pub fn capacity(e: &EvidenceConfig, orgs: usize) -> Option<Capacity> {
+    let retain_size = e.retain_size?;
+    let payers = orgs as u64 + 1;
+    let budget = e.max_records_per_second_per_org as f64;
+    let per_record =
+        WORST_BYTES_PER_RECORD as f64 + CHECKPOINT_BYTES as f64 / e.checkpoint_every.max(1) as f64;
+    let ckpt_per_second = CHECKPOINT_BYTES as f64 / e.checkpoint_interval.as_secs_f64().max(1e-3);
+    let t = e.retain_min_age.as_secs_f64();
+    let fill = |budget: f64, t: f64| {
+        payers as f64 * budget * (t + 1.0) * per_record + ckpt_per_second * t + e.rotate_size as f64
+    };
+    let needed = fill(budget, t).ceil().min(u64::MAX as f64) as u64;
+    let room = retain_size as f64 - e.rotate_size as f64 - ckpt_per_second * t;
+    let max_budget = if room > 0.0 {
+        (room / (payers as f64 * (t + 1.0) * per_record)).floor() as u64
+    } else {
+        0
+    };
+    let rate = payers as f64 * budget * per_record;
+    let spare = retain_size as f64 - e.rotate_size as f64 - rate;
+    let max_min_age = (spare > 0.0)
+        .then(|| Duration::from_secs((spare / (rate + ckpt_per_second)).floor() as u64))
+        .filter(|d| *d >= MIN_RETAIN_MIN_AGE);
+    Some(Capacity {
+        payers,
+        records_per_second: payers.saturating_mul(e.max_records_per_second_per_org as u64),
+        bytes_per_second: rate + ckpt_per_second,
+        needed,
+        retain_size,
+        max_budget,
+        max_min_age,
+    })
+}
 
 /// When a record counts as written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,6 +487,12 @@ pub struct EvidenceConfig {
     pub retain_size: Option<u64>,
     /// Remove closed segments last written longer ago than this.
     pub retain_age: Option<Duration>,
+    /// No closed segment last written more recently than this is removed
+    /// by `retain_size` (at least [`MIN_RETAIN_MIN_AGE`], at most
+    /// `retain_age`).
+    pub retain_min_age: Duration,
+    /// Below this much free space the store counts as full.
+    pub min_free: MinFree,
     /// Decision records one org may cause per second, proxy and DNS
     /// together (token bucket, burst of one second's worth); clients of no
     /// org share one such budget. Over it an allow is refused
@@ -400,6 +516,8 @@ impl EvidenceConfig {
             rotate_age: DEFAULT_ROTATE_AGE,
             retain_size: None,
             retain_age: None,
+            retain_min_age: DEFAULT_RETAIN_MIN_AGE,
+            min_free: DEFAULT_MIN_FREE,
             max_records_per_second_per_org: default_max_records_per_second_per_org(
                 &Limits::default(),
                 &DnsConfig::default(),

@@ -117,6 +117,8 @@ pub(super) struct RawEvidence {
     pub(super) rotate_age: Option<Spanned<String>>,
     pub(super) retain_size: Option<Spanned<RawSize>>,
     pub(super) retain_age: Option<Spanned<String>>,
+    pub(super) retain_min_age: Option<Spanned<String>>,
+    pub(super) min_free: Option<Spanned<RawSize>>,
     pub(super) max_records_per_second_per_org: Option<Spanned<i64>>,
     pub(super) replica: Option<Spanned<String>>,
 }

@@ -36,7 +36,7 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::shim::Shim;
 use crate::evidence::Mode;
-use crate::limits::{client_key, EVIDENCE_BUDGET_EXHAUSTED};
+use crate::limits::client_key;
 use crate::policy::{OrgRef, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
@@ -159,12 +159,13 @@ impl Shim {
             decision.action,
             Action::Forward | Action::AnyHinfo | Action::Ptr(_)
         );
-        if answers
-            && !self
-                .refusals
+        let paid = if answers {
+            self.refusals
                 .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
-        {
-            let limit = EVIDENCE_BUDGET_EXHAUSTED;
+        } else {
+            Ok(())
+        };
+        if let Err(limit) = paid {
             let refused = self
                 .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;
@@ -312,8 +313,7 @@ impl Shim {
             return None;
         };
         let kept = self.cache.get(served, key, now)?;
-        if !self.refusals.pay(&Some(org.name.clone())) {
-            let limit = EVIDENCE_BUDGET_EXHAUSTED;
+        if let Err(limit) = self.refusals.pay(&Some(org.name.clone())) {
             let reply = self
                 .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;

@@ -108,10 +108,11 @@ impl Refusals {
     }
 
     /// Take one record of `org`'s evidence budget (none: clients of no
-    /// org) for an answer, before anything is forwarded. `false`: spent,
-    /// the answer must be refused `limit_exceeded`.
-    pub(crate) fn pay(&self, org: &Option<Arc<str>>) -> bool {
-        self.budget.take(org, Instant::now())
+    /// org) for an answer, before anything is forwarded. `Err`: spent (or
+    /// the org is over its share of a full store), the answer must be
+    /// refused `limit_exceeded` with that detail.
+    pub(crate) fn pay(&self, org: &Option<Arc<str>>) -> Result<(), &'static str> {
+        self.budget.take_allow(org, Instant::now())
     }
 
     /// Record a refusal (counted in the metrics either way): queued when
@@ -119,7 +120,7 @@ impl Refusals {
     /// healthy and has room within `wait`, else tallied.
     pub(crate) async fn record(&self, rec: &mut Record, wait: Duration) -> Recorded {
         self.metrics.count_record(rec);
-        if self.pay(&rec.org)
+        if self.budget.take(&rec.org, Instant::now())
             && self.evidence.is_healthy()
             && self.evidence.submit_within(rec, wait).await
         {
@@ -221,7 +222,7 @@ mod tests {
         // next answer finds its budget spent.
         refusals.flush(Duration::from_secs(5)).await;
         assert_eq!(refusals.pending(), 0);
-        assert!(!refusals.pay(&Some(Arc::from("acme"))));
+        assert!(refusals.pay(&Some(Arc::from("acme"))).is_err());
         assert!(ev.seal().await);
         let _ = std::fs::remove_dir_all(&dir);
     }

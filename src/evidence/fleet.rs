@@ -484,6 +484,11 @@ impl FleetCheck {
         let mut s = String::new();
         for c in &self.chains {
             let _ = writeln!(s, "{}", c.line());
+            if let Some(sum) = &c.summary {
+                if let Some(line) = sum.removed_line() {
+                    let _ = writeln!(s, "  {line}");
+                }
+            }
         }
         s.push_str(&self.total_line());
         s

@@ -16,6 +16,7 @@ pub(crate) mod key;
 pub(crate) mod query;
 pub(crate) mod reference;
 pub(crate) mod segment;
+pub(crate) mod store;
 pub(crate) mod verify;
 mod writer;
 
@@ -331,6 +332,8 @@ pub struct Counters {
     dir: std::sync::OnceLock<PathBuf>,
     /// The replica this instance records as (`[evidence] replica`).
     replica: std::sync::OnceLock<String>,
+    /// How full the store is, and whose records fill it.
+    store: store::Store,
 }
 
 impl Counters {
@@ -344,6 +347,11 @@ impl Counters {
 
     pub fn queue_depth(&self) -> u64 {
         self.queue_depth.load(Ordering::Relaxed)
+    }
+
+    /// How full the store is, and whose records fill it.
+    pub(crate) fn store(&self) -> &store::Store {
+        &self.store
     }
 
     /// The replica this instance records as (empty before it started).
@@ -487,6 +495,7 @@ impl Evidence {
         permit.forget();
         let entry = Entry {
             line,
+            org: record.org.clone(),
             acked: true,
             permit: true,
         };
@@ -526,6 +535,7 @@ impl Evidence {
         };
         let entry = Entry {
             line,
+            org: record.org.clone(),
             acked: false,
             permit,
         };
@@ -567,6 +577,7 @@ impl Evidence {
         permit.forget();
         let entry = Entry {
             line,
+            org: record.org.clone(),
             acked: false,
             permit: true,
         };

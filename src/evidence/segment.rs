@@ -4,9 +4,11 @@
 //! order. A new segment is written as `*.jsonl.tmp` with its header and only
 //! then renamed into place, so a crash never leaves a segment without one.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
@@ -15,6 +17,14 @@ pub(crate) const SUFFIX: &str = ".jsonl";
 
 pub(crate) fn segment_name(first_seq: u64) -> String {
     format!("{PREFIX}{first_seq:020}{SUFFIX}")
+}
+
+/// The first seq a segment's name holds (`palisade-<seq>.jsonl`).
+pub(crate) fn first_seq_of(name: &str) -> Option<u64> {
+    name.strip_prefix(PREFIX)?
+        .strip_suffix(SUFFIX)?
+        .parse()
+        .ok()
 }
 
 /// Segment files in `dir`, in chain order.
@@ -58,6 +68,48 @@ pub(crate) fn split_lines(data: &[u8]) -> (Vec<&[u8]>, &[u8]) {
     (lines, &data[start..])
 }
 
+/// The bytes of each org's records in the segment at `path` (`None`: the
+/// clients of no org), lines included whole; headers, checkpoints and
+/// anything unreadable count for no one. Reads the file once; finds the
+/// `org` key by its text, which in a canonical line cannot occur inside a
+/// string (a quote there is escaped). Only decision and close records
+/// count, as when they are written.
+pub(crate) fn bytes_by_org(path: &Path) -> HashMap<Option<Arc<str>>, u64> {
+    const KEY: &[u8] = b",\"org\":";
+    let mut held: HashMap<Option<Arc<str>>, u64> = HashMap::new();
+    let Ok(data) = fs::read(path) else {
+        return held;
+    };
+    let mut names: HashMap<&[u8], Arc<str>> = HashMap::new();
+    let has = |line: &[u8], text: &[u8]| line.windows(text.len()).any(|w| w == text);
+    for line in data.split(|b| *b == b'\n') {
+        // Decision and close records only, as the writer counts them.
+        if !has(line, b"\"event\":\"decision\"") && !has(line, b"\"event\":\"close\"") {
+            continue;
+        }
+        let Some(at) = line.windows(KEY.len()).position(|w| w == KEY) else {
+            continue;
+        };
+        let value = &line[at + KEY.len()..];
+        let org = if value.starts_with(b"null") {
+            None
+        } else if let Some(rest) = value.strip_prefix(b"\"") {
+            let Some(end) = rest.iter().position(|b| *b == b'"') else {
+                continue;
+            };
+            let name = &rest[..end];
+            let interned = names
+                .entry(name)
+                .or_insert_with(|| Arc::from(String::from_utf8_lossy(name).as_ref()));
+            Some(interned.clone())
+        } else {
+            continue;
+        };
+        *held.entry(org).or_insert(0) += line.len() as u64 + 1;
+    }
+    held
+}
+
 /// What the end of a segment looks like.
 #[derive(Debug, Clone)]
 pub(crate) struct Tail {
@@ -67,6 +119,9 @@ pub(crate) struct Tail {
     pub last_seq: u64,
     pub last_hash: String,
     pub last_event: String,
+    /// The first chained record's seq and time (the segment's header).
+    pub first_seq: u64,
+    pub first_ts: String,
     pub last_ts: String,
     /// Records after the last checkpoint or seal.
     pub unsigned: u64,
@@ -116,6 +171,8 @@ pub(crate) fn read_tail(path: &Path) -> io::Result<Tail> {
         last_seq: 0,
         last_hash: String::new(),
         last_event: String::new(),
+        first_seq: 0,
+        first_ts: String::new(),
         last_ts: String::new(),
         unsigned: 0,
         torn_line: None,
@@ -130,6 +187,14 @@ pub(crate) fn read_tail(path: &Path) -> io::Result<Tail> {
         ) else {
             break;
         };
+        if tail.lines == 0 {
+            tail.first_seq = seq;
+            tail.first_ts = m
+                .get("ts")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+        }
         tail.lines += 1;
         tail.last_seq = seq;
         tail.last_hash = hash.to_string();

@@ -265,6 +265,8 @@ async fn rotation_retention_and_dropped_segments() {
     let mut cfg = config(&root);
     cfg.rotate_size = 3000;
     cfg.retain_size = Some(9000);
+    // No floor: every closed segment may go (see the test of the floor).
+    cfg.retain_min_age = Duration::ZERO;
     sealed_chain(&cfg, 60).await;
     let segs = segments(&cfg.dir);
     let total: u64 = segs.iter().map(|p| fs::metadata(p).unwrap().len()).sum();
@@ -275,9 +277,120 @@ async fn rotation_retention_and_dropped_segments() {
     assert!(s.sealed);
     let all: String = segs.iter().flat_map(|p| lines(p)).collect();
     assert!(all.contains("\"removed\":[{"), "no removal recorded");
+    // verify lists what was removed, with its seq and time span.
+    let before = s.removed.last().map(|r| r.last_seq + 1);
+    assert_eq!(
+        before,
+        Some(s.first_seq),
+        "the segment just before is listed: {s}"
+    );
+    assert!(s
+        .removed
+        .iter()
+        .all(|r| !r.first_ts.is_empty() && r.first_ts <= r.last_ts));
+    let shown = s.to_string();
+    assert!(shown.contains("removed by retention: "), "{shown}");
+    assert!(
+        shown.contains(&format!("{}: seq ", s.removed[0].segment)),
+        "{shown}"
+    );
+    let since = humantime::parse_rfc3339_weak(&s.removed[0].last_ts).ok();
+    let cut = verify::retention_cut(&cfg.dir, since, None).unwrap();
+    assert!(cut.contains("shipped copy"), "{cut}");
+    let after = humantime::parse_rfc3339_weak(s.last_ts.as_deref().unwrap()).ok();
+    assert_eq!(
+        verify::retention_cut(&cfg.dir, after, None),
+        None,
+        "nothing removed after the end"
+    );
     // An unrecorded removal of the oldest remaining segment is found.
     fs::remove_file(&segs[0]).unwrap();
     expect_err(&cfg.dir, &pinned(&cfg), &segs[1], 1, "unrecorded removal");
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// Records of `org`, `n` of them (allows, each with its close).
+async fn fill_org(ev: &Evidence, org: Option<&str>, n: u32) {
+    for i in 0..n {
+        let mut r = record(i, true);
+        r.org = org.map(Arc::from);
+        ev.write(&mut r).await.unwrap();
+        let mut c = r.close(1, 2, 3);
+        ev.submit(&mut c);
+    }
+}
+
+#[tokio::test]
+async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_store_names_who_filled_it(
+) {
+    let root = crate::testing::scratch("evtest");
+    let mut cfg = config(&root);
+    cfg.rotate_size = 3000;
+    cfg.retain_size = Some(9000);
+    // The default floor, an hour: nothing written now may go. (Free space
+    // is not what this test is about: any will do.)
+    cfg.min_free = crate::config::MinFree::Bytes(1);
+    let ev = Evidence::start(&cfg).unwrap();
+    ev.counters().store().count_payers(|| 2);
+    fill_org(&ev, None, 2).await;
+    let store = ev.counters().store();
+    assert!(!store.is_full());
+    fill_org(&ev, Some("acme"), 60).await;
+    assert!(
+        store.is_full(),
+        "over retain_size, all younger than the floor"
+    );
+    assert!(store.over_share(&Some(Arc::from("acme"))));
+    assert!(
+        !store.over_share(&None),
+        "the clients of no org are within their share"
+    );
+    assert!(ev.seal().await);
+    drop(ev);
+    let segs = segments(&cfg.dir);
+    let total: u64 = segs.iter().map(|p| fs::metadata(p).unwrap().len()).sum();
+    assert!(total > 9000 + 3000, "kept over retain_size: {total}");
+    assert!(
+        lines(&segs[0])[0].contains("\"seq\":0,"),
+        "the first segment stays"
+    );
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.removed.is_empty() && !s.to_string().contains("removed by"));
+
+    // Started again on the same segments, still young: full at once, and
+    // the records already there count in the shares.
+    let ev = Evidence::start(&cfg).unwrap();
+    ev.counters().store().count_payers(|| 2);
+    assert!(ev.counters().store().is_full());
+    assert!(ev.counters().store().over_share(&Some(Arc::from("acme"))));
+    assert!(!ev.counters().store().over_share(&None));
+    let shares = ev.counters().store().shares();
+    let acme = shares
+        .iter()
+        .find(|s| s.0.as_deref() == Some("acme"))
+        .unwrap();
+    let none = shares.iter().find(|s| s.0.is_none()).unwrap();
+    assert!(acme.1 > 20 * none.1 && none.1 > 0, "{shares:?}");
+    assert!(ev.seal().await);
+    drop(ev);
+
+    // Once the segments are old enough (here: a floor of zero at the next
+    // start), retention removes them again, recorded, and the store is
+    // no longer full.
+    cfg.retain_min_age = Duration::ZERO;
+    let ev = Evidence::start(&cfg).unwrap();
+    assert!(!ev.counters().store().is_full());
+    assert!(ev.seal().await);
+    drop(ev);
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(!s.removed.is_empty(), "{s}");
+
+    // Less free space than min_free: full too, whatever retain_size says.
+    cfg.retain_size = None;
+    cfg.min_free = crate::config::MinFree::Bytes(u64::MAX);
+    let ev = Evidence::start(&cfg).unwrap();
+    assert!(ev.counters().store().is_full());
+    drop(ev);
     let _ = fs::remove_dir_all(&root);
 }
 

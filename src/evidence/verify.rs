@@ -11,6 +11,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use ed25519_dalek::VerifyingKey;
 use serde_json::{Map, Value};
@@ -56,6 +57,120 @@ pub(crate) struct Summary {
     pub key_pinned: bool,
     /// Things that are not errors but an assessor should know.
     pub notes: Vec<String>,
+    /// Segments retention removed, as the headers still here record them,
+    /// oldest first.
+    pub removed: Vec<Removed>,
+}
+
+/// A segment retention removed, as a later segment's header records it:
+/// its name, the seq and time span of its records. Its records are not
+/// here: they are in the shipped copy, if it was shipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Removed {
+    pub segment: String,
+    pub first_seq: u64,
+    pub last_seq: u64,
+    /// Empty when the header that recorded the removal predates the field
+    /// (only the seq span is known then).
+    pub first_ts: String,
+    pub last_ts: String,
+}
+
+impl fmt::Display for Removed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: seq {}..={}, {} .. {}",
+            self.segment,
+            self.first_seq,
+            self.last_seq,
+            or_unknown(&self.first_ts),
+            or_unknown(&self.last_ts)
+        )
+    }
+}
+
+/// Removed segments listed one by one; past this, counted.
+const REMOVED_SHOWN: usize = 20;
+
+impl Removed {
+    /// One entry of a header's `removed` list.
+    fn of(v: &Value) -> Option<Removed> {
+        let m = v.as_object()?;
+        let segment = str_of(m, "segment")?.to_string();
+        let last_seq = m.get("last_seq").and_then(Value::as_u64)?;
+        // Older headers name no first seq: the segment's name holds it.
+        let first_seq = m
+            .get("first_seq")
+            .and_then(Value::as_u64)
+            .or_else(|| segment::first_seq_of(&segment))
+            .unwrap_or(0);
+        Some(Removed {
+            segment,
+            first_seq,
+            last_seq,
+            first_ts: str_of(m, "first_ts").unwrap_or_default().to_string(),
+            last_ts: str_of(m, "last_ts").unwrap_or_default().to_string(),
+        })
+    }
+
+    /// Whether this segment's time span meets `since..until` (open ends
+    /// when `None`); a span not known meets every window.
+    pub(crate) fn meets(&self, since: Option<SystemTime>, until: Option<SystemTime>) -> bool {
+        let at = |t: &str| humantime::parse_rfc3339_weak(t).ok();
+        let (Some(first), Some(last)) = (at(&self.first_ts), at(&self.last_ts)) else {
+            return true;
+        };
+        since.is_none_or(|s| last >= s) && until.is_none_or(|u| first <= u)
+    }
+}
+
+/// The segments retention removed from the chain in `dir` (a directory
+/// of segments), as the headers still there record them, oldest first.
+/// Reads only the headers.
+pub(crate) fn removed_segments(dir: &Path) -> Vec<Removed> {
+    let Ok(list) = segment::list(dir) else {
+        return Vec::new();
+    };
+    let headers: Vec<Map<String, Value>> = list.iter().filter_map(|p| header_of(p)).collect();
+    removed_in(&headers)
+}
+
+fn removed_in<'a>(headers: impl IntoIterator<Item = &'a Map<String, Value>>) -> Vec<Removed> {
+    let mut v: Vec<Removed> = headers
+        .into_iter()
+        .filter_map(|h| h.get("removed").and_then(Value::as_array))
+        .flatten()
+        .filter_map(Removed::of)
+        .collect();
+    v.sort_by_key(|r| r.first_seq);
+    v.dedup();
+    v
+}
+
+/// For a report over `since..until` of the chain in `dir`: what retention
+/// removed from that window, as one line naming the seq and time span and
+/// pointing at the shipped copy; `None` when it removed nothing there.
+/// (`probe report` prints it beside its verdicts.)
+pub(crate) fn retention_cut(
+    dir: &Path,
+    since: Option<SystemTime>,
+    until: Option<SystemTime>,
+) -> Option<String> {
+    let cut: Vec<Removed> = removed_segments(dir)
+        .into_iter()
+        .filter(|r| r.meets(since, until))
+        .collect();
+    let (first, last) = (cut.first()?, cut.last()?);
+    Some(format!(
+        "retention removed {} segment(s) of {} inside this window (seq {}..={}, {} .. {}): records there are missing here, read them in the shipped copy",
+        cut.len(),
+        dir.display(),
+        first.first_seq,
+        last.last_seq,
+        or_unknown(&first.first_ts),
+        or_unknown(&last.last_ts),
+    ))
 }
 
 impl fmt::Display for Summary {
@@ -115,7 +230,43 @@ impl fmt::Display for Summary {
         for n in &self.notes {
             write!(f, "\n  note: {n}")?;
         }
+        if let Some(line) = self.removed_line() {
+            write!(f, "\n  {line}")?;
+            for r in self.removed.iter().take(REMOVED_SHOWN) {
+                write!(f, "\n    {r}")?;
+            }
+            if self.removed.len() > REMOVED_SHOWN {
+                write!(
+                    f,
+                    "\n    ... and {} more",
+                    self.removed.len() - REMOVED_SHOWN
+                )?;
+            }
+        }
         Ok(())
+    }
+}
+
+impl Summary {
+    /// What retention removed, in one line, if anything.
+    pub(crate) fn removed_line(&self) -> Option<String> {
+        let (first, last) = (self.removed.first()?, self.removed.last()?);
+        Some(format!(
+            "removed by retention: {} segments, seq {}..={}, {} .. {} (not here: read them in the shipped copy)",
+            self.removed.len(),
+            first.first_seq,
+            last.last_seq,
+            or_unknown(&first.first_ts),
+            or_unknown(&last.last_ts),
+        ))
+    }
+}
+
+fn or_unknown(ts: &str) -> &str {
+    if ts.is_empty() {
+        "?"
+    } else {
+        ts
     }
 }
 
@@ -184,6 +335,7 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
     let mut s = Summary {
         files: list.len(),
         key_pinned: opts.key.is_some(),
+        removed: removed_in(headers.iter().flatten()),
         ..Summary::default()
     };
     let mut key: Option<VerifyingKey> = opts.key;

@@ -32,6 +32,7 @@
 //! takes `io` while holding another of them, and `io` is only ever waited
 //! for by the duties thread, `seal` and `abandon`: callers only try it.
 
+use std::collections::{HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -47,6 +48,7 @@ use tracing::{error, info, warn};
 
 use super::chain::{self, Prepared, GENESIS};
 use super::segment::{self, Tail};
+use super::store::Payer;
 use crate::config::{Durability, EvidenceConfig};
 
 /// Records appended with a place reserved (`write`, `submit_within`, and
@@ -62,10 +64,15 @@ const MAX_ROUNDS: usize = 4;
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
 const SYNC_LAG: Duration = Duration::from_millis(100);
+/// How often free space on the evidence file system is compared with
+/// `min_free` while records are written.
+const DISK_CHECK: Duration = Duration::from_secs(1);
 
 /// One record waiting to be written.
 pub(super) struct Entry {
     pub line: Prepared,
+    /// Whose record it is, for the store's shares ([`super::store`]).
+    pub org: Payer,
     /// A `write` caller waits for this record's batch.
     pub acked: bool,
     /// It holds a place in the queue's capacity.
@@ -530,7 +537,17 @@ pub(super) struct Io {
     outage: Option<Outage>,
     /// Submitted records of failed batches, written first once writing
     /// works again.
-    kept: Vec<Prepared>,
+    kept: Vec<(Prepared, Payer)>,
+    /// Bytes of records per payer in each segment on disk written by this
+    /// run, oldest first (the last is the open one).
+    usage: VecDeque<(String, HashMap<Payer, u64>)>,
+    /// Size-based retention is held back by `retain_min_age`: when the
+    /// oldest closed segment it stopped at becomes old enough.
+    floor_until: Option<Instant>,
+    /// When free space was last compared with `min_free`, and whether it
+    /// was below.
+    disk_checked: Option<Instant>,
+    low_disk: bool,
     healthy: bool,
     retry_at: Instant,
     backoff: Duration,
@@ -581,6 +598,10 @@ impl Io {
             last_ckpt: now,
             outage: None,
             kept: Vec::new(),
+            usage: VecDeque::new(),
+            floor_until: None,
+            disk_checked: None,
+            low_disk: false,
             healthy: true,
             retry_at: now,
             backoff: BACKOFF_MIN,
@@ -612,6 +633,14 @@ impl Io {
         fs::create_dir_all(&w.cfg.dir)?;
         segment::remove_stale_tmp(&w.cfg.dir);
         let existing = segment::list(&w.cfg.dir)?;
+        // Whose records the segments already here hold, for the shares of
+        // a full store (one read of each at start).
+        for path in &existing {
+            let held = segment::bytes_by_org(path);
+            w.counters.store().add(&held);
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            w.usage.push_back((name.unwrap_or_default(), held));
+        }
         let (start, predecessor) = match existing.last() {
             None => ("start", Value::Null),
             Some(last) => {
@@ -644,6 +673,7 @@ impl Io {
         let (removed, unlink) = w.retention(None);
         w.new_segment(ids, start, predecessor, removed)?;
         w.unlink(unlink);
+        w.check_disk();
         Ok(w)
     }
 
@@ -713,6 +743,7 @@ impl Io {
         self.head.seq = Some(seq);
         self.head.hash = hash;
         self.head.since_ckpt += 1;
+        self.usage.push_back((name.clone(), HashMap::new()));
         self.seg = Some(Segment {
             file,
             name,
@@ -730,9 +761,14 @@ impl Io {
 
     /// Old segments to remove under the retention caps: their descriptions
     /// for the next header, and their paths to unlink once it is written.
-    fn retention(&self, keep: Option<&str>) -> (Vec<Value>, Vec<PathBuf>) {
+    /// A closed segment last written less than `retain_min_age` ago is
+    /// never removed for size: retention stops there, and the store is
+    /// full until that segment is old enough ([`super::store`]).
+    fn retention(&mut self, keep: Option<&str>) -> (Vec<Value>, Vec<PathBuf>) {
         let (size_cap, age_cap) = (self.cfg.retain_size, self.cfg.retain_age);
+        self.floor_until = None;
         if size_cap.is_none() && age_cap.is_none() {
+            self.counters.store().set_floor(false);
             return (Vec::new(), Vec::new());
         }
         let Ok(list) = segment::list(&self.cfg.dir) else {
@@ -754,9 +790,22 @@ impl Io {
                 break;
             }
             let too_big = size_cap.is_some_and(|cap| total > cap);
-            let too_old = age_cap
-                .is_some_and(|age| mtime.is_some_and(|t| t.elapsed().is_ok_and(|e| e > age)));
+            let age = mtime.and_then(|t| t.elapsed().ok());
+            let too_old = age_cap.is_some_and(|cap| age.is_some_and(|e| e > cap));
             if !too_big && !too_old {
+                break;
+            }
+            // An mtime in the future (or none) counts as just written.
+            let young = age.unwrap_or(Duration::ZERO);
+            if !too_old && young < self.cfg.retain_min_age {
+                let wait = self.cfg.retain_min_age - young;
+                self.floor_until = Some(Instant::now() + wait);
+                warn!(
+                    segment = %path.display(),
+                    age = ?young,
+                    retain_min_age = ?self.cfg.retain_min_age,
+                    "retention: the store is over retain_size but its oldest segment is younger than retain_min_age; keeping it, and refusing the orgs over their share"
+                );
                 break;
             }
             let Ok(tail) = segment::read_tail(path) else {
@@ -765,20 +814,62 @@ impl Io {
             };
             let mut desc = tail.to_json(tail.end());
             if let Value::Object(m) = &mut desc {
+                m.insert("first_seq".into(), tail.first_seq.into());
+                m.insert("first_ts".into(), tail.first_ts.clone().into());
                 m.insert("last_ts".into(), tail.last_ts.clone().into());
             }
             removed.push(desc);
             unlink.push(path.clone());
             total -= len;
         }
+        self.counters.store().set_floor(self.floor_until.is_some());
         (removed, unlink)
     }
 
-    fn unlink(&self, paths: Vec<PathBuf>) {
+    /// Compare free space with `min_free` (at most every [`DISK_CHECK`]).
+    fn check_disk(&mut self) {
+        if self.cfg.durability == Durability::Discard
+            || self.disk_checked.is_some_and(|t| t.elapsed() < DISK_CHECK)
+        {
+            return;
+        }
+        self.disk_checked = Some(Instant::now());
+        let Some((free, size)) = self.counters.disk_space() else {
+            return;
+        };
+        // None free at all is a truly full disk: writes fail and every
+        // allow with them (`evidence_unavailable`), as they always did.
+        let low = free > 0 && free < self.cfg.min_free.bytes(size);
+        if low != self.low_disk {
+            if low {
+                warn!(
+                    free,
+                    size, "evidence file system below min_free; refusing the orgs over their share"
+                );
+            } else {
+                info!(free, size, "evidence file system above min_free again");
+            }
+        }
+        self.low_disk = low;
+        let store = self.counters.store();
+        store.set_low_disk(low);
+    }
+
+    fn unlink(&mut self, paths: Vec<PathBuf>) {
         for p in paths {
             match fs::remove_file(&p) {
                 Ok(()) => info!(segment = %p.display(), "retention: removed old evidence segment"),
                 Err(e) => warn!(segment = %p.display(), error = %e, "retention: cannot remove"),
+            }
+            let name = p.file_name().map(|n| n.to_string_lossy().into_owned());
+            if let Some(i) = self
+                .usage
+                .iter()
+                .position(|(n, _)| Some(n) == name.as_ref())
+            {
+                if let Some((_, held)) = self.usage.remove(i) {
+                    self.counters.store().remove(&held);
+                }
             }
         }
         self.sync_dir();
@@ -795,7 +886,10 @@ impl Io {
                     || s.dirty
                     || (s.data > 0
                         && (s.len >= self.cfg.rotate_size
-                            || s.opened.elapsed() >= self.cfg.rotate_age))
+                            || s.opened.elapsed() >= self.cfg.rotate_age
+                            // The segment retention stopped at is old
+                            // enough now: rotate, so that it is removed.
+                            || self.floor_until.is_some_and(|t| Instant::now() >= t)))
             }
         }
     }
@@ -825,6 +919,8 @@ impl Io {
             last_seq: self.head.seq.unwrap_or(0),
             last_hash: self.head.hash.clone(),
             last_event: end.into(),
+            first_seq: 0,
+            first_ts: String::new(),
             last_ts: String::new(),
             unsigned: self.head.since_ckpt,
             torn_line: None,
@@ -976,13 +1072,18 @@ impl Io {
             Self::push(&mut head, &mut buf, &mut m);
             lines += 1;
         }
-        for p in &self.kept {
+        let mut written: HashMap<Payer, u64> = HashMap::new();
+        for (p, org) in &self.kept {
+            let at = buf.len();
             Self::push_prepared(&mut head, &mut buf, p);
+            *written.entry(org.clone()).or_insert(0) += (buf.len() - at) as u64;
             lines += 1;
             data += 1;
         }
         for e in batch {
+            let at = buf.len();
             Self::push_prepared(&mut head, &mut buf, &e.line);
+            *written.entry(e.org.clone()).or_insert(0) += (buf.len() - at) as u64;
             lines += 1;
             data += 1;
         }
@@ -1011,6 +1112,15 @@ impl Io {
             self.kept.clear();
             if let Some(s) = &mut self.seg {
                 s.data += data;
+            }
+            if self.cfg.durability != Durability::Discard {
+                if let Some((_, held)) = self.usage.back_mut() {
+                    for (p, b) in &written {
+                        *held.entry(p.clone()).or_insert(0) += b;
+                    }
+                }
+                self.counters.store().add(&written);
+                self.check_disk();
             }
         }
         result
@@ -1071,7 +1181,7 @@ impl Io {
             if e.acked {
                 outage.failed_writes += 1;
             } else {
-                self.kept.push(e.line);
+                self.kept.push((e.line, e.org));
             }
         }
     }
@@ -1087,6 +1197,9 @@ impl Io {
         if let Some(s) = &self.seg {
             if s.data > 0 && self.cfg.durability != Durability::Discard {
                 d = d.min(s.opened + self.cfg.rotate_age);
+                if let Some(t) = self.floor_until {
+                    d = d.min(t);
+                }
             }
         }
         if let Some(t) = self.unsynced {

@@ -5,11 +5,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::rate::RateLimiter;
+use crate::evidence::Counters;
 
 /// Detail of a `limit_exceeded` for an allow refused because its org's
 /// evidence budget is spent.
 pub(crate) const EVIDENCE_BUDGET_EXHAUSTED: &str =
     "evidence budget spent: over [evidence] max_records_per_second_per_org for this org";
+
+/// Detail of a `limit_exceeded` for an allow refused because the evidence
+/// store is full and its org holds more than its share of it.
+pub(crate) const EVIDENCE_STORE_FULL: &str = "evidence store full for this org";
 
 /// The evidence budget: decision records each org may cause per second,
 /// proxy and DNS together (`[evidence] max_records_per_second_per_org`), a
@@ -23,6 +28,12 @@ pub(crate) const EVIDENCE_BUDGET_EXHAUSTED: &str =
 /// | a summary | when written ([`EvidenceBudget::charge`]) | written anyway (the bucket goes into debt); an org's proxy summaries fold into one |
 /// | a close record | never | (at most one per allow) |
 ///
+/// While the evidence store is full ([`crate::evidence::store`]), an org
+/// (or the clients of no org) whose records hold more than its share of
+/// the store is treated as if its budget were spent, whatever is left of
+/// it: its allows are refused (detail [`EVIDENCE_STORE_FULL`]) and its
+/// denials summarised. Orgs within their share go on as before.
+///
 /// So an org's one-by-one decision records in any `T` seconds are at most
 /// `rate * (T + 1)`, whatever it floods with. (A tunnel allowed and then
 /// denied on its first bytes pays twice: its allow at the decision, its
@@ -31,6 +42,9 @@ pub(crate) const EVIDENCE_BUDGET_EXHAUSTED: &str =
 #[derive(Debug)]
 pub(crate) struct EvidenceBudget {
     buckets: RateLimiter<Option<Arc<str>>>,
+    /// The evidence writer's counters: whether the store is full, and who
+    /// fills it.
+    store: Option<Arc<Counters>>,
 }
 
 impl EvidenceBudget {
@@ -39,12 +53,47 @@ impl EvidenceBudget {
         EvidenceBudget {
             // Orgs come from the config, plus one key for no org.
             buckets: RateLimiter::new(per_second, 65_536),
+            store: None,
         }
     }
 
-    /// Take one record of `org`'s budget at `now`, if one is left.
+    /// Refuse the orgs over their share of a full store, as `counters`
+    /// (the evidence writer's) tell.
+    pub(crate) fn with_store(mut self, counters: Arc<Counters>) -> EvidenceBudget {
+        self.store = Some(counters);
+        self
+    }
+
+    /// Whether `org` holds more than its share of a full store.
+    fn over_share(&self, org: &Option<Arc<str>>) -> bool {
+        self.store
+            .as_ref()
+            .is_some_and(|c| c.store().over_share(org))
+    }
+
+    /// Take one record of `org`'s budget at `now`, if one is left (and the
+    /// org is not over its share of a full store).
     pub(crate) fn take(&self, org: &Option<Arc<str>>, now: Instant) -> bool {
-        self.buckets.allow(org, now)
+        !self.over_share(org) && self.buckets.allow(org, now)
+    }
+
+    /// Pay for an allow's record of `org` at `now`; `Err` with the detail
+    /// to refuse it `limit_exceeded` with: [`EVIDENCE_STORE_FULL`] when the
+    /// org is over its share of a full store, [`EVIDENCE_BUDGET_EXHAUSTED`]
+    /// when its budget is spent.
+    pub(crate) fn take_allow(
+        &self,
+        org: &Option<Arc<str>>,
+        now: Instant,
+    ) -> Result<(), &'static str> {
+        if self.over_share(org) {
+            return Err(EVIDENCE_STORE_FULL);
+        }
+        if self.buckets.allow(org, now) {
+            Ok(())
+        } else {
+            Err(EVIDENCE_BUDGET_EXHAUSTED)
+        }
     }
 
     /// Charge one record that is written whatever the budget (a summary).
@@ -88,5 +137,30 @@ mod tests {
         }
         assert!(!budget.take(&acme, later + std::time::Duration::from_millis(400)));
         assert!(budget.take(&beta, later));
+    }
+
+    #[test]
+    fn an_org_over_its_share_of_a_full_store_is_refused_and_others_are_not() {
+        let counters: Arc<Counters> = Arc::default();
+        let budget = EvidenceBudget::new(1000).with_store(counters.clone());
+        let (acme, beta): (Option<Arc<str>>, Option<Arc<str>>) =
+            (Some(Arc::from("acme")), Some(Arc::from("beta")));
+        let now = Instant::now();
+        counters.store().count_payers(|| 3);
+        counters
+            .store()
+            .add(&[(acme.clone(), 9000), (beta.clone(), 1000)].into());
+        assert_eq!(budget.take_allow(&acme, now), Ok(()), "not full yet");
+        counters.store().set_floor(true);
+        assert_eq!(budget.take_allow(&acme, now), Err(EVIDENCE_STORE_FULL));
+        assert!(!budget.take(&acme, now), "its denials are summarised");
+        assert_eq!(budget.take_allow(&beta, now), Ok(()));
+        assert_eq!(budget.take_allow(&None, now), Ok(()));
+        counters.store().set_floor(false);
+        assert_eq!(budget.take_allow(&acme, now), Ok(()));
+        // A spent budget still says so.
+        let small = EvidenceBudget::new(1);
+        assert_eq!(small.take_allow(&acme, now), Ok(()));
+        assert_eq!(small.take_allow(&acme, now), Err(EVIDENCE_BUDGET_EXHAUSTED));
     }
 }

@@ -7,7 +7,7 @@
 //! | token buckets per key (rates, bounded tables) | [`rate`] | new connections, DNS queries, denial records |
 //! | connection caps and permits | [`conns`] | the proxy |
 //! | detection memory (first bytes held before a decision) | [`detect`] | the proxy |
-//! | the evidence budget, per org, proxy and DNS together | [`evidence`] | the proxy, the DNS shim |
+//! | the evidence budget, per org, proxy and DNS together, and the share of a full store | [`evidence`] | the proxy, the DNS shim |
 //! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
 //!
 //! Nothing here knows the proxy or DNS: each passes its own specifics
@@ -22,6 +22,6 @@ pub(crate) mod summary;
 
 pub(crate) use conns::{ConnLimits, LimitHit, Permit};
 pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};
-pub(crate) use evidence::{EvidenceBudget, EVIDENCE_BUDGET_EXHAUSTED};
+pub(crate) use evidence::EvidenceBudget;
 pub(crate) use rate::RateLimiter;
 pub(crate) use share::{client_key, Payer, Share, Shares};

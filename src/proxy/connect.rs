@@ -27,7 +27,6 @@ use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Record};
-use crate::limits::EVIDENCE_BUDGET_EXHAUSTED;
 use crate::policy::{Reason, Verdict};
 use crate::proto::guard;
 use crate::proto::target::{normalize_host, parse_authority, Host};
@@ -77,9 +76,9 @@ pub(crate) async fn open(
     }
     // The allow's record is paid for from the org's evidence budget now;
     // spent, the tunnel is refused (the refusal summarised).
-    if !ctx.pay_allow(view) {
+    if let Err(detail) = ctx.pay_allow(view) {
         let verdict = budget_spent(outcome.verdict);
-        let detail = Some(EVIDENCE_BUDGET_EXHAUSTED);
+        let detail = Some(detail);
         return Err(
             record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, detail).await,
         );

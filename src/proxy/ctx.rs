@@ -101,9 +101,10 @@ impl View {
 
 impl Ctx {
     /// Pay for an allow's record from the evidence budget of `view`'s org,
-    /// at its decision, before anything is dialled or forwarded; `false`:
-    /// spent, the allow is to be refused ([`budget_spent`]).
-    pub(crate) fn pay_allow(&self, view: &View) -> bool {
+    /// at its decision, before anything is dialled or forwarded; `Err`:
+    /// spent (or the org is over its share of a full store), the allow is
+    /// to be refused ([`budget_spent`]) with that detail.
+    pub(crate) fn pay_allow(&self, view: &View) -> Result<(), &'static str> {
         self.denials
             .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
     }

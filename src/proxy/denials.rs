@@ -73,10 +73,15 @@ impl Shape for DenialSummary {
         r.reasons = Some(tally.reasons());
         r.hosts = Some(tally.top_hosts());
         let [first, last] = r.window.clone().unwrap_or_default();
+        // The first summarised denial's own detail (a refusal's: why).
+        let why = r
+            .detail
+            .take()
+            .map_or_else(String::new, |d| format!("; the first: {d}"));
         r.detail = Some(format!(
             "{} denials summarised between {first} and {last}: over \
-             max_denial_records_per_second_per_client, _per_org or the \
-             org's evidence budget",
+             max_denial_records_per_second_per_client, _per_org, the \
+             org's evidence budget or its share of a full evidence store{why}",
             tally.count(),
         ));
     }
@@ -118,11 +123,13 @@ impl Denials {
     }
 
     /// Pay for the record of an allow decision of `org` (none: a client of
-    /// no org) from its evidence budget, before anything flows. `false`:
-    /// the budget is spent and the allow must be refused `limit_exceeded`
-    /// ([`crate::limits::EVIDENCE_BUDGET_EXHAUSTED`]).
-    pub(crate) fn pay_allow(&self, org: &Option<Arc<str>>) -> bool {
-        self.budget.take(org, Instant::now())
+    /// no org) from its evidence budget, before anything flows. `Err`: the
+    /// allow must be refused `limit_exceeded` with that detail (the budget
+    /// is spent, [`crate::limits::evidence::EVIDENCE_BUDGET_EXHAUSTED`], or
+    /// the org is over its share of a full store,
+    /// [`crate::limits::evidence::EVIDENCE_STORE_FULL`]).
+    pub(crate) fn pay_allow(&self, org: &Option<Arc<str>>) -> Result<(), &'static str> {
+        self.budget.take_allow(org, Instant::now())
     }
 
     /// Whether `record` is written as its own record: every record but a
@@ -320,15 +327,21 @@ mod tests {
         let d = Denials::new(1000, 1000, Arc::new(EvidenceBudget::new(5)));
         let (t0, wall) = (Instant::now(), SystemTime::now());
         let acme: Option<Arc<str>> = Some(Arc::from("acme"));
-        assert!(d.pay_allow(&acme) && d.pay_allow(&acme), "two allows paid");
+        assert!(
+            d.pay_allow(&acme).is_ok() && d.pay_allow(&acme).is_ok(),
+            "two allows paid"
+        );
         let deny = denial("acme", "198.19.1.7:1", "a.test", Reason::NoMatchingRule);
         let one_by_one = (0..100).filter(|_| d.admit(&deny, t0, wall)).count();
         assert_eq!(one_by_one, 3, "the rest of the burst, then summarised");
         assert_eq!(d.pending_count(), 97);
-        assert!(!d.pay_allow(&acme), "spent: the next allow is refused");
+        assert!(
+            d.pay_allow(&acme).is_err(),
+            "spent: the next allow is refused"
+        );
         // Another org, and the clients of no org, pay from their own.
-        assert!(d.pay_allow(&Some(Arc::from("beta"))));
-        assert!(d.pay_allow(&None));
+        assert!(d.pay_allow(&Some(Arc::from("beta"))).is_ok());
+        assert!(d.pay_allow(&None).is_ok());
         let mut stranger = denial("x", "203.0.113.9:1", "a.test", Reason::UnknownClient);
         stranger.org = None;
         assert!(d.admit(&stranger, t0, wall));

@@ -26,7 +26,7 @@ use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
 use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
-use crate::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -526,9 +526,9 @@ async fn forward(
         .await;
     }
     // The request's record is paid for from the org's evidence budget.
-    if !ctx.pay_allow(view) {
+    if let Err(detail) = ctx.pay_allow(view) {
         let verdict = budget_spent(verdict);
-        let detail = Some(EVIDENCE_BUDGET_EXHAUSTED);
+        let detail = Some(detail);
         let target = (Some(&host), Some(port));
         return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;
     }

@@ -28,7 +28,7 @@ use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode};
-use crate::limits::{LimitHit, Permit, EVIDENCE_BUDGET_EXHAUSTED};
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -175,8 +175,8 @@ async fn handle(
         return reset(client);
     }
     // The allow's record is paid for from the org's evidence budget.
-    if !ctx.pay_allow(view) {
-        let detail = EVIDENCE_BUDGET_EXHAUSTED.to_string();
+    if let Err(detail) = ctx.pay_allow(view) {
+        let detail = detail.to_string();
         conn.refuse(Reason::LimitExceeded, Some(detail));
         let _ = write_record(&ctx, &conn).await;
         return reset(client);

@@ -28,6 +28,7 @@ mod pool;
 mod probe;
 mod reload;
 mod report;
+mod retention;
 mod socks5;
 mod splice;
 mod tls;

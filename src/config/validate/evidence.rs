@@ -7,7 +7,10 @@ use toml::Spanned;
 
 use super::{count, duration, path};
 use crate::config::error::Errors;
-use crate::config::model::{replica_problem, Durability, EvidenceConfig, DEFAULT_EVIDENCE_DIR};
+use crate::config::model::{
+    capacity, replica_problem, Durability, EvidenceConfig, MinFree, DEFAULT_EVIDENCE_DIR,
+    MIN_RETAIN_MIN_AGE, WORST_BYTES_PER_RECORD,
+};
 use crate::config::raw::{RawEvidence, RawSize};
 
 /// `[evidence]`; `default_budget` is what `max_records_per_second_per_org`
@@ -27,6 +30,8 @@ pub(super) fn validate_evidence(
         rotate_age,
         retain_size,
         retain_age,
+        retain_min_age,
+        min_free,
         max_records_per_second_per_org,
         replica,
     } = raw;
@@ -68,7 +73,46 @@ pub(super) fn validate_evidence(
         }
         Some(n)
     });
+    let raw_age_span = retain_age.as_ref().map(Spanned::span);
     let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
+    let retain_min_age = match retain_min_age {
+        None => d.retain_min_age.min(retain_age.unwrap_or(Duration::MAX)),
+        Some(v) => {
+            let age = duration(Some(v.clone()), d.retain_min_age, errors);
+            let shown = v.get_ref();
+            if age < MIN_RETAIN_MIN_AGE {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} is below {}, the least time a shipper is given to copy a closed segment",
+                        humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                    ),
+                );
+            } else if let Some(max) = retain_age.filter(|max| age > *max) {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} exceeds retain_age ({}): age-based retention would remove segments the floor keeps",
+                        humantime::format_duration(max)
+                    ),
+                );
+            }
+            age
+        }
+    };
+    if retain_min_age < MIN_RETAIN_MIN_AGE {
+        // Unset, under a retain_age shorter than the least floor.
+        if let Some(age) = &raw_age_span {
+            errors.at(
+                age.clone(),
+                format!(
+                    "retain_age must be at least {} (the least retain_min_age)",
+                    humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                ),
+            );
+        }
+    }
+    let min_free = min_free.map_or(d.min_free, |v| free(v, errors).unwrap_or(d.min_free));
     let replica = match replica {
         None => d.replica,
         Some(v) => {
@@ -88,6 +132,8 @@ pub(super) fn validate_evidence(
         rotate_age,
         retain_size,
         retain_age,
+        retain_min_age,
+        min_free,
         max_records_per_second_per_org: count(
             max_records_per_second_per_org,
             default_budget,
@@ -95,6 +141,84 @@ pub(super) fn validate_evidence(
         ),
         replica,
     }
+}
+
+/// `min_free`: a byte size, or a percentage of the file system (`"5%"`).
+fn free(value: Spanned<RawSize>, errors: &mut Errors<'_>) -> Option<MinFree> {
+    if let RawSize::Text(t) = value.get_ref() {
+        if let Some(p) = t.trim().strip_suffix('%') {
+            return match p.trim().parse::<f64>() {
+                Ok(p) if p > 0.0 && p < 100.0 => Some(MinFree::Percent(p)),
+                _ => {
+                    errors.at(
+                        value.span(),
+                        format!("min_free {t:?} must be a percentage above 0 and below 100, or a byte size"),
+                    );
+                    None
+                }
+            };
+        }
+    }
+    size(Some(value), errors).map(MinFree::Bytes)
+}
+
+/// The load-time check of `[evidence]` against the budgets: with
+/// size-based retention, what `orgs` orgs and the clients of no org may
+/// write at worst in `retain_min_age` must fit in `retain_size` (see
+/// [`capacity`]); else an error at `at` naming the figures and the ways
+/// out.
+pub(super) fn check_capacity(
+    e: &EvidenceConfig,
+    orgs: usize,
+    at: std::ops::Range<usize>,
+    errors: &mut Errors<'_>,
+) {
+    let Some(c) = capacity(e, orgs) else { return };
+    if c.fits() {
+        return;
+    }
+    let min_age = humantime::format_duration(e.retain_min_age);
+    let shorter = match c.max_min_age {
+        Some(d) => format!(
+            "shorten retain_min_age to at most {}",
+            humantime::format_duration(d)
+        ),
+        None => format!(
+            "(no retain_min_age of at least {} fits)",
+            humantime::format_duration(MIN_RETAIN_MIN_AGE)
+        ),
+    };
+    errors.at(
+        at,
+        format!(
+            "retain_size {} can be filled faster than retain_min_age {min_age}: {} payers ({orgs} org{} and the clients of no org) x {} records/s x {WORST_BYTES_PER_RECORD} bytes (an allow and its close) = {}/s at worst, {} in {min_age} with one open segment of {}; {}, raise retain_size to at least {}, or {shorter}",
+            bytes(c.retain_size),
+            c.payers,
+            if orgs == 1 { "" } else { "s" },
+            e.max_records_per_second_per_org,
+            bytes(c.bytes_per_second as u64),
+            bytes(c.needed),
+            bytes(e.rotate_size),
+            match c.max_budget {
+                0 => "no max_records_per_second_per_org fits".to_string(),
+                n => format!("lower max_records_per_second_per_org to at most {n}"),
+            },
+            bytes(c.needed),
+        ),
+    );
+}
+
+/// A byte count for a message: exact below 1 KiB, else in KiB, MiB or GiB
+/// to one decimal (rounded up, so that a figure to raise to is enough).
+pub(super) fn bytes(n: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, size) in UNITS {
+        if n >= size {
+            let tenths = (n as u128 * 10).div_ceil(size as u128);
+            return format!("{}.{}{unit}", tenths / 10, tenths % 10);
+        }
+    }
+    format!("{n}B")
 }
 
 /// A byte size: an integer or a number with a unit (B, kB, MB, GB, KiB,
@@ -142,13 +266,16 @@ mod tests {
     use std::time::Duration;
 
     use crate::config::test_support::{first_error, parse, BASE};
-    use crate::config::{replica_problem, Durability};
+    use crate::config::{
+        replica_problem, Durability, MinFree, DEFAULT_MIN_FREE, DEFAULT_RETAIN_MIN_AGE,
+    };
 
     #[test]
     fn evidence_settings() {
         let src = format!(
             "{BASE}[evidence]\ndir = \"/e\"\ndurability = \"fsync\"\ncheckpoint_every = 10\n\
              checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n\
+             retain_min_age = \"2m\"\nmin_free = \"2%\"\nmax_records_per_second_per_org = 5\n\
              replica = \"eu-1.a_B\"\n"
         );
         let c = parse(&src).unwrap().evidence;
@@ -160,6 +287,13 @@ mod tests {
         assert_eq!(c.retain_size, Some(4 << 20));
         assert_eq!(c.retain_age, Some(Duration::from_secs(7 * 86400)));
         assert_eq!(c.replica, "eu-1.a_B");
+        assert_eq!(c.retain_min_age, Duration::from_secs(120));
+        assert_eq!(c.min_free, MinFree::Percent(2.0));
+        let d = parse(BASE).unwrap().evidence;
+        assert_eq!(
+            (d.retain_min_age, d.min_free),
+            (DEFAULT_RETAIN_MIN_AGE, DEFAULT_MIN_FREE)
+        );
         // The default (the host name, made valid) passes its own check.
         let d = parse(BASE).unwrap().evidence.replica;
         assert_eq!(replica_problem(&d), None, "{d:?}");
@@ -168,6 +302,19 @@ mod tests {
             ("rotate_size = \"12 parsecs\"", "size \"12 parsecs\""),
             ("rotate_size = 0", "size 0"),
             ("retain_size = \"1kB\"", "at least rotate_size"),
+            (
+                "retain_min_age = \"30s\"",
+                "retain_min_age \"30s\" is below 1m",
+            ),
+            ("retain_min_age = \"soon\"", "invalid duration \"soon\""),
+            (
+                "min_free = \"150%\"",
+                "min_free \"150%\" must be a percentage",
+            ),
+            ("min_free = \"0%\"", "above 0 and below 100"),
+            ("min_free = \"lots\"", "size \"lots\""),
+            ("min_free = 0", "size 0"),
+            ("retain_age = \"30s\"", "retain_age must be at least 1m"),
             ("checkpoint_every = 0", "positive"),
             ("key = \"\"", "key must not be empty"),
             ("replica = \"\"", "replica \"\" must not be empty"),
@@ -182,5 +329,53 @@ mod tests {
             assert!(e.contains(want), "{line}: {e}");
             assert!(e.starts_with("t.toml:10:"), "{line}: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod capacity_tests {
+    use crate::config::test_support::{first_error, parse, BASE};
+
+    fn evidence(lines: &str) -> String {
+        format!(
+            "{BASE}[evidence]\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\n{lines}"
+        )
+    }
+
+    #[test]
+    fn a_floor_above_retain_age_is_refused_where_it_is_set() {
+        let e = first_error(&format!(
+            "{BASE}[evidence]\nretain_age = \"1h\"\nretain_min_age = \"2h\"\n"
+        ));
+        assert!(e.starts_with("t.toml:11:"), "{e}");
+        assert!(e.contains("exceeds retain_age (1h)"), "{e}");
+        // Unset, the floor follows a shorter retain_age.
+        let c = parse(&format!("{BASE}[evidence]\nretain_age = \"10m\"\n")).unwrap();
+        assert_eq!(c.evidence.retain_min_age.as_secs(), 600);
+    }
+
+    #[test]
+    fn budgets_that_could_outrun_the_store_are_refused_with_the_figures() {
+        // 2 payers x 10 records/s x 1140 bytes for 2 minutes and a second,
+        // a checkpoint a second, and one open segment: 3.7 MiB of 4.
+        assert!(parse(&evidence("max_records_per_second_per_org = 10\n")).is_ok());
+        let e = first_error(&evidence("max_records_per_second_per_org = 20\n"));
+        assert!(e.starts_with("t.toml:11:15: retain_size 4.0MiB"), "{e}");
+        for want in [
+            "2 payers (1 org and the clients of no org) x 20 records/s x 1140 bytes",
+            "lower max_records_per_second_per_org to at most 11",
+            "raise retain_size to at least 6.4MiB",
+            "shorten retain_min_age to at most 1m 7s",
+        ] {
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        // More orgs, more payers: the same budget no longer fits.
+        let two = evidence("max_records_per_second_per_org = 10\n")
+            + "[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n";
+        let e = first_error(&two);
+        assert!(e.contains("3 payers (2 orgs and"), "{e}");
+        // The defaults (42000 records/s) and no retain_size: nothing is
+        // removed by size, nothing to check.
+        assert!(parse(BASE).is_ok());
     }
 }

@@ -25,7 +25,7 @@ mod rules;
 
 use admin::validate_admin;
 use dns::validate_dns;
-use evidence::validate_evidence;
+use evidence::{check_capacity, validate_evidence};
 use intercept::validate_intercept;
 use org::validate_orgs;
 use proxy::validate_proxy;
@@ -47,10 +47,15 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let dns = validate_dns(dns, &mut listeners, errors);
     let admin = validate_admin(admin, &mut listeners, errors);
     let default_budget = super::model::default_max_records_per_second_per_org(&proxy.limits, &dns);
+    // The capacity check is located at retain_size, the key it is about.
+    let retain_at = evidence.retain_size.as_ref().map(Spanned::span);
     let evidence = validate_evidence(evidence, default_budget, errors);
 
     let intercept = validate_intercept(intercept, errors);
     let orgs = validate_orgs(org, errors);
+    if let Some(at) = retain_at {
+        check_capacity(&evidence, orgs.len(), at, errors);
+    }
 
     Config {
         path: path.to_path_buf(),

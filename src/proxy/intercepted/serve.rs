@@ -451,9 +451,8 @@ async fn decide_and_send(
         return refused(shared, req, detail).await;
     };
     // The request's record is paid for from the org's evidence budget.
-    if !s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
+    if let Err(detail) = s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
         req.refuse(Reason::LimitExceeded, None);
-        let detail = crate::limits::EVIDENCE_BUDGET_EXHAUSTED;
         return refused(shared, req, detail).await;
     }
 
