@@ -226,6 +226,13 @@ pub(crate) fn markdown(r: &Report) -> String {
             let _ = writeln!(m);
         }
     }
+    if !r.retention_cut.is_empty() {
+        let _ = writeln!(m, "## What retention removed\n");
+        for line in &r.retention_cut {
+            let _ = writeln!(m, "- {line}");
+        }
+        let _ = writeln!(m);
+    }
     let _ = writeln!(m, "## Untested surfaces\n");
     for u in &r.untested {
         let _ = writeln!(m, "- {u}");
@@ -458,6 +465,12 @@ pub(crate) fn html(r: &Report) -> String {
                                 td { (c.reason.as_str()) }
                             }
                         }
+                    }
+                }
+                @if !r.retention_cut.is_empty() {
+                    h2 { "What retention removed" }
+                    ul #retention {
+                        @for line in &r.retention_cut { li { (line) } }
                     }
                 }
                 h2 { "Untested surfaces" }
@@ -735,6 +748,73 @@ mod tests {
             "{html}"
         );
         assert!(html.contains("&lt;script&gt;"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Retention removed segments inside the run's window: the report says
+    /// so, names what went, and cannot show enforcement (exit 1).
+    #[tokio::test]
+    async fn a_window_cut_by_retention_is_not_demonstrated() {
+        let dir = crate::testing::scratch("report-cut");
+        let evidence = dir.join("evidence");
+        let mut cfg = crate::config::EvidenceConfig::for_dir(&evidence);
+        cfg.replica = "evidence".into();
+        cfg.rotate_size = 3000;
+        cfg.retain_size = Some(9000);
+        // No floor, so the filler's segments go at once.
+        cfg.retain_min_age = Duration::ZERO;
+        let ev = Evidence::start(&cfg).unwrap();
+        let decide = |port: u16, host: &str, reason: Reason| {
+            let verdict = Verdict {
+                org: None,
+                reason,
+                rule: reason.is_allow().then(|| "allow-0".into()),
+                would_deny: None,
+            };
+            let client = SocketAddr::from(([198, 18, 1, 2], port));
+            let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &"p0".into());
+            r.host = Some(host.into());
+            r.port = Some(443);
+            r
+        };
+        for i in 0..60 {
+            ev.write(&mut decide(
+                41000 + i,
+                "filler.test",
+                Reason::NoMatchingRule,
+            ))
+            .await
+            .unwrap();
+        }
+        ev.write(&mut decide(40001, "allowed.test", Reason::RuleMatch))
+            .await
+            .unwrap();
+        let mut deny = decide(40002, "other.test", Reason::NoMatchingRule);
+        ev.write(&mut deny).await.unwrap();
+        assert!(ev.seal().await);
+        assert!(
+            !crate::evidence::verify::removed_segments(&evidence).is_empty(),
+            "the filler was not removed"
+        );
+        let obs = observations(&dir, &deny.id);
+        let r = report(&obs, &evidence).unwrap();
+        let j = &r.json;
+        assert_eq!(j["verification"]["ok"], true, "{j:#}");
+        assert_eq!(classes(j)["deny-name"], "enforced_deny");
+        let cut = j["retention_cut"].as_array().unwrap();
+        assert_eq!(cut.len(), 1, "{j:#}");
+        assert!(cut[0].as_str().unwrap().contains("shipped copy"), "{cut:?}");
+        assert_eq!((r.exit, j["exit_status"].clone()), (1, json!(1)));
+        assert!(j["verdict"]
+            .as_str()
+            .unwrap()
+            .starts_with("NOT DEMONSTRATED: retention removed evidence"));
+        assert!(
+            r.markdown.contains("## What retention removed"),
+            "{}",
+            r.markdown
+        );
+        assert!(r.html.contains("id=\"retention\""));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

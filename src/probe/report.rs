@@ -88,6 +88,10 @@ pub struct Report {
     pub probes: Vec<ProbeResult>,
     /// The sandbox's records during the run that no probe accounts for.
     pub unattributed: Vec<CitedRecord>,
+    /// What retention removed inside the run's window, chain by chain:
+    /// those records are missing here (read them in the shipped copy), so
+    /// the report cannot show enforcement while this is not empty.
+    pub retention_cut: Vec<String>,
     pub untested: Vec<String>,
 }
 
@@ -963,6 +967,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 findings: Vec::new(),
                 probes: Vec::new(),
                 unattributed: Vec::new(),
+                retention_cut: Vec::new(),
                 untested: Vec::new(),
             });
         }
@@ -1120,6 +1125,18 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             counts.blocked_elsewhere,
         )
     };
+    let retention_cut = retention_cut(opts, &obs.started, &obs.finished)?;
+    let (verdict, exit) = if retention_cut.is_empty() || exit != 0 {
+        (verdict, exit)
+    } else {
+        (
+            format!(
+                "NOT DEMONSTRATED: retention removed evidence inside the run's window, so a record that would contradict the plan may be missing here. \
+                 Run the report over the shipped copy of the evidence. Tested from {sources_text} during {window}."
+            ),
+            1,
+        )
+    };
     let mut untested = untested(&obs.plan, &probes, &sources_text, &scope.replicas);
     if policy_matches == Some(false) {
         untested.insert(
@@ -1145,8 +1162,34 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 ..CitedRecord::from(&records[i])
             })
             .collect(),
+        retention_cut,
         untested,
     })
+}
+
+/// What retention removed from each chain inside the run's window
+/// (widened by the fitting skew), one line per chain that lost records.
+fn retention_cut(opts: &Options, started: &str, finished: &str) -> Result<Vec<String>, BadInput> {
+    let at = |t: &str| humantime::parse_rfc3339_weak(t).ok();
+    let since = at(started).map(|t| t - SKEW);
+    let until = at(finished).map(|t| t + SKEW);
+    let chains: Vec<(String, PathBuf)> = if opts.is_fleet() {
+        let fl = fleet::resolve(opts.evidence).map_err(|e| BadInput(e.0))?;
+        fl.chains.into_iter().map(|c| (c.name, c.path)).collect()
+    } else {
+        vec![(String::new(), opts.evidence[0].clone())]
+    };
+    Ok(chains
+        .iter()
+        .filter_map(|(name, path)| {
+            let line = verify::retention_cut(path, since, until)?;
+            Some(if name.is_empty() {
+                line
+            } else {
+                format!("{name}: {line}")
+            })
+        })
+        .collect())
 }
 
 /// A surface: none of its probes in the plan (`none` is said), or none
