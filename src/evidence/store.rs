@@ -13,9 +13,8 @@
 //! and the clients of no org) is **over its share**: the limits layer
 //! refuses its allows and summarises its denials, so that the payer that
 //! filled the store is the one that stops, not everyone. Segments that
-//! were on disk before this start are attributed to no one (reading them
-//! back would cost a read of the whole store at start) and count in no
-//! share.
+//! were on disk before this start are read once when the writer opens, so
+//! a restart does not forget whose records fill the store.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
