@@ -433,3 +433,41 @@ fn every_page_says_whom_it_is_for_and_what_it_holds() {
         );
     }
 }
+
+/// The metric names `src/metrics.rs` registers: its `"palisade_…"` strings.
+fn registered_metrics() -> BTreeSet<String> {
+    let text = read(&root().join("src/metrics.rs"));
+    let mut out = BTreeSet::new();
+    for piece in text.split('"').skip(1).step_by(2) {
+        if piece.starts_with("palisade_")
+            && piece.len() > "palisade_".len()
+            && piece
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            out.insert(piece.to_string());
+        }
+    }
+    out
+}
+
+#[test]
+fn every_metric_is_documented() {
+    let metrics = registered_metrics();
+    // Names every release has had: the scan cannot come back empty.
+    for known in ["palisade_connections_total", "palisade_evidence_store_full"] {
+        assert!(
+            metrics.contains(known),
+            "{known} not found in src/metrics.rs"
+        );
+    }
+    let docs: String = pages().iter().map(|p| read(p)).collect();
+    let missing: Vec<&String> = metrics
+        .iter()
+        .filter(|m| !docs.contains(&format!("`{m}")))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "metrics registered in src/metrics.rs but named in no docs page: {missing:?}"
+    );
+}
