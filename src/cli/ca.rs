@@ -30,6 +30,6 @@ pub fn run(command: Command) -> Result<(), CliError> {
     }
     let ca = OrgCa::load_or_create(&config.intercept.ca_dir, &org)
         .map_err(|e| CliError::new(Status::Failed, format_args!("org {org}: CA: {e}")))?;
-    print!("{}", ca.cert_pem);
+    say!("{}", ca.cert_pem);
     Ok(())
 }

@@ -25,11 +25,11 @@ pub fn run(args: Args) -> Result<(), CliError> {
         .iter()
         .map(|o| o.allow.len() + o.deny.len())
         .sum();
-    println!("{}: ok", path.display());
-    println!("  orgs: {} ({} rules)", config.orgs.len(), rules);
+    sayln!("{}: ok", path.display());
+    sayln!("  orgs: {} ({} rules)", config.orgs.len(), rules);
     for org in &config.orgs {
         let clients: Vec<String> = org.clients.iter().map(|c| c.to_string()).collect();
-        println!(
+        sayln!(
             "    {}: clients {}; {} allow, {} deny",
             org.name,
             clients.join(", "),
@@ -37,35 +37,35 @@ pub fn run(args: Args) -> Result<(), CliError> {
             org.deny.len()
         );
         if org.identity.needs_token() {
-            println!(
+            sayln!(
                 "      identity {}; {} token(s)",
                 org.identity.as_str(),
                 org.tokens.len()
             );
         }
         for opening in openings.iter().filter(|o| *o.org == *org.name) {
-            println!("      {}", describe_opening(opening));
+            sayln!("      {}", describe_opening(opening));
         }
     }
-    println!("  proxy listen: {}", list(&config.proxy.listen));
-    println!("  transparent: {}", list(&config.proxy.transparent));
-    println!("  socks5: {}", list(&config.proxy.socks5));
-    println!(
+    sayln!("  proxy listen: {}", list(&config.proxy.listen));
+    sayln!("  transparent: {}", list(&config.proxy.transparent));
+    sayln!("  socks5: {}", list(&config.proxy.socks5));
+    sayln!(
         "  dns listen: {}; upstream: {}",
         list(&config.dns.listen),
         list(&config.dns.upstream)
     );
-    println!(
+    sayln!(
         "  admin listen: {}",
         config
             .admin
             .listen
             .map_or("(none)".into(), |a| a.to_string())
     );
-    println!("  evidence dir: {}", config.evidence.dir.display());
+    sayln!("  evidence dir: {}", config.evidence.dir.display());
     if let Some(c) = crate::config::capacity(&config.evidence, config.orgs.len()) {
         // What the load-time check computed (it passed, or we would not be here).
-        println!(
+        sayln!(
             "  evidence retention: retain_size {} bytes holds {} bytes at worst in retain_min_age {} ({} payers x {} records/s, {:.0} bytes/s, one open segment)",
             c.retain_size,
             c.needed,
@@ -75,9 +75,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
             c.bytes_per_second,
         );
     }
-    println!("  policy: {}", policy.hash());
+    sayln!("  policy: {}", policy.hash());
     if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
-        println!(
+        sayln!(
             "warning: transparent listeners without a DNS shim ([dns] listen): there are no \
              DNS bindings, so a connection's original address is accepted for a name only if \
              the name resolves to it when the connection is made; names served by many or \

@@ -10,7 +10,7 @@ use std::time::SystemTime;
 
 use ed25519_dalek::VerifyingKey;
 
-use super::{load_config, CliError, Status, DEFAULT_CONFIG};
+use super::{load_config, output_failed, CliError, Status, DEFAULT_CONFIG};
 use crate::evidence::{chain, fleet, key, query, verify};
 
 /// `palisade evidence ...`.
@@ -268,11 +268,11 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
         };
         return match verify::verify_with(&paths[0], &opts) {
             Ok(summary) => {
-                println!("{summary}");
+                sayln!("{summary}");
                 Ok(())
             }
             Err(e) => {
-                println!("broken: {e}");
+                sayln!("broken: {e}");
                 Err(CliError::bare(Status::Failed, e))
             }
         };
@@ -283,7 +283,7 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
         allow_unsealed,
     };
     let checked = fleet::check(&fleet, &opts).map_err(|e| CliError::new(Status::BadInput, e))?;
-    println!("{}", checked.text());
+    sayln!("{}", checked.text());
     if checked.ok() {
         Ok(())
     } else {
@@ -311,7 +311,7 @@ fn pubkey(config: &Path) -> Result<(), CliError> {
             format_args!("{e} (palisade run creates it on first start)"),
         )
     })?;
-    println!("{}", key::public_hex(&k));
+    sayln!("{}", key::public_hex(&k));
     Ok(())
 }
 
@@ -341,7 +341,7 @@ fn records(
         let records = query::read_records(path).map(|r| r.map(|s| (None, s)));
         return query::print(records, false, &filter, output, &mut out)
             .and_then(|_| out.flush())
-            .map_err(|e| CliError::new(Status::Failed, format_args!("{}: {e}", path.display())));
+            .map_err(|e| output_failed(&e, format_args!("{}: {e}", path.display())));
     }
     let fleet = resolve(paths)?;
     // A live fleet is not sealed: only what verify calls broken (or a
@@ -372,5 +372,5 @@ fn records(
     let records = fleet::read_merged(&fleet.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
     query::print(records, true, &filter, output, &mut out)
         .and_then(|_| out.flush())
-        .map_err(|e| CliError::new(Status::Failed, e))
+        .map_err(|e| output_failed(&e, &e))
 }

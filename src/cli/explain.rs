@@ -55,7 +55,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if args.json {
         print_json(&x)
     } else {
-        println!("{x}");
+        sayln!("{x}");
         Ok(())
     }
 }

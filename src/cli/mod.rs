@@ -14,6 +14,21 @@ use std::path::Path;
 
 use crate::config::{self, Config};
 
+/// `print!` to stdout through [`stdout`]: a write that fails is the
+/// command's failure (`?`), not a panic.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::cli::stdout(format_args!($($arg)*))?
+    };
+}
+
+/// `println!` to stdout through [`stdout`].
+macro_rules! sayln {
+    ($($arg:tt)*) => {
+        $crate::cli::stdout(format_args!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
 pub mod ca;
 pub mod check;
 pub mod evidence;
@@ -93,8 +108,31 @@ pub fn load_config(path: &Path, status: Status) -> Result<Config, CliError> {
 /// `value` as pretty JSON on stdout (`--json`).
 pub fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
     let text = serde_json::to_string_pretty(value).map_err(|e| CliError::new(Status::Failed, e))?;
-    println!("{text}");
+    sayln!("{text}");
     Ok(())
+}
+
+/// Write to stdout. `print!` panics when the reader has gone (`palisade
+/// evidence query … | head`); here a closed pipe ends the command quietly
+/// with status 1 (its output was not all delivered), any other write error
+/// is said on stderr.
+pub(crate) fn stdout(args: std::fmt::Arguments<'_>) -> Result<(), CliError> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(args).and_then(|()| out.flush()).map_err(|e| {
+        let message = format!("stdout: {e}");
+        output_failed(&e, message)
+    })
+}
+
+/// A command whose output could not be written: quietly when the reader
+/// closed the pipe, else with `message`. Status 1 either way.
+pub(crate) fn output_failed(e: &std::io::Error, message: impl Display) -> CliError {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        CliError::silent(Status::Failed)
+    } else {
+        CliError::new(Status::Failed, message)
+    }
 }
 
 /// The async runtime for the commands that do network work.

@@ -132,7 +132,7 @@ fn print_plan(
     let text = p
         .to_toml(&header)
         .map_err(|e| CliError::new(Status::Failed, format_args!("plan as TOML: {e}")))?;
-    print!("{text}");
+    say!("{text}");
     Ok(())
 }
 
@@ -148,7 +148,7 @@ fn run_plan(path: &Path, out: &Path) -> Result<(), CliError> {
         })
         .map_err(|e| bad_input(&file, e))?;
     for o in &obs.observations {
-        println!(
+        sayln!(
             "{:<24} {:<6} {:<8} {:?} {}",
             o.id,
             o.kind,
@@ -157,7 +157,7 @@ fn run_plan(path: &Path, out: &Path) -> Result<(), CliError> {
             o.error.as_deref().unwrap_or("")
         );
     }
-    println!("wrote {}", file.display());
+    sayln!("wrote {}", file.display());
     Ok(())
 }
 
@@ -173,11 +173,11 @@ fn write_report(opts: &report::Options, out: &Path) -> Result<(), CliError> {
             std::fs::write(out.join("report.html"), &r.html)
         })
         .map_err(|e| bad_input(out, e))?;
-    println!("{}", r.report.verdict);
+    sayln!("{}", r.report.verdict);
     for replica in &r.report.verification.replicas {
-        println!("{}", replica.text);
+        sayln!("{}", replica.text);
     }
-    println!("wrote {}/report.{{json,md,html}}", out.display());
+    sayln!("wrote {}/report.{{json,md,html}}", out.display());
     if let Checked::Failed { error, .. } = &r.report.verification.checked {
         return Err(CliError::new(
             Status::Failed,

@@ -50,7 +50,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
     if args.json {
         print_json(&report)
     } else {
-        print!("{report}");
+        say!("{report}");
         Ok(())
     }
 }

@@ -24,9 +24,9 @@ pub fn run(command: Command) -> Result<(), CliError> {
         )
     })?;
     let org = org.as_deref().unwrap_or("ORG");
-    println!("token: {token}");
-    println!("# give the token to the client only; put this in [[org]] name = {org:?}:");
-    println!("tokens = [\"{digest}\"]");
-    println!("# client use: Proxy-Authorization Basic (or SOCKS5 username/password) with user {org:?} and the token as password");
+    sayln!("token: {token}");
+    sayln!("# give the token to the client only; put this in [[org]] name = {org:?}:");
+    sayln!("tokens = [\"{digest}\"]");
+    sayln!("# client use: Proxy-Authorization Basic (or SOCKS5 username/password) with user {org:?} and the token as password");
     Ok(())
 }

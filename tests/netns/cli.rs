@@ -300,3 +300,40 @@ fn failures_exit_with_the_documented_status_and_message() {
     }
     let _ = fs::remove_dir_all(&dir);
 }
+
+/// A reader that goes away (`palisade … | head`) ends a command quietly
+/// with status 1: no panic, whatever it was printing. The read end of the
+/// pipe is closed before the command has read its input, so every write
+/// it makes meets a closed pipe.
+#[test]
+fn a_closed_stdout_ends_a_command_without_a_panic() {
+    let dir = scratch_dir("closed-stdout");
+    let config = write_config(&dir, "");
+    let config = config.to_str().unwrap();
+    // Commands whose output goes through `cli::stdout`, one of each kind.
+    for args in [
+        vec!["check", "-c", config],
+        vec![
+            "explain",
+            "-c",
+            config,
+            "--client",
+            "198.18.1.2",
+            "evil.example:443",
+        ],
+        vec!["token", "new"],
+    ] {
+        let mut child = Command::new(lab::palisade_bin())
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?} said: {stderr}");
+    }
+}
