@@ -181,6 +181,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         limits: limits.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),
+        policy_changed: tokio::sync::watch::Sender::new(()),
         tasks: tasks.clone(),
     });
 
@@ -276,10 +277,13 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             _ = sighup.recv() => {
-                reloader.reload("SIGHUP").await;
+                let outcome = reloader.reload("SIGHUP").await;
+                reloaded(&ctx, &bindings, &outcome);
             }
             _ = config_poll.tick() => {
-                reloader.poll().await;
+                if let Some(outcome) = reloader.poll().await {
+                    reloaded(&ctx, &bindings, &outcome);
+                }
             }
         }
     }
@@ -324,4 +328,17 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// After a reload: a new served state holds live connections to it
+/// ([`proxy::revoke`]) and drops the DNS bindings it no longer allows.
+fn reloaded(ctx: &Ctx, bindings: &Bindings, outcome: &crate::reload::ReloadOutcome) {
+    if let crate::reload::ReloadOutcome::Applied { .. } = outcome {
+        let served = ctx.served.load_full();
+        let dropped = bindings.retain(|org, name| served.policy.binds(org, name));
+        if dropped > 0 {
+            info!(dropped, "DNS bindings the new policy denies dropped");
+        }
+        ctx.policy_changed.send_replace(());
+    }
 }

@@ -257,6 +257,24 @@ impl Bindings {
         out
     }
 
+    /// Keep only the bindings whose (org, name) `keep` accepts (after a
+    /// reload: those the new policy still allows); returns how many went.
+    pub(crate) fn retain(&self, mut keep: impl FnMut(&str, &str) -> bool) -> usize {
+        let mut inner = self.lock();
+        let mut gone = Vec::new();
+        for (org, o) in &inner.orgs {
+            for (name, entries) in &o.by_name {
+                if !keep(org, name) {
+                    gone.extend(entries.iter().map(|e| (org.clone(), name.clone(), e.addr)));
+                }
+            }
+        }
+        for (org, name, addr) in &gone {
+            inner.remove(org, name, *addr);
+        }
+        gone.len()
+    }
+
     /// Number of bindings held (expired ones not yet swept included).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
@@ -307,6 +325,25 @@ mod tests {
         assert!(!b.is_bound("acme", "a.test", ip("198.18.2.11"), t0));
         // IPv4-mapped IPv6 is the same address.
         assert!(b.is_bound("acme", "a.test", ip("::ffff:198.18.2.10"), t0));
+    }
+
+    #[test]
+    fn retain_drops_what_it_is_told_to_and_nothing_else() {
+        let b = Bindings::new(4, 100, 100);
+        let t0 = Instant::now();
+        let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
+        b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
+        b.bind(&acme, "a.test", ip("198.18.2.11"), 10 * SEC, t0);
+        b.bind(&acme, "b.test", ip("198.18.2.10"), 10 * SEC, t0);
+        b.bind(&beta, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
+        let gone = b.retain(|org, name| !(org == "acme" && name == "a.test"));
+        assert_eq!((gone, b.len(), b.len_of("acme")), (2, 2, 1));
+        assert!(!b.is_bound("acme", "a.test", ip("198.18.2.10"), t0));
+        assert!(b.is_bound("acme", "b.test", ip("198.18.2.10"), t0));
+        assert!(b.is_bound("beta", "a.test", ip("198.18.2.10"), t0));
+        // PTR answers follow.
+        assert_eq!(b.names_for("acme", ip("198.18.2.10"), t0).len(), 1);
+        assert!(b.names_for("acme", ip("198.18.2.11"), t0).is_empty());
     }
 
     #[test]

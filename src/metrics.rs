@@ -52,6 +52,9 @@ pub(crate) struct Metrics {
     /// Decisions counted into summary records instead of written one by
     /// one (proxy denials, DNS refusals), by org.
     pub evidence_suppressed_total: IntCounterVec,
+    /// Live connections closed because a reload's new policy denies them,
+    /// by org and mode.
+    pub connections_revoked_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     ready: IntGauge,
     /// Requests decided inside intercepted connections, by org, decision and reason.
@@ -302,6 +305,11 @@ impl Metrics {
                 "Decisions folded into summary records instead of written one by one (proxy denials over their record rates or their org's evidence budget, DNS refusals over the evidence budget or without room in the writer's queue), by org.",
                 &["org"],
             )?,
+            connections_revoked_total: counter_vec(
+                "palisade_connections_revoked_total",
+                "Live connections (tunnels, transparent and intercepted connections) closed because a reload's new policy denies them, by org and mode; report-mode orgs keep theirs and are not counted.",
+                &["org", "mode"],
+            )?,
             ready: IntGauge::new(
                 "palisade_ready",
                 "1 while every listener is bound and evidence is writable (what /readyz reports).",
@@ -358,6 +366,7 @@ impl Metrics {
             Box::new(m.ready.clone()),
             Box::new(m.would_deny_total.clone()),
             Box::new(m.evidence_suppressed_total.clone()),
+            Box::new(m.connections_revoked_total.clone()),
             Box::new(m.intercepted_requests_total.clone()),
             Box::new(m.intercepted_request_duration_seconds.clone()),
             Box::new(m.intercept_cert_cache_total.clone()),
@@ -459,6 +468,10 @@ impl Metrics {
             }
             self.active_connections.with_label_values(&[org]);
             self.evidence_suppressed_total.with_label_values(&[org]);
+            for mode in MODES {
+                self.connections_revoked_total
+                    .with_label_values(&[org, mode]);
+            }
             for direction in ["up", "down"] {
                 self.bytes_total.with_label_values(&[org, direction]);
             }
@@ -542,6 +555,7 @@ mod tests {
             "palisade_evidence_write_errors_total",
             "palisade_evidence_queue_depth",
             "palisade_evidence_suppressed_total",
+            "palisade_connections_revoked_total",
             "palisade_evidence_disk_free_bytes",
             "palisade_evidence_disk_size_bytes",
             "palisade_evidence_store_full",

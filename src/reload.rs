@@ -160,6 +160,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 response_timeout,
                 detect_timeout,
                 drain_timeout,
+                revoke_grace,
                 upstream_idle_timeout,
                 max_idle_upstream_connections,
                 max_idle_upstream_connections_per_target

@@ -25,7 +25,7 @@ const PROXY_LAYERS: &[&[&str]] = &[
     &["listen"],
     &["connect"],
     &["intercepted"],
-    &["forward"],
+    &["forward", "revoke"],
     &["record"],
     &["failure", "conn"],
     &["decide", "dial"],

@@ -12,11 +12,11 @@ use serde::Serialize;
 
 use super::timeout::{
     ConnectTimeout, DetectTimeout, DnsIdleTimeout, DnsQueryTimeout, DrainTimeout, HandshakeTimeout,
-    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, UpstreamIdleTimeout,
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT,
+    HeaderReadTimeout, IdleTimeout, ResolveTimeout, ResponseTimeout, RevokeGrace,
+    UpstreamIdleTimeout, DEFAULT_CONNECT_TIMEOUT, DEFAULT_DETECT_TIMEOUT, DEFAULT_DNS_IDLE_TIMEOUT,
     DEFAULT_DNS_QUERY_TIMEOUT, DEFAULT_DRAIN_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT,
     DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT,
-    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_REVOKE_GRACE, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
 };
 
 /// Default cap on concurrent client connections, all orgs together.
@@ -231,6 +231,8 @@ pub struct Limits {
     pub response_timeout: ResponseTimeout,
     pub detect_timeout: DetectTimeout,
     pub drain_timeout: DrainTimeout,
+    /// A live connection a reload's new policy denies is closed within this.
+    pub revoke_grace: RevokeGrace,
     /// An idle upstream connection of forwarded HTTP is closed after this.
     pub upstream_idle_timeout: UpstreamIdleTimeout,
     /// Idle upstream connections kept for reuse, all together; 0: none.
@@ -262,6 +264,7 @@ impl Default for Limits {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             detect_timeout: DEFAULT_DETECT_TIMEOUT,
             drain_timeout: DEFAULT_DRAIN_TIMEOUT,
+            revoke_grace: DEFAULT_REVOKE_GRACE,
             upstream_idle_timeout: DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             max_idle_upstream_connections: DEFAULT_MAX_IDLE_UPSTREAM_CONNECTIONS,
             max_idle_upstream_connections_per_target:

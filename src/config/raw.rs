@@ -70,6 +70,7 @@ pub(super) struct RawProxy {
     pub(super) response_timeout: Option<Spanned<String>>,
     pub(super) detect_timeout: Option<Spanned<String>>,
     pub(super) drain_timeout: Option<Spanned<String>>,
+    pub(super) revoke_grace: Option<Spanned<String>>,
     pub(super) upstream_idle_timeout: Option<Spanned<String>>,
     pub(super) max_idle_upstream_connections: Option<Spanned<i64>>,
     pub(super) max_idle_upstream_connections_per_target: Option<Spanned<i64>>,

@@ -121,6 +121,10 @@ timeouts! {
     /// to the same host, port and address.
     UpstreamIdleTimeout, "upstream_idle_timeout",
         DEFAULT_UPSTREAM_IDLE_TIMEOUT = Duration::from_secs(30), max Duration::from_secs(10 * MINUTE);
+    /// `[proxy]`: the longest a live connection that a reload's new policy
+    /// denies keeps running after that policy is served.
+    RevokeGrace, "revoke_grace",
+        DEFAULT_REVOKE_GRACE = Duration::from_secs(1), max Duration::from_secs(MINUTE);
     /// `[proxy]`: the grace period for open connections after SIGTERM/SIGINT.
     DrainTimeout, "drain_timeout",
         DEFAULT_DRAIN_TIMEOUT = Duration::from_secs(10), max Duration::from_secs(HOUR);

@@ -176,10 +176,13 @@ pub enum Reason {
     /// h2c on an HTTP tunnel (prior knowledge, `Upgrade: h2c`): its streams
     /// could name other hosts unseen.
     UpgradeNotAllowed,
+    /// A live connection a reload's new policy no longer allows: closed
+    /// (report mode: kept, with this as its `would_deny`).
+    PolicyRevoked,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 24] = [
+    pub const ALL: [Reason; 25] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -204,6 +207,7 @@ impl Reason {
         Reason::SniMissing,
         Reason::EchNotAllowed,
         Reason::UpgradeNotAllowed,
+        Reason::PolicyRevoked,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -232,6 +236,7 @@ impl Reason {
             Reason::SniMissing => "sni_missing",
             Reason::EchNotAllowed => "ech_not_allowed",
             Reason::UpgradeNotAllowed => "upgrade_not_allowed",
+            Reason::PolicyRevoked => "policy_revoked",
         }
     }
 
@@ -254,6 +259,7 @@ impl Reason {
                 | Reason::SniMissing
                 | Reason::EchNotAllowed
                 | Reason::UpgradeNotAllowed
+                | Reason::PolicyRevoked
         )
     }
 
@@ -785,10 +791,41 @@ impl Policy {
                 None => Ok(None),
             };
         };
+        self.org_for_token(client, cred.user, &TokenDigest::of(cred.token))
+    }
+
+    /// The org of a live connection under this policy: found again from
+    /// the identity it was decided with (its address; for a token org, the
+    /// digest of the token it presented, `token`), and only if that is
+    /// still the org `was`. `None`: the connection has no org here.
+    pub fn org_again(
+        &self,
+        client: IpAddr,
+        was: &OrgRef,
+        token: Option<&TokenDigest>,
+    ) -> Option<OrgRef> {
+        let client = canonical(client);
+        let found = match token {
+            None => self.org_for(client),
+            Some(digest) => self
+                .org_for_token(client, was.name.as_bytes(), digest)
+                .ok()
+                .flatten(),
+        };
+        found.filter(|org| org.name == was.name)
+    }
+
+    /// The identity table's rows for a presented token (`user` names the
+    /// org), given as its digest.
+    fn org_for_token(
+        &self,
+        client: IpAddr,
+        user: &[u8],
+        presented: &TokenDigest,
+    ) -> Result<Option<OrgRef>, IdentityError> {
         // Hash and compare whether or not the org exists, so that the time
         // taken says little about which it is.
-        let presented = TokenDigest::of(cred.token);
-        let org = std::str::from_utf8(cred.user)
+        let org = std::str::from_utf8(user)
             .ok()
             .and_then(|name| self.by_name.get(name))
             .and_then(|&i| self.orgs.get(i));
@@ -921,6 +958,27 @@ impl Policy {
                 would_deny: None,
             };
         };
+        self.name_any_port_for(&org, name)
+    }
+
+    /// Whether the org named `org` may still be handed addresses of `name`
+    /// (the DNS shim's question, [`Policy::decide_name_any_port`], for an
+    /// org): what a reload asks of the bindings handed out before it.
+    pub fn binds(&self, org: &str, name: &str) -> bool {
+        let Some(o) = self.by_name.get(org).and_then(|&i| self.orgs.get(i)) else {
+            return false;
+        };
+        let v = self.name_any_port_for(&o.r#ref, name);
+        if o.report {
+            v.reported().is_allow()
+        } else {
+            v.is_allow()
+        }
+    }
+
+    /// [`Policy::decide_name_any_port`] for a known org, enforced.
+    fn name_any_port_for(&self, org: &OrgRef, name: &str) -> Verdict {
+        let org = org.clone();
         let Some(o) = self.orgs.get(org.index) else {
             return Verdict::deny(&org, Reason::UnknownClient, None);
         };

@@ -212,6 +212,7 @@ mod tests {
             View {
                 served: Arc::new(served),
                 org,
+                token: None,
             },
             (Kind::Tcp, Mode::Explicit),
             "198.18.1.2:5000".parse().unwrap(),

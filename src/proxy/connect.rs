@@ -22,6 +22,7 @@ use super::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
 use super::record::{dial_failed, record_denial, write_record, Refused, Written};
+use super::revoke;
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
 use super::verify;
@@ -233,15 +234,12 @@ pub(crate) async fn relay<C>(
     C: Stream,
 {
     let started = Instant::now();
+    // Cut at the end of the drain, or when a reload's policy revokes it.
+    let stop = ctx.hard_stop.child_token();
     let Some(guard) = guard else {
-        let totals = tunnel::pump(
-            client,
-            upstream,
-            &held,
-            ctx.limits.idle_timeout.get(),
-            &ctx.hard_stop,
-        )
-        .await;
+        let idle = ctx.limits.idle_timeout.get();
+        let pump = tunnel::pump(client, upstream, &held, idle, &stop);
+        let totals = revoke::held(ctx, conn, id, &stop, pump).await;
         close(ctx, conn, id, totals, started);
         return;
     };
@@ -253,7 +251,8 @@ pub(crate) async fn relay<C>(
     } else {
         None
     };
-    let (totals, end) = verify::pump(
+    let scope = ctx.detect_scope(&conn.view, conn.client);
+    let pump = verify::pump(
         client,
         upstream,
         guard,
@@ -263,11 +262,11 @@ pub(crate) async fn relay<C>(
             ctx.limits.idle_timeout.get(),
             ctx.limits.header_read_timeout.get(),
         ),
-        &ctx.hard_stop,
-        &ctx.detect_scope(&conn.view, conn.client),
+        &stop,
+        &scope,
         report,
-    )
-    .await;
+    );
+    let (totals, end) = revoke::held(ctx, conn, id, &stop, pump).await;
     match end {
         verify::End::Closed => {}
         verify::End::Violation(v) => {

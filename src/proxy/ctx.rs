@@ -13,7 +13,7 @@ use tracing::warn;
 use super::denials::{self, Denials};
 use super::pool::UpstreamPool;
 use crate::bindings::NameBindings;
-use crate::config::Limits;
+use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
 use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
 use crate::metrics::Metrics;
@@ -50,6 +50,9 @@ pub(crate) struct Ctx {
     pub shutdown: CancellationToken,
     /// The drain grace period is over: close tunnels now.
     pub hard_stop: CancellationToken,
+    /// Told after a reload swapped `served`: live connections are decided
+    /// again under it ([`super::revoke`]).
+    pub policy_changed: tokio::sync::watch::Sender<()>,
     pub tasks: TaskTracker,
 }
 
@@ -72,6 +75,11 @@ pub(crate) fn budget_spent(allowed: Verdict) -> Verdict {
 pub(crate) struct View {
     pub served: Arc<Served>,
     pub org: Option<OrgRef>,
+    /// The digest of the token the client presented for `org`, if it did:
+    /// what finds the org again after a reload ([`Policy::org_again`]).
+    ///
+    /// [`Policy::org_again`]: crate::policy::Policy::org_again
+    pub token: Option<TokenDigest>,
 }
 
 impl std::ops::Deref for View {
@@ -113,7 +121,11 @@ impl Ctx {
     pub(crate) fn view(&self, client: IpAddr) -> View {
         let served = self.served.load_full();
         let org = served.policy.org_for(client);
-        View { served, org }
+        View {
+            served,
+            org,
+            token: None,
+        }
     }
 
     /// What is served now, and the org of a client that presented
@@ -125,9 +137,17 @@ impl Ctx {
         credential: Option<Credential<'_>>,
     ) -> Result<View, (View, IdentityError)> {
         let served = self.served.load_full();
+        let token = credential.as_ref().map(|c| TokenDigest::of(c.token));
         match served.policy.org_for_identity(client, credential) {
-            Ok(org) => Ok(View { served, org }),
-            Err(e) => Err((View { served, org: None }, e)),
+            Ok(org) => Ok(View { served, org, token }),
+            Err(e) => Err((
+                View {
+                    served,
+                    org: None,
+                    token: None,
+                },
+                e,
+            )),
         }
     }
 

@@ -224,6 +224,7 @@ fn identify(
             let view = View {
                 served: ctx.served.load_full(),
                 org: None,
+                token: None,
             };
             Err((view, IdentityError::Failed("malformed Proxy-Authorization")))
         }

@@ -217,7 +217,8 @@ fn side_of(reason: Reason) -> Side {
         | Reason::ProtocolMismatch
         | Reason::SniMissing
         | Reason::EchNotAllowed
-        | Reason::UpgradeNotAllowed => Side::Client,
+        | Reason::UpgradeNotAllowed
+        | Reason::PolicyRevoked => Side::Client,
     }
 }
 

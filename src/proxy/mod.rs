@@ -11,6 +11,8 @@
 //! - HTTP (explicit mode, intercepted connections) is served and forwarded
 //!   through one layer, [`http`], and a forwarded request ends in
 //!   [`forward`], over idle upstream connections of [`pool`].
+//! - A live connection is held to every policy a reload serves after its
+//!   decision, and closed when one denies it: [`revoke`].
 //! - Records of decided connections, and the refusals they give, are
 //!   written in [`record`]; whatever fails is told to the client from one
 //!   mapping, [`failure`].
@@ -40,6 +42,7 @@ pub(crate) mod intercepted;
 pub(crate) mod listen;
 pub(crate) mod pool;
 pub(crate) mod record;
+pub(crate) mod revoke;
 pub(crate) mod socks5;
 pub(crate) mod splice;
 pub(crate) mod transparent;

@@ -29,6 +29,7 @@ mod probe;
 mod reload;
 mod report;
 mod retention;
+mod revoke;
 mod socks5;
 mod splice;
 mod tls;

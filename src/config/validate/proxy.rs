@@ -32,6 +32,7 @@ pub(super) fn validate_proxy(
         response_timeout,
         detect_timeout,
         drain_timeout,
+        revoke_grace,
         upstream_idle_timeout,
         max_idle_upstream_connections,
         max_idle_upstream_connections_per_target,
@@ -87,6 +88,7 @@ pub(super) fn validate_proxy(
         response_timeout,
         detect_timeout: timeout(detect_timeout, errors),
         drain_timeout: timeout(drain_timeout, errors),
+        revoke_grace: timeout(revoke_grace, errors),
         upstream_idle_timeout: timeout(upstream_idle_timeout, errors),
         // 0 keeps no idle upstream connection: reuse off.
         max_idle_upstream_connections: count_or_zero(

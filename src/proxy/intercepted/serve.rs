@@ -30,6 +30,7 @@ use hyper::service::service_fn;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::config::CredentialConfig;
@@ -38,7 +39,7 @@ use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
 use crate::proxy::conn::{Conn, Intercepting};
-use crate::proxy::ctx::Ctx;
+use crate::proxy::ctx::{Ctx, View};
 use crate::proxy::dial::DialError;
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
@@ -46,6 +47,7 @@ use crate::proxy::http::body::Metered;
 use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
+use crate::proxy::revoke::{self, Cut, Revisit};
 
 /// An allowed connection the tunnel code hands over: decided (allow, by
 /// an intercepting rule), its decision record written, its upstream
@@ -89,17 +91,49 @@ impl Session {
         self.ctx.submit(&mut close);
     }
 
-    /// A request inside, as first decided: allowed by the connection's rule,
-    /// linked to its record. `path` is what the client sent.
-    fn request(&self, method: &Method, path: &str) -> Conn {
+    /// What the next request is decided under: the served state now, and
+    /// the intercepting rule in it. Under a newer state than the one the
+    /// connection was decided under, the connection is decided again
+    /// ([`revoke::revisit`]): kept, its requests follow the new policy
+    /// (the rule as it now stands, the credentials as they now are); in
+    /// report mode, what is reported keeps the rules it was decided
+    /// under; revoked, `Err` with why (the connection is being closed).
+    fn current(&self) -> Result<(View, Intercepting), String> {
+        let now = self.ctx.served.load_full();
+        if Arc::ptr_eq(&now, &self.conn.view.served) {
+            return Ok((self.conn.view.clone(), self.how.clone()));
+        }
+        match revoke::revisit(&now, &self.conn) {
+            Revisit::Kept(view, verdict) => {
+                match (view.org.clone(), verdict.rule, now.intercept.clone()) {
+                    (Some(org), Some(rule), Some(interceptor)) => Ok((
+                        view,
+                        Intercepting {
+                            interceptor,
+                            org,
+                            rule,
+                        },
+                    )),
+                    _ => Err("interception is not set up".into()),
+                }
+            }
+            Revisit::Reported(..) => Ok((self.conn.view.clone(), self.how.clone())),
+            Revisit::Revoked(_, detail) => Err(detail),
+        }
+    }
+
+    /// A request inside, as first decided: allowed by the connection's rule
+    /// (`how`, under `view`), linked to its record. `path` is what the
+    /// client sent.
+    fn request(&self, (view, how): (&View, &Intercepting), method: &Method, path: &str) -> Conn {
         let verdict = Verdict {
-            org: Some(self.how.org.clone()),
+            org: Some(how.org.clone()),
             reason: Reason::RuleMatch,
-            rule: Some(self.how.rule.clone()),
+            rule: Some(how.rule.clone()),
             would_deny: None,
         };
         let mut req = Conn::new(
-            self.conn.view.clone(),
+            view.clone(),
             (Kind::Http, self.conn.mode),
             self.conn.client,
             (self.conn.host.clone(), self.conn.port),
@@ -170,11 +204,19 @@ where
             max_headers: limits.max_headers,
         }
     };
-    let drain = Drain {
-        shutdown: &ctx.shutdown,
-        hard_stop: &ctx.hard_stop,
+    // Ended by the drain, or by a reload's policy that revokes it: no new
+    // request at once, the one in flight within `revoke_grace`.
+    let cut = Graceful {
+        graceful: ctx.shutdown.child_token(),
+        hard: ctx.hard_stop.child_token(),
     };
-    if let Err(e) = layer::serve(tls, service, protocol, drain).await {
+    let drain = Drain {
+        shutdown: &cut.graceful,
+        hard_stop: &cut.hard,
+    };
+    let session = &shared.session;
+    let served = layer::serve(tls, service, protocol, drain);
+    if let Err(e) = revoke::held(&ctx, &session.conn, &session.id, &cut, served).await {
         debug!(error = %e, "intercepted connection ended with error");
     }
     let totals = (
@@ -182,6 +224,21 @@ where
         shared.down.load(Ordering::Relaxed),
     );
     shared.session.close(totals, started, None);
+}
+
+/// How a revoked intercepted connection ends: gracefully at once (no new
+/// request; HTTP/2: GOAWAY), cut once the grace is over.
+struct Graceful {
+    graceful: CancellationToken,
+    hard: CancellationToken,
+}
+
+impl Cut for Graceful {
+    async fn cut(&self, grace: std::time::Duration) {
+        self.graceful.cancel();
+        tokio::time::sleep(grace).await;
+        self.hard.cancel();
+    }
 }
 
 struct Shared {
@@ -428,12 +485,20 @@ async fn decide_and_send(
     let started = Instant::now();
     let s = &shared.session;
     let raw_path = parts.uri.path().to_string();
-    let mut req = s.request(&parts.method, &raw_path);
-    let creds = s.how.interceptor.credentials(&s.how.org.name);
+    let (view, how) = match s.current() {
+        Ok(current) => current,
+        Err(detail) => {
+            let mut req = s.request((&s.conn.view, &s.how), &parts.method, &raw_path);
+            req.refuse(Reason::PolicyRevoked, None);
+            return refused(shared, req, &detail).await;
+        }
+    };
+    let mut req = s.request((&view, &how), &parts.method, &raw_path);
+    let creds = how.interceptor.credentials(&how.org.name);
     let decision = decide_parts(
-        &s.conn.view.policy,
-        &s.how.org,
-        &s.how.rule,
+        &view.policy,
+        &how.org,
+        &how.rule,
         (&s.name, s.conn.port),
         &parts,
         creds.iter().map(|c| &c.config),
