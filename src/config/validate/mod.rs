@@ -237,13 +237,14 @@ mod tests {
     }
 
     /// Every timeout: its table, key and bound.
-    const TIMEOUTS: [(&str, &str, Duration); 11] = [
+    const TIMEOUTS: [(&str, &str, Duration); 12] = [
         ("proxy", "header_read_timeout", HeaderReadTimeout::MAX),
         ("proxy", "connect_timeout", ConnectTimeout::MAX),
         ("proxy", "idle_timeout", IdleTimeout::MAX),
         ("proxy", "response_timeout", ResponseTimeout::MAX),
         ("proxy", "detect_timeout", DetectTimeout::MAX),
         ("proxy", "drain_timeout", DrainTimeout::MAX),
+        ("proxy", "revoke_grace", RevokeGrace::MAX),
         ("proxy", "upstream_idle_timeout", UpstreamIdleTimeout::MAX),
         ("dns", "resolve_timeout", ResolveTimeout::MAX),
         ("dns", "idle_timeout", DnsIdleTimeout::MAX),
