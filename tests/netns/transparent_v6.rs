@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
-use crate::lab::{self, ca_pem, dump, Lab, ALLOWED_IP6, DNS_IP6, OTHER_IP6, ULA_IP6};
+use crate::lab::{self, ca_pem, dump, Lab, ALLOWED_IP6, DNS_IP6, OTHER_IP6, ULA_IP6, UNLISTED_IP6};
 use crate::transparent::{load_gateway, NetnsResolvConf, TRANSPARENT};
 
 /// The v6 listeners: the addresses REDIRECT sends the sandbox's IPv6 to
@@ -164,6 +164,34 @@ fn ipv6_allowed_tls_and_http_pass_to_the_original_destination() {
     });
     assert_eq!(seen["local"], format!("[{ALLOWED_IP6}]:80"), "{seen}");
     assert_eq!(seen["host"], "allowed.test", "{seen}");
+
+    // An IPv6 literal (`Host: [2001:2:2::20]`) names the address itself:
+    // decided by the cidr rule alone.
+    let literal = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            &format!("http://[{UNLISTED_IP6}]/literal6"),
+        ],
+    );
+    assert!(
+        literal.stdout.contains(&format!("upstream={UNLISTED_IP6}")),
+        "{}",
+        literal.describe()
+    );
+    let rec = lab.wait_evidence("transparent allow of an IPv6 literal", |v| {
+        v["mode"] == "transparent" && v["ip"] == UNLISTED_IP6
+    });
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    assert_eq!(rec["host"], UNLISTED_IP6, "{rec}");
+    assert_eq!(rec["rule"], "acme/allow/2", "{rec}");
+    lab.wait_upstream("the literal's request", |v| {
+        v["event"] == "close" && v["request_line"] == "GET /literal6 HTTP/1.1"
+    });
 }
 
 #[test]
@@ -220,6 +248,29 @@ fn ipv6_unlisted_foreign_sni_denied_address_and_spoofed_source_reach_nothing() {
             && v["host"] == "allowed.test"
             && v["port"] == 80
             && v["ip"] == OTHER_IP6
+    });
+    assert_eq!(rec["reason"], "sni_mismatch", "{rec}");
+    // ... and an IPv6 literal Host naming another address.
+    let forged = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "-H",
+            &format!("Host: [{ALLOWED_IP6}]"),
+            &format!("http://[{UNLISTED_IP6}]/"),
+        ],
+    );
+    assert!(
+        !forged.stdout.contains("upstream="),
+        "{}",
+        forged.describe()
+    );
+    let rec = lab.wait_evidence("forged literal Host", |v| {
+        v["mode"] == "transparent" && v["host"] == ALLOWED_IP6 && v["ip"] == UNLISTED_IP6
     });
     assert_eq!(rec["reason"], "sni_mismatch", "{rec}");
 
