@@ -223,6 +223,8 @@ impl Lab {
             "dev",
             "u0",
         ]);
+        // A sandbox packet the gateway forwarded (it must not) could be
+        // answered, and its connection would show in the upstream's log.
         ip(&[
             "-n",
             &u,
