@@ -172,11 +172,14 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
         }
         let raw = buf[..n].to_vec();
         let (shim, socket) = (shim.clone(), socket.clone());
+        // An IPv4 client of a dual-stack `[::]` socket is known by its IPv4
+        // address; the answer goes back to the address it came from.
+        let client = SocketAddr::new(src.ip().to_canonical(), src.port());
         tasks.spawn(async move {
             // The handler bounds upstream time itself; this is a backstop.
             let backstop = shim.config.query_timeout.get() * 2;
             let answer =
-                tokio::time::timeout(backstop, answer_bytes(&shim, raw, src, Protocol::Udp));
+                tokio::time::timeout(backstop, answer_bytes(&shim, raw, client, Protocol::Udp));
             if let Ok(Some(resp)) = answer.await {
                 if let Err(e) = socket.send_to(&resp, src).await {
                     debug!(client = %src, error = %e, "dns: sending the response failed");

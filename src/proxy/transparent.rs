@@ -32,12 +32,16 @@ use crate::limits::{LimitHit, Permit};
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
-/// Where a REDIRECTed connection was going.
+/// Where a REDIRECTed connection was going: `SO_ORIGINAL_DST` (IPv4) or
+/// `IP6T_SO_ORIGINAL_DST` (IPv6), read from the connection's conntrack
+/// entry. An IPv4 connection accepted on a dual-stack `[::]` listener has
+/// an IPv4-mapped local address and an IPv4 conntrack entry: it is asked
+/// the IPv4 way (the kernel answers `SOL_IP` options on such a socket).
 pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<SocketAddr> {
     let sock = socket2::SockRef::from(stream);
     let addr = match stream.local_addr()? {
-        SocketAddr::V4(_) => sock.original_dst_v4()?,
-        SocketAddr::V6(_) => sock.original_dst_v6()?,
+        SocketAddr::V6(local) if local.ip().to_ipv4_mapped().is_none() => sock.original_dst_v6()?,
+        SocketAddr::V4(_) | SocketAddr::V6(_) => sock.original_dst_v4()?,
     };
     addr.as_socket()
         .ok_or_else(|| std::io::Error::other("original destination is not an IP address"))

@@ -62,7 +62,12 @@ pub(crate) async fn accept<A: Admission>(listener: TcpListener, on: &Listener, a
             } => a,
         };
         let (stream, peer) = match accepted {
-            Ok(a) => a,
+            // An IPv4 client of a dual-stack `[::]` listener is known by
+            // its IPv4 address (records, org, limits), not the mapped form.
+            Ok((stream, peer)) => (
+                stream,
+                SocketAddr::new(peer.ip().to_canonical(), peer.port()),
+            ),
             Err(e) => {
                 warn!(listener = on.what, error = %e, "accept failed");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;

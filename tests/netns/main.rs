@@ -34,6 +34,7 @@ mod socks5;
 mod splice;
 mod tls;
 mod transparent;
+mod transparent_v6;
 mod tunnel;
 
 use lab::{HttpResp, Lab};

@@ -325,10 +325,10 @@ fn shipped_rulesets_parse() {
 
 /// `/etc/netns/NS/resolv.conf`, which `ip netns exec NS` shows the
 /// namespace's programs as `/etc/resolv.conf`; removed on drop.
-struct NetnsResolvConf(PathBuf);
+pub(crate) struct NetnsResolvConf(PathBuf);
 
 impl NetnsResolvConf {
-    fn new(ns: &str, nameserver: &str) -> NetnsResolvConf {
+    pub(crate) fn new(ns: &str, nameserver: &str) -> NetnsResolvConf {
         let dir = PathBuf::from("/etc/netns").join(ns);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(

@@ -13,6 +13,12 @@
 //!                                                                banner+echo :2222)
 //! ```
 //!
+//! With [`LabBuilder::ipv6`] the same links also carry IPv6 (see
+//! [`V6_WEB`]): c0 2001:2:1::2/64, p0 2001:2:1::1/64, u0 2001:2:2::1/64,
+//! u1 2001:2:2::2/64 (DNS :53 there too) and the web hosts of [`V6_WEB`];
+//! the DNS fixture then also answers their AAAA records. Labs without it
+//! have no IPv6 address beyond link-local.
+//!
 //! Palisade runs in the proxy namespace.  Everything is torn down on drop
 //! (also when a test panics); the lab directory is kept for post-mortem when
 //! the test failed.
@@ -48,6 +54,25 @@ pub(crate) const DNS_IP: &str = "198.18.2.2";
 pub(crate) const SHIM_IP: &str = "198.18.1.1";
 /// Second sandbox namespace (see [`LabBuilder::second_client`]).
 pub(crate) const CLIENT2_IP: &str = "198.18.4.2";
+
+/// IPv6 side of a lab built with [`LabBuilder::ipv6`] (benchmarking space
+/// `2001:2::/48`): the sandbox, the gateway's two sides, the resolver.
+pub(crate) const CLIENT_IP6: &str = "2001:2:1::2";
+pub(crate) const GATEWAY_IP6: &str = "2001:2:1::1";
+pub(crate) const DNS_IP6: &str = "2001:2:2::2";
+/// IPv6 web hosts: (address, the name whose AAAA record it is, if any).
+/// `fd00:2::10` is unique-local (always denied), routed to the upstream
+/// namespace so that a proxy that dialled it would be seen there.
+pub(crate) const V6_WEB: &[(&str, Option<&str>)] = &[
+    (ALLOWED_IP6, Some("allowed.test")),
+    (OTHER_IP6, Some("other.test")),
+    (UNLISTED_IP6, None),
+    (ULA_IP6, Some("ula.test")),
+];
+pub(crate) const ALLOWED_IP6: &str = "2001:2:2::10";
+pub(crate) const OTHER_IP6: &str = "2001:2:2::13";
+pub(crate) const UNLISTED_IP6: &str = "2001:2:2::20";
+pub(crate) const ULA_IP6: &str = "fd00:2::10";
 
 /// Test web hosts and DNS records served in the upstream namespace.
 pub(crate) const ALLOWED_IP: &str = "198.18.2.10";
@@ -199,9 +224,18 @@ pub struct LabBuilder {
     evidence_tmpfs: Option<String>,
     intercept_lines: String,
     untrusted_upstream: bool,
+    ipv6: bool,
 }
 
 impl LabBuilder {
+    /// Give the lab an IPv6 side as well (module docs): addresses, on-link
+    /// routes, web hosts on [`V6_WEB`], AAAA records, the resolver also on
+    /// [`DNS_IP6`]. The sandbox gets no IPv6 default route (as with IPv4,
+    /// tests that route it through the gateway add one).
+    pub fn ipv6(mut self) -> Self {
+        self.ipv6 = true;
+        self
+    }
     /// Lines for the `[intercept]` table (e.g. `ca_dir = "..."`).
     pub fn intercept_config(mut self, lines: &str) -> Self {
         self.intercept_lines = lines.to_owned();
@@ -279,6 +313,7 @@ pub struct Lab {
     namespaces: Vec<String>,
     seq: AtomicU32,
     evidence_tmpfs: Option<String>,
+    ipv6: bool,
 }
 
 impl Drop for Lab {

@@ -66,6 +66,7 @@ impl Lab {
             evidence_tmpfs: None,
             intercept_lines: String::new(),
             untrusted_upstream: false,
+            ipv6: false,
         }
     }
 
@@ -101,6 +102,7 @@ impl Lab {
             namespaces: Vec::new(),
             seq: AtomicU32::new(0),
             evidence_tmpfs: b.evidence_tmpfs.clone(),
+            ipv6: b.ipv6,
         };
         {
             // `ip netns add` mounts /run/netns on first use; serialise the
@@ -172,6 +174,69 @@ impl Lab {
         }
         // New namespaces may inherit ip_forward from the root namespace.
         self.exec_must(&p, "sh", &["-c", "echo 0 > /proc/sys/net/ipv4/ip_forward"]);
+        if self.ipv6 {
+            self.build_ipv6();
+        }
+    }
+
+    /// The IPv6 side ([`LabBuilder::ipv6`]): no duplicate address detection
+    /// (`nodad`), so every address is usable at once; the gateway forwards
+    /// nothing.
+    fn build_ipv6(&mut self) {
+        let (c, p, u) = (
+            self.ns_client.clone(),
+            self.ns_proxy.clone(),
+            self.ns_upstream.clone(),
+        );
+        for ns in [&c, &p, &u] {
+            self.exec_must(
+                ns,
+                "sh",
+                &["-c", "echo 0 > /proc/sys/net/ipv6/conf/all/disable_ipv6"],
+            );
+        }
+        self.exec_must(
+            &p,
+            "sh",
+            &["-c", "echo 0 > /proc/sys/net/ipv6/conf/all/forwarding"],
+        );
+        let addr = |ns: &str, a: &str, dev: &str| {
+            ip(&["-n", ns, "addr", "add", a, "dev", dev, "nodad"]);
+        };
+        addr(&c, &format!("{CLIENT_IP6}/64"), "c0");
+        addr(&p, &format!("{GATEWAY_IP6}/64"), "p0");
+        addr(&p, "2001:2:2::1/64", "u0");
+        addr(&u, &format!("{DNS_IP6}/64"), "u1");
+        for (a, _) in V6_WEB {
+            addr(&u, &format!("{a}/128"), "u1");
+        }
+        // The unique-local host is off the upstream link's prefix.
+        ip(&[
+            "-n",
+            &p,
+            "-6",
+            "route",
+            "add",
+            "fd00:2::/64",
+            "via",
+            DNS_IP6,
+            "dev",
+            "u0",
+        ]);
+        // A sandbox packet the gateway forwarded (it must not) could be
+        // answered, and its connection would show in the upstream's log.
+        ip(&[
+            "-n",
+            &u,
+            "-6",
+            "route",
+            "add",
+            "2001:2:1::/64",
+            "via",
+            "2001:2:2::1",
+            "dev",
+            "u1",
+        ]);
     }
 
     pub(super) fn start_fixtures(&mut self, certs: &Path) {
@@ -194,6 +259,14 @@ impl Lab {
             dns_args.push((*flag).into());
             dns_args.push((*spec).into());
         }
+        if self.ipv6 {
+            dns_args.extend(["--listen".into(), DNS_IP6.into()]);
+            for (addr, name) in V6_WEB {
+                if let Some(name) = name {
+                    dns_args.extend(["--aaaa".into(), format!("{name}={addr}")]);
+                }
+            }
+        }
         let ns_u = self.ns_upstream.clone();
         self.spawn_fixture("dns", &ns_u, &dns_args);
 
@@ -213,6 +286,11 @@ impl Lab {
         for a in WEB_IPS {
             web_args.push("--addr".into());
             web_args.push((*a).into());
+        }
+        if self.ipv6 {
+            for (a, _) in V6_WEB {
+                web_args.extend(["--addr".into(), (*a).into()]);
+            }
         }
         self.spawn_fixture("web", &ns_u, &web_args);
 
