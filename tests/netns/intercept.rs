@@ -62,12 +62,12 @@ secret_file = {scoped_file:?}
     )
 }
 
-struct Setup {
-    lab: Lab,
-    org_ca: PathBuf,
+pub(crate) struct Setup {
+    pub(crate) lab: Lab,
+    pub(crate) org_ca: PathBuf,
 }
 
-fn start() -> Setup {
+pub(crate) fn start() -> Setup {
     start_with(&[])
 }
 

@@ -3,7 +3,9 @@
 //! a reload removes their rule are closed within `revoke_grace`, with a
 //! `policy_revoked` record naming each one's decision record, while a
 //! tunnel whose rule stays keeps running through the same reload; the
-//! next request on a keep-alive connection is decided under the new policy;
+//! next request on a keep-alive connection (absolute-form, or inside an
+//! intercepted connection) is decided under the new policy, and an
+//! intercepted connection whose rule goes is closed;
 //! a report-mode org keeps its tunnel and records `would_deny`, and the
 //! same org switched to enforce has the tunnel closed. The upstream's echo
 //! (what still flows) and its request log are the witnesses.
@@ -146,7 +148,7 @@ fn decision(lab: &Lab, mode: &str, host: &str) -> Value {
 /// The record that revoked (or reported) the connection recorded as `id`.
 fn revocation(lab: &Lab, id: &str) -> Value {
     lab.wait_evidence(&format!("revocation of {id}"), |v| {
-        v["event"] == "decision" && v["conn"] == id
+        v["event"] == "decision" && v["kind"] == "tcp" && v["conn"] == id
     })
 }
 
@@ -324,4 +326,155 @@ fn report_mode_keeps_the_tunnel_on_record_and_enforce_closes_it() {
     });
     assert_eq!(revoked["decision"], "deny", "{revoked}");
     assert_eq!(revoked_metric(&lab, "explicit"), 1.0);
+}
+
+/// A client holding one intercepted keep-alive connection (CONNECT to
+/// allowed.test:443, TLS trusting the org CA): it prints the status of its
+/// first request, waits for the file `go`, sends its second request and
+/// prints that status (or how the connection ended).
+const KEEP_ALIVE_CLIENT: &str = r#"
+import os, socket, ssl, sys, time
+proxy, ca, go, first, second = sys.argv[1:6]
+host, port = proxy.split(":")
+s = socket.create_connection((host, int(port)), timeout=8, source_address=("198.18.1.2", 0))
+s.sendall(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+head = b""
+while b"\r\n\r\n" not in head:
+    head += s.recv(1)
+t = ssl.create_default_context(cafile=ca).wrap_socket(s, server_hostname="allowed.test")
+f = t.makefile("rb")
+def request(path):
+    t.sendall(("GET %s HTTP/1.1\r\nHost: allowed.test\r\n\r\n" % path).encode())
+    status = f.readline().split()[1].decode()
+    length = 0
+    while True:
+        line = f.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, _, v = line.decode().partition(":")
+        if k.lower() == "content-length":
+            length = int(v)
+    f.read(length)
+    return status
+print("first", request(first), flush=True)
+deadline = time.time() + 20
+while not os.path.exists(go) and time.time() < deadline:
+    time.sleep(0.05)
+try:
+    print("second", request(second), flush=True)
+except Exception as e:
+    print("second ended", type(e).__name__, flush=True)
+"#;
+
+/// Run [`KEEP_ALIVE_CLIENT`]: its first line, then (after `between` and
+/// the go file) the rest of what it printed.
+fn keep_alive_across(
+    setup: &crate::intercept::Setup,
+    (first, second): (&str, &str),
+    between: impl FnOnce(),
+) -> (String, String) {
+    let lab = &setup.lab;
+    let go = lab::scratch_dir("revoke-go").join("go");
+    let ca = setup.org_ca.display().to_string();
+    let go_arg = go.display().to_string();
+    let (child, line) = lab.spawn_client_script(
+        KEEP_ALIVE_CLIENT,
+        &[lab::PROXY_ADDR, &ca, &go_arg, first, second],
+    );
+    between();
+    std::fs::write(&go, "").unwrap();
+    let out = child.wait_with_output().expect("keep-alive client");
+    (
+        line,
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+    )
+}
+
+/// The id of the intercepted connection's `tcp` decision record.
+fn intercepted_id(lab: &Lab) -> String {
+    lab.wait_evidence("the intercepted connection", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["intercepted"] == true
+    })["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+#[test]
+fn an_intercepted_connection_decides_its_next_request_under_the_new_policy() {
+    let setup = crate::intercept::start();
+    let lab = &setup.lab;
+    let (first, second) = keep_alive_across(&setup, ("/keep-1", "/keep-2"), || {
+        reload(lab, |t| {
+            t.replace(
+                "deny_paths = [\"/upload\", \"/api/internal*\"]",
+                "deny_paths = [\"/upload\", \"/api/internal*\", \"/keep-2\"]",
+            )
+        })
+    });
+    assert_eq!(first, "first 200");
+    assert_eq!(second, "second 403", "{}", lab.proxy_output());
+    let after = served_hash(lab);
+    let id = intercepted_id(lab);
+    let denied = lab.wait_evidence("the second request", |v| {
+        v["kind"] == "http" && v["path"] == "/keep-2"
+    });
+    assert_eq!(
+        (&denied["decision"], &denied["reason"], &denied["conn"]),
+        (
+            &Value::from("deny"),
+            &Value::from("path_not_allowed"),
+            &Value::from(id.as_str())
+        ),
+        "{denied}"
+    );
+    assert_eq!(denied["policy"], after.as_str(), "{denied}");
+    // The connection itself stayed allowed: no revocation of it.
+    assert!(
+        !lab.evidence()
+            .iter()
+            .any(|v| v["conn"] == id.as_str() && v["reason"] == "policy_revoked"),
+        "{}",
+        dump(&lab.evidence())
+    );
+    let upstream = lab.upstream_log();
+    assert!(
+        !upstream.iter().any(|v| v["request_line"]
+            .as_str()
+            .is_some_and(|l| l.contains("/keep-2"))),
+        "{}",
+        dump(&upstream)
+    );
+}
+
+#[test]
+fn an_intercepted_connection_whose_rule_goes_is_closed() {
+    let setup = crate::intercept::start();
+    let lab = &setup.lab;
+    let rule = "[[org.allow]]\nid = \"registry\"\nhost = \"allowed.test\"\nports = [443]\nintercept = true\n";
+    let (first, second) = keep_alive_across(&setup, ("/keep-1", "/keep-3"), || {
+        reload(lab, |t| {
+            assert!(t.contains(rule), "{t}");
+            // Its port goes: allowed.test:443 is no longer allowed.
+            t.replace(rule, &rule.replace("[443]", "[8443]"))
+        });
+        let id = intercepted_id(lab);
+        let r = revocation(lab, &id);
+        assert_eq!(
+            (&r["decision"], &r["reason"]),
+            (&Value::from("deny"), &Value::from("policy_revoked")),
+            "{r}"
+        );
+    });
+    assert_eq!(first, "first 200");
+    assert_ne!(second, "second 200", "{}", lab.proxy_output());
+    assert_eq!(revoked_metric(lab, "explicit"), 1.0);
+    let upstream = lab.upstream_log();
+    assert!(
+        !upstream.iter().any(|v| v["request_line"]
+            .as_str()
+            .is_some_and(|l| l.contains("/keep-3"))),
+        "{}",
+        dump(&upstream)
+    );
 }
