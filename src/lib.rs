@@ -22,7 +22,8 @@
 //!    then does a byte reach the upstream. A tunnel keeps being verified
 //!    until it is opaque, and a violation on the way is a denial record of
 //!    its own.
-//! 6. Bytes are copied until close, which is recorded too. Whatever fails
+//! 6. Bytes are copied until close, which is recorded too; a reload's
+//!    new policy reaches the live connection ([`proxy::revoke`]). Whatever fails
 //!    is told to the client from one mapping ([`proxy::failure`]).
 //!
 //! A DNS query takes the same steps in [`dns`]: org by source address, the
