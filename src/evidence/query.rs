@@ -405,7 +405,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Dns => (4003, "DNS Activity", 6, "Traffic".to_string()),
         Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
         Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
-        Kind::Tcp => (4001, "Network Activity", 5, "Refuse".to_string()),
+        Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
     };
     let time_ms = ts_of(r)
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -485,7 +485,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
     }
     e.insert(
         "connection_info".into(),
-        json!({"protocol_name": if r.kind == Kind::Dns { "udp" } else { "tcp" }, "direction_id": 2, "direction": "Outbound", "uid": correlation}),
+        json!({"protocol_name": r.proto.as_deref().unwrap_or(if r.kind == Kind::Dns { "udp" } else { "tcp" }), "direction_id": 2, "direction": "Outbound", "uid": correlation}),
     );
     if is_close {
         e.insert(
@@ -533,6 +533,9 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
             if let Some(sni) = &r.sni {
                 e.insert("tls".into(), json!({"sni": sni}));
             }
+        }
+        Kind::Bypass => {
+            e.insert("count".into(), r.count.into());
         }
     }
     let mut unmapped = Map::new();
