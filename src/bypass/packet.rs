@@ -382,7 +382,7 @@ fn u32_ne(b: &[u8]) -> u32 {
 }
 
 /// Test and fuzz seeds: one NFLOG packet message carrying `payload`.
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(test)]
 pub(crate) fn packet_message(group: u16, prefix: &str, payload: &[u8]) -> Vec<u8> {
     let mut attrs = Vec::new();
     let mut attr = |kind: u16, value: &[u8]| {
@@ -418,7 +418,7 @@ pub(crate) fn packet_message(group: u16, prefix: &str, payload: &[u8]) -> Vec<u8
 }
 
 /// Test and fuzz seeds: an IPv4 packet's first bytes.
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(test)]
 pub(crate) fn ipv4_header(
     proto: u8,
     src: [u8; 4],
@@ -437,7 +437,7 @@ pub(crate) fn ipv4_header(
 
 /// Test and fuzz seeds: an IPv6 packet's first bytes, with a
 /// destination-options header before UDP.
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(test)]
 pub(crate) fn ipv6_header(src: Ipv6Addr, dst: Ipv6Addr, dport: u16) -> Vec<u8> {
     let mut p = vec![0x60, 0, 0, 0, 0, 16, 60, 64];
     p.extend(src.octets());
