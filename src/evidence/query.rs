@@ -623,6 +623,28 @@ mod tests {
     }
 
     #[test]
+    fn bypass_records_read_back_and_map_to_refused_network_activity() {
+        let mut b = base("bypass", "deny");
+        b["mode"] = "transparent".into();
+        b["reason"] = "protocol_mismatch".into();
+        b["proto"] = "udp".into();
+        b["count"] = 3.into();
+        let stored = rec(b);
+        assert_eq!(stored.record.kind, Kind::Bypass);
+        assert_eq!(stored.record.proto.as_deref(), Some("udp"));
+        let filter = Filter {
+            reason: Some("protocol_mismatch".into()),
+            ..Filter::default()
+        };
+        assert!(filter.matches(&stored.record));
+        let e = to_ocsf(&stored);
+        check(&e, 4001, &["src_endpoint", "dst_endpoint"], &[]);
+        assert_eq!(e["activity_id"], 5, "refused");
+        assert_eq!(e["connection_info"]["protocol_name"], "udp");
+        assert_eq!(e["count"], 3);
+    }
+
+    #[test]
     fn tcp_maps_to_network_activity() {
         let e = to_ocsf(&rec(base("tcp", "allow")));
         check(&e, 4001, &["src_endpoint", "dst_endpoint"], &[]);

@@ -241,3 +241,104 @@ fn an_nflog_group_taken_by_another_listener_fails_start_up_with_one_line() {
     );
     assert!(!output.contains("palisade serving"), "{output}");
 }
+
+#[test]
+fn an_nflog_group_without_permission_fails_start_up_with_one_line() {
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .without_proxy()
+        .start();
+    add_bypass(&lab, GROUP);
+    // Palisade without CAP_NET_ADMIN (dropped from the bounding set, so
+    // the exec does not regain it).
+    let cfg = lab.config_path.display().to_string();
+    let out = lab::run_with_timeout(
+        lab::sanitize(Command::new("ip").args([
+            "netns",
+            "exec",
+            &lab.ns_proxy,
+            "setpriv",
+            "--bounding-set",
+            "-net_admin",
+            "--inh-caps",
+            "-net_admin",
+            "--",
+            lab::palisade_bin(),
+            "run",
+            "-c",
+            &cfg,
+        ])),
+        None,
+        Duration::from_secs(20),
+    );
+    assert!(!out.success(), "{}", out.describe());
+    let text = format!("{}{}", out.stdout, out.stderr);
+    let errors: Vec<&str> = text.lines().filter(|l| l.contains("nflog_group")).collect();
+    assert_eq!(errors.len(), 1, "{}", out.describe());
+    assert!(
+        errors[0].contains("[bypass] nflog_group 100: no permission to bind it"),
+        "{}",
+        out.describe()
+    );
+    assert!(!text.contains("palisade serving"), "{}", out.describe());
+}
+
+#[test]
+fn without_the_key_the_ruleset_still_rejects_and_nothing_is_recorded() {
+    let lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .start();
+    load_gateway(&lab);
+    refused(
+        &attempt(&lab, &["quic", lab::ALLOWED_IP, "443"]),
+        "QUIC Initial",
+    );
+    // A recorded allow through the same gateway after it: the marker.
+    let ok = lab.client_exec(
+        "curl",
+        &[
+            "-sS",
+            "--noproxy",
+            "*",
+            "--max-time",
+            "8",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--resolve",
+            "allowed.test:80:198.18.2.10",
+            "http://allowed.test/after-quic",
+        ],
+    );
+    assert_eq!(ok.stdout, "200", "{}", ok.describe());
+    lab.wait_evidence("the allow after the QUIC attempt", |v| {
+        v["mode"] == "transparent" && v["decision"] == "allow"
+    });
+    assert!(
+        bypass_records(&lab).is_empty(),
+        "{}",
+        dump(&bypass_records(&lab))
+    );
+    let metrics = lab.exec(
+        &lab.ns_proxy,
+        "curl",
+        &[
+            "-sS",
+            "--max-time",
+            "3",
+            &format!("http://{}/metrics", lab::ADMIN_ADDR),
+        ],
+    );
+    assert!(
+        metrics
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("palisade_bypass_attempts_total{"))
+            .all(|l| l.ends_with(" 0")),
+        "{}",
+        metrics.stdout
+    );
+}
