@@ -450,6 +450,8 @@ host = "example.com"
             restart_only_changes(&old, &evidence),
             ["evidence.durability"]
         );
+        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{BASE}"));
+        assert_eq!(restart_only_changes(&old, &bypass), ["bypass.nflog_group"]);
     }
 
     #[tokio::test]
