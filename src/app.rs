@@ -44,6 +44,8 @@ pub(crate) enum StartError {
     Signal(std::io::Error),
     #[error("interception: {0}")]
     Intercept(String),
+    #[error("{0}")]
+    Bypass(#[from] crate::bypass::nflog::BindError),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -61,6 +63,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         admin: admin_config,
         evidence: evidence_config,
         intercept: _,
+        bypass: bypass_config,
         orgs: _,
     } = &config;
 
@@ -113,6 +116,13 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
                 what: "dns",
                 source,
             })?;
+
+    // `[bypass]`: the ruleset's NFLOG group, bound before anything is
+    // served (fail closed: the operator asked for the record).
+    let nflog = match bypass_config.nflog_group {
+        Some(group) => Some(crate::bypass::nflog::NflogSocket::bind(group)?),
+        None => None,
+    };
 
     let mut proxy_listeners = Vec::new();
     for addr in &proxy_config.listen {
@@ -208,6 +218,18 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     for listener in socks5_listeners {
         listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
     }
+    let bypass_task = nflog.map(|socket| {
+        tokio::spawn(crate::bypass::serve(
+            socket,
+            crate::bypass::record::Bypasses::new(
+                evidence.clone(),
+                metrics.clone(),
+                evidence_budget.clone(),
+            ),
+            served.clone(),
+            shutdown.clone(),
+        ))
+    });
     let dns_shim: dns::ShimHandle = Arc::new(
         dns::Shim::new(
             served.clone(),
@@ -244,6 +266,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         socks5 = ?proxy_config.socks5,
         dns = ?dns.listen,
         admin = ?admin_config.listen,
+        bypass_nflog_group = ?bypass_config.nflog_group,
         evidence = %evidence.path().display(),
         evidence_key = %evidence.public_key(),
         policy = %policy.hash(),
@@ -310,6 +333,9 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
     }
     let _ = flusher.await;
+    if let Some(t) = bypass_task {
+        let _ = t.await;
+    }
     ctx.flush_denials().await;
     if ctx.denials.pending_count() > 0 {
         warn!(

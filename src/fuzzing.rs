@@ -79,6 +79,33 @@ pub fn config(data: &[u8]) {
     }
 }
 
+/// An NFLOG datagram (netlink messages from the kernel) is read without
+/// panicking into at most one message per 16 bytes; every packet read
+/// names an IPv4 or IPv6 source and destination of one family, ports
+/// only for TCP and UDP; and the IP packet parser agrees on `data` read
+/// as a payload.
+pub fn nflog(data: &[u8]) {
+    use crate::bypass::packet::{ip_packet, messages, Message, Proto};
+    let check = |p: &crate::bypass::packet::Attempt| {
+        assert_eq!(p.src.is_ipv4(), p.dst.is_ipv4(), "{p:?}");
+        if !matches!(p.proto, Proto::Tcp | Proto::Udp) {
+            assert!(p.src_port.is_none() && p.dst_port.is_none(), "{p:?}");
+        }
+        assert_eq!(p.src_port.is_some(), p.dst_port.is_some(), "{p:?}");
+        assert!(p.prefix.as_ref().is_none_or(|x| x.len() <= 64), "{p:?}");
+    };
+    let all = messages(data);
+    assert!(all.len() <= data.len() / 16, "{} messages", all.len());
+    for m in &all {
+        if let Message::Packet(p) = m {
+            check(p);
+        }
+    }
+    if let Ok(p) = ip_packet(data) {
+        check(&p);
+    }
+}
+
 /// The host the [`tls_stream`] property's tunnel is for (the SNI of the
 /// captured hellos in `tests/data`).
 const TLS_STREAM_HOST: &str = "api.example.com";
@@ -581,5 +608,31 @@ mod smoke {
     #[test]
     fn http_stream() {
         run("http_stream", super::http_stream);
+    }
+
+    /// NFLOG datagrams: logged IPv4 and IPv6 packets (TCP, UDP, ICMP, a
+    /// fragment), two in one datagram, an acknowledgement.
+    #[test]
+    fn nflog() {
+        use crate::bypass::packet::{ipv4_header, ipv6_header, packet_message};
+        let v4 = ipv4_header(17, [198, 18, 1, 2], [198, 18, 2, 10], 40000, 443);
+        let tcp = ipv4_header(6, [198, 18, 1, 2], [198, 18, 1, 1], 40000, 15001);
+        let icmp = ipv4_header(1, [198, 18, 1, 2], [198, 18, 2, 10], 0x0800, 0);
+        let v6 = ipv6_header(
+            "2001:2::2".parse().unwrap(),
+            "2001:2:0:2::10".parse().unwrap(),
+            443,
+        );
+        let one = packet_message(100, "palisade-bypass ", &v4);
+        let seeds = vec![
+            one.clone(),
+            packet_message(100, "", &tcp),
+            packet_message(7, "x", &icmp),
+            packet_message(100, "palisade-bypass ", &v6),
+            [one.clone(), packet_message(100, "", &v6)].concat(),
+            v4,
+            v6,
+        ];
+        run_seeds("nflog", super::nflog, seeds);
     }
 }

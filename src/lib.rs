@@ -44,7 +44,7 @@
 //! Below the proxy and DNS, shared by both and importing neither:
 //! [`limits`] (rate limiters, the keyed shares charged to an org or else a
 //! source address, connection caps, detection memory, the evidence budget,
-//! the one summary engine for denials and refusals); [`bindings`]
+//! the one summary engine for denials, refusals and bypass attempts); [`bindings`]
 //! (name-address bindings the shim hands out and transparent mode checks);
 //! [`serve`] (the one accept loop and the one HTTP/1 server of every
 //! listener: proxy, DNS over TCP, admin).
@@ -54,6 +54,8 @@
 //! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
 //! change; [`metrics`] is one value handed to whoever counts; [`app`] wires
 //! listeners, the metrics, the admin endpoints ([`admin`]) and shutdown;
+//! [`bypass`] reads the packets the gateway ruleset rejected (its NFLOG
+//! group) and records them as `kind = "bypass"`;
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
 //! joined with verified evidence). [`cli`] holds the commands of the
 //! `palisade` binary, among them [`cli::explain`], which runs the same
@@ -74,6 +76,7 @@
 pub(crate) mod admin;
 pub(crate) mod app;
 pub(crate) mod bindings;
+pub(crate) mod bypass;
 pub mod cli;
 pub mod config;
 pub(crate) mod dns;

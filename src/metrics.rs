@@ -71,6 +71,9 @@ pub(crate) struct Metrics {
     pub upstream_idle_connections: IntGauge,
     /// Forwarded requests sent over a reused upstream connection.
     pub upstream_reused_total: IntCounter,
+    /// Packets the gateway ruleset rejected and logged to `[bypass]
+    /// nflog_group`, by org and protocol ([`crate::bypass`]).
+    pub bypass_attempts_total: IntCounterVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -349,6 +352,11 @@ impl Metrics {
                 "palisade_upstream_reused_total",
                 "Forwarded HTTP requests sent over a reused upstream connection.",
             )?,
+            bypass_attempts_total: counter_vec(
+                "palisade_bypass_attempts_total",
+                "Packets the gateway ruleset rejected instead of redirecting and logged to [bypass] nflog_group (UDP, QUIC, direct connections to the gateway), by org and protocol.",
+                &["org", "proto"],
+            )?,
             registry,
         };
         let collectors: Vec<Box<dyn Collector>> = vec![
@@ -374,6 +382,7 @@ impl Metrics {
             Box::new(m.upstream_tls_errors_total.clone()),
             Box::new(m.upstream_idle_connections.clone()),
             Box::new(m.upstream_reused_total.clone()),
+            Box::new(m.bypass_attempts_total.clone()),
             // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
             Box::new(prometheus::process_collector::ProcessCollector::for_self()),
         ];
@@ -471,6 +480,9 @@ impl Metrics {
             for mode in MODES {
                 self.connections_revoked_total
                     .with_label_values(&[org, mode]);
+            }
+            for proto in ["tcp", "udp"] {
+                self.bypass_attempts_total.with_label_values(&[org, proto]);
             }
             for direction in ["up", "down"] {
                 self.bytes_total.with_label_values(&[org, direction]);

@@ -24,7 +24,9 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
 
-use crate::config::{self, AdminConfig, Config, DnsConfig, EvidenceConfig, Limits, ProxyConfig};
+use crate::config::{
+    self, AdminConfig, BypassConfig, Config, DnsConfig, EvidenceConfig, Limits, ProxyConfig,
+};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
 use crate::served::{Served, ServedHandle};
@@ -130,6 +132,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         dns,
         admin,
         evidence,
+        bypass,
         // Served: rebuilt by a reload.
         intercept: _,
         orgs: _,
@@ -195,6 +198,13 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         );
     }
     changed!(keys, "admin", admin, new.admin, AdminConfig { listen });
+    changed!(
+        keys,
+        "bypass",
+        bypass,
+        new.bypass,
+        BypassConfig { nflog_group }
+    );
     if evidence != &new.evidence {
         changed!(
             keys,
@@ -441,6 +451,8 @@ host = "example.com"
             restart_only_changes(&old, &evidence),
             ["evidence.durability"]
         );
+        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{BASE}"));
+        assert_eq!(restart_only_changes(&old, &bypass), ["bypass.nflog_group"]);
     }
 
     #[tokio::test]

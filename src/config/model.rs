@@ -107,6 +107,7 @@ pub struct Config {
     pub admin: AdminConfig,
     pub evidence: EvidenceConfig,
     pub intercept: InterceptConfig,
+    pub bypass: BypassConfig,
     pub orgs: Vec<OrgConfig>,
 }
 
@@ -327,6 +328,14 @@ impl Default for DnsConfig {
             max_bindings: DEFAULT_DNS_MAX_BINDINGS,
         }
     }
+}
+
+/// `[bypass]`: the NFLOG group the gateway ruleset logs the packets it
+/// rejects to, which Palisade reads and records as `kind = "bypass"`
+/// (unset: nothing is read). Restart-only.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BypassConfig {
+    pub nflog_group: Option<u16>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -857,6 +866,7 @@ impl Config {
             admin,
             evidence: _,
             intercept: _,
+            bypass: _,
             orgs: _,
         } = self;
         let ProxyConfig {

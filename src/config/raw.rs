@@ -19,7 +19,15 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) intercept: RawIntercept,
     #[serde(default)]
+    pub(super) bypass: RawBypass,
+    #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBypass {
+    pub(super) nflog_group: Option<Spanned<i64>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

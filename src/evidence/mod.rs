@@ -48,6 +48,9 @@ pub enum Kind {
     Tcp,
     Http,
     Dns,
+    /// A packet the gateway ruleset rejected instead of redirecting it to
+    /// Palisade, read from its NFLOG group ([`crate::bypass`]).
+    Bypass,
 }
 
 impl Kind {
@@ -56,6 +59,7 @@ impl Kind {
             Kind::Tcp => "tcp",
             Kind::Http => "http",
             Kind::Dns => "dns",
+            Kind::Bypass => "bypass",
         }
     }
 }
@@ -171,6 +175,9 @@ pub struct Record {
     /// `opaque` when its rule lets it carry anything unverified.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
+    /// Bypass records: the packets' protocol (`tcp`, `udp`, `icmp`, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proto: Option<String>,
     /// Summary records: how many decisions this one record stands for
     /// (DNS refusals that found no room in the evidence queue, proxy
     /// denials over the per-client rate).
@@ -229,6 +236,7 @@ impl Record {
             status: None,
             credential: None,
             tunnel: None,
+            proto: None,
             count: None,
             reasons: None,
             hosts: None,

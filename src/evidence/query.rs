@@ -405,7 +405,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Dns => (4003, "DNS Activity", 6, "Traffic".to_string()),
         Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
         Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
-        Kind::Tcp => (4001, "Network Activity", 5, "Refuse".to_string()),
+        Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
     };
     let time_ms = ts_of(r)
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -485,7 +485,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
     }
     e.insert(
         "connection_info".into(),
-        json!({"protocol_name": if r.kind == Kind::Dns { "udp" } else { "tcp" }, "direction_id": 2, "direction": "Outbound", "uid": correlation}),
+        json!({"protocol_name": r.proto.as_deref().unwrap_or(if r.kind == Kind::Dns { "udp" } else { "tcp" }), "direction_id": 2, "direction": "Outbound", "uid": correlation}),
     );
     if is_close {
         e.insert(
@@ -533,6 +533,9 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
             if let Some(sni) = &r.sni {
                 e.insert("tls".into(), json!({"sni": sni}));
             }
+        }
+        Kind::Bypass => {
+            e.insert("count".into(), r.count.into());
         }
     }
     let mut unmapped = Map::new();
@@ -617,6 +620,28 @@ mod tests {
                "port": 443, "sni": null, "ip": "198.18.2.10", "decision": decision,
                "reason": if decision == "allow" { "rule_match" } else { "no_matching_rule" },
                "rule": "acme/allow/0", "policy": "p0", "seq": 3, "prev": "0", "hash": "h"})
+    }
+
+    #[test]
+    fn bypass_records_read_back_and_map_to_refused_network_activity() {
+        let mut b = base("bypass", "deny");
+        b["mode"] = "transparent".into();
+        b["reason"] = "protocol_mismatch".into();
+        b["proto"] = "udp".into();
+        b["count"] = 3.into();
+        let stored = rec(b);
+        assert_eq!(stored.record.kind, Kind::Bypass);
+        assert_eq!(stored.record.proto.as_deref(), Some("udp"));
+        let filter = Filter {
+            reason: Some("protocol_mismatch".into()),
+            ..Filter::default()
+        };
+        assert!(filter.matches(&stored.record));
+        let e = to_ocsf(&stored);
+        check(&e, 4001, &["src_endpoint", "dst_endpoint"], &[]);
+        assert_eq!(e["activity_id"], 5, "refused");
+        assert_eq!(e["connection_info"]["protocol_name"], "udp");
+        assert_eq!(e["count"], 3);
     }
 
     #[test]

@@ -578,6 +578,7 @@ fn full_record() -> Record {
         status: Some(204),
         credential: Some("cred-1".into()),
         tunnel: Some(crate::config::Carry::TlsOrHttp),
+        proto: Some("udp".into()),
         count: Some(3),
         reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),
         hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),

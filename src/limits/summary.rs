@@ -9,6 +9,7 @@
 //! |---|---|---|---|
 //! | proxy denials | (org, address key) | at most `MAX_TALLIES`, then one per org | `client`, the most frequent `reason`, `reasons`, `hosts`, `detail` |
 //! | DNS refusals | (org, reason) | bounded by the pairs | `answers: []`, `upstream: false`, `detail` |
+//! | bypass attempts ([`crate::bypass`]) | (org, source, destination, protocol, port) | at most `MAX_TALLIES`, then one per (org, protocol) | `client`, `ip`, `port`, `proto`, `detail` |
 //!
 //! Summaries go into the writer's queue only into a free place, waiting at
 //! most what the caller allows; what finds none (or meets an unhealthy
@@ -123,6 +124,11 @@ impl Tally {
         self.count
     }
 
+    /// The first counted record (the template of the summary).
+    pub(crate) fn first(&self) -> &Record {
+        &self.template
+    }
+
     /// The first counted record's reason.
     pub(crate) fn reason(&self) -> Reason {
         self.template.reason
@@ -216,6 +222,11 @@ impl<S: Shape> Tallies<S> {
             .entry(key)
             .or_insert_with(|| Tally::new(record, wall))
             .add(record, wall, S::BREAKDOWN);
+    }
+
+    /// Whether `key` has a tally waiting.
+    pub(crate) fn contains(&self, key: &S::Key) -> bool {
+        self.lock().contains_key(key)
     }
 
     /// Every tally, taken out.

@@ -17,7 +17,8 @@
 //!    `dns:` probe's record is a DNS record of the probe's name; a lookup
 //!    a direct probe made for its own name fits only when denied (an
 //!    allowed lookup says nothing about the connection);
-//! 4. **time**: its `ts` lies within the probe's start and finish,
+//! 4. **time**: its `ts` (a bypass record's: its first packet's, the
+//!    start of its `window`) lies within the probe's start and finish,
 //!    widened by [`SKEW`] each side.
 //!
 //! A record that fits several probes goes to one: the probe whose
@@ -45,6 +46,16 @@ pub(crate) const SKEW: Duration = Duration::from_secs(2);
 
 fn parse_ts(text: &str) -> Option<SystemTime> {
     humantime::parse_rfc3339_weak(text).ok()
+}
+
+/// When a record's decision was made: its `ts`, but for a bypass record
+/// (a summary written up to a second after its packets) the time of its
+/// first packet, the start of its `window`.
+fn record_time(r: &Record) -> Option<SystemTime> {
+    match (&r.kind, &r.window) {
+        (Kind::Bypass, Some([first, _])) => parse_ts(first),
+        _ => parse_ts(&r.ts),
+    }
 }
 
 /// A name or address as Palisade records it (IP spellings canonical,
@@ -249,7 +260,7 @@ pub(crate) fn assign(cases: &[Option<Case>], records: &[Record]) -> Vec<Vec<usiz
     };
     let mut owner: BTreeMap<usize, usize> = BTreeMap::new();
     for (i, r) in records.iter().enumerate() {
-        let Some(t) = parse_ts(&r.ts) else { continue };
+        let Some(t) = record_time(r) else { continue };
         if t + SKEW < first || t > last + SKEW {
             continue;
         }
@@ -321,7 +332,7 @@ pub(crate) fn quote_misfit(
     let why = cases[n]
         .as_ref()
         .and_then(|c| {
-            c.misfit(&records[i], parse_ts(&records[i].ts), &|ip| {
+            c.misfit(&records[i], record_time(&records[i]), &|ip| {
                 all_ips.contains(&ip)
             })
         })
@@ -363,7 +374,7 @@ pub(crate) fn unattributed(
         .enumerate()
         .filter(|(i, r)| {
             !taken.contains(i)
-                && parse_ts(&r.ts).is_some_and(|t| t + SKEW >= first && t <= last + SKEW)
+                && record_time(r).is_some_and(|t| t + SKEW >= first && t <= last + SKEW)
                 && (r.client.is_some_and(|c| all_ips.contains(&c.ip()))
                     || r.org.as_deref().is_some_and(|o| orgs.contains(o)))
         })

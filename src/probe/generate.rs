@@ -2,7 +2,9 @@
 //! assessor to review: one probe per allow and deny rule, canaries, the
 //! standard bypass attempts (metadata and private addresses, IP-literal
 //! spellings, SNI and Host mismatches, DNS exfil and outside resolvers,
-//! DoH/DoT, UDP, IPv6), and the in-tunnel probes the rules make applicable.
+//! DoH/DoT, UDP, IPv6; with `[bypass]` in a transparent deployment, a
+//! direct connection to the gateway), and the in-tunnel probes the rules
+//! make applicable.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
@@ -299,23 +301,40 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
         p,
         "DNS-over-TLS endpoint",
     );
-    // UDP, QUIC and IPv6: not Palisade's to see.
+    // UDP and QUIC: not Palisade's to see, unless the gateway ruleset
+    // rejects them and Palisade records what it logged ([bypass]).
+    let bypass = opts.transparent && config.bypass.nflog_group.is_some();
+    let (udp_layer, udp_note) = if bypass {
+        (p, " (rejected and logged by the gateway: a bypass record)")
+    } else {
+        (Layer::Any, "")
+    };
     add(
         "udp-quic".into(),
         format!("udp://{}", SocketAddr::new(out0, 443)),
         Via::Direct,
         deny,
-        Layer::Any,
-        "QUIC (UDP 443)",
+        udp_layer,
+        &format!("QUIC (UDP 443){udp_note}"),
     );
     add(
         "udp-ntp".into(),
         format!("udp://{}", SocketAddr::new(out0, 123)),
         Via::Direct,
         deny,
-        Layer::Any,
-        "UDP other than DNS",
+        udp_layer,
+        &format!("UDP other than DNS{udp_note}"),
     );
+    if let Some(gateway) = bypass.then(|| gateway_address(config)).flatten() {
+        add(
+            "direct-gateway".into(),
+            format!("tcp://{gateway}"),
+            Via::Direct,
+            deny,
+            p,
+            "direct TCP to the gateway itself, not redirected (rejected and logged by the gateway: a bypass record)",
+        );
+    }
     add(
         "ipv6-direct".into(),
         "tcp://[2001:db8::1]:443".into(),
@@ -363,6 +382,18 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     };
     plan.validate()?;
     Ok(plan)
+}
+
+/// Where a direct connection to the gateway itself is tried: its first
+/// transparent listener with a specific address (connecting to it
+/// straight, with no redirect, is what the ruleset rejects).
+fn gateway_address(config: &Config) -> Option<SocketAddr> {
+    config
+        .proxy
+        .transparent
+        .iter()
+        .find(|a| !a.ip().is_unspecified())
+        .copied()
 }
 
 /// The host a name rule is probed with (a placeholder below a wildcard);
@@ -599,6 +630,35 @@ mod tests {
             serde_json::to_value(&plan.probes).unwrap()
         );
         back
+    }
+
+    #[test]
+    fn with_bypass_records_the_udp_and_gateway_probes_are_palisades() {
+        let base = "[proxy]\ntransparent = [\"198.18.1.1:15001\"]\n\
+                    [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+                    [[org.allow]]\nhost = \"allowed.test\"\n";
+        let without = generate_from(base, true);
+        let layer =
+            |plan: &Plan, id: &str| plan.probes.iter().find(|p| p.id == id).map(|p| p.layer);
+        assert_eq!(layer(&without, "udp-quic"), Some(Layer::Any));
+        assert_eq!(layer(&without, "direct-gateway"), None);
+        let with = generate_from(&format!("[bypass]\nnflog_group = 100\n{base}"), true);
+        assert_eq!(layer(&with, "udp-quic"), Some(Layer::Palisade));
+        assert_eq!(layer(&with, "udp-ntp"), Some(Layer::Palisade));
+        let gw = with
+            .probes
+            .iter()
+            .find(|p| p.id == "direct-gateway")
+            .unwrap();
+        assert_eq!(gw.target, "tcp://198.18.1.1:15001");
+        assert_eq!(
+            (gw.via, gw.expect, gw.layer),
+            (Via::Direct, Expect::Deny, Layer::Palisade)
+        );
+        // Explicit-proxy deployments have no gateway ruleset to record it.
+        let explicit = generate_from(&format!("[bypass]\nnflog_group = 100\n{base}"), false);
+        assert_eq!(layer(&explicit, "udp-quic"), Some(Layer::Any));
+        assert_eq!(layer(&explicit, "direct-gateway"), None);
     }
 
     const TUNNEL_POLICY: &str =

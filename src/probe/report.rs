@@ -392,6 +392,9 @@ pub struct ProbeResult {
     /// None for a missing probe.
     pub outcome: Option<ProbeOutcome>,
     pub records: Vec<CitedRecord>,
+    /// Packets the gateway ruleset rejected and Palisade recorded for
+    /// this probe: the `count`s of its `kind = "bypass"` records.
+    pub bypass_attempts: u64,
     pub note: Option<String>,
     pub marker: String,
     pub started: String,
@@ -434,6 +437,11 @@ pub struct CitedRecord {
     pub rule: Option<Arc<str>>,
     pub detail: Option<String>,
     pub conn: Option<String>,
+    /// Bypass records: the protocol and the packets the record stands for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub proto: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<u64>,
 }
 
 impl From<&Record> for CitedRecord {
@@ -455,6 +463,8 @@ impl From<&Record> for CitedRecord {
             rule: r.rule.clone(),
             detail: r.detail.clone(),
             conn: r.conn.clone(),
+            proto: r.proto.clone(),
+            count: r.count,
         }
     }
 }
@@ -1067,6 +1077,12 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                     ..CitedRecord::from(&records[*i])
                 })
                 .collect(),
+            bypass_attempts: indices
+                .iter()
+                .map(|i| &records[*i])
+                .filter(|r| r.kind == Kind::Bypass)
+                .map(|r| r.count.unwrap_or(1))
+                .sum(),
             note: c.probe.note.clone(),
             marker: o.map(|o| o.marker.clone()).unwrap_or_default(),
             started: o.map(|o| o.started.clone()).unwrap_or_default(),

@@ -10,6 +10,7 @@ mod abuse;
 mod addresses;
 mod admin;
 mod bounds;
+mod bypass;
 mod cli;
 mod conn_budgets;
 mod dns;

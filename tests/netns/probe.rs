@@ -1159,3 +1159,92 @@ host = "blocked.wild.test"
         Some("blocked_elsewhere")
     );
 }
+
+/// With `[bypass] nflog_group` behind the shipped gateway ruleset, the
+/// generated plan's UDP probes and its direct connection to the gateway
+/// are Palisade's to see: refused at once, each with a bypass record the
+/// report counts in the probe's window.
+#[test]
+fn bypass_probes_are_planned_refused_and_counted() {
+    let mut lab = Lab::builder()
+        .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+        .without_proxy()
+        .start();
+    let mut cfg = std::fs::read_to_string(&lab.config_path).unwrap();
+    cfg.push_str("\n[bypass]\nnflog_group = 100\n");
+    std::fs::write(&lab.config_path, cfg).unwrap();
+    lab.spawn_proxy();
+    lab.wait_proxy_ready();
+    load_gateway(&lab);
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "plan", "-c"])
+            .arg(&lab.config_path)
+            .args(["--org", "acme", "--outside", lab::UNLISTED_IP]),
+        None,
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "{}", out.describe());
+    // Run the bypass probes of the generated plan (the others have tests
+    // of their own), exactly as generated.
+    let mut plan: toml::Table = toml::from_str(&out.stdout).unwrap();
+    let ids = ["udp-quic", "udp-ntp", "direct-gateway"];
+    let probes = plan["probe"].as_array().unwrap().clone();
+    let kept: Vec<toml::Value> = probes
+        .into_iter()
+        .filter(|p| ids.contains(&p["id"].as_str().unwrap_or("")))
+        .collect();
+    assert_eq!(kept.len(), ids.len(), "{}", out.stdout);
+    for p in &kept {
+        assert!(p.get("layer").is_none(), "Palisade's layer: {p}");
+    }
+    assert_eq!(
+        kept.iter()
+            .find(|p| p["id"].as_str() == Some("direct-gateway"))
+            .unwrap()["target"]
+            .as_str(),
+        Some(format!("tcp://{TRANSPARENT}").as_str())
+    );
+    plan.insert("probe".into(), toml::Value::Array(kept));
+    let plan = toml::to_string(&plan).unwrap();
+    let obs = probe_run(&lab, &lab.ns_client, "bypass", &plan);
+    // Bypass records are summaries, written about a second after their
+    // packets: the report is made once they are there.
+    for (port, what) in [(443, "QUIC"), (123, "UDP 123"), (15001, "the gateway")] {
+        lab.wait_evidence(&format!("the bypass record of {what}"), |v| {
+            v["kind"] == "bypass" && v["port"] == port
+        });
+    }
+    let r = probe_report(
+        &lab,
+        "bypass",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &r,
+        &[
+            ("udp-quic", "enforced_deny"),
+            ("udp-ntp", "enforced_deny"),
+            ("direct-gateway", "enforced_deny"),
+        ],
+    );
+    for id in ids {
+        let p = r.probe(id);
+        assert_eq!(
+            p["observation"]["error"], "connection_refused",
+            "{id}: {p:#}"
+        );
+        assert!(p["bypass_attempts"].as_u64() >= Some(1), "{id}: {p:#}");
+        let recs = p["records"].as_array().unwrap();
+        assert!(
+            !recs.is_empty() && recs.iter().all(|x| x["kind"] == "bypass"),
+            "{id}: {p:#}"
+        );
+    }
+    assert_eq!(r.probe("direct-gateway")["records"][0]["proto"], "tcp");
+    assert_eq!(r.probe("udp-quic")["records"][0]["port"], 443);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
+}

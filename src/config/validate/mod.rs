@@ -15,6 +15,7 @@ use super::raw::RawConfig;
 use super::timeout::Timeout;
 
 mod admin;
+mod bypass;
 mod credentials;
 mod dns;
 mod evidence;
@@ -24,6 +25,7 @@ mod proxy;
 mod rules;
 
 use admin::validate_admin;
+use bypass::validate_bypass;
 use dns::validate_dns;
 use evidence::{check_capacity, validate_evidence};
 use intercept::validate_intercept;
@@ -38,6 +40,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         admin,
         evidence,
         intercept,
+        bypass,
         org,
     } = raw;
 
@@ -52,6 +55,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let evidence = validate_evidence(evidence, default_budget, errors);
 
     let intercept = validate_intercept(intercept, errors);
+    let bypass = validate_bypass(bypass, errors);
     let orgs = validate_orgs(org, errors);
     if let Some(at) = retain_at {
         check_capacity(&evidence, orgs.len(), at, errors);
@@ -64,6 +68,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         admin,
         evidence,
         intercept,
+        bypass,
         orgs,
     }
 }
