@@ -50,8 +50,9 @@
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per
-//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
-//! change; [`metrics`] is one value handed to whoever counts; [`app`] wires
+//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP, a file
+//! change or a change of the host's own addresses (read by [`host`], always
+//! denied by the policy); [`metrics`] is one value handed to whoever counts; [`app`] wires
 //! listeners, the metrics, the admin endpoints ([`admin`]) and shutdown;
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
 //! joined with verified evidence). [`cli`] holds the commands of the
@@ -80,6 +81,7 @@ pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub(crate) mod host;
 pub(crate) mod intercept;
 pub(crate) mod limits;
 pub(crate) mod metrics;

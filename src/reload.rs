@@ -64,6 +64,8 @@ pub(crate) enum ReloadError {
     RestartOnly(Vec<&'static str>),
     #[error("interception: {0}")]
     Intercept(#[from] crate::intercept::InterceptError),
+    #[error("{0}")]
+    Host(#[from] crate::host::HostError),
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -225,6 +227,7 @@ fn prepare(
     path: &Path,
     running: &Config,
     served_hash: &str,
+    served_host: &[std::net::IpAddr],
     metrics: &Arc<Metrics>,
 ) -> Result<Prepared, ReloadError> {
     let new = config::load(path).map_err(ReloadError::Config)?;
@@ -232,8 +235,12 @@ fn prepare(
     if !restart.is_empty() {
         return Err(ReloadError::RestartOnly(restart));
     }
-    let policy = Arc::new(Policy::new(&new));
-    if policy.hash() == served_hash && new.intercept == running.intercept {
+    // Re-read on every reload: the host's addresses may have changed.
+    let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
+    if policy.hash() == served_hash
+        && policy.host_addresses() == served_host
+        && new.intercept == running.intercept
+    {
         return Ok(Prepared::Unchanged);
     }
     let served = Served::load(&new, policy, metrics)?;
@@ -265,14 +272,23 @@ impl Reloader {
         }
     }
 
-    /// Reload if the file's content changed since it was last read.
+    /// Reload if the file's content changed since it was last read, or if
+    /// the host's addresses are no longer those the served policy denies.
     pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
         let path = self.path.clone();
-        let now = blocking(move || digest(&path)).await.ok().flatten();
-        if now.is_none() || now == self.seen {
-            return None;
+        let (now, host) = blocking(move || (digest(&path), crate::host::addresses().ok()))
+            .await
+            .ok()?;
+        if now.is_some() && now != self.seen {
+            return Some(self.reload("config file changed").await);
         }
-        Some(self.reload("config file changed").await)
+        // An enumeration that fails here is retried by the next poll.
+        match host {
+            Some(host) if host != self.served.load().policy.host_addresses() => {
+                Some(self.reload("host addresses changed").await)
+            }
+            _ => None,
+        }
     }
 
     /// Load and check the file and, if it is accepted, serve it.
@@ -284,9 +300,11 @@ impl Reloader {
             self.metrics.clone(),
         );
         let served_hash = current.policy.hash().to_string();
+        let served_host = current.policy.host_addresses().to_vec();
         let prepared = blocking(move || {
             let seen = digest(&path);
-            (seen, prepare(&path, &running, &served_hash, &metrics))
+            let prepared = prepare(&path, &running, &served_hash, &served_host, &metrics);
+            (seen, prepared)
         })
         .await;
         let prepared = match prepared {
@@ -454,7 +472,8 @@ host = "example.com"
         std::fs::write(&path, &base).unwrap();
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let policy = Arc::new(Policy::new(&running));
+        let host = crate::host::addresses().unwrap();
+        let policy = Arc::new(Policy::with_host(&running, &host));
         let served = Served::load(&running, policy, &metrics)
             .unwrap()
             .into_handle();
@@ -525,7 +544,7 @@ host = "example.com"
         // A second org is a third budget: no longer within the store.
         let more = format!("{base}\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n");
         std::fs::write(&path, &more).unwrap();
-        match prepare(&path, &running, &hash, &metrics) {
+        match prepare(&path, &running, &hash, &[], &metrics) {
             Err(ReloadError::Config(e)) => {
                 let e = e.to_string();
                 assert!(
@@ -538,5 +557,34 @@ host = "example.com"
         }
         assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
+    }
+
+    #[tokio::test]
+    async fn a_change_of_the_host_addresses_reloads_an_unchanged_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("palisade.toml");
+        let evidence = tmp.path().join("evidence").display().to_string();
+        std::fs::write(
+            &path,
+            BASE.replace("/tmp/palisade-reload-test-evidence", &evidence),
+        )
+        .unwrap();
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        // Served with addresses the host no longer has (here: none).
+        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
+            .unwrap()
+            .into_handle();
+        let hash = served.load().policy.hash().to_string();
+        let mut reloader = Reloader::new(running, served.clone(), metrics).await;
+        let host = crate::host::addresses().unwrap();
+        assert!(!host.is_empty(), "no interface addresses at all");
+        assert_eq!(
+            reloader.poll().await,
+            Some(ReloadOutcome::Applied { hash: hash.clone() }),
+            "the file is the same, the addresses are not"
+        );
+        assert_eq!(served.load().policy.host_addresses(), host);
+        assert_eq!(reloader.poll().await, None, "nothing changed since");
     }
 }
