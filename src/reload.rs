@@ -285,6 +285,7 @@ impl Reloader {
         // An enumeration that fails here is retried by the next poll.
         match host {
             Some(host) if host != self.served.load().policy.host_addresses() => {
+                info!(addresses = ?host, "host addresses changed");
                 Some(self.reload("host addresses changed").await)
             }
             _ => None,
