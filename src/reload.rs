@@ -42,6 +42,9 @@ pub(crate) struct Reloader {
     metrics: Arc<Metrics>,
     /// Digest of the file content last loaded (valid or not).
     seen: Option<[u8; 32]>,
+    /// The host addresses the poll last saw: a change reloads once, even
+    /// if that reload is refused (an invalid file is not retried each poll).
+    host_seen: Vec<std::net::IpAddr>,
 }
 
 /// What a reload did.
@@ -263,12 +266,14 @@ impl Reloader {
             let path = path.clone();
             blocking(move || digest(&path)).await.ok().flatten()
         };
+        let host_seen = served.load().policy.host_addresses().to_vec();
         Reloader {
             path,
             running: Arc::new(running),
             served,
             metrics,
             seen,
+            host_seen,
         }
     }
 
@@ -283,13 +288,13 @@ impl Reloader {
             return Some(self.reload("config file changed").await);
         }
         // An enumeration that fails here is retried by the next poll.
-        match host {
-            Some(host) if host != self.served.load().policy.host_addresses() => {
-                info!(addresses = ?host, "host addresses changed");
-                Some(self.reload("host addresses changed").await)
-            }
-            _ => None,
+        let host = host.filter(|h| *h != self.host_seen)?;
+        self.host_seen = host.clone();
+        if host == self.served.load().policy.host_addresses() {
+            return None;
         }
+        info!(addresses = ?host, "host addresses changed");
+        Some(self.reload("host addresses changed").await)
     }
 
     /// Load and check the file and, if it is accepted, serve it.
@@ -587,5 +592,19 @@ host = "example.com"
         );
         assert_eq!(served.load().policy.host_addresses(), host);
         assert_eq!(reloader.poll().await, None, "nothing changed since");
+
+        // New addresses and an invalid file: one refused reload for the
+        // file, one for the addresses, then quiet until either changes.
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
+            .unwrap()
+            .into_handle();
+        let mut reloader = Reloader::new(running, served.clone(), metrics).await;
+        std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
+        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(reloader.poll().await, None, "not retried every poll");
+        assert!(served.load().policy.host_addresses().is_empty());
     }
 }
