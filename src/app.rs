@@ -46,6 +46,8 @@ pub(crate) enum StartError {
     Intercept(String),
     #[error("{0}")]
     Bypass(#[from] crate::bypass::nflog::BindError),
+    #[error("{0}")]
+    Host(#[from] crate::host::HostError),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -88,10 +90,12 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     // What a reload changes: the policy, and the per-org CAs, credentials
     // (read from their files or environment variables now) and upstream
     // trust bundle of interception. Files are read off the runtime.
+    // The host's own addresses, always denied: no list, no start.
+    let host = crate::host::addresses()?;
     let served = {
         let (config, metrics) = (config.clone(), metrics.clone());
         tokio::task::spawn_blocking(move || {
-            let policy = Arc::new(Policy::new(&config));
+            let policy = Arc::new(Policy::with_host(&config, &host));
             crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
             Served::load(&config, policy, &metrics)
         })

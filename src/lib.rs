@@ -51,8 +51,9 @@
 //!
 //! [`config`] loads and validates the TOML file; [`served`] holds what is
 //! served (policy, DNS settings, interception, credentials), read once per
-//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP or a file
-//! change; [`metrics`] is one value handed to whoever counts; [`app`] wires
+//! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP, a file
+//! change or a change of the host's own addresses (read by [`host`], always
+//! denied by the policy); [`metrics`] is one value handed to whoever counts; [`app`] wires
 //! listeners, the metrics, the admin endpoints ([`admin`]) and shutdown;
 //! [`bypass`] reads the packets the gateway ruleset rejected (its NFLOG
 //! group) and records them as `kind = "bypass"`;
@@ -84,6 +85,7 @@ pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub(crate) mod host;
 pub(crate) mod intercept;
 pub(crate) mod limits;
 pub(crate) mod metrics;

@@ -44,6 +44,9 @@ pub(crate) struct Reloader {
     metrics: Arc<Metrics>,
     /// Digest of the file content last loaded (valid or not).
     seen: Option<[u8; 32]>,
+    /// The host addresses the poll last saw: a change reloads once, even
+    /// if that reload is refused (an invalid file is not retried each poll).
+    host_seen: Vec<std::net::IpAddr>,
 }
 
 /// What a reload did.
@@ -66,6 +69,8 @@ pub(crate) enum ReloadError {
     RestartOnly(Vec<&'static str>),
     #[error("interception: {0}")]
     Intercept(#[from] crate::intercept::InterceptError),
+    #[error("{0}")]
+    Host(#[from] crate::host::HostError),
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -236,6 +241,7 @@ fn prepare(
     path: &Path,
     running: &Config,
     served_hash: &str,
+    served_host: &[std::net::IpAddr],
     metrics: &Arc<Metrics>,
 ) -> Result<Prepared, ReloadError> {
     let new = config::load(path).map_err(ReloadError::Config)?;
@@ -243,8 +249,12 @@ fn prepare(
     if !restart.is_empty() {
         return Err(ReloadError::RestartOnly(restart));
     }
-    let policy = Arc::new(Policy::new(&new));
-    if policy.hash() == served_hash && new.intercept == running.intercept {
+    // Re-read on every reload: the host's addresses may have changed.
+    let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
+    if policy.hash() == served_hash
+        && policy.host_addresses() == served_host
+        && new.intercept == running.intercept
+    {
         return Ok(Prepared::Unchanged);
     }
     let served = Served::load(&new, policy, metrics)?;
@@ -267,23 +277,35 @@ impl Reloader {
             let path = path.clone();
             blocking(move || digest(&path)).await.ok().flatten()
         };
+        let host_seen = served.load().policy.host_addresses().to_vec();
         Reloader {
             path,
             running: Arc::new(running),
             served,
             metrics,
             seen,
+            host_seen,
         }
     }
 
-    /// Reload if the file's content changed since it was last read.
+    /// Reload if the file's content changed since it was last read, or if
+    /// the host's addresses are no longer those the served policy denies.
     pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
         let path = self.path.clone();
-        let now = blocking(move || digest(&path)).await.ok().flatten();
-        if now.is_none() || now == self.seen {
+        let (now, host) = blocking(move || (digest(&path), crate::host::addresses().ok()))
+            .await
+            .ok()?;
+        if now.is_some() && now != self.seen {
+            return Some(self.reload("config file changed").await);
+        }
+        // An enumeration that fails here is retried by the next poll.
+        let host = host.filter(|h| *h != self.host_seen)?;
+        self.host_seen = host.clone();
+        if host == self.served.load().policy.host_addresses() {
             return None;
         }
-        Some(self.reload("config file changed").await)
+        info!(addresses = ?host, "host addresses changed");
+        Some(self.reload("host addresses changed").await)
     }
 
     /// Load and check the file and, if it is accepted, serve it.
@@ -295,9 +317,11 @@ impl Reloader {
             self.metrics.clone(),
         );
         let served_hash = current.policy.hash().to_string();
+        let served_host = current.policy.host_addresses().to_vec();
         let prepared = blocking(move || {
             let seen = digest(&path);
-            (seen, prepare(&path, &running, &served_hash, &metrics))
+            let prepared = prepare(&path, &running, &served_hash, &served_host, &metrics);
+            (seen, prepared)
         })
         .await;
         let prepared = match prepared {
@@ -467,7 +491,8 @@ host = "example.com"
         std::fs::write(&path, &base).unwrap();
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let policy = Arc::new(Policy::new(&running));
+        let host = crate::host::addresses().unwrap();
+        let policy = Arc::new(Policy::with_host(&running, &host));
         let served = Served::load(&running, policy, &metrics)
             .unwrap()
             .into_handle();
@@ -538,7 +563,7 @@ host = "example.com"
         // A second org is a third budget: no longer within the store.
         let more = format!("{base}\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n");
         std::fs::write(&path, &more).unwrap();
-        match prepare(&path, &running, &hash, &metrics) {
+        match prepare(&path, &running, &hash, &[], &metrics) {
             Err(ReloadError::Config(e)) => {
                 let e = e.to_string();
                 assert!(
@@ -551,5 +576,48 @@ host = "example.com"
         }
         assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
+    }
+
+    #[tokio::test]
+    async fn a_change_of_the_host_addresses_reloads_an_unchanged_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("palisade.toml");
+        let evidence = tmp.path().join("evidence").display().to_string();
+        std::fs::write(
+            &path,
+            BASE.replace("/tmp/palisade-reload-test-evidence", &evidence),
+        )
+        .unwrap();
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        // Served with addresses the host no longer has (here: none).
+        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
+            .unwrap()
+            .into_handle();
+        let hash = served.load().policy.hash().to_string();
+        let mut reloader = Reloader::new(running, served.clone(), metrics).await;
+        let host = crate::host::addresses().unwrap();
+        assert!(!host.is_empty(), "no interface addresses at all");
+        assert_eq!(
+            reloader.poll().await,
+            Some(ReloadOutcome::Applied { hash: hash.clone() }),
+            "the file is the same, the addresses are not"
+        );
+        assert_eq!(served.load().policy.host_addresses(), host);
+        assert_eq!(reloader.poll().await, None, "nothing changed since");
+
+        // New addresses and an invalid file: one refused reload for the
+        // file, one for the addresses, then quiet until either changes.
+        let running = config::load(&path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
+            .unwrap()
+            .into_handle();
+        let mut reloader = Reloader::new(running, served.clone(), metrics).await;
+        std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
+        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(reloader.poll().await, None, "not retried every poll");
+        assert!(served.load().policy.host_addresses().is_empty());
     }
 }

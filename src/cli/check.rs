@@ -1,6 +1,6 @@
 //! `palisade check`: validate the config and print a summary.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
 use super::{load_config, CliError, Status, DEFAULT_CONFIG};
@@ -14,11 +14,15 @@ pub struct Args {
     pub config: PathBuf,
 }
 
-/// 1 on an invalid config, each error as `FILE:LINE:COL: message`.
+/// 1 on an invalid config, each error as `FILE:LINE:COL: message`, or
+/// when this host's addresses cannot be listed (`run` would not start).
+/// Check runs where Palisade runs: the openings it lists include those of
+/// this host's own addresses, always denied like the fixed ranges.
 pub fn run(args: Args) -> Result<(), CliError> {
     let path = args.config;
     let config = load_config(&path, Status::Failed)?;
-    let policy = Policy::new(&config);
+    let host = crate::host::addresses().map_err(|e| CliError::new(Status::Failed, e))?;
+    let policy = Policy::with_host(&config, &host);
     let openings = policy.openings();
     let rules: usize = config
         .orgs
@@ -63,6 +67,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .map_or("(none)".into(), |a| a.to_string())
     );
     sayln!("  evidence dir: {}", config.evidence.dir.display());
+    sayln!(
+        "  gateway addresses (this host's interfaces, always denied; loopback is a fixed range): {}",
+        gateway_addresses(policy.host_addresses())
+    );
     if let Some(c) = crate::config::capacity(&config.evidence, config.orgs.len()) {
         // What the load-time check computed (it passed, or we would not be here).
         sayln!(
@@ -97,6 +105,20 @@ fn list(addrs: &[SocketAddr]) -> String {
             .map(|a| a.to_string())
             .collect::<Vec<_>>()
             .join(", ")
+    }
+}
+
+/// The non-loopback addresses, `a, b`, or `(none)`.
+fn gateway_addresses(host: &[IpAddr]) -> String {
+    let listed: Vec<String> = host
+        .iter()
+        .filter(|a| !a.is_loopback())
+        .map(IpAddr::to_string)
+        .collect();
+    if listed.is_empty() {
+        "(none)".to_string()
+    } else {
+        listed.join(", ")
     }
 }
 

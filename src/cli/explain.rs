@@ -196,7 +196,11 @@ pub async fn explain_request(
     target: &ExplainTarget,
     request: Option<(&str, &str)>,
 ) -> Explanation {
-    let policy = Policy::new(config);
+    // As `run` would decide here: this host's own addresses are denied too
+    // (a host whose interfaces cannot be listed would not start `run`;
+    // explain then decides without them).
+    let host = crate::host::addresses().unwrap_or_default();
+    let policy = Policy::with_host(config, &host);
     match target {
         ExplainTarget::Tcp { host, port, .. } => {
             let Some(org) = policy.org_for(client) else {

@@ -41,10 +41,11 @@
 //! | 9 | IP | a cidr allow rule covers it, none on this port | deny | `port_not_allowed` | – |
 //! | 10 | IP | otherwise | deny | `no_matching_rule` | – |
 //!
-//! Address checks, for the address dialled and any IPv4 address embedded in
-//! it (IPv4-compatible `::/96`, SIIT `::ffff:0:0:0/96`, NAT64 `64:ff9b::/96`
-//! and `64:ff9b:1::/48` (last 32 bits), 6to4, Teredo); each of the two must
-//! pass on its own:
+//! Address checks, for the address dialled and every IPv4 address embedded
+//! in it (IPv4-compatible `::/96`, SIIT `::ffff:0:0:0/96`, NAT64
+//! `64:ff9b::/96` and `64:ff9b:1::/48` (last 32 bits), 6to4, Teredo, and
+//! under any prefix an ISATAP interface id `0:5efe:a.b.c.d` or
+//! `200:5efe:a.b.c.d`); each must pass on its own:
 //!
 //! | # | condition | decision | reason |
 //! |---|---|---|---|
@@ -54,7 +55,8 @@
 //!
 //! Row C by example, for an org with `cidr = "0.0.0.0/0"`, `"::/0"` and
 //! `"10.20.0.0/16"` on ports 80 and 443, another org's `clients =
-//! ["10.9.0.0/16"]`, and Palisade listening on `10.0.0.5:3128`:
+//! ["10.9.0.0/16"]`, Palisade listening on `10.0.0.5:3128`, on a host whose
+//! interfaces hold `198.18.2.1` and `2001:2::1` (besides loopback):
 //!
 //! | address | opened by | decision |
 //! |---|---|---|
@@ -63,6 +65,9 @@
 //! | 10.21.0.1 | nothing | deny |
 //! | 10.9.0.7 (the other org's sandbox) | nothing: only a rule inside `10.9.0.0/16` opens it | deny |
 //! | 10.0.0.5, any port | nothing: only `10.0.0.5/32` opens it (and never on 3128, row A) | deny |
+//! | 198.18.2.1, 2001:2::1 (the gateway's own), any port | nothing: only `198.18.2.1/32`, `2001:2::1/128` open them | deny |
+//! | 2001:2::5efe:127.0.0.1 (ISATAP) | the v6 address by `::/0`, but not the embedded 127.0.0.1 | deny |
+//! | 2001:db8::1, 3fff::1 (IPv6 documentation) | nothing | deny |
 //! | 8.8.8.8 | `0.0.0.0/0` (not always-denied) | allow |
 //! | 64:ff9b::8.8.8.8 | `::/0`; the embedded 8.8.8.8 is open | allow |
 //! | 64:ff9b::127.0.0.1 | the v6 address by `::/0`, but the embedded 127.0.0.1 is not opened: a v6 rule never opens an embedded IPv4 address, only an IPv4 rule inside its range does (`127.0.0.1/32` would) | deny |
@@ -82,12 +87,17 @@
 //! (`240.0.0.0/4`), SIIT `::ffff:0:0:0/96`, local-use NAT64
 //! `64:ff9b:1::/48`, discard-only `100::/64`, SRv6 SIDs `5f00::/16`,
 //! unique-local `fc00::/7` (incl. `fd00:ec2::254`) and site-local
-//! `fec0::/10`; also every org's `clients` networks (whatever its identity)
-//! and the address of every listener bound to a specific address (every
-//! port). IPv4-mapped IPv6 is canonicalised to IPv4 before any check.
-//! Benchmarking (`198.18.0.0/15`, `2001:2::/48`) and documentation ranges
-//! stay open: never routed, nothing internal answers there, and test labs
-//! and probes use them.
+//! `fec0::/10`, the IPv6 documentation ranges `2001:db8::/32` and
+//! `3fff::/20`; also every org's `clients` networks (whatever its
+//! identity), the address of every listener bound to a specific address
+//! (every port), and every address of the host's interfaces ("gateway
+//! address": IPv4 and IPv6, upstream side included, each as a /32 or
+//! /128, every port; enumerated by `crate::host` at start and on every
+//! reload and handed in to [`Policy::with_host`]; loopback addresses are
+//! left to their fixed range). IPv4-mapped IPv6 is canonicalised to IPv4
+//! before any check. Benchmarking (`198.18.0.0/15`, `2001:2::/48`) and the
+//! IPv4 documentation ranges stay open: never routed, nothing internal
+//! answers there, and test labs and probes use them.
 //!
 //! # Identity
 //!
@@ -125,7 +135,7 @@ use sha2::{Digest, Sha256};
 use crate::config::{
     Carry, Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
 };
-use crate::proto::target::{embedded_ipv4, Host};
+use crate::proto::target::{embedded_ipv4s, Host};
 
 /// Why a connection or query was allowed or denied. Stable, snake_case.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -566,19 +576,26 @@ pub struct Policy {
     clients: PrefixTable<Option<usize>>,
     by_name: HashMap<Arc<str>, usize>,
     own: Vec<SocketAddr>,
+    /// The host's interface addresses it was compiled with (canonical,
+    /// sorted, unique).
+    host: Vec<IpAddr>,
     /// Always-denied ranges with what each one is (see [`ALWAYS_DENIED`]),
-    /// plus every org's `clients` and Palisade's own listen addresses.
+    /// plus every org's `clients`, Palisade's own listen addresses and the
+    /// host's addresses.
     always_denied: PrefixTable<Vec<Arc<str>>>,
     hash: Arc<str>,
     rule_count: usize,
 }
 
 /// Ranges no broad rule opens: (network, what it is). `check` prints the
-/// names. Left open on purpose: `198.18.0.0/15` and `2001:2::/48`
-/// (benchmarking, RFC 2544/5180: test labs, ours included, run there) and
-/// the documentation ranges (`192.0.2.0/24`, `198.51.100.0/24`,
-/// `203.0.113.0/24`, `2001:db8::/32`, `3fff::/20`): never routed, so
-/// nothing internal answers there, and probes and examples use them.
+/// names. The IPv6 documentation ranges `2001:db8::/32` and `3fff::/20`
+/// (RFC 3849, RFC 9637) are denied: nothing legitimate answers there, and
+/// a site that numbers internal hosts from them (as some labs and
+/// examples do) must not be reachable through a wide `::/0`. Left open on
+/// purpose: `198.18.0.0/15` and `2001:2::/48` (benchmarking, RFC
+/// 2544/5180: test labs, ours included, run there) and the IPv4
+/// documentation ranges (`192.0.2.0/24`, `198.51.100.0/24`,
+/// `203.0.113.0/24`), which probes and examples use.
 pub const ALWAYS_DENIED: &[(&str, &str)] = &[
     ("0.0.0.0/8", "this network"),
     ("10.0.0.0/8", "private"),
@@ -595,6 +612,8 @@ pub const ALWAYS_DENIED: &[(&str, &str)] = &[
     ("::ffff:0:0:0/96", "SIIT IPv4-translated"),
     ("64:ff9b:1::/48", "local-use NAT64"),
     ("100::/64", "discard-only"),
+    ("2001:db8::/32", "documentation"),
+    ("3fff::/20", "documentation"),
     ("5f00::/16", "SRv6 SIDs"),
     ("fc00::/7", "unique-local"),
     ("fe80::/10", "link-local"),
@@ -617,11 +636,20 @@ pub struct Opening {
     pub ports: PortSet,
 }
 
+/// What `closed_ranges` calls an address of the host Palisade runs on.
+pub const GATEWAY_ADDRESS: &str = "gateway address";
+
 /// The always-denied table: the fixed ranges, every org's `clients` (no
-/// hairpin into a sandbox network) and the address of every listener bound
+/// hairpin into a sandbox network), the address of every listener bound
 /// to a specific address (on every port; an unspecified listen address is
-/// only its port, row A).
-fn closed_ranges(orgs: &[OrgConfig], own: &[SocketAddr]) -> PrefixTable<Vec<Arc<str>>> {
+/// only its port, row A) and every address of the host's interfaces
+/// (`host`, loopback aside: it is a fixed range already, which a rule
+/// inside `127.0.0.0/8` or `::1` opens as before).
+fn closed_ranges(
+    orgs: &[OrgConfig],
+    own: &[SocketAddr],
+    host: &[IpAddr],
+) -> PrefixTable<Vec<Arc<str>>> {
     let mut table: PrefixTable<Vec<Arc<str>>> = PrefixTable::default();
     let mut add = |net: IpNet, what: Arc<str>| {
         let entry = table.entry(net);
@@ -646,6 +674,12 @@ fn closed_ranges(orgs: &[OrgConfig], own: &[SocketAddr]) -> PrefixTable<Vec<Arc<
             add(IpNet::from(addr), listener.clone());
         }
     }
+    let gateway: Arc<str> = Arc::from(GATEWAY_ADDRESS);
+    for addr in host.iter().map(|a| canonical(*a)) {
+        if !addr.is_unspecified() && !addr.is_loopback() {
+            add(IpNet::from(addr), gateway.clone());
+        }
+    }
     table
 }
 
@@ -663,13 +697,22 @@ fn canonical_net(net: IpNet) -> IpNet {
 }
 
 impl Policy {
-    /// Compile a validated config.
+    /// Compile a validated config, knowing no host addresses: for
+    /// decisions made away from the gateway (`palisade replay`, probe
+    /// plans, tests). What serves traffic uses [`Policy::with_host`].
     pub fn new(config: &Config) -> Policy {
-        Policy::compile(&config.orgs, config.own_addresses())
+        Policy::with_host(config, &[])
     }
 
-    /// Compile orgs; `own` are Palisade's own listen addresses.
-    pub fn compile(orgs: &[OrgConfig], own: Vec<SocketAddr>) -> Policy {
+    /// Compile a validated config for the host whose interface addresses
+    /// are `host` (each always-denied, row C; see `crate::host`).
+    pub fn with_host(config: &Config, host: &[IpAddr]) -> Policy {
+        Policy::compile(&config.orgs, config.own_addresses(), host)
+    }
+
+    /// Compile orgs; `own` are Palisade's own listen addresses, `host` the
+    /// addresses of the host's interfaces.
+    pub fn compile(orgs: &[OrgConfig], own: Vec<SocketAddr>, host: &[IpAddr]) -> Policy {
         let mut clients: PrefixTable<Option<usize>> = PrefixTable::default();
         let mut compiled = Vec::with_capacity(orgs.len());
         let mut rule_count = 0;
@@ -729,7 +772,10 @@ impl Policy {
             rule_count += org.allow.len() + org.deny.len();
             compiled.push(o);
         }
-        let always_denied = closed_ranges(orgs, &own);
+        let always_denied = closed_ranges(orgs, &own, host);
+        let mut host: Vec<IpAddr> = host.iter().map(|a| canonical(*a)).collect();
+        host.sort_unstable();
+        host.dedup();
         let canonical = Policy::canonical_text(orgs);
         let hash = Arc::from(data_encoding::HEXLOWER.encode(&Sha256::digest(canonical.as_bytes())));
         Policy {
@@ -737,6 +783,7 @@ impl Policy {
             clients,
             by_name,
             own,
+            host,
             always_denied,
             hash,
             rule_count,
@@ -757,6 +804,13 @@ impl Policy {
     /// evidence so any record can be re-explained later.
     pub fn canonical_text(orgs: &[OrgConfig]) -> String {
         serde_json::to_string(orgs).unwrap_or_default()
+    }
+
+    /// The host addresses this policy was compiled with (canonical,
+    /// sorted, unique; loopback among them but left to its fixed range): a
+    /// reload compares them with a fresh enumeration.
+    pub fn host_addresses(&self) -> &[IpAddr] {
+        &self.host
     }
 
     pub fn org_count(&self) -> usize {
@@ -1051,11 +1105,7 @@ impl Policy {
     /// Rows A-C of the address table.
     fn check_address(&self, o: &Org, ip: IpAddr, port: u16) -> Result<(), Verdict> {
         let org = &o.r#ref;
-        let embedded = match ip {
-            IpAddr::V6(v6) => embedded_ipv4(&v6).map(IpAddr::V4),
-            IpAddr::V4(_) => None,
-        };
-        let effective = std::iter::once(ip).chain(embedded);
+        let effective = std::iter::once(ip).chain(embedded(ip));
         for addr in effective.clone() {
             if self.is_own(addr, port) {
                 return Err(Verdict::deny(org, Reason::DeniedAddress, None));
@@ -1139,11 +1189,7 @@ impl Policy {
             return Err(Verdict::deny(org, Reason::UnknownClient, None));
         };
         let ip = canonical(ip);
-        let embedded = match ip {
-            IpAddr::V6(v6) => embedded_ipv4(&v6).map(IpAddr::V4),
-            IpAddr::V4(_) => None,
-        };
-        for addr in std::iter::once(ip).chain(embedded) {
+        for addr in std::iter::once(ip).chain(embedded(ip)) {
             if let Some(i) = o
                 .deny_cidrs
                 .matches(addr)
@@ -1268,6 +1314,17 @@ impl Policy {
         let rules = self.intercept_rules(org, rule);
         request::decide(org, rule, rules.as_deref(), req, credentials)
     }
+}
+
+/// The IPv4 addresses an IPv6 address reaches (prefix forms and ISATAP,
+/// [`embedded_ipv4s`]); none for IPv4.
+fn embedded(ip: IpAddr) -> impl Iterator<Item = IpAddr> + Clone {
+    let v6 = match ip {
+        IpAddr::V6(v6) => Some(v6),
+        IpAddr::V4(_) => None,
+    };
+    v6.into_iter()
+        .flat_map(|v6| embedded_ipv4s(&v6).map(IpAddr::V4))
 }
 
 /// IPv4-mapped IPv6 is the IPv4 address.

@@ -855,10 +855,200 @@ fn row_c_new_special_ranges_are_denied() {
             "{target}"
         );
     }
-    // benchmarking and documentation ranges stay open (see ALWAYS_DENIED)
-    for target in ["198.18.0.9", "192.0.2.1", "[2001:db8::1]", "[2001:2::1]"] {
+    // benchmarking and the IPv4 documentation ranges stay open (see
+    // ALWAYS_DENIED); the IPv6 documentation ranges do not
+    for target in ["198.18.0.9", "192.0.2.1", "203.0.113.9", "[2001:2::1]"] {
         assert_eq!(ip_verdict(&p, target, 443).0, Reason::RuleMatch, "{target}");
     }
+    for target in [
+        "[2001:db8::1]",
+        "[2001:db8:ffff::1]",
+        "[3fff::1]",
+        "[3fff:fff::1]",
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, 443).0,
+            Reason::DeniedAddress,
+            "{target}"
+        );
+    }
+    assert_eq!(ip_verdict(&p, "[3fff:1000::1]", 443).0, Reason::RuleMatch);
+    // a rule inside one opens it, as for every other range
+    let doc = addresses("[[org.allow]]\nid = \"lab\"\ncidr = \"2001:db8:1::/48\"\nports = [80]\n");
+    assert_eq!(
+        ip_verdict(&doc, "[2001:db8:1::7]", 80),
+        (Reason::RuleMatch, Some("lab".into()))
+    );
+    assert_eq!(
+        ip_verdict(&doc, "[2001:db8:2::7]", 80).0,
+        Reason::DeniedAddress
+    );
+}
+
+#[test]
+fn row_c_isatap_is_judged_by_its_embedded_ipv4() {
+    let p = addresses("");
+    for target in [
+        "[2001:2::5efe:127.0.0.1]",
+        "[2001:2::200:5efe:169.254.169.254]",
+        "[2606:4700:1:2:0:5efe:192.168.1.1]",
+        "[2606:4700::200:5efe:a9fe:a9fe]",
+        // another org's sandbox behind an ISATAP suffix
+        "[2606:4700::5efe:10.9.0.7]",
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, 80).0,
+            Reason::DeniedAddress,
+            "{target}"
+        );
+        let addr = target.trim_matches(['[', ']']);
+        assert_eq!(
+            reason(&p, "api.example.com", 443, &[addr]),
+            Reason::DeniedAddress,
+            "api.example.com -> {addr}"
+        );
+        let org = p.org_for(ip(ACME)).unwrap();
+        assert_eq!(
+            p.answer_allowed(&org, ip(addr)).map_err(|v| v.reason),
+            Err(Reason::DeniedAddress),
+            "answer {addr}"
+        );
+    }
+    // an ordinary IPv4 behind it is what ::/0 is for
+    assert_eq!(
+        ip_verdict(&p, "[2606:4700::5efe:8.8.8.8]", 80),
+        (Reason::RuleMatch, Some("web-v6".into()))
+    );
+    // 6to4 of a public address with an ISATAP suffix of loopback: each
+    // embedded address must pass
+    assert_eq!(
+        ip_verdict(&p, "[2002:808:808::5efe:127.0.0.1]", 80).0,
+        Reason::DeniedAddress
+    );
+}
+
+/// The [`addresses`] policy served on a host with `host` addresses.
+fn on_host(host: &[&str], extra: &str) -> Policy {
+    let src = ADDRESSES.replace("#EXTRA#", extra);
+    let host: Vec<IpAddr> = host.iter().map(|a| ip(a)).collect();
+    Policy::with_host(&config::from_str(&src, Path::new("a.toml")).unwrap(), &host)
+}
+
+const GATEWAY: &[&str] = &[
+    "198.18.2.1",
+    "2001:2::1",
+    "fe80::1",
+    "127.0.0.1",
+    "::1",
+    "::ffff:198.18.9.9",
+    "198.18.2.1",
+];
+
+#[test]
+fn row_c_the_hosts_own_addresses_are_denied_unless_a_rule_names_them() {
+    let extra = "[[org.allow]]\nid = \"gw-ssh\"\ncidr = \"198.18.2.1/32\"\nports = [22]\n\n\
+                 [[org.allow]]\nid = \"lo\"\ncidr = \"127.0.0.0/8\"\nports = [8080]\n\n\
+                 [[org.allow]]\nid = \"ll\"\ncidr = \"fe80::/10\"\nports = [80]\n";
+    let p = on_host(GATEWAY, extra);
+    // Without the host's addresses (replay, tests), the broad rules open them.
+    let away = addresses(extra);
+    assert_eq!(ip_verdict(&away, "198.18.2.1", 80).0, Reason::RuleMatch);
+    assert!(away.host_addresses().is_empty());
+    for (target, port) in [
+        ("198.18.2.1", 80),
+        ("198.18.2.1", 443),
+        ("198.18.9.9", 80),
+        ("[::ffff:198.18.9.9]", 80),
+        ("[2001:2::1]", 443),
+        ("[fe80::1]", 80),
+        // embedded forms of a gateway address
+        ("[64:ff9b::198.18.2.1]", 80),
+        ("[2002:c612:201::1]", 80),
+        ("[2606:4700::5efe:198.18.2.1]", 80),
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, port).0,
+            Reason::DeniedAddress,
+            "{target}:{port}"
+        );
+        let addr = target.trim_matches(['[', ']']);
+        assert_eq!(
+            reason(&p, "api.example.com", 443, &[addr]),
+            Reason::DeniedAddress,
+            "api.example.com -> {addr}"
+        );
+    }
+    // Neighbours are what the broad rules are for.
+    for (target, rule) in [
+        ("198.18.2.2", "web-v4"),
+        ("[2001:2::2]", "web-v6"),
+        ("[fe80::2]", "ll"),
+    ] {
+        assert_eq!(
+            ip_verdict(&p, target, 80),
+            (Reason::RuleMatch, Some(rule.into())),
+            "{target}"
+        );
+    }
+    // A rule naming the address opens it, on its ports only.
+    assert_eq!(
+        ip_verdict(&p, "198.18.2.1", 22),
+        (Reason::RuleMatch, Some("gw-ssh".into()))
+    );
+    // Loopback stays a fixed range: a rule inside 127.0.0.0/8 opens the
+    // host's 127.0.0.1 as it did.
+    assert_eq!(
+        ip_verdict(&p, "127.0.0.1", 8080),
+        (Reason::RuleMatch, Some("lo".into()))
+    );
+    // DNS answers: stripped unless opened on some port.
+    let org = p.org_for(ip(ACME)).unwrap();
+    let answer = |a: &str| p.answer_allowed(&org, ip(a)).map_err(|v| v.reason);
+    assert_eq!(answer("2001:2::1"), Err(Reason::DeniedAddress));
+    assert_eq!(answer("198.18.9.9"), Err(Reason::DeniedAddress));
+    assert_eq!(answer("198.18.2.1"), Ok(()));
+    // What a reload compares: canonical, sorted, unique.
+    let listed: Vec<String> = p.host_addresses().iter().map(|a| a.to_string()).collect();
+    assert_eq!(
+        listed,
+        [
+            "127.0.0.1",
+            "198.18.2.1",
+            "198.18.9.9",
+            "::1",
+            "2001:2::1",
+            "fe80::1"
+        ]
+    );
+    // The hash is the orgs' alone: the same policy text on another host.
+    assert_eq!(p.hash(), away.hash());
+}
+
+#[test]
+fn openings_list_rules_that_name_a_gateway_address() {
+    let extra = "[[org.allow]]\nid = \"gw-ssh\"\ncidr = \"198.18.2.1/32\"\nports = [22]\n\n\
+                 [[org.allow]]\nid = \"gw-v6\"\ncidr = \"2001:2::1/128\"\nports = [80]\n\n\
+                 [[org.allow]]\nid = \"bench\"\ncidr = \"198.18.0.0/15\"\nports = [8080]\n";
+    let p = on_host(GATEWAY, extra);
+    let got: Vec<String> = p
+        .openings()
+        .iter()
+        .filter(|o| {
+            o.what
+                .iter()
+                .any(|w| &**w == crate::policy::GATEWAY_ADDRESS)
+        })
+        .map(|o| format!("{} {} {}", o.rule, o.net, o.range))
+        .collect();
+    // The broad rules and the benchmarking /15 contain gateway addresses
+    // but open none.
+    assert_eq!(
+        got,
+        [
+            "gw-ssh 198.18.2.1/32 198.18.2.1/32",
+            "gw-v6 2001:2::1/128 2001:2::1/128"
+        ]
+    );
 }
 
 #[test]

@@ -343,6 +343,28 @@ pub fn embedded_ipv4(addr: &Ipv6Addr) -> Option<Ipv4Addr> {
     }
 }
 
+/// IPv4 embedded in an ISATAP interface identifier (RFC 5214 §6.1): any
+/// prefix, then `0000:5efe:a.b.c.d` or, with the "u" bit set for a global
+/// IPv4 address, `0200:5efe:a.b.c.d`. An ISATAP router delivers such an
+/// address to that IPv4 host, so the policy judges it by it. The "g" bit
+/// is ignored as well (`0100:5efe`, `0300:5efe`): matching more forms only
+/// denies more.
+pub fn isatap_ipv4(addr: &Ipv6Addr) -> Option<Ipv4Addr> {
+    let s = addr.segments();
+    let o = addr.octets();
+    (s[4] & !0x0300 == 0 && s[5] == 0x5efe).then(|| Ipv4Addr::new(o[12], o[13], o[14], o[15]))
+}
+
+/// Every IPv4 address an IPv6 address reaches when dialled: the prefix
+/// form of [`embedded_ipv4`] and the ISATAP interface identifier of
+/// [`isatap_ipv4`] (an address can carry both, e.g. 6to4 with an ISATAP
+/// suffix), each once.
+pub fn embedded_ipv4s(addr: &Ipv6Addr) -> impl Iterator<Item = Ipv4Addr> + Clone {
+    let prefix = embedded_ipv4(addr);
+    let isatap = isatap_ipv4(addr).filter(|v4| prefix != Some(*v4));
+    prefix.into_iter().chain(isatap)
+}
+
 /// Parse the TARGET of `palisade explain`.
 ///
 /// `http://`/`https://` (case-insensitive) URLs: the authority ends at the first
@@ -600,6 +622,29 @@ mod tests {
         assert_eq!(e("64:ff9b:2::1"), None);
         assert_eq!(e("::ffff:1:0:1"), None);
         assert_eq!(e("fe80::1"), None);
+    }
+
+    #[test]
+    fn isatap_interface_ids_embed_ipv4() {
+        let e = |s: &str| isatap_ipv4(&s.parse().unwrap());
+        let all = |s: &str| embedded_ipv4s(&s.parse().unwrap()).collect::<Vec<_>>();
+        let md = Some(Ipv4Addr::new(169, 254, 169, 254));
+        assert_eq!(e("2001:2::5efe:169.254.169.254"), md);
+        assert_eq!(e("2001:2::200:5efe:a9fe:a9fe"), md);
+        assert_eq!(e("fe80::5efe:169.254.169.254"), md);
+        assert_eq!(e("2001:2:0:1:100:5efe:a9fe:a9fe"), md);
+        assert_eq!(e("2001:2:0:1:300:5efe:a9fe:a9fe"), md);
+        assert_eq!(e("2001:2::400:5efe:a9fe:a9fe"), None);
+        assert_eq!(e("2001:2::5eff:a9fe:a9fe"), None);
+        assert_eq!(e("2001:2::1"), None);
+        // 6to4 with an ISATAP suffix reaches two IPv4 hosts: both count.
+        assert_eq!(
+            all("2002:c612:201::5efe:127.0.0.1"),
+            [Ipv4Addr::new(198, 18, 2, 1), Ipv4Addr::LOCALHOST]
+        );
+        // One address named twice is listed once.
+        assert_eq!(all("64:ff9b:1::5efe:127.0.0.1"), [Ipv4Addr::LOCALHOST]);
+        assert!(all("2001:2::1").is_empty());
     }
 
     #[test]

@@ -74,7 +74,7 @@ fn sibling_listener(lab: &Lab, port: u16) -> TcpListener {
 
 /// Has anything connected to `l`? (A dialled connection sits in the
 /// backlog whether or not anyone accepted it.)
-fn arrived(l: &TcpListener) -> bool {
+pub(crate) fn arrived(l: &TcpListener) -> bool {
     match l.accept() {
         Ok(_) => true,
         Err(e) if e.kind() == ErrorKind::WouldBlock => false,

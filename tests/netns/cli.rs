@@ -303,8 +303,9 @@ fn failures_exit_with_the_documented_status_and_message() {
 
 /// A reader that goes away (`palisade … | head`) ends a command quietly
 /// with status 1: no panic, whatever it was printing. The read end of the
-/// pipe is closed before the command has read its input, so every write
-/// it makes meets a closed pipe.
+/// pipe is closed before the command starts, so every write it makes meets
+/// a closed pipe (closed after the spawn, it raced with a command quick
+/// enough to write all it had first).
 #[test]
 fn a_closed_stdout_ends_a_command_without_a_panic() {
     let dir = scratch_dir("closed-stdout");
@@ -323,13 +324,14 @@ fn a_closed_stdout_ends_a_command_without_a_panic() {
         ],
         vec!["token", "new"],
     ] {
-        let mut child = Command::new(lab::palisade_bin())
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        let child = Command::new(lab::palisade_bin())
             .args(&args)
-            .stdout(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::from(writer))
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        drop(child.stdout.take());
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");

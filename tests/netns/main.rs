@@ -24,6 +24,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod noisy;
+mod own_addresses;
 mod policy;
 mod pool;
 mod probe;
