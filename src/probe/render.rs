@@ -567,6 +567,9 @@ mod tests {
         // Each chain named by its directory, as replicas on one host must be.
         let mut cfg = crate::config::EvidenceConfig::for_dir(dir);
         cfg.replica = dir.file_name().unwrap().to_string_lossy().into_owned();
+        // Only the records written here: no checkpoint by time, however
+        // slowly a loaded machine writes them (the tests count records).
+        cfg.checkpoint_interval = std::time::Duration::from_secs(3600);
         let ev = Evidence::start(&cfg).unwrap();
         let mut ids = Vec::new();
         for &(port, host, reason) in decisions {
