@@ -211,7 +211,14 @@ pub async fn explain_request(
             let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
             let outcome = match resolver {
                 Ok(resolver) => {
-                    decide_with(&policy, &resolver, &org, (host, *port), Addresses::Resolved).await
+                    decide_with(
+                        &policy,
+                        (&resolver, None),
+                        &org,
+                        (host, *port),
+                        Addresses::Resolved,
+                    )
+                    .await
                 }
                 Err(e) => {
                     let mut x = explanation(
