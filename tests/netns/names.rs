@@ -258,3 +258,78 @@ fn a_label_longer_than_the_rule_allows_is_refused_and_never_leaves() {
     assert!(!seen.contains(&long), "{seen:?}");
     assert!(seen.contains(&fits), "{seen:?}");
 }
+
+/// Sends one A query for the name given to the shim's own port from the
+/// address given (which the sender holds on its loopback: the kernel puts
+/// it on the wire as the source), three times, answers not awaited.
+const SPOOF: &str = r#"
+import socket, struct, sys
+src, name = sys.argv[1], sys.argv[2]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((src, 0))
+h = struct.pack(">HHHHHH", 7, 0x0100, 1, 0, 0, 0)
+q = b"".join(bytes([len(l)]) + l.encode() for l in name.split(".")) + b"\0"
+for port in (5353, 53, 5353):
+    s.sendto(h + q + struct.pack(">HH", 1, 1), ("198.18.1.1", port))
+print("sent", flush=True)
+"#;
+
+#[test]
+fn a_query_with_another_orgs_source_address_is_dropped_by_the_gateway_ruleset() {
+    let lab = Lab::builder()
+        .policy(POLICY)
+        .dns_listen(&["198.18.1.1:5353"])
+        .proxy_option(&format!(
+            "transparent = [\"{}\"]",
+            crate::transparent::TRANSPARENT
+        ))
+        .second_client()
+        .start();
+    crate::transparent::load_gateway(&lab);
+    // The kernel's own reverse-path filter off: what drops the spoofed
+    // query must be the ruleset.
+    let out = lab.proxy_ns_exec(
+        "sysctl",
+        &[
+            "-w",
+            "net.ipv4.conf.all.rp_filter=0",
+            "net.ipv4.conf.default.rp_filter=0",
+            "net.ipv4.conf.p1.rp_filter=0",
+        ],
+    );
+    assert!(out.success(), "{}", out.describe());
+    // beta's sandbox, on another interface of the gateway, takes acme's
+    // address and asks, as acme, for a name under acme's wildcard.
+    let ns2 = lab.ns_client2.clone();
+    let out = lab.exec(&ns2, "ip", &["addr", "add", "198.18.1.2/32", "dev", "lo"]);
+    assert!(out.success(), "{}", out.describe());
+    let spoofed = random_names(1, "wild.test").remove(0);
+    let out = lab.exec(&ns2, "python3", &["-c", SPOOF, "198.18.1.2", &spoofed]);
+    assert!(out.stdout.contains("sent"), "{}", out.describe());
+
+    // A positive end, along the path the spoofed query would take (the
+    // shim, its records, the upstream): acme's own query through the
+    // gateway, after it.
+    let marker = random_names(1, "wild.test").remove(0);
+    let d = lab.dig(&["-p", "53", &marker, "A"]);
+    assert_eq!(d.status, "NXDOMAIN", "{}", d.output);
+    lab.wait_evidence("the marker's record", |v| {
+        v["kind"] == "dns" && v["host"] == marker.as_str()
+    });
+    let seen = upstream_names(&lab, "wild.test");
+    assert!(seen.contains(&marker), "{seen:?}");
+    assert!(
+        !seen.contains(&spoofed),
+        "spoofed query forwarded: {seen:?}"
+    );
+    let recorded: Vec<Value> = lab
+        .evidence()
+        .into_iter()
+        .filter(|v| v["host"] == spoofed.as_str())
+        .collect();
+    assert!(
+        recorded.is_empty(),
+        "spoofed query on record:\n{}",
+        lab::dump(&recorded)
+    );
+}
