@@ -13,7 +13,8 @@ use serde_json::Value;
 use crate::lab::{self, Lab};
 
 /// Budgets of 10 new names a minute under `*.wild.test` for acme and for
-/// beta; a label of at most 20 characters under `*.short.test`.
+/// beta; a label of at most 20 characters under `*.short.test` (and the
+/// default budget, 60); no budget under `*.free.test`.
 const POLICY: &str = r#"
 [[org]]
 name = "acme"
@@ -28,6 +29,10 @@ max_new_names_per_minute = 10
 id = "short"
 host = "*.short.test"
 max_label_length = 20
+[[org.allow]]
+id = "free"
+host = "*.free.test"
+max_new_names_per_minute = 0
 
 [[org]]
 name = "beta"
@@ -168,6 +173,16 @@ fn new_names_under_a_wildcard_past_the_budget_are_refused_and_never_leave() {
         "{rec}"
     );
 
+    // Without a budget (0, written), all forty leave.
+    let free = random_names(40, "free.test");
+    let answers = ask(&lab, &lab.ns_client.clone(), &free);
+    assert!(answers.iter().all(|(_, r)| *r == NXDOMAIN), "{answers:?}");
+    assert_eq!(upstream_names(&lab, "free.test").len(), 40);
+    eprintln!(
+        "names: of 40 new names, 10 reached the upstream with max_new_names_per_minute = 10, \
+         40 with 0 (unlimited)"
+    );
+
     // A name seen in the window is not refused: asked again, it is
     // answered as before.
     let again = ask(&lab, &lab.ns_client.clone(), &names[..3]);
@@ -257,6 +272,12 @@ fn a_label_longer_than_the_rule_allows_is_refused_and_never_leaves() {
     let seen = upstream_names(&lab, "short.test");
     assert!(!seen.contains(&long), "{seen:?}");
     assert!(seen.contains(&fits), "{seen:?}");
+    // The default budget: 60 new names a minute (one spent above).
+    let many = random_names(70, "short.test");
+    let answers = ask(&lab, &lab.ns_client.clone(), &many);
+    let forwarded = answers.iter().filter(|(_, r)| *r == NXDOMAIN).count();
+    assert_eq!(forwarded, 59, "{answers:?}");
+    assert_eq!(upstream_names(&lab, "short.test").len(), 60);
 }
 
 /// Sends one A query for the name given to the shim's own port from the
