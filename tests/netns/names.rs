@@ -354,3 +354,60 @@ fn a_query_with_another_orgs_source_address_is_dropped_by_the_gateway_ruleset() 
         lab::dump(&recorded)
     );
 }
+
+#[test]
+fn transparent_connections_to_new_names_spend_the_budget_too() {
+    let policy = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+[[org.allow]]
+id = "wild"
+host = "*.wild.test"
+max_new_names_per_minute = 2
+"#;
+    let lab = Lab::builder()
+        .policy(policy)
+        .proxy_option(&format!(
+            "transparent = [\"{}\"]",
+            crate::transparent::TRANSPARENT
+        ))
+        .start();
+    crate::transparent::load_gateway(&lab);
+    // Three new names, each presented as the Host of a plain HTTP
+    // connection to a.wild.test's address (no proxy settings: the
+    // gateway redirects it).
+    let names = random_names(3, "wild.test");
+    for name in &names {
+        let out = lab.client_exec(
+            "curl",
+            &[
+                "-sS",
+                "--noproxy",
+                "*",
+                "--max-time",
+                "5",
+                "--resolve",
+                &format!("{name}:80:{}", lab::WILD_A_IP),
+                &format!("http://{name}/"),
+            ],
+        );
+        assert!(!out.stdout.contains("upstream="), "{}", out.describe());
+    }
+    let reason = |name: &str| {
+        lab.wait_evidence(&format!("the transparent decision for {name}"), |v| {
+            v["mode"] == "transparent" && v["host"] == name
+        })["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    // The first two spend the budget (and, owning no address, fail on
+    // their resolution); the third is denied before it is resolved.
+    assert_eq!(reason(&names[0]), "resolution_failed");
+    assert_eq!(reason(&names[1]), "resolution_failed");
+    assert_eq!(reason(&names[2]), "name_budget_exceeded");
+    let seen = upstream_names(&lab, "wild.test");
+    assert!(names[..2].iter().all(|n| seen.contains(n)), "{seen:?}");
+    assert!(!seen.contains(&names[2]), "{seen:?}");
+}
