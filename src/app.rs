@@ -173,6 +173,12 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         EvidenceBudget::new(evidence_config.max_records_per_second_per_org)
             .with_store(evidence.counters().clone()),
     );
+    // One set of new-name budgets: a name counts once, by DNS or by
+    // connection.
+    let names = Arc::new(crate::limits::NameBudgets::new(
+        crate::limits::names::MAX_NAMES_PER_ORG,
+        Some(metrics.new_names_total.clone()),
+    ));
     let ctx = Arc::new(Ctx {
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         denials: proxy::denials::Denials::new(
@@ -193,6 +199,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         resolver: resolver.clone(),
         bindings: Some(bindings.clone()),
         limits: limits.clone(),
+        names: names.clone(),
         shutdown: shutdown.clone(),
         hard_stop: hard_stop.clone(),
         policy_changed: tokio::sync::watch::Sender::new(()),
@@ -243,7 +250,8 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
             bindings.clone(),
             dns.clone(),
         )
-        .with_evidence_budget(evidence_budget),
+        .with_evidence_budget(evidence_budget)
+        .with_names(names),
     );
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {

@@ -44,7 +44,8 @@
 //! Below the proxy and DNS, shared by both and importing neither:
 //! [`limits`] (rate limiters, the keyed shares charged to an org or else a
 //! source address, connection caps, detection memory, the evidence budget,
-//! the one summary engine for denials, refusals and bypass attempts); [`bindings`]
+//! the one summary engine for denials, refusals and bypass attempts, the
+//! new-name budgets of wildcard rules); [`bindings`]
 //! (name-address bindings the shim hands out and transparent mode checks);
 //! [`serve`] (the one accept loop and the one HTTP/1 server of every
 //! listener: proxy, DNS over TCP, admin).

@@ -55,6 +55,9 @@ pub(crate) struct Metrics {
     /// Live connections closed because a reload's new policy denies them,
     /// by org and mode.
     pub connections_revoked_total: IntCounterVec,
+    /// Names new to an org under a wildcard rule's budget, by org and
+    /// decision (`allow` within the budget, `deny` past it).
+    pub new_names_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     ready: IntGauge,
     /// Requests decided inside intercepted connections, by org, decision and reason.
@@ -313,6 +316,11 @@ impl Metrics {
                 "Live connections (tunnels, transparent and intercepted connections) closed because a reload's new policy denies them, by org and mode; report-mode orgs keep theirs and are not counted.",
                 &["org", "mode"],
             )?,
+            new_names_total: counter_vec(
+                "palisade_new_names_total",
+                "Names new to an org within the window under a wildcard allow rule's max_new_names_per_minute (DNS queries forwarded, connections decided), by org and decision: allow within the budget, deny past it (name_budget_exceeded).",
+                &["org", "decision"],
+            )?,
             ready: IntGauge::new(
                 "palisade_ready",
                 "1 while every listener is bound and evidence is writable (what /readyz reports).",
@@ -375,6 +383,7 @@ impl Metrics {
             Box::new(m.would_deny_total.clone()),
             Box::new(m.evidence_suppressed_total.clone()),
             Box::new(m.connections_revoked_total.clone()),
+            Box::new(m.new_names_total.clone()),
             Box::new(m.intercepted_requests_total.clone()),
             Box::new(m.intercepted_request_duration_seconds.clone()),
             Box::new(m.intercept_cert_cache_total.clone()),
@@ -484,6 +493,9 @@ impl Metrics {
             for proto in ["tcp", "udp"] {
                 self.bypass_attempts_total.with_label_values(&[org, proto]);
             }
+            for decision in ["allow", "deny"] {
+                self.new_names_total.with_label_values(&[org, decision]);
+            }
             for direction in ["up", "down"] {
                 self.bytes_total.with_label_values(&[org, direction]);
             }
@@ -568,6 +580,7 @@ mod tests {
             "palisade_evidence_queue_depth",
             "palisade_evidence_suppressed_total",
             "palisade_connections_revoked_total",
+            "palisade_new_names_total",
             "palisade_evidence_disk_free_bytes",
             "palisade_evidence_disk_size_bytes",
             "palisade_evidence_store_full",

@@ -183,6 +183,28 @@ fn explanation(
     }
 }
 
+/// What an allowed name under a wildcard rule with a budget spends (an
+/// explanation spends nothing itself).
+fn budget_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
+    let (Some(org), Some(rule), true) = (&verdict.org, &verdict.rule, verdict.is_allow()) else {
+        return None;
+    };
+    policy.name_budget(org, rule).map(|budget| {
+        format!(
+            "a name new to {} within a minute spends one of rule {rule}'s \
+             {budget} new names a minute (past them: name_budget_exceeded)",
+            org.name
+        )
+    })
+}
+
+fn join_detail(detail: Option<String>, note: Option<String>) -> Option<String> {
+    match (detail, note) {
+        (Some(d), Some(n)) => Some(format!("{d}; {n}")),
+        (d, n) => d.or(n),
+    }
+}
+
 /// Decide `target` for `client` under `config`.
 pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) -> Explanation {
     explain_request(config, client, target, None).await
@@ -215,7 +237,14 @@ pub async fn explain_request(
             let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
             let outcome = match resolver {
                 Ok(resolver) => {
-                    decide_with(&policy, &resolver, &org, (host, *port), Addresses::Resolved).await
+                    decide_with(
+                        &policy,
+                        (&resolver, None),
+                        &org,
+                        (host, *port),
+                        Addresses::Resolved,
+                    )
+                    .await
                 }
                 Err(e) => {
                     let mut x = explanation(
@@ -237,9 +266,10 @@ pub async fn explain_request(
             };
             let rule = outcome.verdict.rule.clone();
             let allowed = outcome.verdict.is_allow();
+            let note = budget_note(&policy, &outcome.verdict);
             let mut x = explanation(client, "tcp", host, Some(*port), outcome.verdict, &policy);
             x.dial = outcome.dial;
-            x.detail = outcome.detail;
+            x.detail = join_detail(outcome.detail, note);
             if let (true, Some(rule), Some((method, path)), Host::Name(name)) =
                 (allowed, rule, request, host)
             {
@@ -266,7 +296,12 @@ pub async fn explain_request(
             let (verdict, detail) = match name {
                 Host::Name(n) => {
                     let d = decide_query(&policy, &orgs, client, n, rtype);
-                    (d.verdict, Some(d.action.describe().to_string()))
+                    let note = match d.action {
+                        crate::dns::decide::Action::Forward => budget_note(&policy, &d.verdict),
+                        _ => None,
+                    };
+                    let detail = join_detail(Some(d.action.describe().to_string()), note);
+                    (d.verdict, detail)
                 }
                 Host::Ip(_) => (
                     Verdict {
@@ -469,6 +504,25 @@ secret_env = "T3"
                 "{want:?} not in {seen:?}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn explain_says_what_a_wildcard_name_spends() {
+        let src = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n\
+                   [[org.allow]]\nid = \"w\"\nhost = \"*.wild.test\"\nmax_new_names_per_minute = 7\n\
+                   [[org.allow]]\nhost = \"exact.test\"\n";
+        let config = crate::config::from_str(src, Path::new("p.toml")).unwrap();
+        let client = "198.19.1.5".parse().unwrap();
+        let dns = |name: &str| ExplainTarget::Dns {
+            name: Host::Name(name.into()),
+            qtype: "A".into(),
+        };
+        let x = explain(&config, client, &dns("x.wild.test")).await;
+        let detail = x.detail.unwrap_or_default();
+        assert!(detail.starts_with("forwarded upstream"), "{detail}");
+        assert!(detail.contains("rule w's 7 new names a minute"), "{detail}");
+        let x = explain(&config, client, &dns("exact.test")).await;
+        assert!(!x.detail.unwrap_or_default().contains("new names"));
     }
 
     #[test]

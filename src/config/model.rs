@@ -760,6 +760,45 @@ pub struct RuleConfig {
     /// carry. `None`: the per-port default ([`Carry::default_for_port`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<Carry>,
+    /// What names a wildcard allow rule lets leave (`max_new_names_per_minute`,
+    /// `max_label_length`); the default on every other rule, where it is
+    /// unused. Left out of the policy hash while it has its default value.
+    #[serde(skip_serializing_if = "NameLimits::is_default")]
+    pub names: NameLimits,
+}
+
+/// New names per minute per org under a wildcard allow rule, by default.
+pub const DEFAULT_MAX_NEW_NAMES_PER_MINUTE: u32 = 60;
+/// The largest `max_new_names_per_minute` accepted.
+pub const MAX_NEW_NAMES_PER_MINUTE: u32 = 100_000;
+/// The longest label a wildcard allow rule lets through, by default (the
+/// DNS maximum).
+pub const DEFAULT_MAX_LABEL_LENGTH: u8 = 63;
+
+/// Bounds on the names a wildcard allow rule lets leave: how many new ones
+/// per minute per org, and how long a label below the wildcard may be (see
+/// `docs/dns.md`, "Names as a channel").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct NameLimits {
+    /// New names per minute per org; `None`: unlimited (`0` written).
+    pub new_per_minute: Option<u32>,
+    /// The longest label allowed left of the wildcard's suffix.
+    pub max_label_length: u8,
+}
+
+impl Default for NameLimits {
+    fn default() -> Self {
+        NameLimits {
+            new_per_minute: Some(DEFAULT_MAX_NEW_NAMES_PER_MINUTE),
+            max_label_length: DEFAULT_MAX_LABEL_LENGTH,
+        }
+    }
+}
+
+impl NameLimits {
+    pub fn is_default(&self) -> bool {
+        *self == NameLimits::default()
+    }
 }
 
 /// What a tunnel allowed by a host rule may carry, verified from its first

@@ -174,6 +174,8 @@ pub(super) struct RawRule {
     pub(super) paths: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) deny_paths: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) max_new_names_per_minute: Option<Spanned<i64>>,
+    pub(super) max_label_length: Option<Spanned<i64>>,
 }
 
 /// A list of strings, each located.

@@ -29,7 +29,7 @@ use tracing::{debug, warn};
 
 use super::budget::Held;
 use super::cache::Key;
-use super::decide::{decide_query, Action};
+use super::decide::{decide_query, past_budget, Action, QueryDecision};
 use super::encode::{blocked, denied_rcode, Reply, EDE_BLOCKED};
 use super::filter::{describe, filter, Filtered, Forwarded};
 use super::query::QueryState;
@@ -37,7 +37,7 @@ use super::refusals::Recorded;
 use super::shim::Shim;
 use crate::evidence::Mode;
 use crate::limits::client_key;
-use crate::policy::{OrgRef, Reason, Verdict};
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
 
@@ -152,6 +152,7 @@ impl Shim {
             &qname,
             qtype,
         );
+        let decision = self.spend_name(&served.policy, decision, now);
         // An answer's record is paid for from the org's evidence budget
         // before anything is forwarded; spent, the query is refused (and
         // its refusal summarised).
@@ -197,6 +198,32 @@ impl Shim {
                     .await
             }
         })
+    }
+
+    /// A name a wildcard rule allows, before it is forwarded: spent from
+    /// its new-name budget ([`past_budget`]).
+    fn spend_name(&self, policy: &Policy, decision: QueryDecision, now: Instant) -> QueryDecision {
+        let used = match (&decision.action, &decision.verdict, &decision.name) {
+            (
+                Action::Forward,
+                Verdict {
+                    org: Some(org),
+                    rule: Some(rule),
+                    reason: Reason::RuleMatch,
+                    ..
+                },
+                Some(name),
+            ) => policy
+                .name_budget(org, rule)
+                .map(|budget| self.names.spend(&org.name, rule, name, budget, now)),
+            _ => None,
+        };
+        let report = decision
+            .verdict
+            .org
+            .as_ref()
+            .is_some_and(|o| policy.is_report(o));
+        past_budget(decision, used, report)
     }
 
     /// Forward the decided name upstream, keep what that made of it in

@@ -18,14 +18,21 @@
 //! | 6 | the org may not reach the name on any port | denied | policy reason | no |
 //! | 7 | a never-forwarded special-use name (`localhost`, `.local`, `.invalid`, `.onion`, `home.arpa`, reverse zones) | NXDOMAIN | `special_name` | no |
 //! | 8 | ANY | RFC 8482 HINFO | `rule_match` | no |
-//! | 9 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types` | forwarded, answers filtered | `rule_match` | yes |
-//! | 10 | any other type | REFUSED | `qtype_not_allowed` | no |
+//! | 9 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types`, and the name is new to the org past its wildcard rule's `max_new_names_per_minute` ([`past_budget`], the state kept at the edge in `limits::names`) | REFUSED | `name_budget_exceeded` | no |
+//! | 10 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types` | forwarded, answers filtered | `rule_match` | yes |
+//! | 11 | any other type | REFUSED | `qtype_not_allowed` | no |
+//!
+//! A label longer than a wildcard rule's `max_label_length` is the
+//! policy's denial at row 6 (`name_budget_exceeded`, with the org's
+//! `dns_denied` answer). Report-mode orgs are let through past both,
+//! recorded with `would_deny = "name_budget_exceeded"`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use hickory_server::proto::rr::RecordType;
 
 use crate::config::DnsDenied;
+use crate::limits::NameUse;
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{normalize_host, Host};
 pub(crate) use crate::served::OrgDns;
@@ -236,6 +243,37 @@ pub(crate) fn decide_query(
         verdict,
         action,
         name: Some(name),
+    }
+}
+
+/// Row 9: a forwarded name's use of its wildcard rule's budget (`used`,
+/// `None` when its rule has none). Past it, REFUSED `name_budget_exceeded`;
+/// a report-mode org (`report`) is let through, with that as the
+/// `would_deny` of its record.
+pub(crate) fn past_budget(
+    decision: QueryDecision,
+    used: Option<NameUse>,
+    report: bool,
+) -> QueryDecision {
+    if decision.action != Action::Forward || used.is_none_or(NameUse::is_allowed) {
+        return decision;
+    }
+    let denied = Verdict {
+        reason: Reason::NameBudgetExceeded,
+        would_deny: None,
+        ..decision.verdict
+    };
+    if report {
+        QueryDecision {
+            verdict: denied.reported(),
+            ..decision
+        }
+    } else {
+        QueryDecision {
+            verdict: denied,
+            action: Action::Refuse,
+            ..decision
+        }
     }
 }
 
@@ -463,6 +501,39 @@ host = "beta.test"
                 "{client} {name} {qtype}"
             );
         }
+    }
+
+    #[test]
+    fn past_the_budget_refused_report_mode_let_through() {
+        let (p, o) = setup();
+        let q = decide_query(&p, &o, ACME.parse().unwrap(), "x.wild.test", RecordType::A);
+        assert_eq!(q.action, Action::Forward);
+        for used in [None, Some(NameUse::Seen), Some(NameUse::New)] {
+            assert_eq!(past_budget(q.clone(), used, false), q);
+        }
+        let refused = past_budget(q.clone(), Some(NameUse::Exceeded), false);
+        assert_eq!(refused.action, Action::Refuse);
+        assert_eq!(refused.verdict.reason, Reason::NameBudgetExceeded);
+        assert_eq!(refused.verdict.rule, q.verdict.rule);
+        let reported = past_budget(q.clone(), Some(NameUse::Exceeded), true);
+        assert_eq!(reported.action, Action::Forward);
+        assert_eq!(reported.verdict.reason, Reason::ReportOnly);
+        assert_eq!(
+            reported.verdict.would_deny,
+            Some(Reason::NameBudgetExceeded)
+        );
+        // Only a forwarded name spends.
+        let hinfo = decide_query(
+            &p,
+            &o,
+            ACME.parse().unwrap(),
+            "x.wild.test",
+            RecordType::ANY,
+        );
+        assert_eq!(
+            past_budget(hinfo.clone(), Some(NameUse::Exceeded), false),
+            hinfo
+        );
     }
 
     #[test]

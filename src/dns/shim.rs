@@ -20,7 +20,7 @@ use super::ttl::TtlMemo;
 use crate::bindings::Bindings;
 use crate::config::DnsConfig;
 use crate::evidence::Evidence;
-use crate::limits::{EvidenceBudget, RateLimiter};
+use crate::limits::{EvidenceBudget, NameBudgets, RateLimiter};
 use crate::metrics::Metrics;
 use crate::policy::Reason;
 use crate::resolve::Resolver;
@@ -49,6 +49,9 @@ pub(crate) struct Shim {
     /// What forwarding produced, per (org, name, type), for the served
     /// version it was decided under ([`super::cache`]).
     pub cache: AnswerCache<Served, Forwarded>,
+    /// The new-name budgets of wildcard rules, shared with the proxy
+    /// ([`Shim::with_names`]).
+    pub names: Arc<NameBudgets>,
 }
 
 impl Shim {
@@ -81,6 +84,11 @@ impl Shim {
             ),
             ttls: TtlMemo::default(),
             cache: AnswerCache::default(),
+            // Its own until the proxy's is shared ([`Shim::with_names`]).
+            names: Arc::new(NameBudgets::new(
+                crate::limits::names::MAX_NAMES_PER_ORG,
+                Some(metrics.new_names_total.clone()),
+            )),
             served,
             resolver,
             evidence,
@@ -94,6 +102,13 @@ impl Shim {
     /// too (`[evidence] max_records_per_second_per_org`).
     pub(crate) fn with_evidence_budget(mut self, budget: Arc<EvidenceBudget>) -> Shim {
         self.refusals.set_budget(budget);
+        self
+    }
+
+    /// Spend new names from `names`, the budgets the proxy spends from
+    /// too, so that a name counts once however it leaves.
+    pub(crate) fn with_names(mut self, names: Arc<NameBudgets>) -> Shim {
+        self.names = names;
         self
     }
 

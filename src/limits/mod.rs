@@ -9,6 +9,7 @@
 //! | detection memory (first bytes held before a decision) | [`detect`] | the proxy |
 //! | the evidence budget, per org, proxy and DNS together, and the share of a full store | [`evidence`] | the proxy, the DNS shim |
 //! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
+//! | the new-name budgets of wildcard rules, per org and rule | [`names`] | the proxy, the DNS shim |
 //!
 //! Nothing here knows the proxy or DNS: each passes its own specifics
 //! (keys, caps, the shape of its summaries) as parameters.
@@ -16,6 +17,7 @@
 pub(crate) mod conns;
 pub(crate) mod detect;
 pub(crate) mod evidence;
+pub(crate) mod names;
 pub(crate) mod rate;
 pub(crate) mod share;
 pub(crate) mod summary;
@@ -23,5 +25,6 @@ pub(crate) mod summary;
 pub(crate) use conns::{ConnLimits, LimitHit, Permit};
 pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};
 pub(crate) use evidence::EvidenceBudget;
+pub(crate) use names::{NameBudgets, NameUse};
 pub(crate) use rate::RateLimiter;
 pub(crate) use share::{client_key, Payer, Share, Shares};

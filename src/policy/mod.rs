@@ -133,7 +133,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::config::{
-    Carry, Config, Identity, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget, TokenDigest,
+    Carry, Config, Identity, NameLimits, OrgConfig, PortSet, RequestRules, RuleConfig, RuleTarget,
+    TokenDigest,
 };
 use crate::proto::target::{embedded_ipv4s, Host};
 
@@ -189,10 +190,15 @@ pub enum Reason {
     /// A live connection a reload's new policy no longer allows: closed
     /// (report mode: kept, with this as its `would_deny`).
     PolicyRevoked,
+    /// A name under a wildcard allow rule that its rule does not let
+    /// leave: new to the org past the rule's `max_new_names_per_minute`,
+    /// or with a label longer than its `max_label_length` (names as a
+    /// covert channel, `docs/dns.md`).
+    NameBudgetExceeded,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 25] = [
+    pub const ALL: [Reason; 26] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -218,6 +224,7 @@ impl Reason {
         Reason::EchNotAllowed,
         Reason::UpgradeNotAllowed,
         Reason::PolicyRevoked,
+        Reason::NameBudgetExceeded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -247,6 +254,7 @@ impl Reason {
             Reason::EchNotAllowed => "ech_not_allowed",
             Reason::UpgradeNotAllowed => "upgrade_not_allowed",
             Reason::PolicyRevoked => "policy_revoked",
+            Reason::NameBudgetExceeded => "name_budget_exceeded",
         }
     }
 
@@ -255,8 +263,10 @@ impl Reason {
     }
 
     /// Denials an org in report mode lets through: the allowlist's own
-    /// verdicts. Safety denials (always-denied addresses, Palisade's own
-    /// listeners, bad requests, limits, evidence) are enforced in every mode.
+    /// verdicts, a wildcard rule's name budget among them (report mode lets
+    /// names no rule matches through unbudgeted anyway). Safety denials
+    /// (always-denied addresses, Palisade's own listeners, bad requests,
+    /// limits, evidence) are enforced in every mode.
     pub fn reportable(self) -> bool {
         matches!(
             self,
@@ -270,6 +280,7 @@ impl Reason {
                 | Reason::EchNotAllowed
                 | Reason::UpgradeNotAllowed
                 | Reason::PolicyRevoked
+                | Reason::NameBudgetExceeded
         )
     }
 
@@ -369,6 +380,24 @@ struct Rule {
     intercept: Option<Arc<RequestRules>>,
     /// What the rule's tunnels carry, when the rule says.
     tunnel: Option<Carry>,
+    /// A wildcard allow rule: the length of its suffix and the bounds on
+    /// the names it lets leave.
+    below: Option<(usize, NameLimits)>,
+}
+
+impl Rule {
+    /// Whether every label of `name` left of this wildcard rule's suffix
+    /// is within its `max_label_length` (always, for any other rule).
+    fn label_fits(&self, name: &str) -> bool {
+        let Some((suffix, limits)) = self.below else {
+            return true;
+        };
+        let left = name
+            .get(..name.len().saturating_sub(suffix + 1))
+            .unwrap_or("");
+        left.split('.')
+            .all(|label| label.len() <= usize::from(limits.max_label_length))
+    }
 }
 
 /// Rule indices by the name or name suffix they match.
@@ -749,6 +778,10 @@ impl Policy {
                         ports: r.ports.clone(),
                         intercept: r.intercept.clone().map(Arc::new),
                         tunnel: r.tunnel,
+                        below: match &r.target {
+                            RuleTarget::Below(suffix) => Some((suffix.len(), r.names)),
+                            _ => None,
+                        },
                     });
                     match &r.target {
                         RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
@@ -965,16 +998,28 @@ impl Policy {
         }
         let mut any = false;
         let mut best: Option<usize> = None;
+        let mut too_long: Option<usize> = None;
         for i in o.allow_names.matches(name) {
             any = true;
-            if o.allow[i].ports.contains(port) {
-                best = Some(best.map_or(i, |b| b.min(i)));
+            if !o.allow[i].ports.contains(port) {
+                continue;
             }
+            let slot = if o.allow[i].label_fits(name) {
+                &mut best
+            } else {
+                &mut too_long
+            };
+            *slot = Some(slot.map_or(i, |b| b.min(i)));
         }
-        match best {
-            Some(i) => Ok(o.allow[i].id.clone()),
-            None if any => Err(Verdict::deny(org, Reason::PortNotAllowed, None)),
-            None => Err(Verdict::deny(org, Reason::NoMatchingRule, None)),
+        match (best, too_long) {
+            (Some(i), _) => Ok(o.allow[i].id.clone()),
+            (None, Some(i)) => Err(Verdict::deny(
+                org,
+                Reason::NameBudgetExceeded,
+                Some(&o.allow[i]),
+            )),
+            (None, None) if any => Err(Verdict::deny(org, Reason::PortNotAllowed, None)),
+            (None, None) => Err(Verdict::deny(org, Reason::NoMatchingRule, None)),
         }
     }
 
@@ -1044,12 +1089,15 @@ impl Policy {
         }
         let mut allows: Vec<usize> = o.allow_names.matches(name).collect();
         allows.sort_unstable();
+        let mut too_long: Option<usize> = None;
         for &i in &allows {
             let open = match &o.allow[i].ports {
                 PortSet::All => true,
                 PortSet::List(ports) => ports.iter().any(|&p| denied(p).is_none()),
             };
-            if open {
+            if open && !o.allow[i].label_fits(name) {
+                too_long = too_long.or(Some(i));
+            } else if open {
                 return Verdict {
                     org: Some(org.clone()),
                     reason: Reason::RuleMatch,
@@ -1057,6 +1105,9 @@ impl Policy {
                     would_deny: None,
                 };
             }
+        }
+        if let Some(i) = too_long {
+            return Verdict::deny(&org, Reason::NameBudgetExceeded, Some(&o.allow[i]));
         }
         match (allows.is_empty(), denies.first()) {
             (false, Some(&i)) => Verdict::deny(&org, Reason::ExplicitDeny, Some(&o.deny[i])),
@@ -1293,6 +1344,16 @@ impl Policy {
     /// intercepts. `None`: pass the connection through untouched.
     pub fn intercept_rules(&self, org: &OrgRef, rule: &str) -> Option<Arc<RequestRules>> {
         self.allow_rule(org, rule).and_then(|r| r.intercept.clone())
+    }
+
+    /// The new-name budget (names per minute, per org) of allow rule
+    /// `rule` of `org`: only a wildcard rule has one, and `None` as well
+    /// when it is unlimited. What the edges spend from
+    /// (`limits::names`), the policy holding no state.
+    pub fn name_budget(&self, org: &OrgRef, rule: &str) -> Option<u32> {
+        self.allow_rule(org, rule)
+            .and_then(|r| r.below)
+            .and_then(|(_, limits)| limits.new_per_minute)
     }
 
     fn allow_rule(&self, org: &OrgRef, id: &str) -> Option<&Rule> {

@@ -243,6 +243,7 @@ fn name_rules_never_allow_ip_literals() {
         ports: config::PortSet::All,
         intercept: None,
         tunnel: None,
+        names: Default::default(),
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -259,6 +260,7 @@ fn own_listeners_are_never_dialled() {
         ports: config::PortSet::All,
         intercept: None,
         tunnel: None,
+        names: Default::default(),
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
@@ -279,6 +281,7 @@ fn own_listeners_are_never_dialled() {
         ports: config::PortSet::All,
         intercept: None,
         tunnel: None,
+        names: Default::default(),
     });
     let p3 = Policy::new(&c);
     assert_eq!(reason(&p3, "198.18.0.1", 443, &[]), Reason::RuleMatch);
@@ -1192,4 +1195,82 @@ fn openings_list_each_rule_inside_an_always_denied_range() {
         .unwrap();
     let what: Vec<&str> = o.what.iter().map(|w| &**w).collect();
     assert_eq!(what, ["clients of gamma", "clients of delta"]);
+}
+
+#[test]
+fn long_labels_under_a_wildcard_are_denied_name_budget_exceeded() {
+    let src = r#"
+[proxy]
+listen = ["198.18.0.1:3128"]
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+[[org.allow]]
+id = "short"
+host = "*.short.test"
+max_label_length = 8
+max_new_names_per_minute = 5
+[[org.allow]]
+id = "free"
+host = "*.free.test"
+max_new_names_per_minute = 0
+[[org.allow]]
+id = "exact"
+host = "averyveryverylonglabel.short.test"
+[[org]]
+name = "watch"
+mode = "report"
+clients = ["198.19.2.0/24"]
+[[org.allow]]
+host = "*.short.test"
+max_label_length = 8
+"#;
+    let p = Policy::new(&config::from_str(src, Path::new("p.toml")).unwrap());
+    let name = |client: &str, n: &str| {
+        let v = decide(&p, client, n, 443, &["198.18.2.1"]);
+        (
+            v.reason,
+            v.rule.as_deref().map(str::to_string),
+            v.would_deny,
+        )
+    };
+    let r = |s: &str| Some(s.to_string());
+    assert_eq!(
+        name(ACME, "abcdefgh.x.short.test"),
+        (Reason::RuleMatch, r("short"), None)
+    );
+    // Labels of the suffix itself do not count ("short" is the rule's).
+    assert_eq!(
+        name(ACME, "abcdefghi.short.test"),
+        (Reason::NameBudgetExceeded, r("short"), None)
+    );
+    assert_eq!(
+        name(ACME, "a.abcdefghi.short.test"),
+        (Reason::NameBudgetExceeded, r("short"), None)
+    );
+    // An exact rule for the name is not bound by the wildcard's limit.
+    assert_eq!(
+        name(ACME, "averyveryverylonglabel.short.test"),
+        (Reason::RuleMatch, r("exact"), None)
+    );
+    // The DNS question: the same.
+    let any = |n: &str| p.decide_name_any_port(ip(ACME), n).reason;
+    assert_eq!(any("abcdefghi.short.test"), Reason::NameBudgetExceeded);
+    assert_eq!(any("abcdefgh.short.test"), Reason::RuleMatch);
+    // Report mode lets it through, saying so.
+    assert_eq!(
+        name("198.19.2.9", "abcdefghi.short.test"),
+        (
+            Reason::ReportOnly,
+            Some("watch/allow/0".to_string()),
+            Some(Reason::NameBudgetExceeded)
+        )
+    );
+    // The budget the edges spend from: wildcard rules only, 0 unlimited.
+    let acme = p.org_for(ip(ACME)).unwrap();
+    assert_eq!(p.name_budget(&acme, "short"), Some(5));
+    assert_eq!(p.name_budget(&acme, "free"), None);
+    assert_eq!(p.name_budget(&acme, "exact"), None);
+    let watch = p.org_for(ip("198.19.2.9")).unwrap();
+    assert_eq!(p.name_budget(&watch, "watch/allow/0"), Some(60));
 }

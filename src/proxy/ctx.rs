@@ -15,7 +15,7 @@ use super::pool::UpstreamPool;
 use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
-use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, Permit};
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, NameBudgets, Permit};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -36,6 +36,8 @@ pub(crate) struct Ctx {
     /// The DNS shim's bindings, when it runs.
     pub bindings: Option<Arc<dyn NameBindings>>,
     pub limits: Limits,
+    /// The new-name budgets of wildcard rules, shared with the DNS shim.
+    pub names: Arc<NameBudgets>,
     pub conns: ConnLimits,
     /// Which denials are written one by one, and the tallies of the rest.
     pub denials: Denials,

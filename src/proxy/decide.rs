@@ -1,14 +1,17 @@
 //! The decision step every mode takes: one [`decide_with`] (the name
-//! step, the addresses to check, the address step), shared with `palisade
-//! explain`; transparent mode hands it the original destination to check
-//! instead of what the name resolves to ([`Addresses::Original`]).
+//! step, the new-name budget of a wildcard rule, the addresses to check,
+//! the address step), shared with `palisade explain`; transparent mode
+//! hands it the original destination to check instead of what the name
+//! resolves to ([`Addresses::Original`]).
 
 use std::net::IpAddr;
+use std::time::Instant;
 
 use super::ctx::{Ctx, View};
 use crate::bindings::NameBindings;
 use crate::evidence::Mode;
-use crate::policy::{canonical, Decision, OrgRef, Policy, Reason, Verdict};
+use crate::limits::NameBudgets;
+use crate::policy::{canonical, Decision, OrgRef, PendingName, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
 
@@ -89,7 +92,7 @@ impl Ctx {
         };
         decide_with(
             &view.policy,
-            &self.resolver,
+            (&self.resolver, Some(&*self.names)),
             org,
             (host, port),
             Addresses::Resolved,
@@ -99,11 +102,13 @@ impl Ctx {
 }
 
 /// The decision procedure shared by the proxy and `palisade explain`: the
-/// name step; for an allowed name, the addresses of `addresses`; then the
-/// address step on them.
+/// name step; for a name allowed by a wildcard rule, its new-name budget
+/// (spent from `names`; `explain` passes none and spends nothing), before
+/// anything resolves it; for an allowed name, the addresses of
+/// `addresses`; then the address step on them.
 pub(crate) async fn decide_with(
     policy: &Policy,
-    resolver: &Resolver,
+    (resolver, names): (&Resolver, Option<&NameBudgets>),
     org: &OrgRef,
     (host, port): (&Host, u16),
     addresses: Addresses<'_>,
@@ -120,7 +125,7 @@ pub(crate) async fn decide_with(
                 detail: None,
             }
         }
-        Decision::Resolve(pending) => {
+        Decision::Resolve(mut pending) => {
             // The policy asks to resolve names only; anything else fails closed.
             let Host::Name(name) = host else {
                 return Decided {
@@ -134,6 +139,9 @@ pub(crate) async fn decide_with(
                     detail: Some("internal: resolve asked for an address".into()),
                 };
             };
+            if let Err(spent) = spend_name(policy, names, &mut pending, name) {
+                return spent;
+            }
             let resolution_failed = |e: String| Decided {
                 verdict: Verdict {
                     org: Some(org.clone()),
@@ -174,4 +182,44 @@ pub(crate) async fn decide_with(
             }
         }
     }
+}
+
+/// A name allowed by a wildcard rule with a budget, before it leaves: free
+/// when seen in the window, counted when new, and past the budget
+/// `name_budget_exceeded` (report mode: let through, with that as its
+/// `would_deny`).
+fn spend_name(
+    policy: &Policy,
+    names: Option<&NameBudgets>,
+    pending: &mut PendingName,
+    name: &str,
+) -> Result<(), Decided> {
+    let (Some(names), Some(rule), None) = (names, &pending.rule, pending.would_deny) else {
+        return Ok(());
+    };
+    let Some(budget) = policy.name_budget(&pending.org, rule) else {
+        return Ok(());
+    };
+    if names
+        .spend(&pending.org.name, rule, name, budget, Instant::now())
+        .is_allowed()
+    {
+        return Ok(());
+    }
+    if policy.is_report(&pending.org) {
+        pending.would_deny = Some(Reason::NameBudgetExceeded);
+        return Ok(());
+    }
+    Err(Decided {
+        verdict: Verdict {
+            org: Some(pending.org.clone()),
+            reason: Reason::NameBudgetExceeded,
+            rule: Some(rule.clone()),
+            would_deny: None,
+        },
+        dial: Vec::new(),
+        detail: Some(format!(
+            "{budget} new names a minute under this rule already used"
+        )),
+    })
 }

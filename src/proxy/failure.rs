@@ -218,7 +218,8 @@ fn side_of(reason: Reason) -> Side {
         | Reason::SniMissing
         | Reason::EchNotAllowed
         | Reason::UpgradeNotAllowed
-        | Reason::PolicyRevoked => Side::Client,
+        | Reason::PolicyRevoked
+        | Reason::NameBudgetExceeded => Side::Client,
     }
 }
 

@@ -278,7 +278,7 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Decided, orig: SocketA
     }
     let mut by_address = decide_with(
         &view.policy,
-        &ctx.resolver,
+        (&ctx.resolver, Some(&*ctx.names)),
         org,
         (&Host::Ip(orig.ip()), orig.port()),
         Addresses::Resolved,
@@ -318,7 +318,7 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
     };
     decide_with(
         &view.policy,
-        &ctx.resolver,
+        (&ctx.resolver, Some(&*ctx.names)),
         org,
         (host, orig.port()),
         original,

@@ -23,6 +23,7 @@ mod intercept;
 mod lab;
 mod lifecycle;
 mod metrics;
+mod names;
 mod noisy;
 mod own_addresses;
 mod policy;

@@ -8,7 +8,8 @@ use toml::Spanned;
 use super::cidr;
 use crate::config::error::Errors;
 use crate::config::model::{
-    Carry, PathPattern, PortSet, RequestRules, RuleConfig, RuleTarget, DEFAULT_ALLOW_PORTS,
+    Carry, NameLimits, PathPattern, PortSet, RequestRules, RuleConfig, RuleTarget,
+    DEFAULT_ALLOW_PORTS, MAX_NEW_NAMES_PER_MINUTE,
 };
 use crate::config::raw::{RawList, RawRule};
 use crate::proto::http_request::{is_method_token, NormalPath};
@@ -95,6 +96,8 @@ pub(super) fn validate_rules(
             paths: allow_paths,
             deny_methods,
             deny_paths,
+            max_new_names_per_minute,
+            max_label_length,
         } = spanned.into_inner();
         let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
             .iter()
@@ -212,6 +215,9 @@ pub(super) fn validate_rules(
             }
         };
 
+        let wildcard = kind == "allow" && matches!(target, Some(RuleTarget::Below(_)));
+        let names = name_limits(wildcard, max_new_names_per_minute, max_label_length, errors);
+
         if let Some(target) = target {
             rules.push(RuleConfig {
                 id,
@@ -219,10 +225,61 @@ pub(super) fn validate_rules(
                 ports,
                 intercept,
                 tunnel,
+                names,
             });
         }
     }
     rules
+}
+
+/// `max_new_names_per_minute` (0: unlimited, written explicitly) and
+/// `max_label_length`: only on an allow rule with a wildcard host, where
+/// a name can carry data; on any other rule a located error.
+fn name_limits(
+    wildcard: bool,
+    per_minute: Option<Spanned<i64>>,
+    label: Option<Spanned<i64>>,
+    errors: &mut Errors<'_>,
+) -> NameLimits {
+    let mut limits = NameLimits::default();
+    for (key, value) in [
+        ("max_new_names_per_minute", &per_minute),
+        ("max_label_length", &label),
+    ] {
+        if let (Some(v), false) = (value, wildcard) {
+            errors.at(
+                v.span(),
+                format!(
+                    "{key} is only valid on allow rules with a wildcard host (\"*.example.com\"): \
+                     an exact name or a cidr carries no data in its name"
+                ),
+            );
+        }
+    }
+    if let Some(v) = per_minute {
+        match u32::try_from(*v.get_ref()) {
+            Ok(0) => limits.new_per_minute = None,
+            Ok(n) if n <= MAX_NEW_NAMES_PER_MINUTE => limits.new_per_minute = Some(n),
+            _ => errors.at(
+                v.span(),
+                format!(
+                    "max_new_names_per_minute = {} out of range 0-{MAX_NEW_NAMES_PER_MINUTE} \
+                     (0: unlimited)",
+                    v.get_ref()
+                ),
+            ),
+        }
+    }
+    if let Some(v) = label {
+        match u8::try_from(*v.get_ref()) {
+            Ok(n) if (1..=63).contains(&n) => limits.max_label_length = n,
+            _ => errors.at(
+                v.span(),
+                format!("max_label_length = {} out of range 1-63", v.get_ref()),
+            ),
+        }
+    }
+    limits
 }
 
 pub(super) fn host_rule(
@@ -333,6 +390,68 @@ mod tests {
             (
                 "[[org.allow]]\nhost = \"a.com\"\nintercept = true\ntunnel = \"opaque\"",
                 "intercepting rule carries TLS",
+            ),
+        ];
+        for (rule, want) in cases {
+            let src = format!("{BASE}{rule}\n");
+            let e = first_error(&src);
+            assert!(e.contains(want), "{rule}: {e}");
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((10..=12).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn name_limits_only_on_wildcard_allow_rules() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"*.a.test\"\n\
+             [[org.allow]]\nhost = \"*.b.test\"\nmax_new_names_per_minute = 0\n\
+             [[org.allow]]\nhost = \"*.c.test\"\nmax_new_names_per_minute = 5\nmax_label_length = 8\n"
+        );
+        let c = parse(&src).unwrap();
+        let limits: Vec<NameLimits> = c.orgs[0].allow.iter().map(|r| r.names).collect();
+        assert_eq!(limits[0], NameLimits::default());
+        assert_eq!(
+            limits[0].new_per_minute,
+            Some(DEFAULT_MAX_NEW_NAMES_PER_MINUTE)
+        );
+        assert_eq!(limits[0].max_label_length, 63);
+        assert_eq!(limits[1].new_per_minute, None);
+        assert_eq!(
+            limits[2],
+            NameLimits {
+                new_per_minute: Some(5),
+                max_label_length: 8
+            }
+        );
+        let cases = [
+            (
+                "[[org.allow]]\nhost = \"a.test\"\nmax_new_names_per_minute = 5",
+                "only valid on allow rules with a wildcard host",
+            ),
+            (
+                "[[org.allow]]\ncidr = \"198.18.0.0/15\"\nmax_label_length = 5",
+                "only valid on allow rules with a wildcard host",
+            ),
+            (
+                "[[org.deny]]\nhost = \"*.a.test\"\nmax_new_names_per_minute = 5",
+                "only valid on allow rules with a wildcard host",
+            ),
+            (
+                "[[org.allow]]\nhost = \"*.a.test\"\nmax_new_names_per_minute = -1",
+                "out of range 0-100000",
+            ),
+            (
+                "[[org.allow]]\nhost = \"*.a.test\"\nmax_new_names_per_minute = 100001",
+                "out of range 0-100000",
+            ),
+            (
+                "[[org.allow]]\nhost = \"*.a.test\"\nmax_label_length = 64",
+                "out of range 1-63",
+            ),
+            (
+                "[[org.allow]]\nhost = \"*.a.test\"\nmax_label_length = 0",
+                "out of range 1-63",
             ),
         ];
         for (rule, want) in cases {
