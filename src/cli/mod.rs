@@ -36,6 +36,7 @@ pub mod explain;
 pub mod probe;
 pub mod replay;
 pub mod run;
+pub mod summary;
 pub mod token;
 
 /// The config file `-c` names when it is not given.
