@@ -46,6 +46,9 @@ enum Command {
         #[command(subcommand)]
         command: cli::probe::Command,
     },
+    /// Follow a running instance's decisions live (its admin listener's
+    /// `/v1/decisions`).
+    Tail(cli::tail::Args),
     /// Org tokens (credential identity).
     Token {
         #[command(subcommand)]
@@ -62,6 +65,7 @@ fn main() -> ExitCode {
         Command::Replay(args) => cli::replay::run(args),
         Command::Evidence { command } => cli::evidence::run(command),
         Command::Probe { command } => cli::probe::run(command),
+        Command::Tail(args) => cli::tail::run(args),
         Command::Token { command } => cli::token::run(command),
     };
     match result {

@@ -37,6 +37,7 @@ pub mod probe;
 pub mod replay;
 pub mod run;
 pub mod summary;
+pub mod tail;
 pub mod token;
 
 /// The config file `-c` names when it is not given.
