@@ -31,6 +31,7 @@ macro_rules! sayln {
 
 pub mod ca;
 pub mod check;
+pub mod draft;
 pub mod evidence;
 pub mod explain;
 pub mod probe;

@@ -432,3 +432,149 @@ fn a_tail_that_never_reads_does_not_change_the_proxys_answers() {
     let _ = stalled.kill();
     let _ = stalled.wait();
 }
+
+fn policy_hash(lab: &Lab) -> String {
+    let out = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/policy", lab::ADMIN_ADDR)],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_default();
+    v["hash"].as_str().unwrap_or_default().to_string()
+}
+
+#[test]
+fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    let denied = [
+        "http://other.test/".to_string(),
+        "http://n1.svc.test/".into(),
+        "http://n2.svc.test/".into(),
+        "http://n3.svc.test/".into(),
+        "http://a.github.io/".into(),
+        "http://b.github.io/".into(),
+        "http://c.github.io/".into(),
+        format!("http://{}/", lab::UNLISTED_IP),
+        "http://169.254.169.254/".into(),
+        "http://blocked.wild.test/".into(),
+    ];
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    for url in &denied {
+        assert_eq!(lab.proxied_curl(url, &[]).status, 403, "{url}");
+    }
+    lab.wait_evidence("the last denial", |v| v["host"] == "blocked.wild.test");
+    let dir = lab.evidence_dir.to_str().unwrap();
+    let config = lab.config_path.to_str().unwrap();
+
+    // A live chain is not sealed: refused unless told.
+    let out = palisade(&["draft", "--evidence", dir, "--org", "acme", "-c", config]);
+    assert_eq!(out.code(), Some(1), "{}", out.describe());
+    assert!(
+        out.stderr.contains("fails verification"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.describe());
+    assert!(out.stdout.is_empty());
+    // An unknown org: one line, nothing printed.
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "nosuch",
+        "-c",
+        config,
+        "--allow-unsealed",
+    ]);
+    assert_eq!(out.code(), Some(1), "{}", out.describe());
+    assert!(
+        out.stdout.is_empty() && out.stderr.contains("no org \"nosuch\""),
+        "{}",
+        out.describe()
+    );
+
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "acme",
+        "-c",
+        config,
+        "--allow-unsealed",
+    ]);
+    assert!(out.success(), "{}", out.describe());
+    let draft = out.stdout.clone();
+    println!("{draft}\n{}", out.stderr);
+    for want in [
+        "[[org.allow]]\n",
+        "host = \"*.svc.test\"",
+        "# wildcard over 3 names seen: n1.svc.test, n2.svc.test, n3.svc.test",
+        "host = \"a.github.io\"",
+        "host = \"other.test\"",
+        &format!("cidr = \"{}/32\"", lab::UNLISTED_IP),
+        "# WARNING: an IP literal",
+        "169.254.169.254 (ports 80) seen 1 times: always denied",
+        "blocked.wild.test (ports 80) seen 1 times: denied explicitly",
+        "tunnel = \"http\"",
+    ] {
+        assert!(draft.contains(want), "{want:?} in:\n{draft}");
+    }
+    for never in [
+        "*.github.io",
+        "allowed.test\"",
+        "[[org]]",
+        "*.test\"",
+        "*.wild.test",
+    ] {
+        assert!(!draft.contains(never), "{never:?} in:\n{draft}");
+    }
+    assert!(out.stderr.contains("self-check: the config with the draft passes check; replay: 8 of 8 drafted flows now allowed, 1 of 1 explicitly denied flows still denied"), "{}", out.stderr);
+
+    // --write: the whole config, which `check` accepts; then served.
+    let written = lab.dir.join("drafted.toml");
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "acme",
+        "-c",
+        config,
+        "--allow-unsealed",
+        "--write",
+        written.to_str().unwrap(),
+    ]);
+    assert!(out.success(), "{}", out.describe());
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+    let check = palisade(&["check", "-c", written.to_str().unwrap()]);
+    assert!(check.success(), "{}", check.describe());
+    let before = policy_hash(&lab);
+    std::fs::copy(&written, &lab.config_path).unwrap();
+    lab.signal_proxy("-HUP");
+    wait_until("the drafted policy served", Duration::from_secs(5), || {
+        policy_hash(&lab) != before
+    });
+    // The same traffic passes (by name: those that resolve answer 200).
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 200);
+    assert_eq!(
+        lab.proxied_curl(&format!("http://{}/", lab::UNLISTED_IP), &[])
+            .status,
+        200
+    );
+    for url in ["http://n1.svc.test/", "http://a.github.io/"] {
+        let r = lab.proxied_curl(url, &[]);
+        assert!(!r.body.contains("no_matching_rule"), "{url}: {r:?}");
+    }
+    // What stays denied stays denied; an unlisted name is denied.
+    for (url, reason) in [
+        ("http://169.254.169.254/", "denied_address"),
+        ("http://blocked.wild.test/", "explicit_deny"),
+        ("http://d.github.io/", "no_matching_rule"),
+        ("http://unlisted.test/", "no_matching_rule"),
+    ] {
+        let r = lab.proxied_curl(url, &[]);
+        assert_eq!(r.status, 403, "{url}: {r:?}");
+        assert!(r.body.contains(reason), "{url}: {r:?}");
+    }
+}
