@@ -1,7 +1,9 @@
 //! The admin listener: `/healthz` (200 while the process serves),
 //! `/readyz` (200 only while every listener is bound and evidence is
-//! writable), `/metrics` (Prometheus text format) and `/policy` (the served
-//! policy's hash, load time and summary, JSON).
+//! writable), `/metrics` (Prometheus text format), `/policy` (the served
+//! policy's hash, load time and summary, JSON), and `/v1/decisions`, the
+//! live decision tail ([`crate::tail`]), the one endpoint that needs a
+//! token.
 //!
 //! It runs on its own thread and runtime, so a flood on the proxy listeners
 //! cannot starve it. Connections go through the shared accept loop and
@@ -40,6 +42,8 @@ pub(crate) struct Health {
     /// The served state: `/policy` and the policy series of `/metrics`.
     pub served: ServedHandle,
     pub metrics: Arc<Metrics>,
+    /// Who may tail `/v1/decisions`, and the tails open.
+    pub tails: crate::tail::Tails,
 }
 
 impl Health {
@@ -48,9 +52,17 @@ impl Health {
     }
 }
 
-fn respond(health: &Health, req: &Request<Incoming>) -> Response<Body> {
+fn respond(
+    health: &Health,
+    shutdown: &CancellationToken,
+    req: &Request<Incoming>,
+) -> Response<Body> {
     let get = matches!(req.method(), &Method::GET | &Method::HEAD);
     match req.uri().path() {
+        "/v1/decisions" if req.method() == Method::GET => {
+            let tap = health.evidence.counters().tap();
+            return crate::tail::respond(&health.tails, tap, shutdown, req);
+        }
         "/metrics" if get => {
             let served = health.served.load();
             let text = health
@@ -191,8 +203,9 @@ impl Admission for Admit {
         let (shutdown, hard_stop) = (self.shutdown.clone(), self.hard_stop.clone());
         Some(Box::pin(async move {
             let _permit = permit;
+            let tail_shutdown = shutdown.clone();
             let service = service_fn(move |req| {
-                let resp = respond(&health, &req);
+                let resp = respond(&health, &tail_shutdown, &req);
                 async move { Ok::<_, Infallible>(resp) }
             });
             let drain = Drain {

@@ -211,6 +211,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence.clone(),
         served: served.clone(),
         metrics: metrics.clone(),
+        tails: crate::tail::Tails::new(admin_config.tail_tokens.clone()),
     });
     let mut listener_tasks = Vec::new();
     let pool_reaper = tokio::spawn(proxy::pool::reap(

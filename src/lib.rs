@@ -54,8 +54,9 @@
 //! served (policy, DNS settings, interception, credentials), read once per
 //! decision; [`reload`] rebuilds it and swaps it whole on SIGHUP, a file
 //! change or a change of the host's own addresses (read by [`host`], always
-//! denied by the policy); [`metrics`] is one value handed to whoever counts; [`app`] wires
-//! listeners, the metrics, the admin endpoints ([`admin`]) and shutdown;
+//! denied by the policy); [`metrics`] is one value handed to whoever counts;
+//! [`app`] wires listeners, the metrics, the admin endpoints ([`admin`],
+//! with the live decision tail of [`tail`]) and shutdown;
 //! [`bypass`] reads the packets the gateway ruleset rejected (its NFLOG
 //! group) and records them as `kind = "bypass"`;
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
@@ -98,5 +99,6 @@ pub(crate) mod reload;
 pub(crate) mod resolve;
 pub(crate) mod serve;
 pub(crate) mod served;
+pub(crate) mod tail;
 #[cfg(test)]
 mod testing;

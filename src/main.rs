@@ -36,6 +36,9 @@ enum Command {
     /// Re-decide every recorded decision under a candidate policy and print
     /// the flows that would flip.
     Replay(cli::replay::Args),
+    /// Draft an org's allow rules from its evidence (checked against the
+    /// config and replayed before they are printed).
+    Draft(cli::draft::Args),
     /// Evidence files.
     Evidence {
         #[command(subcommand)]
@@ -46,6 +49,9 @@ enum Command {
         #[command(subcommand)]
         command: cli::probe::Command,
     },
+    /// Follow a running instance's decisions live (its admin listener's
+    /// `/v1/decisions`).
+    Tail(cli::tail::Args),
     /// Org tokens (credential identity).
     Token {
         #[command(subcommand)]
@@ -60,8 +66,10 @@ fn main() -> ExitCode {
         Command::Explain(args) => cli::explain::run(args),
         Command::Ca { command } => cli::ca::run(command),
         Command::Replay(args) => cli::replay::run(args),
+        Command::Draft(args) => cli::draft::run(args),
         Command::Evidence { command } => cli::evidence::run(command),
         Command::Probe { command } => cli::probe::run(command),
+        Command::Tail(args) => cli::tail::run(args),
         Command::Token { command } => cli::token::run(command),
     };
     match result {

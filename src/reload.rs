@@ -202,7 +202,16 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
             }
         );
     }
-    changed!(keys, "admin", admin, new.admin, AdminConfig { listen });
+    changed!(
+        keys,
+        "admin",
+        admin,
+        new.admin,
+        AdminConfig {
+            listen,
+            tail_tokens
+        }
+    );
     changed!(
         keys,
         "bypass",

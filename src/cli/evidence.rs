@@ -48,6 +48,10 @@ pub enum Command {
         #[command(flatten)]
         fleet: FleetArgs,
     },
+    /// What was denied, per org: each name or address with its counts by
+    /// reason, first and last seen, clients, and a hint (the rule that
+    /// would allow it, or why none should).
+    Summary(super::summary::Args),
     /// Export decision and close records in another schema.
     Export {
         #[arg(required = true, value_name = "PATH")]
@@ -244,6 +248,7 @@ pub fn run(command: Command) -> Result<(), CliError> {
             };
             records(&paths, filter, output, &fleet)
         }
+        Command::Summary(args) => super::summary::run(args),
         Command::Export {
             paths,
             format: ExportFormat::Ocsf,

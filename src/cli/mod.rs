@@ -31,11 +31,14 @@ macro_rules! sayln {
 
 pub mod ca;
 pub mod check;
+pub mod draft;
 pub mod evidence;
 pub mod explain;
 pub mod probe;
 pub mod replay;
 pub mod run;
+pub mod summary;
+pub mod tail;
 pub mod token;
 
 /// The config file `-c` names when it is not given.

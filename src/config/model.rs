@@ -341,6 +341,9 @@ pub struct BypassConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdminConfig {
     pub listen: Option<SocketAddr>,
+    /// SHA-256 digests of the bearer tokens `GET /v1/decisions` accepts
+    /// (none: the tail is refused to everyone).
+    pub tail_tokens: Vec<TokenDigest>,
 }
 
 /// Default evidence directory.
@@ -935,6 +938,7 @@ impl Config {
         } = dns;
         let AdminConfig {
             listen: admin_listen,
+            tail_tokens: _,
         } = admin;
         let mut own: Vec<SocketAddr> = listen.clone();
         own.extend(transparent);

@@ -112,6 +112,8 @@ pub(super) struct RawDns {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAdmin {
     pub(super) listen: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) tail_tokens: Vec<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -17,6 +17,7 @@ pub(crate) mod query;
 pub(crate) mod reference;
 pub(crate) mod segment;
 pub(crate) mod store;
+pub(crate) mod tap;
 pub(crate) mod verify;
 mod writer;
 
@@ -342,6 +343,8 @@ pub struct Counters {
     replica: std::sync::OnceLock<String>,
     /// How full the store is, and whose records fill it.
     store: store::Store,
+    /// Written records, live, for the decision tail.
+    tap: tap::Tap,
 }
 
 impl Counters {
@@ -358,6 +361,11 @@ impl Counters {
     }
 
     /// How full the store is, and whose records fill it.
+    /// The live tap on written records ([`tap`]).
+    pub(crate) fn tap(&self) -> &tap::Tap {
+        &self.tap
+    }
+
     pub(crate) fn store(&self) -> &store::Store {
         &self.store
     }

@@ -852,3 +852,33 @@ async fn fsync_syncs_what_is_waited_on_and_soon_the_rest() {
     verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
     let _ = fs::remove_dir_all(&root);
 }
+
+#[tokio::test]
+async fn the_tap_sees_each_record_once_written_with_its_chain_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let ev = Evidence::open(&dir.path().join("ev")).unwrap();
+    // Nobody listens: nothing is copied, nothing kept.
+    fill(&ev, 2).await;
+    let mut rx = ev.counters().tap().subscribe();
+    fill(&ev, 3).await;
+    // Records only (decisions, and closes once written), in chain order.
+    let mut seqs = Vec::new();
+    let mut decisions = 0;
+    while let Ok(line) = rx.try_recv() {
+        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert!(v["event"] == "decision" || v["event"] == "close", "{v}");
+        decisions += usize::from(v["event"] == "decision");
+        assert!(!line.ends_with(b"\n"));
+        seqs.push(v["seq"].as_u64().unwrap());
+    }
+    assert_eq!(decisions, 3, "every awaited record is on the tap");
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    // What the tap saw is what the file holds.
+    let on_disk = query::read_records(&dir.path().join("ev"))
+        .map(|r| r.unwrap().seq.unwrap())
+        .collect::<Vec<_>>();
+    assert!(
+        seqs.iter().all(|s| on_disk.contains(s)),
+        "{seqs:?} {on_disk:?}"
+    );
+}

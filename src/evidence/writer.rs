@@ -1073,10 +1073,16 @@ impl Io {
             lines += 1;
         }
         let mut written: HashMap<Payer, u64> = HashMap::new();
+        // The records' lines in `buf`, for the tap, while anyone listens.
+        let tapped = self.counters.tap().active();
+        let mut records: Vec<(usize, usize)> = Vec::new();
         for (p, org) in &self.kept {
             let at = buf.len();
             Self::push_prepared(&mut head, &mut buf, p);
             *written.entry(org.clone()).or_insert(0) += (buf.len() - at) as u64;
+            if tapped {
+                records.push((at, buf.len()));
+            }
             lines += 1;
             data += 1;
         }
@@ -1084,6 +1090,9 @@ impl Io {
             let at = buf.len();
             Self::push_prepared(&mut head, &mut buf, &e.line);
             *written.entry(e.org.clone()).or_insert(0) += (buf.len() - at) as u64;
+            if tapped {
+                records.push((at, buf.len()));
+            }
             lines += 1;
             data += 1;
         }
@@ -1103,6 +1112,15 @@ impl Io {
         } else {
             Ok(())
         };
+        if result.is_ok() {
+            // Written: now the tail may see them.
+            for &(from, to) in &records {
+                let line = &buf[from..to];
+                self.counters
+                    .tap()
+                    .publish(line.strip_suffix(b"\n").unwrap_or(line));
+            }
+        }
         // Bounded: a batch buffer grown by a burst is not kept.
         if buf.capacity() <= 1 << 20 {
             self.buf = buf;

@@ -35,8 +35,6 @@ pub(crate) fn full(data: impl Into<Bytes>) -> Body {
 /// A body streamed as it comes: each chunk sent on the returned [`Sender`]
 /// goes to the client as soon as the connection can take it (at most
 /// `buffer` chunks wait); the body ends when the sender is dropped.
-// No endpoint streams yet (the decision tail will): only tests use it.
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn channel(buffer: usize) -> (Sender<Bytes, BodyError>, Body) {
     let (tx, body) = Channel::new(buffer);
     (tx, body.boxed())

@@ -9,6 +9,7 @@
 mod abuse;
 mod addresses;
 mod admin;
+mod adopt;
 mod bounds;
 mod bypass;
 mod cli;

@@ -215,6 +215,8 @@ pub struct LabBuilder {
     policy: String,
     proxy_listen: Vec<String>,
     admin_listen: String,
+    /// Further lines of the `[admin]` table.
+    admin_lines: String,
     proxy_options: Vec<String>,
     start_proxy: bool,
     dns_listen: Vec<String>,
@@ -234,6 +236,11 @@ impl LabBuilder {
     /// tests that route it through the gateway add one).
     pub fn ipv6(mut self) -> Self {
         self.ipv6 = true;
+        self
+    }
+    /// Further lines for the `[admin]` table (e.g. `tail_tokens = [...]`).
+    pub fn admin_config(mut self, lines: &str) -> Self {
+        self.admin_lines = lines.to_owned();
         self
     }
     /// Lines for the `[intercept]` table (e.g. `ca_dir = "..."`).

@@ -57,6 +57,7 @@ impl Lab {
             policy: DEFAULT_POLICY.to_owned(),
             proxy_listen: vec![PROXY_ADDR.to_owned()],
             admin_listen: ADMIN_ADDR.to_owned(),
+            admin_lines: String::new(),
             proxy_options: Vec::new(),
             start_proxy: true,
             dns_listen: Vec::new(),
@@ -393,11 +394,12 @@ impl Lab {
         };
         format!(
             "[proxy]\nlisten = [{}]\n{options}\n[dns]\nlisten = [{}]\nupstream = [\"{DNS_IP}:53\"]\n{}\n\
-             [admin]\nlisten = {:?}\n\n{intercept}[evidence]\ndir = {:?}\n{}\n{}\n",
+             [admin]\nlisten = {:?}\n{}\n{intercept}[evidence]\ndir = {:?}\n{}\n{}\n",
             listen.join(", "),
             dns_listen.join(", "),
             b.dns_extra,
             b.admin_listen,
+            b.admin_lines,
             self.evidence_dir.display().to_string(),
             b.evidence_lines,
             b.policy

@@ -1,0 +1,831 @@
+//! `palisade draft --evidence DIR --org ORG [-c CONFIG] [--since T]
+//! [--until T] [--min-count N] [--wildcard-min N] [--write FILE]
+//! [--allow-unsealed]`: the org's proposed allow rules, drafted from what
+//! it did, as `[[org.allow]]` tables to place under its `[[org]]` block
+//! (or, with `--write`, the whole config with them inserted there).
+//!
+//! In order: the evidence is verified (unverifiable evidence is refused,
+//! the first bad record named); the org's decisions (allowed, denied, or
+//! let through as `would_deny`) are gathered per name (or address) with
+//! their ports, counts, times, references and what their tunnels carried;
+//! then [`plan`] decides, purely, what becomes a rule:
+//!
+//! - a name the current config allows already is left out; one it denies
+//!   explicitly is listed as a comment, never allowed;
+//! - a wildcard `*.P` only where at least `--wildcard-min` distinct names
+//!   under P were seen, P is no public suffix (the Public Suffix List,
+//!   through the `psl` crate: `*.github.io`, `*.co.uk`, `*.com` are never
+//!   proposed) and no deny rule of the org lies under or over P;
+//! - an IP literal becomes a `cidr` rule for that one address, with a
+//!   warning; one in an always-denied range only a comment.
+//!
+//! Nothing is resolved and nothing is dialled. Before printing, the draft
+//! checks itself: the config with the rules inserted must pass `check`,
+//! and under it every flow the draft was built from must be allowed while
+//! every flow the current config denies explicitly stays denied; the
+//! counts go to stderr.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use toml_edit::{value, Array, ArrayOfTables, DocumentMut, Item, Table};
+
+use super::summary::always_denied;
+use super::{load_config, CliError, Status, DEFAULT_CONFIG};
+use crate::config::{Carry, RuleTarget};
+use crate::evidence::query::read_records;
+use crate::evidence::{verify, Event, Kind, Record};
+use crate::policy::{Decision, Policy, Reason};
+use crate::proto::target::normalize_host;
+
+/// Arguments of `palisade draft`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The org's evidence (a directory of segments, or one file).
+    #[arg(long, value_name = "DIR")]
+    pub evidence: PathBuf,
+    /// The org to draft for.
+    #[arg(long, value_name = "ORG")]
+    pub org: String,
+    /// The current config: what it allows is left out, what it denies is
+    /// never proposed, and the draft is checked inserted into it.
+    #[arg(short, long, default_value = DEFAULT_CONFIG)]
+    pub config: PathBuf,
+    /// Decisions at or after this RFC 3339 time.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Decisions at or before this RFC 3339 time.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Propose a name only when it was seen at least this often.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub min_count: u64,
+    /// Propose `*.parent` only for at least this many distinct names below it.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub wildcard_min: usize,
+    /// Write the whole config with the rules inserted under the org here
+    /// (comments of the original kept) instead of printing the rules.
+    #[arg(long, value_name = "FILE")]
+    pub write: Option<PathBuf>,
+    /// Accept evidence whose chain is not sealed (a live instance).
+    #[arg(long)]
+    pub allow_unsealed: bool,
+}
+
+/// What the org did with one target.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct Seen {
+    pub ports: BTreeSet<u16>,
+    pub allowed: u64,
+    pub denied: u64,
+    pub would_deny: u64,
+    pub first: String,
+    pub last: String,
+    /// Up to two record references.
+    pub refs: Vec<String>,
+    pub carries: HashSet<Carry>,
+}
+
+impl Seen {
+    fn count(&self) -> u64 {
+        self.allowed + self.denied + self.would_deny
+    }
+
+    fn add(&mut self, r: &Record) {
+        if let Some(p) = r.port {
+            self.ports.insert(p);
+        }
+        match (r.would_deny, r.reason.is_allow()) {
+            (Some(_), _) => self.would_deny += 1,
+            (None, true) => self.allowed += 1,
+            (None, false) => self.denied += 1,
+        }
+        if self.first.is_empty() || r.ts < self.first {
+            self.first = r.ts.clone();
+        }
+        if r.ts > self.last {
+            self.last = r.ts.clone();
+        }
+        if self.refs.len() < 2 {
+            self.refs.push(r.shown().to_string());
+        }
+        let carry = match (r.kind, r.tunnel, r.port) {
+            (Kind::Http, _, _) => Some(Carry::Http),
+            (_, Some(c), _) => Some(c),
+            (_, None, Some(p)) => Some(Carry::default_for_port(p)),
+            _ => None,
+        };
+        self.carries.extend(carry);
+    }
+
+    /// The `tunnel` a rule for these flows needs.
+    fn carry(&self) -> Carry {
+        let c = &self.carries;
+        if c.contains(&Carry::Opaque) {
+            Carry::Opaque
+        } else if c.len() == 1 {
+            *c.iter().next().unwrap_or(&Carry::TlsOrHttp)
+        } else {
+            Carry::TlsOrHttp
+        }
+    }
+
+    fn comment(&self) -> String {
+        format!(
+            "# seen {} times ({} allowed, {} denied, {} would_deny), first {}, last {}; records {}\n",
+            self.count(),
+            self.allowed,
+            self.denied,
+            self.would_deny,
+            self.first,
+            self.last,
+            self.refs.join(", ")
+        )
+    }
+}
+
+/// How the current config treats a name.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Current {
+    /// Allowed by name on every port seen.
+    Allowed,
+    /// Denied by a deny rule (its id).
+    Denied(String),
+    /// Not allowed: a candidate.
+    Open,
+}
+
+/// One proposal of the draft.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Proposal {
+    /// `host = NAME` (or `*.PARENT` with the names it covers).
+    Host {
+        host: String,
+        covers: Vec<String>,
+        seen: Seen,
+    },
+    /// `cidr = IP/32` for an IP literal.
+    Cidr { ip: IpAddr, seen: Seen },
+    /// Only a comment: why not.
+    Comment(String),
+}
+
+/// What the draft found, for stderr.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Counts {
+    pub decisions: u64,
+    pub already_allowed: usize,
+    pub below_min: usize,
+}
+
+/// The pure step: targets seen (with how the current config treats each)
+/// in, proposals out.
+pub(crate) fn plan(
+    seen: &BTreeMap<String, (Seen, Current)>,
+    deny_targets: &[RuleTarget],
+    min_count: u64,
+    wildcard_min: usize,
+    counts: &mut Counts,
+) -> Vec<Proposal> {
+    let mut out = Vec::new();
+    let mut names: BTreeMap<&str, &Seen> = BTreeMap::new();
+    for (target, (s, current)) in seen {
+        if let Ok(ip) = target.parse::<IpAddr>() {
+            match always_denied(ip) {
+                Some(what) => out.push(Proposal::Comment(format!(
+                    "# {target} (ports {}) seen {} times: always denied ({what}); would need a cidr rule inside the range; review\n",
+                    ports_text(&s.ports),
+                    s.count()
+                ))),
+                None if s.count() >= min_count => {
+                    out.push(Proposal::Cidr { ip, seen: s.clone() })
+                }
+                None => counts.below_min += 1,
+            }
+            continue;
+        }
+        match current {
+            Current::Allowed => counts.already_allowed += 1,
+            Current::Denied(rule) => out.push(Proposal::Comment(format!(
+                "# {target} (ports {}) seen {} times: denied explicitly by rule {rule}; not proposed\n",
+                ports_text(&s.ports),
+                s.count()
+            ))),
+            Current::Open if s.count() < min_count => counts.below_min += 1,
+            Current::Open => {
+                names.insert(target, s);
+            }
+        }
+    }
+    // Wildcards: parents with enough distinct names below them.
+    let mut below: BTreeMap<String, Vec<&str>> = BTreeMap::new();
+    for name in names.keys() {
+        if let Some((_, parent)) = name.split_once('.') {
+            below.entry(parent.to_string()).or_default().push(name);
+        }
+    }
+    let mut covered: BTreeSet<&str> = BTreeSet::new();
+    for (parent, list) in &below {
+        if list.len() < wildcard_min.max(2)
+            || is_public_suffix(parent)
+            || deny_targets.iter().any(|d| conflicts(d, parent))
+        {
+            continue;
+        }
+        let mut s = Seen::default();
+        for n in list {
+            let x = names[n];
+            s.ports.extend(&x.ports);
+            s.allowed += x.allowed;
+            s.denied += x.denied;
+            s.would_deny += x.would_deny;
+            s.carries.extend(&x.carries);
+            if s.first.is_empty() || x.first < s.first {
+                s.first = x.first.clone();
+            }
+            if x.last > s.last {
+                s.last = x.last.clone();
+            }
+            for r in &x.refs {
+                if s.refs.len() < 2 {
+                    s.refs.push(r.clone());
+                }
+            }
+        }
+        covered.extend(list.iter().copied());
+        out.push(Proposal::Host {
+            host: format!("*.{parent}"),
+            covers: list.iter().map(|n| n.to_string()).collect(),
+            seen: s,
+        });
+    }
+    for (name, s) in names {
+        if !covered.contains(name) {
+            out.push(Proposal::Host {
+                host: name.to_string(),
+                covers: Vec::new(),
+                seen: s.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// Whether `name` is itself a public suffix (`com`, `co.uk`, `github.io`;
+/// an unlisted top-level name too, by the list's default rule).
+pub(crate) fn is_public_suffix(name: &str) -> bool {
+    psl::suffix(name.as_bytes()).is_none_or(|s| s.as_bytes().eq_ignore_ascii_case(name.as_bytes()))
+}
+
+/// Whether a deny rule lies under or over `*.parent`.
+fn conflicts(deny: &RuleTarget, parent: &str) -> bool {
+    let under = |n: &str| n == parent || n.ends_with(&format!(".{parent}"));
+    match deny {
+        RuleTarget::Exact(n) => under(n),
+        RuleTarget::Below(q) => under(q) || parent.ends_with(&format!(".{q}")),
+        RuleTarget::Cidr(_) => false,
+    }
+}
+
+fn ports_text(ports: &BTreeSet<u16>) -> String {
+    ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The proposals as `[[org.allow]]` tables (comments only at the end).
+fn tables(proposals: &[Proposal]) -> (Vec<Table>, String) {
+    let mut out = Vec::new();
+    let mut notes = String::new();
+    for p in proposals {
+        let mut t = Table::new();
+        let (comment, seen) = match p {
+            Proposal::Comment(c) => {
+                notes.push_str(c);
+                continue;
+            }
+            Proposal::Host { host, covers, seen } => {
+                t.insert("host", value(host.as_str()));
+                let mut c = String::new();
+                if !covers.is_empty() {
+                    c.push_str(&format!(
+                        "# wildcard over {} names seen: {}\n",
+                        covers.len(),
+                        covers.join(", ")
+                    ));
+                }
+                (c, seen)
+            }
+            Proposal::Cidr { ip, seen } => {
+                let bits = if ip.is_ipv4() { 32 } else { 128 };
+                t.insert("cidr", value(format!("{ip}/{bits}")));
+                (
+                    "# WARNING: an IP literal: this allows one address whatever name it has; review\n"
+                        .to_string(),
+                    seen,
+                )
+            }
+        };
+        let mut ports = Array::new();
+        for p in &seen.ports {
+            ports.push(i64::from(*p));
+        }
+        t.insert("ports", value(ports));
+        if matches!(p, Proposal::Host { .. }) {
+            t.insert("tunnel", value(seen.carry().as_str()));
+        }
+        t.decor_mut()
+            .set_prefix(format!("\n{comment}{}", seen.comment()));
+        out.push(t);
+    }
+    (out, notes)
+}
+
+/// The fragment printed without `--write`.
+fn fragment(tables: &[Table], notes: &str) -> String {
+    let mut doc = DocumentMut::new();
+    let mut org = Table::new();
+    org.set_implicit(true);
+    let mut allow = ArrayOfTables::new();
+    for t in tables {
+        allow.push(t.clone());
+    }
+    org.insert("allow", Item::ArrayOfTables(allow));
+    doc.insert("org", Item::Table(org));
+    let mut text = doc.to_string();
+    if !notes.is_empty() {
+        text.push_str("\n# not proposed:\n");
+        text.push_str(notes);
+    }
+    text
+}
+
+/// The config text with the tables appended to ORG's allow rules.
+fn inserted(original: &str, org: &str, tables: &[Table], notes: &str) -> Result<String, String> {
+    let mut doc: DocumentMut = original.parse().map_err(|e| format!("{e}"))?;
+    let orgs = doc
+        .get_mut("org")
+        .and_then(Item::as_array_of_tables_mut)
+        .ok_or("the config has no [[org]] tables")?;
+    let block = orgs
+        .iter_mut()
+        .find(|t| t.get("name").and_then(Item::as_str) == Some(org))
+        .ok_or_else(|| format!("the config has no org {org:?}"))?;
+    if block.get("allow").is_none() {
+        block.insert("allow", Item::ArrayOfTables(ArrayOfTables::new()));
+    }
+    let allow = block
+        .get_mut("allow")
+        .and_then(Item::as_array_of_tables_mut)
+        .ok_or("the org's allow is not an array of tables")?;
+    for (i, t) in tables.iter().enumerate() {
+        let mut t = t.clone();
+        if i == 0 && !notes.is_empty() {
+            let prefix = t
+                .decor()
+                .prefix()
+                .and_then(|p| p.as_str())
+                .unwrap_or("")
+                .to_string();
+            t.decor_mut().set_prefix(format!(
+                "\n# palisade draft: not proposed:\n{notes}{prefix}"
+            ));
+        }
+        allow.push(t);
+    }
+    Ok(doc.to_string())
+}
+
+fn parse_time(flag: &str, v: Option<&str>) -> Result<Option<SystemTime>, CliError> {
+    v.map(|v| {
+        humantime::parse_rfc3339_weak(v).map_err(|e| {
+            CliError::new(
+                Status::BadInput,
+                format_args!("--{flag} {v:?}: {e} (expected RFC 3339, e.g. 2026-01-02T03:04:05Z)"),
+            )
+        })
+    })
+    .transpose()
+}
+
+/// Reasons a policy decided (others are the client's traffic, not a rule's).
+const POLICY_REASONS: [Reason; 6] = [
+    Reason::RuleMatch,
+    Reason::ReportOnly,
+    Reason::NoMatchingRule,
+    Reason::PortNotAllowed,
+    Reason::ExplicitDeny,
+    Reason::DeniedAddress,
+];
+
+/// Whether `policy` allows the recorded flow (by name and, where the
+/// record has it, by the address dialled); never resolves.
+fn allows(policy: &Policy, r: &Record) -> Option<bool> {
+    let client = r.client?.ip();
+    let target = normalize_host(r.host.as_deref()?).ok()?;
+    Some(match policy.decide(client, &target, r.port?) {
+        Decision::Final(v) => v.reason.is_allow() && v.would_deny.is_none(),
+        Decision::Resolve(p) if p.would_deny.is_some() => false,
+        Decision::Resolve(p) => match r.ip {
+            Some(ip) => {
+                let v = policy.check_addresses(&p, &[ip]).verdict;
+                v.reason.is_allow() && v.would_deny.is_none()
+            }
+            None => true,
+        },
+    })
+}
+
+/// How `policy` treats a name on the ports seen.
+fn current(policy: &Policy, org: &str, r: &Record, ports: &BTreeSet<u16>) -> Current {
+    let (Some(client), Some(host)) = (r.client, r.host.as_deref()) else {
+        return Current::Open;
+    };
+    let Ok(target) = normalize_host(host) else {
+        return Current::Open;
+    };
+    let mut all = true;
+    for &port in ports {
+        let (reason, rule) = match policy.decide(client.ip(), &target, port) {
+            Decision::Final(v) => (v.would_deny.unwrap_or(v.reason), v.rule),
+            Decision::Resolve(p) => (p.would_deny.unwrap_or(Reason::RuleMatch), p.rule),
+        };
+        if reason == Reason::ExplicitDeny {
+            let rule = rule.map_or_else(|| format!("{org}/deny"), |r| r.to_string());
+            return Current::Denied(rule);
+        }
+        all &= reason.is_allow();
+    }
+    if all {
+        Current::Allowed
+    } else {
+        Current::Open
+    }
+}
+
+/// Draft, check, print or write. 1 on a bad config, an unknown org,
+/// unverifiable or unreadable evidence or a draft that fails its own
+/// check; 2 on a bad time.
+pub fn run(args: Args) -> Result<(), CliError> {
+    let failed = |m: String| CliError::new(Status::Failed, m);
+    let since = parse_time("since", args.since.as_deref())?;
+    let until = parse_time("until", args.until.as_deref())?;
+    let config = load_config(&args.config, Status::Failed)?;
+    let Some(org_cfg) = config.orgs.iter().find(|o| o.name == args.org) else {
+        return Err(failed(format!(
+            "{}: no org {:?} in the config",
+            args.config.display(),
+            args.org
+        )));
+    };
+    let deny_targets: Vec<RuleTarget> = org_cfg.deny.iter().map(|d| d.target.clone()).collect();
+    let opts = verify::Options {
+        key: None,
+        allow_unsealed: args.allow_unsealed,
+    };
+    let summary = verify::verify_with(&args.evidence, &opts).map_err(|e| {
+        failed(format!(
+            "refusing to draft from evidence that fails verification: {e}"
+        ))
+    })?;
+    let policy = Policy::new(&config);
+    let in_window = |r: &Record| {
+        let t = humantime::parse_rfc3339(&r.ts).ok();
+        since.is_none_or(|s| t.is_some_and(|t| t >= s))
+            && until.is_none_or(|u| t.is_some_and(|t| t <= u))
+    };
+    let mut records: Vec<Record> = Vec::new();
+    for stored in read_records(&args.evidence) {
+        let r = stored
+            .map_err(|e| failed(format!("cannot read evidence: {e}")))?
+            .record;
+        if r.event == Event::Decision
+            && r.kind != Kind::Dns
+            && r.kind != Kind::Bypass
+            && r.org.as_deref() == Some(args.org.as_str())
+            && r.host.is_some()
+            && r.count.is_none()
+            && POLICY_REASONS.contains(&r.reason)
+            && r.would_deny.is_none_or(|w| POLICY_REASONS.contains(&w))
+            && in_window(&r)
+        {
+            records.push(r);
+        }
+    }
+    let mut counts = Counts {
+        decisions: records.len() as u64,
+        ..Counts::default()
+    };
+    let mut by_target: BTreeMap<String, (Seen, Option<&Record>)> = BTreeMap::new();
+    for r in &records {
+        let e = by_target
+            .entry(r.host.clone().unwrap_or_default())
+            .or_default();
+        e.0.add(r);
+        e.1.get_or_insert(r);
+    }
+    let seen: BTreeMap<String, (Seen, Current)> = by_target
+        .into_iter()
+        .map(|(t, (s, r))| {
+            let c = r.map_or(Current::Open, |r| current(&policy, &args.org, r, &s.ports));
+            (t, (s, c))
+        })
+        .collect();
+    let proposals = plan(
+        &seen,
+        &deny_targets,
+        args.min_count,
+        args.wildcard_min,
+        &mut counts,
+    );
+    let (tables, notes) = tables(&proposals);
+    let original = std::fs::read_to_string(&args.config)
+        .map_err(|e| failed(format!("{}: {e}", args.config.display())))?;
+    let candidate_text = inserted(&original, &args.org, &tables, &notes)
+        .map_err(|e| failed(format!("{}: {e}", args.config.display())))?;
+
+    // Self-check: `check`, then a replay of the same evidence.
+    let candidate = crate::config::from_str(&candidate_text, &args.config).map_err(|e| {
+        failed(format!(
+            "the drafted config does not pass check (a bug; nothing written):\n{e}"
+        ))
+    })?;
+    let drafted = Policy::new(&candidate);
+    let mut covered = (0u64, 0u64);
+    let mut kept_denied = (0u64, 0u64);
+    let proposed: BTreeSet<&str> = proposals
+        .iter()
+        .flat_map(|p| match p {
+            Proposal::Host { host, covers, .. } if covers.is_empty() => vec![host.as_str()],
+            Proposal::Host { covers, .. } => covers.iter().map(String::as_str).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
+    let cidrs: BTreeSet<IpAddr> = proposals
+        .iter()
+        .filter_map(|p| match p {
+            Proposal::Cidr { ip, .. } => Some(*ip),
+            _ => None,
+        })
+        .collect();
+    for r in &records {
+        let host = r.host.as_deref().unwrap_or_default();
+        let from_draft =
+            proposed.contains(host) || host.parse::<IpAddr>().is_ok_and(|ip| cidrs.contains(&ip));
+        if from_draft {
+            covered.0 += 1;
+            covered.1 += u64::from(allows(&drafted, r) == Some(true));
+        }
+        let explicit = r.would_deny.unwrap_or(r.reason) == Reason::ExplicitDeny;
+        if explicit {
+            kept_denied.0 += 1;
+            kept_denied.1 += u64::from(allows(&drafted, r) == Some(false));
+        }
+    }
+    let rules = tables.len();
+    let wildcards = proposals
+        .iter()
+        .filter(|p| matches!(p, Proposal::Host { covers, .. } if !covers.is_empty()))
+        .count();
+    eprintln!(
+        "palisade: draft for org {:?} from {} decisions ({} records verified{}): {rules} rules ({wildcards} wildcards, {} cidr), {} comments, {} names already allowed, {} below --min-count {}",
+        args.org,
+        counts.decisions,
+        summary.records,
+        if summary.sealed { "" } else { ", unsealed" },
+        cidrs.len(),
+        notes.lines().count(),
+        counts.already_allowed,
+        counts.below_min,
+        args.min_count
+    );
+    eprintln!(
+        "palisade: self-check: the config with the draft passes check; replay: {} of {} drafted flows now allowed, {} of {} explicitly denied flows still denied",
+        covered.1, covered.0, kept_denied.1, kept_denied.0
+    );
+    if covered.1 != covered.0 || kept_denied.1 != kept_denied.0 {
+        return Err(failed(
+            "the draft failed its own replay (a bug; nothing written)".into(),
+        ));
+    }
+    match &args.write {
+        Some(path) => write_file(path, &candidate_text)
+            .map_err(|e| failed(format!("{}: {e}", path.display()))),
+        None => {
+            say!("{}", fragment(&tables, &notes));
+            Ok(())
+        }
+    }
+}
+
+/// Write `text` to `path` whole (a temporary file renamed over it).
+fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
+    let tmp = path.with_extension("draft-tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seen(ports: &[u16], n: u64) -> Seen {
+        Seen {
+            ports: ports.iter().copied().collect(),
+            denied: n,
+            first: "2026-01-02T03:04:05Z".into(),
+            last: "2026-01-02T03:04:06Z".into(),
+            refs: vec!["r1".into()],
+            carries: HashSet::from([Carry::Tls]),
+            ..Seen::default()
+        }
+    }
+
+    fn run_plan(
+        names: &[(&str, u64, Current)],
+        denies: &[RuleTarget],
+        min: u64,
+        wmin: usize,
+    ) -> (Vec<Proposal>, Counts) {
+        let m: BTreeMap<String, (Seen, Current)> = names
+            .iter()
+            .map(|(n, c, cur)| (n.to_string(), (seen(&[443], *c), cur.clone())))
+            .collect();
+        let mut counts = Counts::default();
+        (plan(&m, denies, min, wmin, &mut counts), counts)
+    }
+
+    fn hosts(p: &[Proposal]) -> Vec<String> {
+        p.iter()
+            .filter_map(|p| match p {
+                Proposal::Host { host, .. } => Some(host.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn public_suffixes_are_known() {
+        for s in ["com", "co.uk", "github.io", "test"] {
+            assert!(is_public_suffix(s), "{s}");
+        }
+        for s in [
+            "example.com",
+            "example.co.uk",
+            "alice.github.io",
+            "wild.test",
+        ] {
+            assert!(!is_public_suffix(s), "{s}");
+        }
+    }
+
+    #[test]
+    fn a_wildcard_needs_enough_names_under_one_parent() {
+        let o = Current::Open;
+        let (p, _) = run_plan(
+            &[
+                ("a.example.com", 1, o.clone()),
+                ("b.example.com", 1, o.clone()),
+                ("c.example.com", 1, o.clone()),
+                ("api.other.com", 1, o.clone()),
+            ],
+            &[],
+            1,
+            3,
+        );
+        assert_eq!(hosts(&p), ["*.example.com", "api.other.com"]);
+        match &p[0] {
+            Proposal::Host { covers, .. } => {
+                assert_eq!(covers, &["a.example.com", "b.example.com", "c.example.com"])
+            }
+            other => panic!("{other:?}"),
+        }
+        // Two names are not enough at the default; they are at 2.
+        let two = [
+            ("a.example.com", 1, o.clone()),
+            ("b.example.com", 1, o.clone()),
+        ];
+        assert_eq!(
+            hosts(&run_plan(&two, &[], 1, 3).0),
+            ["a.example.com", "b.example.com"]
+        );
+        assert_eq!(hosts(&run_plan(&two, &[], 1, 2).0), ["*.example.com"]);
+    }
+
+    #[test]
+    fn never_a_wildcard_over_a_public_suffix() {
+        let o = Current::Open;
+        for parent in ["github.io", "co.uk", "com"] {
+            let names: Vec<(String, u64, Current)> = ["a", "b", "c", "d"]
+                .iter()
+                .map(|l| (format!("{l}.{parent}"), 1, o.clone()))
+                .collect();
+            let names: Vec<(&str, u64, Current)> = names
+                .iter()
+                .map(|(n, c, x)| (n.as_str(), *c, x.clone()))
+                .collect();
+            let h = hosts(&run_plan(&names, &[], 1, 3).0);
+            assert_eq!(h.len(), 4, "{parent}: {h:?}");
+            assert!(h.iter().all(|h| !h.starts_with('*')), "{parent}: {h:?}");
+        }
+    }
+
+    #[test]
+    fn never_a_wildcard_over_a_denied_name_and_denied_names_are_comments() {
+        let o = Current::Open;
+        let names = [
+            ("a.wild.test", 1, o.clone()),
+            ("b.wild.test", 1, o.clone()),
+            ("c.wild.test", 1, o.clone()),
+            (
+                "blocked.wild.test",
+                2,
+                Current::Denied("acme/deny/0".into()),
+            ),
+        ];
+        for deny in [
+            RuleTarget::Exact("blocked.wild.test".into()),
+            RuleTarget::Below("x.wild.test".into()),
+            RuleTarget::Below("test".into()),
+        ] {
+            let (p, _) = run_plan(&names, std::slice::from_ref(&deny), 1, 3);
+            assert_eq!(
+                hosts(&p),
+                ["a.wild.test", "b.wild.test", "c.wild.test"],
+                "{deny:?}"
+            );
+            assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.contains("blocked.wild.test") && c.contains("denied explicitly by rule acme/deny/0"))), "{p:?}");
+        }
+        // A deny elsewhere does not stop it.
+        let (p, _) = run_plan(&names, &[RuleTarget::Exact("x.other.test".into())], 1, 3);
+        assert_eq!(hosts(&p), ["*.wild.test"]);
+    }
+
+    #[test]
+    fn the_minimum_count_and_what_is_allowed_already_leave_names_out() {
+        let (p, counts) = run_plan(
+            &[
+                ("rare.test", 1, Current::Open),
+                ("often.test", 5, Current::Open),
+                ("ok.test", 9, Current::Allowed),
+            ],
+            &[],
+            2,
+            3,
+        );
+        assert_eq!(hosts(&p), ["often.test"]);
+        assert_eq!((counts.below_min, counts.already_allowed), (1, 1));
+    }
+
+    #[test]
+    fn ip_literals_are_single_address_cidrs_or_comments_when_always_denied() {
+        let (p, _) = run_plan(
+            &[
+                ("198.18.2.30", 1, Current::Open),
+                ("169.254.169.254", 3, Current::Open),
+            ],
+            &[],
+            1,
+            3,
+        );
+        assert!(p
+            .iter()
+            .any(|x| matches!(x, Proposal::Cidr { ip, .. } if ip.to_string() == "198.18.2.30")));
+        assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.contains("169.254.169.254") && c.contains("would need a cidr rule inside the range; review"))));
+        let (tables, notes) = tables(&p);
+        let text = fragment(&tables, &notes);
+        assert!(text.contains("cidr = \"198.18.2.30/32\""), "{text}");
+        assert!(text.contains("# WARNING: an IP literal"), "{text}");
+        assert!(!text.contains("[[org]]"), "{text}");
+        assert!(text.contains("[[org.allow]]"), "{text}");
+    }
+
+    #[test]
+    fn written_rules_land_under_the_org_with_comments_kept() {
+        let original = "# my config\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n\n[[org]]\nname = \"acme\" # the agents\nclients = [\"198.19.1.0/24\"]\n\n[[org.allow]]\nhost = \"allowed.test\"\n\n[[org]]\nname = \"gamma\"\nclients = [\"198.19.3.0/24\"]\n";
+        let (p, _) = run_plan(&[("new.test", 1, Current::Open)], &[], 1, 3);
+        let (t, notes) = tables(&p);
+        let text = inserted(original, "acme", &t, &notes).unwrap();
+        assert!(
+            text.contains("# my config") && text.contains("# the agents"),
+            "{text}"
+        );
+        let c = crate::config::from_str(&text, Path::new("t.toml"))
+            .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let acme = c.orgs.iter().find(|o| o.name == "acme").unwrap();
+        assert_eq!(acme.allow.len(), 2, "{text}");
+        assert_eq!(acme.allow[1].target, RuleTarget::Exact("new.test".into()));
+        assert!(
+            c.orgs
+                .iter()
+                .filter(|o| o.name != "acme")
+                .all(|o| o.allow.is_empty()),
+            "{text}"
+        );
+        assert!(inserted(original, "nosuch", &t, &notes).is_err());
+    }
+}

@@ -1,0 +1,456 @@
+//! The live decision tail: `GET /v1/decisions` on the admin listener
+//! streams decision records (denial summaries among them) as NDJSON, from
+//! the moment of the request, each once it is written to the evidence
+//! ([`crate::evidence::tap`]).
+//!
+//! - It needs `Authorization: Bearer TOKEN` whose SHA-256 is in `[admin]
+//!   tail_tokens` (records carry client addresses and names): otherwise 401
+//!   and nothing is streamed.
+//! - Filters are query parameters, each optional: `org`, `decision`
+//!   (`allow`/`deny`), `reason` (a reason code), `host` (a glob: `*` any
+//!   run of characters, `?` one), `kind` and `mode`. One that does not
+//!   parse, or an unknown parameter, is a 400 naming it.
+//! - At most [`MAX_TAILS`] tails at once; one more is a 503.
+//! - A reader slower than the records costs the proxy nothing: the tap
+//!   never waits. A tail more than [`crate::evidence::tap::TAP_BUFFER`]
+//!   records behind loses the oldest and gets a `{"gap": N}` line counting
+//!   the records it did not see (matching its filters or not); one that
+//!   stops reading altogether is cut by the admin listener's write-stall
+//!   limit.
+//! - On shutdown every tail ends its body cleanly (the last chunk), so the
+//!   drain closes its connection.
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use http::{Request, Response, StatusCode};
+use tokio::sync::{broadcast, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::TokenDigest;
+use crate::evidence::{Event, Record};
+use crate::policy::Reason;
+use crate::serve::http::{channel, full, Body, BodyError};
+
+/// Tails served at once.
+pub(crate) const MAX_TAILS: usize = 8;
+
+/// Chunks (one record each) waiting for the connection to take them.
+const TAIL_CHUNKS: usize = 16;
+
+/// Who may tail, and how many tails are open.
+pub(crate) struct Tails {
+    tokens: Vec<TokenDigest>,
+    open: Arc<Semaphore>,
+}
+
+impl Tails {
+    pub(crate) fn new(tokens: Vec<TokenDigest>) -> Tails {
+        Tails {
+            tokens,
+            open: Arc::new(Semaphore::new(MAX_TAILS)),
+        }
+    }
+
+    /// Whether the request's bearer token is one of ours.
+    fn authorized<B>(&self, req: &Request<B>) -> bool {
+        let Some(value) = req.headers().get(http::header::AUTHORIZATION) else {
+            return false;
+        };
+        let Some(token) = value
+            .to_str()
+            .ok()
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+        else {
+            return false;
+        };
+        let presented = TokenDigest::of(token.as_bytes());
+        // Every digest compared, in constant time each.
+        self.tokens
+            .iter()
+            .fold(false, |ok, d| d.ct_eq(&presented) | ok)
+    }
+}
+
+/// The filters of one tail; `None` matches everything.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub(crate) struct TailFilter {
+    pub org: Option<String>,
+    pub decision: Option<&'static str>,
+    pub reason: Option<Reason>,
+    pub host: Option<String>,
+    pub kind: Option<String>,
+    pub mode: Option<String>,
+}
+
+const KINDS: [&str; 4] = ["tcp", "http", "dns", "bypass"];
+const MODES: [&str; 4] = ["explicit", "transparent", "dns", "socks5"];
+
+impl TailFilter {
+    /// The filters of a query string, or the line naming the one that does
+    /// not parse.
+    pub(crate) fn parse(query: Option<&str>) -> Result<TailFilter, String> {
+        let mut f = TailFilter::default();
+        for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+            let value = value.trim();
+            let bad = |why: &str| format!("filter {key}={value:?}: {why}");
+            match key.as_ref() {
+                "org" if !value.is_empty() => f.org = Some(value.to_string()),
+                "decision" => {
+                    f.decision = Some(match value {
+                        "allow" => "allow",
+                        "deny" => "deny",
+                        _ => return Err(bad("expected allow or deny")),
+                    })
+                }
+                "reason" => {
+                    f.reason = Some(
+                        Reason::ALL
+                            .into_iter()
+                            .find(|r| r.as_str() == value)
+                            .ok_or_else(|| bad("not a reason code"))?,
+                    )
+                }
+                "host" => {
+                    let ok = !value.is_empty()
+                        && value.len() <= 253
+                        && value.bytes().all(|b| {
+                            b.is_ascii_alphanumeric()
+                                || matches!(b, b'.' | b'-' | b'_' | b':' | b'*' | b'?')
+                        });
+                    if !ok {
+                        return Err(bad(
+                            "expected a name glob (letters, digits, . - _ : and * ?)",
+                        ));
+                    }
+                    f.host = Some(value.to_ascii_lowercase());
+                }
+                "kind" if KINDS.contains(&value) => f.kind = Some(value.to_string()),
+                "kind" => return Err(bad("expected tcp, http, dns or bypass")),
+                "mode" if MODES.contains(&value) => f.mode = Some(value.to_string()),
+                "mode" => return Err(bad("expected explicit, transparent, dns or socks5")),
+                "org" => return Err(bad("expected an org name")),
+                _ => {
+                    return Err(format!(
+                        "unknown filter {key:?} (org, decision, reason, host, kind, mode)"
+                    ))
+                }
+            }
+        }
+        Ok(f)
+    }
+
+    /// Whether a decision record passes every filter.
+    pub(crate) fn matches(&self, r: &Record) -> bool {
+        r.event == Event::Decision
+            && self
+                .org
+                .as_deref()
+                .is_none_or(|o| r.org.as_deref().unwrap_or("unknown") == o)
+            && self.decision.is_none_or(|d| r.decision_str() == d)
+            && self.reason.is_none_or(|x| r.reason == x)
+            && self.kind.as_deref().is_none_or(|k| r.kind.as_str() == k)
+            && self.mode.as_deref().is_none_or(|m| r.mode.as_str() == m)
+            && self.host.as_deref().is_none_or(|g| {
+                // A summary names its busiest hosts instead of one.
+                match (&r.host, &r.hosts) {
+                    (Some(h), _) => glob(g.as_bytes(), h.as_bytes()),
+                    (None, Some(hosts)) => hosts.keys().any(|h| glob(g.as_bytes(), h.as_bytes())),
+                    (None, None) => false,
+                }
+            })
+    }
+}
+
+/// Whether `text` matches `pattern` whole: `*` any run of bytes (`.`
+/// included), `?` exactly one, anything else itself (ASCII case-folded).
+/// Iterative with one backtrack point: linear in practice, never
+/// exponential.
+pub(crate) fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        match pattern.get(p) {
+            Some(b'*') => {
+                star = Some((p, t));
+                p += 1;
+            }
+            Some(&c) if c == b'?' || c.eq_ignore_ascii_case(&text[t]) => {
+                p += 1;
+                t += 1;
+            }
+            _ => match star {
+                Some((sp, st)) => {
+                    p = sp + 1;
+                    t = st + 1;
+                    star = Some((sp, st + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    pattern[p..].iter().all(|&c| c == b'*')
+}
+
+fn status(code: StatusCode, text: String) -> Response<Body> {
+    let mut resp = Response::new(full(format!("{text}\n")));
+    *resp.status_mut() = code;
+    resp
+}
+
+/// Answer `GET /v1/decisions`: 401, 400, 503, or a stream that starts
+/// with the records written after this call.
+pub(crate) fn respond<B>(
+    tails: &Tails,
+    tap: &crate::evidence::tap::Tap,
+    shutdown: &CancellationToken,
+    req: &Request<B>,
+) -> Response<Body> {
+    if !tails.authorized(req) {
+        let mut resp = status(
+            StatusCode::UNAUTHORIZED,
+            "a tail needs Authorization: Bearer TOKEN, a token listed in [admin] tail_tokens"
+                .into(),
+        );
+        resp.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("Bearer"),
+        );
+        return resp;
+    }
+    let filter = match TailFilter::parse(req.uri().query()) {
+        Ok(f) => f,
+        Err(e) => return status(StatusCode::BAD_REQUEST, e),
+    };
+    let Ok(permit) = tails.open.clone().try_acquire_owned() else {
+        return status(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{MAX_TAILS} tails are open already"),
+        );
+    };
+    // Subscribed before the answer: nothing written after the request is missed.
+    let rx = tap.subscribe();
+    let (tx, body) = channel(TAIL_CHUNKS);
+    tokio::spawn(stream(rx, filter, tx, shutdown.clone(), permit));
+    let mut resp = Response::new(body);
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/x-ndjson"),
+    );
+    resp
+}
+
+/// Copy matching records to the body until the client goes, the tap
+/// closes or shutdown comes (then the body ends: the drain can close).
+async fn stream(
+    mut rx: broadcast::Receiver<Bytes>,
+    filter: TailFilter,
+    mut tx: http_body_util::channel::Sender<Bytes, BodyError>,
+    shutdown: CancellationToken,
+    _permit: OwnedSemaphorePermit,
+) {
+    loop {
+        let line = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = rx.recv() => match r {
+                Ok(line) => {
+                    let keep = serde_json::from_slice::<Record>(&line)
+                        .is_ok_and(|r| filter.matches(&r));
+                    if !keep {
+                        continue;
+                    }
+                    let mut chunk = BytesMut::with_capacity(line.len() + 1);
+                    chunk.extend_from_slice(&line);
+                    chunk.extend_from_slice(b"\n");
+                    chunk.freeze()
+                }
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    Bytes::from(format!("{{\"gap\": {n}}}\n"))
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            sent = tx.send_data(line) => if sent.is_err() { return },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_whole_names() {
+        for (p, t, want) in [
+            ("*.example.com", "api.example.com", true),
+            ("*.example.com", "a.b.example.com", true),
+            ("*.example.com", "example.com", false),
+            ("api.*", "api.example.com", true),
+            ("a?i.test", "api.test", true),
+            ("a?i.test", "apii.test", false),
+            ("*", "", true),
+            ("", "x", false),
+            (
+                "*x*y*z*",
+                "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaxaaaaaay",
+                false,
+            ),
+            ("OTHER.test", "other.TEST", true),
+        ] {
+            assert_eq!(glob(p.as_bytes(), t.as_bytes()), want, "{p} ~ {t}");
+        }
+    }
+
+    #[test]
+    fn filters_parse_or_name_the_one_that_does_not() {
+        let f = TailFilter::parse(Some(
+            "org=acme&decision=deny&reason=no_matching_rule&host=*.wild.test&kind=http&mode=explicit",
+        ))
+        .unwrap();
+        assert_eq!(f.org.as_deref(), Some("acme"));
+        assert_eq!(f.decision, Some("deny"));
+        assert_eq!(f.reason, Some(Reason::NoMatchingRule));
+        assert_eq!(f.host.as_deref(), Some("*.wild.test"));
+        assert_eq!(TailFilter::parse(None).unwrap(), TailFilter::default());
+        for (q, named) in [
+            ("decision=maybe", "filter decision=\"maybe\""),
+            ("reason=nope", "filter reason=\"nope\""),
+            ("kind=udp", "filter kind=\"udp\""),
+            ("mode=x", "filter mode=\"x\""),
+            ("host=a%20b", "filter host=\"a b\""),
+            ("org=", "filter org=\"\""),
+            ("colour=red", "unknown filter \"colour\""),
+        ] {
+            let e = TailFilter::parse(Some(q)).unwrap_err();
+            assert!(e.starts_with(named), "{q}: {e}");
+        }
+    }
+
+    fn rec(json: &str) -> Record {
+        let mut v = serde_json::json!({
+            "id": "r1", "ts": "2026-01-02T03:04:05.000000Z", "kind": "http",
+            "event": "decision", "org": "acme", "client": "198.18.1.2:40000",
+            "mode": "explicit", "host": "other.test", "port": 80, "sni": null, "ip": null,
+            "decision": "deny", "reason": "no_matching_rule", "rule": null, "policy": "p"
+        });
+        let extra: serde_json::Value = serde_json::from_str(json).unwrap();
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn a_filter_passes_decisions_that_match_every_field() {
+        let f = TailFilter::parse(Some("org=acme&decision=deny&host=*.test")).unwrap();
+        assert!(f.matches(&rec("{}")));
+        assert!(!f.matches(&rec(r#"{"org": "beta"}"#)));
+        assert!(!f.matches(&rec(r#"{"reason": "rule_match", "decision": "allow"}"#)));
+        assert!(!f.matches(&rec(r#"{"host": "other.example"}"#)));
+        assert!(!f.matches(&rec(r#"{"event": "close"}"#)));
+        // A summary: by the hosts it names.
+        assert!(f.matches(&rec(
+            r#"{"host": null, "count": 9, "hosts": {"a.test": 9}}"#
+        )));
+        let unknown = TailFilter::parse(Some("org=unknown")).unwrap();
+        assert!(unknown.matches(&rec(r#"{"org": null, "reason": "unknown_client"}"#)));
+    }
+
+    #[test]
+    fn only_a_listed_bearer_token_is_authorized() {
+        let tails = Tails::new(vec![TokenDigest::of(b"good")]);
+        let req = |h: Option<&str>| {
+            let mut b = Request::builder().uri("/v1/decisions");
+            if let Some(h) = h {
+                b = b.header("authorization", h);
+            }
+            b.body(()).unwrap()
+        };
+        assert!(tails.authorized(&req(Some("Bearer good"))));
+        assert!(!tails.authorized(&req(Some("Bearer bad"))));
+        assert!(!tails.authorized(&req(Some("Basic good"))));
+        assert!(!tails.authorized(&req(None)));
+        assert!(!Tails::new(Vec::new()).authorized(&req(Some("Bearer good"))));
+    }
+
+    #[tokio::test]
+    async fn a_tail_streams_what_is_written_after_it_then_ends_on_shutdown() {
+        use http_body_util::BodyExt;
+        let tap = crate::evidence::tap::Tap::default();
+        let tails = Tails::new(vec![TokenDigest::of(b"t")]);
+        let shutdown = CancellationToken::new();
+        let req = Request::builder()
+            .uri("/v1/decisions?decision=deny")
+            .header("authorization", "Bearer t")
+            .body(())
+            .unwrap();
+        let bad = Request::builder()
+            .uri("/v1/decisions?decision=x")
+            .header("authorization", "Bearer t")
+            .body(())
+            .unwrap();
+        assert_eq!(respond(&tails, &tap, &shutdown, &bad).status(), 400);
+        let mut body = respond(&tails, &tap, &shutdown, &req).into_body();
+        let line = |r: &str| serde_json::to_vec(&rec(r)).unwrap();
+        tap.publish(&line(
+            r#"{"reason": "rule_match", "decision": "allow", "host": "ok.test"}"#,
+        ));
+        tap.publish(&line("{}"));
+        let frame = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&frame).unwrap();
+        assert_eq!(v["host"], "other.test");
+        assert!(frame.ends_with(b"\n"));
+        // Far behind: a gap line, then the stream goes on.
+        for _ in 0..crate::evidence::tap::TAP_BUFFER + TAIL_CHUNKS * 2 + 10 {
+            tap.publish(&line("{}"));
+        }
+        let mut gap = None;
+        for _ in 0..TAIL_CHUNKS * 4 {
+            let f = body.frame().await.unwrap().unwrap().into_data().unwrap();
+            let v: serde_json::Value = serde_json::from_slice(&f).unwrap();
+            if let Some(n) = v.get("gap") {
+                gap = n.as_u64();
+                break;
+            }
+        }
+        assert!(gap.is_some_and(|n| n > 0), "{gap:?}");
+        shutdown.cancel();
+        // Drain what was queued; then the body ends.
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            while let Some(f) = body.frame().await {
+                f.unwrap();
+            }
+        })
+        .await;
+        assert!(ended.is_ok());
+    }
+
+    #[test]
+    fn tails_over_the_cap_are_refused() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let tap = crate::evidence::tap::Tap::default();
+            let tails = Tails::new(vec![TokenDigest::of(b"t")]);
+            let shutdown = CancellationToken::new();
+            let req = || {
+                Request::builder()
+                    .uri("/v1/decisions")
+                    .header("authorization", "Bearer t")
+                    .body(())
+                    .unwrap()
+            };
+            let open: Vec<_> = (0..MAX_TAILS)
+                .map(|_| respond(&tails, &tap, &shutdown, &req()))
+                .collect();
+            assert!(open.iter().all(|r| r.status() == 200));
+            assert_eq!(respond(&tails, &tap, &shutdown, &req()).status(), 503);
+            shutdown.cancel();
+        });
+    }
+}

@@ -1,0 +1,580 @@
+//! Adoption tools on real evidence: `palisade evidence summary` (what was
+//! denied), the live decision tail, `palisade draft`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::lab::{self, run_with_timeout, sanitize, wait_until, CmdOutput, Lab, DEFAULT_POLICY};
+
+fn palisade(args: &[&str]) -> CmdOutput {
+    run_with_timeout(
+        Command::new(lab::palisade_bin()).args(args),
+        None,
+        lab::CMD_TIMEOUT,
+    )
+}
+
+#[test]
+fn evidence_summary_lists_what_was_denied_with_counts_and_hints() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    for _ in 0..2 {
+        assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    }
+    assert_eq!(lab.proxied_curl("http://meta.test/", &[]).status, 403);
+    assert_eq!(lab.proxied_curl("http://169.254.169.254/", &[]).status, 403);
+    lab.wait_evidence("the metadata literal's denial", |v| {
+        v["host"] == "169.254.169.254"
+    });
+    let dir = lab.evidence_dir.to_str().unwrap();
+
+    let out = palisade(&["evidence", "summary", dir, "--format", "json"]);
+    assert!(out.success(), "{}", out.describe());
+    let s: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let acme = &s["orgs"]["acme"];
+    assert_eq!(acme["denied"], 4, "{s}");
+    let target = |name: &str| {
+        acme["targets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["target"] == name)
+            .unwrap_or_else(|| panic!("no {name} in {s}"))
+            .clone()
+    };
+    let other = target("other.test");
+    assert_eq!(other["count"], 2);
+    assert_eq!(other["reasons"]["no_matching_rule"], 2);
+    assert_eq!(other["clients"], 1);
+    assert_eq!(
+        other["hint"],
+        "allow with: host = \"other.test\", ports = [80]"
+    );
+    let meta = target("meta.test");
+    assert_eq!(meta["reasons"]["denied_address"], 1, "{s}");
+    assert!(
+        meta["hint"]
+            .as_str()
+            .unwrap()
+            .starts_with("resolves to an always-denied address: no rule should allow it"),
+        "{meta}"
+    );
+    let literal = target("169.254.169.254");
+    assert!(
+        literal["hint"]
+            .as_str()
+            .unwrap()
+            .contains("no rule should allow it"),
+        "{literal}"
+    );
+    assert!(acme["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["target"] != "allowed.test"));
+
+    let md = palisade(&[
+        "evidence", "summary", dir, "--org", "acme", "--format", "markdown",
+    ]);
+    assert!(md.success(), "{}", md.describe());
+    println!("{}", md.stdout);
+    assert!(
+        md.stdout.contains("### Org `acme`: 4 denied"),
+        "{}",
+        md.stdout
+    );
+    assert!(
+        md.stdout
+            .contains("| `other.test` | 80 | 2 | no_matching_rule=2 |"),
+        "{}",
+        md.stdout
+    );
+
+    let table = palisade(&["evidence", "summary", dir]);
+    assert!(table.success(), "{}", table.describe());
+    assert!(
+        table.stdout.contains("org acme: 4 denied"),
+        "{}",
+        table.stdout
+    );
+
+    // A window after everything: nothing.
+    let later = palisade(&[
+        "evidence",
+        "summary",
+        dir,
+        "--since",
+        "2999-01-01T00:00:00Z",
+    ]);
+    assert!(later.success(), "{}", later.describe());
+    assert!(later.stdout.contains("no decisions"), "{}", later.stdout);
+
+    // Bad input: one line each, non-zero, nothing on stdout.
+    for (args, code) in [
+        (vec!["evidence", "summary", dir, "--org", "nosuch"], 1),
+        (vec!["evidence", "summary", dir, "--since", "yesterday"], 2),
+        (vec!["evidence", "summary", "/nonexistent/evidence"], 1),
+        (vec!["evidence", "summary", dir, "--format", "xml"], 2),
+    ] {
+        let out = palisade(&args);
+        assert_eq!(out.code(), Some(code), "{args:?}: {}", out.describe());
+        assert!(out.stdout.is_empty(), "{args:?}: {}", out.describe());
+        assert!(!out.stderr.trim().is_empty(), "{}", out.describe());
+        if code == 1 {
+            assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.describe());
+        }
+    }
+}
+
+/// A fresh tail token from `palisade token new`: (token, its `sha256:` digest).
+fn tail_token() -> (String, String) {
+    let out = palisade(&["token", "new"]);
+    assert!(out.success(), "{}", out.describe());
+    let token = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("token: "))
+        .expect("a token line")
+        .to_string();
+    let digest = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("tokens = [\""))
+        .and_then(|l| l.strip_suffix("\"]"))
+        .expect("a digest line")
+        .to_string();
+    (token, digest)
+}
+
+/// A lab whose admin listener accepts the token in `dir/tail.token`.
+fn tail_lab() -> (Lab, PathBuf, String) {
+    let (token, digest) = tail_token();
+    let lab = Lab::builder()
+        .admin_config(&format!("tail_tokens = [\"{digest}\"]"))
+        .start();
+    let file = lab.dir.join("tail.token");
+    std::fs::write(&file, format!("{token}\n")).unwrap();
+    (lab, file, token)
+}
+
+/// `palisade tail ARGS` in the proxy namespace, output to `dir/NAME.out`
+/// and `.err`; returns once it says it is tailing.
+fn spawn_tail(lab: &Lab, name: &str, args: &[&str]) -> (Child, PathBuf, PathBuf) {
+    let out = lab.dir.join(format!("{name}.out"));
+    let err = lab.dir.join(format!("{name}.err"));
+    let mut child = sanitize(
+        Command::new("ip")
+            .args(["netns", "exec", &lab.ns_proxy, lab::palisade_bin(), "tail"])
+            .args(["--admin", lab::ADMIN_ADDR])
+            .args(args),
+    )
+    .stdin(Stdio::null())
+    .stdout(std::fs::File::create(&out).unwrap())
+    .stderr(std::fs::File::create(&err).unwrap())
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    while !read(&err).contains("tailing decisions") {
+        assert!(
+            started.elapsed() < Duration::from_secs(10) && child.try_wait().unwrap().is_none(),
+            "tail {name} did not start: {}",
+            read(&err)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, out, err)
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if let Some(s) = child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// `curl` in the proxy namespace against the admin listener: (status, body).
+fn admin_get(lab: &Lab, path: &str, auth: Option<&str>) -> (u16, String) {
+    let url = format!("http://{}{path}", lab::ADMIN_ADDR);
+    let mut args = vec!["-q", "-s", "--max-time", "2", "-w", "\n%{http_code}"];
+    let header;
+    if let Some(a) = auth {
+        header = format!("Authorization: {a}");
+        args.extend(["-H", &header]);
+    }
+    args.push(&url);
+    let out = lab.proxy_ns_exec("curl", &args);
+    let (body, code) = out.stdout.rsplit_once('\n').unwrap_or(("", &out.stdout));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+#[test]
+fn a_tail_shows_denials_live_and_needs_its_token() {
+    let (mut lab, token_file, token) = tail_lab();
+    let token_file = token_file.to_str().unwrap();
+
+    // Without the token, or with another: 401 and not a record.
+    for auth in [
+        None,
+        Some("Bearer not-the-token"),
+        Some(&format!("Basic {token}") as &str),
+    ] {
+        let (code, body) = admin_get(&lab, "/v1/decisions", auth);
+        assert_eq!(code, 401, "{auth:?}: {body}");
+        assert!(!body.contains("\"event\""), "{body}");
+    }
+    // A filter that does not parse: 400 naming it.
+    let bearer = format!("Bearer {token}");
+    let (code, body) = admin_get(&lab, "/v1/decisions?decision=maybe", Some(&bearer));
+    assert_eq!((code, body.contains("decision")), (400, true), "{body}");
+    let (code, body) = admin_get(&lab, "/v1/decisions?colour=red", Some(&bearer));
+    assert_eq!((code, body.contains("colour")), (400, true), "{body}");
+    // The other endpoints stay open.
+    for path in ["/metrics", "/healthz", "/readyz"] {
+        assert_eq!(lab.admin_status(path), 200, "{path}");
+    }
+    // The CLI says the same in one line, with its exit status.
+    let wrong = lab.dir.join("wrong.token");
+    std::fs::write(&wrong, "nope").unwrap();
+    for (args, code) in [
+        (vec!["--token-file", wrong.to_str().unwrap()], 1),
+        (vec![], 1),
+        (vec!["--token-file", token_file, "--kind", "udp"], 2),
+    ] {
+        let out = lab.proxy_ns_exec(
+            lab::palisade_bin(),
+            &[&["tail", "--admin", lab::ADMIN_ADDR][..], &args[..]].concat(),
+        );
+        assert_eq!(out.code(), Some(code), "{args:?}: {}", out.describe());
+        assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.describe());
+        assert!(out.stdout.is_empty(), "{}", out.describe());
+    }
+
+    let (mut json_tail, json_out, _) = spawn_tail(
+        &lab,
+        "tail-json",
+        &["--token-file", token_file, "--json", "--decision", "deny"],
+    );
+    let (mut text_tail, text_out, text_err) = spawn_tail(
+        &lab,
+        "tail-text",
+        &["--token-file", token_file, "--org", "acme"],
+    );
+
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    let denied_at = Instant::now();
+    let r = lab.proxied_curl("http://other.test/", &[]);
+    assert_eq!(r.status, 403, "{r:?}");
+    // Generous bound; the elapsed time is printed, not asserted.
+    wait_until("the denial on the tail", Duration::from_secs(5), || {
+        read(&json_out).contains("other.test")
+    });
+    println!(
+        "the denial reached the tail after {:?}",
+        denied_at.elapsed()
+    );
+    let lines: Vec<serde_json::Value> = read(&json_out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 1, "only the denial: {lines:?}");
+    assert_eq!(lines[0]["reason"], "no_matching_rule");
+    assert_eq!(lines[0]["decision"], "deny");
+    let reference = lines[0]["ref"].as_str().unwrap().to_string();
+    assert!(
+        r.body.contains(&reference),
+        "the 403 names the record the tail shows: {r:?}"
+    );
+
+    wait_until(
+        "both decisions on the text tail",
+        Duration::from_secs(5),
+        || read(&text_out).contains("other.test"),
+    );
+    let text = read(&text_out);
+    println!("{text}");
+    let mut rows = text.lines();
+    let head = rows.next().unwrap();
+    assert!(head.starts_with("TIME"), "{text}");
+    let allowed = rows.next().unwrap();
+    let denied = rows.next().unwrap();
+    assert!(
+        allowed.contains("allowed.test:80") && allowed.contains(" allow "),
+        "{text}"
+    );
+    for cell in [
+        "acme",
+        lab::CLIENT_IP,
+        "explicit",
+        "other.test:80",
+        " deny ",
+        "no_matching_rule",
+        &reference,
+    ] {
+        assert!(denied.contains(cell), "{cell:?} in {denied:?}");
+    }
+    assert_eq!(
+        denied.find("other.test"),
+        head.find("TARGET"),
+        "aligned:\n{text}"
+    );
+    assert!(!text.contains("\x1b["), "no colour into a file");
+
+    // SIGTERM: the tails end cleanly, and so does the proxy.
+    lab.signal_proxy("-TERM");
+    assert!(lab
+        .wait_proxy_exit(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
+    for (name, child) in [("json", &mut json_tail), ("text", &mut text_tail)] {
+        let status = wait_exit(child, Duration::from_secs(10));
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "{name} tail: {status:?}"
+        );
+    }
+    assert!(
+        read(&text_err).contains("the tail ended"),
+        "{}",
+        read(&text_err)
+    );
+}
+
+/// Times of `n` allowed and `n` denied requests through one curl each:
+/// (statuses, median seconds of the allowed).
+fn answers(lab: &Lab, n: usize) -> (Vec<String>, f64) {
+    let mut args = vec!["-q", "-s", "--max-time", "30", "-x", lab::PROXY_URL];
+    let fmt = "%{http_code} %{time_total}\n";
+    for _ in 0..n {
+        args.extend(["-o", "/dev/null", "-w", fmt, "http://allowed.test/"]);
+        args.extend(["-o", "/dev/null", "-w", fmt, "http://other.test/"]);
+    }
+    let out = lab.client_exec("curl", &args);
+    let mut codes = Vec::new();
+    let mut times = Vec::new();
+    for (i, line) in out.stdout.lines().enumerate() {
+        let (code, t) = line.split_once(' ').unwrap();
+        codes.push(code.to_string());
+        if i % 2 == 0 {
+            times.push(t.parse::<f64>().unwrap());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    (codes, times.get(times.len() / 2).copied().unwrap_or(0.0))
+}
+
+#[test]
+fn a_tail_that_never_reads_does_not_change_the_proxys_answers() {
+    let (lab, _, token) = tail_lab();
+    let (before, before_median) = answers(&lab, 50);
+    assert_eq!(before.len(), 100);
+    // A reader that asks for every record and never reads one, with the
+    // smallest receive buffer (bounded: it exits after 60 s).
+    let script = format!(
+        "import socket,time\n\
+         s=socket.socket()\n\
+         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)\n\
+         s.connect(('{}', {}))\n\
+         s.sendall(b'GET /v1/decisions HTTP/1.1\\r\\nHost: a\\r\\nAuthorization: Bearer {token}\\r\\n\\r\\n')\n\
+         print('sent', flush=True)\n\
+         time.sleep(60)\n",
+        lab::ADMIN_ADDR.split(':').next().unwrap(),
+        lab::ADMIN_ADDR.split(':').nth(1).unwrap(),
+    );
+    let mut stalled = sanitize(Command::new("ip").args([
+        "netns",
+        "exec",
+        &lab.ns_proxy,
+        "python3",
+        "-c",
+        &script,
+    ]))
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    {
+        use std::io::BufRead;
+        let mut first = String::new();
+        std::io::BufReader::new(stalled.stdout.as_mut().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        assert_eq!(first.trim(), "sent");
+    }
+    // Enough records to fill the stalled tail's buffers several times.
+    let (during, during_median) = answers(&lab, 300);
+    let (after, after_median) = answers(&lab, 50);
+    println!(
+        "median allowed request: {:.1} ms without a tail, {:.1} ms with a stalled tail (600 records), {:.1} ms after",
+        before_median * 1e3,
+        during_median * 1e3,
+        after_median * 1e3
+    );
+    let expect = |n: usize| -> Vec<String> {
+        (0..n)
+            .flat_map(|_| ["200".to_string(), "403".to_string()])
+            .collect()
+    };
+    assert_eq!(before, expect(50));
+    assert_eq!(during, expect(300));
+    assert_eq!(after, expect(50));
+    assert_eq!(lab.admin_status("/healthz"), 200);
+    let _ = stalled.kill();
+    let _ = stalled.wait();
+}
+
+fn policy_hash(lab: &Lab) -> String {
+    let out = lab.proxy_ns_exec(
+        "curl",
+        &["-sS", &format!("http://{}/policy", lab::ADMIN_ADDR)],
+    );
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap_or_default();
+    v["hash"].as_str().unwrap_or_default().to_string()
+}
+
+#[test]
+fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    let denied = [
+        "http://other.test/".to_string(),
+        "http://n1.svc.test/".into(),
+        "http://n2.svc.test/".into(),
+        "http://n3.svc.test/".into(),
+        "http://a.github.io/".into(),
+        "http://b.github.io/".into(),
+        "http://c.github.io/".into(),
+        format!("http://{}/", lab::UNLISTED_IP),
+        "http://169.254.169.254/".into(),
+        "http://blocked.wild.test/".into(),
+    ];
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    for url in &denied {
+        assert_eq!(lab.proxied_curl(url, &[]).status, 403, "{url}");
+    }
+    lab.wait_evidence("the last denial", |v| v["host"] == "blocked.wild.test");
+    let dir = lab.evidence_dir.to_str().unwrap();
+    let config = lab.config_path.to_str().unwrap();
+
+    // A live chain is not sealed: refused unless told.
+    let out = palisade(&["draft", "--evidence", dir, "--org", "acme", "-c", config]);
+    assert_eq!(out.code(), Some(1), "{}", out.describe());
+    assert!(
+        out.stderr.contains("fails verification"),
+        "{}",
+        out.describe()
+    );
+    assert_eq!(out.stderr.trim().lines().count(), 1, "{}", out.describe());
+    assert!(out.stdout.is_empty());
+    // An unknown org: one line, nothing printed.
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "nosuch",
+        "-c",
+        config,
+        "--allow-unsealed",
+    ]);
+    assert_eq!(out.code(), Some(1), "{}", out.describe());
+    assert!(
+        out.stdout.is_empty() && out.stderr.contains("no org \"nosuch\""),
+        "{}",
+        out.describe()
+    );
+
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "acme",
+        "-c",
+        config,
+        "--allow-unsealed",
+    ]);
+    assert!(out.success(), "{}", out.describe());
+    let draft = out.stdout.clone();
+    println!("{draft}\n{}", out.stderr);
+    for want in [
+        "[[org.allow]]\n",
+        "host = \"*.svc.test\"",
+        "# wildcard over 3 names seen: n1.svc.test, n2.svc.test, n3.svc.test",
+        "host = \"a.github.io\"",
+        "host = \"other.test\"",
+        &format!("cidr = \"{}/32\"", lab::UNLISTED_IP),
+        "# WARNING: an IP literal",
+        "169.254.169.254 (ports 80) seen 1 times: always denied",
+        "blocked.wild.test (ports 80) seen 1 times: denied explicitly",
+        "tunnel = \"http\"",
+    ] {
+        assert!(draft.contains(want), "{want:?} in:\n{draft}");
+    }
+    for never in [
+        "*.github.io",
+        "allowed.test\"",
+        "[[org]]",
+        "*.test\"",
+        "*.wild.test",
+    ] {
+        assert!(!draft.contains(never), "{never:?} in:\n{draft}");
+    }
+    assert!(out.stderr.contains("self-check: the config with the draft passes check; replay: 8 of 8 drafted flows now allowed, 1 of 1 explicitly denied flows still denied"), "{}", out.stderr);
+
+    // --write: the whole config, which `check` accepts; then served.
+    let written = lab.dir.join("drafted.toml");
+    let out = palisade(&[
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "acme",
+        "-c",
+        config,
+        "--allow-unsealed",
+        "--write",
+        written.to_str().unwrap(),
+    ]);
+    assert!(out.success(), "{}", out.describe());
+    assert!(out.stdout.is_empty(), "{}", out.stdout);
+    let check = palisade(&["check", "-c", written.to_str().unwrap()]);
+    assert!(check.success(), "{}", check.describe());
+    let before = policy_hash(&lab);
+    std::fs::copy(&written, &lab.config_path).unwrap();
+    lab.signal_proxy("-HUP");
+    wait_until("the drafted policy served", Duration::from_secs(5), || {
+        policy_hash(&lab) != before
+    });
+    // The same traffic passes (by name: those that resolve answer 200).
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 200);
+    assert_eq!(
+        lab.proxied_curl(&format!("http://{}/", lab::UNLISTED_IP), &[])
+            .status,
+        200
+    );
+    for url in ["http://n1.svc.test/", "http://a.github.io/"] {
+        let r = lab.proxied_curl(url, &[]);
+        assert!(!r.body.contains("no_matching_rule"), "{url}: {r:?}");
+    }
+    // What stays denied stays denied; an unlisted name is denied.
+    for (url, reason) in [
+        ("http://169.254.169.254/", "denied_address"),
+        ("http://blocked.wild.test/", "explicit_deny"),
+        ("http://d.github.io/", "no_matching_rule"),
+        ("http://unlisted.test/", "no_matching_rule"),
+    ] {
+        let r = lab.proxied_curl(url, &[]);
+        assert_eq!(r.status, 403, "{url}: {r:?}");
+        assert!(r.body.contains(reason), "{url}: {r:?}");
+    }
+}
