@@ -25,7 +25,7 @@ use std::time::Instant;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::service::service_fn;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -44,7 +44,7 @@ use crate::proxy::dial::DialError;
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::body::Metered;
-use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
+use crate::proxy::http::client::{self, InOrder, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
 use crate::proxy::revoke::{self, Cut, Revisit};
@@ -301,7 +301,11 @@ impl Shared {
     /// Send one request upstream, connecting again first if the
     /// connection closed meanwhile. HTTP/1.1 upstream connections carry one
     /// request at a time; HTTP/2 ones multiplex.
-    async fn send(&self, req: Request<Body>) -> Result<ResponseFuture, UpstreamError> {
+    async fn send(
+        &self,
+        req: Request<Body>,
+        watch: &mut InOrder,
+    ) -> Result<ResponseFuture, UpstreamError> {
         let mut up = self.upstream.lock().await;
         let mut req = req;
         for _ in 0..2 {
@@ -313,7 +317,10 @@ impl Shared {
                 }
             };
             match sender.send(req).await {
-                Ok(fut) => return Ok(fut),
+                Ok(fut) => {
+                    watch.follow(sender);
+                    return Ok(fut);
+                }
                 Err(back) => {
                     up.sender = None;
                     req = back;
@@ -563,7 +570,12 @@ async fn decide_and_send(
         req.deny(Reason::BadRequest, None);
         return refused(shared, req, "request body gone").await;
     };
-    let body = Metered::new(client_body, up_count.clone()).boxed();
+    // An HTTP/1.1 upstream connection carries the next request only if
+    // this one kept to order ([`InOrder`]).
+    let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
+    let body = watch
+        .gate(Metered::new(client_body, up_count.clone()).on_complete(body_sent))
+        .boxed();
     let h2_upstream = match shared.ready().await {
         Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
@@ -627,7 +639,10 @@ async fn decide_and_send(
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
     };
-    let fut = match shared.send(Request::from_parts(parts, body)).await {
+    let fut = match shared
+        .send(Request::from_parts(parts, body), &mut watch)
+        .await
+    {
         Ok(f) => f,
         Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
     };
@@ -638,7 +653,14 @@ async fn decide_and_send(
                 .intercepted_request_duration_seconds
                 .with_label_values(&[&*s.how.org.name])
                 .observe(started.elapsed().as_secs_f64());
-            exchange.relay(resp)
+            watch.response_began();
+            // Read to its end: the connection stays for the next request if
+            // the exchange kept to order; otherwise (or cut short) the
+            // watch, dropped, cuts it.
+            let kept = Box::new(move || {
+                watch.reusable();
+            });
+            exchange.relay(resp, Some(kept))
         }
         Err(e) => exchange.failed(e),
     }
