@@ -174,6 +174,7 @@ pub(super) struct RawRule {
     pub(super) paths: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) deny_methods: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) deny_paths: Option<Spanned<Vec<Spanned<String>>>>,
+    pub(super) websocket: Option<Spanned<bool>>,
 }
 
 /// A list of strings, each located.

@@ -338,6 +338,7 @@ mod tests {
             paths: pats(&["/simple/", "/api/*"]),
             deny_methods: vec!["PUT".into()],
             deny_paths: pats(&["/api/internal*"]),
+            websocket: false,
         };
         let r = |m: &str, p: &str| run(&rules, &[], m, p).verdict.reason;
         use Reason::*;

@@ -237,6 +237,25 @@ impl Sender {
         }
     }
 
+    /// Handshake HTTP/1.1 on `io` for one upgrade (a WebSocket
+    /// handshake): the connection runs in a task of `tasks` and, after a
+    /// `101`, hands its stream to [`hyper::upgrade::on`] of the response.
+    pub(crate) async fn handshake_upgrade<I>(
+        io: I,
+        tasks: &TaskTracker,
+    ) -> hyper::Result<http1::SendRequest<Body>>
+    where
+        I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (sender, conn) = http1::handshake(TokioIo::new(io)).await?;
+        tasks.spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                debug!(error = %e, "upstream upgrade connection error");
+            }
+        });
+        Ok(sender)
+    }
+
     /// Closed, or (HTTP/1.1) retired.
     pub(crate) fn is_closed(&self) -> bool {
         match self {
