@@ -422,6 +422,9 @@ secret_env = "T3"
             "/api/internal",
             "/api/%69nternal",
             "/api/%49nternal",
+            "/api/%49nternal/keys",
+            "/API/internal/keys",
+            "/api/INTERNAL/keys",
             "/api/public/x",
             "/api/%70ublic/x",
             "/api/public/../internal",
@@ -440,6 +443,7 @@ secret_env = "T3"
             "/simple/%3F/x",
             "/scoped/x",
             "/%73coped/x",
+            "/SCOPED/x",
             "/scoped/../x",
         ];
         let mut seen = std::collections::HashSet::new();

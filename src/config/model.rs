@@ -149,6 +149,12 @@ pub struct RequestRules {
     pub paths: Vec<PathPattern>,
     pub deny_methods: Vec<String>,
     pub deny_paths: Vec<PathPattern>,
+    /// `websocket = true`: WebSocket handshakes (an HTTP/1.1 upgrade, an
+    /// HTTP/2 extended CONNECT) are decided like any request and, allowed,
+    /// relayed; off, refused `upgrade_not_allowed`. (Left out of the
+    /// serialised form when off, so a policy without it hashes as before.)
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub websocket: bool,
 }
 
 /// A path rule: a prefix (no `*`), or a glob over the whole path in which

@@ -178,6 +178,7 @@ pub(super) struct RawRule {
     pub(super) deny_paths: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) max_new_names_per_minute: Option<Spanned<i64>>,
     pub(super) max_label_length: Option<Spanned<i64>>,
+    pub(super) websocket: Option<Spanned<bool>>,
 }
 
 /// A list of strings, each located.

@@ -28,10 +28,10 @@
 //! | R2 | the method is not an RFC 9110 token | deny | `method_not_allowed` |
 //! | R3 | the path is refused by normalisation ([`crate::proto::http_request`]) | deny | `path_not_allowed` |
 //! | R4 | the method is in `deny_methods`, compared ignoring case | deny | `method_not_allowed` |
-//! | R5 | a `deny_paths` pattern matches the normalised path | deny | `path_not_allowed` |
+//! | R5 | a `deny_paths` pattern matches the normalised path, ASCII letters compared ignoring case | deny | `path_not_allowed` |
 //! | R6 | `methods` is set and does not name the method exactly | deny | `method_not_allowed` |
 //! | R7 | the method is `TRACE` or `TRACK` (any case) and `methods` does not name it exactly | deny | `method_not_allowed` |
-//! | R8 | `paths` is set and none matches the normalised path | deny | `path_not_allowed` |
+//! | R8 | `paths` is set and none matches the normalised path exactly | deny | `path_not_allowed` |
 //! | R9 | otherwise | allow | `rule_match` |
 //!
 //! Methods are case-sensitive tokens (RFC 9110 §9.1): `get` is not `GET`,
@@ -39,9 +39,16 @@
 //! case variants (`delete` for `DELETE`), since some servers fold case and
 //! a deny must not be walked around that way.
 //!
+//! Paths follow the same rule: `deny_paths` catch case variants
+//! (`/API/internal`, and `/api/%49nternal`, which decodes to
+//! `/api/Internal`), since some backends route paths ignoring case; `paths`
+//! and credential scopes match exactly, so a case change can only lose
+//! access or a credential, never gain one.
+//!
 //! Credentials, for an allowed request only: each credential of the org, in
 //! file order, whose host matches, whose `methods` (if set) names the
-//! method exactly and whose `paths` (if set) matches the normalised path;
+//! method exactly and whose `paths` (if set) matches the normalised path
+//! exactly;
 //! never for `TRACE` or `TRACK` ([`CredentialConfig::applies`]).
 
 use std::sync::Arc;
@@ -64,10 +71,20 @@ pub(crate) fn is_trace(method: &str) -> bool {
 // request is decided here.
 
 impl PathPattern {
-    /// Does `path` match? Only a normalised path can be asked, never the
-    /// raw one.
+    /// Does `path` match, byte for byte? Allow `paths` and credential
+    /// scopes ask this. Only a normalised path can be asked, never the raw
+    /// one.
     pub fn matches(&self, path: &NormalPath) -> bool {
         pattern_matches(&self.0, path.as_str())
+    }
+
+    /// Does `path` match, ASCII letters compared ignoring case? `deny_paths`
+    /// ask this: a backend that routes paths case-insensitively reads
+    /// `/API/internal` as `/api/internal`, so a deny must catch it. (Allow
+    /// rules stay exact: a case change can only lose access, never gain
+    /// it.)
+    pub fn denies(&self, path: &NormalPath) -> bool {
+        glob(&self.0, path.as_str(), |a, b| a.eq_ignore_ascii_case(&b))
     }
 }
 
@@ -77,17 +94,23 @@ impl PathPattern {
 /// normalised paths ([`PathPattern::matches`]). The two-pointer
 /// algorithm: linear-ish, no exponential backtracking.
 pub(crate) fn pattern_matches(pattern: &str, text: &str) -> bool {
-    if !pattern.contains('*') {
-        return text.starts_with(pattern);
-    }
+    glob(pattern, text, |a, b| a == b)
+}
+
+/// [`pattern_matches`] with `eq` deciding whether a pattern byte matches a
+/// text byte.
+fn glob(pattern: &str, text: &str, eq: impl Fn(u8, u8) -> bool) -> bool {
     let (pat, text) = (pattern.as_bytes(), text.as_bytes());
+    if !pattern.contains('*') {
+        return text.len() >= pat.len() && pat.iter().zip(text).all(|(&a, &b)| eq(a, b));
+    }
     let (mut p, mut t) = (0, 0);
     let mut star: Option<(usize, usize)> = None;
     while t < text.len() {
         if pat.get(p) == Some(&b'*') {
             star = Some((p, t));
             p += 1;
-        } else if pat.get(p) == text.get(t) {
+        } else if pat.get(p).is_some_and(|&a| eq(a, text[t])) {
             p += 1;
             t += 1;
         } else if let Some((sp, st)) = star {
@@ -205,8 +228,8 @@ pub(crate) fn decide<'a>(
         let why = format!("deny_methods names {m:?}");
         return refuse(Reason::MethodNotAllowed, Some(path), why);
     }
-    if let Some(p) = r.deny_paths.iter().find(|p| p.matches(&path)) {
-        let why = format!("deny_paths {:?} matches {path}", p.0);
+    if let Some(p) = r.deny_paths.iter().find(|p| p.denies(&path)) {
+        let why = format!("deny_paths {:?} matches {path} (ignoring case)", p.0);
         return refuse(Reason::PathNotAllowed, Some(path), why);
     }
     let named = r.methods.iter().any(|m| m == method);
@@ -263,6 +286,15 @@ mod tests {
         assert!(p("*").matches(&n("/anything")));
         assert!(p("/a*b*c").matches(&n("/a--b--c")));
         assert!(!p("/a*b*c").matches(&n("/a--c--b")));
+        // Exact for allows, ignoring ASCII case for denies.
+        assert!(!p("/api/internal").matches(&n("/API/internal")));
+        assert!(p("/api/internal").denies(&n("/API/internal/x")));
+        assert!(p("/api/*/keys").denies(&n("/api/V1/KEYS")));
+        assert!(!p("/api/*/keys").denies(&n("/api/v1/key")));
+        assert!(!p("/api/internal").denies(&n("/api/intern")));
+        // Escapes kept encoded are not letters: `%C3%A9` is not `%c3%a9`
+        // text, and normalisation upper-cases them anyway.
+        assert!(p("/caf%C3%A9").denies(&n("/CAF%c3%a9")));
         // Matched after decoding unreserved escapes.
         assert!(p("/api/internal*").matches(&n("/api/%69nternal")));
     }
@@ -306,6 +338,7 @@ mod tests {
             paths: pats(&["/simple/", "/api/*"]),
             deny_methods: vec!["PUT".into()],
             deny_paths: pats(&["/api/internal*"]),
+            websocket: false,
         };
         let r = |m: &str, p: &str| run(&rules, &[], m, p).verdict.reason;
         use Reason::*;
@@ -329,13 +362,22 @@ mod tests {
         // R5: on the normalised path.
         assert_eq!(r("GET", "/api/internal/x"), PathNotAllowed);
         assert_eq!(r("GET", "/api/%69nternal"), PathNotAllowed);
-        assert_eq!(r("GET", "/api/%49nternal"), RuleMatch);
+        // R5 ignores case: `%49` decodes to `I`, and backends that route
+        // paths ignoring case would serve these as `/api/internal`.
+        assert_eq!(r("GET", "/api/%49nternal/keys"), PathNotAllowed);
+        assert_eq!(r("GET", "/API/internal/keys"), PathNotAllowed);
+        assert_eq!(r("GET", "/api/INTERNAL/keys"), PathNotAllowed);
+        assert_eq!(r("GET", "/Api/InTeRnAl"), PathNotAllowed);
+        assert_eq!(r("GET", "/api/internak"), RuleMatch);
         // R6: exact.
         assert_eq!(r("get", "/simple/"), MethodNotAllowed);
         assert_eq!(r("DELETE", "/simple/"), MethodNotAllowed);
         // R8
         assert_eq!(r("GET", "/other"), PathNotAllowed);
         assert_eq!(r("GET", "/%73imple/x"), RuleMatch);
+        // ... exactly: a case change loses access, never gains it.
+        assert_eq!(r("GET", "/SIMPLE/x"), PathNotAllowed);
+        assert_eq!(r("GET", "/%53imple/x"), PathNotAllowed);
         // R9
         assert_eq!(r("HEAD", "/simple/x"), RuleMatch);
         let d = run(&rules, &[], "GET", "/api/%69nternal");
@@ -394,6 +436,9 @@ mod tests {
         assert_eq!(ids("GET", "/scoped/x"), ["any", "scoped", "get-only"]);
         assert_eq!(ids("GET", "/%73coped/x"), ["any", "scoped", "get-only"]);
         assert_eq!(ids("GET", "/other"), ["any", "get-only"]);
+        // Scopes are exact: a case change never gains a credential.
+        assert_eq!(ids("GET", "/SCOPED/x"), ["any", "get-only"]);
+        assert_eq!(ids("GET", "/%53coped/x"), ["any", "get-only"]);
         // Refused paths get nothing (the raw path would have matched).
         assert!(ids("GET", "/scoped/../admin").is_empty());
         assert!(ids("GET", "/scoped/..;/admin").is_empty());

@@ -24,7 +24,7 @@ use super::conn::Conn;
 use super::ctx::Ctx;
 use super::failure::Unserved;
 use super::http::body::{Metered, OnComplete};
-use super::http::client::{Attempt, NoResponse, Sender};
+use super::http::client::{Attempt, InOrder, NoResponse, Sender};
 use super::http::wire::{RequestBytes, UpCount};
 use super::http::{full, strip_hop_by_hop, Body};
 use super::pool::{self, Key};
@@ -52,14 +52,9 @@ pub(crate) struct Exchange {
 }
 
 impl Exchange {
-    /// Relay `resp`; the close record is written when its body ends.
-    pub(crate) fn relay(self, resp: Response<Incoming>) -> Response<Body> {
-        self.relay_then(resp, None)
-    }
-
-    /// [`Exchange::relay`], then `on_complete` if the response body was
-    /// read to its end.
-    fn relay_then(
+    /// Relay `resp`; the close record is written when its body ends, then
+    /// `on_complete` runs if the body was read to its end.
+    pub(crate) fn relay(
         self,
         resp: Response<Incoming>,
         on_complete: Option<OnComplete>,
@@ -174,7 +169,6 @@ pub(crate) async fn absolute(
         version: parts.version,
         headers: parts.headers.clone(),
     });
-    let req = Request::from_parts(parts, Metered::new(body, up_count).boxed());
     let mut sender = match upstream {
         Upstream::Pooled(sender) => sender,
         Upstream::Dialled(stream) => match Sender::handshake(stream, false, &ctx.tasks).await {
@@ -182,6 +176,12 @@ pub(crate) async fn absolute(
             Err(e) => return exchange.failed(NoResponse::Failed(e)),
         },
     };
+    // Whether the connection may go back to the pool after this exchange
+    // (the whole body sent before the response began); a resend below
+    // carries no body, so its connection is in order from the start.
+    let (mut in_order, body_sent) = InOrder::new(body.is_end_stream());
+    let body = in_order.gate(Metered::new(body, up_count).on_complete(body_sent));
+    let req = Request::from_parts(parts, body.boxed());
     let timeout = ctx.limits.response_timeout.get();
     let result = match sender.exchange(req, timeout).await {
         Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
@@ -193,21 +193,27 @@ pub(crate) async fn absolute(
         }
         other => other,
     };
+    // The connection the request went over (a resend's new one).
+    in_order.follow(&sender);
     match result {
         Ok(resp) => {
-            let give_back = org.map(|org| {
+            in_order.response_began();
+            // Held until the response ends (the connection lives while it
+            // is read); then back to the pool if the exchange kept to
+            // order, else cut (the watch, dropped, cuts it).
+            let give_back = Box::new(move || {
+                let Some(org) = org.filter(|_| in_order.reusable()) else {
+                    return;
+                };
                 let key = Key {
                     org,
                     host,
                     port,
                     addr,
                 };
-                let ctx = ctx.clone();
-                Box::new(move || {
-                    pool::give_back(&ctx.upstream_pool, (&ctx.tasks, &ctx.shutdown), key, sender)
-                }) as OnComplete
-            });
-            exchange.relay_then(resp, give_back)
+                pool::give_back(&ctx.upstream_pool, (&ctx.tasks, &ctx.shutdown), key, sender)
+            }) as OnComplete;
+            exchange.relay(resp, Some(give_back))
         }
         Err(Attempt::Unsent(_)) => {
             exchange.failed(NoResponse::NotSent("upstream connection closed".into()))

@@ -16,8 +16,13 @@
 //! A connection goes back only when hyper says it can take another request
 //! (its response was read to the end, the upstream did not mark it close:
 //! no `Connection: close`, no HTTP/1.0 without keep-alive, no error, no
-//! upgrade), and only for the idle timeout. Idle connections are bounded in
-//! total and per key; over a bound the oldest idle one is closed.
+//! upgrade), and its exchange kept to order (the whole request body was
+//! handed to it before the response began:
+//! [`InOrder`](crate::proxy::http::client::InOrder), which cuts one that
+//! did not, so a head planted in a body never reaches an upstream that
+//! answered early), and only for the idle timeout. Idle connections are
+//! bounded in total and per key; over a bound the oldest idle one is
+//! closed.
 //!
 //! The bookkeeping ([`Pool`]) is pure: the caller passes `now` and says
 //! which entries are still usable; the I/O around it ([`UpstreamPool`])
@@ -315,12 +320,13 @@ impl UpstreamPool {
         }
         let mut cx = Context::from_waker(Waker::noop());
         match sender.poll_ready(&mut cx) {
-            Poll::Ready(Ok(())) => {
+            Poll::Ready(Ok(true)) => {
                 self.checkin(key, sender);
                 None
             }
-            // Closed: the upstream marked it close, or it failed.
-            Poll::Ready(Err(_)) => None,
+            // Closed (the upstream marked it close, or it failed), or
+            // retired (its exchange was not in order).
+            Poll::Ready(Ok(false) | Err(_)) => None,
             Poll::Pending => Some((key, sender)),
         }
     }
@@ -377,7 +383,7 @@ pub(crate) fn give_back(
     let (pool, shutdown, wait) = (pool.clone(), shutdown.clone(), pool.bounds.idle_timeout);
     tasks.spawn(async move {
         let ready = tokio::select! {
-            r = tokio::time::timeout(wait, sender.ready()) => matches!(r, Ok(Ok(()))),
+            r = tokio::time::timeout(wait, sender.ready()) => matches!(r, Ok(Ok(true))),
             _ = shutdown.cancelled() => false,
         };
         if ready {

@@ -58,6 +58,13 @@ host = "allowed.test"
 header = "X-Scoped-Token"
 paths = ["/scoped/"]
 secret_file = {scoped_file:?}
+
+[[org.credential]]
+id = "v1-token"
+host = "allowed.test"
+header = "X-V1-Token"
+paths = ["/api/v1/*"]
+secret_file = {scoped_file:?}
 "#
     )
 }
@@ -542,6 +549,99 @@ fn paths_are_normalised_before_rules_and_credential_scopes() {
         x.stdout.contains("reason:   path_not_allowed"),
         "{}",
         x.stdout
+    );
+}
+
+/// `deny_paths` ignore ASCII case (after decoding, so `%49` is `I`): no
+/// spelling of `/api/internal` reaches the upstream, over HTTP/1.1 or
+/// HTTP/2; credential scopes stay exact, so `/API/v1/x` (which the rule
+/// allows) gets no `/api/v1/*` credential while `/api/v1/x` does.
+#[test]
+fn deny_paths_ignore_case_and_credential_scopes_do_not() {
+    let Setup { lab, org_ca } = start();
+    let cases = [
+        "/api/%49nternal/keys",
+        "/API/internal/keys",
+        "/api/INTERNAL/keys",
+    ];
+    let mut n = 0;
+    for denied in cases {
+        for h2 in [false, true] {
+            n += 1;
+            let marker = format!("/case-marker-{n}");
+            let got = denied_then_marker(&lab, &org_ca, denied, &marker, h2);
+            assert_eq!(
+                got,
+                ["403 1", "200 0"],
+                "{denied} h2={h2}\n{}",
+                lab.proxy_output()
+            );
+            let rec = lab.wait_evidence(&format!("deny {denied} h2={h2}"), |v| {
+                v["kind"] == "http"
+                    && v["event"] == "decision"
+                    && v["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
+            });
+            assert_eq!(rec["decision"], "deny", "{rec}");
+            assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
+            assert!(rec["credential"].is_null(), "{rec}");
+            let detail = rec["detail"].as_str().unwrap();
+            assert!(
+                detail.contains("deny_paths \"/api/internal*\"")
+                    && detail.contains("ignoring case"),
+                "{rec}"
+            );
+        }
+    }
+    let one = curl(&lab, &org_ca, "https://allowed.test/API/internal/keys", &[]);
+    crate::assert_refused(&lab, &one, 403, "path_not_allowed", "/API/internal/keys");
+
+    for path in ["/API/v1/x", "/api/v1/x"] {
+        let r = curl(&lab, &org_ca, &format!("https://allowed.test{path}"), &[]);
+        assert_eq!(r.status, 200, "{path}: {r:#?}");
+    }
+    let closes = upstream_quiet(&lab, &org_ca, "/case-marker-end");
+    let served = |path: &str| {
+        closes
+            .iter()
+            .find(|c| {
+                c["request_line"]
+                    .as_str()
+                    .is_some_and(|l| l.starts_with(&format!("GET {path} ")))
+            })
+            .unwrap_or_else(|| panic!("{path} not served: {}", dump(&closes)))
+    };
+    let exact = served("/api/v1/x");
+    assert_eq!(
+        headers_of(exact, "x-v1-token"),
+        vec![SCOPED_SECRET],
+        "{exact}"
+    );
+    let folded = served("/API/v1/x");
+    assert!(
+        headers_of(folded, "x-v1-token").is_empty(),
+        "a case change gained a credential: {folded}"
+    );
+    assert_eq!(
+        headers_of(folded, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "the unscoped credential still applies: {folded}"
+    );
+    // The upstream's own log: no spelling of the denied path arrived.
+    let lines: Vec<&str> = closes
+        .iter()
+        .filter_map(|c| c["request_line"].as_str())
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.to_ascii_lowercase().contains("nternal")),
+        "a denied spelling reached the upstream: {lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("GET /case-marker-6 ")),
+        "{lines:?}"
     );
 }
 

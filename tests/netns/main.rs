@@ -40,6 +40,7 @@ mod tls;
 mod transparent;
 mod transparent_v6;
 mod tunnel;
+mod websocket;
 
 use lab::{HttpResp, Lab};
 use serde_json::Value;

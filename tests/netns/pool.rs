@@ -6,7 +6,8 @@
 //! connection a moment later (and says so in its log); after
 //! `/drop-next`, it reads the next request on that connection and closes
 //! it without an answer (the race of an upstream closing a kept-alive
-//! connection just as a request is sent).
+//! connection just as a request is sent); `/early` is answered at once
+//! and its body never read (what follows its head is the next request).
 //!
 //! (a) keep-alive requests of one org, over several client connections,
 //!     ride one upstream connection;
@@ -18,7 +19,10 @@
 //! (e) a request lost with a pooled connection is sent again over a new
 //!     one when that is safe (idempotent, no body), else answered 502;
 //! (f) an idle connection is closed by Palisade after
-//!     `upstream_idle_timeout`.
+//!     `upstream_idle_timeout`;
+//! (g) a request head planted in a body, behind an upstream that answered
+//!     early, never reaches it, and the next request gets its own response
+//!     on its own connection.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
@@ -84,6 +88,10 @@ def serve(conn, cid):
                 k, _, v = line.partition(":")
                 if k.strip().lower() == "content-length":
                     length = min(int(v.strip()), 1 << 20)
+            if target.startswith("/early"):
+                # Answers before reading the body, and reads no body: what
+                # follows the head is read as the next request.
+                length = 0
             while len(buf) < length:
                 data = conn.recv(65536)
                 if not data:
@@ -477,5 +485,57 @@ fn an_idle_connection_is_closed_after_the_idle_timeout() {
     assert_eq!(metric(&lab, "palisade_upstream_idle_connections"), 0.0);
     get(&lab, &mut c, "/f/1");
     assert_ne!(up.conn_of("/f/1"), first, "{}", dump(&up.log()));
+    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
+}
+
+/// (g) A POST whose body holds a request head, to an upstream that answers
+/// at once (before the body) and keeps the connection: Palisade writes no
+/// more of the body, closes that connection instead of pooling it, and the
+/// next request of the same org gets its own response on a connection of
+/// its own. The upstream's log is the witness: every request it served has
+/// a decision record, and the planted one is not among them.
+#[test]
+fn a_request_head_planted_in_a_body_never_reaches_the_upstream() {
+    let (lab, up) = lab();
+    let planted = format!("GET /planted HTTP/1.1\r\nHost: allowed.test:{PORT}\r\n\r\n");
+    let mut c = lab.client_conn();
+    let head = format!(
+        "POST {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\nContent-Length: {}\r\n\r\n",
+        url("/early"),
+        planted.len()
+    );
+    c.send(head.as_bytes()).expect("send the head");
+    // The answer comes before the body was sent.
+    let resp = c.read_response(Duration::from_secs(10));
+    assert_eq!(resp.status, 200, "{resp:?}\n{}", lab.proxy_output());
+    assert!(resp.body.contains("path=/early"), "{resp:?}");
+    // Then the body: a request head. (Palisade may have closed the client
+    // connection already, its request body unread.)
+    let _ = c.send(planted.as_bytes());
+    let early = up.conn_of("/early");
+    up.wait_closed(early);
+
+    // The next request of the same org: its own response, its own connection.
+    let mut next = lab.client_conn();
+    get(&lab, &mut next, "/after-early");
+    assert_ne!(
+        up.conn_of("/after-early"),
+        early,
+        "glued to the early connection: {}",
+        dump(&up.log())
+    );
+    let log = up.log();
+    let served: Vec<&str> = log
+        .iter()
+        .filter(|v| v["event"] == "request")
+        .filter_map(|v| v["path"].as_str())
+        .collect();
+    assert_eq!(served, ["/early", "/after-early"], "{}", dump(&log));
+    for path in served {
+        let decision = lab.wait_evidence(&format!("decision of {path}"), |v| {
+            v["event"] == "decision" && v["kind"] == "http" && v["path"] == path
+        });
+        assert_eq!(decision["decision"], "allow", "{decision}");
+    }
     assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
 }

@@ -98,10 +98,24 @@ pub(super) fn validate_rules(
             deny_paths,
             max_new_names_per_minute,
             max_label_length,
+            websocket,
         } = spanned.into_inner();
         let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
             .iter()
             .find_map(|k| k.as_ref().map(|k| k.span()));
+        let intercepts = intercept.as_ref().is_some_and(|f| *f.get_ref());
+        let websocket = match websocket {
+            Some(flag) if !intercepts || kind != "allow" || host.is_none() => {
+                errors.at(
+                    flag.span(),
+                    "websocket is only valid on intercepting allow rules with a host \
+                     (intercept = true)",
+                );
+                false
+            }
+            Some(flag) => *flag.get_ref(),
+            None => false,
+        };
         let intercept = match intercept {
             Some(flag) if *flag.get_ref() => {
                 if kind != "allow" || host.is_none() {
@@ -115,6 +129,7 @@ pub(super) fn validate_rules(
                     paths: paths(allow_paths, errors),
                     deny_methods: methods(deny_methods, errors),
                     deny_paths: paths(deny_paths, errors),
+                    websocket,
                 })
             }
             _ => {
@@ -460,6 +475,34 @@ mod tests {
             assert!(e.contains(want), "{rule}: {e}");
             let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
             assert!((10..=12).contains(&line), "{rule}: {e}");
+        }
+    }
+
+    #[test]
+    fn websocket_needs_an_intercepting_host_rule() {
+        let src = format!(
+            "{BASE}[[org.allow]]\nhost = \"a.com\"\nintercept = true\nwebsocket = true\n\
+             [[org.allow]]\nhost = \"b.com\"\nintercept = true\n"
+        );
+        let c = parse(&src).unwrap();
+        let ws = |i: usize| c.orgs[0].allow[i].intercept.as_ref().unwrap().websocket;
+        assert!(ws(0) && !ws(1), "off by default");
+        let cases = [
+            "[[org.allow]]\nhost = \"a.com\"\nwebsocket = true",
+            "[[org.allow]]\nhost = \"a.com\"\nintercept = false\nwebsocket = true",
+            "[[org.allow]]\ncidr = \"198.18.0.0/15\"\nwebsocket = true",
+            "[[org.deny]]\nhost = \"a.com\"\nwebsocket = true",
+        ];
+        for rule in cases {
+            let src = format!("{BASE}{rule}\n");
+            let e = first_error(&src);
+            assert!(
+                e.contains("websocket is only valid on intercepting allow rules"),
+                "{rule}: {e}"
+            );
+            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
+            assert!((10..=13).contains(&line), "{rule}: {e}");
+            assert!(e.contains("websocket"), "{rule}: {e}");
         }
     }
 

@@ -144,9 +144,14 @@ where
             max_header_list_size,
         } => {
             let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            // Extended CONNECT (RFC 8441) is accepted so that WebSocket
+            // over HTTP/2 can be decided; the service refuses what it
+            // does not allow (another `:protocol`, or WebSocket where the
+            // rule does not allow it).
             b.timer(TokioTimer::new())
                 .max_concurrent_streams(MAX_CONCURRENT_STREAMS)
-                .max_header_list_size(max_header_list_size);
+                .max_header_list_size(max_header_list_size)
+                .enable_connect_protocol();
             let conn = b.serve_connection(TokioIo::new(io), service);
             drained(conn, |c| c.graceful_shutdown(), drain).await
         }

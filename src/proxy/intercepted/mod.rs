@@ -1,10 +1,11 @@
 //! Intercepted connections: which allowed connections are intercepted
-//! ([`plan`]), and serving them ([`serve`]) through the proxy's
+//! ([`plan`]), and serving them ([`serve`], WebSocket in [`websocket`]) through the proxy's
 //! HTTP layer ([`super::http`]), answering failures through its one mapping
 //! ([`super::failure`]). What interception needs per org (CAs, credentials,
 //! upstream trust) is [`crate::intercept`], held in the served state.
 
 pub(crate) mod serve;
+pub(crate) mod websocket;
 
 use std::sync::Arc;
 

@@ -4,9 +4,12 @@
 //! it over Palisade's own, verified TLS connection to the upstream
 //! (HTTP/1.1 or HTTP/2 by the upstream's ALPN, negotiated separately).
 //!
-//! Per request, in order ([`decide_parts`], pure): CONNECT, absolute-form
-//! (HTTP/1.1) and protocol upgrades are refused (`bad_request`); Host /
-//! `:authority` must name the connection's host and port (`host_mismatch`);
+//! Per request, in order ([`decide_parts`], pure): CONNECT (other than an
+//! HTTP/2 extended CONNECT) and absolute-form (HTTP/1.1) are refused
+//! (`bad_request`); Host / `:authority` must name the connection's host
+//! and port (`host_mismatch`); an upgrade is refused `upgrade_not_allowed`
+//! unless it is a WebSocket handshake on a rule with `websocket = true`
+//! (relayed by [`super::websocket`]);
 //! then [`Policy::decide_request`](crate::policy::Policy::decide_request)
 //! normalises the path, applies the rule's method and path rules and picks
 //! the credentials (the same call `palisade explain` makes). Then the
@@ -25,12 +28,13 @@ use std::time::Instant;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::service::service_fn;
 use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 use tracing::debug;
 
 use crate::config::CredentialConfig;
@@ -44,10 +48,12 @@ use crate::proxy::dial::DialError;
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::body::Metered;
-use crate::proxy::http::client::{self, NoResponse, ResponseFuture, Sender};
+use crate::proxy::http::client::{self, InOrder, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
 use crate::proxy::revoke::{self, Cut, Revisit};
+
+use super::websocket::{self, upgrade_of, Upgrade};
 
 /// An allowed connection the tunnel code hands over: decided (allow, by
 /// an intercepting rule), its decision record written, its upstream
@@ -178,6 +184,12 @@ where
     };
     let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
     let ctx = s.ctx.clone();
+    // Ended by the drain, or by a reload's policy that revokes it: no new
+    // request at once, the one in flight within `revoke_grace`.
+    let cut = Graceful {
+        graceful: ctx.shutdown.child_token(),
+        hard: ctx.hard_stop.child_token(),
+    };
     let shared = Arc::new(Shared {
         up: AtomicU64::new(0),
         down: AtomicU64::new(0),
@@ -185,6 +197,8 @@ where
             fresh: Some(upstream),
             sender: None,
         }),
+        relays: TaskTracker::new(),
+        stop: cut.graceful.clone(),
         session: s,
     });
     let svc_shared = shared.clone();
@@ -204,12 +218,6 @@ where
             max_headers: limits.max_headers,
         }
     };
-    // Ended by the drain, or by a reload's policy that revokes it: no new
-    // request at once, the one in flight within `revoke_grace`.
-    let cut = Graceful {
-        graceful: ctx.shutdown.child_token(),
-        hard: ctx.hard_stop.child_token(),
-    };
     let drain = Drain {
         shutdown: &cut.graceful,
         hard_stop: &cut.hard,
@@ -219,6 +227,10 @@ where
     if let Err(e) = revoke::held(&ctx, &session.conn, &session.id, &cut, served).await {
         debug!(error = %e, "intercepted connection ended with error");
     }
+    // An upgraded HTTP/1.1 connection ends its serving at the upgrade: its
+    // relay (bounded by the idle timeout and the cut) is still counted.
+    shared.relays.close();
+    shared.relays.wait().await;
     let totals = (
         shared.up.load(Ordering::Relaxed),
         shared.down.load(Ordering::Relaxed),
@@ -244,6 +256,11 @@ impl Cut for Graceful {
 struct Shared {
     session: Session,
     upstream: tokio::sync::Mutex<Upstream>,
+    /// The WebSocket relays of the connection: its close record waits
+    /// for them.
+    relays: TaskTracker,
+    /// Ends the relays: the connection's graceful cut (drain, revocation).
+    stop: CancellationToken,
     /// Request and response body bytes of every request, for the close record.
     up: AtomicU64,
     down: AtomicU64,
@@ -301,7 +318,11 @@ impl Shared {
     /// Send one request upstream, connecting again first if the
     /// connection closed meanwhile. HTTP/1.1 upstream connections carry one
     /// request at a time; HTTP/2 ones multiplex.
-    async fn send(&self, req: Request<Body>) -> Result<ResponseFuture, UpstreamError> {
+    async fn send(
+        &self,
+        req: Request<Body>,
+        watch: &mut InOrder,
+    ) -> Result<ResponseFuture, UpstreamError> {
         let mut up = self.upstream.lock().await;
         let mut req = req;
         for _ in 0..2 {
@@ -313,7 +334,10 @@ impl Shared {
                 }
             };
             match sender.send(req).await {
-                Ok(fut) => return Ok(fut),
+                Ok(fut) => {
+                    watch.follow(sender);
+                    return Ok(fut);
+                }
                 Err(back) => {
                     up.sender = None;
                     req = back;
@@ -324,6 +348,19 @@ impl Shared {
     }
 
     async fn connect(&self, fresh: Option<TcpStream>) -> Result<Sender, UpstreamError> {
+        let tls = self.tls(fresh, false).await?;
+        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+        Ok(Sender::handshake(tls, h2, &self.session.ctx.tasks).await?)
+    }
+
+    /// TCP (`fresh`, else dialled to the checked address) and verified
+    /// TLS to the upstream; with `h1_only`, ALPN offers `http/1.1` alone
+    /// (a WebSocket handshake's own connection).
+    async fn tls(
+        &self,
+        fresh: Option<TcpStream>,
+        h1_only: bool,
+    ) -> Result<tokio_rustls::client::TlsStream<TcpStream>, UpstreamError> {
         let s = &self.session;
         let tcp = match fresh {
             Some(t) => t,
@@ -335,7 +372,14 @@ impl Shared {
         let server_name = ServerName::try_from(s.name.clone())
             .map_err(|e| UpstreamError::Tls(format!("invalid server name: {e}")))?;
         let ic = &s.how.interceptor;
-        let connector = tokio_rustls::TlsConnector::from(ic.upstream.clone());
+        let config = if h1_only {
+            let mut c = (*ic.upstream).clone();
+            c.alpn_protocols = vec![b"http/1.1".to_vec()];
+            Arc::new(c)
+        } else {
+            ic.upstream.clone()
+        };
+        let connector = tokio_rustls::TlsConnector::from(config);
         let tls =
             match tokio::time::timeout(ic.handshake_timeout, connector.connect(server_name, tcp))
                 .await
@@ -348,8 +392,7 @@ impl Shared {
                     ))
                 }
             };
-        let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-        Ok(Sender::handshake(tls, h2, &s.ctx.tasks).await?)
+        Ok(tls)
     }
 }
 
@@ -367,11 +410,11 @@ fn check_request(
     port: u16,
 ) -> Result<(), (Reason, String)> {
     let bad = |m: &str| Err((Reason::BadRequest, m.to_string()));
-    if req.method == Method::CONNECT {
+    // An extended CONNECT (HTTP/2 `:protocol`) is an upgrade, decided by
+    // [`decide_parts`]; a plain one would open a tunnel inside.
+    let extended = req.extensions.get::<hyper::ext::Protocol>().is_some();
+    if req.method == Method::CONNECT && !extended {
         return bad("CONNECT inside an intercepted connection is refused");
-    }
-    if req.headers.contains_key(header::UPGRADE) {
-        return bad("protocol upgrades (WebSocket) inside an intercepted connection are refused");
     }
     let uri = &req.uri;
     let authority = if req.version == Version::HTTP_2 {
@@ -415,9 +458,13 @@ fn check_request(
 
 /// The live decision on one request inside an intercepted connection to
 /// `name`:`port` under allow rule `rule`: what the request addresses
-/// ([`check_request`]), then [`Policy::decide_request`] (path
-/// normalisation, method and path rules, credentials from `credentials`).
-/// Pure, for HTTP/1.1 and HTTP/2 alike.
+/// ([`check_request`]); an upgrade (a WebSocket handshake where the rule
+/// has `websocket = true`, else `upgrade_not_allowed`, and any other
+/// protocol always `upgrade_not_allowed`); then
+/// [`Policy::decide_request`] (path normalisation, method and path rules,
+/// credentials from `credentials`), a WebSocket handshake decided as the
+/// `GET` it is in HTTP/1.1 (an HTTP/2 extended CONNECT too). Pure, for
+/// HTTP/1.1 and HTTP/2 alike.
 pub(crate) fn decide_parts<'a>(
     policy: &Policy,
     org: &OrgRef,
@@ -439,9 +486,40 @@ pub(crate) fn decide_parts<'a>(
             credentials: Vec::new(),
         };
     }
+    let upgrade = upgrade_of(parts);
+    let refuse_upgrade = |detail: String| RequestDecision {
+        verdict: Verdict {
+            org: Some(org.clone()),
+            reason: Reason::UpgradeNotAllowed,
+            rule: Some(Arc::from(rule)),
+            would_deny: None,
+        },
+        detail: Some(detail),
+        path: None,
+        credentials: Vec::new(),
+    };
+    let method = match &upgrade {
+        Upgrade::None => parts.method.as_str(),
+        Upgrade::Other(p) => {
+            return refuse_upgrade(format!(
+            "upgrade to {p:?} refused: only WebSocket is relayed, on a rule with websocket = true"
+        ))
+        }
+        Upgrade::WebSocket => {
+            let allowed = policy
+                .intercept_rules(org, rule)
+                .is_some_and(|r| r.websocket);
+            if !allowed {
+                return refuse_upgrade(format!(
+                    "WebSocket refused: rule {rule} does not have websocket = true"
+                ));
+            }
+            "GET"
+        }
+    };
     let req = RequestFacts {
         host: name,
-        method: parts.method.as_str(),
+        method,
         path: parts.uri.path(),
     };
     policy.decide_request(org, rule, req, credentials)
@@ -522,6 +600,7 @@ async fn decide_and_send(
     }
 
     // Build the upstream request.
+    let upgrade = upgrade_of(&parts);
     strip_hop_by_hop(&mut parts.headers);
     let mut used = Vec::new();
     for c in decision.credentials.iter().filter_map(|&i| creds.get(i)) {
@@ -555,6 +634,13 @@ async fn decide_and_send(
         format!("{}:{}", s.name, s.conn.port)
     };
 
+    if upgrade == Upgrade::WebSocket {
+        // Its body (none, or the HTTP/2 stream) goes with the upgrade.
+        body.take();
+        let target = (path_and_query.as_str(), authority.as_str());
+        return websocket_handshake(shared, parts, req, target, started).await;
+    }
+
     // Evidence before any byte of this request reaches the upstream. The
     // upstream connection (and its TLS) is set up after the connection's
     // own `tcp` record, which is already written.
@@ -563,7 +649,12 @@ async fn decide_and_send(
         req.deny(Reason::BadRequest, None);
         return refused(shared, req, "request body gone").await;
     };
-    let body = Metered::new(client_body, up_count.clone()).boxed();
+    // An HTTP/1.1 upstream connection carries the next request only if
+    // this one kept to order ([`InOrder`]).
+    let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
+    let body = watch
+        .gate(Metered::new(client_body, up_count.clone()).on_complete(body_sent))
+        .boxed();
     let h2_upstream = match shared.ready().await {
         Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
@@ -627,7 +718,10 @@ async fn decide_and_send(
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
     };
-    let fut = match shared.send(Request::from_parts(parts, body)).await {
+    let fut = match shared
+        .send(Request::from_parts(parts, body), &mut watch)
+        .await
+    {
         Ok(f) => f,
         Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
     };
@@ -638,10 +732,102 @@ async fn decide_and_send(
                 .intercepted_request_duration_seconds
                 .with_label_values(&[&*s.how.org.name])
                 .observe(started.elapsed().as_secs_f64());
-            exchange.relay(resp)
+            watch.response_began();
+            // Read to its end: the connection stays for the next request if
+            // the exchange kept to order; otherwise (or cut short) the
+            // watch, dropped, cuts it.
+            let kept = Box::new(move || {
+                watch.reusable();
+            });
+            exchange.relay(resp, Some(kept))
         }
         Err(e) => exchange.failed(e),
     }
+}
+
+/// An allowed WebSocket handshake (credentials added to `parts`): record
+/// it, send it upstream as an HTTP/1.1 upgrade over a connection of its
+/// own, and after the upstream's `101` answer the client (`101`, or `200`
+/// to an HTTP/2 extended CONNECT) and relay both upgraded streams
+/// ([`websocket::relay`]); any other answer is relayed as a response.
+async fn websocket_handshake(
+    shared: &Arc<Shared>,
+    mut parts: http::request::Parts,
+    mut req: Conn,
+    (path_and_query, authority): (&str, &str),
+    started: Instant,
+) -> Response<Body> {
+    let s = &shared.session;
+    let h2_client = parts.version == Version::HTTP_2;
+    let Some(client_upgrade) = parts.extensions.remove::<hyper::upgrade::OnUpgrade>() else {
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, "the handshake cannot be upgraded").await;
+    };
+    let upstream_req = match websocket::upstream_request(parts, path_and_query, authority) {
+        Ok(r) => r,
+        Err(e) => {
+            req.deny(Reason::BadRequest, None);
+            return refused(shared, req, &e).await;
+        }
+    };
+    let how = if h2_client {
+        "WebSocket (HTTP/2 extended CONNECT)"
+    } else {
+        "WebSocket (HTTP/1.1 upgrade)"
+    };
+    req.detail = Some(match req.detail.take() {
+        Some(d) => format!("{how}; {d}"),
+        None => how.to_string(),
+    });
+    let mut record = req.record();
+    if !s.ctx.write(&mut record).await {
+        count(shared, Reason::EvidenceUnavailable);
+        return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
+    }
+    count(shared, Reason::RuleMatch);
+    let totals = shared.clone();
+    let exchange = Exchange {
+        ctx: s.ctx.clone(),
+        req,
+        shown: record.shown().to_string(),
+        id: record.id,
+        started,
+        up: Box::new(|| 0),
+        with_status: true,
+        on_close: Some(Box::new(move |up, down| {
+            totals.up.fetch_add(up, Ordering::Relaxed);
+            totals.down.fetch_add(down, Ordering::Relaxed);
+        })),
+    };
+    let fresh = shared.upstream.lock().await.fresh.take();
+    let tls = match shared.tls(fresh, true).await {
+        Ok(t) => t,
+        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
+    };
+    let mut sender = match Sender::handshake_upgrade(tls, &s.ctx.tasks).await {
+        Ok(sender) => sender,
+        Err(e) => return exchange.failed(NoResponse::Failed(e)),
+    };
+    let timeout = s.ctx.limits.response_timeout.get();
+    let mut resp = match websocket::handshake(&mut sender, upstream_req, timeout).await {
+        Ok(r) => r,
+        Err(e) => return exchange.failed(e),
+    };
+    if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        return exchange.relay(resp, None);
+    }
+    let upstream_upgrade = hyper::upgrade::on(&mut resp);
+    let answer = websocket::client_response(&resp.into_parts().0, h2_client);
+    let status = answer.status().as_u16();
+    let idle = s.ctx.limits.idle_timeout.get();
+    shared.relays.spawn(websocket::relay(
+        exchange,
+        (client_upgrade, upstream_upgrade),
+        status,
+        idle,
+        shared.stop.clone(),
+    ));
+    answer
 }
 
 /// A path as evidence keeps it.
