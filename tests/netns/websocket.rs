@@ -399,3 +399,77 @@ fn websocket_off_is_refused_at_once_and_other_protocols_always() {
     );
     assert!(s.echo.requests("/ws/udp").is_empty());
 }
+
+/// A WebSocket over HTTP/1.1, relaying, when a reload takes its rule away:
+/// the relay is cut (`policy_revoked` on the connection's record), the
+/// message sent after the reload gets no echo, and the upstream saw only
+/// the one before.
+#[test]
+fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
+    let s = start();
+    let lab = &s.lab;
+    let go = scratch_dir("ws-revoke").join("go");
+    let script = fixtures_dir().join("ws_client.py").display().to_string();
+    let (ca, port, go_arg) = (
+        s.org_ca.display().to_string(),
+        WS_PORT.to_string(),
+        go.display().to_string(),
+    );
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &lab.ns_client, PYTHON, &script, "h1"])
+        .args([
+            "--proxy",
+            PROXY_ADDR,
+            "--host",
+            "allowed.test",
+            "--port",
+            &port,
+        ])
+        .args(["--path", "/ws/revoked", "--ca", &ca, "--message", "before"])
+        .args(["--then-after", &go_arg, "--then", "after-reload"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start the WebSocket client");
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let _ = std::io::BufRead::read_line(&mut out, &mut line);
+    assert!(line.contains("\"ready\""), "client: {line}");
+    let tcp = lab.wait_evidence("the intercepted connection", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["port"] == WS_PORT
+    });
+    let id = record_id(&tcp).unwrap();
+
+    // Its port goes from the rule: allowed.test:8443 is no longer allowed.
+    let before = std::fs::read_to_string(&lab.config_path).unwrap();
+    let rule = format!("id = \"ws\"\nhost = \"allowed.test\"\nports = [{WS_PORT}]");
+    assert!(before.contains(&rule), "{before}");
+    let tmp = lab.config_path.with_extension("new");
+    fs::write(&tmp, before.replace(&rule, &rule.replace(&port, "9443"))).unwrap();
+    fs::rename(&tmp, &lab.config_path).unwrap();
+    lab.signal_proxy("-HUP");
+    let revoked = lab.wait_evidence("the revocation", |v| {
+        v["event"] == "decision" && v["kind"] == "tcp" && v["conn"] == id.as_str()
+    });
+    assert_eq!(revoked["reason"], "policy_revoked", "{revoked}");
+    fs::write(&go, "").unwrap();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut out, &mut rest);
+    let _ = child.wait();
+    let v: Value = serde_json::from_str(rest.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("client output {e}: {rest}"));
+    assert_eq!(v["echoed"], serde_json::json!(["before"]), "{v}");
+    assert_eq!(v["then_echoed"], false, "{v}");
+    let closed: Vec<Value> = s
+        .echo
+        .log()
+        .into_iter()
+        .filter(|e| e["event"] == "closed" && e["path"] == "/ws/revoked")
+        .collect();
+    assert!(
+        closed.iter().all(|e| e["messages"] == 1),
+        "{}",
+        dump(&closed)
+    );
+}

@@ -223,14 +223,18 @@ where
         hard_stop: &cut.hard,
     };
     let session = &shared.session;
-    let served = layer::serve(tls, service, protocol, drain);
-    if let Err(e) = revoke::held(&ctx, &session.conn, &session.id, &cut, served).await {
+    let serving = async {
+        let served = layer::serve(tls, service, protocol, drain).await;
+        // An upgraded HTTP/1.1 connection ends its serving at the upgrade:
+        // its relay (bounded by the idle timeout and the cut) is still
+        // held to every reloaded policy, and counted.
+        shared.relays.close();
+        shared.relays.wait().await;
+        served
+    };
+    if let Err(e) = revoke::held(&ctx, &session.conn, &session.id, &cut, serving).await {
         debug!(error = %e, "intercepted connection ended with error");
     }
-    // An upgraded HTTP/1.1 connection ends its serving at the upgrade: its
-    // relay (bounded by the idle timeout and the cut) is still counted.
-    shared.relays.close();
-    shared.relays.wait().await;
     let totals = (
         shared.up.load(Ordering::Relaxed),
         shared.down.load(Ordering::Relaxed),
