@@ -139,26 +139,27 @@ fn start() -> Setup {
     Setup { lab, echo, org_ca }
 }
 
-/// Run the WebSocket client (`h1` or `h2`) in the client namespace.
-fn client(s: &Setup, mode: &str, port: u16, path: &str, extra: &[&str]) -> Value {
+/// The WebSocket client's command line (`h1` or `h2`, to allowed.test:`port`).
+fn client_args(s: &Setup, mode: &str, port: u16, path: &str, extra: &[&str]) -> Vec<String> {
     let script = fixtures_dir().join("ws_client.py").display().to_string();
     let ca = s.org_ca.display().to_string();
-    let port = port.to_string();
-    let mut args = vec![
-        script.as_str(),
-        mode,
-        "--proxy",
-        PROXY_ADDR,
-        "--host",
-        "allowed.test",
-        "--port",
-        &port,
-        "--path",
-        path,
-        "--ca",
-        &ca,
-    ];
-    args.extend_from_slice(extra);
+    let mut args: Vec<String> = vec![script, mode.into(), "--proxy".into(), PROXY_ADDR.into()];
+    args.extend(["--host".into(), "allowed.test".into()]);
+    args.extend([
+        "--port".into(),
+        port.to_string(),
+        "--path".into(),
+        path.into(),
+    ]);
+    args.extend(["--ca".into(), ca]);
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
+}
+
+/// Run the WebSocket client (`h1` or `h2`) in the client namespace.
+fn client(s: &Setup, mode: &str, port: u16, path: &str, extra: &[&str]) -> Value {
+    let args = client_args(s, mode, port, path, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = s.lab.client_exec(PYTHON, &args);
     let line = out.stdout.lines().last().unwrap_or_default();
     serde_json::from_str(line).unwrap_or_else(|e| panic!("client output {e}: {}", out.describe()))
@@ -409,24 +410,20 @@ fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
     let s = start();
     let lab = &s.lab;
     let go = scratch_dir("ws-revoke").join("go");
-    let script = fixtures_dir().join("ws_client.py").display().to_string();
-    let (ca, port, go_arg) = (
-        s.org_ca.display().to_string(),
-        WS_PORT.to_string(),
-        go.display().to_string(),
-    );
+    let go_arg = go.display().to_string();
+    let then = [
+        "--message",
+        "before",
+        "--then-after",
+        &go_arg,
+        "--then",
+        "after-reload",
+    ];
+    let args = client_args(&s, "h1", WS_PORT, "/ws/revoked", &then);
+    let port = WS_PORT.to_string();
     let mut child = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_client, PYTHON, &script, "h1"])
-        .args([
-            "--proxy",
-            PROXY_ADDR,
-            "--host",
-            "allowed.test",
-            "--port",
-            &port,
-        ])
-        .args(["--path", "/ws/revoked", "--ca", &ca, "--message", "before"])
-        .args(["--then-after", &go_arg, "--then", "after-reload"])
+        .args(["netns", "exec", &lab.ns_client, PYTHON])
+        .args(&args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
