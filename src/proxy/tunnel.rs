@@ -225,7 +225,11 @@ where
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if writer.write_all(&buf[..n]).await.is_err() {
+        // Flushed too: a TLS writer (an upgraded intercepted connection)
+        // may keep the tail of a write buffered until the next one, which
+        // could be never (a WebSocket message waiting for its echo). A TCP
+        // socket's flush returns at once.
+        if writer.write_all(&buf[..n]).await.is_err() || writer.flush().await.is_err() {
             break;
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
@@ -247,6 +251,65 @@ where
 mod tests {
     use super::*;
     use tokio::io::duplex;
+
+    /// A writer that, like a TLS stream over a full socket, holds what it
+    /// was given until it is flushed.
+    #[derive(Default)]
+    struct HeldUntilFlush {
+        held: Vec<u8>,
+        sent: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    }
+
+    impl AsyncWrite for HeldUntilFlush {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.held.extend_from_slice(buf);
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+
+        fn poll_flush(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            let held = std::mem::take(&mut self.held);
+            self.sent.lock().unwrap().extend_from_slice(&held);
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            self.poll_flush(cx)
+        }
+    }
+
+    /// What a copy wrote reaches the peer while the reader is still open:
+    /// a WebSocket message waiting for its echo is never left in a buffer.
+    #[tokio::test]
+    async fn a_copy_flushes_what_it_wrote_before_waiting_to_read() {
+        let (a, mut b) = duplex(1024);
+        let (mut reader, _keep) = tokio::io::split(a);
+        let mut writer = HeldUntilFlush::default();
+        let sent = writer.sent.clone();
+        let count = AtomicU64::new(0);
+        let copying = copy(&mut reader, &mut writer, &count, &|| {});
+        tokio::pin!(copying);
+        b.write_all(b"message").await.unwrap();
+        let delivered = async {
+            while sent.lock().unwrap().as_slice() != b"message" {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::select! {
+            _ = &mut copying => panic!("the copy ended with its reader open"),
+            _ = tokio::time::timeout(Duration::from_secs(5), delivered) => {}
+        }
+        assert_eq!(sent.lock().unwrap().as_slice(), b"message");
+    }
 
     #[tokio::test]
     async fn detect_plain_silent_and_closed() {
