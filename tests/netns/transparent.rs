@@ -57,29 +57,33 @@ pub(crate) fn load_gateway(lab: &Lab) {
 
 /// curl from the sandbox with no proxy, `name` pinned to `addr`.
 fn curl(lab: &Lab, url: &str, resolve: &str) -> lab::CmdOutput {
-    let ca = ca_pem().display().to_string();
-    lab.client_exec(
-        "curl",
-        &[
-            "-sS",
-            "--noproxy",
-            "*",
-            "--max-time",
-            "8",
-            "--cacert",
-            &ca,
-            "--resolve",
-            resolve,
-            "-o",
-            "/dev/stdout",
-            "-w",
-            "\nHTTP %{http_code}\n",
-            url,
-        ],
-    )
+    curl_with(lab, &[], url, resolve)
 }
 
-fn transparent_records(lab: &Lab) -> Vec<Value> {
+/// [`curl`] with `extra` options first (`-6`: IPv6 only).
+pub(crate) fn curl_with(lab: &Lab, extra: &[&str], url: &str, resolve: &str) -> lab::CmdOutput {
+    let ca = ca_pem().display().to_string();
+    let mut args = extra.to_vec();
+    args.extend_from_slice(&[
+        "-sS",
+        "--noproxy",
+        "*",
+        "--max-time",
+        "8",
+        "--cacert",
+        &ca,
+        "--resolve",
+        resolve,
+        "-o",
+        "/dev/stdout",
+        "-w",
+        "\nHTTP %{http_code}\n",
+        url,
+    ]);
+    lab.client_exec("curl", &args)
+}
+
+pub(crate) fn transparent_records(lab: &Lab) -> Vec<Value> {
     lab.evidence()
         .into_iter()
         .filter(|v| v["mode"] == "transparent")

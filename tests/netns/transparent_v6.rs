@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 use crate::lab::{self, ca_pem, dump, Lab, ALLOWED_IP6, DNS_IP6, OTHER_IP6, ULA_IP6, UNLISTED_IP6};
-use crate::transparent::{load_gateway, NetnsResolvConf, TRANSPARENT};
+use crate::transparent::{load_gateway, transparent_records, NetnsResolvConf, TRANSPARENT};
 
 /// The v6 listeners: the addresses REDIRECT sends the sandbox's IPv6 to
 /// (the sandbox interface's first global address).
@@ -73,34 +73,7 @@ fn default_lab() -> Lab {
 
 /// curl -6 from the sandbox with no proxy, `name` pinned to `addr`.
 fn curl6(lab: &Lab, url: &str, resolve: &str) -> lab::CmdOutput {
-    let ca = ca_pem().display().to_string();
-    lab.client_exec(
-        "curl",
-        &[
-            "-6",
-            "-sS",
-            "--noproxy",
-            "*",
-            "--max-time",
-            "8",
-            "--cacert",
-            &ca,
-            "--resolve",
-            resolve,
-            "-o",
-            "/dev/stdout",
-            "-w",
-            "\nHTTP %{http_code}\n",
-            url,
-        ],
-    )
-}
-
-fn transparent_records(lab: &Lab) -> Vec<Value> {
-    lab.evidence()
-        .into_iter()
-        .filter(|v| v["mode"] == "transparent")
-        .collect()
+    crate::transparent::curl_with(lab, &["-6"], url, resolve)
 }
 
 #[test]
