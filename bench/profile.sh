@@ -6,6 +6,7 @@
 #
 #   sudo bench/profile.sh instructions [BIN...]   # default BIN: target/release/palisade
 #   sudo bench/profile.sh perf [BIN]
+#   sudo bench/profile.sh syscalls [BIN]
 #
 # instructions: user-space instructions per CONNECT tunnel counted by
 #   callgrind (for machines whose `perf stat` has no PMU to count them). For
@@ -19,6 +20,18 @@
 #   core 0 while loadgen on core 1 opens tunnels at concurrency 64 for 10 s,
 #   then while dnsperf on core 1 asks the DNS shim for allowed.bench for
 #   10 s; prints the split by object and the top symbols of each.
+# syscalls: system calls and context switches per unit of work, for
+#   Palisade and, beside it, for the floor of the same work: HAProxy as a bare
+#   TCP relay (tunnels and keep-alive GETs: the same GET /small, relayed
+#   without CONNECT, policy or log) and dnsmasq as a caching DNS filter
+#   (queries). Per workload, `perf trace -s` is attached to the warmed-up
+#   server for N1 and then N2 units (SYS_N1=2000, SYS_N2=6000 by default) and
+#   (count(N2) - count(N1)) / (N2 - N1) is printed per syscall: start-up, the
+#   attach and idle timers cancel out. Wake-ups (voluntary context switches) are read from
+#   /proc/PID/task/*/status the same way. Workloads: new tunnel + GET + close
+#   at c=1 (server, loadgen and nginx on one core, as the harness places
+#   them) and c=64 (server on its own core), keep-alive absolute-form GETs at
+#   c=64, and UDP queries for a cached allowed name at c=1.
 # Needs valgrind or perf, nginx (nginx-light), dnsmasq, dnsperf (perf mode),
 # and the harness's loadgen (built by ../shared/bench/run-palisade.sh, or
 # LOADGEN=path).
@@ -26,14 +39,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
-  instructions | perf) shift ;;
-  *) echo "usage: bench/profile.sh instructions|perf [BIN...]" >&2; exit 2 ;;
+  instructions | perf | syscalls) shift ;;
+  *) echo "usage: bench/profile.sh instructions|perf|syscalls [BIN...]" >&2; exit 2 ;;
 esac
 N1=${N1:-200} N2=${N2:-1200} CONC=${CONC:-"1 64"}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
 [ "$#" -gt 0 ] || set -- target/release/palisade
 tools=(nginx dnsmasq "$LOADGEN")
-if [ "$mode" = instructions ]; then tools+=(valgrind); else tools+=(perf dnsperf taskset); fi
+case "$mode" in
+  instructions) tools+=(valgrind) ;;
+  perf) tools+=(perf dnsperf taskset) ;;
+  syscalls) tools+=(perf taskset haproxy) ;;
+esac
 for b in "${tools[@]}"; do
   command -v "$b" >/dev/null || [ -x "$b" ] || { echo "missing: $b" >&2; exit 1; }
 done
@@ -134,6 +151,107 @@ top() {
   perf report -i "$1" --no-children --sort dso -g none 2>/dev/null | grep '%' | head -n 5 || true
   perf report -i "$1" --no-children --sort sym -g none 2>/dev/null | grep '%' | head -n 20 || true
 }
+
+# The voluntary context switches (wake-ups after blocking) of every thread of PID;
+# involuntary ones count other jobs preempting it, not its own work.
+switches() {
+  cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^voluntary_ctxt_switches/ { s += $2 } END { print s + 0 }'
+}
+
+# Runs `perf trace -s` on PID while CMD... runs; prints "SYSCALL CALLS" lines
+# summed over threads, then "ctxt_switches N" and "ok N" (CMD's JSON "ok").
+traced() {
+  local pid=$1 out=$2
+  shift 2
+  local c0 c1
+  c0=$(switches "$pid")
+  perf trace -s -p "$pid" -o "$out.trace" -- "$@" >"$out.json" 2>"$out.err"
+  c1=$(switches "$pid")
+  awk '$1 ~ /^[a-z_0-9]+$/ && $2 ~ /^[0-9]+$/ && $3 ~ /^[0-9]+$/ && NF >= 8 { n[$1] += $2 }
+       END { for (k in n) print k, n[k] }' "$out.trace"
+  echo "ctxt_switches $((c1 - c0))"
+  echo "ok $(grep -o '"ok":[0-9]*' "$out.json" | head -n1 | cut -d: -f2)"
+}
+
+# Prints, for one workload, the per-unit difference of two traced runs of N1
+# and N2 units: "SYSCALL PER_UNIT" sorted by count, the total, switches.
+per_unit() {
+  local pid=$1 label=$2 cpu=$3
+  shift 3
+  local a="$run/sys.$label.1" b="$run/sys.$label.2"
+  local lg=(taskset -c "$cpu" timeout 150 "$LOADGEN" "$@" --duration 120 --warmup 0 --op-timeout 30)
+  traced "$pid" "$a" "${lg[@]}" --max-requests "$SYS_N1" >"$a.counts"
+  traced "$pid" "$b" "${lg[@]}" --max-requests "$SYS_N2" >"$b.counts"
+  awk -v label="$label" '
+    FNR == 1 { f++ }
+    f == 1 { a[$1] = $2; keys[$1] = 1 }
+    f == 2 { b[$1] = $2; keys[$1] = 1 }
+    END {
+      units = b["ok"] - a["ok"]
+      if (units <= 0) { print label ": no units completed" > "/dev/stderr"; exit 1 }
+      total = 0
+      for (k in keys) {
+        if (k == "ok" || k == "ctxt_switches") continue
+        d = (b[k] - a[k]) / units
+        if (d >= 0.05) { line[k] = d; total += d }
+      }
+      printf "== %s: %.1f syscalls and %.2f wake-ups (voluntary context switches) per unit (%d units)\n", label, total, (b["ctxt_switches"] - a["ctxt_switches"]) / units, units
+      cmd = "sort -k2 -nr"
+      for (k in line) printf "   %-20s %6.2f\n", k, line[k] | cmd
+      close(cmd)
+    }' "$a.counts" "$b.counts"
+}
+
+if [ "$mode" = syscalls ]; then
+  bin=$1
+  SYS_N1=${SYS_N1:-2000} SYS_N2=${SYS_N2:-6000}
+  warm() { timeout 150 "$LOADGEN" "$@" --duration 120 --warmup 0 --op-timeout 30 --max-requests 500 >/dev/null; }
+  cat >"$run/haproxy.cfg" <<CONF
+global
+  maxconn 4096
+  nbthread 1
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+listen relay
+  bind 127.0.0.1:13150
+  server origin 127.0.0.1:18080
+CONF
+  dnsmasq -k --port=15312 --listen-address=127.0.0.1 --bind-interfaces --no-resolv --no-hosts \
+    --server=127.0.0.1#15310 --cache-size=1000 --pid-file= >/dev/null 2>&1 &
+  dm=$!
+  pids+=("$dm")
+  rm -rf "$run/evidence" "$run/evidence.key"
+  "$bin" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
+  p=$!
+  pids+=("$p")
+  haproxy -db -f "$run/haproxy.cfg" >"$run/haproxy.log" 2>&1 &
+  h=$!
+  pids+=("$h")
+  wait_port 13140
+  wait_port 13150
+  tun=(tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small)
+  rel=(direct-rate --backend 127.0.0.1:13150 --host allowed.bench:18080 --path /small)
+  fwd=(forward-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small --keepalive on)
+  dns=(dns-rate --qname allowed.bench --concurrency 1)
+  # c=1: everything on core 1; otherwise the server alone on core 0
+  taskset -pc 1 "$p" >/dev/null; taskset -apc 1 "$p" >/dev/null; taskset -pc 1 "$h" >/dev/null
+  warm "${tun[@]}" --concurrency 1; warm "${rel[@]}" --concurrency 1
+  per_unit "$p" "palisade: tunnel c=1" 1 "${tun[@]}" --concurrency 1
+  per_unit "$h" "relay: connection c=1" 1 "${rel[@]}" --concurrency 1 --keepalive off
+  taskset -apc 1 "$dm" >/dev/null
+  warm "${dns[@]}" --server 127.0.0.1:15311; warm "${dns[@]}" --server 127.0.0.1:15312
+  per_unit "$p" "palisade: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15311
+  per_unit "$dm" "dnsmasq: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15312
+  taskset -apc 0 "$p" >/dev/null; taskset -pc 0 "$h" >/dev/null
+  per_unit "$p" "palisade: tunnel c=64" 1 "${tun[@]}" --concurrency 64
+  per_unit "$h" "relay: connection c=64" 1 "${rel[@]}" --concurrency 64 --keepalive off
+  per_unit "$p" "palisade: keep-alive GET c=64" 1 "${fwd[@]}" --concurrency 64
+  per_unit "$h" "relay: keep-alive GET c=64" 1 "${rel[@]}" --concurrency 64 --keepalive on
+  exit 0
+fi
 
 if [ "$mode" = perf ]; then
   bin=$1
