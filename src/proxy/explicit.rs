@@ -13,7 +13,7 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use tokio::net::{TcpListener, TcpStream};
-use tracing::{debug, info_span, Instrument};
+use tracing::{debug, debug_span, Instrument};
 
 use super::conn::Conn;
 use super::connect;
@@ -40,7 +40,7 @@ pub(crate) async fn serve_connection(
 ) {
     // The permit lives as long as the connection or any tunnel it became.
     let permit = Arc::new(permit);
-    let span = info_span!("explicit", org = org.as_ref().map(|o| &*o.name));
+    let span = debug_span!("explicit", org = org.as_ref().map(|o| &*o.name));
     async move {
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info_span, warn, Instrument};
+use tracing::{debug_span, warn, Instrument};
 
 /// Pause after a failed accept (EMFILE and friends), instead of spinning.
 pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
@@ -77,7 +77,10 @@ pub(crate) async fn accept<A: Admission>(listener: TcpListener, on: &Listener, a
         let Some(conn) = admission.admit(stream, peer).await else {
             continue;
         };
-        let span = info_span!("conn", listener = on.what, client.addr = %peer);
+        // Debug level: at the default level no span is built per connection (its
+        // fields formatted and stored for the connection's life), and nothing
+        // logged inside one at info or above needs it (records carry the client).
+        let span = debug_span!("conn", listener = on.what, client.addr = %peer);
         on.tasks.spawn(conn.instrument(span));
     }
 }
