@@ -498,3 +498,48 @@ fn the_first_allowlist_guide_runs_as_written() {
         read(&tail_err)
     );
 }
+
+/// What the guide says of a name that does not resolve in report mode: it
+/// is recorded `resolution_failed` with no `would_deny`, and the draft
+/// proposes nothing for it (so the lab above resolves every name).
+#[test]
+fn in_report_mode_a_name_that_does_not_resolve_is_recorded_but_never_drafted() {
+    let page = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(GUIDE)).unwrap();
+    let steps = blocks(&page).unwrap_or_else(|e| panic!("{e}"));
+    let org = steps.iter().find(|b| b.step == "report-config").unwrap();
+    let lab = Lab::start(&org.text);
+    let r = lab.proxied_curl("http://nowhere.build.test/", &[]);
+    assert_eq!(r.status, 502, "{r:?}");
+    let rec = lab.wait_evidence("the unresolvable name", |v| {
+        v["host"] == "nowhere.build.test" && v["event"] == "decision"
+    });
+    assert_eq!(
+        (&rec["decision"], &rec["reason"], &rec["would_deny"]),
+        (
+            &serde_json::json!("deny"),
+            &serde_json::json!("resolution_failed"),
+            &serde_json::Value::Null
+        ),
+        "{rec}"
+    );
+    let out = run_with_timeout(
+        Command::new(lab::palisade_bin()).args([
+            "draft",
+            "--evidence",
+            lab.evidence_dir.to_str().unwrap(),
+            "--org",
+            "agents",
+            "-c",
+            lab.config_path.to_str().unwrap(),
+            "--allow-unsealed",
+        ]),
+        None,
+        lab::CMD_TIMEOUT,
+    );
+    println!("{}", out.describe());
+    assert!(
+        !out.stdout.contains("nowhere.build.test"),
+        "{}",
+        out.describe()
+    );
+}
