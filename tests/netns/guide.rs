@@ -536,7 +536,14 @@ fn in_report_mode_a_name_that_does_not_resolve_is_recorded_but_never_drafted() {
         None,
         lab::CMD_TIMEOUT,
     );
-    println!("{}", out.describe());
+    assert!(out.success(), "{}", out.describe());
+    assert!(
+        out.stdout.trim().is_empty()
+            && out.stderr.contains("from 0 decisions")
+            && out.stderr.contains(": 0 rules"),
+        "{}",
+        out.describe()
+    );
     assert!(
         !out.stdout.contains("nowhere.build.test"),
         "{}",
