@@ -60,7 +60,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let result: Result<(), CliError> = match Cli::parse().command {
+    // Not `Cli::parse()`: its `--help` panics on a closed stdout (`palisade
+    // --help | head -c 1`); a reader that went away is no error here either.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
+    };
+    let result: Result<(), CliError> = match cli.command {
         Command::Run(args) => cli::run::run(args),
         Command::Check(args) => cli::check::run(args),
         Command::Explain(args) => cli::explain::run(args),

@@ -11,6 +11,7 @@
 
 use std::fmt::Display;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{self, Config};
 
@@ -54,11 +55,13 @@ pub enum Status {
 }
 
 /// A command that did not succeed: its exit status and what to say on
-/// stderr.
+/// stderr. Or one whose reader went away ([`CliError::reader_gone`]): it
+/// stops there, quietly, with exit status 0.
 #[derive(Debug)]
 pub struct CliError {
     status: Status,
     message: Option<String>,
+    reader_gone: bool,
 }
 
 impl CliError {
@@ -67,6 +70,7 @@ impl CliError {
         CliError {
             status,
             message: Some(format!("palisade: {message}")),
+            reader_gone: false,
         }
     }
 
@@ -76,6 +80,7 @@ impl CliError {
         CliError {
             status,
             message: Some(message.to_string()),
+            reader_gone: false,
         }
     }
 
@@ -84,16 +89,37 @@ impl CliError {
         CliError {
             status,
             message: None,
+            reader_gone: false,
         }
+    }
+
+    /// The reader of stdout went away (`palisade … | head`): the command
+    /// stops where it is, says nothing, and exits 0, as `head` asked for no
+    /// more (like a command that dies of SIGPIPE, without the signal).
+    pub fn reader_gone() -> CliError {
+        CliError {
+            status: Status::Failed,
+            message: None,
+            reader_gone: true,
+        }
+    }
+
+    /// Whether the command stopped because its reader went away.
+    pub fn is_reader_gone(&self) -> bool {
+        self.reader_gone
     }
 
     pub fn status(&self) -> Status {
         self.status
     }
 
-    /// The process exit code.
+    /// The process exit code: 0 for a reader that went away.
     pub fn code(&self) -> u8 {
-        self.status as u8
+        if self.reader_gone {
+            0
+        } else {
+            self.status as u8
+        }
     }
 
     /// What to print on stderr, if anything.
@@ -115,24 +141,43 @@ pub fn print_json(value: &impl serde::Serialize) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Whether stdout's reader has gone (see [`stdout`]).
+static STDOUT_GONE: AtomicBool = AtomicBool::new(false);
+
 /// Write to stdout. `print!` panics when the reader has gone (`palisade
-/// evidence query … | head`); here a closed pipe ends the command quietly
-/// with status 1 (its output was not all delivered), any other write error
-/// is said on stderr.
+/// explain … | head`); here a closed pipe is no error: the rest of the
+/// output is dropped and the command ends with the status its work ends
+/// with, so `head` never turns a failure (a broken chain `verify` found)
+/// into a success, nor a success into a failure. A command that would go on
+/// printing for ever (`tail`) asks [`stdout_gone`] and stops. Any other
+/// write error is said on stderr, status 1.
 pub(crate) fn stdout(args: std::fmt::Arguments<'_>) -> Result<(), CliError> {
     use std::io::Write;
+    if stdout_gone() {
+        return Ok(());
+    }
     let mut out = std::io::stdout().lock();
-    out.write_fmt(args).and_then(|()| out.flush()).map_err(|e| {
-        let message = format!("stdout: {e}");
-        output_failed(&e, message)
-    })
+    match out.write_fmt(args).and_then(|()| out.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            STDOUT_GONE.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(e) => Err(CliError::new(Status::Failed, format_args!("stdout: {e}"))),
+    }
 }
 
-/// A command whose output could not be written: quietly when the reader
-/// closed the pipe, else with `message`. Status 1 either way.
+/// Whether a write to stdout met a closed pipe: its reader has gone.
+pub(crate) fn stdout_gone() -> bool {
+    STDOUT_GONE.load(Ordering::Relaxed)
+}
+
+/// A command whose streamed output (`evidence query`, which writes through
+/// its own buffer) could not be written: quietly with status 0 when the
+/// reader closed the pipe, else with `message` and status 1.
 pub(crate) fn output_failed(e: &std::io::Error, message: impl Display) -> CliError {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
-        CliError::silent(Status::Failed)
+        CliError::reader_gone()
     } else {
         CliError::new(Status::Failed, message)
     }
@@ -163,6 +208,22 @@ mod tests {
         assert_eq!(f.message(), Some("a.toml:3:1: unknown field"));
         assert_eq!(f.status(), Status::Failed);
         assert_eq!(CliError::silent(Status::Failed).message(), None);
+        let gone = CliError::reader_gone();
+        assert_eq!((gone.code(), gone.message()), (0, None));
+        assert!(gone.is_reader_gone() && !f.is_reader_gone());
+    }
+
+    #[test]
+    fn a_closed_pipe_is_a_quiet_end_and_other_write_errors_are_said() {
+        let pipe = std::io::Error::from(std::io::ErrorKind::BrokenPipe);
+        let gone = output_failed(&pipe, "stdout: broken pipe");
+        assert_eq!((gone.code(), gone.message()), (0, None));
+        let full = std::io::Error::other("no space left on device");
+        let f = output_failed(&full, "stdout: no space left on device");
+        assert_eq!(
+            (f.code(), f.message()),
+            (1, Some("palisade: stdout: no space left on device"))
+        );
     }
 
     #[test]

@@ -145,6 +145,10 @@ async fn tail(args: &Args, token: Option<String>) -> Result<(), CliError> {
             } else if let Ok(v) = serde_json::from_slice::<Value>(line) {
                 sayln!("{}", render(&v, colour));
             }
+            // The reader has gone (`palisade tail | head`): done, quietly.
+            if super::stdout_gone() {
+                return Ok(());
+            }
         }
         // A line longer than any record: the server is not Palisade.
         if pending.len() > 1 << 20 {

@@ -578,3 +578,132 @@ fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
         assert!(r.body.contains(reason), "{url}: {r:?}");
     }
 }
+
+/// How `palisade ARGS` ends with stdout into a pipe whose reader is gone:
+/// `closed` (the read end closed before it starts, so its first write meets
+/// a closed pipe) or through `bash -o pipefail` into `| head -c 1`. In the
+/// proxy namespace; `traffic` runs between looks until it ends (bounded).
+/// Returns (exit code, stderr).
+fn into_gone_reader(
+    lab: &Lab,
+    closed: bool,
+    args: &[&str],
+    traffic: &dyn Fn(),
+) -> (Option<i32>, String) {
+    static RUNS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let n = lab.dir.join(format!("gone-reader-{run}.err"));
+    let mut cmd = Command::new("ip");
+    sanitize(&mut cmd)
+        .args(["netns", "exec", &lab.ns_proxy])
+        .stdin(Stdio::null())
+        .stderr(std::fs::File::create(&n).unwrap());
+    let mut child = if closed {
+        let (reader, writer) = rustix::pipe::pipe().unwrap();
+        drop(reader);
+        cmd.arg(lab::palisade_bin())
+            .args(args)
+            .stdout(Stdio::from(writer))
+            .spawn()
+            .unwrap()
+    } else {
+        cmd.args([
+            "bash",
+            "-c",
+            "set -o pipefail; \"$@\" | head -c 1 >/dev/null",
+            "bash",
+            lab::palisade_bin(),
+        ])
+        .args(args)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap()
+    };
+    for _ in 0..100 {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (status.code(), read(&n));
+        }
+        traffic();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!(
+        "palisade {args:?} did not end with its reader gone: {}",
+        read(&n)
+    );
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_a_command_quietly_and_keeps_its_verdict() {
+    let (lab, token_file, _) = tail_lab();
+    assert_eq!(lab.proxied_curl("http://allowed.test/", &[]).status, 200);
+    assert_eq!(lab.proxied_curl("http://other.test/", &[]).status, 403);
+    lab.wait_evidence("the denial", |v| v["host"] == "other.test");
+    let dir = lab.evidence_dir.to_str().unwrap();
+    let config = lab.config_path.to_str().unwrap();
+    let token_file = token_file.to_str().unwrap();
+    let nothing = || {};
+    let deny = || {
+        let _ = lab.proxied_curl("http://other.test/", &[]);
+    };
+    // (name, arguments, whether it needs traffic to write anything)
+    let commands: [(&str, Vec<&str>, bool); 4] = [
+        (
+            "explain",
+            vec![
+                "explain",
+                "-c",
+                config,
+                "--client",
+                lab::CLIENT_IP,
+                "http://other.test/",
+            ],
+            false,
+        ),
+        ("summary", vec!["evidence", "summary", dir], false),
+        (
+            "draft",
+            vec![
+                "draft",
+                "--evidence",
+                dir,
+                "--org",
+                "acme",
+                "-c",
+                config,
+                "--allow-unsealed",
+            ],
+            false,
+        ),
+        (
+            "tail --json",
+            vec![
+                "tail",
+                "--admin",
+                lab::ADMIN_ADDR,
+                "--token-file",
+                token_file,
+                "--json",
+            ],
+            true,
+        ),
+    ];
+    for (name, args, needs_traffic) in &commands {
+        let traffic: &dyn Fn() = if *needs_traffic { &deny } else { &nothing };
+        for closed in [true, false] {
+            let (code, stderr) = into_gone_reader(&lab, closed, args, traffic);
+            assert!(!stderr.contains("panicked"), "{name}: {stderr}");
+            assert_eq!(code, Some(0), "{name} (closed {closed}): {stderr}");
+            assert!(!stderr.contains("stdout"), "{name}: {stderr}");
+        }
+    }
+    // A verdict stands: the live chain is not sealed, so verify fails, and
+    // a reader that went away does not make it a success.
+    let (code, stderr) = into_gone_reader(&lab, true, &["evidence", "verify", dir], &nothing);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        !stderr.contains("panicked") && stderr.contains("seal"),
+        "{stderr}"
+    );
+}

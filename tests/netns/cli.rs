@@ -302,7 +302,7 @@ fn failures_exit_with_the_documented_status_and_message() {
 }
 
 /// A reader that goes away (`palisade … | head`) ends a command quietly
-/// with status 1: no panic, whatever it was printing. The read end of the
+/// with status 0: no panic, whatever it was printing. The read end of the
 /// pipe is closed before the command starts, so every write it makes meets
 /// a closed pipe (closed after the spawn, it raced with a command quick
 /// enough to write all it had first).
@@ -323,6 +323,8 @@ fn a_closed_stdout_ends_a_command_without_a_panic() {
             "evil.example:443",
         ],
         vec!["token", "new"],
+        // clap's own output (`Cli::parse` panicked here).
+        vec!["--help"],
     ] {
         let (reader, writer) = rustix::pipe::pipe().unwrap();
         drop(reader);
@@ -335,7 +337,7 @@ fn a_closed_stdout_ends_a_command_without_a_panic() {
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
-        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
         assert!(stderr.is_empty(), "{args:?} said: {stderr}");
     }
 }

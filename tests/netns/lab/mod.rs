@@ -227,9 +227,18 @@ pub struct LabBuilder {
     intercept_lines: String,
     untrusted_upstream: bool,
     ipv6: bool,
+    dns_records: Vec<(String, String)>,
 }
 
 impl LabBuilder {
+    /// Further A records for the upstream DNS fixture: (name, IPv4 address),
+    /// e.g. names a test needs resolved that the shared [`DNS_RECORDS`] do
+    /// not hold.
+    pub fn dns_records(mut self, records: &[(&str, &str)]) -> Self {
+        self.dns_records
+            .extend(records.iter().map(|(n, a)| (n.to_string(), a.to_string())));
+        self
+    }
     /// Give the lab an IPv6 side as well (module docs): addresses, on-link
     /// routes, web hosts on [`V6_WEB`], AAAA records, the resolver also on
     /// [`DNS_IP6`]. The sandbox gets no IPv6 default route (as with IPv4,

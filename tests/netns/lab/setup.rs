@@ -68,6 +68,7 @@ impl Lab {
             intercept_lines: String::new(),
             untrusted_upstream: false,
             ipv6: false,
+            dns_records: Vec::new(),
         }
     }
 
@@ -113,7 +114,7 @@ impl Lab {
             CLEANED.get_or_init(clean_stale_namespaces);
             lab.build_network();
         }
-        lab.start_fixtures(&certs);
+        lab.start_fixtures(&certs, &b.dns_records);
         if b.untrusted_upstream {
             lab.start_untrusted_upstream(&certs);
         }
@@ -240,7 +241,7 @@ impl Lab {
         ]);
     }
 
-    pub(super) fn start_fixtures(&mut self, certs: &Path) {
+    pub(super) fn start_fixtures(&mut self, certs: &Path, records: &[(String, String)]) {
         let fx = fixtures_dir();
         let mut dns_args: Vec<String> = vec![
             fx.join("dns.py").display().to_string(),
@@ -253,6 +254,10 @@ impl Lab {
             self.dir.join("dns.ready").display().to_string(),
         ];
         for (name, addr) in DNS_RECORDS {
+            dns_args.push("--a".into());
+            dns_args.push(format!("{name}={addr}"));
+        }
+        for (name, addr) in records {
             dns_args.push("--a".into());
             dns_args.push(format!("{name}={addr}"));
         }
