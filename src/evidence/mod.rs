@@ -11,6 +11,8 @@
 //! checks a directory end to end; [`query`] filters and exports.
 
 pub(crate) mod chain;
+#[doc(hidden)]
+pub mod costs;
 pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod query;

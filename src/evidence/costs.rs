@@ -1,0 +1,58 @@
+//! The steps a record goes through on the deciding task, one by one, for
+//! `benches/evidence.rs` to time apart: its id, its reference (an HMAC of
+//! the id), its timestamp, its canonical serialisation, and, on the writing
+//! leader, its chaining (the line with `seq`, `prev` and the SHA-256 `hash`
+//! put in, copied into the batch). Not part of the proxy: the steps are the
+//! same functions [`super::Evidence`] calls, behind names a bench can reach.
+
+use std::time::Duration;
+
+use super::chain::Prepared;
+use super::reference::RefKey;
+use super::writer::{now_ts, Ids};
+use super::Record;
+
+/// The per-record steps, with a fixed key and id prefix.
+pub struct Steps {
+    ids: Ids,
+    refs: RefKey,
+}
+
+/// A record serialised in its canonical form, ready to be chained.
+pub struct Serialised(Prepared);
+
+impl Default for Steps {
+    fn default() -> Self {
+        Steps {
+            ids: Ids::new("bench", Duration::from_secs(1)),
+            refs: RefKey::from_seed(&[7; 32]),
+        }
+    }
+}
+
+impl Steps {
+    /// A new record id.
+    pub fn id(&self) -> String {
+        self.ids.next()
+    }
+
+    /// The reference a client would be shown for `id`.
+    pub fn reference(&self, id: &str) -> String {
+        self.refs.of(id)
+    }
+
+    /// The record's timestamp, now.
+    pub fn ts(&self) -> String {
+        now_ts()
+    }
+
+    /// The canonical serialisation.
+    pub fn serialise(&self, record: &Record) -> Serialised {
+        Serialised(Prepared::of(record).expect("a Record always serialises"))
+    }
+
+    /// Chain it as number `seq` after `prev` into `batch`; its hash.
+    pub fn chain(&self, line: &Serialised, seq: u64, prev: &str, batch: &mut Vec<u8>) -> String {
+        line.0.seal_into(seq, prev, batch)
+    }
+}
