@@ -409,7 +409,34 @@ pub struct ProbeResult {
 
 impl ProbeResult {
     /// `id decision reason` of each record, `; `-separated.
+    /// A `dns-burst` probe's (one per name): the counts, the records by
+    /// decision and reason, and the first and last id (all are in
+    /// `report.json`).
     pub fn record_cite(&self) -> String {
+        if let Some(c) = &self.names {
+            let mut by: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+            for r in &self.records {
+                *by.entry((r.decision, r.reason.as_str())).or_default() += r.count.unwrap_or(1);
+            }
+            let groups: Vec<String> = by
+                .iter()
+                .map(|((d, reason), n)| format!("{n} {d} {reason}"))
+                .collect();
+            let ids = match (self.records.first(), self.records.last()) {
+                (Some(a), Some(b)) if a.id != b.id => format!(" ({} … {})", a.id, b.id),
+                (Some(a), _) => format!(" ({})", a.id),
+                _ => String::new(),
+            };
+            return format!(
+                "{}; records: {}{ids}",
+                super::classify::counts_text(c),
+                if groups.is_empty() {
+                    "none".into()
+                } else {
+                    groups.join(", ")
+                }
+            );
+        }
         self.records
             .iter()
             .map(|r| format!("{} {} {}", r.id, r.decision, r.reason))
