@@ -25,6 +25,12 @@
 //! # ech = true                    # tls:// and https:// probes: ClientHello with an ECH extension
 //! # request = true                # https:// probes: full handshake, then the HTTP request
 //! # note = "why this probe"
+//!
+//! [[probe]]
+//! id = "names-1"                  # the name channel under *.wild.test
+//! target = "dns-burst:{random}.{marker}.wild.test/A?count=30&budget=10"
+//! via = "direct"                  # dns-burst: direct, expect deny only
+//! expect = "deny"
 //! ```
 //!
 //! The in-tunnel probes (what a tunnel carries once it is open):

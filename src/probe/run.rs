@@ -598,7 +598,12 @@ impl Ctx<'_> {
                 .encode(&random_bytes::<5>())
                 .to_ascii_lowercase();
             let name = super::plan::burst_name(template, i, &random);
-            let sent = match dns_query(server, &name, qtype, left.min(BURST_WAIT)).await {
+            // Ends before the probe's own time does, so the last name's
+            // fate is still written down.
+            let wait = left
+                .saturating_sub(Duration::from_millis(20))
+                .min(BURST_WAIT);
+            let sent = match dns_query(server, &name, qtype, wait).await {
                 Ok(r) => {
                     obs.bytes_sent += r.sent;
                     obs.bytes_received += r.received;
@@ -1552,6 +1557,75 @@ fn environment(resolver: Option<SocketAddr>) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A burst against a resolver that answers the first three names
+    /// (NXDOMAIN), refuses the next three and then stays silent: each
+    /// name sent is listed with what the client saw, distinct and of the
+    /// template, and the time left ends the burst with the last name's
+    /// timeout written down.
+    #[tokio::test]
+    async fn a_burst_lists_each_name_and_its_fate() {
+        let server = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1500];
+            for n in 0u32.. {
+                let Ok((len, from)) = server.recv_from(&mut buf).await else {
+                    return;
+                };
+                let mut reply = buf[..len].to_vec();
+                if let Ok(m) = hickory_server::proto::op::Message::from_vec(&reply) {
+                    log.lock().unwrap().push(m.queries[0].name().to_ascii());
+                }
+                if n >= 6 {
+                    continue;
+                }
+                reply[2] |= 0x80;
+                reply[3] = (reply[3] & 0xf0) | if n < 3 { 3 } else { 5 };
+                let _ = server.send_to(&reply, from).await;
+            }
+        });
+        let text = format!(
+            "resolver = \"{addr}\"\ntimeout = \"1s\"\n[[probe]]\nid = \"n\"\n\
+             target = \"dns-burst:{{random}}.{{marker}}.wild.test/A?count=40&budget=2\"\n\
+             via = \"direct\"\nexpect = \"deny\"\n"
+        );
+        let plan = Plan::from_toml(&text).unwrap();
+        let obs = run(&plan, &text).await.observations.remove(0);
+        let results: Vec<&str> = obs.names.iter().map(|n| n.result.as_str()).collect();
+        assert_eq!(
+            results[..7],
+            ["answered", "answered", "answered", "refused", "refused", "refused", "timeout"],
+            "{:?}",
+            obs.names
+        );
+        assert!(results[7..].iter().all(|r| *r == "timeout"), "{results:?}");
+        // 1 s plus 50 ms a name: not all 40 (2 s a silent name at most).
+        assert!(results.len() < 40, "{results:?}");
+        assert_eq!(obs.outcome, ProbeOutcome::Reached);
+        assert_eq!(obs.names[0].rcode.as_deref(), Some("NXDomain"));
+        let template = format!("{{random}}.{}.wild.test", obs.marker);
+        let names: std::collections::BTreeSet<&str> =
+            obs.names.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names.len(), obs.names.len());
+        assert!(names
+            .iter()
+            .all(|n| crate::probe::plan::is_burst_name(&template, n)));
+        // What the resolver was asked is what the observation lists.
+        let asked: Vec<String> = asked.lock().unwrap().clone();
+        let listed: Vec<String> = obs.names.iter().map(|n| format!("{}.", n.name)).collect();
+        assert_eq!(asked, listed);
+        assert_eq!(
+            crate::probe::classify::observed_text(&obs),
+            format!(
+                "{} names sent: 3 answered, 3 refused, {} no reply, error timeout",
+                listed.len(),
+                listed.len() - 6
+            )
+        );
+    }
 
     #[test]
     fn client_hello_carries_the_sni_palisade_reads() {
