@@ -46,9 +46,9 @@
 //!
 //! | what the records show | class |
 //! |---|---|
-//! | no name sent | `inconclusive` |
 //! | names reached the upstream and the plan's budget is 0 (none: names leave unbounded) | `unexpected_allow` |
 //! | more names reached the upstream than the budget lets through in the time they took | `unexpected_allow` |
+//! | no name sent | `inconclusive` |
 //! | a name the client sent is on no record (by name, or counted by a refusal summary) | `missing` |
 //! | no more names sent than the budget (nothing past it was tried) | `inconclusive` |
 //! | otherwise: within the budget, every name on record | `enforced_deny` |
@@ -292,15 +292,6 @@ pub(crate) fn counts_text(c: &NameCounts) -> String {
 /// The class of a `dns-burst` observation (see the module doc), and why.
 pub(crate) fn classify_burst(o: &Observation, c: &NameCounts) -> (Class, String) {
     let counts = counts_text(c);
-    if c.sent == 0 {
-        return (
-            Class::Inconclusive,
-            format!(
-                "no name of the probe was sent: {} ({counts})",
-                o.error.as_deref().unwrap_or("nothing sent")
-            ),
-        );
-    }
     match c.allowance {
         None if c.reached_upstream > 0 => {
             return (
@@ -315,6 +306,15 @@ pub(crate) fn classify_burst(o: &Observation, c: &NameCounts) -> (Class, String)
             )
         }
         _ => {}
+    }
+    if c.sent == 0 {
+        return (
+            Class::Inconclusive,
+            format!(
+                "no name of the probe was sent: {} ({counts})",
+                o.error.as_deref().unwrap_or("nothing sent")
+            ),
+        );
     }
     if c.not_on_record > 0 {
         return (
@@ -1005,6 +1005,14 @@ mod tests {
         none.error = Some("timeout".into());
         let (c, why, _) = counts_of(&none, &[]);
         assert_eq!(c, Class::Inconclusive, "{why}");
+        // The records decide a hole, even with no name listed.
+        let all: Vec<Value> = (0..30).map(|i| name_rec(i, true)).collect();
+        let (c, why, n) = counts_of(&none, &all);
+        assert_eq!(
+            (c, n.sent, n.reached_upstream),
+            (Class::UnexpectedAllow, 0, 30),
+            "{why}"
+        );
         // Names of another template or another probe's marker are not
         // this probe's (neither its records nor names it sent).
         let mut o = burst_obs(BURST, 30, 10);
