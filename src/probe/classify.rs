@@ -39,10 +39,27 @@
 //!
 //! A DNS allow probe counts as answered only with at least one answer.
 //! `evidence_unavailable` and `limit_exceeded` denials are `inconclusive`.
+//!
+//! A `dns-burst` probe (N new names under an allowed wildcard, see
+//! [`name_counts`]) is classified by counts, not by one record
+//! ([`classify_burst`]):
+//!
+//! | what the records show | class |
+//! |---|---|
+//! | names reached the upstream and the plan's budget is 0 (none: names leave unbounded) | `unexpected_allow` |
+//! | more names reached the upstream than the budget lets through in the time they took | `unexpected_allow` |
+//! | no name sent | `inconclusive` |
+//! | a name the client sent is on no record (by name, or counted by a refusal summary) | `missing` |
+//! | no more names sent than the budget (nothing past it was tried) | `inconclusive` |
+//! | otherwise: within the budget, every name on record | `enforced_deny` |
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use super::plan::{parse_target, Target};
+use serde::Serialize;
+
+use super::fit::is_dns_summary;
+use super::plan::{is_burst_name, parse_target, Target};
 use super::run::{Observation, ProbeOutcome};
 use super::{Class, Expect, Via};
 use crate::evidence::Record;
@@ -136,8 +153,197 @@ fn reasons(rs: &[&Record]) -> String {
         .join(", ")
 }
 
+/// Whether a DNS record shows its name sent to the upstream resolver:
+/// the shim allowed it and did not answer it itself (`upstream` is not
+/// `false`: an answer from the shim's cache, a special name or, with
+/// synthetic answers, an address from the pool sends nothing). This is
+/// the one place that says what "reached the upstream" means.
+pub(crate) fn reached_upstream(r: &Record) -> bool {
+    r.kind == crate::evidence::Kind::Dns && r.decision_str() == "allow" && r.upstream != Some(false)
+}
+
+/// What a `dns-burst` probe's names came to: what the client says it
+/// saw, and what Palisade's records (those that fit the probe) show.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct NameCounts {
+    /// Distinct names of the plan's template the client says it sent.
+    pub sent: usize,
+    /// Of those, what the client saw: an answer, a refusal, no reply.
+    pub answered: usize,
+    pub refused: usize,
+    pub no_reply: usize,
+    /// Distinct names of the template Palisade recorded as sent to the
+    /// upstream ([`reached_upstream`]), whether the client listed them or not.
+    pub reached_upstream: usize,
+    /// Names sent that a record names (allowed or refused).
+    pub on_record: usize,
+    /// Refusals the fitting summaries stand for (they name no name).
+    pub summarised: u64,
+    /// Names sent that no record names and no summary's count covers.
+    pub not_on_record: usize,
+    /// The plan's budget (0: none).
+    pub budget: u32,
+    /// How many may reach the upstream: the budget for each minute (or
+    /// part of one) between the first and the last name recorded as
+    /// reaching it; none without a budget.
+    pub allowance: Option<u64>,
+    /// Names the client lists that are not of the template (a mismatch).
+    pub foreign: usize,
+    /// Refusals on record by reason, `reason count`, `, `-separated.
+    pub refusal_reasons: String,
+}
+
+/// Count a `dns-burst` observation's names against its fitting records
+/// (none for any other probe).
+pub(crate) fn name_counts(o: &Observation, recs: &[&Record]) -> Option<NameCounts> {
+    let Ok(Target::DnsBurst {
+        template, budget, ..
+    }) = parse_target(&o.target)
+    else {
+        return None;
+    };
+    let mut c = NameCounts {
+        budget,
+        ..NameCounts::default()
+    };
+    let mut sent = BTreeSet::new();
+    for n in &o.names {
+        let name = n.name.trim_end_matches('.').to_ascii_lowercase();
+        if !is_burst_name(&template, &name) {
+            c.foreign += 1;
+            continue;
+        }
+        if !sent.insert(name) {
+            continue;
+        }
+        match n.result.as_str() {
+            "answered" => c.answered += 1,
+            "refused" => c.refused += 1,
+            _ => c.no_reply += 1,
+        }
+    }
+    c.sent = sent.len();
+    let named: BTreeSet<String> = recs
+        .iter()
+        .filter(|r| !is_dns_summary(r))
+        .filter_map(|r| r.host.as_deref())
+        .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
+        .collect();
+    let upstream: Vec<&&Record> = recs.iter().filter(|r| reached_upstream(r)).collect();
+    c.reached_upstream = upstream
+        .iter()
+        .filter_map(|r| r.host.as_deref())
+        .map(|h| h.trim_end_matches('.').to_ascii_lowercase())
+        .collect::<BTreeSet<_>>()
+        .len();
+    c.on_record = sent.iter().filter(|n| named.contains(*n)).count();
+    c.summarised = recs
+        .iter()
+        .filter(|r| is_dns_summary(r))
+        .map(|r| r.count.unwrap_or(0))
+        .sum();
+    let unnamed = (c.sent - c.on_record) as u64;
+    c.not_on_record = unnamed.saturating_sub(c.summarised) as usize;
+    c.allowance = (budget > 0).then(|| {
+        let times: Vec<std::time::SystemTime> = upstream
+            .iter()
+            .filter_map(|r| humantime::parse_rfc3339_weak(&r.ts).ok())
+            .collect();
+        let span = match (times.iter().min(), times.iter().max()) {
+            (Some(a), Some(b)) => b.duration_since(*a).unwrap_or_default(),
+            _ => std::time::Duration::ZERO,
+        };
+        u64::from(budget) * (1 + span.as_secs() / crate::limits::names::WINDOW.as_secs())
+    });
+    let mut reasons: std::collections::BTreeMap<String, u64> = Default::default();
+    for r in recs.iter().filter(|r| r.decision_str() == "deny") {
+        *reasons.entry(r.reason.to_string()).or_default() += r.count.unwrap_or(1);
+    }
+    c.refusal_reasons = reasons
+        .iter()
+        .map(|(r, n)| format!("{r} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    Some(c)
+}
+
+/// One line of a burst's counts.
+pub(crate) fn counts_text(c: &NameCounts) -> String {
+    let budget = match c.allowance {
+        Some(a) if a > u64::from(c.budget) => {
+            format!("budget {} a minute ({a} in the time taken)", c.budget)
+        }
+        Some(_) => format!("budget {}", c.budget),
+        None => "no budget".into(),
+    };
+    let mut t = format!(
+        "{} names sent, {} reached the upstream ({budget}), {} of the names sent on record by name",
+        c.sent, c.reached_upstream, c.on_record
+    );
+    if c.summarised > 0 {
+        let _ = write!(t, ", {} refusals in summaries", c.summarised);
+    }
+    if !c.refusal_reasons.is_empty() {
+        let _ = write!(t, "; refusals: {}", c.refusal_reasons);
+    }
+    t
+}
+
+/// The class of a `dns-burst` observation (see the module doc), and why.
+pub(crate) fn classify_burst(o: &Observation, c: &NameCounts) -> (Class, String) {
+    let counts = counts_text(c);
+    match c.allowance {
+        None if c.reached_upstream > 0 => {
+            return (
+                Class::UnexpectedAllow,
+                format!("names leave unbounded: no new-name budget, and {counts}"),
+            )
+        }
+        Some(a) if c.reached_upstream as u64 > a => {
+            return (
+                Class::UnexpectedAllow,
+                format!("more names reached the upstream than the budget lets through: {counts}"),
+            )
+        }
+        _ => {}
+    }
+    if c.sent == 0 {
+        return (
+            Class::Inconclusive,
+            format!(
+                "no name of the probe was sent: {} ({counts})",
+                o.error.as_deref().unwrap_or("nothing sent")
+            ),
+        );
+    }
+    if c.not_on_record > 0 {
+        return (
+            Class::Missing,
+            format!(
+                "{} of the names sent are on no record, by name or in a summary's count: {counts}",
+                c.not_on_record
+            ),
+        );
+    }
+    if c.budget > 0 && c.sent <= c.budget as usize {
+        return (
+            Class::Inconclusive,
+            format!(
+                "no more names were sent than the budget, so nothing past it was tried: {counts}"
+            ),
+        );
+    }
+    (
+        Class::EnforcedDeny,
+        format!("the names that left stayed within the budget, and every name sent is on record: {counts}"),
+    )
+}
+
 /// The class of one observation given the records matched to it, and why.
 pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
+    if let Some(c) = name_counts(o, recs) {
+        return classify_burst(o, &c);
+    }
     let only = |keep: &dyn Fn(&Record) -> bool| -> Vec<&Record> {
         recs.iter().copied().filter(|r| keep(r)).collect()
     };
@@ -362,6 +568,16 @@ pub(crate) fn observed_text(o: &Observation) -> String {
         if o.first_close {
             parts.push("the first response closed the connection".into());
         }
+    }
+    if o.kind == "dns-burst" {
+        let count = |what: &str| o.names.iter().filter(|n| n.result == what).count();
+        let no_reply = o.names.len() - count("answered") - count("refused");
+        parts.push(format!(
+            "{} names sent: {} answered, {} refused, {no_reply} no reply",
+            o.names.len(),
+            count("answered"),
+            count("refused")
+        ));
     }
     if let Some(r) = &o.dns_rcode {
         let mut t = format!("DNS {r}");
@@ -625,6 +841,190 @@ mod tests {
         // With no record, the 403 alone shows nothing Palisade did (the
         // report also lists the quoted record missing from the evidence).
         assert_eq!(class_of(&refused, &[]).0, Class::BlockedElsewhere);
+    }
+
+    const BURST: &str = "dns-burst:{random}.pp-1-0000.wild.test/A?count=30&budget=10";
+
+    /// A burst's observation: names 0..n sent, the first `answered`
+    /// answered and the rest refused, from socket CLIENT.
+    fn burst_obs(target: &str, n: u32, answered: u32) -> Observation {
+        let tpl = "{random}.pp-1-0000.wild.test";
+        let names: Vec<Value> = (0..n)
+            .map(|i| {
+                let (result, rcode) = if i < answered {
+                    ("answered", "NXDomain")
+                } else {
+                    ("refused", "Refused")
+                };
+                json!({"name": crate::probe::plan::burst_name(tpl, i, "abcdefgh"),
+                       "result": result, "rcode": rcode, "record": null})
+            })
+            .collect();
+        let outcome = if answered > 0 { "reached" } else { "refused" };
+        obs(
+            target,
+            json!({"kind": "dns-burst", "via": "direct", "names": names, "outcome": outcome,
+                   "connect_status": null, "connected": false,
+                   "sockets": [{"purpose": "dns", "proto": "udp", "local": CLIENT, "remote": "198.18.1.1:53"}]}),
+        )
+    }
+
+    /// The shim's record of burst name `i`: allowed (forwarded upstream)
+    /// or refused past the budget.
+    fn name_rec(i: u32, allowed: bool) -> Value {
+        let name = crate::probe::plan::burst_name("{random}.pp-1-0000.wild.test", i, "abcdefgh");
+        let (decision, reason) = if allowed {
+            ("allow", "rule_match")
+        } else {
+            ("deny", "name_budget_exceeded")
+        };
+        rec(
+            &format!("n-{i}"),
+            decision,
+            reason,
+            json!({"kind": "dns", "mode": "dns", "host": name, "port": null, "qtype": "A",
+                   "upstream": allowed, "answers": [], "rule": "wild"}),
+        )
+    }
+
+    fn summary(count: u64) -> Value {
+        rec(
+            "s-1",
+            "deny",
+            "name_budget_exceeded",
+            json!({"kind": "dns", "mode": "dns", "host": null, "client": null, "port": null,
+                   "count": count, "upstream": false, "answers": [],
+                   "ts": "2030-01-01T12:00:04.000000Z",
+                   "window": ["2030-01-01T12:00:01.000000Z", "2030-01-01T12:00:02.000000Z"]}),
+        )
+    }
+
+    fn counts_of(o: &Observation, records: &[Value]) -> (Class, String, NameCounts) {
+        let typed = typed(records);
+        let matched = match_records(o, &typed);
+        let (c, why) = classify(o, &matched);
+        (c, why, name_counts(o, &matched).unwrap())
+    }
+
+    #[test]
+    fn name_burst_within_the_budget_and_on_record_is_enforced() {
+        let o = burst_obs(BURST, 30, 10);
+        let records: Vec<Value> = (0..30).map(|i| name_rec(i, i < 10)).collect();
+        let (c, why, n) = counts_of(&o, &records);
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert_eq!(
+            (
+                n.sent,
+                n.answered,
+                n.refused,
+                n.reached_upstream,
+                n.on_record,
+                n.not_on_record
+            ),
+            (30, 10, 20, 10, 30, 0)
+        );
+        assert_eq!((n.budget, n.allowance), (10, Some(10)));
+        assert!(
+            why.contains("30 names sent, 10 reached the upstream (budget 10)"),
+            "{why}"
+        );
+        assert!(why.contains("name_budget_exceeded 20"), "{why}");
+        // Refusals summarised: counted, though the summary names no name.
+        let mut some: Vec<Value> = (0..18).map(|i| name_rec(i, i < 10)).collect();
+        some.push(summary(12));
+        let (c, why, n) = counts_of(&o, &some);
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert_eq!((n.on_record, n.summarised, n.not_on_record), (18, 12, 0));
+        // A summary of too few: names on no record.
+        let mut few: Vec<Value> = (0..18).map(|i| name_rec(i, i < 10)).collect();
+        few.push(summary(5));
+        let (c, why, n) = counts_of(&o, &few);
+        assert_eq!(c, Class::Missing, "{why}");
+        assert_eq!(n.not_on_record, 7);
+        assert!(
+            why.contains("7 of the names sent are on no record"),
+            "{why}"
+        );
+        // A summary from outside the probe's window counts nothing.
+        let mut late = summary(12);
+        late["window"] = json!(["2030-01-01T12:01:00.000000Z", "2030-01-01T12:01:01.000000Z"]);
+        late["ts"] = json!("2030-01-01T12:00:04.000000Z");
+        let mut some: Vec<Value> = (0..18).map(|i| name_rec(i, i < 10)).collect();
+        some.push(late);
+        assert_eq!(counts_of(&o, &some).0, Class::Missing);
+    }
+
+    #[test]
+    fn names_past_the_budget_or_with_none_are_a_hole() {
+        // Every name forwarded under a budget of 10.
+        let o = burst_obs(BURST, 30, 30);
+        let all: Vec<Value> = (0..30).map(|i| name_rec(i, true)).collect();
+        let (c, why, n) = counts_of(&o, &all);
+        assert_eq!(c, Class::UnexpectedAllow, "{why}");
+        assert_eq!(n.reached_upstream, 30);
+        assert!(
+            why.contains("more names reached the upstream than the budget"),
+            "{why}"
+        );
+        // The client may say every name was refused: the records decide.
+        let liar = burst_obs(BURST, 30, 0);
+        assert_eq!(counts_of(&liar, &all).0, Class::UnexpectedAllow);
+        // No budget (0): any name that leaves is unbounded.
+        let free = BURST.replace("budget=10", "budget=0");
+        let o = burst_obs(&free, 30, 30);
+        let (c, why, n) = counts_of(&o, &all);
+        assert_eq!(c, Class::UnexpectedAllow, "{why}");
+        assert_eq!(n.allowance, None);
+        assert!(why.contains("names leave unbounded"), "{why}");
+        // A name answered from the shim's cache (or synthetic: nothing
+        // upstream) does not count as reaching the upstream.
+        let mut local = name_rec(0, true);
+        local["upstream"] = json!(false);
+        assert!(!reached_upstream(&typed(&[local])[0]));
+        // Over a longer span, the budget of each minute counts.
+        let mut slow: Vec<Value> = (0..30).map(|i| name_rec(i, i < 20)).collect();
+        slow[19]["ts"] = json!("2030-01-01T12:01:05.000000Z");
+        let mut o = burst_obs(BURST, 30, 20);
+        o.finished = "2030-01-01T12:01:06.000000Z".into();
+        let (c, why, n) = counts_of(&o, &slow);
+        assert_eq!(n.allowance, Some(20), "{why}");
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+    }
+
+    #[test]
+    fn name_bursts_that_show_nothing_are_inconclusive() {
+        // No more names than the budget: nothing past it tried.
+        let small = BURST.replace("count=30", "count=10");
+        let o = burst_obs(&small, 10, 10);
+        let recs: Vec<Value> = (0..10).map(|i| name_rec(i, true)).collect();
+        let (c, why, _) = counts_of(&o, &recs);
+        assert_eq!(c, Class::Inconclusive, "{why}");
+        // Nothing sent.
+        let mut none = burst_obs(BURST, 0, 0);
+        none.outcome = ProbeOutcome::SetupFailed;
+        none.error = Some("timeout".into());
+        let (c, why, _) = counts_of(&none, &[]);
+        assert_eq!(c, Class::Inconclusive, "{why}");
+        // The records decide a hole, even with no name listed.
+        let all: Vec<Value> = (0..30).map(|i| name_rec(i, true)).collect();
+        let (c, why, n) = counts_of(&none, &all);
+        assert_eq!(
+            (c, n.sent, n.reached_upstream),
+            (Class::UnexpectedAllow, 0, 30),
+            "{why}"
+        );
+        // Names of another template or another probe's marker are not
+        // this probe's (neither its records nor names it sent).
+        let mut o = burst_obs(BURST, 30, 10);
+        o.names[29].name = "r0029abcdefgh.pp-1-0001.wild.test".into();
+        let records: Vec<Value> = (0..30).map(|i| name_rec(i, i < 10)).collect();
+        let (c, why, n) = counts_of(&o, &records);
+        assert_eq!((n.sent, n.foreign), (29, 1));
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+        assert_eq!(
+            observed_text(&o),
+            "30 names sent: 10 answered, 20 refused, 0 no reply"
+        );
     }
 
     #[test]

@@ -54,8 +54,15 @@ fn parse_ts(text: &str) -> Option<SystemTime> {
 fn record_time(r: &Record) -> Option<SystemTime> {
     match (&r.kind, &r.window) {
         (Kind::Bypass, Some([first, _])) => parse_ts(first),
+        (Kind::Dns, Some([first, _])) if is_dns_summary(r) => parse_ts(first),
         _ => parse_ts(&r.ts),
     }
+}
+
+/// A DNS refusal summary: one record standing for `count` refusals of an
+/// org (by reason, with no client and no name), written after them.
+pub(crate) fn is_dns_summary(r: &Record) -> bool {
+    r.kind == Kind::Dns && r.count.is_some() && r.client.is_none() && r.decision_str() == "deny"
 }
 
 /// A name or address as Palisade records it (IP spellings canonical,
@@ -162,6 +169,9 @@ impl Case {
                 ));
             }
         }
+        if let (Some(Target::DnsBurst { .. }), true) = (&self.target, is_dns_summary(r)) {
+            return self.summary_misfit(r);
+        }
         let Some(client) = r.client else {
             return Some("it names no client".into());
         };
@@ -189,6 +199,13 @@ impl Case {
         if let Target::Dns { .. } = target {
             return (!(r.kind == Kind::Dns && named(&host)))
                 .then(|| format!("it is not a DNS record of {}", self.list()));
+        }
+        if let Target::DnsBurst { template, .. } = target {
+            let ours = r.kind == Kind::Dns
+                && r.host
+                    .as_deref()
+                    .is_some_and(|h| super::plan::is_burst_name(template, h));
+            return (!ours).then(|| format!("it is not a DNS record of a name of {template}"));
         }
         if r.kind == Kind::Dns {
             let own_lookup = self.via == Via::Direct
@@ -225,6 +242,23 @@ impl Case {
             r.host.as_deref().unwrap_or("-"),
             self.list()
         ))
+    }
+
+    /// Why a DNS refusal summary does not fit a burst probe (none when it
+    /// does): the org's, and its window (first to last refusal) overlaps
+    /// the probe's, widened by [`SKEW`]. It counts refusals, not names: the
+    /// classifier counts it for the burst's names no record names.
+    fn summary_misfit(&self, r: &Record) -> Option<String> {
+        let (Some((a, b)), Some([first, last])) = (self.window, &r.window) else {
+            return Some("the summary or the probe has no readable window".into());
+        };
+        match (parse_ts(first), parse_ts(last)) {
+            (Some(f), Some(l)) if f <= b + SKEW && l + SKEW >= a => None,
+            _ => Some(format!(
+                "its window {first} to {last} is outside the probe's (± {} s)",
+                SKEW.as_secs()
+            )),
+        }
     }
 
     fn list(&self) -> String {

@@ -359,6 +359,8 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
         via_default,
         opts.transparent,
     ));
+    // Last: they spend each wildcard's budget for a minute.
+    probes.extend(name_probes(org));
     for probe in &mut probes {
         if probe.id == "host-mismatch" {
             probe.host_header = Some(CANARY_DOMAIN.into());
@@ -382,6 +384,73 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     };
     plan.validate()?;
     Ok(plan)
+}
+
+/// Names a `names-N` probe sends past its rule's budget.
+pub(crate) const BURST_PAST_BUDGET: u32 = 20;
+/// Names a `names-N` probe sends under a wildcard with no budget.
+pub(crate) const BURST_UNBUDGETED: u32 = 40;
+
+/// The name-channel probes: per allowed wildcard, a `dns-burst` of new
+/// names through the sandbox's resolver, `BURST_PAST_BUDGET` more than the
+/// rule's `max_new_names_per_minute` (`BURST_UNBUDGETED` without one),
+/// expected refused past the budget. Each name is a fresh label, then the
+/// run's marker where the rule's `max_label_length` leaves room for it.
+fn name_probes(org: &crate::config::OrgConfig) -> Vec<Probe> {
+    use super::plan::{MAX_BURST, RANDOM, RANDOM_LABEL_LEN};
+    let mut out = Vec::new();
+    for (i, rule) in org.allow.iter().enumerate() {
+        let RuleTarget::Below(suffix) = &rule.target else {
+            continue;
+        };
+        let budget = rule.names.new_per_minute.unwrap_or(0);
+        let count = if budget == 0 {
+            BURST_UNBUDGETED
+        } else {
+            budget.saturating_add(BURST_PAST_BUDGET).min(MAX_BURST)
+        };
+        let marker_len = "pp-00000000-0000".len();
+        let max_label = usize::from(rule.names.max_label_length);
+        let template = if marker_len <= max_label {
+            format!("{RANDOM}.{{marker}}.{suffix}")
+        } else {
+            format!("{RANDOM}.{suffix}")
+        };
+        let mut note = format!(
+            "name channel under allow rule {} (*.{suffix}): {count} new names through the sandbox's resolver; ",
+            rule.id
+        );
+        if budget == 0 {
+            note.push_str(
+                "the rule has no max_new_names_per_minute (0): every name that leaves is a finding",
+            );
+        } else {
+            note.push_str(&format!(
+                "at most {budget} may reach the upstream, the rest refused name_budget_exceeded and on record"
+            ));
+        }
+        if budget >= MAX_BURST {
+            note.push_str(&format!(
+                " (a budget of {MAX_BURST} or more is not exceeded by one probe)"
+            ));
+        }
+        if RANDOM_LABEL_LEN > max_label {
+            note.push_str(
+                " (max_label_length refuses every name's first label: the budget is not exercised)",
+            );
+        }
+        note.push_str(". The names reach the zone's authoritative servers, and spend the rule's budget for a minute");
+        out.push(Probe {
+            note: Some(note),
+            ..Probe::new(
+                &format!("names-{i}"),
+                &format!("dns-burst:{template}/A?count={count}&budget={budget}"),
+                Via::Direct,
+                Expect::Deny,
+            )
+        });
+    }
+    out
 }
 
 /// Where a direct connection to the gateway itself is tried: its first
@@ -775,6 +844,86 @@ mod tests {
              paths = [\"/pub/*\"]\ndeny_paths = [\"/api/internal*\"]\n"
         ))
         .is_empty());
+    }
+
+    #[test]
+    fn each_allowed_wildcard_gets_a_name_burst_past_its_budget() {
+        let plan = generate_from(
+            "[dns]\nlisten = [\"198.18.1.1:53\"]\n\
+             [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+             [[org.allow]]\nhost = \"allowed.test\"\n\
+             [[org.allow]]\nid = \"wild\"\nhost = \"*.wild.test\"\nmax_new_names_per_minute = 10\n\
+             [[org.allow]]\nid = \"dflt\"\nhost = \"*.cdn.test\"\n\
+             [[org.allow]]\nid = \"free\"\nhost = \"*.free.test\"\nmax_new_names_per_minute = 0\n\
+             [[org.allow]]\nid = \"short\"\nhost = \"*.short.test\"\nmax_label_length = 12\n\
+             [[org.allow]]\nid = \"big\"\nhost = \"*.big.test\"\nmax_new_names_per_minute = 5000\n\
+             [[org.allow]]\ncidr = \"198.18.2.0/24\"\n\
+             [[org.deny]]\nhost = \"*.blocked.test\"\n",
+            false,
+        );
+        let bursts: Vec<&Probe> = plan
+            .probes
+            .iter()
+            .filter(|p| p.target.starts_with("dns-burst:"))
+            .collect();
+        let targets: Vec<(&str, &str)> = bursts
+            .iter()
+            .map(|p| (p.id.as_str(), p.target.as_str()))
+            .collect();
+        assert_eq!(
+            targets,
+            [
+                (
+                    "names-1",
+                    "dns-burst:{random}.{marker}.wild.test/A?count=30&budget=10"
+                ),
+                (
+                    "names-2",
+                    "dns-burst:{random}.{marker}.cdn.test/A?count=80&budget=60"
+                ),
+                (
+                    "names-3",
+                    "dns-burst:{random}.{marker}.free.test/A?count=40&budget=0"
+                ),
+                // No room for the marker's label: the random one alone.
+                (
+                    "names-4",
+                    "dns-burst:{random}.short.test/A?count=80&budget=60"
+                ),
+                (
+                    "names-5",
+                    "dns-burst:{random}.{marker}.big.test/A?count=1000&budget=5000"
+                ),
+            ]
+        );
+        for p in &bursts {
+            assert_eq!(
+                (p.via, p.expect, p.layer),
+                (Via::Direct, Expect::Deny, Layer::Palisade)
+            );
+        }
+        let note = |id: &str| {
+            bursts
+                .iter()
+                .find(|p| p.id == id)
+                .unwrap()
+                .note
+                .clone()
+                .unwrap()
+        };
+        assert!(
+            note("names-1").contains("at most 10"),
+            "{}",
+            note("names-1")
+        );
+        assert!(note("names-3").contains("every name that leaves is a finding"));
+        assert!(note("names-4").contains("budget is not exercised"));
+        assert!(note("names-5").contains("not exceeded by one probe"));
+        // They come last: they spend the budgets the other probes use.
+        let first = plan.probes.iter().position(|p| p.id == "names-1").unwrap();
+        assert!(plan.probes[first..]
+            .iter()
+            .all(|p| p.id.starts_with("names-")));
     }
 
     #[test]

@@ -25,6 +25,12 @@
 //! # ech = true                    # tls:// and https:// probes: ClientHello with an ECH extension
 //! # request = true                # https:// probes: full handshake, then the HTTP request
 //! # note = "why this probe"
+//!
+//! [[probe]]
+//! id = "names-1"                  # the name channel under *.wild.test
+//! target = "dns-burst:{random}.{marker}.wild.test/A?count=30&budget=10"
+//! via = "direct"                  # dns-burst: direct, expect deny only
+//! expect = "deny"
 //! ```
 //!
 //! The in-tunnel probes (what a tunnel carries once it is open):
@@ -46,7 +52,9 @@
 //!
 //! Targets: `http://host[:port]/path`, `https://host[:port]/path`,
 //! `tcp://host:port`, `tls://host:port[?sni=NAME]`, `dns:NAME[/TYPE]`,
-//! `udp://ip:port`. `{marker}` in a target is replaced by the probe's marker.
+//! `udp://ip:port`, `dns-burst:NAME/TYPE?count=N&budget=B` (NAME with
+//! `{random}`: N queries, each for a new name, see [`burst_name`]).
+//! `{marker}` in a target is replaced by the probe's marker.
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -143,6 +151,17 @@ impl Probe {
         }
     }
 
+    /// The time a probe gets on top of the plan's `timeout`: its
+    /// `silence`, and for a `dns-burst` probe [`BURST_TIME_PER_NAME`] per
+    /// name.
+    pub fn extra_time(&self) -> Duration {
+        let burst = match parse_target(&self.target.replace("{marker}", "pp-00000000-0000")) {
+            Ok(Target::DnsBurst { count, .. }) => BURST_TIME_PER_NAME * count,
+            _ => Duration::ZERO,
+        };
+        self.silence() + burst
+    }
+
     /// The validated `silence` (zero when none).
     pub fn silence(&self) -> Duration {
         self.silence
@@ -176,6 +195,16 @@ pub(crate) enum Target {
         name: String,
         qtype: String,
     },
+    /// `dns-burst:TEMPLATE/TYPE?count=N&budget=B`: N queries, each for
+    /// TEMPLATE with `{random}` replaced by a fresh label (see
+    /// [`burst_name`]); B is the new-name budget the plan agrees on for
+    /// the wildcard (0: none, names leave unbounded).
+    DnsBurst {
+        template: String,
+        qtype: String,
+        count: u32,
+        budget: u32,
+    },
     Udp {
         addr: SocketAddr,
     },
@@ -189,6 +218,7 @@ impl Target {
             Target::Tcp { .. } => "tcp",
             Target::Tls { .. } => "tls",
             Target::Dns { .. } => "dns",
+            Target::DnsBurst { .. } => "dns-burst",
             Target::Udp { .. } => "udp",
         }
     }
@@ -227,10 +257,121 @@ fn split_authority(auth: &str, default_port: Option<u16>) -> Result<(String, u16
     Ok((host.to_string(), port))
 }
 
+/// What a `dns-burst` probe gets per name on top of the plan's `timeout`.
+pub(crate) const BURST_TIME_PER_NAME: Duration = Duration::from_millis(50);
+
+/// The placeholder a `dns-burst:` template has for each name's own label.
+pub(crate) const RANDOM: &str = "{random}";
+/// Queries in one `dns-burst:` probe, at most.
+pub(crate) const MAX_BURST: u32 = 1000;
+/// What each `{random}` becomes: `r`, the name's index (4 digits), and 8
+/// characters of base32 (13 in all), so a burst's names are distinct and
+/// new to every resolver cache.
+pub(crate) const RANDOM_LABEL_LEN: usize = 13;
+
+/// The `index`th name of a burst: `template` with `{random}` replaced by
+/// `r`, the index, and `random` (lower-case base32, 8 characters taken).
+pub(crate) fn burst_name(template: &str, index: u32, random: &str) -> String {
+    let tail: String = random.chars().take(8).collect();
+    template.replace(RANDOM, &format!("r{index:04}{tail:0<8}"))
+}
+
+/// Whether `name` is one of a burst's names for `template` (with its
+/// marker already substituted): the template with each `{random}` a label
+/// of the shape [`burst_name`] makes. Case-blind (Palisade records names
+/// lower-cased).
+pub(crate) fn is_burst_name(template: &str, name: &str) -> bool {
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    let template = template.to_ascii_lowercase();
+    let mut rest = name.as_str();
+    let mut parts = template.split(RANDOM).peekable();
+    let Some(first) = parts.next() else {
+        return false;
+    };
+    let Some(r) = rest.strip_prefix(first) else {
+        return false;
+    };
+    rest = r;
+    while let Some(part) = parts.next() {
+        if rest.len() < RANDOM_LABEL_LEN || !rest.is_char_boundary(RANDOM_LABEL_LEN) {
+            return false;
+        }
+        let (label, r) = rest.split_at(RANDOM_LABEL_LEN);
+        let ok = label.starts_with('r')
+            && label[1..5].bytes().all(|b| b.is_ascii_digit())
+            && label[5..]
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b) || b == b'0');
+        if !ok {
+            return false;
+        }
+        let Some(r) = r.strip_prefix(part) else {
+            return false;
+        };
+        rest = r;
+        if parts.peek().is_none() {
+            return rest.is_empty();
+        }
+    }
+    rest.is_empty()
+}
+
+/// `dns-burst:TEMPLATE/TYPE?count=N&budget=B` (after `{marker}` substitution).
+fn parse_burst(rest: &str) -> Result<Target, String> {
+    let (head, query) = rest
+        .split_once('?')
+        .ok_or("dns-burst needs ?count=N&budget=B")?;
+    let (template, qtype) = match head.split_once('/') {
+        Some((n, t)) => (n, t.to_ascii_uppercase()),
+        None => (head, "A".to_string()),
+    };
+    if !template.contains(RANDOM) {
+        return Err(format!("dns-burst name {template:?} has no {RANDOM}"));
+    }
+    let sample = burst_name(template, 0, "aaaaaaaa");
+    if sample.len() > 253
+        || sample.bytes().any(|b| b <= b' ' || b >= 0x7f)
+        || sample.split('.').any(|l| l.is_empty() || l.len() > 63)
+    {
+        return Err(format!("bad dns-burst name {template:?}"));
+    }
+    if !matches!(qtype.as_str(), "A" | "AAAA") {
+        return Err(format!("dns-burst query type {qtype:?}: only A or AAAA"));
+    }
+    let (mut count, mut budget) = (None, None);
+    for pair in query.split('&') {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("bad query {pair:?}"))?;
+        let n: u32 = v
+            .parse()
+            .map_err(|_| format!("{k} = {v:?}: not a number"))?;
+        match k {
+            "count" if count.is_none() => count = Some(n),
+            "budget" if budget.is_none() => budget = Some(n),
+            _ => return Err(format!("bad query {pair:?} (only count=N&budget=B)")),
+        }
+    }
+    let count = count.ok_or("dns-burst needs count=N")?;
+    let budget = budget.ok_or("dns-burst needs budget=B (0: no budget)")?;
+    if !(1..=MAX_BURST).contains(&count) {
+        return Err(format!("count = {count} out of range 1-{MAX_BURST}"));
+    }
+    Ok(Target::DnsBurst {
+        template: template.trim_end_matches('.').to_ascii_lowercase(),
+        qtype,
+        count,
+        budget,
+    })
+}
+
 /// Parse a target (after `{marker}` substitution).
 pub(crate) fn parse_target(input: &str) -> Result<Target, String> {
     if input.len() > 2048 {
         return Err("target longer than 2048 bytes".into());
+    }
+    if let Some(rest) = input.strip_prefix("dns-burst:") {
+        return parse_burst(rest);
     }
     if let Some(rest) = input.strip_prefix("dns:") {
         let (name, qtype) = match rest.split_once('/') {
@@ -376,7 +517,10 @@ impl Plan {
                         "via = \"proxy\" needs `proxy` (in the probe or the plan)".into(),
                     ));
                 }
-                if matches!(target, Target::Dns { .. } | Target::Udp { .. }) {
+                if matches!(
+                    target,
+                    Target::Dns { .. } | Target::DnsBurst { .. } | Target::Udp { .. }
+                ) {
                     return Err(ctx(format!(
                         "{} targets cannot go through the proxy: use via = \"direct\"",
                         target.kind()
@@ -417,6 +561,11 @@ impl Plan {
             }
             if p.request && !matches!(target, Target::Http { tls: true, .. }) {
                 return Err(ctx("request only applies to https:// targets".into()));
+            }
+            if matches!(target, Target::DnsBurst { .. }) && p.expect != Expect::Deny {
+                return Err(ctx(
+                    "dns-burst probes expect \"deny\" (names past the budget refused)".into(),
+                ));
             }
         }
         Ok(())
@@ -530,6 +679,80 @@ mod tests {
             assert!(parse_target(bad).is_err(), "{bad}");
         }
         assert!(parse_target("http://[::ffff:1.2.3.4]/").unwrap().is_ipv6());
+    }
+
+    #[test]
+    fn burst_targets_parse_and_their_names_are_recognised() {
+        let t =
+            parse_target("dns-burst:{random}.pp-1-0003.Wild.test/A?count=30&budget=10").unwrap();
+        assert_eq!(
+            t,
+            Target::DnsBurst {
+                template: "{random}.pp-1-0003.wild.test".into(),
+                qtype: "A".into(),
+                count: 30,
+                budget: 10
+            }
+        );
+        assert_eq!(t.kind(), "dns-burst");
+        let tpl = "{random}.pp-1-0003.wild.test";
+        let a = burst_name(tpl, 7, "abcd2345xyz");
+        assert_eq!(a, "r0007abcd2345.pp-1-0003.wild.test");
+        assert_eq!(a.split('.').next().unwrap().len(), RANDOM_LABEL_LEN);
+        assert!(is_burst_name(tpl, &a));
+        assert!(is_burst_name(tpl, &format!("{}.", a.to_uppercase())));
+        for other in [
+            "r0007abcd2345.pp-1-0004.wild.test",
+            "www.wild.test",
+            "r0007abcd2345.pp-1-0003.wild.test.evil",
+            "r000xabcd2345.pp-1-0003.wild.test",
+            "r0007abcd234.pp-1-0003.wild.test",
+            "x.r0007abcd2345.pp-1-0003.wild.test",
+            "r0007abcd2345x.pp-1-0003.wild.test",
+        ] {
+            assert!(!is_burst_name(tpl, other), "{other}");
+        }
+        // Two placeholders, and one with text around it in its label.
+        let two = "{random}.x{random}.w.test";
+        assert!(is_burst_name(two, "r0001aaaaaaaa.xr0002bbbbbbbb.w.test"));
+        assert!(!is_burst_name(two, "r0001aaaaaaaa.r0002bbbbbbbb.w.test"));
+        assert_eq!(
+            parse_target("dns-burst:{random}.w.test?budget=0&count=1").unwrap(),
+            Target::DnsBurst {
+                template: "{random}.w.test".into(),
+                qtype: "A".into(),
+                count: 1,
+                budget: 0
+            }
+        );
+        for bad in [
+            "dns-burst:{random}.w.test/A",
+            "dns-burst:x.w.test/A?count=3&budget=1",
+            "dns-burst:{random}.w.test/TXT?count=3&budget=1",
+            "dns-burst:{random}.w.test/A?count=0&budget=1",
+            "dns-burst:{random}.w.test/A?count=1001&budget=1",
+            "dns-burst:{random}.w.test/A?count=3",
+            "dns-burst:{random}.w.test/A?count=3&budget=-1",
+            "dns-burst:{random}.w.test/A?count=3&budget=1&count=4",
+            "dns-burst:{random}.w.test/A?count=3&budget=1&sni=x",
+            "dns-burst:{random}..w.test/A?count=3&budget=1",
+            "dns-burst:{random}.w test/A?count=3&budget=1",
+        ] {
+            assert!(parse_target(bad).is_err(), "{bad}");
+        }
+        // A burst is direct, expected denied past its budget, and its
+        // names get time on top of the timeout.
+        let with = |via: &str, expect: &str| {
+            Plan::from_toml(&format!(
+                "proxy = \"198.18.1.1:3128\"\n[[probe]]\nid = \"n\"\n\
+                 target = \"dns-burst:{{random}}.{{marker}}.w.test/A?count=40&budget=10\"\n\
+                 via = \"{via}\"\nexpect = \"{expect}\"\n"
+            ))
+        };
+        let plan = with("direct", "deny").unwrap();
+        assert_eq!(plan.probes[0].extra_time(), BURST_TIME_PER_NAME * 40);
+        assert!(with("proxy", "deny").is_err());
+        assert!(with("direct", "allow").is_err());
     }
 
     #[test]

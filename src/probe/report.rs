@@ -28,7 +28,7 @@ use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::classify::{classify, in_tunnel, observed_text};
+use super::classify::{classify, in_tunnel, name_counts, observed_text, NameCounts};
 use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
@@ -395,6 +395,10 @@ pub struct ProbeResult {
     /// Packets the gateway ruleset rejected and Palisade recorded for
     /// this probe: the `count`s of its `kind = "bypass"` records.
     pub bypass_attempts: u64,
+    /// `dns-burst` probes: the names sent, refused, reached the upstream,
+    /// on record, and the budget.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub names: Option<NameCounts>,
     pub note: Option<String>,
     pub marker: String,
     pub started: String,
@@ -405,7 +409,34 @@ pub struct ProbeResult {
 
 impl ProbeResult {
     /// `id decision reason` of each record, `; `-separated.
+    /// A `dns-burst` probe's (one per name): the counts, the records by
+    /// decision and reason, and the first and last id (all are in
+    /// `report.json`).
     pub fn record_cite(&self) -> String {
+        if let Some(c) = &self.names {
+            let mut by: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+            for r in &self.records {
+                *by.entry((r.decision, r.reason.as_str())).or_default() += r.count.unwrap_or(1);
+            }
+            let groups: Vec<String> = by
+                .iter()
+                .map(|((d, reason), n)| format!("{n} {d} {reason}"))
+                .collect();
+            let ids = match (self.records.first(), self.records.last()) {
+                (Some(a), Some(b)) if a.id != b.id => format!(" ({} … {})", a.id, b.id),
+                (Some(a), _) => format!(" ({})", a.id),
+                _ => String::new(),
+            };
+            return format!(
+                "{}; records: {}{ids}",
+                super::classify::counts_text(c),
+                if groups.is_empty() {
+                    "none".into()
+                } else {
+                    groups.join(", ")
+                }
+            );
+        }
         self.records
             .iter()
             .map(|r| format!("{} {} {}", r.id, r.decision, r.reason))
@@ -1014,6 +1045,12 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             ),
             Some(o) => {
                 let (mut class, mut why) = classify(o, &matched);
+                if let Some(c) = name_counts(o, &matched).filter(|c| c.foreign > 0) {
+                    mismatches.push(format!(
+                        "the observation lists {} names that are not of the probe's target",
+                        c.foreign
+                    ));
+                }
                 if let Some(q) = &o.palisade_record {
                     let name = |k: usize| cases[k].id.clone();
                     mismatches.extend(quote_misfit(q, n, &fits, &records, &assigned, &name));
@@ -1083,6 +1120,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 .filter(|r| r.kind == Kind::Bypass)
                 .map(|r| r.count.unwrap_or(1))
                 .sum(),
+            names: o.and_then(|o| name_counts(o, &matched)),
             note: c.probe.note.clone(),
             marker: o.map(|o| o.marker.clone()).unwrap_or_default(),
             started: o.map(|o| o.started.clone()).unwrap_or_default(),
@@ -1282,8 +1320,15 @@ fn untested(
     surface(
         &mut out,
         probes,
+        "New names under allowed wildcards (the name channel)",
+        &|p| p.kind == "dns-burst",
+        "New names under allowed wildcards (the name channel): not probed (no dns-burst probe).",
+    );
+    surface(
+        &mut out,
+        probes,
         "Connections that skip the proxy (direct egress, the transparent path)",
-        &|p| p.via == Via::Direct && p.kind != "dns",
+        &|p| p.via == Via::Direct && !p.kind.starts_with("dns"),
         "Connections that skip the proxy (direct egress): not probed.",
     );
     surface(

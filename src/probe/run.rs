@@ -142,6 +142,23 @@ pub struct Observation {
     /// `request` probes: the TLS handshake completed (certificate not verified).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub handshake: bool,
+    /// `dns-burst` probes: each name sent, in order, and what the client
+    /// saw for it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub names: Vec<SentName>,
+}
+
+/// One name a `dns-burst` probe sent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SentName {
+    pub name: String,
+    /// `answered` (any reply but a refusal: the lab's upstream knows none
+    /// of the names, so NXDOMAIN is the usual answer), `refused` (REFUSED,
+    /// or NXDOMAIN with an Extended DNS Error), `timeout`, `error`.
+    pub result: String,
+    pub rcode: Option<String>,
+    /// The record reference the shim quoted in its EDE, if any.
+    pub record: Option<String>,
 }
 
 /// `observations.json`.
@@ -183,8 +200,8 @@ pub(crate) async fn run(plan: &Plan, plan_text: &str) -> Observations {
     for (n, probe) in plan.probes.iter().enumerate() {
         let marker = format!("pp-{run_id}-{n:04}");
         let left = deadline.saturating_duration_since(Instant::now());
-        // A probe's silence is on top of its timeout.
-        let budget = (per_probe + probe.silence()).min(left);
+        // A probe's silence (a burst's time per name) is on top of its timeout.
+        let budget = (per_probe + probe.extra_time()).min(left);
         let mut obs = Observation::new(probe, &marker, plan);
         if budget < Duration::from_millis(200) {
             obs.fail(
@@ -275,6 +292,7 @@ impl Observation {
             second: None,
             first_close: false,
             handshake: false,
+            names: Vec::new(),
         }
     }
 
@@ -447,6 +465,27 @@ pub(crate) fn quoted_record(text: &str) -> Option<String> {
     None
 }
 
+/// How long a `dns-burst` probe waits for each answer.
+const BURST_WAIT: Duration = Duration::from_secs(2);
+
+/// Add a socket to the observation, once per local address (a burst
+/// opens one per name: the sockets listed are bounded by its count).
+fn push_socket(obs: &mut Observation, purpose: &str, local: SocketAddr, remote: SocketAddr) {
+    let local = local.to_string();
+    if !obs
+        .sockets
+        .iter()
+        .any(|s| s.local.as_deref() == Some(local.as_str()))
+    {
+        obs.sockets.push(Sock {
+            purpose: purpose.into(),
+            proto: "udp".into(),
+            local: Some(local),
+            remote: remote.to_string(),
+        });
+    }
+}
+
 fn host_for_request(host: &str, port: u16, tls: bool) -> String {
     if (tls && port == 443) || (!tls && port == 80) {
         host.to_string()
@@ -517,10 +556,105 @@ impl Ctx<'_> {
                     }
                 }
             }
+            (
+                Target::DnsBurst {
+                    template,
+                    qtype,
+                    count,
+                    ..
+                },
+                _,
+            ) => self.burst(obs, template, qtype, *count).await,
             (Target::Udp { addr }, _) => self.udp(obs, *addr).await,
             (_, Via::Proxy) => self.via_proxy(obs, &target).await,
             (_, Via::Direct) => self.direct(obs, &target).await,
         }
+    }
+
+    /// A `dns-burst` probe: `count` queries, one after the other, each for
+    /// a new name of `template`, each waited for at most [`BURST_WAIT`]
+    /// (and all within the probe's time); the names the time left no room
+    /// for are not sent (and not listed).
+    async fn burst(&self, obs: &mut Observation, template: &str, qtype: &str, count: u32) {
+        let Some(server) = self.probe.server.or(self.resolver) else {
+            obs.fail(
+                ProbeOutcome::SetupFailed,
+                "resolve_failed",
+                "no resolver: set `resolver` in the plan",
+            );
+            return;
+        };
+        obs.server = Some(server.to_string());
+        obs.stage = "request".into();
+        for i in 0..count {
+            let left = self.left();
+            if left < Duration::from_millis(50) {
+                obs.error = Some("timeout".into());
+                obs.error_detail =
+                    Some(format!("{i} of {count} names sent within the probe's time"));
+                break;
+            }
+            let random = data_encoding::BASE32_NOPAD
+                .encode(&random_bytes::<5>())
+                .to_ascii_lowercase();
+            let name = super::plan::burst_name(template, i, &random);
+            // Ends before the probe's own time does, so the last name's
+            // fate is still written down.
+            let wait = left
+                .saturating_sub(Duration::from_millis(20))
+                .min(BURST_WAIT);
+            let sent = match dns_query(server, &name, qtype, wait).await {
+                Ok(r) => {
+                    obs.bytes_sent += r.sent;
+                    obs.bytes_received += r.received;
+                    if let Some(local) = r.local {
+                        push_socket(obs, "dns", local, server);
+                    }
+                    let refused =
+                        r.rcode == "Refused" || (r.rcode == "NXDomain" && r.ede.is_some());
+                    SentName {
+                        name,
+                        result: if refused { "refused" } else { "answered" }.into(),
+                        record: r.ede.as_deref().and_then(quoted_record),
+                        rcode: Some(r.rcode),
+                    }
+                }
+                Err((local, e)) => {
+                    if let Some(local) = local {
+                        push_socket(obs, "dns", local, server);
+                    }
+                    let timed_out = e.kind() == io::ErrorKind::TimedOut;
+                    if local.is_none() {
+                        // Never sent (no socket): not one of the names sent.
+                        obs.io_fail(ProbeOutcome::SetupFailed, &e);
+                        break;
+                    }
+                    SentName {
+                        name,
+                        result: if timed_out { "timeout" } else { "error" }.into(),
+                        rcode: None,
+                        record: None,
+                    }
+                }
+            };
+            obs.names.push(sent);
+        }
+        let has = |what: &str| obs.names.iter().any(|n| n.result == what);
+        if obs.names.is_empty() {
+            if obs.error.is_none() {
+                obs.fail(ProbeOutcome::SetupFailed, "timeout", "no name sent");
+            }
+            obs.outcome = ProbeOutcome::SetupFailed;
+            return;
+        }
+        obs.stage = "done".into();
+        obs.outcome = if has("answered") {
+            ProbeOutcome::Reached
+        } else if has("refused") {
+            ProbeOutcome::Refused
+        } else {
+            ProbeOutcome::Failed
+        };
     }
 
     async fn udp(&self, obs: &mut Observation, addr: SocketAddr) {
@@ -1423,6 +1557,75 @@ fn environment(resolver: Option<SocketAddr>) -> serde_json::Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A burst against a resolver that answers the first three names
+    /// (NXDOMAIN), refuses the next three and then stays silent: each
+    /// name sent is listed with what the client saw, distinct and of the
+    /// template, and the time left ends the burst with the last name's
+    /// timeout written down.
+    #[tokio::test]
+    async fn a_burst_lists_each_name_and_its_fate() {
+        let server = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = server.local_addr().unwrap();
+        let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = asked.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 1500];
+            for n in 0u32.. {
+                let Ok((len, from)) = server.recv_from(&mut buf).await else {
+                    return;
+                };
+                let mut reply = buf[..len].to_vec();
+                if let Ok(m) = hickory_server::proto::op::Message::from_vec(&reply) {
+                    log.lock().unwrap().push(m.queries[0].name().to_ascii());
+                }
+                if n >= 6 {
+                    continue;
+                }
+                reply[2] |= 0x80;
+                reply[3] = (reply[3] & 0xf0) | if n < 3 { 3 } else { 5 };
+                let _ = server.send_to(&reply, from).await;
+            }
+        });
+        let text = format!(
+            "resolver = \"{addr}\"\ntimeout = \"1s\"\n[[probe]]\nid = \"n\"\n\
+             target = \"dns-burst:{{random}}.{{marker}}.wild.test/A?count=40&budget=2\"\n\
+             via = \"direct\"\nexpect = \"deny\"\n"
+        );
+        let plan = Plan::from_toml(&text).unwrap();
+        let obs = run(&plan, &text).await.observations.remove(0);
+        let results: Vec<&str> = obs.names.iter().map(|n| n.result.as_str()).collect();
+        assert_eq!(
+            results[..7],
+            ["answered", "answered", "answered", "refused", "refused", "refused", "timeout"],
+            "{:?}",
+            obs.names
+        );
+        assert!(results[7..].iter().all(|r| *r == "timeout"), "{results:?}");
+        // 1 s plus 50 ms a name: not all 40 (2 s a silent name at most).
+        assert!(results.len() < 40, "{results:?}");
+        assert_eq!(obs.outcome, ProbeOutcome::Reached);
+        assert_eq!(obs.names[0].rcode.as_deref(), Some("NXDomain"));
+        let template = format!("{{random}}.{}.wild.test", obs.marker);
+        let names: std::collections::BTreeSet<&str> =
+            obs.names.iter().map(|n| n.name.as_str()).collect();
+        assert_eq!(names.len(), obs.names.len());
+        assert!(names
+            .iter()
+            .all(|n| crate::probe::plan::is_burst_name(&template, n)));
+        // What the resolver was asked is what the observation lists.
+        let asked: Vec<String> = asked.lock().unwrap().clone();
+        let listed: Vec<String> = obs.names.iter().map(|n| format!("{}.", n.name)).collect();
+        assert_eq!(asked, listed);
+        assert_eq!(
+            crate::probe::classify::observed_text(&obs),
+            format!(
+                "{} names sent: 3 answered, 3 refused, {} no reply, error timeout",
+                listed.len(),
+                listed.len() - 6
+            )
+        );
+    }
 
     #[test]
     fn client_hello_carries_the_sni_palisade_reads() {

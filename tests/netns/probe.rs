@@ -1248,3 +1248,216 @@ fn bypass_probes_are_planned_refused_and_counted() {
     assert_eq!(r.probe("udp-quic")["records"][0]["port"], 443);
     assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
 }
+
+/// `*.wild.test` with a budget of 10 new names a minute, `*.free.test`
+/// with none (0): the name-channel probes the plan generates for them.
+const NAME_POLICY: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+id = "wild"
+host = "*.wild.test"
+max_new_names_per_minute = 10
+
+[[org.allow]]
+id = "free"
+host = "*.free.test"
+max_new_names_per_minute = 0
+"#;
+
+/// The distinct names the upstream resolver was asked that end in `tail`.
+fn upstream_names_ending(lab: &Lab, tail: &str) -> std::collections::BTreeSet<String> {
+    lab.dns_log()
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .map(|n| n.trim_end_matches('.').to_ascii_lowercase())
+        .filter(|n| n.ends_with(tail))
+        .collect()
+}
+
+/// plan -> run -> report for the name channel, the upstream resolver's
+/// own query log as the witness: under a budget of 10, 30 new names are
+/// sent, exactly 10 reach the upstream and the report says so and
+/// `enforced_deny` (every name on record, one by one or in a summary's
+/// count); with no budget all 40 leave and the report says
+/// `unexpected_allow`.
+/// `probe plan` for `lab`'s config, cut to its name-channel probes
+/// (exactly as generated, their targets checked against `targets`), run in
+/// the client namespace as `name`: the observations file and each
+/// probe's marker.
+fn run_name_probes(lab: &Lab, name: &str, targets: &[&str]) -> (PathBuf, BTreeMap<String, String>) {
+    let out = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["probe", "plan", "-c"])
+            .arg(&lab.config_path)
+            .args(["--org", "acme", "--outside", lab::UNLISTED_IP]),
+        None,
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "{}", out.describe());
+    let mut plan: toml::Table = toml::from_str(&out.stdout).unwrap();
+    let kept: Vec<toml::Value> = plan["probe"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["id"].as_str().is_some_and(|id| id.starts_with("names-")))
+        .cloned()
+        .collect();
+    let got: Vec<&str> = kept.iter().filter_map(|p| p["target"].as_str()).collect();
+    assert_eq!(got, targets, "{}", out.stdout);
+    plan.insert("probe".into(), toml::Value::Array(kept));
+    let plan = toml::to_string(&plan).unwrap();
+    let obs = probe_run(lab, &lab.ns_client, name, &plan);
+    let observed: Value = serde_json::from_str(&std::fs::read_to_string(&obs).unwrap()).unwrap();
+    let markers = observed["observations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| {
+            (
+                o["id"].as_str().unwrap().to_string(),
+                o["marker"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    (obs, markers)
+}
+
+/// DNS refusals past a name budget on record, one by one or summarised.
+fn budget_refusals(lab: &Lab) -> u64 {
+    lab.evidence()
+        .iter()
+        .filter(|v| v["kind"] == "dns" && v["reason"] == "name_budget_exceeded")
+        .map(|v| v["count"].as_u64().unwrap_or(1))
+        .sum()
+}
+
+const WILD_BURST: &str = "dns-burst:{random}.{marker}.wild.test/A?count=30&budget=10";
+
+/// plan -> run -> report for the name channel, the upstream resolver's
+/// own query log as the witness: under a budget of 10, 30 new names are
+/// sent, exactly 10 reach the upstream and the report says so and
+/// `enforced_deny` (every name on record); with no budget all 40 leave
+/// and the report says `unexpected_allow`.
+#[test]
+fn name_channel_probe_counts_what_reached_the_upstream() {
+    let lab = Lab::builder()
+        .policy(NAME_POLICY)
+        .dns_listen(&["198.18.1.1:53"])
+        .start();
+    let (obs, markers) = run_name_probes(
+        &lab,
+        "names",
+        &[
+            WILD_BURST,
+            "dns-burst:{random}.{marker}.free.test/A?count=40&budget=0",
+        ],
+    );
+    let (wild, free) = (&markers["names-0"], &markers["names-1"]);
+    // The witness: what the upstream resolver saw of each probe's names.
+    let wild_seen = upstream_names_ending(&lab, &format!(".{wild}.wild.test"));
+    let free_seen = upstream_names_ending(&lab, &format!(".{free}.free.test"));
+    assert_eq!(wild_seen.len(), 10, "{wild_seen:?}");
+    assert_eq!(free_seen.len(), 40, "{free_seen:?}");
+    // Refusals past the budget are written one by one or summarised a
+    // second later: the report is made once all 20 are on record.
+    lab::wait_until("20 refusals on record", Duration::from_secs(8), || {
+        budget_refusals(&lab) == 20
+    });
+    let r = probe_report(
+        &lab,
+        "names",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &r,
+        &[
+            ("names-0", "enforced_deny"),
+            ("names-1", "unexpected_allow"),
+        ],
+    );
+    let counts = |id: &str| r.probe(id)["names"].clone();
+    let w = counts("names-0");
+    assert_eq!(w["sent"], 30, "{w}");
+    assert_eq!(w["answered"], 10, "{w}");
+    assert_eq!(w["refused"], 20, "{w}");
+    assert_eq!(
+        w["reached_upstream"].as_u64(),
+        Some(wild_seen.len() as u64),
+        "{w}"
+    );
+    assert_eq!(w["not_on_record"], 0, "{w}");
+    assert_eq!(w["budget"], 10, "{w}");
+    let f = counts("names-1");
+    assert_eq!(f["sent"], 40, "{f}");
+    assert_eq!(
+        f["reached_upstream"].as_u64(),
+        Some(free_seen.len() as u64),
+        "{f}"
+    );
+    assert!(r.probe("names-1")["why"]
+        .as_str()
+        .unwrap()
+        .contains("names leave unbounded"));
+    // The report shows the counts, and the hole is a finding.
+    let md = r.md();
+    assert!(
+        md.contains("30 names sent, 10 reached the upstream (budget 10)"),
+        "{md}"
+    );
+    assert!(
+        md.contains("40 names sent, 40 reached the upstream (no budget)"),
+        "{md}"
+    );
+    assert_eq!(r.code, Some(1), "{}\n{md}", r.output);
+    eprintln!(
+        "name-channel probe: of 30 new names, {} reached the upstream with max_new_names_per_minute = 10 (enforced_deny); of 40, {} with 0 (unexpected_allow)",
+        wild_seen.len(),
+        free_seen.len()
+    );
+}
+
+/// The same burst with an evidence budget of 12 records a second: past
+/// the 10 answers and a refusal or two, the refusals are summarised (a
+/// count, no names), and the report still finds every name on record.
+#[test]
+fn name_channel_probe_counts_summarised_refusals() {
+    let policy = NAME_POLICY
+        .split("\n[[org.allow]]\nid = \"free\"")
+        .next()
+        .unwrap();
+    let lab = Lab::builder()
+        .policy(policy)
+        .dns_listen(&["198.18.1.1:53"])
+        .evidence_config("max_records_per_second_per_org = 12")
+        .start();
+    let (obs, markers) = run_name_probes(&lab, "names-summarised", &[WILD_BURST]);
+    let seen = upstream_names_ending(&lab, &format!(".{}.wild.test", markers["names-0"]));
+    assert_eq!(seen.len(), 10, "{seen:?}");
+    lab::wait_until("20 refusals on record", Duration::from_secs(8), || {
+        budget_refusals(&lab) == 20
+    });
+    let r = probe_report(
+        &lab,
+        "names-summarised",
+        &obs,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(&r, &[("names-0", "enforced_deny")]);
+    let w = r.probe("names-0")["names"].clone();
+    assert_eq!(w["sent"], 30, "{w}");
+    assert_eq!(
+        w["reached_upstream"].as_u64(),
+        Some(seen.len() as u64),
+        "{w}"
+    );
+    assert!(w["summarised"].as_u64() > Some(0), "{w}");
+    assert!(w["on_record"].as_u64() < Some(30), "{w}");
+    assert_eq!(w["not_on_record"], 0, "{w}");
+    assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
+}
