@@ -31,7 +31,8 @@
 #   /proc/PID/task/*/status the same way. Workloads: new tunnel + GET + close
 #   at c=1 (server, loadgen and nginx on one core, as the harness places
 #   them) and c=64 (server on its own core), keep-alive absolute-form GETs at
-#   c=64, and UDP queries for a cached allowed name at c=1.
+#   c=64, and UDP queries for a cached allowed name at c=1. SYS_ONLY=TEXT
+#   keeps only the workloads whose label contains TEXT (e.g. "DNS").
 # Needs valgrind or perf, nginx (nginx-light), dnsmasq, dnsperf (perf mode),
 # and the harness's loadgen (built by ../shared/bench/run-palisade.sh, or
 # LOADGEN=path).
@@ -178,6 +179,7 @@ traced() {
 per_unit() {
   local pid=$1 label=$2 cpu=$3
   shift 3
+  case "$label" in *"${SYS_ONLY:-}"*) ;; *) return 0 ;; esac
   local a="$run/sys.$label.1" b="$run/sys.$label.2"
   local lg=(taskset -c "$cpu" timeout 150 "$LOADGEN" "$@" --duration 120 --warmup 0 --op-timeout 30)
   traced "$pid" "$a" "${lg[@]}" --max-requests "$SYS_N1" >"$a.counts"

@@ -43,9 +43,12 @@ pub(crate) mod refusals;
 mod shim;
 pub(crate) mod ttl;
 
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
 use hickory_server::net::xfer::Protocol;
 use hickory_server::proto::op::{Header, HeaderCounts, MessageType, Metadata, ResponseCode};
@@ -175,7 +178,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
         // An IPv4 client of a dual-stack `[::]` socket is known by its IPv4
         // address; the answer goes back to the address it came from.
         let client = SocketAddr::new(src.ip().to_canonical(), src.port());
-        tasks.spawn(async move {
+        let mut answer = Box::pin(async move {
             // The handler bounds upstream time itself; this is a backstop.
             let backstop = shim.config.query_timeout.get() * 2;
             let answer =
@@ -186,9 +189,22 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
                 }
             }
         });
+        // Most answers (a cached name, a refusal) complete without waiting:
+        // answer those here, without a task of their own; one that waits
+        // (upstream, the evidence writer, a full socket) goes on as a task.
+        if ready_at_once(answer.as_mut()).is_pending() {
+            tasks.spawn(answer);
+        }
     }
     tasks.close();
     tasks.wait().await;
+}
+
+/// Poll `fut` once, with a waker that does nothing: a future that is
+/// pending is then handed to a task, whose first poll registers the task's
+/// own waker wherever this poll left the no-op one.
+fn ready_at_once<F: Future + ?Sized>(fut: Pin<&mut F>) -> Poll<F::Output> {
+    fut.poll(&mut Context::from_waker(Waker::noop()))
 }
 
 /// hickory's own TCP loop has no connection cap: accept here, through the
