@@ -166,6 +166,11 @@ fn upstream_names(lab: &Lab) -> BTreeSet<String> {
 /// curl from `ns` through the explicit proxy to https://`name`/, the
 /// CONNECT going to `addr` (a synthetic address) with `name` as SNI.
 fn curl_via(lab: &Lab, ns: &str, name: &str, addr: &str) -> lab::HttpResp {
+    curl_through(lab, ns, PROXY_URL, name, addr)
+}
+
+/// [`curl_via`] through the proxy at `proxy` (an http:// or socks5:// URL).
+fn curl_through(lab: &Lab, ns: &str, proxy: &str, name: &str, addr: &str) -> lab::HttpResp {
     let ca = ca_pem().display().to_string();
     let host = if addr.contains(':') {
         format!("[{addr}]")
@@ -176,7 +181,7 @@ fn curl_via(lab: &Lab, ns: &str, name: &str, addr: &str) -> lab::HttpResp {
     let url = format!("https://{name}/");
     lab.curl_in(
         ns,
-        &["-x", PROXY_URL, "--cacert", &ca, "--connect-to", &to, &url],
+        &["-x", proxy, "--cacert", &ca, "--connect-to", &to, &url],
     )
 }
 
@@ -260,6 +265,16 @@ fn queried_names_never_leave_and_a_connect_to_one_resolves_only_its_name() {
         "synthetic: after one CONNECT to a synthetic address, the upstream saw {} name(s): {seen:?}",
         seen.len()
     );
+
+    // An absolute-form request to the address: decided as the name too.
+    let r = lab.proxied_curl(&format!("http://{allowed}/"), &[]);
+    assert_eq!(r.status, 200, "{r:?}");
+    let rec = lab.wait_evidence("an absolute-form request to the synthetic address", |v| {
+        v["kind"] == "http" && v["event"] == "decision" && v["synthetic"] == allowed.as_str()
+    });
+    assert_eq!(rec["host"], "allowed.test", "{rec}");
+    assert_eq!(rec["ip"], ALLOWED_IP, "{rec}");
+    assert_eq!(upstream_names(&lab).len(), 1);
 
     // Beta using acme's address: bound to no name of beta's.
     let r = curl_via(&lab, &lab.ns_client2.clone(), "allowed.test", &allowed);
@@ -422,4 +437,92 @@ fn a_transparent_connection_to_a_synthetic_address_is_its_name() {
         v["mode"] == "transparent" && v["synthetic"] == format!("{POOL_PREFIX}250").as_str()
     });
     assert_eq!(rec["reason"], "synthetic_unbound", "{rec}");
+}
+
+#[test]
+fn mappings_survive_a_reload_unless_their_name_or_org_no_longer_is_synthetic() {
+    let lab = lab();
+    let (acme, beta) = (lab.ns_client.clone(), lab.ns_client2.clone());
+    let allowed = synthetic_addr(&lab, &acme, "allowed.test", false);
+    let wild = synthetic_addr(&lab, &acme, "x.wild.test", false);
+    let theirs = synthetic_addr(&lab, &beta, "allowed.test", false);
+    // The wildcard goes from acme's policy, and beta resolves again.
+    let text = std::fs::read_to_string(&lab.config_path).unwrap();
+    let edited = text
+        .replacen("host = \"*.wild.test\"", "host = \"*.elsewhere.test\"", 1)
+        .replacen(
+            "clients = [\"198.18.4.0/24\"]\ndns_answers = \"synthetic\"",
+            "clients = [\"198.18.4.0/24\"]",
+            1,
+        );
+    assert_ne!(edited, text);
+    let tmp = lab.config_path.with_extension("new");
+    std::fs::write(&tmp, edited).unwrap();
+    std::fs::rename(&tmp, &lab.config_path).unwrap();
+    lab.signal_proxy("-HUP");
+    lab::wait_until("the reload applied", Duration::from_secs(5), || {
+        crate::metrics::scalar_from_scrape(&lab, "palisade_policy_reloads_total{result=\"ok\"}")
+            == 1.0
+    });
+    // Still allowed, still synthetic: the same address, and it still
+    // stands for its name.
+    assert_eq!(synthetic_addr(&lab, &acme, "allowed.test", false), allowed);
+    let r = curl_via(&lab, &acme, "allowed.test", &allowed);
+    assert_eq!(r.status, 200, "{r:?}");
+    // A name no longer allowed: its address is bound to nothing.
+    let resp = lab.raw_connect(&format!("{wild}:443"));
+    assert_eq!(resp.status, 403, "{resp:?}");
+    assert!(resp.body.contains("synthetic_unbound"), "{resp:?}");
+    // An org no longer synthetic: real answers, and its old address is
+    // bound to nothing.
+    let d = lab.dig_in(&beta, &[&format!("@{}", lab::SHIM_IP), "allowed.test", "A"]);
+    assert_eq!(d.of("A"), [ALLOWED_IP], "{}", d.output);
+    let r = curl_via(&lab, &beta, "allowed.test", &theirs);
+    assert_eq!(r.connect_status, 403, "{r:?}");
+    let rec = tcp_decision(&lab, "beta at its old synthetic address", |v| {
+        v["org"] == "beta" && v["synthetic"] == theirs.as_str()
+    });
+    assert_eq!(rec["reason"], "synthetic_unbound", "{rec}");
+}
+
+#[test]
+fn a_socks5_connection_to_a_synthetic_address_is_its_name() {
+    const SOCKS_ADDR: &str = "198.18.1.1:1080";
+    let lab = Lab::builder()
+        .policy(POLICY)
+        .proxy_option(&format!("socks5 = [{SOCKS_ADDR:?}]"))
+        .dns_listen(&["198.18.1.1:53"])
+        .dns_extra(POOLS)
+        .start();
+    let client = lab.ns_client.clone();
+    let allowed = synthetic_addr(&lab, &client, "allowed.test", false);
+    // socks5:// (not socks5h): the client sends the address, not the name.
+    let proxy = format!("socks5://{SOCKS_ADDR}");
+    let r = curl_through(&lab, &client, &proxy, "allowed.test", &allowed);
+    assert_eq!(r.status, 200, "{r:?}");
+    let rec = tcp_decision(
+        &lab,
+        "the SOCKS5 connection to the synthetic address",
+        |v| v["mode"] == "socks5" && v["synthetic"] == allowed.as_str(),
+    );
+    assert_eq!(rec["host"], "allowed.test", "{rec}");
+    assert_eq!(rec["ip"], ALLOWED_IP, "{rec}");
+    assert_eq!(rec["decision"], "allow", "{rec}");
+    // An address of the pool never handed out: refused, never dialled.
+    let r = curl_through(
+        &lab,
+        &client,
+        &proxy,
+        "allowed.test",
+        &format!("{POOL_PREFIX}250"),
+    );
+    assert_ne!(r.status, 200, "{r:?}");
+    let rec = tcp_decision(&lab, "SOCKS5 to an unbound synthetic address", |v| {
+        v["mode"] == "socks5" && v["synthetic"] == format!("{POOL_PREFIX}250").as_str()
+    });
+    assert_eq!(rec["reason"], "synthetic_unbound", "{rec}");
+    assert_eq!(
+        upstream_names(&lab),
+        BTreeSet::from(["allowed.test".to_string()])
+    );
 }
