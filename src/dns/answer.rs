@@ -187,7 +187,10 @@ impl Shim {
                 Reply::empty(ResponseCode::NXDomain)
             }
             Action::NoData => {
-                if state.verdict.is_allow() {
+                let synthetic_org = state
+                    .verdict_org()
+                    .is_some_and(|o| served.dns.get(o.index).is_some_and(|d| d.synthetic));
+                if state.verdict.is_allow() && synthetic_org {
                     state.upstream = false;
                     state.detail = Some("synthetic answers: no data of this type".into());
                 }
