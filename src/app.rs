@@ -112,6 +112,8 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         dns.max_bindings_per_org,
         dns.max_bindings,
     ));
+    // Synthetic answers' pool addresses, per org and name (none without a pool).
+    let synthetic = crate::synthetic::Synthetic::from_config(dns).map(Arc::new);
     let dns_listeners =
         dns::bind(&dns.listen)
             .await
@@ -198,6 +200,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         metrics: metrics.clone(),
         resolver: resolver.clone(),
         bindings: Some(bindings.clone()),
+        synthetic: synthetic.clone(),
         limits: limits.clone(),
         names: names.clone(),
         shutdown: shutdown.clone(),
@@ -252,7 +255,8 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
             dns.clone(),
         )
         .with_evidence_budget(evidence_budget)
-        .with_names(names),
+        .with_names(names)
+        .with_synthetic(synthetic.clone()),
     );
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
@@ -314,11 +318,11 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
             _ = sigint.recv() => break,
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;
-                reloaded(&ctx, &bindings, &outcome);
+                reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
             }
             _ = config_poll.tick() => {
                 if let Some(outcome) = reloader.poll().await {
-                    reloaded(&ctx, &bindings, &outcome);
+                    reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
                 }
             }
         }
@@ -370,13 +374,30 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
 }
 
 /// After a reload: a new served state holds live connections to it
-/// ([`proxy::revoke`]) and drops the DNS bindings it no longer allows.
-fn reloaded(ctx: &Ctx, bindings: &Bindings, outcome: &crate::reload::ReloadOutcome) {
+/// ([`proxy::revoke`]) and drops the DNS bindings it no longer allows,
+/// and the synthetic mappings of orgs no longer synthetic or names no
+/// longer allowed.
+fn reloaded(
+    ctx: &Ctx,
+    bindings: &Bindings,
+    synthetic: Option<&crate::synthetic::Synthetic>,
+    outcome: &crate::reload::ReloadOutcome,
+) {
     if let crate::reload::ReloadOutcome::Applied { .. } = outcome {
         let served = ctx.served.load_full();
         let dropped = bindings.retain(|org, name| served.policy.binds(org, name));
         if dropped > 0 {
             info!(dropped, "DNS bindings the new policy denies dropped");
+        }
+        if let Some(synthetic) = synthetic {
+            let dropped = synthetic
+                .retain(|org, name| served.is_synthetic(org) && served.policy.binds(org, name));
+            if dropped > 0 {
+                info!(
+                    dropped,
+                    "synthetic DNS mappings the new policy no longer serves dropped"
+                );
+            }
         }
         ctx.policy_changed.send_replace(());
     }

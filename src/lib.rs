@@ -47,6 +47,8 @@
 //! the one summary engine for denials, refusals and bypass attempts, the
 //! new-name budgets of wildcard rules); [`bindings`]
 //! (name-address bindings the shim hands out and transparent mode checks);
+//! [`synthetic`] (the synthetic answers of orgs that resolve nothing
+//! before a decided connection: pool addresses bound to names);
 //! [`serve`] (the one accept loop and the one HTTP/1 server of every
 //! listener: proxy, DNS over TCP, admin).
 //!
@@ -99,6 +101,7 @@ pub(crate) mod reload;
 pub(crate) mod resolve;
 pub(crate) mod serve;
 pub(crate) mod served;
+pub(crate) mod synthetic;
 pub(crate) mod tail;
 #[cfg(test)]
 mod testing;

@@ -198,7 +198,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 binding_grace,
                 max_bindings_per_name,
                 max_bindings_per_org,
-                max_bindings
+                max_bindings,
+                synthetic_pool,
+                synthetic_pool_v6
             }
         );
     }

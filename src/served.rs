@@ -61,6 +61,14 @@ impl Served {
         })
     }
 
+    /// Does org `name` get synthetic DNS answers?
+    pub(crate) fn is_synthetic(&self, name: &str) -> bool {
+        self.policy
+            .org_index(name)
+            .and_then(|i| self.dns.get(i))
+            .is_some_and(|d| d.synthetic)
+    }
+
     /// A handle serving `self`.
     pub(crate) fn into_handle(self) -> ServedHandle {
         Arc::new(ArcSwap::from_pointee(self))
@@ -113,11 +121,15 @@ impl PolicyInfo {
 pub(crate) struct OrgDns {
     pub denied: DnsDenied,
     pub types: Vec<RecordType>,
+    /// `dns_answers = "synthetic"`: allowed names are answered from the
+    /// synthetic pool ([`crate::synthetic`]), nothing resolved.
+    pub synthetic: bool,
 }
 
 impl OrgDns {
     pub(crate) fn from_config(org: &OrgConfig) -> OrgDns {
         OrgDns {
+            synthetic: org.dns_answers == crate::config::DnsAnswers::Synthetic,
             denied: org.dns_denied,
             types: org
                 .dns_types

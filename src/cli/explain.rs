@@ -198,6 +198,43 @@ fn budget_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
     })
 }
 
+/// The synthetic pool `ip` is in, if any.
+fn synthetic_pool(config: &Config, ip: IpAddr) -> Option<ipnet::IpNet> {
+    let ip = crate::policy::canonical(ip);
+    [
+        config.dns.synthetic_pool.map(ipnet::IpNet::V4),
+        config.dns.synthetic_pool_v6.map(ipnet::IpNet::V6),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|net| net.contains(&ip))
+}
+
+/// What a synthetic answer to `name` would be (explain binds nothing).
+fn synthetic_note(
+    config: &Config,
+    verdict: &Verdict,
+    name: &str,
+    family: crate::synthetic::Family,
+) -> Option<String> {
+    let org = verdict.org.as_ref()?;
+    let pool = match family {
+        crate::synthetic::Family::V4 => config.dns.synthetic_pool.map(ipnet::IpNet::V4),
+        crate::synthetic::Family::V6 => config.dns.synthetic_pool_v6.map(ipnet::IpNet::V6),
+    };
+    let shown = crate::dns::decide::shown_name(name).unwrap_or_else(|| name.to_string());
+    Some(match pool {
+        Some(pool) => format!(
+            "the answer: one address of {pool} bound to ({}, {shown}) (the one bound already, \
+             else the next free one), TTL {} s; a connection to it is decided as {shown}, \
+             which is resolved only then",
+            org.name,
+            crate::synthetic::SYNTHETIC_TTL
+        ),
+        None => "no synthetic pool of this family: NODATA".to_string(),
+    })
+}
+
 fn join_detail(detail: Option<String>, note: Option<String>) -> Option<String> {
     match (detail, note) {
         (Some(d), Some(n)) => Some(format!("{d}; {n}")),
@@ -234,6 +271,31 @@ pub async fn explain_request(
                 };
                 return explanation(client, "tcp", host, Some(*port), verdict, &policy);
             };
+            if let Host::Ip(ip) = host {
+                if let Some(pool) = synthetic_pool(config, *ip) {
+                    let mut x = explanation(
+                        client,
+                        "tcp",
+                        host,
+                        Some(*port),
+                        Verdict {
+                            org: Some(org),
+                            reason: Reason::SyntheticUnbound,
+                            rule: None,
+                            would_deny: None,
+                        },
+                        &policy,
+                    );
+                    x.detail = Some(format!(
+                        "{ip} is in the synthetic pool {pool}: at run time it stands for the name \
+                         the DNS shim has bound it to for this org at that moment, and a connection \
+                         to it is decided as a connection to that name (explain the name as \
+                         HOST:{port}; its SNI or Host must match it); bound to no name of this org \
+                         it is denied synthetic_unbound; it is never dialled itself"
+                    ));
+                    return x;
+                }
+            }
             let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
             let outcome = match resolver {
                 Ok(resolver) => {
@@ -298,6 +360,9 @@ pub async fn explain_request(
                     let d = decide_query(&policy, &orgs, client, n, rtype);
                     let note = match d.action {
                         crate::dns::decide::Action::Forward => budget_note(&policy, &d.verdict),
+                        crate::dns::decide::Action::Synthetic(family) => {
+                            synthetic_note(config, &d.verdict, n, family)
+                        }
                         _ => None,
                     };
                     let detail = join_detail(Some(d.action.describe().to_string()), note);
@@ -527,6 +592,36 @@ secret_env = "T3"
         assert!(detail.contains("rule w's 7 new names a minute"), "{detail}");
         let x = explain(&config, client, &dns("exact.test")).await;
         assert!(!x.detail.unwrap_or_default().contains("new names"));
+    }
+
+    #[tokio::test]
+    async fn explain_says_what_a_synthetic_answer_and_address_are() {
+        let src = "[dns]\nsynthetic_pool = \"198.18.128.0/24\"\n\
+                   [[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n\
+                   dns_answers = \"synthetic\"\n[[org.allow]]\nhost = \"*.wild.test\"\n";
+        let config = crate::config::from_str(src, Path::new("p.toml")).unwrap();
+        let client = "198.19.1.5".parse().unwrap();
+        let dns = |qtype: &str| ExplainTarget::Dns {
+            name: Host::Name("x.wild.test".into()),
+            qtype: qtype.into(),
+        };
+        let x = explain(&config, client, &dns("A")).await;
+        let detail = x.detail.unwrap_or_default();
+        assert_eq!(x.reason, Reason::RuleMatch);
+        assert!(detail.contains("nothing sent upstream"), "{detail}");
+        assert!(
+            detail.contains("198.18.128.0/24 bound to (acme, x.wild.test)"),
+            "{detail}"
+        );
+        assert!(detail.contains("TTL 10 s"), "{detail}");
+        let x = explain(&config, client, &dns("AAAA")).await;
+        assert!(x.detail.unwrap_or_default().contains("NODATA"));
+        let target = parse_explain_target("198.18.128.7:443").unwrap();
+        let x = explain(&config, client, &target).await;
+        assert_eq!(x.reason, Reason::SyntheticUnbound);
+        assert!(x.dial.is_empty());
+        let detail = x.detail.unwrap_or_default();
+        assert!(detail.contains("stands for the name"), "{detail}");
     }
 
     #[test]

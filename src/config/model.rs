@@ -310,6 +310,10 @@ pub struct DnsConfig {
     pub max_bindings_per_org: usize,
     /// All bindings; when full, the org holding the most loses its oldest.
     pub max_bindings: usize,
+    /// Synthetic answers (orgs with `dns_answers = "synthetic"`): the IPv4
+    /// and IPv6 pools their addresses come from (`crate::synthetic`).
+    pub synthetic_pool: Option<ipnet::Ipv4Net>,
+    pub synthetic_pool_v6: Option<ipnet::Ipv6Net>,
 }
 
 impl Default for DnsConfig {
@@ -332,6 +336,8 @@ impl Default for DnsConfig {
             max_bindings_per_name: DEFAULT_DNS_MAX_BINDINGS_PER_NAME,
             max_bindings_per_org: dns_org_share(DEFAULT_DNS_MAX_BINDINGS),
             max_bindings: DEFAULT_DNS_MAX_BINDINGS,
+            synthetic_pool: None,
+            synthetic_pool_v6: None,
         }
     }
 }
@@ -621,6 +627,12 @@ pub struct OrgConfig {
     /// case, e.g. "TXT"), on top of A, AAAA, CNAME, HTTPS and SVCB.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub dns_types: Vec<String>,
+    /// How the DNS shim answers a name this org may reach: resolved
+    /// upstream (default), or a synthetic address of `[dns]
+    /// synthetic_pool`, resolving nothing. Left out of the policy hash
+    /// while it has its default value.
+    #[serde(skip_serializing_if = "DnsAnswers::is_default")]
+    pub dns_answers: DnsAnswers,
     /// `report`: decide and record what enforcement would do, but let the
     /// allowlist's denials through. Left out of the policy hash while it is
     /// `enforce`.
@@ -754,6 +766,24 @@ pub enum DnsDenied {
 impl DnsDenied {
     fn is_default(&self) -> bool {
         *self == DnsDenied::Refused
+    }
+}
+
+/// The DNS answer to an allowed name.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DnsAnswers {
+    /// Resolved upstream, the answers filtered.
+    #[default]
+    Resolved,
+    /// An address of the synthetic pool bound to (org, name); the name is
+    /// resolved only when a connection to that address is allowed.
+    Synthetic,
+}
+
+impl DnsAnswers {
+    fn is_default(&self) -> bool {
+        *self == DnsAnswers::Resolved
     }
 }
 
@@ -941,6 +971,8 @@ impl Config {
             max_bindings_per_name: _,
             max_bindings_per_org: _,
             max_bindings: _,
+            synthetic_pool: _,
+            synthetic_pool_v6: _,
         } = dns;
         let AdminConfig {
             listen: admin_listen,
@@ -954,6 +986,41 @@ impl Config {
         own
     }
 }
+
+/// Ranges no broad rule opens: (network, what it is). `check` prints the
+/// names; the policy re-exports it (`crate::policy::ALWAYS_DENIED`), and
+/// config validation keeps the synthetic pools out of it. The IPv6 documentation ranges `2001:db8::/32` and `3fff::/20`
+/// (RFC 3849, RFC 9637) are denied: nothing legitimate answers there, and
+/// a site that numbers internal hosts from them (as some labs and
+/// examples do) must not be reachable through a wide `::/0`. Left open on
+/// purpose: `198.18.0.0/15` and `2001:2::/48` (benchmarking, RFC
+/// 2544/5180: test labs, ours included, run there) and the IPv4
+/// documentation ranges (`192.0.2.0/24`, `198.51.100.0/24`,
+/// `203.0.113.0/24`), which probes and examples use.
+pub const ALWAYS_DENIED: &[(&str, &str)] = &[
+    ("0.0.0.0/8", "this network"),
+    ("10.0.0.0/8", "private"),
+    ("100.64.0.0/10", "shared address space"),
+    ("127.0.0.0/8", "loopback"),
+    ("169.254.0.0/16", "link-local incl. cloud metadata"),
+    ("172.16.0.0/12", "private"),
+    ("192.0.0.0/24", "IETF protocol assignments"),
+    ("192.168.0.0/16", "private"),
+    ("224.0.0.0/4", "multicast"),
+    ("240.0.0.0/4", "reserved incl. broadcast"),
+    ("::/128", "unspecified"),
+    ("::1/128", "loopback"),
+    ("::ffff:0:0:0/96", "SIIT IPv4-translated"),
+    ("64:ff9b:1::/48", "local-use NAT64"),
+    ("100::/64", "discard-only"),
+    ("2001:db8::/32", "documentation"),
+    ("3fff::/20", "documentation"),
+    ("5f00::/16", "SRv6 SIDs"),
+    ("fc00::/7", "unique-local"),
+    ("fe80::/10", "link-local"),
+    ("fec0::/10", "site-local"),
+    ("ff00::/8", "multicast"),
+];
 
 #[cfg(test)]
 mod tests {

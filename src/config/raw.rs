@@ -106,6 +106,8 @@ pub(super) struct RawDns {
     pub(super) max_bindings_per_name: Option<Spanned<i64>>,
     pub(super) max_bindings_per_org: Option<Spanned<i64>>,
     pub(super) max_bindings: Option<Spanned<i64>>,
+    pub(super) synthetic_pool: Option<Spanned<String>>,
+    pub(super) synthetic_pool_v6: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -155,6 +157,7 @@ pub(super) struct RawOrg {
     pub(super) dns_denied: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) dns_types: Vec<Spanned<String>>,
+    pub(super) dns_answers: Option<Spanned<String>>,
     pub(super) mode: Option<Spanned<String>>,
     pub(super) identity: Option<Spanned<String>>,
     #[serde(default)]

@@ -18,6 +18,7 @@
 //!    ([`Shim::finish`]); a refusal's is queued or summarised
 //!    ([`Shim::record_refusal`]).
 
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,6 +41,7 @@ use crate::limits::client_key;
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
+use crate::synthetic::{Answer, Family, SYNTHETIC_TTL};
 
 /// Longest query name kept in evidence for a name that is not a host name.
 const MAX_SHOWN_NAME: usize = 300;
@@ -158,7 +160,7 @@ impl Shim {
         // its refusal summarised).
         let answers = matches!(
             decision.action,
-            Action::Forward | Action::AnyHinfo | Action::Ptr(_)
+            Action::Forward | Action::AnyHinfo | Action::Ptr(_) | Action::Synthetic(_)
         );
         let paid = if answers {
             self.refusals
@@ -185,9 +187,17 @@ impl Shim {
                 Reply::empty(ResponseCode::NXDomain)
             }
             Action::NoData => {
+                let synthetic_org = state
+                    .verdict_org()
+                    .is_some_and(|o| served.dns.get(o.index).is_some_and(|d| d.synthetic));
+                if state.verdict.is_allow() && synthetic_org {
+                    state.upstream = false;
+                    state.detail = Some("synthetic answers: no data of this type".into());
+                }
                 self.record_refusal(state, wait).await;
                 Reply::empty(ResponseCode::NoError)
             }
+            Action::Synthetic(family) => self.synthetic(state, query, family, wait).await,
             Action::AnyHinfo => self.any_hinfo(state, query).await,
             Action::Ptr(addr) => self.ptr(served, state, query, addr, wait, now).await,
             Action::Forward => {
@@ -376,6 +386,61 @@ impl Shim {
     ) -> Reply {
         let recorded = self.record_refusal(state, wait).await;
         blocked(rcode, &state.verdict, &recorded)
+    }
+
+    /// An org with synthetic answers: the pool address bound to (org,
+    /// name) for `family`, nothing upstream; NODATA without a pool of the
+    /// family; refused (`limit_exceeded`) when every address the pool
+    /// could give is held by an open connection.
+    async fn synthetic(
+        &self,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        family: Family,
+        wait: Duration,
+    ) -> Reply {
+        state.upstream = false;
+        let (Some(pools), Some(org), Some(name)) = (
+            self.synthetic.as_ref(),
+            state.verdict_org().cloned(),
+            state.name.clone(),
+        ) else {
+            state.detail = Some("synthetic answers: no pool".into());
+            return self
+                .finish(state, Reply::empty(ResponseCode::NoError))
+                .await;
+        };
+        let addr = match pools.answer(&org.name, &name, family) {
+            Answer::Addr(addr) => addr,
+            Answer::NoPool => {
+                state.detail = Some("synthetic answers: no pool of this family".into());
+                return self
+                    .finish(state, Reply::empty(ResponseCode::NoError))
+                    .await;
+            }
+            Answer::Exhausted => {
+                state.refuse(
+                    Reason::LimitExceeded,
+                    Some("synthetic pool exhausted: every address it could give is held by an open connection".into()),
+                );
+                return self
+                    .refuse_decided(state, ResponseCode::Refused, wait)
+                    .await;
+            }
+        };
+        let rdata = match addr {
+            IpAddr::V4(a) => RData::A(a.into()),
+            IpAddr::V6(a) => RData::AAAA(a.into()),
+        };
+        let record = Record::from_rdata(query.original().name().clone(), SYNTHETIC_TTL, rdata);
+        state.answers = vec![describe(&record)];
+        state.detail = Some("synthetic answer: nothing resolved".into());
+        let reply = Reply {
+            rcode: ResponseCode::NoError,
+            answers: Arc::new([record]),
+            ede: None,
+        };
+        self.finish(state, reply).await
     }
 
     /// ANY is answered with one HINFO (RFC 8482), nothing upstream.
@@ -872,6 +937,91 @@ host = "allowed.test"
         assert_eq!(recs[1], recs[2], "any case: the same record");
         assert_eq!(recs[5]["decision"], "deny", "{}", recs[5]);
         assert_ne!(recs[5]["policy"], recs[0]["policy"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A synthetic org: A and AAAA answered from the pools, bound to
+    /// (org, name), other types NODATA; the upstream sees nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn synthetic_answers_resolve_nothing() {
+        let (up, seen) = upstream().await;
+        let dir = crate::testing::scratch("dnssyn");
+        let policy = format!(
+            "[dns]\nsynthetic_pool = \"198.18.200.0/24\"\n{}",
+            POLICY.replacen(
+                "clients = [\"198.18.1.0/24\"]",
+                "clients = [\"198.18.1.0/24\"]\ndns_answers = \"synthetic\"",
+                1
+            )
+        );
+        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
+        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let resolver = Resolver::new(&[up], Duration::from_secs(2)).unwrap();
+        let c = config::from_str(&policy, Path::new("t.toml")).unwrap();
+        let served = Served::load(&c, Arc::new(Policy::new(&c)), &metrics).unwrap();
+        let shim = Shim::new(
+            served.into_handle(),
+            Arc::new(resolver),
+            ev,
+            metrics,
+            Arc::new(Bindings::new(8, 1024, 4096)),
+            c.dns.clone(),
+        );
+        let pools = shim.synthetic.clone().unwrap();
+        let a = shim
+            .answer(&request(ACME, "allowed.test.", RecordType::A))
+            .await;
+        assert_eq!(a.rcode, ResponseCode::NoError);
+        assert_eq!(a.answers.len(), 1);
+        assert_eq!(a.answers[0].ttl, SYNTHETIC_TTL);
+        let RData::A(addr) = &a.answers[0].data else {
+            panic!("{a:?}")
+        };
+        let addr = IpAddr::V4(addr.0);
+        assert!(pools.contains(addr));
+        assert_eq!(pools.name_of("acme", addr).as_deref(), Some("allowed.test"));
+        // The same name again: the same address.
+        let again = shim
+            .answer(&request(ACME, "ALLOWED.test.", RecordType::A))
+            .await;
+        assert_eq!(again.answers, a.answers);
+        // No IPv6 pool: NODATA; HTTPS: NODATA; denied: refused.
+        let aaaa = shim
+            .answer(&request(ACME, "allowed.test.", RecordType::AAAA))
+            .await;
+        assert_eq!((aaaa.rcode, aaaa.answers.len()), (ResponseCode::NoError, 0));
+        let https = shim
+            .answer(&request(ACME, "allowed.test.", RecordType::HTTPS))
+            .await;
+        assert_eq!(
+            (https.rcode, https.answers.len()),
+            (ResponseCode::NoError, 0)
+        );
+        let nope = shim
+            .answer(&request(ACME, "nope.test.", RecordType::A))
+            .await;
+        assert_eq!(nope.rcode, ResponseCode::Refused);
+        // No synthetic address was bound as a real one.
+        assert!(!shim
+            .bindings
+            .is_bound("acme", "allowed.test", addr, Instant::now()));
+        assert_eq!(seen.load(Ordering::Relaxed), 0, "nothing upstream");
+        // Beta resolves as before.
+        let beta = shim
+            .answer(&request(BETA, "allowed.test.", RecordType::A))
+            .await;
+        assert_eq!(beta.answers.len(), 1);
+        assert_eq!(seen.load(Ordering::Relaxed), 1);
+
+        let recs = records(&shim, &dir).await;
+        let first = &recs[0];
+        assert_eq!(first["decision"], "allow", "{first}");
+        assert_eq!(first["upstream"], false, "{first}");
+        assert_eq!(
+            first["answers"],
+            serde_json::json!([format!("A {addr}")]),
+            "{first}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

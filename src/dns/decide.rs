@@ -19,8 +19,14 @@
 //! | 7 | a never-forwarded special-use name (`localhost`, `.local`, `.invalid`, `.onion`, `home.arpa`, reverse zones) | NXDOMAIN | `special_name` | no |
 //! | 8 | ANY | RFC 8482 HINFO | `rule_match` | no |
 //! | 9 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types`, and the name is new to the org past its wildcard rule's `max_new_names_per_minute` ([`past_budget`], the state kept at the edge in `limits::names`) | REFUSED | `name_budget_exceeded` | no |
+//! | 9a | the org has `dns_answers = "synthetic"`: A, AAAA | an address of the synthetic pool bound to (org, name) ([`crate::synthetic`]), TTL 10 s; NODATA without a pool of the family | `rule_match` | no |
+//! | 9b | the org has `dns_answers = "synthetic"`: CNAME, HTTPS, SVCB, a type in `dns_types` | NODATA | `rule_match` | no |
 //! | 10 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types` | forwarded, answers filtered | `rule_match` | yes |
 //! | 11 | any other type | REFUSED | `qtype_not_allowed` | no |
+//!
+//! Rows 9a-9b come before the budget of row 9: a synthetic answer lets no
+//! name leave, so it spends nothing; the connection to the address does
+//! (its decision spends the name as any connection's does).
 //!
 //! A label longer than a wildcard rule's `max_label_length` is the
 //! policy's denial at row 6 (`name_budget_exceeded`, with the org's
@@ -36,6 +42,7 @@ use crate::limits::NameUse;
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{normalize_host, Host};
 pub(crate) use crate::served::OrgDns;
+use crate::synthetic::Family;
 
 /// Types answered for every allowed name.
 pub(crate) const DEFAULT_TYPES: [RecordType; 5] = [
@@ -80,6 +87,9 @@ pub(crate) enum Action {
     Ptr(IpAddr),
     /// Resolve upstream and filter the answers.
     Forward,
+    /// An org with synthetic answers: an address of the pool of this
+    /// family bound to (org, name), nothing resolved.
+    Synthetic(Family),
 }
 
 /// The decision for one query.
@@ -105,6 +115,9 @@ impl Action {
             Action::AnyHinfo => "RFC 8482 HINFO, answered locally",
             Action::Ptr(_) => "PTR from this org's own bindings, nothing sent upstream",
             Action::Forward => "forwarded upstream; answers filtered",
+            Action::Synthetic(_) => {
+                "a synthetic address from the pool, bound to (org, name), TTL 10 s; nothing sent upstream"
+            }
         }
     }
 }
@@ -228,6 +241,14 @@ pub(crate) fn decide_query(
     }
     let (verdict, action) = if qtype == RecordType::ANY {
         (verdict, Action::AnyHinfo)
+    } else if settings.synthetic && qtype == RecordType::A {
+        (verdict, Action::Synthetic(Family::V4))
+    } else if settings.synthetic && qtype == RecordType::AAAA {
+        (verdict, Action::Synthetic(Family::V6))
+    } else if settings.synthetic
+        && (DEFAULT_TYPES.contains(&qtype) || settings.types.contains(&qtype))
+    {
+        (verdict, Action::NoData)
     } else if DEFAULT_TYPES.contains(&qtype) || settings.types.contains(&qtype) {
         (verdict, Action::Forward)
     } else {
@@ -307,6 +328,17 @@ clients = ["198.18.5.0/24"]
 dns_denied = "nxdomain"
 [[org.allow]]
 host = "beta.test"
+
+[[org]]
+name = "syn"
+clients = ["198.18.6.0/24"]
+dns_answers = "synthetic"
+dns_types = ["TXT"]
+[[org.allow]]
+host = "*.wild.test"
+
+[dns]
+synthetic_pool = "198.19.128.0/24"
 "#;
 
     fn setup() -> (Policy, Vec<OrgDns>) {
@@ -323,6 +355,7 @@ host = "beta.test"
 
     const ACME: &str = "198.18.1.2";
     const BETA: &str = "198.18.5.2";
+    const SYN: &str = "198.18.6.2";
 
     #[test]
     fn unknown_clients_name_is_recorded_normalised() {
@@ -492,6 +525,55 @@ host = "beta.test"
                 T::NULL,
                 Reason::QtypeNotAllowed,
                 Action::Refuse,
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::A,
+                Reason::RuleMatch,
+                Action::Synthetic(Family::V4),
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::AAAA,
+                Reason::RuleMatch,
+                Action::Synthetic(Family::V6),
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::HTTPS,
+                Reason::RuleMatch,
+                Action::NoData,
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::CNAME,
+                Reason::RuleMatch,
+                Action::NoData,
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::TXT,
+                Reason::RuleMatch,
+                Action::NoData,
+            ),
+            (
+                SYN,
+                "x.wild.test.",
+                T::MX,
+                Reason::QtypeNotAllowed,
+                Action::Refuse,
+            ),
+            (
+                SYN,
+                "nope.test.",
+                T::A,
+                Reason::NoMatchingRule,
+                Action::Denied(DnsDenied::Refused),
             ),
         ];
         for (client, name, qtype, reason, action) in cases {

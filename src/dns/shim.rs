@@ -52,6 +52,9 @@ pub(crate) struct Shim {
     /// The new-name budgets of wildcard rules, shared with the proxy
     /// ([`Shim::with_names`]).
     pub names: Arc<NameBudgets>,
+    /// The synthetic pools' mappings, shared with the proxy
+    /// ([`Shim::with_synthetic`]); `None`: no pool set.
+    pub synthetic: Option<Arc<crate::synthetic::Synthetic>>,
 }
 
 impl Shim {
@@ -89,6 +92,7 @@ impl Shim {
                 crate::limits::names::MAX_NAMES_PER_ORG,
                 Some(metrics.new_names_total.clone()),
             )),
+            synthetic: crate::synthetic::Synthetic::from_config(&config).map(Arc::new),
             served,
             resolver,
             evidence,
@@ -96,6 +100,16 @@ impl Shim {
             bindings,
             config,
         }
+    }
+
+    /// Answer synthetic orgs from `synthetic`, the mappings the proxy
+    /// reads too.
+    pub(crate) fn with_synthetic(
+        mut self,
+        synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    ) -> Shim {
+        self.synthetic = synthetic;
+        self
     }
 
     /// Charge records to `budget`, the evidence budget the proxy charges

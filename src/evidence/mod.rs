@@ -129,6 +129,11 @@ pub struct Record {
     pub port: Option<u16>,
     pub sni: Option<String>,
     pub ip: Option<IpAddr>,
+    /// A connection to an address of the synthetic pool (an org with
+    /// `dns_answers = "synthetic"`): that address; `host` is the name bound
+    /// to it and `ip` the real address dialled. Absent elsewhere.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub synthetic: Option<IpAddr>,
     /// `allow` or `deny`: never set by hand but derived from `reason`, at
     /// construction and again when the record is written, so that the two
     /// cannot disagree. Read it with [`Record::decision_str`].
@@ -244,6 +249,7 @@ impl Record {
             reasons: None,
             hosts: None,
             window: None,
+            synthetic: None,
         }
     }
 
@@ -259,6 +265,7 @@ impl Record {
             port: None,
             sni: None,
             ip: None,
+            synthetic: None,
             rule: None,
             would_deny: None,
             method: None,

@@ -195,10 +195,14 @@ pub enum Reason {
     /// or with a label longer than its `max_label_length` (names as a
     /// covert channel, `docs/dns.md`).
     NameBudgetExceeded,
+    /// A connection to an address of the synthetic pool that is bound to
+    /// no name of the client's org (never handed out to it, evicted, or
+    /// another org's): never dialled, nothing resolved.
+    SyntheticUnbound,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 26] = [
+    pub const ALL: [Reason; 27] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -225,6 +229,7 @@ impl Reason {
         Reason::UpgradeNotAllowed,
         Reason::PolicyRevoked,
         Reason::NameBudgetExceeded,
+        Reason::SyntheticUnbound,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -255,6 +260,7 @@ impl Reason {
             Reason::UpgradeNotAllowed => "upgrade_not_allowed",
             Reason::PolicyRevoked => "policy_revoked",
             Reason::NameBudgetExceeded => "name_budget_exceeded",
+            Reason::SyntheticUnbound => "synthetic_unbound",
         }
     }
 
@@ -616,39 +622,7 @@ pub struct Policy {
     rule_count: usize,
 }
 
-/// Ranges no broad rule opens: (network, what it is). `check` prints the
-/// names. The IPv6 documentation ranges `2001:db8::/32` and `3fff::/20`
-/// (RFC 3849, RFC 9637) are denied: nothing legitimate answers there, and
-/// a site that numbers internal hosts from them (as some labs and
-/// examples do) must not be reachable through a wide `::/0`. Left open on
-/// purpose: `198.18.0.0/15` and `2001:2::/48` (benchmarking, RFC
-/// 2544/5180: test labs, ours included, run there) and the IPv4
-/// documentation ranges (`192.0.2.0/24`, `198.51.100.0/24`,
-/// `203.0.113.0/24`), which probes and examples use.
-pub const ALWAYS_DENIED: &[(&str, &str)] = &[
-    ("0.0.0.0/8", "this network"),
-    ("10.0.0.0/8", "private"),
-    ("100.64.0.0/10", "shared address space"),
-    ("127.0.0.0/8", "loopback"),
-    ("169.254.0.0/16", "link-local incl. cloud metadata"),
-    ("172.16.0.0/12", "private"),
-    ("192.0.0.0/24", "IETF protocol assignments"),
-    ("192.168.0.0/16", "private"),
-    ("224.0.0.0/4", "multicast"),
-    ("240.0.0.0/4", "reserved incl. broadcast"),
-    ("::/128", "unspecified"),
-    ("::1/128", "loopback"),
-    ("::ffff:0:0:0/96", "SIIT IPv4-translated"),
-    ("64:ff9b:1::/48", "local-use NAT64"),
-    ("100::/64", "discard-only"),
-    ("2001:db8::/32", "documentation"),
-    ("3fff::/20", "documentation"),
-    ("5f00::/16", "SRv6 SIDs"),
-    ("fc00::/7", "unique-local"),
-    ("fe80::/10", "link-local"),
-    ("fec0::/10", "site-local"),
-    ("ff00::/8", "multicast"),
-];
+pub use crate::config::ALWAYS_DENIED;
 
 /// A cidr allow rule that opens (part of) an always-denied range: what
 /// `palisade check` lists.
@@ -664,6 +638,9 @@ pub struct Opening {
     pub what: Vec<Arc<str>>,
     pub ports: PortSet,
 }
+
+/// What the always-denied table calls a synthetic pool (`[dns] synthetic_pool`).
+pub const SYNTHETIC_POOL: &str = "synthetic pool";
 
 /// What `closed_ranges` calls an address of the host Palisade runs on.
 pub const GATEWAY_ADDRESS: &str = "gateway address";
@@ -736,7 +713,21 @@ impl Policy {
     /// Compile a validated config for the host whose interface addresses
     /// are `host` (each always-denied, row C; see `crate::host`).
     pub fn with_host(config: &Config, host: &[IpAddr]) -> Policy {
-        Policy::compile(&config.orgs, config.own_addresses(), host)
+        let mut policy = Policy::compile(&config.orgs, config.own_addresses(), host);
+        // The synthetic pools are never dialled: always-denied, and no
+        // cidr rule may overlap them (config validation).
+        let pool: Arc<str> = Arc::from(SYNTHETIC_POOL);
+        let pools = [
+            config.dns.synthetic_pool.map(IpNet::V4),
+            config.dns.synthetic_pool_v6.map(IpNet::V6),
+        ];
+        for net in pools.into_iter().flatten() {
+            let entry = policy.always_denied.entry(net.trunc());
+            if !entry.contains(&pool) {
+                entry.push(pool.clone());
+            }
+        }
+        policy
     }
 
     /// Compile orgs; `own` are Palisade's own listen addresses, `host` the
@@ -1058,6 +1049,11 @@ impl Policy {
             };
         };
         self.name_any_port_for(&org, name)
+    }
+
+    /// The index of org `name` (its place in the config), if there is one.
+    pub fn org_index(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
     }
 
     /// Whether the org named `org` may still be handed addresses of `name`

@@ -1274,3 +1274,29 @@ max_label_length = 8
     let watch = p.org_for(ip("198.19.2.9")).unwrap();
     assert_eq!(p.name_budget(&watch, "watch/allow/0"), Some(60));
 }
+
+/// The synthetic pools are never dialled: an address in one is denied
+/// (an IP target, or what a name resolves to), and `check` names it.
+#[test]
+fn synthetic_pools_are_always_denied() {
+    let src = format!(
+        "[dns]\nsynthetic_pool = \"198.18.200.0/24\"\nsynthetic_pool_v6 = \"2001:2:0:200::/120\"\n{POLICY}"
+    );
+    let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
+    for (target, addrs) in [
+        ("198.18.200.7", &[][..]),
+        ("2001:2:0:200::7", &[][..]),
+        ("api.example.com", &["198.18.200.7"][..]),
+    ] {
+        assert_eq!(
+            decide(&p, ACME, target, 443, addrs).reason,
+            Reason::DeniedAddress,
+            "{target}"
+        );
+    }
+    // Beside the pool, as before.
+    assert_eq!(
+        decide(&p, ACME, "api.example.com", 443, &["198.18.201.7"]).reason,
+        Reason::RuleMatch
+    );
+}

@@ -57,6 +57,11 @@ pub(crate) struct Conn {
     pub verdict: Verdict,
     /// The address dialled (or tried; transparent: the original destination).
     pub ip: Option<IpAddr>,
+    /// The synthetic address connected to, when the target was one: `host`
+    /// is then the name bound to it, `ip` the real address dialled.
+    pub synthetic: Option<IpAddr>,
+    /// The synthetic mapping held (never evicted) while this connection lives.
+    pub pin: Option<Arc<crate::synthetic::Pinned>>,
     /// The SNI of the client's ClientHello.
     pub sni: Option<String>,
     /// What the tunnel was verified to carry (or `opaque`).
@@ -91,6 +96,8 @@ impl Conn {
             port,
             verdict,
             ip: None,
+            synthetic: None,
+            pin: None,
             sni: None,
             tunnel: None,
             plan: Plan::PassThrough,
@@ -99,6 +106,16 @@ impl Conn {
             within: None,
             credential: None,
             detail: None,
+        }
+    }
+
+    /// A target that was a synthetic address: the connection is to the
+    /// name it stood for, recorded with the address, holding the mapping.
+    pub(crate) fn stood_for(&mut self, stood: Option<&super::decide::StoodFor>) {
+        if let Some(s) = stood {
+            self.host = Host::Name(s.name.clone());
+            self.synthetic = Some(s.addr);
+            self.pin = Some(s.pin.clone());
         }
     }
 
@@ -170,6 +187,7 @@ impl Conn {
         r.host = Some(self.host.to_string());
         r.port = Some(self.port);
         r.ip = self.ip;
+        r.synthetic = self.synthetic;
         r.sni = self.sni.clone();
         r.tunnel = self.tunnel;
         r.intercepted = matches!(self.plan, Plan::Intercept(_)).then_some(true);

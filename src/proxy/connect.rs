@@ -22,7 +22,7 @@ use super::conn::{Conn, Plan};
 use super::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
-use super::record::{dial_failed, record_denial, write_record, Refused, Written};
+use super::record::{dial_failed, record_denial_at, write_record, Refused, Written};
 use super::revoke;
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
@@ -53,10 +53,20 @@ pub(crate) async fn open(
     port: u16,
 ) -> Result<Opened, Refused> {
     let outcome = ctx.decide_in(mode, view, &host, port).await;
+    // A synthetic address stands for its name: the records say both.
+    let synthetic = match (&outcome.synthetic, &host) {
+        (Some(s), _) => Some(s.addr),
+        (None, Host::Ip(ip)) if outcome.verdict.reason == Reason::SyntheticUnbound => Some(*ip),
+        _ => None,
+    };
+    let host = outcome
+        .synthetic
+        .as_ref()
+        .map_or(host, |s| Host::Name(s.name.clone()));
     let target = (Some(&host), Some(port));
     if !outcome.verdict.is_allow() {
         let detail = outcome.detail.as_deref();
-        return Err(record_denial(
+        return Err(record_denial_at(
             ctx,
             view,
             (Kind::Tcp, mode),
@@ -64,6 +74,7 @@ pub(crate) async fn open(
             &outcome.verdict,
             target,
             detail,
+            synthetic,
         )
         .await);
     }
@@ -72,18 +83,34 @@ pub(crate) async fn open(
             reason: Reason::EvidenceUnavailable,
             ..outcome.verdict
         };
-        return Err(
-            record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, None).await,
-        );
+        return Err(record_denial_at(
+            ctx,
+            view,
+            (Kind::Tcp, mode),
+            peer,
+            &verdict,
+            target,
+            None,
+            synthetic,
+        )
+        .await);
     }
     // The allow's record is paid for from the org's evidence budget now;
     // spent, the tunnel is refused (the refusal summarised).
     if let Err(detail) = ctx.pay_allow(view) {
         let verdict = budget_spent(outcome.verdict);
         let detail = Some(detail);
-        return Err(
-            record_denial(ctx, view, (Kind::Tcp, mode), peer, &verdict, target, detail).await,
-        );
+        return Err(record_denial_at(
+            ctx,
+            view,
+            (Kind::Tcp, mode),
+            peer,
+            &verdict,
+            target,
+            detail,
+            synthetic,
+        )
+        .await);
     }
     let mut conn = Conn::new(
         view.clone(),
@@ -92,6 +119,7 @@ pub(crate) async fn open(
         (host, port),
         outcome.verdict,
     );
+    conn.stood_for(outcome.synthetic.as_deref());
     match ctx.dial(&outcome.dial, port).await {
         Ok((upstream, addr)) => {
             conn.ip = Some(addr.ip());

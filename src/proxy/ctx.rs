@@ -35,6 +35,9 @@ pub(crate) struct Ctx {
     pub resolver: Arc<Resolver>,
     /// The DNS shim's bindings, when it runs.
     pub bindings: Option<Arc<dyn NameBindings>>,
+    /// The synthetic pools' mappings, when a pool is set: a connection to
+    /// a pool address stands for the name bound to it.
+    pub synthetic: Option<Arc<crate::synthetic::Synthetic>>,
     pub limits: Limits,
     /// The new-name budgets of wildcard rules, shared with the DNS shim.
     pub names: Arc<NameBudgets>,

@@ -5,6 +5,7 @@
 //! resolves to ([`Addresses::Original`]).
 
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::ctx::{Ctx, View};
@@ -14,6 +15,7 @@ use crate::limits::NameBudgets;
 use crate::policy::{canonical, Decision, OrgRef, PendingName, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
+use crate::synthetic::{Lookup, Pinned};
 
 /// A policy decision for one target, with the addresses that may be dialled.
 #[derive(Debug, Clone)]
@@ -24,22 +26,49 @@ pub(crate) struct Decided {
     /// mode: a name that does not own the address), for evidence and the
     /// response.
     pub detail: Option<String>,
+    /// A target that was a synthetic address: what it stood for. The
+    /// decision is the bound name's, `dial` what the name resolved to.
+    pub synthetic: Option<Box<StoodFor>>,
+}
+
+/// A synthetic address connected to, the name bound to it for the org,
+/// and the mapping held while the connection lives.
+#[derive(Debug, Clone)]
+pub(crate) struct StoodFor {
+    pub addr: IpAddr,
+    pub name: String,
+    pub pin: Arc<Pinned>,
 }
 
 impl Decided {
-    /// `sni_mismatch` for `org`: the name presented does not own the
-    /// address connected to.
-    pub(crate) fn mismatch(org: &OrgRef, detail: String) -> Decided {
+    /// A denial of `org` for `reason` with `detail`, naming no rule.
+    pub(crate) fn denied(org: &OrgRef, reason: Reason, detail: String) -> Decided {
         Decided {
             verdict: Verdict {
                 org: Some(org.clone()),
-                reason: Reason::SniMismatch,
+                reason,
                 rule: None,
                 would_deny: None,
             },
             dial: Vec::new(),
             detail: Some(detail),
+            synthetic: None,
         }
+    }
+
+    /// `synthetic_unbound`: a pool address bound to no name of `org`.
+    pub(crate) fn unbound(org: &OrgRef, addr: IpAddr) -> Decided {
+        Decided::denied(
+            org,
+            Reason::SyntheticUnbound,
+            format!("synthetic address {addr} is bound to no name of this org (never handed out, evicted, or another org's)"),
+        )
+    }
+
+    /// `sni_mismatch` for `org`: the name presented does not own the
+    /// address connected to.
+    pub(crate) fn mismatch(org: &OrgRef, detail: String) -> Decided {
+        Decided::denied(org, Reason::SniMismatch, detail)
     }
 }
 
@@ -76,7 +105,8 @@ impl Ctx {
     }
 
     /// Decide `host:port` for the view's client: the name step, resolution
-    /// when the name is allowed, then the address step. Not timed.
+    /// when the name is allowed, then the address step. Not timed. A
+    /// synthetic address stands for the name bound to it ([`Ctx::stood_for`]).
     pub(crate) async fn decide(&self, view: &View, host: &Host, port: u16) -> Decided {
         let Some(org) = &view.org else {
             return Decided {
@@ -88,8 +118,16 @@ impl Ctx {
                 },
                 dial: Vec::new(),
                 detail: None,
+                synthetic: None,
             };
         };
+        if let Host::Ip(ip) = host {
+            match self.stood_for(org, *ip) {
+                Stands::Not => {}
+                Stands::Unbound => return Decided::unbound(org, canonical(*ip)),
+                Stands::For(stood) => return self.decide_synthetic(view, org, stood, port).await,
+            }
+        }
         decide_with(
             &view.policy,
             (&self.resolver, Some(&*self.names)),
@@ -98,6 +136,59 @@ impl Ctx {
             Addresses::Resolved,
         )
         .await
+    }
+}
+
+/// What an address connected to is, for an org.
+pub(crate) enum Stands {
+    /// Not a synthetic address.
+    Not,
+    /// A synthetic address bound to no name of the org.
+    Unbound,
+    /// A synthetic address bound to a name of the org (now pinned).
+    For(StoodFor),
+}
+
+impl Ctx {
+    /// What `ip` stands for for `org`: a pool address is bound to one of
+    /// its names (pinned from here on), or to none.
+    pub(crate) fn stood_for(&self, org: &OrgRef, ip: IpAddr) -> Stands {
+        let Some(pools) = &self.synthetic else {
+            return Stands::Not;
+        };
+        let addr = canonical(ip);
+        match pools.pin(&org.name, addr) {
+            Lookup::NotSynthetic => Stands::Not,
+            Lookup::Unbound => Stands::Unbound,
+            Lookup::Bound(name, pin) => Stands::For(StoodFor {
+                addr,
+                name,
+                pin: Arc::new(pin),
+            }),
+        }
+    }
+
+    /// A connection to a synthetic address, decided as one to its bound
+    /// name (the same step, budgets and all); only an allowed name is
+    /// resolved, and what it resolves to is checked and dialled.
+    pub(crate) async fn decide_synthetic(
+        &self,
+        view: &View,
+        org: &OrgRef,
+        stood: StoodFor,
+        port: u16,
+    ) -> Decided {
+        let name = Host::Name(stood.name.clone());
+        let mut decided = decide_with(
+            &view.policy,
+            (&self.resolver, Some(&*self.names)),
+            org,
+            (&name, port),
+            Addresses::Resolved,
+        )
+        .await;
+        decided.synthetic = Some(Box::new(stood));
+        decided
     }
 }
 
@@ -123,6 +214,7 @@ pub(crate) async fn decide_with(
                 verdict,
                 dial,
                 detail: None,
+                synthetic: None,
             }
         }
         Decision::Resolve(mut pending) => {
@@ -137,6 +229,7 @@ pub(crate) async fn decide_with(
                     },
                     dial: Vec::new(),
                     detail: Some("internal: resolve asked for an address".into()),
+                    synthetic: None,
                 };
             };
             if let Err(spent) = spend_name(policy, names, &mut pending, name) {
@@ -151,6 +244,7 @@ pub(crate) async fn decide_with(
                 },
                 dial: Vec::new(),
                 detail: Some(e),
+                synthetic: None,
             };
             let addrs = match addresses {
                 Addresses::Resolved => match resolver.lookup(name).await {
@@ -179,6 +273,7 @@ pub(crate) async fn decide_with(
                 verdict: av.verdict,
                 dial: av.dial,
                 detail: None,
+                synthetic: None,
             }
         }
     }
@@ -221,5 +316,6 @@ fn spend_name(
         detail: Some(format!(
             "{budget} new names a minute under this rule already used"
         )),
+        synthetic: None,
     })
 }

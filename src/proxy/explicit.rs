@@ -476,7 +476,12 @@ async fn forward(
         mut verdict,
         dial: addrs,
         detail,
+        synthetic,
     } = ctx.decide_in(Mode::Explicit, view, &host, port).await;
+    // A synthetic address stands for the name bound to it.
+    let host = synthetic
+        .as_ref()
+        .map_or(host, |s| Host::Name(s.name.clone()));
     if host_mismatch.is_some() && verdict.is_allow() {
         // Report mode: what enforcement would have said first.
         verdict.would_deny = Some(Reason::HostMismatch);
@@ -540,6 +545,7 @@ async fn forward(
         (host.clone(), port),
         verdict,
     );
+    conn.stood_for(synthetic.as_deref());
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
     let head_estimate = head_size(&req) as u64;

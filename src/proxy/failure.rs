@@ -219,7 +219,8 @@ fn side_of(reason: Reason) -> Side {
         | Reason::EchNotAllowed
         | Reason::UpgradeNotAllowed
         | Reason::PolicyRevoked
-        | Reason::NameBudgetExceeded => Side::Client,
+        | Reason::NameBudgetExceeded
+        | Reason::SyntheticUnbound => Side::Client,
     }
 }
 

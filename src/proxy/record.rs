@@ -54,8 +54,35 @@ pub(crate) async fn record_denial(
     (host, port): (Option<&Host>, Option<u16>),
     detail: Option<&str>,
 ) -> Refused {
+    record_denial_at(
+        ctx,
+        view,
+        (kind, mode),
+        peer,
+        verdict,
+        (host, port),
+        detail,
+        None,
+    )
+    .await
+}
+
+/// [`record_denial`] of a connection to `synthetic`, an address of the
+/// synthetic pool (`host` is then the name bound to it, if any).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn record_denial_at(
+    ctx: &Ctx,
+    view: &View,
+    (kind, mode): (Kind, Mode),
+    peer: SocketAddr,
+    verdict: &Verdict,
+    (host, port): (Option<&Host>, Option<u16>),
+    detail: Option<&str>,
+    synthetic: Option<std::net::IpAddr>,
+) -> Refused {
     let mut record = view.record(kind, mode, peer, verdict, host, port);
     record.detail = detail.map(str::to_string);
+    record.synthetic = synthetic;
     let written = ctx.write(&mut record).await;
     let failure = Unserved::Denied(verdict.reason).recorded(written);
     debug!(reason = %failure.reason(), side = ?failure.side(), record = %record.id, "denied");

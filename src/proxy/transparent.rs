@@ -20,7 +20,7 @@ use tracing::debug;
 use super::conn::{Conn, Plan};
 use super::connect;
 use super::ctx::{Ctx, View, DETECT_BUDGET_EXHAUSTED};
-use super::decide::{decide_with, Addresses, Decided};
+use super::decide::{decide_with, Addresses, Decided, Stands};
 use super::intercepted::{self, serve::Session};
 use super::listen::accept_loop;
 use super::record::{write_record, Written};
@@ -150,6 +150,7 @@ async fn handle(
                 verdict: view.verdict(Reason::BadRequest),
                 dial: Vec::new(),
                 detail: Some(why.to_string()),
+                synthetic: None,
             },
             None,
         ),
@@ -158,6 +159,17 @@ async fn handle(
         .time_decision(Mode::Transparent, started.elapsed());
 
     let mut conn = conn_for(outcome.verdict, name.unwrap_or(Host::Ip(orig.ip())));
+    // A synthetic destination: the record's `ip` is the real address
+    // dialled (none yet), `synthetic` the address connected to.
+    if ctx
+        .synthetic
+        .as_ref()
+        .is_some_and(|s| s.contains(orig.ip()))
+    {
+        conn.ip = None;
+        conn.synthetic = Some(orig.ip());
+    }
+    conn.stood_for(outcome.synthetic.as_deref());
     if let Detected::Tls(hello) = &detected {
         conn.sni = hello.sni.clone();
     }
@@ -233,11 +245,21 @@ async fn handle(
     let (upstream, addr) = match ctx.dial(&outcome.dial, orig.port()).await {
         Ok(dialled) => dialled,
         Err(e) => {
+            if conn.synthetic.is_some() {
+                if let super::dial::DialError::Timeout { addr }
+                | super::dial::DialError::Io { addr, .. } = &e
+                {
+                    conn.ip = Some(addr.ip());
+                }
+            }
             conn.detail = Some(e.to_string());
             let _ = write_record(&ctx, &conn).await;
             return reset(client);
         }
     };
+    if conn.synthetic.is_some() {
+        conn.ip = Some(addr.ip());
+    }
     // Opt-in TLS interception, as in explicit mode.
     conn.settle(intercepted::plan(
         conn.view.intercept.as_ref(),
@@ -299,6 +321,33 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
     let Some(org) = &view.org else {
         return ctx.decide(view, &Host::Ip(orig.ip()), orig.port()).await;
     };
+    // A synthetic address: the name presented must be the one bound to it
+    // for this org; then it is decided (and resolved) as that name.
+    match ctx.stood_for(org, orig.ip()) {
+        Stands::Not => {}
+        Stands::Unbound => return Decided::unbound(org, orig.ip()),
+        Stands::For(stood) => {
+            return match name {
+                Some(Host::Name(n)) if *n == stood.name => {
+                    ctx.decide_synthetic(view, org, stood, orig.port()).await
+                }
+                Some(other) => Decided::mismatch(
+                    org,
+                    format!(
+                        "client named {other} but connected to the synthetic address {} of another name",
+                        orig.ip()
+                    ),
+                ),
+                None => Decided::mismatch(
+                    org,
+                    format!(
+                        "no name presented at the synthetic address {}: it stands for the name it was handed out for, which the client must present",
+                        orig.ip()
+                    ),
+                ),
+            };
+        }
+    }
     let by_address = Host::Ip(orig.ip());
     let host = match name {
         None => &by_address,

@@ -37,6 +37,7 @@ mod retention;
 mod revoke;
 mod socks5;
 mod splice;
+mod synthetic;
 mod tls;
 mod transparent;
 mod transparent_v6;

@@ -1,9 +1,116 @@
 //! `[dns]`: the DNS shim's listeners, upstreams, bounds and TTLs.
 
-use super::{count, duration, socket_addr, timeout, Listeners};
+use std::ops::Range;
+
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use toml::Spanned;
+
+use super::{cidr, count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
-use crate::config::model::{dns_org_share, DnsConfig};
+use crate::config::model::{dns_org_share, Config, DnsConfig, RuleTarget, ALWAYS_DENIED};
 use crate::config::raw::RawDns;
+
+/// The smallest synthetic pools: 256 addresses (see `crate::synthetic`).
+const MIN_POOL_PREFIX_V4: u8 = 24;
+const MIN_POOL_PREFIX_V6: u8 = 120;
+
+/// Where the synthetic pools are written, for [`check_pools`].
+pub(super) struct PoolSpans {
+    v4: Option<Range<usize>>,
+    v6: Option<Range<usize>>,
+}
+
+pub(super) fn pool_spans(raw: &RawDns) -> PoolSpans {
+    PoolSpans {
+        v4: raw.synthetic_pool.as_ref().map(Spanned::span),
+        v6: raw.synthetic_pool_v6.as_ref().map(Spanned::span),
+    }
+}
+
+/// A synthetic pool: a network of the key's family, at least 256 addresses.
+fn pool(value: Option<&Spanned<String>>, v6: bool, errors: &mut Errors<'_>) -> Option<IpNet> {
+    let value = value?;
+    let key = if v6 {
+        "synthetic_pool_v6"
+    } else {
+        "synthetic_pool"
+    };
+    let net = cidr(value, errors)?;
+    let (family_ok, min) = match net {
+        IpNet::V4(_) => (!v6, MIN_POOL_PREFIX_V4),
+        IpNet::V6(_) => (v6, MIN_POOL_PREFIX_V6),
+    };
+    if !family_ok {
+        let want = if v6 { "an IPv6" } else { "an IPv4" };
+        errors.at(
+            value.span(),
+            format!("dns {key} {net} must be {want} network"),
+        );
+        return None;
+    }
+    if net.prefix_len() > min {
+        errors.at(
+            value.span(),
+            format!("dns {key} {net} is too small (at least 256 addresses: /{min} or shorter)"),
+        );
+        return None;
+    }
+    Some(net)
+}
+
+/// The synthetic pools stay clear of every address that means something
+/// else: a listener, an org's clients, an always-denied range, an org's
+/// cidr allow rule. Each overlap is an error at the pool's key.
+pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {
+    let pools = [
+        (
+            config.dns.synthetic_pool.map(IpNet::V4),
+            &spans.v4,
+            "synthetic_pool",
+        ),
+        (
+            config.dns.synthetic_pool_v6.map(IpNet::V6),
+            &spans.v6,
+            "synthetic_pool_v6",
+        ),
+    ];
+    let overlaps = |a: &IpNet, b: &IpNet| a.contains(&b.network()) || b.contains(&a.network());
+    for (net, span, key) in pools {
+        let (Some(net), Some(span)) = (net, span) else {
+            continue;
+        };
+        let mut clash = |what: String| {
+            errors.at(span.clone(), format!("dns {key} {net} overlaps {what}"));
+        };
+        for (range, what) in ALWAYS_DENIED {
+            if let Ok(range) = range.parse::<IpNet>() {
+                if overlaps(&net, &range) {
+                    clash(format!("the always-denied range {range} ({what})"));
+                }
+            }
+        }
+        for org in &config.orgs {
+            for c in &org.clients {
+                if overlaps(&net, c) {
+                    clash(format!("the clients {c} of org {:?}", org.name));
+                }
+            }
+            for rule in &org.allow {
+                if let RuleTarget::Cidr(c) = &rule.target {
+                    if overlaps(&net, c) {
+                        clash(format!("the cidr {c} of rule {:?}", rule.id));
+                    }
+                }
+            }
+        }
+        for addr in config.own_addresses() {
+            let ip = addr.ip().to_canonical();
+            if net.contains(&ip) {
+                clash(format!("the listen address {addr}"));
+            }
+        }
+    }
+}
 
 pub(super) fn validate_dns(
     raw: RawDns,
@@ -28,6 +135,8 @@ pub(super) fn validate_dns(
         max_bindings_per_name,
         max_bindings_per_org,
         max_bindings,
+        synthetic_pool,
+        synthetic_pool_v6,
     } = raw;
     let d = DnsConfig::default();
     let max_ttl_span = max_ttl.as_ref().map(|m| m.span());
@@ -79,6 +188,14 @@ pub(super) fn validate_dns(
             errors,
         ),
         max_bindings: max_all_bindings,
+        synthetic_pool: match pool(synthetic_pool.as_ref(), false, errors) {
+            Some(IpNet::V4(n)) => Some(n),
+            _ => None::<Ipv4Net>,
+        },
+        synthetic_pool_v6: match pool(synthetic_pool_v6.as_ref(), true, errors) {
+            Some(IpNet::V6(n)) => Some(n),
+            _ => None::<Ipv6Net>,
+        },
     };
     if config.min_ttl > config.max_ttl {
         errors.at(
@@ -182,5 +299,110 @@ mod tests {
         assert_eq!(c.dns.max_tcp_connections_per_org, 5);
         assert_eq!(c.dns.max_queries_in_flight_per_org, 7);
         assert_eq!(c.dns.max_bindings_per_org, 11);
+    }
+
+    #[test]
+    fn synthetic_pools_and_answers_parse() {
+        let src = format!(
+            "[dns]\nsynthetic_pool = \"198.18.128.0/17\"\nsynthetic_pool_v6 = \"2001:2:0:8000::/96\"\n\
+             {BASE}dns_answers = \"synthetic\"\n"
+        );
+        let c = parse(&src).unwrap();
+        assert_eq!(
+            c.dns.synthetic_pool,
+            Some("198.18.128.0/17".parse().unwrap())
+        );
+        assert_eq!(
+            c.dns.synthetic_pool_v6,
+            Some("2001:2:0:8000::/96".parse().unwrap())
+        );
+        assert_eq!(c.orgs[0].dns_answers, DnsAnswers::Synthetic);
+        // Either pool alone will do.
+        let v6 = format!(
+            "[dns]\nsynthetic_pool_v6 = \"2001:2:0:8000::/120\"\n{BASE}dns_answers = \"synthetic\"\n"
+        );
+        assert!(parse(&v6).is_ok());
+        let c = parse(&format!("{BASE}dns_answers = \"resolved\"\n")).unwrap();
+        assert_eq!(c.orgs[0].dns_answers, DnsAnswers::Resolved);
+        // The default keeps the policy hash.
+        let json = serde_json::to_string(&c.orgs).unwrap();
+        assert!(!json.contains("dns_answers"), "{json}");
+    }
+
+    #[test]
+    fn bad_synthetic_settings_are_located() {
+        let cases: &[(&str, &str, &str)] = &[
+            // (config, where, what)
+            (
+                "{BASE}dns_answers = \"synthetic\"\n",
+                "t.toml:9:",
+                "needs [dns] synthetic_pool",
+            ),
+            (
+                "{BASE}dns_answers = \"fake\"\n",
+                "t.toml:9:",
+                "invalid dns_answers \"fake\"",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"2001:2::/64\"\n{BASE}",
+                "t.toml:2:",
+                "synthetic_pool 2001:2::/64 must be an IPv4 network",
+            ),
+            (
+                "[dns]\nsynthetic_pool_v6 = \"198.18.128.0/17\"\n{BASE}",
+                "t.toml:2:",
+                "synthetic_pool_v6 198.18.128.0/17 must be an IPv6 network",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"198.18.128.0/25\"\n{BASE}",
+                "t.toml:2:",
+                "too small",
+            ),
+            (
+                "[dns]\nsynthetic_pool_v6 = \"2001:2::/121\"\n{BASE}",
+                "t.toml:2:",
+                "too small",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"198.18.128.1/17\"\n{BASE}",
+                "t.toml:2:",
+                "host bits",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"127.0.0.0/24\"\n{BASE}",
+                "t.toml:2:",
+                "overlaps the always-denied range 127.0.0.0/8",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"10.0.0.0/7\"\n{BASE}",
+                "t.toml:2:",
+                "overlaps the always-denied range 10.0.0.0/8",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"198.19.0.0/16\"\n{BASE}",
+                "t.toml:2:",
+                "overlaps the clients 198.19.1.0/24 of org \"acme\"",
+            ),
+            (
+                "[dns]\nlisten = [\"198.18.128.1:53\"]\nsynthetic_pool = \"198.18.128.0/24\"\n{BASE}",
+                "t.toml:3:",
+                "overlaps the listen address 198.18.128.1:53",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"198.18.128.0/24\"\n{BASE}[[org.allow]]\ncidr = \"198.18.0.0/16\"\n",
+                "t.toml:2:",
+                "overlaps the cidr 198.18.0.0/16 of rule",
+            ),
+            (
+                "[dns]\nsynthetic_pool_v6 = \"fd00::/120\"\n{BASE}",
+                "t.toml:2:",
+                "overlaps the always-denied range fc00::/7",
+            ),
+        ];
+        for (src, at, what) in cases {
+            let src = src.replace("{BASE}", BASE);
+            let e = first_error(&src);
+            assert!(e.starts_with(at) && e.contains(what), "{src}\n=> {e}");
+        }
     }
 }

@@ -47,6 +47,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     // Listen addresses in this order, each unique across all listeners.
     let mut listeners = Listeners::default();
     let proxy = validate_proxy(proxy, &mut listeners, errors);
+    let pool_spans = dns::pool_spans(&dns);
     let dns = validate_dns(dns, &mut listeners, errors);
     let admin = validate_admin(admin, &mut listeners, errors);
     let default_budget = super::model::default_max_records_per_second_per_org(&proxy.limits, &dns);
@@ -56,12 +57,13 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
 
     let intercept = validate_intercept(intercept, errors);
     let bypass = validate_bypass(bypass, errors);
-    let orgs = validate_orgs(org, errors);
+    let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
+    let orgs = validate_orgs(org, pools_set, errors);
     if let Some(at) = retain_at {
         check_capacity(&evidence, orgs.len(), at, errors);
     }
 
-    Config {
+    let config = Config {
         path: path.to_path_buf(),
         proxy,
         dns,
@@ -70,7 +72,9 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         intercept,
         bypass,
         orgs,
-    }
+    };
+    dns::check_pools(&config, &pool_spans, errors);
+    config
 }
 
 /// The listen addresses seen so far, to reject one used twice.

@@ -11,7 +11,9 @@ use super::cidr;
 use super::credentials::validate_credentials;
 use super::rules::validate_rules;
 use crate::config::error::Errors;
-use crate::config::model::{DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES};
+use crate::config::model::{
+    DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
+};
 use crate::config::raw::RawOrg;
 
 /// Org names appear in metrics labels and evidence: keep them plain.
@@ -23,7 +25,13 @@ fn valid_org_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 
-pub(super) fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<OrgConfig> {
+/// `pools_set`: `[dns]` has a synthetic pool (either family), which an org
+/// with `dns_answers = "synthetic"` needs.
+pub(super) fn validate_orgs(
+    raw: Vec<RawOrg>,
+    pools_set: bool,
+    errors: &mut Errors<'_>,
+) -> Vec<OrgConfig> {
     let mut orgs = Vec::new();
     let mut names: HashSet<String> = HashSet::new();
     let mut client_nets: HashMap<IpNet, String> = HashMap::new();
@@ -38,6 +46,7 @@ pub(super) fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<Or
             deny,
             dns_denied,
             dns_types,
+            dns_answers,
             mode,
             identity,
             tokens,
@@ -117,6 +126,29 @@ pub(super) fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<Or
             }
         };
         let dns_types = validate_dns_types(&dns_types, errors);
+        let dns_answers = match dns_answers {
+            None => DnsAnswers::default(),
+            Some(v) => match v.get_ref().as_str() {
+                "resolved" => DnsAnswers::Resolved,
+                "synthetic" if pools_set => DnsAnswers::Synthetic,
+                "synthetic" => {
+                    errors.at(
+                        v.span(),
+                        "dns_answers = \"synthetic\" needs [dns] synthetic_pool or synthetic_pool_v6",
+                    );
+                    DnsAnswers::default()
+                }
+                other => {
+                    errors.at(
+                        v.span(),
+                        format!(
+                            "invalid dns_answers {other:?} (expected \"resolved\" or \"synthetic\")"
+                        ),
+                    );
+                    DnsAnswers::default()
+                }
+            },
+        };
         let mode = match mode {
             None => OrgMode::default(),
             Some(v) => match v.get_ref().as_str() {
@@ -140,6 +172,7 @@ pub(super) fn validate_orgs(raw: Vec<RawOrg>, errors: &mut Errors<'_>) -> Vec<Or
             deny,
             dns_denied,
             dns_types,
+            dns_answers,
             mode,
             identity,
             tokens,
