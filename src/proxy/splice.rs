@@ -212,6 +212,7 @@ mod imp {
     use std::io;
     use std::os::fd::OwnedFd;
     use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Duration;
 
     use rustix::pipe::{pipe_with, PipeFlags, SpliceFlags};
     use tokio::io::Interest;
@@ -251,6 +252,11 @@ mod imp {
         // Bytes in the pipe, not yet written.
         let mut in_pipe = 0usize;
         let mut moved = false;
+        // Reset when this direction ends, however it ends.
+        let mut low = LowWater {
+            sock: from,
+            mark: 1,
+        };
         loop {
             if in_pipe == 0 {
                 if left == Some(0) {
@@ -284,7 +290,7 @@ mod imp {
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         // Drained: hold no pipe while waiting.
                         give_back(Some(p));
-                        if from.readable().await.is_err() {
+                        if !wait_readable(from, left, &mut low).await {
                             return Spliced::Failed;
                         }
                         continue;
@@ -319,6 +325,85 @@ mod imp {
                 // any write error is an end, even at the first write.
                 Err(_) => return Spliced::Failed,
             }
+        }
+    }
+
+    /// A body this long or longer waits for [`LOW_WATER`] bytes (or what
+    /// is left of it, if less) per wake-up instead of each segment.
+    const LOW_WATER_FROM: u64 = 128 * 1024;
+    const LOW_WATER: u64 = 256 * 1024;
+    /// How long a wait for the low-water mark may take before it gives up
+    /// and takes what is there: a body that trickles is not held back
+    /// (its bytes wait at most this long), a fast one wakes per
+    /// [`LOW_WATER`] bytes.
+    const LOW_WATER_WAIT: Duration = Duration::from_millis(1);
+
+    /// The socket's `SO_RCVLOWAT` as this direction set it; back to 1 (the
+    /// default, and what the verifier reading the next head needs) when
+    /// dropped.
+    struct LowWater<'a> {
+        sock: &'a TcpStream,
+        mark: u64,
+    }
+
+    impl LowWater<'_> {
+        fn set(&mut self, mark: u64) {
+            if mark != self.mark && set_rcvlowat(self.sock, mark).is_ok() {
+                self.mark = mark;
+            }
+        }
+    }
+
+    impl Drop for LowWater<'_> {
+        fn drop(&mut self) {
+            self.set(1);
+        }
+    }
+
+    /// Wait until `from` is readable: while much of a body is `left`, until
+    /// [`LOW_WATER`] bytes are there, at most [`LOW_WATER_WAIT`]; false if
+    /// the socket failed.
+    async fn wait_readable(from: &TcpStream, left: Option<u64>, low: &mut LowWater<'_>) -> bool {
+        match left {
+            Some(left) if left >= LOW_WATER_FROM => {
+                low.set(left.min(LOW_WATER));
+                match tokio::time::timeout(LOW_WATER_WAIT, from.readable()).await {
+                    Ok(ready) => return ready.is_ok(),
+                    // Setting the mark lower wakes a reader if what is
+                    // there reaches it now.
+                    Err(_) => low.set(1),
+                }
+            }
+            _ => low.set(1),
+        }
+        from.readable().await.is_ok()
+    }
+
+    /// `setsockopt(SO_RCVLOWAT)`: readiness (and the kernel's wake-up of
+    /// the reader) only once `mark` bytes are queued, or at EOF.
+    #[allow(unsafe_code)]
+    fn set_rcvlowat(sock: &TcpStream, mark: u64) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let value = libc::c_int::try_from(mark).unwrap_or(libc::c_int::MAX);
+        // SAFETY: the fd is a socket `sock` owns and keeps open for the
+        // whole call (borrowed); the option value points at a live c_int on
+        // this stack frame and the length passed is exactly its size, so
+        // the kernel reads only initialised memory we own; setsockopt
+        // writes nothing back. No Rust invariant depends on the socket's
+        // low-water mark.
+        let rc = unsafe {
+            libc::setsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                std::ptr::from_ref(&value).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
         }
     }
 
@@ -358,6 +443,7 @@ mod imp {
 mod tests {
     use super::*;
     use std::sync::atomic::Ordering;
+    use std::time::Duration;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// Bound of [`tunnel_task_state_is_small`] (a debug build; 10.7 KB
@@ -439,5 +525,59 @@ mod tests {
         dst.read_exact(&mut tail).await.unwrap();
         assert_eq!(&tail, b"tail");
         assert!(imp::pooled() >= 1, "the drained pipe was pooled");
+    }
+
+    /// A long body that arrives in pieces is not held back for the
+    /// low-water mark: each piece reaches the reader before the sender
+    /// sends the next (a mark kept for ever would hang here); and after the
+    /// body the mark is back at 1, so a 4-byte tail wakes a reader.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn a_long_body_is_never_held_for_the_low_water_mark_which_goes_back_after() {
+        let (mut src, from) = crate::testing::tcp_pair().await;
+        let (to, mut dst) = crate::testing::tcp_pair().await;
+        let piece = vec![7u8; 20_000];
+        let limit = 1_000_000u64;
+        let count = AtomicU64::new(0);
+        let touch = || {};
+        let pieces = async {
+            for _ in 0..(limit / piece.len() as u64) {
+                src.write_all(&piece).await.unwrap();
+                let mut got = vec![0u8; piece.len()];
+                let read = tokio::time::timeout(Duration::from_secs(10), dst.read_exact(&mut got));
+                assert!(read.await.is_ok(), "a piece was held back");
+                assert_eq!(got, piece);
+            }
+        };
+        let (end, ()) = tokio::join!(splice(&from, &to, Some(limit), &count, &touch), pieces);
+        assert_eq!(end, Spliced::Limit);
+        // A body that comes at once ends with the mark up (it was met):
+        // dropping the direction puts it back.
+        let body = vec![9u8; 1_000_000];
+        let burst = async {
+            src.write_all(&body).await.unwrap();
+        };
+        let drain = async {
+            let mut got = vec![0u8; body.len()];
+            dst.read_exact(&mut got).await.unwrap();
+        };
+        let (end, (), ()) = tokio::join!(
+            splice(&from, &to, Some(limit), &count, &touch),
+            burst,
+            drain
+        );
+        assert_eq!(end, Spliced::Limit);
+        // Nothing is queued: clear the read readiness, then a short tail
+        // must make the socket readable again.
+        let mut buf = [0u8; 16];
+        assert_eq!(
+            from.try_read(&mut buf).unwrap_err().kind(),
+            std::io::ErrorKind::WouldBlock
+        );
+        src.write_all(b"tail").await.unwrap();
+        let ready = tokio::time::timeout(Duration::from_secs(10), from.readable()).await;
+        assert!(ready.is_ok(), "the low-water mark was left set");
+        let n = from.try_read(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"tail");
     }
 }
