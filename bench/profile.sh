@@ -221,15 +221,17 @@ listen relay
   bind 127.0.0.1:13150
   server origin 127.0.0.1:18080
 CONF
-  dnsmasq -k --port=15312 --listen-address=127.0.0.1 --bind-interfaces --no-resolv --no-hosts \
-    --server=127.0.0.1#15310 --cache-size=1000 --pid-file= >/dev/null 2>&1 &
+  # Started on one core, as the harness starts them: a runtime sized from
+  # its CPU affinity has one worker then.
+  taskset -c 1 dnsmasq -k --port=15312 --listen-address=127.0.0.1 --bind-interfaces --no-resolv \
+    --no-hosts --server=127.0.0.1#15310 --cache-size=1000 --pid-file= >/dev/null 2>&1 &
   dm=$!
   pids+=("$dm")
   rm -rf "$run/evidence" "$run/evidence.key"
-  "$bin" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
+  taskset -c 1 "$bin" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
   p=$!
   pids+=("$p")
-  haproxy -db -f "$run/haproxy.cfg" >"$run/haproxy.log" 2>&1 &
+  taskset -c 1 haproxy -db -f "$run/haproxy.cfg" >"$run/haproxy.log" 2>&1 &
   h=$!
   pids+=("$h")
   wait_port 13140
@@ -239,11 +241,9 @@ CONF
   fwd=(forward-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small --keepalive on)
   dns=(dns-rate --qname allowed.bench --concurrency 1)
   # c=1: everything on core 1; otherwise the server alone on core 0
-  taskset -pc 1 "$p" >/dev/null; taskset -apc 1 "$p" >/dev/null; taskset -pc 1 "$h" >/dev/null
   warm "${tun[@]}" --concurrency 1; warm "${rel[@]}" --concurrency 1
   per_unit "$p" "palisade: tunnel c=1" 1 "${tun[@]}" --concurrency 1
   per_unit "$h" "relay: connection c=1" 1 "${rel[@]}" --concurrency 1 --keepalive off
-  taskset -apc 1 "$dm" >/dev/null
   warm "${dns[@]}" --server 127.0.0.1:15311; warm "${dns[@]}" --server 127.0.0.1:15312
   per_unit "$p" "palisade: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15311
   per_unit "$dm" "dnsmasq: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15312
