@@ -225,8 +225,10 @@ where
 pub(crate) fn run_upgraded(
     ctx: Arc<Ctx>,
     upgraded: Upgraded,
-    opened: Opened,
+    opened: Box<Opened>,
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    // Out of its box, which is freed here, not when the tunnel ends.
+    let opened = *opened;
     match upgraded.downcast::<TokioIo<MeteredIo<TcpStream>>>() {
         Ok(parts) => {
             // An empty read buffer is dropped here, not held by the tunnel.

@@ -367,6 +367,10 @@ async fn connect(
 
     let tunnel_ctx = ctx.clone();
     let on_upgrade = hyper::upgrade::on(req);
+    // Boxed until the upgrade (`run_upgraded` frees the box): the task that
+    // waits for it then holds a pointer, not room for the whole `Opened`,
+    // for the tunnel's life.
+    let opened = Box::new(opened);
     ctx.tasks.spawn(
         async move {
             let _permit = permit;
