@@ -98,7 +98,7 @@ fn ask(lab: &Lab, ns: &str, names: &[String]) -> Vec<(String, u32)> {
 }
 
 /// `n` names under `zone` no one has asked before (random labels).
-fn random_names(n: usize, zone: &str) -> Vec<String> {
+pub(crate) fn random_names(n: usize, zone: &str) -> Vec<String> {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())

@@ -11,7 +11,8 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::lab::{self, ca_pem, dump, Lab, ALLOWED_IP, BANNER, BANNER_PORT, PROXY_URL};
-use crate::transparent::{load_gateway, TRANSPARENT};
+use crate::names::random_names;
+use crate::transparent::{curl_with, load_gateway, TRANSPARENT};
 
 /// The lab's pools: inside the benchmarking ranges, clear of the lab's
 /// hosts; the IPv4 one the smallest accepted (256 addresses), so that a
@@ -137,25 +138,6 @@ fn synthetic_addr(lab: &Lab, ns: &str, name: &str, v6: bool) -> String {
     assert_eq!(*rcode, 0, "{got:?}");
     assert!(addr.starts_with(prefix), "{name}: {got:?}");
     addr.clone()
-}
-
-/// `n` names under `zone` no one has asked before.
-fn random_names(n: usize, zone: &str) -> Vec<String> {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    (0..n)
-        .map(|i| {
-            let mut x = seed ^ ((i as u128 + 1) * 0x9e37_79b9_7f4a_7c15);
-            let mut label = String::new();
-            for _ in 0..12 {
-                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                label.push(char::from(b'a' + ((x >> 59) as u8 % 26)));
-            }
-            format!("{label}{i}.{zone}")
-        })
-        .collect()
 }
 
 /// The distinct names the upstream resolver was asked.
@@ -375,28 +357,12 @@ fn a_transparent_connection_to_a_synthetic_address_is_its_name() {
     // Through the gateway: DNS to port 53 goes to the shim.
     let allowed = synthetic_addr(&lab, &client, "allowed.test", false);
     let wild = synthetic_addr(&lab, &client, "x.wild.test", false);
-    let ca = ca_pem().display().to_string();
     let curl = |name: &str, addr: &str| {
-        let resolve = format!("{name}:443:{addr}");
-        let url = format!("https://{name}/");
-        lab.client_exec(
-            "curl",
-            &[
-                "-sS",
-                "--noproxy",
-                "*",
-                "--max-time",
-                "8",
-                "--cacert",
-                &ca,
-                "--resolve",
-                &resolve,
-                "-o",
-                "/dev/null",
-                "-w",
-                "HTTP %{http_code}\n",
-                &url,
-            ],
+        curl_with(
+            &lab,
+            &[],
+            &format!("https://{name}/"),
+            &format!("{name}:443:{addr}"),
         )
     };
     // A wrong SNI at a synthetic address: denied, nothing resolved.
