@@ -13,11 +13,22 @@
 //! - a name the current config allows already is left out; one it denies
 //!   explicitly is listed as a comment, never allowed;
 //! - a wildcard `*.P` only where at least `--wildcard-min` distinct names
-//!   under P were seen, P is no public suffix (the Public Suffix List,
-//!   through the `psl` crate: `*.github.io`, `*.co.uk`, `*.com` are never
-//!   proposed) and no deny rule of the org lies under or over P;
+//!   under P were seen, P is no public suffix and has none below it (the
+//!   Public Suffix List, through the `psl` crate: `*.github.io`, `*.co.uk`,
+//!   `*.com`, `*.amazonaws.com` are never proposed; [`has_suffix_below`])
+//!   and no deny rule of the org lies under or over P;
 //! - an IP literal becomes a `cidr` rule for that one address, with a
-//!   warning; one in an always-denied range only a comment.
+//!   warning; one the policy holds always denied (a fixed range, another
+//!   org's clients, the gateway's own address, a synthetic pool: what
+//!   `check` would list as opened) or that was recorded `denied_address`
+//!   is only a comment;
+//! - a rule's `tunnel` is what its flows were verified to carry, never
+//!   `opaque`: a tunnel that report mode let on unverified after a
+//!   violation is listed in the rule's comment instead.
+//!
+//! The sandbox chooses every flow the draft is made from, so none of them
+//! may widen a proposal beyond what the flows themselves needed and the
+//! policy allows anyone to have.
 //!
 //! Nothing is resolved and nothing is dialled. Before printing, the draft
 //! checks itself: the config with the rules inserted must pass `check`,
@@ -32,13 +43,12 @@ use std::time::SystemTime;
 
 use toml_edit::{value, Array, ArrayOfTables, DocumentMut, Item, Table};
 
-use super::summary::always_denied;
 use super::{load_config, CliError, Status, DEFAULT_CONFIG};
 use crate::config::{Carry, RuleTarget};
 use crate::evidence::query::read_records;
 use crate::evidence::{verify, Event, Kind, Record};
 use crate::policy::{Decision, Policy, Reason};
-use crate::proto::target::normalize_host;
+use crate::proto::target::{normalize_host, Host};
 
 /// Arguments of `palisade draft`.
 #[derive(clap::Args, Debug)]
@@ -85,7 +95,17 @@ pub(crate) struct Seen {
     pub last: String,
     /// Up to two record references.
     pub refs: Vec<String>,
+    /// What the tunnels were verified to carry (never `opaque`: see
+    /// [`Seen::add`]).
     pub carries: HashSet<Carry>,
+    /// Tunnels to a name that report mode let on unverified after a
+    /// violation (not TLS on 443, ECH, another SNI, ...), and the first
+    /// one's detail.
+    pub unverified: u64,
+    pub violation: Option<String>,
+    /// Decisions recorded `denied_address`: the address was always denied
+    /// (or Palisade's own) where and when it was decided.
+    pub denied_address: u64,
 }
 
 impl Seen {
@@ -111,8 +131,28 @@ impl Seen {
         if self.refs.len() < 2 {
             self.refs.push(r.shown().to_string());
         }
+        if r.would_deny.unwrap_or(r.reason) == Reason::DeniedAddress {
+            self.denied_address += 1;
+        }
+        // A tunnel recorded `opaque` was not verified: by its rule's choice
+        // (a reviewed rule), or because report mode let it on after a
+        // violation. Neither makes the draft loosen verification: it
+        // proposes what the port verifies, and lists the violations.
+        let name = r
+            .host
+            .as_deref()
+            .is_some_and(|h| h.parse::<IpAddr>().is_err());
         let carry = match (r.kind, r.tunnel, r.port) {
             (Kind::Http, _, _) => Some(Carry::Http),
+            (_, Some(Carry::Opaque), Some(p)) => {
+                if name && r.reason != Reason::RuleMatch {
+                    self.unverified += 1;
+                    if self.violation.is_none() {
+                        self.violation = r.detail.as_deref().map(printable);
+                    }
+                }
+                Some(Carry::default_for_port(p))
+            }
             (_, Some(c), _) => Some(c),
             (_, None, Some(p)) => Some(Carry::default_for_port(p)),
             _ => None,
@@ -120,15 +160,38 @@ impl Seen {
         self.carries.extend(carry);
     }
 
-    /// The `tunnel` a rule for these flows needs.
+    /// Fold another target's flows in (the names under a wildcard).
+    fn merge(&mut self, x: &Seen) {
+        self.ports.extend(&x.ports);
+        self.allowed += x.allowed;
+        self.denied += x.denied;
+        self.would_deny += x.would_deny;
+        self.carries.extend(&x.carries);
+        if self.first.is_empty() || x.first < self.first {
+            self.first = x.first.clone();
+        }
+        if x.last > self.last {
+            self.last = x.last.clone();
+        }
+        for r in &x.refs {
+            if self.refs.len() < 2 {
+                self.refs.push(r.clone());
+            }
+        }
+        self.unverified += x.unverified;
+        if self.violation.is_none() {
+            self.violation = x.violation.clone();
+        }
+        self.denied_address += x.denied_address;
+    }
+
+    /// The `tunnel` a rule for these flows needs: one verified kind, or
+    /// `tls-or-http` for both; never `opaque`.
     fn carry(&self) -> Carry {
-        let c = &self.carries;
-        if c.contains(&Carry::Opaque) {
-            Carry::Opaque
-        } else if c.len() == 1 {
-            *c.iter().next().unwrap_or(&Carry::TlsOrHttp)
-        } else {
-            Carry::TlsOrHttp
+        let mut verified = self.carries.iter().filter(|c| **c != Carry::Opaque);
+        match (verified.next(), verified.next()) {
+            (Some(c), None) => *c,
+            _ => Carry::TlsOrHttp,
         }
     }
 
@@ -153,6 +216,10 @@ pub(crate) enum Current {
     Allowed,
     /// Denied by a deny rule (its id).
     Denied(String),
+    /// An IP literal in an always-denied range of the policy (what it is
+    /// and the range): another org's clients, the gateway's own address,
+    /// a synthetic pool, a fixed range.
+    Closed(String),
     /// Not allowed: a candidate.
     Open,
 }
@@ -192,31 +259,30 @@ pub(crate) fn plan(
     let mut out = Vec::new();
     let mut names: BTreeMap<&str, &Seen> = BTreeMap::new();
     for (target, (s, current)) in seen {
-        if let Ok(ip) = target.parse::<IpAddr>() {
-            match always_denied(ip) {
-                Some(what) => out.push(Proposal::Comment(format!(
-                    "# {target} (ports {}) seen {} times: always denied ({what}); would need a cidr rule inside the range; review\n",
-                    ports_text(&s.ports),
-                    s.count()
-                ))),
-                None if s.count() >= min_count => {
-                    out.push(Proposal::Cidr { ip, seen: s.clone() })
-                }
-                None => counts.below_min += 1,
-            }
-            continue;
-        }
-        match current {
-            Current::Allowed => counts.already_allowed += 1,
-            Current::Denied(rule) => out.push(Proposal::Comment(format!(
-                "# {target} (ports {}) seen {} times: denied explicitly by rule {rule}; not proposed\n",
+        let not_proposed = |why: &str| {
+            Proposal::Comment(format!(
+                "# {target} (ports {}) seen {} times: {why}; not proposed\n",
                 ports_text(&s.ports),
                 s.count()
-            ))),
-            Current::Open if s.count() < min_count => counts.below_min += 1,
-            Current::Open => {
-                names.insert(target, s);
+            ))
+        };
+        let ip = target.parse::<IpAddr>().ok();
+        match current {
+            Current::Allowed => counts.already_allowed += 1,
+            Current::Closed(what) => out.push(not_proposed(&format!("always denied ({what})"))),
+            _ if ip.is_some() && s.denied_address > 0 => out.push(not_proposed(
+                "recorded denied_address (always denied where it was decided: the gateway's own address, another org's clients, ...)",
+            )),
+            Current::Denied(rule) => {
+                out.push(not_proposed(&format!("denied explicitly by rule {rule}")))
             }
+            Current::Open if s.count() < min_count => counts.below_min += 1,
+            Current::Open => match ip {
+                Some(ip) => out.push(Proposal::Cidr { ip, seen: s.clone() }),
+                None => {
+                    names.insert(target, s);
+                }
+            },
         }
     }
     // Wildcards: parents with enough distinct names below them.
@@ -234,25 +300,16 @@ pub(crate) fn plan(
         {
             continue;
         }
+        if has_suffix_below(parent) {
+            out.push(Proposal::Comment(format!(
+                "# *.{parent} over {} names seen: the Public Suffix List has public suffixes below {parent} (names anyone may register under); not proposed, its names one by one\n",
+                list.len()
+            )));
+            continue;
+        }
         let mut s = Seen::default();
         for n in list {
-            let x = names[n];
-            s.ports.extend(&x.ports);
-            s.allowed += x.allowed;
-            s.denied += x.denied;
-            s.would_deny += x.would_deny;
-            s.carries.extend(&x.carries);
-            if s.first.is_empty() || x.first < s.first {
-                s.first = x.first.clone();
-            }
-            if x.last > s.last {
-                s.last = x.last.clone();
-            }
-            for r in &x.refs {
-                if s.refs.len() < 2 {
-                    s.refs.push(r.clone());
-                }
-            }
+            s.merge(names[n]);
         }
         covered.extend(list.iter().copied());
         out.push(Proposal::Host {
@@ -277,6 +334,51 @@ pub(crate) fn plan(
 /// an unlisted top-level name too, by the list's default rule).
 pub(crate) fn is_public_suffix(name: &str) -> bool {
     psl::suffix(name.as_bytes()).is_none_or(|s| s.as_bytes().eq_ignore_ascii_case(name.as_bytes()))
+}
+
+/// Whether the Public Suffix List has any rule strictly below `name`
+/// (`amazonaws.com`: `s3.amazonaws.com`, `*.compute.amazonaws.com`, ...),
+/// so that `*.name` would cover public suffixes. The `psl` crate cannot
+/// list rules, but its lookup walks the list as a tree of labels, read
+/// from the right, and reads a label past `name` only where the tree
+/// holds rules below it: the lookup is given `name`'s labels and counted.
+/// Pinned by a unit test both ways: a crate that read further everywhere
+/// would only make the draft propose no wildcard.
+pub(crate) fn has_suffix_below(name: &str) -> bool {
+    use psl::Psl;
+    struct Counted<'a> {
+        labels: std::str::RSplit<'a, char>,
+        asked: usize,
+    }
+    impl<'a> Iterator for Counted<'a> {
+        type Item = &'a [u8];
+        fn next(&mut self) -> Option<&'a [u8]> {
+            self.asked += 1;
+            self.labels.next().map(str::as_bytes)
+        }
+    }
+    let mut labels = Counted {
+        labels: name.rsplit('.'),
+        asked: 0,
+    };
+    let _ = psl::List.find(&mut labels);
+    labels.asked > name.split('.').count()
+}
+
+/// `text` with anything but printable ASCII as `?`, at most 200
+/// characters: record text that goes into a comment of the config (a
+/// newline there would start a line of TOML).
+fn printable(text: &str) -> String {
+    text.chars()
+        .take(200)
+        .map(|c| {
+            if c == ' ' || c.is_ascii_graphic() {
+                c
+            } else {
+                '?'
+            }
+        })
+        .collect()
 }
 
 /// Whether a deny rule lies under or over `*.parent`.
@@ -316,6 +418,14 @@ fn tables(proposals: &[Proposal]) -> (Vec<Table>, String) {
                         "# wildcard over {} names seen: {}\n",
                         covers.len(),
                         covers.join(", ")
+                    ));
+                }
+                if seen.unverified > 0 {
+                    c.push_str(&format!(
+                        "# VIOLATION: {} tunnel(s) failed verification ({}); proposed verified as tunnel = \"{}\", not \"opaque\"; review\n",
+                        seen.unverified,
+                        seen.violation.as_deref().unwrap_or("no detail"),
+                        seen.carry().as_str()
                     ));
                 }
                 (c, seen)
@@ -461,9 +571,15 @@ fn current(policy: &Policy, org: &str, r: &Record, ports: &BTreeSet<u16>) -> Cur
         all &= reason.is_allow();
     }
     if all {
-        Current::Allowed
-    } else {
-        Current::Open
+        return Current::Allowed;
+    }
+    let closing = match target {
+        Host::Ip(ip) => policy.closing(ip),
+        Host::Name(_) => Vec::new(),
+    };
+    match closing.first() {
+        Some((net, what)) => Current::Closed(format!("{}: {net}", what.join(", "))),
+        None => Current::Open,
     }
 }
 
@@ -492,7 +608,10 @@ pub fn run(args: Args) -> Result<(), CliError> {
             "refusing to draft from evidence that fails verification: {e}"
         ))
     })?;
-    let policy = Policy::new(&config);
+    // Compiled as `check` compiles it where Palisade runs: this host's
+    // addresses are always denied too (and never proposed).
+    let host = crate::host::addresses().map_err(|e| failed(e.to_string()))?;
+    let policy = Policy::with_host(&config, &host);
     let in_window = |r: &Record| {
         let t = humantime::parse_rfc3339(&r.ts).ok();
         since.is_none_or(|s| t.is_some_and(|t| t >= s))
@@ -554,7 +673,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
             "the drafted config does not pass check (a bug; nothing written):\n{e}"
         ))
     })?;
-    let drafted = Policy::new(&candidate);
+    let drafted = Policy::with_host(&candidate, &host);
     let mut covered = (0u64, 0u64);
     let mut kept_denied = (0u64, 0u64);
     let proposed: BTreeSet<&str> = proposals
@@ -669,17 +788,34 @@ mod tests {
     }
 
     #[test]
-    fn public_suffixes_are_known() {
-        for s in ["com", "co.uk", "github.io", "test"] {
-            assert!(is_public_suffix(s), "{s}");
-        }
-        for s in [
-            "example.com",
-            "example.co.uk",
-            "alice.github.io",
-            "wild.test",
+    fn public_suffixes_and_suffixes_below_a_name_are_known() {
+        // (name, is a public suffix, has public suffixes below it): below
+        // amazonaws.com lie s3.amazonaws.com and *.compute.amazonaws.com,
+        // below appspot.com *.r.appspot.com, below ck *.ck; an unlisted
+        // top-level name is a suffix by the list's default rule.
+        for (name, is, below) in [
+            ("com", true, true),
+            ("uk", true, true),
+            ("ck", true, true),
+            ("co.uk", true, true),
+            ("github.io", true, false),
+            ("test", true, false),
+            ("amazonaws.com", false, true),
+            ("compute.amazonaws.com", false, true),
+            ("appspot.com", true, true),
+            ("herokuapp.com", true, true),
+            ("example.com", false, false),
+            ("example.co.uk", false, false),
+            ("alice.github.io", false, false),
+            ("wild.test", false, false),
+            ("corp.example.com", false, false),
+            ("a.b.c.example.net", false, false),
         ] {
-            assert!(!is_public_suffix(s), "{s}");
+            assert_eq!(
+                (is_public_suffix(name), has_suffix_below(name)),
+                (is, below),
+                "{name}"
+            );
         }
     }
 
@@ -786,7 +922,11 @@ mod tests {
         let (p, _) = run_plan(
             &[
                 ("198.18.2.30", 1, Current::Open),
-                ("169.254.169.254", 3, Current::Open),
+                (
+                    "169.254.169.254",
+                    3,
+                    Current::Closed("link-local incl. cloud metadata: 169.254.0.0/16".into()),
+                ),
             ],
             &[],
             1,
@@ -795,13 +935,149 @@ mod tests {
         assert!(p
             .iter()
             .any(|x| matches!(x, Proposal::Cidr { ip, .. } if ip.to_string() == "198.18.2.30")));
-        assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.contains("169.254.169.254") && c.contains("would need a cidr rule inside the range; review"))));
+        assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.contains("169.254.169.254") && c.contains("always denied (link-local incl. cloud metadata: 169.254.0.0/16); not proposed"))));
         let (tables, notes) = tables(&p);
         let text = fragment(&tables, &notes);
         assert!(text.contains("cidr = \"198.18.2.30/32\""), "{text}");
         assert!(text.contains("# WARNING: an IP literal"), "{text}");
         assert!(!text.contains("[[org]]"), "{text}");
         assert!(text.contains("[[org.allow]]"), "{text}");
+    }
+
+    #[test]
+    fn never_a_wildcard_over_a_parent_with_public_suffixes_below_it() {
+        let o = Current::Open;
+        // Three names right under amazonaws.com: none of them a public
+        // suffix, yet *.amazonaws.com would cover s3.amazonaws.com's
+        // buckets (other tenants').
+        let names = [
+            ("a.amazonaws.com", 1, o.clone()),
+            ("b.amazonaws.com", 1, o.clone()),
+            ("c.amazonaws.com", 1, o.clone()),
+            ("n1.build.test", 1, o.clone()),
+            ("n2.build.test", 1, o.clone()),
+            ("n3.build.test", 1, o.clone()),
+        ];
+        let (p, _) = run_plan(&names, &[], 1, 3);
+        assert_eq!(
+            hosts(&p),
+            [
+                "*.build.test",
+                "a.amazonaws.com",
+                "b.amazonaws.com",
+                "c.amazonaws.com"
+            ]
+        );
+        assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.starts_with("# *.amazonaws.com over 3 names seen: the Public Suffix List has public suffixes below amazonaws.com"))), "{p:?}");
+    }
+
+    #[test]
+    fn an_always_denied_or_recorded_denied_address_is_never_proposed() {
+        let mut m: BTreeMap<String, (Seen, Current)> = BTreeMap::new();
+        let closed = |what: &str| Current::Closed(what.to_string());
+        m.insert(
+            "198.18.4.2".into(),
+            (seen(&[80], 2), closed("clients of beta: 198.18.4.0/24")),
+        );
+        m.insert(
+            "198.18.1.1".into(),
+            (seen(&[80], 1), closed("gateway address: 198.18.1.1/32")),
+        );
+        let mut recorded = seen(&[8080], 1);
+        recorded.denied_address = 1;
+        m.insert("198.18.2.1".into(), (recorded, Current::Open));
+        m.insert("198.18.2.20".into(), (seen(&[80], 1), Current::Open));
+        m.insert("198.18.2.30".into(), (seen(&[80], 1), Current::Allowed));
+        m.insert(
+            "198.18.2.40".into(),
+            (seen(&[80], 1), Current::Denied("acme/deny/1".into())),
+        );
+        let mut counts = Counts::default();
+        let p = plan(&m, &[], 1, 3, &mut counts);
+        let cidrs: Vec<String> = p
+            .iter()
+            .filter_map(|x| match x {
+                Proposal::Cidr { ip, .. } => Some(ip.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(cidrs, ["198.18.2.20"]);
+        assert_eq!(counts.already_allowed, 1);
+        let notes: Vec<&str> = p
+            .iter()
+            .filter_map(|x| match x {
+                Proposal::Comment(c) => Some(c.as_str()),
+                _ => None,
+            })
+            .collect();
+        for want in [
+            "# 198.18.4.2 (ports 80) seen 2 times: always denied (clients of beta: 198.18.4.0/24); not proposed\n",
+            "# 198.18.1.1 (ports 80) seen 1 times: always denied (gateway address: 198.18.1.1/32); not proposed\n",
+            "# 198.18.2.1 (ports 8080) seen 1 times: recorded denied_address",
+            "# 198.18.2.40 (ports 80) seen 1 times: denied explicitly by rule acme/deny/1; not proposed\n",
+        ] {
+            assert!(notes.iter().any(|n| n.starts_with(want)), "{want:?} in {notes:?}");
+        }
+    }
+
+    /// A report-mode CONNECT record of acme's to `host:port`.
+    fn record(host: &str, port: u16, tunnel: &str, reason: &str, detail: &str) -> Record {
+        serde_json::from_value(serde_json::json!({
+            "id": "1", "ts": "2026-01-02T03:04:05Z", "kind": "tcp", "event": "decision",
+            "org": "acme", "client": "198.18.1.2:4000", "mode": "explicit",
+            "host": host, "port": port, "sni": null, "ip": null, "decision": "allow",
+            "reason": reason, "rule": null, "policy": "p",
+            "would_deny": if reason == "report_only" { Some("no_matching_rule") } else { None },
+            "tunnel": tunnel, "detail": detail,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_tunnel_let_on_unverified_never_makes_an_opaque_rule() {
+        // Plain bytes on 443 in report mode: recorded opaque, with the
+        // violation's detail (a newline in it must not start a TOML line).
+        let mut s = Seen::default();
+        s.add(&record(
+            "shell.test",
+            443,
+            "opaque",
+            "report_only",
+            "not TLS\n[[org.allow]]",
+        ));
+        s.add(&record("shell.test", 443, "tls", "report_only", ""));
+        assert_eq!((s.carry(), s.unverified), (Carry::Tls, 1));
+        let mut only = Seen::default();
+        only.add(&record("ssh.test", 443, "opaque", "report_only", "SSH"));
+        assert_eq!((only.carry(), only.unverified), (Carry::Tls, 1));
+        let mut both = Seen::default();
+        both.add(&record("mixed.test", 80, "opaque", "report_only", ""));
+        both.add(&record("mixed.test", 443, "opaque", "report_only", ""));
+        assert_eq!(both.carry(), Carry::TlsOrHttp);
+        // An IP literal's tunnels are opaque by nature (cidr rules): no violation.
+        let mut ip = Seen::default();
+        ip.add(&record("198.18.2.20", 443, "opaque", "report_only", ""));
+        assert_eq!(ip.unverified, 0);
+
+        let p = vec![Proposal::Host {
+            host: "shell.test".into(),
+            covers: Vec::new(),
+            seen: s,
+        }];
+        let (t, notes) = tables(&p);
+        let text = fragment(&t, &notes);
+        assert!(text.contains("tunnel = \"tls\""), "{text}");
+        assert!(!text.contains("opaque\"\n"), "{text}");
+        assert!(
+            text.contains("# VIOLATION: 1 tunnel(s) failed verification (not TLS?[[org.allow]]); proposed verified as tunnel = \"tls\", not \"opaque\"; review\n"),
+            "{text}"
+        );
+        let doc: DocumentMut = text.parse().unwrap();
+        assert_eq!(
+            doc["org"]["allow"].as_array_of_tables().unwrap().len(),
+            1,
+            "{text}"
+        );
     }
 
     #[test]

@@ -1222,6 +1222,19 @@ impl Policy {
         found
     }
 
+    /// The always-denied ranges holding `ip` or an address embedded in it
+    /// (most specific first for each), with what each one is: what
+    /// `palisade check` would list a `cidr` rule for `ip` as opening. Empty
+    /// when such a rule opens nothing always-denied.
+    pub fn closing(&self, ip: IpAddr) -> Vec<(IpNet, Vec<Arc<str>>)> {
+        let ip = canonical(ip);
+        std::iter::once(ip)
+            .chain(embedded(ip))
+            .flat_map(|a| self.always_denied.containing(IpNet::from(a)))
+            .map(|(net, what)| (net, what.clone()))
+            .collect()
+    }
+
     fn is_own(&self, ip: IpAddr, port: u16) -> bool {
         self.own
             .iter()

@@ -442,6 +442,20 @@ fn policy_hash(lab: &Lab) -> String {
     v["hash"].as_str().unwrap_or_default().to_string()
 }
 
+/// `palisade draft` for acme from the lab's live (unsealed) evidence.
+fn draft_args<'a>(dir: &'a str, config: &'a str) -> Vec<&'a str> {
+    vec![
+        "draft",
+        "--evidence",
+        dir,
+        "--org",
+        "acme",
+        "-c",
+        config,
+        "--allow-unsealed",
+    ]
+}
+
 #[test]
 fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
     let lab = Lab::start(DEFAULT_POLICY);
@@ -493,16 +507,7 @@ fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
         out.describe()
     );
 
-    let out = palisade(&[
-        "draft",
-        "--evidence",
-        dir,
-        "--org",
-        "acme",
-        "-c",
-        config,
-        "--allow-unsealed",
-    ]);
+    let out = palisade(&draft_args(dir, config));
     assert!(out.success(), "{}", out.describe());
     let draft = out.stdout.clone();
     println!("{draft}\n{}", out.stderr);
@@ -533,18 +538,13 @@ fn draft_proposes_rules_from_evidence_that_then_let_the_same_traffic_through() {
 
     // --write: the whole config, which `check` accepts; then served.
     let written = lab.dir.join("drafted.toml");
-    let out = palisade(&[
-        "draft",
-        "--evidence",
-        dir,
-        "--org",
-        "acme",
-        "-c",
-        config,
-        "--allow-unsealed",
-        "--write",
-        written.to_str().unwrap(),
-    ]);
+    let out = palisade(
+        &[
+            &draft_args(dir, config)[..],
+            &["--write", written.to_str().unwrap()],
+        ]
+        .concat(),
+    );
     assert!(out.success(), "{}", out.describe());
     assert!(out.stdout.is_empty(), "{}", out.stdout);
     let check = palisade(&["check", "-c", written.to_str().unwrap()]);
@@ -662,20 +662,7 @@ fn a_reader_that_goes_away_ends_a_command_quietly_and_keeps_its_verdict() {
             false,
         ),
         ("summary", vec!["evidence", "summary", dir], false),
-        (
-            "draft",
-            vec![
-                "draft",
-                "--evidence",
-                dir,
-                "--org",
-                "acme",
-                "-c",
-                config,
-                "--allow-unsealed",
-            ],
-            false,
-        ),
+        ("draft", draft_args(dir, config), false),
         (
             "tail --json",
             vec![
@@ -706,4 +693,205 @@ fn a_reader_that_goes_away_ends_a_command_quietly_and_keeps_its_verdict() {
         !stderr.contains("panicked") && stderr.contains("seal"),
         "{stderr}"
     );
+}
+
+/// The sandbox chooses every flow a draft is made from. A report-mode acme
+/// reaches for what it must never be given (another org's sandbox, the
+/// gateway's own address), uses three names right under `amazonaws.com`
+/// (a parent with public suffixes below it: `s3.amazonaws.com` holds other
+/// tenants' buckets) and sends plain bytes on 443. The draft, made on the
+/// gateway and again away from it, proposes none of that; applied and
+/// enforced, the same reach is denied live, and what the draft did propose
+/// still works.
+#[test]
+fn a_report_mode_sandbox_cannot_steer_its_draft() {
+    use std::net::TcpListener;
+
+    use crate::addresses::arrived;
+    use crate::lab::in_netns;
+
+    const POLICY: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+mode = "report"
+
+[[org]]
+name = "beta"
+clients = ["198.18.4.0/24"]
+"#;
+    const PORT: u16 = 8080;
+    let beta = lab::CLIENT2_IP;
+    // The gateway's upstream-side address (the lab's `u0`).
+    let gateway = "198.18.2.1";
+    let names = ["a.amazonaws.com", "b.amazonaws.com", "c.amazonaws.com"];
+    // Another tenant's bucket: a name under s3.amazonaws.com, a public
+    // suffix below the parent the sandbox used.
+    let bucket = "victim.s3.amazonaws.com";
+    // Served by the lab's web host (its certificate names *.wild.test).
+    let shell = "shell.wild.test";
+    let lab = Lab::builder()
+        .policy(POLICY)
+        .second_client()
+        .dns_records(&[
+            (names[0], lab::ALLOWED_IP),
+            (names[1], lab::ALLOWED_IP),
+            (names[2], lab::ALLOWED_IP),
+            (bucket, lab::OTHER_IP),
+            (shell, lab::ALLOWED_IP),
+        ])
+        .start();
+    let listen = |ns: &str, addr: &str| {
+        let sa = format!("{addr}:{PORT}");
+        let l = in_netns(ns, move || TcpListener::bind(sa))
+            .unwrap_or_else(|e| panic!("bind {addr}:{PORT}: {e}"));
+        l.set_nonblocking(true).unwrap();
+        l
+    };
+    let beta_listener = listen(&lab.ns_client2, beta);
+    let gateway_listener = listen(&lab.ns_proxy, gateway);
+
+    // Report mode: the addresses stay denied (safety denials are
+    // enforced in every mode), the rest is let through.
+    for addr in [beta, gateway] {
+        let r = lab.proxied_curl(&format!("http://{addr}:{PORT}/"), &[]);
+        assert_eq!(r.status, 403, "{addr}: {r:?}");
+        assert!(r.body.contains("denied_address"), "{addr}: {r:?}");
+    }
+    for name in names {
+        assert_eq!(
+            lab.proxied_curl(&format!("http://{name}/"), &[]).status,
+            200,
+            "{name}"
+        );
+    }
+    let mut c = lab.client_conn();
+    assert_eq!(c.connect(&format!("{shell}:443")), 200);
+    c.send(b"SSH-2.0-OpenSSH_9.6\r\n").unwrap();
+    let rec = lab.wait_evidence("the plain bytes on 443", |v| {
+        v["host"] == shell && v["event"] == "decision"
+    });
+    assert_eq!(
+        (&rec["reason"], &rec["tunnel"]),
+        (&"report_only".into(), &"opaque".into()),
+        "{rec}"
+    );
+    c.close();
+    lab.wait_evidence("the last name", |v| v["host"] == names[2]);
+
+    let dir = lab.evidence_dir.to_str().unwrap();
+    let config = lab.config_path.to_str().unwrap();
+    let written = lab.dir.join("drafted.toml");
+    let args = draft_args(dir, config);
+    // On the gateway (where `check` runs too: its addresses are known),
+    // and away from it (only the record says the address was denied).
+    let on_gateway = lab.proxy_ns_exec(lab::palisade_bin(), &args);
+    let away = palisade(&args);
+    for (where_, out) in [("on the gateway", &on_gateway), ("away", &away)] {
+        assert!(out.success(), "{where_}: {}", out.describe());
+        let d = &out.stdout;
+        println!("--- draft {where_} ---\n{d}\n{}", out.stderr);
+        for never in [
+            format!("cidr = \"{beta}/32\""),
+            format!("cidr = \"{gateway}/32\""),
+            "*.amazonaws.com\"".into(),
+            "tunnel = \"opaque\"".into(),
+        ] {
+            assert!(!d.contains(&never), "{where_}: {never:?} in:\n{d}");
+        }
+        let gateway_why = if where_ == "away" {
+            "recorded denied_address".to_string()
+        } else {
+            format!("always denied (gateway address: {gateway}/32); not proposed")
+        };
+        for want in [
+            format!(
+                "# {beta} (ports {PORT}) seen 1 times: always denied (clients of beta: 198.18.4.0/24); not proposed"
+            ),
+            format!("# {gateway} (ports {PORT}) seen 1 times: {gateway_why}"),
+            "# *.amazonaws.com over 3 names seen: the Public Suffix List has public suffixes below amazonaws.com".into(),
+            "host = \"a.amazonaws.com\"".into(),
+            format!("host = \"{shell}\"\nports = [443]\ntunnel = \"tls\""),
+            "# VIOLATION: 1 tunnel(s) failed verification (".into(),
+        ] {
+            assert!(d.contains(&want), "{where_}: {want:?} in:\n{d}");
+        }
+    }
+
+    // Applied and enforced.
+    let out = lab.proxy_ns_exec(
+        lab::palisade_bin(),
+        &[&args[..], &["--write", written.to_str().unwrap()]].concat(),
+    );
+    assert!(out.success(), "{}", out.describe());
+    let text = std::fs::read_to_string(&written)
+        .unwrap()
+        .replace("mode = \"report\"", "mode = \"enforce\"");
+    let before = policy_hash(&lab);
+    std::fs::write(&lab.config_path, text).unwrap();
+    lab.signal_proxy("-HUP");
+    wait_until("the drafted policy served", Duration::from_secs(5), || {
+        policy_hash(&lab) != before
+    });
+
+    // What the draft proposed works.
+    for name in names {
+        assert_eq!(
+            lab.proxied_curl(&format!("http://{name}/"), &[]).status,
+            200,
+            "{name}"
+        );
+    }
+    let r = lab.proxied_curl(&format!("https://{shell}/"), &[]);
+    assert_eq!(r.status, 200, "TLS to {shell}: {r:?}");
+    // Another org's sandbox and the gateway stay denied, and nothing
+    // arrived at either.
+    for addr in [beta, gateway] {
+        let r = lab.proxied_curl(&format!("http://{addr}:{PORT}/"), &[]);
+        crate::assert_refused(&lab, &r, 403, "denied_address", addr);
+        let r = lab.client_curl(&[
+            "-p",
+            "-x",
+            lab::PROXY_URL,
+            &format!("http://{addr}:{PORT}/"),
+        ]);
+        assert_eq!(r.connect_status, 403, "CONNECT {addr}: {r:?}");
+    }
+    assert!(!arrived(&beta_listener), "acme reached beta's sandbox");
+    assert!(!arrived(&gateway_listener), "acme reached the gateway");
+    // A name under another public suffix below amazonaws.com: denied.
+    let r = lab.proxied_curl(&format!("http://{bucket}/"), &[]);
+    crate::assert_refused(&lab, &r, 403, "no_matching_rule", bucket);
+    // On 443, SSH bytes and an ECH ClientHello: cut, recorded.
+    let hello = palisade::probe::hello::build(
+        &palisade::probe::hello::Hello {
+            sni: Some(shell),
+            ech: true,
+        },
+        &palisade::probe::hello::Random::from_fn(|b| b.fill(0x5a)),
+    );
+    for (what, bytes, reason) in [
+        (
+            "SSH bytes",
+            b"SSH-2.0-OpenSSH_9.6\r\n".to_vec(),
+            "protocol_mismatch",
+        ),
+        ("an ECH ClientHello", hello, "ech_not_allowed"),
+    ] {
+        let mut c = lab.client_conn();
+        let client = format!("{}:{}", lab::CLIENT_IP, c.local_port());
+        assert_eq!(c.connect(&format!("{shell}:443")), 200, "{what}");
+        c.send(&bytes).unwrap();
+        let rec = lab.wait_evidence(&format!("{what} denied"), |v| {
+            v["client"] == client.as_str() && v["decision"] == "deny"
+        });
+        assert_eq!(rec["reason"], reason, "{what}: {rec}");
+        assert!(
+            matches!(
+                c.wait_closed(Duration::from_secs(3)),
+                crate::lab::Closed::After(_)
+            ),
+            "{what}: the tunnel stayed open"
+        );
+    }
 }
