@@ -584,8 +584,8 @@ fn current(policy: &Policy, org: &str, r: &Record, ports: &BTreeSet<u16>) -> Cur
 }
 
 /// Draft, check, print or write. 1 on a bad config, an unknown org,
-/// unverifiable or unreadable evidence or a draft that fails its own
-/// check; 2 on a bad time.
+/// unverifiable or unreadable evidence, host addresses that cannot be
+/// listed or a draft that fails its own check; 2 on a bad time.
 pub fn run(args: Args) -> Result<(), CliError> {
     let failed = |m: String| CliError::new(Status::Failed, m);
     let since = parse_time("since", args.since.as_deref())?;
