@@ -36,7 +36,7 @@
 //! every flow the current config denies explicitly stays denied; the
 //! counts go to stderr.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
@@ -48,6 +48,7 @@ use crate::config::{Carry, RuleTarget};
 use crate::evidence::query::read_records;
 use crate::evidence::{verify, Event, Kind, Record};
 use crate::policy::{Decision, Policy, Reason};
+use crate::probe::classify::TUNNEL_REASONS;
 use crate::proto::target::{normalize_host, Host};
 
 /// Arguments of `palisade draft`.
@@ -138,18 +139,11 @@ impl Seen {
         // (a reviewed rule), or because report mode let it on after a
         // violation. Neither makes the draft loosen verification: it
         // proposes what the port verifies, and lists the violations.
-        let name = r
-            .host
-            .as_deref()
-            .is_some_and(|h| h.parse::<IpAddr>().is_err());
         let carry = match (r.kind, r.tunnel, r.port) {
             (Kind::Http, _, _) => Some(Carry::Http),
             (_, Some(Carry::Opaque), Some(p)) => {
-                if name && r.reason != Reason::RuleMatch {
-                    self.unverified += 1;
-                    if self.violation.is_none() {
-                        self.violation = r.detail.as_deref().map(printable);
-                    }
+                if r.reason != Reason::RuleMatch {
+                    self.violated(r, r.detail.as_deref());
                 }
                 Some(Carry::default_for_port(p))
             }
@@ -158,6 +152,22 @@ impl Seen {
             _ => None,
         };
         self.carries.extend(carry);
+    }
+
+    /// Count a violation of the tunnel `r` decided (on its first bytes, or
+    /// later), with its detail: for a name only (a `cidr` rule's tunnels
+    /// are opaque by nature).
+    fn violated(&mut self, r: &Record, detail: Option<&str>) {
+        if r.host
+            .as_deref()
+            .is_none_or(|h| h.parse::<IpAddr>().is_ok())
+        {
+            return;
+        }
+        self.unverified += 1;
+        if self.violation.is_none() {
+            self.violation = detail.map(printable);
+        }
     }
 
     /// Fold another target's flows in (the names under a wildcard).
@@ -618,10 +628,19 @@ pub fn run(args: Args) -> Result<(), CliError> {
             && until.is_none_or(|u| t.is_some_and(|t| t <= u))
     };
     let mut records: Vec<Record> = Vec::new();
+    // Violations inside tunnels report mode let go on: the tunnel's
+    // decision record id, and the first one's detail.
+    let mut later: HashMap<String, Option<String>> = HashMap::new();
     for stored in read_records(&args.evidence) {
         let r = stored
             .map_err(|e| failed(format!("cannot read evidence: {e}")))?
             .record;
+        if let (Some(conn), Some(w), Event::Decision) = (&r.conn, r.would_deny, r.event) {
+            if r.org.as_deref() == Some(args.org.as_str()) && TUNNEL_REASONS.contains(&w) {
+                later.entry(conn.clone()).or_insert(r.detail);
+                continue;
+            }
+        }
         if r.event == Event::Decision
             && r.kind != Kind::Dns
             && r.kind != Kind::Bypass
@@ -645,6 +664,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .entry(r.host.clone().unwrap_or_default())
             .or_default();
         e.0.add(r);
+        if let Some(detail) = later.get(&r.id) {
+            e.0.violated(r, detail.as_deref());
+        }
         e.1.get_or_insert(r);
     }
     let seen: BTreeMap<String, (Seen, Current)> = by_target

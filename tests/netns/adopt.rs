@@ -730,6 +730,8 @@ clients = ["198.18.4.0/24"]
     let bucket = "victim.s3.amazonaws.com";
     // Served by the lab's web host (its certificate names *.wild.test).
     let shell = "shell.wild.test";
+    // An HTTP tunnel whose second request names another host.
+    let web = "web.wild.test";
     let lab = Lab::builder()
         .policy(POLICY)
         .second_client()
@@ -739,6 +741,7 @@ clients = ["198.18.4.0/24"]
             (names[2], lab::ALLOWED_IP),
             (bucket, lab::OTHER_IP),
             (shell, lab::ALLOWED_IP),
+            (web, lab::ALLOWED_IP),
         ])
         .start();
     let listen = |ns: &str, addr: &str| {
@@ -777,6 +780,17 @@ clients = ["198.18.4.0/24"]
         "{rec}"
     );
     c.close();
+    let get = |host: &str| format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+    let mut c = lab.client_conn();
+    assert_eq!(c.connect(&format!("{web}:80")), 200);
+    c.send(get(web).as_bytes()).unwrap();
+    assert_eq!(c.read_response(Duration::from_secs(5)).status, 200);
+    c.send(get("other.test").as_bytes()).unwrap();
+    let rec = lab.wait_evidence("the second request's violation", |v| {
+        v["host"] == "other.test" && v["would_deny"] == "host_mismatch"
+    });
+    assert!(rec["conn"].is_string(), "{rec}");
+    c.close();
     lab.wait_evidence("the last name", |v| v["host"] == names[2]);
 
     let dir = lab.evidence_dir.to_str().unwrap();
@@ -795,6 +809,7 @@ clients = ["198.18.4.0/24"]
             format!("cidr = \"{beta}/32\""),
             format!("cidr = \"{gateway}/32\""),
             "*.amazonaws.com\"".into(),
+            "host = \"other.test\"".into(),
             "tunnel = \"opaque\"".into(),
         ] {
             assert!(!d.contains(&never), "{where_}: {never:?} in:\n{d}");
@@ -813,6 +828,8 @@ clients = ["198.18.4.0/24"]
             "host = \"a.amazonaws.com\"".into(),
             format!("host = \"{shell}\"\nports = [443]\ntunnel = \"tls\""),
             "# VIOLATION: 1 tunnel(s) failed verification (".into(),
+            "proposed verified as tunnel = \"http\", not \"opaque\"; review\n".into(),
+            format!("host = \"{web}\"\nports = [80]\ntunnel = \"http\""),
         ] {
             assert!(d.contains(&want), "{where_}: {want:?} in:\n{d}");
         }
@@ -870,6 +887,17 @@ clients = ["198.18.4.0/24"]
         },
         &palisade::probe::hello::Random::from_fn(|b| b.fill(0x5a)),
     );
+    // The HTTP tunnel's second request for another host: cut.
+    let mut c = lab.client_conn();
+    let client = format!("{}:{}", lab::CLIENT_IP, c.local_port());
+    assert_eq!(c.connect(&format!("{web}:80")), 200);
+    c.send(get(web).as_bytes()).unwrap();
+    assert_eq!(c.read_response(Duration::from_secs(5)).status, 200);
+    c.send(get("other.test").as_bytes()).unwrap();
+    let rec = lab.wait_evidence("the second request denied", |v| {
+        v["client"] == client.as_str() && v["decision"] == "deny"
+    });
+    assert_eq!(rec["reason"], "host_mismatch", "{rec}");
     for (what, bytes, reason) in [
         (
             "SSH bytes",
