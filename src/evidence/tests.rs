@@ -363,10 +363,11 @@ async fn an_allow_reserves_room_for_its_close_until_the_close_is_written() {
         .flat_map(|p| lines(p))
         .find(|l| l.contains("\"event\":\"close\""))
         .expect("the close was written");
+    // The line and its newline.
+    let close_bytes = written.len() as u64 + 1;
     assert!(
-        written.len() as u64 + 1 <= reserved,
-        "reserved {reserved} for a close of {} bytes",
-        written.len() + 1
+        close_bytes <= reserved,
+        "reserved {reserved} for a close of {close_bytes} bytes"
     );
     drop(ev);
     let _ = fs::remove_dir_all(&root);

@@ -833,12 +833,14 @@ impl Io {
 
     /// Measure free space (at most every [`DISK_CHECK`]; between two
     /// measurements the store takes every write off the last one), and
-    /// say when it crosses `min_free`.
+    /// say when it crosses `min_free`. While it is below, every write
+    /// measures again, so that space freed (a shipper's copy removed, the
+    /// disk grown) ends the refusals at the next write.
     fn check_disk(&mut self) {
         if self.cfg.durability == Durability::Discard {
             return;
         }
-        if self.disk_checked.is_none_or(|t| t.elapsed() >= DISK_CHECK) {
+        if self.low_disk || self.disk_checked.is_none_or(|t| t.elapsed() >= DISK_CHECK) {
             self.disk_checked = Some(Instant::now());
             if let Some((free, size)) = self.counters.disk_space() {
                 self.counters

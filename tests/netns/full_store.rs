@@ -54,7 +54,7 @@ SECS, MAX, PROCS, TAG, STOP = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv
 PAD = "x" * int(sys.argv[6])
 def worker(i, q):
     end = time.time() + SECS
-    c = {"sent": 0, "ok": 0, "store_full": 0, "unavailable": 0, "other": 0, "first_refused": None}
+    c = {"sent": 0, "ok": 0, "store_full": 0, "budget_spent": 0, "unavailable": 0, "other": 0, "first_refused": None}
     h = None
     while time.time() < end and c["sent"] < MAX:
         if h is None:
@@ -79,6 +79,8 @@ def worker(i, q):
                 print("refused", c["first_refused"], flush=True)
             if STOP:
                 break
+        elif "evidence budget spent" in body:
+            c["budget_spent"] += 1
         elif "evidence_unavailable" in body:
             c["unavailable"] += 1
         else:
@@ -96,7 +98,7 @@ if __name__ == "__main__":
     got = [q.get(timeout=SECS + 60) for _ in ps]
     for p in ps:
         p.join(10)
-    total = {k: sum(g[k] for g in got) for k in ("sent", "ok", "store_full", "unavailable", "other")}
+    total = {k: sum(g[k] for g in got) for k in ("sent", "ok", "store_full", "budget_spent", "unavailable", "other")}
     firsts = [g["first_refused"] for g in got if g["first_refused"] is not None]
     total["first_refused"] = min(firsts) if firsts else None
     total["secs"] = round(time.time() - t0, 3)
@@ -217,8 +219,11 @@ fn records_with(lab: &Lab, needle: &str) -> Vec<Value> {
         .collect()
 }
 
-/// Start the flooder; wait (bounded) for it to start.
-fn start_flood(
+/// Start the flooder of acme (`procs` processes, for at most `secs` and
+/// `max` requests each, paths of `pad` characters and more; with `stop`,
+/// each stops at its first store-full refusal); wait (bounded) for it to
+/// start.
+pub(crate) fn start_flood(
     lab: &Lab,
     tag: &str,
     (secs, max, procs): (u64, u64, u32),
@@ -240,7 +245,7 @@ fn start_flood(
     }
 }
 
-struct Flood {
+pub(crate) struct Flood {
     child: std::process::Child,
     out: std::path::PathBuf,
     deadline: Instant,
@@ -248,7 +253,7 @@ struct Flood {
 
 impl Flood {
     /// Its counts, once it ended on its own (bounded).
-    fn counts(mut self) -> Value {
+    pub(crate) fn counts(mut self) -> Value {
         while self.child.try_wait().ok().flatten().is_none() && Instant::now() < self.deadline {
             std::thread::sleep(Duration::from_millis(100));
         }
