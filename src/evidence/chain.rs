@@ -221,6 +221,13 @@ impl serde::ser::Error for PrepareError {
 }
 
 impl Prepared {
+    /// The most its line can take once chained: the body, the three chain
+    /// fields (`"hash":` and `"prev":` with 64 hex digits each, `"seq":`
+    /// with at most 20 digits), their commas and the newline.
+    pub(crate) fn line_bound(&self) -> usize {
+        self.body.len() + 3 * 2 + 2 * (7 + 66) + (6 + 20) + 1
+    }
+
     /// Serialise `record` (a struct whose fields hold strings, integers,
     /// booleans, nulls, arrays and maps with sorted keys, as
     /// [`super::Record`] does) into its canonical form.

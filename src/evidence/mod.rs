@@ -38,6 +38,8 @@ use crate::policy::{Reason, Verdict};
 use chain::Prepared;
 use writer::{Entry, Ids, Io, Log};
 
+pub(crate) use store::Owed;
+
 /// Fields every record has (null where not known), in CONTRACT order.
 pub const CONTRACT_FIELDS: [&str; 15] = [
     "id", "ts", "kind", "event", "org", "client", "mode", "host", "port", "sni", "ip", "decision",
@@ -200,6 +202,11 @@ pub struct Record {
     /// Summary records: the first and last summarised decision's time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<[String; 2]>,
+    /// Never written: the room reserved in the store for the close record
+    /// an allow owes ([`store::Owed`]), set when the allow is written and
+    /// carried to its close.
+    #[serde(skip)]
+    pub(crate) owed: Option<Arc<store::Owed>>,
 }
 
 impl Record {
@@ -250,6 +257,7 @@ impl Record {
             hosts: None,
             window: None,
             synthetic: None,
+            owed: None,
         }
     }
 
@@ -293,6 +301,12 @@ impl Record {
     /// shown) or its id (what an operator may quote).
     pub fn is_named(&self, quoted: &str) -> bool {
         self.id == quoted || self.reference.as_deref() == Some(quoted)
+    }
+
+    /// Whether a close record will follow this one: an allowed
+    /// connection's or forwarded request's decision (not a DNS answer).
+    fn owes_close(&self) -> bool {
+        self.event == Event::Decision && self.reason.is_allow() && self.kind != Kind::Dns
     }
 
     /// The close record of the connection this decision record opened.
@@ -509,8 +523,21 @@ impl Evidence {
     /// Assign `id` and `ts` and write the record. When this returns `Ok`
     /// the bytes are with the operating system (`os`) or on disk (`fsync`).
     /// Waits for room in the queue (back-pressure).
+    ///
+    /// An allowed connection's or request's decision record (one whose
+    /// close record will follow) reserves room for that close in the store
+    /// first, and carries the reservation in `record.owed` once written
+    /// ([`store::Owed`]).
     pub async fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
         let line = self.stamp(record)?;
+        let owed = record.owes_close().then(|| {
+            let bytes = store::close_bound(line.line_bound(), record.id.len());
+            Arc::new(store::Owed::reserve(
+                &self.log.common.counters,
+                &record.org,
+                bytes,
+            ))
+        });
         let permit = self
             .log
             .slots
@@ -523,12 +550,14 @@ impl Evidence {
             org: record.org.clone(),
             acked: true,
             permit: true,
+            owed: None,
         };
         let Ok(batch) = self.log.append(entry) else {
             self.log.slots.add_permits(1);
             return Err(EvidenceError::Sealed);
         };
         if self.log.wait(&batch).await {
+            record.owed = owed;
             Ok(())
         } else {
             Err(EvidenceError::Unavailable)
@@ -563,6 +592,7 @@ impl Evidence {
             org: record.org.clone(),
             acked: false,
             permit,
+            owed: record.owed.take(),
         };
         if let Err(entry) = self.log.append(entry) {
             if entry.permit {
@@ -605,6 +635,7 @@ impl Evidence {
             org: record.org.clone(),
             acked: false,
             permit: true,
+            owed: record.owed.take(),
         };
         if self.log.append(entry).is_err() {
             self.log.slots.add_permits(1);

@@ -321,6 +321,59 @@ async fn fill_org(ev: &Evidence, org: Option<&str>, n: u32) {
 }
 
 #[tokio::test]
+async fn an_allow_reserves_room_for_its_close_until_the_close_is_written() {
+    let root = crate::testing::scratch("evtest");
+    let cfg = config(&root);
+    let ev = Evidence::start(&cfg).unwrap();
+    let store = ev.counters().store();
+    let acme: store::Payer = Some(Arc::from("acme"));
+    assert!(store.free().is_some(), "free space measured at start");
+    // A denial and a DNS answer owe no close.
+    let mut deny = record(0, false);
+    deny.org = acme.clone();
+    ev.write(&mut deny).await.unwrap();
+    let mut dns = record(1, true);
+    dns.org = acme.clone();
+    dns.kind = Kind::Dns;
+    ev.write(&mut dns).await.unwrap();
+    assert!(deny.owed.is_none() && dns.owed.is_none());
+    assert_eq!(store.reserved(&acme), 0);
+    // An allow reserves its close once written.
+    let mut allow = record(2, true);
+    allow.org = acme.clone();
+    allow.path = Some(format!("/{}", "p".repeat(300)));
+    ev.write(&mut allow).await.unwrap();
+    let reserved = store.reserved(&acme);
+    assert!(reserved > 0 && allow.owed.is_some());
+    // The longest close it can have: every total at its widest, a status
+    // and a detail of a response that did not come.
+    let mut close = allow.close(u64::MAX, u64::MAX, u64::MAX);
+    close.status = Some(504);
+    close.detail = Some(
+        "the upstream closed the connection before a complete response head (after 0 bytes)".into(),
+    );
+    assert!(close.owed.is_some(), "the close carries the reservation");
+    ev.submit(&mut close);
+    assert!(close.owed.is_none(), "handed to the writer");
+    drop(allow.owed.take());
+    assert!(ev.seal().await);
+    assert_eq!(store.reserved(&acme), 0, "given back once written");
+    let written = segments(&cfg.dir)
+        .iter()
+        .flat_map(|p| lines(p))
+        .find(|l| l.contains("\"event\":\"close\""))
+        .expect("the close was written");
+    // The line and its newline.
+    let close_bytes = written.len() as u64 + 1;
+    assert!(
+        close_bytes <= reserved,
+        "reserved {reserved} for a close of {close_bytes} bytes"
+    );
+    drop(ev);
+    let _ = fs::remove_dir_all(&root);
+}
+
+#[tokio::test]
 async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_store_names_who_filled_it(
 ) {
     let root = crate::testing::scratch("evtest");
@@ -583,6 +636,7 @@ fn full_record() -> Record {
         reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),
         hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),
         window: Some(["t0".into(), "t1".into()]),
+        owed: None,
         synthetic: Some("198.19.128.4".parse().unwrap()),
     }
 }

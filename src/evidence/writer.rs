@@ -48,7 +48,7 @@ use tracing::{error, info, warn};
 
 use super::chain::{self, Prepared, GENESIS};
 use super::segment::{self, Tail};
-use super::store::Payer;
+use super::store::{Owed, Payer};
 use crate::config::{Durability, EvidenceConfig};
 
 /// Records appended with a place reserved (`write`, `submit_within`, and
@@ -64,8 +64,9 @@ const MAX_ROUNDS: usize = 4;
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
 const SYNC_LAG: Duration = Duration::from_millis(100);
-/// How often free space on the evidence file system is compared with
-/// `min_free` while records are written.
+/// How often free space on the evidence file system is measured while
+/// records are written; every write in between is taken off the last
+/// measurement at once ([`super::store::Space`]).
 const DISK_CHECK: Duration = Duration::from_secs(1);
 
 /// One record waiting to be written.
@@ -77,6 +78,9 @@ pub(super) struct Entry {
     pub acked: bool,
     /// It holds a place in the queue's capacity.
     pub permit: bool,
+    /// The room reserved for it (a close record), given back once it is
+    /// written.
+    pub owed: Option<Arc<Owed>>,
 }
 
 const OPEN: u8 = 0;
@@ -535,9 +539,9 @@ pub(super) struct Io {
     seg: Option<Segment>,
     last_ckpt: Instant,
     outage: Option<Outage>,
-    /// Submitted records of failed batches, written first once writing
-    /// works again.
-    kept: Vec<(Prepared, Payer)>,
+    /// Submitted records of failed batches (with the room reserved for
+    /// them), written first once writing works again.
+    kept: Vec<(Prepared, Payer, Option<Arc<Owed>>)>,
     /// Bytes of records per payer in each segment on disk written by this
     /// run, oldest first (the last is the open one).
     usage: VecDeque<(String, HashMap<Payer, u64>)>,
@@ -740,6 +744,7 @@ impl Io {
             }
         };
         self.sync_dir();
+        self.counters.store().wrote(line.len() as u64);
         self.head.seq = Some(seq);
         self.head.hash = hash;
         self.head.since_ckpt += 1;
@@ -826,33 +831,37 @@ impl Io {
         (removed, unlink)
     }
 
-    /// Compare free space with `min_free` (at most every [`DISK_CHECK`]).
+    /// Measure free space (at most every [`DISK_CHECK`]; between two
+    /// measurements the store takes every write off the last one), and
+    /// say when it crosses `min_free`. While it is below, every write
+    /// measures again, so that space freed (a shipper's copy removed, the
+    /// disk grown) ends the refusals at the next write.
     fn check_disk(&mut self) {
-        if self.cfg.durability == Durability::Discard
-            || self.disk_checked.is_some_and(|t| t.elapsed() < DISK_CHECK)
-        {
+        if self.cfg.durability == Durability::Discard {
             return;
         }
-        self.disk_checked = Some(Instant::now());
-        let Some((free, size)) = self.counters.disk_space() else {
-            return;
-        };
-        // None free at all is a truly full disk: writes fail and every
-        // allow with them (`evidence_unavailable`), as they always did.
-        let low = free > 0 && free < self.cfg.min_free.bytes(size);
+        if self.low_disk || self.disk_checked.is_none_or(|t| t.elapsed() >= DISK_CHECK) {
+            self.disk_checked = Some(Instant::now());
+            if let Some((free, size)) = self.counters.disk_space() {
+                self.counters
+                    .store()
+                    .measure(free, self.cfg.min_free.bytes(size));
+            }
+        }
+        let store = self.counters.store();
+        let low = store.low_disk();
         if low != self.low_disk {
+            let free = store.free();
             if low {
                 warn!(
-                    free,
-                    size, "evidence file system below min_free; refusing the orgs over their share"
+                    ?free,
+                    "evidence file system below min_free (written and reserved records counted); refusing the orgs over their share"
                 );
             } else {
-                info!(free, size, "evidence file system above min_free again");
+                info!(?free, "evidence file system above min_free again");
             }
         }
         self.low_disk = low;
-        let store = self.counters.store();
-        store.set_low_disk(low);
     }
 
     fn unlink(&mut self, paths: Vec<PathBuf>) {
@@ -993,6 +1002,9 @@ impl Io {
                 }
                 seg.len += buf.len() as u64;
                 seg.lines += lines;
+                if self.cfg.durability != Durability::Discard {
+                    self.counters.store().wrote(buf.len() as u64);
+                }
                 if sync_now {
                     self.unsynced = None;
                     #[cfg(test)]
@@ -1076,7 +1088,7 @@ impl Io {
         // The records' lines in `buf`, for the tap, while anyone listens.
         let tapped = self.counters.tap().active();
         let mut records: Vec<(usize, usize)> = Vec::new();
-        for (p, org) in &self.kept {
+        for (p, org, _) in &self.kept {
             let at = buf.len();
             Self::push_prepared(&mut head, &mut buf, p);
             *written.entry(org.clone()).or_insert(0) += (buf.len() - at) as u64;
@@ -1172,6 +1184,9 @@ impl Io {
                 self.retry_at = Instant::now() + self.backoff;
                 self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
                 self.refuse(batch, Some(e.to_string()));
+                // Measure at once: a full disk is the fullest store.
+                self.disk_checked = None;
+                self.check_disk();
                 false
             }
         };
@@ -1199,7 +1214,7 @@ impl Io {
             if e.acked {
                 outage.failed_writes += 1;
             } else {
-                self.kept.push((e.line, e.org));
+                self.kept.push((e.line, e.org, e.owed));
             }
         }
     }

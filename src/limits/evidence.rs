@@ -26,13 +26,15 @@ pub(crate) const EVIDENCE_STORE_FULL: &str = "evidence store full for this org";
 /// | an allow decision (connection, absolute-form or intercepted request, DNS answer) | at the decision, before anything flows ([`EvidenceBudget::take`]) | refused `limit_exceeded` (detail [`EVIDENCE_BUDGET_EXHAUSTED`]); the refusal is summarised |
 /// | a denial, a DNS refusal | when written ([`EvidenceBudget::take`]) | counted into a summary instead of written one by one |
 /// | a summary | when written ([`EvidenceBudget::charge`]) | written anyway (the bucket goes into debt); an org's proxy summaries fold into one |
-/// | a close record | never | (at most one per allow) |
+/// | a close record | never (its room in the store is reserved when its allow is written) | (at most one per allow) |
 ///
-/// While the evidence store is full ([`crate::evidence::store`]), an org
-/// (or the clients of no org) whose records hold more than its share of
-/// the store is treated as if its budget were spent, whatever is left of
-/// it: its allows are refused (detail [`EVIDENCE_STORE_FULL`]) and its
-/// denials summarised. Orgs within their share go on as before.
+/// While the evidence store is full ([`crate::evidence::store`]: free
+/// space accounted per write, a disk with none free the fullest case), an
+/// org (or the clients of no org) whose records, written and owed (the
+/// closes of its open connections), hold more than its share of the store
+/// is treated as if its budget were spent, whatever is left of it: its
+/// allows are refused (detail [`EVIDENCE_STORE_FULL`]) and its denials
+/// summarised. Orgs within their share go on as before.
 ///
 /// So an org's one-by-one decision records in any `T` seconds are at most
 /// `rate * (T + 1)`, whatever it floods with. (A tunnel allowed and then

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::ctx::View;
 use crate::config::Carry;
-use crate::evidence::{Kind, Mode, Record};
+use crate::evidence::{Kind, Mode, Owed, Record};
 use crate::intercept::Interceptor;
 use crate::policy::{OrgRef, Reason, Verdict};
 use crate::proto::target::Host;
@@ -77,6 +77,10 @@ pub(crate) struct Conn {
     pub credential: Option<String>,
     /// Why it failed after an allow, or the detail of a denial.
     pub detail: Option<String>,
+    /// The room its allow record reserved in the evidence store for its
+    /// close record, carried to the close (given back if it ends without
+    /// one).
+    pub owed: Option<Arc<Owed>>,
 }
 
 impl Conn {
@@ -106,6 +110,7 @@ impl Conn {
             within: None,
             credential: None,
             detail: None,
+            owed: None,
         }
     }
 
@@ -203,6 +208,7 @@ impl Conn {
     pub(crate) fn close(&self, id: &str, (up, down): (u64, u64), started: Instant) -> Record {
         let mut decision = self.record();
         decision.id = id.to_string();
+        decision.owed = self.owed.clone();
         decision.close(up, down, started.elapsed().as_millis() as u64)
     }
 }

@@ -169,7 +169,7 @@ where
         verify::First::Closed => {
             // Nothing was sent, so nothing flowed: the allow stands on record.
             conn.tunnel = Some(carry);
-            let _ = write_record(&ctx, &conn).await;
+            let _ = write_record(&ctx, &mut conn).await;
             return;
         }
         verify::First::OverBudget => {
@@ -200,7 +200,7 @@ where
         &conn,
         detected.as_ref().unwrap_or(&Detected::NotTls),
     ));
-    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &mut conn).await else {
         return;
     };
     if !conn.is_allow() {
@@ -430,14 +430,14 @@ async fn run_opaque<C>(
         Some(reason) if report && reason.reportable() => conn.report(reason, None),
         Some(reason) => {
             conn.deny(reason, None);
-            let id = write_record(&ctx, &conn).await.unwrap_or_else(|w| w).id;
+            let id = write_record(&ctx, &mut conn).await.unwrap_or_else(|w| w).id;
             debug!(reason = %reason, record = %id, "tunnel denied after detection");
             return; // both sides dropped: nothing reached the upstream
         }
         None => {}
     }
     // (Interception needs a TLS rule: an opaque tunnel is never intercepted.)
-    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &mut conn).await else {
         return;
     };
     if detected == Detected::Closed || !conn.is_allow() {

@@ -131,7 +131,7 @@ pub(crate) async fn absolute(
         },
     };
     conn.ip = Some(addr.ip());
-    let written = match write_record(&ctx, &conn).await {
+    let written = match write_record(&ctx, &mut conn).await {
         Ok(w) => w,
         Err(w) => return Unserved::Denied(Reason::EvidenceUnavailable).response(&w.shown, None),
     };

@@ -114,12 +114,18 @@ pub(crate) async fn dial_failed(ctx: &Ctx, conn: &mut Conn, error: DialError) ->
 /// Write `conn`'s decision record as it stands and wait until it is with
 /// the operating system: `Ok`, or `Err` if it could not be written (then
 /// nothing may flow).
-pub(crate) async fn write_record(ctx: &Ctx, conn: &Conn) -> Result<Written, Written> {
+///
+/// An allow keeps the room its record reserved for the close record in
+/// `conn.owed` ([`crate::evidence::Owed`]).
+pub(crate) async fn write_record(ctx: &Ctx, conn: &mut Conn) -> Result<Written, Written> {
     // Boxed: a record and its write are large, and a tunnel task would
     // otherwise keep room for them all its life.
     Box::pin(async {
         let mut record = conn.record();
         let written = ctx.write(&mut record).await;
+        if let Some(owed) = record.owed.take() {
+            conn.owed = Some(owed);
+        }
         let w = Written {
             shown: record.shown().to_string(),
             id: record.id,

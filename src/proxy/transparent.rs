@@ -126,7 +126,7 @@ async fn handle(
     let Some(detect_slot) = ctx.detect_scope(view, peer).try_hold(1) else {
         let mut conn = conn_for(view.verdict(Reason::LimitExceeded), Host::Ip(orig.ip()));
         conn.detail = Some(DETECT_BUDGET_EXHAUSTED.into());
-        let _ = write_record(&ctx, &conn).await;
+        let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     };
     let mut first = Vec::new();
@@ -175,26 +175,26 @@ async fn handle(
     }
     conn.detail = outcome.detail;
     if !conn.is_allow() || detected == Detected::Closed {
-        deny(&ctx, &conn).await;
+        deny(&ctx, &mut conn).await;
         return reset(client);
     }
     // Charged at accept to the address's org, if it has one; the decision
     // cannot name another, so this only confirms it (see `limits`).
     if let Err(hit) = ctx.charge(&permit, view) {
         conn.refuse(Reason::LimitExceeded, Some(hit.describe().into()));
-        let _ = write_record(&ctx, &conn).await;
+        let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
     if !ctx.evidence.is_healthy() {
         conn.refuse(Reason::EvidenceUnavailable, None);
-        let _ = write_record(&ctx, &conn).await;
+        let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
     // The allow's record is paid for from the org's evidence budget.
     if let Err(detail) = ctx.pay_allow(view) {
         let detail = detail.to_string();
         conn.refuse(Reason::LimitExceeded, Some(detail));
-        let _ = write_record(&ctx, &conn).await;
+        let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
     // What the rule lets the connection carry: judge the first unit again
@@ -226,16 +226,16 @@ async fn handle(
             }
             verify::First::Denied(v) => {
                 conn.deny(verify::reason(v.kind), Some(v.detail));
-                deny(&ctx, &conn).await;
+                deny(&ctx, &mut conn).await;
                 return reset(client);
             }
             verify::First::Closed => {
-                let _ = write_record(&ctx, &conn).await;
+                let _ = write_record(&ctx, &mut conn).await;
                 return reset(client);
             }
             verify::First::OverBudget => {
                 conn.refuse(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
-                let _ = write_record(&ctx, &conn).await;
+                let _ = write_record(&ctx, &mut conn).await;
                 return reset(client);
             }
         }
@@ -253,7 +253,7 @@ async fn handle(
                 }
             }
             conn.detail = Some(e.to_string());
-            let _ = write_record(&ctx, &conn).await;
+            let _ = write_record(&ctx, &mut conn).await;
             return reset(client);
         }
     };
@@ -266,7 +266,7 @@ async fn handle(
         &conn,
         &detected,
     ));
-    let Ok(Written { id, .. }) = write_record(&ctx, &conn).await else {
+    let Ok(Written { id, .. }) = write_record(&ctx, &mut conn).await else {
         return reset(client);
     };
     if !conn.is_allow() {
@@ -283,7 +283,7 @@ async fn handle(
 }
 
 /// Record a denied connection.
-async fn deny(ctx: &Ctx, conn: &Conn) {
+async fn deny(ctx: &Ctx, conn: &mut Conn) {
     let id = write_record(ctx, conn).await.unwrap_or_else(|w| w).id;
     debug!(reason = %conn.verdict.reason, record = %id, "transparent connection denied");
 }

@@ -19,6 +19,7 @@ mod dns_budget;
 mod dns_cache;
 mod evidence;
 mod fleet;
+mod full_store;
 mod guide;
 mod infra;
 mod intercept;

@@ -63,46 +63,6 @@ const PHASE2_SECS: u64 = 12;
 /// beta's requests during the second flood.
 const BETA_REQUESTS: usize = 30;
 
-/// The flooder: one keep-alive connection (reopened only if the proxy
-/// closes it), absolute-form GETs with a 256-character path, bounded by
-/// time and count. Prints `started`, then the counts as JSON.
-const FLOOD_SCRIPT: &str = r#"
-import http.client, json, sys, time
-END = time.time() + float(sys.argv[1])
-MAX = int(sys.argv[2])
-TAG = sys.argv[3]
-c = {"sent": 0, "ok": 0, "store_full": 0, "budget_spent": 0, "other": 0, "connections": 1}
-pad = "x" * 230
-def conn():
-    return http.client.HTTPConnection("198.18.1.1", 3128, timeout=10)
-h = conn()
-print("started", flush=True)
-t0 = time.time()
-while time.time() < END and c["sent"] < MAX:
-    path = "/%s-%07d-%s" % (TAG, c["sent"], pad)
-    try:
-        h.request("GET", "http://allowed.test" + path, headers={"Host": "allowed.test"})
-        r = h.getresponse()
-        body = r.read().decode("utf-8", "replace")
-    except Exception:
-        c["other"] += 1
-        h.close(); h = conn(); c["connections"] += 1
-        continue
-    c["sent"] += 1
-    if r.status == 200:
-        c["ok"] += 1
-    elif "evidence store full for this org" in body:
-        c["store_full"] += 1
-    elif "evidence budget spent" in body:
-        c["budget_spent"] += 1
-    else:
-        c["other"] += 1
-    if (r.getheader("Connection") or "").lower() == "close":
-        h.close(); h = conn(); c["connections"] += 1
-c["secs"] = round(time.time() - t0, 2)
-print(json.dumps(c), flush=True)
-"#;
-
 fn dir_bytes(dir: &Path) -> u64 {
     fs::read_dir(dir)
         .map(|rd| {
@@ -125,24 +85,10 @@ fn segment_count(dir: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// Run the flooder for at most `secs` and `max` requests; its counts.
+/// acme's flood through one keep-alive connection, for at most `secs` and
+/// `max` requests, with 256-character paths; its counts.
 fn flood(lab: &Lab, tag: &str, secs: u64, max: u64) -> Value {
-    let out = lab.dir.join(format!("flood-{tag}.out"));
-    let script = format!("python3 - {secs} {max} {tag} <<'EOF'\n{FLOOD_SCRIPT}\nEOF");
-    let mut child = lab.client_spawn(&script, &out);
-    lab::wait_until("the flood to start", Duration::from_secs(10), || {
-        fs::read_to_string(&out).is_ok_and(|t| t.starts_with("started"))
-    });
-    // It ends on its own (bounded); wait for its counts, bounded too.
-    let deadline = Instant::now() + Duration::from_secs(secs + 30);
-    while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    let text = fs::read_to_string(&out).unwrap_or_default();
-    let last = text.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{tag}: flood counts {last:?}: {e}"))
+    crate::full_store::start_flood(lab, tag, (secs, max, 1), 230, false).counts()
 }
 
 fn metrics(lab: &Lab) -> String {

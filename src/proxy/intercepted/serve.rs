@@ -705,6 +705,8 @@ async fn decide_and_send(
         count(shared, Reason::EvidenceUnavailable);
         return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
     }
+    // Its close record's room, reserved by its allow.
+    req.owed = record.owed.take();
     count(shared, Reason::RuleMatch);
 
     let totals = shared.clone();
@@ -788,6 +790,8 @@ async fn websocket_handshake(
         count(shared, Reason::EvidenceUnavailable);
         return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
     }
+    // Its close record's room, reserved by its allow.
+    req.owed = record.owed.take();
     count(shared, Reason::RuleMatch);
     let totals = shared.clone();
     let exchange = Exchange {
