@@ -645,6 +645,93 @@ fn deny_paths_ignore_case_and_credential_scopes_do_not() {
     );
 }
 
+/// `deny_paths` and letters outside ASCII: a dotless `ı` (U+0131, which
+/// upper-cases to `I`) or a fullwidth `Ｉ` (U+FF29, which NFKC makes `I`)
+/// in place of the `i` of `/api/internal` is refused before anything is
+/// forwarded, with the credential or without, over HTTP/1.1 and HTTP/2; a
+/// non-ASCII path no folding could make a denied one still passes.
+#[test]
+fn deny_paths_are_not_walked_around_by_letters_outside_ascii() {
+    let Setup { lab, org_ca } = start();
+    let cases = [
+        "/api/%C4%B1nternal/keys",
+        "/api/%EF%BC%A9nternal/keys",
+        "/api/%EF%BD%89%EF%BD%8E%EF%BD%94%EF%BD%85%EF%BD%92%EF%BD%8E%EF%BD%81%EF%BD%8C/keys",
+    ];
+    let mut n = 0;
+    for denied in cases {
+        for h2 in [false, true] {
+            n += 1;
+            let marker = format!("/fold-marker-{n}");
+            let got = denied_then_marker(&lab, &org_ca, denied, &marker, h2);
+            assert_eq!(
+                got,
+                ["403 1", "200 0"],
+                "{denied} h2={h2}\n{}",
+                lab.proxy_output()
+            );
+            let rec = lab.wait_evidence(&format!("deny {denied} h2={h2}"), |v| {
+                v["kind"] == "http"
+                    && v["event"] == "decision"
+                    && v["detail"]
+                        .as_str()
+                        .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
+            });
+            assert_eq!(rec["decision"], "deny", "{rec}");
+            assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
+            assert!(rec["credential"].is_null(), "{rec}");
+            let detail = rec["detail"].as_str().unwrap();
+            assert!(
+                detail.contains("deny_paths \"/api/internal*\" could match")
+                    && detail.contains("non-ASCII"),
+                "{rec}"
+            );
+        }
+    }
+    // A non-ASCII path where no reading completes a deny: served, with
+    // the credential.
+    let fine = "/api/caf%C3%A9";
+    let r = curl(
+        &lab,
+        &org_ca,
+        &format!("https://allowed.test{fine}"),
+        &["--path-as-is"],
+    );
+    assert_eq!(r.status, 200, "{r:#?}");
+    let closes = upstream_quiet(&lab, &org_ca, "/fold-marker-end");
+    let lines: Vec<&str> = closes
+        .iter()
+        .filter_map(|c| c["request_line"].as_str())
+        .collect();
+    eprintln!(
+        "intercept: {} non-ASCII spellings of /api/internal refused, none forwarded; upstream saw {lines:?}",
+        n
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.contains("nternal") && !l.contains("%EF%BD")),
+        "a folded spelling reached the upstream: {lines:?}"
+    );
+    let served = closes
+        .iter()
+        .find(|c| {
+            c["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with(&format!("GET {fine} ")))
+        })
+        .unwrap_or_else(|| panic!("{fine} not served: {}", dump(&closes)));
+    assert_eq!(
+        headers_of(served, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "{served}"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("GET /fold-marker-6 ")),
+        "{lines:?}"
+    );
+}
+
 /// The same request decision holds through SOCKS5 and the transparent
 /// gateway: an encoded denied path is refused (and never forwarded, and
 /// gets no credential) whichever way the client came.
