@@ -20,7 +20,8 @@
 //!   ([`Answer::Exhausted`]).
 //!
 //! So all orgs together hold at most `per_org` times the synthetic orgs;
-//! config validation keeps that within [`MAX_MAPPINGS`].
+//! config validation keeps that within
+//! [`MAX_SYNTHETIC_MAPPINGS`](crate::config::MAX_SYNTHETIC_MAPPINGS).
 //!
 //! Each org's addresses are handed out round-robin through each pool (its
 //! own cursor), skipping those it uses, so an evicted address is reused as
@@ -34,18 +35,13 @@ use std::sync::{Arc, Mutex};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+use crate::config::MAX_SYNTHETIC_PER_ORG;
 use crate::policy::canonical;
 
 /// TTL of a synthetic answer, in seconds: short, so that a client asks
 /// again (and refreshes the mapping's recency) rather than holding an
 /// address that may have been evicted and bound to another name since.
 pub(crate) const SYNTHETIC_TTL: u32 = 10;
-/// Mappings one org may hold, at most (fewer when the smaller pool holds
-/// fewer addresses: [`per_org_cap`]).
-pub(crate) const MAX_MAPPINGS_PER_ORG: usize = 4096;
-/// Mappings of all synthetic orgs together, at most: config validation
-/// refuses more synthetic orgs than `MAX_MAPPINGS / per_org_cap`.
-pub(crate) const MAX_MAPPINGS: usize = 262_144;
 
 /// The address family of a query (A: IPv4, AAAA: IPv6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -217,17 +213,6 @@ fn pool_size(net: IpNet) -> u128 {
     1u128.checked_shl(bits).unwrap_or(u128::MAX)
 }
 
-/// Mappings one org may hold with these pools: [`MAX_MAPPINGS_PER_ORG`],
-/// or what the smaller pool holds if that is fewer (0: no pool).
-pub(crate) fn per_org_cap(v4: Option<Ipv4Net>, v6: Option<Ipv6Net>) -> usize {
-    [v4.map(IpNet::V4), v6.map(IpNet::V6)]
-        .into_iter()
-        .flatten()
-        .map(|n| usize::try_from(pool_size(n.trunc())).unwrap_or(usize::MAX))
-        .min()
-        .map_or(0, |smallest| smallest.min(MAX_MAPPINGS_PER_ORG))
-}
-
 impl Synthetic {
     /// Pools `v4` and `v6` (either may be absent), `per_org` clamped to at
     /// least 1 and to what the smaller pool holds.
@@ -258,7 +243,7 @@ impl Synthetic {
         Some(Synthetic::new(
             dns.synthetic_pool,
             dns.synthetic_pool_v6,
-            MAX_MAPPINGS_PER_ORG,
+            MAX_SYNTHETIC_PER_ORG,
         ))
     }
 
@@ -609,9 +594,10 @@ mod tests {
     fn the_per_org_cap_never_exceeds_the_smaller_pool() {
         let v4: Ipv4Net = "198.18.200.0/24".parse().unwrap();
         let v6: Ipv6Net = "2001:2::/96".parse().unwrap();
-        assert_eq!(per_org_cap(Some(v4), Some(v6)), 256);
-        assert_eq!(per_org_cap(None, Some(v6)), MAX_MAPPINGS_PER_ORG);
-        assert_eq!(per_org_cap(None, None), 0);
+        use crate::config::synthetic_per_org;
+        assert_eq!(synthetic_per_org(Some(v4), Some(v6)), 256);
+        assert_eq!(synthetic_per_org(None, Some(v6)), MAX_SYNTHETIC_PER_ORG);
+        assert_eq!(synthetic_per_org(None, None), 0);
         let s = Synthetic::new(Some(v4), None, 100_000);
         let acme: Arc<str> = Arc::from("acme");
         for i in 0..600 {

@@ -7,7 +7,10 @@ use toml::Spanned;
 
 use super::{cidr, count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
-use crate::config::model::{dns_org_share, Config, DnsConfig, RuleTarget, ALWAYS_DENIED};
+use crate::config::model::{
+    dns_org_share, synthetic_per_org, Config, DnsConfig, RuleTarget, ALWAYS_DENIED,
+    MAX_SYNTHETIC_MAPPINGS,
+};
 use crate::config::raw::RawDns;
 
 /// The smallest synthetic pools: 256 addresses (see `crate::synthetic`).
@@ -63,7 +66,7 @@ fn pool(value: Option<&Spanned<String>>, v6: bool, errors: &mut Errors<'_>) -> O
 /// cidr allow rule. Each overlap is an error at the pool's key. And the
 /// orgs that use them fit: each may hold as many mappings as the smaller
 /// pool has addresses (at most 4096), all of them together at most
-/// [`MAX_MAPPINGS`](crate::synthetic::MAX_MAPPINGS).
+/// [`MAX_SYNTHETIC_MAPPINGS`].
 pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {
     check_synthetic_orgs(config, spans, errors);
     let pools = [
@@ -118,19 +121,17 @@ pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Error
 
 /// Every org with `dns_answers = "synthetic"` has the whole pool to
 /// itself (`crate::synthetic`), so the pools bound each org, and the
-/// number of such orgs bounds the table: over
-/// [`MAX_MAPPINGS`](crate::synthetic::MAX_MAPPINGS) in all is an error at
-/// the smaller pool's key.
+/// number of such orgs bounds the table: over [`MAX_SYNTHETIC_MAPPINGS`]
+/// in all is an error at the smaller pool's key.
 fn check_synthetic_orgs(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {
-    use crate::synthetic::{per_org_cap, MAX_MAPPINGS};
     let (v4, v6) = (config.dns.synthetic_pool, config.dns.synthetic_pool_v6);
-    let per_org = per_org_cap(v4, v6);
+    let per_org = synthetic_per_org(v4, v6);
     let orgs = config
         .orgs
         .iter()
         .filter(|o| o.dns_answers == crate::config::DnsAnswers::Synthetic)
         .count();
-    if per_org == 0 || orgs.saturating_mul(per_org) <= MAX_MAPPINGS {
+    if per_org == 0 || orgs.saturating_mul(per_org) <= MAX_SYNTHETIC_MAPPINGS {
         return;
     }
     // The smaller pool sets the share; name it.
@@ -150,10 +151,10 @@ fn check_synthetic_orgs(config: &Config, spans: &PoolSpans, errors: &mut Errors<
         span.clone(),
         format!(
             "dns {key} {net}: {orgs} orgs with dns_answers = \"synthetic\" may hold {per_org} \
-             synthetic mappings each ({} in all), over the {MAX_MAPPINGS} kept in all; \
+             synthetic mappings each ({} in all), over the {MAX_SYNTHETIC_MAPPINGS} kept in all; \
              at most {} synthetic orgs with this pool (a smaller pool gives each org fewer)",
             orgs * per_org,
-            MAX_MAPPINGS / per_org
+            MAX_SYNTHETIC_MAPPINGS / per_org
         ),
     );
 }
