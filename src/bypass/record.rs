@@ -21,11 +21,16 @@
 //!
 //! Within the org's evidence budget ([`EvidenceBudget`], shared with the
 //! proxy and the shim): a new tally takes one record of it, paying for the
-//! summary it becomes; when none is left the packet is counted into its
+//! summary it becomes; when none is left, or the org already has
+//! [`MAX_TALLIES_PER_ORG`] tallies waiting, the packet is counted into its
 //! org's overflow tally for its protocol instead (no source, destination
 //! or port), which is charged when written. So an org's bypass records in
 //! a second are at most its budget plus one per protocol, whatever it
-//! floods with, and at most [`MAX_TALLIES`] tallies wait at once.
+//! floods with. The bound is per org (clients of no org are one group):
+//! one org's flood fills its own share and never pushes another org's
+//! attempts into an overflow tally. At most [`MAX_TALLIES`] wait in all,
+//! which takes [`MAX_TALLIES`] / [`MAX_TALLIES_PER_ORG`] orgs flooding in
+//! the same second.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -38,9 +43,11 @@ use crate::limits::EvidenceBudget;
 use crate::metrics::{Metrics, UNKNOWN_ORG};
 use crate::policy::{Policy, Reason, Verdict};
 
-/// Tallies kept at once; beyond, a new key is counted under its org's
-/// overflow tally.
-pub(crate) const MAX_TALLIES: usize = 4096;
+/// Tallies of one org kept at once; beyond, its new keys are counted under
+/// its overflow tally.
+pub(crate) const MAX_TALLIES_PER_ORG: usize = 1024;
+/// Tallies of all orgs kept at once: 64 orgs' shares.
+pub(crate) const MAX_TALLIES: usize = 64 * MAX_TALLIES_PER_ORG;
 
 /// What a bypass tally is kept for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -67,7 +74,12 @@ pub(crate) struct BypassSummary;
 impl Shape for BypassSummary {
     type Key = Key;
     const MAX_TALLIES: usize = MAX_TALLIES;
+    const MAX_TALLIES_PER_ORG: usize = MAX_TALLIES_PER_ORG;
     const BREAKDOWN: bool = false;
+
+    fn org(key: &Key) -> Option<Arc<str>> {
+        key.org.clone()
+    }
 
     fn overflow(key: Key) -> Key {
         key.overflow()
@@ -152,9 +164,12 @@ impl Bypasses {
             proto: attempt.proto,
             target: Some((attempt.src, attempt.dst, attempt.dst_port)),
         };
-        // A new tally pays for its summary now; without a record left, the
-        // packet is counted into the org's overflow tally.
-        let key = if self.tallies.contains(&key) || self.budget.take(&key.org, now) {
+        // A new tally pays for its summary now; without a record left, or
+        // without room in the org's share, the packet is counted into the
+        // org's overflow tally.
+        let key = if self.tallies.contains(&key)
+            || (self.tallies.admits(&key) && self.budget.take(&key.org, now))
+        {
             key
         } else {
             key.overflow()
@@ -195,6 +210,12 @@ mod tests {
 [[org]]
 name = "acme"
 clients = ["198.18.1.0/24"]
+[[org.allow]]
+host = "allowed.test"
+
+[[org]]
+name = "beta"
+clients = ["198.18.4.0/24"]
 [[org.allow]]
 host = "allowed.test"
 "#,
@@ -272,6 +293,58 @@ host = "allowed.test"
             .with_label_values(&["acme", "udp"])
             .get();
         assert_eq!(counted, 1100);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn one_orgs_flood_never_pushes_anothers_attempts_out_of_their_tallies() {
+        let dir = crate::testing::scratch("bypass-orgs");
+        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
+        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        // A budget that is not the bound: the tallies are.
+        let bypasses = Bypasses::new(
+            ev.clone(),
+            metrics.clone(),
+            Arc::new(EvidenceBudget::new(1_000_000)),
+        );
+        let policy = policy();
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        // Acme: 5,000 distinct targets, over every share there is; beta's
+        // 25 attempts interleaved from the middle of it on.
+        for i in 0..5000u32 {
+            let dst = std::net::Ipv4Addr::from(0xC612_0000 + i).to_string();
+            bypasses.count(&udp("198.18.1.2", &dst, 53), &policy, now, wall);
+            if i >= 2000 && i % 100 == 0 && i < 4500 {
+                let port = 7000 + u16::try_from(i / 100).unwrap();
+                bypasses.count(&udp("198.18.4.2", "198.18.2.10", port), &policy, now, wall);
+            }
+        }
+        assert_eq!(bypasses.pending_count(), 5025);
+        bypasses.flush(Duration::from_secs(5)).await;
+        assert!(ev.seal().await);
+        let records: Vec<Record> = crate::evidence::query::read_records(&dir.join("evidence"))
+            .map(|r| r.unwrap().record)
+            .filter(|r| r.kind == Kind::Bypass)
+            .collect();
+        let of = |org: &'static str| {
+            records
+                .iter()
+                .filter(move |r| r.org.as_deref() == Some(org))
+        };
+        let beta: Vec<&Record> = of("beta").collect();
+        assert_eq!(beta.len(), 25, "{beta:#?}");
+        for r in &beta {
+            assert_eq!(r.count, Some(1), "{r:?}");
+            assert_eq!(r.client, Some("198.18.4.2:40000".parse().unwrap()), "{r:?}");
+            assert_eq!(r.ip, Some("198.18.2.10".parse().unwrap()), "{r:?}");
+            assert!(r.port.is_some_and(|p| (7020..7045).contains(&p)), "{r:?}");
+        }
+        // Acme: its share, then its overflow tally; nothing lost.
+        let acme_detailed = of("acme").filter(|r| r.client.is_some()).count();
+        assert_eq!(acme_detailed, MAX_TALLIES_PER_ORG);
+        let overflow: Vec<&Record> = of("acme").filter(|r| r.client.is_none()).collect();
+        assert_eq!(overflow.len(), 1);
+        assert_eq!(overflow[0].count, Some(5000 - MAX_TALLIES_PER_ORG as u64));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -93,6 +93,24 @@ pub fn default_max_records_per_second_per_org(limits: &Limits, dns: &DnsConfig) 
 pub fn dns_org_share(global: usize) -> usize {
     global.div_ceil(4).max(1)
 }
+/// Synthetic mappings (`crate::synthetic`) one org may hold, at most.
+pub const MAX_SYNTHETIC_PER_ORG: usize = 4096;
+/// Synthetic mappings of all synthetic orgs together, at most: config
+/// validation refuses more synthetic orgs than this allows.
+pub const MAX_SYNTHETIC_MAPPINGS: usize = 262_144;
+
+/// Synthetic mappings one org may hold with these pools: what the smaller
+/// pool holds, at most [`MAX_SYNTHETIC_PER_ORG`] (0: no pool).
+pub fn synthetic_per_org(v4: Option<ipnet::Ipv4Net>, v6: Option<ipnet::Ipv6Net>) -> usize {
+    let v4 = v4.map(|n| 32 - u32::from(n.prefix_len()));
+    let v6 = v6.map(|n| 128 - u32::from(n.prefix_len()));
+    [v4, v6].into_iter().flatten().min().map_or(0, |bits| {
+        1usize
+            .checked_shl(bits)
+            .unwrap_or(usize::MAX)
+            .min(MAX_SYNTHETIC_PER_ORG)
+    })
+}
 /// Query types the DNS shim never answers, whatever an org enables.
 pub const DNS_NEVER_TYPES: [&str; 5] = ["ANY", "AXFR", "IXFR", "OPT", "TSIG"];
 /// Ports an allow rule covers when it names none.

@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | proxy denials | (org, address key) | at most `MAX_TALLIES`, then one per org | `client`, the most frequent `reason`, `reasons`, `hosts`, `detail` |
 //! | DNS refusals | (org, reason) | bounded by the pairs | `answers: []`, `upstream: false`, `detail` |
-//! | bypass attempts ([`crate::bypass`]) | (org, source, destination, protocol, port) | at most `MAX_TALLIES`, then one per (org, protocol) | `client`, `ip`, `port`, `proto`, `detail` |
+//! | bypass attempts ([`crate::bypass`]) | (org, source, destination, protocol, port) | at most `MAX_TALLIES_PER_ORG` per org and `MAX_TALLIES` in all, then one per (org, protocol) | `client`, `ip`, `port`, `proto`, `detail` |
 //!
 //! Summaries go into the writer's queue only into a free place, waiting at
 //! most what the caller allows; what finds none (or meets an unhealthy
@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 use std::marker::PhantomData;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use crate::evidence::{Evidence, Record};
@@ -39,6 +39,17 @@ pub(crate) trait Shape {
     /// Tallies kept at once; beyond, a new key is counted under
     /// [`Shape::overflow`] of it.
     const MAX_TALLIES: usize = usize::MAX;
+    /// Tallies of one org ([`Shape::org`]) kept at once; beyond, a new key
+    /// of that org is counted under [`Shape::overflow`] of it, whatever
+    /// room the others left. Overflow keys are always kept (there are
+    /// few of them per org).
+    const MAX_TALLIES_PER_ORG: usize = usize::MAX;
+
+    /// The org a key's tallies count against (`None`: clients of no org,
+    /// one group).
+    fn org(_key: &Self::Key) -> Option<Arc<str>> {
+        None
+    }
     /// Whether tallies count their records' reasons and hosts.
     const BREAKDOWN: bool = true;
 
@@ -184,14 +195,38 @@ impl Tally {
 
 /// The tallies of one [`Shape`] of summary.
 pub(crate) struct Tallies<S: Shape> {
-    map: Mutex<HashMap<S::Key, Tally>>,
+    map: Mutex<Held<S>>,
     shape: PhantomData<S>,
+}
+
+/// The tallies, and how many each org holds.
+struct Held<S: Shape> {
+    map: HashMap<S::Key, Tally>,
+    per_org: HashMap<Option<Arc<str>>, usize>,
+}
+
+impl<S: Shape> Held<S> {
+    /// Whether a new tally of `key` may be kept (else it is counted under
+    /// its overflow key).
+    fn room_for(&self, key: &S::Key) -> bool {
+        self.map.len() < S::MAX_TALLIES
+            && self.per_org.get(&S::org(key)).copied().unwrap_or(0) < S::MAX_TALLIES_PER_ORG
+    }
+
+    fn insert(&mut self, key: S::Key, tally: Tally) {
+        if self.map.insert(key.clone(), tally).is_none() {
+            *self.per_org.entry(S::org(&key)).or_insert(0) += 1;
+        }
+    }
 }
 
 impl<S: Shape> Default for Tallies<S> {
     fn default() -> Self {
         Tallies {
-            map: Mutex::new(HashMap::new()),
+            map: Mutex::new(Held {
+                map: HashMap::new(),
+                per_org: HashMap::new(),
+            }),
             shape: PhantomData,
         }
     }
@@ -206,42 +241,52 @@ impl<S: Shape> std::fmt::Debug for Tallies<S> {
 }
 
 impl<S: Shape> Tallies<S> {
-    fn lock(&self) -> MutexGuard<'_, HashMap<S::Key, Tally>> {
+    fn lock(&self) -> MutexGuard<'_, Held<S>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Count `record` (at `wall`) into the tally of `key`.
+    /// Count `record` (at `wall`) into the tally of `key` (or of its
+    /// overflow key, when its org's or everyone's tallies are full).
     pub(crate) fn add(&self, key: S::Key, record: &Record, wall: SystemTime) {
-        let mut tallies = self.lock();
-        let key = if !tallies.contains_key(&key) && tallies.len() >= S::MAX_TALLIES {
+        let mut held = self.lock();
+        let key = if !held.map.contains_key(&key) && !held.room_for(&key) {
             S::overflow(key)
         } else {
             key
         };
-        tallies
-            .entry(key)
-            .or_insert_with(|| Tally::new(record, wall))
-            .add(record, wall, S::BREAKDOWN);
+        if !held.map.contains_key(&key) {
+            held.insert(key.clone(), Tally::new(record, wall));
+        }
+        if let Some(t) = held.map.get_mut(&key) {
+            t.add(record, wall, S::BREAKDOWN);
+        }
+    }
+
+    /// Whether `key` would get a tally of its own: it has one, or its org
+    /// and everyone have room for one.
+    pub(crate) fn admits(&self, key: &S::Key) -> bool {
+        let held = self.lock();
+        held.map.contains_key(key) || held.room_for(key)
     }
 
     /// Whether `key` has a tally waiting.
     pub(crate) fn contains(&self, key: &S::Key) -> bool {
-        self.lock().contains_key(key)
+        self.lock().map.contains_key(key)
     }
 
     /// Every tally, taken out.
     pub(crate) fn drain(&self) -> Vec<(S::Key, Tally)> {
-        self.lock().drain().collect()
+        let mut held = self.lock();
+        held.per_org.clear();
+        held.map.drain().collect()
     }
 
     /// Keep `tally` for the next flush (with what `key` counted since).
     pub(crate) fn put_back(&self, key: S::Key, tally: Tally) {
-        let mut tallies = self.lock();
-        match tallies.get_mut(&key) {
+        let mut held = self.lock();
+        match held.map.get_mut(&key) {
             Some(t) => t.merge(tally),
-            None => {
-                tallies.insert(key, tally);
-            }
+            None => held.insert(key, tally),
         }
     }
 
@@ -271,12 +316,12 @@ impl<S: Shape> Tallies<S> {
 
     /// Tallies waiting.
     pub(crate) fn pending(&self) -> usize {
-        self.lock().len()
+        self.lock().map.len()
     }
 
     /// Records counted into the waiting tallies.
     pub(crate) fn pending_count(&self) -> u64 {
-        self.lock().values().map(|t| t.count).sum()
+        self.lock().map.values().map(|t| t.count).sum()
     }
 }
 
@@ -351,5 +396,54 @@ mod tests {
         assert_eq!(again.count(), 101);
         t.put_back(key, again);
         assert_eq!(t.pending_count(), 101);
+    }
+
+    /// Keyed by (org, host), two tallies per org.
+    struct PerOrg;
+
+    impl Shape for PerOrg {
+        type Key = (Option<Arc<str>>, Option<String>);
+        const MAX_TALLIES_PER_ORG: usize = 2;
+        const BREAKDOWN: bool = false;
+
+        fn overflow((org, _): Self::Key) -> Self::Key {
+            (org, None)
+        }
+
+        fn org(key: &Self::Key) -> Option<Arc<str>> {
+            key.0.clone()
+        }
+
+        fn finish(_: &Self::Key, _: &Tally, _: &mut Record) {}
+    }
+
+    #[test]
+    fn each_org_has_its_own_share_of_tallies() {
+        let t: Tallies<PerOrg> = Tallies::default();
+        let wall = SystemTime::now();
+        let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
+        let r = record(Reason::NoMatchingRule, "h.test");
+        for i in 0..100 {
+            t.add((Some(acme.clone()), Some(format!("h{i}"))), &r, wall);
+        }
+        assert!(!t.admits(&(Some(acme.clone()), Some("new".into()))));
+        let b = (Some(beta.clone()), Some("b1".to_string()));
+        assert!(t.admits(&b), "acme's flood leaves beta's share");
+        t.add(b.clone(), &r, wall);
+        t.add((Some(beta.clone()), Some("b2".into())), &r, wall);
+        t.add((None, Some("x".into())), &r, wall);
+        assert!(t.contains(&b));
+        assert!(t.contains(&(Some(beta.clone()), Some("b2".into()))));
+        // acme: 2 + its overflow; beta 2; the strangers 1.
+        assert_eq!(t.pending(), 6);
+        assert_eq!(t.pending_count(), 103);
+        // Drained and put back: the shares start over.
+        let drained = t.drain();
+        assert!(t.admits(&(Some(acme.clone()), Some("new".into()))));
+        for (k, tally) in drained {
+            t.put_back(k, tally);
+        }
+        assert_eq!(t.pending_count(), 103);
+        assert!(!t.admits(&(Some(acme), Some("new".into()))));
     }
 }

@@ -196,8 +196,8 @@ pub enum Reason {
     /// covert channel, `docs/dns.md`).
     NameBudgetExceeded,
     /// A connection to an address of the synthetic pool that is bound to
-    /// no name of the client's org (never handed out to it, evicted, or
-    /// another org's): never dialled, nothing resolved.
+    /// no name of the client's org (never handed out to it, or evicted):
+    /// never dialled, nothing resolved.
     SyntheticUnbound,
 }
 

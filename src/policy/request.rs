@@ -29,10 +29,11 @@
 //! | R3 | the path is refused by normalisation ([`crate::proto::http_request`]) | deny | `path_not_allowed` |
 //! | R4 | the method is in `deny_methods`, compared ignoring case | deny | `method_not_allowed` |
 //! | R5 | a `deny_paths` pattern matches the normalised path, ASCII letters compared ignoring case | deny | `path_not_allowed` |
-//! | R6 | `methods` is set and does not name the method exactly | deny | `method_not_allowed` |
-//! | R7 | the method is `TRACE` or `TRACK` (any case) and `methods` does not name it exactly | deny | `method_not_allowed` |
-//! | R8 | `paths` is set and none matches the normalised path exactly | deny | `path_not_allowed` |
-//! | R9 | otherwise | allow | `rule_match` |
+//! | R6 | the normalised path has non-ASCII characters and a `deny_paths` pattern would match it were each run of them any text ([`PathPattern::could_deny`]) | deny | `path_not_allowed` |
+//! | R7 | `methods` is set and does not name the method exactly | deny | `method_not_allowed` |
+//! | R8 | the method is `TRACE` or `TRACK` (any case) and `methods` does not name it exactly | deny | `method_not_allowed` |
+//! | R9 | `paths` is set and none matches the normalised path exactly | deny | `path_not_allowed` |
+//! | R10 | otherwise | allow | `rule_match` |
 //!
 //! Methods are case-sensitive tokens (RFC 9110 §9.1): `get` is not `GET`,
 //! so an allow list names exactly what passes. A deny list also catches
@@ -44,6 +45,19 @@
 //! `/api/Internal`), since some backends route paths ignoring case; `paths`
 //! and credential scopes match exactly, so a case change can only lose
 //! access or a credential, never gain one.
+//!
+//! Letters outside ASCII (R6): backends that fold case or compatibility
+//! forms read some of them as ASCII letters (dotless `ı` U+0131 upper-cases
+//! to `I`, long `ſ` U+017F to `S`, the Kelvin sign U+212A folds to `k`,
+//! fullwidth `Ｉ` U+FF29 and the other fullwidth, circled, mathematical and
+//! ligature forms become ASCII under NFKC, some as several letters or with
+//! a `.` or `/`). Rather than keep a table of them, which would be wrong
+//! the day a backend folds one more, R6 assumes the worst of every one: a
+//! run of non-ASCII characters may stand for any text at all. A path is
+//! refused when some such reading of it is one a `deny_paths` pattern
+//! denies, so no folding, known or not, walks around a deny; a path whose
+//! non-ASCII characters sit where no reading could complete a deny pattern
+//! (`/caf%C3%A9` under `deny_paths = ["/api/internal"]`) is unaffected.
 //!
 //! Credentials, for an allowed request only: each credential of the org, in
 //! file order, whose host matches, whose `methods` (if set) names the
@@ -86,6 +100,87 @@ impl PathPattern {
     pub fn denies(&self, path: &NormalPath) -> bool {
         glob(&self.0, path.as_str(), |a, b| a.eq_ignore_ascii_case(&b))
     }
+
+    /// Could a backend that folds characters outside ASCII into ASCII
+    /// (case mapping, compatibility normalisation) read `path` as one this
+    /// pattern [`denies`](Self::denies)? Each run of non-ASCII characters
+    /// (escapes `%80`-`%FF` in the normal form) stands for any text, of
+    /// any length; the rest must match as for `denies`. Returns the first
+    /// such run, for the refusal's detail; `None` for a path without one.
+    pub fn could_deny<'p>(&self, path: &'p NormalPath) -> Option<&'p str> {
+        let (tokens, first) = fold_holes(path.as_str());
+        let first = first?;
+        let mut pat = self.0.as_bytes().to_vec();
+        if !pat.contains(&b'*') {
+            // A prefix, as `glob` reads it.
+            pat.push(b'*');
+        }
+        glob_with_holes(&pat, &tokens).then_some(first)
+    }
+}
+
+/// One byte of a normalised path, or a run of non-ASCII characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tok {
+    Byte(u8),
+    /// Any text: what a folding backend may read the run as.
+    Any,
+}
+
+/// `path` as [`Tok`]s (each run of escapes `%80`-`%FF` one [`Tok::Any`]),
+/// and the first such run as written.
+fn fold_holes(path: &str) -> (Vec<Tok>, Option<&str>) {
+    let bytes = path.as_bytes();
+    let high = |i: usize| {
+        bytes.get(i) == Some(&b'%')
+            && bytes
+                .get(i + 1)
+                .is_some_and(|&h| matches!(h, b'8'..=b'9' | b'A'..=b'F'))
+    };
+    let (mut out, mut first) = (Vec::with_capacity(bytes.len()), None);
+    let mut i = 0;
+    while i < bytes.len() {
+        if high(i) {
+            let start = i;
+            while high(i) {
+                i += 3;
+            }
+            first = first.or(path.get(start..i.min(path.len())));
+            out.push(Tok::Any);
+        } else {
+            out.push(Tok::Byte(bytes[i]));
+            i += 1;
+        }
+    }
+    (out, first)
+}
+
+/// Does `pattern` (a glob: `*` any run of bytes, else bytes matched
+/// ignoring ASCII case, over the whole text) match some reading of `text`,
+/// each [`Tok::Any`] read as any text? Dynamic programming over (pattern
+/// prefix, text prefix), one row at a time: time `O(|pattern| x |text|)`,
+/// memory two rows.
+fn glob_with_holes(pattern: &[u8], text: &[Tok]) -> bool {
+    // row[j]: the pattern so far matches some reading of text[..j].
+    let mut row = vec![false; text.len() + 1];
+    row[0] = true;
+    for j in 1..=text.len() {
+        row[j] = row[j - 1] && text[j - 1] == Tok::Any;
+    }
+    for &p in pattern {
+        let mut next = vec![false; text.len() + 1];
+        next[0] = row[0] && p == b'*';
+        for j in 1..=text.len() {
+            next[j] = match text[j - 1] {
+                // `*` read as nothing more, or taking in one more token; a
+                // run read as text ending in `p`, or as nothing more.
+                Tok::Byte(b) if p != b'*' => row[j - 1] && p.eq_ignore_ascii_case(&b),
+                _ => row[j] || next[j - 1],
+            };
+        }
+        row = next;
+    }
+    row[text.len()]
 }
 
 /// A path rule's `pattern` against `text`, as written: a prefix (no `*`),
@@ -232,6 +327,18 @@ pub(crate) fn decide<'a>(
         let why = format!("deny_paths {:?} matches {path} (ignoring case)", p.0);
         return refuse(Reason::PathNotAllowed, Some(path), why);
     }
+    if let Some((p, run)) = r
+        .deny_paths
+        .iter()
+        .find_map(|p| p.could_deny(&path).map(|run| (p, run)))
+    {
+        let why = format!(
+            "deny_paths {:?} could match {path}: a backend that folds case or compatibility \
+             forms may read the non-ASCII {run} as ASCII letters",
+            p.0
+        );
+        return refuse(Reason::PathNotAllowed, Some(path), why);
+    }
     let named = r.methods.iter().any(|m| m == method);
     if !r.methods.is_empty() && !named {
         let why = format!("methods does not name {method:?} (methods are case-sensitive)");
@@ -297,6 +404,39 @@ mod tests {
         assert!(p("/caf%C3%A9").denies(&n("/CAF%c3%a9")));
         // Matched after decoding unreserved escapes.
         assert!(p("/api/internal*").matches(&n("/api/%69nternal")));
+    }
+
+    #[test]
+    fn could_deny_reads_each_non_ascii_run_as_any_text() {
+        let p = |s: &str| PathPattern(s.to_string());
+        let n = |s: &str| NormalPath::parse(s).unwrap();
+        let could = |pat: &str, path: &str| p(pat).could_deny(&n(path)).map(str::to_string);
+        // The run that could fold is named.
+        assert_eq!(
+            could("/api/internal", "/api/%C4%B1nternal/keys").as_deref(),
+            Some("%C4%B1")
+        );
+        // No non-ASCII: not this check's (R5 decides).
+        assert_eq!(could("/api/internal", "/api/internal"), None);
+        assert_eq!(could("/api/internal", "/api/%3Finternal"), None);
+        // A run may stand for several letters, a `/`, or nothing.
+        assert!(could("/api/internal", "/api/%EF%AC%81").is_some());
+        assert!(could("/api/internal", "/%C3%A9").is_some());
+        assert!(could("/api/internal", "/api%C3%A9internal").is_some());
+        assert!(could("/api/internal", "/api/inter%C3%A9nal").is_some());
+        // Globs: the rest must still fit, ignoring ASCII case.
+        assert!(could("/api/*/keys", "/api/v1/%EF%BC%ABEYS").is_some());
+        assert!(could("/api/*/keys", "/API/%C3%A9/KEYS").is_some());
+        assert!(could("/api/*/keys", "/api/v1/key%C3%A9/x").is_none());
+        assert!(could("*.php", "/x/%C3%A9").is_some());
+        assert!(could("*.php", "/x/%C3%A9.txt").is_none());
+        // A fixed letter the run cannot change: no reading matches.
+        assert!(could("/api/internal", "/apx/%C4%B1nternal").is_none());
+        assert!(could("/api/internal", "/api/x%C4%B1nternal").is_none());
+        // A long path against a long pattern: no blow-up.
+        let long = format!("/{}", "a%C3%A9".repeat(2000));
+        assert!(could(&format!("/{}b", "a*".repeat(100)), &long).is_some());
+        assert!(could("/zzz", &long).is_none());
     }
 
     fn pats(v: &[&str]) -> Vec<PathPattern> {
@@ -369,6 +509,24 @@ mod tests {
         assert_eq!(r("GET", "/api/INTERNAL/keys"), PathNotAllowed);
         assert_eq!(r("GET", "/Api/InTeRnAl"), PathNotAllowed);
         assert_eq!(r("GET", "/api/internak"), RuleMatch);
+        // R6: letters outside ASCII that a backend may fold to ASCII.
+        // Dotless i (U+0131, upper-cases to I), long s, Kelvin sign;
+        // fullwidth I (U+FF29) and i (U+FF49), which NFKC makes ASCII.
+        for p in [
+            "/api/%C4%B1nternal/keys",
+            "/api/%c4%b1nternal",
+            "/api/%EF%BC%A9nternal/keys",
+            "/api/%EF%BD%89%EF%BD%8E%EF%BD%94%EF%BD%85%EF%BD%92%EF%BD%8E%EF%BD%81%EF%BD%8C",
+            "/%EF%BC%A1PI/internal/x",
+            "/api/intern%EF%BD%81l",
+            "/api/%E2%84%AAnternal",
+        ] {
+            assert_eq!(r("GET", p), PathNotAllowed, "{p}");
+        }
+        // Where no reading could complete a deny pattern: unaffected.
+        assert_eq!(r("GET", "/api/caf%C3%A9"), RuleMatch);
+        assert_eq!(r("GET", "/api/x%C4%B1nternal"), RuleMatch);
+        assert_eq!(r("POST", "/simple/%C4%B1nternal"), RuleMatch);
         // R6: exact.
         assert_eq!(r("get", "/simple/"), MethodNotAllowed);
         assert_eq!(r("DELETE", "/simple/"), MethodNotAllowed);

@@ -61,7 +61,7 @@ impl Decided {
         Decided::denied(
             org,
             Reason::SyntheticUnbound,
-            format!("synthetic address {addr} is bound to no name of this org (never handed out, evicted, or another org's)"),
+            format!("synthetic address {addr} is bound to no name of this org (never handed out to it, or evicted)"),
         )
     }
 

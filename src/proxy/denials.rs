@@ -29,9 +29,10 @@
 //! are folded into one (`client: null` when they came from several
 //! addresses), so an org adds at most one unpaid summary a flush, however
 //! many addresses it floods from. Memory is bounded: at most
-//! [`MAX_TALLIES`] tallies (beyond, an org's further addresses share one
-//! tally with `client: null`), each with at most [`TRACKED_HOSTS`](crate::limits::summary::TRACKED_HOSTS) host
-//! counters.
+//! [`MAX_TALLIES_PER_ORG`] tallies per org and [`MAX_TALLIES`] in all
+//! (beyond, an org's further addresses share one tally with `client:
+//! null`; one org's flood fills only its own share), each with at most
+//! [`TRACKED_HOSTS`](crate::limits::summary::TRACKED_HOSTS) host counters.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -46,6 +47,8 @@ pub(crate) use crate::limits::summary::SUMMARY_INTERVAL;
 
 /// Tallies kept at once.
 pub(crate) const MAX_TALLIES: usize = 4096;
+/// Tallies of one org kept at once (clients of no org: one group).
+pub(crate) const MAX_TALLIES_PER_ORG: usize = 1024;
 /// The `id` a summarised denial is answered with: its record is the
 /// summary, written later.
 pub(crate) const SUMMARISED: &str = "summarised";
@@ -59,10 +62,16 @@ pub(crate) struct DenialSummary;
 impl Shape for DenialSummary {
     type Key = Key;
     const MAX_TALLIES: usize = MAX_TALLIES;
+    const MAX_TALLIES_PER_ORG: usize = MAX_TALLIES_PER_ORG;
 
-    /// Beyond [`MAX_TALLIES`], an org's further addresses share one tally.
+    /// Beyond its share (or [`MAX_TALLIES`]), an org's further addresses
+    /// share one tally.
     fn overflow((org, _): Key) -> Key {
         (org, None)
+    }
+
+    fn org((org, _): &Key) -> Option<Arc<str>> {
+        org.clone()
     }
 
     fn finish((_, client): &Key, tally: &Tally, r: &mut Record) {
@@ -471,17 +480,28 @@ mod tests {
     fn tallies_stay_bounded_whatever_the_number_of_addresses() {
         let d = Denials::new(1, 1_000_000, unlimited());
         let (t0, wall) = (Instant::now(), SystemTime::now());
-        for i in 0..(MAX_TALLIES as u32 + 100) {
-            let ip = std::net::Ipv4Addr::from(0x0a00_0000 + i);
-            let r = denial("acme", &format!("{ip}:1"), "a.test", Reason::NoMatchingRule);
-            d.admit(&r, t0, wall);
-            d.admit(&r, t0, wall);
-        }
+        let flood = |org: &str, base: u32, n: u32| {
+            for i in 0..n {
+                let ip = std::net::Ipv4Addr::from(base + i);
+                let r = denial(org, &format!("{ip}:1"), "a.test", Reason::NoMatchingRule);
+                d.admit(&r, t0, wall);
+                d.admit(&r, t0, wall);
+            }
+        };
+        flood("acme", 0x0a00_0000, MAX_TALLIES as u32 + 100);
         assert_eq!(
             d.pending(),
-            MAX_TALLIES + 1,
-            "plus the org's overflow tally"
+            MAX_TALLIES_PER_ORG + 1,
+            "its share plus the org's overflow tally"
         );
         assert_eq!(d.pending_count(), MAX_TALLIES as u64 + 100);
+        // Acme's flood left beta its share: each address its own tally.
+        flood("beta", 0x0b00_0000, 10);
+        assert_eq!(d.pending(), MAX_TALLIES_PER_ORG + 1 + 10);
+        // Everyone's bound holds too.
+        for org in ["c", "d", "e", "f"] {
+            flood(org, 0x0c00_0000, MAX_TALLIES_PER_ORG as u32);
+        }
+        assert!(d.pending() <= MAX_TALLIES + 6, "{}", d.pending());
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::lab::{self, dump, Lab, DEFAULT_POLICY};
+use crate::lab::{self, dump, Lab, CLIENT2_IP, DEFAULT_POLICY};
 use crate::transparent::{load_gateway, TRANSPARENT};
 
 /// The group the shipped ruleset logs to (`log ... group 100`).
@@ -341,4 +341,147 @@ fn without_the_key_the_ruleset_still_rejects_and_nothing_is_recorded() {
         "{}",
         metrics.stdout
     );
+}
+
+/// Two orgs, one per sandbox namespace.
+const TWO_ORGS: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+[[org.allow]]
+host = "allowed.test"
+ports = [443]
+
+[[org]]
+name = "beta"
+clients = ["198.18.4.0/24"]
+[[org.allow]]
+host = "allowed.test"
+ports = [443]
+"#;
+
+/// Logs every UDP datagram either sandbox sends through the gateway to
+/// NFLOG group [`GROUP`], as the shipped ruleset's chain `bypass` does,
+/// but with no rate limit in front (the shipped 100 a second would cap the
+/// flood before Palisade sees it), and drops it.
+const LOG_ALL_UDP: &str = r#"
+table inet pltest_bypass {
+    chain pre {
+        type filter hook prerouting priority filter; policy accept;
+        iifname { "p0", "p1" } meta l4proto udp log prefix "palisade-bypass " group 100
+        iifname { "p0", "p1" } meta l4proto udp drop
+    }
+}
+"#;
+
+#[test]
+fn one_orgs_bypass_flood_leaves_another_orgs_attempts_their_detail() {
+    let mut lab = Lab::builder()
+        .policy(TWO_ORGS)
+        .evidence_config("max_records_per_second_per_org = 100000")
+        .second_client()
+        .without_proxy()
+        .start();
+    add_bypass(&lab, GROUP);
+    lab.spawn_proxy();
+    lab.wait_proxy_ready();
+    let out = lab::run_with_timeout(
+        Command::new("ip").args(["netns", "exec", &lab.ns_proxy, "nft", "-f", "-"]),
+        Some(LOG_ALL_UDP.as_bytes()),
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "nft: {}", out.describe());
+    let _ = lab.client_exec("ip", &["route", "add", "default", "via", "198.18.1.1"]);
+    // Acme: 12,000 datagrams to 12,000 ports, spread over 1.5 s (so that
+    // every one-second summary window holds thousands of acme's tallies);
+    // beta, at the same time: 25 datagrams to 25 ports.
+    const ACME: u64 = 12_000;
+    const BETA: u64 = 25;
+    let py = bypass_py();
+    let acme = Command::new("ip")
+        .args(["netns", "exec", &lab.ns_client, "python3", &py, "spread"])
+        .args([lab::ALLOWED_IP, "20000", &ACME.to_string(), "1.5"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start acme's flood");
+    let beta = lab.exec(
+        &lab.ns_client2.clone(),
+        "python3",
+        &[
+            &py,
+            "spread",
+            lab::ALLOWED_IP,
+            "7000",
+            &BETA.to_string(),
+            "1.5",
+        ],
+    );
+    assert!(beta.success(), "{}", beta.describe());
+    assert_eq!(beta.stdout.trim(), format!("sent {BETA}"));
+    let acme_out = acme.wait_with_output().expect("acme's flood");
+    let acme_sent = String::from_utf8_lossy(&acme_out.stdout).trim().to_string();
+    assert_eq!(acme_sent, format!("sent {ACME}"));
+    let counted = |org: &str| -> u64 {
+        bypass_records(&lab)
+            .iter()
+            .filter(|v| v["org"] == org)
+            .map(|v| v["count"].as_u64().unwrap_or(0))
+            .sum()
+    };
+    lab::wait_until(
+        "beta's attempts counted in records",
+        Duration::from_secs(15),
+        || counted("beta") >= BETA,
+    );
+    let records = bypass_records(&lab);
+    let beta: Vec<&Value> = records.iter().filter(|v| v["org"] == "beta").collect();
+    let acme_overflow: u64 = records
+        .iter()
+        .filter(|v| v["org"] == "acme" && v["client"].is_null())
+        .map(|v| v["count"].as_u64().unwrap_or(0))
+        .sum();
+    let beta_bare: Vec<&&Value> = beta.iter().filter(|v| v["client"].is_null()).collect();
+    eprintln!(
+        "bypass: acme {} packets recorded ({acme_overflow} in its overflow tallies), \
+         beta {} in {} records, {} without destination, port or source",
+        counted("acme"),
+        counted("beta"),
+        beta.len(),
+        beta_bare
+            .iter()
+            .map(|v| v["count"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    );
+    assert!(
+        acme_overflow > 0,
+        "acme's flood did not fill its share: nothing shown"
+    );
+    assert!(
+        beta_bare.is_empty(),
+        "beta's attempts lost their detail to acme's flood:\n{}",
+        dump(&beta_bare.iter().map(|v| (**v).clone()).collect::<Vec<_>>())
+    );
+    assert_eq!(beta.len() as u64, BETA, "one record per attempt");
+    for rec in &beta {
+        assert_eq!(rec["count"], 1, "{rec}");
+        assert!(
+            rec["client"]
+                .as_str()
+                .is_some_and(|c| c.starts_with(&format!("{CLIENT2_IP}:"))),
+            "{rec}"
+        );
+        assert_eq!(rec["ip"], lab::ALLOWED_IP, "{rec}");
+        assert!(
+            rec["port"]
+                .as_u64()
+                .is_some_and(|p| (7000..7000 + BETA).contains(&p)),
+            "{rec}"
+        );
+        assert_eq!(rec["reason"], "protocol_mismatch", "{rec}");
+        assert!(
+            !rec["detail"].as_str().unwrap_or("").contains("budget"),
+            "{rec}"
+        );
+    }
 }

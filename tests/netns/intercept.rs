@@ -409,6 +409,56 @@ fn denied_then_marker(lab: &Lab, ca: &Path, denied: &str, marker: &str, h2: bool
     out.stdout.lines().map(str::to_string).collect()
 }
 
+/// `denied` and then an allowed `marker` on one connection (HTTP/2 with
+/// `h2`): the first refused 403 and recorded `path_not_allowed` by rule
+/// `registry`, with no credential and a detail holding every one of
+/// `detail`; the marker served on the same connection.
+fn refused_then_marker(
+    lab: &Lab,
+    ca: &Path,
+    denied: &str,
+    marker: &str,
+    h2: bool,
+    detail: &[&str],
+) {
+    let got = denied_then_marker(lab, ca, denied, marker, h2);
+    assert_eq!(
+        got,
+        ["403 1", "200 0"],
+        "{denied} h2={h2}\n{}",
+        lab.proxy_output()
+    );
+    let rec = lab.wait_evidence(&format!("deny {denied} h2={h2}"), |v| {
+        v["kind"] == "http"
+            && v["event"] == "decision"
+            && v["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
+    });
+    assert_eq!(rec["decision"], "deny", "{rec}");
+    assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
+    assert_eq!(rec["rule"], "registry", "{rec}");
+    assert!(
+        rec["credential"].is_null(),
+        "no credential for a refusal: {rec}"
+    );
+    let said = rec["detail"].as_str().unwrap_or("");
+    assert!(detail.iter().all(|d| said.contains(d)), "{rec}");
+}
+
+/// [`refused_then_marker`] for each of `denied`, over HTTP/1.1 and then
+/// HTTP/2, the markers `{marker}-1`, `-2`, ...; returns how many were sent.
+fn each_refused(lab: &Lab, ca: &Path, denied: &[&str], marker: &str, detail: &[&str]) -> usize {
+    let mut n = 0;
+    for denied in denied {
+        for h2 in [false, true] {
+            n += 1;
+            refused_then_marker(lab, ca, denied, &format!("{marker}-{n}"), h2, detail);
+        }
+    }
+    n
+}
+
 /// Path normalisation on the live path: an encoded unreserved character
 /// does not walk around `deny_paths` (and gets no credential), `..;` is
 /// refused, and a credential's `paths` scope matches the normalised path.
@@ -433,29 +483,7 @@ fn paths_are_normalised_before_rules_and_credential_scopes() {
     ];
     for (n, (denied, h2, why)) in cases.into_iter().enumerate() {
         let marker = format!("/marker-{n}");
-        let got = denied_then_marker(&lab, &org_ca, denied, &marker, h2);
-        // Refused, then the marker served on the same connection.
-        assert_eq!(
-            got,
-            ["403 1", "200 0"],
-            "{denied} h2={h2}\n{}",
-            lab.proxy_output()
-        );
-        let rec = lab.wait_evidence(&format!("deny {denied}"), |v| {
-            v["kind"] == "http"
-                && v["event"] == "decision"
-                && v["detail"]
-                    .as_str()
-                    .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
-        });
-        assert_eq!(rec["decision"], "deny", "{rec}");
-        assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
-        assert_eq!(rec["rule"], "registry", "{rec}");
-        assert!(
-            rec["credential"].is_null(),
-            "no credential for a refusal: {rec}"
-        );
-        assert!(rec["detail"].as_str().unwrap().contains(why), "{rec}");
+        refused_then_marker(&lab, &org_ca, denied, &marker, h2, &[why]);
     }
     let decoded = lab
         .evidence()
@@ -564,36 +592,13 @@ fn deny_paths_ignore_case_and_credential_scopes_do_not() {
         "/API/internal/keys",
         "/api/INTERNAL/keys",
     ];
-    let mut n = 0;
-    for denied in cases {
-        for h2 in [false, true] {
-            n += 1;
-            let marker = format!("/case-marker-{n}");
-            let got = denied_then_marker(&lab, &org_ca, denied, &marker, h2);
-            assert_eq!(
-                got,
-                ["403 1", "200 0"],
-                "{denied} h2={h2}\n{}",
-                lab.proxy_output()
-            );
-            let rec = lab.wait_evidence(&format!("deny {denied} h2={h2}"), |v| {
-                v["kind"] == "http"
-                    && v["event"] == "decision"
-                    && v["detail"]
-                        .as_str()
-                        .is_some_and(|d| d.contains(&format!("GET {denied} refused")))
-            });
-            assert_eq!(rec["decision"], "deny", "{rec}");
-            assert_eq!(rec["reason"], "path_not_allowed", "{rec}");
-            assert!(rec["credential"].is_null(), "{rec}");
-            let detail = rec["detail"].as_str().unwrap();
-            assert!(
-                detail.contains("deny_paths \"/api/internal*\"")
-                    && detail.contains("ignoring case"),
-                "{rec}"
-            );
-        }
-    }
+    each_refused(
+        &lab,
+        &org_ca,
+        &cases,
+        "/case-marker",
+        &["deny_paths \"/api/internal*\"", "ignoring case"],
+    );
     let one = curl(&lab, &org_ca, "https://allowed.test/API/internal/keys", &[]);
     crate::assert_refused(&lab, &one, 403, "path_not_allowed", "/API/internal/keys");
 
@@ -641,6 +646,70 @@ fn deny_paths_ignore_case_and_credential_scopes_do_not() {
     );
     assert!(
         lines.iter().any(|l| l.starts_with("GET /case-marker-6 ")),
+        "{lines:?}"
+    );
+}
+
+/// `deny_paths` and letters outside ASCII: a dotless `ı` (U+0131, which
+/// upper-cases to `I`) or a fullwidth `Ｉ` (U+FF29, which NFKC makes `I`)
+/// in place of the `i` of `/api/internal` is refused before anything is
+/// forwarded, with the credential or without, over HTTP/1.1 and HTTP/2; a
+/// non-ASCII path no folding could make a denied one still passes.
+#[test]
+fn deny_paths_are_not_walked_around_by_letters_outside_ascii() {
+    let Setup { lab, org_ca } = start();
+    let cases = [
+        "/api/%C4%B1nternal/keys",
+        "/api/%EF%BC%A9nternal/keys",
+        "/api/%EF%BD%89%EF%BD%8E%EF%BD%94%EF%BD%85%EF%BD%92%EF%BD%8E%EF%BD%81%EF%BD%8C/keys",
+    ];
+    let n = each_refused(
+        &lab,
+        &org_ca,
+        &cases,
+        "/fold-marker",
+        &["deny_paths \"/api/internal*\" could match", "non-ASCII"],
+    );
+    // A non-ASCII path where no reading completes a deny: served, with
+    // the credential.
+    let fine = "/api/caf%C3%A9";
+    let r = curl(
+        &lab,
+        &org_ca,
+        &format!("https://allowed.test{fine}"),
+        &["--path-as-is"],
+    );
+    assert_eq!(r.status, 200, "{r:#?}");
+    let closes = upstream_quiet(&lab, &org_ca, "/fold-marker-end");
+    let lines: Vec<&str> = closes
+        .iter()
+        .filter_map(|c| c["request_line"].as_str())
+        .collect();
+    eprintln!(
+        "intercept: {} non-ASCII spellings of /api/internal refused, none forwarded; upstream saw {lines:?}",
+        n
+    );
+    assert!(
+        lines
+            .iter()
+            .all(|l| !l.contains("nternal") && !l.contains("%EF%BD")),
+        "a folded spelling reached the upstream: {lines:?}"
+    );
+    let served = closes
+        .iter()
+        .find(|c| {
+            c["request_line"]
+                .as_str()
+                .is_some_and(|l| l.starts_with(&format!("GET {fine} ")))
+        })
+        .unwrap_or_else(|| panic!("{fine} not served: {}", dump(&closes)));
+    assert_eq!(
+        headers_of(served, "authorization"),
+        vec![format!("Bearer {SECRET}")],
+        "{served}"
+    );
+    assert!(
+        lines.iter().any(|l| l.starts_with("GET /fold-marker-6 ")),
         "{lines:?}"
     );
 }

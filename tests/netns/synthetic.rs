@@ -492,3 +492,87 @@ fn a_socks5_connection_to_a_synthetic_address_is_its_name() {
         BTreeSet::from(["allowed.test".to_string()])
     );
 }
+
+/// [`POLICY`] with a wildcard for beta too, so both orgs can churn.
+fn two_churning_orgs() -> Lab {
+    let policy = format!(
+        "{POLICY}[[org.allow]]\nid = \"beta-wild\"\nhost = \"*.wild.test\"\nmax_new_names_per_minute = 0\n"
+    );
+    Lab::builder()
+        .policy(&policy)
+        .dns_listen(&["198.18.1.1:53"])
+        .dns_extra(POOLS)
+        .second_client()
+        .start()
+}
+
+#[test]
+fn one_orgs_churn_never_evicts_another_orgs_live_answer() {
+    let lab = two_churning_orgs();
+    let (acme, beta) = (lab.ns_client.clone(), lab.ns_client2.clone());
+    // Beta is answered for allowed.test and holds the answer, well within
+    // its 10 s TTL, without connecting yet (nothing pins it).
+    let theirs = ask(&lab, &beta, lab::SHIM_IP, 1, &["allowed.test".to_string()]);
+    let (_, rcode, held) = theirs[0].clone();
+    assert!(rcode == 0 && held.starts_with(POOL_PREFIX), "{theirs:?}");
+    let asked = std::time::Instant::now();
+    // Acme churns the whole pool with new names, as fast as one client
+    // asks: more than the 256 addresses there are.
+    let names = random_names(300, "wild.test");
+    let answers = ask(&lab, &acme, lab::SHIM_IP, 1, &names);
+    let answered = answers.iter().filter(|(_, r, _)| *r == 0).count();
+    let churned = asked.elapsed();
+    eprintln!(
+        "synthetic: acme had {answered} of {} new names answered in {churned:?}",
+        names.len()
+    );
+    // Beta connects to its answer: still allowed.test for beta.
+    let r = curl_via(&lab, &beta, "allowed.test", &held);
+    let elapsed = asked.elapsed();
+    let rec = tcp_decision(&lab, "beta's CONNECT to its synthetic address", |v| {
+        v["org"] == "beta" && v["synthetic"] == held.as_str()
+    });
+    eprintln!(
+        "synthetic: beta connected {elapsed:?} after its answer (TTL 10 s): {} {}",
+        rec["decision"], rec["reason"]
+    );
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "inside the TTL: {elapsed:?}"
+    );
+    assert_eq!(rec["reason"], "rule_match", "{rec}");
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(answered, names.len(), "acme is answered from its own share");
+}
+
+#[test]
+fn one_orgs_addresses_show_no_gap_for_another_orgs_names() {
+    let lab = two_churning_orgs();
+    let (acme, beta) = (lab.ns_client.clone(), lab.ns_client2.clone());
+    // Acme asks five new names, beta twenty, acme five more: were the
+    // addresses handed out on one cursor, acme's second five would start
+    // twenty after its first, and acme would have counted beta's names.
+    let names = random_names(30, "wild.test");
+    let mut mine = ask(&lab, &acme, lab::SHIM_IP, 1, &names[..5]);
+    let theirs = ask(&lab, &beta, lab::SHIM_IP, 1, &names[5..25]);
+    assert!(theirs.iter().all(|(_, r, _)| *r == 0), "{theirs:?}");
+    mine.extend(ask(&lab, &acme, lab::SHIM_IP, 1, &names[25..]));
+    let offsets: Vec<u32> = mine
+        .iter()
+        .map(|(_, r, a)| {
+            assert_eq!(*r, 0, "{mine:?}");
+            a.strip_prefix(POOL_PREFIX)
+                .and_then(|o| o.parse().ok())
+                .unwrap_or_else(|| panic!("not a pool address: {mine:?}"))
+        })
+        .collect();
+    let gaps: Vec<u32> = offsets
+        .windows(2)
+        .map(|w| w[1].wrapping_sub(w[0]))
+        .collect();
+    eprintln!("synthetic: acme's offsets {offsets:?}, steps {gaps:?}");
+    assert!(
+        gaps.iter().all(|&g| g == 1),
+        "acme's addresses step over beta's names: {offsets:?}"
+    );
+}

@@ -7,7 +7,10 @@ use toml::Spanned;
 
 use super::{cidr, count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
-use crate::config::model::{dns_org_share, Config, DnsConfig, RuleTarget, ALWAYS_DENIED};
+use crate::config::model::{
+    dns_org_share, synthetic_per_org, Config, DnsConfig, RuleTarget, ALWAYS_DENIED,
+    MAX_SYNTHETIC_MAPPINGS,
+};
 use crate::config::raw::RawDns;
 
 /// The smallest synthetic pools: 256 addresses (see `crate::synthetic`).
@@ -60,8 +63,12 @@ fn pool(value: Option<&Spanned<String>>, v6: bool, errors: &mut Errors<'_>) -> O
 
 /// The synthetic pools stay clear of every address that means something
 /// else: a listener, an org's clients, an always-denied range, an org's
-/// cidr allow rule. Each overlap is an error at the pool's key.
+/// cidr allow rule. Each overlap is an error at the pool's key. And the
+/// orgs that use them fit: each may hold as many mappings as the smaller
+/// pool has addresses (at most 4096), all of them together at most
+/// [`MAX_SYNTHETIC_MAPPINGS`].
 pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {
+    check_synthetic_orgs(config, spans, errors);
     let pools = [
         (
             config.dns.synthetic_pool.map(IpNet::V4),
@@ -110,6 +117,46 @@ pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Error
             }
         }
     }
+}
+
+/// Every org with `dns_answers = "synthetic"` has the whole pool to
+/// itself (`crate::synthetic`), so the pools bound each org, and the
+/// number of such orgs bounds the table: over [`MAX_SYNTHETIC_MAPPINGS`]
+/// in all is an error at the smaller pool's key.
+fn check_synthetic_orgs(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {
+    let (v4, v6) = (config.dns.synthetic_pool, config.dns.synthetic_pool_v6);
+    let per_org = synthetic_per_org(v4, v6);
+    let orgs = config
+        .orgs
+        .iter()
+        .filter(|o| o.dns_answers == crate::config::DnsAnswers::Synthetic)
+        .count();
+    if per_org == 0 || orgs.saturating_mul(per_org) <= MAX_SYNTHETIC_MAPPINGS {
+        return;
+    }
+    // The smaller pool sets the share; name it.
+    let v4_smaller = match (v4, v6) {
+        (Some(a), Some(b)) => u32::from(32 - a.prefix_len()) <= u32::from(128 - b.prefix_len()),
+        (a, _) => a.is_some(),
+    };
+    let (span, key, net) = if v4_smaller {
+        (&spans.v4, "synthetic_pool", v4.map(IpNet::V4))
+    } else {
+        (&spans.v6, "synthetic_pool_v6", v6.map(IpNet::V6))
+    };
+    let (Some(span), Some(net)) = (span, net) else {
+        return;
+    };
+    errors.at(
+        span.clone(),
+        format!(
+            "dns {key} {net}: {orgs} orgs with dns_answers = \"synthetic\" may hold {per_org} \
+             synthetic mappings each ({} in all), over the {MAX_SYNTHETIC_MAPPINGS} kept in all; \
+             at most {} synthetic orgs with this pool (a smaller pool gives each org fewer)",
+            orgs * per_org,
+            MAX_SYNTHETIC_MAPPINGS / per_org
+        ),
+    );
 }
 
 pub(super) fn validate_dns(
@@ -398,9 +445,28 @@ mod tests {
                 "t.toml:2:",
                 "overlaps the always-denied range fc00::/7",
             ),
+            (
+                "[dns]\nsynthetic_pool = \"198.18.128.0/17\"\nsynthetic_pool_v6 = \"2001:2::/96\"\n{MANY}",
+                "t.toml:2:",
+                "65 orgs with dns_answers = \"synthetic\" may hold 4096 synthetic mappings each (266240 in all), over the 262144",
+            ),
+            (
+                "[dns]\nsynthetic_pool = \"198.18.128.0/17\"\nsynthetic_pool_v6 = \"2001:2::/116\"\n{MANY}",
+                "t.toml:3:",
+                "65 orgs",
+            ),
         ];
+        // 65 synthetic orgs.
+        let many: String = (0..65)
+            .map(|i| {
+                format!(
+                    "[[org]]\nname = \"o{i}\"\nclients = [\"198.19.{i}.0/24\"]\n\
+                     dns_answers = \"synthetic\"\n[[org.allow]]\nhost = \"a.test\"\n"
+                )
+            })
+            .collect();
         for (src, at, what) in cases {
-            let src = src.replace("{BASE}", BASE);
+            let src = src.replace("{BASE}", BASE).replace("{MANY}", &many);
             let e = first_error(&src);
             assert!(e.starts_with(at) && e.contains(what), "{src}\n=> {e}");
         }
