@@ -19,7 +19,16 @@
 //!    allowed lookup says nothing about the connection);
 //! 4. **time**: its `ts` (a bypass record's: its first packet's, the
 //!    start of its `window`) lies within the probe's start and finish,
-//!    widened by [`SKEW`] each side.
+//!    widened by [`SKEW`] each side, and not before the plan was `issued`
+//!    (less [`SKEW`]): the window is the sandbox's word, the plan's time is
+//!    the assessor's, so records of an earlier run never fit, wherever the
+//!    sandbox puts its windows.
+//!
+//! The target compared is the plan's, with the plan's own markers (the
+//! `run` nonce): a record naming an earlier plan's marker fits nothing.
+//! Fitting says which records the report looks at for a probe; whether a
+//! denial among them is of the probe's own request is the classifier's
+//! question ([`super::classify::not_caused_by`]).
 //!
 //! A record that fits several probes goes to one: the probe whose
 //! claimed sockets include its exact `client`, else the one whose
@@ -67,7 +76,7 @@ pub(crate) fn is_dns_summary(r: &Record) -> bool {
 
 /// A name or address as Palisade records it (IP spellings canonical,
 /// lower-case, no trailing dot).
-fn norm(h: &str) -> String {
+pub(crate) fn norm(h: &str) -> String {
     let h = h.trim_end_matches('.');
     crate::proto::target::normalize_host(h)
         .map(|h| h.to_string())
@@ -89,16 +98,20 @@ pub(crate) struct Case {
     org: Option<String>,
     /// The addresses the probe's run claims its sockets came from.
     run_ips: BTreeSet<IpAddr>,
+    /// When the plan was issued: nothing earlier fits.
+    issued: Option<SystemTime>,
 }
 
 impl Case {
     /// A probe of the plan and its observation (target and options
-    /// already the plan's), in a run whose sockets came from `run_ips`.
+    /// already the plan's, markers replaced), in a run whose sockets came
+    /// from `run_ips`, of a plan issued at `issued`.
     pub(crate) fn new(
         o: &Observation,
         plan: &super::plan::Probe,
         org: Option<&str>,
         run_ips: BTreeSet<IpAddr>,
+        issued: Option<SystemTime>,
     ) -> Case {
         let target = parse_target(&o.target).ok();
         let mut names = BTreeSet::new();
@@ -144,7 +157,19 @@ impl Case {
                 .collect(),
             org: org.map(str::to_string),
             run_ips,
+            issued,
         }
+    }
+
+    /// Why a record at `t` is too old for the plan (none when it is not).
+    fn before_issue(&self, t: SystemTime, ts: &str) -> Option<String> {
+        let issued = self.issued?;
+        (t + SKEW < issued).then(|| {
+            format!(
+                "its time {ts} is before the plan was issued ({}): a record of an earlier run",
+                humantime::format_rfc3339_micros(issued)
+            )
+        })
     }
 
     fn claims(&self, client: SocketAddr) -> bool {
@@ -171,6 +196,9 @@ impl Case {
         }
         if let (Some(Target::DnsBurst { .. }), true) = (&self.target, is_dns_summary(r)) {
             return self.summary_misfit(r);
+        }
+        if let Some(why) = ts.and_then(|t| self.before_issue(t, &r.ts)) {
+            return Some(why);
         }
         let Some(client) = r.client else {
             return Some("it names no client".into());
@@ -253,6 +281,7 @@ impl Case {
             return Some("the summary or the probe has no readable window".into());
         };
         match (parse_ts(first), parse_ts(last)) {
+            (Some(f), _) if self.before_issue(f, first).is_some() => self.before_issue(f, first),
             (Some(f), Some(l)) if f <= b + SKEW && l + SKEW >= a => None,
             _ => Some(format!(
                 "its window {first} to {last} is outside the probe's (± {} s)",
@@ -451,7 +480,7 @@ mod tests {
     fn case(o: &Observation, org: Option<&str>, ips: &[&str]) -> Option<Case> {
         let plan = Probe::new(&o.id, &o.target, o.via, o.expect);
         let ips = ips.iter().map(|i| i.parse().unwrap()).collect();
-        Some(Case::new(o, &plan, org, ips))
+        Some(Case::new(o, &plan, org, ips, None))
     }
 
     #[test]
@@ -494,6 +523,32 @@ mod tests {
             case(&other, Some("acme"), &["198.18.9.9"]),
         ];
         assert_eq!(assign(&two, &records), [vec![0], vec![5]]);
+    }
+
+    /// An earlier run's records, and the window the sandbox claims for
+    /// them: nothing from before the plan was issued fits, whatever the
+    /// window says.
+    #[test]
+    fn nothing_from_before_the_plan_was_issued_fits() {
+        let canary = obs("canary", "http://other.test/", 40001, "01", "05");
+        let plan = Probe::new(&canary.id, &canary.target, canary.via, canary.expect);
+        let ips: BTreeSet<IpAddr> = ["198.18.1.2".parse().unwrap()].into();
+        let issued = parse_ts("2030-01-01T12:00:04Z");
+        let cases = [Some(Case::new(&canary, &plan, None, ips, issued))];
+        let deny = json!({"decision": "deny", "reason": "no_matching_rule"});
+        let records = [
+            // Within the claimed window, but more than SKEW before the issue.
+            rec("r0", "198.18.1.2:40001", "other.test", "01.5", deny.clone()),
+            // Within SKEW of it: the clocks may differ that much.
+            rec("r1", "198.18.1.2:40001", "other.test", "02.5", deny.clone()),
+            rec("r2", "198.18.1.2:40001", "other.test", "04.5", deny),
+        ];
+        assert_eq!(assign(&cases, &records), [vec![1, 2]]);
+        let c = cases[0].as_ref().unwrap();
+        let why = c
+            .misfit(&records[0], parse_ts(&records[0].ts), &|_| false)
+            .unwrap();
+        assert!(why.contains("before the plan was issued"), "{why}");
     }
 
     #[test]

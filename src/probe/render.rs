@@ -599,7 +599,8 @@ mod tests {
     fn observation(id: &str, port: u16, expect: &str, extra: Value) -> Value {
         let now = SystemTime::now();
         let mut v = json!({
-            "id": id, "marker": format!("pp-1-{id}"), "target": "https://allowed.test/",
+            "id": id, "marker": TEST_MARKERS.iter().find(|(i, _)| *i == id).map_or("pp-?", |m| m.1),
+            "target": "https://allowed.test/",
             "kind": "https", "via": "proxy", "expect": expect,
             "started": ts(now - Duration::from_secs(5)), "finished": ts(now + Duration::from_secs(1)),
             "elapsed_ms": 6000,
@@ -613,12 +614,21 @@ mod tests {
         v
     }
 
-    /// The agreed plan of [`observations`], written into `dir`; its sha256.
+    /// The markers of [`plan_file`]'s probes (its run is `0a1b2c3d`).
+    const TEST_MARKERS: [(&str, &str); 3] = [
+        ("allow-https", "pp-0a1b2c3d-0000"),
+        ("deny-name", "pp-0a1b2c3d-0001"),
+        ("routed-away", "pp-0a1b2c3d-0002"),
+    ];
+
+    /// The agreed plan of [`observations`], written into `dir`, issued a
+    /// minute ago; its sha256.
     fn plan_file(dir: &Path, org: Option<&str>) -> String {
         use sha2::Digest;
         let org = org.map_or_else(String::new, |o| format!("org = {o:?}\n"));
+        let issued = ts(SystemTime::now() - Duration::from_secs(60));
         let text = format!(
-            "{org}policy = \"p0\"\nproxy = \"198.18.1.1:3128\"\n\n\
+            "{org}policy = \"p0\"\nrun = \"0a1b2c3d\"\nissued = \"{issued}\"\nproxy = \"198.18.1.1:3128\"\n\n\
              [[probe]]\nid = \"allow-https\"\ntarget = \"https://allowed.test/\"\nvia = \"proxy\"\nexpect = \"allow\"\n\n\
              [[probe]]\nid = \"deny-name\"\ntarget = \"https://other.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n\n\
              [[probe]]\nid = \"routed-away\"\ntarget = \"tcp://198.18.2.20:80\"\nvia = \"direct\"\nexpect = \"deny\"\nlayer = \"any\"\n"
