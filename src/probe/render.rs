@@ -858,6 +858,63 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A plan is for one run: without its nonce it is refused; issued after
+    /// the evidence was written, no record fits it (an earlier run's), and
+    /// observations with another marker or an earlier window are findings.
+    #[tokio::test]
+    async fn an_earlier_run_does_not_pass_for_a_fresh_plan() {
+        use sha2::Digest;
+        let dir = crate::testing::scratch("report-fresh");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let plan_path = dir.join("plan.toml");
+        let text = std::fs::read_to_string(&plan_path).unwrap();
+        let issued_line = text.lines().find(|l| l.starts_with("issued")).unwrap();
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&obs).unwrap()).unwrap();
+        let mut with_plan = |text: String| {
+            std::fs::write(&plan_path, &text).unwrap();
+            v["plan_sha256"] = data_encoding::HEXLOWER
+                .encode(&sha2::Sha256::digest(text.as_bytes()))
+                .into();
+            std::fs::write(&obs, v.to_string()).unwrap();
+            v.clone()
+        };
+        // Issued after the records (and the windows) were: nothing counts.
+        let later = ts(SystemTime::now() + Duration::from_secs(60));
+        let _ = with_plan(text.replace(issued_line, &format!("issued = \"{later}\"")));
+        let r = report(&obs, &evidence).unwrap();
+        let deny = &r.json["probes"][1];
+        assert_eq!(deny["class"], "inconclusive", "{deny:#}");
+        assert_eq!(deny["records"], json!([]), "{deny:#}");
+        let mismatches = deny["mismatches"].to_string();
+        assert!(
+            mismatches.contains("before the plan was issued"),
+            "{mismatches}"
+        );
+        assert_eq!(r.exit, 1);
+        // Another marker than the plan's: a mismatch.
+        let mut other = with_plan(text.clone());
+        other["observations"][1]["marker"] = "pp-99999999-0001".into();
+        std::fs::write(&obs, other.to_string()).unwrap();
+        let r = report(&obs, &evidence).unwrap();
+        let deny = &r.json["probes"][1];
+        assert!(
+            deny["mismatches"]
+                .to_string()
+                .contains("marker pp-99999999-0001, the plan's is pp-0a1b2c3d-0001"),
+            "{deny:#}"
+        );
+        assert_eq!((deny["finding"].clone(), r.exit), (json!(true), 1));
+        // No run (or no issue time): not a plan a report can rest on.
+        for line in ["run = \"0a1b2c3d\"", issued_line] {
+            let _ = with_plan(text.replace(line, ""));
+            let e = report(&obs, &evidence).map(|_| ()).unwrap_err();
+            assert!(e.contains("the plan names no `run`"), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// Evidence that fails verification: reported, nothing classified.
     #[tokio::test]
     async fn tampered_evidence_classifies_nothing() {
