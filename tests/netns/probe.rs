@@ -698,13 +698,19 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
     );
     assert_classes(&r, &[("canary", "unexpected_allow")]);
     assert_eq!(r.code, Some(1), "{}", r.output);
-    // 3. And with its time window moved away from the allow record: nothing
-    // fits, so the quote is all there is: inconclusive, the mismatch named.
+    // 3. And with the time windows moved away from the allow records. The
+    // canary's request carried its marker, which its allow record names:
+    // it is the probe's, wherever the window is (unexpected_allow). The
+    // TLS canary's CONNECT record names no marker: nothing fits, so the
+    // quote is all there is: inconclusive, the mismatches named, and its
+    // allow listed with the records no probe accounts for.
     let shifted = forge(lab, obs, "forged-window", |v| {
-        let o = observation_mut(v, "canary");
-        refused(o);
-        o["started"] = "2001-01-01T00:00:00.000000Z".into();
-        o["finished"] = "2001-01-01T00:00:01.000000Z".into();
+        for id in ["canary", "canary-tls"] {
+            let o = observation_mut(v, id);
+            refused(o);
+            o["started"] = "2001-01-01T00:00:00.000000Z".into();
+            o["finished"] = "2001-01-01T00:00:01.000000Z".into();
+        }
     });
     let r = probe_report_with(
         lab,
@@ -714,25 +720,42 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
         &lab.evidence_dir,
         &["--allow-unsealed"],
     );
-    assert_classes(&r, &[("canary", "inconclusive")]);
+    assert_classes(
+        &r,
+        &[
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "inconclusive"),
+        ],
+    );
     assert_eq!(r.code, Some(1), "{}", r.output);
     let canary = r.probe("canary");
-    assert_eq!(canary["finding"], true, "{canary:#}");
     assert!(
-        canary["mismatches"]
+        canary["records"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|m| m.as_str().unwrap_or_default().contains("quotes record")),
+            .any(|x| { x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80 }),
         "{canary:#}"
     );
-    // The allow it left behind is listed with the records no probe accounts for.
+    for id in ["canary", "canary-tls"] {
+        let p = r.probe(id);
+        assert_eq!(p["finding"], true, "{p:#}");
+        let said = |what: &str| {
+            p["mismatches"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m.as_str().unwrap_or_default().contains(what))
+        };
+        assert!(said("quotes record"), "{p:#}");
+        assert!(said("before the plan was issued"), "{p:#}");
+    }
     assert!(
         r.json["unattributed"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80),
+            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 443),
         "{:#}",
         r.json["unattributed"]
     );
@@ -844,6 +867,19 @@ fn provoked_denials_and_replayed_runs_do_not_pass_for_enforcement() {
     ];
     assert_classes(&r, &enforced);
     assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
+    let earlier_records: Vec<Value> = r.json["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| {
+            p["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x["id"].clone())
+        })
+        .collect();
+    assert!(earlier_records.len() >= 3, "{}", r.md());
 
     // The hole opens.
     let config = std::fs::read_to_string(&lab.config_path).unwrap();
@@ -922,6 +958,16 @@ fn provoked_denials_and_replayed_runs_do_not_pass_for_enforcement() {
         &lab.evidence_dir,
         &["--allow-unsealed"],
     );
+    // The canary's own request named its marker in its allow record,
+    // which fits wherever the window was moved; the TLS canary's CONNECT
+    // named none: nothing of its own fits.
+    assert_classes(
+        &r,
+        &[
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "inconclusive"),
+        ],
+    );
     for (id, rec) in [("canary", &hm), ("canary-tls", &sni)] {
         let p = r.probe(id);
         assert_ne!(p["class"], "enforced_deny", "{p:#}\n{}", r.md());
@@ -984,7 +1030,11 @@ fn provoked_denials_and_replayed_runs_do_not_pass_for_enforcement() {
                 .is_some_and(|m| m.contains("before the plan was issued"))
         });
         assert!(old, "{id}: the replay is not named: {p:#}");
-        assert!(p["records"].as_array().unwrap().is_empty(), "{p:#}");
+        // None of the earlier run's records counts (the fresh run's own
+        // requests, naming the fresh markers, may).
+        for x in p["records"].as_array().unwrap() {
+            assert!(!earlier_records.contains(&x["id"]), "{id}: {x:#}");
+        }
     }
     assert_eq!(r.code, Some(1), "{}\n{}", r.output, r.md());
 }
