@@ -83,12 +83,19 @@ pub fn run(command: Command) -> Result<(), CliError> {
         } => {
             let config = load_config(&config, Status::BadInput)?;
             let transparent = transparent || !config.proxy.transparent.is_empty();
+            // Fresh per plan: a run of an earlier plan cannot pass for it.
+            let mut nonce = [0u8; 4];
+            getrandom::fill(&mut nonce).map_err(|e| {
+                CliError::new(Status::Failed, format_args!("no random plan nonce: {e}"))
+            })?;
             let opts = generate::GenerateOptions {
                 org,
                 proxy,
                 resolver,
                 outside,
                 transparent,
+                run: data_encoding::HEXLOWER.encode(&nonce),
+                issued: std::time::SystemTime::now(),
             };
             print_plan(&config, &opts)
         }

@@ -20,7 +20,7 @@
 //! | deny | target answered | any | `unexpected_allow` |
 //! | deny, not in-tunnel | any | an allow, whatever else | `unexpected_allow` |
 //! | deny | did not answer | a `resolution_failed` deny naming a rule | `unexpected_allow` |
-//! | deny | did not answer | a policy denial (in-tunnel: one that closed the tunnel, or the tunnel never allowed) | `enforced_deny` |
+//! | deny | did not answer | a policy denial of its own request ([`not_caused_by`]; in-tunnel: one that closed the tunnel, or the tunnel never allowed) | `enforced_deny` |
 //! | deny, `second_host` | no second response, the upstream closed after the first | allow only | `inconclusive` (nothing could answer the second request) |
 //! | deny | did not answer | none | `blocked_elsewhere` |
 //! | allow | target answered | allow | `enforced_allow` |
@@ -38,7 +38,12 @@
 //! it carries was not exercised).
 //!
 //! A DNS allow probe counts as answered only with at least one answer.
-//! `evidence_unavailable` and `limit_exceeded` denials are `inconclusive`.
+//! Denials by Palisade's state rather than the rule ([`INFRA_REASONS`]:
+//! `evidence_unavailable`, `limit_exceeded`, `name_budget_exceeded`,
+//! `synthetic_unbound`, `policy_revoked`) are `inconclusive`. A denial that
+//! fits the probe but that its request could not have caused
+//! ([`not_caused_by`]) is left out here: it shows nothing of the probe
+//! (the report lists it as a mismatch, a finding).
 //!
 //! A `dns-burst` probe (N new names under an allowed wildcard, see
 //! [`name_counts`]) is classified by counts, not by one record
@@ -134,8 +139,182 @@ fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> 
         .collect()
 }
 
-/// Denials that say nothing about policy: Palisade could not decide.
-const INFRA_REASONS: [Reason; 2] = [Reason::EvidenceUnavailable, Reason::LimitExceeded];
+/// Denials that say nothing about policy: Palisade could not decide, or
+/// decided by its state rather than by the request (a name budget the
+/// sandbox can spend first, a synthetic binding it can have evicted, a
+/// reload): `inconclusive`, never enforcement of the rule the probe tests.
+const INFRA_REASONS: [Reason; 5] = [
+    Reason::EvidenceUnavailable,
+    Reason::LimitExceeded,
+    Reason::NameBudgetExceeded,
+    Reason::SyntheticUnbound,
+    Reason::PolicyRevoked,
+];
+
+/// Reasons any request to a destination gets, whatever it carries: where
+/// it goes (and who asks) decides them.
+const DESTINATION_REASONS: [Reason; 7] = [
+    Reason::NoMatchingRule,
+    Reason::ExplicitDeny,
+    Reason::PortNotAllowed,
+    Reason::DeniedAddress,
+    Reason::UnknownClient,
+    Reason::SpecialName,
+    Reason::AuthRequired,
+];
+
+/// Why the denial `r`, which fits the probe by target and time, cannot be
+/// of the probe's own request (none when it can, and for records that are
+/// not policy denials: those never show enforcement anyway).
+///
+/// The sandbox can make any request it likes during a probe's window, and
+/// move the window. What it cannot do is make Palisade record a denial of
+/// a request that differs from the probe's by nothing Palisade decides on.
+/// So a denial counts only when it is of a request like the probe's, as
+/// far as the record shows: the probe's path to Palisade (through the
+/// proxy as an absolute-form request or a tunnel, or direct), its
+/// destination (the plan's target with the plan's own marker, see
+/// [`super::fit`]), its query type, its path, and a reason the probe's
+/// request can provoke: a Host other than the target's only from a probe
+/// that sends one (`host_header`, `second_host`), an SNI other than the
+/// host only from a `tls://` probe whose `sni` differs, ECH only from an
+/// `ech` probe, a path or method refusal only with the probe's path on
+/// record; a malformed request, an upgrade or bad credentials never (the
+/// probe sends none).
+pub(crate) fn not_caused_by(o: &Observation, r: &Record) -> Option<String> {
+    use crate::evidence::{Kind, Mode};
+    let reason = r.reason;
+    if r.decision_str() != "deny"
+        || reason == Reason::ResolutionFailed
+        || INFRA_REASONS.contains(&reason)
+    {
+        return None;
+    }
+    let Ok(target) = parse_target(&o.target) else {
+        return Some("the probe's target is not readable".into());
+    };
+    let what = format!("{} ({reason})", r.id);
+    let tunnel = !matches!(target, Target::Http { tls: false, .. }) || o.second_host.is_some();
+    let path_ok = match (&target, o.via) {
+        (Target::DnsBurst { .. }, _) => return None,
+        (Target::Dns { .. }, _) => r.kind == Kind::Dns,
+        (Target::Udp { .. }, _) => r.kind == Kind::Bypass,
+        (_, Via::Proxy) => {
+            r.mode == Mode::Explicit && (r.kind == Kind::Http || (tunnel && r.kind == Kind::Tcp))
+        }
+        (_, Via::Direct) => matches!(r.mode, Mode::Transparent | Mode::Dns),
+    };
+    if !path_ok {
+        let how = match (&target, o.via) {
+            (Target::Dns { .. }, _) => "a DNS query",
+            (Target::Udp { .. }, _) => "UDP the gateway logs",
+            (_, Via::Proxy) if !tunnel => "an absolute-form request to the explicit proxy",
+            (_, Via::Proxy) => "a CONNECT to the explicit proxy",
+            (_, Via::Direct) => "a direct connection",
+        };
+        return Some(format!(
+            "{what} is a {} {} record, and the probe's request was {how}",
+            r.mode.as_str(),
+            r.kind.as_str()
+        ));
+    }
+    if let (Target::Dns { qtype, .. }, Some(got)) = (&target, &r.qtype) {
+        if !got.eq_ignore_ascii_case(qtype) {
+            return Some(format!(
+                "{what} is of a {got} query, and the probe asked {qtype}"
+            ));
+        }
+    }
+    // A connection's denial names the probe's destination: the host it
+    // connected to, or direct (transparent: Palisade decides by the name
+    // the first bytes carry) the SNI or Host it sent. A second request's
+    // names its Host (the fit checks that).
+    if let Some((host, _)) = target.host_port() {
+        let host = super::fit::norm(host);
+        let mut dest = vec![host.clone()];
+        if o.via == Via::Direct {
+            if let Target::Tls { sni, .. } = &target {
+                dest.push(super::fit::norm(sni));
+            }
+            dest.extend(o.host_header.as_deref().map(super::fit::norm));
+        }
+        let named = r
+            .host
+            .as_deref()
+            .is_some_and(|h| dest.contains(&super::fit::norm(h)))
+            || r.ip.is_some_and(|ip| ip.to_string() == host)
+            || r.kind == Kind::Dns;
+        let second_request = reason == Reason::HostMismatch && o.second_host.is_some();
+        if !(named || second_request) {
+            return Some(format!(
+                "{what} is of a connection to {}, not to the probe's {host}",
+                r.host.as_deref().unwrap_or("an unnamed host")
+            ));
+        }
+    }
+    if DESTINATION_REASONS.contains(&reason) {
+        return None;
+    }
+    let sni_of_probe = match &target {
+        Target::Tls { sni, .. } => Some(super::fit::norm(sni)),
+        Target::Http {
+            tls: true, host, ..
+        } => Some(super::fit::norm(host)),
+        _ => None,
+    };
+    let host_of_probe = target.host_port().map(|(h, _)| super::fit::norm(h));
+    let cannot = match reason {
+        Reason::QtypeNotAllowed => {
+            (!matches!(target, Target::Dns { .. })).then_some("the probe made no DNS query")
+        }
+        Reason::HostMismatch => {
+            let other_host = o
+                .host_header
+                .as_deref()
+                .is_some_and(|h| Some(super::fit::norm(h)) != host_of_probe);
+            (!other_host && o.second_host.is_none())
+                .then_some("the probe sends no Host header other than its target's")
+        }
+        Reason::SniMismatch => (sni_of_probe.is_none() || sni_of_probe == host_of_probe)
+            .then_some("the probe's ClientHello names its own host"),
+        Reason::SniMissing => {
+            let an_address = sni_of_probe
+                .as_deref()
+                .is_some_and(|s| s.parse::<std::net::IpAddr>().is_ok());
+            (!an_address).then_some("the probe's ClientHello names a host")
+        }
+        Reason::EchNotAllowed => (!o.ech).then_some("the probe's ClientHello has no ECH"),
+        Reason::ProtocolMismatch => (matches!(target, Target::Http { tls: false, .. }) && !tunnel)
+            .then_some("the probe's request was an absolute-form HTTP request"),
+        Reason::PathNotAllowed | Reason::MethodNotAllowed => match (&target, &r.path) {
+            (Target::Http { path, .. }, Some(got)) if same_path(path, got) => None,
+            (Target::Http { path, .. }, Some(got)) => {
+                return Some(format!(
+                    "{what} is of a request for {got}, and the probe asked for {path}"
+                ))
+            }
+            (Target::Http { .. }, None) => {
+                Some("the record names no path, so it may be of another path than the probe's")
+            }
+            _ => Some("the probe sends no HTTP request"),
+        },
+        Reason::BadRequest => Some("the probe's request is well-formed"),
+        Reason::UpgradeNotAllowed => Some("the probe asks for no upgrade"),
+        Reason::AuthFailed => Some("the probe sends no credentials"),
+        _ => None,
+    };
+    cannot.map(|why| format!("{what} cannot be of the probe's own request: {why}"))
+}
+
+/// Whether a recorded request path is the probe's: as sent, without its
+/// query, or normalised as Palisade decides and records it (evidence keeps
+/// a bounded prefix of a long path).
+fn same_path(probe: &str, recorded: &str) -> bool {
+    let bare = probe.split('?').next().unwrap_or(probe);
+    let normal = crate::policy::request::NormalPath::parse(bare).ok();
+    let same = |p: &str| p == recorded || (recorded.len() >= 200 && p.starts_with(recorded));
+    same(probe) || same(bare) || normal.is_some_and(|n| same(n.as_str()))
+}
 
 /// The ids of records, comma-separated.
 fn ids(rs: &[&Record]) -> String {
@@ -349,10 +528,13 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     };
     let deny = only(&|r| r.decision_str() == "deny");
     let allow = only(&|r| r.decision_str() == "allow");
+    // Only denials of the probe's own request (the others are listed by
+    // the report as mismatches: a finding).
     let policy_deny = only(&|r| {
         r.decision_str() == "deny"
             && r.reason != Reason::ResolutionFailed
             && !INFRA_REASONS.contains(&r.reason)
+            && not_caused_by(o, r).is_none()
     });
     let unresolved = only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed);
     let infra = only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason));
@@ -659,7 +841,7 @@ mod tests {
             .filter_map(|s| s.local.as_deref()?.parse::<std::net::SocketAddr>().ok())
             .map(|a| a.ip())
             .collect();
-        let cases = [Some(Case::new(o, &plan, None, ips))];
+        let cases = [Some(Case::new(o, &plan, None, ips, None))];
         assign(&cases, records)[0]
             .iter()
             .map(|i| &records[*i])
@@ -803,6 +985,155 @@ mod tests {
         let (c, why) = class_of(&o, &[allow]);
         assert_eq!(c, Class::Inconclusive, "{why}");
         assert!(why.contains("keeps connections alive"), "{why}");
+    }
+
+    /// The hole: a plain probe of other.test:80 and a denial the
+    /// sandbox provoked for the same host:port with a Host header of its
+    /// own, the probe's window moved onto it. It fits by target and time,
+    /// and is not enforcement.
+    #[test]
+    fn a_provoked_denial_of_another_request_is_not_enforcement() {
+        let target = "http://other.test/palisade-probe/pp-1-0001";
+        let o = obs(
+            target,
+            json!({"kind": "http", "http_status": 403, "connect_status": null, "connected": true}),
+        );
+        let provoked = rec(
+            "t-7",
+            "deny",
+            "host_mismatch",
+            json!({"kind": "http", "host": "other.test", "port": 80,
+                   "detail": "Host header \"allowed.test\" does not name the request target"}),
+        );
+        let typed_recs = typed(std::slice::from_ref(&provoked));
+        let matched = match_records(&o, &typed_recs);
+        assert_eq!(matched.len(), 1, "it fits by target and time");
+        let (c, why) = classify(&o, &matched);
+        assert_eq!(c, Class::BlockedElsewhere, "{why}");
+        let not = not_caused_by(&o, matched[0]).unwrap();
+        assert!(
+            not.contains("t-7 (host_mismatch)") && not.contains("no Host header other"),
+            "{not}"
+        );
+        // The same reason from a probe that sends another Host is its own.
+        let mut own = o.clone();
+        own.host_header = Some("canary.test".into());
+        assert_eq!(not_caused_by(&own, matched[0]), None);
+        assert_eq!(classify(&own, &matched).0, Class::EnforcedDeny);
+        // A denial of where the probe goes is its own, whatever it carried.
+        let plain = rec(
+            "t-8",
+            "deny",
+            "no_matching_rule",
+            json!({"kind": "http", "host": "other.test", "port": 80}),
+        );
+        let typed_recs = typed(&[plain]);
+        let (c, why) = classify(&o, &match_records(&o, &typed_recs));
+        assert_eq!(c, Class::EnforcedDeny, "{why}");
+    }
+
+    #[test]
+    fn only_a_request_like_the_probes_can_be_its_denial() {
+        let r = |reason: &str, extra: Value| typed(&[rec("t-1", "deny", reason, extra)]).remove(0);
+        let https = obs("https://other.test/", json!({}));
+        // An SNI other than its host: not from a probe whose hello names it.
+        let sni = r(
+            "sni_mismatch",
+            json!({"host": "allowed.test", "sni": "other.test"}),
+        );
+        let why = not_caused_by(&https, &sni).unwrap();
+        assert!(why.contains("not to the probe's other.test"), "{why}");
+        let sni_on_host = r(
+            "sni_mismatch",
+            json!({"host": "other.test", "sni": "x.test"}),
+        );
+        assert!(not_caused_by(&https, &sni_on_host)
+            .unwrap()
+            .contains("ClientHello names its own host"));
+        let tls = obs("tls://allowed.test:443?sni=other.test", json!({}));
+        assert_eq!(not_caused_by(&tls, &sni), None);
+        // ECH only from an ECH probe; never a malformed request, an upgrade
+        // or bad credentials.
+        let ech = r("ech_not_allowed", json!({"host": "other.test"}));
+        assert!(not_caused_by(&https, &ech).is_some());
+        let mut with_ech = https.clone();
+        with_ech.ech = true;
+        assert_eq!(not_caused_by(&with_ech, &ech), None);
+        for reason in ["bad_request", "upgrade_not_allowed", "auth_failed"] {
+            let d = r(reason, json!({"host": "other.test"}));
+            assert!(not_caused_by(&https, &d).is_some(), "{reason}");
+        }
+        // The path the request took: a CONNECT record is no absolute-form
+        // request's, a transparent one no proxied probe's.
+        let plain = obs("http://other.test/x", json!({"kind": "http"}));
+        let tunnel = r(
+            "no_matching_rule",
+            json!({"host": "other.test", "port": 80}),
+        );
+        assert!(not_caused_by(&plain, &tunnel)
+            .unwrap()
+            .contains("absolute-form request"));
+        let transparent = r(
+            "no_matching_rule",
+            json!({"host": "other.test", "mode": "transparent"}),
+        );
+        assert!(not_caused_by(&https, &transparent).is_some());
+        // A path refusal: only with the probe's own path on record.
+        let req = obs(
+            "https://a.wild.test/api/%69nternal",
+            json!({"kind": "https", "handshake": true}),
+        );
+        let path = |p: Option<&str>| {
+            r(
+                "path_not_allowed",
+                json!({"kind": "http", "host": "a.wild.test", "path": p}),
+            )
+        };
+        assert_eq!(not_caused_by(&req, &path(Some("/api/%69nternal"))), None);
+        // As Palisade normalised it.
+        assert_eq!(not_caused_by(&req, &path(Some("/api/internal"))), None);
+        assert!(not_caused_by(&req, &path(Some("/api/public")))
+            .unwrap()
+            .contains("asked for /api/%69nternal"));
+        assert!(not_caused_by(&req, &path(None))
+            .unwrap()
+            .contains("names no path"));
+        // A DNS denial of another query type.
+        let dns = obs(
+            "dns:pp-1-0001.other.test/TXT",
+            json!({"kind": "dns", "via": "direct"}),
+        );
+        let q = |t: &str| {
+            r(
+                "no_matching_rule",
+                json!({"kind": "dns", "mode": "dns", "host": "pp-1-0001.other.test", "qtype": t, "port": null}),
+            )
+        };
+        assert_eq!(not_caused_by(&dns, &q("TXT")), None);
+        assert!(not_caused_by(&dns, &q("A")).unwrap().contains("A query"));
+        // Allows are never judged here (any allow that fits counts).
+        let allow = typed(&[rec("t-2", "allow", "rule_match", json!({}))]).remove(0);
+        assert_eq!(not_caused_by(&https, &allow), None);
+    }
+
+    /// A name budget the sandbox spent first (or a binding it had evicted,
+    /// a reload) refuses the request by Palisade's state, not by the rule
+    /// the probe tests.
+    #[test]
+    fn state_denials_are_inconclusive() {
+        let o = obs(
+            "https://other.test/",
+            json!({"connect_status": 403, "connected": false}),
+        );
+        for reason in [
+            "name_budget_exceeded",
+            "synthetic_unbound",
+            "policy_revoked",
+        ] {
+            let d = rec("t-1", "deny", reason, json!({"host": "other.test"}));
+            let (c, why) = class_of(&o, &[d]);
+            assert_eq!(c, Class::Inconclusive, "{reason}: {why}");
+        }
     }
 
     #[test]

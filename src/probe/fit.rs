@@ -19,9 +19,21 @@
 //!    allowed lookup says nothing about the connection);
 //! 4. **time**: its `ts` (a bypass record's: its first packet's, the
 //!    start of its `window`) lies within the probe's start and finish,
-//!    widened by [`SKEW`] each side.
+//!    widened by [`SKEW`] each side, or it names the probe's marker (in its
+//!    `host`, `sni` or `path`: the probe's own request, wherever the
+//!    sandbox puts the window); and in any case not before the plan was `issued`
+//!    (less [`SKEW`]): the window is the sandbox's word, the plan's time is
+//!    the assessor's, so records of an earlier run never fit, wherever the
+//!    sandbox puts its windows.
 //!
-//! A record that fits several probes goes to one: the probe whose
+//! The target compared is the plan's, with the plan's own markers (the
+//! `run` nonce): a record naming an earlier plan's marker fits nothing.
+//! Fitting says which records the report looks at for a probe; whether a
+//! denial among them is of the probe's own request is the classifier's
+//! question ([`super::classify::not_caused_by`]).
+//!
+//! A record that fits several probes goes to one: the probe whose marker
+//! it names, else the probe whose
 //! claimed sockets include its exact `client`, else the one whose
 //! (unwidened) window holds it, else the nearest. A record whose `conn`
 //! names a record given to a probe (a denial inside a tunnel names the
@@ -67,7 +79,7 @@ pub(crate) fn is_dns_summary(r: &Record) -> bool {
 
 /// A name or address as Palisade records it (IP spellings canonical,
 /// lower-case, no trailing dot).
-fn norm(h: &str) -> String {
+pub(crate) fn norm(h: &str) -> String {
     let h = h.trim_end_matches('.');
     crate::proto::target::normalize_host(h)
         .map(|h| h.to_string())
@@ -89,16 +101,23 @@ pub(crate) struct Case {
     org: Option<String>,
     /// The addresses the probe's run claims its sockets came from.
     run_ips: BTreeSet<IpAddr>,
+    /// When the plan was issued: nothing earlier fits.
+    issued: Option<SystemTime>,
+    /// The probe's marker (the plan's: the report puts it into the
+    /// observation), lower-case; none when empty.
+    marker: Option<String>,
 }
 
 impl Case {
     /// A probe of the plan and its observation (target and options
-    /// already the plan's), in a run whose sockets came from `run_ips`.
+    /// already the plan's, markers replaced), in a run whose sockets came
+    /// from `run_ips`, of a plan issued at `issued`.
     pub(crate) fn new(
         o: &Observation,
         plan: &super::plan::Probe,
         org: Option<&str>,
         run_ips: BTreeSet<IpAddr>,
+        issued: Option<SystemTime>,
     ) -> Case {
         let target = parse_target(&o.target).ok();
         let mut names = BTreeSet::new();
@@ -144,7 +163,27 @@ impl Case {
                 .collect(),
             org: org.map(str::to_string),
             run_ips,
+            issued,
+            marker: (o.marker.len() >= 4).then(|| o.marker.to_ascii_lowercase()),
         }
+    }
+
+    /// Whether `r` names the probe's marker (in its host, SNI or path):
+    /// then it is of this probe's request in this plan, whatever window
+    /// the sandbox claims.
+    fn carries_marker(&self, r: &Record) -> bool {
+        carries(r, self.marker.as_deref())
+    }
+
+    /// Why a record at `t` is too old for the plan (none when it is not).
+    fn before_issue(&self, t: SystemTime, ts: &str) -> Option<String> {
+        let issued = self.issued?;
+        (t + SKEW < issued).then(|| {
+            format!(
+                "its time {ts} is before the plan was issued ({}): a record of an earlier run",
+                humantime::format_rfc3339_micros(issued)
+            )
+        })
     }
 
     fn claims(&self, client: SocketAddr) -> bool {
@@ -172,24 +211,28 @@ impl Case {
         if let (Some(Target::DnsBurst { .. }), true) = (&self.target, is_dns_summary(r)) {
             return self.summary_misfit(r);
         }
+        if let Some(why) = ts.and_then(|t| self.before_issue(t, &r.ts)) {
+            return Some(why);
+        }
         let Some(client) = r.client else {
             return Some("it names no client".into());
         };
         if !self.run_ips.contains(&client.ip()) && claimed(client.ip()) {
             return Some(format!("its client {client} is another sandbox's address"));
         }
-        let Some((a, b)) = self.window else {
-            return Some("the probe's time window is not readable".into());
+        let in_window = match (self.window, ts) {
+            (Some((a, b)), Some(t)) => t + SKEW >= a && t <= b + SKEW,
+            _ => false,
         };
-        match ts {
-            Some(t) if t + SKEW >= a && t <= b + SKEW => {}
-            _ => {
-                return Some(format!(
-                    "its time {} is outside the probe's window (± {} s)",
+        if !in_window && !self.carries_marker(r) {
+            return Some(match self.window {
+                None => "the probe's time window is not readable".into(),
+                Some(_) => format!(
+                    "its time {} is outside the probe's window (± {} s), and it names not the probe's marker",
                     r.ts,
                     SKEW.as_secs()
-                ))
-            }
+                ),
+            });
         }
         let Some(target) = &self.target else {
             return Some("the probe's target is not readable".into());
@@ -253,6 +296,7 @@ impl Case {
             return Some("the summary or the probe has no readable window".into());
         };
         match (parse_ts(first), parse_ts(last)) {
+            (Some(f), _) if self.before_issue(f, first).is_some() => self.before_issue(f, first),
             (Some(f), Some(l)) if f <= b + SKEW && l + SKEW >= a => None,
             _ => Some(format!(
                 "its window {first} to {last} is outside the probe's (± {} s)",
@@ -276,6 +320,15 @@ impl Case {
     }
 }
 
+/// Whether `r` names `marker` in its host, SNI or path.
+fn carries(r: &Record, marker: Option<&str>) -> bool {
+    let Some(m) = marker else { return false };
+    [r.host.as_deref(), r.sni.as_deref(), r.path.as_deref()]
+        .into_iter()
+        .flatten()
+        .any(|v| v.to_ascii_lowercase().contains(m))
+}
+
 /// Which records (positions in `records`) each case gets; every record
 /// goes to at most one case (see the module doc).
 pub(crate) fn assign(cases: &[Option<Case>], records: &[Record]) -> Vec<Vec<usize>> {
@@ -292,10 +345,18 @@ pub(crate) fn assign(cases: &[Option<Case>], records: &[Record]) -> Vec<Vec<usiz
     let (Some(first), Some(last)) = (first, last) else {
         return out;
     };
+    // The markers' common part, per plan (`pp-<run>-`): a record naming
+    // one is looked at wherever its time is.
+    let runs: BTreeSet<&str> = cases
+        .iter()
+        .flatten()
+        .filter_map(|c| c.marker.as_deref()?.get(..12))
+        .collect();
     let mut owner: BTreeMap<usize, usize> = BTreeMap::new();
     for (i, r) in records.iter().enumerate() {
         let Some(t) = record_time(r) else { continue };
-        if t + SKEW < first || t > last + SKEW {
+        let marked = || runs.iter().any(|run| carries(r, Some(run)));
+        if (t + SKEW < first || t > last + SKEW) && !marked() {
             continue;
         }
         let fitting: Vec<(usize, &Case)> = cases
@@ -306,7 +367,12 @@ pub(crate) fn assign(cases: &[Option<Case>], records: &[Record]) -> Vec<Vec<usiz
             .collect();
         let best = fitting
             .iter()
-            .find(|(_, c)| r.client.is_some_and(|cl| c.claims(cl)))
+            .find(|(_, c)| c.carries_marker(r))
+            .or_else(|| {
+                fitting
+                    .iter()
+                    .find(|(_, c)| r.client.is_some_and(|cl| c.claims(cl)))
+            })
             .or_else(|| fitting.iter().min_by_key(|(_, c)| c.distance(t)));
         if let Some((n, _)) = best {
             out[*n].push(i);
@@ -451,7 +517,7 @@ mod tests {
     fn case(o: &Observation, org: Option<&str>, ips: &[&str]) -> Option<Case> {
         let plan = Probe::new(&o.id, &o.target, o.via, o.expect);
         let ips = ips.iter().map(|i| i.parse().unwrap()).collect();
-        Some(Case::new(o, &plan, org, ips))
+        Some(Case::new(o, &plan, org, ips, None))
     }
 
     #[test]
@@ -494,6 +560,72 @@ mod tests {
             case(&other, Some("acme"), &["198.18.9.9"]),
         ];
         assert_eq!(assign(&two, &records), [vec![0], vec![5]]);
+    }
+
+    /// An earlier run's records, and the window the sandbox claims for
+    /// them: nothing from before the plan was issued fits, whatever the
+    /// window says.
+    #[test]
+    fn nothing_from_before_the_plan_was_issued_fits() {
+        let canary = obs("canary", "http://other.test/", 40001, "01", "05");
+        let plan = Probe::new(&canary.id, &canary.target, canary.via, canary.expect);
+        let ips: BTreeSet<IpAddr> = ["198.18.1.2".parse().unwrap()].into();
+        let issued = parse_ts("2030-01-01T12:00:04Z");
+        let cases = [Some(Case::new(&canary, &plan, None, ips, issued))];
+        let deny = json!({"decision": "deny", "reason": "no_matching_rule"});
+        let records = [
+            // Within the claimed window, but more than SKEW before the issue.
+            rec("r0", "198.18.1.2:40001", "other.test", "01.5", deny.clone()),
+            // Within SKEW of it: the clocks may differ that much.
+            rec("r1", "198.18.1.2:40001", "other.test", "02.5", deny.clone()),
+            rec("r2", "198.18.1.2:40001", "other.test", "04.5", deny),
+        ];
+        assert_eq!(assign(&cases, &records), [vec![1, 2]]);
+        let c = cases[0].as_ref().unwrap();
+        let why = c
+            .misfit(&records[0], parse_ts(&records[0].ts), &|_| false)
+            .unwrap();
+        assert!(why.contains("before the plan was issued"), "{why}");
+    }
+
+    /// A record naming a probe's marker is of that probe's request, in
+    /// this plan: it fits outside the window the sandbox claims (but not
+    /// before the plan was issued), and goes to that probe.
+    #[test]
+    fn a_record_naming_the_marker_fits_wherever_the_window_is() {
+        let mut canary = obs(
+            "canary",
+            "http://other.test/palisade-probe/pp-0a1b2c3d-0001",
+            40001,
+            "10",
+            "11",
+        );
+        canary.marker = "pp-0a1b2c3d-0001".into();
+        let mut other = obs("other", "http://other.test/", 40002, "01", "02");
+        other.marker = "pp-0a1b2c3d-0002".into();
+        let ips: BTreeSet<IpAddr> = ["198.18.1.2".parse().unwrap()].into();
+        let issued = parse_ts("2030-01-01T11:59:00Z");
+        let case = |o: &Observation| {
+            let plan = Probe::new(&o.id, &o.target, o.via, o.expect);
+            Some(Case::new(o, &plan, None, ips.clone(), issued))
+        };
+        let cases = [case(&canary), case(&other)];
+        let path = json!({"path": "/palisade-probe/pp-0a1b2c3d-0001"});
+        let records = [
+            // The canary's own request, allowed, in the other probe's window.
+            rec("r0", "198.18.1.2:40002", "other.test", "01.5", path.clone()),
+            // Far from every window.
+            rec("r1", "198.18.1.2:40009", "other.test", "30", path),
+            // No marker, outside the canary's window: the other probe's.
+            rec("r2", "198.18.1.2:40002", "other.test", "01.6", json!({})),
+        ];
+        assert_eq!(assign(&cases, &records), [vec![0, 1], vec![2]]);
+        // Not before the plan was issued, marker or not.
+        let late = [case(&canary).map(|mut c| {
+            c.issued = parse_ts("2030-01-01T12:00:20Z");
+            c
+        })];
+        assert_eq!(assign(&late, &records), [vec![1]]);
     }
 
     #[test]

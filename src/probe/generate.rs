@@ -31,10 +31,17 @@ pub(crate) struct GenerateOptions {
     pub outside: Vec<IpAddr>,
     /// Transparent deployment: direct TCP is judged by Palisade too.
     pub transparent: bool,
+    /// The plan's nonce (8 lower-case hex digits, fresh per plan) and the
+    /// time it is issued: what keeps an earlier run from passing for it.
+    pub run: String,
+    pub issued: std::time::SystemTime,
 }
 
 /// Canary name that no policy should allow (RFC 2606 `.example`).
 pub(crate) const CANARY_DOMAIN: &str = "canary.palisade-probe.example";
+/// The canary name with the probe's marker as its first label: a record
+/// naming it is of that probe's own request, in this plan.
+pub(crate) const CANARY_MARKED: &str = "{marker}.canary.palisade-probe.example";
 
 /// A default plan: one probe per allow rule, canaries, standard bypass attempts.
 pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, String> {
@@ -156,7 +163,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     // Canaries: names and an address no rule names.
     add(
         "canary-https".into(),
-        format!("https://{CANARY_DOMAIN}/palisade-probe/{{marker}}"),
+        format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
         v,
         deny,
         p,
@@ -164,7 +171,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     );
     add(
         "canary-http".into(),
-        format!("http://{CANARY_DOMAIN}/palisade-probe/{{marker}}"),
+        format!("http://{CANARY_MARKED}/palisade-probe/{{marker}}"),
         v,
         deny,
         p,
@@ -208,7 +215,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     if let Some((name, port)) = &allowed_name {
         add(
             "sni-mismatch".into(),
-            format!("tls://{name}:{port}?sni={CANARY_DOMAIN}"),
+            format!("tls://{name}:{port}?sni={CANARY_MARKED}"),
             v,
             deny,
             p,
@@ -235,7 +242,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     if opts.transparent {
         add(
             "direct-canary".into(),
-            format!("https://{CANARY_DOMAIN}/"),
+            format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
             Via::Direct,
             deny,
             p,
@@ -253,7 +260,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     // DNS: the sandbox resolver, outside resolvers, DoH/DoT, exfil labels.
     add(
         "dns-canary".into(),
-        format!("dns:{CANARY_DOMAIN}/A"),
+        format!("dns:{CANARY_MARKED}/A"),
         Via::Direct,
         deny,
         p,
@@ -270,7 +277,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     for (n, ip) in outside.iter().enumerate() {
         add(
             format!("dns-outside-{n}"),
-            format!("dns:{CANARY_DOMAIN}/A"),
+            format!("dns:{CANARY_MARKED}/A"),
             Via::Direct,
             deny,
             Layer::Any,
@@ -363,7 +370,7 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     probes.extend(name_probes(org));
     for probe in &mut probes {
         if probe.id == "host-mismatch" {
-            probe.host_header = Some(CANARY_DOMAIN.into());
+            probe.host_header = Some(CANARY_MARKED.into());
         }
         if let Some(n) = probe.id.strip_prefix("dns-outside-") {
             probe.server = n
@@ -373,9 +380,17 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
                 .map(|ip| SocketAddr::new(*ip, 53));
         }
     }
+    if !super::plan::is_run_nonce(&opts.run) {
+        return Err(format!(
+            "run {:?}: a plan's nonce is 8 lower-case hex digits",
+            opts.run
+        ));
+    }
     let plan = Plan {
         org: Some(org.name.clone()),
         policy: Some(policy.hash().to_string()),
+        run: Some(opts.run.clone()),
+        issued: Some(humantime::format_rfc3339_micros(opts.issued).to_string()),
         proxy,
         resolver,
         timeout: Some("5s".into()),
@@ -409,7 +424,7 @@ fn name_probes(org: &crate::config::OrgConfig) -> Vec<Probe> {
         } else {
             budget.saturating_add(BURST_PAST_BUDGET).min(MAX_BURST)
         };
-        let marker_len = "pp-00000000-0000".len();
+        let marker_len = super::plan::SAMPLE_MARKER.len();
         let max_label = usize::from(rule.names.max_label_length);
         let template = if marker_len <= max_label {
             format!("{RANDOM}.{{marker}}.{suffix}")
@@ -548,7 +563,7 @@ fn tunnel_probes(
             )),
             ..Probe::new(
                 "silence-then-sni",
-                &format!("tls://{name}:443?sni={CANARY_DOMAIN}"),
+                &format!("tls://{name}:443?sni={CANARY_MARKED}"),
                 via,
                 Expect::Deny,
             )
@@ -568,7 +583,7 @@ fn tunnel_probes(
     }
     if let Some(name) = plain(80) {
         out.push(Probe {
-            second_host: Some(CANARY_DOMAIN.into()),
+            second_host: Some(CANARY_MARKED.into()),
             note: Some(format!(
                 "second request on a connection to {name}:80 naming another Host"
             )),
@@ -665,9 +680,29 @@ mod tests {
         );
         assert_eq!(
             t("sni-mismatch"),
-            format!("tls://allowed.test:443?sni={CANARY_DOMAIN}")
+            format!("tls://allowed.test:443?sni={CANARY_MARKED}")
         );
         assert_eq!(t("udp-quic"), "udp://198.18.9.9:443");
+        // Fresh per plan, and the canaries carry each probe's marker in
+        // their names, where a denial of them records it.
+        assert_eq!(back.run.as_deref(), Some("0a1b2c3d"));
+        assert_eq!(
+            back.issued_at(),
+            Some(std::time::UNIX_EPOCH + Duration::from_secs(1_900_000_000))
+        );
+        assert_eq!(
+            t("canary-https"),
+            format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}")
+        );
+        assert_eq!(t("dns-canary"), format!("dns:{CANARY_MARKED}/A"));
+        let host_mismatch = back.probes.iter().find(|p| p.id == "host-mismatch");
+        assert_eq!(
+            host_mismatch.and_then(|p| p.host_header.as_deref()),
+            Some(CANARY_MARKED)
+        );
+        let mut stale = opts.clone();
+        stale.run = "not-hex!".into();
+        assert!(generate(&config, &stale).is_err());
         assert!(back.probes.iter().all(|p| p.id != "direct-canary"));
         assert!(generate(
             &config,
@@ -686,6 +721,8 @@ mod tests {
             resolver: None,
             outside: vec!["198.18.9.9".parse().unwrap()],
             transparent,
+            run: "0a1b2c3d".into(),
+            issued: std::time::UNIX_EPOCH + Duration::from_secs(1_900_000_000),
         }
     }
 
@@ -750,7 +787,7 @@ mod tests {
         let silence = p("silence-then-sni");
         assert_eq!(
             silence.target,
-            format!("tls://allowed.test:443?sni={CANARY_DOMAIN}")
+            format!("tls://allowed.test:443?sni={CANARY_MARKED}")
         );
         assert_eq!(
             silence.silence.as_deref(),
@@ -764,7 +801,7 @@ mod tests {
         assert!(ech.ech && ech.silence.is_none());
         let second = p("second-request-other-host");
         assert_eq!(second.target, "http://allowed.test/palisade-probe/{marker}");
-        assert_eq!(second.second_host.as_deref(), Some(CANARY_DOMAIN));
+        assert_eq!(second.second_host.as_deref(), Some(CANARY_MARKED));
         let path = p("encoded-path");
         assert_eq!(path.target, "https://reg.test/api/%69nternal");
         assert!(path.request);

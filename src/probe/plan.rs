@@ -5,6 +5,8 @@
 //! ```toml
 //! org = "acme"                    # informational: the org the sandbox belongs to
 //! policy = "62f2…"                # informational: the policy hash agreed on
+//! run = "1f2e3d4c"                # this plan's nonce (8 hex digits): markers are pp-<run>-<n>
+//! issued = "2030-01-01T12:00:00Z" # when the plan was made: no earlier record counts
 //! proxy = "198.18.1.1:3128"       # explicit proxy for `via = "proxy"` probes
 //! resolver = "198.18.1.1:53"      # DNS server for names of direct probes and for dns: probes
 //! timeout = "5s"                  # per probe (default 5s, at most 60s)
@@ -54,7 +56,12 @@
 //! `tcp://host:port`, `tls://host:port[?sni=NAME]`, `dns:NAME[/TYPE]`,
 //! `udp://ip:port`, `dns-burst:NAME/TYPE?count=N&budget=B` (NAME with
 //! `{random}`: N queries, each for a new name, see [`burst_name`]).
-//! `{marker}` in a target is replaced by the probe's marker.
+//! `{marker}` in a target, `host_header` or `second_host` is replaced by
+//! the probe's marker, `pp-<run>-<n>` (n: the probe's place in the plan,
+//! 4 digits), so that a record naming it can only be of this plan's probe
+//! ([`Plan::marker`]). `run` and `issued` are what make a plan fresh: the
+//! report refuses a plan without them, and counts no record written before
+//! `issued` (see `fit`).
 
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -81,6 +88,14 @@ pub struct Plan {
     pub org: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<String>,
+    /// The plan's nonce, fresh per plan: 8 lower-case hex digits, the
+    /// `<run>` of every probe's marker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<String>,
+    /// When the plan was made (RFC 3339): a record written before it
+    /// (less [`super::fit::SKEW`]) is of an earlier run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub issued: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub proxy: Option<SocketAddr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -155,11 +170,23 @@ impl Probe {
     /// `silence`, and for a `dns-burst` probe [`BURST_TIME_PER_NAME`] per
     /// name.
     pub fn extra_time(&self) -> Duration {
-        let burst = match parse_target(&self.target.replace("{marker}", "pp-00000000-0000")) {
+        let burst = match parse_target(&self.target.replace(MARKER, SAMPLE_MARKER)) {
             Ok(Target::DnsBurst { count, .. }) => BURST_TIME_PER_NAME * count,
             _ => Duration::ZERO,
         };
         self.silence() + burst
+    }
+
+    /// The probe as run with `marker`: `{marker}` replaced in its target,
+    /// `host_header` and `second_host`.
+    pub fn marked(&self, marker: &str) -> Probe {
+        let sub = |v: &Option<String>| v.as_ref().map(|h| h.replace(MARKER, marker));
+        Probe {
+            target: self.target.replace(MARKER, marker),
+            host_header: sub(&self.host_header),
+            second_host: sub(&self.second_host),
+            ..self.clone()
+        }
     }
 
     /// The validated `silence` (zero when none).
@@ -169,6 +196,24 @@ impl Probe {
             .and_then(|t| parse_duration(t, MAX_SILENCE, "silence").ok())
             .unwrap_or(Duration::ZERO)
     }
+}
+
+/// The placeholder for a probe's marker.
+pub(crate) const MARKER: &str = "{marker}";
+/// A marker of the shape every marker has, for validating a plan.
+pub(crate) const SAMPLE_MARKER: &str = "pp-00000000-0000";
+
+/// Whether `run` is a plan nonce: 8 lower-case hex digits.
+pub(crate) fn is_run_nonce(run: &str) -> bool {
+    run.len() == 8
+        && run
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// The marker of the `n`th probe of a run with nonce `run`.
+pub(crate) fn marker(run: &str, n: usize) -> String {
+    format!("pp-{run}-{n:04}")
 }
 
 /// A parsed target.
@@ -473,6 +518,20 @@ impl Plan {
             .unwrap_or(DEFAULT_TIMEOUT)
     }
 
+    /// The marker of the plan's `n`th probe: `pp-<run>-<n>`; none when the
+    /// plan names no `run` (the runner then picks one, which the report
+    /// does not accept).
+    pub fn marker(&self, n: usize) -> Option<String> {
+        self.run.as_deref().map(|run| marker(run, n))
+    }
+
+    /// When the plan was issued, if it says.
+    pub fn issued_at(&self) -> Option<std::time::SystemTime> {
+        self.issued
+            .as_deref()
+            .and_then(|t| humantime::parse_rfc3339_weak(t).ok())
+    }
+
     pub fn deadline(&self) -> Duration {
         self.deadline
             .as_deref()
@@ -487,6 +546,15 @@ impl Plan {
         }
         if let Some(t) = &self.deadline {
             parse_duration(t, MAX_DEADLINE, "deadline")?;
+        }
+        if let Some(run) = &self.run {
+            if !is_run_nonce(run) {
+                return Err(format!("run = {run:?}: must be 8 lower-case hex digits"));
+            }
+        }
+        if let Some(t) = &self.issued {
+            humantime::parse_rfc3339_weak(t)
+                .map_err(|e| format!("issued = {t:?}: not an RFC 3339 time: {e}"))?;
         }
         if self.probes.is_empty() {
             return Err("the plan has no [[probe]]".into());
@@ -509,8 +577,7 @@ impl Plan {
             if !seen.insert(p.id.as_str()) {
                 return Err(ctx("duplicate id".into()));
             }
-            let target =
-                parse_target(&p.target.replace("{marker}", "pp-00000000-0000")).map_err(ctx)?;
+            let target = parse_target(&p.target.replace(MARKER, SAMPLE_MARKER)).map_err(ctx)?;
             if p.via == Via::Proxy {
                 if p.proxy.or(self.proxy).is_none() {
                     return Err(ctx(
@@ -535,6 +602,7 @@ impl Plan {
                 ("second_host", &p.second_host),
             ] {
                 if let Some(h) = h {
+                    let h = h.replace(MARKER, SAMPLE_MARKER);
                     if h.is_empty() || h.len() > 255 || h.bytes().any(|b| b <= b' ' || b >= 0x7f) {
                         return Err(ctx(format!("bad {what}")));
                     }
@@ -605,6 +673,8 @@ mod tests {
         let plan = Plan {
             org: Some("acme".into()),
             policy: Some("sha256:00".into()),
+            run: Some("0a1b2c3d".into()),
+            issued: Some("2030-01-01T12:00:00Z".into()),
             proxy: Some("198.18.1.1:3128".parse().unwrap()),
             resolver: Some("198.18.1.1:53".parse().unwrap()),
             timeout: Some("5s".into()),
@@ -753,6 +823,47 @@ mod tests {
         assert_eq!(plan.probes[0].extra_time(), BURST_TIME_PER_NAME * 40);
         assert!(with("proxy", "deny").is_err());
         assert!(with("direct", "allow").is_err());
+    }
+
+    #[test]
+    fn a_plan_names_its_run_and_its_markers() {
+        let head = "proxy = \"198.18.1.1:3128\"\n";
+        let probes = "[[probe]]\nid = \"a\"\ntarget = \"http://{marker}.c.test/p/{marker}\"\nvia = \"proxy\"\nexpect = \"deny\"\n\
+                      host_header = \"h.{marker}.test\"\n\
+                      [[probe]]\nid = \"b\"\ntarget = \"http://a.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n\
+                      second_host = \"{marker}.c.test\"\n";
+        let plan = Plan::from_toml(&format!(
+            "{head}run = \"0a1b2c3d\"\nissued = \"2030-01-01T12:00:00Z\"\n{probes}"
+        ))
+        .unwrap();
+        assert_eq!(plan.marker(1).as_deref(), Some("pp-0a1b2c3d-0001"));
+        assert_eq!(
+            plan.issued_at(),
+            humantime::parse_rfc3339_weak("2030-01-01T12:00:00Z").ok()
+        );
+        let a = plan.probes[0].marked("pp-0a1b2c3d-0000");
+        assert_eq!(
+            a.target,
+            "http://pp-0a1b2c3d-0000.c.test/p/pp-0a1b2c3d-0000"
+        );
+        assert_eq!(a.host_header.as_deref(), Some("h.pp-0a1b2c3d-0000.test"));
+        let b = plan.probes[1].marked("pp-0a1b2c3d-0001");
+        assert_eq!(b.second_host.as_deref(), Some("pp-0a1b2c3d-0001.c.test"));
+        // Without them the plan still runs (the report refuses it).
+        let bare = Plan::from_toml(&format!("{head}{probes}")).unwrap();
+        assert_eq!(bare.marker(0), None);
+        for bad in [
+            "run = \"0A1B2C3D\"\n",
+            "run = \"0a1b2c3\"\n",
+            "run = \"0a1b2c3d0\"\n",
+            "run = \"pp-0a1b\"\n",
+            "issued = \"yesterday\"\n",
+        ] {
+            assert!(
+                Plan::from_toml(&format!("{head}{bad}{probes}")).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

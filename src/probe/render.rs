@@ -599,7 +599,8 @@ mod tests {
     fn observation(id: &str, port: u16, expect: &str, extra: Value) -> Value {
         let now = SystemTime::now();
         let mut v = json!({
-            "id": id, "marker": format!("pp-1-{id}"), "target": "https://allowed.test/",
+            "id": id, "marker": TEST_MARKERS.iter().find(|(i, _)| *i == id).map_or("pp-?", |m| m.1),
+            "target": "https://allowed.test/",
             "kind": "https", "via": "proxy", "expect": expect,
             "started": ts(now - Duration::from_secs(5)), "finished": ts(now + Duration::from_secs(1)),
             "elapsed_ms": 6000,
@@ -613,12 +614,21 @@ mod tests {
         v
     }
 
-    /// The agreed plan of [`observations`], written into `dir`; its sha256.
+    /// The markers of [`plan_file`]'s probes (its run is `0a1b2c3d`).
+    const TEST_MARKERS: [(&str, &str); 3] = [
+        ("allow-https", "pp-0a1b2c3d-0000"),
+        ("deny-name", "pp-0a1b2c3d-0001"),
+        ("routed-away", "pp-0a1b2c3d-0002"),
+    ];
+
+    /// The agreed plan of [`observations`], written into `dir`, issued a
+    /// minute ago; its sha256.
     fn plan_file(dir: &Path, org: Option<&str>) -> String {
         use sha2::Digest;
         let org = org.map_or_else(String::new, |o| format!("org = {o:?}\n"));
+        let issued = ts(SystemTime::now() - Duration::from_secs(60));
         let text = format!(
-            "{org}policy = \"p0\"\nproxy = \"198.18.1.1:3128\"\n\n\
+            "{org}policy = \"p0\"\nrun = \"0a1b2c3d\"\nissued = \"{issued}\"\nproxy = \"198.18.1.1:3128\"\n\n\
              [[probe]]\nid = \"allow-https\"\ntarget = \"https://allowed.test/\"\nvia = \"proxy\"\nexpect = \"allow\"\n\n\
              [[probe]]\nid = \"deny-name\"\ntarget = \"https://other.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n\n\
              [[probe]]\nid = \"routed-away\"\ntarget = \"tcp://198.18.2.20:80\"\nvia = \"direct\"\nexpect = \"deny\"\nlayer = \"any\"\n"
@@ -845,6 +855,63 @@ mod tests {
             e.contains(&"ab".repeat(32)) && e.contains("plan.toml is sha256 "),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A plan is for one run: without its nonce it is refused; issued after
+    /// the evidence was written, no record fits it (an earlier run's), and
+    /// observations with another marker or an earlier window are findings.
+    #[tokio::test]
+    async fn an_earlier_run_does_not_pass_for_a_fresh_plan() {
+        use sha2::Digest;
+        let dir = crate::testing::scratch("report-fresh");
+        let evidence = dir.join("evidence");
+        let (_, deny_id) = chain(&evidence).await;
+        let obs = observations(&dir, &deny_id);
+        let plan_path = dir.join("plan.toml");
+        let text = std::fs::read_to_string(&plan_path).unwrap();
+        let issued_line = text.lines().find(|l| l.starts_with("issued")).unwrap();
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&obs).unwrap()).unwrap();
+        let mut with_plan = |text: String| {
+            std::fs::write(&plan_path, &text).unwrap();
+            v["plan_sha256"] = data_encoding::HEXLOWER
+                .encode(&sha2::Sha256::digest(text.as_bytes()))
+                .into();
+            std::fs::write(&obs, v.to_string()).unwrap();
+            v.clone()
+        };
+        // Issued after the records (and the windows) were: nothing counts.
+        let later = ts(SystemTime::now() + Duration::from_secs(60));
+        let _ = with_plan(text.replace(issued_line, &format!("issued = \"{later}\"")));
+        let r = report(&obs, &evidence).unwrap();
+        let deny = &r.json["probes"][1];
+        assert_eq!(deny["class"], "inconclusive", "{deny:#}");
+        assert_eq!(deny["records"], json!([]), "{deny:#}");
+        let mismatches = deny["mismatches"].to_string();
+        assert!(
+            mismatches.contains("before the plan was issued"),
+            "{mismatches}"
+        );
+        assert_eq!(r.exit, 1);
+        // Another marker than the plan's: a mismatch.
+        let mut other = with_plan(text.clone());
+        other["observations"][1]["marker"] = "pp-99999999-0001".into();
+        std::fs::write(&obs, other.to_string()).unwrap();
+        let r = report(&obs, &evidence).unwrap();
+        let deny = &r.json["probes"][1];
+        assert!(
+            deny["mismatches"]
+                .to_string()
+                .contains("marker pp-99999999-0001, the plan's is pp-0a1b2c3d-0001"),
+            "{deny:#}"
+        );
+        assert_eq!((deny["finding"].clone(), r.exit), (json!(true), 1));
+        // No run (or no issue time): not a plan a report can rest on.
+        for line in ["run = \"0a1b2c3d\"", issued_line] {
+            let _ = with_plan(text.replace(line, ""));
+            let e = report(&obs, &evidence).map(|_| ()).unwrap_err();
+            assert!(e.contains("the plan names no `run`"), "{e}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -28,7 +28,7 @@ use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::classify::{classify, in_tunnel, name_counts, observed_text, NameCounts};
+use super::classify::{classify, in_tunnel, name_counts, not_caused_by, observed_text, NameCounts};
 use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
@@ -715,6 +715,12 @@ fn read_plan(path: &Path) -> Result<Agreed, BadInput> {
     let text =
         std::fs::read_to_string(path).map_err(|e| BadInput(format!("{}: {e}", path.display())))?;
     let plan = Plan::from_toml(&text).map_err(|e| BadInput(format!("{}: {e}", path.display())))?;
+    if plan.run.is_none() || plan.issued.is_none() {
+        return Err(BadInput(format!(
+            "{}: the plan names no `run` (its nonce, 8 hex digits) or no `issued` time: without them an earlier run's observations and records could pass for this one; `probe plan` writes both, or add them by hand, fresh for every plan",
+            path.display()
+        )));
+    }
     Ok(Agreed {
         path: path.to_path_buf(),
         sha256: data_encoding::HEXLOWER.encode(&sha2::Sha256::digest(text.as_bytes())),
@@ -732,6 +738,8 @@ struct Planned {
     /// What in the observation does not fit the plan or the evidence.
     mismatches: Vec<String>,
     run: usize,
+    /// When its plan was issued.
+    issued: Option<std::time::SystemTime>,
 }
 
 /// Every probe of the agreed plan of each run, joined with its
@@ -740,12 +748,34 @@ fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
     let several = sets.len() > 1;
     let (mut out, mut ignored) = (Vec::new(), Vec::new());
     for (run, (set, agreed)) in sets.iter().enumerate() {
-        for probe in &agreed.plan.probes {
+        let issued = agreed.plan.issued_at();
+        for (index, probe) in agreed.plan.probes.iter().enumerate() {
             let mut seen = set.observations.iter().filter(|o| o.id == probe.id);
             let mut mismatches = Vec::new();
+            // The plan's own marker (read_plan refuses a plan without its
+            // run); never the one the sandbox wrote down.
+            let marker = agreed.plan.marker(index).unwrap_or_default();
+            let probe = &probe.marked(&marker);
             let observation = seen.next().map(|o| {
                 let mut o = o.clone();
-                let target = probe.target.replace("{marker}", &o.marker);
+                if o.marker != marker {
+                    mismatches.push(format!(
+                        "the observation names marker {}, the plan's is {marker}",
+                        o.marker
+                    ));
+                    o.marker = marker.clone();
+                }
+                let started = humantime::parse_rfc3339_weak(&o.started).ok();
+                if let (Some(at), Some(issued)) = (started, issued) {
+                    if at + SKEW < issued {
+                        mismatches.push(format!(
+                            "the observation says the probe started at {}, before the plan was issued ({}): a window of an earlier run",
+                            o.started,
+                            agreed.plan.issued.as_deref().unwrap_or_default()
+                        ));
+                    }
+                }
+                let target = probe.target.clone();
                 if o.target != target {
                     mismatches.push(format!(
                         "the observation names target {}, the plan's is {target}",
@@ -766,11 +796,14 @@ fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
                 o.via = probe.via;
                 o.layer = probe.layer;
                 o.note = probe.note.clone();
+                o.host_header = probe.host_header.clone();
                 o.second_host = probe.second_host.clone();
                 o.ech = probe.ech;
                 if probe.silence.is_none() {
                     o.silence_ms = None;
                     o.closed_in_silence_ms = None;
+                } else if o.silence_ms.is_none() {
+                    o.silence_ms = Some(probe.silence().as_millis() as u64);
                 }
                 o
             });
@@ -792,6 +825,7 @@ fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
                 observation,
                 mismatches,
                 run,
+                issued,
             });
         }
         for o in &set.observations {
@@ -879,8 +913,22 @@ fn trust(agreed: &[Agreed], verification: &Verification, ignored: &[String]) -> 
         format!("The evidence failed verification ({pinned}): nothing was classified.")
     });
     out.push(format!(
-        "A probe is enforced only on signed records that fit its target, the sandbox's client address and org, and its time window (± {} s), whatever the observation quotes. What the sandbox can still do: fail to run a probe or drop its observation (the probe is then missing, a finding), or misreport what it saw (at worst inconclusive, never enforced).",
+        "A probe is enforced only on signed records that fit its target (with the plan's own marker), the sandbox's client address and org, and its time window (± {} s) after the plan was issued, whatever the observation quotes; and only by a denial of the probe's own request (a denial it could not have caused is listed as a finding). What the sandbox can still do: fail to run a probe or drop its observation (the probe is then missing, a finding), or misreport what it saw (at worst inconclusive, never enforced).",
         SKEW.as_secs()
+    ));
+    let runs: Vec<String> = agreed
+        .iter()
+        .map(|a| {
+            format!(
+                "run {} issued {}",
+                a.plan.run.as_deref().unwrap_or("-"),
+                a.plan.issued.as_deref().unwrap_or("-")
+            )
+        })
+        .collect();
+    out.push(format!(
+        "The plan's nonce and issue time ({}) are the assessor's: no record written before the plan was issued, and none naming another plan's marker, counts for a probe, so an earlier run's observations and records cannot pass for this one.",
+        runs.join("; ")
     ));
     if !ignored.is_empty() {
         out.push(format!(
@@ -1020,7 +1068,13 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         .iter()
         .map(|c| {
             let o = c.observation.as_ref()?;
-            Some(Case::new(o, &c.probe, c.org.as_deref(), ips[c.run].clone()))
+            Some(Case::new(
+                o,
+                &c.probe,
+                c.org.as_deref(),
+                ips[c.run].clone(),
+                c.issued,
+            ))
         })
         .collect();
     let assigned = assign(&fits, &records);
@@ -1045,6 +1099,13 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
             ),
             Some(o) => {
                 let (mut class, mut why) = classify(o, &matched);
+                for r in &matched {
+                    if let Some(not_ours) = not_caused_by(o, r) {
+                        mismatches.push(format!(
+                            "a denial fits the probe's target and time, but is not of the probe's own request: {not_ours}"
+                        ));
+                    }
+                }
                 if let Some(c) = name_counts(o, &matched).filter(|c| c.foreign > 0) {
                     mismatches.push(format!(
                         "the observation lists {} names that are not of the probe's target",

@@ -7,7 +7,8 @@
 //! run. Nothing here decides anything: the report joins these observations
 //! with Palisade's evidence.
 //!
-//! Markers: every probe gets `pp-<run>-<n>`. It is sent where it is
+//! Markers: every probe gets `pp-<run>-<n>`, `<run>` the plan's nonce
+//! (a plan without one: this run's own). It is sent where it is
 //! harmless and recorded by Palisade: the request path (plans put
 //! `/palisade-probe/{marker}` there) and an `X-Palisade-Probe` header for
 //! HTTP, the `X-Palisade-Probe` header of a CONNECT, and any DNS label the
@@ -125,6 +126,9 @@ pub struct Observation {
     /// `ech` probes: the ClientHello carried an encrypted_client_hello extension.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ech: bool,
+    /// `host_header` probes: the Host header sent instead of the target's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_header: Option<String>,
     /// `second_host` probes: the second request's Host, its response status,
     /// and what followed it: `answered`, `closed`, `reset`, `silent`,
     /// `not_sent`.
@@ -198,7 +202,12 @@ pub(crate) async fn run(plan: &Plan, plan_text: &str) -> Observations {
     let resolver = plan.resolver.or_else(system_resolver);
     let mut observations = Vec::with_capacity(plan.probes.len());
     for (n, probe) in plan.probes.iter().enumerate() {
-        let marker = format!("pp-{run_id}-{n:04}");
+        // The plan's own markers when it names its run (the report accepts
+        // no others); a plan without one gets this run's.
+        let marker = plan
+            .marker(n)
+            .unwrap_or_else(|| super::plan::marker(&run_id, n));
+        let probe = &probe.marked(&marker);
         let left = deadline.saturating_duration_since(Instant::now());
         // A probe's silence (a burst's time per name) is on top of its timeout.
         let budget = (per_probe + probe.extra_time()).min(left);
@@ -247,8 +256,9 @@ pub(crate) async fn run(plan: &Plan, plan_text: &str) -> Observations {
 }
 
 impl Observation {
+    /// The observation of `probe` (its `{marker}`s already replaced by `marker`).
     fn new(probe: &Probe, marker: &str, plan: &Plan) -> Observation {
-        let target = probe.target.replace("{marker}", marker);
+        let target = probe.target.clone();
         let kind = parse_target(&target).map(|t| t.kind()).unwrap_or("invalid");
         let now = now_text();
         Observation {
@@ -287,6 +297,7 @@ impl Observation {
             silence_ms: None,
             closed_in_silence_ms: None,
             ech: false,
+            host_header: probe.host_header.clone(),
             second_host: None,
             second_status: None,
             second: None,

@@ -125,11 +125,23 @@ fn failures_exit_with_the_documented_status_and_message() {
     let plan = dir.join("small.toml");
     fs::write(
         &plan,
-        "org = \"acme\"\nproxy = \"127.0.0.1:9\"\ntimeout = \"1s\"\ndeadline = \"10s\"\n\n\
+        "org = \"acme\"\nrun = \"0a1b2c3d\"\nissued = \"2020-01-01T00:00:00Z\"\n\
+         proxy = \"127.0.0.1:9\"\ntimeout = \"1s\"\ndeadline = \"10s\"\n\n\
          [[probe]]\nid = \"x\"\ntarget = \"tcp://127.0.0.3:9\"\nvia = \"proxy\"\n\
          expect = \"deny\"\nnote = \"n\"\n",
     )
     .unwrap();
+    // The same plan as written by hand without its nonce: it runs, and no
+    // report is made from it.
+    let stale = dir.join("stale.toml");
+    fs::write(
+        &stale,
+        fs::read_to_string(&plan)
+            .unwrap()
+            .replace("run = \"0a1b2c3d\"\n", ""),
+    )
+    .unwrap();
+    let stale = stale.display();
     let observed = dir.join("run");
     let run = format!(
         "probe run --plan {} --out {}",
@@ -265,6 +277,12 @@ fn failures_exit_with_the_documented_status_and_message() {
             2,
             "stderr",
             format!("palisade: {bad_plan}: "),
+        ),
+        (
+            format!("probe report --plan {stale} --observations {observed} --evidence {ev} --out {out}"),
+            2,
+            "stderr",
+            format!("palisade: {stale}: the plan names no `run`"),
         ),
         (
             format!("probe report --plan {plan} --observations {observed} --evidence {ev} --out {out}"),

@@ -22,11 +22,29 @@ use crate::transparent::{load_gateway, TRANSPARENT};
 
 const RUN_TIMEOUT: Duration = Duration::from_secs(150);
 
-/// Write `plan` into the lab dir and run it in namespace `ns`; returns the
-/// observations file.
+/// `plan` made fresh, as an assessor writes one by hand: its own `run`
+/// nonce and the time it is `issued` (now) first, unless it has them.
+fn fresh(plan: &str) -> String {
+    if plan.lines().any(|l| l.starts_with("run = ")) {
+        return plan.to_string();
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let nonce =
+        (nanos.subsec_nanos() ^ std::process::id().rotate_left(16)) as u64 ^ nanos.as_secs();
+    let issued = humantime::format_rfc3339_micros(std::time::SystemTime::now());
+    format!(
+        "run = \"{:08x}\"\nissued = \"{issued}\"\n{plan}",
+        nonce & 0xffff_ffff
+    )
+}
+
+/// Write `plan` (made [`fresh`]) into the lab dir and run it in namespace
+/// `ns`; returns the observations file.
 fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf {
     let plan_path = lab.dir.join(format!("{name}.plan.toml"));
-    std::fs::write(&plan_path, plan).unwrap();
+    std::fs::write(&plan_path, fresh(plan)).unwrap();
     let out_dir = lab.dir.join(format!("{name}.obs"));
     let out = lab::run_with_timeout(
         Command::new("ip")
@@ -479,12 +497,8 @@ fn explicit_proxy_plan_is_classified_and_rendered() {
     );
 }
 
-#[test]
-fn planted_hole_is_an_unexpected_allow_however_the_sandbox_edits_its_report() {
-    // The agreed plan denies other.test; this policy lets it through.
-    let policy = format!("{DEFAULT_POLICY}\n[[org.allow]]\nhost = \"other.test\"\n");
-    let lab = Lab::start(&policy);
-    let plan = r#"
+/// The hole's plan: other.test denied (the policy may say otherwise).
+const HOLE_PLAN: &str = r#"
 proxy = "198.18.1.1:3128"
 timeout = "3s"
 
@@ -505,14 +519,17 @@ id = "canary-tls"
 target = "https://other.test/"
 via = "proxy"
 expect = "deny"
-
-[[probe]]
-id = "blocked"
-target = "https://blocked.wild.test/"
-via = "proxy"
-expect = "deny"
 "#;
-    let obs = probe_run(&lab, &lab.ns_client, "hole", plan);
+
+#[test]
+fn planted_hole_is_an_unexpected_allow_however_the_sandbox_edits_its_report() {
+    // The agreed plan denies other.test; this policy lets it through.
+    let policy = format!("{DEFAULT_POLICY}\n[[org.allow]]\nhost = \"other.test\"\n");
+    let lab = Lab::start(&policy);
+    let plan = format!(
+        "{HOLE_PLAN}\n[[probe]]\nid = \"blocked\"\ntarget = \"https://blocked.wild.test/\"\nvia = \"proxy\"\nexpect = \"deny\"\n"
+    );
+    let obs = probe_run(&lab, &lab.ns_client, "hole", &plan);
     let r = probe_report(&lab, "hole", &obs, &lab.evidence_dir, &["--allow-unsealed"]);
     assert_classes(
         &r,
@@ -681,13 +698,19 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
     );
     assert_classes(&r, &[("canary", "unexpected_allow")]);
     assert_eq!(r.code, Some(1), "{}", r.output);
-    // 3. And with its time window moved away from the allow record: nothing
-    // fits, so the quote is all there is: inconclusive, the mismatch named.
+    // 3. And with the time windows moved away from the allow records. The
+    // canary's request carried its marker, which its allow record names:
+    // it is the probe's, wherever the window is (unexpected_allow). The
+    // TLS canary's CONNECT record names no marker: nothing fits, so the
+    // quote is all there is: inconclusive, the mismatches named, and its
+    // allow listed with the records no probe accounts for.
     let shifted = forge(lab, obs, "forged-window", |v| {
-        let o = observation_mut(v, "canary");
-        refused(o);
-        o["started"] = "2001-01-01T00:00:00.000000Z".into();
-        o["finished"] = "2001-01-01T00:00:01.000000Z".into();
+        for id in ["canary", "canary-tls"] {
+            let o = observation_mut(v, id);
+            refused(o);
+            o["started"] = "2001-01-01T00:00:00.000000Z".into();
+            o["finished"] = "2001-01-01T00:00:01.000000Z".into();
+        }
     });
     let r = probe_report_with(
         lab,
@@ -697,24 +720,42 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
         &lab.evidence_dir,
         &["--allow-unsealed"],
     );
-    assert_classes(&r, &[("canary", "inconclusive")]);
+    assert_classes(
+        &r,
+        &[
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "inconclusive"),
+        ],
+    );
     assert_eq!(r.code, Some(1), "{}", r.output);
     let canary = r.probe("canary");
-    assert_eq!(canary["finding"], true, "{canary:#}");
     assert!(
-        canary["mismatches"][0]
-            .as_str()
-            .unwrap_or_default()
-            .contains("quotes record"),
+        canary["records"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|x| { x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80 }),
         "{canary:#}"
     );
-    // The allow it left behind is listed with the records no probe accounts for.
+    for id in ["canary", "canary-tls"] {
+        let p = r.probe(id);
+        assert_eq!(p["finding"], true, "{p:#}");
+        let said = |what: &str| {
+            p["mismatches"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m.as_str().unwrap_or_default().contains(what))
+        };
+        assert!(said("quotes record"), "{p:#}");
+        assert!(said("before the plan was issued"), "{p:#}");
+    }
     assert!(
         r.json["unattributed"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 80),
+            .any(|x| x["decision"] == "allow" && x["host"] == "other.test" && x["port"] == 443),
         "{:#}",
         r.json["unattributed"]
     );
@@ -792,6 +833,210 @@ fn forged_observations_do_not_hide_the_hole(lab: &Lab, obs: &Path, honest: &Repo
     });
     let e = refused_report(lab, "ghost", &ghost_plan, &ghost);
     assert!(e.contains("org \"ghost\""), "{e}");
+}
+
+/// A record's `ts` moved by `ms` milliseconds, as an observation's time.
+fn ts_plus(ts: &str, ms: i64) -> String {
+    let t = humantime::parse_rfc3339_weak(ts).unwrap();
+    let d = Duration::from_millis(ms.unsigned_abs());
+    let t = if ms < 0 { t - d } else { t + d };
+    humantime::format_rfc3339_micros(t).to_string()
+}
+
+/// The sandbox hides a hole (the policy came to allow other.test, the
+/// plan denies it) behind denials it provoked itself for the same
+/// host:port, moving the observations' windows onto them, or behind an
+/// earlier run's observations and records: neither is enforcement. Each
+/// probe is a finding, and the report exits 1.
+#[test]
+fn provoked_denials_and_replayed_runs_do_not_pass_for_enforcement() {
+    let lab = Lab::start(DEFAULT_POLICY);
+    // An earlier run, while the policy still denied other.test: enforced.
+    let earlier = probe_run(&lab, &lab.ns_client, "earlier", HOLE_PLAN);
+    let r = probe_report(
+        &lab,
+        "earlier",
+        &earlier,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    let enforced = [
+        ("allow-http", "enforced_allow"),
+        ("canary", "enforced_deny"),
+        ("canary-tls", "enforced_deny"),
+    ];
+    assert_classes(&r, &enforced);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.output, r.md());
+    let earlier_records: Vec<Value> = r.json["probes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| {
+            p["records"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x["id"].clone())
+        })
+        .collect();
+    assert!(earlier_records.len() >= 3, "{}", r.md());
+
+    // The hole opens.
+    let config = std::fs::read_to_string(&lab.config_path).unwrap();
+    std::fs::write(
+        &lab.config_path,
+        format!("{config}\n[[org.allow]]\nid = \"hole\"\nhost = \"other.test\"\n"),
+    )
+    .unwrap();
+    lab.signal_proxy("-HUP");
+    lab::wait_until("other.test allowed", Duration::from_secs(10), || {
+        lab.proxied_curl("http://other.test/", &[]).status == 200
+    });
+    // A fresh plan, issued after the earlier run's records (more than the
+    // 2 s of tolerated skew), run honestly: the hole shows.
+    std::thread::sleep(Duration::from_secs(3));
+    let fresh_run = probe_run(&lab, &lab.ns_client, "fresh", HOLE_PLAN);
+    let plan = plan_of(&fresh_run);
+    let honest = probe_report(
+        &lab,
+        "fresh",
+        &fresh_run,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    assert_classes(
+        &honest,
+        &[
+            ("allow-http", "enforced_allow"),
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "unexpected_allow"),
+        ],
+    );
+
+    // 1. Provoked: later (the allow records left out of the moved windows),
+    // a Host header naming allowed.test on a request for other.test (a
+    // host_mismatch for other.test:80), and a ClientHello for other.test
+    // in a tunnel to allowed.test:443 (an sni_mismatch naming other.test).
+    std::thread::sleep(Duration::from_secs(4));
+    let hm = lab.proxied_curl("http://other.test/", &["-H", "Host: allowed.test"]);
+    assert_eq!(hm.status, 403, "{hm:?}");
+    let hm = lab.wait_evidence("the provoked host_mismatch", |v| {
+        v["reason"] == "host_mismatch" && v["host"] == "other.test"
+    });
+    let sni = lab.proxied_curl(
+        "https://other.test/",
+        &["--connect-to", "other.test:443:allowed.test:443"],
+    );
+    assert_ne!(sni.exit, Some(0), "{sni:?}");
+    let sni = lab.wait_evidence("the provoked sni_mismatch", |v| {
+        v["reason"] == "sni_mismatch" && v["sni"] == "other.test"
+    });
+    let onto = |o: &mut Value, rec: &Value| {
+        let ts = rec["ts"].as_str().unwrap();
+        o["started"] = ts_plus(ts, -300).into();
+        o["finished"] = ts_plus(ts, 300).into();
+        for s in o["sockets"].as_array_mut().unwrap() {
+            s["local"] = rec["client"].clone();
+        }
+        o["outcome"] = "refused".into();
+        o["bytes_received"] = 0.into();
+        o["error"] = Value::Null;
+    };
+    let forged = forge(&lab, &fresh_run, "provoked", |v| {
+        let o = observation_mut(v, "canary");
+        onto(o, &hm);
+        o["http_status"] = 403.into();
+        let o = observation_mut(v, "canary-tls");
+        onto(o, &sni);
+        o["tls"] = "closed".into();
+    });
+    let r = probe_report_with(
+        &lab,
+        "provoked",
+        &plan,
+        &forged,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    // The canary's own request named its marker in its allow record,
+    // which fits wherever the window was moved; the TLS canary's CONNECT
+    // named none: nothing of its own fits.
+    assert_classes(
+        &r,
+        &[
+            ("canary", "unexpected_allow"),
+            ("canary-tls", "inconclusive"),
+        ],
+    );
+    for (id, rec) in [("canary", &hm), ("canary-tls", &sni)] {
+        let p = r.probe(id);
+        assert_ne!(p["class"], "enforced_deny", "{p:#}\n{}", r.md());
+        assert_eq!(p["finding"], true, "{p:#}");
+        let named = p["mismatches"].as_array().unwrap().iter().any(|m| {
+            m.as_str().is_some_and(|m| {
+                m.contains("not of the probe's own request")
+                    && m.contains(rec["id"].as_str().unwrap())
+            })
+        });
+        assert!(named, "{id}: the provoked denial is not named: {p:#}");
+    }
+    assert_eq!(r.code, Some(1), "{}\n{}", r.output, r.md());
+    assert!(
+        r.json["verdict"].as_str().unwrap().starts_with("FINDINGS"),
+        "{}",
+        r.json["verdict"]
+    );
+
+    // 2. Replayed: the earlier run's observations, windows and all, given
+    // for the fresh plan. As they were, they are of another plan (exit 2).
+    let e = refused_report(&lab, "replayed-as-is", &plan, &earlier);
+    assert!(e.contains("not of the agreed plan"), "{e}");
+    // Relabelled with the fresh plan's hash, copy and markers: the earlier
+    // records are older than the plan, so none counts.
+    let fresh_v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&fresh_run).unwrap()).unwrap();
+    let replayed = forge(&lab, &earlier, "replayed", |v| {
+        v["plan_sha256"] = sha256_of(&plan).into();
+        v["plan"] = fresh_v["plan"].clone();
+        for o in v["observations"].as_array_mut().unwrap() {
+            let fresh_o = fresh_v["observations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|f| f["id"] == o["id"])
+                .unwrap();
+            o["marker"] = fresh_o["marker"].clone();
+            o["target"] = fresh_o["target"].clone();
+        }
+    });
+    let r = probe_report_with(
+        &lab,
+        "replayed",
+        &plan,
+        &replayed,
+        &lab.evidence_dir,
+        &["--allow-unsealed"],
+    );
+    for (id, _) in enforced {
+        let p = r.probe(id);
+        assert!(
+            !p["class"].as_str().unwrap().starts_with("enforced"),
+            "{id}: {p:#}\n{}",
+            r.md()
+        );
+        assert_eq!(p["finding"], true, "{p:#}");
+        let old = p["mismatches"].as_array().unwrap().iter().any(|m| {
+            m.as_str()
+                .is_some_and(|m| m.contains("before the plan was issued"))
+        });
+        assert!(old, "{id}: the replay is not named: {p:#}");
+        // None of the earlier run's records counts (the fresh run's own
+        // requests, naming the fresh markers, may).
+        for x in p["records"].as_array().unwrap() {
+            assert!(!earlier_records.contains(&x["id"]), "{id}: {x:#}");
+        }
+    }
+    assert_eq!(r.code, Some(1), "{}\n{}", r.output, r.md());
 }
 
 #[test]
