@@ -102,7 +102,9 @@ enum Upstream {
 /// dial them in order; record the decision with the address reached
 /// (`conn.ip`) before a byte is sent; send the request in origin form;
 /// relay the response, its close record written at its end. A connection
-/// whose response was read to its end goes back to the pool.
+/// whose response was read to its end goes back to the pool, unless the
+/// request had a body: that one asks the upstream to close after it
+/// (`Connection: close`) and is never reused.
 ///
 /// A pooled connection the upstream closed just as the request came is
 /// not the client's problem: a request not a byte of which was written
@@ -156,7 +158,7 @@ pub(crate) async fn absolute(
         on_close: None,
     };
 
-    let (parts, body) = match origin_form(req, &host, port) {
+    let (mut parts, body) = match origin_form(req, &host, port) {
         Ok(p) => p,
         Err(e) => return exchange.failed(NoResponse::NotSent(e)),
     };
@@ -177,9 +179,11 @@ pub(crate) async fn absolute(
         },
     };
     // Whether the connection may go back to the pool after this exchange
-    // (the whole body sent before the response began); a resend below
-    // carries no body, so its connection is in order from the start.
+    // (no request body, the response read to its end); a resend below
+    // carries no body, so its connection is in order from the start. A
+    // request with a body asks the upstream to close after it.
     let (mut in_order, body_sent) = InOrder::new(body.is_end_stream());
+    in_order.ask_close(&mut parts.headers);
     let body = in_order.gate(Metered::new(body, up_count).on_complete(body_sent));
     let req = Request::from_parts(parts, body.boxed());
     let timeout = ctx.limits.response_timeout.get();
@@ -199,7 +203,7 @@ pub(crate) async fn absolute(
         Ok(resp) => {
             in_order.response_began();
             // Held until the response ends (the connection lives while it
-            // is read); then back to the pool if the exchange kept to
+            // is read); then back to the pool if the exchange had no body and kept to
             // order, else cut (the watch, dropped, cuts it).
             let give_back = Box::new(move || {
                 let Some(org) = org.filter(|_| in_order.reusable()) else {

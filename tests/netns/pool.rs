@@ -7,7 +7,10 @@
 //! `/drop-next`, it reads the next request on that connection and closes
 //! it without an answer (the race of an upstream closing a kept-alive
 //! connection just as a request is sent); `/early` is answered at once
-//! and its body never read (what follows its head is the next request).
+//! and its body never read (what follows its head is the next request);
+//! `/unread` is answered once its whole body has arrived, and that body is
+//! never read either. Like any HTTP/1.1 server it stops after answering a
+//! request marked `Connection: close`.
 //!
 //! (a) keep-alive requests of one org, over several client connections,
 //!     ride one upstream connection;
@@ -21,8 +24,9 @@
 //! (f) an idle connection is closed by Palisade after
 //!     `upstream_idle_timeout`;
 //! (g) a request head planted in a body, behind an upstream that answered
-//!     early, never reaches it, and the next request gets its own response
-//!     on its own connection.
+//!     early, or after the whole body yet never read it, never reaches
+//!     it, and the next request gets its own response on its own
+//!     connection.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::{Child, Command, Stdio};
@@ -84,13 +88,25 @@ def serve(conn, cid):
             lines = head.decode("latin-1").split("\r\n")
             target = lines[0].split(" ")[1]
             length = 0
+            asked_close = False
             for line in lines[1:]:
                 k, _, v = line.partition(":")
                 if k.strip().lower() == "content-length":
                     length = min(int(v.strip()), 1 << 20)
+                if k.strip().lower() == "connection" and "close" in v.lower():
+                    asked_close = True
             if target.startswith("/early"):
                 # Answers before reading the body, and reads no body: what
                 # follows the head is read as the next request.
+                length = 0
+            if target.startswith("/unread"):
+                # Answers only once the whole body has arrived, yet never
+                # reads it as a body: it is read as the next request.
+                while len(buf) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
                 length = 0
             while len(buf) < length:
                 data = conn.recv(65536)
@@ -98,13 +114,14 @@ def serve(conn, cid):
                     return
                 buf += data
             buf = buf[length:]
-            log({"event": "request", "id": cid, "n": n, "path": target})
+            log({"event": "request", "id": cid, "n": n, "path": target, "close": asked_close})
             if drop_next:
                 log({"event": "dropped", "id": cid, "path": target})
                 return
             drop_next = target.startswith("/drop-next")
             body = ("conn=%d n=%d path=%s\n" % (cid, n, target)).encode()
-            close = target.startswith("/close")
+            # Like every HTTP/1.1 server: a request marked close is the last.
+            close = target.startswith("/close") or asked_close
             head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % len(body)
             head += "Connection: close\r\n\r\n" if close else "\r\n"
             conn.sendall(head.encode() + body)
@@ -383,7 +400,14 @@ fn every_pooled_request_has_its_own_decision_and_exact_close_record() {
         assert_eq!(resp.status, 200, "{resp:?}\n{}", lab.proxy_output());
         sent.insert(path, (req.len() as u64, resp.body.len() as u64));
     }
-    assert_eq!(up.opens(), 1, "{}", dump(&up.log()));
+    // The POST's connection ends with it (a body: never reused).
+    assert_eq!(up.opens(), 2, "{}", dump(&up.log()));
+    assert_eq!(
+        up.conn_of("/d/0"),
+        up.conn_of("/d/2"),
+        "{}",
+        dump(&up.log())
+    );
     let mut ids = BTreeSet::new();
     for (path, (up_bytes, down_bytes)) in &sent {
         let decision = lab.wait_evidence(&format!("decision of {path}"), |v| {
@@ -524,18 +548,75 @@ fn a_request_head_planted_in_a_body_never_reaches_the_upstream() {
         "glued to the early connection: {}",
         dump(&up.log())
     );
+    served_only(&lab, &up, &["/early", "/after-early"]);
+    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
+}
+
+/// (g) A POST whose body holds request heads, to an upstream that answers
+/// only after the whole body arrived yet never reads it (so the exchange
+/// looks in order): the request goes upstream marked `Connection: close`,
+/// the upstream stops after its answer, and the planted heads are never
+/// served; the next requests of the same org (on the same client
+/// connection) get their own responses over connections of their own.
+#[test]
+fn a_head_planted_in_a_body_the_upstream_answered_after_is_never_served() {
+    let (lab, up) = lab();
+    let planted: String = (0..3)
+        .map(|i| format!("GET /planted/{i} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\n\r\n"))
+        .collect();
+    let mut c = lab.client_conn();
+    let req = format!(
+        "POST {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\nContent-Length: {}\r\n\r\n{planted}",
+        url("/unread"),
+        planted.len()
+    );
+    c.send(req.as_bytes()).expect("send");
+    let resp = c.read_response(Duration::from_secs(10));
+    assert_eq!(resp.status, 200, "{resp:?}\n{}", lab.proxy_output());
+    assert!(resp.body.contains("path=/unread"), "{resp:?}");
+    let unread = up.conn_of("/unread");
+    up.wait_closed(unread);
+    // The same client connection, then another: each its own response.
+    get(&lab, &mut c, "/after-unread/0");
+    let mut next = lab.client_conn();
+    get(&lab, &mut next, "/after-unread/1");
+    for path in ["/after-unread/0", "/after-unread/1"] {
+        assert_ne!(up.conn_of(path), unread, "{}", dump(&up.log()));
+    }
+    let log = served_only(
+        &lab,
+        &up,
+        &["/unread", "/after-unread/0", "/after-unread/1"],
+    );
+    let asked = log
+        .iter()
+        .find(|v| v["event"] == "request" && v["path"] == "/unread")
+        .expect("logged");
+    assert_eq!(asked["close"], true, "sent marked close: {asked}");
+    // The bodiless requests after it still share a connection.
+    assert_eq!(
+        up.conn_of("/after-unread/0"),
+        up.conn_of("/after-unread/1"),
+        "{}",
+        dump(&log)
+    );
+}
+
+/// The upstream served exactly `paths`, in order, each with an allow
+/// record of its own; the upstream's log.
+fn served_only(lab: &Lab, up: &Upstream, paths: &[&str]) -> Vec<Value> {
     let log = up.log();
     let served: Vec<&str> = log
         .iter()
         .filter(|v| v["event"] == "request")
         .filter_map(|v| v["path"].as_str())
         .collect();
-    assert_eq!(served, ["/early", "/after-early"], "{}", dump(&log));
+    assert_eq!(served, paths, "{}", dump(&log));
     for path in served {
         let decision = lab.wait_evidence(&format!("decision of {path}"), |v| {
             v["event"] == "decision" && v["kind"] == "http" && v["path"] == path
         });
         assert_eq!(decision["decision"], "allow", "{decision}");
     }
-    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
+    log
 }

@@ -698,6 +698,8 @@ async fn decide_and_send(
         if let Ok(v) = HeaderValue::from_str(&authority) {
             parts.headers.insert(header::HOST, v);
         }
+        // A body: the upstream connection ends with this exchange.
+        watch.ask_close(&mut parts.headers);
         parts.version = Version::HTTP_11;
     }
     let mut record = req.record();
