@@ -40,6 +40,22 @@ pub(crate) struct Intercepting {
     pub rule: Arc<str>,
 }
 
+/// What a request asked, for a unit that is a request (a forwarded
+/// request, a request or a WebSocket handshake inside an intercepted
+/// connection): what a reload's policy decides it on again, besides its
+/// target ([`super::revoke::revisit`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Asked {
+    pub method: String,
+    /// The path as received, without the query.
+    pub path: String,
+    /// A WebSocket handshake (its relay runs on after it): its rule must
+    /// keep `websocket = true`.
+    pub websocket: bool,
+    /// Inside an intercepted connection: its rule must keep intercepting.
+    pub intercepted: bool,
+}
+
 /// A connection (a tunnel, a transparent connection) or a forwarded
 /// request, decided for one target.
 #[derive(Debug, Clone)]
@@ -77,6 +93,8 @@ pub(crate) struct Conn {
     pub credential: Option<String>,
     /// Why it failed after an allow, or the detail of a denial.
     pub detail: Option<String>,
+    /// A request: what it asked (never recorded; `method` and `path` are).
+    pub asked: Option<Asked>,
 }
 
 impl Conn {
@@ -106,6 +124,7 @@ impl Conn {
             within: None,
             credential: None,
             detail: None,
+            asked: None,
         }
     }
 

@@ -35,6 +35,7 @@ mod reload;
 mod report;
 mod retention;
 mod revoke;
+mod revoke_streams;
 mod socks5;
 mod splice;
 mod synthetic;

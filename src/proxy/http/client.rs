@@ -543,7 +543,8 @@ mod tests {
     async fn an_early_answer_retires_the_connection_and_the_rest_of_the_body_is_never_sent() {
         use tokio::io::AsyncWriteExt;
         let (mut sender, mut server, tasks) = connected().await;
-        let (mut tx, body) = http_body_util::channel::Channel::<bytes::Bytes, hyper::Error>::new(1);
+        let (mut tx, body) =
+            http_body_util::channel::Channel::<bytes::Bytes, crate::serve::http::BodyError>::new(1);
         let (mut watch, req) = post(BodyExt::boxed(body), false);
         let (more, more_rx) = tokio::sync::oneshot::channel::<()>();
         // The upstream answers as soon as the head is in, the last byte of
