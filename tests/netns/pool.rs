@@ -29,7 +29,6 @@
 //!     connection.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -151,36 +150,26 @@ while True:
 
 /// The counting upstream, killed on drop.
 struct Upstream {
-    child: Child,
+    _server: Background,
     log: std::path::PathBuf,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Upstream {
     fn start(lab: &Lab) -> Upstream {
         let log = lab.dir.join("pool-upstream.log");
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &lab.ns_upstream, "python3", "-c", UPSTREAM])
-            .arg(ALLOWED_IP)
-            .arg(PORT.to_string())
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the counting upstream");
-        let mut line = String::new();
-        if let Some(out) = child.stdout.as_mut() {
-            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        let port = PORT.to_string();
+        let args = [
+            std::ffi::OsStr::new("-c"),
+            UPSTREAM.as_ref(),
+            ALLOWED_IP.as_ref(),
+            port.as_ref(),
+            log.as_os_str(),
+        ];
+        let server = lab.spawn_upstream_server("the counting upstream", "python3", args);
+        Upstream {
+            _server: server,
+            log,
         }
-        assert_eq!(line.trim(), "ready", "the counting upstream did not start");
-        Upstream { child, log }
     }
 
     fn log(&self) -> Vec<Value> {

@@ -15,12 +15,11 @@
 //! ends cleanly (no last chunk), a `policy_revoked` record names the
 //! request's own decision record, and its close record follows.
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
-use crate::lab::{self, ca_pem, certs_dir, dump, Lab, ALLOWED_IP, PROXY_ADDR};
+use crate::lab::{self, ca_pem, certs_dir, dump, Background, Lab, ALLOWED_IP, PROXY_ADDR};
 use crate::record_id;
 use crate::revoke::{reload, served_hash, CLOSED_WITHIN};
 
@@ -168,15 +167,8 @@ print(json.dumps({"ended": how, "ended_at": time.time(), "reads": reads,
 
 /// The streaming upstream, killed on drop.
 struct Streamer {
-    child: Child,
+    _server: Background,
     log: std::path::PathBuf,
-}
-
-impl Drop for Streamer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 struct Setup {
@@ -198,23 +190,23 @@ fn start() -> Setup {
         .start();
     let log = lab.dir.join("streamer.log");
     let certs = certs_dir();
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_upstream, "python3", "-c", STREAMER])
-        .args([ALLOWED_IP, &PLAIN_PORT.to_string(), &TLS_PORT.to_string()])
-        .arg(certs.join("server.pem"))
-        .arg(certs.join("server.key"))
-        .arg(&log)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start the streaming upstream");
-    let mut line = String::new();
-    if let Some(out) = child.stdout.as_mut() {
-        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
-    }
-    let streamer = Streamer { child, log };
-    assert_eq!(line.trim(), "ready", "the streaming upstream did not start");
+    let (plain, tls) = (PLAIN_PORT.to_string(), TLS_PORT.to_string());
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    let args: [&std::ffi::OsStr; 8] = [
+        "-c".as_ref(),
+        STREAMER.as_ref(),
+        ALLOWED_IP.as_ref(),
+        plain.as_ref(),
+        tls.as_ref(),
+        cert.as_ref(),
+        key.as_ref(),
+        log.as_ref(),
+    ];
+    let server = lab.spawn_upstream_server("the streaming upstream", "python3", args);
+    let streamer = Streamer {
+        _server: server,
+        log,
+    };
     lab.spawn_proxy();
     lab.wait_proxy_ready();
     Setup {

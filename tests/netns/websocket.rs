@@ -7,13 +7,13 @@
 
 use std::fs;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
 use crate::lab::{
-    ca_pem, certs_dir, dump, fixtures_dir, read_jsonl, scratch_dir, wait_until, Lab, ALLOWED_IP,
-    PROXY_ADDR, PROXY_URL,
+    ca_pem, certs_dir, dump, fixtures_dir, read_jsonl, scratch_dir, wait_until, Background, Lab,
+    ALLOWED_IP, PROXY_ADDR, PROXY_URL,
 };
 use crate::record_id;
 use crate::revoke::CLOSED_WITHIN;
@@ -59,15 +59,8 @@ secret_file = {secret_file:?}
 
 /// The echo server, killed on drop.
 struct Echo {
-    child: Child,
+    _server: Background,
     log: PathBuf,
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Echo {
@@ -106,33 +99,29 @@ fn start() -> Setup {
         .start();
     let log = lab.dir.join("ws-echo.log");
     let certs = certs_dir();
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_upstream, PYTHON])
-        .arg(fixtures_dir().join("ws_echo.py"))
-        .args(["--addr", ALLOWED_IP])
-        .args([
-            "--port",
-            &WS_PORT.to_string(),
-            "--port",
-            &NO_WS_PORT.to_string(),
-        ])
-        .arg("--cert")
-        .arg(certs.join("server.pem"))
-        .arg("--key")
-        .arg(certs.join("server.key"))
-        .arg("--log")
-        .arg(&log)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the WebSocket echo server");
-    let mut line = String::new();
-    if let Some(out) = child.stdout.as_mut() {
-        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
-    }
-    let echo = Echo { child, log };
-    assert_eq!(line.trim(), "ready", "the echo server did not start");
+    let (ws, no_ws) = (WS_PORT.to_string(), NO_WS_PORT.to_string());
+    let script = fixtures_dir().join("ws_echo.py");
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    let args: [&std::ffi::OsStr; 13] = [
+        script.as_ref(),
+        "--addr".as_ref(),
+        ALLOWED_IP.as_ref(),
+        "--port".as_ref(),
+        ws.as_ref(),
+        "--port".as_ref(),
+        no_ws.as_ref(),
+        "--cert".as_ref(),
+        cert.as_ref(),
+        "--key".as_ref(),
+        key.as_ref(),
+        "--log".as_ref(),
+        log.as_ref(),
+    ];
+    let server = lab.spawn_upstream_server("the WebSocket echo server", PYTHON, args);
+    let echo = Echo {
+        _server: server,
+        log,
+    };
     lab.spawn_proxy();
     lab.wait_proxy_ready();
     let org_ca = ca_dir.join("acme.pem");
