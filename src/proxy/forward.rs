@@ -98,8 +98,10 @@ impl Exchange {
     pub(crate) async fn unless_revoked<T>(&self, head: impl Future<Output = T>) -> Option<T> {
         match &self.hold {
             Some(h) => tokio::select! {
-                t = head => Some(t),
+                // The revocation first: the exchange it cut fails with it.
+                biased;
                 _ = h.stop().cancelled() => None,
+                t = head => Some(t),
             },
             None => Some(head.await),
         }

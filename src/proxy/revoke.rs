@@ -347,7 +347,17 @@ mod tests {
     const CLIENT: &str = "198.18.1.2:5000";
 
     fn served(orgs: &str) -> Arc<Served> {
-        let config = crate::config::from_str(orgs, std::path::Path::new("t.toml")).unwrap();
+        // Intercepting rules: the org CAs in a scratch directory of their own.
+        let text = if orgs.contains("intercept = true") {
+            let dir = crate::testing::scratch("revoke-ca");
+            format!(
+                "[intercept]\nca_dir = {:?}\n{orgs}",
+                dir.display().to_string()
+            )
+        } else {
+            orgs.to_string()
+        };
+        let config = crate::config::from_str(&text, std::path::Path::new("t.toml")).unwrap();
         let policy = Arc::new(Policy::new(&config));
         let metrics = Arc::new(crate::metrics::Metrics::new(Arc::default()));
         Arc::new(Served::load(&config, policy, &metrics).unwrap())

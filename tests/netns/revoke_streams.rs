@@ -8,7 +8,9 @@
 //!
 //! (a) absolute-form, across a reload that removes its rule;
 //! (b) intercepted, across a reload that puts its path under `deny_paths`
-//!     (the connection itself stays allowed).
+//!     (the connection itself stays allowed);
+//! (c) an absolute-form request whose body is still going up, across a
+//!     reload that removes its rule.
 //!
 //! Each time: the client stops receiving within the revocation bound (the
 //! bytes that still arrived after the reload are measured), the body never
@@ -54,6 +56,8 @@ intercept = true
 
 /// The streaming upstream (stdlib only). Arguments: address, plain port,
 /// TLS port, certificate, key, log. Prints "ready" once listening.
+/// `/sink` reads a request body as it comes and never answers; it logs
+/// what it received, and when, once the connection ends.
 const STREAMER: &str = r#"
 import json, socket, ssl, sys, threading, time
 addr, plain, tls_port, cert, key, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
@@ -75,6 +79,17 @@ def serve(conn):
             buf += data
         target = buf.split(b"\r\n", 1)[0].split(b" ")[1].decode("latin-1")
         log({"event": "request", "path": target})
+        if target.startswith("/sink"):
+            # Reads the body as it comes, never answers (at most 30 s).
+            received = len(buf.split(b"\r\n\r\n", 1)[1])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                data = conn.recv(65536)
+                if not data:
+                    break
+                received += len(data)
+            log({"event": "sink", "path": target, "received": received, "at": time.time()})
+            return
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -163,6 +178,50 @@ while time.monotonic() < deadline:
     reads.append([time.time(), total])
 print(json.dumps({"ended": how, "ended_at": time.time(), "reads": reads,
                   "last_chunk": tail.endswith(b"0\r\n\r\n")}), flush=True)
+"#;
+
+/// The uploading client: an absolute-form POST of a chunked body without
+/// end (16 KiB every 20 ms) to `target` `path`. Prints "ready" once 64 KiB
+/// are sent, then sends on (at most 15 s after that) until the proxy
+/// answers or closes, and prints one JSON line: the status of any answer,
+/// how it ended, and when.
+const UPLOADER: &str = r#"
+import json, select, socket, sys, time
+proxy, target, path = sys.argv[1:4]
+host, port = proxy.split(":")
+s = socket.create_connection((host, int(port)), timeout=8, source_address=("198.18.1.2", 0))
+s.sendall(("POST http://%s%s HTTP/1.1\r\nHost: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % (target, path, target)).encode())
+chunk = b"4000\r\n" + b"u" * 16384 + b"\r\n"
+sent, how, answer = 0, "timeout", b""
+for _ in range(4):
+    s.sendall(chunk)
+    sent += 16384
+print("ready", flush=True)
+deadline = time.monotonic() + 15
+while time.monotonic() < deadline:
+    readable, _, _ = select.select([s], [], [], 0.02)
+    if readable:
+        try:
+            data = s.recv(65536)
+        except OSError as e:
+            how = "error: " + repr(e)
+            break
+        if not data:
+            how = "eof"
+            break
+        answer += data
+        if b"\r\n\r\n" in answer:
+            how = "answered"
+            break
+        continue
+    try:
+        s.sendall(chunk)
+        sent += 16384
+    except OSError as e:
+        how = "error: " + repr(e)
+        break
+line = answer.split(b"\r\n", 1)[0].decode("latin-1")
+print(json.dumps({"ended": how, "ended_at": time.time(), "status_line": line, "answer": answer.decode("latin-1")}), flush=True)
 "#;
 
 /// The streaming upstream, killed on drop.
@@ -356,4 +415,69 @@ fn an_intercepted_streaming_response_is_cut_when_its_path_is_denied() {
         "{}",
         dump(&lab.evidence())
     );
+}
+
+/// (c) An absolute-form request whose body is still going up (the
+/// upstream has not answered) when a reload removes its rule: the upload
+/// stops at once (the upstream's connection ends), and the client is
+/// answered 403 `policy_revoked`.
+#[test]
+fn an_absolute_form_upload_is_cut_when_its_rule_goes() {
+    let s = start();
+    let lab = &s.lab;
+    let target = format!("allowed.test:{PLAIN_PORT}");
+    let (child, line) = lab.spawn_client_script(UPLOADER, &[PROXY_ADDR, &target, "/sink"]);
+    assert_eq!(line, "ready", "{}", lab.proxy_output());
+    let decision = lab.wait_evidence("decision of /sink", |v| {
+        v["event"] == "decision" && v["kind"] == "http" && v["path"] == "/sink"
+    });
+    let id = record_id(&decision).unwrap();
+    let reloaded = now();
+    reload(lab, |t| t.replace(PLAIN_RULE, ""));
+    let out = child.wait_with_output().expect("uploader");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("uploader output {e}: {stdout}"));
+    let ended_after = v["ended_at"].as_f64().unwrap() - reloaded;
+    lab::wait_until("the upstream's sink ended", Duration::from_secs(20), || {
+        s.streamer_log().iter().any(|e| e["event"] == "sink")
+    });
+    let sink = s
+        .streamer_log()
+        .into_iter()
+        .find(|e| e["event"] == "sink")
+        .unwrap();
+    let sink_after = sink["at"].as_f64().unwrap() - reloaded;
+    eprintln!(
+        "upload: answered {:?} {ended_after:.2} s after the reload; the upstream received {} \
+         bytes, its connection ended {sink_after:.2} s after the reload",
+        v["status_line"], sink["received"]
+    );
+    assert_eq!(v["ended"], "answered", "{v}");
+    assert!(
+        v["status_line"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(" 403"),
+        "{v}"
+    );
+    assert!(
+        v["answer"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("policy_revoked"),
+        "{v}"
+    );
+    assert!(
+        sink_after < CLOSED_WITHIN.as_secs_f64(),
+        "the upload went on {sink_after:.2} s after the reload: {sink}"
+    );
+    let revoked = lab.wait_evidence("revocation of /sink", |v| {
+        v["event"] == "decision" && v["conn"] == id.as_str() && v["reason"] == "policy_revoked"
+    });
+    assert_eq!(revoked["decision"], "deny", "{revoked}");
+    let close = lab.wait_evidence("close of /sink", |v| {
+        v["event"] == "close" && v["conn"] == id.as_str()
+    });
+    assert_eq!(close["detail"], "revoked before the response", "{close}");
 }
