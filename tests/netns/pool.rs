@@ -37,6 +37,8 @@ use crate::lab::*;
 use crate::record_id;
 
 const PORT: u16 = 8080;
+/// The same upstream over TLS, intercepted (see [`INTERCEPTED`]).
+const TLS_PORT: u16 = 8443;
 
 /// Two orgs, both allowed to allowed.test:8080: acme (the client
 /// namespace) and beta (the second client namespace).
@@ -58,11 +60,12 @@ host = "allowed.test"
 ports = [8080]
 "#;
 
-/// The counting upstream (stdlib only). Arguments: address, port, log.
+/// The counting upstream (stdlib only). Arguments: address, port, log,
+/// then the TLS port, certificate and key of the same server over TLS.
 /// Prints "ready" once listening. Every socket wait is bounded (10 s), and
 /// so are heads (64 KiB), bodies (1 MiB) and requests per connection (1000).
 const UPSTREAM: &str = r#"
-import json, socket, sys, threading, time
+import json, socket, ssl, sys, threading, time
 addr, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 lock = threading.Lock()
 ids = [0]
@@ -134,18 +137,37 @@ def serve(conn, cid):
     finally:
         conn.close()
         log({"event": "closed", "id": cid})
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((addr, port))
-s.listen(128)
+def listen(port, wrap):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port))
+    s.listen(128)
+    def accept():
+        while True:
+            conn, peer = s.accept()
+            with lock:
+                ids[0] += 1
+                cid = ids[0]
+            log({"event": "open", "id": cid, "peer": "%s:%d" % peer})
+            def run(conn=conn, cid=cid):
+                try:
+                    conn = wrap(conn)
+                except (OSError, ssl.SSLError) as e:
+                    log({"event": "error", "id": cid, "error": repr(e)})
+                    conn.close()
+                    return
+                serve(conn, cid)
+            threading.Thread(target=run, daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+listen(port, lambda c: c)
+if len(sys.argv) > 4:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(sys.argv[5], sys.argv[6])
+    ctx.set_alpn_protocols(["http/1.1"])
+    listen(int(sys.argv[4]), lambda c: ctx.wrap_socket(c, server_side=True))
 print("ready", flush=True)
 while True:
-    conn, peer = s.accept()
-    with lock:
-        ids[0] += 1
-        cid = ids[0]
-    log({"event": "open", "id": cid, "peer": "%s:%d" % peer})
-    threading.Thread(target=serve, args=(conn, cid), daemon=True).start()
+    time.sleep(60)
 "#;
 
 /// The counting upstream, killed on drop.
@@ -157,13 +179,18 @@ struct Upstream {
 impl Upstream {
     fn start(lab: &Lab) -> Upstream {
         let log = lab.dir.join("pool-upstream.log");
-        let port = PORT.to_string();
+        let (port, tls_port) = (PORT.to_string(), TLS_PORT.to_string());
+        let certs = certs_dir();
+        let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
         let args = [
             std::ffi::OsStr::new("-c"),
             UPSTREAM.as_ref(),
             ALLOWED_IP.as_ref(),
             port.as_ref(),
             log.as_os_str(),
+            tls_port.as_ref(),
+            cert.as_ref(),
+            key.as_ref(),
         ];
         let server = lab.spawn_upstream_server("the counting upstream", "python3", args);
         Upstream {
@@ -212,11 +239,16 @@ fn lab() -> (Lab, Upstream) {
 
 /// The lab with extra `[proxy]` lines.
 fn lab_with(options: &[&str]) -> (Lab, Upstream) {
-    // The lab's own fixtures start first; ours binds port 8080 beside them.
     let mut builder = Lab::builder().policy(POLICY).second_client();
     for line in options {
         builder = builder.proxy_option(line);
     }
+    lab_of(builder)
+}
+
+/// The lab `builder` makes, with the counting upstream.
+fn lab_of(builder: LabBuilder) -> (Lab, Upstream) {
+    // The lab's own fixtures start first; ours binds port 8080 beside them.
     let mut lab = builder.without_proxy().start();
     let up = Upstream::start(&lab);
     lab.spawn_proxy();
@@ -608,4 +640,119 @@ fn served_only(lab: &Lab, up: &Upstream, paths: &[&str]) -> Vec<Value> {
         assert_eq!(decision["decision"], "allow", "{decision}");
     }
     log
+}
+
+/// acme, its allowed.test:8443 intercepted.
+const INTERCEPTED: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+host = "allowed.test"
+ports = [8443]
+intercept = true
+"#;
+
+/// Inside one intercepted connection (CONNECT allowed.test:8443, TLS
+/// trusting CA): a POST of `/unread` with BODY, then a GET of
+/// `/after-unread`; prints one JSON line with each response's status line
+/// and body (or how the connection ended).
+const INTERCEPTED_CLIENT: &str = r#"
+import json, socket, ssl, sys
+proxy, ca, body = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+host, port = proxy.split(":")
+s = socket.create_connection((host, int(port)), timeout=10, source_address=("198.18.1.2", 0))
+s.sendall(b"CONNECT allowed.test:8443 HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n")
+head = b""
+while b"\r\n\r\n" not in head:
+    head += s.recv(1)
+ctx = ssl.create_default_context(cafile=ca)
+ctx.set_alpn_protocols(["http/1.1"])
+t = ctx.wrap_socket(s, server_hostname="allowed.test")
+f = t.makefile("rb")
+def response():
+    status = f.readline().decode("latin-1").strip()
+    length = 0
+    while True:
+        line = f.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, _, v = line.decode("latin-1").partition(":")
+        if k.lower() == "content-length":
+            length = int(v)
+    return [status, f.read(length).decode("latin-1")]
+out = {}
+t.sendall(b"POST /unread HTTP/1.1\r\nHost: allowed.test:8443\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+out["first"] = response()
+try:
+    t.sendall(b"GET /after-unread HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n")
+    out["second"] = response()
+except Exception as e:
+    out["second"] = ["ended", repr(e)]
+print(json.dumps(out), flush=True)
+"#;
+
+/// (g) Inside an intercepted connection, whose HTTP/1.1 upstream
+/// connection carries its requests one after another: a POST whose body
+/// holds request heads, to an upstream that answers after the whole body
+/// yet never reads it. The POST goes upstream marked `Connection: close`,
+/// the planted heads are never served, and the next request inside the
+/// same client connection gets its own response over a new upstream
+/// connection.
+#[test]
+fn a_head_planted_in_an_intercepted_body_is_never_served() {
+    let ca_dir = scratch_dir("pool-intercept").join("ca");
+    let builder = Lab::builder()
+        .policy(INTERCEPTED)
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}",
+            ca_dir.display().to_string(),
+            ca_pem().display().to_string()
+        ));
+    let (lab, up) = lab_of(builder);
+    let planted: String = (0..3)
+        .map(|i| format!("GET /planted/{i} HTTP/1.1\r\nHost: allowed.test:{TLS_PORT}\r\n\r\n"))
+        .collect();
+    let ca = ca_dir.join("acme.pem").display().to_string();
+    let out = lab.client_exec(
+        "python3",
+        &["-c", INTERCEPTED_CLIENT, PROXY_ADDR, &ca, &planted],
+    );
+    let v: Value = serde_json::from_str(out.stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("client output {e}: {}", out.describe()));
+    assert!(
+        v["first"][0].as_str().unwrap_or_default().contains(" 200"),
+        "{v}"
+    );
+    assert!(
+        v["first"][1]
+            .as_str()
+            .unwrap_or_default()
+            .contains("path=/unread"),
+        "{v}"
+    );
+    assert!(
+        v["second"][0].as_str().unwrap_or_default().contains(" 200"),
+        "{v}"
+    );
+    assert!(
+        v["second"][1]
+            .as_str()
+            .unwrap_or_default()
+            .contains("path=/after-unread"),
+        "the next request got another's response: {v}"
+    );
+    let log = served_only(&lab, &up, &["/unread", "/after-unread"]);
+    let asked = log
+        .iter()
+        .find(|v| v["event"] == "request" && v["path"] == "/unread")
+        .expect("logged");
+    assert_eq!(asked["close"], true, "sent marked close: {asked}");
+    assert_ne!(
+        up.conn_of("/after-unread"),
+        up.conn_of("/unread"),
+        "{}",
+        dump(&log)
+    );
 }
