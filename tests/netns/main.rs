@@ -36,6 +36,7 @@ mod reload;
 mod report;
 mod retention;
 mod revoke;
+mod revoke_streams;
 mod socks5;
 mod splice;
 mod synthetic;
