@@ -35,6 +35,7 @@ mod reload;
 mod report;
 mod retention;
 mod revoke;
+mod rotation;
 mod socks5;
 mod splice;
 mod synthetic;
