@@ -24,6 +24,11 @@
 //! decided again ([`crate::proxy::revoke`]): one opened with a removed
 //! token no longer has an org and is closed.
 //!
+//! A change of the host's addresses (a kernel notice, see
+//! [`crate::host::AddressEvents`], or the poll) serves the running config
+//! again compiled with the new addresses ([`Reloader::host_changed`]),
+//! reading no file: whatever is on disk, a new gateway address is denied.
+//!
 //! The file work (reading the config, CA and secret files, writing the
 //! policy text beside the evidence) runs off the async runtime.
 
@@ -370,12 +375,38 @@ impl Reloader {
         }
         // An enumeration that fails here is retried by the next poll.
         let host = host.filter(|h| *h != self.host_seen)?;
+        self.serve_host(host).await
+    }
+
+    /// The kernel said an address came or went ([`crate::host::AddressEvents`]):
+    /// read the host's addresses and, if they are not those the served
+    /// policy denies, serve it with them ([`Reloader::serve_host`]). An
+    /// enumeration that fails is retried by the next notice or poll.
+    pub(crate) async fn host_changed(&mut self) -> Option<ReloadOutcome> {
+        let host = blocking(crate::host::addresses).await.ok()?.ok()?;
+        self.serve_host(host).await
+    }
+
+    /// Serve the policy again with the host addresses `host`, if the served
+    /// policy has others: the running config compiled again with them, the
+    /// rest of the served state kept. No file is read, so a config file
+    /// being edited (or broken) on disk never holds a new address of the
+    /// gateway open; the file is the poll's business.
+    async fn serve_host(&mut self, host: Vec<std::net::IpAddr>) -> Option<ReloadOutcome> {
         self.host_seen = host.clone();
-        if host == self.served.load().policy.host_addresses() {
+        let current = self.served.load_full();
+        if host == current.policy.host_addresses() {
             return None;
         }
         info!(addresses = ?host, "host addresses changed");
-        Some(self.reload("host addresses changed").await)
+        let (running, now) = (self.running.clone(), current.clone());
+        let served = blocking(move || {
+            let policy = Arc::new(Policy::with_host(&running, &host));
+            now.with_policy(&running, policy)
+        })
+        .await
+        .ok()?;
+        Some(self.serve("host addresses changed", &current, None, served))
     }
 
     /// Load and check the file and, if it is accepted, serve it.
@@ -435,8 +466,24 @@ impl Reloader {
                 return ReloadOutcome::Rejected;
             }
         };
+        self.serve(why, &current, Some(config), served)
+    }
+
+    /// Swap in `served`, built from `config` (`None`: from the running
+    /// one), in place of `current`, and say so.
+    fn serve(
+        &mut self,
+        why: &str,
+        current: &Served,
+        config: Option<Box<Config>>,
+        served: Served,
+    ) -> ReloadOutcome {
         let hash = served.policy.hash().to_string();
         let (orgs, rules) = (served.policy.org_count(), served.policy.rule_count());
+        if let Some(config) = config {
+            self.running = Arc::from(config);
+        }
+        let config = &self.running;
         let intercepting: Vec<&str> = config
             .orgs
             .iter()
@@ -460,7 +507,6 @@ impl Reloader {
             intercepting = ?intercepting,
             "policy reloaded"
         );
-        self.running = Arc::from(config);
         ReloadOutcome::Applied { hash }
     }
 }
@@ -751,8 +797,10 @@ host = "example.com"
         assert_eq!(served.load().policy.host_addresses(), host);
         assert_eq!(reloader.poll().await, None, "nothing changed since");
 
-        // New addresses and an invalid file: one refused reload for the
-        // file, one for the addresses, then quiet until either changes.
+        // New addresses and an invalid file: the file is refused once, and
+        // the addresses are served all the same (with the running config:
+        // a broken file never holds a new gateway address open), then
+        // quiet until either changes.
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
@@ -761,8 +809,25 @@ host = "example.com"
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
         assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
-        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(
+            reloader.poll().await,
+            Some(ReloadOutcome::Applied { hash: hash.clone() })
+        );
         assert_eq!(reloader.poll().await, None, "not retried every poll");
-        assert!(served.load().policy.host_addresses().is_empty());
+        assert_eq!(served.load().policy.host_addresses(), host);
+        assert_eq!(served.load().policy.hash(), hash);
+
+        // A notice of the kernel with nothing new: nothing served.
+        assert_eq!(reloader.host_changed().await, None);
+        // Served without the addresses again: a notice serves them at once.
+        served.store(Arc::new(served.load().with_policy(
+            &reloader.running,
+            Arc::new(Policy::new(&reloader.running)),
+        )));
+        assert_eq!(
+            reloader.host_changed().await,
+            Some(ReloadOutcome::Applied { hash })
+        );
+        assert_eq!(served.load().policy.host_addresses(), host);
     }
 }
