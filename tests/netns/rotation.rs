@@ -99,6 +99,7 @@ fn a_token_rotated_by_reload_closes_its_tunnel_and_only_the_new_token_serves() {
 
     // The tunnel opened with the old token is closed and recorded.
     let closed = tunnel.wait_closed(CLOSED_WITHIN);
+    eprintln!("the old token's tunnel after the reload was counted: {closed:?}");
     assert!(
         matches!(closed, Closed::After(_)),
         "the tunnel opened with the replaced token is still open {CLOSED_WITHIN:?} after the reload\n{}",
