@@ -368,7 +368,7 @@ except Exception as e:
 
 /// Run [`KEEP_ALIVE_CLIENT`]: its first line, then (after `between` and
 /// the go file) the rest of what it printed.
-fn keep_alive_across(
+pub(crate) fn keep_alive_across(
     setup: &crate::intercept::Setup,
     (first, second): (&str, &str),
     between: impl FnOnce(),
