@@ -87,6 +87,7 @@ pub(crate) mod bypass;
 pub mod cli;
 pub mod config;
 pub(crate) mod dns;
+pub(crate) mod enforcement;
 pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]

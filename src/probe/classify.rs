@@ -143,8 +143,9 @@ fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> 
 /// decided by its state rather than by the request (a name budget the
 /// sandbox can spend first, a synthetic binding it can have evicted, a
 /// reload): `inconclusive`, never enforcement of the rule the probe tests.
-const INFRA_REASONS: [Reason; 5] = [
+const INFRA_REASONS: [Reason; 6] = [
     Reason::EvidenceUnavailable,
+    Reason::EnforcementMissing,
     Reason::LimitExceeded,
     Reason::NameBudgetExceeded,
     Reason::SyntheticUnbound,
