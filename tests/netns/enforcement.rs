@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::lab::{self, Lab, DEFAULT_POLICY};
+use crate::probe::{assert_classes, probe_report, probe_run};
 use crate::transparent::{gateway_ruleset, load_ruleset};
 
 /// The check interval of these tests.
@@ -256,5 +257,61 @@ fn start_up_with_a_required_ruleset_absent_fails_with_one_line() {
                 .contains(": enforcement ruleset does not load: syntax error"),
         "{}",
         out.describe()
+    );
+}
+
+/// Probes through the explicit proxy: one allowed, one denied by policy.
+const PLAN: &str = r#"
+org = "acme"
+proxy = "198.18.1.1:3128"
+timeout = "3s"
+deadline = "60s"
+
+[[probe]]
+id = "allow"
+target = "http://allowed.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "allow"
+
+[[probe]]
+id = "deny"
+target = "http://other.test/palisade-probe/{marker}"
+via = "proxy"
+expect = "deny"
+"#;
+
+#[test]
+fn probes_run_while_enforcement_was_not_verified_are_inconclusive() {
+    // Advisory: the proxy lets the allowed probe through and denies the
+    // other, as it would with the ruleset, but nothing holds the sandbox
+    // to the proxy meanwhile.
+    let mut lab = lab_with("advisory", true);
+    lab.wait_proxy_ready();
+    let verified = probe_run(&lab, &lab.ns_client, "verified", PLAN);
+    nft(&lab, &["delete", "table", "inet", "palisade"]);
+    until("/readyz 503", &lab, || lab.admin_status("/readyz") == 503);
+    let missing = probe_run(&lab, &lab.ns_client, "missing", PLAN);
+    load_ruleset(&lab, &gateway_ruleset());
+    until("/readyz 200", &lab, || lab.admin_status("/readyz") == 200);
+    let again = probe_run(&lab, &lab.ns_client, "again", PLAN);
+
+    let unsealed = ["--allow-unsealed"];
+    for (name, obs) in [("verified", &verified), ("again", &again)] {
+        let r = probe_report(&lab, name, obs, &lab.evidence_dir, &unsealed);
+        assert_classes(
+            &r,
+            &[("allow", "enforced_allow"), ("deny", "enforced_deny")],
+        );
+    }
+    let r = probe_report(&lab, "missing", &missing, &lab.evidence_dir, &unsealed);
+    assert_classes(&r, &[("allow", "inconclusive"), ("deny", "inconclusive")]);
+    let why = r.probe("deny")["why"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        why.contains("enforcement was not verified while the probe ran")
+            && why.contains("table inet palisade is not loaded"),
+        "{why}"
     );
 }
