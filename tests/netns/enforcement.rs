@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::lab::{self, Lab, DEFAULT_POLICY};
 use crate::probe::{assert_classes, probe_report, probe_run};
-use crate::transparent::{gateway_ruleset, load_ruleset};
+use crate::transparent::{curl_with, gateway_ruleset, load_ruleset, TRANSPARENT};
 
 /// The check interval of these tests.
 const INTERVAL: &str = "200ms";
@@ -25,8 +25,16 @@ const WITHIN: Duration = Duration::from_secs(10);
 fn lab_with(mode: &str, loaded: bool) -> Lab {
     let mut lab = Lab::builder()
         .policy(DEFAULT_POLICY)
+        .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
         .without_proxy()
         .start();
+    // The sandbox's default route is the gateway (transparent mode).
+    let out = lab.exec(
+        &lab.ns_client,
+        "ip",
+        &["route", "add", "default", "via", "198.18.1.1"],
+    );
+    assert!(out.success(), "{}", out.describe());
     let ruleset = lab.dir.join("gateway.nft");
     std::fs::write(&ruleset, gateway_ruleset()).unwrap();
     let mut config = std::fs::read_to_string(&lab.config_path).unwrap();
@@ -80,6 +88,17 @@ fn until(what: &str, lab: &Lab, mut f: impl FnMut() -> bool) -> Duration {
         std::thread::sleep(Duration::from_millis(5));
     }
     panic!("{what}: not within {WITHIN:?}\n{}", lab.proxy_output());
+}
+
+/// Plain HTTP to allowed.test from the sandbox, no proxy settings: the
+/// gateway redirects it to the transparent listener.
+fn transparent(lab: &Lab) -> lab::CmdOutput {
+    curl_with(
+        lab,
+        &[],
+        "http://allowed.test/",
+        "allowed.test:80:198.18.2.10",
+    )
 }
 
 fn allowed(lab: &Lab) -> lab::HttpResp {
@@ -148,6 +167,7 @@ fn a_deleted_table_fails_readiness_and_refuses_connections_until_it_is_loaded_ag
         lab.admin_status("/readyz") == 200
     });
     assert_eq!(allowed(&lab).status, 200);
+    assert!(transparent(&lab).stdout.contains("HTTP 200"));
     nft(&lab, &["flush", "chain", "inet", "palisade", "forward"]);
     until("/readyz 503 after a flushed chain", &lab, || {
         lab.admin_status("/readyz") == 503
@@ -164,6 +184,15 @@ fn a_deleted_table_fails_readiness_and_refuses_connections_until_it_is_loaded_ag
         ]),
         "{flushed}"
     );
+    // The redirect still works, so transparent connections reach Palisade:
+    // refused (reset) and recorded, as explicit ones are.
+    let reset = transparent(&lab);
+    assert!(!reset.stdout.contains("HTTP 200"), "{}", reset.describe());
+    let refusal = lab.wait_evidence("the transparent refusal", |v| {
+        v["kind"] == "tcp" && v["mode"] == "transparent" && v["reason"] == "enforcement_missing"
+    });
+    assert_eq!(refusal["host"], "allowed.test", "{refusal}");
+    assert_eq!(refusal["ip"], lab::ALLOWED_IP, "{refusal}");
 
     // Loaded again: ready, recorded, connections let through.
     load_ruleset(&lab, &gateway_ruleset());
