@@ -228,3 +228,64 @@ pub(crate) async fn watch(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ConfigLocation;
+
+    fn state(mode: EnforcementMode) -> Enforcement {
+        let config = EnforcementConfig {
+            ruleset: "gw.nft".into(),
+            mode,
+            check_interval: Duration::from_secs(1),
+            at: ConfigLocation {
+                path: "t.toml".into(),
+                line: 1,
+                col: 1,
+            },
+        };
+        Enforcement::new(&config, prometheus::IntGauge::new("g", "g").unwrap())
+    }
+
+    #[test]
+    fn only_a_required_ruleset_not_verified_refuses_and_each_change_is_one() {
+        let missing = Found::NotVerified(vec!["table inet palisade is not loaded".into()]);
+        let required = state(EnforcementMode::Required);
+        // Before the first check nothing is verified.
+        assert!(!required.is_verified() && required.refuses());
+        assert!(required.set(&Found::Verified), "a change");
+        assert!(!required.set(&Found::Verified), "no change");
+        assert!(!required.refuses() && required.gauge.get() == 1);
+        assert!(required.set(&missing));
+        assert!(!required.set(&missing));
+        assert!(required.refuses() && required.gauge.get() == 0);
+        let advisory = state(EnforcementMode::Advisory);
+        advisory.set(&missing);
+        assert!(!advisory.is_verified() && !advisory.refuses());
+    }
+
+    #[test]
+    fn records_name_what_differs_and_no_client() {
+        let s = state(EnforcementMode::Required);
+        let policy: Arc<str> = "p0".into();
+        let missing = Found::NotVerified(vec!["a".into(), "b".into()]);
+        let r = s.record(&missing, &policy);
+        assert_eq!(
+            (r.kind, r.event, r.reason),
+            (Kind::Enforcement, Event::Failed, Reason::EnforcementMissing)
+        );
+        assert_eq!(r.decision_str(), "deny");
+        assert_eq!(r.client, None);
+        assert_eq!(r.differs, Some(vec!["a".to_string(), "b".to_string()]));
+        assert_eq!(
+            r.detail.as_deref(),
+            Some("the gateway ruleset gw.nft is not loaded as written (2 differences; mode required)")
+        );
+        let r = s.record(&Found::Verified, &policy);
+        assert_eq!(
+            (r.event, r.decision_str(), r.differs),
+            (Event::Verified, "allow", None)
+        );
+    }
+}
