@@ -21,7 +21,17 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) bypass: RawBypass,
     #[serde(default)]
+    pub(super) enforcement: RawEnforcement,
+    #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnforcement {
+    pub(super) ruleset: Option<Spanned<String>>,
+    pub(super) mode: Option<Spanned<String>>,
+    pub(super) check_interval: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -18,6 +18,7 @@ mod admin;
 mod bypass;
 mod credentials;
 mod dns;
+mod enforcement;
 mod evidence;
 mod intercept;
 mod org;
@@ -27,6 +28,7 @@ mod rules;
 use admin::validate_admin;
 use bypass::validate_bypass;
 use dns::validate_dns;
+use enforcement::validate_enforcement;
 use evidence::{check_capacity, validate_evidence};
 use intercept::validate_intercept;
 use org::validate_orgs;
@@ -41,6 +43,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         evidence,
         intercept,
         bypass,
+        enforcement,
         org,
     } = raw;
 
@@ -57,6 +60,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
 
     let intercept = validate_intercept(intercept, errors);
     let bypass = validate_bypass(bypass, errors);
+    let enforcement = validate_enforcement(enforcement, errors);
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
     let orgs = validate_orgs(org, pools_set, errors);
     if let Some(at) = retain_at {
@@ -71,6 +75,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         evidence,
         intercept,
         bypass,
+        enforcement,
         orgs,
     };
     dns::check_pools(&config, &pool_spans, errors);
