@@ -15,6 +15,8 @@ pub(crate) mod chain;
 pub mod costs;
 pub(crate) mod fleet;
 pub(crate) mod key;
+pub(crate) mod merkle;
+pub(crate) mod note;
 pub(crate) mod query;
 pub(crate) mod reference;
 pub(crate) mod segment;
