@@ -10,9 +10,6 @@
 //! - [`Frontier`] is the writer's whole tree state: the roots of the
 //!   complete subtrees along the right edge, at most 64 hashes.
 
-// The proofs serve `evidence prove`, which the next change adds.
-#![allow(dead_code)]
-
 use sha2::{Digest, Sha256};
 
 /// A SHA-256 value.
@@ -121,7 +118,7 @@ pub(crate) fn record_leaf(hex: &str) -> Hash {
 /// the tree of the records from seq `base` up to the header.
 pub(crate) fn frontier_json(base: u64, f: &Frontier) -> serde_json::Value {
     let hashes: Vec<serde_json::Value> = f
-        .hashes
+        .hashes()
         .iter()
         .map(|h| data_encoding::HEXLOWER.encode(h).into())
         .collect();

@@ -17,6 +17,7 @@ pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod merkle;
 pub(crate) mod note;
+pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;
 pub(crate) mod segment;
