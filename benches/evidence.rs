@@ -259,9 +259,11 @@ fn steps_part(full: bool) {
     let mut batch = Vec::with_capacity(1 << 20);
     let mut prev = "0".repeat(64);
     let mut bytes = 0usize;
+    let mut hashes = Vec::with_capacity(n as usize);
     let t = Instant::now();
     for (seq, line) in lines.iter().enumerate() {
         prev = steps.chain(line, seq as u64, &prev, &mut batch);
+        hashes.push(prev.clone());
         if batch.len() > (1 << 20) - 4096 {
             bytes += batch.len();
             batch.clear();
@@ -269,7 +271,19 @@ fn steps_part(full: bool) {
     }
     let chain_ns = per(t);
     bytes += batch.len();
-    let total = id_ns + ref_ns + ts_ns + ser_ns + chain_ns;
+    let mut tree = palisade::evidence::costs::Tree::default();
+    let t = Instant::now();
+    for h in &hashes {
+        steps.leaf(h, &mut tree);
+    }
+    let leaf_ns = per(t);
+    let notes = 1000u32;
+    let t = Instant::now();
+    for _ in 0..notes {
+        black_box(steps.checkpoint_note(&tree));
+    }
+    let note_ns = t.elapsed().as_nanos() as f64 / f64::from(notes);
+    let total = id_ns + ref_ns + ts_ns + ser_ns + chain_ns + leaf_ns;
     println!(
         "a record's steps ({n} tunnel decision records, {} bytes per line):",
         bytes as u64 / n
@@ -280,10 +294,15 @@ fn steps_part(full: bool) {
         ("timestamp", ts_ns),
         ("canonical serialisation", ser_ns),
         ("chaining (SHA-256, copy into the batch)", chain_ns),
+        ("Merkle leaf (SHA-256 of the hash, frontier)", leaf_ns),
     ] {
         println!("  {what:<42} {ns:>7.0} ns  ({:>4.1}%)", ns * 100.0 / total);
     }
     println!("  {:<42} {total:>7.0} ns", "all steps");
+    println!(
+        "  {:<42} {note_ns:>7.0} ns  (once per checkpoint)",
+        "checkpoint note (root, Ed25519 signature)"
+    );
 }
 
 fn main() {

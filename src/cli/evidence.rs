@@ -11,7 +11,7 @@ use std::time::SystemTime;
 use ed25519_dalek::VerifyingKey;
 
 use super::{load_config, output_failed, CliError, Status, DEFAULT_CONFIG};
-use crate::evidence::{chain, fleet, key, query, verify};
+use crate::evidence::{chain, fleet, key, proof, query, verify};
 
 /// `palisade evidence ...`.
 #[derive(clap::Subcommand, Debug)]
@@ -28,6 +28,35 @@ pub enum Command {
         /// Accept a chain whose end is not sealed (a live or crashed instance).
         #[arg(long)]
         allow_unsealed: bool,
+    },
+    /// Print a proof, as JSON, against the store's signed checkpoint
+    /// notes: `--record ID` that a record is in the Merkle tree,
+    /// `--consistency A B` that the checkpoint of tree size B extends the
+    /// one of tree size A. The store is verified first.
+    Prove {
+        #[arg(value_name = "PATH")]
+        path: PathBuf,
+        /// The record to prove (its `id`).
+        #[arg(long, value_name = "ID", conflicts_with = "consistency")]
+        record: Option<String>,
+        /// With --record: the checkpoint (by tree size) to prove against;
+        /// default the last.
+        #[arg(long, value_name = "N", requires = "record")]
+        tree_size: Option<u64>,
+        /// Two checkpoints' tree sizes, the earlier first.
+        #[arg(long, num_args = 2, value_names = ["A", "B"])]
+        consistency: Option<Vec<u64>>,
+        /// Public key (hex, or a file holding it) the store must be signed with.
+        #[arg(long, value_name = "KEY")]
+        key: Option<String>,
+    },
+    /// Check a proof `prove` printed with the public key alone.
+    VerifyProof {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+        /// Public key (hex, or a file holding it) of the log.
+        #[arg(long, value_name = "KEY")]
+        key: String,
     },
     /// Print the public key of the checkpoint signing key (hex).
     Pubkey {
@@ -235,6 +264,14 @@ pub fn run(command: Command) -> Result<(), CliError> {
             allow_unsealed,
         } => verify(&paths, &keys, allow_unsealed),
         Command::Pubkey { config } => pubkey(&config),
+        Command::Prove {
+            path,
+            record,
+            tree_size,
+            consistency,
+            key,
+        } => prove(&path, record, tree_size, consistency, key),
+        Command::VerifyProof { file, key } => verify_proof(&file, &key),
         Command::Query {
             paths,
             filter,
@@ -293,6 +330,72 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
         Ok(())
     } else {
         Err(CliError::silent(Status::Failed))
+    }
+}
+
+/// `prove`: 0 with the proof on stdout; 1 on a broken store or a record
+/// or checkpoint it does not hold; 2 on bad arguments.
+fn prove(
+    path: &Path,
+    record: Option<String>,
+    tree_size: Option<u64>,
+    consistency: Option<Vec<u64>>,
+    key: Option<String>,
+) -> Result<(), CliError> {
+    let key = key.as_deref().map(parse_key).transpose()?;
+    let opts = verify::Options {
+        key,
+        allow_unsealed: true,
+    };
+    if let Err(e) = verify::verify_with(path, &opts) {
+        return Err(CliError::new(
+            Status::Failed,
+            format_args!("refusing to prove from a store that fails verify: {e}"),
+        ));
+    }
+    let made = match (record, consistency.as_deref()) {
+        (Some(id), None) => proof::prove_inclusion(path, id.trim(), tree_size),
+        (None, Some([a, b])) => proof::prove_consistency(path, *a, *b),
+        _ => {
+            return Err(CliError::new(
+                Status::BadInput,
+                "prove: give --record ID or --consistency A B",
+            ))
+        }
+    };
+    let p = made.map_err(|e| CliError::new(Status::Failed, e))?;
+    sayln!("{}", serde_json::to_string_pretty(&p).unwrap_or_default());
+    Ok(())
+}
+
+/// `verify-proof`: 0 when the proof holds (and what it proves), 1 when it
+/// does not (and why), 2 on a bad key or an unreadable file.
+fn verify_proof(file: &Path, key: &str) -> Result<(), CliError> {
+    let key = parse_key(key)?;
+    let name = file.display();
+    let bad = |m: String| CliError::new(Status::BadInput, m);
+    let len = std::fs::metadata(file)
+        .map_err(|e| bad(format!("{name}: {e}")))?
+        .len();
+    if len > proof::MAX_PROOF {
+        return Err(CliError::new(
+            Status::Failed,
+            format_args!("broken: {name}: {len} bytes is no proof Palisade writes"),
+        ));
+    }
+    let text = std::fs::read(file).map_err(|e| bad(format!("{name}: {e}")))?;
+    let checked = serde_json::from_slice(&text)
+        .map_err(|e| format!("not JSON: {e}"))
+        .and_then(|v| proof::check(&v, &key));
+    match checked {
+        Ok(what) => {
+            sayln!("{what}");
+            Ok(())
+        }
+        Err(e) => {
+            sayln!("broken: {name}: {e}");
+            Err(CliError::bare(Status::Failed, format!("{name}: {e}")))
+        }
     }
 }
 

@@ -456,8 +456,9 @@ pub const DEFAULT_MIN_FREE_MAX: u64 = 256 << 20;
 /// allow (about 535 bytes) and its close (about 605), see
 /// docs/evidence.md#sizing.
 pub const WORST_BYTES_PER_RECORD: u64 = 1140;
-/// Bytes of one signed checkpoint.
-pub const CHECKPOINT_BYTES: u64 = 612;
+/// Bytes of one signed checkpoint (with its Merkle `tree_size`, `root`
+/// and signed `note`, about 896).
+pub const CHECKPOINT_BYTES: u64 = 900;
 
 /// `[evidence] min_free`: below this much free space on the evidence file
 /// system the store counts as full.

@@ -8,6 +8,7 @@
 use std::time::Duration;
 
 use super::chain::Prepared;
+use super::merkle::Frontier;
 use super::reference::RefKey;
 use super::writer::{now_ts, Ids};
 use super::Record;
@@ -17,6 +18,10 @@ pub struct Steps {
     ids: Ids,
     refs: RefKey,
 }
+
+/// The writer's Merkle tree state (the right edge).
+#[derive(Default)]
+pub struct Tree(Frontier);
 
 /// A record serialised in its canonical form, ready to be chained.
 pub struct Serialised(Prepared);
@@ -54,5 +59,20 @@ impl Steps {
     /// Chain it as number `seq` after `prev` into `batch`; its hash.
     pub fn chain(&self, line: &Serialised, seq: u64, prev: &str, batch: &mut Vec<u8>) -> String {
         line.0.seal_into(seq, prev, batch)
+    }
+
+    /// Make the record whose hash is `hash` the tree's next leaf, as the
+    /// writer does after chaining it.
+    pub fn leaf(&self, hash: &str, tree: &mut Tree) {
+        tree.0.push(super::merkle::record_leaf(hash));
+    }
+
+    /// A checkpoint's signed note over `tree` (its root, the body, the
+    /// Ed25519 signature): once per checkpoint, not per record.
+    pub fn checkpoint_note(&self, tree: &Tree) -> String {
+        let key = ed25519_dalek::SigningKey::from_bytes(&[7; 32]);
+        let origin = super::note::origin("bench");
+        let body = super::note::checkpoint_body(&origin, tree.0.size(), &tree.0.root());
+        super::note::sign(&body, &origin, &key)
     }
 }

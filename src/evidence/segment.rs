@@ -12,6 +12,8 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
+use super::merkle::{self, Frontier};
+
 pub(crate) const PREFIX: &str = "palisade-";
 pub(crate) const SUFFIX: &str = ".jsonl";
 
@@ -224,4 +226,97 @@ pub(crate) fn read_tail(path: &Path) -> io::Result<Tail> {
         )));
     }
     Ok(tail)
+}
+
+/// The first line of a segment, parsed.
+pub(crate) fn header(path: &Path) -> Option<Map<String, Value>> {
+    let data = fs::read(path).ok()?;
+    let end = data.iter().position(|b| *b == b'\n')?;
+    match serde_json::from_slice::<Value>(&data[..end]).ok()? {
+        Value::Object(m) => Some(m),
+        _ => None,
+    }
+}
+
+/// Call `f` with every chained record of the segments `list[start..]`, in
+/// order: complete lines that parse, as many of a segment's lines as the
+/// next segment's header says belong to the chain. Stops at the first
+/// line that does not parse, or when `f` returns false. Reads one segment
+/// at a time.
+pub(crate) fn for_each_record(
+    list: &[PathBuf],
+    start: usize,
+    mut f: impl FnMut(&Map<String, Value>) -> bool,
+) {
+    for i in start..list.len() {
+        let Ok(data) = fs::read(&list[i]) else { return };
+        let (lines, _) = split_lines(&data);
+        let name = list[i]
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        let counted = list
+            .get(i + 1)
+            .and_then(|p| header(p))
+            .and_then(|h| h.get("predecessor").cloned())
+            .filter(|p| p.get("segment").and_then(Value::as_str) == name.as_deref())
+            .and_then(|p| p.get("lines").and_then(Value::as_u64))
+            .map_or(lines.len(), |n| (n as usize).min(lines.len()));
+        for line in &lines[..counted] {
+            let Ok(Value::Object(m)) = serde_json::from_slice::<Value>(line) else {
+                return;
+            };
+            if !f(&m) {
+                return;
+            }
+        }
+    }
+}
+
+/// The Merkle tree at the chain head (the record `last_seq`) of the
+/// segments `list`: `(base, frontier)`. Replays the records from the
+/// newest header that records the tree (normally the last segment's), or
+/// from the start of a chain that predates the tree; a chain whose start
+/// is gone and that never recorded a tree gets a new tree starting at the
+/// next record.
+pub(crate) fn tree_at_head(list: &[PathBuf], last_seq: u64) -> (u64, Frontier) {
+    let fresh = (last_seq + 1, Frontier::default());
+    let mut from = None;
+    for (i, p) in list.iter().enumerate().rev() {
+        let Some(h) = header(p) else { continue };
+        if let Some(t) = h.get("tree").and_then(merkle::frontier_of_json) {
+            from = Some((i, t));
+            break;
+        }
+        if h.get("prev").and_then(Value::as_str) == Some(super::chain::GENESIS) {
+            from = Some((i, (0, Frontier::default())));
+            break;
+        }
+    }
+    let Some((start, (base, mut tree))) = from else {
+        return fresh;
+    };
+    // A header's tree covers the records before it: replay from the header.
+    let mut next = base + tree.size();
+    for_each_record(list, start, |m| {
+        let (Some(seq), Some(hash)) = (
+            m.get("seq").and_then(Value::as_u64),
+            m.get("hash").and_then(Value::as_str),
+        ) else {
+            return false;
+        };
+        if seq != next {
+            return false;
+        }
+        tree.push(merkle::record_leaf(hash));
+        next += 1;
+        seq < last_seq
+    });
+    if next == last_seq + 1 {
+        (base, tree)
+    } else {
+        tracing::warn!(
+            "evidence: the Merkle tree could not be rebuilt up to seq {last_seq}; a new tree starts at the next record"
+        );
+        fresh
+    }
 }

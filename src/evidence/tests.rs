@@ -83,6 +83,16 @@ fn write_lines(p: &Path, l: &[String]) {
 
 /// Re-link lines `from..` after an edit, as a forger would.
 fn rechain(l: &mut [String], from: usize) {
+    relink(l, from, None);
+}
+
+/// Re-link lines `from..` after an edit and re-sign every checkpoint's
+/// `sig`, as the holder of the key would.
+fn rechain_signed(l: &mut [String], from: usize, key: &ed25519_dalek::SigningKey) {
+    relink(l, from, Some(key));
+}
+
+fn relink(l: &mut [String], from: usize, key: Option<&ed25519_dalek::SigningKey>) {
     for i in from..l.len() {
         let Value::Object(mut m) = serde_json::from_str(&l[i]).unwrap() else {
             panic!()
@@ -90,6 +100,12 @@ fn rechain(l: &mut [String], from: usize) {
         if i > 0 {
             let prev: Value = serde_json::from_str(&l[i - 1]).unwrap();
             m.insert("prev".into(), prev["hash"].clone());
+        }
+        if let Some(key) =
+            key.filter(|_| matches!(m["event"].as_str(), Some("checkpoint" | "seal")))
+        {
+            m.remove("hash");
+            chain::sign(&mut m, key);
         }
         let seq = m["seq"].as_u64().unwrap();
         let prev = m["prev"].as_str().unwrap().to_string();
@@ -937,4 +953,178 @@ async fn the_tap_sees_each_record_once_written_with_its_chain_fields() {
         seqs.iter().all(|s| on_disk.contains(s)),
         "{seqs:?} {on_disk:?}"
     );
+}
+
+/// Every record of `dir` in chain order, parsed.
+fn all_records(dir: &Path) -> Vec<serde_json::Map<String, Value>> {
+    let mut v = Vec::new();
+    segment::for_each_record(&segments(dir), 0, |m| {
+        v.push(m.clone());
+        true
+    });
+    v
+}
+
+/// Each checkpoint commits to the RFC 6962 tree of every record before
+/// it, across rotations and restarts: its `tree_size`, its `root` and its
+/// note, signed with the evidence key under the replica's origin.
+#[tokio::test]
+async fn checkpoints_commit_to_the_merkle_tree_of_every_record_before_them() {
+    let root = crate::testing::scratch("evtest");
+    let mut cfg = config(&root);
+    cfg.replica = "gw a".into();
+    cfg.rotate_size = 3000;
+    sealed_chain(&cfg, 20).await;
+    // A second run continues the same tree from the header it writes.
+    sealed_chain(&cfg, 7).await;
+    let key = key::load(&cfg.key).unwrap().verifying_key();
+    let recs = all_records(&cfg.dir);
+    let leaves: Vec<merkle::Hash> = recs
+        .iter()
+        .map(|m| merkle::record_leaf(m["hash"].as_str().unwrap()))
+        .collect();
+    let mut checked = 0;
+    for (i, m) in recs.iter().enumerate() {
+        match m["event"].as_str().unwrap() {
+            "checkpoint" | "seal" => {
+                assert_eq!(m["tree_size"], i as u64, "{m:?}");
+                let want = data_encoding::HEXLOWER.encode(&merkle::root(&leaves[..i]));
+                assert_eq!(m["root"], want);
+                let c = note::open_checkpoint(m["note"].as_str().unwrap(), &key).unwrap();
+                assert_eq!(c.origin, "palisade/gw%20a");
+                assert_eq!(
+                    (c.size, data_encoding::HEXLOWER.encode(&c.root)),
+                    (i as u64, want)
+                );
+                checked += 1;
+            }
+            "segment_start" => {
+                let (base, f) = merkle::frontier_of_json(&m["tree"]).unwrap();
+                assert_eq!((base, f.size()), (0, i as u64));
+                assert_eq!(f.root(), merkle::root(&leaves[..i]));
+            }
+            _ => {}
+        }
+    }
+    assert!(checked >= 6, "{checked}");
+    assert!(segments(&cfg.dir).len() >= 3);
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert_eq!(s.merkle_checkpoints, checked);
+    assert_eq!(s.formats, vec![chain::FORMAT.to_string()]);
+    assert!(
+        s.to_string().contains("checkpoint roots match the records"),
+        "{s}"
+    );
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// The key holder rewrites a record, re-links the chain and re-signs
+/// every checkpoint: the first checkpoint whose root no longer matches
+/// the records is named. A truncated or edited note, or one for another
+/// tree size, fails too.
+#[tokio::test]
+async fn a_rewritten_past_fails_at_the_first_inconsistent_checkpoint() {
+    let root = crate::testing::scratch("evtest");
+    let cfg = config(&root);
+    sealed_chain(&cfg, 12).await;
+    let sk = key::load(&cfg.key).unwrap();
+    let opts = pinned(&cfg);
+    let seg = segments(&cfg.dir)[0].clone();
+    let orig = lines(&seg);
+    let first_ckpt = orig
+        .iter()
+        .position(|l| l.contains("\"event\":\"checkpoint\""))
+        .unwrap();
+
+    let mut l = orig.clone();
+    l[2] = l[2].replace("h1.test", "h9.test");
+    assert_ne!(l[2], orig[2]);
+    rechain_signed(&mut l, 2, &sk);
+    write_lines(&seg, &l);
+    let e = verify_with(&cfg.dir, &opts).unwrap_err();
+    assert_eq!(e.line, first_ckpt as u64 + 1, "{e}");
+    assert!(e.message.contains("inconsistent checkpoint"), "{e}");
+
+    type Edit = fn(&mut serde_json::Map<String, Value>);
+    let cases: [(&str, Edit); 4] = [
+        ("truncated note", |m| {
+            let n = m["note"].as_str().unwrap();
+            m["note"] = n[..n.len() - 10].into();
+        }),
+        ("edited note", |m| {
+            let n = m["note"]
+                .as_str()
+                .unwrap()
+                .replacen("palisade/", "palisadE/", 1);
+            m["note"] = n.into();
+        }),
+        ("note of another tree size", |m| {
+            m["tree_size"] = (m["tree_size"].as_u64().unwrap() + 1).into();
+        }),
+        ("no note", |m| {
+            m.remove("note");
+        }),
+    ];
+    for (what, edit) in cases {
+        let mut l = orig.clone();
+        let Value::Object(mut m) = serde_json::from_str(&l[first_ckpt]).unwrap() else {
+            panic!()
+        };
+        edit(&mut m);
+        l[first_ckpt] = Value::Object(m).to_string();
+        rechain_signed(&mut l, first_ckpt, &sk);
+        write_lines(&seg, &l);
+        let e = verify_with(&cfg.dir, &opts).unwrap_err();
+        assert_eq!(e.line, first_ckpt as u64 + 1, "{what}: {e}");
+        assert!(
+            e.message.contains("note") || e.message.contains("tree_size"),
+            "{what}: {e}"
+        );
+    }
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// A store written before the Merkle tree (format `/1`: no `tree` in
+/// headers, no `tree_size`, `root`, `note` in checkpoints) still
+/// verifies; the next start rebuilds the tree from its records and its
+/// checkpoints commit to every record since the first.
+#[tokio::test]
+async fn an_old_store_verifies_and_is_continued_with_the_tree() {
+    let root = crate::testing::scratch("evtest");
+    let cfg = config(&root);
+    sealed_chain(&cfg, 9).await;
+    let sk = key::load(&cfg.key).unwrap();
+    let seg = segments(&cfg.dir)[0].clone();
+    let mut l: Vec<String> = lines(&seg)
+        .iter()
+        .map(|line| {
+            let Value::Object(mut m) = serde_json::from_str(line).unwrap() else {
+                panic!()
+            };
+            for k in ["tree", "tree_size", "root", "note"] {
+                m.remove(k);
+            }
+            if m["event"] == "segment_start" {
+                m["format"] = "palisade-evidence/1".into();
+            }
+            Value::Object(m).to_string()
+        })
+        .collect();
+    rechain_signed(&mut l, 0, &sk);
+    write_lines(&seg, &l);
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert_eq!(s.merkle_checkpoints, 0);
+    assert_eq!(s.formats, vec!["palisade-evidence/1".to_string()]);
+    assert!(
+        s.to_string().contains("no checkpoint with a tree root"),
+        "{s}"
+    );
+
+    sealed_chain(&cfg, 4).await;
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.merkle_checkpoints >= 1, "{s}");
+    let header = &all_records(&cfg.dir)[l.len()];
+    assert_eq!(header["tree"]["base"], 0);
+    assert_eq!(header["tree"]["size"], l.len() as u64);
+    let _ = fs::remove_dir_all(&root);
 }

@@ -17,6 +17,8 @@ use ed25519_dalek::VerifyingKey;
 use serde_json::{Map, Value};
 
 use super::chain::{self, GENESIS};
+use super::merkle::{self, Frontier};
+use super::note;
 use super::segment::{self, split_lines};
 use super::CONTRACT_FIELDS;
 
@@ -60,6 +62,13 @@ pub(crate) struct Summary {
     /// Segments retention removed, as the headers still here record them,
     /// oldest first.
     pub removed: Vec<Removed>,
+    /// The `format` of the segment headers, each once.
+    pub formats: Vec<String>,
+    /// Checkpoints whose `tree_size`, `root` and signed `note` were
+    /// checked against the records.
+    pub merkle_checkpoints: u64,
+    /// The last checked checkpoint's tree size and root (hex).
+    pub tree: Option<(u64, String)>,
 }
 
 /// A segment retention removed, as a later segment's header records it:
@@ -215,6 +224,15 @@ impl fmt::Display for Summary {
             },
             self.key.as_deref().unwrap_or("-")
         )?;
+        match &self.tree {
+            Some((size, root)) => writeln!(
+                f,
+                "  merkle: {} checkpoint roots match the records; last tree_size {size} root {root}",
+                self.merkle_checkpoints
+            )?,
+            None => writeln!(f, "  merkle: no checkpoint with a tree root")?,
+        }
+        writeln!(f, "  format: {}", self.formats.join(", "))?;
         if self.sealed {
             write!(f, "  end: sealed")?;
         } else {
@@ -312,6 +330,111 @@ fn str_of<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
     m.get(k).and_then(Value::as_str)
 }
 
+/// A header's `tree` against the tree of the records before it: the same
+/// when both are known; adopted when the records before it are not here
+/// (it must then end at this header); required by format `/2`.
+fn check_header_tree(
+    m: &Map<String, Value>,
+    seq: u64,
+    required: bool,
+    tree: &mut Option<(u64, Frontier)>,
+) -> Result<(), String> {
+    let Some(t) = m.get("tree") else {
+        return if required {
+            Err("header lacks the Merkle tree its format requires: record edited".into())
+        } else {
+            Ok(())
+        };
+    };
+    let (base, f) = merkle::frontier_of_json(t)
+        .ok_or_else(|| "header's Merkle tree is malformed".to_string())?;
+    match tree {
+        Some((b, mine)) if *b == base => {
+            if *mine != f {
+                return Err(format!(
+                    "header's Merkle tree (size {}) does not match the records before it: inconsistent tree",
+                    f.size()
+                ));
+            }
+        }
+        Some(_) if !(f.size() == 0 && base == seq) => {
+            return Err(
+                "header's Merkle tree starts at another record than the chain's: inconsistent tree"
+                    .into(),
+            );
+        }
+        _ => {
+            if base + f.size() != seq {
+                return Err(format!(
+                    "header's Merkle tree ends at seq {} but the header is seq {seq}: inconsistent tree",
+                    base + f.size()
+                ));
+            }
+            *tree = Some((base, f));
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint's `tree_size`, `root` and `note` against the tree of the
+/// records before it, the key and the replica's origin. `Some((size,
+/// root))` when checked; `None` for a checkpoint of format `/1`.
+fn check_checkpoint_tree(
+    m: &Map<String, Value>,
+    key: &VerifyingKey,
+    required: bool,
+    tree: Option<&(u64, Frontier)>,
+    origin: Option<&str>,
+) -> Result<Option<(u64, String)>, String> {
+    let (size, root, signed) = (
+        m.get("tree_size").and_then(Value::as_u64),
+        str_of(m, "root"),
+        str_of(m, "note"),
+    );
+    let (Some(size), Some(root), Some(signed)) = (size, root, signed) else {
+        if required
+            || m.contains_key("tree_size")
+            || m.contains_key("root")
+            || m.contains_key("note")
+        {
+            return Err("checkpoint lacks tree_size, root or note: record edited".into());
+        }
+        return Ok(None);
+    };
+    let Some((_, f)) = tree else {
+        return Err("checkpoint has a tree root but no header here records the tree".into());
+    };
+    if size != f.size() {
+        return Err(format!(
+            "checkpoint tree_size {size} but {} records precede it in the tree: inconsistent checkpoint",
+            f.size()
+        ));
+    }
+    let mine = data_encoding::HEXLOWER.encode(&f.root());
+    if root != mine {
+        return Err(format!(
+            "checkpoint root does not match the {size} records before it: inconsistent checkpoint (the first; a rewritten past)"
+        ));
+    }
+    let c = note::open_checkpoint(signed, key).map_err(|e| format!("checkpoint note: {e}"))?;
+    if c.size != size || data_encoding::HEXLOWER.encode(&c.root) != root {
+        return Err(format!(
+            "checkpoint note says tree size {} root {}, the record says {size} {root}: note edited or swapped",
+            c.size,
+            data_encoding::HEXLOWER.encode(&c.root)
+        ));
+    }
+    if let Some(o) = origin {
+        if c.origin != o {
+            return Err(format!(
+                "checkpoint note's origin {:?} does not name this replica ({o:?})",
+                c.origin
+            ));
+        }
+    }
+    Ok(Some((size, mine)))
+}
+
 /// Check every record under `path` with default options (sealed end
 /// required, embedded key).
 #[cfg(test)]
@@ -347,6 +470,13 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
     let mut last_event = String::new();
     let mut unsigned: u64 = 0;
     let mut last_line: u64 = 0;
+    // The Merkle tree over the records so far (its base seq and right
+    // edge), once known: from the first record of a chain that starts at
+    // genesis, or from the first header recording it.
+    let mut tree: Option<(u64, Frontier)> = None;
+    // The current segment's format requires the tree.
+    let mut merkle_required = false;
+    let mut origin: Option<String> = None;
 
     for (i, file) in list.iter().enumerate() {
         let name = file.display().to_string();
@@ -416,6 +546,16 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
                         "segment does not start with a segment_start header".into()
                     ));
                 }
+                let format = str_of(m, "format").unwrap_or("palisade-evidence/1");
+                if !s.formats.iter().any(|f| f == format) {
+                    s.formats.push(format.to_string());
+                }
+                merkle_required = format != "palisade-evidence/1";
+                origin = str_of(m, "replica").map(note::origin);
+                if prev_hash.is_none() && prev == GENESIS {
+                    tree = Some((0, Frontier::default()));
+                }
+                check_header_tree(m, seq, merkle_required, &mut tree).map_err(&bad)?;
                 if str_of(m, "segment") != Some(base.as_str()) && !single {
                     return Err(bad(format!(
                         "header names segment {:?}, file is {base:?}: segment renamed or swapped",
@@ -491,6 +631,18 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
                     if !chain::check_sig(m, k) {
                         return Err(bad(format!("bad {event} signature")));
                     }
+                    if let Some((size, root)) = check_checkpoint_tree(
+                        m,
+                        k,
+                        merkle_required,
+                        tree.as_ref(),
+                        origin.as_deref(),
+                    )
+                    .map_err(&bad)?
+                    {
+                        s.merkle_checkpoints += 1;
+                        s.tree = Some((size, root));
+                    }
                     s.checkpoints += 1;
                     unsigned = 0;
                 }
@@ -524,6 +676,9 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
                     s.first_ts = Some(ts.to_string());
                 }
                 s.last_ts = Some(ts.to_string());
+            }
+            if let Some((_, f)) = &mut tree {
+                f.push(merkle::record_leaf(hash));
             }
             s.records += 1;
             s.last_seq = seq;

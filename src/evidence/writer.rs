@@ -41,12 +41,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant, SystemTime};
 
+use data_encoding::HEXLOWER;
 use ed25519_dalek::SigningKey;
 use serde_json::{Map, Value};
 use tokio::sync::Notify;
 use tracing::{error, info, warn};
 
 use super::chain::{self, Prepared, GENESIS};
+use super::merkle::{self, Frontier};
+use super::note;
 use super::segment::{self, Tail};
 use super::store::{Owed, Payer};
 use crate::config::{Durability, EvidenceConfig};
@@ -528,6 +531,15 @@ struct Head {
     seq: Option<u64>,
     hash: String,
     since_ckpt: u64,
+    /// The Merkle tree's right edge over the records from `tree_base` on.
+    tree: Frontier,
+}
+
+impl Head {
+    /// Make the record whose hash is `hash` the next leaf.
+    fn leaf(&mut self, hash: &str) {
+        self.tree.push(merkle::record_leaf(hash));
+    }
 }
 
 /// The leader's state: the open segment and the chain head.
@@ -535,6 +547,11 @@ pub(super) struct Io {
     cfg: EvidenceConfig,
     key: SigningKey,
     pubkey: String,
+    /// The seq of the Merkle tree's leaf 0 (0 unless the store predates
+    /// the tree and its start was removed).
+    tree_base: u64,
+    /// The origin line of this replica's checkpoint notes.
+    origin: String,
     head: Head,
     seg: Option<Segment>,
     last_ckpt: Instant,
@@ -589,14 +606,18 @@ impl Io {
     ) -> io::Result<Io> {
         let pubkey = super::key::public_hex(&key);
         let now = Instant::now();
+        let origin = note::origin(&cfg.replica);
         let mut w = Io {
             cfg,
             key,
             pubkey,
+            tree_base: 0,
+            origin,
             head: Head {
                 seq: None,
                 hash: GENESIS.to_string(),
                 since_ckpt: 0,
+                tree: Frontier::default(),
             },
             seg: None,
             last_ckpt: now,
@@ -653,10 +674,13 @@ impl Io {
                         "cannot find the chain head: {e}; move the damaged segment aside"
                     ))
                 })?;
+                let (base, tree) = segment::tree_at_head(&existing, tail.last_seq);
+                w.tree_base = base;
                 w.head = Head {
                     seq: Some(tail.last_seq),
                     hash: tail.last_hash.clone(),
                     since_ckpt: 0,
+                    tree,
                 };
                 let end = tail.end();
                 // Anything but a seal means the previous run did not shut
@@ -722,6 +746,10 @@ impl Io {
         m.insert("key".into(), self.pubkey.clone().into());
         m.insert("replica".into(), self.cfg.replica.clone().into());
         m.insert("durability".into(), self.cfg.durability.as_str().into());
+        m.insert(
+            "tree".into(),
+            merkle::frontier_json(self.tree_base, &self.head.tree),
+        );
         let (hash, line) = chain::seal_line(&mut m, seq, &self.head.hash);
         let result = (|| {
             let mut file = OpenOptions::new()
@@ -746,6 +774,7 @@ impl Io {
         self.sync_dir();
         self.counters.store().wrote(line.len() as u64);
         self.head.seq = Some(seq);
+        self.head.leaf(&hash);
         self.head.hash = hash;
         self.head.since_ckpt += 1;
         self.usage.push_back((name.clone(), HashMap::new()));
@@ -947,6 +976,7 @@ impl Io {
         let (hash, line) = chain::seal_line(m, seq, &head.hash);
         buf.extend_from_slice(&line);
         head.seq = Some(seq);
+        head.leaf(&hash);
         head.hash = hash;
         head.since_ckpt += 1;
     }
@@ -955,6 +985,7 @@ impl Io {
     fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared) {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
+        head.tree.push(merkle::record_leaf(&head.hash));
         head.seq = Some(seq);
         head.since_ckpt += 1;
     }
@@ -963,6 +994,15 @@ impl Io {
         let mut m = Self::meta(ids, event);
         m.insert("key".into(), self.pubkey.clone().into());
         m.insert("signed".into(), head.since_ckpt.into());
+        // The tree of every record before this checkpoint.
+        let (size, root) = (head.tree.size(), head.tree.root());
+        m.insert("tree_size".into(), size.into());
+        m.insert("root".into(), HEXLOWER.encode(&root).into());
+        let body = note::checkpoint_body(&self.origin, size, &root);
+        m.insert(
+            "note".into(),
+            note::sign(&body, &self.origin, &self.key).into(),
+        );
         m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);

@@ -334,3 +334,118 @@ fn query_and_export_read_the_live_evidence() {
         .any(|e| e["class_uid"] == 4002 && e["disposition_id"] == 1));
     assert!(events.iter().all(|e| e["metadata"]["version"].is_string()));
 }
+
+/// `prove` a record and two checkpoints of a gateway's evidence; each
+/// proof holds with the public key alone (`verify-proof`), and an edited
+/// note, a proof for another tree size, an edited record or a proof with
+/// a hash cut off is refused as broken (exit 1, never a panic).
+#[test]
+fn proofs_of_a_gateways_records_hold_with_the_key_alone_and_tampered_ones_fail() {
+    let mut lab = Lab::builder()
+        .evidence_config("checkpoint_every = 4")
+        .start();
+    let cfg = lab.config_path.display().to_string();
+    let key = palisade(&["evidence", "pubkey", "-c", &cfg]);
+    assert!(key.success(), "{}", key.describe());
+    let key = key.stdout.trim().to_string();
+    for _ in 0..5 {
+        assert_eq!(get(&lab).0, 200);
+        let denied = lab.proxied_curl("http://other.test/", &[]);
+        assert_eq!(denied.status, 403, "{denied:?}");
+    }
+    let denied = lab.wait_evidence("deny other.test", |v| v["host"] == "other.test");
+    lab.signal_proxy("-TERM");
+    let st = lab.wait_proxy_exit(Duration::from_secs(10)).expect("exit");
+    assert_eq!(st.code(), Some(0), "{}", lab.proxy_output());
+
+    let dir = lab.evidence_dir.display().to_string();
+    let v = palisade(&["evidence", "verify", &dir, "--key", &key]);
+    assert!(v.success(), "{}", v.describe());
+    assert!(
+        v.stdout.contains("checkpoint roots match the records"),
+        "{}",
+        v.stdout
+    );
+    assert!(v.stdout.contains("palisade-evidence/2"), "{}", v.stdout);
+
+    let id = denied["id"].as_str().unwrap();
+    let p = palisade(&["evidence", "prove", &dir, "--record", id, "--key", &key]);
+    assert!(p.success(), "{}", p.describe());
+    let inclusion: serde_json::Value = serde_json::from_str(&p.stdout).unwrap();
+    assert_eq!(inclusion["record"]["id"], id);
+    let sizes: Vec<u64> = lab
+        .evidence()
+        .iter()
+        .filter_map(|r| r["tree_size"].as_u64())
+        .collect();
+    assert!(sizes.len() >= 3, "{sizes:?}");
+    let (a, b) = (sizes[0].to_string(), sizes[sizes.len() - 1].to_string());
+    let c = palisade(&["evidence", "prove", &dir, "--consistency", &a, &b]);
+    assert!(c.success(), "{}", c.describe());
+    let consistency: serde_json::Value = serde_json::from_str(&c.stdout).unwrap();
+
+    let check = |what: &str, proof: &serde_json::Value| {
+        let file = lab.dir.join(format!("{}.json", what.replace(' ', "-")));
+        fs::write(&file, proof.to_string()).unwrap();
+        palisade(&[
+            "evidence",
+            "verify-proof",
+            file.to_str().unwrap(),
+            "--key",
+            &key,
+        ])
+    };
+    let ok = check("inclusion", &inclusion);
+    assert!(ok.success(), "{}", ok.describe());
+    assert!(
+        ok.stdout.contains(&format!("record {id} is leaf")),
+        "{}",
+        ok.stdout
+    );
+    let ok = check("consistency", &consistency);
+    assert!(ok.success(), "{}", ok.describe());
+    assert!(
+        ok.stdout.contains(&format!("extends the tree of {a}")),
+        "{}",
+        ok.stdout
+    );
+
+    let mut bad: Vec<(&str, serde_json::Value)> = Vec::new();
+    let mut p = inclusion.clone();
+    let n = p["note"].as_str().unwrap().to_string();
+    p["note"] = n[..n.len() - 30].into();
+    bad.push(("truncated note", p));
+    let mut p = inclusion.clone();
+    p["note"] = n
+        .replacen(&format!("\n{}\n", inclusion["tree_size"]), "\n1\n", 1)
+        .into();
+    bad.push(("edited note", p));
+    let mut p = inclusion.clone();
+    p["tree_size"] = (inclusion["tree_size"].as_u64().unwrap() + 4).into();
+    bad.push(("proof for another tree size", p));
+    let mut p = inclusion.clone();
+    p["record"]["host"] = "api.test".into();
+    bad.push(("edited record", p));
+    let mut p = consistency.clone();
+    p["hashes"].as_array_mut().unwrap().pop();
+    bad.push(("consistency hash cut off", p));
+    let mut p = consistency.clone();
+    p["new"] = consistency["old"].clone();
+    p["old"] = consistency["new"].clone();
+    bad.push(("consistency swapped", p));
+    for (what, proof) in &bad {
+        let out = check(what, proof);
+        assert_eq!(out.code(), Some(1), "{what}: {}", out.describe());
+        assert!(out.stdout.starts_with("broken: "), "{what}: {}", out.stdout);
+    }
+    // Another key proves nothing.
+    let other = "11".repeat(32);
+    let out = palisade(&[
+        "evidence",
+        "verify-proof",
+        lab.dir.join("inclusion.json").to_str().unwrap(),
+        "--key",
+        &other,
+    ]);
+    assert_eq!(out.code(), Some(1), "{}", out.describe());
+}

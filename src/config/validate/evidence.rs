@@ -365,7 +365,7 @@ mod capacity_tests {
             "2 payers (1 org and the clients of no org) x 20 records/s x 1140 bytes",
             "lower max_records_per_second_per_org to at most 11",
             "raise retain_size to at least 6.4MiB",
-            "shorten retain_min_age to at most 1m 7s",
+            "shorten retain_min_age to at most 1m 6s",
         ] {
             assert!(e.contains(want), "{want}: {e}");
         }

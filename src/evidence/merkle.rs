@@ -1,0 +1,568 @@
+//! The Merkle tree over the chain's records, in RFC 6962 / RFC 9162 form.
+//! Pure functions over hashes: no I/O, no clock.
+//!
+//! - leaf hash = SHA-256(0x00 || leaf data), node hash = SHA-256(0x01 ||
+//!   left || right); the tree of n leaves splits at the largest power of
+//!   two below n (left-balanced, nothing duplicated).
+//! - The leaf data of a record is the 32 bytes its `hash` field holds in
+//!   hex (the SHA-256 of its canonical form without `hash`), so a record
+//!   alone gives its leaf.
+//! - [`Frontier`] is the writer's whole tree state: the roots of the
+//!   complete subtrees along the right edge, at most 64 hashes.
+
+use sha2::{Digest, Sha256};
+
+/// A SHA-256 value.
+pub(crate) type Hash = [u8; 32];
+
+/// SHA-256 of the empty string: the root of the empty tree.
+pub(crate) fn empty_root() -> Hash {
+    Sha256::digest([]).into()
+}
+
+/// RFC 6962 leaf hash of `data`.
+pub(crate) fn leaf_hash(data: &[u8]) -> Hash {
+    let mut h = Sha256::new();
+    h.update([0u8]);
+    h.update(data);
+    h.finalize().into()
+}
+
+/// RFC 6962 interior node hash.
+pub(crate) fn node_hash(left: &Hash, right: &Hash) -> Hash {
+    let mut h = Sha256::new();
+    h.update([1u8]);
+    h.update(left);
+    h.update(right);
+    h.finalize().into()
+}
+
+/// The largest power of two strictly below `n` (n >= 2).
+fn split(n: usize) -> usize {
+    let mut k = 1;
+    while k * 2 < n {
+        k *= 2;
+    }
+    k
+}
+
+/// MTH over leaf hashes.
+pub(crate) fn root(leaves: &[Hash]) -> Hash {
+    match leaves.len() {
+        0 => empty_root(),
+        1 => leaves[0],
+        n => {
+            let k = split(n);
+            node_hash(&root(&leaves[..k]), &root(&leaves[k..]))
+        }
+    }
+}
+
+/// The right edge of a tree: enough to append and to compute the root.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Frontier {
+    size: u64,
+    /// Roots of the complete subtrees, largest (leftmost) first; one per
+    /// set bit of `size`.
+    hashes: Vec<Hash>,
+}
+
+impl Frontier {
+    /// A frontier as stored, checked: one hash per set bit of `size`.
+    pub(crate) fn from_parts(size: u64, hashes: Vec<Hash>) -> Option<Frontier> {
+        (hashes.len() == size.count_ones() as usize).then_some(Frontier { size, hashes })
+    }
+
+    pub(crate) fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub(crate) fn hashes(&self) -> &[Hash] {
+        &self.hashes
+    }
+
+    /// Append a leaf (its leaf hash).
+    pub(crate) fn push(&mut self, leaf: Hash) {
+        let mut h = leaf;
+        // Each trailing one bit of the old size is a subtree of the same
+        // height as the new one: merge them.
+        let mut s = self.size;
+        while s & 1 == 1 {
+            // A set bit always has its hash.
+            let Some(left) = self.hashes.pop() else { break };
+            h = node_hash(&left, &h);
+            s >>= 1;
+        }
+        self.hashes.push(h);
+        self.size += 1;
+    }
+
+    /// The tree's root.
+    pub(crate) fn root(&self) -> Hash {
+        let mut it = self.hashes.iter().rev();
+        let Some(last) = it.next() else {
+            return empty_root();
+        };
+        it.fold(*last, |acc, left| node_hash(left, &acc))
+    }
+}
+
+/// The leaf hash of a record whose `hash` field is `hex`: the leaf data is
+/// the 32 bytes that field spells (all zeros if it spells none, which no
+/// written record does and which then matches no verifier's leaf).
+pub(crate) fn record_leaf(hex: &str) -> Hash {
+    leaf_hash(&super::chain::unhex::<32>(hex).unwrap_or([0; 32]))
+}
+
+/// A segment header's `tree`: `{"base": SEQ, "size": N, "hashes": [HEX]}`,
+/// the tree of the records from seq `base` up to the header.
+pub(crate) fn frontier_json(base: u64, f: &Frontier) -> serde_json::Value {
+    let hashes: Vec<serde_json::Value> = f
+        .hashes()
+        .iter()
+        .map(|h| data_encoding::HEXLOWER.encode(h).into())
+        .collect();
+    serde_json::json!({"base": base, "size": f.size, "hashes": hashes})
+}
+
+/// A header's `tree`, read back: `(base, frontier)`, or `None` when it is
+/// malformed.
+pub(crate) fn frontier_of_json(v: &serde_json::Value) -> Option<(u64, Frontier)> {
+    let base = v.get("base")?.as_u64()?;
+    let size = v.get("size")?.as_u64()?;
+    let hashes = v
+        .get("hashes")?
+        .as_array()?
+        .iter()
+        .map(|h| h.as_str().and_then(super::chain::unhex::<32>))
+        .collect::<Option<Vec<Hash>>>()?;
+    Some((base, Frontier::from_parts(size, hashes)?))
+}
+
+/// RFC 6962 PATH(m, D[n]): the inclusion proof of leaf `m`.
+pub(crate) fn inclusion_proof(leaves: &[Hash], m: usize) -> Vec<Hash> {
+    let n = leaves.len();
+    if n <= 1 || m >= n {
+        return Vec::new();
+    }
+    let k = split(n);
+    if m < k {
+        let mut p = inclusion_proof(&leaves[..k], m);
+        p.push(root(&leaves[k..]));
+        p
+    } else {
+        let mut p = inclusion_proof(&leaves[k..], m - k);
+        p.push(root(&leaves[..k]));
+        p
+    }
+}
+
+/// RFC 6962 PROOF(m, D[n]): the consistency proof of the first `m` leaves.
+pub(crate) fn consistency_proof(leaves: &[Hash], m: usize) -> Vec<Hash> {
+    if m == 0 || m >= leaves.len() {
+        return Vec::new();
+    }
+    subproof(m, leaves, true)
+}
+
+fn subproof(m: usize, leaves: &[Hash], whole: bool) -> Vec<Hash> {
+    let n = leaves.len();
+    if m == n {
+        return if whole {
+            Vec::new()
+        } else {
+            vec![root(leaves)]
+        };
+    }
+    let k = split(n);
+    if m <= k {
+        let mut p = subproof(m, &leaves[..k], whole);
+        p.push(root(&leaves[k..]));
+        p
+    } else {
+        let mut p = subproof(m - k, &leaves[k..], false);
+        p.push(root(&leaves[..k]));
+        p
+    }
+}
+
+/// Why a proof does not verify.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ProofError {
+    #[error("leaf index {index} is not in a tree of {size} leaves")]
+    IndexOutOfRange { index: u64, size: u64 },
+    #[error("tree size {new} is smaller than {old}")]
+    Shrinks { old: u64, new: u64 },
+    #[error("the proof has {got} hashes; a proof for these tree sizes has {want}")]
+    Length { got: usize, want: usize },
+    #[error("the proof does not lead to the signed root")]
+    RootMismatch,
+    #[error("the proof does not lead to the earlier root")]
+    OldRootMismatch,
+}
+
+/// RFC 9162 2.1.3.2: verify that `leaf` is leaf `index` of the tree of
+/// `size` leaves whose root is `root`.
+pub(crate) fn verify_inclusion(
+    index: u64,
+    size: u64,
+    leaf: &Hash,
+    proof: &[Hash],
+    root: &Hash,
+) -> Result<(), ProofError> {
+    if index >= size {
+        return Err(ProofError::IndexOutOfRange { index, size });
+    }
+    let (mut fn_, mut sn) = (index, size - 1);
+    let mut r = *leaf;
+    for p in proof {
+        if sn == 0 {
+            return Err(ProofError::Length {
+                got: proof.len(),
+                want: inclusion_len(index, size),
+            });
+        }
+        if fn_ & 1 == 1 || fn_ == sn {
+            r = node_hash(p, &r);
+            if fn_ & 1 == 0 {
+                while fn_ & 1 == 0 && fn_ != 0 {
+                    fn_ >>= 1;
+                    sn >>= 1;
+                }
+            }
+        } else {
+            r = node_hash(&r, p);
+        }
+        fn_ >>= 1;
+        sn >>= 1;
+    }
+    if sn != 0 {
+        return Err(ProofError::Length {
+            got: proof.len(),
+            want: inclusion_len(index, size),
+        });
+    }
+    if r != *root {
+        return Err(ProofError::RootMismatch);
+    }
+    Ok(())
+}
+
+/// How many hashes an inclusion proof of `index` in `size` has.
+fn inclusion_len(index: u64, size: u64) -> usize {
+    let (mut fn_, mut sn, mut n) = (index, size.saturating_sub(1), 0);
+    while sn != 0 {
+        if fn_ & 1 == 0 && fn_ == sn {
+            while fn_ & 1 == 0 && fn_ != 0 {
+                fn_ >>= 1;
+                sn >>= 1;
+            }
+        }
+        if sn == 0 {
+            break;
+        }
+        n += 1;
+        fn_ >>= 1;
+        sn >>= 1;
+    }
+    n
+}
+
+/// RFC 9162 2.1.4.2: verify that the tree of `new` leaves with root
+/// `new_root` extends the tree of `old` leaves with root `old_root`.
+pub(crate) fn verify_consistency(
+    old: u64,
+    new: u64,
+    old_root: &Hash,
+    new_root: &Hash,
+    proof: &[Hash],
+) -> Result<(), ProofError> {
+    if old > new {
+        return Err(ProofError::Shrinks { old, new });
+    }
+    if old == new {
+        if !proof.is_empty() {
+            return Err(ProofError::Length {
+                got: proof.len(),
+                want: 0,
+            });
+        }
+        return if old_root == new_root {
+            Ok(())
+        } else {
+            Err(ProofError::RootMismatch)
+        };
+    }
+    if old == 0 {
+        // Every tree extends the empty one; nothing to prove.
+        return if proof.is_empty() {
+            Ok(())
+        } else {
+            Err(ProofError::Length {
+                got: proof.len(),
+                want: 0,
+            })
+        };
+    }
+    let wrong_len = |want| ProofError::Length {
+        got: proof.len(),
+        want,
+    };
+    let mut path: Vec<Hash> = Vec::with_capacity(proof.len() + 1);
+    if old.is_power_of_two() {
+        path.push(*old_root);
+    }
+    path.extend_from_slice(proof);
+    let (mut fn_, mut sn) = (old - 1, new - 1);
+    while fn_ & 1 == 1 {
+        fn_ >>= 1;
+        sn >>= 1;
+    }
+    let Some((first, rest)) = path.split_first() else {
+        return Err(wrong_len(1));
+    };
+    let (mut fr, mut sr) = (*first, *first);
+    for c in rest {
+        if sn == 0 {
+            return Err(wrong_len(path.len() - 1));
+        }
+        if fn_ & 1 == 1 || fn_ == sn {
+            fr = node_hash(c, &fr);
+            sr = node_hash(c, &sr);
+            if fn_ & 1 == 0 {
+                while fn_ & 1 == 0 && fn_ != 0 {
+                    fn_ >>= 1;
+                    sn >>= 1;
+                }
+            }
+        } else {
+            sr = node_hash(&sr, c);
+        }
+        fn_ >>= 1;
+        sn >>= 1;
+    }
+    if sn != 0 {
+        return Err(wrong_len(proof.len() + 1));
+    }
+    if fr != *old_root {
+        return Err(ProofError::OldRootMismatch);
+    }
+    if sr != *new_root {
+        return Err(ProofError::RootMismatch);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use data_encoding::HEXLOWER;
+
+    // The reference tree of RFC 6962's test data (certificate-transparency
+    // merkle_tree_test, Go merkle/logverifier tests): eight leaf inputs and
+    // the root of the tree over the first n of them.
+    const LEAVES: [&str; 8] = [
+        "",
+        "00",
+        "10",
+        "2021",
+        "3031",
+        "40414243",
+        "5051525354555657",
+        "606162636465666768696a6b6c6d6e6f",
+    ];
+    const ROOTS: [&str; 8] = [
+        "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
+        "fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125",
+        "aeb6bcfe274b70a14fb067a5e5578264db0fa9b51af5e0ba159158f329e06e77",
+        "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+        "4e3bbb1f7b478dcfe71fb631631519a3bca12c9aefca1612bfce4c13a86264d4",
+        "76e67dadbcdf1e10e1b74ddc608abd2f98dfb16fbce75277b5232a127f2087ef",
+        "ddb89be403809e325750d3d263cd78929c2942b7942a34b77e122c9594a74c8c",
+        "5dc9da79a70659a9ad559cb701ded9a2ab9d823aad2f4960cfe370eff4604328",
+    ];
+
+    fn h(s: &str) -> Hash {
+        HEXLOWER.decode(s.as_bytes()).unwrap().try_into().unwrap()
+    }
+
+    fn leaves() -> Vec<Hash> {
+        LEAVES
+            .iter()
+            .map(|l| leaf_hash(&HEXLOWER.decode(l.as_bytes()).unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn roots_match_the_reference_vectors() {
+        let l = leaves();
+        assert_eq!(
+            HEXLOWER.encode(&empty_root()),
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+        let mut f = Frontier::default();
+        for n in 1..=8 {
+            f.push(l[n - 1]);
+            assert_eq!(root(&l[..n]), h(ROOTS[n - 1]), "size {n}");
+            assert_eq!(f.root(), h(ROOTS[n - 1]), "frontier size {n}");
+            assert_eq!(f.hashes().len(), n.count_ones() as usize);
+        }
+    }
+
+    /// (index, size, proof) of the reference inclusion vectors.
+    fn inclusion_vectors() -> Vec<(usize, usize, Vec<&'static str>)> {
+        vec![
+            (0, 1, vec![]),
+            (
+                0,
+                8,
+                vec![
+                    "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+                ],
+            ),
+            (
+                5,
+                8,
+                vec![
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                    "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
+                    "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+                ],
+            ),
+            (
+                2,
+                3,
+                vec!["fac54203e7cc696cf0dfcb42c92a1d9dbaf70ad9e621f4bd8d98662f00e3c125"],
+            ),
+            (
+                1,
+                5,
+                vec![
+                    "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                ],
+            ),
+        ]
+    }
+
+    #[test]
+    fn inclusion_proofs_match_the_reference_vectors() {
+        let l = leaves();
+        for (m, n, want) in inclusion_vectors() {
+            let want: Vec<Hash> = want.iter().map(|s| h(s)).collect();
+            assert_eq!(inclusion_proof(&l[..n], m), want, "leaf {m} of {n}");
+            let r = h(ROOTS[n - 1]);
+            verify_inclusion(m as u64, n as u64, &l[m], &want, &r).unwrap();
+            // Another index, another size, another leaf, a proof cut or
+            // padded: each fails.
+            if n > 1 {
+                assert!(verify_inclusion(m as u64 ^ 1, n as u64, &l[m], &want, &r).is_err());
+                assert!(verify_inclusion(m as u64, n as u64 * 2, &l[m], &want, &r).is_err());
+                assert!(verify_inclusion(m as u64, n as u64, &l[(m + 1) % n], &want, &r).is_err());
+                assert!(verify_inclusion(m as u64, n as u64, &l[m], &want[1..], &r).is_err());
+            }
+            let mut longer = want.clone();
+            longer.push(r);
+            assert!(verify_inclusion(m as u64, n as u64, &l[m], &longer, &r).is_err());
+        }
+        assert!(verify_inclusion(8, 8, &l[0], &[], &h(ROOTS[7])).is_err());
+        assert!(verify_inclusion(0, 0, &l[0], &[], &empty_root()).is_err());
+    }
+
+    #[test]
+    fn every_inclusion_proof_verifies_up_to_33_leaves() {
+        let l: Vec<Hash> = (0u32..33).map(|i| leaf_hash(&i.to_be_bytes())).collect();
+        for n in 1..=l.len() {
+            let r = root(&l[..n]);
+            for m in 0..n {
+                let p = inclusion_proof(&l[..n], m);
+                assert_eq!(p.len(), inclusion_len(m as u64, n as u64));
+                verify_inclusion(m as u64, n as u64, &l[m], &p, &r).unwrap();
+            }
+        }
+    }
+
+    /// (old, new, proof) of the reference consistency vectors.
+    fn consistency_vectors() -> Vec<(usize, usize, Vec<&'static str>)> {
+        vec![
+            (1, 1, vec![]),
+            (
+                1,
+                8,
+                vec![
+                    "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+                ],
+            ),
+            (
+                6,
+                8,
+                vec![
+                    "0ebc5d3437fbe2db158b9f126a1d118e308181031d0a949f8dededebc558ef6a",
+                    "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
+                    "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+                ],
+            ),
+            (
+                2,
+                5,
+                vec![
+                    "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+                    "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+                ],
+            ),
+        ]
+    }
+
+    #[test]
+    fn consistency_proofs_match_the_reference_vectors() {
+        let l = leaves();
+        for (m, n, want) in consistency_vectors() {
+            let want: Vec<Hash> = want.iter().map(|s| h(s)).collect();
+            assert_eq!(consistency_proof(&l[..n], m), want, "{m} -> {n}");
+            let (r1, r2) = (h(ROOTS[m - 1]), h(ROOTS[n - 1]));
+            verify_consistency(m as u64, n as u64, &r1, &r2, &want).unwrap();
+            if m != n {
+                assert!(verify_consistency(m as u64 + 1, n as u64, &r1, &r2, &want).is_err());
+                assert!(verify_consistency(m as u64, n as u64 * 2, &r1, &r2, &want).is_err());
+                assert!(verify_consistency(m as u64, n as u64, &r2, &r1, &want).is_err());
+                assert!(verify_consistency(m as u64, n as u64, &r1, &r2, &[]).is_err());
+                let mut bad = want.clone();
+                bad[0] = empty_root();
+                assert!(verify_consistency(m as u64, n as u64, &r1, &r2, &bad).is_err());
+                assert!(
+                    verify_consistency(m as u64, n as u64, &r1, &r2, &want[..want.len() - 1])
+                        .is_err()
+                );
+            }
+        }
+        assert!(verify_consistency(2, 1, &l[0], &l[0], &[]).is_err());
+        assert!(verify_consistency(1, 1, &l[0], &l[1], &[]).is_err());
+    }
+
+    #[test]
+    fn every_consistency_proof_verifies_up_to_33_leaves() {
+        let l: Vec<Hash> = (0u32..33).map(|i| leaf_hash(&i.to_be_bytes())).collect();
+        for n in 1..=l.len() {
+            for m in 1..=n {
+                let p = consistency_proof(&l[..n], m);
+                verify_consistency(m as u64, n as u64, &root(&l[..m]), &root(&l[..n]), &p).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn frontier_parts_round_trip() {
+        let mut f = Frontier::default();
+        for i in 0u8..13 {
+            f.push(leaf_hash(&[i]));
+        }
+        let g = Frontier::from_parts(f.size(), f.hashes().to_vec()).unwrap();
+        assert_eq!(f, g);
+        assert!(Frontier::from_parts(13, vec![]).is_none());
+    }
+}
