@@ -384,16 +384,40 @@ fn proofs_of_a_gateways_records_hold_with_the_key_alone_and_tampered_ones_fail()
     assert!(c.success(), "{}", c.describe());
     let consistency: serde_json::Value = serde_json::from_str(&c.stdout).unwrap();
 
+    // Every proof is checked twice: by `verify-proof` (returned) and by
+    // the independent verifier written from docs/evidence.md alone
+    // (tests/fixtures/verify_proof.py), which must reach the same verdict.
     let check = |what: &str, proof: &serde_json::Value| {
         let file = lab.dir.join(format!("{}.json", what.replace(' ', "-")));
         fs::write(&file, proof.to_string()).unwrap();
-        palisade(&[
+        let ours = palisade(&[
             "evidence",
             "verify-proof",
             file.to_str().unwrap(),
             "--key",
             &key,
-        ])
+        ]);
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/verify_proof.py"
+        );
+        let theirs = Command::new("/usr/bin/python3")
+            .args([fixture, file.to_str().unwrap(), &key])
+            .output()
+            .expect("run tests/fixtures/verify_proof.py");
+        let out = String::from_utf8_lossy(&theirs.stdout);
+        assert_eq!(
+            theirs.status.success(),
+            ours.success(),
+            "{what}: the independent verifier disagrees: {out}{}\nverify-proof: {}",
+            String::from_utf8_lossy(&theirs.stderr),
+            ours.describe()
+        );
+        assert!(
+            out.starts_with(if ours.success() { "ok: " } else { "broken: " }),
+            "{what}: {out}"
+        );
+        ours
     };
     let ok = check("inclusion", &inclusion);
     assert!(ok.success(), "{}", ok.describe());
