@@ -66,6 +66,8 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence_config,
         intercept: _,
         bypass: bypass_config,
+        // Compiled into the policy (`Policy::with_host`).
+        policy: _,
         orgs: _,
     } = &config;
 

@@ -81,8 +81,27 @@ enum Prepared {
     Apply { config: Box<Config>, served: Served },
 }
 
-fn digest(path: &Path) -> Option<[u8; 32]> {
-    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
+/// Digest of the config file and of the baseline it names (as `baseline`
+/// of the running config says; a config change is seen by the first
+/// part): a change of either is a change. `None`: the config cannot be
+/// read; a baseline that cannot be read is a value of its own, so that
+/// losing it is a change too (and its reload is refused).
+fn digest(path: &Path, baseline: Option<&Path>) -> Option<[u8; 32]> {
+    let config = std::fs::read(path).ok()?;
+    let mut h = Sha256::new();
+    h.update(Sha256::digest(&config));
+    if let Some(b) = baseline {
+        match std::fs::read(b) {
+            Ok(bytes) => h.update(Sha256::digest(&bytes)),
+            Err(_) => h.update(b"missing"),
+        }
+    }
+    Some(h.finalize().into())
+}
+
+/// The baseline file `config` names, if any.
+fn baseline_path(config: &Config) -> Option<PathBuf> {
+    config.policy.baseline.as_ref().map(|b| b.path.clone())
 }
 
 /// Run blocking file work off the async runtime.
@@ -129,7 +148,7 @@ macro_rules! changed {
 }
 
 /// The keys that differ between `old` and `new` and that only a restart
-/// can apply: everything but the orgs and `[intercept]`.
+/// can apply: everything but the orgs, `[intercept]` and `[policy]`.
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     let Config {
         path: _,
@@ -140,6 +159,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         bypass,
         // Served: rebuilt by a reload.
         intercept: _,
+        policy: _,
         orgs: _,
     } = old;
     let mut keys = Vec::new();
@@ -251,7 +271,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
 fn prepare(
     path: &Path,
     running: &Config,
-    served_hash: &str,
+    (served_hash, served_baseline): (&str, Option<&str>),
     served_host: &[std::net::IpAddr],
     metrics: &Arc<Metrics>,
 ) -> Result<Prepared, ReloadError> {
@@ -263,6 +283,7 @@ fn prepare(
     // Re-read on every reload: the host's addresses may have changed.
     let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
     if policy.hash() == served_hash
+        && policy.baseline_hash().map(|h| &**h) == served_baseline
         && policy.host_addresses() == served_host
         && new.intercept == running.intercept
     {
@@ -285,8 +306,11 @@ impl Reloader {
     ) -> Reloader {
         let path = running.path.clone();
         let seen = {
-            let path = path.clone();
-            blocking(move || digest(&path)).await.ok().flatten()
+            let (path, baseline) = (path.clone(), baseline_path(&running));
+            blocking(move || digest(&path, baseline.as_deref()))
+                .await
+                .ok()
+                .flatten()
         };
         let host_seen = served.load().policy.host_addresses().to_vec();
         Reloader {
@@ -302,10 +326,13 @@ impl Reloader {
     /// Reload if the file's content changed since it was last read, or if
     /// the host's addresses are no longer those the served policy denies.
     pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
-        let path = self.path.clone();
-        let (now, host) = blocking(move || (digest(&path), crate::host::addresses().ok()))
-            .await
-            .ok()?;
+        let (path, baseline) = (self.path.clone(), baseline_path(&self.running));
+        let (now, host) = blocking(move || {
+            let now = digest(&path, baseline.as_deref());
+            (now, crate::host::addresses().ok())
+        })
+        .await
+        .ok()?;
         if now.is_some() && now != self.seen {
             return Some(self.reload("config file changed").await);
         }
@@ -328,10 +355,14 @@ impl Reloader {
             self.metrics.clone(),
         );
         let served_hash = current.policy.hash().to_string();
+        let served_baseline = current.policy.baseline_hash().map(|h| h.to_string());
         let served_host = current.policy.host_addresses().to_vec();
         let prepared = blocking(move || {
-            let seen = digest(&path);
-            let prepared = prepare(&path, &running, &served_hash, &served_host, &metrics);
+            // The baseline as the running config names it: what `poll`
+            // compares against next.
+            let seen = digest(&path, baseline_path(&running).as_deref());
+            let served = (served_hash.as_str(), served_baseline.as_deref());
+            let prepared = prepare(&path, &running, served, &served_host, &metrics);
             (seen, prepared)
         })
         .await;
@@ -574,7 +605,7 @@ host = "example.com"
         // A second org is a third budget: no longer within the store.
         let more = format!("{base}\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n");
         std::fs::write(&path, &more).unwrap();
-        match prepare(&path, &running, &hash, &[], &metrics) {
+        match prepare(&path, &running, (&hash, None), &[], &metrics) {
             Err(ReloadError::Config(e)) => {
                 let e = e.to_string();
                 assert!(

@@ -79,6 +79,11 @@ impl<'a> Errors<'a> {
         ConfigErrors(self.list)
     }
 
+    /// Problems found in another file (the baseline), located there.
+    pub(super) fn absorb(&mut self, other: ConfigErrors) {
+        self.list.extend(other.0);
+    }
+
     pub(super) fn at(&mut self, span: Range<usize>, message: impl Into<String>) {
         let (line, col) = line_col(self.src, span.start);
         self.list.push(ConfigError {
