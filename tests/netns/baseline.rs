@@ -86,6 +86,12 @@ fn check_holds_org_rules_to_the_ceiling_and_locates_the_escape() {
         "rules inside refused:\n{}",
         out.describe()
     );
+    let summary = format!(
+        "  baseline: {} (sha256 {}): 0 deny, 3 ceiling entries, every allow rule inside",
+        baseline.display(),
+        sha256_hex(&baseline)
+    );
+    assert!(out.stdout.contains(&summary), "{}", out.stdout);
 
     // Each escape: the rule's line, the entry escaped, and why.
     let cases = [
