@@ -314,6 +314,17 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         crate::reload::Reloader::new(config.clone(), served.clone(), metrics.clone()).await;
     let mut config_poll = tokio::time::interval(crate::reload::DEFAULT_CONFIG_POLL_INTERVAL);
     config_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // A new address of the gateway is denied as the kernel reports it, not
+    // at the next poll (which stays, should the notices fail).
+    let address_events = crate::host::AddressEvents::open()
+        .inspect_err(|e| {
+            warn!(error = %e, "no host address notices; the config poll alone sees address changes")
+        })
+        .ok();
+    let address_changed = async || match &address_events {
+        Some(events) => events.changed().await,
+        None => std::future::pending().await,
+    };
     loop {
         tokio::select! {
             _ = sigterm.recv() => break,
@@ -321,6 +332,11 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;
                 reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
+            }
+            () = address_changed() => {
+                if let Some(outcome) = reloader.host_changed().await {
+                    reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
+                }
             }
             _ = config_poll.tick() => {
                 if let Some(outcome) = reloader.poll().await {

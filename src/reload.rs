@@ -14,6 +14,21 @@
 //! key, `palisade_policy_reloads_total{result="error"}` rises, and the old
 //! state keeps serving.
 //!
+//! A reload changes nothing only if what it built serves as what is served
+//! ([`Served::serves_as`]): a replaced org token changes the policy hash
+//! (it covers a digest of each org's tokens, never a token), and a rotated
+//! secret, org CA or upstream trust bundle changes the interception
+//! fingerprint (compared here, written nowhere). The poll watches the
+//! secret files with the config file, so a secret rotated in place
+//! reloads like an edited config. Once swapped in, live connections are
+//! decided again ([`crate::proxy::revoke`]): one opened with a removed
+//! token no longer has an org and is closed.
+//!
+//! A change of the host's addresses (a kernel notice, see
+//! [`crate::host::AddressEvents`], or the poll) serves the running config
+//! again compiled with the new addresses ([`Reloader::host_changed`]),
+//! reading no file: whatever is on disk, a new gateway address is denied.
+//!
 //! The file work (reading the config, CA and secret files, writing the
 //! policy text beside the evidence) runs off the async runtime.
 
@@ -42,8 +57,12 @@ pub(crate) struct Reloader {
     running: Arc<Config>,
     served: ServedHandle,
     metrics: Arc<Metrics>,
-    /// Digest of the file content last loaded (valid or not).
+    /// Digest of the file content last loaded (valid or not) and of the
+    /// secret files it names ([`watched`]).
     seen: Option<[u8; 32]>,
+    /// The secret files the poll watches: those of the file last loaded
+    /// (those a reload would read).
+    watched_files: Watched,
     /// The host addresses the poll last saw: a change reloads once, even
     /// if that reload is refused (an invalid file is not retried each poll).
     host_seen: Vec<std::net::IpAddr>,
@@ -81,27 +100,62 @@ enum Prepared {
     Apply { config: Box<Config>, served: Served },
 }
 
-/// Digest of the config file and of the baseline it names (as `baseline`
-/// of the running config says; a config change is seen by the first
-/// part): a change of either is a change. `None`: the config cannot be
-/// read; a baseline that cannot be read is a value of its own, so that
-/// losing it is a change too (and its reload is refused).
-fn digest(path: &Path, baseline: Option<&Path>) -> Option<[u8; 32]> {
-    let config = std::fs::read(path).ok()?;
+fn digest(path: &Path) -> Option<[u8; 32]> {
+    std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
+}
+
+/// The files besides the config that a reload of `config` reads.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    /// `[policy] baseline`, digested whole.
+    baseline: Option<PathBuf>,
+    /// The secret files of the credentials of every org that intercepts.
+    secrets: Vec<PathBuf>,
+}
+
+/// The files besides the config that a reload of `config` reads.
+fn watched_files(config: &Config) -> Watched {
+    let secrets = config
+        .orgs
+        .iter()
+        .filter(|o| o.intercepts())
+        .flat_map(|o| &o.credentials)
+        .filter_map(|c| match &c.source {
+            config::SecretSource::File(path) => Some(path.clone()),
+            config::SecretSource::Env(_) => None,
+        })
+        .collect();
+    Watched {
+        baseline: config.policy.baseline.as_ref().map(|b| b.path.clone()),
+        secrets,
+    }
+}
+
+/// What the poll compares: the digest of the config file's content
+/// (`file`, `None` if it cannot be read), of the baseline file and of
+/// every secret file in `files` (one that cannot be read counts as such),
+/// so that a baseline edited or a secret rotated in place (a Kubernetes
+/// Secret swaps a symlinked directory like a ConfigMap) reloads like a
+/// changed file, and a baseline gone missing is a change (whose reload is
+/// refused). Blocking.
+fn watched(file: Option<[u8; 32]>, files: &Watched) -> Option<[u8; 32]> {
     let mut h = Sha256::new();
-    h.update(Sha256::digest(&config));
-    if let Some(b) = baseline {
-        match std::fs::read(b) {
-            Ok(bytes) => h.update(Sha256::digest(&bytes)),
-            Err(_) => h.update(b"missing"),
+    h.update(file?);
+    let baseline = files.baseline.as_deref().map(digest);
+    let secrets = files
+        .secrets
+        .iter()
+        .map(|path| crate::intercept::secret::file_digest(path));
+    for found in baseline.into_iter().chain(secrets) {
+        match found {
+            Some(d) => {
+                h.update([1]);
+                h.update(d);
+            }
+            None => h.update([0]),
         }
     }
     Some(h.finalize().into())
-}
-
-/// The baseline file `config` names, if any.
-fn baseline_path(config: &Config) -> Option<PathBuf> {
-    config.policy.baseline.as_ref().map(|b| b.path.clone())
 }
 
 /// Run blocking file work off the async runtime.
@@ -148,7 +202,7 @@ macro_rules! changed {
 }
 
 /// The keys that differ between `old` and `new` and that only a restart
-/// can apply: everything but the orgs, `[intercept]` and `[policy]`.
+/// can apply: everything but the orgs and `[intercept]`.
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     let Config {
         path: _,
@@ -267,29 +321,27 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     keys
 }
 
-/// Load and check the file, and build what it serves. Blocking.
+/// Check the loaded file `new` against what runs, and build what it
+/// serves: unchanged only if that serves as `current` does (the same
+/// policy hash, which covers the orgs' tokens; the same host addresses;
+/// and the same secrets, CAs and upstream trust, read again here) under
+/// the same `[intercept]` settings. Blocking.
 fn prepare(
-    path: &Path,
+    new: Config,
     running: &Config,
-    (served_hash, served_baseline): (&str, Option<&str>),
-    served_host: &[std::net::IpAddr],
+    current: &Served,
     metrics: &Arc<Metrics>,
 ) -> Result<Prepared, ReloadError> {
-    let new = config::load(path).map_err(ReloadError::Config)?;
     let restart = restart_only_changes(running, &new);
     if !restart.is_empty() {
         return Err(ReloadError::RestartOnly(restart));
     }
     // Re-read on every reload: the host's addresses may have changed.
     let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
-    if policy.hash() == served_hash
-        && policy.baseline_hash().map(|h| &**h) == served_baseline
-        && policy.host_addresses() == served_host
-        && new.intercept == running.intercept
-    {
+    let served = Served::load(&new, policy, metrics)?;
+    if served.serves_as(current) && new.intercept == running.intercept {
         return Ok(Prepared::Unchanged);
     }
-    let served = Served::load(&new, policy, metrics)?;
     store_policy_text(&new.evidence.dir, &new, served.policy.hash());
     Ok(Prepared::Apply {
         config: Box::new(new),
@@ -305,9 +357,10 @@ impl Reloader {
         metrics: Arc<Metrics>,
     ) -> Reloader {
         let path = running.path.clone();
+        let watched_files = watched_files(&running);
         let seen = {
-            let (path, baseline) = (path.clone(), baseline_path(&running));
-            blocking(move || digest(&path, baseline.as_deref()))
+            let (path, secrets) = (path.clone(), watched_files.clone());
+            blocking(move || watched(digest(&path), &secrets))
                 .await
                 .ok()
                 .flatten()
@@ -319,31 +372,61 @@ impl Reloader {
             served,
             metrics,
             seen,
+            watched_files,
             host_seen,
         }
     }
 
-    /// Reload if the file's content changed since it was last read, or if
-    /// the host's addresses are no longer those the served policy denies.
+    /// Reload if the file's content, or that of a secret file it names,
+    /// changed since it was last read, or if the host's addresses are no
+    /// longer those the served policy denies.
     pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
-        let (path, baseline) = (self.path.clone(), baseline_path(&self.running));
+        let (path, secrets) = (self.path.clone(), self.watched_files.clone());
         let (now, host) = blocking(move || {
-            let now = digest(&path, baseline.as_deref());
-            (now, crate::host::addresses().ok())
+            (
+                watched(digest(&path), &secrets),
+                crate::host::addresses().ok(),
+            )
         })
         .await
         .ok()?;
         if now.is_some() && now != self.seen {
-            return Some(self.reload("config file changed").await);
+            return Some(self.reload("config or secret file changed").await);
         }
         // An enumeration that fails here is retried by the next poll.
         let host = host.filter(|h| *h != self.host_seen)?;
+        self.serve_host(host).await
+    }
+
+    /// The kernel said an address came or went ([`crate::host::AddressEvents`]):
+    /// read the host's addresses and, if they are not those the served
+    /// policy denies, serve it with them ([`Reloader::serve_host`]). An
+    /// enumeration that fails is retried by the next notice or poll.
+    pub(crate) async fn host_changed(&mut self) -> Option<ReloadOutcome> {
+        let host = blocking(crate::host::addresses).await.ok()?.ok()?;
+        self.serve_host(host).await
+    }
+
+    /// Serve the policy again with the host addresses `host`, if the served
+    /// policy has others: the running config compiled again with them, the
+    /// rest of the served state kept. No file is read, so a config file
+    /// being edited (or broken) on disk never holds a new address of the
+    /// gateway open; the file is the poll's business.
+    async fn serve_host(&mut self, host: Vec<std::net::IpAddr>) -> Option<ReloadOutcome> {
         self.host_seen = host.clone();
-        if host == self.served.load().policy.host_addresses() {
+        let current = self.served.load_full();
+        if host == current.policy.host_addresses() {
             return None;
         }
         info!(addresses = ?host, "host addresses changed");
-        Some(self.reload("host addresses changed").await)
+        let (running, now) = (self.running.clone(), current.clone());
+        let served = blocking(move || {
+            let policy = Arc::new(Policy::with_host(&running, &host));
+            now.with_policy(&running, policy)
+        })
+        .await
+        .ok()?;
+        Some(self.serve("host addresses changed", &current, None, served))
     }
 
     /// Load and check the file and, if it is accepted, serve it.
@@ -354,21 +437,22 @@ impl Reloader {
             self.running.clone(),
             self.metrics.clone(),
         );
-        let served_hash = current.policy.hash().to_string();
-        let served_baseline = current.policy.baseline_hash().map(|h| h.to_string());
-        let served_host = current.policy.host_addresses().to_vec();
+        let (served, secrets) = (current.clone(), self.watched_files.clone());
         let prepared = blocking(move || {
-            // The baseline as the running config names it: what `poll`
-            // compares against next.
-            let seen = digest(&path, baseline_path(&running).as_deref());
-            let served = (served_hash.as_str(), served_baseline.as_deref());
-            let prepared = prepare(&path, &running, served, &served_host, &metrics);
-            (seen, prepared)
+            // Digested before they are loaded: a change after this is seen
+            // by the next poll.
+            let file = digest(&path);
+            let new = config::load(&path).map_err(ReloadError::Config);
+            let secrets = new.as_ref().map_or(secrets, watched_files);
+            let seen = watched(file, &secrets);
+            let prepared = new.and_then(|new| prepare(new, &running, &served, &metrics));
+            (seen, secrets, prepared)
         })
         .await;
         let prepared = match prepared {
-            Ok((seen, prepared)) => {
+            Ok((seen, secrets, prepared)) => {
                 self.seen = seen;
+                self.watched_files = secrets;
                 prepared
             }
             Err(e) => Err(e),
@@ -402,8 +486,24 @@ impl Reloader {
                 return ReloadOutcome::Rejected;
             }
         };
+        self.serve(why, &current, Some(config), served)
+    }
+
+    /// Swap in `served`, built from `config` (`None`: from the running
+    /// one), in place of `current`, and say so.
+    fn serve(
+        &mut self,
+        why: &str,
+        current: &Served,
+        config: Option<Box<Config>>,
+        served: Served,
+    ) -> ReloadOutcome {
         let hash = served.policy.hash().to_string();
         let (orgs, rules) = (served.policy.org_count(), served.policy.rule_count());
+        if let Some(config) = config {
+            self.running = Arc::from(config);
+        }
+        let config = &self.running;
         let intercepting: Vec<&str> = config
             .orgs
             .iter()
@@ -427,7 +527,6 @@ impl Reloader {
             intercepting = ?intercepting,
             "policy reloaded"
         );
-        self.running = Arc::from(config);
         ReloadOutcome::Applied { hash }
     }
 }
@@ -435,6 +534,7 @@ impl Reloader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{TokenDigest, TOKEN_DIGEST_PREFIX};
 
     const BASE: &str = r#"
 [proxy]
@@ -453,6 +553,20 @@ host = "example.com"
 
     fn config(text: &str) -> Config {
         config::from_str(text, Path::new("/tmp/palisade.toml")).unwrap()
+    }
+
+    /// The file at `path` served as at start (with the host's addresses),
+    /// and its reloader.
+    async fn serving(path: &Path) -> (Reloader, ServedHandle, Arc<Metrics>) {
+        let running = config::load(path).unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::default()));
+        let host = crate::host::addresses().unwrap();
+        let policy = Arc::new(Policy::with_host(&running, &host));
+        let served = Served::load(&running, policy, &metrics)
+            .unwrap()
+            .into_handle();
+        let reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
+        (reloader, served, metrics)
     }
 
     #[test]
@@ -531,15 +645,8 @@ host = "example.com"
             &dir.join("evidence").display().to_string(),
         );
         std::fs::write(&path, &base).unwrap();
-        let running = config::load(&path).unwrap();
-        let metrics = Arc::new(Metrics::new(Arc::default()));
-        let host = crate::host::addresses().unwrap();
-        let policy = Arc::new(Policy::with_host(&running, &host));
-        let served = Served::load(&running, policy, &metrics)
-            .unwrap()
-            .into_handle();
+        let (mut reloader, served, metrics) = serving(&path).await;
         let first = served.load().policy.hash().to_string();
-        let mut reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
         let count = |result: &str| {
             metrics
                 .policy_reloads_total
@@ -605,7 +712,8 @@ host = "example.com"
         // A second org is a third budget: no longer within the store.
         let more = format!("{base}\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n");
         std::fs::write(&path, &more).unwrap();
-        match prepare(&path, &running, (&hash, None), &[], &metrics) {
+        let new = config::load(&path).map_err(ReloadError::Config);
+        match new.and_then(|new| prepare(new, &running, &served.load(), &metrics)) {
             Err(ReloadError::Config(e)) => {
                 let e = e.to_string();
                 assert!(
@@ -618,6 +726,67 @@ host = "example.com"
         }
         assert_eq!(reloader.reload("test").await, ReloadOutcome::Rejected);
         assert_eq!(served.load().policy.hash(), hash);
+    }
+
+    #[tokio::test]
+    async fn a_rotated_token_or_secret_is_a_change_and_the_poll_sees_the_secret() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let (path, secret) = (dir.join("palisade.toml"), dir.join("secret"));
+        std::fs::write(&secret, "old-secret\n").unwrap();
+        let (old, new) = (TokenDigest::of(b"old"), TokenDigest::of(b"new"));
+        let text = |token: &TokenDigest| {
+            // The org CA, created before the roots are read, is the trust.
+            format!(
+                "[intercept]\nca_dir = {ca:?}\nupstream_ca = {roots:?}\n\n\
+                 [evidence]\ndir = {evidence:?}\n\n\
+                 [[org]]\nname = \"acme\"\nidentity = \"token\"\ntokens = [\"{token}\"]\n\
+                 [[org.allow]]\nhost = \"example.com\"\nintercept = true\n\
+                 [[org.credential]]\nid = \"c\"\nhost = \"example.com\"\n\
+                 header = \"Authorization\"\nsecret_file = {secret:?}\n",
+                ca = dir.join("ca").display().to_string(),
+                roots = dir.join("ca/acme.pem").display().to_string(),
+                evidence = dir.join("evidence").display().to_string(),
+                secret = secret.display().to_string(),
+            )
+        };
+        std::fs::write(&path, text(&old)).unwrap();
+        let (mut reloader, served, _) = serving(&path).await;
+        let first = served.load_full();
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Unchanged);
+        assert_eq!(reloader.poll().await, None);
+
+        // The secret rotated in place: the poll reloads, the hash stays.
+        std::fs::write(&secret, "new-secret\n").unwrap();
+        assert_eq!(
+            reloader.poll().await,
+            Some(ReloadOutcome::Applied {
+                hash: first.policy.hash().to_string()
+            })
+        );
+        let now = served.load_full();
+        assert!(!now.serves_as(&first), "the rotated secret is served");
+        assert_eq!(reloader.poll().await, None, "nothing changed since");
+        assert_eq!(reloader.reload("test").await, ReloadOutcome::Unchanged);
+
+        // The token replaced: a new policy hash, whose stored text holds
+        // neither token digest.
+        std::fs::write(&path, text(&new)).unwrap();
+        let Some(ReloadOutcome::Applied { hash }) = reloader.poll().await else {
+            panic!("the rotated token was not applied");
+        };
+        assert_ne!(hash, first.policy.hash());
+        let stored =
+            std::fs::read_to_string(dir.join(format!("evidence/policies/{hash}.json"))).unwrap();
+        assert!(stored.contains("tokens_fingerprint"), "{stored}");
+        for digest in [&old, &new] {
+            let hex = digest.to_string();
+            assert!(
+                !stored.contains(&hex[TOKEN_DIGEST_PREFIX.len()..]),
+                "{stored}"
+            );
+        }
+        assert!(!stored.contains("-secret"), "{stored}");
     }
 
     #[tokio::test]
@@ -648,8 +817,10 @@ host = "example.com"
         assert_eq!(served.load().policy.host_addresses(), host);
         assert_eq!(reloader.poll().await, None, "nothing changed since");
 
-        // New addresses and an invalid file: one refused reload for the
-        // file, one for the addresses, then quiet until either changes.
+        // New addresses and an invalid file: the file is refused once, and
+        // the addresses are served all the same (with the running config:
+        // a broken file never holds a new gateway address open), then
+        // quiet until either changes.
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
@@ -658,8 +829,25 @@ host = "example.com"
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
         assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
-        assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));
+        assert_eq!(
+            reloader.poll().await,
+            Some(ReloadOutcome::Applied { hash: hash.clone() })
+        );
         assert_eq!(reloader.poll().await, None, "not retried every poll");
-        assert!(served.load().policy.host_addresses().is_empty());
+        assert_eq!(served.load().policy.host_addresses(), host);
+        assert_eq!(served.load().policy.hash(), hash);
+
+        // A notice of the kernel with nothing new: nothing served.
+        assert_eq!(reloader.host_changed().await, None);
+        // Served without the addresses again: a notice serves them at once.
+        served.store(Arc::new(served.load().with_policy(
+            &reloader.running,
+            Arc::new(Policy::new(&reloader.running)),
+        )));
+        assert_eq!(
+            reloader.host_changed().await,
+            Some(ReloadOutcome::Applied { hash })
+        );
+        assert_eq!(served.load().policy.host_addresses(), host);
     }
 }

@@ -61,6 +61,34 @@ impl Served {
         })
     }
 
+    /// This state with `policy` in its place: the same orgs (compiled
+    /// from `config`, the config this state serves) with other host
+    /// addresses. The DNS settings and interception are kept.
+    pub(crate) fn with_policy(&self, config: &Config, policy: Arc<Policy>) -> Served {
+        let loaded = SystemTime::now();
+        Served {
+            dns: self.dns.clone(),
+            intercept: self.intercept.clone(),
+            info: PolicyInfo::new(config, policy.hash(), loaded),
+            policy,
+            loaded,
+        }
+    }
+
+    /// Does `self` serve what `other` serves: the same policy (its hash
+    /// covers the orgs, their rules and a digest of their tokens) under
+    /// the same baseline (its file's hash), the same
+    /// host addresses, and interception with the same secrets, CAs and
+    /// upstream trust? A reload that builds a state serving as the one
+    /// served changes nothing.
+    pub(crate) fn serves_as(&self, other: &Served) -> bool {
+        self.policy.hash() == other.policy.hash()
+            && self.policy.baseline_hash() == other.policy.baseline_hash()
+            && self.policy.host_addresses() == other.policy.host_addresses()
+            && self.intercept.as_ref().map(|i| i.fingerprint())
+                == other.intercept.as_ref().map(|i| i.fingerprint())
+    }
+
     /// Does org `name` get synthetic DNS answers?
     pub(crate) fn is_synthetic(&self, name: &str) -> bool {
         self.policy

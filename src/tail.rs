@@ -9,7 +9,8 @@
 //! - Filters are query parameters, each optional: `org`, `decision`
 //!   (`allow`/`deny`), `reason` (a reason code), `host` (a glob: `*` any
 //!   run of characters, `?` one), `kind` and `mode`. One that does not
-//!   parse, or an unknown parameter, is a 400 naming it.
+//!   parse, one given more than once, or an unknown parameter, is a 400
+//!   naming it.
 //! - At most [`MAX_TAILS`] tails at once; one more is a 503.
 //! - A reader slower than the records costs the proxy nothing: the tap
 //!   never waits. A tail more than [`crate::evidence::tap::TAP_BUFFER`]
@@ -84,15 +85,26 @@ pub(crate) struct TailFilter {
     pub mode: Option<String>,
 }
 
+/// The filter parameters, each taken at most once.
+const FILTERS: [&str; 6] = ["org", "decision", "reason", "host", "kind", "mode"];
 const KINDS: [&str; 4] = ["tcp", "http", "dns", "bypass"];
 const MODES: [&str; 4] = ["explicit", "transparent", "dns", "socks5"];
 
 impl TailFilter {
     /// The filters of a query string, or the line naming the one that does
-    /// not parse.
+    /// not parse. A filter given twice (in any spelling: `o%72g` is `org`)
+    /// is refused, never resolved by taking one of its values.
     pub(crate) fn parse(query: Option<&str>) -> Result<TailFilter, String> {
         let mut f = TailFilter::default();
+        let mut seen = [false; FILTERS.len()];
         for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+            if let Some(i) = FILTERS.iter().position(|k| *k == key) {
+                if std::mem::replace(&mut seen[i], true) {
+                    return Err(format!(
+                        "filter {key} given more than once: each filter takes one value"
+                    ));
+                }
+            }
             let value = value.trim();
             let bad = |why: &str| format!("filter {key}={value:?}: {why}");
             match key.as_ref() {
@@ -131,11 +143,7 @@ impl TailFilter {
                 "mode" if MODES.contains(&value) => f.mode = Some(value.to_string()),
                 "mode" => return Err(bad("expected explicit, transparent, dns or socks5")),
                 "org" => return Err(bad("expected an org name")),
-                _ => {
-                    return Err(format!(
-                        "unknown filter {key:?} (org, decision, reason, host, kind, mode)"
-                    ))
-                }
+                _ => return Err(format!("unknown filter {key:?} ({})", FILTERS.join(", "))),
             }
         }
         Ok(f)
@@ -323,6 +331,17 @@ mod tests {
             ("host=a%20b", "filter host=\"a b\""),
             ("org=", "filter org=\"\""),
             ("colour=red", "unknown filter \"colour\""),
+            // Repeats are refused, whatever the values and the spelling.
+            ("org=acme&org=beta", "filter org given more than once"),
+            ("org=acme&o%72g=beta", "filter org given more than once"),
+            ("decision=deny&decision=deny", "filter decision given more"),
+            (
+                "reason=rule_match&reason=auth_failed",
+                "filter reason given more",
+            ),
+            ("host=a.test&host=b.test", "filter host given more"),
+            ("kind=http&kind=tcp", "filter kind given more"),
+            ("mode=dns&mode=dns", "filter mode given more"),
         ] {
             let e = TailFilter::parse(Some(q)).unwrap_err();
             assert!(e.starts_with(named), "{q}: {e}");

@@ -695,9 +695,15 @@ pub struct OrgConfig {
     /// hash while it has its default value.
     #[serde(skip_serializing_if = "Identity::is_default")]
     pub identity: Identity,
-    /// SHA-256 digests of the org's tokens. Never serialised: the policy
-    /// text stored beside the evidence carries no credential material.
-    #[serde(skip)]
+    /// SHA-256 digests of the org's tokens. Serialised only as one digest
+    /// over the set ([`tokens_fingerprint`]): replacing a token changes the
+    /// policy hash (a reload that rotates one is a change), while the text
+    /// stored beside the evidence holds no token and none of their digests.
+    #[serde(
+        rename = "tokens_fingerprint",
+        serialize_with = "serialize_tokens_fingerprint",
+        skip_serializing_if = "Vec::is_empty"
+    )]
     pub tokens: Vec<TokenDigest>,
     /// Headers added to intercepted requests (ids and sources only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -793,6 +799,31 @@ impl fmt::Debug for TokenDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "TokenDigest({self})")
     }
+}
+
+/// One digest over a set of token digests (order and repeats do not
+/// matter), as the policy text carries it: `sha256:<64 hex digits>`.
+pub fn tokens_fingerprint(tokens: &[TokenDigest]) -> String {
+    use sha2::Digest;
+    let mut sorted: Vec<&[u8; 32]> = tokens.iter().map(|t| &t.0).collect();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut h = sha2::Sha256::new();
+    h.update(b"palisade org tokens\0");
+    for d in sorted {
+        h.update(d);
+    }
+    format!(
+        "{TOKEN_DIGEST_PREFIX}{}",
+        data_encoding::HEXLOWER.encode(&h.finalize())
+    )
+}
+
+fn serialize_tokens_fingerprint<S: serde::Serializer>(
+    tokens: &[TokenDigest],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&tokens_fingerprint(tokens))
 }
 
 /// A fresh random token (32 bytes, lowercase hex) and its digest.

@@ -65,6 +65,10 @@ pub(crate) struct Interceptor {
     /// Upstream TLS: verified against `[intercept] upstream_ca`.
     pub upstream: Arc<ClientConfig>,
     credentials: HashMap<String, Vec<Arc<Credential>>>,
+    /// A digest over what was read from files and the environment rather
+    /// than the policy file: the credentials' secrets, the org CAs and the
+    /// upstream trust ([`Interceptor::fingerprint`]).
+    fingerprint: [u8; 32],
     pub handshake_timeout: std::time::Duration,
     metrics: Arc<crate::metrics::Metrics>,
 }
@@ -82,8 +86,12 @@ pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Trust anchors from a PEM bundle.
-pub(crate) fn load_roots(path: &std::path::Path) -> Result<RootCertStore, InterceptError> {
+/// Trust anchors from a PEM bundle; each certificate read is also fed
+/// to `seen`.
+fn load_roots(
+    path: &std::path::Path,
+    seen: &mut Fingerprint,
+) -> Result<RootCertStore, InterceptError> {
     use rustls_pki_types::pem::PemObject;
     let err = |why: String| InterceptError::Roots {
         path: path.display().to_string(),
@@ -93,6 +101,7 @@ pub(crate) fn load_roots(path: &std::path::Path) -> Result<RootCertStore, Interc
     let iter = CertificateDer::pem_file_iter(path).map_err(|e| err(e.to_string()))?;
     for cert in iter {
         let cert = cert.map_err(|e| err(e.to_string()))?;
+        seen.add(&cert);
         // Bundles carry the odd certificate webpki cannot use; skip those.
         let _ = roots.add(cert);
     }
@@ -114,6 +123,7 @@ impl Interceptor {
         let provider = provider();
         let mut cas = HashMap::new();
         let mut credentials: HashMap<String, Vec<Arc<Credential>>> = HashMap::new();
+        let mut seen = Fingerprint::default();
         for org in config.orgs.iter().filter(|o| o.intercepts()) {
             let ca =
                 OrgCa::load_or_create(&config.intercept.ca_dir, &org.name).map_err(|source| {
@@ -122,9 +132,13 @@ impl Interceptor {
                         source,
                     }
                 })?;
+            seen.add(org.name.as_bytes());
+            seen.add(ca.cert_pem.as_bytes());
             cas.insert(org.name.clone(), ca);
             for c in &org.credentials {
                 let secret = Secret::load(c)?;
+                seen.add(c.id.as_bytes());
+                secret.feed(|bytes| seen.add(bytes));
                 credentials
                     .entry(org.name.clone())
                     .or_default()
@@ -134,7 +148,7 @@ impl Interceptor {
                     }));
             }
         }
-        let roots = load_roots(&config.intercept.upstream_ca)?;
+        let roots = load_roots(&config.intercept.upstream_ca, &mut seen)?;
         let mut upstream = ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()?
             .with_root_certificates(roots)
@@ -146,6 +160,7 @@ impl Interceptor {
             cache: LeafCache::new(config.intercept.cert_cache),
             upstream: Arc::new(upstream),
             credentials,
+            fingerprint: seen.finish(),
             handshake_timeout: config.intercept.handshake_timeout.get(),
             metrics,
         }))
@@ -186,9 +201,34 @@ impl Interceptor {
         }
     }
 
+    /// A digest over the secrets, org CAs and upstream trust this was
+    /// built with: equal for two builds that add the same secrets and
+    /// trust the same certificates. A reload compares it to tell a
+    /// rotated secret from nothing new; it is never written anywhere.
+    pub(crate) fn fingerprint(&self) -> &[u8; 32] {
+        &self.fingerprint
+    }
+
     /// The org's credentials, in file order: the request decision
     /// ([`crate::policy::request::decide`]) picks those to add.
     pub(crate) fn credentials(&self, org: &str) -> &[Arc<Credential>] {
         self.credentials.get(org).map_or(&[], Vec::as_slice)
+    }
+}
+
+/// A digest over length-prefixed byte strings, in the order given.
+#[derive(Default)]
+struct Fingerprint(sha2::Sha256);
+
+impl Fingerprint {
+    fn add(&mut self, bytes: &[u8]) {
+        use sha2::Digest;
+        self.0.update((bytes.len() as u64).to_be_bytes());
+        self.0.update(bytes);
+    }
+
+    fn finish(self) -> [u8; 32] {
+        use sha2::Digest;
+        self.0.finalize().into()
     }
 }

@@ -78,6 +78,11 @@ impl Secret {
         Ok(secret)
     }
 
+    /// Hand the secret's bytes to `f` (to be digested, never kept).
+    pub(crate) fn feed(&self, f: impl FnOnce(&[u8])) {
+        f(&self.0);
+    }
+
     /// `prefix` followed by the secret, as a header value marked sensitive
     /// (HPACK never indexes it; `Debug` hides it).
     pub(crate) fn header_value(&self, prefix: &str) -> Option<HeaderValue> {
@@ -88,6 +93,15 @@ impl Secret {
         v.set_sensitive(true);
         Some(v)
     }
+}
+
+/// SHA-256 of a secret file's content as [`Secret::load`] would read it
+/// (bounded), or `None` if it cannot be read: what the reload's poll
+/// compares to notice a rotated secret. Blocking.
+pub(crate) fn file_digest(path: &Path) -> Option<[u8; 32]> {
+    use sha2::Digest;
+    let bytes = Zeroizing::new(read_file(path).ok()?);
+    Some(sha2::Sha256::digest(&bytes[..]).into())
 }
 
 fn read_file(path: &Path) -> std::io::Result<Vec<u8>> {

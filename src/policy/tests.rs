@@ -584,6 +584,37 @@ fn credential_sources_are_in_the_policy_text_never_secrets() {
 }
 
 #[test]
+fn a_replaced_token_changes_the_policy_hash_its_order_does_not() {
+    let (a, b, c) = (
+        config::TokenDigest::of(b"a"),
+        config::TokenDigest::of(b"b"),
+        config::TokenDigest::of(b"c"),
+    );
+    let hash = |tokens: &[&config::TokenDigest]| {
+        let list: Vec<String> = tokens.iter().map(|t| format!("\"{t}\"")).collect();
+        let src = format!(
+            "[[org]]\nname = \"acme\"\nidentity = \"token\"\ntokens = [{}]\n\
+             [[org.allow]]\nhost = \"a.com\"\n",
+            list.join(", ")
+        );
+        let c = config::from_str(&src, Path::new("t.toml")).unwrap();
+        let text = Policy::canonical_text(&c.orgs);
+        for t in tokens {
+            let hex = t.to_string();
+            assert!(!text.contains(&hex[7..]), "a token digest in {text}");
+        }
+        Policy::new(&c).hash().to_string()
+    };
+    assert_eq!(hash(&[&a, &b]), hash(&[&b, &a]));
+    assert_ne!(hash(&[&a, &b]), hash(&[&a, &c]));
+    assert_ne!(hash(&[&a, &b]), hash(&[&a]));
+    // An org without tokens hashes as it did before tokens had a digest.
+    let src = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n";
+    let c = config::from_str(src, Path::new("t.toml")).unwrap();
+    assert!(!Policy::canonical_text(&c.orgs).contains("tokens"));
+}
+
+#[test]
 fn request_rules_of_an_intercepting_rule() {
     let src = r#"
 [[org]]

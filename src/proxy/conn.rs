@@ -40,6 +40,22 @@ pub(crate) struct Intercepting {
     pub rule: Arc<str>,
 }
 
+/// What a request asked, for a unit that is a request (a forwarded
+/// request, a request or a WebSocket handshake inside an intercepted
+/// connection): what a reload's policy decides it on again, besides its
+/// target ([`super::revoke::revisit`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Asked {
+    pub method: String,
+    /// The path as received, without the query.
+    pub path: String,
+    /// A WebSocket handshake (its relay runs on after it): its rule must
+    /// keep `websocket = true`.
+    pub websocket: bool,
+    /// Inside an intercepted connection: its rule must keep intercepting.
+    pub intercepted: bool,
+}
+
 /// A connection (a tunnel, a transparent connection) or a forwarded
 /// request, decided for one target.
 #[derive(Debug, Clone)]
@@ -81,6 +97,8 @@ pub(crate) struct Conn {
     /// close record, carried to the close (given back if it ends without
     /// one).
     pub owed: Option<Arc<Owed>>,
+    /// A request: what it asked (never recorded; `method` and `path` are).
+    pub asked: Option<Asked>,
 }
 
 impl Conn {
@@ -111,6 +129,7 @@ impl Conn {
             credential: None,
             detail: None,
             owed: None,
+            asked: None,
         }
     }
 

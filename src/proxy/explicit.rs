@@ -15,7 +15,7 @@ use hyper::service::service_fn;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, debug_span, Instrument};
 
-use super::conn::Conn;
+use super::conn::{Asked, Conn};
 use super::connect;
 use super::ctx::{budget_spent, Ctx, View};
 use super::decide::Decided;
@@ -552,6 +552,12 @@ async fn forward(
     conn.stood_for(synthetic.as_deref());
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
+    conn.asked = Some(Asked {
+        method: req.method().to_string(),
+        path: req.uri().path().to_string(),
+        websocket: false,
+        intercepted: false,
+    });
     let head_estimate = head_size(&req) as u64;
     forward::absolute(ctx, conn, &addrs, req, (bytes, head_estimate), started).await
 }

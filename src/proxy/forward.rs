@@ -9,6 +9,7 @@
 //! allow to its response, over an idle upstream connection of the
 //! [`super::pool`] when there is one for its key, else a new one.
 
+use std::future::Future;
 use std::net::IpAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -23,14 +24,16 @@ use tokio::net::TcpStream;
 use super::conn::Conn;
 use super::ctx::Ctx;
 use super::failure::Unserved;
-use super::http::body::{Metered, OnComplete};
+use super::http::body::{Metered, OnComplete, Stopped};
 use super::http::client::{Attempt, InOrder, NoResponse, Sender};
 use super::http::wire::{RequestBytes, UpCount};
 use super::http::{full, strip_hop_by_hop, Body};
 use super::pool::{self, Key};
 use super::record::{dial_failed, write_record};
+use super::revoke::{self, Hold};
 use crate::policy::Reason;
 use crate::proto::target::Host;
+use crate::serve::http::BodyError;
 
 /// Called with the request's `(bytes_up, bytes_down)` when it closes.
 pub(crate) type OnClose = Box<dyn FnOnce(u64, u64) + Send + Sync>;
@@ -49,6 +52,10 @@ pub(crate) struct Exchange {
     /// Whether the close record names the response status.
     pub with_status: bool,
     pub on_close: Option<OnClose>,
+    /// The request held to every policy a reload serves until its response
+    /// ends ([`revoke::hold`]); `None` for one held otherwise (a WebSocket
+    /// handshake, held with its relay).
+    pub hold: Option<Hold>,
 }
 
 impl Exchange {
@@ -62,7 +69,10 @@ impl Exchange {
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let status = self.with_status.then_some(parts.status.as_u16());
+        let stop = self.hold.as_ref().map(|h| h.stop().clone());
         let finish = Box::new(move |down| {
+            // The unit ends here: no longer held.
+            drop(self.hold);
             let up = (self.up)();
             if let Some(f) = self.on_close {
                 f(up, down);
@@ -76,7 +86,34 @@ impl Exchange {
             Some(f) => body.on_complete(f),
             None => body,
         };
-        Response::from_parts(parts, body.boxed())
+        let body = match stop {
+            Some(stop) => Stopped::new(body, stop).boxed(),
+            None => body.map_err(BodyError::from).boxed(),
+        };
+        Response::from_parts(parts, body)
+    }
+
+    /// Wait for `head` (a response head) unless the request is revoked
+    /// first: then `None`.
+    pub(crate) async fn unless_revoked<T>(&self, head: impl Future<Output = T>) -> Option<T> {
+        match &self.hold {
+            Some(h) => tokio::select! {
+                // The revocation first: the exchange it cut fails with it.
+                biased;
+                _ = h.stop().cancelled() => None,
+                t = head => Some(t),
+            },
+            None => Some(head.await),
+        }
+    }
+
+    /// Revoked before its response came: its close record says so, and the
+    /// client is refused `policy_revoked` (the revocation is on record).
+    pub(crate) fn revoked(self) -> Response<Body> {
+        let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
+        close.detail = Some("revoked before the response".into());
+        self.ctx.submit(&mut close);
+        Unserved::Denied(Reason::PolicyRevoked).response(&self.shown, None)
     }
 
     /// No complete response came: close the request with the cause (no
@@ -102,7 +139,9 @@ enum Upstream {
 /// dial them in order; record the decision with the address reached
 /// (`conn.ip`) before a byte is sent; send the request in origin form;
 /// relay the response, its close record written at its end. A connection
-/// whose response was read to its end goes back to the pool.
+/// whose response was read to its end goes back to the pool, unless the
+/// request had a body: that one asks the upstream to close after it
+/// (`Connection: close`) and is never reused.
 ///
 /// A pooled connection the upstream closed just as the request came is
 /// not the client's problem: a request not a byte of which was written
@@ -145,6 +184,9 @@ pub(crate) async fn absolute(
             body: up_count.clone(),
         },
     };
+    // Held to every policy a reload serves, its bodies both ways too.
+    let hold = revoke::hold(&ctx, &conn, &written.id);
+    let stop = hold.stop().clone();
     let exchange = Exchange {
         ctx: ctx.clone(),
         req: conn,
@@ -154,9 +196,10 @@ pub(crate) async fn absolute(
         up: Box::new(move || up.get()),
         with_status: false,
         on_close: None,
+        hold: Some(hold),
     };
 
-    let (parts, body) = match origin_form(req, &host, port) {
+    let (mut parts, body) = match origin_form(req, &host, port) {
         Ok(p) => p,
         Err(e) => return exchange.failed(NoResponse::NotSent(e)),
     };
@@ -177,29 +220,40 @@ pub(crate) async fn absolute(
         },
     };
     // Whether the connection may go back to the pool after this exchange
-    // (the whole body sent before the response began); a resend below
-    // carries no body, so its connection is in order from the start.
+    // (no request body, the response read to its end); a resend below
+    // carries no body, so its connection is in order from the start. A
+    // request with a body asks the upstream to close after it.
     let (mut in_order, body_sent) = InOrder::new(body.is_end_stream());
+    in_order.ask_close(&mut parts.headers);
     let body = in_order.gate(Metered::new(body, up_count).on_complete(body_sent));
-    let req = Request::from_parts(parts, body.boxed());
+    let req = Request::from_parts(parts, Stopped::new(body, stop).boxed());
     let timeout = ctx.limits.response_timeout.get();
-    let result = match sender.exchange(req, timeout).await {
-        Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
-        Err(Attempt::Failed(e)) if retry_fresh(reused, again.is_some(), e.is_connection_lost()) => {
-            match again {
-                Some(again) => resend(&ctx, addr, &mut sender, again.request()).await,
-                None => Err(Attempt::Failed(e)),
+    let attempt = async {
+        match sender.exchange(req, timeout).await {
+            Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
+            Err(Attempt::Failed(e))
+                if retry_fresh(reused, again.is_some(), e.is_connection_lost()) =>
+            {
+                match again {
+                    Some(again) => resend(&ctx, addr, &mut sender, again.request()).await,
+                    None => Err(Attempt::Failed(e)),
+                }
             }
+            other => other,
         }
-        other => other,
     };
+    let result = exchange.unless_revoked(attempt).await;
     // The connection the request went over (a resend's new one).
     in_order.follow(&sender);
+    let Some(result) = result else {
+        // The watch, dropped, cuts the connection.
+        return exchange.revoked();
+    };
     match result {
         Ok(resp) => {
             in_order.response_began();
             // Held until the response ends (the connection lives while it
-            // is read); then back to the pool if the exchange kept to
+            // is read); then back to the pool if the exchange had no body and kept to
             // order, else cut (the watch, dropped, cuts it).
             let give_back = Box::new(move || {
                 let Some(org) = org.filter(|_| in_order.reusable()) else {

@@ -16,11 +16,11 @@
 //! A connection goes back only when hyper says it can take another request
 //! (its response was read to the end, the upstream did not mark it close:
 //! no `Connection: close`, no HTTP/1.0 without keep-alive, no error, no
-//! upgrade), and its exchange kept to order (the whole request body was
-//! handed to it before the response began:
-//! [`InOrder`](crate::proxy::http::client::InOrder), which cuts one that
-//! did not, so a head planted in a body never reaches an upstream that
-//! answered early), and only for the idle timeout. Idle connections are
+//! upgrade), and its request had no body (a request with a body asks the
+//! upstream to close after it and its connection is cut:
+//! [`InOrder`](crate::proxy::http::client::InOrder), so a head planted in
+//! a body never reaches an upstream that did not read that body), and only
+//! for the idle timeout. Idle connections are
 //! bounded in total and per key; over a bound the oldest idle one is
 //! closed.
 //!

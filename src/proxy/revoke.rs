@@ -1,24 +1,32 @@
-//! Revocation: a live connection is held to every policy served while it
-//! runs, not only to the one it was decided under.
+//! Revocation: a live unit is held to every policy served while it runs,
+//! not only to the one it was decided under.
 //!
-//! When a reload swaps in a new [`Served`] state, every live connection
-//! (a CONNECT or SOCKS5 tunnel, a transparent connection, an intercepted
-//! connection) is decided again under it with what it was decided on
-//! ([`revisit`], pure): its org found again from the same identity (the
-//! address; a token org: the digest of the token it presented), its name
-//! or address, port, the address dialled, and what it carries (the tunnel
-//! kind it was verified as, intercepted or not). Then ([`watch`]):
+//! A unit is a connection (a CONNECT or SOCKS5 tunnel, a transparent
+//! connection, an intercepted connection) or a request (a forwarded
+//! absolute-form request with its body and response, a request inside an
+//! intercepted connection with its body and response, a WebSocket
+//! handshake with the stream it became). When a reload swaps in a new
+//! [`Served`] state, every live unit is decided again under it with what
+//! it was decided on ([`revisit`], pure): its org found again from the
+//! same identity (the address; a token org: the digest of the token it
+//! presented), its name or address, port, the address dialled; for a
+//! connection, what it carries (the tunnel kind it was verified as,
+//! intercepted or not); for a request, what it asked ([`Asked`]: inside an
+//! intercepted connection its rule must still intercept, a WebSocket's
+//! must keep `websocket = true`, and the rule's method and path rules must
+//! still let it through). Then ([`watch`]):
 //!
 //! | under the new policy | what happens |
 //! |---|---|
-//! | allowed, carrying what it was verified as, intercepted as before | nothing (an intercepted connection decides its next requests under the new policy anyway) |
-//! | denied, or its rule now asks for another tunnel kind or interception | a decision record `deny`, `policy_revoked` (`conn`: its decision record, `policy`: the new hash, `detail`: why), then it is closed and its close record written |
+//! | allowed, carrying what it was verified as, intercepted as before, its request still let through | nothing (an intercepted connection decides its next requests under the new policy anyway) |
+//! | denied, or its rule now asks for another tunnel kind or interception, or refuses its request | a decision record `deny`, `policy_revoked` (`conn`: its decision record, `policy`: the new hash, `detail`: why), then it is closed and its close record written |
 //! | denied, org in report mode | a decision record `allow`, `report_only`, `would_deny: policy_revoked`, once per change; it keeps running |
 //!
-//! A tunnel is closed as soon as its revocation is queued; an intercepted
-//! connection takes no further request and its request in flight has at
-//! most `revoke_grace` to finish. Forwarded (absolute-form) requests are
-//! decided one by one under the policy served when each arrives.
+//! A tunnel, a request and a WebSocket stream are closed as soon as their
+//! revocation is queued (a request's bodies end with an error, never with
+//! a clean end: [`Hold`]); an intercepted connection takes no further
+//! request and its request in flight, if still allowed itself, has at most
+//! `revoke_grace` to finish.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -26,12 +34,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::debug;
 
-use super::conn::{Conn, Plan};
+use super::conn::{Asked, Conn, Plan};
 use super::ctx::{Ctx, View};
 use crate::config::Carry;
+use crate::policy::request::RequestFacts;
 use crate::policy::{Decision, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::served::Served;
@@ -79,7 +88,11 @@ pub(crate) fn revisit(served: &Arc<Served>, conn: &Conn) -> Revisit {
             Revisit::Revoked(view, why)
         };
     }
-    if let Some(why) = carried_otherwise(conn, &view, &verdict) {
+    let otherwise = match &conn.asked {
+        None => carried_otherwise(conn, &view, &verdict),
+        Some(asked) => asked_otherwise(conn, asked, &view, &verdict),
+    };
+    if let Some(why) = otherwise {
         return if report {
             Revisit::Reported(view, why)
         } else {
@@ -120,6 +133,44 @@ fn carried_otherwise(conn: &Conn, view: &View, verdict: &Verdict) -> Option<Stri
         (false, true) => Some("its rule no longer intercepts".into()),
         _ => None,
     }
+}
+
+/// Why an allowed request no longer runs as its new rule says: it was
+/// inside an intercepted connection and the rule no longer intercepts; a
+/// WebSocket and the rule no longer has `websocket = true`; or the rule's
+/// method and path rules now refuse it (the same
+/// [`Policy::decide_request`](crate::policy::Policy::decide_request) that
+/// decided it, a WebSocket handshake as the `GET` it is).
+fn asked_otherwise(conn: &Conn, asked: &Asked, view: &View, verdict: &Verdict) -> Option<String> {
+    let (org, rule) = (view.org.as_ref()?, verdict.rule.as_deref()?);
+    let Some(rules) = view.policy.intercept_rules(org, rule) else {
+        // A plain request under a rule without request rules: its target decides.
+        return asked
+            .intercepted
+            .then(|| "its rule no longer intercepts".into());
+    };
+    if asked.websocket && !rules.websocket {
+        return Some(format!("rule {rule} no longer has websocket = true"));
+    }
+    let host = conn.host.to_string();
+    let req = RequestFacts {
+        host: &host,
+        method: if asked.websocket {
+            "GET"
+        } else {
+            &asked.method
+        },
+        path: &asked.path,
+    };
+    let decision = view.policy.decide_request(org, rule, req, []);
+    if decision.is_allow() {
+        return None;
+    }
+    let reason = decision.verdict.reason;
+    Some(match decision.detail {
+        Some(d) => format!("now {reason}: {d}"),
+        None => format!("now {reason}"),
+    })
 }
 
 /// The record of a revisit that did not keep `conn` (recorded as `id`):
@@ -202,6 +253,42 @@ impl<F: Future> Future for Held<'_, F> {
     }
 }
 
+/// A unit with no future of its own to wrap (a forwarded request: its
+/// body going up and its response coming down are polled by the HTTP
+/// layer), held to every policy served by a task of its own for as long
+/// as this lives. Revoked, [`Hold::stop`] is cancelled at once: the unit's
+/// bodies then end with an error, never with a clean end.
+pub(crate) struct Hold {
+    stop: CancellationToken,
+    _watching: DropGuard,
+}
+
+impl Hold {
+    /// Cancelled when the unit is revoked.
+    pub(crate) fn stop(&self) -> &CancellationToken {
+        &self.stop
+    }
+}
+
+/// Hold the unit `conn`, recorded as `id`, until the returned [`Hold`] is
+/// dropped (with the unit's last body).
+pub(crate) fn hold(ctx: &Arc<Ctx>, conn: &Conn, id: &str) -> Hold {
+    let stop = CancellationToken::new();
+    let ended = CancellationToken::new();
+    let watching = ended.clone().drop_guard();
+    let (ctx2, conn, id, cut) = (ctx.clone(), conn.clone(), id.to_string(), stop.clone());
+    ctx.tasks.spawn(async move {
+        tokio::select! {
+            _ = ended.cancelled() => {}
+            never = watch(&ctx2, &conn, &id, &cut) => match never {},
+        }
+    });
+    Hold {
+        stop,
+        _watching: watching,
+    }
+}
+
 /// Hold `conn`, decided and recorded as `id`, to every policy served
 /// after it was decided, until the caller drops this future (with the
 /// connection). A revoked connection is cut through `cut`, then this
@@ -260,7 +347,17 @@ mod tests {
     const CLIENT: &str = "198.18.1.2:5000";
 
     fn served(orgs: &str) -> Arc<Served> {
-        let config = crate::config::from_str(orgs, std::path::Path::new("t.toml")).unwrap();
+        // Intercepting rules: the org CAs in a scratch directory of their own.
+        let text = if orgs.contains("intercept = true") {
+            let dir = crate::testing::scratch("revoke-ca");
+            format!(
+                "[intercept]\nca_dir = {:?}\n{orgs}",
+                dir.display().to_string()
+            )
+        } else {
+            orgs.to_string()
+        };
+        let config = crate::config::from_str(&text, std::path::Path::new("t.toml")).unwrap();
         let policy = Arc::new(Policy::new(&config));
         let metrics = Arc::new(crate::metrics::Metrics::new(Arc::default()));
         Arc::new(Served::load(&config, policy, &metrics).unwrap())
@@ -419,5 +516,85 @@ mod tests {
         // A TLS tunnel under a rule that turns opaque is still covered.
         let tls_conn = decided(&tls, "a.test", 443, "198.18.2.10", Carry::Tls);
         assert!(matches!(revisit(&old, &tls_conn), Revisit::Kept(..)));
+    }
+    const REG: &str = "[[org.allow]]\nid = \"reg\"\nhost = \"a.test\"\nports = [443]\nintercept = true\nwebsocket = true\n";
+
+    /// A request of `method` `path` (a WebSocket handshake or not) inside
+    /// an intercepted connection to a.test:443, decided under `served`.
+    fn request(served: &Arc<Served>, method: &str, path: &str, websocket: bool) -> Conn {
+        let mut c = decided(served, "a.test", 443, "198.18.2.10", Carry::Tls);
+        c.kind = Kind::Http;
+        c.tunnel = None;
+        c.asked = Some(Asked {
+            method: method.into(),
+            path: path.into(),
+            websocket,
+            intercepted: true,
+        });
+        c
+    }
+
+    #[test]
+    fn a_request_inside_is_held_to_its_rules_request_rules() {
+        let old = served(&rules(REG));
+        let get = request(&old, "GET", "/api/keys", false);
+        let ws = request(&old, "GET", "/ws", true);
+        assert!(matches!(revisit(&old, &get), Revisit::Kept(..)));
+        assert!(matches!(revisit(&old, &ws), Revisit::Kept(..)));
+        // Its path denied: revoked; another path kept.
+        let denied = served(&rules(&format!("{REG}deny_paths = [\"/API\"]\n")));
+        assert!(
+            matches!(revisit(&denied, &get), Revisit::Revoked(_, d) if d.starts_with("now path_not_allowed")),
+        );
+        assert!(matches!(revisit(&denied, &ws), Revisit::Kept(..)));
+        // Its method no longer listed.
+        let posts = served(&rules(&format!("{REG}methods = [\"POST\"]\n")));
+        assert!(
+            matches!(revisit(&posts, &get), Revisit::Revoked(_, d) if d.starts_with("now method_not_allowed")),
+        );
+        // A WebSocket handshake is decided as the GET it is.
+        assert!(
+            matches!(revisit(&posts, &ws), Revisit::Revoked(_, d) if d.starts_with("now method_not_allowed")),
+        );
+        // WebSocket turned off: the stream goes, a plain request stays.
+        let off = served(&rules(&REG.replace("websocket = true\n", "")));
+        assert!(
+            matches!(revisit(&off, &ws), Revisit::Revoked(_, d) if d == "rule reg no longer has websocket = true"),
+        );
+        assert!(matches!(revisit(&off, &get), Revisit::Kept(..)));
+        // No longer intercepted.
+        let plain = served(&rules(A_TEST));
+        assert!(
+            matches!(revisit(&plain, &get), Revisit::Revoked(_, d) if d == "its rule no longer intercepts"),
+        );
+    }
+
+    #[test]
+    fn a_forwarded_request_is_held_to_its_target_and_any_request_rules() {
+        let port80 = "[[org.allow]]\nid = \"web\"\nhost = \"a.test\"\nports = [80]\n";
+        let old = served(&rules(port80));
+        let mut get = decided(&old, "a.test", 80, "198.18.2.10", Carry::Http);
+        get.kind = Kind::Http;
+        get.tunnel = None;
+        get.asked = Some(Asked {
+            method: "GET".into(),
+            path: "/x".into(),
+            websocket: false,
+            intercepted: false,
+        });
+        // No tunnel kind to hold it to: kept under the same rules.
+        assert!(matches!(revisit(&old, &get), Revisit::Kept(..)));
+        assert!(matches!(
+            revisit(&served(&rules(B_TEST)), &get),
+            Revisit::Revoked(_, d) if d == "now no_matching_rule"
+        ));
+        // A rule that now intercepts binds it by its request rules too.
+        let intercepting = served(&rules(&format!(
+            "{}intercept = true\ndeny_paths = [\"/x\"]\n",
+            port80
+        )));
+        assert!(
+            matches!(revisit(&intercepting, &get), Revisit::Revoked(_, d) if d.starts_with("now path_not_allowed")),
+        );
     }
 }

@@ -239,6 +239,13 @@ fn a_tail_shows_denials_live_and_needs_its_token() {
     assert_eq!((code, body.contains("decision")), (400, true), "{body}");
     let (code, body) = admin_get(&lab, "/v1/decisions?colour=red", Some(&bearer));
     assert_eq!((code, body.contains("colour")), (400, true), "{body}");
+    // A filter given twice is refused, not settled by its last value.
+    let (code, body) = admin_get(&lab, "/v1/decisions?org=acme&o%72g=beta", Some(&bearer));
+    assert_eq!(
+        (code, body.contains("org given more")),
+        (400, true),
+        "{body}"
+    );
     // The other endpoints stay open.
     for path in ["/metrics", "/healthz", "/readyz"] {
         assert_eq!(lab.admin_status(path), 200, "{path}");

@@ -4,10 +4,10 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::lab::{self, run_with_timeout, sanitize, wait_until, CmdOutput, Lab};
+use crate::lab::{self, run_with_timeout, sanitize, wait_until, Background, CmdOutput, Lab};
 
 const GUIDE: &str = "docs/first-allowlist.md";
 const MARKER: &str = "<!-- guide-test: ";
@@ -201,16 +201,6 @@ impl Shell {
             out.describe()
         );
         out
-    }
-}
-
-/// A background block, killed when dropped.
-struct Background(Child);
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

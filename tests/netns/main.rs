@@ -37,6 +37,8 @@ mod reload;
 mod report;
 mod retention;
 mod revoke;
+mod revoke_streams;
+mod rotation;
 mod socks5;
 mod splice;
 mod synthetic;

@@ -7,7 +7,10 @@
 //! `/drop-next`, it reads the next request on that connection and closes
 //! it without an answer (the race of an upstream closing a kept-alive
 //! connection just as a request is sent); `/early` is answered at once
-//! and its body never read (what follows its head is the next request).
+//! and its body never read (what follows its head is the next request);
+//! `/unread` is answered once its whole body has arrived, and that body is
+//! never read either. Like any HTTP/1.1 server it stops after answering a
+//! request marked `Connection: close`.
 //!
 //! (a) keep-alive requests of one org, over several client connections,
 //!     ride one upstream connection;
@@ -21,11 +24,11 @@
 //! (f) an idle connection is closed by Palisade after
 //!     `upstream_idle_timeout`;
 //! (g) a request head planted in a body, behind an upstream that answered
-//!     early, never reaches it, and the next request gets its own response
-//!     on its own connection.
+//!     early, or after the whole body yet never read it, never reaches
+//!     it, and the next request gets its own response on its own
+//!     connection.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -34,6 +37,8 @@ use crate::lab::*;
 use crate::record_id;
 
 const PORT: u16 = 8080;
+/// The same upstream over TLS, intercepted (see [`INTERCEPTED`]).
+const TLS_PORT: u16 = 8443;
 
 /// Two orgs, both allowed to allowed.test:8080: acme (the client
 /// namespace) and beta (the second client namespace).
@@ -55,11 +60,12 @@ host = "allowed.test"
 ports = [8080]
 "#;
 
-/// The counting upstream (stdlib only). Arguments: address, port, log.
+/// The counting upstream (stdlib only). Arguments: address, port, log,
+/// then the TLS port, certificate and key of the same server over TLS.
 /// Prints "ready" once listening. Every socket wait is bounded (10 s), and
 /// so are heads (64 KiB), bodies (1 MiB) and requests per connection (1000).
 const UPSTREAM: &str = r#"
-import json, socket, sys, threading, time
+import json, socket, ssl, sys, threading, time
 addr, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 lock = threading.Lock()
 ids = [0]
@@ -84,13 +90,25 @@ def serve(conn, cid):
             lines = head.decode("latin-1").split("\r\n")
             target = lines[0].split(" ")[1]
             length = 0
+            asked_close = False
             for line in lines[1:]:
                 k, _, v = line.partition(":")
                 if k.strip().lower() == "content-length":
                     length = min(int(v.strip()), 1 << 20)
+                if k.strip().lower() == "connection" and "close" in v.lower():
+                    asked_close = True
             if target.startswith("/early"):
                 # Answers before reading the body, and reads no body: what
                 # follows the head is read as the next request.
+                length = 0
+            if target.startswith("/unread"):
+                # Answers only once the whole body has arrived, yet never
+                # reads it as a body: it is read as the next request.
+                while len(buf) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
                 length = 0
             while len(buf) < length:
                 data = conn.recv(65536)
@@ -98,13 +116,14 @@ def serve(conn, cid):
                     return
                 buf += data
             buf = buf[length:]
-            log({"event": "request", "id": cid, "n": n, "path": target})
+            log({"event": "request", "id": cid, "n": n, "path": target, "close": asked_close})
             if drop_next:
                 log({"event": "dropped", "id": cid, "path": target})
                 return
             drop_next = target.startswith("/drop-next")
             body = ("conn=%d n=%d path=%s\n" % (cid, n, target)).encode()
-            close = target.startswith("/close")
+            # Like every HTTP/1.1 server: a request marked close is the last.
+            close = target.startswith("/close") or asked_close
             head = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n" % len(body)
             head += "Connection: close\r\n\r\n" if close else "\r\n"
             conn.sendall(head.encode() + body)
@@ -118,52 +137,66 @@ def serve(conn, cid):
     finally:
         conn.close()
         log({"event": "closed", "id": cid})
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((addr, port))
-s.listen(128)
+def listen(port, wrap):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((addr, port))
+    s.listen(128)
+    def accept():
+        while True:
+            conn, peer = s.accept()
+            with lock:
+                ids[0] += 1
+                cid = ids[0]
+            log({"event": "open", "id": cid, "peer": "%s:%d" % peer})
+            def run(conn=conn, cid=cid):
+                try:
+                    conn = wrap(conn)
+                except (OSError, ssl.SSLError) as e:
+                    log({"event": "error", "id": cid, "error": repr(e)})
+                    conn.close()
+                    return
+                serve(conn, cid)
+            threading.Thread(target=run, daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+listen(port, lambda c: c)
+if len(sys.argv) > 4:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(sys.argv[5], sys.argv[6])
+    ctx.set_alpn_protocols(["http/1.1"])
+    listen(int(sys.argv[4]), lambda c: ctx.wrap_socket(c, server_side=True))
 print("ready", flush=True)
 while True:
-    conn, peer = s.accept()
-    with lock:
-        ids[0] += 1
-        cid = ids[0]
-    log({"event": "open", "id": cid, "peer": "%s:%d" % peer})
-    threading.Thread(target=serve, args=(conn, cid), daemon=True).start()
+    time.sleep(60)
 "#;
 
 /// The counting upstream, killed on drop.
 struct Upstream {
-    child: Child,
+    _server: Background,
     log: std::path::PathBuf,
-}
-
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Upstream {
     fn start(lab: &Lab) -> Upstream {
         let log = lab.dir.join("pool-upstream.log");
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &lab.ns_upstream, "python3", "-c", UPSTREAM])
-            .arg(ALLOWED_IP)
-            .arg(PORT.to_string())
-            .arg(&log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start the counting upstream");
-        let mut line = String::new();
-        if let Some(out) = child.stdout.as_mut() {
-            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        let (port, tls_port) = (PORT.to_string(), TLS_PORT.to_string());
+        let certs = certs_dir();
+        let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+        let args = [
+            std::ffi::OsStr::new("-c"),
+            UPSTREAM.as_ref(),
+            ALLOWED_IP.as_ref(),
+            port.as_ref(),
+            log.as_os_str(),
+            tls_port.as_ref(),
+            cert.as_ref(),
+            key.as_ref(),
+        ];
+        let server = lab.spawn_upstream_server("the counting upstream", "python3", args);
+        Upstream {
+            _server: server,
+            log,
         }
-        assert_eq!(line.trim(), "ready", "the counting upstream did not start");
-        Upstream { child, log }
     }
 
     fn log(&self) -> Vec<Value> {
@@ -206,11 +239,16 @@ fn lab() -> (Lab, Upstream) {
 
 /// The lab with extra `[proxy]` lines.
 fn lab_with(options: &[&str]) -> (Lab, Upstream) {
-    // The lab's own fixtures start first; ours binds port 8080 beside them.
     let mut builder = Lab::builder().policy(POLICY).second_client();
     for line in options {
         builder = builder.proxy_option(line);
     }
+    lab_of(builder)
+}
+
+/// The lab `builder` makes, with the counting upstream.
+fn lab_of(builder: LabBuilder) -> (Lab, Upstream) {
+    // The lab's own fixtures start first; ours binds port 8080 beside them.
     let mut lab = builder.without_proxy().start();
     let up = Upstream::start(&lab);
     lab.spawn_proxy();
@@ -383,7 +421,14 @@ fn every_pooled_request_has_its_own_decision_and_exact_close_record() {
         assert_eq!(resp.status, 200, "{resp:?}\n{}", lab.proxy_output());
         sent.insert(path, (req.len() as u64, resp.body.len() as u64));
     }
-    assert_eq!(up.opens(), 1, "{}", dump(&up.log()));
+    // The POST's connection ends with it (a body: never reused).
+    assert_eq!(up.opens(), 2, "{}", dump(&up.log()));
+    assert_eq!(
+        up.conn_of("/d/0"),
+        up.conn_of("/d/2"),
+        "{}",
+        dump(&up.log())
+    );
     let mut ids = BTreeSet::new();
     for (path, (up_bytes, down_bytes)) in &sent {
         let decision = lab.wait_evidence(&format!("decision of {path}"), |v| {
@@ -524,18 +569,190 @@ fn a_request_head_planted_in_a_body_never_reaches_the_upstream() {
         "glued to the early connection: {}",
         dump(&up.log())
     );
+    served_only(&lab, &up, &["/early", "/after-early"]);
+    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
+}
+
+/// (g) A POST whose body holds request heads, to an upstream that answers
+/// only after the whole body arrived yet never reads it (so the exchange
+/// looks in order): the request goes upstream marked `Connection: close`,
+/// the upstream stops after its answer, and the planted heads are never
+/// served; the next requests of the same org (on the same client
+/// connection) get their own responses over connections of their own.
+#[test]
+fn a_head_planted_in_a_body_the_upstream_answered_after_is_never_served() {
+    let (lab, up) = lab();
+    let planted: String = (0..3)
+        .map(|i| format!("GET /planted/{i} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\n\r\n"))
+        .collect();
+    let mut c = lab.client_conn();
+    let req = format!(
+        "POST {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\nContent-Length: {}\r\n\r\n{planted}",
+        url("/unread"),
+        planted.len()
+    );
+    c.send(req.as_bytes()).expect("send");
+    let resp = c.read_response(Duration::from_secs(10));
+    assert_eq!(resp.status, 200, "{resp:?}\n{}", lab.proxy_output());
+    assert!(resp.body.contains("path=/unread"), "{resp:?}");
+    let unread = up.conn_of("/unread");
+    up.wait_closed(unread);
+    // The same client connection, then another: each its own response.
+    get(&lab, &mut c, "/after-unread/0");
+    let mut next = lab.client_conn();
+    get(&lab, &mut next, "/after-unread/1");
+    for path in ["/after-unread/0", "/after-unread/1"] {
+        assert_ne!(up.conn_of(path), unread, "{}", dump(&up.log()));
+    }
+    let log = served_only(
+        &lab,
+        &up,
+        &["/unread", "/after-unread/0", "/after-unread/1"],
+    );
+    let asked = log
+        .iter()
+        .find(|v| v["event"] == "request" && v["path"] == "/unread")
+        .expect("logged");
+    assert_eq!(asked["close"], true, "sent marked close: {asked}");
+    // The bodiless requests after it still share a connection.
+    assert_eq!(
+        up.conn_of("/after-unread/0"),
+        up.conn_of("/after-unread/1"),
+        "{}",
+        dump(&log)
+    );
+}
+
+/// The upstream served exactly `paths`, in order, each with an allow
+/// record of its own; the upstream's log.
+fn served_only(lab: &Lab, up: &Upstream, paths: &[&str]) -> Vec<Value> {
     let log = up.log();
     let served: Vec<&str> = log
         .iter()
         .filter(|v| v["event"] == "request")
         .filter_map(|v| v["path"].as_str())
         .collect();
-    assert_eq!(served, ["/early", "/after-early"], "{}", dump(&log));
+    assert_eq!(served, paths, "{}", dump(&log));
     for path in served {
         let decision = lab.wait_evidence(&format!("decision of {path}"), |v| {
             v["event"] == "decision" && v["kind"] == "http" && v["path"] == path
         });
         assert_eq!(decision["decision"], "allow", "{decision}");
     }
-    assert_eq!(metric(&lab, "palisade_upstream_reused_total"), 0.0);
+    log
+}
+
+/// acme, its allowed.test:8443 intercepted.
+const INTERCEPTED: &str = r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+host = "allowed.test"
+ports = [8443]
+intercept = true
+"#;
+
+/// Inside one intercepted connection (CONNECT allowed.test:8443, TLS
+/// trusting CA): a POST of `/unread` with BODY, then a GET of
+/// `/after-unread`; prints one JSON line with each response's status line
+/// and body (or how the connection ended).
+const INTERCEPTED_CLIENT: &str = r#"
+import json, socket, ssl, sys
+proxy, ca, body = sys.argv[1], sys.argv[2], sys.argv[3].encode()
+host, port = proxy.split(":")
+s = socket.create_connection((host, int(port)), timeout=10, source_address=("198.18.1.2", 0))
+s.sendall(b"CONNECT allowed.test:8443 HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n")
+head = b""
+while b"\r\n\r\n" not in head:
+    head += s.recv(1)
+ctx = ssl.create_default_context(cafile=ca)
+ctx.set_alpn_protocols(["http/1.1"])
+t = ctx.wrap_socket(s, server_hostname="allowed.test")
+f = t.makefile("rb")
+def response():
+    status = f.readline().decode("latin-1").strip()
+    length = 0
+    while True:
+        line = f.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, _, v = line.decode("latin-1").partition(":")
+        if k.lower() == "content-length":
+            length = int(v)
+    return [status, f.read(length).decode("latin-1")]
+out = {}
+t.sendall(b"POST /unread HTTP/1.1\r\nHost: allowed.test:8443\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+out["first"] = response()
+try:
+    t.sendall(b"GET /after-unread HTTP/1.1\r\nHost: allowed.test:8443\r\n\r\n")
+    out["second"] = response()
+except Exception as e:
+    out["second"] = ["ended", repr(e)]
+print(json.dumps(out), flush=True)
+"#;
+
+/// (g) Inside an intercepted connection, whose HTTP/1.1 upstream
+/// connection carries its requests one after another: a POST whose body
+/// holds request heads, to an upstream that answers after the whole body
+/// yet never reads it. The POST goes upstream marked `Connection: close`,
+/// the planted heads are never served, and the next request inside the
+/// same client connection gets its own response over a new upstream
+/// connection.
+#[test]
+fn a_head_planted_in_an_intercepted_body_is_never_served() {
+    let ca_dir = scratch_dir("pool-intercept").join("ca");
+    let builder = Lab::builder()
+        .policy(INTERCEPTED)
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}",
+            ca_dir.display().to_string(),
+            ca_pem().display().to_string()
+        ));
+    let (lab, up) = lab_of(builder);
+    let planted: String = (0..3)
+        .map(|i| format!("GET /planted/{i} HTTP/1.1\r\nHost: allowed.test:{TLS_PORT}\r\n\r\n"))
+        .collect();
+    let ca = ca_dir.join("acme.pem").display().to_string();
+    let out = lab.client_exec(
+        "python3",
+        &["-c", INTERCEPTED_CLIENT, PROXY_ADDR, &ca, &planted],
+    );
+    let v: Value = serde_json::from_str(out.stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("client output {e}: {}", out.describe()));
+    assert!(
+        v["first"][0].as_str().unwrap_or_default().contains(" 200"),
+        "{v}"
+    );
+    assert!(
+        v["first"][1]
+            .as_str()
+            .unwrap_or_default()
+            .contains("path=/unread"),
+        "{v}"
+    );
+    assert!(
+        v["second"][0].as_str().unwrap_or_default().contains(" 200"),
+        "{v}"
+    );
+    assert!(
+        v["second"][1]
+            .as_str()
+            .unwrap_or_default()
+            .contains("path=/after-unread"),
+        "the next request got another's response: {v}"
+    );
+    let log = served_only(&lab, &up, &["/unread", "/after-unread"]);
+    let asked = log
+        .iter()
+        .find(|v| v["event"] == "request" && v["path"] == "/unread")
+        .expect("logged");
+    assert_eq!(asked["close"], true, "sent marked close: {asked}");
+    assert_ne!(
+        up.conn_of("/after-unread"),
+        up.conn_of("/unread"),
+        "{}",
+        dump(&log)
+    );
 }

@@ -41,7 +41,7 @@ fn echo(c: &mut RawConn, line: &str) -> bool {
     c.send(line.as_bytes()).is_ok() && c.read_until(line.as_bytes(), SECS5).is_some()
 }
 
-fn served_hash(lab: &Lab) -> String {
+pub(crate) fn served_hash(lab: &Lab) -> String {
     let out = lab.proxy_ns_exec(
         "curl",
         &["-sS", &format!("http://{}/policy", lab::ADMIN_ADDR)],
@@ -51,7 +51,7 @@ fn served_hash(lab: &Lab) -> String {
     v["hash"].as_str().unwrap().to_string()
 }
 
-fn edit_config(lab: &Lab, f: impl FnOnce(String) -> String) {
+pub(crate) fn edit_config(lab: &Lab, f: impl FnOnce(String) -> String) {
     let text = std::fs::read_to_string(&lab.config_path).unwrap();
     let tmp = lab.config_path.with_extension("new");
     std::fs::write(&tmp, f(text)).unwrap();

@@ -20,7 +20,7 @@ use crate::transparent::{load_gateway, TRANSPARENT};
 const SECS5: Duration = Duration::from_secs(5);
 const SOCKS_ADDR: &str = "198.18.1.1:1080";
 /// Longer than `revoke_grace` (1 s by default) plus the reload itself.
-const CLOSED_WITHIN: Duration = Duration::from_secs(4);
+pub(crate) const CLOSED_WITHIN: Duration = Duration::from_secs(4);
 
 /// The rules a reload removes: the banner port on allowed.test (CONNECT and
 /// SOCKS5) and on the cidr host (transparent, decided by address).
@@ -65,7 +65,7 @@ fn lab_with(policy: &str) -> Lab {
     lab
 }
 
-fn served_hash(lab: &Lab) -> String {
+pub(crate) fn served_hash(lab: &Lab) -> String {
     let out = lab.proxy_ns_exec(
         "curl",
         &["-sS", &format!("http://{}/policy", lab::ADMIN_ADDR)],
@@ -77,7 +77,7 @@ fn served_hash(lab: &Lab) -> String {
 
 /// Rewrite the config with `f` and reload it (SIGHUP); waits until the new
 /// policy is served.
-fn reload(lab: &Lab, f: impl FnOnce(String) -> String) {
+pub(crate) fn reload(lab: &Lab, f: impl FnOnce(String) -> String) {
     let before = served_hash(lab);
     let text = std::fs::read_to_string(&lab.config_path).unwrap();
     let changed = f(text.clone());
@@ -368,7 +368,7 @@ except Exception as e:
 
 /// Run [`KEEP_ALIVE_CLIENT`]: its first line, then (after `between` and
 /// the go file) the rest of what it printed.
-fn keep_alive_across(
+pub(crate) fn keep_alive_across(
     setup: &crate::intercept::Setup,
     (first, second): (&str, &str),
     between: impl FnOnce(),

@@ -7,15 +7,16 @@
 
 use std::fs;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use serde_json::Value;
 
 use crate::lab::{
-    ca_pem, certs_dir, dump, fixtures_dir, read_jsonl, scratch_dir, Lab, ALLOWED_IP, PROXY_ADDR,
-    PROXY_URL,
+    ca_pem, certs_dir, dump, fixtures_dir, read_jsonl, scratch_dir, wait_until, Background, Lab,
+    ALLOWED_IP, PROXY_ADDR, PROXY_URL,
 };
 use crate::record_id;
+use crate::revoke::CLOSED_WITHIN;
 
 /// Where the echo server listens: `websocket = true`, and not.
 const WS_PORT: u16 = 8443;
@@ -58,15 +59,8 @@ secret_file = {secret_file:?}
 
 /// The echo server, killed on drop.
 struct Echo {
-    child: Child,
+    _server: Background,
     log: PathBuf,
-}
-
-impl Drop for Echo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Echo {
@@ -105,33 +99,29 @@ fn start() -> Setup {
         .start();
     let log = lab.dir.join("ws-echo.log");
     let certs = certs_dir();
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_upstream, PYTHON])
-        .arg(fixtures_dir().join("ws_echo.py"))
-        .args(["--addr", ALLOWED_IP])
-        .args([
-            "--port",
-            &WS_PORT.to_string(),
-            "--port",
-            &NO_WS_PORT.to_string(),
-        ])
-        .arg("--cert")
-        .arg(certs.join("server.pem"))
-        .arg("--key")
-        .arg(certs.join("server.key"))
-        .arg("--log")
-        .arg(&log)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start the WebSocket echo server");
-    let mut line = String::new();
-    if let Some(out) = child.stdout.as_mut() {
-        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
-    }
-    let echo = Echo { child, log };
-    assert_eq!(line.trim(), "ready", "the echo server did not start");
+    let (ws, no_ws) = (WS_PORT.to_string(), NO_WS_PORT.to_string());
+    let script = fixtures_dir().join("ws_echo.py");
+    let (cert, key) = (certs.join("server.pem"), certs.join("server.key"));
+    let args: [&std::ffi::OsStr; 13] = [
+        script.as_ref(),
+        "--addr".as_ref(),
+        ALLOWED_IP.as_ref(),
+        "--port".as_ref(),
+        ws.as_ref(),
+        "--port".as_ref(),
+        no_ws.as_ref(),
+        "--cert".as_ref(),
+        cert.as_ref(),
+        "--key".as_ref(),
+        key.as_ref(),
+        "--log".as_ref(),
+        log.as_ref(),
+    ];
+    let server = lab.spawn_upstream_server("the WebSocket echo server", PYTHON, args);
+    let echo = Echo {
+        _server: server,
+        log,
+    };
     lab.spawn_proxy();
     lab.wait_proxy_ready();
     let org_ca = ca_dir.join("acme.pem");
@@ -400,13 +390,17 @@ fn websocket_off_is_refused_at_once_and_other_protocols_always() {
     assert!(s.echo.requests("/ws/udp").is_empty());
 }
 
-/// A WebSocket over HTTP/1.1, relaying, when a reload takes its rule away:
-/// the relay is cut (`policy_revoked` on the connection's record), the
+/// A WebSocket over HTTP/1.1 on `path`, relaying, across the reload
+/// `edit` of the config: once `revoked` finds the revocation record (given
+/// the ids of the connection's and the handshake's decision records), the
 /// message sent after the reload gets no echo, and the upstream saw only
-/// the one before.
-#[test]
-fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
-    let s = start();
+/// the one before. Returns the revocation record.
+fn relay_across(
+    s: &Setup,
+    path: &str,
+    edit: impl FnOnce(String) -> String,
+    revoked: impl Fn(&Value, &str, &str) -> bool,
+) -> Value {
     let lab = &s.lab;
     let go = scratch_dir("ws-revoke").join("go");
     let go_arg = go.display().to_string();
@@ -418,8 +412,7 @@ fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
         "--then",
         "after-reload",
     ];
-    let args = client_args(&s, "h1", WS_PORT, "/ws/revoked", &then);
-    let port = WS_PORT.to_string();
+    let args = client_args(s, "h1", WS_PORT, path, &then);
     let mut child = Command::new("ip")
         .args(["netns", "exec", &lab.ns_client, PYTHON])
         .args(&args)
@@ -435,20 +428,36 @@ fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
     let tcp = lab.wait_evidence("the intercepted connection", |v| {
         v["kind"] == "tcp" && v["event"] == "decision" && v["port"] == WS_PORT
     });
-    let id = record_id(&tcp).unwrap();
-
-    // Its port goes from the rule: allowed.test:8443 is no longer allowed.
-    let before = std::fs::read_to_string(&lab.config_path).unwrap();
-    let rule = format!("id = \"ws\"\nhost = \"allowed.test\"\nports = [{WS_PORT}]");
-    assert!(before.contains(&rule), "{before}");
-    let tmp = lab.config_path.with_extension("new");
-    fs::write(&tmp, before.replace(&rule, &rule.replace(&port, "9443"))).unwrap();
-    fs::rename(&tmp, &lab.config_path).unwrap();
-    lab.signal_proxy("-HUP");
-    let revoked = lab.wait_evidence("the revocation", |v| {
-        v["event"] == "decision" && v["kind"] == "tcp" && v["conn"] == id.as_str()
+    let conn = record_id(&tcp).unwrap();
+    let handshake = lab.wait_evidence("the handshake", |v| {
+        v["kind"] == "http" && v["event"] == "decision" && v["path"] == path
     });
-    assert_eq!(revoked["reason"], "policy_revoked", "{revoked}");
+    let handshake = record_id(&handshake).unwrap();
+
+    let before = fs::read_to_string(&lab.config_path).unwrap();
+    let tmp = lab.config_path.with_extension("new");
+    let changed = edit(before.clone());
+    assert_ne!(changed, before, "the edit changed nothing");
+    fs::write(&tmp, changed).unwrap();
+    fs::rename(&tmp, &lab.config_path).unwrap();
+    let asked = std::time::Instant::now();
+    lab.signal_proxy("-HUP");
+    let revocation = lab.wait_evidence("the revocation", |v| {
+        v["event"] == "decision" && revoked(v, &conn, &handshake)
+    });
+    assert_eq!(revocation["reason"], "policy_revoked", "{revocation}");
+    assert_eq!(revocation["decision"], "deny", "{revocation}");
+    // The stream is closed at the upstream too, within the bound.
+    wait_until("the upstream's stream closed", CLOSED_WITHIN, || {
+        s.echo
+            .log()
+            .iter()
+            .any(|e| e["event"] == "closed" && e["path"] == path)
+    });
+    eprintln!(
+        "{path}: closed {:.2} s after the reload was asked",
+        asked.elapsed().as_secs_f64()
+    );
     fs::write(&go, "").unwrap();
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut out, &mut rest);
@@ -461,11 +470,92 @@ fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
         .echo
         .log()
         .into_iter()
-        .filter(|e| e["event"] == "closed" && e["path"] == "/ws/revoked")
+        .filter(|e| e["event"] == "closed" && e["path"] == path)
         .collect();
     assert!(
         closed.iter().all(|e| e["messages"] == 1),
         "{}",
         dump(&closed)
+    );
+    // The handshake's close record follows, counting what did flow.
+    lab.wait_evidence("the handshake's close", |v| {
+        v["event"] == "close" && v["conn"] == handshake.as_str()
+    });
+    revocation
+}
+
+/// The rule `ws` of the policy, as written.
+const WS_RULE_HEAD: &str = "id = \"ws\"\nhost = \"allowed.test\"\nports = [8443]";
+
+/// A WebSocket relaying when a reload takes its rule away: the connection
+/// is revoked (`policy_revoked` on the connection's record) and the relay
+/// with it.
+#[test]
+fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
+    let s = start();
+    relay_across(
+        &s,
+        "/ws/revoked",
+        |t| {
+            // Its port goes from the rule: allowed.test:8443 is no longer allowed.
+            assert!(t.contains(WS_RULE_HEAD), "{t}");
+            t.replace(WS_RULE_HEAD, &WS_RULE_HEAD.replace("8443", "9443"))
+        },
+        |v, conn, _| v["kind"] == "tcp" && v["conn"] == conn,
+    );
+}
+
+/// A WebSocket relaying when a reload puts its path under `deny_paths`:
+/// the connection stays allowed, the stream itself is revoked (a record
+/// naming the handshake's decision record) and cut.
+#[test]
+fn a_relaying_websocket_is_closed_when_a_reload_denies_its_path() {
+    let s = start();
+    let r = relay_across(
+        &s,
+        "/ws/then-denied",
+        |t| {
+            t.replace(
+                "deny_paths = [\"/ws/internal\"]",
+                "deny_paths = [\"/ws/internal\", \"/ws/then-denied\"]",
+            )
+        },
+        |v, _, handshake| v["conn"] == handshake,
+    );
+    assert_eq!(r["kind"], "http", "{r}");
+    assert_eq!(r["path"], "/ws/then-denied", "{r}");
+    let detail = r["detail"].as_str().unwrap_or_default();
+    assert!(detail.starts_with("now path_not_allowed"), "{r}");
+    no_connection_revoked(&s.lab);
+}
+
+/// A WebSocket relaying when a reload removes `websocket = true` from its
+/// rule: the stream is revoked and cut, the connection stays allowed.
+#[test]
+fn a_relaying_websocket_is_closed_when_a_reload_turns_websocket_off() {
+    let s = start();
+    let r = relay_across(
+        &s,
+        "/ws/then-off",
+        |t| {
+            let on = format!("{WS_RULE_HEAD}\nintercept = true\nwebsocket = true\n");
+            assert!(t.contains(&on), "{t}");
+            t.replace(&on, &on.replace("websocket = true\n", ""))
+        },
+        |v, _, handshake| v["conn"] == handshake,
+    );
+    assert_eq!(r["kind"], "http", "{r}");
+    assert_eq!(r["detail"], "rule ws no longer has websocket = true", "{r}");
+    no_connection_revoked(&s.lab);
+}
+
+/// No intercepted connection was revoked.
+fn no_connection_revoked(lab: &Lab) {
+    assert!(
+        !lab.evidence()
+            .iter()
+            .any(|v| v["kind"] == "tcp" && v["reason"] == "policy_revoked"),
+        "{}",
+        dump(&lab.evidence())
     );
 }

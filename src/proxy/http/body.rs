@@ -4,14 +4,22 @@
 //! `on_complete` hook runs after it only if the body was read to its very
 //! end (not on an error, not when dropped early): a pooled upstream
 //! connection goes back from there.
+//!
+//! A body that stops with an error once told ([`Stopped`]): a unit a
+//! reload revokes ends so.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use std::future::Future;
+
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use crate::serve::http::BodyError;
 
 /// Called once with the bytes counted.
 pub(crate) type OnFinish = Box<dyn FnOnce(u64) + Send + Sync>;
@@ -109,6 +117,50 @@ where
             Poll::Pending => {}
         }
         polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// `inner` until `stop` is cancelled, then an error: the exchange ends
+/// without a clean end of body (HTTP/1.1 cuts the connection, HTTP/2
+/// resets the stream), so a body cut short is never taken as whole.
+pub(crate) struct Stopped<B> {
+    inner: B,
+    stop: Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+impl<B> Stopped<B> {
+    pub(crate) fn new(inner: B, stop: CancellationToken) -> Self {
+        Stopped {
+            inner,
+            stop: Box::pin(stop.cancelled_owned()),
+        }
+    }
+}
+
+impl<B> Body for Stopped<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BodyError>,
+{
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        if self.stop.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Some(Err("revoked by a reloaded policy".into())));
+        }
+        Pin::new(&mut self.inner).poll_frame(cx).map_err(Into::into)
     }
 
     fn is_end_stream(&self) -> bool {

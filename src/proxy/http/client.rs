@@ -3,12 +3,14 @@
 //! for a response head, bounded.
 //!
 //! An HTTP/1.1 connection carries another request only after an exchange
-//! that kept to order ([`InOrder`]): the whole request body was handed to
-//! the connection before the response head came. An upstream that
-//! answered early may read what is left of the body as a request of its
-//! own (a head planted in the body), so such a connection is retired at
-//! once: no more of the body is handed to it, it is cut when its response
-//! ends, and nothing else is sent over it.
+//! without a request body ([`InOrder`]). Palisade does not parse bodies,
+//! and an upstream that never reads the body it was sent reads it as the
+//! next request (a head planted in the body), whether it answered early or
+//! after the whole body. So a request with a body asks the upstream to
+//! close after its answer (`Connection: close`, [`InOrder::ask_close`]),
+//! and its connection is cut when the response ends. One that answered
+//! early is retired at once: no more of the body is handed to it, and
+//! nothing else is sent over it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -80,15 +82,17 @@ impl Retire {
 }
 
 /// One exchange's say on whether its HTTP/1.1 connection may carry
-/// another request: only if the whole request body was handed to the
-/// connection before the response head came ([`InOrder::response_began`]),
-/// and the response was read to its end ([`InOrder::reusable`]). Dropped
-/// otherwise (an early answer, a body left unsent, an `Expect` exchange
-/// answered with a final status before the body, a response cut short),
-/// it cuts the connection, so the rest of the body is never written.
-/// HTTP/2 streams are framed: nothing to keep in order there.
+/// another request: only if the request had no body, and the response was
+/// read to its end ([`InOrder::reusable`]). Dropped otherwise (a body, a
+/// response cut short), it cuts the connection. At an early answer (the
+/// response head came before the whole body was handed over:
+/// [`InOrder::response_began`], an `Expect` exchange answered with a final
+/// status before the body) no more of the body is written. HTTP/2 streams
+/// are framed: nothing to keep in order there.
 pub(crate) struct InOrder {
     retire: Option<Retire>,
+    /// The request has a body: the connection is never reused.
+    body: bool,
     sent: Arc<AtomicBool>,
     /// Set at an early answer: the request body ([`Gated`]) stops.
     stop: Arc<AtomicBool>,
@@ -107,12 +111,26 @@ impl InOrder {
         let mark = sent.clone();
         let watch = InOrder {
             retire: None,
+            body: !body_is_empty,
             sent,
             stop: Arc::default(),
             began_after: false,
             kept: false,
         };
         (watch, Box::new(move || mark.store(true, Ordering::Release)))
+    }
+
+    /// An HTTP/1.1 request with a body asks the upstream to close the
+    /// connection after its answer (hop-by-hop headers were stripped
+    /// before): every HTTP/1.1 server then stops there, and never reads an
+    /// unread body as a request of its own.
+    pub(crate) fn ask_close(&self, headers: &mut http::HeaderMap) {
+        if self.body {
+            headers.insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+        }
     }
 
     /// The request body, stopped at an early answer: from then on not
@@ -146,9 +164,9 @@ impl InOrder {
     }
 
     /// The response was read to its end: may the connection carry another
-    /// request? When not, it is cut here.
+    /// request (none had a body)? When not, it is cut here.
     pub(crate) fn reusable(mut self) -> bool {
-        self.kept = self.began_after && self.sent.load(Ordering::Acquire);
+        self.kept = !self.body && self.began_after && self.sent.load(Ordering::Acquire);
         self.kept
     }
 }
@@ -475,13 +493,39 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_body_sent_before_the_response_keeps_the_connection() {
+    async fn a_body_sent_before_the_response_still_closes_the_connection() {
         use tokio::io::AsyncWriteExt;
         let (mut sender, mut server, _tasks) = connected().await;
-        let (mut watch, req) = post(full("GET /x HTTP/1.1\r\n\r\n"), false);
+        let (mut watch, mut req) = post(full("GET /x HTTP/1.1\r\n\r\n"), false);
+        watch.ask_close(req.headers_mut());
         let answer = tokio::spawn(async move {
             let mut seen = Vec::new();
             read_until(&mut server, &mut seen, b"\r\n\r\nGET /x HTTP/1.1\r\n\r\n").await;
+            server.write_all(OK).await.unwrap();
+            (server, seen)
+        });
+        let resp = sender.exchange(req, Duration::from_secs(5)).await.unwrap();
+        watch.follow(&sender);
+        watch.response_began();
+        let _ = resp.into_body().collect().await.unwrap();
+        assert!(!watch.reusable(), "a body: never reused");
+        let (_server, seen) = answer.await.unwrap();
+        let head = String::from_utf8_lossy(&seen).to_ascii_lowercase();
+        assert!(head.contains("connection: close\r\n"), "{head}");
+        assert!(!matches!(sender.ready().await, Ok(true)));
+        assert!(sender.is_closed());
+    }
+
+    #[tokio::test]
+    async fn a_request_without_a_body_keeps_the_connection() {
+        use tokio::io::AsyncWriteExt;
+        let (mut sender, mut server, _tasks) = connected().await;
+        let (mut watch, mut req) = post(full(""), true);
+        watch.ask_close(req.headers_mut());
+        assert!(req.headers().get(http::header::CONNECTION).is_none());
+        let answer = tokio::spawn(async move {
+            let mut seen = Vec::new();
+            read_until(&mut server, &mut seen, b"\r\n\r\n").await;
             server.write_all(OK).await.unwrap();
             server
         });
@@ -499,7 +543,8 @@ mod tests {
     async fn an_early_answer_retires_the_connection_and_the_rest_of_the_body_is_never_sent() {
         use tokio::io::AsyncWriteExt;
         let (mut sender, mut server, tasks) = connected().await;
-        let (mut tx, body) = http_body_util::channel::Channel::<bytes::Bytes, hyper::Error>::new(1);
+        let (mut tx, body) =
+            http_body_util::channel::Channel::<bytes::Bytes, crate::serve::http::BodyError>::new(1);
         let (mut watch, req) = post(BodyExt::boxed(body), false);
         let (more, more_rx) = tokio::sync::oneshot::channel::<()>();
         // The upstream answers as soon as the head is in, the last byte of

@@ -32,8 +32,10 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::serve::http::drained;
 
-/// The body of every response the proxy serves and request it forwards.
-pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+/// The body of every response the proxy serves and request it forwards;
+/// its error (a connection lost, a unit revoked) ends the exchange without
+/// a clean end of body.
+pub(crate) type Body = BoxBody<Bytes, crate::serve::http::BodyError>;
 
 /// A body of `data` at once.
 pub(crate) fn full(data: impl Into<Bytes>) -> Body {

@@ -42,12 +42,12 @@ use crate::evidence::Kind;
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
-use crate::proxy::conn::{Conn, Intercepting};
+use crate::proxy::conn::{Asked, Conn, Intercepting};
 use crate::proxy::ctx::{Ctx, View};
 use crate::proxy::dial::DialError;
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
-use crate::proxy::http::body::Metered;
+use crate::proxy::http::body::{Metered, Stopped};
 use crate::proxy::http::client::{self, InOrder, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
@@ -150,6 +150,12 @@ impl Session {
         req.within = Some(self.id.clone());
         req.method = Some(method.as_str().to_string());
         req.path = Some(recorded_path(path));
+        req.asked = Some(Asked {
+            method: method.as_str().to_string(),
+            path: path.to_string(),
+            websocket: false,
+            intercepted: true,
+        });
         req
     }
 }
@@ -641,6 +647,9 @@ async fn decide_and_send(
     if upgrade == Upgrade::WebSocket {
         // Its body (none, or the HTTP/2 stream) goes with the upgrade.
         body.take();
+        if let Some(asked) = req.asked.as_mut() {
+            asked.websocket = true;
+        }
         let target = (path_and_query.as_str(), authority.as_str());
         return websocket_handshake(shared, parts, req, target, started).await;
     }
@@ -656,9 +665,7 @@ async fn decide_and_send(
     // An HTTP/1.1 upstream connection carries the next request only if
     // this one kept to order ([`InOrder`]).
     let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
-    let body = watch
-        .gate(Metered::new(client_body, up_count.clone()).on_complete(body_sent))
-        .boxed();
+    let body = watch.gate(Metered::new(client_body, up_count.clone()).on_complete(body_sent));
     let h2_upstream = match shared.ready().await {
         Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
@@ -698,6 +705,8 @@ async fn decide_and_send(
         if let Ok(v) = HeaderValue::from_str(&authority) {
             parts.headers.insert(header::HOST, v);
         }
+        // A body: the upstream connection ends with this exchange.
+        watch.ask_close(&mut parts.headers);
         parts.version = Version::HTTP_11;
     }
     let mut record = req.record();
@@ -709,6 +718,9 @@ async fn decide_and_send(
     req.owed = record.owed.take();
     count(shared, Reason::RuleMatch);
 
+    // Held to every policy a reload serves, its bodies both ways too.
+    let hold = revoke::hold(&s.ctx, &req, &record.id);
+    let body = Stopped::new(body, hold.stop().clone()).boxed();
     let totals = shared.clone();
     let up = up_count.clone();
     let exchange = Exchange {
@@ -723,15 +735,23 @@ async fn decide_and_send(
             totals.up.fetch_add(up, Ordering::Relaxed);
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
+        hold: Some(hold),
     };
-    let fut = match shared
-        .send(Request::from_parts(parts, body), &mut watch)
-        .await
-    {
-        Ok(f) => f,
-        Err(e) => return exchange.failed(NoResponse::NotSent(e.to_string())),
+    let timeout = s.ctx.limits.response_timeout.get();
+    let sent = exchange.unless_revoked(async {
+        match shared
+            .send(Request::from_parts(parts, body), &mut watch)
+            .await
+        {
+            Ok(fut) => client::response(fut, timeout).await,
+            Err(e) => Err(NoResponse::NotSent(e.to_string())),
+        }
+    });
+    let Some(answered) = sent.await else {
+        // The watch, dropped, cuts an HTTP/1.1 upstream connection.
+        return exchange.revoked();
     };
-    match client::response(fut, s.ctx.limits.response_timeout.get()).await {
+    match answered {
         Ok(resp) => {
             s.ctx
                 .metrics
@@ -806,6 +826,8 @@ async fn websocket_handshake(
             totals.up.fetch_add(up, Ordering::Relaxed);
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
+        // Held with its relay ([`websocket::relay`]).
+        hold: None,
     };
     let fresh = shared.upstream.lock().await.fresh.take();
     let tls = match shared.tls(fresh, true).await {

@@ -11,7 +11,9 @@
 //! translated (a `Sec-WebSocket-Key` of our own; the client gets `200`,
 //! not `101`). After the upstream's `101` both upgraded streams are copied
 //! as bytes, both ways, never buffered as whole messages, until both sides
-//! close, both are silent for `idle_timeout`, or the connection is cut;
+//! close, both are silent for `idle_timeout`, the connection is cut, or a
+//! reload's policy revokes the stream (its path refused, its rule without
+//! `websocket = true`: [`crate::proxy::revoke`]);
 //! the handshake's close record then counts the bytes of each direction.
 //! Another answer than `101` is relayed as an ordinary response.
 
@@ -25,6 +27,7 @@ use tracing::debug;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::client::NoResponse;
 use crate::proxy::http::{full, strip_hop_by_hop, Body};
+use crate::proxy::revoke;
 use crate::proxy::tunnel;
 
 /// What a request asks to become.
@@ -182,14 +185,18 @@ pub(crate) async fn relay(
             return;
         }
     };
-    let totals = tunnel::pump(
+    // Held to every policy a reload serves, as its own unit: a reload that
+    // refuses its path or drops `websocket = true` cuts it at once.
+    let cut = stop.child_token();
+    let pump = tunnel::pump(
         TokioIo::new(client),
         TokioIo::new(upstream),
         &[],
         idle,
-        &stop,
-    )
-    .await;
+        &cut,
+    );
+    let ctx = exchange.ctx.clone();
+    let totals = revoke::held(&ctx, &exchange.req, &exchange.id, &cut, pump).await;
     finish(&mut exchange, (totals.up, totals.down), status, None);
 }
 

@@ -47,6 +47,32 @@ impl Lab {
         (child, line.trim().to_string())
     }
 
+    /// Start a server of a test's own in the upstream namespace (`prog`
+    /// with `args`), in the background, and wait until it prints "ready"
+    /// (`what` names it if it does not). Killed when dropped.
+    pub fn spawn_upstream_server<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        what: &str,
+        prog: &str,
+        args: impl IntoIterator<Item = S>,
+    ) -> Background {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.ns_upstream, prog])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {what}: {e}"));
+        let mut line = String::new();
+        if let Some(out) = child.stdout.as_mut() {
+            let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
+        }
+        let server = Background(child);
+        assert_eq!(line.trim(), "ready", "{what} did not start");
+        server
+    }
+
     pub(super) fn exec_must(&self, ns: &str, prog: &str, args: &[&str]) -> CmdOutput {
         let out = self.exec(ns, prog, args);
         assert!(
@@ -211,5 +237,15 @@ impl Lab {
             stream,
             buf: Vec::new(),
         })
+    }
+}
+
+/// A process of a test's own, killed when dropped.
+pub struct Background(pub Child);
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }

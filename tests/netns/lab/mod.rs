@@ -203,6 +203,7 @@ mod netns;
 mod proxy;
 mod setup;
 
+pub(crate) use clients::Background;
 pub(crate) use cmd::*;
 pub(crate) use dig::*;
 pub(crate) use http::*;
