@@ -1,6 +1,6 @@
 //! The admin listener: `/healthz` (200 while the process serves),
-//! `/readyz` (200 only while every listener is bound and evidence is
-//! writable), `/metrics` (Prometheus text format), `/policy` (the served
+//! `/readyz` (200 only while every listener is bound, evidence is
+//! writable and, with `[enforcement]`, the gateway ruleset is verified), `/metrics` (Prometheus text format), `/policy` (the served
 //! policy's hash, load time and summary, JSON), and `/v1/decisions`, the
 //! live decision tail ([`crate::tail`]), the one endpoint that needs a
 //! token.
@@ -44,11 +44,15 @@ pub(crate) struct Health {
     pub metrics: Arc<Metrics>,
     /// Who may tail `/v1/decisions`, and the tails open.
     pub tails: crate::tail::Tails,
+    /// `[enforcement]`: not ready while the gateway ruleset is not verified.
+    pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
 }
 
 impl Health {
     pub(crate) fn is_ready(&self) -> bool {
-        self.listeners_bound.load(Ordering::Relaxed) && self.evidence.is_healthy()
+        self.listeners_bound.load(Ordering::Relaxed)
+            && self.evidence.is_healthy()
+            && self.enforcement.as_ref().is_none_or(|e| e.is_verified())
     }
 }
 

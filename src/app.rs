@@ -48,6 +48,8 @@ pub(crate) enum StartError {
     Bypass(#[from] crate::bypass::nflog::BindError),
     #[error("{0}")]
     Host(#[from] crate::host::HostError),
+    #[error("enforcement: {0}")]
+    Enforcement(String),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -68,6 +70,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         bypass: bypass_config,
         // Compiled into the policy (`Policy::with_host`).
         policy: _,
+        enforcement: enforcement_config,
         orgs: _,
     } = &config;
 
@@ -107,6 +110,12 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         .into_handle()
     };
     let policy = served.load().policy.clone();
+    // `[enforcement]`: the ruleset checked before anything is served; a
+    // required one that is not loaded stops the start.
+    let enforcement = match enforcement_config {
+        Some(e) => Some(start_enforcement(e, &evidence, &metrics, policy.hash_arc()).await?),
+        None => None,
+    };
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
     let bindings = Arc::new(Bindings::new(
@@ -209,6 +218,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         hard_stop: hard_stop.clone(),
         policy_changed: tokio::sync::watch::Sender::new(()),
         tasks: tasks.clone(),
+        enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
     });
 
     let health = Arc::new(Health {
@@ -217,6 +227,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         served: served.clone(),
         metrics: metrics.clone(),
         tails: crate::tail::Tails::new(admin_config.tail_tokens.clone()),
+        enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
     });
     let mut listener_tasks = Vec::new();
     let pool_reaper = tokio::spawn(proxy::pool::reap(
@@ -260,6 +271,21 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         .with_names(names)
         .with_synthetic(synthetic.clone()),
     );
+    let enforcement_task = enforcement.map(|(state, expected)| {
+        let served = served.clone();
+        tokio::spawn(crate::enforcement::watch(
+            state,
+            expected,
+            evidence.clone(),
+            move || served.load().policy.hash_arc().clone(),
+            enforcement_config
+                .as_ref()
+                .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
+                    e.check_interval
+                }),
+            shutdown.clone(),
+        ))
+    });
     let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
     let admin_thread = match admin_listener {
         Some(listener) => Some(
@@ -368,6 +394,9 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
     }
     let _ = flusher.await;
+    if let Some(t) = enforcement_task {
+        let _ = t.await;
+    }
     if let Some(t) = bypass_task {
         let _ = t.await;
     }
@@ -389,6 +418,44 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// Read the ruleset file (as the kernel would list it) and check it
+/// once; `Err` if the file does not load, or if a required ruleset is not
+/// loaded as written (one line naming what differs).
+async fn start_enforcement(
+    config: &crate::config::EnforcementConfig,
+    evidence: &Evidence,
+    metrics: &Metrics,
+    policy: &Arc<str>,
+) -> Result<
+    (
+        Arc<crate::enforcement::Enforcement>,
+        Arc<crate::enforcement::compare::Ruleset>,
+    ),
+    StartError,
+> {
+    use crate::enforcement::{check_now, defined, Enforcement, Found};
+    let expected = {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || defined(&config))
+            .await
+            .map_err(|e| StartError::Enforcement(e.to_string()))?
+            .map_err(|e| StartError::Enforcement(e.to_string()))?
+    };
+    let expected = Arc::new(expected);
+    let state = Arc::new(Enforcement::new(config, metrics.enforcement_gauge()));
+    let found = check_now(&state, &expected, evidence, policy, true).await;
+    if let (Found::NotVerified(differs), crate::config::EnforcementMode::Required) =
+        (&found, config.mode)
+    {
+        return Err(StartError::Enforcement(format!(
+            "the required ruleset {} is not loaded as written: {}",
+            config.ruleset.display(),
+            differs.join("; ")
+        )));
+    }
+    Ok((state, expected))
 }
 
 /// After a reload: a new served state holds live connections to it

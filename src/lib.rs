@@ -60,7 +60,9 @@
 //! [`app`] wires listeners, the metrics, the admin endpoints ([`admin`],
 //! with the live decision tail of [`tail`]) and shutdown;
 //! [`bypass`] reads the packets the gateway ruleset rejected (its NFLOG
-//! group) and records them as `kind = "bypass"`;
+//! group) and records them as `kind = "bypass"`; [`enforcement`] checks
+//! that the kernel holds the gateway ruleset as its file defines it
+//! (`/readyz`, `kind = "enforcement"` records, `enforcement_missing`);
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
 //! joined with verified evidence). [`cli`] holds the commands of the
 //! `palisade` binary, among them [`cli::explain`], which runs the same
@@ -87,6 +89,7 @@ pub(crate) mod bypass;
 pub mod cli;
 pub mod config;
 pub(crate) mod dns;
+pub(crate) mod enforcement;
 pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]

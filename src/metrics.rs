@@ -411,6 +411,19 @@ impl Metrics {
         Ok(m)
     }
 
+    /// `palisade_enforcement_ok`, registered now: only a config with
+    /// `[enforcement]` has it (a 0 then means something, never "unset").
+    pub(crate) fn enforcement_gauge(&self) -> IntGauge {
+        let gauge = IntGauge::new(
+            "palisade_enforcement_ok",
+            "1 while the kernel has the tables of [enforcement] ruleset loaded as the file defines them, 0 while it does not (or cannot be read).",
+        )
+        .expect("a valid metric name");
+        // Registered once per process (app::run calls this once).
+        let _ = self.registry.register(Box::new(gauge.clone()));
+        gauge
+    }
+
     /// Count a decision or close record as it is written, for every mode
     /// (proxy and DNS alike): decisions by org, decision, reason and mode
     /// (DNS in `palisade_dns_queries_total`), report-mode decisions by what
@@ -447,6 +460,8 @@ impl Metrics {
                         .inc_by(bytes.unwrap_or(0));
                 }
             }
+            // The enforcement check's own records: its gauge says it.
+            Event::Failed | Event::Verified => {}
         }
     }
 

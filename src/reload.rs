@@ -201,6 +201,23 @@ macro_rules! changed {
     }};
 }
 
+/// What of `[enforcement]` a restart applies (not where it is written).
+fn enforcement_key(
+    e: &Option<crate::config::EnforcementConfig>,
+) -> Option<(
+    &std::path::Path,
+    crate::config::EnforcementMode,
+    std::time::Duration,
+)> {
+    let crate::config::EnforcementConfig {
+        ruleset,
+        mode,
+        check_interval,
+        at: _,
+    } = e.as_ref()?;
+    Some((ruleset, *mode, *check_interval))
+}
+
 /// The keys that differ between `old` and `new` and that only a restart
 /// can apply: everything but the orgs and `[intercept]`.
 fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
@@ -211,6 +228,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         admin,
         evidence,
         bypass,
+        enforcement,
         // Served: rebuilt by a reload.
         intercept: _,
         policy: _,
@@ -295,6 +313,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         new.bypass,
         BypassConfig { nflog_group }
     );
+    if enforcement_key(enforcement) != enforcement_key(&new.enforcement) {
+        keys.push("enforcement");
+    }
     if evidence != &new.evidence {
         changed!(
             keys,

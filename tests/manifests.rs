@@ -857,3 +857,48 @@ fn dashboards_and_alerts_name_only_metrics_palisade_exports() {
         "not exported by src/metrics.rs: {unknown:?}"
     );
 }
+
+/// The compose healthcheck is readiness: run as written (its address
+/// pointed at a local stand-in for the admin listener), it asks for
+/// `GET /readyz` and passes on a 200 only.
+#[test]
+fn the_compose_healthcheck_asks_readyz() {
+    use std::io::Write;
+    let docs = yaml_documents(&repo().join("docker/docker-compose.yml"));
+    let test = &docs[0]["services"]["palisade"]["healthcheck"]["test"];
+    let argv: Vec<String> = test
+        .as_array()
+        .unwrap_or_else(|| panic!("healthcheck test: {test}"))
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(argv[0], "CMD", "{argv:?}");
+    assert!(argv[3].contains("127.0.0.1/9711"), "{argv:?}");
+    for (status, passes) in [("200 OK", true), ("503 Service Unavailable", false)] {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let mut head = Vec::new();
+            let mut buf = [0u8; 512];
+            while !head.ends_with(b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = write!(s, "HTTP/1.1 {status}\r\nContent-Length: 0\r\n\r\n");
+            String::from_utf8_lossy(&head).to_string()
+        });
+        let script = argv[3].replace("127.0.0.1/9711", &format!("127.0.0.1/{port}"));
+        let out = run(
+            Command::new(&argv[1]).arg(&argv[2]).arg(&script),
+            TOOL_TIMEOUT,
+            "bash",
+        );
+        let head = server.join().unwrap();
+        assert!(head.starts_with("GET /readyz HTTP/1.0\r\n"), "{head:?}");
+        assert_eq!(out.success(), passes, "{status}: {}", out.describe());
+    }
+}

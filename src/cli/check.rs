@@ -21,6 +21,12 @@ pub struct Args {
 pub fn run(args: Args) -> Result<(), CliError> {
     let path = args.config;
     let config = load_config(&path, Status::Failed)?;
+    // The enforcement ruleset must load (checked in a scratch network
+    // namespace; the kernel's own ruleset is `run`'s to compare).
+    if let Some(e) = &config.enforcement {
+        crate::enforcement::defined(e)
+            .map_err(|e| CliError::bare(Status::Failed, crate::config::ConfigErrors(vec![e])))?;
+    }
     let host = crate::host::addresses().map_err(|e| CliError::new(Status::Failed, e))?;
     let policy = Policy::with_host(&config, &host);
     let openings = policy.openings();

@@ -84,6 +84,16 @@ impl<'a> Errors<'a> {
         self.list.extend(other.0);
     }
 
+    /// Where the byte at `offset` is, as `FILE:LINE:COL`.
+    pub(super) fn locate(&self, offset: usize) -> super::model::ConfigLocation {
+        let (line, col) = line_col(self.src, offset);
+        super::model::ConfigLocation {
+            path: self.path.to_string(),
+            line,
+            col,
+        }
+    }
+
     pub(super) fn at(&mut self, span: Range<usize>, message: impl Into<String>) {
         let (line, col) = line_col(self.src, span.start);
         self.list.push(ConfigError {

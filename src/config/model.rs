@@ -128,6 +128,8 @@ pub struct Config {
     pub bypass: BypassConfig,
     /// `[policy]`: the operator's baseline under the orgs' rules.
     pub policy: PolicyConfig,
+    /// `[enforcement]`: the nftables ruleset the gateway must have loaded.
+    pub enforcement: Option<EnforcementConfig>,
     pub orgs: Vec<OrgConfig>,
 }
 
@@ -155,7 +157,7 @@ pub struct Baseline {
 /// One `[[ceiling]]` entry: the most an org allow rule may be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CeilingEntry {
-    /// `id`, or `ceiling/N` (N counts from 0 in file order).
+    /// `baseline:ID`, or `baseline:ceiling/N` (N counts from 0 in file order).
     pub id: String,
     pub target: RuleTarget,
     /// Ports; default all.
@@ -401,6 +403,56 @@ impl Default for DnsConfig {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct BypassConfig {
     pub nflog_group: Option<u16>,
+}
+
+/// Default time between two checks of the loaded ruleset.
+pub const DEFAULT_ENFORCEMENT_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// The shortest `check_interval`: each check runs `nft` once.
+pub const MIN_ENFORCEMENT_CHECK_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest `check_interval`.
+pub const MAX_ENFORCEMENT_CHECK_INTERVAL: Duration = Duration::from_secs(600);
+
+/// `[enforcement]`: the nftables ruleset whose tables the kernel must
+/// have loaded as the file defines them (`crate::enforcement`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EnforcementConfig {
+    /// The ruleset file, as written (relative to the working directory).
+    pub ruleset: PathBuf,
+    pub mode: EnforcementMode,
+    pub check_interval: Duration,
+    /// Where `ruleset` is set in the config, to locate a problem of the
+    /// file that the file itself cannot (it is missing, unreadable).
+    pub at: ConfigLocation,
+}
+
+/// A place in the config file: `FILE:LINE:COL`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigLocation {
+    pub path: String,
+    pub line: usize,
+    pub col: usize,
+}
+
+/// What a ruleset that is not loaded as written does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EnforcementMode {
+    /// New connections of the orgs behind it are refused
+    /// (`enforcement_missing`), and start-up fails without it.
+    Required,
+    /// Recorded and reported (`/readyz`, the metric), nothing refused.
+    Advisory,
+}
+
+impl EnforcementMode {
+    pub const NAMES: [&'static str; 2] = ["required", "advisory"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EnforcementMode::Required => "required",
+            EnforcementMode::Advisory => "advisory",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -1030,6 +1082,7 @@ impl Config {
             intercept: _,
             bypass: _,
             policy: _,
+            enforcement: _,
             orgs: _,
         } = self;
         let ProxyConfig {

@@ -23,6 +23,8 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) policy: RawPolicy,
     #[serde(default)]
+    pub(super) enforcement: RawEnforcement,
+    #[serde(default)]
     pub(super) org: Vec<RawOrg>,
 }
 
@@ -53,6 +55,14 @@ pub(super) struct RawBaselineEntry {
     pub(super) cidr: Option<Spanned<String>>,
     pub(super) ports: Option<Spanned<Vec<Spanned<i64>>>>,
     pub(super) intercept: Option<Spanned<bool>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawEnforcement {
+    pub(super) ruleset: Option<Spanned<String>>,
+    pub(super) mode: Option<Spanned<String>>,
+    pub(super) check_interval: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -56,6 +56,10 @@ pub enum Kind {
     /// A packet the gateway ruleset rejected instead of redirecting it to
     /// Palisade, read from its NFLOG group ([`crate::bypass`]).
     Bypass,
+    /// A change of the enforcement check ([`crate::enforcement`]): the
+    /// gateway ruleset not loaded as written (`failed`), or loaded again
+    /// (`verified`).
+    Enforcement,
 }
 
 impl Kind {
@@ -65,6 +69,7 @@ impl Kind {
             Kind::Http => "http",
             Kind::Dns => "dns",
             Kind::Bypass => "bypass",
+            Kind::Enforcement => "enforcement",
         }
     }
 }
@@ -97,6 +102,10 @@ impl Mode {
 pub enum Event {
     Decision,
     Close,
+    /// Enforcement records: the gateway ruleset is not loaded as written.
+    Failed,
+    /// Enforcement records: the gateway ruleset is loaded as written.
+    Verified,
 }
 
 impl Event {
@@ -104,6 +113,8 @@ impl Event {
         match self {
             Event::Decision => "decision",
             Event::Close => "close",
+            Event::Failed => "failed",
+            Event::Verified => "verified",
         }
     }
 }
@@ -210,6 +221,10 @@ pub struct Record {
     /// Summary records: the first and last summarised decision's time.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub window: Option<[String; 2]>,
+    /// Enforcement records: what differs between the ruleset file and
+    /// what the kernel has loaded, one line each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub differs: Option<Vec<String>>,
     /// Never written: the room reserved in the store for the close record
     /// an allow owes ([`store::Owed`]), set when the allow is written and
     /// carried to its close.
@@ -267,6 +282,7 @@ impl Record {
             hosts: None,
             window: None,
             synthetic: None,
+            differs: None,
             owed: None,
         }
     }

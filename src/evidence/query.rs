@@ -162,9 +162,19 @@ fn map_lines<T>(
 /// bookkeeping, are skipped; a decision or close line that does not read
 /// as a [`Record`] is an error (a record from another version, or an edit).
 pub(crate) fn read_records(path: &Path) -> impl Iterator<Item = Result<Stored, ReadError>> {
-    map_lines(path, |file, line, bytes| {
+    read_events(path, &[Event::Decision, Event::Close])
+}
+
+/// The records under `path` whose `event` is one of `events` (e.g. the
+/// enforcement check's `failed` and `verified`), in chain order, read as
+/// [`read_records`] reads decisions.
+pub(crate) fn read_events(
+    path: &Path,
+    events: &'static [Event],
+) -> impl Iterator<Item = Result<Stored, ReadError>> {
+    map_lines(path, move |file, line, bytes| {
         let event = serde_json::from_slice::<EventOnly>(bytes).ok()?.event?;
-        if event != Event::Decision.as_str() && event != Event::Close.as_str() {
+        if !events.iter().any(|e| e.as_str() == event) {
             return None;
         }
         Some(
@@ -406,6 +416,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
         Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
         Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
+        Kind::Enforcement => (4001, "Network Activity", 99, r.event.as_str().to_string()),
     };
     let time_ms = ts_of(r)
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -536,6 +547,9 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         }
         Kind::Bypass => {
             e.insert("count".into(), r.count.into());
+        }
+        Kind::Enforcement => {
+            e.insert("message".into(), r.detail.clone().into());
         }
     }
     let mut unmapped = Map::new();

@@ -201,10 +201,14 @@ pub enum Reason {
     /// no name of the client's org (never handed out to it, or evicted):
     /// never dialled, nothing resolved.
     SyntheticUnbound,
+    /// `[enforcement] mode = "required"`: the gateway ruleset is not
+    /// loaded as written, so no new connection is let through (the
+    /// sandbox may not be behind Palisade alone).
+    EnforcementMissing,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 27] = [
+    pub const ALL: [Reason; 28] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -232,6 +236,7 @@ impl Reason {
         Reason::PolicyRevoked,
         Reason::NameBudgetExceeded,
         Reason::SyntheticUnbound,
+        Reason::EnforcementMissing,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -263,6 +268,7 @@ impl Reason {
             Reason::PolicyRevoked => "policy_revoked",
             Reason::NameBudgetExceeded => "name_budget_exceeded",
             Reason::SyntheticUnbound => "synthetic_unbound",
+            Reason::EnforcementMissing => "enforcement_missing",
         }
     }
 

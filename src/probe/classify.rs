@@ -45,6 +45,12 @@
 //! ([`not_caused_by`]) is left out here: it shows nothing of the probe
 //! (the report lists it as a mismatch, a finding).
 //!
+//! A probe run while enforcement was not verified (the gateway ruleset
+//! not loaded as written: from an enforcement `failed` record to the next
+//! `verified` one, [`unverified_during`]) shows nothing of what Palisade
+//! enforced: had it been `enforced_allow`, `enforced_deny` or
+//! `blocked_elsewhere`, it is `inconclusive` (the report does this).
+//!
 //! A `dns-burst` probe (N new names under an allowed wildcard, see
 //! [`name_counts`]) is classified by counts, not by one record
 //! ([`classify_burst`]):
@@ -80,6 +86,37 @@ pub(crate) const TUNNEL_REASONS: [Reason; 7] = [
     Reason::UpgradeNotAllowed,
     Reason::BadRequest,
 ];
+
+/// The enforcement record that shows the gateway ruleset was not
+/// verified at some time from `started` to `finished` (RFC 3339), if one
+/// does: the last of `timeline` (enforcement records, in chain order) at
+/// or before `started` when it is `failed`, else the first `failed` one
+/// after `started` and at or before `finished`. No enforcement records
+/// (no `[enforcement]`): none. Probe times that do not read: the first
+/// `failed` record, if any (not verified is not shown otherwise).
+pub(crate) fn unverified_during<'a>(
+    timeline: &'a [Record],
+    started: &str,
+    finished: &str,
+) -> Option<&'a Record> {
+    use crate::evidence::Event;
+    let at = |t: &str| humantime::parse_rfc3339_weak(t).ok();
+    let failed = |r: &&Record| r.event == Event::Failed;
+    let (Some(start), Some(end)) = (at(started), at(finished)) else {
+        return timeline.iter().find(failed);
+    };
+    let before = timeline
+        .iter()
+        .rev()
+        .find(|r| at(&r.ts).is_some_and(|t| t <= start));
+    if let Some(r) = before.filter(failed) {
+        return Some(r);
+    }
+    timeline
+        .iter()
+        .filter(failed)
+        .find(|r| at(&r.ts).is_some_and(|t| t > start && t <= end))
+}
 
 /// Does the probe test what an open tunnel carries?
 pub(crate) fn in_tunnel(o: &Observation) -> bool {
@@ -143,8 +180,9 @@ fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> 
 /// decided by its state rather than by the request (a name budget the
 /// sandbox can spend first, a synthetic binding it can have evicted, a
 /// reload): `inconclusive`, never enforcement of the rule the probe tests.
-const INFRA_REASONS: [Reason; 5] = [
+const INFRA_REASONS: [Reason; 6] = [
     Reason::EvidenceUnavailable,
+    Reason::EnforcementMissing,
     Reason::LimitExceeded,
     Reason::NameBudgetExceeded,
     Reason::SyntheticUnbound,
@@ -1376,6 +1414,58 @@ mod tests {
         assert_eq!(
             observed_text(&o),
             "CONNECT 200, silent 1500 ms: closed after 1001 ms, ClientHello with ECH, TLS closed"
+        );
+    }
+
+    #[test]
+    fn a_probe_overlapping_a_failed_enforcement_check_is_found() {
+        let check = |id: &str, ts: &str, event: &str| {
+            let reason = if event == "failed" {
+                "enforcement_missing"
+            } else {
+                "rule_match"
+            };
+            let v = json!({
+                "id": id, "ts": format!("2030-01-01T12:00:{ts}Z"), "kind": "enforcement",
+                "event": event, "client": null, "mode": "transparent", "decision": "deny",
+                "reason": reason, "host": null, "port": null, "sni": null, "policy": "p0",
+            });
+            serde_json::from_value::<Record>(v).unwrap()
+        };
+        let timeline = [
+            check("start", "00.000000", "verified"),
+            check("gone", "10.000000", "failed"),
+            check("back", "20.000000", "verified"),
+        ];
+        let found = |from: &str, to: &str| {
+            unverified_during(
+                &timeline,
+                &format!("2030-01-01T12:00:{from}Z"),
+                &format!("2030-01-01T12:00:{to}Z"),
+            )
+            .map(|r| r.id.as_str())
+        };
+        // Before, inside, across each edge, after.
+        assert_eq!(found("01", "09"), None);
+        assert_eq!(found("09", "11"), Some("gone"));
+        assert_eq!(found("10", "11"), Some("gone"));
+        assert_eq!(found("12", "15"), Some("gone"));
+        assert_eq!(found("15", "25"), Some("gone"));
+        assert_eq!(found("20", "25"), None);
+        assert_eq!(found("21", "25"), None);
+        // No [enforcement]: no records, nothing found; unreadable probe
+        // times: not verified if it ever failed.
+        assert_eq!(
+            unverified_during(&[], "x", "y").map(|r| r.id.as_str()),
+            None
+        );
+        assert_eq!(
+            unverified_during(&timeline, "x", "y").map(|r| r.id.as_str()),
+            Some("gone")
+        );
+        assert_eq!(
+            unverified_during(&timeline[..1], "x", "y").map(|r| r.id.as_str()),
+            None
         );
     }
 }

@@ -28,7 +28,9 @@ use ed25519_dalek::VerifyingKey;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::classify::{classify, in_tunnel, name_counts, not_caused_by, observed_text, NameCounts};
+use super::classify::{
+    classify, in_tunnel, name_counts, not_caused_by, observed_text, unverified_during, NameCounts,
+};
 use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
@@ -596,6 +598,18 @@ fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
     Ok(out)
 }
 
+/// The enforcement check's records under `path` (`failed`, `verified`).
+fn enforcement(path: &Path) -> Result<Vec<Record>, BadInput> {
+    let events = &[Event::Failed, Event::Verified];
+    query::read_events(path, events)
+        .map(|stored| {
+            stored
+                .map(|s| s.record)
+                .map_err(|e| BadInput(e.to_string()))
+        })
+        .collect()
+}
+
 /// A fleet's decision records merged by time, and each one's replica.
 fn fleet_decisions(chains: &[fleet::Chain]) -> Result<(Vec<Record>, Vec<Arc<str>>), BadInput> {
     let (mut records, mut replicas) = (Vec::new(), Vec::new());
@@ -616,6 +630,8 @@ struct Verified {
     records: Vec<Record>,
     /// A fleet: each record's replica, by position.
     replicas: Option<Vec<Arc<str>>>,
+    /// The enforcement check's records, one list per chain.
+    enforcement: Vec<Vec<Record>>,
 }
 
 /// One chain: verified, then read.
@@ -653,6 +669,7 @@ fn verify_one(opts: &Options) -> Result<Result<Verified, Verification>, BadInput
         },
         records: decisions(path)?,
         replicas: None,
+        enforcement: vec![enforcement(path)?],
     }))
 }
 
@@ -699,6 +716,11 @@ fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verific
             verification,
             records,
             replicas: Some(replicas),
+            enforcement: fl
+                .chains
+                .iter()
+                .map(|c| enforcement(&c.path))
+                .collect::<Result<_, _>>()?,
         }),
     ))
 }
@@ -1033,6 +1055,7 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
         scope: mut evidence_scope,
         records,
         replicas: record_replicas,
+        enforcement: enforcement_records,
     } = match verified {
         Ok(v) => v,
         Err(verification) => {
@@ -1121,12 +1144,22 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
                 {
                     mismatches.push("the client reports the target answered, and no Palisade allow record fits it: traffic that left without a record".into());
                 }
-                if !mismatches.is_empty()
-                    && matches!(
-                        class,
-                        Class::EnforcedAllow | Class::EnforcedDeny | Class::BlockedElsewhere
-                    )
-                {
+                let shown = matches!(
+                    class,
+                    Class::EnforcedAllow | Class::EnforcedDeny | Class::BlockedElsewhere
+                );
+                // Any chain (replica) whose ruleset was not verified meanwhile.
+                let unverified = enforcement_records
+                    .iter()
+                    .find_map(|t| unverified_during(t, &o.started, &o.finished));
+                if let (true, Some(r)) = (shown, unverified) {
+                    why = format!(
+                        "enforcement was not verified while the probe ran (enforcement record {}: {}; otherwise: {why})",
+                        r.id,
+                        r.differs.as_deref().unwrap_or_default().join("; ")
+                    );
+                    class = Class::Inconclusive;
+                } else if !mismatches.is_empty() && shown {
                     why = format!(
                         "what the sandbox reported does not fit Palisade's records (otherwise: {why})"
                     );

@@ -78,9 +78,9 @@ pub(crate) async fn open(
         )
         .await);
     }
-    if !ctx.evidence.is_healthy() {
+    if let Some((reason, detail)) = ctx.unavailable() {
         let verdict = Verdict {
-            reason: Reason::EvidenceUnavailable,
+            reason,
             ..outcome.verdict
         };
         return Err(record_denial_at(
@@ -90,7 +90,7 @@ pub(crate) async fn open(
             peer,
             &verdict,
             target,
-            None,
+            detail.as_deref(),
             synthetic,
         )
         .await);

@@ -59,6 +59,8 @@ pub(crate) struct Ctx {
     /// again under it ([`super::revoke`]).
     pub policy_changed: tokio::sync::watch::Sender<()>,
     pub tasks: TaskTracker,
+    /// `[enforcement]`: whether the gateway ruleset is verified now.
+    pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
 }
 
 /// An allow refused because its org's evidence budget is spent: the same
@@ -120,6 +122,20 @@ impl Ctx {
     pub(crate) fn pay_allow(&self, view: &View) -> Result<(), &'static str> {
         self.denials
             .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    }
+
+    /// Why an allowed connection or request must be refused before
+    /// anything is dialled or forwarded, whatever its rule, with the
+    /// refusal's detail: evidence cannot be written, or a required
+    /// enforcement ruleset is not loaded (every org is behind it).
+    pub(crate) fn unavailable(&self) -> Option<(Reason, Option<String>)> {
+        if !self.evidence.is_healthy() {
+            return Some((Reason::EvidenceUnavailable, None));
+        }
+        match &self.enforcement {
+            Some(e) if e.refuses() => Some((Reason::EnforcementMissing, Some(e.refusal_detail()))),
+            _ => None,
+        }
     }
 
     /// What is served now, and the client's org in it.

@@ -519,11 +519,8 @@ async fn forward(
         )
         .await;
     }
-    if !ctx.evidence.is_healthy() {
-        let verdict = Verdict {
-            reason: Reason::EvidenceUnavailable,
-            ..verdict
-        };
+    if let Some((reason, detail)) = ctx.unavailable() {
+        let verdict = Verdict { reason, ..verdict };
         return reject(
             &ctx,
             view,
@@ -531,7 +528,7 @@ async fn forward(
             peer,
             &verdict,
             (Some(&host), Some(port)),
-            None,
+            detail.as_deref(),
         )
         .await;
     }

@@ -196,7 +196,7 @@ impl Unserved {
 fn side_of(reason: Reason) -> Side {
     match reason {
         Reason::ResolutionFailed | Reason::UpstreamTlsError => Side::Upstream,
-        Reason::EvidenceUnavailable => Side::Internal,
+        Reason::EvidenceUnavailable | Reason::EnforcementMissing => Side::Internal,
         Reason::RuleMatch
         | Reason::ReportOnly
         | Reason::UnknownClient
@@ -228,7 +228,9 @@ fn status(reason: Reason) -> StatusCode {
     match reason {
         Reason::BadRequest => StatusCode::BAD_REQUEST,
         Reason::ResolutionFailed | Reason::UpstreamTlsError => StatusCode::BAD_GATEWAY,
-        Reason::EvidenceUnavailable | Reason::LimitExceeded => StatusCode::SERVICE_UNAVAILABLE,
+        Reason::EvidenceUnavailable | Reason::LimitExceeded | Reason::EnforcementMissing => {
+            StatusCode::SERVICE_UNAVAILABLE
+        }
         Reason::AuthRequired | Reason::AuthFailed => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
         _ => StatusCode::FORBIDDEN,
     }

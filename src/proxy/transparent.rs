@@ -185,8 +185,8 @@ async fn handle(
         let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
-    if !ctx.evidence.is_healthy() {
-        conn.refuse(Reason::EvidenceUnavailable, None);
+    if let Some((reason, detail)) = ctx.unavailable() {
+        conn.refuse(reason, detail);
         let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }

@@ -18,6 +18,7 @@ mod conn_budgets;
 mod dns;
 mod dns_budget;
 mod dns_cache;
+mod enforcement;
 mod evidence;
 mod fleet;
 mod full_store;

@@ -301,7 +301,7 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        list.len() == 9 && list.iter().all(|r| r["health"] == "ok")
+        list.len() == 10 && list.iter().all(|r| r["health"] == "ok")
     });
     let alerts = api(&lab, "alerts", "").unwrap();
     let active: BTreeSet<String> = alerts["data"]["alerts"]
@@ -318,6 +318,8 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
         );
     }
     assert!(!active.contains("PalisadeNotReady"), "{active:?}");
+    // No [enforcement]: no palisade_enforcement_ok, nothing to fire.
+    assert!(!active.contains("PalisadeEnforcementMissing"), "{active:?}");
     // One replica serves one policy: the fleet alert stays quiet.
     assert!(
         !active.contains("PalisadeFleetPolicyMismatch"),

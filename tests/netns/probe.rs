@@ -42,7 +42,7 @@ fn fresh(plan: &str) -> String {
 
 /// Write `plan` (made [`fresh`]) into the lab dir and run it in namespace
 /// `ns`; returns the observations file.
-fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf {
+pub(crate) fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf {
     let plan_path = lab.dir.join(format!("{name}.plan.toml"));
     std::fs::write(&plan_path, fresh(plan)).unwrap();
     let out_dir = lab.dir.join(format!("{name}.obs"));
@@ -69,7 +69,7 @@ fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf {
     file
 }
 
-struct Reported {
+pub(crate) struct Reported {
     code: Option<i32>,
     json: Value,
     dir: PathBuf,
@@ -80,7 +80,7 @@ impl Reported {
     fn classes(&self) -> BTreeMap<String, String> {
         palisade::probe::report::classes(&self.json)
     }
-    fn probe(&self, id: &str) -> &Value {
+    pub(crate) fn probe(&self, id: &str) -> &Value {
         self.json["probes"]
             .as_array()
             .and_then(|a| a.iter().find(|p| p["id"] == id))
@@ -103,7 +103,13 @@ fn plan_of(obs: &Path) -> PathBuf {
 
 /// `palisade probe report` (run on the Palisade side: no namespace
 /// needed) with the agreed plan of `obs`.
-fn probe_report(lab: &Lab, name: &str, obs: &Path, evidence: &Path, extra: &[&str]) -> Reported {
+pub(crate) fn probe_report(
+    lab: &Lab,
+    name: &str,
+    obs: &Path,
+    evidence: &Path,
+    extra: &[&str],
+) -> Reported {
     probe_report_with(lab, name, &plan_of(obs), obs, evidence, extra)
 }
 
@@ -150,7 +156,7 @@ fn probe_report_with(
     }
 }
 
-fn assert_classes(r: &Reported, want: &[(&str, &str)]) {
+pub(crate) fn assert_classes(r: &Reported, want: &[(&str, &str)]) {
     let got = r.classes();
     for (id, class) in want {
         assert_eq!(

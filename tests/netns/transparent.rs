@@ -27,6 +27,28 @@ fn gateway_lab() -> Lab {
 /// transparent listener on [`TRANSPARENT`] (and a DNS shim on port 5353 for
 /// DNS through the gateway).
 pub(crate) fn load_gateway(lab: &Lab) {
+    load_ruleset(lab, &gateway_ruleset());
+    // The sandbox's default route is the gateway.
+    let out = lab.exec(
+        &lab.ns_client,
+        "ip",
+        &["route", "add", "default", "via", "198.18.1.1"],
+    );
+    assert!(out.success(), "{}", out.describe());
+}
+
+/// `rules` loaded into the proxy namespace with `nft -f`.
+pub(crate) fn load_ruleset(lab: &Lab, rules: &str) {
+    let out = lab::run_with_timeout(
+        std::process::Command::new("ip").args(["netns", "exec", &lab.ns_proxy, "nft", "-f", "-"]),
+        Some(rules.as_bytes()),
+        Duration::from_secs(10),
+    );
+    assert!(out.success(), "nft: {}", out.describe());
+}
+
+/// The shipped gateway ruleset with only its defines changed for the lab.
+pub(crate) fn gateway_ruleset() -> String {
     let rules = std::fs::read_to_string(
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("docker/nftables.conf"),
     )
@@ -40,19 +62,7 @@ pub(crate) fn load_gateway(lab: &Lab) {
         rules.contains("define SANDBOX_IF = \"p0\""),
         "ruleset defines changed"
     );
-    let out = lab::run_with_timeout(
-        std::process::Command::new("ip").args(["netns", "exec", &lab.ns_proxy, "nft", "-f", "-"]),
-        Some(rules.as_bytes()),
-        Duration::from_secs(10),
-    );
-    assert!(out.success(), "nft: {}", out.describe());
-    // The sandbox's default route is the gateway.
-    let out = lab.exec(
-        &lab.ns_client,
-        "ip",
-        &["route", "add", "default", "via", "198.18.1.1"],
-    );
-    assert!(out.success(), "{}", out.describe());
+    rules
 }
 
 /// curl from the sandbox with no proxy, `name` pinned to `addr`.

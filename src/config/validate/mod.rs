@@ -19,6 +19,7 @@ mod baseline;
 mod bypass;
 mod credentials;
 mod dns;
+mod enforcement;
 mod evidence;
 mod intercept;
 mod org;
@@ -28,6 +29,7 @@ mod rules;
 use admin::validate_admin;
 use bypass::validate_bypass;
 use dns::validate_dns;
+use enforcement::validate_enforcement;
 use evidence::{check_capacity, validate_evidence};
 use intercept::validate_intercept;
 use org::validate_orgs;
@@ -43,6 +45,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         intercept,
         bypass,
         policy,
+        enforcement,
         org,
     } = raw;
 
@@ -59,6 +62,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
 
     let intercept = validate_intercept(intercept, errors);
     let bypass = validate_bypass(bypass, errors);
+    let enforcement = validate_enforcement(enforcement, errors);
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
     let super::raw::RawPolicy { baseline } = policy;
     let baseline = baseline.and_then(|b| baseline::load_baseline(&b, path, errors));
@@ -76,6 +80,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         intercept,
         bypass,
         policy: super::model::PolicyConfig { baseline },
+        enforcement,
         orgs,
     };
     dns::check_pools(&config, &pool_spans, errors);
