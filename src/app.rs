@@ -68,6 +68,8 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence_config,
         intercept: _,
         bypass: bypass_config,
+        // Compiled into the policy (`Policy::with_host`).
+        policy: _,
         enforcement: enforcement_config,
         orgs: _,
     } = &config;

@@ -62,7 +62,7 @@ pub(crate) struct Reloader {
     seen: Option<[u8; 32]>,
     /// The secret files the poll watches: those of the file last loaded
     /// (those a reload would read).
-    secret_files: Vec<PathBuf>,
+    watched_files: Watched,
     /// The host addresses the poll last saw: a change reloads once, even
     /// if that reload is refused (an invalid file is not retried each poll).
     host_seen: Vec<std::net::IpAddr>,
@@ -104,10 +104,18 @@ fn digest(path: &Path) -> Option<[u8; 32]> {
     std::fs::read(path).ok().map(|b| Sha256::digest(&b).into())
 }
 
-/// The secret files a reload of `config` reads: those of the credentials
-/// of every org that intercepts.
-fn secret_files(config: &Config) -> Vec<PathBuf> {
-    config
+/// The files besides the config that a reload of `config` reads.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    /// `[policy] baseline`, digested whole.
+    baseline: Option<PathBuf>,
+    /// The secret files of the credentials of every org that intercepts.
+    secrets: Vec<PathBuf>,
+}
+
+/// The files besides the config that a reload of `config` reads.
+fn watched_files(config: &Config) -> Watched {
+    let secrets = config
         .orgs
         .iter()
         .filter(|o| o.intercepts())
@@ -116,19 +124,30 @@ fn secret_files(config: &Config) -> Vec<PathBuf> {
             config::SecretSource::File(path) => Some(path.clone()),
             config::SecretSource::Env(_) => None,
         })
-        .collect()
+        .collect();
+    Watched {
+        baseline: config.policy.baseline.as_ref().map(|b| b.path.clone()),
+        secrets,
+    }
 }
 
 /// What the poll compares: the digest of the config file's content
-/// (`file`, `None` if it cannot be read) and of every secret file in
-/// `secrets` (one that cannot be read counts as such), so that a secret
-/// rotated in place (a Kubernetes Secret swaps a symlinked directory like
-/// a ConfigMap) reloads like a changed file. Blocking.
-fn watched(file: Option<[u8; 32]>, secrets: &[PathBuf]) -> Option<[u8; 32]> {
+/// (`file`, `None` if it cannot be read), of the baseline file and of
+/// every secret file in `files` (one that cannot be read counts as such),
+/// so that a baseline edited or a secret rotated in place (a Kubernetes
+/// Secret swaps a symlinked directory like a ConfigMap) reloads like a
+/// changed file, and a baseline gone missing is a change (whose reload is
+/// refused). Blocking.
+fn watched(file: Option<[u8; 32]>, files: &Watched) -> Option<[u8; 32]> {
     let mut h = Sha256::new();
     h.update(file?);
-    for path in secrets {
-        match crate::intercept::secret::file_digest(path) {
+    let baseline = files.baseline.as_deref().map(digest);
+    let secrets = files
+        .secrets
+        .iter()
+        .map(|path| crate::intercept::secret::file_digest(path));
+    for found in baseline.into_iter().chain(secrets) {
+        match found {
             Some(d) => {
                 h.update([1]);
                 h.update(d);
@@ -212,6 +231,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         enforcement,
         // Served: rebuilt by a reload.
         intercept: _,
+        policy: _,
         orgs: _,
     } = old;
     let mut keys = Vec::new();
@@ -358,9 +378,9 @@ impl Reloader {
         metrics: Arc<Metrics>,
     ) -> Reloader {
         let path = running.path.clone();
-        let secret_files = secret_files(&running);
+        let watched_files = watched_files(&running);
         let seen = {
-            let (path, secrets) = (path.clone(), secret_files.clone());
+            let (path, secrets) = (path.clone(), watched_files.clone());
             blocking(move || watched(digest(&path), &secrets))
                 .await
                 .ok()
@@ -373,7 +393,7 @@ impl Reloader {
             served,
             metrics,
             seen,
-            secret_files,
+            watched_files,
             host_seen,
         }
     }
@@ -382,7 +402,7 @@ impl Reloader {
     /// changed since it was last read, or if the host's addresses are no
     /// longer those the served policy denies.
     pub(crate) async fn poll(&mut self) -> Option<ReloadOutcome> {
-        let (path, secrets) = (self.path.clone(), self.secret_files.clone());
+        let (path, secrets) = (self.path.clone(), self.watched_files.clone());
         let (now, host) = blocking(move || {
             (
                 watched(digest(&path), &secrets),
@@ -438,13 +458,13 @@ impl Reloader {
             self.running.clone(),
             self.metrics.clone(),
         );
-        let (served, secrets) = (current.clone(), self.secret_files.clone());
+        let (served, secrets) = (current.clone(), self.watched_files.clone());
         let prepared = blocking(move || {
             // Digested before they are loaded: a change after this is seen
             // by the next poll.
             let file = digest(&path);
             let new = config::load(&path).map_err(ReloadError::Config);
-            let secrets = new.as_ref().map_or(secrets, secret_files);
+            let secrets = new.as_ref().map_or(secrets, watched_files);
             let seen = watched(file, &secrets);
             let prepared = new.and_then(|new| prepare(new, &running, &served, &metrics));
             (seen, secrets, prepared)
@@ -453,7 +473,7 @@ impl Reloader {
         let prepared = match prepared {
             Ok((seen, secrets, prepared)) => {
                 self.seen = seen;
-                self.secret_files = secrets;
+                self.watched_files = secrets;
                 prepared
             }
             Err(e) => Err(e),

@@ -76,12 +76,14 @@ impl Served {
     }
 
     /// Does `self` serve what `other` serves: the same policy (its hash
-    /// covers the orgs, their rules and a digest of their tokens), the same
+    /// covers the orgs, their rules and a digest of their tokens) under
+    /// the same baseline (its file's hash), the same
     /// host addresses, and interception with the same secrets, CAs and
     /// upstream trust? A reload that builds a state serving as the one
     /// served changes nothing.
     pub(crate) fn serves_as(&self, other: &Served) -> bool {
         self.policy.hash() == other.policy.hash()
+            && self.policy.baseline_hash() == other.policy.baseline_hash()
             && self.policy.host_addresses() == other.policy.host_addresses()
             && self.intercept.as_ref().map(|i| i.fingerprint())
                 == other.intercept.as_ref().map(|i| i.fingerprint())

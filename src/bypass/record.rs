@@ -144,13 +144,7 @@ impl Bypasses {
             would_deny: None,
         };
         let client = SocketAddr::new(attempt.src, attempt.src_port.unwrap_or(0));
-        let record = Record::decision(
-            Kind::Bypass,
-            Mode::Transparent,
-            client,
-            &verdict,
-            policy.hash_arc(),
-        );
+        let record = Record::decided(Kind::Bypass, Mode::Transparent, client, &verdict, policy);
         let org = record.org.clone();
         self.metrics
             .bypass_attempts_total

@@ -36,6 +36,22 @@ pub fn run(args: Args) -> Result<(), CliError> {
         .map(|o| o.allow.len() + o.deny.len())
         .sum();
     sayln!("{}: ok", path.display());
+    if let Some(b) = &config.policy.baseline {
+        let ceiling = if b.ceiling.is_empty() {
+            "no ceiling".to_string()
+        } else {
+            format!(
+                "{} ceiling entries, every allow rule inside",
+                b.ceiling.len()
+            )
+        };
+        sayln!(
+            "  baseline: {} (sha256 {}): {} deny, {ceiling}",
+            b.path.display(),
+            b.hash,
+            b.deny.len()
+        );
+    }
     sayln!("  orgs: {} ({} rules)", config.orgs.len(), rules);
     for org in &config.orgs {
         let clients: Vec<String> = org.clients.iter().map(|c| c.to_string()).collect();

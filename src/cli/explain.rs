@@ -12,7 +12,7 @@ use super::{load_config, print_json, runtime, CliError, Status, DEFAULT_CONFIG};
 use crate::config::Config;
 use crate::dns::decide::{decide_query, OrgDns};
 use crate::policy::request::RequestFacts;
-use crate::policy::{OrgRef, Policy, Reason, Verdict};
+use crate::policy::{Layer, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_explain_target, ExplainTarget, Host};
 use crate::proxy::decide::{decide_with, Addresses};
 use crate::resolve::Resolver;
@@ -72,10 +72,15 @@ pub struct Explanation {
     pub reason: Reason,
     pub org: Option<String>,
     pub rule: Option<String>,
+    /// The layer of the deciding rule: `baseline` (the operator's
+    /// `[policy] baseline`) or `org`; null where no rule decided.
+    pub layer: Option<Layer>,
     /// Addresses that would be dialled (names resolved only when the decision depends on them).
     pub dial: Vec<IpAddr>,
     pub detail: Option<String>,
     pub policy: String,
+    /// SHA-256 of the baseline file, null without one.
+    pub baseline: Option<String>,
     /// For `https://host/path` targets whose rule intercepts: the decision
     /// the proxy takes on that request inside the intercepted connection.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -174,11 +179,13 @@ fn explanation(
         qtype: None,
         decision: verdict.reason.decision(),
         reason: verdict.reason,
+        layer: policy.layer_of(&verdict),
         org: verdict.org.map(|o| o.name.to_string()),
         rule: verdict.rule.map(|r| r.to_string()),
         dial: Vec::new(),
         detail: None,
         policy: policy.hash().to_string(),
+        baseline: policy.baseline_hash().map(|h| h.to_string()),
         request: None,
     }
 }
@@ -397,6 +404,9 @@ impl std::fmt::Display for Explanation {
         writeln!(f, "reason:   {}", self.reason)?;
         writeln!(f, "org:      {}", self.org.as_deref().unwrap_or("(none)"))?;
         writeln!(f, "rule:     {}", self.rule.as_deref().unwrap_or("(none)"))?;
+        if let Some(layer) = self.layer {
+            writeln!(f, "layer:    {}", layer.as_str())?;
+        }
         writeln!(f, "client:   {}", self.client)?;
         writeln!(f, "target:   {target} ({})", self.kind)?;
         if !self.dial.is_empty() {
@@ -421,6 +431,9 @@ impl std::fmt::Display for Explanation {
             if !r.credentials.is_empty() {
                 writeln!(f, "  adds credential: {}", r.credentials.join(", "))?;
             }
+        }
+        if let Some(b) = &self.baseline {
+            writeln!(f, "baseline: {b}")?;
         }
         write!(f, "policy:   {}", self.policy)
     }

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use super::{load_config, print_json, CliError, Status};
 use crate::evidence::{Event, Kind, Record};
-use crate::policy::{Decision, Policy, Reason};
+use crate::policy::{Decision, Layer, Policy, Reason};
 use crate::proto::target::normalize_host;
 
 /// Arguments of `palisade replay`.
@@ -67,9 +67,13 @@ pub struct Flip {
     pub before: String,
     pub before_reason: String,
     pub before_rule: Option<String>,
+    /// The layer of the rule that decided, as recorded.
+    pub before_layer: Option<Layer>,
     pub after: &'static str,
     pub after_reason: Reason,
     pub after_rule: Option<String>,
+    /// The layer of the candidate's deciding rule (`baseline` or `org`).
+    pub after_layer: Option<Layer>,
     /// Allowed by name under the candidate, but the address was never
     /// resolved (denied before resolution): the address checks still apply.
     pub unresolved: bool,
@@ -79,6 +83,8 @@ pub struct Flip {
 #[derive(Debug, Default, Serialize)]
 pub struct Report {
     pub candidate_policy: String,
+    /// SHA-256 of the candidate's baseline file, null without one.
+    pub candidate_baseline: Option<String>,
     pub decisions: u64,
     pub replayed: u64,
     pub unchanged: u64,
@@ -133,6 +139,7 @@ fn redecide(policy: &Policy, r: &Record) -> Option<(crate::policy::Verdict, bool
 pub fn replay(evidence: &Path, policy: &Policy) -> std::io::Result<Report> {
     let mut report = Report {
         candidate_policy: policy.hash().to_string(),
+        candidate_baseline: policy.baseline_hash().map(|h| h.to_string()),
         ..Report::default()
     };
     for stored in crate::evidence::query::read_records(evidence) {
@@ -180,13 +187,23 @@ pub fn replay(evidence: &Path, policy: &Policy) -> std::io::Result<Report> {
             before,
             before_reason: r.reason.as_str().to_string(),
             before_rule,
+            before_layer: r.layer,
             after,
             after_reason: verdict.reason,
+            after_layer: policy.layer_of(&verdict),
             after_rule,
             unresolved,
         });
     }
     Ok(report)
+}
+
+/// `, baseline` after a reason the baseline decided; nothing for an org's.
+fn layer_note(layer: Option<Layer>) -> &'static str {
+    match layer {
+        Some(Layer::Baseline) => ", baseline",
+        _ => "",
+    }
 }
 
 impl std::fmt::Display for Report {
@@ -210,7 +227,7 @@ impl std::fmt::Display for Report {
             for x in &self.flips {
                 writeln!(
                     f,
-                    "{} {} {} {}:{} {} ({}) -> {} ({}){}",
+                    "{} {} {} {}:{} {} ({}{}) -> {} ({}{}){}",
                     x.id,
                     x.org.as_deref().unwrap_or("unknown"),
                     x.kind,
@@ -218,8 +235,10 @@ impl std::fmt::Display for Report {
                     x.port.map_or("-".to_string(), |p| p.to_string()),
                     x.before,
                     x.before_reason,
+                    layer_note(x.before_layer),
                     x.after,
                     x.after_reason,
+                    layer_note(x.after_layer),
                     if x.unresolved {
                         " [address not known]"
                     } else {

@@ -79,6 +79,11 @@ impl<'a> Errors<'a> {
         ConfigErrors(self.list)
     }
 
+    /// Problems found in another file (the baseline), located there.
+    pub(super) fn absorb(&mut self, other: ConfigErrors) {
+        self.list.extend(other.0);
+    }
+
     /// Where the byte at `offset` is, as `FILE:LINE:COL`.
     pub(super) fn locate(&self, offset: usize) -> super::model::ConfigLocation {
         let (line, col) = line_col(self.src, offset);

@@ -12,6 +12,7 @@
 
 use std::path::Path;
 
+mod ceiling;
 mod error;
 mod keys;
 mod model;

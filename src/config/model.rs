@@ -126,9 +126,44 @@ pub struct Config {
     pub evidence: EvidenceConfig,
     pub intercept: InterceptConfig,
     pub bypass: BypassConfig,
+    /// `[policy]`: the operator's baseline under the orgs' rules.
+    pub policy: PolicyConfig,
     /// `[enforcement]`: the nftables ruleset the gateway must have loaded.
     pub enforcement: Option<EnforcementConfig>,
     pub orgs: Vec<OrgConfig>,
+}
+
+/// `[policy]`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PolicyConfig {
+    /// `baseline = "FILE"`, read and validated with the config.
+    pub baseline: Option<Baseline>,
+}
+
+/// The baseline file: denials decided for every org before any org rule,
+/// and the ceiling no org allow rule may reach beyond.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Baseline {
+    /// Where it was read from (relative paths anchored at the config's directory).
+    pub path: PathBuf,
+    /// SHA-256 (hex) of the file's bytes: what records carry as `baseline`.
+    pub hash: String,
+    /// `[[deny]]`: ids `baseline:ID` or `baseline:deny/N`; ports default to all.
+    pub deny: Vec<RuleConfig>,
+    /// `[[ceiling]]`; empty: no ceiling (orgs may allow anything the deny list leaves).
+    pub ceiling: Vec<CeilingEntry>,
+}
+
+/// One `[[ceiling]]` entry: the most an org allow rule may be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CeilingEntry {
+    /// `baseline:ID`, or `baseline:ceiling/N` (N counts from 0 in file order).
+    pub id: String,
+    pub target: RuleTarget,
+    /// Ports; default all.
+    pub ports: PortSet,
+    /// `intercept = true`: intercepting rules may lie inside it (default false).
+    pub intercept: bool,
 }
 
 /// Default number of minted leaf certificates kept (per process, all orgs).
@@ -889,7 +924,7 @@ impl DnsAnswers {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RuleConfig {
     pub id: String,
     pub target: RuleTarget,
@@ -1047,6 +1082,7 @@ impl Config {
             evidence: _,
             intercept: _,
             bypass: _,
+            policy: _,
             enforcement: _,
             orgs: _,
         } = self;

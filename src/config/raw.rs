@@ -21,9 +21,40 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) bypass: RawBypass,
     #[serde(default)]
+    pub(super) policy: RawPolicy,
+    #[serde(default)]
     pub(super) enforcement: RawEnforcement,
     #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+/// `[policy]`: the layers under the orgs' rules.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawPolicy {
+    pub(super) baseline: Option<Spanned<String>>,
+}
+
+/// The baseline file (`[policy] baseline`): its own strict TOML.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBaseline {
+    #[serde(default)]
+    pub(super) deny: Vec<Spanned<RawBaselineEntry>>,
+    #[serde(default)]
+    pub(super) ceiling: Vec<Spanned<RawBaselineEntry>>,
+}
+
+/// A `[[deny]]` or `[[ceiling]]` entry of the baseline (`intercept` only
+/// on a ceiling).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawBaselineEntry {
+    pub(super) id: Option<Spanned<String>>,
+    pub(super) host: Option<Spanned<String>>,
+    pub(super) cidr: Option<Spanned<String>>,
+    pub(super) ports: Option<Spanned<Vec<Spanned<i64>>>>,
+    pub(super) intercept: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize, Default)]

@@ -15,14 +15,14 @@ use std::sync::Arc;
 use hickory_server::proto::rr::RecordType;
 
 use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{OrgRef, Reason, Verdict};
+use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::served::Served;
 
 /// A query, from its arrival to its answer.
 #[derive(Debug, Clone)]
 pub(crate) struct QueryState {
-    /// The hash of the policy it is decided and recorded under.
-    policy: Arc<str>,
+    /// The policy it is decided and recorded under.
+    policy: Arc<Policy>,
     pub(crate) client: SocketAddr,
     /// The client's org, by its source address.
     pub(crate) org: Option<OrgRef>,
@@ -47,7 +47,7 @@ impl QueryState {
     pub(crate) fn new(served: &Served, client: SocketAddr) -> QueryState {
         let org = served.policy.org_for(client.ip());
         QueryState {
-            policy: served.policy.hash_arc().clone(),
+            policy: served.policy.clone(),
             client,
             verdict: Verdict {
                 org: org.clone(),
@@ -96,7 +96,7 @@ impl QueryState {
 
     /// The decision record of this query as it stands.
     pub(crate) fn record(&self) -> Record {
-        let mut rec = Record::decision(
+        let mut rec = Record::decided(
             Kind::Dns,
             Mode::Dns,
             self.client,

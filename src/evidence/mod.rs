@@ -158,6 +158,14 @@ pub struct Record {
     pub reason: Reason,
     pub rule: Option<Arc<str>>,
     pub policy: Arc<str>,
+    /// SHA-256 of the baseline file (`[policy] baseline`) the decision was
+    /// taken under; null without one.
+    #[serde(default)]
+    pub baseline: Option<Arc<str>>,
+    /// The layer of the deciding rule (`baseline` or `org`), where a
+    /// rule decided.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<crate::policy::Layer>,
     /// Report mode: the reason enforcement would have denied this with.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub would_deny: Option<crate::policy::Reason>,
@@ -255,6 +263,8 @@ impl Record {
             rule: verdict.rule.clone(),
             would_deny: verdict.would_deny,
             policy: policy.clone(),
+            baseline: None,
+            layer: None,
             method: None,
             path: None,
             detail: None,
@@ -278,6 +288,21 @@ impl Record {
             differs: None,
             owed: None,
         }
+    }
+
+    /// A decision record from a verdict of `policy`: its hash, its
+    /// baseline's, and the layer of the deciding rule.
+    pub fn decided(
+        kind: Kind,
+        mode: Mode,
+        client: SocketAddr,
+        verdict: &Verdict,
+        policy: &crate::policy::Policy,
+    ) -> Record {
+        let mut r = Record::decision(kind, mode, client, verdict, policy.hash_arc());
+        r.baseline = policy.baseline_hash().cloned();
+        r.layer = policy.layer_of(verdict);
+        r
     }
 
     /// A record to stand for `count` decisions like this one, made between

@@ -632,6 +632,8 @@ fn full_record() -> Record {
         reason: Reason::RuleMatch,
         rule: Some(Arc::from("acme/allow/0")),
         policy: Arc::from("p0"),
+        baseline: Some(Arc::from("b0")),
+        layer: Some(crate::policy::Layer::Org),
         would_deny: Some(Reason::NoMatchingRule),
         method: Some("GET".into()),
         path: Some("/x?q=\"1\"&\u{7}\u{2028}é".into()),

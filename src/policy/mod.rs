@@ -31,6 +31,7 @@
 //! | # | target | condition | decision | reason | rule |
 //! |---|---|---|---|---|---|
 //! | 1 | any | client in no org's `clients` | deny | `unknown_client` | – |
+//! | 1a | any | a baseline `[[deny]]` entry covers the name, or the address (or one embedded in it), on the port: for every org, never reported | deny | `explicit_deny`, layer `baseline` | baseline entry |
 //! | 2 | name | a host deny rule matches the name and its ports include the port | deny | `explicit_deny` | deny rule |
 //! | 3 | name | no host allow rule matches the name | deny | `no_matching_rule` | – |
 //! | 4 | name | host allow rules match the name, none on this port | deny | `port_not_allowed` | – |
@@ -49,6 +50,7 @@
 //!
 //! | # | condition | decision | reason |
 //! |---|---|---|---|
+//! | A0 | a baseline `[[deny]]` cidr covers it on the port (every org, never reported) | deny | `explicit_deny`, layer `baseline` |
 //! | A | the address and port are one of Palisade's own listeners (a listener on an unspecified address matches any address on its port) | deny | `denied_address` |
 //! | B | a cidr deny rule covers it on the port (a deny wins inside an allowed cidr) | deny | `explicit_deny` |
 //! | C | it is in an always-denied range, and no cidr allow rule on the port both covers it and lies inside the most specific always-denied range holding it | deny | `denied_address` |
@@ -626,6 +628,78 @@ pub struct Policy {
     always_denied: PrefixTable<Vec<Arc<str>>>,
     hash: Arc<str>,
     rule_count: usize,
+    /// The baseline's `[[deny]]` entries, decided before any org rule.
+    baseline: Option<BaselineRules>,
+}
+
+/// The layer of the policy a rule belongs to: the operator's baseline
+/// (`[policy] baseline`) or an org's own rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layer {
+    Baseline,
+    Org,
+}
+
+impl Layer {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layer::Baseline => "baseline",
+            Layer::Org => "org",
+        }
+    }
+}
+
+/// The baseline's denials, compiled like an org's deny rules.
+#[derive(Debug)]
+struct BaselineRules {
+    /// SHA-256 (hex) of the baseline file.
+    hash: Arc<str>,
+    deny: Vec<Rule>,
+    ids: std::collections::HashSet<Arc<str>>,
+    names: NameTable,
+    cidrs: PrefixTable<Vec<usize>>,
+}
+
+impl BaselineRules {
+    fn compile(baseline: &crate::config::Baseline) -> BaselineRules {
+        let mut b = BaselineRules {
+            hash: Arc::from(baseline.hash.as_str()),
+            deny: Vec::new(),
+            ids: Default::default(),
+            names: NameTable::default(),
+            cidrs: PrefixTable::default(),
+        };
+        compile_rules(&baseline.deny, &mut b.deny, &mut b.names, &mut b.cidrs);
+        b.ids = b.deny.iter().map(|r| r.id.clone()).collect();
+        b
+    }
+}
+
+/// Compile `rules` into `list`, indexed by name in `names` and by
+/// network in `cidrs`.
+fn compile_rules(
+    rules: &[RuleConfig],
+    list: &mut Vec<Rule>,
+    names: &mut NameTable,
+    cidrs: &mut PrefixTable<Vec<usize>>,
+) {
+    for (i, r) in rules.iter().enumerate() {
+        list.push(Rule {
+            id: Arc::from(r.id.as_str()),
+            ports: r.ports.clone(),
+            intercept: r.intercept.clone().map(Arc::new),
+            tunnel: r.tunnel,
+            below: match &r.target {
+                RuleTarget::Below(suffix) => Some((suffix.len(), r.names)),
+                _ => None,
+            },
+        });
+        match &r.target {
+            RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
+            t => names.insert(t, i),
+        }
+    }
 }
 
 pub use crate::config::ALWAYS_DENIED;
@@ -720,6 +794,7 @@ impl Policy {
     /// are `host` (each always-denied, row C; see `crate::host`).
     pub fn with_host(config: &Config, host: &[IpAddr]) -> Policy {
         let mut policy = Policy::compile(&config.orgs, config.own_addresses(), host);
+        policy.baseline = config.policy.baseline.as_ref().map(BaselineRules::compile);
         // The synthetic pools are never dialled: always-denied, and no
         // cidr rule may overlap them (config validation).
         let pool: Arc<str> = Arc::from(SYNTHETIC_POOL);
@@ -765,34 +840,13 @@ impl Policy {
                 allow_cidrs: PrefixTable::default(),
                 deny_cidrs: PrefixTable::default(),
             };
-            let add = |rules: &[RuleConfig],
-                       list: &mut Vec<Rule>,
-                       names: &mut NameTable,
-                       cidrs: &mut PrefixTable<Vec<usize>>| {
-                for (i, r) in rules.iter().enumerate() {
-                    list.push(Rule {
-                        id: Arc::from(r.id.as_str()),
-                        ports: r.ports.clone(),
-                        intercept: r.intercept.clone().map(Arc::new),
-                        tunnel: r.tunnel,
-                        below: match &r.target {
-                            RuleTarget::Below(suffix) => Some((suffix.len(), r.names)),
-                            _ => None,
-                        },
-                    });
-                    match &r.target {
-                        RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
-                        t => names.insert(t, i),
-                    }
-                }
-            };
-            add(
+            compile_rules(
                 &org.allow,
                 &mut o.allow,
                 &mut o.allow_names,
                 &mut o.allow_cidrs,
             );
-            add(&org.deny, &mut o.deny, &mut o.deny_names, &mut o.deny_cidrs);
+            compile_rules(&org.deny, &mut o.deny, &mut o.deny_names, &mut o.deny_cidrs);
             o.allow_ids = o
                 .allow
                 .iter()
@@ -817,6 +871,7 @@ impl Policy {
             always_denied,
             hash,
             rule_count,
+            baseline: None,
         }
     }
 
@@ -828,6 +883,52 @@ impl Policy {
     /// The hash, shared into every record this policy decides.
     pub fn hash_arc(&self) -> &Arc<str> {
         &self.hash
+    }
+
+    /// SHA-256 (hex) of the baseline file, if there is one: what every
+    /// record carries as `baseline`.
+    pub fn baseline_hash(&self) -> Option<&Arc<str>> {
+        self.baseline.as_ref().map(|b| &b.hash)
+    }
+
+    /// The layer of the rule that decided `verdict`, if a rule did.
+    pub fn layer_of(&self, verdict: &Verdict) -> Option<Layer> {
+        let rule = verdict.rule.as_ref()?;
+        let baseline = self.baseline.as_ref().is_some_and(|b| b.ids.contains(rule));
+        Some(if baseline {
+            Layer::Baseline
+        } else {
+            Layer::Org
+        })
+    }
+
+    /// The baseline's denial of `name` on `port` (`None`: on every port),
+    /// for any org: the first matching `[[deny]]` entry in file order.
+    fn baseline_name(&self, org: &OrgRef, name: &str, port: Option<u16>) -> Option<Verdict> {
+        let b = self.baseline.as_ref()?;
+        let i = b
+            .names
+            .matches(name)
+            .filter(|&i| covers(&b.deny[i].ports, port))
+            .min()?;
+        Some(Verdict::deny(org, Reason::ExplicitDeny, Some(&b.deny[i])))
+    }
+
+    /// The baseline's denial of `ip` (or an address embedded in it) on
+    /// `port` (`None`: on every port).
+    fn baseline_address(&self, org: &OrgRef, ip: IpAddr, port: Option<u16>) -> Option<Verdict> {
+        let b = self.baseline.as_ref()?;
+        let ip = canonical(ip);
+        std::iter::once(ip).chain(embedded(ip)).find_map(|addr| {
+            let i = b
+                .cidrs
+                .matches(addr)
+                .flatten()
+                .copied()
+                .filter(|&i| covers(&b.deny[i].ports, port))
+                .min()?;
+            Some(Verdict::deny(org, Reason::ExplicitDeny, Some(&b.deny[i])))
+        })
     }
 
     /// The canonical JSON text the hash is taken over: stored beside the
@@ -950,6 +1051,14 @@ impl Policy {
         let Some(o) = self.orgs.get(org.index) else {
             return Decision::Final(Verdict::deny(org, Reason::UnknownClient, None));
         };
+        // The baseline first, for every org, whatever its mode.
+        let baseline = match host {
+            Host::Ip(ip) => self.baseline_address(org, *ip, Some(port)),
+            Host::Name(name) => self.baseline_name(org, name, Some(port)),
+        };
+        if let Some(v) = baseline {
+            return Decision::Final(v);
+        }
         match host {
             Host::Ip(ip) => {
                 let v = self.decide_ip(o, canonical(*ip), port);
@@ -1040,8 +1149,18 @@ impl Policy {
     pub fn decide_name_any_port(&self, client: IpAddr, name: &str) -> Verdict {
         let v = self.decide_name_any_port_enforced(client, name);
         match &v.org {
-            Some(org) if self.is_report(org) => v.reported(),
+            Some(org) if self.is_report(org) => self.reported(v),
             _ => v,
+        }
+    }
+
+    /// Report mode's view of a verdict: the org's own denials are let
+    /// through, the baseline's never.
+    fn reported(&self, v: Verdict) -> Verdict {
+        if self.layer_of(&v) == Some(Layer::Baseline) {
+            v
+        } else {
+            v.reported()
         }
     }
 
@@ -1071,7 +1190,7 @@ impl Policy {
         };
         let v = self.name_any_port_for(&o.r#ref, name);
         if o.report {
-            v.reported().is_allow()
+            self.reported(v).is_allow()
         } else {
             v.is_allow()
         }
@@ -1083,9 +1202,15 @@ impl Policy {
         let Some(o) = self.orgs.get(org.index) else {
             return Verdict::deny(&org, Reason::UnknownClient, None);
         };
+        if let Some(v) = self.baseline_name(&org, name, None) {
+            return v;
+        }
         let mut denies: Vec<usize> = o.deny_names.matches(name).collect();
         denies.sort_unstable();
-        let denied = |port: u16| denies.iter().find(|&&i| o.deny[i].ports.contains(port));
+        let denied = |port: u16| {
+            denies.iter().any(|&i| o.deny[i].ports.contains(port))
+                || self.baseline_name(&org, name, Some(port)).is_some()
+        };
         if let Some(&i) = denies.iter().find(|&&i| o.deny[i].ports == PortSet::All) {
             return Verdict::deny(&org, Reason::ExplicitDeny, Some(&o.deny[i]));
         }
@@ -1095,7 +1220,7 @@ impl Policy {
         for &i in &allows {
             let open = match &o.allow[i].ports {
                 PortSet::All => true,
-                PortSet::List(ports) => ports.iter().any(|&p| denied(p).is_none()),
+                PortSet::List(ports) => ports.iter().any(|&p| !denied(p)),
             };
             if open && !o.allow[i].label_fits(name) {
                 too_long = too_long.or(Some(i));
@@ -1255,6 +1380,9 @@ impl Policy {
             return Err(Verdict::deny(org, Reason::UnknownClient, None));
         };
         let ip = canonical(ip);
+        if let Some(v) = self.baseline_address(org, ip, None) {
+            return Err(v);
+        }
         for addr in std::iter::once(ip).chain(embedded(ip)) {
             if let Some(i) = o
                 .deny_cidrs
@@ -1288,6 +1416,10 @@ impl Policy {
         let mut would_deny = pending.would_deny;
         for &ip in addrs {
             let ip = canonical(ip);
+            if let Some(v) = self.baseline_address(org, ip, Some(pending.port)) {
+                first_denial.get_or_insert(v);
+                continue;
+            }
             match self.check_address(o, ip, pending.port) {
                 Ok(()) => {}
                 Err(v) if o.report && v.reason.reportable() => {
@@ -1322,6 +1454,14 @@ impl Policy {
             })
         };
         AddressVerdict { verdict, dial }
+    }
+}
+
+/// Whether `ports` hold `port` (`None`: every port, so only all ports do).
+fn covers(ports: &PortSet, port: Option<u16>) -> bool {
+    match port {
+        Some(p) => ports.contains(p),
+        None => *ports == PortSet::All,
     }
 }
 

@@ -1331,3 +1331,146 @@ fn synthetic_pools_are_always_denied() {
         Reason::RuleMatch
     );
 }
+
+/// The baseline's denials, decided before any org rule: [`POLICY`] plus a
+/// report-mode org, under a baseline denying names and addresses its orgs
+/// allow.
+mod baseline {
+    use super::*;
+
+    const BASELINE: &str = r#"
+[[deny]]
+id = "api"
+host = "api.example.com"
+
+[[deny]]
+host = "*.x.example.org"
+ports = [443]
+
+[[deny]]
+id = "db"
+cidr = "198.18.7.0/28"
+ports = [5432]
+
+[[deny]]
+id = "all-ports"
+cidr = "198.18.8.0/24"
+"#;
+
+    fn policy() -> (tempfile::TempDir, Policy) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("b.toml"), BASELINE).unwrap();
+        let src = format!(
+            "[policy]\nbaseline = \"b.toml\"\n{POLICY}\n[[org]]\nname = \"rep\"\nclients = [\"198.20.0.0/16\"]\nmode = \"report\"\n\
+             [[org.allow]]\nhost = \"api.example.com\"\n[[org.allow]]\ncidr = \"198.18.8.0/24\"\n"
+        );
+        let config = config::from_str(&src, &dir.path().join("p.toml")).unwrap();
+        (dir, Policy::new(&config))
+    }
+
+    fn fin(d: Decision) -> Verdict {
+        match d {
+            Decision::Final(v) => v,
+            other => panic!("not final: {other:?}"),
+        }
+    }
+
+    fn name(s: &str) -> Host {
+        normalize_host(s).unwrap()
+    }
+
+    #[test]
+    fn a_baseline_deny_wins_over_every_orgs_allow_whatever_its_mode() {
+        let (_dir, p) = policy();
+        // (client, target, port, rule that decides, layer)
+        for client in [ACME, "198.20.0.1"] {
+            let v = fin(p.decide(ip(client), &name("api.example.com"), 443));
+            assert_eq!(
+                (v.reason, v.rule.as_deref(), v.would_deny),
+                (Reason::ExplicitDeny, Some("baseline:api"), None),
+                "{client}"
+            );
+            assert_eq!(p.layer_of(&v), Some(Layer::Baseline));
+            let v = fin(p.decide(ip(client), &Host::Ip(ip("198.18.8.9")), 22));
+            assert_eq!(v.rule.as_deref(), Some("baseline:all-ports"), "{client}");
+        }
+        // The org's own explicit deny is the org's layer.
+        let v = fin(p.decide(ip(ACME), &name("uploads.example.org"), 443));
+        assert_eq!(
+            (v.reason, p.layer_of(&v)),
+            (Reason::ExplicitDeny, Some(Layer::Org))
+        );
+    }
+
+    #[test]
+    fn baseline_ports_and_wildcards_bound_what_it_denies() {
+        let (_dir, p) = policy();
+        // *.x.example.org on 443 only; the org allows *.example.org on 80, 443.
+        let v = fin(p.decide(ip(ACME), &name("a.x.example.org"), 443));
+        assert_eq!(v.rule.as_deref(), Some("baseline:deny/1"));
+        let Decision::Resolve(pending) = p.decide(ip(ACME), &name("a.x.example.org"), 80) else {
+            panic!("port 80 is the org's to decide");
+        };
+        assert_eq!(
+            p.layer_of(&p.check_addresses(&pending, &[ip("198.18.3.3")]).verdict),
+            Some(Layer::Org)
+        );
+        // x.example.org itself is not below the wildcard.
+        assert!(matches!(
+            p.decide(ip(ACME), &name("x.example.org"), 443),
+            Decision::Resolve(_)
+        ));
+        // A cidr deny on 5432 inside the org's cidr allow, directly, through
+        // an embedded IPv4 address (NAT64) and as a resolved address.
+        for target in ["198.18.7.5", "64:ff9b::198.18.7.5"] {
+            let v = fin(p.decide(ip(ACME), &Host::Ip(ip(target)), 5432));
+            assert_eq!(v.rule.as_deref(), Some("baseline:db"), "{target}");
+        }
+        let v = fin(p.decide(ip(ACME), &Host::Ip(ip("198.18.7.20")), 5432));
+        assert_eq!(
+            (v.reason, p.layer_of(&v)),
+            (Reason::RuleMatch, Some(Layer::Org))
+        );
+        let Decision::Resolve(pending) = p.decide(ip(ACME), &name("a.example.org"), 443) else {
+            panic!("allowed by name");
+        };
+        let av = p.check_addresses(&pending, &[ip("198.18.8.1"), ip("198.18.3.3")]);
+        assert_eq!(av.dial, [ip("198.18.3.3")]);
+        let av = p.check_addresses(&pending, &[ip("198.18.8.1")]);
+        assert_eq!(av.verdict.rule.as_deref(), Some("baseline:all-ports"));
+    }
+
+    #[test]
+    fn the_dns_shim_refuses_what_the_baseline_denies_on_every_port() {
+        let (_dir, p) = policy();
+        let v = p.decide_name_any_port(ip(ACME), "api.example.com");
+        assert_eq!(
+            (v.reason, v.rule.as_deref()),
+            (Reason::ExplicitDeny, Some("baseline:api"))
+        );
+        let v = p.decide_name_any_port(ip("198.20.0.1"), "api.example.com");
+        assert_eq!(
+            (v.reason, v.would_deny),
+            (Reason::ExplicitDeny, None),
+            "report mode"
+        );
+        assert!(!p.binds("rep", "api.example.com"));
+        // 443 is denied, 80 is still open: the name is answered.
+        assert!(p
+            .decide_name_any_port(ip(ACME), "a.x.example.org")
+            .is_allow());
+        let org = p.org_for(ip(ACME)).unwrap();
+        let v = p.answer_allowed(&org, ip("198.18.8.7")).unwrap_err();
+        assert_eq!(v.rule.as_deref(), Some("baseline:all-ports"));
+        // A port-bound cidr deny strips nothing from answers.
+        assert!(p.answer_allowed(&org, ip("198.18.7.5")).is_ok());
+    }
+
+    #[test]
+    fn the_baseline_hash_is_the_files() {
+        let (_dir, p) = policy();
+        let want = data_encoding::HEXLOWER.encode(&Sha256::digest(BASELINE.as_bytes()));
+        assert_eq!(p.baseline_hash().map(|h| h.to_string()), Some(want));
+        assert_eq!(super::policy().baseline_hash(), None);
+    }
+}

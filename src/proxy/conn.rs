@@ -201,12 +201,12 @@ impl Conn {
 
     /// The decision record, as the state stands now.
     pub(crate) fn record(&self) -> Record {
-        let mut r = Record::decision(
+        let mut r = Record::decided(
             self.kind,
             self.mode,
             self.client,
             &self.verdict,
-            self.view.policy.hash_arc(),
+            &self.view.policy,
         );
         r.host = Some(self.host.to_string());
         r.port = Some(self.port);

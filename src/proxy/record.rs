@@ -150,7 +150,7 @@ impl View {
         host: Option<&Host>,
         port: Option<u16>,
     ) -> Record {
-        let mut r = Record::decision(kind, mode, client, verdict, self.policy.hash_arc());
+        let mut r = Record::decided(kind, mode, client, verdict, &self.policy);
         r.host = host.map(|h| h.to_string());
         r.port = port;
         r

@@ -81,8 +81,10 @@ pub(crate) fn revisit(served: &Arc<Served>, conn: &Conn) -> Revisit {
     let report = view.is_report();
     if !verdict.is_allow() {
         let why = format!("now {}", verdict.reason);
-        // Report mode reports the allowlist's own denials, as at a decision.
-        return if report && verdict.reason.reportable() {
+        // Report mode reports the allowlist's own denials, as at a
+        // decision; the baseline's are enforced for every org.
+        let own = policy.layer_of(&verdict) != Some(crate::policy::Layer::Baseline);
+        return if report && own && verdict.reason.reportable() {
             Revisit::Reported(view, why)
         } else {
             Revisit::Revoked(view, why)
@@ -406,6 +408,25 @@ mod tests {
 
     const A_TEST: &str = "[[org.allow]]\nhost = \"a.test\"\nports = [443]\n";
     const B_TEST: &str = "[[org.allow]]\nhost = \"b.test\"\nports = [443]\n";
+
+    #[test]
+    fn a_baseline_deny_revokes_even_in_report_mode() {
+        let dir = crate::testing::scratch("revoke-baseline");
+        let baseline = dir.join("b.toml");
+        std::fs::write(&baseline, "[[deny]]\nid = \"no-a\"\nhost = \"a.test\"\n").unwrap();
+        let report = ACME.replace("[[org]]\n", "[[org]]\nmode = \"report\"\n");
+        let old = served(&format!("{report}{A_TEST}"));
+        let conn = decided(&old, "a.test", 443, "198.18.2.10", Carry::Tls);
+        let with = format!(
+            "[policy]\nbaseline = {:?}\n{report}{A_TEST}",
+            baseline.display().to_string()
+        );
+        let new = served(&with);
+        match revisit(&new, &conn) {
+            Revisit::Revoked(_, why) => assert_eq!(why, "now explicit_deny"),
+            other => panic!("kept: {:?}", matches!(other, Revisit::Reported(..))),
+        }
+    }
 
     #[test]
     fn an_unrelated_change_keeps_the_connection() {

@@ -10,6 +10,7 @@ mod abuse;
 mod addresses;
 mod admin;
 mod adopt;
+mod baseline;
 mod bounds;
 mod bypass;
 mod cli;

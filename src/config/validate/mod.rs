@@ -15,6 +15,7 @@ use super::raw::RawConfig;
 use super::timeout::Timeout;
 
 mod admin;
+mod baseline;
 mod bypass;
 mod credentials;
 mod dns;
@@ -43,6 +44,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         evidence,
         intercept,
         bypass,
+        policy,
         enforcement,
         org,
     } = raw;
@@ -62,7 +64,9 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let bypass = validate_bypass(bypass, errors);
     let enforcement = validate_enforcement(enforcement, errors);
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
-    let orgs = validate_orgs(org, pools_set, errors);
+    let super::raw::RawPolicy { baseline } = policy;
+    let baseline = baseline.and_then(|b| baseline::load_baseline(&b, path, errors));
+    let orgs = validate_orgs(org, pools_set, baseline.as_ref(), errors);
     if let Some(at) = retain_at {
         check_capacity(&evidence, orgs.len(), at, errors);
     }
@@ -75,6 +79,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         evidence,
         intercept,
         bypass,
+        policy: super::model::PolicyConfig { baseline },
         enforcement,
         orgs,
     };

@@ -12,7 +12,7 @@ use super::credentials::validate_credentials;
 use super::rules::validate_rules;
 use crate::config::error::Errors;
 use crate::config::model::{
-    DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
+    Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
 };
 use crate::config::raw::RawOrg;
 
@@ -30,12 +30,17 @@ fn valid_org_name(name: &str) -> bool {
 pub(super) fn validate_orgs(
     raw: Vec<RawOrg>,
     pools_set: bool,
+    baseline: Option<&Baseline>,
     errors: &mut Errors<'_>,
 ) -> Vec<OrgConfig> {
     let mut orgs = Vec::new();
     let mut names: HashSet<String> = HashSet::new();
     let mut client_nets: HashMap<IpNet, String> = HashMap::new();
-    let mut rule_ids: HashSet<String> = HashSet::new();
+    // The baseline's deny ids are taken: an org rule cannot pass for one.
+    let mut rule_ids: HashSet<String> = baseline
+        .iter()
+        .flat_map(|b| b.deny.iter().map(|r| r.id.clone()))
+        .collect();
     let mut token_orgs: Vec<(TokenDigest, String)> = Vec::new();
 
     for org in raw {
@@ -107,8 +112,8 @@ pub(super) fn validate_orgs(
             errors.at(name.span(), format!("org {org_name:?} has no clients"));
         }
 
-        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, errors);
-        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, errors);
+        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, baseline, errors);
+        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, None, errors);
         let dns_denied = match dns_denied {
             None => DnsDenied::default(),
             Some(v) => {

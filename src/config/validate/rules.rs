@@ -6,9 +6,10 @@ use std::collections::HashSet;
 use toml::Spanned;
 
 use super::cidr;
+use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
-    Carry, NameLimits, PathPattern, PortSet, RequestRules, RuleConfig, RuleTarget,
+    Baseline, Carry, NameLimits, PathPattern, PortSet, RequestRules, RuleConfig, RuleTarget,
     DEFAULT_ALLOW_PORTS, MAX_NEW_NAMES_PER_MINUTE,
 };
 use crate::config::raw::{RawList, RawRule};
@@ -80,6 +81,7 @@ pub(super) fn validate_rules(
     kind: &str,
     raw: Vec<Spanned<RawRule>>,
     ids: &mut HashSet<String>,
+    baseline: Option<&Baseline>,
     errors: &mut Errors<'_>,
 ) -> Vec<RuleConfig> {
     let mut rules = Vec::new();
@@ -173,7 +175,7 @@ pub(super) fn validate_rules(
         let id = match id {
             Some(id) => {
                 let text = id.get_ref().trim().to_string();
-                if text.is_empty() || text.len() > 128 || text.chars().any(char::is_control) {
+                if !valid_rule_id(&text) {
                     errors.at(id.span(), format!("invalid rule id {text:?}"));
                 }
                 if !ids.insert(text.clone()) {
@@ -188,63 +190,122 @@ pub(super) fn validate_rules(
             }
         };
 
-        let target = match (host, cidr_value) {
-            (Some(_), Some(c)) => {
-                errors.at(c.span(), "a rule has either host or cidr, not both");
-                None
-            }
-            (None, None) => {
-                errors.at(span.clone(), format!("rule {id:?} needs host or cidr"));
-                None
-            }
-            (Some(h), None) => host_rule(&h, kind == "allow", errors),
-            (None, Some(c)) => cidr(&c, errors).map(RuleTarget::Cidr),
-        };
+        let target = rule_target(
+            (host, cidr_value),
+            kind == "allow",
+            (span.clone(), &format!("rule {id:?}")),
+            errors,
+        );
 
         let ports = match ports {
             None if kind == "allow" => PortSet::List(DEFAULT_ALLOW_PORTS.to_vec()),
             None => PortSet::All,
-            Some(list) => {
-                if list.get_ref().is_empty() {
-                    errors.at(
-                        list.span(),
-                        "ports must not be empty (omit it for the default)",
-                    );
-                }
-                let mut ports = Vec::new();
-                for p in list.get_ref() {
-                    match u16::try_from(*p.get_ref()) {
-                        Ok(port) if port > 0 => {
-                            if !ports.contains(&port) {
-                                ports.push(port)
-                            }
-                        }
-                        _ => errors.at(
-                            p.span(),
-                            format!("port {} out of range 1-65535", p.get_ref()),
-                        ),
-                    }
-                }
-                ports.sort_unstable();
-                PortSet::List(ports)
-            }
+            Some(list) => port_list(&list, errors),
         };
 
         let wildcard = kind == "allow" && matches!(target, Some(RuleTarget::Below(_)));
         let names = name_limits(wildcard, max_new_names_per_minute, max_label_length, errors);
 
         if let Some(target) = target {
-            rules.push(RuleConfig {
+            let rule = RuleConfig {
                 id,
                 target,
                 ports,
                 intercept,
                 tunnel,
                 names,
-            });
+            };
+            if let (Some(baseline), "allow") = (baseline, kind) {
+                check_ceiling(&rule, baseline, span, errors);
+            }
+            rules.push(rule);
         }
     }
     rules
+}
+
+/// An allow rule outside the baseline's ceiling: an error at the rule,
+/// naming the entry it escapes and why.
+fn check_ceiling(
+    rule: &RuleConfig,
+    baseline: &Baseline,
+    span: std::ops::Range<usize>,
+    errors: &mut Errors<'_>,
+) {
+    if let Err((entry, why)) = ceiling::check(rule, &baseline.ceiling) {
+        let ports = match &entry.ports {
+            PortSet::All => "all ports".to_string(),
+            PortSet::List(list) => {
+                let list: Vec<String> = list.iter().map(u16::to_string).collect();
+                format!("ports {}", list.join(", "))
+            }
+        };
+        errors.at(
+            span,
+            format!(
+                "rule {:?} ({}) escapes the baseline's ceiling: ceiling {:?} ({}, {ports}) in {}: {why}",
+                rule.id,
+                rule.target,
+                entry.id,
+                entry.target,
+                baseline.path.display()
+            ),
+        );
+    }
+}
+
+/// A rule id: 1-128 characters, none a control character.
+pub(super) fn valid_rule_id(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 128 && !text.chars().any(char::is_control)
+}
+
+/// What a rule (or baseline entry, `what` at `span`) matches: exactly one
+/// of `host` and `cidr`.
+pub(super) fn rule_target(
+    (host, cidr_value): (Option<Spanned<String>>, Option<Spanned<String>>),
+    is_allow: bool,
+    (span, what): (std::ops::Range<usize>, &str),
+    errors: &mut Errors<'_>,
+) -> Option<RuleTarget> {
+    match (host, cidr_value) {
+        (Some(_), Some(c)) => {
+            errors.at(c.span(), "a rule has either host or cidr, not both");
+            None
+        }
+        (None, None) => {
+            errors.at(span, format!("{what} needs host or cidr"));
+            None
+        }
+        (Some(h), None) => host_rule(&h, is_allow, errors),
+        (None, Some(c)) => cidr(&c, errors).map(RuleTarget::Cidr),
+    }
+}
+
+/// A `ports` list: each in 1-65535, sorted, duplicates dropped; an empty
+/// list is an error.
+pub(super) fn port_list(list: &Spanned<Vec<Spanned<i64>>>, errors: &mut Errors<'_>) -> PortSet {
+    if list.get_ref().is_empty() {
+        errors.at(
+            list.span(),
+            "ports must not be empty (omit it for the default)",
+        );
+    }
+    let mut ports = Vec::new();
+    for p in list.get_ref() {
+        match u16::try_from(*p.get_ref()) {
+            Ok(port) if port > 0 => {
+                if !ports.contains(&port) {
+                    ports.push(port)
+                }
+            }
+            _ => errors.at(
+                p.span(),
+                format!("port {} out of range 1-65535", p.get_ref()),
+            ),
+        }
+    }
+    ports.sort_unstable();
+    PortSet::List(ports)
 }
 
 /// `max_new_names_per_minute` (0: unlimited, written explicitly) and
