@@ -139,7 +139,7 @@ pub(crate) fn frontier_of_json(v: &serde_json::Value) -> Option<(u64, Frontier)>
     Some((base, Frontier::from_parts(size, hashes)?))
 }
 
-/// RFC 6962 PATH(m, D[n]): the inclusion proof of leaf `m`.
+/// RFC 6962 `PATH(m, D[n])`: the inclusion proof of leaf `m`.
 pub(crate) fn inclusion_proof(leaves: &[Hash], m: usize) -> Vec<Hash> {
     let n = leaves.len();
     if n <= 1 || m >= n {
@@ -157,7 +157,7 @@ pub(crate) fn inclusion_proof(leaves: &[Hash], m: usize) -> Vec<Hash> {
     }
 }
 
-/// RFC 6962 PROOF(m, D[n]): the consistency proof of the first `m` leaves.
+/// RFC 6962 `PROOF(m, D[n])`: the consistency proof of the first `m` leaves.
 pub(crate) fn consistency_proof(leaves: &[Hash], m: usize) -> Vec<Hash> {
     if m == 0 || m >= leaves.len() {
         return Vec::new();
