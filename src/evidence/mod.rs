@@ -159,8 +159,9 @@ pub struct Record {
     pub rule: Option<Arc<str>>,
     pub policy: Arc<str>,
     /// SHA-256 of the baseline file (`[policy] baseline`) the decision was
-    /// taken under; null without one.
-    #[serde(default)]
+    /// taken under; absent (that is null) without one, so a record of a
+    /// gateway with no baseline reads back, and re-prints, as written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline: Option<Arc<str>>,
     /// The layer of the deciding rule (`baseline` or `org`), where a
     /// rule decided.

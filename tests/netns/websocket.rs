@@ -488,12 +488,14 @@ fn relay_across(
 const WS_RULE_HEAD: &str = "id = \"ws\"\nhost = \"allowed.test\"\nports = [8443]";
 
 /// A WebSocket relaying when a reload takes its rule away: the connection
-/// is revoked (`policy_revoked` on the connection's record) and the relay
-/// with it.
+/// and the stream it carries are both denied by the new policy, and both
+/// are watched; whichever watch sees the reload first cuts the relay and
+/// records `policy_revoked` on its own record (the connection's, or the
+/// handshake's), and the other then has nothing left to cut.
 #[test]
 fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
     let s = start();
-    relay_across(
+    let r = relay_across(
         &s,
         "/ws/revoked",
         |t| {
@@ -501,8 +503,10 @@ fn a_relaying_websocket_is_closed_when_a_reload_revokes_its_rule() {
             assert!(t.contains(WS_RULE_HEAD), "{t}");
             t.replace(WS_RULE_HEAD, &WS_RULE_HEAD.replace("8443", "9443"))
         },
-        |v, conn, _| v["kind"] == "tcp" && v["conn"] == conn,
+        |v, conn, handshake| (v["kind"] == "tcp" && v["conn"] == conn) || v["conn"] == handshake,
     );
+    let detail = r["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("port_not_allowed"), "{r}");
 }
 
 /// A WebSocket relaying when a reload puts its path under `deny_paths`:
