@@ -1555,6 +1555,7 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
 }
 
 pub(crate) mod request;
+pub(crate) mod service;
 mod token;
 
 #[cfg(test)]
