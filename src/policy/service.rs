@@ -49,7 +49,7 @@ use crate::proto::pktline::{self, Commands};
 use super::request::glob;
 
 /// The largest model-API request body read; a larger one is refused.
-pub const MAX_MODEL_BODY: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_MODEL_BODY: usize = 8 * 1024 * 1024;
 /// Refs and shown text kept in a record.
 const MAX_RECORDED_REFS: usize = 32;
 const MAX_SHOWN: usize = 200;
@@ -89,19 +89,19 @@ impl ServiceFacts {
 
 /// One request, as [`check`] sees it.
 #[derive(Debug, Clone, Copy)]
-pub struct ServiceRequest<'a> {
-    pub method: &'a str,
+pub(crate) struct ServiceRequest<'a> {
+    pub(crate) method: &'a str,
     /// The normalised path (what the rule's path rules matched).
-    pub path: &'a NormalPath,
+    pub(crate) path: &'a NormalPath,
     /// The URL query as received, without `?`.
-    pub query: Option<&'a str>,
-    pub content_type: Option<&'a str>,
-    pub content_encoding: Option<&'a str>,
+    pub(crate) query: Option<&'a str>,
+    pub(crate) content_type: Option<&'a str>,
+    pub(crate) content_encoding: Option<&'a str>,
 }
 
 /// Which body check a request waits for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BodyKind {
+pub(crate) enum BodyKind {
     /// A push: its command section.
     GitPush,
     /// A GraphQL POST: the whole body.
@@ -112,14 +112,14 @@ pub enum BodyKind {
 
 /// A request allowed so far, whose body decides.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BodyCheck {
-    pub kind: BodyKind,
-    pub facts: ServiceFacts,
+pub(crate) struct BodyCheck {
+    pub(crate) kind: BodyKind,
+    pub(crate) facts: ServiceFacts,
 }
 
 impl BodyCheck {
     /// The most body bytes the check reads; past them it refuses.
-    pub fn max(&self) -> usize {
+    pub(crate) fn max(&self) -> usize {
         match self.kind {
             BodyKind::GitPush => pktline::MAX_COMMAND_BYTES,
             BodyKind::Graphql => graphql::MAX_GRAPHQL_BYTES,
@@ -130,7 +130,7 @@ impl BodyCheck {
 
 /// What [`check`] concluded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     /// Allowed, with what it was (none on a rule without service rules'
     /// concern in it).
     Allow(Option<ServiceFacts>),
@@ -142,7 +142,7 @@ pub enum Step {
 
 /// What [`check_body`] concluded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BodyStep {
+pub(crate) enum BodyStep {
     /// Read more of the body.
     NeedMore,
     Allow(ServiceFacts),
@@ -151,7 +151,7 @@ pub enum BodyStep {
 
 /// Decide a request by its method, path and query. See the module's truth
 /// table.
-pub fn check(rules: &ServiceRules, req: &ServiceRequest<'_>) -> Step {
+pub(crate) fn check(rules: &ServiceRules, req: &ServiceRequest<'_>) -> Step {
     match rules.service {
         None | Some(Service::Git) => forge(rules, req),
         Some(Service::Registry) => registry(req),
@@ -162,7 +162,7 @@ pub fn check(rules: &ServiceRules, req: &ServiceRequest<'_>) -> Step {
 
 /// Decide a request from its body's first bytes (`complete`: the whole
 /// body). See the module's truth table.
-pub fn check_body(
+pub(crate) fn check_body(
     rules: &ServiceRules,
     check: &BodyCheck,
     body: &[u8],
@@ -239,7 +239,7 @@ fn whole(pattern: &str, text: &str) -> bool {
 
 /// Does a `repos` pattern match the repository path `repo`? Segment by
 /// segment, ASCII case ignored, `*` within a segment.
-pub fn repo_matches(pattern: &str, repo: &str) -> bool {
+pub(crate) fn repo_matches(pattern: &str, repo: &str) -> bool {
     let (p, r): (Vec<&str>, Vec<&str>) = (pattern.split('/').collect(), repo.split('/').collect());
     p.len() == r.len()
         && p.iter().zip(&r).all(|(p, r)| {

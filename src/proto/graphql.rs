@@ -32,9 +32,9 @@ use serde::Deserialize;
 
 /// The largest GraphQL request body (or URL query) read; a larger one is
 /// refused.
-pub const MAX_GRAPHQL_BYTES: usize = 256 * 1024;
+pub(crate) const MAX_GRAPHQL_BYTES: usize = 256 * 1024;
 /// The most requests in one batch.
-pub const MAX_BATCH: usize = 100;
+pub(crate) const MAX_BATCH: usize = 100;
 /// Tokens and nesting the parser takes before giving up (the document is
 /// then refused).
 const TOKEN_LIMIT: usize = 100_000;
@@ -42,14 +42,14 @@ const RECURSION_LIMIT: usize = 200;
 
 /// The kind of an operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OpKind {
+pub(crate) enum OpKind {
     Query,
     Mutation,
     Subscription,
 }
 
 impl OpKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             OpKind::Query => "query",
             OpKind::Mutation => "mutation",
@@ -60,12 +60,12 @@ impl OpKind {
 
 /// The operation a request executes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Operation {
-    pub kind: OpKind,
-    pub name: Option<String>,
+pub(crate) struct Operation {
+    pub(crate) kind: OpKind,
+    pub(crate) name: Option<String>,
     /// Top-level field names (not aliases), fragments expanded, in order,
     /// each once.
-    pub fields: Vec<String>,
+    pub(crate) fields: Vec<String>,
 }
 
 /// One GraphQL-over-HTTP request object.
@@ -83,7 +83,7 @@ struct RequestObject {
 
 /// A POST body: one request object or a batch of them. Returns the
 /// operation of each, in order, or why the body is refused.
-pub fn operations_of_body(body: &[u8]) -> Result<Vec<Operation>, String> {
+pub(crate) fn operations_of_body(body: &[u8]) -> Result<Vec<Operation>, String> {
     if body.len() > MAX_GRAPHQL_BYTES {
         return Err("the GraphQL body is larger than 256 KiB".into());
     }
@@ -119,7 +119,7 @@ pub fn operations_of_body(body: &[u8]) -> Result<Vec<Operation>, String> {
 /// A GET's URL query (`a=b&c=d`, form-encoded): the operation named by its
 /// `query` and `operationName` parameters; `None` when it has no `query`
 /// parameter (not a GraphQL request).
-pub fn operation_of_url_query(query: &str) -> Option<Result<Operation, String>> {
+pub(crate) fn operation_of_url_query(query: &str) -> Option<Result<Operation, String>> {
     if query.len() > MAX_GRAPHQL_BYTES {
         return Some(Err("the GraphQL query string is larger than 256 KiB".into()));
     }
@@ -149,7 +149,7 @@ pub fn operation_of_url_query(query: &str) -> Option<Result<Operation, String>> 
 /// Does a URL query carry GraphQL request parameters (`query`,
 /// `operationName`, `variables`, `extensions`)? A POST with them is
 /// ambiguous: servers differ on which of URL and body wins.
-pub fn url_has_graphql_params(query: &str) -> bool {
+pub(crate) fn url_has_graphql_params(query: &str) -> bool {
     query.split('&').any(|pair| {
         let k = pair.split_once('=').map_or(pair, |(k, _)| k);
         form_decode(k).is_some_and(|k| {
@@ -185,7 +185,7 @@ fn form_decode(s: &str) -> Option<String> {
 
 /// The operation `document` executes, `operation_name` choosing among
 /// several. See the module's documentation for what is refused.
-pub fn operation(document: &str, operation_name: Option<&str>) -> Result<Operation, String> {
+pub(crate) fn operation(document: &str, operation_name: Option<&str>) -> Result<Operation, String> {
     if document.len() > MAX_GRAPHQL_BYTES {
         return Err("the GraphQL document is larger than 256 KiB".into());
     }

@@ -26,9 +26,9 @@
 
 /// The longest command section read (bytes); beyond it the push is
 /// refused. A push of a few thousand refs fits.
-pub const MAX_COMMAND_BYTES: usize = 1024 * 1024;
+pub(crate) const MAX_COMMAND_BYTES: usize = 1024 * 1024;
 /// The most ref updates in one push.
-pub const MAX_COMMANDS: usize = 10_000;
+pub(crate) const MAX_COMMANDS: usize = 10_000;
 /// The longest pkt-line (gitprotocol-common(5): 65520 bytes in all).
 const MAX_PKT_LEN: usize = 65520;
 /// The longest ref name accepted.
@@ -36,25 +36,25 @@ const MAX_REF_LEN: usize = 1024;
 
 /// One ref update command of a push.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RefUpdate {
+pub(crate) struct RefUpdate {
     /// The object the ref has now (all zeros: the ref is created).
-    pub old: String,
+    pub(crate) old: String,
     /// The object it is to have (all zeros: the ref is deleted).
-    pub new: String,
+    pub(crate) new: String,
     /// The full ref name, `refs/…`.
-    pub name: String,
+    pub(crate) name: String,
 }
 
 /// What a ref update does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpdateKind {
+pub(crate) enum UpdateKind {
     Create,
     Update,
     Delete,
 }
 
 impl UpdateKind {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             UpdateKind::Create => "create",
             UpdateKind::Update => "update",
@@ -64,7 +64,7 @@ impl UpdateKind {
 }
 
 impl RefUpdate {
-    pub fn kind(&self) -> UpdateKind {
+    pub(crate) fn kind(&self) -> UpdateKind {
         let zero = |oid: &str| oid.bytes().all(|b| b == b'0');
         if zero(&self.new) {
             UpdateKind::Delete
@@ -78,7 +78,7 @@ impl RefUpdate {
 
 /// What [`read_commands`] concluded.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Commands {
+pub(crate) enum Commands {
     /// The whole section: its updates, and the bytes it took (through the
     /// flush).
     Done { updates: Vec<RefUpdate>, len: usize },
@@ -90,7 +90,7 @@ pub enum Commands {
 
 /// Read the command section of a receive-pack request body from its
 /// first bytes `buf`. See the module's documentation.
-pub fn read_commands(buf: &[u8]) -> Commands {
+pub(crate) fn read_commands(buf: &[u8]) -> Commands {
     let bad = |why: &str| Commands::Malformed(why.to_string());
     let mut pos = 0;
     let mut updates = Vec::new();
@@ -198,7 +198,7 @@ fn command(line: &[u8]) -> Result<RefUpdate, String> {
 /// `//`; no component that starts with `.` or ends with `.lock`; not
 /// ending in `/` or `.`. What git would refuse is refused here, so the
 /// name matched is the name the server updates.
-pub fn valid_ref_name(name: &str) -> bool {
+pub(crate) fn valid_ref_name(name: &str) -> bool {
     name.len() <= MAX_REF_LEN
         && name.starts_with("refs/")
         && !name.ends_with('/')
