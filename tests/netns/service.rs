@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::lab::{
-    ca_pem, certs_dir, fixtures_dir, read_jsonl, scratch_dir, Background, CmdOutput, HttpResp,
-    Lab, ALLOWED_IP, PROXY_URL,
+    ca_pem, certs_dir, fixtures_dir, read_jsonl, scratch_dir, Background, CmdOutput, HttpResp, Lab,
+    ALLOWED_IP, PROXY_URL,
 };
 
 const PYTHON: &str = "/usr/bin/python3";
@@ -187,7 +187,10 @@ fn start() -> Setup {
     fs::write(&log, "").unwrap();
     let certs = certs_dir();
     let mut args: Vec<String> = vec![
-        fixtures_dir().join("service_upstream.py").display().to_string(),
+        fixtures_dir()
+            .join("service_upstream.py")
+            .display()
+            .to_string(),
         "--addr".into(),
         ALLOWED_IP.into(),
         "--git-port".into(),
@@ -261,7 +264,12 @@ impl Setup {
 
 fn refs_of(root: &Path, repo: &str) -> String {
     let dir = root.join(repo).display().to_string();
-    host_git(&["--git-dir", &dir, "for-each-ref", "--format=%(refname) %(objectname)"])
+    host_git(&[
+        "--git-dir",
+        &dir,
+        "for-each-ref",
+        "--format=%(refname) %(objectname)",
+    ])
 }
 
 #[test]
@@ -274,7 +282,10 @@ fn git_clone_fetch_and_push_are_scoped_to_repos_and_refs() {
     // Clone and fetch of a listed repository work.
     must(s.git(&["clone", "-q", &app, &w]), "clone acme/app");
     assert!(work.join("README").exists());
-    must(s.git(&["-C", &w, "fetch", "-q", "origin"]), "fetch acme/app");
+    must(
+        s.git(&["-C", &w, "fetch", "-q", "origin"]),
+        "fetch acme/app",
+    );
     // Without `.git` too.
     let bare_url = format!("https://allowed.test:{GIT_PORT}/acme/app");
     must(s.git(&["ls-remote", &bare_url]), "ls-remote acme/app");
@@ -284,7 +295,11 @@ fn git_clone_fetch_and_push_are_scoped_to_repos_and_refs() {
     let secret_url = format!("https://allowed.test:{GIT_PORT}/acme/secret.git");
     let other = s.lab.dir.join("secret").display().to_string();
     let out = s.git(&["clone", "-q", &secret_url, &other]);
-    assert!(!out.success(), "clone of an unlisted repo: {}", out.describe());
+    assert!(
+        !out.success(),
+        "clone of an unlisted repo: {}",
+        out.describe()
+    );
     let rec = s.denied("clone of acme/secret", "fetch of acme/secret");
     assert_eq!(rec["service"]["repo"], "acme/secret", "{rec}");
     assert_eq!(s.received().len(), before, "{:?}", s.received());
@@ -311,11 +326,12 @@ fn git_clone_fetch_and_push_are_scoped_to_repos_and_refs() {
     let refs = refs_of(&s.git_root, "acme/app.git");
     assert!(refs.contains("refs/heads/agent/x"), "{refs}");
     let ok = s.lab.wait_evidence("allowed push", |v| {
-        v["kind"] == "http"
-            && v["decision"] == "allow"
-            && v["service"]["operation"] == "push"
+        v["kind"] == "http" && v["decision"] == "allow" && v["service"]["operation"] == "push"
     });
-    assert_eq!(ok["service"]["refs"][0], "create refs/heads/agent/x", "{ok}");
+    assert_eq!(
+        ok["service"]["refs"][0], "create refs/heads/agent/x",
+        "{ok}"
+    );
     assert_eq!(ok["credential"], "forge-token", "{ok}");
 
     // A push to main fails; the server's refs are unchanged, and the
@@ -334,7 +350,10 @@ fn git_clone_fetch_and_push_are_scoped_to_repos_and_refs() {
         .filter(|r| r["method"] == "POST")
         .cloned()
         .collect();
-    assert!(posted.is_empty(), "receive-pack reached the server: {posted:?}");
+    assert!(
+        posted.is_empty(),
+        "receive-pack reached the server: {posted:?}"
+    );
     // Two refs at once, one outside push_refs: refused whole.
     let out = s.git(&[
         "-C",
@@ -379,6 +398,9 @@ fn registry_downloads_work_and_publishing_is_refused() {
     let out = s.lab.client_exec(
         "env",
         &[
+            // pip reads its trust from the environment first: start clean.
+            "-i",
+            "PATH=/usr/bin:/bin",
             "HOME=/nonexistent",
             "PIP_CONFIG_FILE=/dev/null",
             "python3",
@@ -457,7 +479,12 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
     let post = |body: &str| {
         s.curl(
             &gql,
-            &["-H", "Content-Type: application/json", "--data-binary", body],
+            &[
+                "-H",
+                "Content-Type: application/json",
+                "--data-binary",
+                body,
+            ],
         )
     };
     let allowed = [
@@ -465,7 +492,7 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
         r#"{"query":"query Q { a } mutation M { deleteRepository(input: {}) { id } }","operationName":"Q"}"#,
         r#"{"query":"mutation { createPullRequest(input: {}) { id } }"}"#,
         r#"[{"query":"{ a }"},{"query":"mutation { createPullRequest { id } }"}]"#,
-        r#"{"query":"# mutation { deleteRepository }\n{ a(s: \"mutation { deleteRepository }\") }"}"#,
+        r##"{"query":"# mutation { deleteRepository }\n{ a(s: \"mutation { deleteRepository }\") }"}"##,
     ];
     for body in allowed {
         let r = post(body);
@@ -503,7 +530,10 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
             "duplicate field",
         ),
         (r#"{"query":"subscription { x }"}"#, "graphql subscription"),
-        (r#"{"extensions":{"persistedQuery":{"sha256Hash":"ab"}}}"#, "persisted"),
+        (
+            r#"{"extensions":{"persistedQuery":{"sha256Hash":"ab"}}}"#,
+            "persisted",
+        ),
     ];
     for (body, detail) in refused {
         let r = post(body);
@@ -521,7 +551,12 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
     // Another content type: not read, refused.
     let form = s.curl(
         &gql,
-        &["-H", "Content-Type: application/graphql", "--data-binary", "mutation { deleteRepository }"],
+        &[
+            "-H",
+            "Content-Type: application/graphql",
+            "--data-binary",
+            "mutation { deleteRepository }",
+        ],
     );
     assert_eq!(form.status, 403, "{form:#?}");
     let rec = s.denied("mutation record", "graphql mutation deleteRepository");
@@ -538,15 +573,27 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
     let model = |path: &str, body: &str| {
         s.curl(
             &format!("https://allowed.test:{MODEL_PORT}{path}"),
-            &["-H", "Content-Type: application/json", "--data-binary", body],
+            &[
+                "-H",
+                "Content-Type: application/json",
+                "--data-binary",
+                body,
+            ],
         )
     };
-    let ok = model("/v1/messages", r#"{"model":"claude-sonnet-4","stream":true}"#);
+    let ok = model(
+        "/v1/messages",
+        r#"{"model":"claude-sonnet-4","stream":true}"#,
+    );
     assert_eq!(ok.status, 200, "{ok:#?}");
     let before = s.received().len();
     for (path, body, detail) in [
         ("/v1/messages", r#"{"model":"gpt-x"}"#, "model gpt-x"),
-        ("/v1/chat/completions", r#"{"messages":[]}"#, "model missing"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[]}"#,
+            "model missing",
+        ),
         (
             "/v1/messages",
             r#"{"model":"claude-x","model":"gpt-x"}"#,
@@ -557,8 +604,16 @@ fn graphql_operations_and_model_calls_are_checked_with_their_evasions() {
             r#"{"model":"claude-x","mod\u0065l":"gpt-x"}"#,
             "duplicate field",
         ),
-        ("/v1/files", r#"{"model":"claude-x"}"#, "not a recognised model endpoint"),
-        ("/v1beta/models/gemini-pro:generateContent", "{}", "model gemini-pro"),
+        (
+            "/v1/files",
+            r#"{"model":"claude-x"}"#,
+            "not a recognised model endpoint",
+        ),
+        (
+            "/v1beta/models/gemini-pro:generateContent",
+            "{}",
+            "model gemini-pro",
+        ),
     ] {
         let r = model(path, body);
         assert_eq!(r.status, 403, "{path} {body}: {r:#?}");

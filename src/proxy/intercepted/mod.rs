@@ -61,7 +61,8 @@ pub(crate) fn plain_request(
             would_deny: None,
             ..verdict.clone()
         };
-        let why = "service rules are enforced only on intercepted (TLS) requests: plain HTTP is refused";
+        let why =
+            "service rules are enforced only on intercepted (TLS) requests: plain HTTP is refused";
         return Some((verdict, why.to_string()));
     }
     let req = crate::policy::request::RequestFacts {
