@@ -21,6 +21,7 @@ pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;
 pub(crate) mod segment;
+pub mod select;
 pub(crate) mod store;
 pub(crate) mod tap;
 pub(crate) mod verify;
