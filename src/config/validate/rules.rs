@@ -5,7 +5,7 @@ use std::collections::HashSet;
 
 use toml::Spanned;
 
-use super::cidr;
+use super::values::cidr;
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
