@@ -21,6 +21,7 @@ mod intercept;
 mod org;
 mod proxy;
 mod rules;
+mod service;
 mod values;
 
 use admin::validate_admin;
