@@ -248,7 +248,8 @@ pub(crate) async fn decide_with(
                     Err(e) => return resolution_failed(e.to_string()),
                 },
                 Addresses::Original { ip, bindings } => {
-                    let bound = bindings.is_some_and(|b| b.is_bound(&org.name, name, ip));
+                    let bound =
+                        bindings.is_some_and(|b| b.is_bound(&org.name, name, ip, Instant::now()));
                     if !bound {
                         match resolver.lookup(name).await {
                             Ok(addrs) if addrs.iter().any(|a| canonical(*a) == ip) => {}
