@@ -166,7 +166,11 @@ pub(crate) fn prove_consistency(path: &Path, old: u64, new: u64) -> Result<Value
 
 /// A checkpoint of a proof: its note opened with `key` and agreeing with
 /// the `tree_size` and `root` beside it.
-fn signed(v: &Value, what: &str, key: &VerifyingKey) -> Result<note::Checkpoint, String> {
+pub(crate) fn signed(
+    v: &Value,
+    what: &str,
+    key: &VerifyingKey,
+) -> Result<note::Checkpoint, String> {
     let size = v
         .get("tree_size")
         .and_then(Value::as_u64)
