@@ -457,8 +457,12 @@ fn org_export(
 /// it does not (and why), 2 on a bad key.
 fn verify_export(dir: &Path, key: &str) -> Result<(), CliError> {
     let key = parse_key(key)?;
-    let name = dir.display();
-    match export::check(dir, &key) {
+    verdict(&dir.display(), export::check(dir, &key))
+}
+
+/// A check's verdict: what it proves (0), or `broken: NAME: why` (1).
+fn verdict(name: &dyn std::fmt::Display, checked: Result<String, String>) -> Result<(), CliError> {
+    match checked {
         Ok(what) => {
             sayln!("{what}");
             Ok(())
@@ -489,16 +493,7 @@ fn verify_proof(file: &Path, key: &str) -> Result<(), CliError> {
     let checked = serde_json::from_slice(&text)
         .map_err(|e| format!("not JSON: {e}"))
         .and_then(|v| proof::check(&v, &key));
-    match checked {
-        Ok(what) => {
-            sayln!("{what}");
-            Ok(())
-        }
-        Err(e) => {
-            sayln!("broken: {name}: {e}");
-            Err(CliError::bare(Status::Failed, format!("{name}: {e}")))
-        }
-    }
+    verdict(&name, checked)
 }
 
 /// The subdirectories of a fleet tree (one per replica).

@@ -295,7 +295,7 @@ fn bound(
         .get("index")
         .and_then(Value::as_u64)
         .ok_or_else(|| format!("{what}: no index"))?;
-    let hashes = hash_list(v.get("hashes"), &format!("{what} hashes"))?;
+    let hashes = merkle::hash_list(v.get("hashes"), &format!("{what} hashes"))?;
     let count = c.get("org_count").and_then(Value::as_u64).unwrap_or(0);
     let orgs_root = c
         .get("orgs_root")
@@ -310,19 +310,6 @@ fn bound(
         },
     )?;
     Ok((c.clone(), size, root))
-}
-
-fn hash_list(v: Option<&Value>, what: &str) -> Result<Vec<Hash>, String> {
-    v.and_then(Value::as_array)
-        .ok_or_else(|| format!("{what}: missing"))?
-        .iter()
-        .enumerate()
-        .map(|(i, h)| {
-            h.as_str()
-                .and_then(chain::unhex::<32>)
-                .ok_or_else(|| format!("{what}[{i}] is not 64 hex digits"))
-        })
-        .collect()
 }
 
 fn read(dir: &Path, name: &str) -> Result<Vec<u8>, String> {
@@ -369,7 +356,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
         None | Some(Value::Null) => (None, Frontier::default()),
         Some(s) => {
             let (c, a, root) = bound(s, "proofs.json: start", org, key)?;
-            let hashes = hash_list(s.get("frontier"), "proofs.json: start frontier")?;
+            let hashes = merkle::hash_list(s.get("frontier"), "proofs.json: start frontier")?;
             let f = Frontier::from_parts(a, hashes)
                 .filter(|f| f.root() == root)
                 .ok_or("proofs.json: start frontier does not give the start entry's root")?;
@@ -382,7 +369,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
         }
     };
     let a = frontier.size();
-    let leaves = hash_list(proofs.get("leaves"), "proofs.json: leaves")?;
+    let leaves = merkle::hash_list(proofs.get("leaves"), "proofs.json: leaves")?;
     for l in &leaves {
         frontier.push(*l);
     }

@@ -50,9 +50,8 @@ pub(crate) fn org_of(m: &Map<String, Value>) -> Option<&str> {
 }
 
 impl OrgTrees {
-    /// Append the record whose `hash` is `hash` to `org`'s tree.
-    pub(crate) fn push(&mut self, org: &str, hash: &str) {
-        let leaf = merkle::record_leaf(hash);
+    /// Append a record's leaf ([`merkle::record_leaf`]) to `org`'s tree.
+    pub(crate) fn push(&mut self, org: &str, leaf: Hash) {
         match self.trees.get_mut(org) {
             Some(f) => f.push(leaf),
             None => {
@@ -66,7 +65,7 @@ impl OrgTrees {
     /// Append a record (a map) to its org's tree, if it has an org.
     pub(crate) fn push_record(&mut self, m: &Map<String, Value>) {
         if let (Some(org), Some(hash)) = (org_of(m), m.get("hash").and_then(Value::as_str)) {
-            self.push(org, hash);
+            self.push(org, merkle::record_leaf(hash));
         }
     }
 

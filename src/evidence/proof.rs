@@ -195,17 +195,7 @@ pub(crate) fn signed(
 }
 
 fn proof_hashes(v: &Value) -> Result<Vec<Hash>, String> {
-    v.get("hashes")
-        .and_then(Value::as_array)
-        .ok_or("no hashes")?
-        .iter()
-        .enumerate()
-        .map(|(i, h)| {
-            h.as_str()
-                .and_then(chain::unhex::<32>)
-                .ok_or_else(|| format!("hashes[{i}] is not 64 hex digits"))
-        })
-        .collect()
+    merkle::hash_list(v.get("hashes"), "hashes")
 }
 
 /// Check a proof with the public key alone: what it proves, or why not.

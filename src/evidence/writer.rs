@@ -991,9 +991,10 @@ impl Io {
     fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Payer) {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
-        head.tree.push(merkle::record_leaf(&head.hash));
+        let leaf = merkle::record_leaf(&head.hash);
+        head.tree.push(leaf);
         if let Some(org) = org {
-            head.orgs.push(org, &head.hash);
+            head.orgs.push(org, leaf);
         }
         head.seq = Some(seq);
         head.since_ckpt += 1;
