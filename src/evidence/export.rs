@@ -223,6 +223,16 @@ pub(crate) fn export(path: &Path, org: &str, window: &Window) -> Result<Export, 
     })
 }
 
+/// Whether `path` is an export directory (its `proofs.json` names the
+/// format), not a store.
+pub(crate) fn is_export(path: &Path) -> bool {
+    path.is_dir()
+        && std::fs::read(path.join("proofs.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
+            .is_some_and(|v| v.get("export").and_then(Value::as_str) == Some(EXPORT))
+}
+
 /// Write an export's three files into `dir` (created; it must not hold
 /// an export already).
 pub(crate) fn write(dir: &Path, e: &Export) -> std::io::Result<()> {
@@ -462,7 +472,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
     }
     if lines.len() < leaves.len() {
         return Err(format!(
-            "records.jsonl: holds {} records, org {org}'s signed tree {} in the window: {} removed (leaf {} on)",
+            "records.jsonl: holds {} records, org {org}'s signed tree {} in the window: the last {} missing: record removed (leaf {} on)",
             lines.len(),
             leaves.len(),
             leaves.len() - lines.len(),
