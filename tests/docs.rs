@@ -12,6 +12,9 @@
 //!   its table, so `org.allow.host` is `host = ...` under `[[org.allow]]`;
 //! - no page names a `../` path outside the repository, but for the one
 //!   command of the team's bench harness on the performance page;
+//! - every `$ palisade evidence SUB ...` command shown in
+//!   `docs/evidence.md` names a subcommand and flags that
+//!   `palisade evidence SUB --help` lists;
 //! - `README.md` is the front door: at most 300 lines, with the two
 //!   commands, and a link to every page in `docs/`.
 
@@ -470,4 +473,70 @@ fn every_metric_is_documented() {
         missing.is_empty(),
         "metrics registered in src/metrics.rs but named in no docs page: {missing:?}"
     );
+}
+
+/// The `$ palisade evidence ...` commands of the console blocks of
+/// `text`, continuation lines joined: (line, tokens after `palisade`).
+fn evidence_commands(text: &str) -> Vec<(usize, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut open: Option<(usize, String)> = None;
+    for (i, line) in text.lines().enumerate() {
+        if let Some((n, mut cmd)) = open.take() {
+            let part = line.trim();
+            cmd.push(' ');
+            cmd.push_str(part.trim_end_matches('\\'));
+            if part.ends_with('\\') {
+                open = Some((n, cmd));
+            } else {
+                out.push((n, cmd));
+            }
+            continue;
+        }
+        if let Some(cmd) = line.strip_prefix("$ palisade evidence ") {
+            let cmd = cmd.split("   #").next().unwrap_or(cmd).trim();
+            if cmd.ends_with('\\') {
+                open = Some((i + 1, cmd.trim_end_matches('\\').to_string()));
+            } else {
+                out.push((i + 1, cmd.to_string()));
+            }
+        }
+    }
+    out.into_iter()
+        .map(|(n, c)| (n, c.split_whitespace().map(String::from).collect()))
+        .collect()
+}
+
+#[test]
+fn every_evidence_command_shown_is_one_the_cli_accepts() {
+    let page = root().join("docs/evidence.md");
+    let commands = evidence_commands(&read(&page));
+    assert!(
+        commands.iter().any(|(_, c)| c[0] == "verify-export"),
+        "the worked example of an export is gone: {commands:?}"
+    );
+    let mut wrong = Vec::new();
+    for (line, tokens) in &commands {
+        let help = std::process::Command::new(env!("CARGO_BIN_EXE_palisade"))
+            .args(["evidence", &tokens[0], "--help"])
+            .output()
+            .expect("run palisade");
+        let text = String::from_utf8_lossy(&help.stdout);
+        if !help.status.success() {
+            wrong.push(format!(
+                "docs/evidence.md:{line}: no subcommand {:?}",
+                tokens[0]
+            ));
+            continue;
+        }
+        for flag in tokens.iter().filter(|t| t.starts_with("--")) {
+            let flag = flag.split('=').next().unwrap_or(flag);
+            if !text.contains(&format!("{flag} ")) && !text.contains(&format!("{flag}\n")) {
+                wrong.push(format!(
+                    "docs/evidence.md:{line}: evidence {} has no {flag}",
+                    tokens[0]
+                ));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }

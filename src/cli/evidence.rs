@@ -12,7 +12,7 @@ use ed25519_dalek::VerifyingKey;
 
 use super::{load_config, output_failed, CliError, Status, DEFAULT_CONFIG};
 use crate::evidence::select::{self, Selection};
-use crate::evidence::{chain, fleet, key, proof, query, verify};
+use crate::evidence::{chain, export, fleet, key, proof, query, verify};
 use crate::policy::Reason;
 
 /// `palisade evidence ...`.
@@ -52,6 +52,14 @@ pub enum Command {
         #[arg(long, value_name = "KEY")]
         key: Option<String>,
     },
+    /// Check one org's export (`export --proofs`) with the public key alone.
+    VerifyExport {
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+        /// Public key (hex, or a file holding it) of the log.
+        #[arg(long, value_name = "KEY")]
+        key: String,
+    },
     /// Check a proof `prove` printed with the public key alone.
     VerifyProof {
         #[arg(value_name = "FILE")]
@@ -83,13 +91,21 @@ pub enum Command {
     /// reason, first and last seen, clients, and a hint (the rule that
     /// would allow it, or why none should).
     Summary(super::summary::Args),
-    /// Export decision and close records in another schema.
+    /// Export decision and close records in another schema; or, with
+    /// `--org O --proofs --out DIR`, one org's records for a window with
+    /// the proofs that they are in the signed log and none is left out.
     Export {
         #[arg(required = true, value_name = "PATH")]
         paths: Vec<PathBuf>,
         /// Output schema: ocsf (OCSF 1.x JSON Lines).
-        #[arg(long)]
-        format: ExportFormat,
+        #[arg(long, required_unless_present = "proofs")]
+        format: Option<ExportFormat>,
+        /// One org's verifiable export (needs --org and --out).
+        #[arg(long, requires_all = ["out"], conflicts_with = "format")]
+        proofs: bool,
+        /// With --proofs: the directory to write the export into.
+        #[arg(long, value_name = "DIR", requires = "proofs")]
+        out: Option<PathBuf>,
         #[command(flatten)]
         filter: FilterArgs,
         #[command(flatten)]
@@ -272,10 +288,19 @@ pub fn run(command: Command) -> Result<(), CliError> {
         Command::Summary(args) => super::summary::run(args),
         Command::Export {
             paths,
-            format: ExportFormat::Ocsf,
+            proofs: true,
+            out: Some(out),
             filter,
             fleet,
+            ..
+        } => org_export(&paths, filter, &out, &fleet),
+        Command::Export {
+            paths,
+            filter,
+            fleet,
+            ..
         } => records(&paths, filter, query::Output::Ocsf, &fleet),
+        Command::VerifyExport { dir, key } => verify_export(&dir, &key),
     }
 }
 
@@ -352,6 +377,87 @@ fn prove(
     Ok(())
 }
 
+/// `export --proofs`: 0 with the export written and checked; 1 on a
+/// broken store or nothing to prove; 2 on bad arguments.
+fn org_export(
+    paths: &[PathBuf],
+    filter: FilterArgs,
+    out: &Path,
+    fleet: &FleetArgs,
+) -> Result<(), CliError> {
+    let [path] = paths else {
+        return Err(CliError::new(
+            Status::BadInput,
+            "export --proofs: give one chain (a replica's directory)",
+        ));
+    };
+    let key = fleet.keys.pins()?.single;
+    let f = filter.selection();
+    let org = f
+        .org
+        .clone()
+        .ok_or_else(|| CliError::new(Status::BadInput, "export --proofs: give --org ORG"))?;
+    let opts = verify::Options {
+        key,
+        allow_unsealed: true,
+    };
+    let summary = verify::verify_with(path, &opts).map_err(|e| {
+        CliError::new(
+            Status::Failed,
+            format_args!("refusing to export from a store that fails verify: {e}"),
+        )
+    })?;
+    let window = export::Window {
+        since: f.since,
+        until: f.until,
+    };
+    let made = export::export(path, &org, &window).map_err(|e| CliError::new(Status::Failed, e))?;
+    export::write(out, &made)
+        .map_err(|e| CliError::new(Status::Failed, format_args!("{}: {e}", out.display())))?;
+    // The export is checked as an assessor will, with the store's key.
+    let k = key.or_else(|| summary.key.as_deref().and_then(chain::parse_pubkey));
+    let checked = k
+        .ok_or_else(|| "no key to check it with".to_string())
+        .and_then(|k| export::check(out, &k));
+    match checked {
+        Ok(what) => {
+            sayln!("{what}");
+            if made.unsigned > 0 {
+                sayln!("note: {} records of org {org} after the last checkpoint are not in the export (no checkpoint signs them yet)", made.unsigned);
+            }
+            Ok(())
+        }
+        Err(e) => Err(CliError::new(
+            Status::Failed,
+            format_args!(
+                "the export written to {} does not verify: {e}",
+                out.display()
+            ),
+        )),
+    }
+}
+
+/// `verify-export`: 0 when the export holds (and what it proves), 1 when
+/// it does not (and why), 2 on a bad key.
+fn verify_export(dir: &Path, key: &str) -> Result<(), CliError> {
+    let key = parse_key(key)?;
+    verdict(&dir.display(), export::check(dir, &key))
+}
+
+/// A check's verdict: what it proves (0), or `broken: NAME: why` (1).
+fn verdict(name: &dyn std::fmt::Display, checked: Result<String, String>) -> Result<(), CliError> {
+    match checked {
+        Ok(what) => {
+            sayln!("{what}");
+            Ok(())
+        }
+        Err(e) => {
+            sayln!("broken: {name}: {e}");
+            Err(CliError::bare(Status::Failed, format!("{name}: {e}")))
+        }
+    }
+}
+
 /// `verify-proof`: 0 when the proof holds (and what it proves), 1 when it
 /// does not (and why), 2 on a bad key or an unreadable file.
 fn verify_proof(file: &Path, key: &str) -> Result<(), CliError> {
@@ -371,16 +477,7 @@ fn verify_proof(file: &Path, key: &str) -> Result<(), CliError> {
     let checked = serde_json::from_slice(&text)
         .map_err(|e| format!("not JSON: {e}"))
         .and_then(|v| proof::check(&v, &key));
-    match checked {
-        Ok(what) => {
-            sayln!("{what}");
-            Ok(())
-        }
-        Err(e) => {
-            sayln!("broken: {name}: {e}");
-            Err(CliError::bare(Status::Failed, format!("{name}: {e}")))
-        }
-    }
+    verdict(&name, checked)
 }
 
 /// The subdirectories of a fleet tree (one per replica).

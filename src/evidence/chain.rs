@@ -38,10 +38,12 @@ pub(crate) const GENESIS: &str = "0000000000000000000000000000000000000000000000
 /// Domain separation for checkpoint signatures.
 pub(crate) const SIG_CONTEXT: &[u8] = b"palisade-evidence-checkpoint-v1\n";
 
-/// Format tag written into every segment header: `/2` checkpoints carry
-/// `tree_size`, `root` and `note` and headers carry `tree`; `/1` (before
-/// the Merkle tree) is still read and verified.
-pub(crate) const FORMAT: &str = "palisade-evidence/2";
+/// Format tag written into every segment header: `/3` checkpoints also
+/// carry `org_count` and `orgs_root` and headers `org_trees` (the tree per
+/// org); `/2` checkpoints carry `tree_size`, `root` and `note` and headers
+/// carry `tree`; `/1` (before the Merkle tree) and `/2` are still read and
+/// verified.
+pub(crate) const FORMAT: &str = "palisade-evidence/3";
 
 /// Append the canonical form of `v` to `out`.
 pub(crate) fn canonical_into(v: &Value, out: &mut Vec<u8>) {

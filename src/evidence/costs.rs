@@ -23,6 +23,10 @@ pub struct Steps {
 #[derive(Default)]
 pub struct Tree(Frontier);
 
+/// The writer's org trees ([`super::orgs`]).
+#[derive(Default)]
+pub struct Orgs(super::orgs::OrgTrees);
+
 /// A record serialised in its canonical form, ready to be chained.
 pub struct Serialised(Prepared);
 
@@ -65,6 +69,19 @@ impl Steps {
     /// writer does after chaining it.
     pub fn leaf(&self, hash: &str, tree: &mut Tree) {
         tree.0.push(super::merkle::record_leaf(hash));
+    }
+
+    /// Add the record whose hash is `hash` to `org`'s tree, as the writer
+    /// does after chaining a record of an org (its leaf computed once for
+    /// both trees).
+    pub fn org_leaf(&self, org: &str, hash: &str, orgs: &mut Orgs) {
+        orgs.0.push(org, super::merkle::record_leaf(hash));
+    }
+
+    /// A checkpoint's `org_count` and `orgs_root` over `orgs`: once per
+    /// checkpoint.
+    pub fn org_commitment(&self, orgs: &Orgs) -> (u64, [u8; 32]) {
+        orgs.0.commitment()
     }
 
     /// A checkpoint's signed note over `tree` (its root, the body, the

@@ -125,6 +125,21 @@ pub(crate) fn frontier_json(base: u64, f: &Frontier) -> serde_json::Value {
     serde_json::json!({"base": base, "size": f.size, "hashes": hashes})
 }
 
+/// A JSON list of hex hashes (`what` names it in the error): the hashes,
+/// or which one is not 64 hex digits.
+pub(crate) fn hash_list(v: Option<&serde_json::Value>, what: &str) -> Result<Vec<Hash>, String> {
+    v.and_then(serde_json::Value::as_array)
+        .ok_or_else(|| format!("{what}: missing"))?
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            h.as_str()
+                .and_then(super::chain::unhex::<32>)
+                .ok_or_else(|| format!("{what}[{i}] is not 64 hex digits"))
+        })
+        .collect()
+}
+
 /// A header's `tree`, read back: `(base, frontier)`, or `None` when it is
 /// malformed.
 pub(crate) fn frontier_of_json(v: &serde_json::Value) -> Option<(u64, Frontier)> {

@@ -13,10 +13,12 @@
 pub(crate) mod chain;
 #[doc(hidden)]
 pub mod costs;
+pub(crate) mod export;
 pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod merkle;
 pub(crate) mod note;
+pub(crate) mod orgs;
 pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;

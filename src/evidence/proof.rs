@@ -166,7 +166,11 @@ pub(crate) fn prove_consistency(path: &Path, old: u64, new: u64) -> Result<Value
 
 /// A checkpoint of a proof: its note opened with `key` and agreeing with
 /// the `tree_size` and `root` beside it.
-fn signed(v: &Value, what: &str, key: &VerifyingKey) -> Result<note::Checkpoint, String> {
+pub(crate) fn signed(
+    v: &Value,
+    what: &str,
+    key: &VerifyingKey,
+) -> Result<note::Checkpoint, String> {
     let size = v
         .get("tree_size")
         .and_then(Value::as_u64)
@@ -191,17 +195,7 @@ fn signed(v: &Value, what: &str, key: &VerifyingKey) -> Result<note::Checkpoint,
 }
 
 fn proof_hashes(v: &Value) -> Result<Vec<Hash>, String> {
-    v.get("hashes")
-        .and_then(Value::as_array)
-        .ok_or("no hashes")?
-        .iter()
-        .enumerate()
-        .map(|(i, h)| {
-            h.as_str()
-                .and_then(chain::unhex::<32>)
-                .ok_or_else(|| format!("hashes[{i}] is not 64 hex digits"))
-        })
-        .collect()
+    merkle::hash_list(v.get("hashes"), "hashes")
 }
 
 /// Check a proof with the public key alone: what it proves, or why not.

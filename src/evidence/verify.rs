@@ -19,6 +19,7 @@ use serde_json::{Map, Value};
 use super::chain::{self, GENESIS};
 use super::merkle::{self, Frontier};
 use super::note;
+use super::orgs::OrgTrees;
 use super::segment::{self, split_lines};
 use super::CONTRACT_FIELDS;
 
@@ -376,6 +377,51 @@ fn check_header_tree(
     Ok(())
 }
 
+/// A header's `org_trees` against the org trees of the records before it
+/// (adopted when they are not known: the first header of a store written
+/// before them, or one whose start retention removed).
+fn check_header_orgs(
+    m: &Map<String, Value>,
+    required: bool,
+    trees: &mut Option<OrgTrees>,
+) -> Result<(), String> {
+    let Some(t) = m.get("org_trees") else {
+        if required {
+            return Err("header lacks the org trees its format requires: record edited".into());
+        }
+        return Ok(());
+    };
+    let t = OrgTrees::of_json(t).ok_or_else(|| "header's org trees are malformed".to_string())?;
+    match trees {
+        Some(mine) if *mine != t => {
+            Err("header's org trees do not match the records before it: inconsistent tree".into())
+        }
+        Some(_) => Ok(()),
+        None => {
+            *trees = Some(t);
+            Ok(())
+        }
+    }
+}
+
+/// A checkpoint's `org_count` and `orgs_root` against the org trees of
+/// the records before it.
+fn check_checkpoint_orgs(
+    m: &Map<String, Value>,
+    required: bool,
+    trees: Option<&OrgTrees>,
+) -> Result<(), String> {
+    if !m.contains_key("orgs_root") && !m.contains_key("org_count") {
+        if required {
+            return Err("checkpoint lacks org_count and orgs_root: record edited".into());
+        }
+        return Ok(());
+    }
+    trees
+        .ok_or("checkpoint has an orgs_root but no header here records the org trees")?
+        .check(m)
+}
+
 /// A checkpoint's `tree_size`, `root` and `note` against the tree of the
 /// records before it, the key and the replica's origin. `Some((size,
 /// root))` when checked; `None` for a checkpoint of format `/1`.
@@ -476,6 +522,10 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
     let mut tree: Option<(u64, Frontier)> = None;
     // The current segment's format requires the tree.
     let mut merkle_required = false;
+    // Every org's tree ([`orgs`]), once known, and whether the current
+    // segment's format (`/3`) requires them.
+    let mut org_trees: Option<OrgTrees> = None;
+    let mut orgs_required = false;
     let mut origin: Option<String> = None;
 
     for (i, file) in list.iter().enumerate() {
@@ -551,11 +601,14 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
                     s.formats.push(format.to_string());
                 }
                 merkle_required = format != "palisade-evidence/1";
+                orgs_required = !matches!(format, "palisade-evidence/1" | "palisade-evidence/2");
                 origin = str_of(m, "replica").map(note::origin);
                 if prev_hash.is_none() && prev == GENESIS {
                     tree = Some((0, Frontier::default()));
+                    org_trees = Some(OrgTrees::default());
                 }
                 check_header_tree(m, seq, merkle_required, &mut tree).map_err(&bad)?;
+                check_header_orgs(m, orgs_required, &mut org_trees).map_err(&bad)?;
                 if str_of(m, "segment") != Some(base.as_str()) && !single {
                     return Err(bad(format!(
                         "header names segment {:?}, file is {base:?}: segment renamed or swapped",
@@ -643,6 +696,7 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
                         s.merkle_checkpoints += 1;
                         s.tree = Some((size, root));
                     }
+                    check_checkpoint_orgs(m, orgs_required, org_trees.as_ref()).map_err(&bad)?;
                     s.checkpoints += 1;
                     unsigned = 0;
                 }
@@ -679,6 +733,9 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
             }
             if let Some((_, f)) = &mut tree {
                 f.push(merkle::record_leaf(hash));
+            }
+            if let Some(o) = &mut org_trees {
+                o.push_record(m);
             }
             s.records += 1;
             s.last_seq = seq;

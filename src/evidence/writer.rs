@@ -50,6 +50,7 @@ use tracing::{error, info, warn};
 use super::chain::{self, Prepared, GENESIS};
 use super::merkle::{self, Frontier};
 use super::note;
+use super::orgs::{self, OrgTrees};
 use super::retention::{self, Listed};
 use super::segment::{self, Tail};
 use super::store::{Owed, Payer};
@@ -534,6 +535,8 @@ struct Head {
     since_ckpt: u64,
     /// The Merkle tree's right edge over the records from `tree_base` on.
     tree: Frontier,
+    /// Every org's tree ([`super::orgs`]).
+    orgs: OrgTrees,
 }
 
 impl Head {
@@ -619,6 +622,7 @@ impl Io {
                 hash: GENESIS.to_string(),
                 since_ckpt: 0,
                 tree: Frontier::default(),
+                orgs: OrgTrees::default(),
             },
             seg: None,
             last_ckpt: now,
@@ -682,6 +686,7 @@ impl Io {
                     hash: tail.last_hash.clone(),
                     since_ckpt: 0,
                     tree,
+                    orgs: orgs::at_head(&existing, tail.last_seq).unwrap_or_default(),
                 };
                 let end = tail.end();
                 // Anything but a seal means the previous run did not shut
@@ -751,6 +756,7 @@ impl Io {
             "tree".into(),
             merkle::frontier_json(self.tree_base, &self.head.tree),
         );
+        m.insert("org_trees".into(), self.head.orgs.to_json());
         let (hash, line) = chain::seal_line(&mut m, seq, &self.head.hash);
         let result = (|| {
             let mut file = OpenOptions::new()
@@ -979,10 +985,14 @@ impl Io {
     }
 
     /// Chain a prepared record after `head`, straight into `buf`.
-    fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared) {
+    fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Payer) {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
-        head.tree.push(merkle::record_leaf(&head.hash));
+        let leaf = merkle::record_leaf(&head.hash);
+        head.tree.push(leaf);
+        if let Some(org) = org {
+            head.orgs.push(org, leaf);
+        }
         head.seq = Some(seq);
         head.since_ckpt += 1;
     }
@@ -995,6 +1005,7 @@ impl Io {
         let (size, root) = (head.tree.size(), head.tree.root());
         m.insert("tree_size".into(), size.into());
         m.insert("root".into(), HEXLOWER.encode(&root).into());
+        head.orgs.commit_into(&mut m);
         let body = note::checkpoint_body(&self.origin, size, &root);
         m.insert(
             "note".into(),
@@ -1127,7 +1138,7 @@ impl Io {
         let mut records: Vec<(usize, usize)> = Vec::new();
         for (p, org, _) in &self.kept {
             let at = buf.len();
-            Self::push_prepared(&mut head, &mut buf, p);
+            Self::push_prepared(&mut head, &mut buf, p, org);
             *written.entry(org.clone()).or_insert(0) += (buf.len() - at) as u64;
             if tapped {
                 records.push((at, buf.len()));
@@ -1137,7 +1148,7 @@ impl Io {
         }
         for e in batch {
             let at = buf.len();
-            Self::push_prepared(&mut head, &mut buf, &e.line);
+            Self::push_prepared(&mut head, &mut buf, &e.line, &e.org);
             *written.entry(e.org.clone()).or_insert(0) += (buf.len() - at) as u64;
             if tapped {
                 records.push((at, buf.len()));

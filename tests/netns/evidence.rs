@@ -366,7 +366,7 @@ fn proofs_of_a_gateways_records_hold_with_the_key_alone_and_tampered_ones_fail()
         "{}",
         v.stdout
     );
-    assert!(v.stdout.contains("palisade-evidence/2"), "{}", v.stdout);
+    assert!(v.stdout.contains("palisade-evidence/3"), "{}", v.stdout);
 
     let id = denied["id"].as_str().unwrap();
     let p = palisade(&["evidence", "prove", &dir, "--record", id, "--key", &key]);

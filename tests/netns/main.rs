@@ -30,6 +30,7 @@ mod lifecycle;
 mod metrics;
 mod names;
 mod noisy;
+mod org_export;
 mod own_addresses;
 mod policy;
 mod pool;

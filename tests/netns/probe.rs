@@ -1117,6 +1117,43 @@ layer = "any"
         .unwrap()
         .starts_with("Within the 4 paths tested"));
 
+    // acme's export (docs/evidence.md, "One org's export") gives the
+    // same report; an export with a record removed is not assessed.
+    let export = lab.dir.join("acme-export");
+    let e = lab::run_with_timeout(
+        Command::new(palisade_bin())
+            .args(["evidence", "export"])
+            .arg(&lab.evidence_dir)
+            .args(["--org", "acme", "--proofs", "--key", &key, "--out"])
+            .arg(&export),
+        None,
+        Duration::from_secs(30),
+    );
+    assert!(e.success(), "{}", e.describe());
+    let x = probe_report(&lab, "export", &obs, &export, &["--key", &key]);
+    assert_eq!(x.code, Some(0), "{}\n{}", x.output, x.md());
+    assert_eq!(x.json["probes"], r.json["probes"], "{}", x.md());
+    let records = std::fs::read_to_string(export.join("records.jsonl")).unwrap();
+    let kept: Vec<&str> = records
+        .lines()
+        .filter(|l| !l.contains("other.test"))
+        .collect();
+    assert!(
+        kept.len() < records.lines().count(),
+        "no record of other.test exported"
+    );
+    std::fs::write(export.join("records.jsonl"), kept.join("\n") + "\n").unwrap();
+    let x = probe_report(&lab, "export-cut", &obs, &export, &["--key", &key]);
+    assert_eq!(x.code, Some(1), "{}", x.output);
+    assert!(
+        x.json["verification"]["error"]
+            .as_str()
+            .unwrap()
+            .contains("record removed"),
+        "{:#}",
+        x.json["verification"]
+    );
+
     // Tamper: turn the recorded denial into an allow in a copy.
     let copy = lab.dir.join("tampered");
     std::fs::create_dir_all(&copy).unwrap();
