@@ -78,6 +78,7 @@ const PURE: &[&str] = &[
     "evidence/merkle.rs",
     "evidence/note.rs",
     "evidence/retention.rs",
+    "limits/table.rs",
 ];
 
 /// What a pure part may not name (paths, by prefix) ...
