@@ -31,7 +31,7 @@ const PROXY_LAYERS: &[&[&str]] = &[
     &["connect"],
     &["intercepted"],
     &["forward", "revoke"],
-    &["record"],
+    &["record", "admission"],
     &["failure", "conn"],
     &["decide", "dial"],
     &["ctx"],
