@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use toml::Spanned;
 
 use super::cidr;
+use super::volume::volume;
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
@@ -101,7 +102,17 @@ pub(super) fn validate_rules(
             max_new_names_per_minute,
             max_label_length,
             websocket,
+            max_bytes_up,
+            max_bytes_down,
+            volume_window,
         } = spanned.into_inner();
+        let volume = volume(
+            (max_bytes_up, max_bytes_down, volume_window),
+            (kind != "allow").then_some(
+                "is only valid on allow rules (a deny rule lets nothing through to budget)",
+            ),
+            errors,
+        );
         let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
             .iter()
             .find_map(|k| k.as_ref().map(|k| k.span()));
@@ -214,6 +225,7 @@ pub(super) fn validate_rules(
                 intercept,
                 tunnel,
                 names,
+                volume,
             };
             if let (Some(baseline), "allow") = (baseline, kind) {
                 check_ceiling(&rule, baseline, span, errors);
