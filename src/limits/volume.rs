@@ -8,7 +8,7 @@
 //! | step | call | what it does |
 //! |---|---|---|
 //! | admission | [`Volumes::admit`] | refuses (`volume_exceeded`, with when to retry) while any budget the decision spends from has nothing left in a direction it bounds; otherwise a [`Lease`] on them, or `None` when none applies (nothing is counted: the relay keeps its zero-copy path untouched) |
-//! | relaying | [`Lease::left`], [`Lease::spend`] | how much may move now (the least left of the budgets), and the bytes moved, charged to every budget |
+//! | relaying | [`Lease::spend`] | the bytes moved, charged to every budget the lease holds, saying when one is spent (the relay is then cut) |
 //! | the admin port | [`Volumes::state`] | each budget's live state: limit, used, left |
 //!
 //! **The window.** Each budget direction keeps [`SLOTS`] counts, each
@@ -18,12 +18,13 @@
 //! (plus the relay's slack, below), and what is spent is freed at most
 //! one slot-width late.
 //!
-//! **Slack.** A relay asks how much is left before each read or splice and
-//! moves at most that, so one connection alone never passes its budget.
-//! Connections relaying at the same moment under the same budget each see
-//! what is left before any of them is charged: each may move one read
-//! (at most [`MAX_CHUNK`] bytes) past the limit, and the relay that
-//! crosses it is cut at once.
+//! **Slack.** A tunnel is charged after each transfer (one read of its
+//! copy buffer, at most 64 KiB, or one splice, at most 256 KiB: the tunnel
+//! keeps its zero-copy path) and cut at once when that transfer spent the
+//! budget: it passes the budget by at most that one transfer. Tunnels
+//! relaying under the same budget at the same moment each may pass it by
+//! one transfer. A forwarded or intercepted request is charged when it
+//! closes (it is not cut mid-body); the next one is refused.
 //!
 //! **Memory.** One entry per (org, rule) with a budget and per org with
 //! one, created at first use: the config bounds them. Entries of rules a
@@ -46,10 +47,6 @@ use crate::config::Volume;
 
 /// Counts per window and direction.
 pub(crate) const SLOTS: u32 = 60;
-
-/// The most one read or splice of a budgeted relay may move, whatever is
-/// left: the slack of each concurrent relay past a budget.
-pub(crate) const MAX_CHUNK: u64 = 64 * 1024;
 
 /// Budget entries held at most.
 pub(crate) const MAX_METERS: usize = 65_536;
@@ -194,9 +191,12 @@ impl Meter {
 
 type Key = (Arc<str>, Scope);
 
+/// A budget's entry: its limits as last admitted, and its state.
+type Entry = (Volume, Arc<Mutex<Meter>>);
+
 /// A refusal: the budget that is spent, and when it frees enough for a
 /// new connection.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) struct Exceeded {
     pub scope: Scope,
     pub direction: Direction,
@@ -205,6 +205,9 @@ pub(crate) struct Exceeded {
     /// Until the window frees enough (`None`: the budget table is full,
     /// not a window: no time can be promised).
     pub retry_after: Option<Duration>,
+    /// The budgets it would have spent from (for a report-mode org, let
+    /// through and counted); `None` when the table is full.
+    pub lease: Option<Lease>,
 }
 
 impl Exceeded {
@@ -227,9 +230,12 @@ impl Exceeded {
 }
 
 /// The budgets one admitted connection or request spends from, held
-/// while it relays.
+/// while it relays (one pointer: every tunnel task carries it).
 #[derive(Debug, Clone)]
-pub(crate) struct Lease {
+pub(crate) struct Lease(Arc<Leased>);
+
+#[derive(Debug)]
+struct Leased {
     origin: Instant,
     meters: Vec<(Scope, Volume, Arc<Mutex<Meter>>)>,
 }
@@ -239,20 +245,13 @@ fn lock(m: &Mutex<Meter>) -> MutexGuard<'_, Meter> {
 }
 
 impl Lease {
-    /// Whether `direction` is bounded by any of the budgets (an unbounded
-    /// direction is not counted at all).
-    pub(crate) fn bounds(&self, direction: Direction) -> bool {
-        self.meters
-            .iter()
-            .any(|(_, v, _)| direction.limit(v).is_some())
-    }
-
     /// Bytes that may still move `direction` at `now` (the least left of
     /// the budgets that bound it; `None`: unbounded).
-    pub(crate) fn left(&self, direction: Direction, now: Instant) -> Option<u64> {
-        let since = now.saturating_duration_since(self.origin);
+    #[cfg(test)]
+    fn left(&self, direction: Direction, now: Instant) -> Option<u64> {
+        let since = now.saturating_duration_since(self.0.origin);
         let mut least: Option<u64> = None;
-        for (_, volume, meter) in &self.meters {
+        for (_, volume, meter) in &self.0.meters {
             let Some(limit) = direction.limit(volume) else {
                 continue;
             };
@@ -268,9 +267,9 @@ impl Lease {
     /// that do not bound the direction too, for the admin port's view).
     /// The budget now spent, if one is: the relay is to be cut.
     pub(crate) fn spend(&self, direction: Direction, bytes: u64, now: Instant) -> Option<Scope> {
-        let since = now.saturating_duration_since(self.origin);
+        let since = now.saturating_duration_since(self.0.origin);
         let mut spent = None;
-        for (scope, volume, meter) in &self.meters {
+        for (scope, volume, meter) in &self.0.meters {
             let mut m = lock(meter);
             let slot = m.at(volume.window, since);
             let slots = m.dir(direction);
@@ -284,7 +283,8 @@ impl Lease {
 
     /// The limit and window of `scope`'s budget, if the lease holds it.
     pub(crate) fn volume(&self, scope: &Scope) -> Option<Volume> {
-        self.meters
+        self.0
+            .meters
             .iter()
             .find(|(s, _, _)| s == scope)
             .map(|(_, v, _)| *v)
@@ -316,7 +316,7 @@ pub(crate) struct DirectionState {
 /// Every org's budgets, shared by every mode and listener.
 pub(crate) struct Volumes {
     origin: Instant,
-    meters: Mutex<HashMap<Key, (Volume, Arc<Mutex<Meter>>)>>,
+    meters: Mutex<HashMap<Key, Entry>>,
     cap: usize,
     /// `palisade_volume_exceeded_total{org, direction}`: refusals and cuts.
     exceeded: Option<IntCounterVec>,
@@ -362,7 +362,7 @@ impl Volumes {
             return Ok(None);
         }
         let since = now.saturating_duration_since(self.origin);
-        let mut lease = Lease {
+        let mut lease = Leased {
             origin: self.origin,
             meters: Vec::with_capacity(wanted.len()),
         };
@@ -386,6 +386,7 @@ impl Volumes {
                             limit: volume.up.or(volume.down).unwrap_or(0),
                             window: volume.window,
                             retry_after: None,
+                            lease: None,
                         });
                     }
                 }
@@ -396,8 +397,9 @@ impl Volumes {
                 lease.meters.push((scope, volume, entry.1.clone()));
             }
         }
+        let lease = Lease(Arc::new(lease));
         // Refused while any bounded direction has nothing left.
-        for (scope, volume, meter) in &lease.meters {
+        for (scope, volume, meter) in &lease.0.meters {
             let mut m = lock(meter);
             let slot = m.at(volume.window, since);
             for direction in [Direction::Up, Direction::Down] {
@@ -407,8 +409,8 @@ impl Volumes {
                 let slots = m.dir(direction);
                 if slots.used >= limit {
                     let free = slots.free_at(limit).max(slot + 1);
-                    let width = m.width;
-                    let free_since = width.saturating_mul(u32::try_from(free).unwrap_or(u32::MAX));
+                    let nanos = m.width.as_nanos().saturating_mul(u128::from(free));
+                    let free_since = Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX));
                     self.count(org, direction);
                     return Err(Exceeded {
                         scope: scope.clone(),
@@ -416,6 +418,7 @@ impl Volumes {
                         limit,
                         window: volume.window,
                         retry_after: Some(free_since.saturating_sub(since)),
+                        lease: Some(lease.clone()),
                     });
                 }
             }
@@ -495,8 +498,6 @@ mod tests {
         let v = Volumes::new(t0, MAX_METERS, None);
         let budget = (Some(vol(Some(1000), None)), None);
         let lease = v.admit(&acme, &gh, budget, t0).unwrap().unwrap();
-        assert!(lease.bounds(Direction::Up));
-        assert!(!lease.bounds(Direction::Down));
         assert_eq!(lease.left(Direction::Up, t0), Some(1000));
         assert_eq!(lease.left(Direction::Down, t0), None);
         assert_eq!(lease.spend(Direction::Up, 600, t0), None);

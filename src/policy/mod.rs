@@ -197,6 +197,12 @@ pub enum Reason {
     /// or with a label longer than its `max_label_length` (names as a
     /// covert channel, `docs/dns.md`).
     NameBudgetExceeded,
+    /// A connection or request under an allow rule whose volume budget
+    /// (`max_bytes_up`, `max_bytes_down` over `volume_window`), or its
+    /// org's, is spent: refused before anything is dialled; a live tunnel
+    /// that spends it is cut (report mode: let through, with this as its
+    /// `would_deny`).
+    VolumeExceeded,
     /// A connection to an address of the synthetic pool that is bound to
     /// no name of the client's org (never handed out to it, or evicted):
     /// never dialled, nothing resolved.
@@ -208,7 +214,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 29] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -235,6 +241,7 @@ impl Reason {
         Reason::UpgradeNotAllowed,
         Reason::PolicyRevoked,
         Reason::NameBudgetExceeded,
+        Reason::VolumeExceeded,
         Reason::SyntheticUnbound,
         Reason::EnforcementMissing,
     ];
@@ -267,6 +274,7 @@ impl Reason {
             Reason::UpgradeNotAllowed => "upgrade_not_allowed",
             Reason::PolicyRevoked => "policy_revoked",
             Reason::NameBudgetExceeded => "name_budget_exceeded",
+            Reason::VolumeExceeded => "volume_exceeded",
             Reason::SyntheticUnbound => "synthetic_unbound",
             Reason::EnforcementMissing => "enforcement_missing",
         }
@@ -295,6 +303,7 @@ impl Reason {
                 | Reason::UpgradeNotAllowed
                 | Reason::PolicyRevoked
                 | Reason::NameBudgetExceeded
+                | Reason::VolumeExceeded
         )
     }
 
@@ -397,6 +406,8 @@ struct Rule {
     /// A wildcard allow rule: the length of its suffix and the bounds on
     /// the names it lets leave.
     below: Option<(usize, NameLimits)>,
+    /// The rule's volume budget (allow rules).
+    volume: Option<crate::config::Volume>,
 }
 
 impl Rule {
@@ -609,6 +620,8 @@ struct Org {
     deny_names: NameTable,
     allow_cidrs: PrefixTable<Vec<usize>>,
     deny_cidrs: PrefixTable<Vec<usize>>,
+    /// The org's volume budget over all its rules.
+    volume: Option<crate::config::Volume>,
 }
 
 /// A compiled policy.
@@ -694,6 +707,7 @@ fn compile_rules(
                 RuleTarget::Below(suffix) => Some((suffix.len(), r.names)),
                 _ => None,
             },
+            volume: r.volume,
         });
         match &r.target {
             RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),
@@ -839,6 +853,7 @@ impl Policy {
                 deny_names: NameTable::default(),
                 allow_cidrs: PrefixTable::default(),
                 deny_cidrs: PrefixTable::default(),
+                volume: org.volume,
             };
             compile_rules(
                 &org.allow,
@@ -1509,6 +1524,19 @@ impl Policy {
         self.allow_rule(org, rule)
             .and_then(|r| r.below)
             .and_then(|(_, limits)| limits.new_per_minute)
+    }
+
+    /// The volume budgets a decision of `org` under allow rule `rule`
+    /// spends from: the rule's and the org's (either `None` when unset).
+    /// What the edges spend from (`limits::volume`), the policy holding
+    /// no state.
+    pub fn volume(
+        &self,
+        org: &OrgRef,
+        rule: &str,
+    ) -> (Option<crate::config::Volume>, Option<crate::config::Volume>) {
+        let by_org = self.orgs.get(org.index).and_then(|o| o.volume);
+        (self.allow_rule(org, rule).and_then(|r| r.volume), by_org)
     }
 
     fn allow_rule(&self, org: &OrgRef, id: &str) -> Option<&Rule> {

@@ -99,6 +99,9 @@ pub(crate) struct Conn {
     pub owed: Option<Arc<Owed>>,
     /// A request: what it asked (never recorded; `method` and `path` are).
     pub asked: Option<Asked>,
+    /// The volume budgets it spends from, when its rule or org has one
+    /// (`limits::volume`): what its relay charges.
+    pub volume: Option<crate::limits::Lease>,
 }
 
 impl Conn {
@@ -130,6 +133,7 @@ impl Conn {
             detail: None,
             owed: None,
             asked: None,
+            volume: None,
         }
     }
 

@@ -22,7 +22,9 @@ use super::conn::{Conn, Plan};
 use super::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
-use super::record::{dial_failed, record_denial_at, write_record, Refused, Written};
+use super::record::{
+    dial_failed, over_volume, record_denial_at, volume_spent, write_record, Refused, Written,
+};
 use super::revoke;
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
@@ -95,6 +97,15 @@ pub(crate) async fn open(
         )
         .await);
     }
+    // A spent volume budget refuses it before anything is dialled.
+    let mut outcome = outcome;
+    let volume = match ctx.admit_volume(view, &mut outcome.verdict) {
+        Ok(lease) => lease,
+        Err(e) => {
+            let (at, v) = ((Kind::Tcp, mode), &outcome.verdict);
+            return Err(over_volume(ctx, view, at, peer, v, target, &e, synthetic).await);
+        }
+    };
     // The allow's record is paid for from the org's evidence budget now;
     // spent, the tunnel is refused (the refusal summarised).
     if let Err(detail) = ctx.pay_allow(view) {
@@ -120,6 +131,7 @@ pub(crate) async fn open(
         outcome.verdict,
     );
     conn.stood_for(outcome.synthetic.as_deref());
+    conn.volume = volume;
     match ctx.dial(&outcome.dial, port).await {
         Ok((upstream, addr)) => {
             conn.ip = Some(addr.ip());
@@ -279,12 +291,19 @@ pub(crate) async fn relay<C>(
     C: Stream,
 {
     let started = Instant::now();
-    // Cut at the end of the drain, or when a reload's policy revokes it.
+    // Cut at the end of the drain, when a reload's policy revokes it, or
+    // when it spends a volume budget (report mode: noted, not cut).
     let stop = ctx.hard_stop.child_token();
+    // Boxed: a tunnel without a budget keeps room for a pointer only.
+    let watch = conn.volume.clone().map(|lease| {
+        let cut = (!conn.view.is_report()).then(|| stop.clone());
+        Box::new(tunnel::Watch::new(lease, cut))
+    });
     let Some(guard) = guard else {
         let idle = ctx.limits.idle_timeout.get();
-        let pump = tunnel::pump(client, upstream, &held, idle, &stop);
+        let pump = tunnel::pump(client, upstream, &held, idle, (&stop, watch.as_deref()));
         let totals = revoke::held(ctx, conn, id, &stop, pump).await;
+        volume_spent(ctx, conn, id, watch.as_deref()).await;
         close(ctx, conn, id, totals, started);
         return;
     };
@@ -307,11 +326,12 @@ pub(crate) async fn relay<C>(
             ctx.limits.idle_timeout.get(),
             ctx.limits.header_read_timeout.get(),
         ),
-        &stop,
+        (&stop, watch.as_deref()),
         &scope,
         report,
     );
     let (totals, end) = revoke::held(ctx, conn, id, &stop, pump).await;
+    volume_spent(ctx, conn, id, watch.as_deref()).await;
     match end {
         verify::End::Closed => {}
         verify::End::Violation(v) => {

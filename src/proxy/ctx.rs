@@ -15,7 +15,10 @@ use super::pool::UpstreamPool;
 use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
-use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, NameBudgets, Permit};
+use crate::limits::volume::Exceeded;
+use crate::limits::{
+    ConnLimits, DetectMemory, DetectScope, Lease, LimitHit, NameBudgets, Permit, Volumes,
+};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -41,6 +44,8 @@ pub(crate) struct Ctx {
     pub limits: Limits,
     /// The new-name budgets of wildcard rules, shared with the DNS shim.
     pub names: Arc<NameBudgets>,
+    /// The volume budgets of allow rules and orgs, kept across reloads.
+    pub volumes: Arc<Volumes>,
     pub conns: ConnLimits,
     /// Which denials are written one by one, and the tallies of the rest.
     pub denials: Denials,
@@ -122,6 +127,36 @@ impl Ctx {
     pub(crate) fn pay_allow(&self, view: &View) -> Result<(), &'static str> {
         self.denials
             .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
+    }
+
+    /// Admit an allowed `verdict` to the volume budgets it spends from
+    /// (its rule's and its org's, [`crate::limits::volume`]) before
+    /// anything is dialled or forwarded: `Ok` with the lease its relay
+    /// charges (`None`: no budget applies), `Err` when one is spent. A
+    /// report-mode org is let through, `volume_exceeded` set as the
+    /// verdict's `would_deny`.
+    pub(crate) fn admit_volume(
+        &self,
+        view: &View,
+        verdict: &mut Verdict,
+    ) -> Result<Option<Lease>, Exceeded> {
+        let Some(org) = &verdict.org else {
+            return Ok(None);
+        };
+        let budgets = match &verdict.rule {
+            Some(rule) => view.policy.volume(org, rule),
+            None => (None, view.policy.volume(org, "").1),
+        };
+        let rule = verdict.rule.clone().unwrap_or_else(|| Arc::from(""));
+        let now = std::time::Instant::now();
+        match self.volumes.admit(&org.name, &rule, budgets, now) {
+            Ok(lease) => Ok(lease),
+            Err(e) if view.is_report() => {
+                verdict.would_deny.get_or_insert(Reason::VolumeExceeded);
+                Ok(e.lease)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Why an allowed connection or request must be refused before

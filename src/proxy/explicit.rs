@@ -24,7 +24,7 @@ use super::forward;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
-use super::record::record_denial;
+use super::record::{over_volume, record_denial};
 use crate::evidence::{Kind, Mode};
 use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
@@ -532,6 +532,19 @@ async fn forward(
         )
         .await;
     }
+    // A spent volume budget refuses it (429, Retry-After) before anything
+    // is dialled or sent.
+    let volume = match ctx.admit_volume(view, &mut verdict) {
+        Ok(lease) => lease,
+        Err(e) => {
+            let at = (Kind::Http, Mode::Explicit);
+            let target = (Some(&host), Some(port));
+            let synthetic = synthetic.as_ref().map(|s| s.addr);
+            return over_volume(&ctx, view, at, peer, &verdict, target, &e, synthetic)
+                .await
+                .response();
+        }
+    };
     // The request's record is paid for from the org's evidence budget.
     if let Err(detail) = ctx.pay_allow(view) {
         let verdict = budget_spent(verdict);
@@ -547,6 +560,7 @@ async fn forward(
         verdict,
     );
     conn.stood_for(synthetic.as_deref());
+    conn.volume = volume;
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
     conn.asked = Some(Asked {

@@ -14,7 +14,9 @@ use super::ctx::{Ctx, View};
 use super::dial::DialError;
 use super::failure::Unserved;
 use super::http::Body;
+use super::tunnel::Watch;
 use crate::evidence::{Kind, Mode, Record};
+use crate::limits::volume::{Direction, Exceeded};
 use crate::policy::{Reason, Verdict};
 use crate::proto::target::Host;
 
@@ -91,6 +93,84 @@ pub(crate) async fn record_denial_at(
         record: record.shown().to_string(),
         detail: detail.map(str::to_string),
     }
+}
+
+/// Refuse an allow whose volume budget (its rule's or its org's) is
+/// spent: a `volume_exceeded` record naming the rule, and the refusal its
+/// client is told (HTTP 429 with `Retry-After`; SOCKS5 and transparent as
+/// any denial).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn over_volume(
+    ctx: &Ctx,
+    view: &View,
+    (kind, mode): (Kind, Mode),
+    peer: SocketAddr,
+    allowed: &Verdict,
+    (host, port): (Option<&Host>, Option<u16>),
+    exceeded: &Exceeded,
+    synthetic: Option<std::net::IpAddr>,
+) -> Refused {
+    let verdict = Verdict {
+        reason: Reason::VolumeExceeded,
+        would_deny: None,
+        ..allowed.clone()
+    };
+    let detail = exceeded.detail();
+    let mut refused = record_denial_at(
+        ctx,
+        view,
+        (kind, mode),
+        peer,
+        &verdict,
+        (host, port),
+        Some(&detail),
+        synthetic,
+    )
+    .await;
+    if refused.failure.reason() == Reason::VolumeExceeded {
+        refused.failure = Unserved::OverVolume(exceeded.retry_after);
+    }
+    refused
+}
+
+/// A relay that spent a volume budget (`watch` says which): its
+/// `volume_exceeded` decision record, linked to the allow `id` by `conn`,
+/// naming the rule and the budget (report mode: the allow's
+/// `would_deny`, the tunnel having gone on), counted in the metric.
+pub(crate) async fn volume_spent(ctx: &Ctx, conn: &Conn, id: &str, watch: Option<&Watch>) {
+    let Some((scope, direction)) = watch.and_then(Watch::crossed) else {
+        return;
+    };
+    let Some(volume) = watch.and_then(|w| w.lease().volume(&scope)) else {
+        return;
+    };
+    if let Some(org) = &conn.verdict.org {
+        ctx.volumes.count(&org.name, direction);
+    }
+    let exceeded = Exceeded {
+        limit: match direction {
+            Direction::Up => volume.up,
+            Direction::Down => volume.down,
+        }
+        .unwrap_or(0),
+        scope,
+        direction,
+        window: volume.window,
+        retry_after: Some(volume.window),
+        lease: None,
+    };
+    let mut c = conn.clone();
+    c.within = Some(id.to_string());
+    let detail = Some(format!("{}: tunnel closed", exceeded.detail()));
+    if conn.view.is_report() {
+        c.report(Reason::VolumeExceeded, detail);
+    } else {
+        c.verdict.reason = Reason::VolumeExceeded;
+        c.verdict.would_deny = None;
+        c.detail = detail;
+    }
+    Box::pin(ctx.write(&mut c.record())).await;
+    debug!(record = %id, "tunnel over its volume budget");
 }
 
 /// An allowed decision whose upstream could not be reached: record it

@@ -190,6 +190,18 @@ async fn handle(
         let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
+    // A spent volume budget refuses it before anything is dialled: the
+    // record names the rule, the client is reset.
+    match ctx.admit_volume(view, &mut conn.verdict) {
+        Ok(lease) => conn.volume = lease,
+        Err(e) => {
+            conn.verdict.reason = Reason::VolumeExceeded;
+            conn.verdict.would_deny = None;
+            conn.detail = Some(e.detail());
+            let _ = write_record(&ctx, &mut conn).await;
+            return reset(client);
+        }
+    }
     // The allow's record is paid for from the org's evidence budget.
     if let Err(detail) = ctx.pay_allow(view) {
         let detail = detail.to_string();

@@ -301,7 +301,7 @@ pub(crate) async fn pump<C, U>(
     held: Vec<u8>,
     verified: usize,
     (idle, unit_timeout): (Duration, Duration),
-    stop: &CancellationToken,
+    (stop, watch): (&CancellationToken, Option<&tunnel::Watch>),
     detect: &DetectScope<'_>,
     report: Option<&(dyn Fn(&Violation) + Sync)>,
 ) -> (Totals, End)
@@ -319,7 +319,10 @@ where
     let client_opaque = AtomicBool::new(false);
     let (mut client_r, mut client_w) = client.halves();
     let (mut upstream_r, mut upstream_w) = upstream.halves();
-    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let touch = || {
+        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        watch.is_none_or(|w| w.moved(&up, &down))
+    };
     let lock = || {
         guard
             .lock()
@@ -340,7 +343,9 @@ where
                     return End::Closed;
                 }
                 up.fetch_add(verified as u64, Ordering::Relaxed);
-                touch();
+                if !touch() {
+                    return End::Closed;
+                }
                 held.drain(..verified);
                 verified = 0;
             }
@@ -351,7 +356,9 @@ where
                         return End::Closed;
                     }
                     up.fetch_add(held.len() as u64, Ordering::Relaxed);
-                    touch();
+                    if !touch() {
+                        return End::Closed;
+                    }
                 }
                 drop(held);
                 budget.release();
@@ -515,7 +522,9 @@ where
                 break;
             }
             down.fetch_add(n as u64, Ordering::Relaxed);
-            touch();
+            if !touch() {
+                break;
+            }
             if n < READ_CHUNK && upstream_r.as_tcp().is_some() {
                 // Drained: hold no buffer while the upstream is quiet.
                 buf = Vec::new();
@@ -670,7 +679,7 @@ mod tests {
                 Vec::new(),
                 0,
                 (Duration::from_secs(5), Duration::from_secs(5)),
-                &stop,
+                (&stop, None),
                 &slots,
                 None,
             )
@@ -723,7 +732,7 @@ mod tests {
             Vec::new(),
             0,
             (Duration::from_secs(5), Duration::from_secs(5)),
-            &stop,
+            (&stop, None),
             &slots,
             None,
         );
@@ -785,7 +794,7 @@ mod tests {
             Vec::new(),
             0,
             (Duration::from_secs(300), Duration::from_secs(10)),
-            &stop,
+            (&stop, None),
             &slots,
             None,
         );
@@ -833,7 +842,7 @@ mod tests {
             bytes.to_vec(),
             0,
             (Duration::from_secs(5), Duration::from_secs(5)),
-            &stop,
+            (&stop, None),
             &slots,
             Some(&report),
         );

@@ -603,6 +603,17 @@ async fn decide_and_send(
         let detail = decision.detail.as_deref().unwrap_or("refused");
         return refused(shared, req, detail).await;
     };
+    // A spent volume budget refuses it (429, Retry-After) before it is
+    // sent.
+    match s.ctx.admit_volume(&req.view.clone(), &mut req.verdict) {
+        Ok(lease) => req.volume = lease,
+        Err(e) => {
+            req.verdict.reason = Reason::VolumeExceeded;
+            req.verdict.would_deny = None;
+            let failure = Unserved::OverVolume(e.retry_after);
+            return refused_as(shared, req, &e.detail(), failure).await;
+        }
+    }
     // The request's record is paid for from the org's evidence budget.
     if let Err(detail) = s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
         req.refuse(Reason::LimitExceeded, None);
@@ -881,11 +892,22 @@ fn count(shared: &Shared, reason: Reason) {
 
 /// Record a refused request (its verdict as set) and answer it inside the
 /// intercepted connection.
-async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body> {
+async fn refused(shared: &Shared, req: Conn, detail: &str) -> Response<Body> {
+    let failure = Unserved::Denied(req.verdict.reason);
+    refused_as(shared, req, detail, failure).await
+}
+
+/// [`refused`], telling the client `failure`.
+async fn refused_as(
+    shared: &Shared,
+    mut req: Conn,
+    detail: &str,
+    failure: Unserved,
+) -> Response<Body> {
     req.detail = Some(detail.to_string());
     let mut record = req.record();
     let written = shared.session.ctx.write(&mut record).await;
-    let failure = Unserved::Denied(req.verdict.reason).recorded(written);
+    let failure = failure.recorded(written);
     count(shared, failure.reason());
     debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
     failure.response(record.shown(), Some(detail))
