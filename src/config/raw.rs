@@ -229,6 +229,11 @@ pub(super) struct RawRule {
     pub(super) max_bytes_up: Option<Spanned<RawSize>>,
     pub(super) max_bytes_down: Option<Spanned<RawSize>>,
     pub(super) volume_window: Option<Spanned<String>>,
+    pub(super) service: Option<Spanned<String>>,
+    pub(super) repos: RawList,
+    pub(super) push_refs: RawList,
+    pub(super) graphql_mutations: RawList,
+    pub(super) models: RawList,
 }
 
 /// A list of strings, each located.

@@ -102,6 +102,9 @@ pub(crate) struct Conn {
     /// The volume budgets it spends from, when its rule or org has one
     /// (`limits::volume`): what its relay charges.
     pub volume: Option<crate::limits::Lease>,
+    /// A request under service rules: what it was to its service (boxed:
+    /// every tunnel task carries a `Conn`, few carry this).
+    pub service: Option<Box<crate::policy::ServiceFacts>>,
 }
 
 impl Conn {
@@ -134,6 +137,7 @@ impl Conn {
             owed: None,
             asked: None,
             volume: None,
+            service: None,
         }
     }
 
@@ -224,6 +228,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
+        r.service = self.service.as_deref().cloned();
         r
     }
 

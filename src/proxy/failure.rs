@@ -232,6 +232,7 @@ fn side_of(reason: Reason) -> Side {
         | Reason::AuthFailed
         | Reason::MethodNotAllowed
         | Reason::PathNotAllowed
+        | Reason::ServiceDenied
         | Reason::ProtocolMismatch
         | Reason::SniMissing
         | Reason::EchNotAllowed

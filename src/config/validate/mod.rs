@@ -25,6 +25,7 @@ mod intercept;
 mod org;
 mod proxy;
 mod rules;
+mod service;
 mod volume;
 
 use admin::validate_admin;
