@@ -423,3 +423,71 @@ fn a_reload_keeps_the_spent_budget_and_requests_spend_it_too() {
         "nothing reached the upstream"
     );
 }
+
+#[test]
+fn transparent_connections_spend_the_same_budget_and_are_reset_past_it() {
+    let lab = Lab::builder()
+        .policy(&policy(""))
+        .proxy_option(&format!(
+            "transparent = [\"{}\"]",
+            crate::transparent::TRANSPARENT
+        ))
+        .start();
+    crate::transparent::load_gateway(&lab);
+    let sink = Origin::start(&lab, SINK);
+    // Straight to the destination: the gateway redirects it to Palisade.
+    let mut c = lab.client_conn_to(SINK);
+    upload(&mut c, 4 * BUDGET);
+    c.wait_closed(STEP);
+    let got = sink.wait_received(1)[0];
+    eprintln!("volume: transparent, budget {BUDGET} B, upstream received {got} B");
+    assert!(
+        (BUDGET..=BUDGET + SLACK).contains(&got),
+        "upstream received {got} bytes under a budget of {BUDGET}"
+    );
+    lab.wait_evidence("the cut of the transparent connection", |v| {
+        v["mode"] == "transparent" && v["reason"] == "volume_exceeded" && !v["conn"].is_null()
+    });
+    // The next one is reset, never dialled.
+    let mut c = lab.client_conn_to(SINK);
+    let _ = c.send(b"more");
+    c.wait_closed(STEP);
+    lab.wait_evidence("the transparent refusal", |v| {
+        v["mode"] == "transparent" && v["reason"] == "volume_exceeded" && v["conn"].is_null()
+    });
+    assert_eq!(
+        sink.accepted(),
+        1,
+        "the refused connection was never dialled"
+    );
+}
+
+#[test]
+fn a_report_mode_org_is_let_through_and_told_what_enforcement_would_do() {
+    let lab = volume_lab("mode = \"report\"");
+    let sink = Origin::start(&lab, SINK);
+    let (mut c, status, _) = connect_from(&lab, lab::CLIENT_IP, SINK);
+    assert_eq!(status, 200);
+    let port = c.local_port();
+    upload(&mut c, 4 * BUDGET);
+    c.wait_closed(STEP);
+    assert_eq!(
+        sink.wait_received(1),
+        [4 * BUDGET],
+        "not cut in report mode"
+    );
+    let id = record_id(&allow_of(&lab, port)).unwrap();
+    let noted = lab.wait_evidence("the report of the spent budget", |v| {
+        v["event"] == "decision" && v["conn"] == id.as_str() && v["would_deny"] == "volume_exceeded"
+    });
+    assert_eq!(noted["decision"], "allow", "{noted}");
+    // The next connection goes through too, with the same would_deny.
+    let (mut c, status, _) = connect_from(&lab, lab::CLIENT_IP, SINK);
+    assert_eq!(status, 200);
+    let port = c.local_port();
+    upload(&mut c, 1000);
+    c.wait_closed(STEP);
+    assert_eq!(sink.wait_received(2)[1], 1000);
+    let next = allow_of(&lab, port);
+    assert_eq!(next["would_deny"], "volume_exceeded", "{next}");
+}
