@@ -491,3 +491,80 @@ fn a_report_mode_org_is_let_through_and_told_what_enforcement_would_do() {
     let next = allow_of(&lab, port);
     assert_eq!(next["would_deny"], "volume_exceeded", "{next}");
 }
+
+#[test]
+fn intercepted_requests_spend_their_rule_budget_and_the_next_is_refused_429() {
+    let dir = lab::scratch_dir("volume-intercept");
+    let ca_dir = dir.join("ca");
+    let lab = Lab::builder()
+        .policy(
+            r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+
+[[org.allow]]
+id = "registry"
+host = "allowed.test"
+ports = [443]
+intercept = true
+max_bytes_up = 4000
+volume_window = "1h"
+"#,
+        )
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}",
+            ca_dir.display().to_string(),
+            lab::ca_pem().display().to_string()
+        ))
+        .start();
+    let out = lab::run_with_timeout(
+        std::process::Command::new(lab::palisade_bin())
+            .args(["ca", "export", "--org", "acme", "-c"])
+            .arg(&lab.config_path),
+        None,
+        lab::CMD_TIMEOUT,
+    );
+    assert!(out.success(), "ca export: {}", out.describe());
+    let org_ca = dir.join("acme-ca.pem");
+    std::fs::write(&org_ca, &out.stdout).unwrap();
+    let ca = org_ca.display().to_string();
+    let body = "x".repeat(6000);
+    let post = |path: &str| {
+        lab.client_curl(&[
+            "-x",
+            lab::PROXY_URL,
+            "--cacert",
+            &ca,
+            "-i",
+            "--data-binary",
+            &body,
+            &format!("https://allowed.test{path}"),
+        ])
+    };
+    // The first request is within the budget when it starts: it goes
+    // through whole and spends it (6000 bytes of body), charged when it
+    // closes.
+    let first = post("/first");
+    assert_eq!(first.status, 200, "{first:#?}\n{}", lab.proxy_output());
+    lab.wait_upstream("the first request", |v| {
+        v["request_line"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("POST /first "))
+    });
+    let second = post("/second");
+    assert_eq!(second.status, 429, "{second:#?}");
+    assert!(second.header("retry-after").is_some(), "{second:#?}");
+    // A new connection under the spent rule: its CONNECT is refused
+    // before the tunnel opens (a request inside a live intercepted
+    // connection is refused the same way, per request).
+    let refusal = lab.wait_evidence("the refusal", |v| v["reason"] == "volume_exceeded");
+    assert_eq!(refusal["rule"], "registry", "{refusal}");
+    lab.upstream_settled();
+    assert!(
+        !lab.upstream_log().iter().any(|v| v["request_line"]
+            .as_str()
+            .is_some_and(|l| l.contains("/second"))),
+        "the refused request reached the upstream"
+    );
+}
