@@ -16,9 +16,7 @@ use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
 use crate::limits::volume::Exceeded;
-use crate::limits::{
-    ConnLimits, DetectMemory, DetectScope, Lease, LimitHit, NameBudgets, Permit, Volumes,
-};
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, Lease, NameBudgets, Volumes};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -68,16 +66,6 @@ pub(crate) struct Ctx {
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
 }
 
-/// An allow refused because its org's evidence budget is spent: the same
-/// decision as `limit_exceeded`, naming no rule.
-pub(crate) fn budget_spent(allowed: Verdict) -> Verdict {
-    Verdict {
-        reason: Reason::LimitExceeded,
-        rule: None,
-        ..allowed
-    }
-}
-
 /// One decision's view of what is served: the [`Served`] state as it was
 /// when the request arrived (its `policy`, `intercept` and credentials are
 /// reached through this view), and the client's org in it. Everything
@@ -120,21 +108,11 @@ impl View {
 }
 
 impl Ctx {
-    /// Pay for an allow's record from the evidence budget of `view`'s org,
-    /// at its decision, before anything is dialled or forwarded; `Err`:
-    /// spent (or the org is over its share of a full store), the allow is
-    /// to be refused ([`budget_spent`]) with that detail.
-    pub(crate) fn pay_allow(&self, view: &View) -> Result<(), &'static str> {
-        self.denials
-            .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
-    }
-
-    /// Admit an allowed `verdict` to the volume budgets it spends from
-    /// (its rule's and its org's, [`crate::limits::volume`]) before
-    /// anything is dialled or forwarded: `Ok` with the lease its relay
-    /// charges (`None`: no budget applies), `Err` when one is spent. A
-    /// report-mode org is let through, `volume_exceeded` set as the
-    /// verdict's `would_deny`.
+    /// The volume budgets an allowed `verdict` spends from (its rule's
+    /// and its org's, [`crate::limits::volume`]), checked at admission:
+    /// `Ok` with the lease its relay charges (`None`: no budget applies),
+    /// `Err` when one is spent. A report-mode org is let through,
+    /// `volume_exceeded` set as the verdict's `would_deny`.
     pub(crate) fn admit_volume(
         &self,
         view: &View,
@@ -156,20 +134,6 @@ impl Ctx {
                 Ok(e.lease)
             }
             Err(e) => Err(e),
-        }
-    }
-
-    /// Why an allowed connection or request must be refused before
-    /// anything is dialled or forwarded, whatever its rule, with the
-    /// refusal's detail: evidence cannot be written, or a required
-    /// enforcement ruleset is not loaded (every org is behind it).
-    pub(crate) fn unavailable(&self) -> Option<(Reason, Option<String>)> {
-        if !self.evidence.is_healthy() {
-            return Some((Reason::EvidenceUnavailable, None));
-        }
-        match &self.enforcement {
-            Some(e) if e.refuses() => Some((Reason::EnforcementMissing, Some(e.refusal_detail()))),
-            _ => None,
         }
     }
 
@@ -266,12 +230,5 @@ impl Ctx {
     /// Where the first bytes of `client`, of `view`'s org, are charged.
     pub(crate) fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
-    }
-
-    /// Charge the connection's `permit` to the org of `view`, the one it
-    /// is decided for (see [`crate::limits`]); over that org's cap or rate, the
-    /// limit to name in the refusal.
-    pub(crate) fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
-        self.conns.charge(permit, view.org.as_ref())
     }
 }

@@ -280,6 +280,29 @@ pub(crate) enum End {
 /// Largest read of one direction.
 const READ_CHUNK: usize = 16 * 1024;
 
+/// A tunnel's first unit as judged: the guard that judges the rest, the
+/// client bytes held, and how many of them passed.
+pub(crate) struct Judged {
+    pub guard: Guard,
+    pub held: Vec<u8>,
+    pub verified: usize,
+}
+
+/// What a verified copy is held to: its timeouts, the stop signal, the
+/// detection budget units are held under, and report mode's hook.
+pub(crate) struct Watch<'a> {
+    /// Nothing either way for this long: closed.
+    pub idle: Duration,
+    /// A held unit must be complete within this of its first byte.
+    pub unit_timeout: Duration,
+    pub stop: &'a CancellationToken,
+    pub detect: &'a DetectScope<'a>,
+    /// Report mode: violations are handed here and the copy goes on.
+    pub report: Option<&'a (dyn Fn(&Violation) + Sync)>,
+    /// The tunnel's volume budgets, charged after every transfer.
+    pub volume: Option<&'a tunnel::Watch>,
+}
+
 /// Copy both ways until close, idle, `stop`, or a violation, judging every
 /// client byte before it is forwarded. `held[..verified]` is forwarded
 /// first; the rest of `held` is judged like any later byte. With `report`,
@@ -293,22 +316,29 @@ const READ_CHUNK: usize = 16 * 1024;
 /// verifier says how many bytes; exactly those pass, and judging resumes
 /// at the next head). Over TCP, a direction waits for readability before
 /// it takes a buffer, and gives the buffer back once drained.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn pump<C, U>(
     mut client: C,
     mut upstream: U,
-    guard: Guard,
-    held: Vec<u8>,
-    verified: usize,
-    (idle, unit_timeout): (Duration, Duration),
-    (stop, watch): (&CancellationToken, Option<&tunnel::Watch>),
-    detect: &DetectScope<'_>,
-    report: Option<&(dyn Fn(&Violation) + Sync)>,
+    judged: Judged,
+    watch: Watch<'_>,
 ) -> (Totals, End)
 where
     C: Stream,
     U: Stream,
 {
+    let Judged {
+        guard,
+        held,
+        verified,
+    } = judged;
+    let Watch {
+        idle,
+        unit_timeout,
+        stop,
+        detect,
+        report,
+        volume,
+    } = watch;
     let start = Instant::now();
     let last = AtomicU64::new(0);
     let up = AtomicU64::new(0);
@@ -321,7 +351,7 @@ where
     let (mut upstream_r, mut upstream_w) = upstream.halves();
     let touch = || {
         last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-        watch.is_none_or(|w| w.moved(&up, &down))
+        volume.is_none_or(|w| w.moved(&up, &down))
     };
     let lock = || {
         guard
@@ -675,13 +705,19 @@ mod tests {
             pump(
                 client,
                 upstream,
-                http_guard(),
-                Vec::new(),
-                0,
-                (Duration::from_secs(5), Duration::from_secs(5)),
-                (&stop, None),
-                &slots,
-                None,
+                Judged {
+                    guard: http_guard(),
+                    held: Vec::new(),
+                    verified: 0,
+                },
+                Watch {
+                    idle: Duration::from_secs(5),
+                    unit_timeout: Duration::from_secs(5),
+                    stop: &stop,
+                    detect: &slots,
+                    report: None,
+                    volume: None,
+                },
             )
             .await
         };
@@ -728,13 +764,19 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            Vec::new(),
-            0,
-            (Duration::from_secs(5), Duration::from_secs(5)),
-            (&stop, None),
-            &slots,
-            None,
+            Judged {
+                guard: http_guard(),
+                held: Vec::new(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(5),
+                unit_timeout: Duration::from_secs(5),
+                stop: &stop,
+                detect: &slots,
+                report: None,
+                volume: None,
+            },
         );
         let drive = async {
             let up = async {
@@ -790,13 +832,19 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            Vec::new(),
-            0,
-            (Duration::from_secs(300), Duration::from_secs(10)),
-            (&stop, None),
-            &slots,
-            None,
+            Judged {
+                guard: http_guard(),
+                held: Vec::new(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(300),
+                unit_timeout: Duration::from_secs(10),
+                stop: &stop,
+                detect: &slots,
+                report: None,
+                volume: None,
+            },
         );
         let drive = async {
             client_peer.write_all(good).await.unwrap();
@@ -838,13 +886,19 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            bytes.to_vec(),
-            0,
-            (Duration::from_secs(5), Duration::from_secs(5)),
-            (&stop, None),
-            &slots,
-            Some(&report),
+            Judged {
+                guard: http_guard(),
+                held: bytes.to_vec(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(5),
+                unit_timeout: Duration::from_secs(5),
+                stop: &stop,
+                detect: &slots,
+                report: Some(&report),
+                volume: None,
+            },
         );
         let drive = async {
             let mut got = vec![0u8; bytes.len()];
