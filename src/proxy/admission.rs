@@ -22,12 +22,12 @@
 //!
 //! Where a new check goes:
 //!
-//! - A budget the allow spends (the org's volume budget, issue 36): a rung
-//!   here, after the evidence budget, refusing `limit_exceeded` with what
-//!   is spent as detail. The bytes it counts are counted where they flow:
-//!   the tunnel relay ([`super::connect::relay`]) and the forwarded
-//!   exchange ([`super::forward`]); a relay cut for a spent budget is
-//!   recorded there, like a revocation.
+//! - The volume budgets (issue 36) are the first rung ([`admit`] before
+//!   the ladder, so that a refusal spends none of the evidence budget):
+//!   refused `volume_exceeded`, the rule kept on record, the client told
+//!   429 with `Retry-After`. The bytes are counted where they flow: the
+//!   tunnel relay ([`super::connect::relay`], cut and recorded there) and
+//!   the forwarded exchange ([`super::forward`], charged at its close).
 //! - A check of what a request inside an intercepted connection asks (a
 //!   service's rules): in that request's decision
 //!   ([`super::intercepted::serve`], beside the method and path rules),
