@@ -192,7 +192,15 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         crate::limits::names::MAX_NAMES_PER_ORG,
         Some(metrics.new_names_total.clone()),
     ));
+    // Volume budgets count from now; kept across reloads (by org and
+    // rule id).
+    let volumes = Arc::new(crate::limits::Volumes::new(
+        std::time::Instant::now(),
+        crate::limits::volume::MAX_METERS,
+        Some(metrics.volume_exceeded_total.clone()),
+    ));
     let ctx = Arc::new(Ctx {
+        volumes: volumes.clone(),
         conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
         denials: proxy::denials::Denials::new(
             limits.max_denial_records_per_second_per_client,
@@ -228,6 +236,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         metrics: metrics.clone(),
         tails: crate::admin::tail::Tails::new(admin_config.tail_tokens.clone()),
         enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
+        volumes,
     });
     let mut listener_tasks = Vec::new();
     let pool_reaper = tokio::spawn(proxy::pool::reap(

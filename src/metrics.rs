@@ -58,6 +58,9 @@ pub(crate) struct Metrics {
     /// Names new to an org under a wildcard rule's budget, by org and
     /// decision (`allow` within the budget, `deny` past it).
     pub new_names_total: IntCounterVec,
+    /// Connections and requests refused, and tunnels cut, because a volume
+    /// budget is spent, by org and direction.
+    pub volume_exceeded_total: IntCounterVec,
     /// 1 while /readyz would answer 200 (set at each scrape).
     ready: IntGauge,
     /// Requests decided inside intercepted connections, by org, decision and reason.
@@ -321,6 +324,11 @@ impl Metrics {
                 "Names new to an org within the window under a wildcard allow rule's max_new_names_per_minute (DNS queries forwarded, connections decided), by org and decision: allow within the budget, deny past it (name_budget_exceeded).",
                 &["org", "decision"],
             )?,
+            volume_exceeded_total: counter_vec(
+                "palisade_volume_exceeded_total",
+                "Connections and requests refused, and live tunnels cut, because a volume budget (max_bytes_up, max_bytes_down over volume_window, of the rule or the org) is spent, by org and direction (up: client to upstream, down: back); report-mode orgs counted too.",
+                &["org", "direction"],
+            )?,
             ready: IntGauge::new(
                 "palisade_ready",
                 "1 while every listener is bound and evidence is writable (what /readyz reports).",
@@ -384,6 +392,7 @@ impl Metrics {
             Box::new(m.evidence_suppressed_total.clone()),
             Box::new(m.connections_revoked_total.clone()),
             Box::new(m.new_names_total.clone()),
+            Box::new(m.volume_exceeded_total.clone()),
             Box::new(m.intercepted_requests_total.clone()),
             Box::new(m.intercepted_request_duration_seconds.clone()),
             Box::new(m.intercept_cert_cache_total.clone()),
@@ -513,6 +522,8 @@ impl Metrics {
             }
             for direction in ["up", "down"] {
                 self.bytes_total.with_label_values(&[org, direction]);
+                self.volume_exceeded_total
+                    .with_label_values(&[org, direction]);
             }
         }
     }
@@ -596,6 +607,7 @@ mod tests {
             "palisade_evidence_suppressed_total",
             "palisade_connections_revoked_total",
             "palisade_new_names_total",
+            "palisade_volume_exceeded_total",
             "palisade_evidence_disk_free_bytes",
             "palisade_evidence_disk_size_bytes",
             "palisade_evidence_store_full",

@@ -48,6 +48,8 @@ pub(crate) struct Health {
     pub tails: tail::Tails,
     /// `[enforcement]`: not ready while the gateway ruleset is not verified.
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
+    /// The volume budgets: `/v1/volume`.
+    pub volumes: Arc<crate::limits::Volumes>,
 }
 
 impl Health {
@@ -81,14 +83,10 @@ fn respond(
             );
             return resp;
         }
-        "/policy" if get => {
-            let body = serde_json::to_vec_pretty(&health.served.load().info).unwrap_or_default();
-            let mut resp = Response::new(full(body));
-            resp.headers_mut().insert(
-                http::header::CONTENT_TYPE,
-                http::HeaderValue::from_static("application/json"),
-            );
-            return resp;
+        "/policy" if get => return json(&health.served.load().info),
+        "/v1/volume" if get => {
+            let budgets = health.volumes.state(std::time::Instant::now());
+            return json(&serde_json::json!({ "budgets": budgets }));
         }
         _ => {}
     }
@@ -105,6 +103,17 @@ fn respond(
     };
     let mut resp = Response::new(full(Bytes::from_static(body.as_bytes())));
     *resp.status_mut() = status;
+    resp
+}
+
+/// A JSON response of `value`.
+fn json<T: serde::Serialize>(value: &T) -> Response<Body> {
+    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    let mut resp = Response::new(full(body));
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 

@@ -70,6 +70,57 @@ pub(crate) struct Seen {
     /// Decisions recorded `denied_address`: the address was always denied
     /// (or Palisade's own) where and when it was decided.
     pub denied_address: u64,
+    /// The most bytes (up, down) the org's closed connections and
+    /// requests to the target moved within one hour: what a suggested
+    /// volume budget starts from.
+    pub peak: (u64, u64),
+}
+
+/// The busiest hour of each host of `org`'s close records: bytes up and
+/// down of the connections and requests that closed within any one hour
+/// (each direction on its own).
+fn peaks(records: &[Record], org: &str) -> HashMap<String, (u64, u64)> {
+    let mut by_host: HashMap<String, Vec<(std::time::SystemTime, u64, u64)>> = HashMap::new();
+    for r in records {
+        let (Event::Close, Some(host), Some(true)) =
+            (r.event, &r.host, r.org.as_deref().map(|o| o == org))
+        else {
+            continue;
+        };
+        let Ok(at) = humantime::parse_rfc3339_weak(r.ts.trim_end_matches('Z')) else {
+            continue;
+        };
+        let (up, down) = (r.bytes_up.unwrap_or(0), r.bytes_down.unwrap_or(0));
+        by_host
+            .entry(host.clone())
+            .or_default()
+            .push((at, up, down));
+    }
+    let hour = std::time::Duration::from_secs(3600);
+    by_host
+        .into_iter()
+        .map(|(host, mut closes)| {
+            closes.sort_by_key(|c| c.0);
+            let (mut start, mut up, mut down, mut peak) = (0, 0u64, 0u64, (0u64, 0u64));
+            for &(at, u, d) in &closes {
+                up += u;
+                down += d;
+                while closes[start].0 + hour <= at {
+                    up -= closes[start].1;
+                    down -= closes[start].2;
+                    start += 1;
+                }
+                peak = (peak.0.max(up), peak.1.max(down));
+            }
+            (host, peak)
+        })
+        .collect()
+}
+
+/// A suggested budget: twice `peak`, rounded up to a whole MiB.
+fn suggested(peak: u64) -> String {
+    let mib = peak.saturating_mul(2).div_ceil(1 << 20).max(1);
+    format!("\"{mib}MiB\"")
 }
 
 impl Seen {
@@ -156,6 +207,7 @@ impl Seen {
             self.violation = x.violation.clone();
         }
         self.denied_address += x.denied_address;
+        self.peak = (self.peak.0.max(x.peak.0), self.peak.1.max(x.peak.1));
     }
 
     /// The `tunnel` a rule for these flows needs: one verified kind, or
@@ -421,8 +473,21 @@ fn tables(proposals: &[Proposal]) -> (Vec<Table>, String) {
         if matches!(p, Proposal::Host { .. }) {
             t.insert("tunnel", value(seen.carry().as_str()));
         }
+        let budget = if seen.peak == (0, 0) {
+            String::new()
+        } else {
+            format!(
+                "# the busiest hour seen moved {} bytes up and {} down; to bound it, add to this \
+                 rule: max_bytes_up = {}, max_bytes_down = {}, volume_window = \"1h\" (twice \
+                 that; see Volume budgets in docs/decisions.md)\n",
+                seen.peak.0,
+                seen.peak.1,
+                suggested(seen.peak.0),
+                suggested(seen.peak.1)
+            )
+        };
         t.decor_mut()
-            .set_prefix(format!("\n{comment}{}", seen.comment()));
+            .set_prefix(format!("\n{comment}{}{budget}", seen.comment()));
         out.push(t);
     }
     (out, notes)
@@ -731,12 +796,16 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
     // Compiled as `check` compiles it where Palisade runs: this host's
     // addresses are always denied too (and never proposed).
     let policy = Policy::with_host(config, host);
+    let busiest = peaks(&records, org);
     let (flows, later) = gather(records, org, window);
     let mut counts = Counts {
         decisions: flows.len() as u64,
         ..Counts::default()
     };
-    let seen = seen_targets(&flows, &later, &policy, org);
+    let mut seen = seen_targets(&flows, &later, &policy, org);
+    for (target, (s, _)) in seen.iter_mut() {
+        s.peak = busiest.get(target).copied().unwrap_or_default();
+    }
     let proposals = plan(&seen, &deny_targets, min_count, wildcard_min, &mut counts);
     let (tables, notes) = tables(&proposals);
     let candidate_text =
@@ -1029,6 +1098,33 @@ mod tests {
         ] {
             assert!(notes.iter().any(|n| n.starts_with(want)), "{want:?} in {notes:?}");
         }
+    }
+
+    /// The busiest hour of each host: closes an hour or more apart never
+    /// add up; another org's never count.
+    #[test]
+    fn the_busiest_hour_of_each_host_is_what_a_budget_is_suggested_from() {
+        let close = |org: &str, host: &str, ts: &str, up: u64, down: u64| -> Record {
+            serde_json::from_value(serde_json::json!({
+                "id": "1", "ts": ts, "kind": "tcp", "event": "close",
+                "org": org, "client": "198.18.1.2:4000", "mode": "explicit",
+                "host": host, "port": 443, "sni": null, "ip": null, "decision": "allow",
+                "reason": "rule_match", "rule": null, "policy": "p",
+                "bytes_up": up, "bytes_down": down,
+            }))
+            .unwrap()
+        };
+        let records = [
+            close("acme", "gh.test", "2026-01-02T03:00:00Z", 100, 1),
+            close("acme", "gh.test", "2026-01-02T03:30:00Z", 200, 2),
+            close("acme", "gh.test", "2026-01-02T04:10:00Z", 250, 4),
+            close("acme", "gh.test", "2026-01-02T05:20:00Z", 300, 8),
+            close("beta", "gh.test", "2026-01-02T03:31:00Z", 10_000, 0),
+        ];
+        let p = peaks(&records, "acme");
+        assert_eq!(p["gh.test"], (450, 8));
+        assert_eq!(suggested(450), "\"1MiB\"");
+        assert_eq!(suggested(3 << 20), "\"6MiB\"");
     }
 
     /// A report-mode CONNECT record of acme's to `host:port`.

@@ -160,6 +160,40 @@ fn budget_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
     })
 }
 
+/// The volume budgets an allowed connection spends from: the rule's and
+/// the org's, each with its limits and window.
+fn volume_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
+    let (Some(org), true) = (&verdict.org, verdict.is_allow()) else {
+        return None;
+    };
+    let rule = verdict.rule.as_deref().unwrap_or("");
+    let (by_rule, by_org) = policy.volume(org, rule);
+    let describe = |v: crate::config::Volume, whose: String| {
+        let dirs: Vec<String> = [("up", v.up), ("down", v.down)]
+            .into_iter()
+            .filter_map(|(d, n)| n.map(|n| format!("{n} bytes {d}")))
+            .collect();
+        format!(
+            "{whose} volume budget of {} per {}",
+            dirs.join(" and "),
+            humantime::format_duration(v.window)
+        )
+    };
+    let parts: Vec<String> = [
+        by_rule.map(|v| describe(v, format!("rule {rule}'s"))),
+        by_org.map(|v| describe(v, format!("org {}'s", org.name))),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    (!parts.is_empty()).then(|| {
+        format!(
+            "its bytes spend from {} (past it: volume_exceeded)",
+            parts.join(" and from ")
+        )
+    })
+}
+
 /// The synthetic pool `ip` is in, if any.
 fn synthetic_pool(config: &Config, ip: IpAddr) -> Option<ipnet::IpNet> {
     let ip = crate::policy::canonical(ip);
@@ -284,7 +318,10 @@ async fn explain_tcp(
     .await;
     let rule = outcome.verdict.rule.clone();
     let allowed = outcome.verdict.is_allow();
-    let note = budget_note(policy, &outcome.verdict);
+    let note = join_detail(
+        budget_note(policy, &outcome.verdict),
+        volume_note(policy, &outcome.verdict),
+    );
     let mut x = tcp(outcome.verdict);
     x.dial = outcome.dial;
     x.detail = join_detail(outcome.detail, note);
@@ -552,6 +589,31 @@ secret_env = "T3"
         assert!(detail.contains("rule w's 7 new names a minute"), "{detail}");
         let x = explain(&config, client, &dns("exact.test")).await;
         assert!(!x.detail.unwrap_or_default().contains("new names"));
+    }
+
+    #[tokio::test]
+    async fn explain_names_the_volume_budgets_a_connection_spends_from() {
+        let src = "[[org]]\nname = \"acme\"\nclients = [\"198.19.1.0/24\"]\n\
+                   max_bytes_up = \"1GiB\"\n\
+                   [[org.allow]]\nid = \"gh\"\ncidr = \"198.18.9.0/24\"\nports = [443]\n\
+                   max_bytes_up = 1000\nmax_bytes_down = 2000\nvolume_window = \"10m\"\n";
+        let config = crate::config::from_str(src, Path::new("p.toml")).unwrap();
+        let client = "198.19.1.5".parse().unwrap();
+        let target = ExplainTarget::Tcp {
+            host: Host::Ip("198.18.9.1".parse().unwrap()),
+            port: 443,
+            scheme: None,
+        };
+        let x = explain(&config, client, &target).await;
+        let detail = x.detail.unwrap_or_default();
+        assert!(
+            detail.contains(
+                "rule gh's volume budget of 1000 bytes up and 2000 bytes down per 10m \
+                 and from org acme's volume budget of 1073741824 bytes up per 1h"
+            ),
+            "{detail}"
+        );
+        assert!(detail.contains("volume_exceeded"), "{detail}");
     }
 
     #[tokio::test]

@@ -171,6 +171,7 @@ mod tests {
             intercept: intercept.then(RequestRules::default),
             tunnel: None,
             names: NameLimits::default(),
+            volume: None,
         }
     }
 

@@ -825,6 +825,10 @@ pub struct OrgConfig {
     /// Headers added to intercepted requests (ids and sources only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub credentials: Vec<CredentialConfig>,
+    /// `max_bytes_up`, `max_bytes_down` over `volume_window` on `[[org]]`:
+    /// the org's total over all its rules.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume: Option<Volume>,
 }
 
 /// Whether an org's allowlist is enforced or only reported.
@@ -1005,6 +1009,40 @@ pub struct RuleConfig {
     /// unused. Left out of the policy hash while it has its default value.
     #[serde(skip_serializing_if = "NameLimits::is_default")]
     pub names: NameLimits,
+    /// `max_bytes_up`, `max_bytes_down` over `volume_window` (allow rules
+    /// only): what the org may move through this rule per window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume: Option<Volume>,
+}
+
+/// A volume budget: at most `up` bytes from clients and `down` bytes to
+/// them (`None`: that direction unbounded) in any span of `window`
+/// (sliding), counted as relayed. See `docs/limits.md`, "Volume budgets".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Volume {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub up: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub down: Option<u64>,
+    #[serde(with = "window_millis")]
+    pub window: Duration,
+}
+
+/// `volume_window` when a budget is set without one.
+pub const DEFAULT_VOLUME_WINDOW: Duration = Duration::from_secs(3600);
+/// The shortest `volume_window` accepted.
+pub const MIN_VOLUME_WINDOW: Duration = Duration::from_secs(1);
+/// The longest `volume_window` accepted (seven days).
+pub const MAX_VOLUME_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A window serialised as whole milliseconds (the policy hash sees it).
+mod window_millis {
+    pub(super) fn serialize<S: serde::Serializer>(
+        d: &std::time::Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
 }
 
 /// New names per minute per org under a wildcard allow rule, by default.

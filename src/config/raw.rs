@@ -205,6 +205,9 @@ pub(super) struct RawOrg {
     pub(super) tokens: Vec<Spanned<String>>,
     #[serde(default)]
     pub(super) credential: Vec<Spanned<RawCredential>>,
+    pub(super) max_bytes_up: Option<Spanned<RawSize>>,
+    pub(super) max_bytes_down: Option<Spanned<RawSize>>,
+    pub(super) volume_window: Option<Spanned<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -223,6 +226,9 @@ pub(super) struct RawRule {
     pub(super) max_new_names_per_minute: Option<Spanned<i64>>,
     pub(super) max_label_length: Option<Spanned<i64>>,
     pub(super) websocket: Option<Spanned<bool>>,
+    pub(super) max_bytes_up: Option<Spanned<RawSize>>,
+    pub(super) max_bytes_down: Option<Spanned<RawSize>>,
+    pub(super) volume_window: Option<Spanned<String>>,
     pub(super) service: Option<Spanned<String>>,
     pub(super) repos: RawList,
     pub(super) push_refs: RawList,

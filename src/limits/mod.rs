@@ -11,6 +11,7 @@
 //! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
 //! | the new-name budgets of wildcard rules, per org and rule | [`names`] | the proxy, the DNS shim |
 //! | one fair bounded table: caps per org and overall, the org holding the most evicted from, pinning | [`table`] | the DNS answer cache |
+//! | volume budgets (bytes per sliding window), per org and rule and per org | [`volume`] | the proxy |
 //!
 //! Nothing here knows the proxy or DNS: each passes its own specifics
 //! (keys, caps, the shape of its summaries) as parameters.
@@ -23,6 +24,7 @@ pub(crate) mod rate;
 pub(crate) mod share;
 pub(crate) mod summary;
 pub(crate) mod table;
+pub(crate) mod volume;
 
 pub(crate) use conns::{ConnLimits, LimitHit, Permit};
 pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};
@@ -30,3 +32,4 @@ pub(crate) use evidence::EvidenceBudget;
 pub(crate) use names::{NameBudgets, NameUse};
 pub(crate) use rate::RateLimiter;
 pub(crate) use share::{client_key, Payer, Share, Shares};
+pub(crate) use volume::{Lease, Volumes};

@@ -47,6 +47,19 @@ impl Policy {
             .and_then(|(_, limits)| limits.new_per_minute)
     }
 
+    /// The volume budgets a decision of `org` under allow rule `rule`
+    /// spends from: the rule's and the org's (either `None` when unset).
+    /// What the edges spend from (`limits::volume`), the policy holding
+    /// no state.
+    pub fn volume(
+        &self,
+        org: &OrgRef,
+        rule: &str,
+    ) -> (Option<crate::config::Volume>, Option<crate::config::Volume>) {
+        let by_org = self.orgs.get(org.index).and_then(|o| o.volume);
+        (self.allow_rule(org, rule).and_then(|r| r.volume), by_org)
+    }
+
     fn allow_rule(&self, org: &OrgRef, id: &str) -> Option<&Rule> {
         let o = self.orgs.get(org.index)?;
         o.allow_ids.get(id).and_then(|&i| o.allow.get(i))

@@ -32,6 +32,8 @@ pub(super) struct Org {
     pub(super) deny_names: NameTable,
     pub(super) allow_cidrs: PrefixTable<Vec<usize>>,
     pub(super) deny_cidrs: PrefixTable<Vec<usize>>,
+    /// The org's volume budget over all its rules.
+    pub(super) volume: Option<crate::config::Volume>,
 }
 
 /// A compiled policy.
@@ -216,6 +218,7 @@ impl Policy {
                 deny_names: NameTable::default(),
                 allow_cidrs: PrefixTable::default(),
                 deny_cidrs: PrefixTable::default(),
+                volume: org.volume,
             };
             compile_rules(
                 &org.allow,

@@ -18,6 +18,8 @@ pub(super) struct Rule {
     /// A wildcard allow rule: the length of its suffix and the bounds on
     /// the names it lets leave.
     pub(super) below: Option<(usize, NameLimits)>,
+    /// The rule's volume budget (allow rules).
+    pub(super) volume: Option<crate::config::Volume>,
 }
 
 impl Rule {
@@ -53,6 +55,7 @@ pub(super) fn compile_rules(
                 RuleTarget::Below(suffix) => Some((suffix.len(), r.names)),
                 _ => None,
             },
+            volume: r.volume,
         });
         match &r.target {
             RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),

@@ -247,6 +247,7 @@ fn name_rules_never_allow_ip_literals() {
         intercept: None,
         tunnel: None,
         names: Default::default(),
+        volume: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -264,6 +265,7 @@ fn own_listeners_are_never_dialled() {
         intercept: None,
         tunnel: None,
         names: Default::default(),
+        volume: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
@@ -285,6 +287,7 @@ fn own_listeners_are_never_dialled() {
         intercept: None,
         tunnel: None,
         names: Default::default(),
+        volume: None,
     });
     let p3 = Policy::new(&c);
     assert_eq!(reason(&p3, "198.18.0.1", 443, &[]), Reason::RuleMatch);

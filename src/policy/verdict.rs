@@ -69,6 +69,12 @@ pub enum Reason {
     /// or with a label longer than its `max_label_length` (names as a
     /// covert channel, `docs/dns.md`).
     NameBudgetExceeded,
+    /// A connection or request under an allow rule whose volume budget
+    /// (`max_bytes_up`, `max_bytes_down` over `volume_window`), or its
+    /// org's, is spent: refused before anything is dialled; a live tunnel
+    /// that spends it is cut (report mode: let through, with this as its
+    /// `would_deny`).
+    VolumeExceeded,
     /// A connection to an address of the synthetic pool that is bound to
     /// no name of the client's org (never handed out to it, or evicted):
     /// never dialled, nothing resolved.
@@ -80,7 +86,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 29] = [
+    pub const ALL: [Reason; 30] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -108,6 +114,7 @@ impl Reason {
         Reason::UpgradeNotAllowed,
         Reason::PolicyRevoked,
         Reason::NameBudgetExceeded,
+        Reason::VolumeExceeded,
         Reason::SyntheticUnbound,
         Reason::EnforcementMissing,
     ];
@@ -141,6 +148,7 @@ impl Reason {
             Reason::UpgradeNotAllowed => "upgrade_not_allowed",
             Reason::PolicyRevoked => "policy_revoked",
             Reason::NameBudgetExceeded => "name_budget_exceeded",
+            Reason::VolumeExceeded => "volume_exceeded",
             Reason::SyntheticUnbound => "synthetic_unbound",
             Reason::EnforcementMissing => "enforcement_missing",
         }
@@ -169,6 +177,7 @@ impl Reason {
                 | Reason::UpgradeNotAllowed
                 | Reason::PolicyRevoked
                 | Reason::NameBudgetExceeded
+                | Reason::VolumeExceeded
         )
     }
 

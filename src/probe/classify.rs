@@ -171,8 +171,9 @@ fn carried_allow<'a>(allow: &[&'a Record], deny: &[&Record]) -> Vec<&'a Record> 
 /// decided by its state rather than by the request (a name budget the
 /// sandbox can spend first, a synthetic binding it can have evicted, a
 /// reload): `inconclusive`, never enforcement of the rule the probe tests.
-const INFRA_REASONS: [Reason; 6] = [
+const INFRA_REASONS: [Reason; 7] = [
     Reason::EvidenceUnavailable,
+    Reason::VolumeExceeded,
     Reason::EnforcementMissing,
     Reason::LimitExceeded,
     Reason::NameBudgetExceeded,

@@ -22,12 +22,12 @@
 //!
 //! Where a new check goes:
 //!
-//! - A budget the allow spends (the org's volume budget, issue 36): a rung
-//!   here, after the evidence budget, refusing `limit_exceeded` with what
-//!   is spent as detail. The bytes it counts are counted where they flow:
-//!   the tunnel relay ([`super::connect::relay`]) and the forwarded
-//!   exchange ([`super::forward`]); a relay cut for a spent budget is
-//!   recorded there, like a revocation.
+//! - The volume budgets (issue 36) are the first rung ([`admit`] before
+//!   the ladder, so that a refusal spends none of the evidence budget):
+//!   refused `volume_exceeded`, the rule kept on record, the client told
+//!   429 with `Retry-After`. The bytes are counted where they flow: the
+//!   tunnel relay ([`super::connect::relay`], cut and recorded there) and
+//!   the forwarded exchange ([`super::forward`], charged at its close).
 //! - A check of what a request inside an intercepted connection asks (a
 //!   service's rules): in that request's decision
 //!   ([`super::intercepted::serve`], beside the method and path rules),
@@ -53,6 +53,14 @@ pub(crate) struct Refusal {
 /// reason and detail, and its record is to be written as a denial.
 #[must_use]
 pub(crate) fn admit(ctx: &Ctx, conn: &mut Conn) -> bool {
+    if let Err(e) = volume(ctx, conn) {
+        // The rule stays on record: it is its budget that is spent.
+        conn.verdict.reason = Reason::VolumeExceeded;
+        conn.verdict.would_deny = None;
+        conn.detail = Some(e.detail());
+        conn.retry_after = e.retry_after;
+        return false;
+    }
     match ladder(ctx, conn) {
         Ok(()) => true,
         Err(Refusal { reason, detail }) => {
@@ -60,6 +68,16 @@ pub(crate) fn admit(ctx: &Ctx, conn: &mut Conn) -> bool {
             false
         }
     }
+}
+
+/// The volume rung, before the evidence budget is paid (a refusal spends
+/// none of it): the budgets the allow spends from
+/// ([`Ctx::admit_volume`]); admitted, `conn` holds the lease its relay
+/// charges.
+fn volume(ctx: &Ctx, conn: &mut Conn) -> Result<(), crate::limits::volume::Exceeded> {
+    let view = conn.view.clone();
+    conn.volume = ctx.admit_volume(&view, &mut conn.verdict)?;
+    Ok(())
 }
 
 /// The rungs of [`admit`], in order.

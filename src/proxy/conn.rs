@@ -149,6 +149,8 @@ impl Link {
             asked: None,
             permit: self.permit.clone(),
             service: None,
+            volume: None,
+            retry_after: None,
         }
     }
 }
@@ -236,8 +238,15 @@ pub(crate) struct Conn {
     /// The connection permit of the link it was decided on: held until
     /// the close.
     pub permit: Option<Arc<Permit>>,
-    /// A request under service rules: what it was to its service.
-    pub service: Option<crate::policy::ServiceFacts>,
+    /// A request under service rules: what it was to its service (boxed:
+    /// every tunnel task carries a `Conn`, few carry this).
+    pub service: Option<Box<crate::policy::ServiceFacts>>,
+    /// The volume budgets it spends from, when its rule or org has one
+    /// (`limits::volume`): what its relay charges.
+    pub volume: Option<crate::limits::Lease>,
+    /// Refused `volume_exceeded`: when the window frees enough (the
+    /// client's `Retry-After`).
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl Conn {
@@ -337,7 +346,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
-        r.service = self.service.clone();
+        r.service = self.service.as_deref().cloned();
         r
     }
 

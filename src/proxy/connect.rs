@@ -25,7 +25,7 @@ use super::decide::decide_in;
 use super::dial::dial_checked;
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
-use super::record::{denied, dial_failed, write_record, Refused, Written};
+use super::record::{denied, dial_failed, volume_spent, write_record, Refused, Written};
 use super::revoke;
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
@@ -221,12 +221,19 @@ pub(crate) async fn relay<C>(
     C: Stream,
 {
     let started = Instant::now();
-    // Cut at the end of the drain, or when a reload's policy revokes it.
+    // Cut at the end of the drain, when a reload's policy revokes it, or
+    // when it spends a volume budget (report mode: noted, not cut).
     let stop = ctx.hard_stop.child_token();
+    // Boxed: a tunnel without a budget keeps room for a pointer only.
+    let volume = conn.volume.clone().map(|lease| {
+        let cut = (!conn.view.is_report()).then(|| stop.clone());
+        Box::new(tunnel::Watch::new(lease, cut))
+    });
     let Some(guard) = guard else {
         let idle = ctx.limits.idle_timeout.get();
-        let pump = tunnel::pump(client, upstream, &held, idle, &stop);
+        let pump = tunnel::pump(client, upstream, &held, idle, (&stop, volume.as_deref()));
         let totals = revoke::held(ctx, conn, id, &stop, pump).await;
+        volume_spent(ctx, conn, id, volume.as_deref()).await;
         close(ctx, conn, id, totals, started);
         return;
     };
@@ -250,9 +257,11 @@ pub(crate) async fn relay<C>(
         stop: &stop,
         detect: &scope,
         report,
+        volume: volume.as_deref(),
     };
     let pump = verify::pump(client, upstream, judged, watch);
     let (totals, end) = revoke::held(ctx, conn, id, &stop, pump).await;
+    volume_spent(ctx, conn, id, volume.as_deref()).await;
     match end {
         verify::End::Closed => {}
         verify::End::Violation(v) => {

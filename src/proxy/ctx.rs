@@ -15,7 +15,8 @@ use super::pool::UpstreamPool;
 use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
-use crate::limits::{ConnLimits, DetectMemory, DetectScope, NameBudgets};
+use crate::limits::volume::Exceeded;
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, Lease, NameBudgets, Volumes};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -41,6 +42,8 @@ pub(crate) struct Ctx {
     pub limits: Limits,
     /// The new-name budgets of wildcard rules, shared with the DNS shim.
     pub names: Arc<NameBudgets>,
+    /// The volume budgets of allow rules and orgs, kept across reloads.
+    pub volumes: Arc<Volumes>,
     pub conns: ConnLimits,
     /// Which denials are written one by one, and the tallies of the rest.
     pub denials: Denials,
@@ -105,6 +108,35 @@ impl View {
 }
 
 impl Ctx {
+    /// The volume budgets an allowed `verdict` spends from (its rule's
+    /// and its org's, [`crate::limits::volume`]), checked at admission:
+    /// `Ok` with the lease its relay charges (`None`: no budget applies),
+    /// `Err` when one is spent. A report-mode org is let through,
+    /// `volume_exceeded` set as the verdict's `would_deny`.
+    pub(crate) fn admit_volume(
+        &self,
+        view: &View,
+        verdict: &mut Verdict,
+    ) -> Result<Option<Lease>, Exceeded> {
+        let Some(org) = &verdict.org else {
+            return Ok(None);
+        };
+        let budgets = match &verdict.rule {
+            Some(rule) => view.policy.volume(org, rule),
+            None => (None, view.policy.volume(org, "").1),
+        };
+        let rule = verdict.rule.clone().unwrap_or_else(|| Arc::from(""));
+        let now = std::time::Instant::now();
+        match self.volumes.admit(&org.name, &rule, budgets, now) {
+            Ok(lease) => Ok(lease),
+            Err(e) if view.is_report() => {
+                verdict.would_deny.get_or_insert(Reason::VolumeExceeded);
+                Ok(e.lease)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     /// What is served now, and the client's org in it.
     pub(crate) fn view(&self, client: IpAddr) -> View {
         let served = self.served.load_full();

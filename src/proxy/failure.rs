@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | a denial | by reason, see "What a denied client sees" in `docs/decisions.md` | |
 //! | a request head over the configured limits (`bad_request`) | 431 | `http_request_error` |
+//! | a volume budget spent (`volume_exceeded`) | 429, with `Retry-After` when the window frees enough | `http_request_denied` |
 //! | connect timed out | 504 | `connection_timeout` |
 //! | connect refused | 502 | `connection_refused` |
 //! | connect failed otherwise | 502 | `destination_unavailable` |
@@ -45,6 +46,11 @@ pub(crate) enum Unserved {
     /// `bad_request`, answered 431.
     #[error("denied: request head too large")]
     HeadTooLarge,
+    /// A volume budget of its rule or org is spent: `volume_exceeded`,
+    /// answered 429 with `Retry-After` (the time until the window frees
+    /// enough, when known).
+    #[error("denied: volume budget spent")]
+    OverVolume(Option<std::time::Duration>),
     /// Allowed, but no checked address could be reached.
     #[error("{0}")]
     Unreachable(DialError),
@@ -72,6 +78,7 @@ impl Unserved {
         match self {
             Unserved::Denied(reason) => *reason,
             Unserved::HeadTooLarge => Reason::BadRequest,
+            Unserved::OverVolume(_) => Reason::VolumeExceeded,
             Unserved::Unreachable(_) | Unserved::NoResponse(_) => Reason::RuleMatch,
         }
     }
@@ -80,7 +87,7 @@ impl Unserved {
     pub(crate) fn side(&self) -> Side {
         match self {
             Unserved::Denied(reason) => side_of(*reason),
-            Unserved::HeadTooLarge => Side::Client,
+            Unserved::HeadTooLarge | Unserved::OverVolume(_) => Side::Client,
             Unserved::Unreachable(_) | Unserved::NoResponse(_) => Side::Upstream,
         }
     }
@@ -88,6 +95,7 @@ impl Unserved {
     pub(crate) fn status(&self) -> StatusCode {
         match self {
             Unserved::Denied(reason) => status(*reason),
+            Unserved::OverVolume(_) => status(Reason::VolumeExceeded),
             Unserved::HeadTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             Unserved::Unreachable(DialError::Timeout { .. }) => StatusCode::GATEWAY_TIMEOUT,
             Unserved::Unreachable(_) | Unserved::NoResponse(_) => StatusCode::BAD_GATEWAY,
@@ -98,6 +106,7 @@ impl Unserved {
     pub(crate) fn proxy_error(&self) -> &'static str {
         match self {
             Unserved::Denied(reason) => proxy_error(*reason),
+            Unserved::OverVolume(_) => proxy_error(Reason::VolumeExceeded),
             Unserved::HeadTooLarge => proxy_error(Reason::BadRequest),
             Unserved::Unreachable(DialError::Timeout { .. }) => "connection_timeout",
             Unserved::Unreachable(DialError::Io { source, .. })
@@ -114,6 +123,7 @@ impl Unserved {
     pub(crate) fn socks_reply(&self) -> Reply {
         match self {
             Unserved::Denied(reason) => socks_reply(*reason),
+            Unserved::OverVolume(_) => socks_reply(Reason::VolumeExceeded),
             Unserved::HeadTooLarge => socks_reply(Reason::BadRequest),
             Unserved::Unreachable(DialError::Io { source, .. }) => match source.kind() {
                 std::io::ErrorKind::ConnectionRefused => Reply::ConnectionRefused,
@@ -140,7 +150,7 @@ impl Unserved {
     /// learn); a failure after an allow shows its own cause.
     pub(crate) fn body(&self, record: &str, detail: Option<&str>) -> String {
         let (what, detail) = match self {
-            Unserved::Denied(_) | Unserved::HeadTooLarge => (
+            Unserved::Denied(_) | Unserved::HeadTooLarge | Unserved::OverVolume(_) => (
                 format!("denied: {}", self.reason()),
                 detail.map(str::to_string),
             ),
@@ -168,6 +178,14 @@ impl Unserved {
             &self.proxy_status(record),
             self.body(record, detail),
         );
+        if let Unserved::OverVolume(Some(after)) = self {
+            // Whole seconds, rounded up: never sooner than the window frees.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from(secs.max(1)),
+            );
+        }
         if resp.status() == StatusCode::PROXY_AUTHENTICATION_REQUIRED {
             resp.headers_mut().insert(
                 http::header::PROXY_AUTHENTICATE,
@@ -221,6 +239,7 @@ fn side_of(reason: Reason) -> Side {
         | Reason::UpgradeNotAllowed
         | Reason::PolicyRevoked
         | Reason::NameBudgetExceeded
+        | Reason::VolumeExceeded
         | Reason::SyntheticUnbound => Side::Client,
     }
 }
@@ -233,6 +252,7 @@ fn status(reason: Reason) -> StatusCode {
             StatusCode::SERVICE_UNAVAILABLE
         }
         Reason::AuthRequired | Reason::AuthFailed => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
+        Reason::VolumeExceeded => StatusCode::TOO_MANY_REQUESTS,
         _ => StatusCode::FORBIDDEN,
     }
 }

@@ -75,6 +75,7 @@ impl Exchange {
             // The unit ends here: no longer held.
             drop(self.hold);
             let up = (self.up)();
+            spend_volume(&self.req, (up, down));
             if let Some(f) = self.on_close {
                 f(up, down);
             }
@@ -111,6 +112,7 @@ impl Exchange {
     /// Revoked before its response came: its close record says so, and the
     /// client is refused `policy_revoked` (the revocation is on record).
     pub(crate) fn revoked(self) -> Response<Body> {
+        spend_volume(&self.req, ((self.up)(), 0));
         let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
         close.detail = Some("revoked before the response".into());
         self.ctx.submit(&mut close);
@@ -120,10 +122,22 @@ impl Exchange {
     /// No complete response came: close the request with the cause (no
     /// `on_close`: nothing came back).
     pub(crate) fn failed(self, e: NoResponse) -> Response<Body> {
+        spend_volume(&self.req, ((self.up)(), 0));
         let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
         close.detail = Some(e.to_string());
         self.ctx.submit(&mut close);
         Unserved::NoResponse(e).response(&self.shown, None)
+    }
+}
+
+/// Charge a request's bytes to the volume budgets it spends from, when it
+/// closes: a request is not cut mid-body, but the next one is refused
+/// once the budget is spent.
+pub(crate) fn spend_volume(req: &Conn, (up, down): (u64, u64)) {
+    if let Some(lease) = &req.volume {
+        let now = Instant::now();
+        lease.spend(crate::limits::volume::Direction::Up, up, now);
+        lease.spend(crate::limits::volume::Direction::Down, down, now);
     }
 }
 

@@ -12,7 +12,9 @@ use super::ctx::Ctx;
 use super::dial::DialError;
 use super::failure::Unserved;
 use super::http::Body;
+use super::tunnel::Watch;
 use crate::evidence::Record;
+use crate::limits::volume::{Direction, Exceeded};
 use crate::policy::Reason;
 
 /// A written decision record: its `id` (what its close record names) and
@@ -56,7 +58,11 @@ pub(crate) async fn denied(ctx: &Ctx, conn: &mut Conn) -> Refused {
         Ok(w) => (true, w.shown),
         Err(w) => (false, w.shown),
     };
-    let failure = Unserved::Denied(conn.verdict.reason).recorded(written);
+    let failure = match conn.verdict.reason {
+        Reason::VolumeExceeded => Unserved::OverVolume(conn.retry_after),
+        reason => Unserved::Denied(reason),
+    }
+    .recorded(written);
     debug!(reason = %failure.reason(), side = ?failure.side(), %record, "denied");
     Refused {
         failure,
@@ -74,6 +80,46 @@ fn told(reason: Reason, written: bool, record: &Record, detail: Option<String>) 
         record: record.shown().to_string(),
         detail,
     }
+}
+
+/// A relay that spent a volume budget (`watch` says which): its
+/// `volume_exceeded` decision record, linked to the allow `id` by `conn`,
+/// naming the rule and the budget (report mode: the allow's
+/// `would_deny`, the tunnel having gone on), counted in the metric.
+pub(crate) async fn volume_spent(ctx: &Ctx, conn: &Conn, id: &str, watch: Option<&Watch>) {
+    let Some((scope, direction)) = watch.and_then(Watch::crossed) else {
+        return;
+    };
+    let Some(volume) = watch.and_then(|w| w.lease().volume(&scope)) else {
+        return;
+    };
+    if let Some(org) = &conn.verdict.org {
+        ctx.volumes.count(&org.name, direction);
+    }
+    let exceeded = Exceeded {
+        limit: match direction {
+            Direction::Up => volume.up,
+            Direction::Down => volume.down,
+        }
+        .unwrap_or(0),
+        scope,
+        direction,
+        window: volume.window,
+        retry_after: Some(volume.window),
+        lease: None,
+    };
+    let mut c = conn.clone();
+    c.within = Some(id.to_string());
+    let detail = Some(format!("{}: tunnel closed", exceeded.detail()));
+    if conn.view.is_report() {
+        c.report(Reason::VolumeExceeded, detail);
+    } else {
+        c.verdict.reason = Reason::VolumeExceeded;
+        c.verdict.would_deny = None;
+        c.detail = detail;
+    }
+    Box::pin(ctx.write(&mut c.record())).await;
+    debug!(record = %id, "tunnel over its volume budget");
 }
 
 /// An allowed decision whose upstream could not be reached: record it

@@ -3,6 +3,7 @@
 //! idle timeout, half-close, and a hard stop for the end of the drain.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::BufMut;
@@ -12,6 +13,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::splice::{self, AsTcp, Spliced, Stream};
+use crate::limits::volume::{Direction, Scope};
+use crate::limits::Lease;
 use crate::proto::client_hello::{self, ClientHello, MAX_HELLO_LEN};
 use crate::proto::{http_head, Parse};
 
@@ -97,6 +100,69 @@ pub(crate) struct Totals {
     pub down: u64,
 }
 
+/// A tunnel's volume budgets, told the totals after every transfer (the
+/// copy's or splice's activity mark): it charges what moved since to the
+/// budgets, and the first time one is spent it notes which and, when
+/// `cut` is given (an enforcing org), cancels it to close the tunnel. So
+/// a tunnel passes a budget by at most the one transfer that crossed it:
+/// a read of the copy buffer ([`COPY_BUF`]) or one splice (256 KiB).
+pub(crate) struct Watch {
+    lease: Lease,
+    charged: [AtomicU64; 2],
+    crossed: Mutex<Option<(Scope, Direction)>>,
+    cut: Option<CancellationToken>,
+}
+
+impl Watch {
+    /// Watch `lease`, cancelling `cut` (if any) once a budget is spent.
+    pub(crate) fn new(lease: Lease, cut: Option<CancellationToken>) -> Watch {
+        Watch {
+            lease,
+            charged: [AtomicU64::new(0), AtomicU64::new(0)],
+            crossed: Mutex::new(None),
+            cut,
+        }
+    }
+
+    /// The tunnel's totals are `up` and `down`: charge what is new.
+    /// `false` once a budget is spent and the tunnel is to be cut: the
+    /// copy stops at once, without waiting for its task to be polled.
+    pub(crate) fn moved(&self, up: &AtomicU64, down: &AtomicU64) -> bool {
+        let now = std::time::Instant::now();
+        for (i, direction, total) in [(0, Direction::Up, up), (1, Direction::Down, down)] {
+            let total = total.load(Ordering::Relaxed);
+            // fetch_max: each byte charged once, whichever side reports.
+            let before = self.charged[i].fetch_max(total, Ordering::Relaxed);
+            if total <= before {
+                continue;
+            }
+            if let Some(scope) = self.lease.spend(direction, total - before, now) {
+                let mut crossed = self.crossed.lock().unwrap_or_else(|e| e.into_inner());
+                if crossed.is_none() {
+                    *crossed = Some((scope, direction));
+                    if let Some(cut) = &self.cut {
+                        cut.cancel();
+                    }
+                }
+            }
+        }
+        self.cut.as_ref().is_none_or(|c| !c.is_cancelled())
+    }
+
+    /// The budget the tunnel spent, and in which direction, if it did.
+    pub(crate) fn crossed(&self) -> Option<(Scope, Direction)> {
+        self.crossed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The budgets watched.
+    pub(crate) fn lease(&self) -> &Lease {
+        &self.lease
+    }
+}
+
 /// Largest size of each direction's copy buffer.
 const COPY_BUF: usize = 64 * 1024;
 /// A direction's first read after idling takes a buffer of this size,
@@ -125,7 +191,7 @@ pub(crate) async fn pump<C, U>(
     mut upstream: U,
     first_up: &[u8],
     idle: Duration,
-    stop: &CancellationToken,
+    (stop, watch): (&CancellationToken, Option<&Watch>),
 ) -> Totals
 where
     C: Stream,
@@ -138,7 +204,10 @@ where
     let (mut client_r, mut client_w) = client.halves();
     let (mut upstream_r, mut upstream_w) = upstream.halves();
 
-    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let touch = || {
+        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        watch.is_none_or(|w| w.moved(&up, &down))
+    };
 
     let up_dir = async {
         if !first_up.is_empty() {
@@ -146,7 +215,9 @@ where
                 return;
             }
             up.fetch_add(first_up.len() as u64, Ordering::Relaxed);
-            touch();
+            if !touch() {
+                return;
+            }
         }
         forward(&mut client_r, &mut upstream_w, &up, &touch).await;
     };
@@ -183,14 +254,15 @@ pub(crate) async fn idle_for(idle: Duration, start: Instant, last: &AtomicU64) {
     }
 }
 
-/// Move one direction until EOF or error, then half-close the writer:
+/// Move one direction until EOF, an error or `touch` answering `false`
+/// (after each transfer), then half-close the writer:
 /// with splice(2) when both ends are TCP sockets, else (or where splice is
 /// unavailable) through a user-space buffer.
 pub(crate) async fn forward<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
     R: AsyncRead + AsTcp + Unpin,
     W: AsyncWrite + AsTcp + Unpin,
-    F: Fn(),
+    F: Fn() -> bool,
 {
     if let (Some(from), Some(to)) = (reader.as_tcp(), writer.as_tcp()) {
         if splice::splice(from, to, None, count, touch).await != Spliced::Unsupported {
@@ -201,12 +273,13 @@ where
     copy(reader, writer, count, touch).await;
 }
 
-/// Copy one direction until EOF or error, then half-close the writer.
+/// Copy one direction until EOF, an error or `touch` answering `false`,
+/// then half-close the writer.
 pub(crate) async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
     R: AsyncRead + AsTcp + Unpin,
     W: AsyncWrite + Unpin,
-    F: Fn(),
+    F: Fn() -> bool,
 {
     // Reads go into spare (uninitialised) capacity: no memset.
     let mut buf: Vec<u8> = Vec::new();
@@ -233,7 +306,9 @@ where
             break;
         }
         count.fetch_add(n as u64, Ordering::Relaxed);
-        touch();
+        if !touch() {
+            break;
+        }
         if n < buf.capacity() {
             // Drained: give the buffer back while the reader is quiet.
             if reader.as_tcp().is_some() {
@@ -296,7 +371,7 @@ mod tests {
         let mut writer = HeldUntilFlush::default();
         let sent = writer.sent.clone();
         let count = AtomicU64::new(0);
-        let copying = copy(&mut reader, &mut writer, &count, &|| {});
+        let copying = copy(&mut reader, &mut writer, &count, &|| true);
         tokio::pin!(copying);
         b.write_all(b"message").await.unwrap();
         let delivered = async {
@@ -365,7 +440,14 @@ mod tests {
         let (upstream, mut upstream_peer) = duplex(64);
         let stop = CancellationToken::new();
         let task = tokio::spawn(async move {
-            pump(client, upstream, b"hello", Duration::from_secs(5), &stop).await
+            pump(
+                client,
+                upstream,
+                b"hello",
+                Duration::from_secs(5),
+                (&stop, None),
+            )
+            .await
         });
         let mut got = [0u8; 5];
         upstream_peer.read_exact(&mut got).await.unwrap();
@@ -388,7 +470,7 @@ mod tests {
         let (upstream, mut upstream_peer) = duplex(16 * 1024);
         let stop = CancellationToken::new();
         let task = tokio::spawn(async move {
-            pump(client, upstream, b"", Duration::from_secs(5), &stop).await
+            pump(client, upstream, b"", Duration::from_secs(5), (&stop, None)).await
         });
         let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let sent = body.clone();
@@ -415,7 +497,14 @@ mod tests {
         let (upstream, mut upstream_peer) = crate::testing::tcp_pair().await;
         let stop = CancellationToken::new();
         let task = tokio::spawn(async move {
-            pump(client, upstream, b"hi", Duration::from_secs(5), &stop).await
+            pump(
+                client,
+                upstream,
+                b"hi",
+                Duration::from_secs(5),
+                (&stop, None),
+            )
+            .await
         });
         let up: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
         let down: Vec<u8> = (0..2_000_000u32).map(|i| (i % 239) as u8).collect();
@@ -452,7 +541,14 @@ mod tests {
         let (client, _client_peer) = duplex(64);
         let (upstream, _upstream_peer) = duplex(64);
         let stop = CancellationToken::new();
-        let totals = pump(client, upstream, b"", Duration::from_secs(30), &stop).await;
+        let totals = pump(
+            client,
+            upstream,
+            b"",
+            Duration::from_secs(30),
+            (&stop, None),
+        )
+        .await;
         assert_eq!(totals, Totals::default());
     }
 }

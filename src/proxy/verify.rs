@@ -299,6 +299,8 @@ pub(crate) struct Watch<'a> {
     pub detect: &'a DetectScope<'a>,
     /// Report mode: violations are handed here and the copy goes on.
     pub report: Option<&'a (dyn Fn(&Violation) + Sync)>,
+    /// The tunnel's volume budgets, charged after every transfer.
+    pub volume: Option<&'a tunnel::Watch>,
 }
 
 /// Copy both ways until close, idle, `stop`, or a violation, judging every
@@ -335,6 +337,7 @@ where
         stop,
         detect,
         report,
+        volume,
     } = watch;
     let start = Instant::now();
     let last = AtomicU64::new(0);
@@ -346,7 +349,10 @@ where
     let client_opaque = AtomicBool::new(false);
     let (mut client_r, mut client_w) = client.halves();
     let (mut upstream_r, mut upstream_w) = upstream.halves();
-    let touch = || last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+    let touch = || {
+        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
+        volume.is_none_or(|w| w.moved(&up, &down))
+    };
     let lock = || {
         guard
             .lock()
@@ -367,7 +373,9 @@ where
                     return End::Closed;
                 }
                 up.fetch_add(verified as u64, Ordering::Relaxed);
-                touch();
+                if !touch() {
+                    return End::Closed;
+                }
                 held.drain(..verified);
                 verified = 0;
             }
@@ -378,7 +386,9 @@ where
                         return End::Closed;
                     }
                     up.fetch_add(held.len() as u64, Ordering::Relaxed);
-                    touch();
+                    if !touch() {
+                        return End::Closed;
+                    }
                 }
                 drop(held);
                 budget.release();
@@ -542,7 +552,9 @@ where
                 break;
             }
             down.fetch_add(n as u64, Ordering::Relaxed);
-            touch();
+            if !touch() {
+                break;
+            }
             if n < READ_CHUNK && upstream_r.as_tcp().is_some() {
                 // Drained: hold no buffer while the upstream is quiet.
                 buf = Vec::new();
@@ -704,6 +716,7 @@ mod tests {
                     stop: &stop,
                     detect: &slots,
                     report: None,
+                    volume: None,
                 },
             )
             .await
@@ -762,6 +775,7 @@ mod tests {
                 stop: &stop,
                 detect: &slots,
                 report: None,
+                volume: None,
             },
         );
         let drive = async {
@@ -829,6 +843,7 @@ mod tests {
                 stop: &stop,
                 detect: &slots,
                 report: None,
+                volume: None,
             },
         );
         let drive = async {
@@ -882,6 +897,7 @@ mod tests {
                 stop: &stop,
                 detect: &slots,
                 report: Some(&report),
+                volume: None,
             },
         );
         let drive = async {

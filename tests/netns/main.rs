@@ -49,6 +49,7 @@ mod tls;
 mod transparent;
 mod transparent_v6;
 mod tunnel;
+mod volume;
 mod websocket;
 
 use lab::{HttpResp, Lab};

@@ -183,6 +183,10 @@ const ALERT_PROBES: &[(&str, &str)] = &[
         "PalisadeFleetPolicyMismatch",
         "count by (job, namespace, policy) (palisade_build_info)",
     ),
+    (
+        "PalisadeVolumeBudgetExceeded",
+        "sum by (org, direction) (increase(palisade_volume_exceeded_total[15m]))",
+    ),
 ];
 
 fn promtool(args: &[&str], stdin: Option<&[u8]>) -> lab::CmdOutput {
@@ -301,7 +305,7 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        list.len() == 10 && list.iter().all(|r| r["health"] == "ok")
+        list.len() == 11 && list.iter().all(|r| r["health"] == "ok")
     });
     let alerts = api(&lab, "alerts", "").unwrap();
     let active: BTreeSet<String> = alerts["data"]["alerts"]

@@ -77,6 +77,7 @@ fn parse(src: &str, errors: &mut Errors<'_>) -> Option<(Vec<RuleConfig>, Vec<Cei
             intercept: None,
             tunnel: None,
             names: Default::default(),
+            volume: None,
         })
         .collect();
     let ceiling = entries(ceiling, "ceiling", &mut ids, errors)

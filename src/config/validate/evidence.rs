@@ -242,7 +242,7 @@ fn size(value: Option<Spanned<RawSize>>, errors: &mut Errors<'_>) -> Option<u64>
     parsed
 }
 
-fn parse_size(text: &str) -> Option<u64> {
+pub(super) fn parse_size(text: &str) -> Option<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);

@@ -23,6 +23,7 @@ mod proxy;
 mod rules;
 mod service;
 mod values;
+mod volume;
 
 use admin::validate_admin;
 use bypass::validate_bypass;

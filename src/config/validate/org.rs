@@ -10,6 +10,7 @@ use toml::Spanned;
 use super::credentials::validate_credentials;
 use super::rules::validate_rules;
 use super::values::cidr;
+use super::volume::volume;
 use crate::config::error::Errors;
 use crate::config::model::{
     Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
@@ -56,7 +57,11 @@ pub(super) fn validate_orgs(
             identity,
             tokens,
             credential,
+            max_bytes_up,
+            max_bytes_down,
+            volume_window,
         } = org;
+        let volume = volume((max_bytes_up, max_bytes_down, volume_window), None, errors);
         let org_name = name.get_ref().clone();
         if !valid_org_name(&org_name) {
             errors.at(
@@ -182,6 +187,7 @@ pub(super) fn validate_orgs(
             identity,
             tokens,
             credentials,
+            volume,
         });
     }
     orgs

@@ -7,6 +7,7 @@ use toml::Spanned;
 
 use super::service::{service_rules, RawService};
 use super::values::cidr;
+use super::volume::volume;
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
@@ -102,12 +103,22 @@ pub(super) fn validate_rules(
             max_new_names_per_minute,
             max_label_length,
             websocket,
+            max_bytes_up,
+            max_bytes_down,
+            volume_window,
             service,
             repos,
             push_refs,
             graphql_mutations,
             models,
         } = spanned.into_inner();
+        let volume = volume(
+            (max_bytes_up, max_bytes_down, volume_window),
+            (kind != "allow").then_some(
+                "is only valid on allow rules (a deny rule lets nothing through to budget)",
+            ),
+            errors,
+        );
         let raw_service = RawService {
             service,
             repos,
@@ -238,6 +249,7 @@ pub(super) fn validate_rules(
                 intercept,
                 tunnel,
                 names,
+                volume,
             };
             if let (Some(baseline), "allow") = (baseline, kind) {
                 check_ceiling(&rule, baseline, span, errors);

@@ -27,6 +27,7 @@ use tracing::debug;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::client::NoResponse;
 use crate::proxy::http::{full, strip_hop_by_hop, Body};
+use crate::proxy::record::volume_spent;
 use crate::proxy::revoke;
 use crate::proxy::tunnel;
 
@@ -187,16 +188,23 @@ pub(crate) async fn relay(
     };
     // Held to every policy a reload serves, as its own unit: a reload that
     // refuses its path or drops `websocket = true` cuts it at once.
+    // Its bytes spend from the rule's volume budgets like a tunnel's: cut
+    // once one is spent (report mode: noted).
     let cut = stop.child_token();
+    let watch = exchange.req.volume.clone().map(|lease| {
+        let enforce = !exchange.req.view.is_report();
+        tunnel::Watch::new(lease, enforce.then(|| cut.clone()))
+    });
     let pump = tunnel::pump(
         TokioIo::new(client),
         TokioIo::new(upstream),
         &[],
         idle,
-        &cut,
+        (&cut, watch.as_ref()),
     );
     let ctx = exchange.ctx.clone();
     let totals = revoke::held(&ctx, &exchange.req, &exchange.id, &cut, pump).await;
+    volume_spent(&ctx, &exchange.req, &exchange.id, watch.as_ref()).await;
     finish(&mut exchange, (totals.up, totals.down), status, None);
 }
 

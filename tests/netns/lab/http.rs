@@ -66,6 +66,15 @@ pub enum Closed {
 }
 
 impl RawConn {
+    /// A connection the test opened itself (from a bound source address,
+    /// say).
+    pub fn new(stream: TcpStream) -> RawConn {
+        RawConn {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
     pub fn local_port(&self) -> u16 {
         self.stream.local_addr().expect("local addr").port()
     }
