@@ -717,9 +717,15 @@ fn replay_flows(
 fn service_notes(records: &[Record], org: &crate::config::OrgConfig, window: &Selection) -> String {
     use crate::config::Service;
     use crate::policy::service::recognise;
-    // rule -> (service -> count, repos, pushed)
-    let mut seen: BTreeMap<&str, (BTreeMap<&'static str, u64>, BTreeSet<String>, bool)> =
-        BTreeMap::new();
+    /// What one rule's requests showed.
+    #[derive(Default)]
+    struct RuleSeen {
+        /// Requests per service.
+        services: BTreeMap<&'static str, u64>,
+        repos: BTreeSet<String>,
+        pushed: bool,
+    }
+    let mut seen: BTreeMap<&str, RuleSeen> = BTreeMap::new();
     for r in records {
         let (Some(rule), Some(method), Some(path)) = (r.rule.as_deref(), &r.method, &r.path) else {
             continue;
@@ -742,14 +748,22 @@ fn service_notes(records: &[Record], org: &crate::config::OrgConfig, window: &Se
             continue;
         };
         let e = seen.entry(&cfg.id).or_default();
-        *e.0.entry(service.as_str()).or_default() += 1;
+        *e.services.entry(service.as_str()).or_default() += 1;
         if service == Service::Git {
-            e.1.extend(repo.map(|r| printable(&r)));
-            e.2 |= push;
+            e.repos.extend(repo.map(|r| printable(&r)));
+            e.pushed |= push;
         }
     }
     let mut out = String::new();
-    for (rule, (services, repos, pushed)) in seen {
+    for (
+        rule,
+        RuleSeen {
+            services,
+            repos,
+            pushed,
+        },
+    ) in seen
+    {
         let Some((service, n)) = services.iter().max_by_key(|(_, n)| **n) else {
             continue;
         };

@@ -1085,7 +1085,7 @@ mod tests {
 
     #[test]
     fn recognise_recorded_requests() {
-        let r = |m: &str, p: &str| recognise(m, p).map(|(s, repo, push)| (s, repo, push));
+        let r = recognise;
         assert_eq!(
             r("POST", "/acme/app.git/git-receive-pack"),
             Some((Service::Git, Some("acme/app".into()), true))
