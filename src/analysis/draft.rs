@@ -773,6 +773,86 @@ fn replay_flows(
     (covered, kept_denied)
 }
 
+/// For each intercepting allow rule of the org without service rules,
+/// what its allowed requests show of the services of
+/// [`crate::policy::service`]: comment lines proposing `service` (and
+/// `repos`) to narrow it. The bodies (a push's refs, a GraphQL
+/// operation, a model) are not in evidence: `push_refs`,
+/// `graphql_mutations` and `models` are left for the operator to name.
+fn service_notes(records: &[Record], org: &crate::config::OrgConfig, window: &Selection) -> String {
+    use crate::config::Service;
+    use crate::policy::service::recognise;
+    /// What one rule's requests showed.
+    #[derive(Default)]
+    struct RuleSeen {
+        /// Requests per service.
+        services: BTreeMap<&'static str, u64>,
+        repos: BTreeSet<String>,
+        pushed: bool,
+    }
+    let mut seen: BTreeMap<&str, RuleSeen> = BTreeMap::new();
+    for r in records {
+        let (Some(rule), Some(method), Some(path)) = (r.rule.as_deref(), &r.method, &r.path) else {
+            continue;
+        };
+        if r.kind != Kind::Http
+            || r.event != Event::Decision
+            || r.org.as_deref() != Some(org.name.as_str())
+            || !r.reason.is_allow()
+            || !window.in_window(r)
+        {
+            continue;
+        }
+        let Some(cfg) = org.allow.iter().find(|a| a.id == rule) else {
+            continue;
+        };
+        if cfg.intercept.as_ref().is_none_or(|i| i.service.is_some()) {
+            continue;
+        }
+        let Some((service, repo, push)) = recognise(method, path) else {
+            continue;
+        };
+        let e = seen.entry(&cfg.id).or_default();
+        *e.services.entry(service.as_str()).or_default() += 1;
+        if service == Service::Git {
+            e.repos.extend(repo.map(|r| printable(&r)));
+            e.pushed |= push;
+        }
+    }
+    let mut out = String::new();
+    for (
+        rule,
+        RuleSeen {
+            services,
+            repos,
+            pushed,
+        },
+    ) in seen
+    {
+        let Some((service, n)) = services.iter().max_by_key(|(_, n)| **n) else {
+            continue;
+        };
+        let mut line = format!(
+            "# rule {rule:?} carried {service} requests ({n} seen): narrow it with service = {service:?}"
+        );
+        match *service {
+            "git" => {
+                let list: Vec<String> = repos.iter().take(20).map(|r| format!("{r:?}")).collect();
+                line.push_str(&format!(", repos = [{}]", list.join(", ")));
+                if pushed {
+                    line.push_str(", push_refs = [the refs the agent may push]");
+                }
+            }
+            "graphql" => line.push_str(", graphql_mutations = [the mutations it may run]"),
+            "llm-api" => line.push_str(", models = [the models it may call]"),
+            _ => {}
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
 /// Draft the org's rules and check them: the config with them inserted
 /// must pass `check`, and its replay is in [`Draft::replays`]. An error
 /// says why no draft could be made (an org the config lacks, or a bug).
@@ -797,6 +877,7 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
     // addresses are always denied too (and never proposed).
     let policy = Policy::with_host(config, host);
     let busiest = peaks(&records, org);
+    let service = service_notes(&records, org_cfg, window);
     let (flows, later) = gather(records, org, window);
     let mut counts = Counts {
         decisions: flows.len() as u64,
@@ -807,7 +888,8 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
         s.peak = busiest.get(target).copied().unwrap_or_default();
     }
     let proposals = plan(&seen, &deny_targets, min_count, wildcard_min, &mut counts);
-    let (tables, notes) = tables(&proposals);
+    let (tables, mut notes) = tables(&proposals);
+    notes.push_str(&service);
     let candidate_text =
         inserted(config_text, org, &tables, &notes).map_err(|e| format!("{name}: {e}"))?;
     // Self-check: `check`, then a replay of the same evidence.
@@ -1210,5 +1292,44 @@ mod tests {
             "{text}"
         );
         assert!(inserted(original, "nosuch", &t, &notes).is_err());
+    }
+
+    /// Intercepting rules without service rules whose requests show a
+    /// service: a proposal to narrow them, as comments.
+    #[test]
+    fn service_rules_are_proposed_where_the_evidence_shows_them() {
+        let config = crate::config::from_str(
+            "[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+             [[org.allow]]\nid = \"forge\"\nhost = \"git.test\"\nintercept = true\n\
+             [[org.allow]]\nid = \"llm\"\nhost = \"llm.test\"\nintercept = true\n\
+             [[org.allow]]\nid = \"done\"\nhost = \"reg.test\"\nintercept = true\nservice = \"registry\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let http = |rule: &str, method: &str, path: &str| -> Record {
+            serde_json::from_value(serde_json::json!({
+                "id": "1", "ts": "2026-01-02T03:04:05Z", "kind": "http", "event": "decision",
+                "org": "acme", "client": "198.18.1.2:4000", "mode": "explicit",
+                "host": "h", "port": 443, "sni": null, "ip": null, "decision": "allow",
+                "reason": "rule_match", "rule": rule, "policy": "p",
+                "method": method, "path": path,
+            }))
+            .unwrap()
+        };
+        let records = [
+            http("forge", "GET", "/acme/app.git/info/refs"),
+            http("forge", "POST", "/acme/app.git/git-upload-pack"),
+            http("forge", "POST", "/acme/tools/git-receive-pack"),
+            http("llm", "POST", "/v1/messages"),
+            http("done", "GET", "/simple/x/"),
+        ];
+        let notes = service_notes(&records, &config.orgs[0], &Selection::default());
+        assert_eq!(
+            notes,
+            "# rule \"forge\" carried git requests (3 seen): narrow it with service = \"git\", \
+             repos = [\"acme/app\", \"acme/tools\"], push_refs = [the refs the agent may push]\n\
+             # rule \"llm\" carried llm-api requests (1 seen): narrow it with service = \"llm-api\", \
+             models = [the models it may call]\n"
+        );
     }
 }

@@ -8,8 +8,10 @@ use serde::Serialize;
 use hickory_server::proto::rr::RecordType;
 
 use crate::config::Config;
+use crate::config::ServiceRules;
 use crate::dns::decide::{decide_query, OrgDns};
-use crate::policy::request::RequestFacts;
+use crate::policy::request::{NormalPath, RequestFacts};
+use crate::policy::service::{self, BodyKind, BodyStep, ServiceFacts, ServiceRequest, Step};
 use crate::policy::{Layer, OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{ExplainTarget, Host};
 use crate::proxy::decide::{decide_with, Addresses};
@@ -58,6 +60,110 @@ pub struct RequestExplanation {
     pub detail: Option<String>,
     /// Ids of the credentials that would be added (never their values).
     pub credentials: Vec<String>,
+    /// Under service rules: what the request was to its service (as the
+    /// record would carry it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceFacts>,
+}
+
+/// What `explain` is told of a request beyond its method and path, for a
+/// rule's service rules: the query, and what the body would say.
+#[derive(Debug, Clone, Default)]
+pub struct ServiceAsk {
+    /// The target URL's query (without `?`).
+    pub query: Option<String>,
+    /// The refs a push updates (`:REF`: deletes it).
+    pub git_push: Vec<String>,
+    /// A GraphQL document, sent as `{"query": …}`.
+    pub graphql: Option<String>,
+    /// Its `operationName`.
+    pub operation_name: Option<String>,
+    /// A model API call's `model`.
+    pub model: Option<String>,
+}
+
+/// The query of an `http(s)://host/path?query` target, if it has one.
+pub fn target_query(target: &str) -> Option<String> {
+    let (_, rest) = target.split_once('?')?;
+    Some(rest.split('#').next().unwrap_or("").to_string())
+}
+
+/// The body `ask` describes for the body check `kind`, as a client would
+/// send it; `None` if `ask` says nothing of it.
+fn body_of(kind: BodyKind, ask: &ServiceAsk) -> Option<Vec<u8>> {
+    match kind {
+        BodyKind::GitPush => {
+            if ask.git_push.is_empty() {
+                return None;
+            }
+            let (old, new, zero) = ("1".repeat(40), "2".repeat(40), "0".repeat(40));
+            let mut body = Vec::new();
+            for (i, r) in ask.git_push.iter().enumerate() {
+                let (to, name) = match r.strip_prefix(':') {
+                    Some(name) => (&zero, name),
+                    None => (&new, r.as_str()),
+                };
+                let caps = if i == 0 { "\0report-status" } else { "" };
+                let line = format!("{old} {to} {name}{caps}\n");
+                body.extend_from_slice(format!("{:04x}", line.len() + 4).as_bytes());
+                body.extend_from_slice(line.as_bytes());
+            }
+            body.extend_from_slice(b"0000");
+            Some(body)
+        }
+        BodyKind::Graphql => {
+            let query = ask.graphql.as_ref()?;
+            let v = serde_json::json!({"query": query, "operationName": ask.operation_name});
+            Some(v.to_string().into_bytes())
+        }
+        BodyKind::Model => {
+            let model = ask.model.as_ref()?;
+            Some(
+                serde_json::json!({ "model": model })
+                    .to_string()
+                    .into_bytes(),
+            )
+        }
+    }
+}
+
+/// The service rules' decision on an allowed request, through the pure
+/// checks the live path runs ([`service::check`], [`service::check_body`]),
+/// the body made from `ask`: `None` when the rule has none; else the
+/// refusal's detail (if refused) and the facts.
+fn service_explanation(
+    rules: &ServiceRules,
+    method: &str,
+    path: &NormalPath,
+    ask: &ServiceAsk,
+) -> (Option<String>, Option<ServiceFacts>) {
+    let req = ServiceRequest {
+        method,
+        path,
+        query: ask.query.as_deref(),
+        content_type: None,
+        content_encoding: None,
+    };
+    match service::check(rules, &req) {
+        Step::Allow(facts) => (None, facts),
+        Step::Refuse(why, facts) => (Some(why), facts),
+        Step::Body(check) => match body_of(check.kind, ask) {
+            None => {
+                let flag = match check.kind {
+                    BodyKind::GitPush => "--git-push REF",
+                    BodyKind::Graphql => "--graphql DOCUMENT",
+                    BodyKind::Model => "--model NAME",
+                };
+                let why = format!("the decision depends on the request body: give {flag}");
+                (Some(why), Some(check.facts))
+            }
+            Some(body) => match service::check_body(rules, &check, &body, true) {
+                BodyStep::Allow(facts) => (None, Some(facts)),
+                BodyStep::Refuse(why, facts) => (Some(why), Some(facts)),
+                BodyStep::NeedMore => (Some("the body is incomplete".into()), Some(check.facts)),
+            },
+        },
+    }
 }
 
 /// The path of an `http(s)://host/path` target (no query), if it has one,
@@ -90,6 +196,7 @@ pub fn request_explanation(
     rule: &str,
     name: &str,
     (method, path): (&str, &str),
+    ask: &ServiceAsk,
 ) -> RequestExplanation {
     let credentials = config
         .orgs
@@ -100,8 +207,24 @@ pub fn request_explanation(
         method,
         path,
     };
-    let d = policy.decide_request(org, rule, req, credentials);
+    let mut d = policy.decide_request(org, rule, req, credentials);
+    let mut service = None;
+    let rules = policy.intercept_rules(org, rule);
+    if let (true, Some(p), Some(rules)) = (
+        d.is_allow(),
+        d.path.as_ref(),
+        rules.as_deref().and_then(|r| r.service.as_ref()),
+    ) {
+        let (refused, facts) = service_explanation(rules, method, p, ask);
+        service = facts;
+        if let Some(why) = refused {
+            d.verdict.reason = Reason::ServiceDenied;
+            d.detail = Some(why);
+            d.credentials.clear();
+        }
+    }
     RequestExplanation {
+        service,
         method: method.to_string(),
         path: path.to_string(),
         normalised_path: d.path.as_ref().map(|p| p.to_string()),
@@ -240,7 +363,7 @@ fn join_detail(detail: Option<String>, note: Option<String>) -> Option<String> {
 
 /// Decide `target` for `client` under `config`.
 pub async fn explain(config: &Config, client: IpAddr, target: &ExplainTarget) -> Explanation {
-    explain_request(config, client, target, None).await
+    explain_request(config, client, target, None, &ServiceAsk::default()).await
 }
 
 /// [`explain`], plus the request-level decision for `(method, path)` when
@@ -250,6 +373,7 @@ pub async fn explain_request(
     client: IpAddr,
     target: &ExplainTarget,
     request: Option<(&str, &str)>,
+    ask: &ServiceAsk,
 ) -> Explanation {
     // As `run` would decide here: this host's own addresses are denied too
     // (a host whose interfaces cannot be listed would not start `run`;
@@ -258,7 +382,7 @@ pub async fn explain_request(
     let policy = Policy::with_host(config, &host);
     match target {
         ExplainTarget::Tcp { host, port, .. } => {
-            explain_tcp(config, &policy, client, (host, *port), request).await
+            explain_tcp(config, &policy, client, (host, *port), request, ask).await
         }
         ExplainTarget::Dns { name, qtype } => explain_dns(config, &policy, client, name, qtype),
     }
@@ -282,6 +406,7 @@ async fn explain_tcp(
     client: IpAddr,
     (host, port): (&Host, u16),
     request: Option<(&str, &str)>,
+    ask: &ServiceAsk,
 ) -> Explanation {
     let tcp = |verdict| explanation(client, "tcp", host, Some(port), verdict, policy);
     let Some(org) = policy.org_for(client) else {
@@ -336,6 +461,7 @@ async fn explain_tcp(
                 &rule,
                 name,
                 (method, path),
+                ask,
             ));
         }
     }
@@ -413,6 +539,16 @@ impl std::fmt::Display for Explanation {
             }
             if !r.credentials.is_empty() {
                 writeln!(f, "  adds credential: {}", r.credentials.join(", "))?;
+            }
+            if let Some(s) = &r.service {
+                let mut parts = vec![s.name.clone()];
+                parts.extend(s.operation.clone());
+                parts.extend(s.repo.clone());
+                parts.extend(s.model.clone().map(|m| format!("model {m}")));
+                if !s.refs.is_empty() {
+                    parts.push(format!("refs: {}", s.refs.join(", ")));
+                }
+                writeln!(f, "  service:  {}", parts.join(" "))?;
             }
         }
         if let Some(b) = &self.baseline {
@@ -512,8 +648,15 @@ secret_env = "T3"
         for (rule, name) in [("registry", "reg.test"), ("open", "open.test")] {
             for method in methods {
                 for path in paths {
-                    let explained =
-                        request_explanation(&policy, &config, &org, rule, name, (method, path));
+                    let explained = request_explanation(
+                        &policy,
+                        &config,
+                        &org,
+                        rule,
+                        name,
+                        (method, path),
+                        &ServiceAsk::default(),
+                    );
                     for h2 in [false, true] {
                         let mut b = http::Request::builder()
                             .method(http::Method::from_bytes(method.as_bytes()).unwrap());
@@ -661,5 +804,89 @@ secret_env = "T3"
         ] {
             assert_eq!(target_path(target).as_deref(), want, "{target}");
         }
+    }
+
+    /// Service rules in `explain`: the pure checks the live path runs, the
+    /// body made from the flags.
+    #[test]
+    fn explain_takes_service_requests() {
+        let src = r#"
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+
+[[org.allow]]
+id = "forge"
+host = "git.test"
+intercept = true
+service = "git"
+repos = ["acme/app"]
+push_refs = ["refs/heads/agent/*"]
+
+[[org.allow]]
+id = "gql"
+host = "gql.test"
+intercept = true
+service = "graphql"
+graphql_mutations = ["createPullRequest"]
+
+[[org.allow]]
+id = "models"
+host = "llm.test"
+intercept = true
+service = "llm-api"
+models = ["claude-*"]
+"#;
+        let config = crate::config::from_str(src, Path::new("p.toml")).unwrap();
+        let policy = Policy::new(&config);
+        let org = policy.org_for("198.19.1.5".parse().unwrap()).unwrap();
+        let ask = |f: &dyn Fn(&mut ServiceAsk)| {
+            let mut a = ServiceAsk::default();
+            f(&mut a);
+            a
+        };
+        let x = |rule: &str, host: &str, req: (&str, &str), a: &ServiceAsk| {
+            let r = request_explanation(&policy, &config, &org, rule, host, req, a);
+            (r.reason, r.detail.unwrap_or_default())
+        };
+        let push = ("POST", "/acme/app.git/git-receive-pack");
+        let main = ask(&|a| a.git_push = vec!["refs/heads/main".into()]);
+        assert_eq!(
+            x("forge", "git.test", push, &main),
+            (Reason::ServiceDenied, "git push to refs/heads/main".into())
+        );
+        let agent = ask(&|a| a.git_push = vec!["refs/heads/agent/x".into()]);
+        assert_eq!(x("forge", "git.test", push, &agent).0, Reason::RuleMatch);
+        let del = ask(&|a| a.git_push = vec![":refs/heads/main".into()]);
+        assert!(x("forge", "git.test", push, &del).1.contains("(delete)"));
+        let none = ServiceAsk::default();
+        assert!(x("forge", "git.test", push, &none).1.contains("--git-push"));
+        let fetch = ("POST", "/acme/other/git-upload-pack");
+        assert_eq!(
+            x("forge", "git.test", fetch, &none).0,
+            Reason::ServiceDenied
+        );
+        let m = ask(&|a| a.graphql = Some("mutation { deleteRepository { id } }".into()));
+        assert_eq!(
+            x("gql", "gql.test", ("POST", "/graphql"), &m),
+            (
+                Reason::ServiceDenied,
+                "graphql mutation deleteRepository".into()
+            )
+        );
+        let q = ask(&|a| a.graphql = Some("{ viewer { login } }".into()));
+        assert_eq!(
+            x("gql", "gql.test", ("POST", "/graphql"), &q).0,
+            Reason::RuleMatch
+        );
+        let gpt = ask(&|a| a.model = Some("gpt-x".into()));
+        assert_eq!(
+            x("models", "llm.test", ("POST", "/v1/messages"), &gpt),
+            (Reason::ServiceDenied, "model gpt-x".into())
+        );
+        assert_eq!(
+            target_query("https://gql.test/graphql?query=%7Ba%7D#f").as_deref(),
+            Some("query=%7Ba%7D")
+        );
     }
 }

@@ -1,4 +1,5 @@
 //! `palisade explain [-c CONFIG] --client IP TARGET [--method M]
+//! [--git-push REF]... [--graphql DOC [--operation-name N]] [--model M]
 //! [--json]`: the decision the policy takes for one client and target
 //! ([`explain`]).
 
@@ -29,6 +30,19 @@ pub struct Args {
     /// to decide (with the target's path), as sent: methods are case-sensitive.
     #[arg(long)]
     pub method: Option<String>,
+    /// Under a git service rule: a ref the push updates (`:REF` deletes
+    /// it); repeat for several.
+    #[arg(long = "git-push", value_name = "REF")]
+    pub git_push: Vec<String>,
+    /// Under a graphql service rule: the document the request carries.
+    #[arg(long, value_name = "DOCUMENT")]
+    pub graphql: Option<String>,
+    /// Its operationName.
+    #[arg(long = "operation-name", value_name = "NAME")]
+    pub operation_name: Option<String>,
+    /// Under an llm-api service rule: the model the call names.
+    #[arg(long, value_name = "NAME")]
+    pub model: Option<String>,
 }
 
 /// Print the decision, as text or JSON. 0 whatever the decision; 1 on a
@@ -43,11 +57,19 @@ pub fn run(args: Args) -> Result<(), CliError> {
         (None, Some(p)) => Some(("GET", p.as_str())),
         _ => None,
     };
+    let ask = explain::ServiceAsk {
+        query: explain::target_query(&args.target),
+        git_push: args.git_push,
+        graphql: args.graphql,
+        operation_name: args.operation_name,
+        model: args.model,
+    };
     let x = runtime()?.block_on(explain::explain_request(
         &config,
         args.client,
         &target,
         request,
+        &ask,
     ));
     if args.json {
         print_json(&x)

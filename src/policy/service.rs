@@ -657,6 +657,40 @@ fn model_of_body(body: &[u8]) -> Result<String, String> {
     call.model.ok_or_else(|| "model missing".to_string())
 }
 
+/// What a request recorded under a rule without service rules looks
+/// like (method and path only, as evidence holds them): for `palisade
+/// draft`'s proposals. `None` when it looks like none of the services.
+pub(crate) fn recognise(method: &str, path: &str) -> Option<(Service, Option<String>, bool)> {
+    if let Some((repo, op)) = git_request(path, Some("service=git-upload-pack")) {
+        let push = op == GitOp::ReceivePack;
+        return Some((Service::Git, Some(repo.to_string()), push));
+    }
+    if let Some(Ok(repo)) = forge_repo(path) {
+        return Some((Service::Git, Some(repo), false));
+    }
+    let read = matches!(method, "GET" | "HEAD");
+    if method == "POST" && path.ends_with("/graphql") {
+        return Some((Service::Graphql, None, false));
+    }
+    if method == "POST"
+        && (MODEL_BODY_ENDPOINTS.iter().any(|e| path.ends_with(e)) || model_in_path(path).is_some())
+    {
+        return Some((Service::LlmApi, None, false));
+    }
+    let registry = [
+        "/simple/",
+        "/packages/",
+        "/pypi/",
+        "/api/v1/crates",
+        "/-/",
+        "/index/",
+    ];
+    if read && registry.iter().any(|p| path.starts_with(p)) {
+        return Some((Service::Registry, None, false));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1047,6 +1081,29 @@ mod tests {
             detail(&step(&r, "POST", "/model/gpt-x/invoke")),
             Some("model gpt-x")
         );
+    }
+
+    #[test]
+    fn recognise_recorded_requests() {
+        let r = recognise;
+        assert_eq!(
+            r("POST", "/acme/app.git/git-receive-pack"),
+            Some((Service::Git, Some("acme/app".into()), true))
+        );
+        assert_eq!(
+            r("GET", "/acme/app/info/refs"),
+            Some((Service::Git, Some("acme/app".into()), false))
+        );
+        assert_eq!(r("POST", "/graphql").map(|x| x.0), Some(Service::Graphql));
+        assert_eq!(
+            r("POST", "/v1/messages").map(|x| x.0),
+            Some(Service::LlmApi)
+        );
+        assert_eq!(
+            r("GET", "/simple/requests/").map(|x| x.0),
+            Some(Service::Registry)
+        );
+        assert_eq!(r("GET", "/index.html"), None);
     }
 
     #[test]

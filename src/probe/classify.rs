@@ -316,18 +316,20 @@ pub(crate) fn not_caused_by(o: &Observation, r: &Record) -> Option<String> {
         Reason::EchNotAllowed => (!o.ech).then_some("the probe's ClientHello has no ECH"),
         Reason::ProtocolMismatch => (matches!(target, Target::Http { tls: false, .. }) && !tunnel)
             .then_some("the probe's request was an absolute-form HTTP request"),
-        Reason::PathNotAllowed | Reason::MethodNotAllowed => match (&target, &r.path) {
-            (Target::Http { path, .. }, Some(got)) if same_path(path, got) => None,
-            (Target::Http { path, .. }, Some(got)) => {
-                return Some(format!(
-                    "{what} is of a request for {got}, and the probe asked for {path}"
-                ))
+        Reason::PathNotAllowed | Reason::MethodNotAllowed | Reason::ServiceDenied => {
+            match (&target, &r.path) {
+                (Target::Http { path, .. }, Some(got)) if same_path(path, got) => None,
+                (Target::Http { path, .. }, Some(got)) => {
+                    return Some(format!(
+                        "{what} is of a request for {got}, and the probe asked for {path}"
+                    ))
+                }
+                (Target::Http { .. }, None) => {
+                    Some("the record names no path, so it may be of another path than the probe's")
+                }
+                _ => Some("the probe sends no HTTP request"),
             }
-            (Target::Http { .. }, None) => {
-                Some("the record names no path, so it may be of another path than the probe's")
-            }
-            _ => Some("the probe sends no HTTP request"),
-        },
+        }
         Reason::BadRequest => Some("the probe's request is well-formed"),
         Reason::UpgradeNotAllowed => Some("the probe asks for no upgrade"),
         Reason::AuthFailed => Some("the probe sends no credentials"),

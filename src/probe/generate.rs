@@ -533,6 +533,68 @@ pub(crate) fn encoded_denied_path(pattern: &str) -> Option<String> {
     })
 }
 
+/// A probe per intercepting rule on 443 with service rules, each a GET
+/// the rule's service rules must refuse (`service_denied`): under `git`
+/// (or `repos` alone) a fetch of a repository outside `repos`, and, with
+/// no `push_refs`, a push discovery of a listed one; under `graphql` a
+/// mutation outside `graphql_mutations`. (A push to a ref, a publish and
+/// a model call carry a body or another method, which probes do not
+/// send: they are left to the netns tests.) Rules whose `methods` refuse
+/// GET are skipped: their probe would test those instead.
+fn service_probes(org: &crate::config::OrgConfig, via: Via) -> Vec<Probe> {
+    use crate::config::Service;
+    let mut out = Vec::new();
+    for (n, r) in org.allow.iter().enumerate() {
+        let Some(rules) = r.intercept.as_ref() else {
+            continue;
+        };
+        let Some(service) = rules.service.as_ref() else {
+            continue;
+        };
+        let get = (rules.methods.is_empty() || rules.methods.iter().any(|m| m == "GET"))
+            && !rules.deny_methods.iter().any(|m| m == "GET");
+        let Some(host) = rule_host(&r.target).filter(|_| get && r.ports.contains(443)) else {
+            continue;
+        };
+        let mut add = |kind: &str, path: String, what: String| {
+            out.push(Probe {
+                request: true,
+                note: Some(format!("intercepted rule {}: {what}", r.id)),
+                ..Probe::new(
+                    &format!("service-{n}-{kind}"),
+                    &format!("https://{host}{path}"),
+                    via,
+                    Expect::Deny,
+                )
+            })
+        };
+        match service.service {
+            None | Some(Service::Git) => {
+                add(
+                    "git-unlisted-repo",
+                    "/palisade-probe/unlisted.git/info/refs?service=git-upload-pack".into(),
+                    "a git fetch of a repository outside repos".into(),
+                );
+                let listed = service.repos.first().map(|p| p.replace('*', "x"));
+                if let (true, Some(repo)) = (service.push_refs.is_empty(), listed) {
+                    add(
+                        "git-push",
+                        format!("/{repo}.git/info/refs?service=git-receive-pack"),
+                        format!("a git push to {repo}, which has no push_refs (fetch only)"),
+                    );
+                }
+            }
+            Some(Service::Graphql) => add(
+                "graphql-mutation",
+                "/graphql?query=mutation%7BpalisadeProbe%7D".into(),
+                "a GraphQL mutation outside graphql_mutations (palisadeProbe)".into(),
+            ),
+            Some(Service::Registry | Service::LlmApi) => {}
+        }
+    }
+    out
+}
+
 /// The in-tunnel probes the org's rules make applicable: what an allowed
 /// tunnel carries once it is open. Names come from the first name rule
 /// (not intercepting) on 443 and on 80; the path probe from the first
@@ -628,6 +690,7 @@ fn tunnel_probes(
             )
         });
     }
+    out.extend(service_probes(org, via));
     if transparent && via == Via::Proxy {
         let direct: Vec<Probe> = out
             .iter()
@@ -825,6 +888,77 @@ mod tests {
                 .find(|p| p.id == format!("{id}-direct"))
                 .unwrap_or_else(|| panic!("no {id}-direct"));
             assert_eq!(direct.via, Via::Direct);
+        }
+    }
+
+    /// A probe per service rule, refused by its service rules.
+    #[test]
+    fn service_rules_get_probes() {
+        let src = "[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+                   [[org.allow]]\nid = \"forge\"\nhost = \"git.test\"\nports = [443]\nintercept = true\n\
+                   service = \"git\"\nrepos = [\"acme/*\"]\n\
+                   [[org.allow]]\nid = \"gql\"\nhost = \"gql.test\"\nports = [443]\nintercept = true\n\
+                   service = \"graphql\"\ngraphql_mutations = [\"createPullRequest\"]\n\
+                   [[org.allow]]\nhost = \"reg.test\"\nports = [443]\nintercept = true\nservice = \"registry\"\n";
+        let plan = generate_from(src, false);
+        let target = |id: &str| {
+            plan.probes
+                .iter()
+                .find(|p| p.id == id)
+                .map(|p| (p.target.clone(), p.expect, p.request))
+        };
+        assert_eq!(
+            target("service-0-git-unlisted-repo"),
+            Some((
+                "https://git.test/palisade-probe/unlisted.git/info/refs?service=git-upload-pack"
+                    .into(),
+                Expect::Deny,
+                true
+            ))
+        );
+        assert_eq!(
+            target("service-0-git-push").map(|t| t.0),
+            Some("https://git.test/acme/x.git/info/refs?service=git-receive-pack".into())
+        );
+        assert_eq!(
+            target("service-1-graphql-mutation").map(|t| t.0),
+            Some("https://gql.test/graphql?query=mutation%7BpalisadeProbe%7D".into())
+        );
+        assert!(plan.probes.iter().all(|p| !p.id.starts_with("service-2")));
+        // Each is refused by the rule it probes, through the live checks.
+        let config = crate::config::from_str(src, std::path::Path::new("t.toml")).unwrap();
+        let rules = |i: usize| {
+            config.orgs[0].allow[i]
+                .intercept
+                .clone()
+                .unwrap()
+                .service
+                .unwrap()
+        };
+        for (i, path, query) in [
+            (
+                0,
+                "/palisade-probe/unlisted.git/info/refs",
+                "service=git-upload-pack",
+            ),
+            (0, "/acme/x.git/info/refs", "service=git-receive-pack"),
+            (1, "/graphql", "query=mutation%7BpalisadeProbe%7D"),
+        ] {
+            let path = NormalPath::parse(path).unwrap();
+            let req = crate::policy::service::ServiceRequest {
+                method: "GET",
+                path: &path,
+                query: Some(query),
+                content_type: None,
+                content_encoding: None,
+            };
+            assert!(
+                matches!(
+                    crate::policy::service::check(&rules(i), &req),
+                    crate::policy::service::Step::Refuse(..)
+                ),
+                "{path}?{query}"
+            );
         }
     }
 
