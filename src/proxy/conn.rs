@@ -148,6 +148,7 @@ impl Link {
             owed: None,
             asked: None,
             permit: self.permit.clone(),
+            service: None,
         }
     }
 }
@@ -235,6 +236,8 @@ pub(crate) struct Conn {
     /// The connection permit of the link it was decided on: held until
     /// the close.
     pub permit: Option<Arc<Permit>>,
+    /// A request under service rules: what it was to its service.
+    pub service: Option<crate::policy::ServiceFacts>,
 }
 
 impl Conn {
@@ -334,6 +337,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
+        r.service = self.service.clone();
         r
     }
 

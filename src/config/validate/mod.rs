@@ -25,6 +25,7 @@ mod intercept;
 mod org;
 mod proxy;
 mod rules;
+mod service;
 
 use admin::validate_admin;
 use bypass::validate_bypass;
