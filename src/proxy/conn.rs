@@ -236,8 +236,9 @@ pub(crate) struct Conn {
     /// The connection permit of the link it was decided on: held until
     /// the close.
     pub permit: Option<Arc<Permit>>,
-    /// A request under service rules: what it was to its service.
-    pub service: Option<crate::policy::ServiceFacts>,
+    /// A request under service rules: what it was to its service (boxed:
+    /// every tunnel's state carries the field, few requests fill it).
+    pub service: Option<Box<crate::policy::ServiceFacts>>,
 }
 
 impl Conn {
@@ -337,7 +338,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
-        r.service = self.service.clone();
+        r.service = self.service.as_deref().cloned();
         r
     }
 

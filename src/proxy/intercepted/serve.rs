@@ -607,11 +607,11 @@ async fn decide_and_send(
             let timeout = s.ctx.limits.response_timeout.get();
             match super::service::decide(service, &parts, path, body.as_mut(), timeout).await {
                 Outcome::Pass(facts, head) => {
-                    req.service = facts;
+                    req.service = facts.map(Box::new);
                     head
                 }
                 Outcome::Refuse(why, facts) => {
-                    req.service = facts;
+                    req.service = facts.map(Box::new);
                     req.verdict.reason = Reason::ServiceDenied;
                     return refused(shared, req, &why).await;
                 }
