@@ -131,7 +131,7 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
     // The one metrics value: everything that counts gets it from here.
-    let metrics = Arc::new(Metrics::new(evidence.counters().clone()));
+    let metrics = Arc::new(Metrics::new(evidence.live().clone()));
     metrics.init_series(config.orgs.iter().map(|o| o.name.as_str()));
     let resolver = Arc::new(
         Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get())
@@ -417,12 +417,12 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
     // of it. The shares are counted over the orgs served now.
     let payers = s.served.clone();
     s.evidence
-        .counters()
+        .live()
         .store()
         .count_payers(move || payers.load().policy.org_count() + 1);
     let evidence_budget = Arc::new(
         EvidenceBudget::new(config.evidence.max_records_per_second_per_org)
-            .with_store(s.evidence.counters().clone()),
+            .with_store(s.evidence.live().clone()),
     );
     // One set of new-name budgets: a name counts once, by DNS or by
     // connection.
