@@ -1,6 +1,10 @@
-//! Wiring: open evidence, bind every listener, serve until SIGTERM/SIGINT,
-//! then drain within the grace period.
+//! Wiring: open evidence, bind every listener ([`start`]), serve until a
+//! shutdown future completes (the command's: SIGTERM/SIGINT, [`signals`]),
+//! then drain within the grace period ([`Started::serve`]). A test builds
+//! the whole app on `127.0.0.1:0` the same way, with a shutdown of its
+//! own, no root and no namespaces.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -8,6 +12,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
@@ -16,20 +21,23 @@ use crate::admin::{self, Health};
 use crate::bindings::Bindings;
 use crate::config::Config;
 use crate::dns;
+use crate::enforcement::compare::Ruleset;
+use crate::enforcement::Enforcement;
 use crate::evidence::Evidence;
-use crate::limits::{ConnLimits, DetectMemory, EvidenceBudget};
+use crate::limits::{ConnLimits, DetectMemory, EvidenceBudget, NameBudgets};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
+use crate::proxy::ctx::Routes;
 use crate::proxy::{self, Ctx};
 use crate::resolve::Resolver;
-use crate::served::Served;
+use crate::served::{Served, ServedHandle};
 
 /// Time tunnels get to write their close records after the drain ends.
 const HARD_STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// A start-up failure, printed as one line.
 #[derive(Debug, thiserror::Error)]
-pub(crate) enum StartError {
+pub enum StartError {
     #[error("cannot open evidence dir {dir}: {source}")]
     Evidence { dir: String, source: std::io::Error },
     #[error("cannot listen on {addr} ({what}): {source}")]
@@ -45,9 +53,9 @@ pub(crate) enum StartError {
     #[error("interception: {0}")]
     Intercept(String),
     #[error("{0}")]
-    Bypass(#[from] crate::bypass::nflog::BindError),
+    Bypass(String),
     #[error("{0}")]
-    Host(#[from] crate::host::HostError),
+    Host(String),
     #[error("enforcement: {0}")]
     Enforcement(String),
 }
@@ -58,22 +66,60 @@ async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, Start
         .map_err(|source| StartError::Bind { addr, what, source })
 }
 
-/// Serve until a shutdown signal; returns once drained.
-pub(crate) async fn run(config: Config) -> Result<(), StartError> {
-    let Config {
-        path: _,
-        proxy: proxy_config,
-        dns,
-        admin: admin_config,
-        evidence: evidence_config,
-        intercept: _,
-        bypass: bypass_config,
-        // Compiled into the policy (`Policy::with_host`).
-        policy: _,
-        enforcement: enforcement_config,
-        orgs: _,
-    } = &config;
+/// Serve `config` until `shutdown` completes; returns once drained. The
+/// command passes the process's signals ([`signals`]); a test, a future of
+/// its own.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), StartError> {
+    start(config).await?.serve(shutdown).await
+}
 
+/// SIGTERM or SIGINT, whichever comes first: the command's shutdown.
+pub fn signals() -> Result<impl Future<Output = ()> + Send, StartError> {
+    let mut sigterm = signal(SignalKind::terminate()).map_err(StartError::Signal)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(StartError::Signal)?;
+    Ok(async move {
+        tokio::select! {
+            _ = sigterm.recv() => {}
+            _ = sigint.recv() => {}
+        }
+    })
+}
+
+/// Everything opened and bound before anything is served: evidence, what
+/// is served, the enforcement check, every listener. What [`start`] gives
+/// and [`Started::serve`] runs; a failure of any part stops the start.
+pub struct Started {
+    config: Config,
+    evidence: Arc<Evidence>,
+    metrics: Arc<Metrics>,
+    resolver: Arc<Resolver>,
+    served: ServedHandle,
+    enforcement: Option<(Arc<Enforcement>, Arc<Ruleset>)>,
+    bindings: Arc<Bindings>,
+    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    nflog: Option<crate::bypass::nflog::NflogSocket>,
+    listeners: Listeners,
+    sighup: tokio::signal::unix::Signal,
+    /// Dialled addresses a test routes elsewhere ([`Started::route_upstream`]).
+    routes: Routes,
+}
+
+/// Every listener of the config, bound.
+struct Listeners {
+    dns: dns::DnsListeners,
+    proxy: Vec<TcpListener>,
+    transparent: Vec<TcpListener>,
+    socks5: Vec<TcpListener>,
+    admin: Option<std::net::TcpListener>,
+}
+
+/// Open evidence, load what is served, check the enforcement ruleset and
+/// bind every listener of `config`.
+pub async fn start(config: Config) -> Result<Started, StartError> {
+    let evidence_config = &config.evidence;
     let evidence =
         Arc::new(
             Evidence::start(evidence_config).map_err(|source| StartError::Evidence {
@@ -88,34 +134,19 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     let metrics = Arc::new(Metrics::new(evidence.live().clone()));
     metrics.init_series(config.orgs.iter().map(|o| o.name.as_str()));
     let resolver = Arc::new(
-        Resolver::new(&dns.upstream, dns.resolve_timeout.get())
+        Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get())
             .map_err(|e| StartError::Resolver(e.to_string()))?
             .with_metrics(metrics.clone()),
     );
-    // What a reload changes: the policy, and the per-org CAs, credentials
-    // (read from their files or environment variables now) and upstream
-    // trust bundle of interception. Files are read off the runtime.
-    // The host's own addresses, always denied: no list, no start.
-    let host = crate::host::addresses()?;
-    let served = {
-        let (config, metrics) = (config.clone(), metrics.clone());
-        tokio::task::spawn_blocking(move || {
-            let policy = Arc::new(Policy::with_host(&config, &host));
-            crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
-            Served::load(&config, policy, &metrics)
-        })
-        .await
-        .map_err(|e| StartError::Intercept(e.to_string()))?
-        .map_err(|e| StartError::Intercept(e.to_string()))?
-        .into_handle()
-    };
-    let policy = served.load().policy.clone();
+    let served = load_served(&config, &metrics).await?;
     // `[enforcement]`: the ruleset checked before anything is served; a
     // required one that is not loaded stops the start.
-    let enforcement = match enforcement_config {
-        Some(e) => Some(start_enforcement(e, &evidence, &metrics, policy.hash_arc()).await?),
+    let policy = served.load().policy.hash_arc().clone();
+    let enforcement = match &config.enforcement {
+        Some(e) => Some(start_enforcement(e, &evidence, &metrics, &policy).await?),
         None => None,
     };
+    let dns = &config.dns;
     // Addresses the DNS shim handed out, per org and name: the transparent
     // proxy checks connections against these.
     let bindings = Arc::new(Bindings::new(
@@ -125,83 +156,291 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     ));
     // Synthetic answers' pool addresses, per org and name (none without a pool).
     let synthetic = crate::synthetic::Synthetic::from_config(dns).map(Arc::new);
-    let dns_listeners =
-        dns::bind(&dns.listen)
-            .await
-            .map_err(|(addr, source)| StartError::Bind {
-                addr,
-                what: "dns",
-                source,
-            })?;
-
     // `[bypass]`: the ruleset's NFLOG group, bound before anything is
     // served (fail closed: the operator asked for the record).
-    let nflog = match bypass_config.nflog_group {
-        Some(group) => Some(crate::bypass::nflog::NflogSocket::bind(group)?),
+    let nflog = match config.bypass.nflog_group {
+        Some(group) => Some(
+            crate::bypass::nflog::NflogSocket::bind(group)
+                .map_err(|e| StartError::Bypass(e.to_string()))?,
+        ),
         None => None,
     };
+    let listeners = bind_all(&config).await?;
+    let sighup = signal(SignalKind::hangup()).map_err(StartError::Signal)?;
+    Ok(Started {
+        config,
+        evidence,
+        metrics,
+        resolver,
+        served,
+        enforcement,
+        bindings,
+        synthetic,
+        nflog,
+        listeners,
+        sighup,
+        routes: Routes::default(),
+    })
+}
 
-    let mut proxy_listeners = Vec::new();
-    for addr in &proxy_config.listen {
-        proxy_listeners.push(bind(*addr, "proxy").await?);
+/// What is served at the start: the policy, and the per-org CAs,
+/// credentials (read from their files or environment variables now) and
+/// upstream trust bundle of interception; what a reload changes. Files
+/// are read off the runtime. The host's own addresses are always denied:
+/// no list, no start.
+async fn load_served(config: &Config, metrics: &Arc<Metrics>) -> Result<ServedHandle, StartError> {
+    let host = crate::host::addresses().map_err(|e| StartError::Host(e.to_string()))?;
+    let (config, metrics) = (config.clone(), metrics.clone());
+    Ok(tokio::task::spawn_blocking(move || {
+        let policy = Arc::new(Policy::with_host(&config, &host));
+        crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
+        Served::load(&config, policy, &metrics)
+    })
+    .await
+    .map_err(|e| StartError::Intercept(e.to_string()))?
+    .map_err(|e| StartError::Intercept(e.to_string()))?
+    .into_handle())
+}
+
+/// Bind every listener of `config`; the first failure names its address.
+async fn bind_all(config: &Config) -> Result<Listeners, StartError> {
+    let dns = dns::bind(&config.dns.listen)
+        .await
+        .map_err(|(addr, source)| StartError::Bind {
+            addr,
+            what: "dns",
+            source,
+        })?;
+    let mut listeners = Listeners {
+        dns,
+        proxy: Vec::new(),
+        transparent: Vec::new(),
+        socks5: Vec::new(),
+        admin: None,
+    };
+    let proxy = &config.proxy;
+    for addr in &proxy.listen {
+        listeners.proxy.push(bind(*addr, "proxy").await?);
     }
-    let mut transparent_listeners = Vec::new();
-    for addr in &proxy_config.transparent {
-        transparent_listeners.push(bind(*addr, "transparent").await?);
+    for addr in &proxy.transparent {
+        listeners
+            .transparent
+            .push(bind(*addr, "transparent").await?);
     }
-    let mut socks5_listeners = Vec::new();
-    for addr in &proxy_config.socks5 {
-        socks5_listeners.push(bind(*addr, "socks5").await?);
+    for addr in &proxy.socks5 {
+        listeners.socks5.push(bind(*addr, "socks5").await?);
     }
-    let admin_listener = match admin_config.listen {
-        Some(addr) => {
-            Some(
-                std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
-                    addr,
-                    what: "admin",
-                    source,
-                })?,
-            )
+    if let Some(addr) = config.admin.listen {
+        let admin = std::net::TcpListener::bind(addr).map_err(|source| StartError::Bind {
+            addr,
+            what: "admin",
+            source,
+        })?;
+        listeners.admin = Some(admin);
+    }
+    Ok(listeners)
+}
+
+/// The addresses `listeners` are bound to (port 0 in the config: the one
+/// the system chose).
+fn bound(listeners: &[TcpListener]) -> Vec<SocketAddr> {
+    listeners
+        .iter()
+        .filter_map(|l| l.local_addr().ok())
+        .collect()
+}
+
+impl Started {
+    /// The explicit proxy's listening addresses.
+    pub fn proxy_addrs(&self) -> Vec<SocketAddr> {
+        bound(&self.listeners.proxy)
+    }
+
+    /// The SOCKS5 listening addresses.
+    pub fn socks5_addrs(&self) -> Vec<SocketAddr> {
+        bound(&self.listeners.socks5)
+    }
+
+    /// The admin listener's address, if one is configured.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.listeners.admin.as_ref()?.local_addr().ok()
+    }
+
+    /// Dial `to` wherever a checked decision dials `from` (after the
+    /// decision, which is made and recorded on `from` as ever). For tests
+    /// of the whole proxy without root or namespaces: the policy denies
+    /// loopback, so a test's upstream on 127.0.0.1 stands in for an
+    /// allowed address. The command never calls it.
+    pub fn route_upstream(mut self, from: SocketAddr, to: SocketAddr) -> Started {
+        self.routes.insert(from, to);
+        self
+    }
+
+    /// Serve until `shutdown` completes, then drain within the grace
+    /// period and seal the evidence.
+    pub async fn serve(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartError> {
+        let Started {
+            config,
+            evidence,
+            metrics,
+            resolver,
+            served,
+            enforcement,
+            bindings,
+            synthetic,
+            nflog,
+            listeners,
+            mut sighup,
+            routes,
+        } = self;
+        let services = Services {
+            evidence,
+            metrics,
+            resolver,
+            served,
+            bindings,
+            synthetic,
+            enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
+            routes,
+        };
+        let (ctx, evidence_budget, names) = context(&config, &services);
+        let health = Arc::new(Health {
+            listeners_bound: Default::default(),
+            evidence: services.evidence.clone(),
+            served: services.served.clone(),
+            metrics: services.metrics.clone(),
+            tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
+            enforcement: services.enforcement.clone(),
+            volumes: ctx.volumes.clone(),
+        });
+        let mut running = spawn_proxy(
+            &ctx,
+            listeners.proxy,
+            listeners.transparent,
+            listeners.socks5,
+        );
+        // Drained like the proxy: in-flight requests get the same grace.
+        if let Some(listener) = listeners.admin {
+            let limits = &config.proxy.limits;
+            let spawned = admin::spawn(
+                listener,
+                health.clone(),
+                ctx.shutdown.clone(),
+                limits.drain_timeout.get(),
+            );
+            match spawned {
+                Ok(thread) => running.admin = Some(thread),
+                Err(source) => {
+                    ctx.shutdown.cancel();
+                    drain(&ctx, running, limits).await;
+                    return Err(StartError::Bind {
+                        addr: config.admin.listen.unwrap_or(([0, 0, 0, 0], 0).into()),
+                        what: "admin",
+                        source,
+                    });
+                }
+            }
         }
-        None => None,
-    };
+        running.bypass = nflog.map(|socket| {
+            tokio::spawn(crate::bypass::serve(
+                socket,
+                crate::bypass::record::Bypasses::new(
+                    services.evidence.clone(),
+                    services.metrics.clone(),
+                    evidence_budget.clone(),
+                ),
+                services.served.clone(),
+                ctx.shutdown.clone(),
+            ))
+        });
+        let dns_shim: dns::ShimHandle = Arc::new(
+            dns::Shim::new(
+                services.served.clone(),
+                services.resolver.clone(),
+                services.evidence.clone(),
+                services.metrics.clone(),
+                services.bindings.clone(),
+                config.dns.clone(),
+            )
+            .with_evidence_budget(evidence_budget)
+            .with_names(names)
+            .with_synthetic(services.synthetic.clone()),
+        );
+        running.enforcement = enforcement.map(|(state, expected)| {
+            let served = services.served.clone();
+            tokio::spawn(crate::enforcement::watch(
+                state,
+                expected,
+                services.evidence.clone(),
+                move || served.load().policy.hash_arc().clone(),
+                config
+                    .enforcement
+                    .as_ref()
+                    .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
+                        e.check_interval
+                    }),
+                ctx.shutdown.clone(),
+            ))
+        });
+        running.dns = Some(dns::serve(dns_shim, listeners.dns, ctx.shutdown.clone()));
+        health.listeners_bound.store(true, Ordering::Relaxed);
+        log_serving(&config, &services);
+        running.flusher = Some(flush_denials(&ctx));
 
-    let mut sigterm = signal(SignalKind::terminate()).map_err(StartError::Signal)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(StartError::Signal)?;
-    let mut sighup = signal(SignalKind::hangup()).map_err(StartError::Signal)?;
+        serve_until(&config, &ctx, &services, &mut sighup, shutdown).await;
 
-    let shutdown = CancellationToken::new();
-    let hard_stop = CancellationToken::new();
-    let tasks = TaskTracker::new();
-    let limits = proxy_config.limits.clone();
+        info!(grace = ?config.proxy.limits.drain_timeout.get(), "shutting down: no new connections, draining");
+        health.listeners_bound.store(false, Ordering::Relaxed);
+        drain(&ctx, running, &config.proxy.limits).await;
+        info!("stopped");
+        Ok(())
+    }
+}
+
+/// The services every part shares, opened by [`start`].
+struct Services {
+    evidence: Arc<Evidence>,
+    metrics: Arc<Metrics>,
+    resolver: Arc<Resolver>,
+    served: ServedHandle,
+    bindings: Arc<Bindings>,
+    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    enforcement: Option<Arc<Enforcement>>,
+    routes: Routes,
+}
+
+/// The proxy's context, and the evidence and new-name budgets it shares
+/// with the DNS shim and the bypass records.
+fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc<NameBudgets>) {
+    let limits = config.proxy.limits.clone();
     // One evidence budget per org, charged by the proxy and the DNS shim;
     // an org over its share of a full store is refused whatever is left
     // of it. The shares are counted over the orgs served now.
-    let payers = served.clone();
-    evidence
+    let payers = s.served.clone();
+    s.evidence
         .live()
         .store()
         .count_payers(move || payers.load().policy.org_count() + 1);
     let evidence_budget = Arc::new(
-        EvidenceBudget::new(evidence_config.max_records_per_second_per_org)
-            .with_store(evidence.live().clone()),
+        EvidenceBudget::new(config.evidence.max_records_per_second_per_org)
+            .with_store(s.evidence.live().clone()),
     );
     // One set of new-name budgets: a name counts once, by DNS or by
     // connection.
-    let names = Arc::new(crate::limits::NameBudgets::new(
+    let names = Arc::new(NameBudgets::new(
         crate::limits::names::MAX_NAMES_PER_ORG,
-        Some(metrics.new_names_total.clone()),
+        Some(s.metrics.new_names_total.clone()),
     ));
     // Volume budgets count from now; kept across reloads (by org and
     // rule id).
     let volumes = Arc::new(crate::limits::Volumes::new(
         std::time::Instant::now(),
         crate::limits::volume::MAX_METERS,
-        Some(metrics.volume_exceeded_total.clone()),
+        Some(s.metrics.volume_exceeded_total.clone()),
     ));
     let ctx = Arc::new(Ctx {
-        volumes: volumes.clone(),
-        conns: ConnLimits::new(&limits, metrics.active_connections.clone()),
+        volumes,
+        conns: ConnLimits::new(&limits, s.metrics.active_connections.clone()),
         denials: proxy::denials::Denials::new(
             limits.max_denial_records_per_second_per_client,
             limits.max_denial_records_per_second_per_org,
@@ -211,142 +450,114 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         detect: DetectMemory::new(&limits, proxy::tunnel::MAX_DETECT_BYTES),
         upstream_pool: Arc::new(proxy::pool::UpstreamPool::new(
             &limits,
-            metrics.upstream_idle_connections.clone(),
-            metrics.upstream_reused_total.clone(),
+            s.metrics.upstream_idle_connections.clone(),
+            s.metrics.upstream_reused_total.clone(),
         )),
-        served: served.clone(),
-        evidence: evidence.clone(),
-        metrics: metrics.clone(),
-        resolver: resolver.clone(),
-        bindings: Some(bindings.clone()),
-        synthetic: synthetic.clone(),
-        limits: limits.clone(),
+        served: s.served.clone(),
+        evidence: s.evidence.clone(),
+        metrics: s.metrics.clone(),
+        resolver: s.resolver.clone(),
+        bindings: Some(s.bindings.clone()),
+        synthetic: s.synthetic.clone(),
+        limits,
         names: names.clone(),
-        shutdown: shutdown.clone(),
-        hard_stop: hard_stop.clone(),
+        shutdown: CancellationToken::new(),
+        hard_stop: CancellationToken::new(),
         policy_changed: tokio::sync::watch::Sender::new(()),
-        tasks: tasks.clone(),
-        enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
+        tasks: TaskTracker::new(),
+        enforcement: s.enforcement.clone(),
+        routes: s.routes.clone(),
     });
+    (ctx, evidence_budget, names)
+}
 
-    let health = Arc::new(Health {
-        listeners_bound: Default::default(),
-        evidence: evidence.clone(),
-        served: served.clone(),
-        metrics: metrics.clone(),
-        tails: crate::admin::tail::Tails::new(admin_config.tail_tokens.clone()),
-        enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
-        volumes,
-    });
-    let mut listener_tasks = Vec::new();
-    let pool_reaper = tokio::spawn(proxy::pool::reap(
-        ctx.upstream_pool.clone(),
-        ctx.shutdown.clone(),
-    ));
-    for listener in proxy_listeners {
-        listener_tasks.push(tokio::spawn(proxy::serve_explicit(ctx.clone(), listener)));
-    }
-    for listener in transparent_listeners {
-        listener_tasks.push(tokio::spawn(proxy::transparent::serve(
-            ctx.clone(),
-            listener,
-        )));
-    }
-    for listener in socks5_listeners {
-        listener_tasks.push(tokio::spawn(proxy::socks5::serve(ctx.clone(), listener)));
-    }
-    let bypass_task = nflog.map(|socket| {
-        tokio::spawn(crate::bypass::serve(
-            socket,
-            crate::bypass::record::Bypasses::new(
-                evidence.clone(),
-                metrics.clone(),
-                evidence_budget.clone(),
-            ),
-            served.clone(),
-            shutdown.clone(),
-        ))
-    });
-    let dns_shim: dns::ShimHandle = Arc::new(
-        dns::Shim::new(
-            served.clone(),
-            resolver.clone(),
-            evidence.clone(),
-            metrics.clone(),
-            bindings.clone(),
-            dns.clone(),
-        )
-        .with_evidence_budget(evidence_budget)
-        .with_names(names)
-        .with_synthetic(synthetic.clone()),
-    );
-    let enforcement_task = enforcement.map(|(state, expected)| {
-        let served = served.clone();
-        tokio::spawn(crate::enforcement::watch(
-            state,
-            expected,
-            evidence.clone(),
-            move || served.load().policy.hash_arc().clone(),
-            enforcement_config
-                .as_ref()
-                .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
-                    e.check_interval
-                }),
-            shutdown.clone(),
-        ))
-    });
-    let dns_task = dns::serve(dns_shim.clone(), dns_listeners, shutdown.clone());
-    let admin_thread = match admin_listener {
-        Some(listener) => Some(
-            // Drained like the proxy: in-flight requests get the same grace.
-            admin::spawn(
-                listener,
-                health.clone(),
-                shutdown.clone(),
-                limits.drain_timeout.get(),
-            )
-            .map_err(|source| StartError::Bind {
-                addr: admin_config.listen.unwrap_or(([0, 0, 0, 0], 0).into()),
-                what: "admin",
-                source,
-            })?,
-        ),
-        None => None,
+/// What runs until the drain, to be waited for in order.
+#[derive(Default)]
+struct Running {
+    listeners: Vec<JoinHandle<()>>,
+    pool_reaper: Option<JoinHandle<()>>,
+    bypass: Option<JoinHandle<()>>,
+    enforcement: Option<JoinHandle<()>>,
+    dns: Option<JoinHandle<()>>,
+    flusher: Option<JoinHandle<()>>,
+    admin: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Serve every proxy listener, and reap idle upstream connections.
+fn spawn_proxy(
+    ctx: &Arc<Ctx>,
+    proxy_listeners: Vec<TcpListener>,
+    transparent: Vec<TcpListener>,
+    socks5: Vec<TcpListener>,
+) -> Running {
+    let mut running = Running {
+        pool_reaper: Some(tokio::spawn(proxy::pool::reap(
+            ctx.upstream_pool.clone(),
+            ctx.shutdown.clone(),
+        ))),
+        ..Running::default()
     };
-    health.listeners_bound.store(true, Ordering::Relaxed);
+    for listener in proxy_listeners {
+        let task = tokio::spawn(proxy::serve_explicit(ctx.clone(), listener));
+        running.listeners.push(task);
+    }
+    for listener in transparent {
+        let task = tokio::spawn(proxy::transparent::serve(ctx.clone(), listener));
+        running.listeners.push(task);
+    }
+    for listener in socks5 {
+        let task = tokio::spawn(proxy::socks5::serve(ctx.clone(), listener));
+        running.listeners.push(task);
+    }
+    running
+}
+
+/// One line: what is served, where.
+fn log_serving(config: &Config, s: &Services) {
+    let policy = s.served.load().policy.clone();
     info!(
-        proxy = ?proxy_config.listen,
-        transparent = ?proxy_config.transparent,
-        socks5 = ?proxy_config.socks5,
-        dns = ?dns.listen,
-        admin = ?admin_config.listen,
-        bypass_nflog_group = ?bypass_config.nflog_group,
-        evidence = %evidence.path().display(),
-        evidence_key = %evidence.public_key(),
+        proxy = ?config.proxy.listen,
+        transparent = ?config.proxy.transparent,
+        socks5 = ?config.proxy.socks5,
+        dns = ?config.dns.listen,
+        admin = ?config.admin.listen,
+        bypass_nflog_group = ?config.bypass.nflog_group,
+        evidence = %s.evidence.path().display(),
+        evidence_key = %s.evidence.public_key(),
         policy = %policy.hash(),
         orgs = policy.org_count(),
         rules = policy.rule_count(),
         "palisade serving"
     );
+}
 
-    // Denials over a client's record rate are written as summaries, now
-    // and then, and once more when every connection is drained.
-    let flusher = {
-        let (ctx, shutdown) = (ctx.clone(), shutdown.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(proxy::denials::SUMMARY_INTERVAL);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tick.tick() => ctx.flush_denials().await,
-                }
+/// Denials over a client's record rate are written as summaries, now and
+/// then, until shutdown (and once more when every connection is drained).
+fn flush_denials(ctx: &Arc<Ctx>) -> JoinHandle<()> {
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(proxy::denials::SUMMARY_INTERVAL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ctx.shutdown.cancelled() => break,
+                _ = tick.tick() => ctx.flush_denials().await,
             }
-        })
-    };
+        }
+    })
+}
 
+/// Serve until `shutdown`: reload on SIGHUP, on a change of the host's
+/// addresses and when the config file changes.
+async fn serve_until(
+    config: &Config,
+    ctx: &Ctx,
+    s: &Services,
+    sighup: &mut tokio::signal::unix::Signal,
+    shutdown: impl Future<Output = ()> + Send,
+) {
     let mut reloader =
-        crate::reload::Reloader::new(config.clone(), served.clone(), metrics.clone()).await;
+        crate::reload::Reloader::new(config.clone(), s.served.clone(), s.metrics.clone()).await;
     let mut config_poll = tokio::time::interval(crate::reload::DEFAULT_CONFIG_POLL_INTERVAL);
     config_poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A new address of the gateway is denied as the kernel reports it, not
@@ -360,53 +571,60 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         Some(events) => events.changed().await,
         None => std::future::pending().await,
     };
+    let synthetic = s.synthetic.as_deref();
+    let mut shutdown = std::pin::pin!(shutdown);
     loop {
         tokio::select! {
-            _ = sigterm.recv() => break,
-            _ = sigint.recv() => break,
+            () = &mut shutdown => break,
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;
-                reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
+                reloaded(ctx, &s.bindings, synthetic, &outcome);
             }
             () = address_changed() => {
                 if let Some(outcome) = reloader.host_changed().await {
-                    reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
+                    reloaded(ctx, &s.bindings, synthetic, &outcome);
                 }
             }
             _ = config_poll.tick() => {
                 if let Some(outcome) = reloader.poll().await {
-                    reloaded(&ctx, &bindings, synthetic.as_deref(), &outcome);
+                    reloaded(ctx, &s.bindings, synthetic, &outcome);
                 }
             }
         }
     }
+}
 
-    info!(grace = ?limits.drain_timeout.get(), "shutting down: no new connections, draining");
-    health.listeners_bound.store(false, Ordering::Relaxed);
-    shutdown.cancel();
-    for t in listener_tasks {
+/// Stop accepting, let connections finish within the grace period (then
+/// close what is left), write the last denial summaries, seal the
+/// evidence chain, and stop the admin listener.
+async fn drain(ctx: &Ctx, running: Running, limits: &crate::config::Limits) {
+    ctx.shutdown.cancel();
+    for t in running.listeners {
         let _ = t.await;
     }
-    let _ = dns_task.await;
+    if let Some(t) = running.dns {
+        let _ = t.await;
+    }
     // Idle upstream connections are closed, so the drain does not wait on them.
-    let _ = pool_reaper.await;
-    tasks.close();
-    if tokio::time::timeout(limits.drain_timeout.get(), tasks.wait())
+    if let Some(t) = running.pool_reaper {
+        let _ = t.await;
+    }
+    ctx.tasks.close();
+    if tokio::time::timeout(limits.drain_timeout.get(), ctx.tasks.wait())
         .await
         .is_err()
     {
         warn!(
-            open = tasks.len(),
+            open = ctx.tasks.len(),
             "drain grace period over; closing remaining connections"
         );
-        hard_stop.cancel();
-        let _ = tokio::time::timeout(HARD_STOP_GRACE, tasks.wait()).await;
+        ctx.hard_stop.cancel();
+        let _ = tokio::time::timeout(HARD_STOP_GRACE, ctx.tasks.wait()).await;
     }
-    let _ = flusher.await;
-    if let Some(t) = enforcement_task {
-        let _ = t.await;
-    }
-    if let Some(t) = bypass_task {
+    for t in [running.flusher, running.enforcement, running.bypass]
+        .into_iter()
+        .flatten()
+    {
         let _ = t.await;
     }
     ctx.flush_denials().await;
@@ -417,18 +635,15 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         );
     }
     // Everything is drained: seal the chain with a final signed checkpoint.
-    if evidence.seal().await {
+    if ctx.evidence.seal().await {
         info!("evidence sealed");
     } else {
         warn!("evidence could not be sealed; `verify` will report an unsealed end");
     }
-    if let Some(t) = admin_thread {
+    if let Some(t) = running.admin {
         let _ = tokio::task::spawn_blocking(move || t.join()).await;
     }
-    info!("stopped");
-    Ok(())
 }
-
 /// Read the ruleset file (as the kernel would list it) and check it
 /// once; `Err` if the file does not load, or if a required ruleset is not
 /// loaded as written (one line naming what differs).

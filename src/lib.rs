@@ -86,7 +86,7 @@
 
 pub(crate) mod admin;
 pub mod analysis;
-pub(crate) mod app;
+pub mod app;
 pub(crate) mod bindings;
 pub(crate) mod bypass;
 pub mod cli;

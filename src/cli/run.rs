@@ -24,6 +24,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
         .init();
     let config = load_config(&args.config, Status::Failed)?;
     runtime()?
-        .block_on(crate::app::run(config))
+        .block_on(async {
+            let shutdown = crate::app::signals()?;
+            crate::app::run(config, shutdown).await
+        })
         .map_err(|e| CliError::new(Status::Failed, e))
 }

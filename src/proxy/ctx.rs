@@ -3,6 +3,7 @@
 //! is served ([`View`]). The bottom of the proxy's layers: it names none of
 //! the files above it.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
@@ -64,6 +65,8 @@ pub(crate) struct Ctx {
     pub tasks: TaskTracker,
     /// `[enforcement]`: whether the gateway ruleset is verified now.
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
+    /// Checked addresses dialled elsewhere (tests only; none in service).
+    pub routes: Routes,
 }
 
 /// One decision's view of what is served: the [`Served`] state as it was
@@ -230,5 +233,25 @@ impl Ctx {
     /// Where the first bytes of `client`, of `view`'s org, are charged.
     pub(crate) fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
+    }
+}
+
+/// Checked addresses dialled somewhere else: none in service. A test of
+/// the whole proxy without root ([`crate::app::Started::route_upstream`])
+/// routes an address its policy allows to a server of its own on
+/// loopback (which the policy denies). Decisions and records name the
+/// checked address; only the socket's far end differs.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Routes(Arc<HashMap<SocketAddr, SocketAddr>>);
+
+impl Routes {
+    /// Dial `to` for `from` from now on.
+    pub(crate) fn insert(&mut self, from: SocketAddr, to: SocketAddr) {
+        Arc::make_mut(&mut self.0).insert(from, to);
+    }
+
+    /// Where `addr` is dialled.
+    pub(crate) fn of(&self, addr: SocketAddr) -> SocketAddr {
+        self.0.get(&addr).copied().unwrap_or(addr)
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::ctx::Ctx;
+use super::ctx::{Ctx, Routes};
 use crate::metrics::Metrics;
 
 /// Why dialling every checked address failed.
@@ -43,22 +43,23 @@ pub(crate) async fn dial_checked(
     addrs: &[IpAddr],
     port: u16,
 ) -> Result<(TcpStream, SocketAddr), DialError> {
-    dial(&ctx.metrics, addrs, port, ctx.limits.connect_timeout.get()).await
+    let timeout = ctx.limits.connect_timeout.get();
+    dial(&ctx.metrics, &ctx.routes, (addrs, port), timeout).await
 }
 
 /// Dial the checked addresses in order until one answers; returns the
 /// stream and the address it reached, or the last error. Each failed
 /// address counts in `palisade_upstream_connect_errors_total`.
-pub(crate) async fn dial(
+async fn dial(
     metrics: &Metrics,
-    addrs: &[IpAddr],
-    port: u16,
+    routes: &Routes,
+    (addrs, port): (&[IpAddr], u16),
     timeout: Duration,
 ) -> Result<(TcpStream, SocketAddr), DialError> {
     let mut last = DialError::NoAddress;
     for ip in addrs {
         let addr = SocketAddr::new(*ip, port);
-        match tokio::time::timeout(timeout, TcpStream::connect(addr)).await {
+        match tokio::time::timeout(timeout, TcpStream::connect(routes.of(addr))).await {
             Ok(Ok(stream)) => {
                 let _ = stream.set_nodelay(true);
                 return Ok((stream, addr));

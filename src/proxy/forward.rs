@@ -30,7 +30,7 @@ use super::http::client::{Attempt, InOrder, NoResponse, Sender};
 use super::http::wire::{RequestBytes, UpCount};
 use super::http::{full, strip_hop_by_hop, Body};
 use super::pool::{self, Key};
-use super::record::{dial_failed, write_record};
+use super::record::{dial_failed, write_record, Refused};
 use super::revoke::{self, Hold};
 use crate::policy::Reason;
 use crate::proto::target::Host;
@@ -172,17 +172,10 @@ pub(crate) async fn absolute(
     started: Instant,
 ) -> Response<Body> {
     let (host, port) = (conn.host.clone(), conn.port);
-    // Only an org's allowed request is pooled (never one of no org).
     let org = conn.view.org.as_ref().map(|o| o.name.clone());
-    let pooled = org
-        .as_ref()
-        .and_then(|org| ctx.upstream_pool.checkout(org, &host, port, addrs));
-    let (upstream, addr) = match pooled {
-        Some((sender, addr)) => (Upstream::Pooled(sender), addr),
-        None => match dial_checked(&ctx, addrs, port).await {
-            Ok((stream, addr)) => (Upstream::Dialled(stream), addr),
-            Err(e) => return dial_failed(&ctx, &mut conn, e).await.response(),
-        },
+    let (upstream, addr) = match upstream_for(&ctx, &mut conn, addrs).await {
+        Ok(upstream) => upstream,
+        Err(refused) => return refused.response(),
     };
     conn.ip = Some(addr.ip());
     let written = match write_record(&ctx, &mut conn).await {
@@ -288,6 +281,28 @@ pub(crate) async fn absolute(
             exchange.failed(NoResponse::NotSent("upstream connection closed".into()))
         }
         Err(Attempt::Failed(e)) => exchange.failed(e),
+    }
+}
+
+/// An upstream connection for `conn`: an idle one of the pool (only an
+/// org's allowed request is pooled, never one of no org), else one dialled
+/// to the checked `addrs`; a failure to dial is recorded.
+async fn upstream_for(
+    ctx: &Ctx,
+    conn: &mut Conn,
+    addrs: &[IpAddr],
+) -> Result<(Upstream, std::net::SocketAddr), Refused> {
+    let org = conn.view.org.as_ref().map(|o| &o.name);
+    let pooled = org.and_then(|org| {
+        ctx.upstream_pool
+            .checkout(org, &conn.host, conn.port, addrs)
+    });
+    match pooled {
+        Some((sender, addr)) => Ok((Upstream::Pooled(sender), addr)),
+        None => match dial_checked(ctx, addrs, conn.port).await {
+            Ok((stream, addr)) => Ok((Upstream::Dialled(stream), addr)),
+            Err(e) => Err(dial_failed(ctx, conn, e).await),
+        },
     }
 }
 

@@ -111,30 +111,7 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
-    let started = Instant::now();
-    let (outcome, name) = match presented_name(&detected, orig.port()) {
-        Ok(name) => (
-            report_mismatch(
-                &ctx,
-                view,
-                decide(&ctx, view, name.as_ref(), orig).await,
-                orig,
-            )
-            .await,
-            name,
-        ),
-        Err(why) => (
-            Decided {
-                verdict: view.verdict(Reason::BadRequest),
-                dial: Vec::new(),
-                detail: Some(why.to_string()),
-                synthetic: None,
-            },
-            None,
-        ),
-    };
-    ctx.metrics
-        .time_decision(Mode::Transparent, started.elapsed());
+    let (outcome, name) = decide_presented(&ctx, view, &detected, orig).await;
 
     let mut conn = conn_for(outcome.verdict, name.unwrap_or(Host::Ip(orig.ip())));
     // A synthetic destination: the record's `ip` is the real address
@@ -170,48 +147,10 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
     // What the rule lets the connection carry: judge the first unit again
     // as the verifier sees it (an ECH hello, an h2c preface, ...), before
     // anything is dialled.
-    let carry = conn.carry();
-    let mut guard = None;
-    let mut verified = 0;
-    if carry != Carry::Opaque {
-        let judged = verify::first(
-            &mut client,
-            &mut first,
-            carry,
-            (&conn.host, orig.port()),
-            connect::guard_limits(&ctx),
-            ctx.limits.detect_timeout.get(),
-            &ctx.detect_scope(view, peer),
-        )
-        .await;
-        match judged {
-            verify::First::Passed { guard: g, forward } => {
-                conn.tunnel = Some(g.carry());
-                guard = Some(g);
-                verified = forward;
-            }
-            verify::First::Denied(v) if view.is_report() && verify::reason(v.kind).reportable() => {
-                conn.report(verify::reason(v.kind), Some(v.detail));
-                conn.tunnel = Some(Carry::Opaque);
-            }
-            verify::First::Denied(v) => {
-                conn.deny(verify::reason(v.kind), Some(v.detail));
-                deny(&ctx, &mut conn).await;
-                return reset(client);
-            }
-            verify::First::Closed => {
-                let _ = write_record(&ctx, &mut conn).await;
-                return reset(client);
-            }
-            verify::First::OverBudget => {
-                conn.refuse(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
-                let _ = write_record(&ctx, &mut conn).await;
-                return reset(client);
-            }
-        }
-    } else {
-        conn.tunnel = Some(Carry::Opaque);
-    }
+    let Some((guard, verified)) = judge_first(&ctx, &mut client, &mut first, &mut conn).await
+    else {
+        return reset(client);
+    };
     let (upstream, addr) = match dial_checked(&ctx, &outcome.dial, orig.port()).await {
         Ok(dialled) => dialled,
         Err(e) => {
@@ -250,6 +189,88 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
         return;
     }
     connect::relay(&ctx, client, upstream, (guard, first, verified), &conn, &id).await;
+}
+
+/// The transparent decision on what the client presented in its first
+/// bytes (`detected`), timed: the decision, and the name presented.
+async fn decide_presented(
+    ctx: &Ctx,
+    view: &View,
+    detected: &Detected,
+    orig: SocketAddr,
+) -> (Decided, Option<Host>) {
+    let started = Instant::now();
+    let decided = match presented_name(detected, orig.port()) {
+        Ok(name) => {
+            let outcome = decide(ctx, view, name.as_ref(), orig).await;
+            (report_mismatch(ctx, view, outcome, orig).await, name)
+        }
+        Err(why) => (
+            Decided {
+                verdict: view.verdict(Reason::BadRequest),
+                dial: Vec::new(),
+                detail: Some(why.to_string()),
+                synthetic: None,
+            },
+            None,
+        ),
+    };
+    ctx.metrics
+        .time_decision(Mode::Transparent, started.elapsed());
+    decided
+}
+
+/// Judge the first unit of an admitted connection as its rule's
+/// verifier sees it: the guard for the rest and how many held bytes
+/// passed, or `None` when it is denied or gone (recorded; reset it).
+async fn judge_first(
+    ctx: &Ctx,
+    client: &mut TcpStream,
+    first: &mut Vec<u8>,
+    conn: &mut Conn,
+) -> Option<(Option<verify::Guard>, usize)> {
+    let carry = conn.carry();
+    if carry == Carry::Opaque {
+        conn.tunnel = Some(Carry::Opaque);
+        return Some((None, 0));
+    }
+    let judged = verify::first(
+        client,
+        first,
+        carry,
+        (&conn.host, conn.port),
+        connect::guard_limits(ctx),
+        ctx.limits.detect_timeout.get(),
+        &ctx.detect_scope(&conn.view, conn.client),
+    )
+    .await;
+    match judged {
+        verify::First::Passed { guard, forward } => {
+            conn.tunnel = Some(guard.carry());
+            Some((Some(guard), forward))
+        }
+        verify::First::Denied(v)
+            if conn.view.is_report() && verify::reason(v.kind).reportable() =>
+        {
+            conn.report(verify::reason(v.kind), Some(v.detail));
+            conn.tunnel = Some(Carry::Opaque);
+            Some((None, 0))
+        }
+        verify::First::Denied(v) => {
+            conn.deny(verify::reason(v.kind), Some(v.detail));
+            deny(ctx, conn).await;
+            None
+        }
+        verify::First::Closed => {
+            let _ = write_record(ctx, conn).await;
+            None
+        }
+        verify::First::OverBudget => {
+            conn.refuse(Reason::LimitExceeded, Some(DETECT_BUDGET_EXHAUSTED.into()));
+            let _ = write_record(ctx, conn).await;
+            None
+        }
+    }
 }
 
 /// Record a denied connection.

@@ -23,8 +23,12 @@ const WITHIN: Duration = Duration::from_secs(10);
 /// A lab whose config names the gateway ruleset (written to the lab's
 /// dir) with `mode`, the ruleset loaded when `loaded`, Palisade started.
 fn lab_with(mode: &str, loaded: bool) -> Lab {
-    let mut lab = Lab::builder()
-        .policy(DEFAULT_POLICY)
+    lab_from(Lab::builder().policy(DEFAULT_POLICY), mode, loaded)
+}
+
+/// [`lab_with`] from `builder` (a policy of its own, interception).
+fn lab_from(builder: lab::LabBuilder, mode: &str, loaded: bool) -> Lab {
+    let mut lab = builder
         .proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
         .without_proxy()
         .start();
@@ -343,4 +347,113 @@ fn probes_run_while_enforcement_was_not_verified_are_inconclusive() {
             && why.contains("table inet palisade is not loaded"),
         "{why}"
     );
+}
+
+/// A client in the client namespace holding one intercepted connection
+/// (CONNECT allowed.test:443, TLS trusting the org CA, HTTP/1.1): it sends
+/// one request and prints `first STATUS`, waits for the go file (at most
+/// 30 s), sends another on the same connection and prints `second STATUS
+/// BODY`. Arguments: proxy host, port, CA file, go file.
+const HELD_CLIENT: &str = r#"
+import os, socket, ssl, sys, time
+host, port, ca, go = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+s = socket.create_connection((host, port), timeout=10)
+s.sendall(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+head = b""
+while b"\r\n\r\n" not in head:
+    d = s.recv(4096)
+    if not d:
+        break
+    head += d
+if b" 200" not in head.split(b"\r\n")[0]:
+    print("connect", head[:200], flush=True)
+    sys.exit(0)
+ctx = ssl.create_default_context(cafile=ca)
+ctx.set_alpn_protocols(["http/1.1"])
+t = ctx.wrap_socket(s, server_hostname="allowed.test")
+def get():
+    t.sendall(b"GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        d = t.recv(65536)
+        if not d:
+            return "closed", ""
+        buf += d
+    h, _, body = buf.partition(b"\r\n\r\n")
+    lines = h.decode("latin-1").split("\r\n")
+    n, chunked = 0, False
+    for l in lines[1:]:
+        k, _, v = l.partition(":")
+        if k.strip().lower() == "content-length":
+            n = int(v)
+        if k.strip().lower() == "transfer-encoding" and "chunked" in v.lower():
+            chunked = True
+    while (len(body) < n and not chunked) or (chunked and not body.endswith(b"0\r\n\r\n")):
+        d = t.recv(65536)
+        if not d:
+            break
+        body += d
+    return lines[0].split(" ")[1], body.decode("latin-1").replace("\n", " ")[:400]
+status, _ = get()
+print("first", status, flush=True)
+deadline = time.time() + 30
+while not os.path.exists(go) and time.time() < deadline:
+    time.sleep(0.02)
+status, body = get()
+print("second", status, body, flush=True)
+"#;
+
+/// An intercepted connection opened while the ruleset was loaded forwards
+/// no further request once it is missing: each request inside is admitted
+/// like a new connection (`enforcement_missing`, recorded, linked to the
+/// connection's own record).
+#[test]
+fn an_intercepted_connection_forwards_no_request_once_the_ruleset_is_missing() {
+    let dir = lab::scratch_dir("enforcement-intercept");
+    let ca_dir = dir.join("ca");
+    let builder = Lab::builder()
+        .policy(
+            "[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\
+             [[org.allow]]\nid = \"registry\"\nhost = \"allowed.test\"\nports = [443]\nintercept = true\n\
+             [[org.allow]]\nid = \"plain\"\nhost = \"allowed.test\"\nports = [80]\n",
+        )
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}\n",
+            ca_dir.display().to_string(),
+            lab::ca_pem().display().to_string()
+        ));
+    let mut lab = lab_from(builder, "required", true);
+    lab.wait_proxy_ready();
+    let ca = ca_dir.join("acme.pem").display().to_string();
+    let go = dir.join("go");
+    let (proxy_host, proxy_port) = lab::PROXY_ADDR.split_once(':').unwrap();
+    let go_arg = go.display().to_string();
+    let (child, first) =
+        lab.spawn_client_script(HELD_CLIENT, &[proxy_host, proxy_port, &ca, &go_arg]);
+    let mut child = lab::Background(child);
+    assert_eq!(first, "first 200", "{}", lab.proxy_output());
+
+    nft(&lab, &["delete", "table", "inet", "palisade"]);
+    until("/readyz 503", &lab, || lab.admin_status("/readyz") == 503);
+    until("a new connection refused", &lab, || {
+        allowed(&lab).body.contains("enforcement_missing")
+    });
+    std::fs::write(&go, "").unwrap();
+    let mut second = String::new();
+    if let Some(out) = child.0.stdout.as_mut() {
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut second);
+    }
+    assert!(
+        second.starts_with("second 503") && second.contains("enforcement_missing"),
+        "the held connection's next request: {second:?}"
+    );
+    let tunnel = lab.wait_evidence("the connection's allow record", |v| {
+        v["kind"] == "tcp" && v["host"] == "allowed.test" && v["decision"] == "allow"
+    });
+    let refusal = lab.wait_evidence("the request's refusal", |v| {
+        v["kind"] == "http" && v["reason"] == "enforcement_missing" && v["conn"].is_string()
+    });
+    assert_eq!(refusal["conn"], tunnel["id"], "{refusal}");
+    assert_eq!(refusal["decision"], "deny", "{refusal}");
+    assert_eq!(refusal["org"], "acme", "{refusal}");
 }
