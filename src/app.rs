@@ -50,6 +50,8 @@ pub(crate) enum StartError {
     Host(#[from] crate::host::HostError),
     #[error("enforcement: {0}")]
     Enforcement(String),
+    #[error("otel: {0}")]
+    Otel(String),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -71,6 +73,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         // Compiled into the policy (`Policy::with_host`).
         policy: _,
         enforcement: enforcement_config,
+        otel: otel_config,
         orgs: _,
     } = &config;
 
@@ -172,6 +175,20 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
 
     let shutdown = CancellationToken::new();
     let hard_stop = CancellationToken::new();
+    // The OTLP export follows the evidence to its last record: it stops
+    // after the chain is sealed, not with the listeners.
+    let otel_stop = CancellationToken::new();
+    let (otel, otel_tasks) = match crate::otel::start(
+        otel_config.as_ref(),
+        evidence.counters().tap(),
+        &metrics,
+        &otel_stop,
+    )
+    .map_err(StartError::Otel)?
+    {
+        Some((otel, tasks)) => (Some(otel), tasks),
+        None => (None, Vec::new()),
+    };
     let tasks = TaskTracker::new();
     let limits = proxy_config.limits.clone();
     // One evidence budget per org, charged by the proxy and the DNS shim;
@@ -219,6 +236,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         policy_changed: tokio::sync::watch::Sender::new(()),
         tasks: tasks.clone(),
         enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
+        otel,
     });
 
     let health = Arc::new(Health {
@@ -412,6 +430,10 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         info!("evidence sealed");
     } else {
         warn!("evidence could not be sealed; `verify` will report an unsealed end");
+    }
+    otel_stop.cancel();
+    for t in otel_tasks {
+        let _ = t.await;
     }
     if let Some(t) = admin_thread {
         let _ = tokio::task::spawn_blocking(move || t.join()).await;

@@ -61,6 +61,8 @@ pub(crate) struct Ctx {
     pub tasks: TaskTracker,
     /// `[enforcement]`: whether the gateway ruleset is verified now.
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
+    /// The OTLP export, if on: where connection spans start.
+    pub otel: Option<Arc<crate::otel::Otel>>,
 }
 
 /// An allow refused because its org's evidence budget is spent: the same
