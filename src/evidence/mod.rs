@@ -20,6 +20,7 @@ pub(crate) mod note;
 pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;
+mod retention;
 pub(crate) mod segment;
 pub(crate) mod store;
 pub(crate) mod tap;

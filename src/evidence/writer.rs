@@ -50,6 +50,7 @@ use tracing::{error, info, warn};
 use super::chain::{self, Prepared, GENESIS};
 use super::merkle::{self, Frontier};
 use super::note;
+use super::retention::{self, Listed};
 use super::segment::{self, Tail};
 use super::store::{Owed, Payer};
 use crate::config::{Durability, EvidenceConfig};
@@ -799,51 +800,39 @@ impl Io {
     /// never removed for size: retention stops there, and the store is
     /// full until that segment is old enough ([`super::store`]).
     fn retention(&mut self, keep: Option<&str>) -> (Vec<Value>, Vec<PathBuf>) {
-        let (size_cap, age_cap) = (self.cfg.retain_size, self.cfg.retain_age);
+        let caps = retention::Caps {
+            size: self.cfg.retain_size,
+            age: self.cfg.retain_age,
+            min_age: self.cfg.retain_min_age,
+        };
         self.floor_until = None;
-        if size_cap.is_none() && age_cap.is_none() {
+        if caps.size.is_none() && caps.age.is_none() {
             self.counters.store().set_floor(false);
             return (Vec::new(), Vec::new());
         }
         let Ok(list) = segment::list(&self.cfg.dir) else {
             return (Vec::new(), Vec::new());
         };
-        let sizes: Vec<(PathBuf, u64, Option<SystemTime>)> = list
+        let now = SystemTime::now();
+        let listing: Vec<Listed> = list
             .into_iter()
-            .filter_map(|p| {
-                let md = fs::metadata(&p).ok()?;
-                Some((p, md.len(), md.modified().ok()))
+            .filter_map(|path| {
+                let md = fs::metadata(&path).ok()?;
+                let age = md.modified().ok().and_then(|t| now.duration_since(t).ok());
+                Some(Listed {
+                    path,
+                    len: md.len(),
+                    age,
+                })
             })
             .collect();
-        let mut total: u64 = sizes.iter().map(|s| s.1).sum();
+        let plan = retention::plan(&listing, caps, keep);
         let (mut removed, mut unlink) = (Vec::new(), Vec::new());
-        // The newest segment always stays: it is the chain head.
-        for (path, len, mtime) in sizes.iter().take(sizes.len().saturating_sub(1)) {
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            if name.as_deref() == keep {
-                break;
-            }
-            let too_big = size_cap.is_some_and(|cap| total > cap);
-            let age = mtime.and_then(|t| t.elapsed().ok());
-            let too_old = age_cap.is_some_and(|cap| age.is_some_and(|e| e > cap));
-            if !too_big && !too_old {
-                break;
-            }
-            // An mtime in the future (or none) counts as just written.
-            let young = age.unwrap_or(Duration::ZERO);
-            if !too_old && young < self.cfg.retain_min_age {
-                let wait = self.cfg.retain_min_age - young;
-                self.floor_until = Some(Instant::now() + wait);
-                warn!(
-                    segment = %path.display(),
-                    age = ?young,
-                    retain_min_age = ?self.cfg.retain_min_age,
-                    "retention: the store is over retain_size but its oldest segment is younger than retain_min_age; keeping it, and refusing the orgs over their share"
-                );
-                break;
-            }
-            let Ok(tail) = segment::read_tail(path) else {
-                warn!(segment = %path.display(), "retention: cannot read segment; keeping it");
+        let mut floor_in = plan.floor_in;
+        for seg in listing.iter().take(plan.remove) {
+            let Ok(tail) = segment::read_tail(&seg.path) else {
+                warn!(segment = %seg.path.display(), "retention: cannot read segment; keeping it");
+                floor_in = None;
                 break;
             };
             let mut desc = tail.to_json(tail.end());
@@ -853,8 +842,16 @@ impl Io {
                 m.insert("last_ts".into(), tail.last_ts.clone().into());
             }
             removed.push(desc);
-            unlink.push(path.clone());
-            total -= len;
+            unlink.push(seg.path.clone());
+        }
+        if let (Some(wait), Some(seg)) = (floor_in, listing.get(plan.remove)) {
+            self.floor_until = Some(Instant::now() + wait);
+            warn!(
+                segment = %seg.path.display(),
+                age = ?seg.age.unwrap_or(Duration::ZERO),
+                retain_min_age = ?caps.min_age,
+                "retention: the store is over retain_size but its oldest segment is younger than retain_min_age; keeping it, and refusing the orgs over their share"
+            );
         }
         self.counters.store().set_floor(self.floor_until.is_some());
         (removed, unlink)

@@ -2,7 +2,10 @@
 
 use super::*;
 use crate::config;
-use crate::proto::target::normalize_host;
+use crate::config::Carry;
+use crate::proto::target::{normalize_host, Host};
+use sha2::{Digest, Sha256};
+use std::net::IpAddr;
 use std::path::Path;
 
 const POLICY: &str = r#"

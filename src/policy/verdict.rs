@@ -1,0 +1,273 @@
+//! What a decision says: the reason codes, the verdict, a name pending on
+//! its addresses, and the layer of the deciding rule.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::rule::Rule;
+
+/// Why a connection or query was allowed or denied. Stable, snake_case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    RuleMatch,
+    /// Allowed only because the org is in report mode; `would_deny` says why
+    /// enforcement would have denied it.
+    ReportOnly,
+    UnknownClient,
+    NoMatchingRule,
+    ExplicitDeny,
+    PortNotAllowed,
+    DeniedAddress,
+    SniMismatch,
+    HostMismatch,
+    BadRequest,
+    ResolutionFailed,
+    EvidenceUnavailable,
+    LimitExceeded,
+    /// DNS shim: a special-use name (`localhost`, `.local`, `.onion`,
+    /// reverse zones, ...) answered locally, never forwarded.
+    SpecialName,
+    /// DNS shim: a query type the org has not enabled.
+    QtypeNotAllowed,
+    /// No credentials, and the source address alone names no org that
+    /// could be chosen without them.
+    AuthRequired,
+    /// Credentials that do not name an org holding that token (from that
+    /// address, for `address+token`).
+    AuthFailed,
+    /// Intercepted request: the rule's `methods`/`deny_methods` refuse the method.
+    MethodNotAllowed,
+    /// Intercepted request: the rule's `paths`/`deny_paths` refuse the path.
+    PathNotAllowed,
+    /// Intercepted connection: the upstream's certificate did not verify
+    /// (or its TLS handshake failed). Never downgraded to pass-through.
+    UpstreamTlsError,
+    /// A tunnel's bytes are not what its rule says it carries: no
+    /// ClientHello on a TLS tunnel (silence past `detect_timeout`, other
+    /// bytes, a record before the hello), no HTTP request on an HTTP one.
+    ProtocolMismatch,
+    /// A TLS tunnel's ClientHello names no server.
+    SniMissing,
+    /// A ClientHello with an `encrypted_client_hello` extension: the name
+    /// that counts is encrypted, so it cannot be checked.
+    EchNotAllowed,
+    /// h2c on an HTTP tunnel (prior knowledge, `Upgrade: h2c`): its streams
+    /// could name other hosts unseen.
+    UpgradeNotAllowed,
+    /// A live connection a reload's new policy no longer allows: closed
+    /// (report mode: kept, with this as its `would_deny`).
+    PolicyRevoked,
+    /// A name under a wildcard allow rule that its rule does not let
+    /// leave: new to the org past the rule's `max_new_names_per_minute`,
+    /// or with a label longer than its `max_label_length` (names as a
+    /// covert channel, `docs/dns.md`).
+    NameBudgetExceeded,
+    /// A connection to an address of the synthetic pool that is bound to
+    /// no name of the client's org (never handed out to it, or evicted):
+    /// never dialled, nothing resolved.
+    SyntheticUnbound,
+    /// `[enforcement] mode = "required"`: the gateway ruleset is not
+    /// loaded as written, so no new connection is let through (the
+    /// sandbox may not be behind Palisade alone).
+    EnforcementMissing,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 28] = [
+        Reason::RuleMatch,
+        Reason::ReportOnly,
+        Reason::UnknownClient,
+        Reason::NoMatchingRule,
+        Reason::ExplicitDeny,
+        Reason::PortNotAllowed,
+        Reason::DeniedAddress,
+        Reason::SniMismatch,
+        Reason::HostMismatch,
+        Reason::BadRequest,
+        Reason::ResolutionFailed,
+        Reason::EvidenceUnavailable,
+        Reason::LimitExceeded,
+        Reason::SpecialName,
+        Reason::QtypeNotAllowed,
+        Reason::AuthRequired,
+        Reason::AuthFailed,
+        Reason::MethodNotAllowed,
+        Reason::PathNotAllowed,
+        Reason::UpstreamTlsError,
+        Reason::ProtocolMismatch,
+        Reason::SniMissing,
+        Reason::EchNotAllowed,
+        Reason::UpgradeNotAllowed,
+        Reason::PolicyRevoked,
+        Reason::NameBudgetExceeded,
+        Reason::SyntheticUnbound,
+        Reason::EnforcementMissing,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::RuleMatch => "rule_match",
+            Reason::ReportOnly => "report_only",
+            Reason::UnknownClient => "unknown_client",
+            Reason::NoMatchingRule => "no_matching_rule",
+            Reason::ExplicitDeny => "explicit_deny",
+            Reason::PortNotAllowed => "port_not_allowed",
+            Reason::DeniedAddress => "denied_address",
+            Reason::SniMismatch => "sni_mismatch",
+            Reason::HostMismatch => "host_mismatch",
+            Reason::BadRequest => "bad_request",
+            Reason::ResolutionFailed => "resolution_failed",
+            Reason::EvidenceUnavailable => "evidence_unavailable",
+            Reason::LimitExceeded => "limit_exceeded",
+            Reason::SpecialName => "special_name",
+            Reason::QtypeNotAllowed => "qtype_not_allowed",
+            Reason::AuthRequired => "auth_required",
+            Reason::AuthFailed => "auth_failed",
+            Reason::MethodNotAllowed => "method_not_allowed",
+            Reason::PathNotAllowed => "path_not_allowed",
+            Reason::UpstreamTlsError => "upstream_tls_error",
+            Reason::ProtocolMismatch => "protocol_mismatch",
+            Reason::SniMissing => "sni_missing",
+            Reason::EchNotAllowed => "ech_not_allowed",
+            Reason::UpgradeNotAllowed => "upgrade_not_allowed",
+            Reason::PolicyRevoked => "policy_revoked",
+            Reason::NameBudgetExceeded => "name_budget_exceeded",
+            Reason::SyntheticUnbound => "synthetic_unbound",
+            Reason::EnforcementMissing => "enforcement_missing",
+        }
+    }
+
+    pub fn is_allow(self) -> bool {
+        matches!(self, Reason::RuleMatch | Reason::ReportOnly)
+    }
+
+    /// Denials an org in report mode lets through: the allowlist's own
+    /// verdicts, a wildcard rule's name budget among them (report mode lets
+    /// names no rule matches through unbudgeted anyway). Safety denials
+    /// (always-denied addresses, Palisade's own listeners, bad requests,
+    /// limits, evidence) are enforced in every mode.
+    pub fn reportable(self) -> bool {
+        matches!(
+            self,
+            Reason::NoMatchingRule
+                | Reason::ExplicitDeny
+                | Reason::PortNotAllowed
+                | Reason::SniMismatch
+                | Reason::HostMismatch
+                | Reason::ProtocolMismatch
+                | Reason::SniMissing
+                | Reason::EchNotAllowed
+                | Reason::UpgradeNotAllowed
+                | Reason::PolicyRevoked
+                | Reason::NameBudgetExceeded
+        )
+    }
+
+    /// `allow` or `deny`, as evidence and metrics spell it.
+    pub fn decision(self) -> &'static str {
+        if self.is_allow() {
+            "allow"
+        } else {
+            "deny"
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An org, as the policy knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OrgRef {
+    pub index: usize,
+    pub name: Arc<str>,
+}
+
+/// The outcome of a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    pub org: Option<OrgRef>,
+    pub reason: Reason,
+    /// Id of the deciding rule, where one decided.
+    pub rule: Option<Arc<str>>,
+    /// Report mode: what enforcement would have decided.
+    pub would_deny: Option<Reason>,
+}
+
+impl Verdict {
+    pub fn is_allow(&self) -> bool {
+        self.reason.is_allow()
+    }
+
+    pub(super) fn deny(org: &OrgRef, reason: Reason, rule: Option<&Rule>) -> Self {
+        Verdict {
+            org: Some(org.clone()),
+            reason,
+            rule: rule.map(|r| r.id.clone()),
+            would_deny: None,
+        }
+    }
+
+    /// Report mode: let a reportable denial through, saying what it was.
+    pub fn reported(self) -> Verdict {
+        if !self.reason.reportable() {
+            return self;
+        }
+        Verdict {
+            would_deny: Some(self.reason),
+            reason: Reason::ReportOnly,
+            ..self
+        }
+    }
+}
+
+/// What [`Policy::decide`](super::Policy::decide) concluded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Decided without looking at addresses (IP targets, or names denied by name).
+    Final(Verdict),
+    /// The name is allowed by name; the decision depends on the addresses it resolves to.
+    Resolve(PendingName),
+}
+
+/// A name allowed by a host rule, waiting for its addresses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingName {
+    pub org: OrgRef,
+    /// The allow rule (or, in report mode, the deny rule) that decided by name.
+    pub rule: Option<Arc<str>>,
+    pub port: u16,
+    /// Report mode: the denial by name that is let through.
+    pub would_deny: Option<Reason>,
+}
+
+/// The addresses of an allowed name that may be dialled, in order, and the verdict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddressVerdict {
+    pub verdict: Verdict,
+    pub dial: Vec<IpAddr>,
+}
+
+/// The layer of the policy a rule belongs to: the operator's baseline
+/// (`[policy] baseline`) or an org's own rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Layer {
+    Baseline,
+    Org,
+}
+
+impl Layer {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Layer::Baseline => "baseline",
+            Layer::Org => "org",
+        }
+    }
+}
