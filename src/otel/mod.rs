@@ -36,7 +36,38 @@ use crate::config::OtelConfig;
 use crate::evidence::tap::Tap;
 use crate::metrics::Metrics;
 
-pub(crate) use spans::{ConnSpan, Step};
+pub(crate) use spans::{annotate, connection, current, request, step, step_result, within};
+
+/// Put a written decision record's outcome on the current span (the
+/// connection's or request's): what a trace viewer shows without the log.
+pub(crate) fn annotate_record(record: &crate::evidence::Record) {
+    if record.event != crate::evidence::Event::Decision
+        || !opentelemetry::trace::TraceContextExt::has_active_span(
+            &opentelemetry::Context::current(),
+        )
+    {
+        return;
+    }
+    let mut attrs: Vec<(&'static str, opentelemetry::Value)> = vec![
+        ("palisade.record.id", record.id.clone().into()),
+        ("palisade.decision", record.decision_str().into()),
+        ("palisade.reason", record.reason.as_str().into()),
+        ("palisade.policy", record.policy.to_string().into()),
+    ];
+    if let Some(org) = &record.org {
+        attrs.push(("palisade.org", org.to_string().into()));
+    }
+    if let Some(rule) = &record.rule {
+        attrs.push(("palisade.rule", rule.to_string().into()));
+    }
+    if let Some(host) = &record.host {
+        attrs.push(("server.address", host.clone().into()));
+    }
+    if let Some(port) = record.port {
+        attrs.push(("server.port", i64::from(port).into()));
+    }
+    annotate(attrs);
+}
 
 /// The endpoint when neither the file nor the environment names one.
 const DEFAULT_ENDPOINT: &str = "http://localhost:4318";

@@ -185,6 +185,7 @@ impl Ctx {
         match self.evidence.write(record).await {
             Ok(()) => {
                 self.metrics.count_record(record);
+                crate::otel::annotate_record(record);
                 true
             }
             Err(e) => {

@@ -99,7 +99,7 @@ impl Ctx {
         port: u16,
     ) -> Decided {
         let started = std::time::Instant::now();
-        let outcome = self.decide(view, host, port).await;
+        let outcome = crate::otel::step("decide", self.decide(view, host, port)).await;
         self.metrics.time_decision(mode, started.elapsed());
         outcome
     }
@@ -247,14 +247,16 @@ pub(crate) async fn decide_with(
                 synthetic: None,
             };
             let addrs = match addresses {
-                Addresses::Resolved => match resolver.lookup(name).await {
-                    Ok(addrs) => addrs,
-                    Err(e) => return resolution_failed(e.to_string()),
-                },
+                Addresses::Resolved => {
+                    match crate::otel::step("resolve", resolver.lookup(name)).await {
+                        Ok(addrs) => addrs,
+                        Err(e) => return resolution_failed(e.to_string()),
+                    }
+                }
                 Addresses::Original { ip, bindings } => {
                     let bound = bindings.is_some_and(|b| b.is_bound(&org.name, name, ip));
                     if !bound {
-                        match resolver.lookup(name).await {
+                        match crate::otel::step("resolve", resolver.lookup(name)).await {
                             Ok(addrs) if addrs.iter().any(|a| canonical(*a) == ip) => {}
                             Ok(_) => {
                                 return Decided::mismatch(

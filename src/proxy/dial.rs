@@ -44,13 +44,13 @@ impl Ctx {
         addrs: &[IpAddr],
         port: u16,
     ) -> Result<(TcpStream, SocketAddr), DialError> {
-        dial(
+        let dialled = dial(
             &self.metrics,
             addrs,
             port,
             self.limits.connect_timeout.get(),
-        )
-        .await
+        );
+        crate::otel::step_result("dial", dialled).await
     }
 }
 

@@ -27,6 +27,7 @@ use super::intercepted;
 use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
 use crate::limits::{LimitHit, Permit};
+use crate::otel;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -47,11 +48,24 @@ pub(crate) async fn serve_connection(
         let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
         let stream = MeteredIo::new(stream, meter.clone());
         let svc_ctx = ctx.clone();
-        let service = service_fn(move |req| {
+        // The connection's span starts with its first request, under that
+        // request's `traceparent` (a CONNECT's is the tunnel's parent).
+        let conn_span = std::sync::OnceLock::new();
+        let service = service_fn(move |req: Request<Incoming>| {
             let ctx = svc_ctx.clone();
             let permit = permit.clone();
             let meter = meter.clone();
-            async move { Ok::<_, Infallible>(metered(ctx, peer, permit, meter, req).await) }
+            let conn = conn_span.get_or_init(|| {
+                otel::connection(ctx.otel.as_deref(), peer, "explicit", Some(req.headers()))
+            });
+            let cx = if req.method() == Method::CONNECT {
+                conn.clone()
+            } else {
+                otel::request(conn, req.method().as_str(), req.headers())
+            };
+            otel::within(cx, async move {
+                Ok::<_, Infallible>(metered(ctx, peer, permit, meter, req).await)
+            })
         });
         let protocol = Protocol::Http1 {
             header_read_timeout: limits.header_read_timeout.get(),
@@ -371,7 +385,9 @@ async fn connect(
     // waits for it then holds a pointer, not room for the whole `Opened`,
     // for the tunnel's life.
     let opened = Box::new(opened);
-    ctx.tasks.spawn(
+    // The tunnel keeps the connection's span (it ends with the tunnel).
+    ctx.tasks.spawn(otel::within(
+        otel::current(),
         async move {
             let _permit = permit;
             match on_upgrade.await {
@@ -380,7 +396,7 @@ async fn connect(
             }
         }
         .instrument(tracing::Span::current()),
-    );
+    ));
     Response::new(full(Bytes::new()))
 }
 

@@ -24,6 +24,7 @@ use super::listen::accept_loop;
 use super::record::record_denial;
 use crate::evidence::{Kind, Mode};
 use crate::limits::{LimitHit, Permit};
+use crate::otel;
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
     self, Address, Command, Malformed, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
@@ -40,7 +41,10 @@ pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
         ctx,
         listener,
         "socks5",
-        |ctx, stream, peer, _view, permit| handle(ctx, stream, peer, permit),
+        |ctx, stream, peer, _view, permit| {
+            let span = otel::connection(ctx.otel.as_deref(), peer, "socks5", None);
+            otel::within(span, handle(ctx, stream, peer, permit))
+        },
         refuse_over_limit,
     )
     .await

@@ -29,6 +29,7 @@ use super::verify;
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode};
 use crate::limits::{LimitHit, Permit};
+use crate::otel;
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -50,7 +51,11 @@ pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<Socket
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(ctx, listener, "transparent", handle, refuse).await
+    let traced = |ctx: Arc<Ctx>, client, peer, view, permit| {
+        let span = otel::connection(ctx.otel.as_deref(), peer, "transparent", None);
+        otel::within(span, handle(ctx, client, peer, view, permit))
+    };
+    accept_loop(ctx, listener, "transparent", traced, refuse).await
 }
 
 /// Over a limit: record it and reset.
@@ -139,7 +144,7 @@ async fn handle(
             report_mismatch(
                 &ctx,
                 view,
-                decide(&ctx, view, name.as_ref(), orig).await,
+                otel::step("decide", decide(&ctx, view, name.as_ref(), orig)).await,
                 orig,
             )
             .await,

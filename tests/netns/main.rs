@@ -30,6 +30,7 @@ mod lifecycle;
 mod metrics;
 mod names;
 mod noisy;
+mod otel;
 mod own_addresses;
 mod policy;
 mod pool;
