@@ -133,6 +133,9 @@ pub(crate) struct Otel {
     _loggers: SdkLoggerProvider,
 }
 
+/// A started export and its tasks (ended by the `shutdown` given).
+pub(crate) type Started = (Arc<Otel>, Vec<tokio::task::JoinHandle<()>>);
+
 /// Start the export (`config` is `[otel]`, if any; the environment is read
 /// here): a task reading the evidence tap into log records, and one drain
 /// task per signal, all ending with `shutdown`. `Ok(None)`: nothing to
@@ -142,7 +145,7 @@ pub(crate) fn start(
     tap: &Tap,
     metrics: &Metrics,
     shutdown: &CancellationToken,
-) -> Result<Option<(Arc<Otel>, Vec<tokio::task::JoinHandle<()>>)>, String> {
+) -> Result<Option<Started>, String> {
     let Some(urls) = endpoints(config, |name| std::env::var(name).ok())? else {
         return Ok(None);
     };

@@ -16,7 +16,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use opentelemetry::InstrumentationScope;
-use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::logs::{LogBatch, LogExporter, LogProcessor, SdkLogRecord};
 use opentelemetry_sdk::trace::{SpanData, SpanExporter, SpanProcessor};
 use prometheus::IntCounter;
@@ -144,11 +144,7 @@ pub(crate) async fn drain<T, S: Sink<T>>(
             let sent = if stopping {
                 tokio::time::timeout(FINAL_EXPORT, sink.send(batch))
                     .await
-                    .unwrap_or_else(|_| {
-                        Err(opentelemetry_sdk::error::OTelSdkError::Timeout(
-                            FINAL_EXPORT,
-                        ))
-                    })
+                    .unwrap_or(Err(OTelSdkError::Timeout(FINAL_EXPORT)))
             } else {
                 sink.send(batch).await
             };
