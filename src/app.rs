@@ -244,7 +244,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         evidence: evidence.clone(),
         served: served.clone(),
         metrics: metrics.clone(),
-        tails: crate::tail::Tails::new(admin_config.tail_tokens.clone()),
+        tails: crate::admin::tail::Tails::new(admin_config.tail_tokens.clone()),
         enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
     });
     let mut listener_tasks = Vec::new();

@@ -58,16 +58,18 @@
 //! change or a change of the host's own addresses (read by [`host`], always
 //! denied by the policy); [`metrics`] is one value handed to whoever counts;
 //! [`app`] wires listeners, the metrics, the admin endpoints ([`admin`],
-//! with the live decision tail of [`tail`]) and shutdown;
+//! with the live decision tail of [`admin::tail`]) and shutdown;
 //! [`bypass`] reads the packets the gateway ruleset rejected (its NFLOG
 //! group) and records them as `kind = "bypass"`; [`enforcement`] checks
 //! that the kernel holds the gateway ruleset as its file defines it
 //! (`/readyz`, `kind = "enforcement"` records, `enforcement_missing`);
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
 //! joined with verified evidence). [`cli`] holds the commands of the
-//! `palisade` binary, among them [`cli::explain`], which runs the same
-//! decision for one target from the command line, and [`cli::replay`],
-//! which re-decides recorded decisions under a candidate policy.
+//! `palisade` binary: arguments and printing over the library; the read
+//! side is [`analysis`], among them [`analysis::explain`], which runs the
+//! same decision for one target from the command line, and
+//! [`analysis::replay`], which re-decides recorded decisions under a
+//! candidate policy.
 //!
 //! Visibility says what is internal: items are `pub(crate)` unless the
 //! binary, the integration tests, the benches or the fuzz targets use them
@@ -83,6 +85,7 @@
 #![allow(rustdoc::private_intra_doc_links)]
 
 pub(crate) mod admin;
+pub mod analysis;
 pub(crate) mod app;
 pub(crate) mod bindings;
 pub(crate) mod bypass;
@@ -108,6 +111,5 @@ pub(crate) mod resolve;
 pub(crate) mod serve;
 pub(crate) mod served;
 pub(crate) mod synthetic;
-pub(crate) mod tail;
 #[cfg(test)]
 mod testing;

@@ -11,7 +11,9 @@ use std::time::SystemTime;
 use ed25519_dalek::VerifyingKey;
 
 use super::{load_config, output_failed, CliError, Status, DEFAULT_CONFIG};
+use crate::evidence::select::{self, Selection};
 use crate::evidence::{chain, fleet, key, proof, query, verify};
+use crate::policy::Reason;
 
 /// `palisade evidence ...`.
 #[derive(clap::Subcommand, Debug)]
@@ -176,26 +178,28 @@ pub struct FleetArgs {
     pub include_broken: bool,
 }
 
-/// The record filters of `evidence query` and `evidence export`.
+/// The record selection of `evidence query` and `evidence export`
+/// ([`Selection`]).
 #[derive(clap::Args, Debug)]
 pub struct FilterArgs {
     /// Org name (`unknown` for clients of no org).
     #[arg(long)]
     pub org: Option<String>,
     /// allow or deny.
-    #[arg(long)]
-    pub decision: Option<String>,
+    #[arg(long, value_parser = select::parse_decision)]
+    pub decision: Option<&'static str>,
     /// Reason code, e.g. no_matching_rule.
-    #[arg(long)]
-    pub reason: Option<String>,
+    #[arg(long, value_parser = select::parse_reason)]
+    pub reason: Option<Reason>,
     /// Records at or after this RFC 3339 time.
-    #[arg(long)]
-    pub since: Option<String>,
+    #[arg(long, value_name = "T", value_parser = select::parse_time)]
+    pub since: Option<SystemTime>,
     /// Records at or before this RFC 3339 time.
-    #[arg(long)]
-    pub until: Option<String>,
-    /// Target host: exact name or *.example.com.
-    #[arg(long)]
+    #[arg(long, value_name = "T", value_parser = select::parse_time)]
+    pub until: Option<SystemTime>,
+    /// Target host glob: a name, or '*.example.com' for the names below it
+    /// (`*` any run of characters, `?` one).
+    #[arg(long, value_parser = select::parse_host)]
     pub host: Option<String>,
     /// The record a client was shown (`record=REF` in a 403 body,
     /// `Proxy-Status` or DNS error text), or a record id; also matches
@@ -205,39 +209,19 @@ pub struct FilterArgs {
 }
 
 impl FilterArgs {
-    /// The filter, or 2 with every unparseable time named.
-    fn filter(self) -> Result<query::Filter, CliError> {
-        let (since, until) = match (
-            parse_time("since", self.since),
-            parse_time("until", self.until),
-        ) {
-            (Ok(since), Ok(until)) => (since, until),
-            (since, until) => {
-                let errors: Vec<String> =
-                    [since.err(), until.err()].into_iter().flatten().collect();
-                return Err(CliError::bare(Status::BadInput, errors.join("\n")));
-            }
-        };
-        Ok(query::Filter {
+    /// The selection the flags ask for.
+    fn selection(self) -> Selection {
+        Selection {
             org: self.org,
             decision: self.decision,
             reason: self.reason,
-            since,
-            until,
-            host: self
-                .host
-                .map(|h| h.trim_end_matches('.').to_ascii_lowercase()),
+            since: self.since,
+            until: self.until,
+            host: self.host,
             record: self.reference.map(|r| r.trim().to_ascii_lowercase()),
-        })
+            ..Selection::default()
+        }
     }
-}
-
-/// `--since`/`--until`: RFC 3339, or the line that says why not.
-fn parse_time(flag: &str, value: Option<String>) -> Result<Option<SystemTime>, String> {
-    let Some(v) = value else { return Ok(None) };
-    humantime::parse_rfc3339_weak(&v).map(Some).map_err(|e| {
-        format!("palisade: --{flag} {v:?}: {e} (expected RFC 3339, e.g. 2026-01-02T03:04:05Z)")
-    })
 }
 
 /// `--key`: an Ed25519 public key in hex, or a file holding it; 2 when it
@@ -429,7 +413,7 @@ fn records(
     output: query::Output,
     args: &FleetArgs,
 ) -> Result<(), CliError> {
-    let filter = filter.filter()?;
+    let filter = filter.selection();
     let pins = args.keys.pins()?;
     // A window that retention cut: say so, and where the rest is.
     if filter.since.is_some() || filter.until.is_some() {

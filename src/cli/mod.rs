@@ -1,5 +1,8 @@
 //! The `palisade` command line: one module per command, each with its
-//! arguments (clap) and a handler that returns `Result<(), CliError>`.
+//! arguments (clap) and a handler that returns `Result<(), CliError>`;
+//! the work itself is done by the library ([`crate::analysis`] for the
+//! read side: summary, draft, replay, explain), the command reads its
+//! input, calls it and prints.
 //! `main` parses, calls the handler and maps a [`CliError`] to the exit
 //! status in one place; no handler exits the process itself.
 //!
@@ -14,6 +17,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::{self, Config};
+use crate::evidence::select::Selection;
+use crate::evidence::{query, Record};
 
 /// `print!` to stdout through [`stdout`]: a write that fails is the
 /// command's failure (`?`), not a panic.
@@ -181,6 +186,19 @@ pub(crate) fn output_failed(e: &std::io::Error, message: impl Display) -> CliErr
     } else {
         CliError::new(Status::Failed, message)
     }
+}
+
+/// The decision records under `path` that `selection` selects, or 1
+/// naming what could not be read.
+pub(crate) fn decisions(path: &Path, selection: &Selection) -> Result<Vec<Record>, CliError> {
+    if !path.exists() {
+        return Err(CliError::new(
+            Status::Failed,
+            format_args!("{}: no such evidence file or directory", path.display()),
+        ));
+    }
+    query::decisions(path, selection)
+        .map_err(|e| CliError::new(Status::Failed, format_args!("cannot read evidence: {e}")))
 }
 
 /// The async runtime for the commands that do network work.

@@ -1,7 +1,11 @@
 //! `palisade tail [--admin ADDR] [--token-file F] [filters] [--json]`: the
 //! live decision tail of a running instance (`GET /v1/decisions` on its
 //! admin listener), one aligned line per decision, coloured when stdout is
-//! a terminal, or the records as JSON Lines with `--json`.
+//! a terminal, or the records as JSON Lines with `--json`. The filters go
+//! to the instance as they are given: it parses them into the one record
+//! [`Selection`](crate::evidence::select::Selection), with the parsers of
+//! `evidence query`, and answers 400 naming one it cannot use (exit 2,
+//! one line).
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -32,7 +36,8 @@ pub struct Args {
     /// Reason code, e.g. no_matching_rule.
     #[arg(long)]
     pub reason: Option<String>,
-    /// Target host glob, e.g. '*.example.com'.
+    /// Target host glob: a name, or '*.example.com' for the names below it
+    /// (`*` any run of characters, `?` one), as `evidence query --host`.
     #[arg(long)]
     pub host: Option<String>,
     /// tcp, http, dns or bypass.

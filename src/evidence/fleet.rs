@@ -1098,7 +1098,7 @@ mod tests {
         let n = query::print(
             records,
             true,
-            &query::Filter::default(),
+            &crate::evidence::select::Selection::default(),
             query::Output::JsonLines,
             &mut out,
         )
@@ -1116,7 +1116,7 @@ mod tests {
         query::print(
             records,
             true,
-            &query::Filter::default(),
+            &crate::evidence::select::Selection::default(),
             query::Output::Table,
             &mut table,
         )
@@ -1132,7 +1132,7 @@ mod tests {
         query::print(
             records,
             true,
-            &query::Filter::default(),
+            &crate::evidence::select::Selection::default(),
             query::Output::Ocsf,
             &mut ocsf,
         )
@@ -1143,7 +1143,7 @@ mod tests {
         let mut single = Vec::new();
         query::query(
             &tree.join("gw-a"),
-            &query::Filter::default(),
+            &crate::evidence::select::Selection::default(),
             false,
             &mut single,
         )

@@ -22,6 +22,7 @@ pub(crate) mod query;
 pub(crate) mod reference;
 mod retention;
 pub(crate) mod segment;
+pub mod select;
 pub(crate) mod store;
 pub(crate) mod tap;
 pub(crate) mod verify;

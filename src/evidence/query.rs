@@ -13,12 +13,13 @@ use std::borrow::Cow;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
 use super::segment;
+use super::select::Selection;
 use super::{Event, Kind, Record};
 
 /// A decision or close record as a segment holds it: the record, and the
@@ -187,68 +188,17 @@ pub(crate) fn read_events(
     })
 }
 
-/// Filters of `palisade evidence query`; `None` matches everything.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct Filter {
-    pub org: Option<String>,
-    pub decision: Option<String>,
-    pub reason: Option<String>,
-    pub since: Option<SystemTime>,
-    pub until: Option<SystemTime>,
-    /// Exact name, or `*.example.com` for names strictly below it.
-    pub host: Option<String>,
-    /// A record's reference (what its client was shown) or its `id`; a
-    /// close record matches too when it closes that decision.
-    pub record: Option<String>,
-}
-
-fn ts_of(r: &Record) -> Option<SystemTime> {
-    humantime::parse_rfc3339(&r.ts).ok()
-}
-
-impl Filter {
-    pub(crate) fn matches(&self, r: &Record) -> bool {
-        if let Some(x) = &self.record {
-            if !(r.is_named(x) || r.conn.as_deref() == Some(x.as_str())) {
-                return false;
-            }
+/// The decision records under `path` that `selection` selects, in the
+/// order written.
+pub(crate) fn decisions(path: &Path, selection: &Selection) -> Result<Vec<Record>, ReadError> {
+    let mut out = Vec::new();
+    for stored in read_records(path) {
+        let record = stored?.record;
+        if record.event == Event::Decision && selection.matches(&record) {
+            out.push(record);
         }
-        if let Some(o) = &self.org {
-            if r.org.as_deref().unwrap_or("unknown") != o {
-                return false;
-            }
-        }
-        if self
-            .decision
-            .as_deref()
-            .is_some_and(|d| r.decision_str() != d)
-            || self
-                .reason
-                .as_deref()
-                .is_some_and(|x| r.reason.as_str() != x)
-        {
-            return false;
-        }
-        if let Some(h) = &self.host {
-            let host = r.host.as_deref().unwrap_or_default();
-            let ok = match h.strip_prefix("*.") {
-                Some(suffix) => host
-                    .strip_suffix(suffix)
-                    .is_some_and(|rest| rest.ends_with('.') && rest.len() > 1),
-                None => host.eq_ignore_ascii_case(h),
-            };
-            if !ok {
-                return false;
-            }
-        }
-        if self.since.is_some() || self.until.is_some() {
-            let Some(t) = ts_of(r) else { return false };
-            if self.since.is_some_and(|s| t < s) || self.until.is_some_and(|u| t > u) {
-                return false;
-            }
-        }
-        true
     }
+    Ok(out)
 }
 
 const TABLE_COLUMNS: [&str; 10] = [
@@ -302,7 +252,7 @@ pub(crate) enum Output {
 pub(crate) fn print(
     records: impl Iterator<Item = Result<(Option<Arc<str>>, Stored), ReadError>>,
     fleet: bool,
-    filter: &Filter,
+    filter: &Selection,
     output: Output,
     out: &mut impl Write,
 ) -> io::Result<u64> {
@@ -357,7 +307,7 @@ pub(crate) fn print(
 #[cfg(test)]
 pub(crate) fn query(
     path: &Path,
-    filter: &Filter,
+    filter: &Selection,
     table: bool,
     out: &mut impl Write,
 ) -> io::Result<u64> {
@@ -418,7 +368,8 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
         Kind::Enforcement => (4001, "Network Activity", 99, r.event.as_str().to_string()),
     };
-    let time_ms = ts_of(r)
+    let time_ms = humantime::parse_rfc3339(&r.ts)
+        .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64);
     let correlation = r.conn.as_deref().unwrap_or(&r.id);
@@ -568,7 +519,11 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
 /// Print every matching decision and close record under `path` as OCSF
 /// JSON Lines.
 #[cfg(test)]
-pub(crate) fn export_ocsf(path: &Path, filter: &Filter, out: &mut impl Write) -> io::Result<u64> {
+pub(crate) fn export_ocsf(
+    path: &Path,
+    filter: &Selection,
+    out: &mut impl Write,
+) -> io::Result<u64> {
     print(
         read_records(path).map(|r| r.map(|s| (None, s))),
         false,
@@ -646,9 +601,9 @@ mod tests {
         let stored = rec(b);
         assert_eq!(stored.record.kind, Kind::Bypass);
         assert_eq!(stored.record.proto.as_deref(), Some("udp"));
-        let filter = Filter {
-            reason: Some("protocol_mismatch".into()),
-            ..Filter::default()
+        let filter = Selection {
+            reason: Some(crate::policy::Reason::ProtocolMismatch),
+            ..Selection::default()
         };
         assert!(filter.matches(&stored.record));
         let e = to_ocsf(&stored);
@@ -736,33 +691,36 @@ mod tests {
         let h = json!({"event": "checkpoint", "ts": "2026-01-02T03:04:05Z"});
         let file = file_of(&[h, base("tcp", "deny")]);
         let mut out = Vec::new();
-        assert_eq!(export_ocsf(&file, &Filter::default(), &mut out).unwrap(), 1);
+        assert_eq!(
+            export_ocsf(&file, &Selection::default(), &mut out).unwrap(),
+            1
+        );
         assert_eq!(String::from_utf8(out).unwrap().lines().count(), 1);
         let r = rec(base("tcp", "deny"));
-        let f = |f: Filter| f.matches(&r.record);
-        assert!(f(Filter::default()));
-        assert!(f(Filter {
+        let f = |f: Selection| f.matches(&r.record);
+        assert!(f(Selection::default()));
+        assert!(f(Selection {
             host: Some("*.test".into()),
-            ..Filter::default()
+            ..Selection::default()
         }));
-        assert!(!f(Filter {
+        assert!(!f(Selection {
             host: Some("*.a.test".into()),
-            ..Filter::default()
+            ..Selection::default()
         }));
-        assert!(!f(Filter {
-            decision: Some("allow".into()),
-            ..Filter::default()
+        assert!(!f(Selection {
+            decision: Some("allow"),
+            ..Selection::default()
         }));
-        assert!(f(Filter {
+        assert!(f(Selection {
             org: Some("acme".into()),
-            reason: Some("no_matching_rule".into()),
+            reason: Some(crate::policy::Reason::NoMatchingRule),
             since: humantime::parse_rfc3339("2026-01-02T03:04:05Z").ok(),
             until: humantime::parse_rfc3339("2026-01-02T03:04:06Z").ok(),
-            ..Filter::default()
+            ..Selection::default()
         }));
-        assert!(!f(Filter {
+        assert!(!f(Selection {
             since: humantime::parse_rfc3339("2026-01-02T03:04:06Z").ok(),
-            ..Filter::default()
+            ..Selection::default()
         }));
         let _ = std::fs::remove_dir_all(file.parent().unwrap());
     }
@@ -795,13 +753,13 @@ mod tests {
         assert_eq!(read[0].seq, Some(3));
         let mut out = Vec::new();
         assert_eq!(
-            query(&file, &Filter::default(), false, &mut out).unwrap(),
+            query(&file, &Selection::default(), false, &mut out).unwrap(),
             3
         );
         let want: String = lines.iter().map(|l| format!("{l}\n")).collect();
         assert_eq!(String::from_utf8(out).unwrap(), want);
         let mut table = Vec::new();
-        query(&file, &Filter::default(), true, &mut table).unwrap();
+        query(&file, &Selection::default(), true, &mut table).unwrap();
         let table = String::from_utf8(table).unwrap();
         assert_eq!(
             table.lines().nth(3).unwrap(),
@@ -824,7 +782,7 @@ mod tests {
             err.contains(".jsonl:3:") && err.contains("no_such_reason"),
             "{err}"
         );
-        assert!(query(&file, &Filter::default(), false, &mut Vec::new()).is_err());
+        assert!(query(&file, &Selection::default(), false, &mut Vec::new()).is_err());
         assert!(read_records(&file.with_extension("gone"))
             .next()
             .unwrap()

@@ -602,7 +602,7 @@ async fn references_are_stored_stable_and_found() {
     let all: Vec<Record> = query::read_records(&cfg.dir)
         .map(|s| s.unwrap().record)
         .collect();
-    let filter = query::Filter {
+    let filter = crate::evidence::select::Selection {
         record: Some(shown.clone()),
         ..Default::default()
     };

@@ -76,16 +76,7 @@ use super::{Class, Expect, Via};
 use crate::evidence::Record;
 use crate::policy::Reason;
 
-/// Reasons Palisade gives when it closes a tunnel for what it carried.
-pub(crate) const TUNNEL_REASONS: [Reason; 7] = [
-    Reason::ProtocolMismatch,
-    Reason::SniMismatch,
-    Reason::SniMissing,
-    Reason::EchNotAllowed,
-    Reason::HostMismatch,
-    Reason::UpgradeNotAllowed,
-    Reason::BadRequest,
-];
+pub(crate) use crate::analysis::TUNNEL_REASONS;
 
 /// The enforcement record that shows the gateway ruleset was not
 /// verified at some time from `started` to `finished` (RFC 3339), if one

@@ -35,6 +35,7 @@ use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
 use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
+use crate::evidence::select::Selection;
 use crate::evidence::{fleet, query, verify, Event, Kind, Mode, Record};
 use crate::policy::Reason;
 
@@ -588,14 +589,7 @@ pub fn merge_observations(mut sets: Vec<Observations>) -> Result<Observations, B
 /// The decision records under `path` (close records say nothing a probe
 /// is matched by).
 fn decisions(path: &Path) -> Result<Vec<Record>, BadInput> {
-    let mut out = Vec::new();
-    for stored in query::read_records(path) {
-        let record = stored.map_err(|e| BadInput(e.to_string()))?.record;
-        if record.event == Event::Decision {
-            out.push(record);
-        }
-    }
-    Ok(out)
+    query::decisions(path, &Selection::default()).map_err(|e| BadInput(e.to_string()))
 }
 
 /// The enforcement check's records under `path` (`failed`, `verified`).

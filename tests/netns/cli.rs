@@ -206,8 +206,10 @@ fn failures_exit_with_the_documented_status_and_message() {
             format!("evidence query {ev} --since x --until y"),
             2,
             "stderr",
-            "palisade: --since \"x\": timestamp format is invalid (expected RFC 3339, \
-             e.g. 2026-01-02T03:04:05Z)\npalisade: --until \"y\": "
+            // Typed at the edge (clap's `value_parser`): the first bad
+            // time is named, with what was expected.
+            "invalid value 'x' for '--since <T>': timestamp format is invalid \
+             (expected RFC 3339, e.g. 2026-01-02T03:04:05Z)"
                 .into(),
         ),
         (

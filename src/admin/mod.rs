@@ -2,7 +2,7 @@
 //! `/readyz` (200 only while every listener is bound, evidence is
 //! writable and, with `[enforcement]`, the gateway ruleset is verified), `/metrics` (Prometheus text format), `/policy` (the served
 //! policy's hash, load time and summary, JSON), and `/v1/decisions`, the
-//! live decision tail ([`crate::tail`]), the one endpoint that needs a
+//! live decision tail ([`tail`]), the one endpoint that needs a
 //! token.
 //!
 //! It runs on its own thread and runtime, so a flood on the proxy listeners
@@ -29,6 +29,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+pub(crate) mod tail;
+
 use crate::evidence::Evidence;
 use crate::metrics::Metrics;
 use crate::serve::http::{full, Body, Drain, Http1, WriteStall};
@@ -43,7 +45,7 @@ pub(crate) struct Health {
     pub served: ServedHandle,
     pub metrics: Arc<Metrics>,
     /// Who may tail `/v1/decisions`, and the tails open.
-    pub tails: crate::tail::Tails,
+    pub tails: tail::Tails,
     /// `[enforcement]`: not ready while the gateway ruleset is not verified.
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
 }
@@ -65,7 +67,7 @@ fn respond(
     match req.uri().path() {
         "/v1/decisions" if req.method() == Method::GET => {
             let tap = health.evidence.counters().tap();
-            return crate::tail::respond(&health.tails, tap, shutdown, req);
+            return tail::respond(&health.tails, tap, shutdown, req);
         }
         "/metrics" if get => {
             let served = health.served.load();
