@@ -73,6 +73,18 @@ pub(crate) fn annotate_record(record: &crate::evidence::Record) {
 const DEFAULT_ENDPOINT: &str = "http://localhost:4318";
 /// The SDK's default request timeout, used unless the environment sets one.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest request timeout the environment may set.
+const MAX_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A signal's request timeout: `OTEL_EXPORTER_OTLP_{SIGNAL}_TIMEOUT`, then
+/// `OTEL_EXPORTER_OTLP_TIMEOUT` (milliseconds), else 10 s; at most 60 s.
+fn timeout(signal: &str, env: impl Fn(&str) -> Option<String>) -> Duration {
+    let ms = |name: &str| env(name).and_then(|v| v.trim().parse::<u64>().ok());
+    ms(&format!("OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"))
+        .or_else(|| ms("OTEL_EXPORTER_OTLP_TIMEOUT"))
+        .map_or(DEFAULT_TIMEOUT, Duration::from_millis)
+        .min(MAX_TIMEOUT)
+}
 
 /// The collector URLs of the two signals.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -162,12 +174,15 @@ pub(crate) fn start(
             env!("CARGO_PKG_VERSION"),
         ))
         .build();
-    let client = || HyperClient::with_default_connector(DEFAULT_TIMEOUT, None);
+    let env = |name: &str| std::env::var(name).ok();
+    let (logs_timeout, traces_timeout) = (timeout("LOGS", env), timeout("TRACES", env));
+    let client = |t| HyperClient::with_default_connector(t, None);
     let mut log_exporter = opentelemetry_otlp::LogExporter::builder()
         .with_http()
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(urls.logs.clone())
-        .with_http_client(client())
+        .with_timeout(logs_timeout)
+        .with_http_client(client(logs_timeout))
         .with_headers(headers.clone())
         .build()
         .map_err(|e| format!("otel logs exporter: {e}"))?;
@@ -175,7 +190,8 @@ pub(crate) fn start(
         .with_http()
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(urls.traces.clone())
-        .with_http_client(client())
+        .with_timeout(traces_timeout)
+        .with_http_client(client(traces_timeout))
         .with_headers(headers)
         .build()
         .map_err(|e| format!("otel traces exporter: {e}"))?;
@@ -288,6 +304,19 @@ mod tests {
         let e = endpoints(None, env(all)).unwrap().unwrap();
         assert_eq!(e.logs, "http://logs:1/custom", "per-signal: used as given");
         assert_eq!(e.traces, "http://generic:4318/v1/traces");
+    }
+
+    #[test]
+    fn the_timeout_is_the_signal_s_then_the_generic_one_at_most_a_minute() {
+        assert_eq!(timeout("LOGS", env(&[])), Duration::from_secs(10));
+        let both: &[(&str, &str)] = &[
+            ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000"),
+            ("OTEL_EXPORTER_OTLP_LOGS_TIMEOUT", "500"),
+        ];
+        assert_eq!(timeout("LOGS", env(both)), Duration::from_millis(500));
+        assert_eq!(timeout("TRACES", env(both)), Duration::from_secs(2));
+        let long: &[(&str, &str)] = &[("OTEL_EXPORTER_OTLP_TIMEOUT", "3600000")];
+        assert_eq!(timeout("TRACES", env(long)), Duration::from_secs(60));
     }
 
     #[test]

@@ -19,7 +19,7 @@ fn repo() -> PathBuf {
 }
 
 /// A Prometheus server in the lab's proxy namespace, scraping the admin listener.
-struct Prometheus {
+pub(crate) struct Prometheus {
     child: Child,
 }
 
@@ -30,7 +30,7 @@ impl Drop for Prometheus {
     }
 }
 
-fn start_prometheus(lab: &Lab) -> Prometheus {
+pub(crate) fn start_prometheus(lab: &Lab) -> Prometheus {
     let dir = lab.dir.join("prometheus");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("prometheus.yml");
@@ -65,7 +65,7 @@ fn start_prometheus(lab: &Lab) -> Prometheus {
 }
 
 /// A Prometheus HTTP API call from inside the proxy namespace; None on failure.
-fn api(lab: &Lab, endpoint: &str, query: &str) -> Option<Value> {
+pub(crate) fn api(lab: &Lab, endpoint: &str, query: &str) -> Option<Value> {
     let url = format!("http://{PROM_ADDR}/api/v1/{endpoint}");
     let mut args = vec!["-sS", "--max-time", "5", "-G", url.as_str()];
     let q = format!("query={query}");

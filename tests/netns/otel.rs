@@ -5,35 +5,16 @@
 //! collector that changes no decision and fills no memory.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
 
 use crate::lab::{self, read_jsonl, wait_until, Background, Lab, DEFAULT_POLICY};
+use crate::metrics::{api, scalar_from_scrape, start_prometheus};
 
 /// The venv .ci/run installs `opentelemetry-proto` into.
 const OTLP_PYTHON: &str = "/opt/palisade-ci/otlp/bin/python";
 const COLLECTOR: &str = "127.0.0.1:4318";
-
-/// Start `prog args` in the proxy namespace; it prints "ready" when up.
-fn in_proxy_ns(lab: &Lab, what: &str, prog: &str, args: &[&str]) -> Background {
-    let mut child = Command::new("ip")
-        .args(["netns", "exec", &lab.ns_proxy, prog])
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap_or_else(|e| panic!("start {what}: {e}"));
-    let mut line = String::new();
-    if let Some(out) = child.stdout.as_mut() {
-        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line);
-    }
-    let server = Background(child);
-    assert_eq!(line.trim(), "ready", "{what} did not start");
-    server
-}
 
 fn receiver(lab: &Lab) -> (Background, PathBuf) {
     assert!(
@@ -42,8 +23,8 @@ fn receiver(lab: &Lab) -> (Background, PathBuf) {
     );
     let out = lab.dir.join("otlp.jsonl");
     let script = lab::fixtures_dir().join("otlp.py");
-    let server = in_proxy_ns(
-        lab,
+    let server = lab.spawn_server_in(
+        &lab.ns_proxy,
         "OTLP receiver",
         OTLP_PYTHON,
         &[
@@ -66,23 +47,6 @@ fn lab_with(otel: &str) -> Lab {
         .policy(&format!("{otel}\n{DEFAULT_POLICY}"))
         .without_proxy()
         .start()
-}
-
-fn metric(lab: &Lab, series: &str) -> f64 {
-    let out = lab.exec(
-        &lab.ns_proxy,
-        "curl",
-        &[
-            "-sS",
-            "--max-time",
-            "3",
-            &format!("http://{}/metrics", lab::ADMIN_ADDR),
-        ],
-    );
-    out.stdout
-        .lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {series} in /metrics:\n{}", out.stdout))
 }
 
 const TRACE_CONNECT: &str = "0af7651916cd43dd8448eb211c80319c";
@@ -251,7 +215,7 @@ fn log_records_and_spans_of_allowed_and_denied_connections_reach_a_real_collecto
     assert_eq!(req["links"][0]["span_id"], conn["span_id"], "{req}");
     assert_eq!(named(TRACE_PLAIN, "dial")["parent_span_id"], req["span_id"]);
     assert_eq!(
-        metric(&lab, "palisade_otel_dropped_total{signal=\"logs\"}"),
+        scalar_from_scrape(&lab, "palisade_otel_dropped_total{signal=\"logs\"}"),
         0.0
     );
 }
@@ -276,8 +240,8 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
     // waits its whole timeout, the worst a collector can do.
     let mut lab = lab_with(&format!("[otel]\nendpoint = \"http://{COLLECTOR}\"\n"));
     let (host, port) = COLLECTOR.split_once(':').unwrap();
-    let _silent = in_proxy_ns(
-        &lab,
+    let _silent = lab.spawn_server_in(
+        &lab.ns_proxy,
         "silent collector",
         "python3",
         &[
@@ -290,6 +254,7 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
     lab.spawn_proxy();
     lab.wait_proxy_ready();
     let pid = lab.proxy_pid();
+    let _prometheus = start_prometheus(&lab);
 
     // Warm up (the first connections grow the pools), then measure.
     let warm = lab.proxied_curl(
@@ -303,20 +268,25 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
     // decision record and log record. Bounded in count, and in time by
     // curl's own limit.
     let url = format!("http://allowed.test/flood[1-{FLOOD}]");
-    let flood = lab.client_exec(
-        "curl",
-        &[
+    let flood = lab::run_with_timeout(
+        std::process::Command::new("ip").args([
+            "netns",
+            "exec",
+            &lab.ns_client,
+            "curl",
             "-sS",
             "-x",
             lab::PROXY_URL,
             "--max-time",
-            "120",
+            "150",
             "-o",
             "/dev/null",
             "-w",
             "%{http_code}\n",
             &url,
-        ],
+        ]),
+        None,
+        Duration::from_secs(160),
     );
     assert!(flood.success(), "{}", flood.describe());
     let codes: Vec<&str> = flood.stdout.lines().collect();
@@ -342,7 +312,7 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
         "the dropped log records counted",
         Duration::from_secs(10),
         || {
-            dropped = metric(&lab, series);
+            dropped = scalar_from_scrape(&lab, series);
             dropped >= bound
         },
     );
@@ -351,6 +321,22 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
     assert!(
         after < before + 64 * 1024,
         "RSS grew from {before} KiB to {after} KiB under the flood"
+    );
+    // The alert reads the counter: pending in a real Prometheus (it fires
+    // after ten minutes of drops).
+    wait_until(
+        "PalisadeOtelDropping pending",
+        Duration::from_secs(30),
+        || {
+            api(&lab, "alerts", "").is_some_and(|v| {
+                v["data"]["alerts"].as_array().is_some_and(|a| {
+                    a.iter().any(|a| {
+                        a["labels"]["alertname"] == "PalisadeOtelDropping"
+                            && a["labels"]["signal"] == "logs"
+                    })
+                })
+            })
+        },
     );
     // And the proxy still decides at once.
     let again = lab.proxied_curl("http://allowed.test/after", &[]);
