@@ -27,7 +27,7 @@ fn receiver(lab: &Lab) -> (Background, PathBuf) {
         &lab.ns_proxy,
         "OTLP receiver",
         OTLP_PYTHON,
-        &[
+        [
             script.to_str().unwrap(),
             "--listen",
             COLLECTOR,
@@ -244,7 +244,7 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
         &lab.ns_proxy,
         "silent collector",
         "python3",
-        &[
+        [
             "-c",
             "import socket,sys,time\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\ns.bind((sys.argv[1],int(sys.argv[2])))\ns.listen(1024)\nprint('ready',flush=True)\nconns=[]\nwhile True:\n    c,_=s.accept()\n    conns.append(c)\n",
             host,
