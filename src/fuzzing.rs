@@ -452,6 +452,51 @@ pub fn http_stream(data: &[u8]) {
 /// corpus, then deterministic random mutations of it, within a fixed count
 /// and time per target. Coverage-guided runs are `cargo +nightly fuzz run
 /// TARGET` in `fuzz/` (see "Fuzzing" in `docs/architecture.md`).
+/// The pkt-line command reader of a push: never claims more bytes than it
+/// was given or than its bound, accepts only ref names git accepts, and
+/// answers "need more" for every strict prefix of a section it accepts
+/// (so it never decides on a part of the commands).
+pub fn pktline(data: &[u8]) {
+    use crate::proto::pktline::{
+        read_commands, valid_ref_name, Commands, MAX_COMMANDS, MAX_COMMAND_BYTES,
+    };
+    if let Commands::Done { updates, len } = read_commands(data) {
+        assert!(
+            len <= data.len() && len <= MAX_COMMAND_BYTES + 4,
+            "len {len}"
+        );
+        assert!(!updates.is_empty() && updates.len() <= MAX_COMMANDS);
+        for u in &updates {
+            assert!(valid_ref_name(&u.name), "{:?}", u.name);
+        }
+        assert_eq!(
+            read_commands(&data[..len]),
+            Commands::Done {
+                updates: updates.clone(),
+                len
+            }
+        );
+        assert_eq!(read_commands(&data[..len - 1]), Commands::NeedMore);
+    }
+}
+
+/// The GraphQL operation check: never panics on a body, a document or a
+/// URL query, and the operation it picks without a name is the one it
+/// picks by that operation's own name (one operation, unambiguous).
+pub fn graphql(data: &[u8]) {
+    use crate::proto::graphql::{operation, operation_of_url_query, operations_of_body};
+    let _ = operations_of_body(data);
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let _ = operation_of_url_query(text);
+    if let Ok(op) = operation(text, None) {
+        if let Some(name) = op.name.clone() {
+            assert_eq!(operation(text, Some(&name)), Ok(op));
+        }
+    }
+}
+
 #[cfg(test)]
 mod smoke {
     use std::time::{Duration, Instant};
@@ -608,6 +653,54 @@ mod smoke {
     #[test]
     fn http_stream() {
         run("http_stream", super::http_stream);
+    }
+
+    /// Push command sections: commands with capabilities, shallow lines,
+    /// SHA-256 ids, deletes, then a pack.
+    #[test]
+    fn pktline() {
+        let pkt = |p: &str| format!("{:04x}{p}", p.len() + 4);
+        let (a, b, z) = ("1".repeat(40), "2".repeat(40), "0".repeat(40));
+        let seeds = vec![
+            format!(
+                "{}{}0000PACK",
+                pkt(&format!(
+                    "{a} {b} refs/heads/agent/x\0report-status side-band-64k\n"
+                )),
+                pkt(&format!("{a} {z} refs/heads/main\n"))
+            ),
+            format!(
+                "{}{}0000",
+                pkt(&format!("shallow {a}")),
+                pkt(&format!(
+                    "{} {} refs/tags/v1\0 push-options\n",
+                    "a".repeat(64),
+                    "b".repeat(64)
+                ))
+            ),
+            format!("{}0000", pkt("push-cert\0report-status\n")),
+        ]
+        .into_iter()
+        .map(String::into_bytes)
+        .collect();
+        run_seeds("pktline", super::pktline, seeds);
+    }
+
+    /// GraphQL bodies, batches, documents and URL queries: aliases,
+    /// fragments, comments, several operations.
+    #[test]
+    fn graphql() {
+        let seeds = [
+            r#"{"query":"query Q { a } mutation M { x: deleteRepository(input: {id: \"1\"}) { id } }","operationName":"M","variables":{}}"#,
+            r#"[{"query":"{ viewer { login } }"},{"query":"mutation { ...F } fragment F on Mutation { createPullRequest { id } ... on Mutation { b } }"}]"#,
+            "# comment\nsubscription S($v: Int = 1) @d { s(a: [1, 2.5, \"x\", \"\"\"block\"\"\", true, null, ENUM, {k: $v}]) }",
+            "query=mutation%7Ba%7D&operationName=&variables=%7B%7D",
+            r#"{"extensions":{"persistedQuery":{"version":1,"sha256Hash":"ab"}}}"#,
+        ]
+        .iter()
+        .map(|s| s.as_bytes().to_vec())
+        .collect();
+        run_seeds("graphql", super::graphql, seeds);
     }
 
     /// NFLOG datagrams: logged IPv4 and IPv6 packets (TCP, UDP, ICMP, a

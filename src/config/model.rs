@@ -229,6 +229,70 @@ pub struct RequestRules {
     /// serialised form when off, so a policy without it hashes as before.)
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub websocket: bool,
+    /// `service` and the keys that go with it (`repos`, `push_refs`,
+    /// `graphql_mutations`, `models`): the request's meaning to that
+    /// protocol decides too (`policy::service`). (Left out of the
+    /// serialised form when absent, so a policy without it hashes as
+    /// before.)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<ServiceRules>,
+}
+
+/// A protocol an intercepting rule's requests are read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Service {
+    /// Git smart HTTP (and a forge's `/repos/` REST paths).
+    Git,
+    /// A package registry: downloads only.
+    Registry,
+    /// GraphQL over HTTP.
+    Graphql,
+    /// A model API (chat, messages, embeddings).
+    LlmApi,
+}
+
+impl Service {
+    pub const NAMES: [&'static str; 4] = ["git", "registry", "graphql", "llm-api"];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Service::Git => "git",
+            Service::Registry => "registry",
+            Service::Graphql => "graphql",
+            Service::LlmApi => "llm-api",
+        }
+    }
+
+    pub(super) fn parse(text: &str) -> Option<Service> {
+        match text {
+            "git" => Some(Service::Git),
+            "registry" => Some(Service::Registry),
+            "graphql" => Some(Service::Graphql),
+            "llm-api" => Some(Service::LlmApi),
+            _ => None,
+        }
+    }
+}
+
+/// The service rules of an intercepting allow rule: a `service`, or
+/// `repos` alone (forge REST and git paths scoped to repositories).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ServiceRules {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<Service>,
+    /// `owner/name` patterns (`*` within a segment).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub repos: Vec<String>,
+    /// Ref patterns a push may update (`*` any run); empty: fetch only.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub push_refs: Vec<String>,
+    /// Mutation fields allowed; `None`: queries only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub graphql_mutations: Option<Vec<String>>,
+    /// Model patterns (`*` any run).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
 }
 
 /// A path rule: a prefix (no `*`), or a glob over the whole path in which

@@ -234,6 +234,11 @@ pub(super) struct RawRule {
     pub(super) max_new_names_per_minute: Option<Spanned<i64>>,
     pub(super) max_label_length: Option<Spanned<i64>>,
     pub(super) websocket: Option<Spanned<bool>>,
+    pub(super) service: Option<Spanned<String>>,
+    pub(super) repos: RawList,
+    pub(super) push_refs: RawList,
+    pub(super) graphql_mutations: RawList,
+    pub(super) models: RawList,
 }
 
 /// A list of strings, each located.

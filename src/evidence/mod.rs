@@ -210,6 +210,11 @@ pub struct Record {
     /// `opaque` when its rule lets it carry anything unverified.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tunnel: Option<crate::config::Carry>,
+    /// Intercepted requests under service rules: the service, the
+    /// repository, the refs or operation, the model (never a body or a
+    /// credential).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<crate::policy::ServiceFacts>,
     /// Bypass records: the packets' protocol (`tcp`, `udp`, `icmp`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub proto: Option<String>,
@@ -282,6 +287,7 @@ impl Record {
             status: None,
             credential: None,
             tunnel: None,
+            service: None,
             proto: None,
             count: None,
             reasons: None,
@@ -326,6 +332,7 @@ impl Record {
             method: None,
             path: None,
             tunnel: None,
+            service: None,
             qtype: None,
             count: Some(count),
             window: Some([ts(first), ts(last)]),

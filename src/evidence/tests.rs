@@ -649,6 +649,7 @@ fn full_record() -> Record {
         status: Some(204),
         credential: Some("cred-1".into()),
         tunnel: Some(crate::config::Carry::TlsOrHttp),
+        service: None,
         proto: Some("udp".into()),
         count: Some(3),
         reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),

@@ -133,6 +133,7 @@ mod decide;
 mod identity;
 pub(crate) mod request;
 mod rule;
+pub(crate) mod service;
 mod table;
 mod token;
 mod verdict;
@@ -140,6 +141,7 @@ mod verdict;
 pub use crate::config::ALWAYS_DENIED;
 pub use compile::{canonical, Opening, Policy, GATEWAY_ADDRESS, SYNTHETIC_POOL};
 pub use identity::{Credential, IdentityError};
+pub use service::ServiceFacts;
 pub use verdict::{AddressVerdict, Decision, Layer, OrgRef, PendingName, Reason, Verdict};
 
 #[cfg(test)]

@@ -194,7 +194,7 @@ pub(crate) fn pattern_matches(pattern: &str, text: &str) -> bool {
 
 /// [`pattern_matches`] with `eq` deciding whether a pattern byte matches a
 /// text byte.
-fn glob(pattern: &str, text: &str, eq: impl Fn(u8, u8) -> bool) -> bool {
+pub(crate) fn glob(pattern: &str, text: &str, eq: impl Fn(u8, u8) -> bool) -> bool {
     let (pat, text) = (pattern.as_bytes(), text.as_bytes());
     if !pattern.contains('*') {
         return text.len() >= pat.len() && pat.iter().zip(text).all(|(&a, &b)| eq(a, b));
@@ -479,6 +479,7 @@ mod tests {
             deny_methods: vec!["PUT".into()],
             deny_paths: pats(&["/api/internal*"]),
             websocket: false,
+            service: None,
         };
         let r = |m: &str, p: &str| run(&rules, &[], m, p).verdict.reason;
         use Reason::*;

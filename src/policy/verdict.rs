@@ -42,6 +42,10 @@ pub enum Reason {
     MethodNotAllowed,
     /// Intercepted request: the rule's `paths`/`deny_paths` refuse the path.
     PathNotAllowed,
+    /// Intercepted request: the rule's service rules (`service`, `repos`,
+    /// `push_refs`, `graphql_mutations`, `models`) refuse what it asks,
+    /// the detail naming it (`git push to refs/heads/main`).
+    ServiceDenied,
     /// Intercepted connection: the upstream's certificate did not verify
     /// (or its TLS handshake failed). Never downgraded to pass-through.
     UpstreamTlsError,
@@ -76,7 +80,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 28] = [
+    pub const ALL: [Reason; 29] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -96,6 +100,7 @@ impl Reason {
         Reason::AuthFailed,
         Reason::MethodNotAllowed,
         Reason::PathNotAllowed,
+        Reason::ServiceDenied,
         Reason::UpstreamTlsError,
         Reason::ProtocolMismatch,
         Reason::SniMissing,
@@ -128,6 +133,7 @@ impl Reason {
             Reason::AuthFailed => "auth_failed",
             Reason::MethodNotAllowed => "method_not_allowed",
             Reason::PathNotAllowed => "path_not_allowed",
+            Reason::ServiceDenied => "service_denied",
             Reason::UpstreamTlsError => "upstream_tls_error",
             Reason::ProtocolMismatch => "protocol_mismatch",
             Reason::SniMissing => "sni_missing",

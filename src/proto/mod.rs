@@ -2,11 +2,13 @@
 //! protocol, or need more bytes, so callers can peek or buffer and replay.
 
 pub(crate) mod client_hello;
+pub(crate) mod graphql;
 pub(crate) mod guard;
 pub(crate) mod http_head;
 pub(crate) mod http_meter;
 pub(crate) mod http_request;
 pub(crate) mod http_stream;
+pub(crate) mod pktline;
 pub(crate) mod socks5;
 pub mod target;
 pub mod tls_stream;

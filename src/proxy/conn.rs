@@ -99,6 +99,8 @@ pub(crate) struct Conn {
     pub owed: Option<Arc<Owed>>,
     /// A request: what it asked (never recorded; `method` and `path` are).
     pub asked: Option<Asked>,
+    /// A request under service rules: what it was to its service.
+    pub service: Option<crate::policy::ServiceFacts>,
 }
 
 impl Conn {
@@ -130,6 +132,7 @@ impl Conn {
             detail: None,
             owed: None,
             asked: None,
+            service: None,
         }
     }
 
@@ -220,6 +223,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
+        r.service = self.service.clone();
         r
     }
 

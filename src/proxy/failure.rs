@@ -214,6 +214,7 @@ fn side_of(reason: Reason) -> Side {
         | Reason::AuthFailed
         | Reason::MethodNotAllowed
         | Reason::PathNotAllowed
+        | Reason::ServiceDenied
         | Reason::ProtocolMismatch
         | Reason::SniMissing
         | Reason::EchNotAllowed

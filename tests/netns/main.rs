@@ -41,6 +41,7 @@ mod retention;
 mod revoke;
 mod revoke_streams;
 mod rotation;
+mod service;
 mod socks5;
 mod splice;
 mod synthetic;

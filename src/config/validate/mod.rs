@@ -27,6 +27,7 @@ mod otel;
 pub(crate) use otel::endpoint_problem as otel_endpoint_problem;
 mod proxy;
 mod rules;
+mod service;
 
 use admin::validate_admin;
 use bypass::validate_bypass;

@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use toml::Spanned;
 
 use super::cidr;
+use super::service::{service_rules, RawService};
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
@@ -101,11 +102,33 @@ pub(super) fn validate_rules(
             max_new_names_per_minute,
             max_label_length,
             websocket,
+            service,
+            repos,
+            push_refs,
+            graphql_mutations,
+            models,
         } = spanned.into_inner();
+        let raw_service = RawService {
+            service,
+            repos,
+            push_refs,
+            graphql_mutations,
+            models,
+        };
         let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
             .iter()
             .find_map(|k| k.as_ref().map(|k| k.span()));
         let intercepts = intercept.as_ref().is_some_and(|f| *f.get_ref());
+        let websocket_on = websocket
+            .as_ref()
+            .filter(|w| *w.get_ref())
+            .map(Spanned::span);
+        let service = service_rules(
+            raw_service,
+            intercepts && kind == "allow" && host.is_some(),
+            websocket_on,
+            errors,
+        );
         let websocket = match websocket {
             Some(flag) if !intercepts || kind != "allow" || host.is_none() => {
                 errors.at(
@@ -132,6 +155,7 @@ pub(super) fn validate_rules(
                     deny_methods: methods(deny_methods, errors),
                     deny_paths: paths(deny_paths, errors),
                     websocket,
+                    service,
                 })
             }
             _ => {

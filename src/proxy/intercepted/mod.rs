@@ -5,6 +5,7 @@
 //! upstream trust) is [`crate::intercept`], held in the served state.
 
 pub(crate) mod serve;
+pub(crate) mod service;
 pub(crate) mod websocket;
 
 use std::sync::Arc;
@@ -51,7 +52,19 @@ pub(crate) fn plain_request(
     let (Some(org), Some(rule)) = (&view.org, &verdict.rule) else {
         return None;
     };
-    view.policy.intercept_rules(org, rule)?;
+    let rules = view.policy.intercept_rules(org, rule)?;
+    if rules.service.is_some() {
+        // A push's refs, a GraphQL operation, a model are read only
+        // inside an intercepted connection: fail closed elsewhere.
+        let verdict = crate::policy::Verdict {
+            reason: crate::policy::Reason::ServiceDenied,
+            would_deny: None,
+            ..verdict.clone()
+        };
+        let why =
+            "service rules are enforced only on intercepted (TLS) requests: plain HTTP is refused";
+        return Some((verdict, why.to_string()));
+    }
     let req = crate::policy::request::RequestFacts {
         host: uri.host().unwrap_or(""),
         method: method.as_str(),

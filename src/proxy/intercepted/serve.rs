@@ -53,6 +53,7 @@ use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
 use crate::proxy::revoke::{self, Cut, Revisit};
 
+use super::service::{Outcome, Prefixed};
 use super::websocket::{self, upgrade_of, Upgrade};
 
 /// An allowed connection the tunnel code hands over: decided (allow, by
@@ -609,6 +610,26 @@ async fn decide_and_send(
         let detail = decision.detail.as_deref().unwrap_or("refused");
         return refused(shared, req, detail).await;
     };
+    // Service rules: what the request is to its protocol, its body read as
+    // far as that needs, before any credential or byte goes upstream.
+    let rules = view.policy.intercept_rules(&how.org, &how.rule);
+    let read_ahead = match rules.as_deref().and_then(|r| r.service.as_ref()) {
+        None => bytes::Bytes::new(),
+        Some(service) => {
+            let timeout = s.ctx.limits.response_timeout.get();
+            match super::service::decide(service, &parts, path, body.as_mut(), timeout).await {
+                Outcome::Pass(facts, head) => {
+                    req.service = facts;
+                    head
+                }
+                Outcome::Refuse(why, facts) => {
+                    req.service = facts;
+                    req.verdict.reason = Reason::ServiceDenied;
+                    return refused(shared, req, &why).await;
+                }
+            }
+        }
+    };
     // The request's record is paid for from the org's evidence budget.
     if let Err(detail) = s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
         req.refuse(Reason::LimitExceeded, None);
@@ -668,6 +689,7 @@ async fn decide_and_send(
         req.deny(Reason::BadRequest, None);
         return refused(shared, req, "request body gone").await;
     };
+    let client_body = Prefixed::new(read_ahead, client_body);
     // An HTTP/1.1 upstream connection carries the next request only if
     // this one kept to order ([`InOrder`]).
     let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
