@@ -344,3 +344,85 @@ fn a_collector_that_never_answers_changes_no_decision_and_the_queue_stays_bounde
     let denied = lab.proxied_curl("http://other.test/", &[]);
     assert_eq!(denied.status, 403, "{denied:?}");
 }
+
+const TRACE_INTERCEPTED: &str = "9e3b1c2d4f5a60718293a4b5c6d7e8f9";
+
+#[test]
+fn an_intercepted_request_s_span_continues_the_traceparent_it_carries() {
+    lab::require_root();
+    let dir = lab::scratch_dir("otel-intercept");
+    let ca_dir = dir.join("ca");
+    let mut lab = Lab::builder()
+        .policy(&format!(
+            "[otel]\nendpoint = \"http://{COLLECTOR}\"\n\n[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\n\n\
+             [[org.allow]]\nid = \"registry\"\nhost = \"allowed.test\"\nports = [443]\nintercept = true\n"
+        ))
+        .intercept_config(&format!(
+            "ca_dir = {:?}\nupstream_ca = {:?}",
+            ca_dir.display().to_string(),
+            lab::ca_pem().display().to_string()
+        ))
+        .without_proxy()
+        .start();
+    let (_collector, out) = receiver(&lab);
+    lab.spawn_proxy();
+    lab.wait_proxy_ready();
+
+    // The traceparent rides inside the tunnel, on the request itself: only
+    // interception sees it.
+    let org_ca = ca_dir.join("acme.pem").display().to_string();
+    let tp = traceparent(TRACE_INTERCEPTED);
+    let resp = lab.client_curl(&[
+        "-x",
+        lab::PROXY_URL,
+        "--cacert",
+        &org_ca,
+        "-H",
+        &tp,
+        "https://allowed.test/api",
+    ]);
+    assert_eq!(resp.status, 200, "{resp:?}");
+    let decided = lab.wait_evidence("the intercepted request", |r| {
+        r["event"] == "decision" && r["kind"] == "http" && r["path"] == "/api"
+    });
+
+    let mut got = Vec::new();
+    wait_until(
+        "the intercepted request's spans",
+        Duration::from_secs(15),
+        || {
+            got = read_jsonl(&out);
+            let names: Vec<&Value> = spans_of(&got, TRACE_INTERCEPTED)
+                .into_iter()
+                .map(|s| &s["name"])
+                .collect();
+            names.contains(&&Value::from("palisade.request"))
+                && names.contains(&&Value::from("upstream_tls"))
+                && got.iter().any(|s| s["name"] == "palisade.connection")
+        },
+    );
+    let named = |name: &str| -> Value {
+        spans_of(&got, TRACE_INTERCEPTED)
+            .into_iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no {name} span: {}", lab::dump(&got)))
+            .clone()
+    };
+    let req = named("palisade.request");
+    assert_eq!(
+        req["parent_span_id"], PARENT,
+        "the client's span is the parent"
+    );
+    assert_eq!(req["attributes"]["http.request.method"], "GET");
+    assert_eq!(req["attributes"]["palisade.record.id"], decided["id"]);
+    assert_eq!(req["attributes"]["palisade.decision"], "allow");
+    // The connection (its CONNECT carried no traceparent) is a trace of its
+    // own, linked from the request.
+    let conn = got
+        .iter()
+        .find(|s| s["name"] == "palisade.connection")
+        .unwrap();
+    assert_eq!(conn["parent_span_id"], "", "{conn}");
+    assert_eq!(req["links"][0]["span_id"], conn["span_id"], "{req}");
+    assert_eq!(named("upstream_tls")["parent_span_id"], req["span_id"]);
+}
