@@ -26,7 +26,7 @@ const PROXY_LAYERS: &[&[&str]] = &[
     &["connect"],
     &["intercepted"],
     &["forward", "revoke"],
-    &["record"],
+    &["record", "admission"],
     &["failure", "conn"],
     &["decide", "dial"],
     &["ctx"],

@@ -739,7 +739,7 @@ host = "allowed.test"
     /// answer cache or without.
     fn shim(dir: &Path, upstream: SocketAddr, cached: bool) -> Shim {
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
         let mut shim = Shim::new(
             served(POLICY, &metrics).into_handle(),
@@ -955,7 +955,7 @@ host = "allowed.test"
             )
         );
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let resolver = Resolver::new(&[up], Duration::from_secs(2)).unwrap();
         let c = config::from_str(&policy, Path::new("t.toml")).unwrap();
         let served = Served::load(&c, Arc::new(Policy::new(&c)), &metrics).unwrap();

@@ -37,21 +37,14 @@ impl DialError {
     }
 }
 
-impl Ctx {
-    /// [`dial`] within `connect_timeout`, failures counted.
-    pub(crate) async fn dial(
-        &self,
-        addrs: &[IpAddr],
-        port: u16,
-    ) -> Result<(TcpStream, SocketAddr), DialError> {
-        let dialled = dial(
-            &self.metrics,
-            addrs,
-            port,
-            self.limits.connect_timeout.get(),
-        );
-        crate::otel::step_result("dial", dialled).await
-    }
+/// [`dial`] within the context's `connect_timeout`, failures counted.
+pub(crate) async fn dial_checked(
+    ctx: &Ctx,
+    addrs: &[IpAddr],
+    port: u16,
+) -> Result<(TcpStream, SocketAddr), DialError> {
+    let dialled = dial(&ctx.metrics, addrs, port, ctx.limits.connect_timeout.get());
+    crate::otel::step_result("dial", dialled).await
 }
 
 /// Dial the checked addresses in order until one answers; returns the
