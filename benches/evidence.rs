@@ -36,33 +36,10 @@ use std::process::Child;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
-
 #[path = "common/mod.rs"]
 mod common;
 
 const CONCURRENCY: usize = 32;
-
-async fn upstream() -> SocketAddr {
-    common::serve_tcp(|mut s| async move {
-        let mut buf = [0u8; 4096];
-        let mut seen = Vec::new();
-        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => seen.extend_from_slice(&buf[..n]),
-            }
-            if seen.len() > 65536 {
-                return;
-            }
-        }
-        let _ = s
-            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-            .await;
-    })
-    .await
-}
 
 fn start(root: &Path, mode: &str, up: SocketAddr) -> (Child, SocketAddr) {
     let port = common::free_port();
@@ -77,30 +54,6 @@ fn start(root: &Path, mode: &str, up: SocketAddr) -> (Child, SocketAddr) {
     std::fs::write(&cfg, config).unwrap();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     (common::spawn_palisade(&cfg, &[addr]), addr)
-}
-
-async fn one(proxy: SocketAddr, req: &[u8]) -> bool {
-    let Ok(mut s) = TcpStream::connect(proxy).await else {
-        return false;
-    };
-    if s.write_all(req).await.is_err() {
-        return false;
-    }
-    let mut resp = Vec::with_capacity(256);
-    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut resp)).await;
-    resp.starts_with(b"HTTP/1.1 200")
-}
-
-async fn load(proxy: SocketAddr, up: SocketAddr, secs: f64) -> f64 {
-    let req = Arc::new(
-        format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nConnection: close\r\n\r\n")
-            .into_bytes(),
-    );
-    common::closed_loop(CONCURRENCY, secs, move || {
-        let req = req.clone();
-        async move { one(proxy, &req).await }
-    })
-    .await
 }
 
 /// CPU time (user + system) and context switches (voluntary and not) of
@@ -353,14 +306,14 @@ fn main() {
         return;
     }
     let rt = common::runtime();
-    let up = rt.block_on(upstream());
+    let up = rt.block_on(common::http_upstream());
     let modes = ["discard", "os", "fsync"];
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
     for _ in 0..rounds {
         for (i, mode) in modes.iter().enumerate() {
             let (child, proxy) = start(&root, mode, up);
-            rt.block_on(load(proxy, up, 0.2)); // warm-up
-            results[i].push(rt.block_on(load(proxy, up, secs)));
+            rt.block_on(common::absolute_get_load(proxy, up, CONCURRENCY, 0.2)); // warm-up
+            results[i].push(rt.block_on(common::absolute_get_load(proxy, up, CONCURRENCY, secs)));
             common::stop(child);
         }
     }

@@ -58,6 +58,8 @@ pub enum StartError {
     Host(String),
     #[error("enforcement: {0}")]
     Enforcement(String),
+    #[error("otel: {0}")]
+    Otel(String),
 }
 
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
@@ -105,6 +107,10 @@ pub struct Started {
     sighup: tokio::signal::unix::Signal,
     /// Dialled addresses a test routes elsewhere ([`Started::route_upstream`]).
     routes: Routes,
+    /// The OTLP export, if on, and its tasks: stopped after the chain is
+    /// sealed, since it follows the evidence to its last record.
+    otel: Option<crate::otel::Started>,
+    otel_stop: CancellationToken,
 }
 
 /// Every listener of the config, bound.
@@ -165,6 +171,14 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         ),
         None => None,
     };
+    let otel_stop = CancellationToken::new();
+    let otel = crate::otel::start(
+        config.otel.as_ref(),
+        evidence.live().tap(),
+        &metrics,
+        &otel_stop,
+    )
+    .map_err(StartError::Otel)?;
     let listeners = bind_all(&config).await?;
     let sighup = signal(SignalKind::hangup()).map_err(StartError::Signal)?;
     Ok(Started {
@@ -180,6 +194,8 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         listeners,
         sighup,
         routes: Routes::default(),
+        otel,
+        otel_stop,
     })
 }
 
@@ -292,7 +308,13 @@ impl Started {
             listeners,
             mut sighup,
             routes,
+            otel,
+            otel_stop,
         } = self;
+        let (otel, otel_tasks) = match otel {
+            Some((otel, tasks)) => (Some(otel), tasks),
+            None => (None, Vec::new()),
+        };
         let services = Services {
             evidence,
             metrics,
@@ -302,6 +324,7 @@ impl Started {
             synthetic,
             enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
             routes,
+            otel,
         };
         let (ctx, evidence_budget, names) = context(&config, &services);
         let health = Arc::new(Health {
@@ -319,6 +342,7 @@ impl Started {
             listeners.transparent,
             listeners.socks5,
         );
+        running.otel = (otel_stop, otel_tasks);
         // Drained like the proxy: in-flight requests get the same grace.
         if let Some(listener) = listeners.admin {
             let limits = &config.proxy.limits;
@@ -407,6 +431,7 @@ struct Services {
     synthetic: Option<Arc<crate::synthetic::Synthetic>>,
     enforcement: Option<Arc<Enforcement>>,
     routes: Routes,
+    otel: Option<Arc<crate::otel::Otel>>,
 }
 
 /// The proxy's context, and the evidence and new-name budgets it shares
@@ -467,6 +492,7 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
         tasks: TaskTracker::new(),
         enforcement: s.enforcement.clone(),
         routes: s.routes.clone(),
+        otel: s.otel.clone(),
     });
     (ctx, evidence_budget, names)
 }
@@ -481,6 +507,8 @@ struct Running {
     dns: Option<JoinHandle<()>>,
     flusher: Option<JoinHandle<()>>,
     admin: Option<std::thread::JoinHandle<()>>,
+    /// The OTLP export's stop and tasks: stopped once the chain is sealed.
+    otel: (CancellationToken, Vec<JoinHandle<()>>),
 }
 
 /// Serve every proxy listener, and reap idle upstream connections.
@@ -639,6 +667,11 @@ async fn drain(ctx: &Ctx, running: Running, limits: &crate::config::Limits) {
         info!("evidence sealed");
     } else {
         warn!("evidence could not be sealed; `verify` will report an unsealed end");
+    }
+    let (otel_stop, otel_tasks) = running.otel;
+    otel_stop.cancel();
+    for t in otel_tasks {
+        let _ = t.await;
     }
     if let Some(t) = running.admin {
         let _ = tokio::task::spawn_blocking(move || t.join()).await;

@@ -101,6 +101,7 @@ pub(crate) mod host;
 pub(crate) mod intercept;
 pub(crate) mod limits;
 pub(crate) mod metrics;
+pub(crate) mod otel;
 pub mod policy;
 pub mod probe;
 pub mod proto;

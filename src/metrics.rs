@@ -433,6 +433,25 @@ impl Metrics {
         gauge
     }
 
+    /// `palisade_otel_dropped_total{signal}`, registered now: only an
+    /// instance that exports (`[otel]` or the environment) has it.
+    pub(crate) fn otel_dropped(&self) -> IntCounterVec {
+        let counter = IntCounterVec::new(
+            Opts::new(
+                "palisade_otel_dropped_total",
+                "Log records (signal=logs) and spans (signal=traces) the OTLP export lost: its bounded queue was full, or the collector did not take the batch. The evidence has them all.",
+            ),
+            &["signal"],
+        )
+        .expect("a valid metric name");
+        for signal in ["logs", "traces"] {
+            counter.with_label_values(&[signal]);
+        }
+        // Registered once per process (app::run calls this once).
+        let _ = self.registry.register(Box::new(counter.clone()));
+        counter
+    }
+
     /// Count a decision or close record as it is written, for every mode
     /// (proxy and DNS alike): decisions by org, decision, reason and mode
     /// (DNS in `palisade_dns_queries_total`), report-mode decisions by what

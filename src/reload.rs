@@ -229,6 +229,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         evidence,
         bypass,
         enforcement,
+        otel,
         // Served: rebuilt by a reload.
         intercept: _,
         policy: _,
@@ -315,6 +316,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     );
     if enforcement_key(enforcement) != enforcement_key(&new.enforcement) {
         keys.push("enforcement");
+    }
+    if otel != &new.otel {
+        keys.push("otel");
     }
     if evidence != &new.evidence {
         changed!(

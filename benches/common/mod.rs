@@ -259,3 +259,60 @@ pub(crate) fn rss_kib(pid: u32) -> f64 {
         })
         .unwrap_or(f64::NAN)
 }
+
+/// A loopback HTTP upstream answering every request `200 ok` and closing.
+pub(crate) async fn http_upstream() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    serve_tcp(|mut s| async move {
+        let mut buf = [0u8; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => seen.extend_from_slice(&buf[..n]),
+            }
+            if seen.len() > 65536 {
+                return;
+            }
+        }
+        let _ = s
+            .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+            .await;
+    })
+    .await
+}
+
+/// One absolute-form `GET` to `up` through the explicit proxy, on a new
+/// connection; whether it got a 200.
+async fn absolute_get(proxy: std::net::SocketAddr, req: &[u8]) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(proxy).await else {
+        return false;
+    };
+    if s.write_all(req).await.is_err() {
+        return false;
+    }
+    let mut resp = Vec::with_capacity(256);
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut resp)).await;
+    resp.starts_with(b"HTTP/1.1 200")
+}
+
+/// `clients` clients sending absolute-form requests to `up` through the
+/// proxy, a new connection (so one decision record) each, for `secs`;
+/// requests per second.
+pub(crate) async fn absolute_get_load(
+    proxy: std::net::SocketAddr,
+    up: std::net::SocketAddr,
+    clients: usize,
+    secs: f64,
+) -> f64 {
+    let req = Arc::new(
+        format!("GET http://{up}/ HTTP/1.1\r\nHost: {up}\r\nConnection: close\r\n\r\n")
+            .into_bytes(),
+    );
+    closed_loop(clients, secs, move || {
+        let req = req.clone();
+        async move { absolute_get(proxy, &req).await }
+    })
+    .await
+}

@@ -24,6 +24,7 @@ pub use error::{ConfigError, ConfigErrors};
 pub use keys::accepted_keys;
 pub use model::*;
 pub use timeout::*;
+pub(crate) use validate::otel_endpoint_problem;
 
 use error::Errors;
 use raw::RawConfig;

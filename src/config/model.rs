@@ -130,7 +130,26 @@ pub struct Config {
     pub policy: PolicyConfig,
     /// `[enforcement]`: the nftables ruleset the gateway must have loaded.
     pub enforcement: Option<EnforcementConfig>,
+    /// `[otel]`: the OTLP export (`crate::otel`); `None` without the table.
+    pub otel: Option<OtelConfig>,
     pub orgs: Vec<OrgConfig>,
+}
+
+/// The `service.name` of the OTLP export when `[otel]` names none.
+pub const DEFAULT_OTEL_SERVICE_NAME: &str = "palisade";
+
+/// `[otel]`: OTLP over HTTP (protobuf). What the file leaves out, the
+/// standard `OTEL_EXPORTER_OTLP_*` environment variables give (read at
+/// start-up, `crate::otel`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtelConfig {
+    /// The collector's base URL (`http://HOST:PORT[/PATH]`); the signal
+    /// paths `/v1/logs` and `/v1/traces` are appended. Set here, it wins
+    /// over the environment.
+    pub endpoint: Option<String>,
+    pub service_name: String,
+    /// Headers sent with every export (name, value), validated.
+    pub headers: Vec<(String, String)>,
 }
 
 /// `[policy]`.
@@ -1186,6 +1205,7 @@ impl Config {
             bypass: _,
             policy: _,
             enforcement: _,
+            otel: _,
             orgs: _,
         } = self;
         let ProxyConfig {

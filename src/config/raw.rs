@@ -24,8 +24,19 @@ pub(super) struct RawConfig {
     pub(super) policy: RawPolicy,
     #[serde(default)]
     pub(super) enforcement: RawEnforcement,
+    /// `[otel]`: present (even empty) turns the OTLP export on.
+    pub(super) otel: Option<RawOtel>,
     #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+/// `[otel]`: where OTLP over HTTP goes, and as what service.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOtel {
+    pub(super) endpoint: Option<Spanned<String>>,
+    pub(super) service_name: Option<Spanned<String>>,
+    pub(super) headers: Option<std::collections::BTreeMap<String, Spanned<String>>>,
 }
 
 /// `[policy]`: the layers under the orgs' rules.

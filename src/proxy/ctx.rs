@@ -67,6 +67,8 @@ pub(crate) struct Ctx {
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
     /// Checked addresses dialled elsewhere (tests only; none in service).
     pub routes: Routes,
+    /// The OTLP export, if on: where connection spans start.
+    pub otel: Option<Arc<crate::otel::Otel>>,
 }
 
 /// One decision's view of what is served: the [`Served`] state as it was
@@ -185,6 +187,7 @@ impl Ctx {
         match self.evidence.write(record).await {
             Ok(()) => {
                 self.metrics.count_record(record);
+                crate::otel::annotate_record(record);
                 true
             }
             Err(e) => {

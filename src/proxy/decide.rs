@@ -98,7 +98,7 @@ pub(crate) async fn decide_in(
     port: u16,
 ) -> Decided {
     let started = std::time::Instant::now();
-    let outcome = decide(ctx, view, host, port).await;
+    let outcome = crate::otel::step("decide", decide(ctx, view, host, port)).await;
     ctx.metrics.time_decision(mode, started.elapsed());
     outcome
 }
@@ -243,15 +243,17 @@ pub(crate) async fn decide_with(
                 synthetic: None,
             };
             let addrs = match addresses {
-                Addresses::Resolved => match resolver.lookup(name).await {
-                    Ok(addrs) => addrs,
-                    Err(e) => return resolution_failed(e.to_string()),
-                },
+                Addresses::Resolved => {
+                    match crate::otel::step("resolve", resolver.lookup(name)).await {
+                        Ok(addrs) => addrs,
+                        Err(e) => return resolution_failed(e.to_string()),
+                    }
+                }
                 Addresses::Original { ip, bindings } => {
                     let bound =
                         bindings.is_some_and(|b| b.is_bound(&org.name, name, ip, Instant::now()));
                     if !bound {
-                        match resolver.lookup(name).await {
+                        match crate::otel::step("resolve", resolver.lookup(name)).await {
                             Ok(addrs) if addrs.iter().any(|a| canonical(*a) == ip) => {}
                             Ok(_) => {
                                 return Decided::mismatch(

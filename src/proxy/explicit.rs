@@ -27,6 +27,7 @@ use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
 use super::record::{denied, refused};
 use crate::evidence::{Kind, Mode};
+use crate::otel;
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -42,11 +43,25 @@ pub(crate) async fn serve_connection(ctx: Arc<Ctx>, stream: TcpStream, link: Lin
         let stream = MeteredIo::new(stream, meter.clone());
         let svc_ctx = ctx.clone();
         let svc_link = link.clone();
-        let service = service_fn(move |req| {
+        // The connection's span starts with its first request, under that
+        // request's `traceparent` (a CONNECT's is the tunnel's parent).
+        let conn_span = std::sync::OnceLock::new();
+        let service = service_fn(move |req: Request<Incoming>| {
             let ctx = svc_ctx.clone();
             let link = svc_link.clone();
             let meter = meter.clone();
-            async move { Ok::<_, Infallible>(metered(ctx, link, meter, req).await) }
+            let conn = conn_span.get_or_init(|| {
+                let mode = link.mode.as_str();
+                otel::connection(ctx.otel.as_deref(), link.client, mode, Some(req.headers()))
+            });
+            let cx = if req.method() == Method::CONNECT {
+                conn.clone()
+            } else {
+                otel::request(conn, req.method().as_str(), req.headers())
+            };
+            otel::within(cx, async move {
+                Ok::<_, Infallible>(metered(ctx, link, meter, req).await)
+            })
         });
         let protocol = Protocol::Http1 {
             header_read_timeout: limits.header_read_timeout.get(),
@@ -265,7 +280,9 @@ async fn connect(ctx: Arc<Ctx>, mut link: Link, req: Request<Incoming>) -> Respo
     // waits for it then holds a pointer, not room for the whole `Opened`,
     // for the tunnel's life. The tunnel's state carries the permit.
     let opened = Box::new(opened);
-    ctx.tasks.spawn(
+    // The tunnel keeps the connection's span (it ends with the tunnel).
+    ctx.tasks.spawn(otel::within(
+        otel::current(),
         async move {
             match on_upgrade.await {
                 Ok(upgraded) => connect::run_upgraded(tunnel_ctx, upgraded, opened).await,
@@ -273,7 +290,7 @@ async fn connect(ctx: Arc<Ctx>, mut link: Link, req: Request<Incoming>) -> Respo
             }
         }
         .instrument(tracing::Span::current()),
-    );
+    ));
     Response::new(full(Bytes::new()))
 }
 

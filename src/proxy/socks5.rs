@@ -24,6 +24,7 @@ use super::ctx::{Ctx, View};
 use super::listen::accept_loop;
 use super::record::refused;
 use crate::evidence::{Kind, Mode};
+use crate::otel;
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
     self, Address, Command, Malformed, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
@@ -36,7 +37,11 @@ use crate::proto::Parse;
 /// org its address names, or its address's own budget, until the
 /// authentication names its org (see [`crate::limits`]).
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(ctx, listener, Mode::Socks5, handle, refuse_over_limit).await
+    let traced = |ctx: Arc<Ctx>, stream: TcpStream, link: Link| {
+        let span = otel::connection(ctx.otel.as_deref(), link.client, link.mode.as_str(), None);
+        otel::within(span, handle(ctx, stream, link))
+    };
+    accept_loop(ctx, listener, Mode::Socks5, traced, refuse_over_limit).await
 }
 
 /// Over a limit: record it and answer "no acceptable methods".

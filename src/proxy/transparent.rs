@@ -30,6 +30,7 @@ use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
 use crate::evidence::Mode;
+use crate::otel;
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -51,7 +52,17 @@ pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<Socket
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(ctx, listener, Mode::Transparent, handle, refuse).await
+    accept_loop(ctx, listener, Mode::Transparent, traced, refuse).await
+}
+
+/// [`handle`] under the connection's span.
+fn traced(
+    ctx: Arc<Ctx>,
+    client: TcpStream,
+    link: Link,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let span = otel::connection(ctx.otel.as_deref(), link.client, link.mode.as_str(), None);
+    otel::within(span, handle(ctx, client, link))
 }
 
 /// Over a limit: record it and reset.
@@ -202,7 +213,7 @@ async fn decide_presented(
     let started = Instant::now();
     let decided = match presented_name(detected, orig.port()) {
         Ok(name) => {
-            let outcome = decide(ctx, view, name.as_ref(), orig).await;
+            let outcome = otel::step("decide", decide(ctx, view, name.as_ref(), orig)).await;
             (report_mismatch(ctx, view, outcome, orig).await, name)
         }
         Err(why) => (

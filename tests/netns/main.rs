@@ -31,6 +31,7 @@ mod metrics;
 mod names;
 mod noisy;
 mod org_export;
+mod otel;
 mod own_addresses;
 mod policy;
 mod pool;

@@ -19,7 +19,7 @@ fn repo() -> PathBuf {
 }
 
 /// A Prometheus server in the lab's proxy namespace, scraping the admin listener.
-struct Prometheus {
+pub(crate) struct Prometheus {
     child: Child,
 }
 
@@ -30,7 +30,7 @@ impl Drop for Prometheus {
     }
 }
 
-fn start_prometheus(lab: &Lab) -> Prometheus {
+pub(crate) fn start_prometheus(lab: &Lab) -> Prometheus {
     let dir = lab.dir.join("prometheus");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("prometheus.yml");
@@ -65,7 +65,7 @@ fn start_prometheus(lab: &Lab) -> Prometheus {
 }
 
 /// A Prometheus HTTP API call from inside the proxy namespace; None on failure.
-fn api(lab: &Lab, endpoint: &str, query: &str) -> Option<Value> {
+pub(crate) fn api(lab: &Lab, endpoint: &str, query: &str) -> Option<Value> {
     let url = format!("http://{PROM_ADDR}/api/v1/{endpoint}");
     let mut args = vec!["-sS", "--max-time", "5", "-G", url.as_str()];
     let q = format!("query={query}");
@@ -299,13 +299,14 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
         );
     }
     // Every rule evaluates without error, and the two conditions driven fire.
+    let rule_count = alerts_text.matches("- alert:").count();
     lab::wait_until("rules evaluated", Duration::from_secs(20), || {
         let rules = api(&lab, "rules", "").unwrap();
         let list: Vec<Value> = rules["data"]["groups"][0]["rules"]
             .as_array()
             .cloned()
             .unwrap_or_default();
-        list.len() == 11 && list.iter().all(|r| r["health"] == "ok")
+        list.len() == rule_count && list.iter().all(|r| r["health"] == "ok")
     });
     let alerts = api(&lab, "alerts", "").unwrap();
     let active: BTreeSet<String> = alerts["data"]["alerts"]
@@ -324,6 +325,8 @@ fn dashboards_and_alerts_evaluate_against_real_prometheus() {
     assert!(!active.contains("PalisadeNotReady"), "{active:?}");
     // No [enforcement]: no palisade_enforcement_ok, nothing to fire.
     assert!(!active.contains("PalisadeEnforcementMissing"), "{active:?}");
+    // No [otel]: no palisade_otel_dropped_total, nothing to fire.
+    assert!(!active.contains("PalisadeOtelDropping"), "{active:?}");
     // One replica serves one policy: the fleet alert stays quiet.
     assert!(
         !active.contains("PalisadeFleetPolicyMismatch"),

@@ -19,6 +19,8 @@ mod enforcement;
 mod evidence;
 mod intercept;
 mod org;
+mod otel;
+pub(crate) use otel::endpoint_problem as otel_endpoint_problem;
 mod proxy;
 mod rules;
 mod service;
@@ -46,6 +48,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         bypass,
         policy,
         enforcement,
+        otel,
         org,
     } = raw;
 
@@ -63,6 +66,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let intercept = validate_intercept(intercept, errors);
     let bypass = validate_bypass(bypass, errors);
     let enforcement = validate_enforcement(enforcement, errors);
+    let otel = otel.and_then(|o| otel::validate_otel(o, errors));
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
     let super::raw::RawPolicy { baseline } = policy;
     let baseline = baseline.and_then(|b| baseline::load_baseline(&b, path, errors));
@@ -81,6 +85,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         bypass,
         policy: super::model::PolicyConfig { baseline },
         enforcement,
+        otel,
         orgs,
     };
     dns::check_pools(&config, &pool_spans, errors);

@@ -203,9 +203,16 @@ where
         session: s,
     });
     let svc_shared = shared.clone();
-    let service = service_fn(move |req| {
+    // Each request is a span of its own under the connection's (or under
+    // the `traceparent` it carries).
+    let conn_span = crate::otel::current();
+    let service = service_fn(move |req: Request<Incoming>| {
         let shared = svc_shared.clone();
-        async move { Ok::<_, Infallible>(handle(shared, req).await) }
+        let cx = crate::otel::request(&conn_span, req.method().as_str(), req.headers());
+        crate::otel::within(
+            cx,
+            async move { Ok::<_, Infallible>(handle(shared, req).await) },
+        )
     });
     let limits = &ctx.limits;
     let protocol = if h2 {
@@ -385,18 +392,17 @@ impl Shared {
             ic.upstream.clone()
         };
         let connector = tokio_rustls::TlsConnector::from(config);
-        let tls =
-            match tokio::time::timeout(ic.handshake_timeout, connector.connect(server_name, tcp))
-                .await
-            {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => return Err(UpstreamError::Tls(e.to_string())),
-                Err(_) => {
-                    return Err(UpstreamError::Tls(
-                        "upstream TLS handshake timed out".into(),
-                    ))
-                }
-            };
+        let handshake =
+            tokio::time::timeout(ic.handshake_timeout, connector.connect(server_name, tcp));
+        let tls = match crate::otel::step("upstream_tls", handshake).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => return Err(UpstreamError::Tls(e.to_string())),
+            Err(_) => {
+                return Err(UpstreamError::Tls(
+                    "upstream TLS handshake timed out".into(),
+                ))
+            }
+        };
         Ok(tls)
     }
 }

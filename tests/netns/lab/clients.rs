@@ -56,8 +56,21 @@ impl Lab {
         prog: &str,
         args: impl IntoIterator<Item = S>,
     ) -> Background {
+        self.spawn_server_in(&self.ns_upstream, what, prog, args)
+    }
+
+    /// Start a server of a test's own in namespace `ns` (`prog` with
+    /// `args`), in the background, and wait until it prints "ready" (`what`
+    /// names it if it does not). Killed when dropped.
+    pub fn spawn_server_in<S: AsRef<std::ffi::OsStr>>(
+        &self,
+        ns: &str,
+        what: &str,
+        prog: &str,
+        args: impl IntoIterator<Item = S>,
+    ) -> Background {
         let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.ns_upstream, prog])
+            .args(["netns", "exec", ns, prog])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
