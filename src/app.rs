@@ -85,7 +85,7 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
     // The one metrics value: everything that counts gets it from here.
-    let metrics = Arc::new(Metrics::new(evidence.counters().clone()));
+    let metrics = Arc::new(Metrics::new(evidence.live().clone()));
     metrics.init_series(config.orgs.iter().map(|o| o.name.as_str()));
     let resolver = Arc::new(
         Resolver::new(&dns.upstream, dns.resolve_timeout.get())
@@ -179,12 +179,12 @@ pub(crate) async fn run(config: Config) -> Result<(), StartError> {
     // of it. The shares are counted over the orgs served now.
     let payers = served.clone();
     evidence
-        .counters()
+        .live()
         .store()
         .count_payers(move || payers.load().policy.org_count() + 1);
     let evidence_budget = Arc::new(
         EvidenceBudget::new(evidence_config.max_records_per_second_per_org)
-            .with_store(evidence.counters().clone()),
+            .with_store(evidence.live().clone()),
     );
     // One set of new-name budgets: a name counts once, by DNS or by
     // connection.

@@ -292,13 +292,13 @@ impl Bindings {
 /// and is that binding still valid? Transparent mode uses it to check that
 /// a connection's original destination belongs to the name it presents.
 pub(crate) trait NameBindings: Send + Sync {
-    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool;
+    fn is_bound(&self, org: &str, name: &str, addr: IpAddr, now: Instant) -> bool;
 }
 
-/// The proxy's view of the bindings (transparent mode): valid as of now.
+/// The proxy's view of the bindings (transparent mode): valid as of `now`.
 impl NameBindings for Bindings {
-    fn is_bound(&self, org: &str, name: &str, addr: IpAddr) -> bool {
-        Bindings::is_bound(self, org, name, addr, Instant::now())
+    fn is_bound(&self, org: &str, name: &str, addr: IpAddr, now: Instant) -> bool {
+        Bindings::is_bound(self, org, name, addr, now)
     }
 }
 

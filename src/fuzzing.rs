@@ -127,7 +127,7 @@ pub fn tls_stream(data: &[u8]) {
     let sh = server_hello_bytes(false);
     let garbage: &[u8] = b"HTTP/1.1 400 Bad Request\r\n\r\n";
     // (upstream bytes; whether the verifier may end up opaque)
-    let scenarios: [(&[UpstreamAt], bool); 7] = [
+    let scenarios: [(&[UpstreamAt<'_>], bool); 7] = [
         (&[], false),
         (&[(1, &hrr)], false),
         (&[(1, &sh)], true),
@@ -170,7 +170,11 @@ pub(crate) type UpstreamAt<'a> = (usize, &'a [u8]);
 /// observing each `upstream` entry's bytes once at least that many client
 /// bytes have been forwarded (entries in order). Returns the final step
 /// (`NeedMore`, `Opaque` or `Deny`) and the number of client bytes forwarded.
-pub(crate) fn drive_tls(host: &Host, chunks: &[&[u8]], upstream: &[UpstreamAt]) -> (Step, usize) {
+pub(crate) fn drive_tls(
+    host: &Host,
+    chunks: &[&[u8]],
+    upstream: &[UpstreamAt<'_>],
+) -> (Step, usize) {
     let mut guard = TlsGuard::new(host.clone());
     let mut upstream = upstream.iter().peekable();
     let mut held: Vec<u8> = Vec::new();

@@ -6,7 +6,7 @@
 //! counts (the proxy's `Ctx`, the DNS shim, the admin listener); there is
 //! no global. Decisions and close records are counted in one place,
 //! [`Metrics::count_record`], for every mode. Evidence keeps its own
-//! counters ([`crate::evidence::Counters`]), read when `/metrics` is scraped.
+//! counters (in [`crate::evidence::Live`]), read when `/metrics` is scraped.
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -18,7 +18,7 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
-use crate::evidence::{Counters, Event, Mode, Record};
+use crate::evidence::{Event, Live, Mode, Record};
 use crate::policy::{OrgRef, Reason};
 
 /// Values of the `mode` label of `palisade_connections_total`.
@@ -129,12 +129,12 @@ const EVIDENCE_OVER_SHARE: (&str, &str) = (
 
 /// The evidence writer's own counters, exposed as they are at scrape time.
 struct EvidenceCollector {
-    counters: Arc<Counters>,
+    live: Arc<Live>,
     descs: Vec<Desc>,
 }
 
 impl EvidenceCollector {
-    fn new(counters: Arc<Counters>) -> Result<EvidenceCollector, prometheus::Error> {
+    fn new(live: Arc<Live>) -> Result<EvidenceCollector, prometheus::Error> {
         let mut descs = Vec::new();
         for (name, help) in [
             EVIDENCE_RECORDS,
@@ -159,11 +159,11 @@ impl EvidenceCollector {
                 Default::default(),
             )?);
         }
-        Ok(EvidenceCollector { counters, descs })
+        Ok(EvidenceCollector { live, descs })
     }
 
     fn families(&self) -> Result<Vec<MetricFamily>, prometheus::Error> {
-        let c = &self.counters;
+        let c = &self.live;
         let mut out = Vec::with_capacity(3);
         for ((name, help), value) in [
             (EVIDENCE_RECORDS, c.records_written()),
@@ -227,7 +227,7 @@ impl Collector for EvidenceCollector {
 impl Metrics {
     /// Every metric, registered, with the series that exist from the start;
     /// the evidence series read `evidence` at each scrape.
-    pub(crate) fn new(evidence: Arc<Counters>) -> Metrics {
+    pub(crate) fn new(evidence: Arc<Live>) -> Metrics {
         match Metrics::build(evidence) {
             Ok(m) => m,
             // Static names and labels: failing here is a programming error caught by the tests.
@@ -235,7 +235,7 @@ impl Metrics {
         }
     }
 
-    fn build(evidence: Arc<Counters>) -> Result<Metrics, prometheus::Error> {
+    fn build(evidence: Arc<Live>) -> Result<Metrics, prometheus::Error> {
         let registry = Registry::new();
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
             IntCounterVec::new(Opts::new(name, help), labels)
@@ -582,7 +582,7 @@ mod tests {
     fn contract_series_exist_at_zero_and_count_what_is_recorded() {
         let dir = crate::testing::scratch("metrics").join("evidence");
         let evidence = Evidence::open(&dir).unwrap();
-        let m = Metrics::new(evidence.counters().clone());
+        let m = Metrics::new(evidence.live().clone());
         m.init_series(["acme"]);
         let text = m.render(true, "abc", SystemTime::now());
         for name in [
@@ -623,7 +623,7 @@ mod tests {
                 &text,
                 &format!(
                     "palisade_build_info{{policy=\"abc\",replica=\"{}\",version=\"{}\"}}",
-                    evidence.counters().replica(),
+                    evidence.live().replica(),
                     env!("CARGO_PKG_VERSION")
                 )
             ),

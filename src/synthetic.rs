@@ -390,7 +390,7 @@ impl Synthetic {
     pub(crate) fn retain(&self, mut keep: impl FnMut(&str, &str) -> bool) -> usize {
         let mut inner = self.lock();
         let mut gone = 0;
-        for (org, maps) in inner.orgs.iter_mut() {
+        for (org, maps) in &mut inner.orgs {
             let drop: Vec<String> = maps
                 .maps
                 .keys()

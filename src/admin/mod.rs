@@ -66,7 +66,7 @@ fn respond(
     let get = matches!(req.method(), &Method::GET | &Method::HEAD);
     match req.uri().path() {
         "/v1/decisions" if req.method() == Method::GET => {
-            let tap = health.evidence.counters().tap();
+            let tap = health.evidence.live().tap();
             return tail::respond(&health.tails, tap, shutdown, req);
         }
         "/metrics" if get => {

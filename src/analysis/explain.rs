@@ -224,128 +224,119 @@ pub async fn explain_request(
     let policy = Policy::with_host(config, &host);
     match target {
         ExplainTarget::Tcp { host, port, .. } => {
-            let Some(org) = policy.org_for(client) else {
-                let verdict = Verdict {
-                    org: None,
-                    reason: Reason::UnknownClient,
-                    rule: None,
-                    would_deny: None,
-                };
-                return explanation(client, "tcp", host, Some(*port), verdict, &policy);
-            };
-            if let Host::Ip(ip) = host {
-                if let Some(pool) = synthetic_pool(config, *ip) {
-                    let mut x = explanation(
-                        client,
-                        "tcp",
-                        host,
-                        Some(*port),
-                        Verdict {
-                            org: Some(org),
-                            reason: Reason::SyntheticUnbound,
-                            rule: None,
-                            would_deny: None,
-                        },
-                        &policy,
-                    );
-                    x.detail = Some(format!(
-                        "{ip} is in the synthetic pool {pool}: at run time it stands for the name \
-                         the DNS shim has bound it to for this org at that moment, and a connection \
-                         to it is decided as a connection to that name (explain the name as \
-                         HOST:{port}; its SNI or Host must match it); bound to no name of this org \
-                         it is denied synthetic_unbound; it is never dialled itself"
-                    ));
-                    return x;
-                }
-            }
-            let resolver = Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get());
-            let outcome = match resolver {
-                Ok(resolver) => {
-                    decide_with(
-                        &policy,
-                        (&resolver, None),
-                        &org,
-                        (host, *port),
-                        Addresses::Resolved,
-                    )
-                    .await
-                }
-                Err(e) => {
-                    let mut x = explanation(
-                        client,
-                        "tcp",
-                        host,
-                        Some(*port),
-                        Verdict {
-                            org: Some(org),
-                            reason: Reason::ResolutionFailed,
-                            rule: None,
-                            would_deny: None,
-                        },
-                        &policy,
-                    );
-                    x.detail = Some(e.to_string());
-                    return x;
-                }
-            };
-            let rule = outcome.verdict.rule.clone();
-            let allowed = outcome.verdict.is_allow();
-            let note = budget_note(&policy, &outcome.verdict);
-            let mut x = explanation(client, "tcp", host, Some(*port), outcome.verdict, &policy);
-            x.dial = outcome.dial;
-            x.detail = join_detail(outcome.detail, note);
-            if let (true, Some(rule), Some((method, path)), Host::Name(name)) =
-                (allowed, rule, request, host)
-            {
-                if policy.intercept_rules(&org, &rule).is_some() {
-                    x.request = Some(request_explanation(
-                        &policy,
-                        config,
-                        &org,
-                        &rule,
-                        name,
-                        (method, path),
-                    ));
-                }
-            }
-            x
+            explain_tcp(config, &policy, client, (host, *port), request).await
         }
-        ExplainTarget::Dns { name, qtype } => {
-            // The DNS shim's own decision (special names, query types), which
-            // asks the policy the name question.
-            let orgs: Vec<OrgDns> = config.orgs.iter().map(OrgDns::from_config).collect();
-            let rtype = qtype
-                .parse::<RecordType>()
-                .unwrap_or(RecordType::Unknown(0));
-            let (verdict, detail) = match name {
-                Host::Name(n) => {
-                    let d = decide_query(&policy, &orgs, client, n, rtype);
-                    let note = match d.action {
-                        crate::dns::decide::Action::Forward => budget_note(&policy, &d.verdict),
-                        crate::dns::decide::Action::Synthetic(family) => {
-                            synthetic_note(config, &d.verdict, n, family)
-                        }
-                        _ => None,
-                    };
-                    let detail = join_detail(Some(d.action.describe().to_string()), note);
-                    (d.verdict, detail)
-                }
-                Host::Ip(_) => (
-                    Verdict {
-                        org: policy.org_for(client),
-                        reason: Reason::BadRequest,
-                        rule: None,
-                        would_deny: None,
-                    },
-                    None,
-                ),
-            };
-            let mut x = explanation(client, "dns", name, None, verdict, &policy);
-            x.qtype = Some(qtype.clone());
-            x.detail = detail;
-            x
+        ExplainTarget::Dns { name, qtype } => explain_dns(config, &policy, client, name, qtype),
+    }
+}
+
+/// A verdict no rule gave: `reason`, for `org`.
+fn unruled(org: Option<OrgRef>, reason: Reason) -> Verdict {
+    Verdict {
+        org,
+        reason,
+        rule: None,
+        would_deny: None,
+    }
+}
+
+/// A connection to `(host, port)`: the proxy's decision step, resolution
+/// included, and the request-level decision when the rule intercepts.
+async fn explain_tcp(
+    config: &Config,
+    policy: &Policy,
+    client: IpAddr,
+    (host, port): (&Host, u16),
+    request: Option<(&str, &str)>,
+) -> Explanation {
+    let tcp = |verdict| explanation(client, "tcp", host, Some(port), verdict, policy);
+    let Some(org) = policy.org_for(client) else {
+        return tcp(unruled(None, Reason::UnknownClient));
+    };
+    if let Host::Ip(ip) = host {
+        if let Some(pool) = synthetic_pool(config, *ip) {
+            let mut x = tcp(unruled(Some(org), Reason::SyntheticUnbound));
+            x.detail = Some(format!(
+                "{ip} is in the synthetic pool {pool}: at run time it stands for the name \
+                 the DNS shim has bound it to for this org at that moment, and a connection \
+                 to it is decided as a connection to that name (explain the name as \
+                 HOST:{port}; its SNI or Host must match it); bound to no name of this org \
+                 it is denied synthetic_unbound; it is never dialled itself"
+            ));
+            return x;
         }
     }
+    let resolver = match Resolver::new(&config.dns.upstream, config.dns.resolve_timeout.get()) {
+        Ok(resolver) => resolver,
+        Err(e) => {
+            let mut x = tcp(unruled(Some(org), Reason::ResolutionFailed));
+            x.detail = Some(e.to_string());
+            return x;
+        }
+    };
+    let outcome = decide_with(
+        policy,
+        (&resolver, None),
+        &org,
+        (host, port),
+        Addresses::Resolved,
+    )
+    .await;
+    let rule = outcome.verdict.rule.clone();
+    let allowed = outcome.verdict.is_allow();
+    let note = budget_note(policy, &outcome.verdict);
+    let mut x = tcp(outcome.verdict);
+    x.dial = outcome.dial;
+    x.detail = join_detail(outcome.detail, note);
+    if let (true, Some(rule), Some((method, path)), Host::Name(name)) =
+        (allowed, rule, request, host)
+    {
+        if policy.intercept_rules(&org, &rule).is_some() {
+            x.request = Some(request_explanation(
+                policy,
+                config,
+                &org,
+                &rule,
+                name,
+                (method, path),
+            ));
+        }
+    }
+    x
+}
+
+/// A DNS query: the shim's own decision (special names, query types),
+/// which asks the policy the name question.
+fn explain_dns(
+    config: &Config,
+    policy: &Policy,
+    client: IpAddr,
+    name: &Host,
+    qtype: &str,
+) -> Explanation {
+    let orgs: Vec<OrgDns> = config.orgs.iter().map(OrgDns::from_config).collect();
+    let rtype = qtype
+        .parse::<RecordType>()
+        .unwrap_or(RecordType::Unknown(0));
+    let (verdict, detail) = match name {
+        Host::Name(n) => {
+            let d = decide_query(policy, &orgs, client, n, rtype);
+            let note = match d.action {
+                crate::dns::decide::Action::Forward => budget_note(policy, &d.verdict),
+                crate::dns::decide::Action::Synthetic(family) => {
+                    synthetic_note(config, &d.verdict, n, family)
+                }
+                _ => None,
+            };
+            let detail = join_detail(Some(d.action.describe().to_string()), note);
+            (d.verdict, detail)
+        }
+        Host::Ip(_) => (unruled(policy.org_for(client), Reason::BadRequest), None),
+    };
+    let mut x = explanation(client, "dns", name, None, verdict, policy);
+    x.qtype = Some(qtype.to_string());
+    x.detail = detail;
+    x
 }
 
 impl std::fmt::Display for Explanation {

@@ -234,7 +234,7 @@ host = "allowed.test"
     async fn a_flood_is_summarised_per_target_within_the_orgs_budget() {
         let dir = crate::testing::scratch("bypass");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let bypasses = Bypasses::new(
             ev.clone(),
             metrics.clone(),
@@ -294,7 +294,7 @@ host = "allowed.test"
     async fn one_orgs_flood_never_pushes_anothers_attempts_out_of_their_tallies() {
         let dir = crate::testing::scratch("bypass-orgs");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         // A budget that is not the bound: the tallies are.
         let bypasses = Bypasses::new(
             ev.clone(),

@@ -318,8 +318,8 @@ fn verify(paths: &[PathBuf], keys: &KeyArgs, allow_unsealed: bool) -> Result<(),
             allow_unsealed,
         };
         return match verify::verify_with(&paths[0], &opts) {
-            Ok(summary) => {
-                sayln!("{summary}");
+            Ok(verified) => {
+                sayln!("{verified}");
                 Ok(())
             }
             Err(e) => {

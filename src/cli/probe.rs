@@ -168,7 +168,7 @@ fn run_plan(path: &Path, out: &Path) -> Result<(), CliError> {
     Ok(())
 }
 
-fn write_report(opts: &report::Options, out: &Path) -> Result<(), CliError> {
+fn write_report(opts: &report::Options<'_>, out: &Path) -> Result<(), CliError> {
     let report =
         report::build(opts).map_err(|report::BadInput(e)| CliError::new(Status::BadInput, e))?;
     let r = render::outputs(report);

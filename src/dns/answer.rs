@@ -18,10 +18,11 @@
 //!    ([`Shim::finish`]); a refusal's is queued or summarised
 //!    ([`Shim::record_refusal`]).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hickory_server::net::xfer::Protocol;
 use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
 use hickory_server::proto::rr::rdata::{HINFO, PTR};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
@@ -31,7 +32,7 @@ use tracing::{debug, warn};
 use super::budget::Held;
 use super::cache::Key;
 use super::decide::{decide_query, past_budget, Action, QueryDecision};
-use super::encode::{blocked, denied_rcode, Reply, EDE_BLOCKED};
+use super::encode::{blocked, denied_rcode, encode, Reply, EDE_BLOCKED};
 use super::filter::{describe, filter, Filtered, Forwarded};
 use super::query::QueryState;
 use super::refusals::Recorded;
@@ -69,6 +70,21 @@ fn shown_name(query: &LowerQuery) -> String {
 }
 
 impl Shim {
+    /// Answer one decoded request: the encoded response (see
+    /// [`super::encode`]).
+    pub(crate) async fn respond(&self, request: &Request, protocol: Protocol) -> Vec<u8> {
+        let reply = self.answer(request).await;
+        encode(request, &reply, protocol)
+    }
+
+    /// Record a DNS-over-TCP connection closed at once over `limit`.
+    pub(crate) async fn refuse_connection(&self, src: SocketAddr, limit: &str) {
+        let served = self.served.load_full();
+        let mut query = QueryState::new(&served, src);
+        query.refuse(Reason::LimitExceeded, Some(limit.into()));
+        self.record_refusal(&query, Duration::ZERO).await;
+    }
+
     /// Decide, forward if allowed, record, and build the reply.
     pub(super) async fn answer(&self, request: &Request) -> Reply {
         let started = Instant::now();
@@ -739,7 +755,7 @@ host = "allowed.test"
     /// answer cache or without.
     fn shim(dir: &Path, upstream: SocketAddr, cached: bool) -> Shim {
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
         let mut shim = Shim::new(
             served(POLICY, &metrics).into_handle(),
@@ -955,7 +971,7 @@ host = "allowed.test"
             )
         );
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let resolver = Resolver::new(&[up], Duration::from_secs(2)).unwrap();
         let c = config::from_str(&policy, Path::new("t.toml")).unwrap();
         let served = Served::load(&c, Arc::new(Policy::new(&c)), &metrics).unwrap();

@@ -26,12 +26,13 @@
 //!
 //! Pure: no clock, the caller passes `now`.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use hickory_server::proto::rr::{LowerName, RecordType};
+
+use crate::limits::table::FairTable;
 
 /// Entries kept at most, all orgs together.
 pub(crate) const CACHE_CAPACITY: usize = 16_384;
@@ -48,65 +49,10 @@ pub(crate) struct Key {
 }
 
 #[derive(Debug)]
-struct Entry<A> {
-    value: Arc<A>,
-    until: Instant,
-    seq: u64,
-}
-
-#[derive(Debug)]
 struct Inner<V, A> {
     version: Option<Arc<V>>,
-    entries: HashMap<Key, Entry<A>>,
-    /// Every entry by expiry: the first expires soonest.
-    expiry: BTreeMap<(Instant, u64), Key>,
-    /// Per org, its entries by expiry.
-    orgs: HashMap<usize, BTreeMap<(Instant, u64), Key>>,
-    next_seq: u64,
-}
-
-impl<V, A> Inner<V, A> {
-    fn clear(&mut self) {
-        self.entries.clear();
-        self.expiry.clear();
-        self.orgs.clear();
-    }
-
-    fn remove(&mut self, key: &Key) {
-        let Some(e) = self.entries.remove(key) else {
-            return;
-        };
-        self.expiry.remove(&(e.until, e.seq));
-        if let Some(o) = self.orgs.get_mut(&key.org) {
-            o.remove(&(e.until, e.seq));
-            if o.is_empty() {
-                self.orgs.remove(&key.org);
-            }
-        }
-    }
-
-    /// The soonest-expiring entry of `org`.
-    fn soonest_of(&self, org: usize) -> Option<Key> {
-        self.orgs
-            .get(&org)?
-            .first_key_value()
-            .map(|(_, k)| k.clone())
-    }
-
-    /// The entry to evict when all places are taken: an expired one, else
-    /// the soonest-expiring of the org holding the most.
-    fn victim(&self, now: Instant) -> Option<Key> {
-        if let Some(((until, _), k)) = self.expiry.first_key_value() {
-            if *until <= now {
-                return Some(k.clone());
-            }
-        }
-        let (org, _) = self
-            .orgs
-            .iter()
-            .max_by_key(|(org, o)| (o.len(), std::cmp::Reverse(**org)))?;
-        self.soonest_of(*org)
-    }
+    /// The entries by expiry: the first expires soonest.
+    table: FairTable<usize, Key, Arc<A>, Instant>,
 }
 
 /// The answer cache: `V` is the served version, `A` what is kept.
@@ -114,7 +60,6 @@ impl<V, A> Inner<V, A> {
 pub(crate) struct AnswerCache<V, A> {
     inner: Mutex<Inner<V, A>>,
     capacity: usize,
-    per_org: usize,
     hits: AtomicU64,
 }
 
@@ -131,13 +76,9 @@ impl<V, A> AnswerCache<V, A> {
         AnswerCache {
             inner: Mutex::new(Inner {
                 version: None,
-                entries: HashMap::new(),
-                expiry: BTreeMap::new(),
-                orgs: HashMap::new(),
-                next_seq: 0,
+                table: FairTable::new(capacity, per_org),
             }),
             capacity,
-            per_org: per_org.clamp(1, capacity.max(1)),
             hits: AtomicU64::new(0),
         }
     }
@@ -153,7 +94,7 @@ impl<V, A> AnswerCache<V, A> {
             .as_ref()
             .is_some_and(|v| Arc::ptr_eq(v, version))
         {
-            inner.clear();
+            inner.table.clear();
             inner.version = Some(version.clone());
         }
     }
@@ -165,12 +106,11 @@ impl<V, A> AnswerCache<V, A> {
         }
         let mut inner = self.lock();
         Self::adopt(&mut inner, version);
-        let e = inner.entries.get(key)?;
-        if e.until <= now {
-            inner.remove(key);
+        if inner.table.place(key)? <= &now {
+            inner.table.remove(key);
             return None;
         }
-        let value = e.value.clone();
+        let value = inner.table.get(key)?.clone();
         drop(inner);
         self.hits.fetch_add(1, Ordering::Relaxed);
         Some(value)
@@ -190,35 +130,16 @@ impl<V, A> AnswerCache<V, A> {
         }
         let mut inner = self.lock();
         Self::adopt(&mut inner, version);
-        inner.remove(&key);
-        // This org's own entries first, then everyone's.
-        while inner.orgs.get(&key.org).map_or(0, BTreeMap::len) >= self.per_org {
-            let Some(k) = inner.soonest_of(key.org) else {
-                break;
-            };
-            inner.remove(&k);
-        }
-        while inner.entries.len() >= self.capacity {
-            let Some(k) = inner.victim(now) else {
-                break;
-            };
-            inner.remove(&k);
-        }
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
-        inner.expiry.insert((until, seq), key.clone());
-        inner
-            .orgs
-            .entry(key.org)
-            .or_default()
-            .insert((until, seq), key.clone());
-        inner.entries.insert(key, Entry { value, until, seq });
+        // This org's own entries first, then everyone's: an expired entry,
+        // else the soonest-expiring of the org holding the most.
+        let org = key.org;
+        let _ = inner.table.insert(org, key, value, until, |u| *u <= now);
     }
 
     /// Entries kept (expired ones included until they are found or evicted).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().entries.len()
+        self.lock().table.len()
     }
 
     #[cfg(test)]
@@ -229,7 +150,7 @@ impl<V, A> AnswerCache<V, A> {
     /// Entries kept for `org`.
     #[cfg(test)]
     pub(crate) fn org_len(&self, org: usize) -> usize {
-        self.lock().orgs.get(&org).map_or(0, BTreeMap::len)
+        self.lock().table.org_len(&org)
     }
 
     /// Answers handed out from the cache so far.

@@ -212,9 +212,8 @@ pub(crate) fn decide_query(
         action,
         name,
     };
-    let name = match normalize_host(qname) {
-        Ok(Host::Name(n)) => n,
-        _ => return local(Reason::BadRequest, denied, None),
+    let Ok(Host::Name(name)) = normalize_host(qname) else {
+        return local(Reason::BadRequest, denied, None);
     };
     if name == DOH_CANARY {
         return local(Reason::SpecialName, Action::NxDomain, Some(name));

@@ -189,7 +189,7 @@ mod tests {
     async fn refusals_beyond_the_orgs_evidence_budget_are_summarised() {
         let dir = crate::testing::scratch("refusals");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let refusals = Refusals::new(
             ev.clone(),
             metrics.clone(),
@@ -231,7 +231,7 @@ mod tests {
     async fn a_flood_with_the_writer_stalled_stays_bounded_and_is_summarised() {
         let dir = crate::testing::scratch("refusals");
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.counters().clone()));
+        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         let refusals = Refusals::new(ev.clone(), metrics, Arc::new(EvidenceBudget::new(1 << 30)));
         ev.pause_writer(true);
 

@@ -1,20 +1,14 @@
 //! The shim: everything it needs to answer, shared by the UDP server and
-//! every TCP connection. One query's path is in [`super::answer`],
-//! forwarding and filtering in [`super::filter`], the wire in
-//! [`super::encode`].
+//! every TCP connection. One query's path, from `respond` on, is in
+//! [`super::answer`], forwarding and filtering in [`super::filter`], the
+//! wire in [`super::encode`].
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
-
-use hickory_server::net::xfer::Protocol;
-use hickory_server::server::Request;
 
 use super::budget::{QueryBudget, TcpBudget};
 use super::cache::AnswerCache;
-use super::encode::encode;
 use super::filter::{clamp_ttl, Forwarded};
-use super::query::QueryState;
 use super::refusals::Refusals;
 use super::ttl::TtlMemo;
 use crate::bindings::Bindings;
@@ -22,7 +16,6 @@ use crate::config::DnsConfig;
 use crate::evidence::Evidence;
 use crate::limits::{EvidenceBudget, NameBudgets, RateLimiter};
 use crate::metrics::Metrics;
-use crate::policy::Reason;
 use crate::resolve::Resolver;
 use crate::served::{Served, ServedHandle};
 
@@ -129,20 +122,5 @@ impl Shim {
     /// `ttl` within `min_ttl`..`max_ttl`.
     pub(super) fn clamp_ttl(&self, ttl: u32) -> u32 {
         clamp_ttl(&self.config, ttl)
-    }
-
-    /// Answer one decoded request: the encoded response (see
-    /// [`super::encode`]).
-    pub(crate) async fn respond(&self, request: &Request, protocol: Protocol) -> Vec<u8> {
-        let reply = self.answer(request).await;
-        encode(request, &reply, protocol)
-    }
-
-    /// Record a DNS-over-TCP connection closed at once over `limit`.
-    pub(crate) async fn refuse_connection(&self, src: SocketAddr, limit: &str) {
-        let served = self.served.load_full();
-        let mut query = QueryState::new(&served, src);
-        query.refuse(Reason::LimitExceeded, Some(limit.into()));
-        self.record_refusal(&query, Duration::ZERO).await;
     }
 }

@@ -406,10 +406,14 @@ pub enum EvidenceError {
     Sealed,
 }
 
-/// What the writer has done, as plain counters: the metrics layer reads
-/// them when scraped (evidence knows nothing of metrics).
+/// The evidence as it runs, shared with its readers: what the writer has
+/// written and failed to write, its queue, the file system it writes to,
+/// how full the store is and whose records fill it (read by the evidence
+/// budget, `limits::evidence`), and the tap of written records (the live
+/// tail). The metrics layer reads it when scraped (evidence knows nothing
+/// of metrics).
 #[derive(Debug, Default)]
-pub struct Counters {
+pub struct Live {
     /// Lines written (records, checkpoints, segment headers).
     records_written: AtomicU64,
     /// Writes that failed, and records that could not be queued.
@@ -426,7 +430,7 @@ pub struct Counters {
     tap: tap::Tap,
 }
 
-impl Counters {
+impl Live {
     pub fn records_written(&self) -> u64 {
         self.records_written.load(Ordering::Relaxed)
     }
@@ -519,12 +523,12 @@ impl Evidence {
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default();
         let ids = Ids::new(&cfg.replica, now);
-        let counters: Arc<Counters> = Arc::default();
-        let _ = counters.dir.set(cfg.dir.clone());
-        let _ = counters.replica.set(cfg.replica.clone());
-        let io = Io::open(cfg.clone(), key, &ids, counters.clone())?;
+        let live: Arc<Live> = Arc::default();
+        let _ = live.dir.set(cfg.dir.clone());
+        let _ = live.replica.set(cfg.replica.clone());
+        let io = Io::open(cfg.clone(), key, &ids, live.clone())?;
         let segment = io.current_path();
-        let log = Arc::new(Log::new(io, ids, counters));
+        let log = Arc::new(Log::new(io, ids, live));
         let duties = log.clone();
         let thread = std::thread::Builder::new()
             .name("evidence-duties".into())
@@ -556,7 +560,7 @@ impl Evidence {
     }
 
     /// What the writer has done so far (read by the metrics layer).
-    pub fn counters(&self) -> &Arc<Counters> {
+    pub fn live(&self) -> &Arc<Live> {
         &self.log.common.counters
     }
 

@@ -174,7 +174,7 @@ pub(crate) fn read_events(
     events: &'static [Event],
 ) -> impl Iterator<Item = Result<Stored, ReadError>> {
     map_lines(path, move |file, line, bytes| {
-        let event = serde_json::from_slice::<EventOnly>(bytes).ok()?.event?;
+        let event = serde_json::from_slice::<EventOnly<'_>>(bytes).ok()?.event?;
         if !events.iter().any(|e| e.as_str() == event) {
             return None;
         }

@@ -298,24 +298,24 @@ fn attribute(u: &mut Usage, written: &HashMap<Payer, u64>) {
 pub(crate) struct Owed {
     payer: Payer,
     bytes: u64,
-    counters: Arc<super::Counters>,
+    live: Arc<super::Live>,
 }
 
 impl Owed {
-    /// Reserve `bytes` of `payer`'s in the store of `counters`.
-    pub(super) fn reserve(counters: &Arc<super::Counters>, payer: &Payer, bytes: u64) -> Owed {
-        counters.store().reserve(payer, bytes);
+    /// Reserve `bytes` of `payer`'s in the store of `live`.
+    pub(super) fn reserve(live: &Arc<super::Live>, payer: &Payer, bytes: u64) -> Owed {
+        live.store().reserve(payer, bytes);
         Owed {
             payer: payer.clone(),
             bytes,
-            counters: counters.clone(),
+            live: live.clone(),
         }
     }
 }
 
 impl Drop for Owed {
     fn drop(&mut self) {
-        self.counters.store().release(&self.payer, self.bytes);
+        self.live.store().release(&self.payer, self.bytes);
     }
 }
 
@@ -427,20 +427,18 @@ mod tests {
 
     #[test]
     fn reserved_closes_count_against_the_share_and_free_space_until_dropped() {
-        let counters: Arc<crate::evidence::Counters> = Arc::default();
-        let store = counters.store();
+        let live: Arc<crate::evidence::Live> = Arc::default();
+        let store = live.store();
         store.count_payers(|| 3);
         let (acme, beta): (Payer, Payer) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.measure(10_000, 1000);
         store.add(&map(&[(Some("acme"), 500), (Some("beta"), 500)]));
         store.wrote(1000);
         // acme holds 2000 open connections' closes: 8000 bytes reserved.
-        let owed: Vec<Owed> = (0..2000)
-            .map(|_| Owed::reserve(&counters, &acme, 4))
-            .collect();
+        let owed: Vec<Owed> = (0..2000).map(|_| Owed::reserve(&live, &acme, 4)).collect();
         assert_eq!(store.free(), Some(1000));
         assert!(!store.is_full(), "exactly the margin left");
-        let one_more = Owed::reserve(&counters, &acme, 1);
+        let one_more = Owed::reserve(&live, &acme, 1);
         assert!(store.is_full(), "reserved closes fill the store");
         assert!(store.over_share(&acme), "8501 of 9001");
         assert!(!store.over_share(&beta));

@@ -341,7 +341,7 @@ async fn an_allow_reserves_room_for_its_close_until_the_close_is_written() {
     let root = crate::testing::scratch("evtest");
     let cfg = config(&root);
     let ev = Evidence::start(&cfg).unwrap();
-    let store = ev.counters().store();
+    let store = ev.live().store();
     let acme: store::Payer = Some(Arc::from("acme"));
     assert!(store.free().is_some(), "free space measured at start");
     // A denial and a DNS answer owe no close.
@@ -400,9 +400,9 @@ async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_sto
     // is not what this test is about: any will do.)
     cfg.min_free = crate::config::MinFree::Bytes(1);
     let ev = Evidence::start(&cfg).unwrap();
-    ev.counters().store().count_payers(|| 2);
+    ev.live().store().count_payers(|| 2);
     fill_org(&ev, None, 2).await;
-    let store = ev.counters().store();
+    let store = ev.live().store();
     assert!(!store.is_full());
     fill_org(&ev, Some("acme"), 60).await;
     assert!(
@@ -429,11 +429,11 @@ async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_sto
     // Started again on the same segments, still young: full at once, and
     // the records already there count in the shares.
     let ev = Evidence::start(&cfg).unwrap();
-    ev.counters().store().count_payers(|| 2);
-    assert!(ev.counters().store().is_full());
-    assert!(ev.counters().store().over_share(&Some(Arc::from("acme"))));
-    assert!(!ev.counters().store().over_share(&None));
-    let shares = ev.counters().store().shares();
+    ev.live().store().count_payers(|| 2);
+    assert!(ev.live().store().is_full());
+    assert!(ev.live().store().over_share(&Some(Arc::from("acme"))));
+    assert!(!ev.live().store().over_share(&None));
+    let shares = ev.live().store().shares();
     let acme = shares
         .iter()
         .find(|s| s.0.as_deref() == Some("acme"))
@@ -448,7 +448,7 @@ async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_sto
     // no longer full.
     cfg.retain_min_age = Duration::ZERO;
     let ev = Evidence::start(&cfg).unwrap();
-    assert!(!ev.counters().store().is_full());
+    assert!(!ev.live().store().is_full());
     assert!(ev.seal().await);
     drop(ev);
     let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
@@ -458,7 +458,7 @@ async fn retention_never_removes_a_segment_younger_than_the_floor_and_a_full_sto
     cfg.retain_size = None;
     cfg.min_free = crate::config::MinFree::Bytes(u64::MAX);
     let ev = Evidence::start(&cfg).unwrap();
-    assert!(ev.counters().store().is_full());
+    assert!(ev.live().store().is_full());
     drop(ev);
     let _ = fs::remove_dir_all(&root);
 }
@@ -798,7 +798,7 @@ async fn a_failed_write_fails_its_whole_batch_and_recovers() {
     let cfg = config(&root);
     let ev = Arc::new(Evidence::start(&cfg).unwrap());
     fill(&ev, 4).await;
-    let errors_before = ev.counters().write_errors();
+    let errors_before = ev.live().write_errors();
     ev.pause_writer(true);
     let mut tasks = Vec::new();
     for i in 0..16 {
@@ -823,7 +823,7 @@ async fn a_failed_write_fails_its_whole_batch_and_recovers() {
         failed.push(id);
     }
     assert!(!ev.is_healthy());
-    assert!(ev.counters().write_errors() > errors_before);
+    assert!(ev.live().write_errors() > errors_before);
     // The duties thread retries by itself.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !ev.is_healthy() {
@@ -877,7 +877,7 @@ async fn the_replica_is_in_ids_and_headers() {
     ev.write(&mut r).await.unwrap();
     assert!(r.id.starts_with("eu-1.b-"), "{}", r.id);
     fill(&ev, 10).await;
-    assert_eq!(ev.counters().replica(), "eu-1.b");
+    assert_eq!(ev.live().replica(), "eu-1.b");
     assert!(ev.seal().await);
     let segs = segments(&cfg.dir);
     assert!(segs.len() >= 2);
@@ -934,7 +934,7 @@ async fn the_tap_sees_each_record_once_written_with_its_chain_fields() {
     let ev = Evidence::open(&dir.path().join("ev")).unwrap();
     // Nobody listens: nothing is copied, nothing kept.
     fill(&ev, 2).await;
-    let mut rx = ev.counters().tap().subscribe();
+    let mut rx = ev.live().tap().subscribe();
     fill(&ev, 3).await;
     // Records only (decisions, and closes once written), in chain order.
     let mut seqs = Vec::new();

@@ -170,7 +170,7 @@ pub(super) fn now_ts() -> String {
 pub(super) struct Common {
     pub healthy: AtomicBool,
     pub ids: Ids,
-    pub counters: Arc<super::Counters>,
+    pub counters: Arc<super::Live>,
     duties: Duties,
 }
 
@@ -215,7 +215,7 @@ pub(super) struct Log {
 }
 
 impl Log {
-    pub(super) fn new(io: Io, ids: Ids, counters: Arc<super::Counters>) -> Log {
+    pub(super) fn new(io: Io, ids: Ids, counters: Arc<super::Live>) -> Log {
         let fsync = io.cfg.durability == Durability::Fsync;
         Log {
             pending: Mutex::new(Pending {
@@ -583,7 +583,7 @@ pub(super) struct Io {
     buf: Vec<u8>,
     /// `fsync`: since when records written without a sync wait for one.
     unsynced: Option<Instant>,
-    counters: Arc<super::Counters>,
+    counters: Arc<super::Live>,
     /// Tests: fail the next write after half of it reached the file.
     #[cfg(test)]
     fail_next: bool,
@@ -606,7 +606,7 @@ impl Io {
         cfg: EvidenceConfig,
         key: SigningKey,
         ids: &Ids,
-        counters: Arc<super::Counters>,
+        counters: Arc<super::Live>,
     ) -> io::Result<Io> {
         let pubkey = super::key::public_hex(&key);
         let now = Instant::now();

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::rate::RateLimiter;
-use crate::evidence::Counters;
+use crate::evidence::Live;
 
 /// Detail of a `limit_exceeded` for an allow refused because its org's
 /// evidence budget is spent.
@@ -44,9 +44,9 @@ pub(crate) const EVIDENCE_STORE_FULL: &str = "evidence store full for this org";
 #[derive(Debug)]
 pub(crate) struct EvidenceBudget {
     buckets: RateLimiter<Option<Arc<str>>>,
-    /// The evidence writer's counters: whether the store is full, and who
+    /// The evidence as it runs: whether the store is full, and who
     /// fills it.
-    store: Option<Arc<Counters>>,
+    store: Option<Arc<Live>>,
 }
 
 impl EvidenceBudget {
@@ -59,10 +59,10 @@ impl EvidenceBudget {
         }
     }
 
-    /// Refuse the orgs over their share of a full store, as `counters`
+    /// Refuse the orgs over their share of a full store, as `live`
     /// (the evidence writer's) tell.
-    pub(crate) fn with_store(mut self, counters: Arc<Counters>) -> EvidenceBudget {
-        self.store = Some(counters);
+    pub(crate) fn with_store(mut self, live: Arc<Live>) -> EvidenceBudget {
+        self.store = Some(live);
         self
     }
 
@@ -143,22 +143,21 @@ mod tests {
 
     #[test]
     fn an_org_over_its_share_of_a_full_store_is_refused_and_others_are_not() {
-        let counters: Arc<Counters> = Arc::default();
-        let budget = EvidenceBudget::new(1000).with_store(counters.clone());
+        let live: Arc<Live> = Arc::default();
+        let budget = EvidenceBudget::new(1000).with_store(live.clone());
         let (acme, beta): (Option<Arc<str>>, Option<Arc<str>>) =
             (Some(Arc::from("acme")), Some(Arc::from("beta")));
         let now = Instant::now();
-        counters.store().count_payers(|| 3);
-        counters
-            .store()
+        live.store().count_payers(|| 3);
+        live.store()
             .add(&[(acme.clone(), 9000), (beta.clone(), 1000)].into());
         assert_eq!(budget.take_allow(&acme, now), Ok(()), "not full yet");
-        counters.store().set_floor(true);
+        live.store().set_floor(true);
         assert_eq!(budget.take_allow(&acme, now), Err(EVIDENCE_STORE_FULL));
         assert!(!budget.take(&acme, now), "its denials are summarised");
         assert_eq!(budget.take_allow(&beta, now), Ok(()));
         assert_eq!(budget.take_allow(&None, now), Ok(()));
-        counters.store().set_floor(false);
+        live.store().set_floor(false);
         assert_eq!(budget.take_allow(&acme, now), Ok(()));
         // A spent budget still says so.
         let small = EvidenceBudget::new(1);

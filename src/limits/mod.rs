@@ -10,6 +10,7 @@
 //! | the evidence budget, per org, proxy and DNS together, and the share of a full store | [`evidence`] | the proxy, the DNS shim |
 //! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
 //! | the new-name budgets of wildcard rules, per org and rule | [`names`] | the proxy, the DNS shim |
+//! | one fair bounded table: caps per org and overall, the org holding the most evicted from, pinning | [`table`] | the DNS answer cache |
 //!
 //! Nothing here knows the proxy or DNS: each passes its own specifics
 //! (keys, caps, the shape of its summaries) as parameters.
@@ -21,6 +22,7 @@ pub(crate) mod names;
 pub(crate) mod rate;
 pub(crate) mod share;
 pub(crate) mod summary;
+pub(crate) mod table;
 
 pub(crate) use conns::{ConnLimits, LimitHit, Permit};
 pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};

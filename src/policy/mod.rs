@@ -20,7 +20,7 @@
 //! | [`Policy::decide_request`], over [`request::decide`] | one request inside an intercepted connection: method and path rules, credentials | interception, plain `http://` under an intercepting rule |
 //! | `dns::decide::decide_query` | one DNS query: org, name, query type | the DNS shim |
 //! | [`crate::proxy::decide::decide_with`] | a target with I/O: the name step, resolution (or transparent mode's original destination), the address step | every proxy mode, `palisade explain` |
-//! | [`crate::proxy::ctx::Ctx::decide`], `Ctx::decide_in` | [`crate::proxy::decide::decide_with`] for a view's org (untimed, timed under a mode) | explicit, SOCKS5, transparent without a name |
+//! | [`crate::proxy::decide::decide`], [`crate::proxy::decide::decide_in`] | [`crate::proxy::decide::decide_with`] for a view's org (untimed, timed under a mode) | explicit, SOCKS5, transparent without a name |
 //! | `proxy::transparent::decide` (private) | a transparent connection: the presented name against the original destination | transparent mode |
 //! | `proxy::intercepted::serve::decide_parts` (crate), `decide_and_send` (private) | a request in an intercepted connection: what it addresses, then [`Policy::decide_request`]; then record and send it | interception, `palisade explain` |
 //!

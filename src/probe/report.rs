@@ -188,7 +188,7 @@ impl Verification {
         }
     }
 
-    fn failed(e: &verify::VerifyError, opts: &Options) -> Verification {
+    fn failed(e: &verify::VerifyError, opts: &Options<'_>) -> Verification {
         Verification {
             ok: false,
             key_pinned: opts.key().is_some(),
@@ -629,7 +629,7 @@ struct Verified {
 }
 
 /// One chain: verified, then read.
-fn verify_one(opts: &Options) -> Result<Result<Verified, Verification>, BadInput> {
+fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadInput> {
     let path = &opts.evidence[0];
     if !path.exists() {
         return Err(BadInput(format!(
@@ -725,7 +725,9 @@ fn verify_export(path: &Path, opts: &Options) -> Result<Result<Verified, Verific
 }
 
 /// A fleet: every chain verified on its own, then all read merged.
-fn verify_fleet(opts: &Options) -> Result<(Vec<String>, Result<Verified, Verification>), BadInput> {
+fn verify_fleet(
+    opts: &Options<'_>,
+) -> Result<(Vec<String>, Result<Verified, Verification>), BadInput> {
     let fl = fleet::resolve(opts.evidence).map_err(|e| BadInput(e.0))?;
     let fopts = fleet::Options {
         pins: opts.pins.clone(),
@@ -1013,7 +1015,7 @@ fn trust(agreed: &[Agreed], verification: &Verification, ignored: &[String]) -> 
 }
 
 /// Build the report.
-pub fn build(opts: &Options) -> Result<Report, BadInput> {
+pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
     if opts.plans.is_empty() {
         return Err(BadInput(
             "no --plan given: the report needs the agreed plan".into(),
@@ -1368,7 +1370,11 @@ pub fn build(opts: &Options) -> Result<Report, BadInput> {
 
 /// What retention removed from each chain inside the run's window
 /// (widened by the fitting skew), one line per chain that lost records.
-fn retention_cut(opts: &Options, started: &str, finished: &str) -> Result<Vec<String>, BadInput> {
+fn retention_cut(
+    opts: &Options<'_>,
+    started: &str,
+    finished: &str,
+) -> Result<Vec<String>, BadInput> {
     let at = |t: &str| humantime::parse_rfc3339_weak(t).ok();
     let since = at(started).map(|t| t - SKEW);
     let until = at(finished).map(|t| t + SKEW);

@@ -1022,7 +1022,7 @@ mod tests {
         let sh = server_hello_bytes(false);
         let cat = |parts: &[&[u8]]| parts.concat();
         let n1 = ch1.len();
-        let flows: Vec<(Vec<u8>, Vec<UpstreamAt>, Step, usize)> = vec![
+        let flows: Vec<(Vec<u8>, Vec<UpstreamAt<'_>>, Step, usize)> = vec![
             // (client bytes, upstream, outcome, forwarded)
             (OPENSSL.to_vec(), vec![], Step::NeedMore, OPENSSL.len()),
             (

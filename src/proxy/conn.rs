@@ -1,5 +1,11 @@
-//! A decided connection's own state, carried from the decision through
-//! dialling, the first bytes, interception and copying to the close.
+//! A connection's own state, from accept to close.
+//!
+//! A [`Link`] is born at accept ([`super::listen`]) with the view, kind,
+//! mode and client of one client connection, and carries its connection
+//! permit. Until a target is decided, it is what a refusal is recorded
+//! from: [`Link::refuse`], then one write ([`super::record::refused`]).
+//! Once a target is decided it becomes a [`Conn`] ([`Link::decided`]),
+//! which carries the permit on to the close.
 //!
 //! A [`Conn`] holds what the connection is (client, target, mode), the
 //! view it was decided under, the verdict as it stands, and what was
@@ -12,12 +18,140 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::ctx::View;
+use super::ctx::{Ctx, View};
 use crate::config::Carry;
 use crate::evidence::{Kind, Mode, Owed, Record};
 use crate::intercept::Interceptor;
+use crate::limits::{LimitHit, Permit};
 use crate::policy::{OrgRef, Reason, Verdict};
 use crate::proto::target::Host;
+
+/// One client connection, from accept until a target is decided: what
+/// it is (view, kind, mode, client), the connection permit it holds, and,
+/// once refused, why. A refusal before any decision is
+/// [`Link::refuse`] plus one record write; a decided target makes it a
+/// [`Conn`] ([`Link::decided`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Link {
+    /// What is served and the client's org in it (explicit mode: per
+    /// request, as its credentials name it).
+    pub view: View,
+    /// `tcp` at accept; an explicit connection's requests set it each.
+    pub kind: Kind,
+    pub mode: Mode,
+    pub client: SocketAddr,
+    /// The connection permit: held while the link, or any connection
+    /// decided from it, lives (none when refused at accept).
+    pub permit: Option<Arc<Permit>>,
+    /// The target as far as it was read, for a refusal's record.
+    pub host: Option<Host>,
+    pub port: Option<u16>,
+    /// A synthetic address connected to (`host` then the name bound to it).
+    pub synthetic: Option<IpAddr>,
+    /// The verdict as it stands: the client's org, no rule, until refused
+    /// ([`Link::refuse`]).
+    pub verdict: Verdict,
+    pub detail: Option<String>,
+}
+
+impl Link {
+    /// A connection just accepted from `client` under `view`, not decided.
+    pub(crate) fn new(view: View, mode: Mode, client: SocketAddr) -> Link {
+        let verdict = view.verdict(Reason::BadRequest);
+        Link {
+            view,
+            kind: Kind::Tcp,
+            mode,
+            client,
+            permit: None,
+            host: None,
+            port: None,
+            synthetic: None,
+            verdict,
+            detail: None,
+        }
+    }
+
+    /// The same connection under another view (the org a request's
+    /// credentials name), as `kind`.
+    pub(crate) fn under(&self, view: View, kind: Kind) -> Link {
+        let verdict = view.verdict(Reason::BadRequest);
+        Link {
+            view,
+            kind,
+            verdict,
+            ..self.clone()
+        }
+    }
+
+    /// Charge the permit to the org of the link's view, the one it is
+    /// decided for (see [`crate::limits`]); over that org's cap or rate,
+    /// the limit to name in the refusal.
+    pub(crate) fn charge(&self, ctx: &Ctx) -> Result<(), LimitHit> {
+        match &self.permit {
+            Some(permit) => ctx.conns.charge(permit, self.view.org.as_ref()),
+            None => Ok(()),
+        }
+    }
+
+    /// The target as far as it was read.
+    pub(crate) fn target(&mut self, host: Option<Host>, port: Option<u16>) {
+        self.host = host;
+        self.port = port;
+    }
+
+    /// Refused for `reason` before any decision (of the client's org, no
+    /// rule), with `detail`.
+    pub(crate) fn refuse(&mut self, reason: Reason, detail: impl Into<Option<String>>) {
+        self.verdict = self.view.verdict(reason);
+        self.detail = detail.into();
+    }
+
+    /// The record of its refusal, as the state stands.
+    pub(crate) fn record(&self) -> Record {
+        let mut r = Record::decided(
+            self.kind,
+            self.mode,
+            self.client,
+            &self.verdict,
+            &self.view.policy,
+        );
+        r.host = self.host.as_ref().map(Host::to_string);
+        r.port = self.port;
+        r.synthetic = self.synthetic;
+        r.detail = self.detail.clone();
+        r
+    }
+
+    /// Decided for `host:port` with `verdict`: the connection's state from
+    /// here to the close, carrying the permit.
+    pub(crate) fn decided(&self, host: Host, port: u16, verdict: Verdict) -> Conn {
+        Conn {
+            view: self.view.clone(),
+            kind: self.kind,
+            mode: self.mode,
+            client: self.client,
+            host,
+            port,
+            verdict,
+            ip: None,
+            synthetic: None,
+            pin: None,
+            sni: None,
+            tunnel: None,
+            plan: Plan::PassThrough,
+            method: None,
+            path: None,
+            within: None,
+            credential: None,
+            detail: None,
+            owed: None,
+            asked: None,
+            permit: self.permit.clone(),
+            service: None,
+        }
+    }
+}
 
 /// What to do with an allowed tunnel once its first bytes are known.
 #[derive(Debug, Clone)]
@@ -99,43 +233,14 @@ pub(crate) struct Conn {
     pub owed: Option<Arc<Owed>>,
     /// A request: what it asked (never recorded; `method` and `path` are).
     pub asked: Option<Asked>,
+    /// The connection permit of the link it was decided on: held until
+    /// the close.
+    pub permit: Option<Arc<Permit>>,
     /// A request under service rules: what it was to its service.
     pub service: Option<crate::policy::ServiceFacts>,
 }
 
 impl Conn {
-    pub(crate) fn new(
-        view: View,
-        (kind, mode): (Kind, Mode),
-        client: SocketAddr,
-        (host, port): (Host, u16),
-        verdict: Verdict,
-    ) -> Conn {
-        Conn {
-            view,
-            kind,
-            mode,
-            client,
-            host,
-            port,
-            verdict,
-            ip: None,
-            synthetic: None,
-            pin: None,
-            sni: None,
-            tunnel: None,
-            plan: Plan::PassThrough,
-            method: None,
-            path: None,
-            within: None,
-            credential: None,
-            detail: None,
-            owed: None,
-            asked: None,
-            service: None,
-        }
-    }
-
     /// A target that was a synthetic address: the connection is to the
     /// name it stood for, recorded with the address, holding the mapping.
     pub(crate) fn stood_for(&mut self, stood: Option<&super::decide::StoodFor>) {
@@ -177,6 +282,15 @@ impl Conn {
         if detail.is_some() {
             self.detail = detail;
         }
+    }
+
+    /// A request inside this connection (an intercepted one), decided
+    /// `verdict` under `view`: the same client, target and permit.
+    pub(crate) fn request(&self, view: View, verdict: Verdict) -> Conn {
+        let mut link = Link::new(view, self.mode, self.client);
+        link.kind = Kind::Http;
+        link.permit = self.permit.clone();
+        link.decided(self.host.clone(), self.port, verdict)
     }
 
     /// What the connection's rule lets it carry (no rule, no org: anything).
@@ -255,15 +369,14 @@ mod tests {
         };
         let metrics = Arc::new(crate::metrics::Metrics::new(Arc::default()));
         let served = crate::served::Served::load(&config, policy, &metrics).unwrap();
-        Conn::new(
-            View {
-                served: Arc::new(served),
-                org,
-                token: None,
-            },
-            (Kind::Tcp, Mode::Explicit),
-            "198.18.1.2:5000".parse().unwrap(),
-            (Host::Name("a.test".into()), 443),
+        let view = View {
+            served: Arc::new(served),
+            org,
+            token: None,
+        };
+        Link::new(view, Mode::Explicit, "198.18.1.2:5000".parse().unwrap()).decided(
+            Host::Name("a.test".into()),
+            443,
             verdict,
         )
     }

@@ -1,7 +1,7 @@
 //! The tunnel step shared by HTTP CONNECT and SOCKS5 CONNECT.
 //!
-//! [`open`]: decide the target, record a refusal, dial exactly a checked
-//! address. The caller then tells its client (a `200`, a SOCKS5 reply) and
+//! [`open`]: decide the target, admit an allow ([`admission`]), record a
+//! refusal, dial exactly a checked address. The caller then tells its client (a `200`, a SOCKS5 reply) and
 //! hands the client stream to [`run`]: detect the first client bytes, check
 //! a ClientHello's SNI or an HTTP Host against the target, record the
 //! decision, replay the held bytes and copy until close, record the close.
@@ -18,18 +18,21 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::debug;
 
-use super::conn::{Conn, Plan};
-use super::ctx::{budget_spent, Ctx, View, DETECT_BUDGET_EXHAUSTED};
+use super::admission;
+use super::conn::{Conn, Link, Plan};
+use super::ctx::{Ctx, DETECT_BUDGET_EXHAUSTED};
+use super::decide::decide_in;
+use super::dial::dial_checked;
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
-use super::record::{dial_failed, record_denial_at, write_record, Refused, Written};
+use super::record::{denied, dial_failed, write_record, Refused, Written};
 use super::revoke;
 use super::splice::Stream;
 use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
-use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{Reason, Verdict};
+use crate::evidence::Record;
+use crate::policy::Reason;
 use crate::proto::guard;
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -43,84 +46,23 @@ pub(crate) struct Opened {
     pub conn: Conn,
 }
 
-/// Decide `host:port` for the view's client, and dial it if allowed.
-pub(crate) async fn open(
-    ctx: &Ctx,
-    view: &View,
-    mode: Mode,
-    peer: SocketAddr,
-    host: Host,
-    port: u16,
-) -> Result<Opened, Refused> {
-    let outcome = ctx.decide_in(mode, view, &host, port).await;
+/// Decide `host:port` for `link`'s client, admit an allow
+/// ([`admission::admit`]) and dial it; a denial or refusal is recorded.
+pub(crate) async fn open(ctx: &Ctx, link: &Link, host: Host, port: u16) -> Result<Opened, Refused> {
+    let outcome = decide_in(ctx, link.mode, &link.view, &host, port).await;
+    let mut conn = link.decided(host, port, outcome.verdict);
+    conn.detail = outcome.detail;
     // A synthetic address stands for its name: the records say both.
-    let synthetic = match (&outcome.synthetic, &host) {
-        (Some(s), _) => Some(s.addr),
-        (None, Host::Ip(ip)) if outcome.verdict.reason == Reason::SyntheticUnbound => Some(*ip),
-        _ => None,
-    };
-    let host = outcome
-        .synthetic
-        .as_ref()
-        .map_or(host, |s| Host::Name(s.name.clone()));
-    let target = (Some(&host), Some(port));
-    if !outcome.verdict.is_allow() {
-        let detail = outcome.detail.as_deref();
-        return Err(record_denial_at(
-            ctx,
-            view,
-            (Kind::Tcp, mode),
-            peer,
-            &outcome.verdict,
-            target,
-            detail,
-            synthetic,
-        )
-        .await);
-    }
-    if let Some((reason, detail)) = ctx.unavailable() {
-        let verdict = Verdict {
-            reason,
-            ..outcome.verdict
-        };
-        return Err(record_denial_at(
-            ctx,
-            view,
-            (Kind::Tcp, mode),
-            peer,
-            &verdict,
-            target,
-            detail.as_deref(),
-            synthetic,
-        )
-        .await);
-    }
-    // The allow's record is paid for from the org's evidence budget now;
-    // spent, the tunnel is refused (the refusal summarised).
-    if let Err(detail) = ctx.pay_allow(view) {
-        let verdict = budget_spent(outcome.verdict);
-        let detail = Some(detail);
-        return Err(record_denial_at(
-            ctx,
-            view,
-            (Kind::Tcp, mode),
-            peer,
-            &verdict,
-            target,
-            detail,
-            synthetic,
-        )
-        .await);
-    }
-    let mut conn = Conn::new(
-        view.clone(),
-        (Kind::Tcp, mode),
-        peer,
-        (host, port),
-        outcome.verdict,
-    );
     conn.stood_for(outcome.synthetic.as_deref());
-    match ctx.dial(&outcome.dial, port).await {
+    if let Host::Ip(ip) = conn.host {
+        if conn.verdict.reason == Reason::SyntheticUnbound {
+            conn.synthetic = Some(ip);
+        }
+    }
+    if !conn.is_allow() || !admission::admit(ctx, &mut conn) {
+        return Err(denied(ctx, &mut conn).await);
+    }
+    match dial_checked(ctx, &outcome.dial, port).await {
         Ok((upstream, addr)) => {
             conn.ip = Some(addr.ip());
             Ok(Opened {
@@ -297,20 +239,19 @@ pub(crate) async fn relay<C>(
         None
     };
     let scope = ctx.detect_scope(&conn.view, conn.client);
-    let pump = verify::pump(
-        client,
-        upstream,
+    let judged = verify::Judged {
         guard,
         held,
         verified,
-        (
-            ctx.limits.idle_timeout.get(),
-            ctx.limits.header_read_timeout.get(),
-        ),
-        &stop,
-        &scope,
+    };
+    let watch = verify::Watch {
+        idle: ctx.limits.idle_timeout.get(),
+        unit_timeout: ctx.limits.header_read_timeout.get(),
+        stop: &stop,
+        detect: &scope,
         report,
-    );
+    };
+    let pump = verify::pump(client, upstream, judged, watch);
     let (totals, end) = revoke::held(ctx, conn, id, &stop, pump).await;
     match end {
         verify::End::Closed => {}

@@ -15,7 +15,7 @@ use super::pool::UpstreamPool;
 use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
-use crate::limits::{ConnLimits, DetectMemory, DetectScope, LimitHit, NameBudgets, Permit};
+use crate::limits::{ConnLimits, DetectMemory, DetectScope, NameBudgets};
 use crate::metrics::Metrics;
 use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
 use crate::resolve::Resolver;
@@ -63,16 +63,6 @@ pub(crate) struct Ctx {
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
 }
 
-/// An allow refused because its org's evidence budget is spent: the same
-/// decision as `limit_exceeded`, naming no rule.
-pub(crate) fn budget_spent(allowed: Verdict) -> Verdict {
-    Verdict {
-        reason: Reason::LimitExceeded,
-        rule: None,
-        ..allowed
-    }
-}
-
 /// One decision's view of what is served: the [`Served`] state as it was
 /// when the request arrived (its `policy`, `intercept` and credentials are
 /// reached through this view), and the client's org in it. Everything
@@ -115,29 +105,6 @@ impl View {
 }
 
 impl Ctx {
-    /// Pay for an allow's record from the evidence budget of `view`'s org,
-    /// at its decision, before anything is dialled or forwarded; `Err`:
-    /// spent (or the org is over its share of a full store), the allow is
-    /// to be refused ([`budget_spent`]) with that detail.
-    pub(crate) fn pay_allow(&self, view: &View) -> Result<(), &'static str> {
-        self.denials
-            .pay_allow(&view.org.as_ref().map(|o| o.name.clone()))
-    }
-
-    /// Why an allowed connection or request must be refused before
-    /// anything is dialled or forwarded, whatever its rule, with the
-    /// refusal's detail: evidence cannot be written, or a required
-    /// enforcement ruleset is not loaded (every org is behind it).
-    pub(crate) fn unavailable(&self) -> Option<(Reason, Option<String>)> {
-        if !self.evidence.is_healthy() {
-            return Some((Reason::EvidenceUnavailable, None));
-        }
-        match &self.enforcement {
-            Some(e) if e.refuses() => Some((Reason::EnforcementMissing, Some(e.refusal_detail()))),
-            _ => None,
-        }
-    }
-
     /// What is served now, and the client's org in it.
     pub(crate) fn view(&self, client: IpAddr) -> View {
         let served = self.served.load_full();
@@ -231,12 +198,5 @@ impl Ctx {
     /// Where the first bytes of `client`, of `view`'s org, are charged.
     pub(crate) fn detect_scope(&self, view: &View, client: SocketAddr) -> DetectScope<'_> {
         self.detect.scope(view.org.as_ref(), client.ip())
-    }
-
-    /// Charge the connection's `permit` to the org of `view`, the one it
-    /// is decided for (see [`crate::limits`]); over that org's cap or rate, the
-    /// limit to name in the refusal.
-    pub(crate) fn charge(&self, permit: &Permit, view: &View) -> Result<(), LimitHit> {
-        self.conns.charge(permit, view.org.as_ref())
     }
 }

@@ -87,56 +87,54 @@ pub(crate) enum Addresses<'a> {
     },
 }
 
-impl Ctx {
-    /// [`Ctx::decide`], timed under `mode`'s label: for modes whose whole
-    /// decision is this one call (explicit, SOCKS5). Transparent mode
-    /// decides in several steps and times them together itself.
-    pub(crate) async fn decide_in(
-        &self,
-        mode: Mode,
-        view: &View,
-        host: &Host,
-        port: u16,
-    ) -> Decided {
-        let started = std::time::Instant::now();
-        let outcome = self.decide(view, host, port).await;
-        self.metrics.time_decision(mode, started.elapsed());
-        outcome
-    }
+/// [`decide`], timed under `mode`'s label: for modes whose whole
+/// decision is this one call (explicit, SOCKS5). Transparent mode decides
+/// in several steps and times them together itself.
+pub(crate) async fn decide_in(
+    ctx: &Ctx,
+    mode: Mode,
+    view: &View,
+    host: &Host,
+    port: u16,
+) -> Decided {
+    let started = std::time::Instant::now();
+    let outcome = decide(ctx, view, host, port).await;
+    ctx.metrics.time_decision(mode, started.elapsed());
+    outcome
+}
 
-    /// Decide `host:port` for the view's client: the name step, resolution
-    /// when the name is allowed, then the address step. Not timed. A
-    /// synthetic address stands for the name bound to it ([`Ctx::stood_for`]).
-    pub(crate) async fn decide(&self, view: &View, host: &Host, port: u16) -> Decided {
-        let Some(org) = &view.org else {
-            return Decided {
-                verdict: Verdict {
-                    org: None,
-                    reason: Reason::UnknownClient,
-                    rule: None,
-                    would_deny: None,
-                },
-                dial: Vec::new(),
-                detail: None,
-                synthetic: None,
-            };
+/// Decide `host:port` for the view's client: the name step, resolution
+/// when the name is allowed, then the address step. Not timed. A
+/// synthetic address stands for the name bound to it ([`stood_for`]).
+pub(crate) async fn decide(ctx: &Ctx, view: &View, host: &Host, port: u16) -> Decided {
+    let Some(org) = &view.org else {
+        return Decided {
+            verdict: Verdict {
+                org: None,
+                reason: Reason::UnknownClient,
+                rule: None,
+                would_deny: None,
+            },
+            dial: Vec::new(),
+            detail: None,
+            synthetic: None,
         };
-        if let Host::Ip(ip) = host {
-            match self.stood_for(org, *ip) {
-                Stands::Not => {}
-                Stands::Unbound => return Decided::unbound(org, canonical(*ip)),
-                Stands::For(stood) => return self.decide_synthetic(view, org, stood, port).await,
-            }
+    };
+    if let Host::Ip(ip) = host {
+        match stood_for(ctx, org, *ip) {
+            Stands::Not => {}
+            Stands::Unbound => return Decided::unbound(org, canonical(*ip)),
+            Stands::For(stood) => return decide_synthetic(ctx, view, org, stood, port).await,
         }
-        decide_with(
-            &view.policy,
-            (&self.resolver, Some(&*self.names)),
-            org,
-            (host, port),
-            Addresses::Resolved,
-        )
-        .await
     }
+    decide_with(
+        &view.policy,
+        (&ctx.resolver, Some(&*ctx.names)),
+        org,
+        (host, port),
+        Addresses::Resolved,
+    )
+    .await
 }
 
 /// What an address connected to is, for an org.
@@ -149,47 +147,45 @@ pub(crate) enum Stands {
     For(StoodFor),
 }
 
-impl Ctx {
-    /// What `ip` stands for for `org`: a pool address is bound to one of
-    /// its names (pinned from here on), or to none.
-    pub(crate) fn stood_for(&self, org: &OrgRef, ip: IpAddr) -> Stands {
-        let Some(pools) = &self.synthetic else {
-            return Stands::Not;
-        };
-        let addr = canonical(ip);
-        match pools.pin(&org.name, addr) {
-            Lookup::NotSynthetic => Stands::Not,
-            Lookup::Unbound => Stands::Unbound,
-            Lookup::Bound(name, pin) => Stands::For(StoodFor {
-                addr,
-                name,
-                pin: Arc::new(pin),
-            }),
-        }
+/// What `ip` stands for for `org`: a pool address is bound to one of its
+/// names (pinned from here on), or to none.
+pub(crate) fn stood_for(ctx: &Ctx, org: &OrgRef, ip: IpAddr) -> Stands {
+    let Some(pools) = &ctx.synthetic else {
+        return Stands::Not;
+    };
+    let addr = canonical(ip);
+    match pools.pin(&org.name, addr) {
+        Lookup::NotSynthetic => Stands::Not,
+        Lookup::Unbound => Stands::Unbound,
+        Lookup::Bound(name, pin) => Stands::For(StoodFor {
+            addr,
+            name,
+            pin: Arc::new(pin),
+        }),
     }
+}
 
-    /// A connection to a synthetic address, decided as one to its bound
-    /// name (the same step, budgets and all); only an allowed name is
-    /// resolved, and what it resolves to is checked and dialled.
-    pub(crate) async fn decide_synthetic(
-        &self,
-        view: &View,
-        org: &OrgRef,
-        stood: StoodFor,
-        port: u16,
-    ) -> Decided {
-        let name = Host::Name(stood.name.clone());
-        let mut decided = decide_with(
-            &view.policy,
-            (&self.resolver, Some(&*self.names)),
-            org,
-            (&name, port),
-            Addresses::Resolved,
-        )
-        .await;
-        decided.synthetic = Some(Box::new(stood));
-        decided
-    }
+/// A connection to a synthetic address, decided as one to its bound name
+/// for `org` (the same step, budgets and all); only an allowed
+/// name is resolved, and what it resolves to is checked and dialled.
+pub(crate) async fn decide_synthetic(
+    ctx: &Ctx,
+    view: &View,
+    org: &OrgRef,
+    stood: StoodFor,
+    port: u16,
+) -> Decided {
+    let name = Host::Name(stood.name.clone());
+    let mut decided = decide_with(
+        &view.policy,
+        (&ctx.resolver, Some(&*ctx.names)),
+        org,
+        (&name, port),
+        Addresses::Resolved,
+    )
+    .await;
+    decided.synthetic = Some(Box::new(stood));
+    decided
 }
 
 /// The decision procedure shared by the proxy and `palisade explain`: the
@@ -252,7 +248,8 @@ pub(crate) async fn decide_with(
                     Err(e) => return resolution_failed(e.to_string()),
                 },
                 Addresses::Original { ip, bindings } => {
-                    let bound = bindings.is_some_and(|b| b.is_bound(&org.name, name, ip));
+                    let bound =
+                        bindings.is_some_and(|b| b.is_bound(&org.name, name, ip, Instant::now()));
                     if !bound {
                         match resolver.lookup(name).await {
                             Ok(addrs) if addrs.iter().any(|a| canonical(*a) == ip) => {}

@@ -37,21 +37,13 @@ impl DialError {
     }
 }
 
-impl Ctx {
-    /// [`dial`] within `connect_timeout`, failures counted.
-    pub(crate) async fn dial(
-        &self,
-        addrs: &[IpAddr],
-        port: u16,
-    ) -> Result<(TcpStream, SocketAddr), DialError> {
-        dial(
-            &self.metrics,
-            addrs,
-            port,
-            self.limits.connect_timeout.get(),
-        )
-        .await
-    }
+/// [`dial`] within the context's `connect_timeout`, failures counted.
+pub(crate) async fn dial_checked(
+    ctx: &Ctx,
+    addrs: &[IpAddr],
+    port: u16,
+) -> Result<(TcpStream, SocketAddr), DialError> {
+    dial(&ctx.metrics, addrs, port, ctx.limits.connect_timeout.get()).await
 }
 
 /// Dial the checked addresses in order until one answers; returns the

@@ -15,43 +15,38 @@ use hyper::service::service_fn;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, debug_span, Instrument};
 
-use super::conn::{Asked, Conn};
+use super::admission;
+use super::conn::{Asked, Link};
 use super::connect;
-use super::ctx::{budget_spent, Ctx, View};
-use super::decide::Decided;
+use super::ctx::{Ctx, View};
+use super::decide::{decide_in, Decided};
 use super::failure::Unserved;
 use super::forward;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
-use super::record::record_denial;
+use super::record::{denied, refused};
 use crate::evidence::{Kind, Mode};
-use crate::limits::{LimitHit, Permit};
-use crate::policy::{Credential, IdentityError, OrgRef, Reason, Verdict};
+use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
 /// Serve one client connection until it closes or shutdown drains it.
-pub(crate) async fn serve_connection(
-    ctx: Arc<Ctx>,
-    stream: TcpStream,
-    peer: SocketAddr,
-    org: Option<OrgRef>,
-    permit: Permit,
-) {
-    // The permit lives as long as the connection or any tunnel it became.
-    let permit = Arc::new(permit);
-    let span = debug_span!("explicit", org = org.as_ref().map(|o| &*o.name));
+pub(crate) async fn serve_connection(ctx: Arc<Ctx>, stream: TcpStream, link: Link) {
+    // The link's permit lives as long as the connection or any tunnel it
+    // became (each decided connection carries it on).
+    let span = debug_span!("explicit", org = link.view.org.as_ref().map(|o| &*o.name));
     async move {
         let _ = stream.set_nodelay(true);
         let limits = &ctx.limits;
         let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
         let stream = MeteredIo::new(stream, meter.clone());
         let svc_ctx = ctx.clone();
+        let svc_link = link.clone();
         let service = service_fn(move |req| {
             let ctx = svc_ctx.clone();
-            let permit = permit.clone();
+            let link = svc_link.clone();
             let meter = meter.clone();
-            async move { Ok::<_, Infallible>(metered(ctx, peer, permit, meter, req).await) }
+            async move { Ok::<_, Infallible>(metered(ctx, link, meter, req).await) }
         });
         let protocol = Protocol::Http1 {
             header_read_timeout: limits.header_read_timeout.get(),
@@ -67,7 +62,7 @@ pub(crate) async fn serve_connection(
         };
         if let Err(e) = layer::serve(stream, service, protocol, drain).await {
             debug!(error = %e, "connection ended with error");
-            record_parse_error(&ctx, peer, &e).await;
+            record_parse_error(&ctx, &link, &e).await;
         }
     }
     .instrument(span)
@@ -81,18 +76,13 @@ const HYPER_HEADERS_SLACK: usize = 100;
 
 /// A request hyper could not parse (or whose head did not arrive in time)
 /// was answered by hyper itself with a bare 400/408/431; record it.
-async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
+async fn record_parse_error(ctx: &Ctx, link: &Link, e: &hyper::Error) {
     if !(e.is_parse() || e.is_parse_too_large() || e.is_timeout()) {
         return;
     }
-    let view = &ctx.view(peer.ip());
-    let mut record = view.refusal(
-        (Kind::Http, Mode::Explicit),
-        peer,
-        Reason::BadRequest,
-        format!("request not parsed: {e}"),
-    );
-    ctx.write(&mut record).await;
+    let mut link = link.under(ctx.view(link.client.ip()), Kind::Http);
+    link.refuse(Reason::BadRequest, format!("request not parsed: {e}"));
+    refused(ctx, &link).await;
 }
 
 /// Handle one request with the count of the bytes it took on the wire.
@@ -100,14 +90,13 @@ async fn record_parse_error(ctx: &Ctx, peer: SocketAddr, e: &hyper::Error) {
 /// head, so the meter's next request is this one.
 async fn metered(
     ctx: Arc<Ctx>,
-    peer: SocketAddr,
-    permit: Arc<Permit>,
+    link: Link,
     meter: Arc<Meter>,
     req: Request<Incoming>,
 ) -> Response<Body> {
     let bytes = meter.next_request();
     let connect = req.method() == Method::CONNECT;
-    let resp = handle(ctx, peer, permit, req, bytes).await;
+    let resp = handle(ctx, link, req, bytes).await;
     if connect {
         // A 2xx turns the connection into a tunnel; anything else keeps it HTTP.
         meter.connect_answered(resp.status().is_success());
@@ -117,37 +106,26 @@ async fn metered(
 
 async fn handle(
     ctx: Arc<Ctx>,
-    peer: SocketAddr,
-    permit: Arc<Permit>,
+    link: Link,
     req: Request<Incoming>,
     bytes: Option<Arc<RequestBytes>>,
 ) -> Response<Body> {
+    let kind = if req.method() == Method::CONNECT {
+        Kind::Tcp
+    } else {
+        Kind::Http
+    };
     // Each request is decided under the policy served when it arrives, for
     // the org its address and credentials (checked on every request) name.
-    let view = match identify(&ctx, peer, &req) {
-        Ok(view) => view,
-        Err((view, e)) => return auth_refused(&ctx, &view, peer, &req, e).await,
+    let mut link = match identify(&ctx, link.client, &req) {
+        Ok(view) => link.under(view, kind),
+        Err((view, e)) => return auth_refused(&ctx, link.under(view, kind), e).await,
     };
-    let view = &view;
     // The connection now counts for the org this request names (see
     // `limits`): a token client leaves its address's pre-auth budget.
-    if let Err(hit) = ctx.charge(&permit, view) {
-        let kind = if req.method() == Method::CONNECT {
-            Kind::Tcp
-        } else {
-            Kind::Http
-        };
-        let verdict = view.verdict(Reason::LimitExceeded);
-        return reject(
-            &ctx,
-            view,
-            kind,
-            peer,
-            &verdict,
-            (None, None),
-            Some(hit.describe()),
-        )
-        .await;
+    if let Err(hit) = link.charge(&ctx) {
+        link.refuse(Reason::LimitExceeded, hit.describe().to_string());
+        return reject(&ctx, &link).await;
     }
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
     let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
@@ -158,42 +136,23 @@ async fn handle(
         None
     };
     if let Some(why) = too_large {
-        let kind = if req.method() == Method::CONNECT {
-            Kind::Tcp
-        } else {
-            Kind::Http
-        };
-        let mut refused = record_denial(
-            &ctx,
-            view,
-            (kind, Mode::Explicit),
-            peer,
-            &bad_request_verdict(view),
-            (None, None),
-            Some(why),
-        )
-        .await;
+        link.refuse(Reason::BadRequest, why.to_string());
+        let mut refused = refused(&ctx, &link).await;
         if refused.failure.reason() == Reason::BadRequest {
             refused.failure = Unserved::HeadTooLarge;
         }
         return refused.response();
     }
     if req.method() == Method::CONNECT {
-        connect(ctx, peer, view, permit, req).await
+        connect(ctx, link, req).await
     } else if req.uri().scheme().is_some() {
-        forward(ctx, peer, view, req, bytes).await
+        forward(ctx, link, req, bytes).await
     } else {
-        let verdict = bad_request_verdict(view);
-        reject(
-            &ctx,
-            view,
-            Kind::Http,
-            peer,
-            &verdict,
-            (None, None),
-            Some("origin-form request: this is a proxy"),
-        )
-        .await
+        link.refuse(
+            Reason::BadRequest,
+            "origin-form request: this is a proxy".to_string(),
+        );
+        reject(&ctx, &link).await
     }
 }
 
@@ -248,30 +207,9 @@ fn basic_credentials(value: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
 /// A request whose identity failed: record it (org null, the cause as
 /// detail, never the token) and answer 407 with a challenge. The client
 /// learns only the reason code, whatever the cause.
-async fn auth_refused(
-    ctx: &Ctx,
-    view: &View,
-    peer: SocketAddr,
-    req: &Request<Incoming>,
-    e: IdentityError,
-) -> Response<Body> {
-    let kind = if req.method() == Method::CONNECT {
-        Kind::Tcp
-    } else {
-        Kind::Http
-    };
-    let detail = e.to_string();
-    let verdict = view.verdict(e.reason());
-    let mut refused = record_denial(
-        ctx,
-        view,
-        (kind, Mode::Explicit),
-        peer,
-        &verdict,
-        (None, None),
-        Some(&detail),
-    )
-    .await;
+async fn auth_refused(ctx: &Ctx, mut link: Link, e: IdentityError) -> Response<Body> {
+    link.refuse(e.reason(), e.to_string());
+    let mut refused = refused(ctx, &link).await;
     // The client learns the reason code (and a challenge), not the cause.
     refused.detail = None;
     refused.response()
@@ -290,43 +228,15 @@ fn head_size<B>(req: &Request<B>) -> usize {
     line + headers + 2
 }
 
-fn bad_request_verdict(view: &View) -> Verdict {
-    view.verdict(Reason::BadRequest)
-}
-
-/// Record a denial and build its response.
-async fn reject(
-    ctx: &Ctx,
-    view: &View,
-    kind: Kind,
-    peer: SocketAddr,
-    verdict: &Verdict,
-    target: (Option<&Host>, Option<u16>),
-    detail: Option<&str>,
-) -> Response<Body> {
-    record_denial(
-        ctx,
-        view,
-        (kind, Mode::Explicit),
-        peer,
-        verdict,
-        target,
-        detail,
-    )
-    .await
-    .response()
+/// Record `link`'s refusal and build its response.
+async fn reject(ctx: &Ctx, link: &Link) -> Response<Body> {
+    refused(ctx, link).await.response()
 }
 
 // ---------------------------------------------------------------------------
 // CONNECT
 
-async fn connect(
-    ctx: Arc<Ctx>,
-    peer: SocketAddr,
-    view: &View,
-    permit: Arc<Permit>,
-    req: Request<Incoming>,
-) -> Response<Body> {
+async fn connect(ctx: Arc<Ctx>, mut link: Link, req: Request<Incoming>) -> Response<Body> {
     let target = req
         .uri()
         .authority()
@@ -335,32 +245,16 @@ async fn connect(
     let (host, port) = match target {
         Some(Ok(t)) => t,
         Some(Err(e)) => {
-            let detail = e.to_string();
-            return reject(
-                &ctx,
-                view,
-                Kind::Tcp,
-                peer,
-                &bad_request_verdict(view),
-                (None, None),
-                Some(&detail),
-            )
-            .await;
+            link.refuse(Reason::BadRequest, e.to_string());
+            return reject(&ctx, &link).await;
         }
         None => {
-            return reject(
-                &ctx,
-                view,
-                Kind::Tcp,
-                peer,
-                &bad_request_verdict(view),
-                (None, None),
-                Some("CONNECT needs an authority-form target host:port"),
-            )
-            .await
+            let why = "CONNECT needs an authority-form target host:port";
+            link.refuse(Reason::BadRequest, why.to_string());
+            return reject(&ctx, &link).await;
         }
     };
-    let opened = match connect::open(&ctx, view, Mode::Explicit, peer, host, port).await {
+    let opened = match connect::open(&ctx, &link, host, port).await {
         Ok(opened) => opened,
         Err(refused) => return refused.response(),
     };
@@ -369,11 +263,10 @@ async fn connect(
     let on_upgrade = hyper::upgrade::on(req);
     // Boxed until the upgrade (`run_upgraded` frees the box): the task that
     // waits for it then holds a pointer, not room for the whole `Opened`,
-    // for the tunnel's life.
+    // for the tunnel's life. The tunnel's state carries the permit.
     let opened = Box::new(opened);
     ctx.tasks.spawn(
         async move {
-            let _permit = permit;
             match on_upgrade.await {
                 Ok(upgraded) => connect::run_upgraded(tunnel_ctx, upgraded, opened).await,
                 Err(e) => debug!(error = %e, "CONNECT upgrade failed"),
@@ -439,114 +332,54 @@ fn check_request(req: &Request<Incoming>) -> Result<Checked, (Reason, String)> {
 
 async fn forward(
     ctx: Arc<Ctx>,
-    peer: SocketAddr,
-    view: &View,
+    mut link: Link,
     req: Request<Incoming>,
     bytes: Option<Arc<RequestBytes>>,
 ) -> Response<Body> {
     let started = Instant::now();
     let (host, port, host_mismatch) = match check_request(&req) {
-        Ok((host, port, Some(why))) if !view.is_report() => {
-            let verdict = view.verdict(Reason::HostMismatch);
-            return reject(
-                &ctx,
-                view,
-                Kind::Http,
-                peer,
-                &verdict,
-                (Some(&host), Some(port)),
-                Some(&why),
-            )
-            .await;
+        Ok((host, port, Some(why))) if !link.view.is_report() => {
+            link.target(Some(host), Some(port));
+            link.refuse(Reason::HostMismatch, why);
+            return reject(&ctx, &link).await;
         }
         Ok(t) => t,
         Err((reason, detail)) => {
-            let verdict = view.verdict(reason);
             let host = req.uri().host().and_then(|h| normalize_host(h).ok());
             let port = req.uri().port_u16().or(host.as_ref().map(|_| 80));
-            return reject(
-                &ctx,
-                view,
-                Kind::Http,
-                peer,
-                &verdict,
-                (host.as_ref(), port),
-                Some(&detail),
-            )
-            .await;
+            link.target(host, port);
+            link.refuse(reason, detail);
+            return reject(&ctx, &link).await;
         }
     };
     let Decided {
-        mut verdict,
+        verdict,
         dial: addrs,
         detail,
         synthetic,
-    } = ctx.decide_in(Mode::Explicit, view, &host, port).await;
+    } = decide_in(&ctx, Mode::Explicit, &link.view, &host, port).await;
+    let mut conn = link.decided(host, port, verdict);
+    conn.detail = detail;
     // A synthetic address stands for the name bound to it.
-    let host = synthetic
-        .as_ref()
-        .map_or(host, |s| Host::Name(s.name.clone()));
-    if host_mismatch.is_some() && verdict.is_allow() {
+    conn.stood_for(synthetic.as_deref());
+    if host_mismatch.is_some() && conn.is_allow() {
         // Report mode: what enforcement would have said first.
-        verdict.would_deny = Some(Reason::HostMismatch);
-        verdict.reason = Reason::ReportOnly;
-    }
-    if !verdict.is_allow() {
-        return reject(
-            &ctx,
-            view,
-            Kind::Http,
-            peer,
-            &verdict,
-            (Some(&host), Some(port)),
-            detail.as_deref(),
-        )
-        .await;
+        conn.verdict.would_deny = Some(Reason::HostMismatch);
+        conn.verdict.reason = Reason::ReportOnly;
     }
     // An intercepting rule's method and path rules bind plain http:// too
     // (credentials are never added to plain HTTP).
-    if let Some((verdict, detail)) =
-        intercepted::plain_request(view, &verdict, req.method(), req.uri())
-    {
-        return reject(
-            &ctx,
-            view,
-            Kind::Http,
-            peer,
-            &verdict,
-            (Some(&host), Some(port)),
-            Some(&detail),
-        )
-        .await;
+    if conn.is_allow() {
+        if let Some((verdict, detail)) =
+            intercepted::plain_request(&conn.view, &conn.verdict, req.method(), req.uri())
+        {
+            conn.verdict = verdict;
+            conn.detail = Some(detail);
+        }
     }
-    if let Some((reason, detail)) = ctx.unavailable() {
-        let verdict = Verdict { reason, ..verdict };
-        return reject(
-            &ctx,
-            view,
-            Kind::Http,
-            peer,
-            &verdict,
-            (Some(&host), Some(port)),
-            detail.as_deref(),
-        )
-        .await;
+    if !conn.is_allow() || !admission::admit(&ctx, &mut conn) {
+        return denied(&ctx, &mut conn).await.response();
     }
-    // The request's record is paid for from the org's evidence budget.
-    if let Err(detail) = ctx.pay_allow(view) {
-        let verdict = budget_spent(verdict);
-        let detail = Some(detail);
-        let target = (Some(&host), Some(port));
-        return reject(&ctx, view, Kind::Http, peer, &verdict, target, detail).await;
-    }
-    let mut conn = Conn::new(
-        view.clone(),
-        (Kind::Http, Mode::Explicit),
-        peer,
-        (host.clone(), port),
-        verdict,
-    );
-    conn.stood_for(synthetic.as_deref());
     conn.method = Some(req.method().to_string());
     conn.path = Some(req.uri().path().chars().take(256).collect());
     conn.asked = Some(Asked {
@@ -564,21 +397,16 @@ pub(crate) async fn serve_explicit(ctx: Arc<Ctx>, listener: TcpListener) {
     super::listen::accept_loop(
         ctx,
         listener,
-        "explicit",
-        |ctx, stream, peer, view, permit| serve_connection(ctx, stream, peer, view.org, permit),
+        Mode::Explicit,
+        serve_connection,
         reject_over_limit,
     )
     .await
 }
 
 /// Over a connection cap: record it, answer 503 without waiting, close.
-fn reject_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let mut record = view.refusal(
-        (Kind::Tcp, Mode::Explicit),
-        peer,
-        Reason::LimitExceeded,
-        hit.describe().to_string(),
-    );
+fn reject_over_limit(ctx: &Ctx, stream: TcpStream, link: Link) {
+    let mut record = link.record();
     ctx.submit(&mut record);
     let response = Unserved::Denied(Reason::LimitExceeded).raw_response(record.shown());
     // Non-blocking: a flood must not tie up the accept loop.

@@ -23,6 +23,7 @@ use tokio::net::TcpStream;
 
 use super::conn::Conn;
 use super::ctx::Ctx;
+use super::dial::dial_checked;
 use super::failure::Unserved;
 use super::http::body::{Metered, OnComplete, Stopped};
 use super::http::client::{Attempt, InOrder, NoResponse, Sender};
@@ -164,7 +165,7 @@ pub(crate) async fn absolute(
         .and_then(|org| ctx.upstream_pool.checkout(org, &host, port, addrs));
     let (upstream, addr) = match pooled {
         Some((sender, addr)) => (Upstream::Pooled(sender), addr),
-        None => match ctx.dial(addrs, port).await {
+        None => match dial_checked(&ctx, addrs, port).await {
             Ok((stream, addr)) => (Upstream::Dialled(stream), addr),
             Err(e) => return dial_failed(&ctx, &mut conn, e).await.response(),
         },
@@ -285,8 +286,7 @@ async fn resend(
     sender: &mut Sender,
     req: Request<Body>,
 ) -> Result<Response<Incoming>, Attempt> {
-    let (stream, _) = ctx
-        .dial(&[addr.ip()], addr.port())
+    let (stream, _) = dial_checked(ctx, &[addr.ip()], addr.port())
         .await
         .map_err(|e| Attempt::Failed(NoResponse::NotSent(format!("reconnecting: {e}"))))?;
     *sender = Sender::handshake(stream, false, &ctx.tasks)

@@ -5,35 +5,40 @@ use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
 
-use super::ctx::{Ctx, View};
-use crate::limits::{self, Permit};
+use super::conn::Link;
+use super::ctx::Ctx;
+use crate::evidence::Mode;
+use crate::policy::Reason;
 
 /// The accept loop of every proxy listener: the shared loop of
 /// [`crate::serve::accept`](fn@crate::serve::accept) (stop on shutdown, back off on accept errors, a
 /// tracked task and span per connection), holding back while the evidence
 /// queue is full (records are never dropped), with the proxy's cap: a
 /// connection permit (charged to the address's org, or to the address
-/// itself: see [`limits`]), then `serve` the connection, or `refuse` it
-/// over a limit. Each mode charges the permit to the org it finally
-/// decides for ([`Ctx::charge`]).
+/// itself: see [`crate::limits`]). Each connection's state is born here: a
+/// [`Link`] of `mode` under the view of its address, carrying the permit,
+/// handed to `serve`; over a limit, refused `limit_exceeded` and handed
+/// to `refuse` without one. Each mode
+/// charges the permit to the org it finally decides for ([`Link::charge`]).
 pub(crate) async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
     listener: TcpListener,
-    what: &'static str,
+    mode: Mode,
     serve: S,
     refuse: R,
 ) where
-    S: Fn(Arc<Ctx>, TcpStream, SocketAddr, View, Permit) -> F + Sync,
+    S: Fn(Arc<Ctx>, TcpStream, Link) -> F + Sync,
     F: std::future::Future<Output = ()> + Send + 'static,
-    R: Fn(&Ctx, TcpStream, SocketAddr, &View, limits::LimitHit) + Sync,
+    R: Fn(&Ctx, TcpStream, Link) + Sync,
 {
     let on = crate::serve::Listener {
-        what,
+        what: mode.as_str(),
         shutdown: ctx.shutdown.clone(),
         tasks: ctx.tasks.clone(),
     };
     let admission = ProxyAdmission {
         ctx,
+        mode,
         serve,
         refuse,
         conn: std::marker::PhantomData,
@@ -44,6 +49,7 @@ pub(crate) async fn accept_loop<S, F, R>(
 /// The proxy's cap at accept, for [`accept_loop`].
 struct ProxyAdmission<S, R, F> {
     ctx: Arc<Ctx>,
+    mode: Mode,
     serve: S,
     refuse: R,
     conn: std::marker::PhantomData<fn() -> F>,
@@ -51,9 +57,9 @@ struct ProxyAdmission<S, R, F> {
 
 impl<S, F, R> crate::serve::Admission for ProxyAdmission<S, R, F>
 where
-    S: Fn(Arc<Ctx>, TcpStream, SocketAddr, View, Permit) -> F + Sync,
+    S: Fn(Arc<Ctx>, TcpStream, Link) -> F + Sync,
     F: std::future::Future<Output = ()> + Send + 'static,
-    R: Fn(&Ctx, TcpStream, SocketAddr, &View, limits::LimitHit) + Sync,
+    R: Fn(&Ctx, TcpStream, Link) + Sync,
 {
     type Conn = F;
 
@@ -66,11 +72,19 @@ where
         stream: TcpStream,
         peer: SocketAddr,
     ) -> impl std::future::Future<Output = Option<F>> + Send {
-        let view = self.ctx.view(peer.ip());
-        let conn = match self.ctx.conns.try_acquire(peer.ip(), view.org.as_ref()) {
-            Ok(permit) => Some((self.serve)(self.ctx.clone(), stream, peer, view, permit)),
+        let mut link = Link::new(self.ctx.view(peer.ip()), self.mode, peer);
+        let conn = match self
+            .ctx
+            .conns
+            .try_acquire(peer.ip(), link.view.org.as_ref())
+        {
+            Ok(permit) => {
+                link.permit = Some(Arc::new(permit));
+                Some((self.serve)(self.ctx.clone(), stream, link))
+            }
             Err(hit) => {
-                (self.refuse)(&self.ctx, stream, peer, &view, hit);
+                link.refuse(Reason::LimitExceeded, hit.describe().to_string());
+                (self.refuse)(&self.ctx, stream, link);
                 None
             }
         };

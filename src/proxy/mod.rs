@@ -13,21 +13,28 @@
 //!   [`forward`], over idle upstream connections of [`pool`].
 //! - A live connection is held to every policy a reload serves after its
 //!   decision, and closed when one denies it: [`revoke`].
-//! - Records of decided connections, and the refusals they give, are
-//!   written in [`record`]; whatever fails is told to the client from one
-//!   mapping, [`failure`].
-//! - A decided connection carries its own state ([`conn::Conn`], with its
-//!   interception [`conn::Plan`]) from the decision to the close; evidence
-//!   records are built from it when written.
-//! - The decision step every mode takes is [`decide`]; dialling exactly a
-//!   checked address is [`dial`](mod@dial).
-//! - Under them all, the context every connection shares and one
-//!   decision's view of what is served: [`ctx`].
+//! - Every allow climbs one fail-closed ladder after its decision
+//!   (evidence writable, the org's evidence budget paid): [`admission`].
+//! - Records of connections, and the refusals they give, are written in
+//!   [`record`]; whatever fails is told to the client from one mapping,
+//!   [`failure`].
+//! - A connection carries its own state from accept to close
+//!   ([`conn`]): a [`conn::Link`] born at accept with its view, mode,
+//!   client and permit (a refusal is `link.refuse(…)` plus one write),
+//!   which a decided target turns into a [`conn::Conn`] (with its
+//!   interception [`conn::Plan`]); evidence records are built from the
+//!   state when written.
+//! - The decision step every mode takes is [`decide`](mod@decide)
+//!   ([`decide::decide`]); dialling exactly a checked address is
+//!   [`dial`](mod@dial) ([`dial::dial_checked`]).
+//! - Under them all, the services every connection shares ([`Ctx`]) and
+//!   one decision's view of what is served: [`ctx`].
 //! - Connection caps and rate limits, charged to the org a connection is
 //!   decided for (strangers to their own address), and the shares of
 //!   detection memory: [`crate::limits`]. Denials over a client's record rate
 //!   are written as summaries: [`denials`].
 
+pub(crate) mod admission;
 pub(crate) mod conn;
 pub(crate) mod connect;
 pub(crate) mod ctx;

@@ -1,22 +1,19 @@
-//! Writing the records of decided connections, and the refusals that
-//! follow from them: a connection's decision record as it stands
-//! ([`write_record`], giving a [`Written`]), a denial's ([`record_denial`])
-//! and an allow whose upstream could not be reached ([`dial_failed`]), each
-//! giving a [`Refused`] to tell the client; and a [`View`]'s records of
-//! decisions made before any connection state exists.
-
-use std::net::SocketAddr;
+//! Writing the records of connections, and the refusals that follow from
+//! them: a connection's decision record as it stands ([`write_record`],
+//! giving a [`Written`]); a refusal before any target was decided
+//! ([`refused`], from the [`Link`]), a decided connection's denial
+//! ([`denied`]) and an allow whose upstream could not be reached
+//! ([`dial_failed`]), each giving a [`Refused`] to tell the client.
 
 use tracing::debug;
 
-use super::conn::Conn;
-use super::ctx::{Ctx, View};
+use super::conn::{Conn, Link};
+use super::ctx::Ctx;
 use super::dial::DialError;
 use super::failure::Unserved;
 use super::http::Body;
-use crate::evidence::{Kind, Mode, Record};
-use crate::policy::{Reason, Verdict};
-use crate::proto::target::Host;
+use crate::evidence::Record;
+use crate::policy::Reason;
 
 /// A written decision record: its `id` (what its close record names) and
 /// the reference its client may be shown.
@@ -44,52 +41,38 @@ impl Refused {
     }
 }
 
-/// Write the record of a denial.
-pub(crate) async fn record_denial(
-    ctx: &Ctx,
-    view: &View,
-    (kind, mode): (Kind, Mode),
-    peer: SocketAddr,
-    verdict: &Verdict,
-    (host, port): (Option<&Host>, Option<u16>),
-    detail: Option<&str>,
-) -> Refused {
-    record_denial_at(
-        ctx,
-        view,
-        (kind, mode),
-        peer,
-        verdict,
-        (host, port),
-        detail,
-        None,
-    )
-    .await
+/// Write the record of `link`'s refusal ([`Link::refuse`]), decided
+/// before any target was: what to tell the client.
+pub(crate) async fn refused(ctx: &Ctx, link: &Link) -> Refused {
+    let mut record = link.record();
+    let written = ctx.write(&mut record).await;
+    told(link.verdict.reason, written, &record, link.detail.clone())
 }
 
-/// [`record_denial`] of a connection to `synthetic`, an address of the
-/// synthetic pool (`host` is then the name bound to it, if any).
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn record_denial_at(
-    ctx: &Ctx,
-    view: &View,
-    (kind, mode): (Kind, Mode),
-    peer: SocketAddr,
-    verdict: &Verdict,
-    (host, port): (Option<&Host>, Option<u16>),
-    detail: Option<&str>,
-    synthetic: Option<std::net::IpAddr>,
-) -> Refused {
-    let mut record = view.record(kind, mode, peer, verdict, host, port);
-    record.detail = detail.map(str::to_string);
-    record.synthetic = synthetic;
-    let written = ctx.write(&mut record).await;
-    let failure = Unserved::Denied(verdict.reason).recorded(written);
+/// Write the record of `conn`, denied or refused at its decision (by the
+/// policy, or by [`super::admission::admit`]): what to tell the client.
+pub(crate) async fn denied(ctx: &Ctx, conn: &mut Conn) -> Refused {
+    let (written, record) = match write_record(ctx, conn).await {
+        Ok(w) => (true, w.shown),
+        Err(w) => (false, w.shown),
+    };
+    let failure = Unserved::Denied(conn.verdict.reason).recorded(written);
+    debug!(reason = %failure.reason(), side = ?failure.side(), %record, "denied");
+    Refused {
+        failure,
+        record,
+        detail: conn.detail.clone(),
+    }
+}
+
+/// A denial for `reason`, recorded as `record` (or not `written`).
+fn told(reason: Reason, written: bool, record: &Record, detail: Option<String>) -> Refused {
+    let failure = Unserved::Denied(reason).recorded(written);
     debug!(reason = %failure.reason(), side = ?failure.side(), record = %record.id, "denied");
     Refused {
         failure,
         record: record.shown().to_string(),
-        detail: detail.map(str::to_string),
+        detail,
     }
 }
 
@@ -137,36 +120,4 @@ pub(crate) async fn write_record(ctx: &Ctx, conn: &mut Conn) -> Result<Written, 
         }
     })
     .await
-}
-
-impl View {
-    /// A decision record for this client and target.
-    pub(crate) fn record(
-        &self,
-        kind: Kind,
-        mode: Mode,
-        client: SocketAddr,
-        verdict: &Verdict,
-        host: Option<&Host>,
-        port: Option<u16>,
-    ) -> Record {
-        let mut r = Record::decided(kind, mode, client, verdict, &self.policy);
-        r.host = host.map(|h| h.to_string());
-        r.port = port;
-        r
-    }
-
-    /// The record of a refusal decided before any target: `reason`, for
-    /// this view's client, with `detail`.
-    pub(crate) fn refusal(
-        &self,
-        (kind, mode): (Kind, Mode),
-        client: SocketAddr,
-        reason: Reason,
-        detail: String,
-    ) -> Record {
-        let mut r = self.record(kind, mode, client, &self.verdict(reason), None, None);
-        r.detail = Some(detail);
-        r
-    }
 }

@@ -345,6 +345,7 @@ mod tests {
     use super::*;
     use crate::evidence::{Kind, Mode};
     use crate::policy::Policy;
+    use crate::proxy::conn::Link;
 
     const CLIENT: &str = "198.18.1.2:5000";
 
@@ -390,13 +391,7 @@ mod tests {
             org,
             token: None,
         };
-        let mut c = Conn::new(
-            view,
-            (Kind::Tcp, Mode::Explicit),
-            client,
-            (host, port),
-            verdict,
-        );
+        let mut c = Link::new(view, Mode::Explicit, client).decided(host, port, verdict);
         c.ip = Some(ip.parse().unwrap());
         c.tunnel = Some(carry);
         c

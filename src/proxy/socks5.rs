@@ -10,7 +10,7 @@
 //! malformed messages and failed authentication are answered with their
 //! reply code and recorded.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -18,12 +18,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 use tracing::debug;
 
+use super::conn::Link;
 use super::connect;
 use super::ctx::{Ctx, View};
 use super::listen::accept_loop;
-use super::record::record_denial;
+use super::record::refused;
 use crate::evidence::{Kind, Mode};
-use crate::limits::{LimitHit, Permit};
 use crate::policy::{Credential, IdentityError, Reason};
 use crate::proto::socks5::{
     self, Address, Command, Malformed, Reply, MAX_MESSAGE, METHOD_NONE, METHOD_UNACCEPTABLE,
@@ -36,25 +36,12 @@ use crate::proto::Parse;
 /// org its address names, or its address's own budget, until the
 /// authentication names its org (see [`crate::limits`]).
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(
-        ctx,
-        listener,
-        "socks5",
-        |ctx, stream, peer, _view, permit| handle(ctx, stream, peer, permit),
-        refuse_over_limit,
-    )
-    .await
+    accept_loop(ctx, listener, Mode::Socks5, handle, refuse_over_limit).await
 }
 
 /// Over a limit: record it and answer "no acceptable methods".
-fn refuse_over_limit(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let mut record = view.refusal(
-        (Kind::Tcp, Mode::Socks5),
-        peer,
-        Reason::LimitExceeded,
-        hit.describe().to_string(),
-    );
-    ctx.submit(&mut record);
+fn refuse_over_limit(ctx: &Ctx, stream: TcpStream, link: Link) {
+    ctx.submit(&mut link.record());
     // Best effort and non-blocking.
     let _ = stream.try_write(&socks5::method_reply(METHOD_UNACCEPTABLE));
 }
@@ -111,26 +98,11 @@ impl Handshake {
     }
 }
 
-/// Record a refusal under `view`; `detail` never holds a credential.
-async fn refuse(
-    ctx: &Ctx,
-    view: &View,
-    peer: SocketAddr,
-    reason: Reason,
-    target: (Option<&Host>, Option<u16>),
-    detail: &str,
-) {
-    let verdict = view.verdict(reason);
-    record_denial(
-        ctx,
-        view,
-        (Kind::Tcp, Mode::Socks5),
-        peer,
-        &verdict,
-        target,
-        Some(detail),
-    )
-    .await;
+/// Refuse `link` for `reason` and record it; `detail` never holds a
+/// credential.
+async fn refuse(ctx: &Ctx, link: &mut Link, reason: Reason, detail: String) {
+    link.refuse(reason, detail);
+    refused(ctx, link).await;
 }
 
 /// The client's identity is settled: charge the connection to its org
@@ -139,26 +111,25 @@ async fn refuse(
 async fn settle_identity(
     ctx: &Ctx,
     hs: &mut Handshake,
-    permit: &Permit,
-    peer: SocketAddr,
+    link: &Link,
     identified: Result<View, (View, IdentityError)>,
     [yes, no]: [[u8; 2]; 2],
-) -> Option<View> {
-    let view = match identified {
-        Ok(view) => view,
+) -> Option<Link> {
+    let mut link = match identified {
+        Ok(view) => link.under(view, Kind::Tcp),
         Err((view, e)) => {
             hs.send(&no).await;
-            auth_refused(ctx, &view, peer, e).await;
+            let mut link = link.under(view, Kind::Tcp);
+            refuse(ctx, &mut link, e.reason(), e.to_string()).await;
             return None;
         }
     };
-    if let Err(hit) = ctx.charge(permit, &view) {
+    if let Err(hit) = link.charge(ctx) {
         hs.send(&no).await;
-        let (reason, detail) = (Reason::LimitExceeded, hit.describe());
-        refuse(ctx, &view, peer, reason, (None, None), detail).await;
+        refuse(ctx, &mut link, Reason::LimitExceeded, hit.describe().into()).await;
         return None;
     }
-    hs.send(&yes).await.then_some(view)
+    hs.send(&yes).await.then_some(link)
 }
 
 fn read_fail_detail(step: &str, fail: &ReadFail) -> String {
@@ -169,13 +140,12 @@ fn read_fail_detail(step: &str, fail: &ReadFail) -> String {
     }
 }
 
-async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Permit) {
+async fn handle(ctx: Arc<Ctx>, stream: TcpStream, mut link: Link) {
     let mut hs = Handshake {
         stream,
         buf: Vec::new(),
         deadline: Instant::now() + ctx.limits.header_read_timeout.get(),
     };
-    let address_view = ctx.view(peer.ip());
 
     // Greeting and method selection (RFC 1928 §3).
     let greeting = match hs.read(socks5::parse_greeting).await {
@@ -186,18 +156,10 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Perm
                 hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
             }
             let detail = read_fail_detail("greeting", &fail);
-            return refuse(
-                &ctx,
-                &address_view,
-                peer,
-                Reason::BadRequest,
-                (None, None),
-                &detail,
-            )
-            .await;
+            return refuse(&ctx, &mut link, Reason::BadRequest, detail).await;
         }
     };
-    let view = if greeting.offers(METHOD_USERPASS) {
+    let link = if greeting.offers(METHOD_USERPASS) {
         // Credentials offered are always checked (RFC 1929).
         if !hs.send(&socks5::method_reply(METHOD_USERPASS)).await {
             return;
@@ -209,52 +171,40 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Perm
                     hs.send(&socks5::auth_reply(false)).await;
                 }
                 let detail = read_fail_detail("authentication", &fail);
-                return refuse(
-                    &ctx,
-                    &address_view,
-                    peer,
-                    Reason::BadRequest,
-                    (None, None),
-                    &detail,
-                )
-                .await;
+                return refuse(&ctx, &mut link, Reason::BadRequest, detail).await;
             }
         };
         let credential = Credential {
             user: &creds.user,
             token: &creds.password,
         };
-        let identified = ctx.view_as(peer.ip(), Some(credential));
+        let identified = ctx.view_as(link.client.ip(), Some(credential));
         let replies = [socks5::auth_reply(true), socks5::auth_reply(false)];
-        match settle_identity(&ctx, &mut hs, &permit, peer, identified, replies).await {
-            Some(view) => view,
+        match settle_identity(&ctx, &mut hs, &link, identified, replies).await {
+            Some(link) => link,
             None => return,
         }
     } else if greeting.offers(METHOD_NONE) {
-        let identified = ctx.view_as(peer.ip(), None);
+        let identified = ctx.view_as(link.client.ip(), None);
         let replies = [
             socks5::method_reply(METHOD_NONE),
             socks5::method_reply(METHOD_UNACCEPTABLE),
         ];
-        match settle_identity(&ctx, &mut hs, &permit, peer, identified, replies).await {
-            Some(view) => view,
+        match settle_identity(&ctx, &mut hs, &link, identified, replies).await {
+            Some(link) => link,
             None => return,
         }
     } else {
         hs.send(&socks5::method_reply(METHOD_UNACCEPTABLE)).await;
         let detail = "socks5 greeting offers no supported method (none, username/password)";
-        return refuse(
-            &ctx,
-            &address_view,
-            peer,
-            Reason::BadRequest,
-            (None, None),
-            detail,
-        )
-        .await;
+        return refuse(&ctx, &mut link, Reason::BadRequest, detail.into()).await;
     };
+    connect_request(ctx, hs, link).await;
+}
 
-    // The request (RFC 1928 §4).
+/// The request (RFC 1928 §4) of an identified client: a CONNECT takes the
+/// tunnel step; anything else is answered with its reply code and recorded.
+async fn connect_request(ctx: Arc<Ctx>, mut hs: Handshake, mut link: Link) {
     let request = match hs.read(socks5::parse_request).await {
         Ok(r) => r,
         Err(fail) => {
@@ -262,7 +212,7 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Perm
                 hs.send(&socks5::reply(m.reply)).await;
             }
             let detail = read_fail_detail("request", &fail);
-            return refuse(&ctx, &view, peer, Reason::BadRequest, (None, None), &detail).await;
+            return refuse(&ctx, &mut link, Reason::BadRequest, detail).await;
         }
     };
     let host = match &request.address {
@@ -272,35 +222,26 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Perm
         Address::Domain(name) => normalize_host(name).map_err(|e| e.to_string()),
     };
     let port = request.port;
+    link.target(host.as_ref().ok().cloned(), Some(port));
     if request.command != Command::Connect {
         hs.send(&socks5::reply(Reply::CommandNotSupported)).await;
         let detail = format!("socks5 {} is not supported", request.command.as_str());
-        let target = (host.as_ref().ok(), Some(port));
-        return refuse(&ctx, &view, peer, Reason::BadRequest, target, &detail).await;
+        return refuse(&ctx, &mut link, Reason::BadRequest, detail).await;
     }
     let host = match host {
         Ok(h) if port != 0 => h,
-        Ok(h) => {
+        Ok(_) => {
             hs.send(&socks5::reply(Reply::GeneralFailure)).await;
-            let target = (Some(&h), Some(port));
-            return refuse(&ctx, &view, peer, Reason::BadRequest, target, "port 0").await;
+            return refuse(&ctx, &mut link, Reason::BadRequest, "port 0".into()).await;
         }
         Err(why) => {
             hs.send(&socks5::reply(Reply::GeneralFailure)).await;
             let detail = format!("socks5 destination: {why}");
-            return refuse(
-                &ctx,
-                &view,
-                peer,
-                Reason::BadRequest,
-                (None, Some(port)),
-                &detail,
-            )
-            .await;
+            return refuse(&ctx, &mut link, Reason::BadRequest, detail).await;
         }
     };
 
-    let opened = match connect::open(&ctx, &view, Mode::Socks5, peer, host, port).await {
+    let opened = match connect::open(&ctx, &link, host, port).await {
         Ok(opened) => opened,
         Err(refused) => {
             hs.send(&socks5::reply(refused.failure.socks_reply())).await;
@@ -313,11 +254,4 @@ async fn handle(ctx: Arc<Ctx>, stream: TcpStream, peer: SocketAddr, permit: Perm
     }
     let Handshake { stream, buf, .. } = hs;
     connect::run(ctx, stream, opened, buf).await;
-}
-
-/// Failed identity: recorded with org null and the cause as detail (never
-/// the token); the client saw only the SOCKS authentication failure.
-async fn auth_refused(ctx: &Ctx, view: &View, peer: SocketAddr, e: IdentityError) {
-    let detail = e.to_string();
-    refuse(ctx, view, peer, e.reason(), (None, None), &detail).await;
 }

@@ -17,18 +17,19 @@ use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::debug;
 
-use super::conn::{Conn, Plan};
+use super::admission;
+use super::conn::{Conn, Link, Plan};
 use super::connect;
 use super::ctx::{Ctx, View, DETECT_BUDGET_EXHAUSTED};
-use super::decide::{decide_with, Addresses, Decided, Stands};
+use super::decide::{decide_synthetic, decide_with, stood_for, Addresses, Decided, Stands};
+use super::dial::dial_checked;
 use super::intercepted::{self, serve::Session};
 use super::listen::accept_loop;
-use super::record::{write_record, Written};
+use super::record::{refused, write_record, Written};
 use super::tunnel::{self, Detected};
 use super::verify;
 use crate::config::Carry;
-use crate::evidence::{Kind, Mode};
-use crate::limits::{LimitHit, Permit};
+use crate::evidence::Mode;
 use crate::policy::{canonical, Reason, Verdict};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 
@@ -50,18 +51,12 @@ pub(crate) fn original_destination(stream: &TcpStream) -> std::io::Result<Socket
 /// Accept REDIRECTed connections until shutdown. One connection, one
 /// decision: under the policy served at accept.
 pub(crate) async fn serve(ctx: Arc<Ctx>, listener: TcpListener) {
-    accept_loop(ctx, listener, "transparent", handle, refuse).await
+    accept_loop(ctx, listener, Mode::Transparent, handle, refuse).await
 }
 
 /// Over a limit: record it and reset.
-fn refuse(ctx: &Ctx, stream: TcpStream, peer: SocketAddr, view: &View, hit: LimitHit) {
-    let mut record = view.refusal(
-        (Kind::Tcp, Mode::Transparent),
-        peer,
-        Reason::LimitExceeded,
-        hit.describe().to_string(),
-    );
-    ctx.submit(&mut record);
+fn refuse(ctx: &Ctx, stream: TcpStream, link: Link) {
+    ctx.submit(&mut link.record());
     reset(stream);
 }
 
@@ -86,37 +81,20 @@ fn presented_name(detected: &Detected, port: u16) -> Result<Option<Host>, &'stat
     }
 }
 
-async fn handle(
-    ctx: Arc<Ctx>,
-    mut client: TcpStream,
-    peer: SocketAddr,
-    view: View,
-    permit: Permit,
-) {
-    let view = &view;
+async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
     let orig = match original_destination(&client) {
         Ok(orig) => orig,
         Err(e) => {
             // Connected to the listener directly (no REDIRECT): nowhere to go.
-            let mut record = view.refusal(
-                (Kind::Tcp, Mode::Transparent),
-                peer,
-                Reason::BadRequest,
-                format!("no original destination: {e}"),
-            );
-            ctx.write(&mut record).await;
+            link.refuse(Reason::BadRequest, format!("no original destination: {e}"));
+            refused(&ctx, &link).await;
             return reset(client);
         }
     };
+    let (view, peer) = (&link.view, link.client);
     let orig = SocketAddr::new(canonical(orig.ip()), orig.port());
     let conn_for = |verdict: Verdict, host: Host| {
-        let mut conn = Conn::new(
-            view.clone(),
-            (Kind::Tcp, Mode::Transparent),
-            peer,
-            (host, orig.port()),
-            verdict,
-        );
+        let mut conn = link.decided(host, orig.port(), verdict);
         // The original destination is recorded whatever the decision.
         conn.ip = Some(orig.ip());
         conn
@@ -180,20 +158,12 @@ async fn handle(
     }
     // Charged at accept to the address's org, if it has one; the decision
     // cannot name another, so this only confirms it (see `limits`).
-    if let Err(hit) = ctx.charge(&permit, view) {
+    if let Err(hit) = link.charge(&ctx) {
         conn.refuse(Reason::LimitExceeded, Some(hit.describe().into()));
         let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
-    if let Some((reason, detail)) = ctx.unavailable() {
-        conn.refuse(reason, detail);
-        let _ = write_record(&ctx, &mut conn).await;
-        return reset(client);
-    }
-    // The allow's record is paid for from the org's evidence budget.
-    if let Err(detail) = ctx.pay_allow(view) {
-        let detail = detail.to_string();
-        conn.refuse(Reason::LimitExceeded, Some(detail));
+    if !admission::admit(&ctx, &mut conn) {
         let _ = write_record(&ctx, &mut conn).await;
         return reset(client);
     }
@@ -242,7 +212,7 @@ async fn handle(
     } else {
         conn.tunnel = Some(Carry::Opaque);
     }
-    let (upstream, addr) = match ctx.dial(&outcome.dial, orig.port()).await {
+    let (upstream, addr) = match dial_checked(&ctx, &outcome.dial, orig.port()).await {
         Ok(dialled) => dialled,
         Err(e) => {
             if conn.synthetic.is_some() {
@@ -319,17 +289,17 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Decided, orig: SocketA
 /// original destination when allowed.
 async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -> Decided {
     let Some(org) = &view.org else {
-        return ctx.decide(view, &Host::Ip(orig.ip()), orig.port()).await;
+        return super::decide::decide(ctx, view, &Host::Ip(orig.ip()), orig.port()).await;
     };
     // A synthetic address: the name presented must be the one bound to it
     // for this org; then it is decided (and resolved) as that name.
-    match ctx.stood_for(org, orig.ip()) {
+    match stood_for(ctx, org, orig.ip()) {
         Stands::Not => {}
         Stands::Unbound => return Decided::unbound(org, orig.ip()),
         Stands::For(stood) => {
             return match name {
                 Some(Host::Name(n)) if *n == stood.name => {
-                    ctx.decide_synthetic(view, org, stood, orig.port()).await
+                    decide_synthetic(ctx, view, org, stood, orig.port()).await
                 }
                 Some(other) => Decided::mismatch(
                     org,

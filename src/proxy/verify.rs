@@ -280,6 +280,27 @@ pub(crate) enum End {
 /// Largest read of one direction.
 const READ_CHUNK: usize = 16 * 1024;
 
+/// A tunnel's first unit as judged: the guard that judges the rest, the
+/// client bytes held, and how many of them passed.
+pub(crate) struct Judged {
+    pub guard: Guard,
+    pub held: Vec<u8>,
+    pub verified: usize,
+}
+
+/// What a verified copy is held to: its timeouts, the stop signal, the
+/// detection budget units are held under, and report mode's hook.
+pub(crate) struct Watch<'a> {
+    /// Nothing either way for this long: closed.
+    pub idle: Duration,
+    /// A held unit must be complete within this of its first byte.
+    pub unit_timeout: Duration,
+    pub stop: &'a CancellationToken,
+    pub detect: &'a DetectScope<'a>,
+    /// Report mode: violations are handed here and the copy goes on.
+    pub report: Option<&'a (dyn Fn(&Violation) + Sync)>,
+}
+
 /// Copy both ways until close, idle, `stop`, or a violation, judging every
 /// client byte before it is forwarded. `held[..verified]` is forwarded
 /// first; the rest of `held` is judged like any later byte. With `report`,
@@ -293,22 +314,28 @@ const READ_CHUNK: usize = 16 * 1024;
 /// verifier says how many bytes; exactly those pass, and judging resumes
 /// at the next head). Over TCP, a direction waits for readability before
 /// it takes a buffer, and gives the buffer back once drained.
-#[allow(clippy::too_many_arguments)]
 pub(crate) async fn pump<C, U>(
     mut client: C,
     mut upstream: U,
-    guard: Guard,
-    held: Vec<u8>,
-    verified: usize,
-    (idle, unit_timeout): (Duration, Duration),
-    stop: &CancellationToken,
-    detect: &DetectScope<'_>,
-    report: Option<&(dyn Fn(&Violation) + Sync)>,
+    judged: Judged,
+    watch: Watch<'_>,
 ) -> (Totals, End)
 where
     C: Stream,
     U: Stream,
 {
+    let Judged {
+        guard,
+        held,
+        verified,
+    } = judged;
+    let Watch {
+        idle,
+        unit_timeout,
+        stop,
+        detect,
+        report,
+    } = watch;
     let start = Instant::now();
     let last = AtomicU64::new(0);
     let up = AtomicU64::new(0);
@@ -666,13 +693,18 @@ mod tests {
             pump(
                 client,
                 upstream,
-                http_guard(),
-                Vec::new(),
-                0,
-                (Duration::from_secs(5), Duration::from_secs(5)),
-                &stop,
-                &slots,
-                None,
+                Judged {
+                    guard: http_guard(),
+                    held: Vec::new(),
+                    verified: 0,
+                },
+                Watch {
+                    idle: Duration::from_secs(5),
+                    unit_timeout: Duration::from_secs(5),
+                    stop: &stop,
+                    detect: &slots,
+                    report: None,
+                },
             )
             .await
         };
@@ -719,13 +751,18 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            Vec::new(),
-            0,
-            (Duration::from_secs(5), Duration::from_secs(5)),
-            &stop,
-            &slots,
-            None,
+            Judged {
+                guard: http_guard(),
+                held: Vec::new(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(5),
+                unit_timeout: Duration::from_secs(5),
+                stop: &stop,
+                detect: &slots,
+                report: None,
+            },
         );
         let drive = async {
             let up = async {
@@ -781,13 +818,18 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            Vec::new(),
-            0,
-            (Duration::from_secs(300), Duration::from_secs(10)),
-            &stop,
-            &slots,
-            None,
+            Judged {
+                guard: http_guard(),
+                held: Vec::new(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(300),
+                unit_timeout: Duration::from_secs(10),
+                stop: &stop,
+                detect: &slots,
+                report: None,
+            },
         );
         let drive = async {
             client_peer.write_all(good).await.unwrap();
@@ -829,13 +871,18 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            http_guard(),
-            bytes.to_vec(),
-            0,
-            (Duration::from_secs(5), Duration::from_secs(5)),
-            &stop,
-            &slots,
-            Some(&report),
+            Judged {
+                guard: http_guard(),
+                held: bytes.to_vec(),
+                verified: 0,
+            },
+            Watch {
+                idle: Duration::from_secs(5),
+                unit_timeout: Duration::from_secs(5),
+                stop: &stop,
+                detect: &slots,
+                report: Some(&report),
+            },
         );
         let drive = async {
             let mut got = vec![0u8; bytes.len()];

@@ -361,3 +361,55 @@ fn a_closed_stdout_ends_a_command_without_a_panic() {
         assert!(stderr.is_empty(), "{args:?} said: {stderr}");
     }
 }
+
+/// `--host` is one glob in every command that takes it: `evidence query`
+/// reads `*` and `?` as the tail does, and finds a denial summary record
+/// by the hosts it names (before, query took `?` literally and never
+/// matched a summary, while the tail did both).
+#[test]
+fn query_host_is_the_tails_glob() {
+    let dir = scratch_dir("query-host");
+    let record = |id: &str, host: serde_json::Value, extra: serde_json::Value| {
+        let mut v = serde_json::json!({
+            "id": id, "ts": "2026-01-02T03:04:05.000000Z", "kind": "http",
+            "event": "decision", "org": "acme", "client": "198.18.1.2:40000",
+            "mode": "explicit", "host": host, "port": 80, "sni": null, "ip": null,
+            "decision": "deny", "reason": "no_matching_rule", "rule": null, "policy": "p"
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v.to_string()
+    };
+    let lines = [
+        record("r1", "api.test".into(), serde_json::json!({})),
+        record("r2", "other.test".into(), serde_json::json!({})),
+        record(
+            "r3",
+            serde_json::Value::Null,
+            serde_json::json!({"client": null, "port": null, "count": 9,
+                               "hosts": {"a.wild.test": 7, "other": 2}}),
+        ),
+    ];
+    let file = dir.join("palisade-00000000000000000000.jsonl");
+    fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let file = file.to_str().unwrap();
+    for (glob, want) in [
+        ("a?i.test", vec!["r1"]),
+        ("*.wild.test", vec!["r3"]),
+        ("*.test", vec!["r1", "r2", "r3"]),
+        ("API.test.", vec!["r1"]),
+        ("wild.test", vec![]),
+    ] {
+        let out = palisade(&["evidence", "query", file, "--host", glob]);
+        assert!(out.success(), "--host {glob}: {}", out.describe());
+        let ids: Vec<String> = out
+            .stdout
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["id"].to_string())
+            .map(|id| id.trim_matches('"').to_string())
+            .collect();
+        assert_eq!(ids, want, "--host {glob}: {}", out.describe());
+    }
+    let _ = fs::remove_dir_all(&dir);
+}

@@ -1,6 +1,6 @@
 //! `[admin]`: the admin listener.
 
-use super::Listeners;
+use super::values::Listeners;
 use crate::config::error::Errors;
 use crate::config::model::{AdminConfig, TokenDigest};
 use crate::config::raw::RawAdmin;

@@ -5,7 +5,7 @@ use std::ops::Range;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use toml::Spanned;
 
-use super::{cidr, count, duration, socket_addr, timeout, Listeners};
+use super::values::{cidr, count, duration, socket_addr, timeout, Listeners};
 use crate::config::error::Errors;
 use crate::config::model::{
     dns_org_share, synthetic_per_org, Config, DnsConfig, RuleTarget, ALWAYS_DENIED,

@@ -5,7 +5,7 @@
 
 use toml::Spanned;
 
-use super::positive_duration;
+use super::values::positive_duration;
 use crate::config::error::Errors;
 use crate::config::model::{
     EnforcementConfig, EnforcementMode, DEFAULT_ENFORCEMENT_CHECK_INTERVAL,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use toml::Spanned;
 
-use super::{count, duration, path};
+use super::values::{count, duration, path};
 use crate::config::error::Errors;
 use crate::config::model::{
     capacity, replica_problem, Durability, EvidenceConfig, MinFree, DEFAULT_EVIDENCE_DIR,

@@ -1,6 +1,6 @@
 //! `[intercept]`: the per-org CAs, upstream trust and handshake bound.
 
-use super::{count, path, timeout};
+use super::values::{count, path, timeout};
 use crate::config::error::Errors;
 use crate::config::model::InterceptConfig;
 use crate::config::raw::RawIntercept;

@@ -1,18 +1,14 @@
 //! Validation: raw structs in, typed values out, every problem located.
-//! One file per section; the helpers every section shares are here.
+//! One file per section; reading one value, what every section shares,
+//! in `values.rs`.
 
-use std::collections::HashSet;
-use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
-use ipnet::IpNet;
 use toml::Spanned;
 
 use super::error::Errors;
 use super::model::Config;
 use super::raw::RawConfig;
-use super::timeout::Timeout;
 
 mod admin;
 mod baseline;
@@ -26,6 +22,7 @@ mod org;
 mod proxy;
 mod rules;
 mod service;
+mod values;
 
 use admin::validate_admin;
 use bypass::validate_bypass;
@@ -35,6 +32,7 @@ use evidence::{check_capacity, validate_evidence};
 use intercept::validate_intercept;
 use org::validate_orgs;
 use proxy::validate_proxy;
+use values::Listeners;
 
 pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
     // Destructure exhaustively: a new field cannot be silently ignored.
@@ -86,156 +84,6 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     };
     dns::check_pools(&config, &pool_spans, errors);
     config
-}
-
-/// The listen addresses seen so far, to reject one used twice.
-#[derive(Default)]
-struct Listeners(HashSet<SocketAddr>);
-
-impl Listeners {
-    /// A listen address, unique across all listeners.
-    fn claim(&mut self, value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<SocketAddr> {
-        let addr = socket_addr(value, None, errors)?;
-        if !self.0.insert(addr) {
-            errors.at(value.span(), format!("listen address {addr} is used twice"));
-            return None;
-        }
-        Some(addr)
-    }
-}
-
-fn socket_addr(
-    value: &Spanned<String>,
-    default_port: Option<u16>,
-    errors: &mut Errors<'_>,
-) -> Option<SocketAddr> {
-    let text = value.get_ref().trim();
-    if let Ok(addr) = text.parse::<SocketAddr>() {
-        if addr.port() == 0 {
-            errors.at(value.span(), format!("address {text:?} has port 0"));
-            return None;
-        }
-        return Some(addr);
-    }
-    if let (Some(port), Ok(ip)) = (default_port, text.parse::<IpAddr>()) {
-        return Some(SocketAddr::new(ip, port));
-    }
-    errors.at(
-        value.span(),
-        format!("invalid socket address {text:?} (expected ip:port or [v6]:port)"),
-    );
-    None
-}
-
-fn count(value: Option<Spanned<i64>>, default: usize, errors: &mut Errors<'_>) -> usize {
-    let Some(value) = value else { return default };
-    match usize::try_from(*value.get_ref()) {
-        Ok(n) if n > 0 => n,
-        _ => {
-            errors.at(
-                value.span(),
-                format!("limit {} must be a positive integer", value.get_ref()),
-            );
-            default
-        }
-    }
-}
-
-/// A path setting, `default` when unset; an empty one is an error naming
-/// `what`.
-fn path(
-    value: Option<Spanned<String>>,
-    default: PathBuf,
-    what: &str,
-    errors: &mut Errors<'_>,
-) -> PathBuf {
-    match value {
-        Some(p) if p.get_ref().trim().is_empty() => {
-            errors.at(p.span(), format!("{what} must not be empty"));
-            default
-        }
-        Some(p) => PathBuf::from(p.into_inner()),
-        None => default,
-    }
-}
-
-/// A duration setting, `default` when unset.
-fn duration(
-    value: Option<Spanned<String>>,
-    default: Duration,
-    errors: &mut Errors<'_>,
-) -> Duration {
-    value
-        .and_then(|v| positive_duration(&v, errors))
-        .unwrap_or(default)
-}
-
-/// A timeout setting: a positive duration within the timeout's bound,
-/// its default when unset.
-fn timeout<T: Timeout>(value: Option<Spanned<String>>, errors: &mut Errors<'_>) -> T {
-    let Some(value) = value else {
-        return T::DEFAULT;
-    };
-    let Some(d) = positive_duration(&value, errors) else {
-        return T::DEFAULT;
-    };
-    T::new(d).unwrap_or_else(|e| {
-        errors.at(
-            value.span(),
-            format!("{} {:?} {e}", T::KEY, value.get_ref()),
-        );
-        T::DEFAULT
-    })
-}
-
-fn positive_duration(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<Duration> {
-    match humantime::parse_duration(value.get_ref().trim()) {
-        Ok(d) if !d.is_zero() => Some(d),
-        Ok(_) => {
-            errors.at(
-                value.span(),
-                format!("duration {:?} must be positive", value.get_ref()),
-            );
-            None
-        }
-        Err(e) => {
-            errors.at(
-                value.span(),
-                format!(
-                    "invalid duration {:?} ({e}; e.g. \"5s\", \"250ms\")",
-                    value.get_ref()
-                ),
-            );
-            None
-        }
-    }
-}
-
-fn cidr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<IpNet> {
-    let text = value.get_ref().trim();
-    let net = if text.contains('/') {
-        text.parse::<IpNet>().ok()
-    } else {
-        text.parse::<IpAddr>().ok().map(IpNet::from)
-    };
-    let Some(net) = net else {
-        errors.at(
-            value.span(),
-            format!("invalid cidr {text:?} (expected e.g. 198.18.7.0/24 or 2001:db8::/32)"),
-        );
-        return None;
-    };
-    if net.trunc() != net {
-        errors.at(
-            value.span(),
-            format!(
-                "cidr {text:?} has host bits set (did you mean {}?)",
-                net.trunc()
-            ),
-        );
-        return None;
-    }
-    Some(net)
 }
 
 #[cfg(test)]

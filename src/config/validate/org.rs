@@ -7,9 +7,9 @@ use std::ops::Range;
 use ipnet::IpNet;
 use toml::Spanned;
 
-use super::cidr;
 use super::credentials::validate_credentials;
 use super::rules::validate_rules;
+use super::values::cidr;
 use crate::config::error::Errors;
 use crate::config::model::{
     Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,

@@ -1,6 +1,6 @@
 //! `[proxy]`: listeners, connection limits and timeouts.
 
-use super::{count, timeout, Listeners};
+use super::values::{count, timeout, Listeners};
 use crate::config::error::Errors;
 use crate::config::model::{Limits, ProxyConfig};
 use crate::config::raw::RawProxy;

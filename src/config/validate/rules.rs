@@ -5,8 +5,8 @@ use std::collections::HashSet;
 
 use toml::Spanned;
 
-use super::cidr;
 use super::service::{service_rules, RawService};
+use super::values::cidr;
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{

@@ -38,13 +38,13 @@ use tokio_util::task::TaskTracker;
 use tracing::debug;
 
 use crate::config::CredentialConfig;
-use crate::evidence::Kind;
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::proto::target::{parse_authority, Host};
+use crate::proxy::admission;
 use crate::proxy::conn::{Asked, Conn, Intercepting};
 use crate::proxy::ctx::{Ctx, View};
-use crate::proxy::dial::DialError;
+use crate::proxy::dial::{dial_checked, DialError};
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::Exchange;
 use crate::proxy::http::body::{Metered, Stopped};
@@ -139,13 +139,7 @@ impl Session {
             rule: Some(how.rule.clone()),
             would_deny: None,
         };
-        let mut req = Conn::new(
-            view.clone(),
-            (Kind::Http, self.conn.mode),
-            self.conn.client,
-            (self.conn.host.clone(), self.conn.port),
-            verdict,
-        );
+        let mut req = self.conn.request(view.clone(), verdict);
         req.sni = self.conn.sni.clone();
         req.ip = Some(self.upstream.ip());
         req.within = Some(self.id.clone());
@@ -377,7 +371,7 @@ impl Shared {
             Some(t) => t,
             None => {
                 let addr = s.upstream;
-                s.ctx.dial(&[addr.ip()], addr.port()).await?.0
+                dial_checked(&s.ctx, &[addr.ip()], addr.port()).await?.0
             }
         };
         let server_name = ServerName::try_from(s.name.clone())
@@ -624,10 +618,10 @@ async fn decide_and_send(
             }
         }
     };
-    // The request's record is paid for from the org's evidence budget.
-    if let Err(detail) = s.ctx.denials.pay_allow(&Some(s.how.org.name.clone())) {
-        req.refuse(Reason::LimitExceeded, None);
-        return refused(shared, req, detail).await;
+    // Evidence writable, the org's evidence budget paid: else refused.
+    if !admission::admit(&s.ctx, &mut req) {
+        let detail = req.detail.take();
+        return refused_as(shared, req, detail.as_deref()).await;
     }
 
     // Build the upstream request.
@@ -903,14 +897,19 @@ fn count(shared: &Shared, reason: Reason) {
 
 /// Record a refused request (its verdict as set) and answer it inside the
 /// intercepted connection.
-async fn refused(shared: &Shared, mut req: Conn, detail: &str) -> Response<Body> {
-    req.detail = Some(detail.to_string());
+async fn refused(shared: &Shared, req: Conn, detail: &str) -> Response<Body> {
+    refused_as(shared, req, Some(detail)).await
+}
+
+/// [`refused`] with `detail`, if any, recorded and told.
+async fn refused_as(shared: &Shared, mut req: Conn, detail: Option<&str>) -> Response<Body> {
+    req.detail = detail.map(str::to_string);
     let mut record = req.record();
     let written = shared.session.ctx.write(&mut record).await;
     let failure = Unserved::Denied(req.verdict.reason).recorded(written);
     count(shared, failure.reason());
     debug!(reason = %failure.reason(), record = %record.id, "intercepted request refused");
-    failure.response(record.shown(), Some(detail))
+    failure.response(record.shown(), detail)
 }
 
 /// The upstream could not be reached (or spoke no HTTP) for an allowed

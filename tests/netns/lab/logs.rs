@@ -186,9 +186,8 @@ pub(crate) fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -
 /// Parse a JSON Lines file.  A missing file is empty; an incomplete last line
 /// (being written) is ignored; any other malformed line fails the test.
 pub(crate) fn read_jsonl(path: &Path) -> Vec<Value> {
-    let text = match fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(_) => return Vec::new(),
+    let Ok(text) = fs::read_to_string(path) else {
+        return Vec::new();
     };
     let complete = text.ends_with('\n');
     let lines: Vec<&str> = text.lines().collect();
