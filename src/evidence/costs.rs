@@ -23,9 +23,9 @@ pub struct Steps {
 #[derive(Default)]
 pub struct Tree(Frontier);
 
-/// The writer's org trees ([`super::orgs`]).
+/// The writer's org trees ([`super::merkle::OrgTrees`]).
 #[derive(Default)]
-pub struct Orgs(super::orgs::OrgTrees);
+pub struct Orgs(super::merkle::OrgTrees);
 
 /// A record serialised in its canonical form, ready to be chained.
 pub struct Serialised(Prepared);

@@ -6,7 +6,7 @@
 //! An export is a directory of three files:
 //!
 //! - `records.jsonl`: the org's records, each its chain line, in chain
-//!   order: leaves `a..b` of the org's tree ([`super::orgs`]).
+//!   order: leaves `a..b` of the org's tree ([`merkle::OrgTrees`]).
 //! - `proofs.json`: the two signed checkpoint records that bound the
 //!   window (`start`, absent when the org's tree starts inside it, and
 //!   `end`), each with the org's entry in its tree over the orgs and the
@@ -31,8 +31,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::chain;
-use super::merkle::{self, Frontier, Hash};
-use super::orgs::{self, OrgTrees};
+use super::merkle::{self, Frontier, Hash, OrgTrees};
 use super::{note, segment};
 
 /// `export` of `proofs.json` and `manifest.json`.
@@ -84,7 +83,7 @@ impl Bound {
         let (index, hashes) = self.proof.clone().unwrap_or_default();
         let mut v = json!({
             "checkpoint": self.record,
-            "entry": orgs::entry(org, f.size(), &f.root()),
+            "entry": merkle::entry(org, f.size(), &f.root()),
             "index": index,
             "hashes": hexes(&hashes),
         });
@@ -155,7 +154,7 @@ pub(crate) fn export(path: &Path, org: &str, window: &Window) -> Result<Export, 
                     return false;
                 }
             }
-        } else if orgs::org_of(m) == Some(org) {
+        } else if merkle::org_of(m) == Some(org) {
             records.push(m.clone());
         }
         t.push_record(m);
@@ -296,7 +295,7 @@ fn bound(
         .and_then(Value::as_str)
         .and_then(chain::unhex::<32>)
         .ok_or_else(|| format!("{what}: entry has no root"))?;
-    if *entry != orgs::entry(org, size, &root) {
+    if *entry != merkle::entry(org, size, &root) {
         return Err(format!(
             "{what}: entry has fields besides org, root and size"
         ));
@@ -312,13 +311,16 @@ fn bound(
         .and_then(Value::as_str)
         .and_then(chain::unhex::<32>)
         .ok_or_else(|| format!("{what} checkpoint: orgs_root is not 64 hex digits"))?;
-    merkle::verify_inclusion(index, count, &orgs::entry_leaf(entry), &hashes, &orgs_root).map_err(
-        |e| {
-            format!(
-                "{what}: org {org}'s entry (size {size}) is not in the checkpoint's orgs_root: {e}"
-            )
-        },
-    )?;
+    merkle::verify_inclusion(
+        index,
+        count,
+        &merkle::entry_leaf(entry),
+        &hashes,
+        &orgs_root,
+    )
+    .map_err(|e| {
+        format!("{what}: org {org}'s entry (size {size}) is not in the checkpoint's orgs_root: {e}")
+    })?;
     Ok((c.clone(), size, root))
 }
 
@@ -418,7 +420,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
                 "record {id}: hash does not match the record: record edited"
             )));
         }
-        if orgs::org_of(m) != Some(org) {
+        if merkle::org_of(m) != Some(org) {
             return Err(bad(format!(
                 "record {id} is of org {}, not {org}: a record of another org",
                 m.get("org").cloned().unwrap_or_default()
@@ -648,7 +650,7 @@ mod tests {
                 |out, store| {
                     let mut beta = None;
                     segment::for_each_record(&segment::list(store).unwrap(), 0, |m| {
-                        if orgs::org_of(m) == Some("beta") {
+                        if merkle::org_of(m) == Some("beta") {
                             let mut b = Vec::new();
                             chain::canonical_into(&Value::Object(m.clone()), &mut b);
                             beta = Some(String::from_utf8(b).unwrap() + "\n");

@@ -18,7 +18,6 @@ pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod merkle;
 pub(crate) mod note;
-pub(crate) mod orgs;
 pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;

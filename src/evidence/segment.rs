@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use super::merkle::{self, Frontier};
+use super::merkle::{self, Frontier, OrgTrees};
 
 pub(crate) const PREFIX: &str = "palisade-";
 pub(crate) const SUFFIX: &str = ".jsonl";
@@ -319,4 +319,37 @@ pub(crate) fn tree_at_head(list: &[PathBuf], last_seq: u64) -> (u64, Frontier) {
         );
         fresh
     }
+}
+
+/// The org trees at the chain head `last_seq` of the segments `list`
+/// (a restart): from the last header holding `org_trees` (or a chain
+/// starting at genesis), replaying the records after it. `None` when no
+/// header holds them (a store written before the org trees, whose trees
+/// then start at the next header) or the replay does not reach the head.
+pub(crate) fn orgs_at_head(list: &[PathBuf], last_seq: u64) -> Option<OrgTrees> {
+    let mut from = None;
+    for (i, p) in list.iter().enumerate().rev() {
+        let Some(h) = header(p) else {
+            continue;
+        };
+        if let Some(t) = h.get("org_trees").and_then(OrgTrees::of_json) {
+            from = Some((i, t));
+            break;
+        }
+        if h.get("prev").and_then(Value::as_str) == Some(super::chain::GENESIS) {
+            from = Some((i, OrgTrees::default()));
+            break;
+        }
+    }
+    let (start, mut trees) = from?;
+    let mut reached = false;
+    for_each_record(list, start, |m| {
+        let Some(seq) = m.get("seq").and_then(Value::as_u64) else {
+            return false;
+        };
+        trees.push_record(m);
+        reached = seq == last_seq;
+        seq < last_seq
+    });
+    reached.then_some(trees)
 }

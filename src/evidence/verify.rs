@@ -17,9 +17,8 @@ use ed25519_dalek::VerifyingKey;
 use serde_json::{Map, Value};
 
 use super::chain::{self, GENESIS};
-use super::merkle::{self, Frontier};
+use super::merkle::{self, Frontier, OrgTrees};
 use super::note;
-use super::orgs::OrgTrees;
 use super::segment::{self, split_lines};
 use super::CONTRACT_FIELDS;
 

@@ -48,9 +48,8 @@ use tokio::sync::Notify;
 use tracing::{error, info, warn};
 
 use super::chain::{self, Prepared, GENESIS};
-use super::merkle::{self, Frontier};
+use super::merkle::{self, Frontier, OrgTrees};
 use super::note;
-use super::orgs::{self, OrgTrees};
 use super::retention::{self, Listed};
 use super::segment::{self, Tail};
 use super::store::{Owed, Payer};
@@ -535,7 +534,7 @@ struct Head {
     since_ckpt: u64,
     /// The Merkle tree's right edge over the records from `tree_base` on.
     tree: Frontier,
-    /// Every org's tree ([`super::orgs`]).
+    /// Every org's tree ([`OrgTrees`]).
     orgs: OrgTrees,
 }
 
@@ -686,7 +685,7 @@ impl Io {
                     hash: tail.last_hash.clone(),
                     since_ckpt: 0,
                     tree,
-                    orgs: orgs::at_head(&existing, tail.last_seq).unwrap_or_default(),
+                    orgs: segment::orgs_at_head(&existing, tail.last_seq).unwrap_or_default(),
                 };
                 let end = tail.end();
                 // Anything but a seal means the previous run did not shut

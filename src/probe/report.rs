@@ -673,7 +673,10 @@ fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadI
 /// One org's export (`evidence export --proofs`): checked with the
 /// pinned key alone, then its records read. It holds only the org's
 /// records, so enforcement records (of no org) are not in it.
-fn verify_export(path: &Path, opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadInput> {
+fn verify_export(
+    path: &Path,
+    opts: &Options<'_>,
+) -> Result<Result<Verified, Verification>, BadInput> {
     let Some(key) = opts.key() else {
         return Err(BadInput(format!(
             "{}: an org export is checked with the log's public key alone: give --key",

@@ -129,6 +129,24 @@ fn an_orgs_export_is_complete_holds_nothing_of_another_and_tampered_copies_fail(
         "{}",
         ok.stdout
     );
+    // What the proofs cost (for the closing note): bytes per export
+    // file and per checkpoint line.
+    let size = |f: &str| fs::metadata(out.join(f)).map(|m| m.len()).unwrap_or(0);
+    let ckpt: Vec<usize> = records
+        .iter()
+        .filter(|r| r["event"] == "checkpoint")
+        .map(|r| r.to_string().len() + 1)
+        .collect();
+    eprintln!(
+        "cost: export of {} records: records.jsonl {} B, proofs.json {} B, manifest.json {} B; {} checkpoints of {}..{} B",
+        of("acme"),
+        size("records.jsonl"),
+        size("proofs.json"),
+        size("manifest.json"),
+        ckpt.len(),
+        ckpt.iter().min().unwrap_or(&0),
+        ckpt.iter().max().unwrap_or(&0)
+    );
     // Nothing of beta: its name, its sandbox's address, its target's name
     // and address.
     for f in ["records.jsonl", "proofs.json", "manifest.json"] {
