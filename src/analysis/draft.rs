@@ -884,7 +884,7 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
         ..Counts::default()
     };
     let mut seen = seen_targets(&flows, &later, &policy, org);
-    for (target, (s, _)) in seen.iter_mut() {
+    for (target, (s, _)) in &mut seen {
         s.peak = busiest.get(target).copied().unwrap_or_default();
     }
     let proposals = plan(&seen, &deny_targets, min_count, wildcard_min, &mut counts);

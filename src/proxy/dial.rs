@@ -44,7 +44,11 @@ pub(crate) async fn dial_checked(
     port: u16,
 ) -> Result<(TcpStream, SocketAddr), DialError> {
     let timeout = ctx.limits.connect_timeout.get();
-    crate::otel::step_result("dial", dial(&ctx.metrics, &ctx.routes, (addrs, port), timeout)).await
+    crate::otel::step_result(
+        "dial",
+        dial(&ctx.metrics, &ctx.routes, (addrs, port), timeout),
+    )
+    .await
 }
 
 /// Dial the checked addresses in order until one answers; returns the
