@@ -36,7 +36,7 @@ use crate::config::OtelConfig;
 use crate::evidence::tap::Tap;
 use crate::metrics::Metrics;
 
-pub(crate) use spans::{annotate, connection, current, request, step, step_result, within};
+pub(crate) use spans::{annotate, connection, current, request, step, step_result, within, Otel};
 
 /// Put a written decision record's outcome on the current span (the
 /// connection's or request's): what a trace viewer shows without the log.
@@ -134,15 +134,6 @@ pub(crate) fn endpoints(
             None => join(&base, "/v1/traces"),
         },
     }))
-}
-
-/// The running export: what the proxy starts spans with.
-#[derive(Debug)]
-pub(crate) struct Otel {
-    tracer: opentelemetry_sdk::trace::SdkTracer,
-    // Kept so the providers (and their processors) live as long as this.
-    _tracers: SdkTracerProvider,
-    _loggers: SdkLoggerProvider,
 }
 
 /// A started export and its tasks (ended by the `shutdown` given).

@@ -18,8 +18,6 @@ use opentelemetry_http::HeaderExtractor;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracer;
 
-use super::Otel;
-
 /// The tracer a connection's context carries, for its children.
 #[derive(Debug, Clone)]
 struct TracerOf(SdkTracer);
@@ -138,4 +136,13 @@ pub(crate) fn within<F: Future>(cx: Context, fut: F) -> WithContext<F> {
 /// The current context, to carry into a spawned task or a service.
 pub(crate) fn current() -> Context {
     Context::current()
+}
+
+/// The running export: what the proxy starts spans with.
+#[derive(Debug)]
+pub(crate) struct Otel {
+    pub(super) tracer: opentelemetry_sdk::trace::SdkTracer,
+    // Kept so the providers (and their processors) live as long as this.
+    pub(super) _tracers: opentelemetry_sdk::trace::SdkTracerProvider,
+    pub(super) _loggers: opentelemetry_sdk::logs::SdkLoggerProvider,
 }

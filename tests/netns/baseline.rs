@@ -335,7 +335,12 @@ fn a_broken_or_missing_baseline_keeps_the_old_policy_and_a_baseline_change_reloa
         lab.proxied_curl("http://a.wild.test/", &[]).status == 403
     });
     let r = lab.wait_evidence("a.wild.test denied by the new baseline", |v| {
-        v["host"] == "a.wild.test" && v["decision"] == "deny" && v["event"] == "decision"
+        // A request in flight when the baseline changed may be revoked
+        // first (`policy_revoked`, no rule): the new decision is the one.
+        v["host"] == "a.wild.test"
+            && v["decision"] == "deny"
+            && v["event"] == "decision"
+            && v["reason"] == "explicit_deny"
     });
     assert_eq!(
         (&r["layer"], &r["rule"]),
