@@ -29,6 +29,7 @@ mod lab;
 mod lifecycle;
 mod metrics;
 mod names;
+mod nodelay;
 mod noisy;
 mod org_export;
 mod otel;
