@@ -15,6 +15,7 @@ mod bounds;
 mod bypass;
 mod cli;
 mod conn_budgets;
+mod connect_head;
 mod dns;
 mod dns_budget;
 mod dns_cache;
