@@ -55,7 +55,7 @@ pub(crate) async fn serve_connection(ctx: Arc<Ctx>, stream: TcpStream, link: Lin
                 let mode = link.mode.as_str();
                 let headers = Some(req.headers());
                 let cx = otel::connection(ctx.otel.as_deref(), link.client, mode, headers);
-                let first = otel::within(cx.clone(), connect_first(&ctx, &link, &mut stream, req));
+                let first = otel::within(cx.clone(), connect_first(&ctx, &link, &mut stream, *req));
                 match Box::pin(first).await {
                     Ok(opened) => {
                         drop(link);
@@ -97,7 +97,7 @@ struct ConnState {
 enum First {
     /// A whole CONNECT head, `len` bytes long, that needs nothing of HTTP
     /// beyond it: answered here.
-    Connect(Request<()>, usize),
+    Connect(Box<Request<()>>, usize),
     /// Anything else (another method, a malformed or oversized head, a
     /// close mid-head): for the HTTP layer, which answers as it always has.
     Http,
@@ -122,7 +122,7 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
             match http_head::request(held, max_headers) {
                 Parse::NeedMore if held.len() < cap => {}
                 Parse::Done { value, len } if tunnels_alone(&value) => {
-                    return First::Connect(value, len)
+                    return First::Connect(Box::new(value), len)
                 }
                 _ => return First::Http,
             }
