@@ -624,8 +624,8 @@ impl Evidence {
     }
 
     /// Assign `id` and `ts` and append the record without waiting for it to
-    /// be written (it is written at once unless a writer is at work, which
-    /// then takes it). It is never dropped: over the queue's capacity it
+    /// be written (it rides the next batch written, within a few
+    /// milliseconds). It is never dropped: over the queue's capacity it
     /// still goes in (accept loops wait for room with
     /// [`Evidence::wait_capacity`]), and after a write error it is kept until
     /// writing works again. For records that let nothing through (close
@@ -661,7 +661,7 @@ impl Evidence {
             self.log.common.counters.write_failed();
             return;
         }
-        self.log.try_lead();
+        self.log.ride();
     }
 
     /// Assign `id` and `ts` and append the record, only into a free place
@@ -700,7 +700,7 @@ impl Evidence {
             self.log.slots.add_permits(1);
             return false;
         }
-        self.log.try_lead();
+        self.log.ride();
         true
     }
 

@@ -9,6 +9,12 @@
 //! for the log to be free again, whichever comes first. With the log
 //! healthy no record waits for another thread.
 //!
+//! A record nobody waits on (a close record, a refusal summary: anything
+//! submitted) does not cost a write of its own: it rides the next batch a
+//! `write` caller leads, and if none comes within `RIDE_LAG` the duties
+//! thread writes it. Records a `write` caller waits on (decisions) are
+//! written at once, as before.
+//!
 //! With `fsync`, a batch nobody waits on (submitted records only) is
 //! written without a sync: the next synced batch's `fdatasync` covers it,
 //! and the duties thread syncs it at the latest `SYNC_LAG` later. Records a
@@ -17,7 +23,7 @@
 //! A small duties thread does what time asks for: a checkpoint
 //! `checkpoint_interval` after the first unsigned record, rotation by age,
 //! retries after a write error, a lagging sync, and records nobody is left
-//! to write (a leader hands those over after a few rounds). It leads like
+//! to write (records that ride, within `RIDE_LAG`). It leads like
 //! anyone else.
 //!
 //! Failure handling keeps the chain consistent: a batch that fails is cut
@@ -61,9 +67,9 @@ use crate::config::{Durability, EvidenceConfig};
 pub(super) const QUEUE_CAPACITY: usize = 8192;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// Batches a leader writes in a row for records nobody waits on (submitted
-/// ones) before it leaves the rest to the duties thread.
-const MAX_ROUNDS: usize = 4;
+/// Longest a submitted record waits for a `write` caller's batch to ride
+/// before the duties thread writes it.
+const RIDE_LAG: Duration = Duration::from_millis(5);
 /// How long the duties thread sleeps when nothing is due.
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
@@ -177,12 +183,18 @@ pub(super) struct Common {
 struct Duties {
     state: Mutex<DutyState>,
     cv: Condvar,
+    /// Bound to write what rides within `RIDE_LAG` (the lock-free check
+    /// in front of `ride_by`).
+    riding: AtomicBool,
 }
 
 #[derive(Default)]
 struct DutyState {
     poked: bool,
     stop: bool,
+    /// Submitted records wait to ride a batch: lead by this time at the
+    /// latest.
+    ride_by: Option<Instant>,
 }
 
 impl Duties {
@@ -198,6 +210,19 @@ impl Duties {
     fn stop(&self) {
         self.lock().stop = true;
         self.cv.notify_one();
+    }
+
+    /// Lead within `RIDE_LAG` unless already bound to; one wake-up per
+    /// round of the duties thread, however many records ride.
+    fn ride(&self) {
+        if self.riding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut st = self.lock();
+        if st.ride_by.is_none() {
+            st.ride_by = Some(Instant::now() + RIDE_LAG);
+            self.cv.notify_one();
+        }
     }
 }
 
@@ -232,6 +257,7 @@ impl Log {
                 duties: Duties {
                     state: Mutex::new(DutyState::default()),
                     cv: Condvar::new(),
+                    riding: AtomicBool::new(false),
                 },
             },
             slots: tokio::sync::Semaphore::new(QUEUE_CAPACITY),
@@ -286,6 +312,17 @@ impl Log {
         }
     }
 
+    /// Leave what was submitted to ride the next batch a `write` caller
+    /// leads, or the duties thread's within `RIDE_LAG`. With the queue
+    /// full, lead now instead: its places come back only with a write.
+    pub(super) fn ride(&self) {
+        if self.slots.available_permits() == 0 {
+            self.try_lead();
+        } else {
+            self.common.duties.ride();
+        }
+    }
+
     /// Write what is pending if no leader is at work; whether this call led.
     pub(super) fn try_lead(&self) -> bool {
         match self.try_io() {
@@ -317,40 +354,23 @@ impl Log {
         }
     }
 
-    /// As leader: write the pending batch, then hand over. Records nobody
-    /// waits on are written for a few more rounds; `write` callers are
-    /// woken to lead themselves; what is left goes to the duties thread.
-    fn lead<'a>(&'a self, mut io: MutexGuard<'a, Io>) {
-        let mut rounds = 0;
-        loop {
-            self.commit(&mut io, None);
-            drop(io);
-            let batch = {
-                let p = self.pending();
-                if p.entries.is_empty() || p.paused || p.closed {
-                    return;
-                }
-                if p.acked > 0 {
-                    Some(p.batch.clone())
-                } else {
-                    None
-                }
-            };
-            if let Some(b) = batch {
-                // Its callers wait on it: the first to wake leads.
-                b.notify.notify_waiters();
+    /// As leader: write the pending batch, then hand over: `write`
+    /// callers that came meanwhile are woken to lead themselves; records
+    /// nobody waits on ride their batch, or the duties thread's.
+    fn lead(&self, mut io: MutexGuard<'_, Io>) {
+        self.commit(&mut io, None);
+        drop(io);
+        let batch = {
+            let p = self.pending();
+            if p.entries.is_empty() || p.paused || p.closed {
                 return;
             }
-            rounds += 1;
-            if rounds >= MAX_ROUNDS {
-                self.common.duties.poke();
-                return;
-            }
-            match self.try_io() {
-                Some(g) => io = g,
-                // Another leader took over and will see them.
-                None => return,
-            }
+            (p.acked > 0).then(|| p.batch.clone())
+        };
+        match batch {
+            // Its callers wait on it: the first to wake leads.
+            Some(b) => b.notify.notify_waiters(),
+            None => self.ride(),
         }
     }
 
@@ -490,15 +510,19 @@ impl Log {
                         break;
                     }
                     let now = Instant::now();
-                    if now >= deadline {
+                    let due = st.ride_by.map_or(deadline, |r| r.min(deadline));
+                    if now >= due {
                         break;
                     }
-                    st = match self.common.duties.cv.wait_timeout(st, deadline - now) {
+                    st = match self.common.duties.cv.wait_timeout(st, due - now) {
                         Ok((s, _)) => s,
                         Err(p) => p.into_inner().0,
                     };
                 }
                 st.poked = false;
+                st.ride_by = None;
+                // Records submitted from now on arm the next round.
+                self.common.duties.riding.store(false, Ordering::Release);
             }
             let io = self.io();
             self.lead(io);
