@@ -39,6 +39,43 @@ fn record(i: u32, allow: bool) -> Record {
     r
 }
 
+/// A sealed store of `n` deny decisions with a checkpoint every
+/// `checkpoint_every` records and segments of about `rotate_size` bytes:
+/// the scratch root, the evidence directory and the public key. Record
+/// `i` is of org `orgs[i % orgs.len()]`, for host `ORG-i.test` (of no org
+/// when `orgs` is empty).
+pub(super) async fn sealed_store(
+    name: &str,
+    checkpoint_every: u64,
+    rotate_size: u64,
+    n: u16,
+    orgs: &[&str],
+) -> (PathBuf, PathBuf, ed25519_dalek::VerifyingKey) {
+    let root = crate::testing::scratch(name);
+    let mut cfg = EvidenceConfig::for_dir(&root.join("evidence"));
+    cfg.checkpoint_every = checkpoint_every;
+    cfg.rotate_size = rotate_size;
+    let ev = Evidence::start(&cfg).unwrap();
+    let verdict = Verdict {
+        org: None,
+        reason: Reason::NoMatchingRule,
+        rule: None,
+        would_deny: None,
+    };
+    for i in 0..n {
+        let client = format!("198.18.1.2:{}", 1000 + i).parse().unwrap();
+        let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+        if let Some(org) = orgs.get(usize::from(i) % orgs.len().max(1)) {
+            r.org = Some((*org).into());
+            r.host = Some(format!("{org}-{i}.test"));
+        }
+        ev.write(&mut r).await.unwrap();
+    }
+    assert!(ev.seal().await);
+    let k = key::load(&cfg.key).unwrap().verifying_key();
+    (root, cfg.dir, k)
+}
+
 /// Write `n` decision records (and a close record for every allow).
 async fn fill(ev: &Evidence, n: u32) {
     for i in 0..n {

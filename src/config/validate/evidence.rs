@@ -43,21 +43,7 @@ pub(super) fn validate_evidence(
     );
     let d = EvidenceConfig::for_dir(&dir);
     let key = path(key, d.key, "evidence key", errors);
-    let durability = match durability {
-        None => d.durability,
-        Some(v) => match v.get_ref().as_str() {
-            "os" => Durability::Os,
-            "fsync" => Durability::Fsync,
-            "discard" => Durability::Discard,
-            other => {
-                errors.at(
-                    v.span(),
-                    format!("durability {other:?} must be \"os\", \"fsync\" or \"discard\""),
-                );
-                Durability::Os
-            }
-        },
-    };
+    let durability = durability.map_or(d.durability, |v| durability_of(&v, errors));
     let checkpoint_every = count(checkpoint_every, d.checkpoint_every as usize, errors) as u64;
     let checkpoint_interval = duration(checkpoint_interval, d.checkpoint_interval, errors);
     let rotate_size = size(rotate_size, errors).unwrap_or(d.rotate_size);
@@ -75,43 +61,13 @@ pub(super) fn validate_evidence(
     });
     let raw_age_span = retain_age.as_ref().map(Spanned::span);
     let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
-    let retain_min_age = match retain_min_age {
-        None => d.retain_min_age.min(retain_age.unwrap_or(Duration::MAX)),
-        Some(v) => {
-            let age = duration(Some(v.clone()), d.retain_min_age, errors);
-            let shown = v.get_ref();
-            if age < MIN_RETAIN_MIN_AGE {
-                errors.at(
-                    v.span(),
-                    format!(
-                        "retain_min_age {shown:?} is below {}, the least time a shipper is given to copy a closed segment",
-                        humantime::format_duration(MIN_RETAIN_MIN_AGE)
-                    ),
-                );
-            } else if let Some(max) = retain_age.filter(|max| age > *max) {
-                errors.at(
-                    v.span(),
-                    format!(
-                        "retain_min_age {shown:?} exceeds retain_age ({}): age-based retention would remove segments the floor keeps",
-                        humantime::format_duration(max)
-                    ),
-                );
-            }
-            age
-        }
-    };
-    if retain_min_age < MIN_RETAIN_MIN_AGE {
-        // Unset, under a retain_age shorter than the least floor.
-        if let Some(age) = &raw_age_span {
-            errors.at(
-                age.clone(),
-                format!(
-                    "retain_age must be at least {} (the least retain_min_age)",
-                    humantime::format_duration(MIN_RETAIN_MIN_AGE)
-                ),
-            );
-        }
-    }
+    let retain_min_age = retain_floor(
+        retain_min_age,
+        retain_age,
+        raw_age_span,
+        d.retain_min_age,
+        errors,
+    );
     let min_free = min_free.map_or(d.min_free, |v| free(v, errors).unwrap_or(d.min_free));
     let replica = match replica {
         None => d.replica,
@@ -141,6 +97,73 @@ pub(super) fn validate_evidence(
         ),
         replica,
     }
+}
+
+/// `durability`: `"os"`, `"fsync"` or `"discard"`.
+fn durability_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> Durability {
+    match v.get_ref().as_str() {
+        "os" => Durability::Os,
+        "fsync" => Durability::Fsync,
+        "discard" => Durability::Discard,
+        other => {
+            errors.at(
+                v.span(),
+                format!("durability {other:?} must be \"os\", \"fsync\" or \"discard\""),
+            );
+            Durability::Os
+        }
+    }
+}
+
+/// `retain_min_age`, the floor under age and size retention: at least
+/// `MIN_RETAIN_MIN_AGE` and at most `retain_age`; unset, the default
+/// floor or `retain_age` if shorter (which must then be at least
+/// `MIN_RETAIN_MIN_AGE` itself, `age_span` naming it).
+fn retain_floor(
+    retain_min_age: Option<Spanned<String>>,
+    retain_age: Option<Duration>,
+    age_span: Option<std::ops::Range<usize>>,
+    default: Duration,
+    errors: &mut Errors<'_>,
+) -> Duration {
+    let retain_min_age = match retain_min_age {
+        None => default.min(retain_age.unwrap_or(Duration::MAX)),
+        Some(v) => {
+            let age = duration(Some(v.clone()), default, errors);
+            let shown = v.get_ref();
+            if age < MIN_RETAIN_MIN_AGE {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} is below {}, the least time a shipper is given to copy a closed segment",
+                        humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                    ),
+                );
+            } else if let Some(max) = retain_age.filter(|max| age > *max) {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} exceeds retain_age ({}): age-based retention would remove segments the floor keeps",
+                        humantime::format_duration(max)
+                    ),
+                );
+            }
+            age
+        }
+    };
+    if retain_min_age < MIN_RETAIN_MIN_AGE {
+        // Unset, under a retain_age shorter than the least floor.
+        if let Some(age) = &age_span {
+            errors.at(
+                age.clone(),
+                format!(
+                    "retain_age must be at least {} (the least retain_min_age)",
+                    humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                ),
+            );
+        }
+    }
+    retain_min_age
 }
 
 /// `min_free`: a byte size, or a percentage of the file system (`"5%"`).
