@@ -130,6 +130,12 @@ impl Policy {
             .map_or(0, |o| o.allow_names.work(name) + o.deny_names.work(name))
     }
 
+    /// Whether an org's misses become approvals (`on_miss = "ask"`); a
+    /// report-mode org never asks (its misses are let through anyway).
+    pub fn asks(&self, org: &OrgRef) -> bool {
+        self.orgs.get(org.index).is_some_and(|o| o.ask && !o.report)
+    }
+
     /// Whether an org only reports its allowlist's denials.
     pub fn is_report(&self, org: &OrgRef) -> bool {
         self.orgs.get(org.index).is_some_and(|o| o.report)

@@ -13,7 +13,8 @@ use super::values::cidr;
 use super::volume::volume;
 use crate::config::error::Errors;
 use crate::config::model::{
-    Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
+    Baseline, DnsAnswers, DnsDenied, Identity, OnMiss, OrgConfig, OrgMode, TokenDigest,
+    DNS_NEVER_TYPES,
 };
 use crate::config::raw::RawOrg;
 
@@ -54,6 +55,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credential,
@@ -173,6 +175,20 @@ pub(super) fn validate_orgs(
                 }
             },
         };
+        let on_miss = match on_miss {
+            None => OnMiss::default(),
+            Some(v) => match v.get_ref().as_str() {
+                "deny" => OnMiss::Deny,
+                "ask" => OnMiss::Ask,
+                other => {
+                    errors.at(
+                        v.span(),
+                        format!("invalid on_miss {other:?} (expected \"deny\" or \"ask\")"),
+                    );
+                    OnMiss::default()
+                }
+            },
+        };
         let credentials =
             validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
@@ -184,6 +200,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credentials,
