@@ -12,6 +12,9 @@
 //! - An answered approval leaves the table; its id is remembered (bounded)
 //!   so that a second answer is told "answered already".
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::VecDeque;
 use std::net::IpAddr;
 use std::sync::Arc;

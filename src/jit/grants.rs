@@ -10,6 +10,9 @@
 //! more, but stays held until its TTL ends (the connections it allowed
 //! run until then); one without a TTL ends at once.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
