@@ -490,6 +490,8 @@ impl Metrics {
             }
             // The enforcement check's own records: its gauge says it.
             Event::Failed | Event::Verified => {}
+            // Grant records: counted by reason as they end, nothing else.
+            Event::Granted | Event::Expired | Event::Revoked | Event::UsedUp => {}
         }
     }
 

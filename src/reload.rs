@@ -253,7 +253,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         new.admin,
         AdminConfig {
             listen,
-            tail_tokens
+            tail_tokens,
+            approver_tokens
         }
     );
     changed!(

@@ -77,6 +77,8 @@ const PURE: &[&str] = &[
     "evidence/note.rs",
     "evidence/retention.rs",
     "limits/table.rs",
+    "jit/approvals.rs",
+    "jit/grants.rs",
 ];
 
 /// What a pure part may not name (paths, by prefix) ...

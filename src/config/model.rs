@@ -545,6 +545,28 @@ pub struct AdminConfig {
     /// SHA-256 digests of the bearer tokens `GET /v1/decisions` accepts
     /// (none: the tail is refused to everyone).
     pub tail_tokens: Vec<TokenDigest>,
+    /// `approver_tokens`: who may answer approvals and grant, for which
+    /// orgs (none: the approval endpoints refuse everyone).
+    pub approver_tokens: Vec<ApproverToken>,
+}
+
+/// One approver's bearer token: its name (recorded as the approver), its
+/// digest and the orgs it answers for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApproverToken {
+    pub name: String,
+    pub digest: TokenDigest,
+    /// `None`: every org (`orgs = ["*"]`).
+    pub orgs: Option<Vec<String>>,
+}
+
+impl ApproverToken {
+    /// Whether this token answers for `org`.
+    pub fn covers(&self, org: &str) -> bool {
+        self.orgs
+            .as_ref()
+            .is_none_or(|orgs| orgs.iter().any(|o| o == org))
+    }
 }
 
 /// Default evidence directory.
@@ -828,6 +850,11 @@ pub struct OrgConfig {
     /// `enforce`.
     #[serde(skip_serializing_if = "OrgMode::is_default")]
     pub mode: OrgMode,
+    /// What a miss (`no_matching_rule`) becomes: a denial (default), or a
+    /// pending approval an approver answers (`crate::jit`). Left out of
+    /// the policy hash while it has its default value.
+    #[serde(skip_serializing_if = "OnMiss::is_default")]
+    pub on_miss: OnMiss,
     /// How a client proves it belongs to this org. Left out of the policy
     /// hash while it has its default value.
     #[serde(skip_serializing_if = "Identity::is_default")]
@@ -863,6 +890,27 @@ pub enum OrgMode {
 impl OrgMode {
     pub fn is_default(&self) -> bool {
         *self == OrgMode::Enforce
+    }
+}
+
+/// How a grant (`crate::jit`) stands as the rule of a verdict it
+/// allowed: `grant:` then its id. Config rule ids may not start so.
+pub const GRANT_RULE_PREFIX: &str = "grant:";
+
+/// `on_miss`: what an org's miss becomes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMiss {
+    /// Denied `no_matching_rule`.
+    #[default]
+    Deny,
+    /// Refused `approval_pending`, held as an approval an approver answers.
+    Ask,
+}
+
+impl OnMiss {
+    pub fn is_default(&self) -> bool {
+        *self == OnMiss::Deny
     }
 }
 
@@ -1242,6 +1290,7 @@ impl Config {
         let AdminConfig {
             listen: admin_listen,
             tail_tokens: _,
+            approver_tokens: _,
         } = admin;
         let mut own: Vec<SocketAddr> = listen.clone();
         own.extend(transparent);

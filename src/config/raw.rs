@@ -168,6 +168,17 @@ pub(super) struct RawAdmin {
     pub(super) listen: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) tail_tokens: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) approver_tokens: Vec<Spanned<RawApprover>>,
+}
+
+/// One entry of `[admin] approver_tokens`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawApprover {
+    pub(super) name: Spanned<String>,
+    pub(super) token: Spanned<String>,
+    pub(super) orgs: Spanned<Vec<Spanned<String>>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -211,6 +222,7 @@ pub(super) struct RawOrg {
     pub(super) dns_types: Vec<Spanned<String>>,
     pub(super) dns_answers: Option<Spanned<String>>,
     pub(super) mode: Option<Spanned<String>>,
+    pub(super) on_miss: Option<Spanned<String>>,
     pub(super) identity: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) tokens: Vec<Spanned<String>>,

@@ -66,6 +66,9 @@ pub enum Kind {
     /// gateway ruleset not loaded as written (`failed`), or loaded again
     /// (`verified`).
     Enforcement,
+    /// A grant of just-in-time access ([`crate::jit`]): given (`granted`)
+    /// or ended (`expired`, `revoked`, `used_up`).
+    Grant,
 }
 
 impl Kind {
@@ -76,6 +79,7 @@ impl Kind {
             Kind::Dns => "dns",
             Kind::Bypass => "bypass",
             Kind::Enforcement => "enforcement",
+            Kind::Grant => "grant",
         }
     }
 }
@@ -112,6 +116,14 @@ pub enum Event {
     Failed,
     /// Enforcement records: the gateway ruleset is loaded as written.
     Verified,
+    /// Grant records: a grant given.
+    Granted,
+    /// Grant records: a grant's TTL ended (or a reload denies its target).
+    Expired,
+    /// Grant records: an approver revoked a grant.
+    Revoked,
+    /// Grant records: a grant's `max_uses` are spent.
+    UsedUp,
 }
 
 impl Event {
@@ -121,8 +133,40 @@ impl Event {
             Event::Close => "close",
             Event::Failed => "failed",
             Event::Verified => "verified",
+            Event::Granted => "granted",
+            Event::Expired => "expired",
+            Event::Revoked => "revoked",
+            Event::UsedUp => "used_up",
         }
     }
+}
+
+/// What a grant record says of its grant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantFacts {
+    pub id: String,
+    /// The name or CIDR it opens (`host` holds it too).
+    pub target: String,
+    /// When it was given (RFC 3339).
+    pub granted_at: String,
+    /// When its TTL ends (RFC 3339), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_uses: Option<u32>,
+    /// Uses when the record was written.
+    pub uses: u32,
+    /// The name of the approver's token (`[admin] approver_tokens`).
+    pub approver: String,
+    /// Why, as the approver gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The approval it answered, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
+    /// Who ended it (revoked: the approver; expired by a reload: `policy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_by: Option<String>,
 }
 
 /// One evidence record. The CONTRACT fields are always present (null where
@@ -237,6 +281,10 @@ pub struct Record {
     /// what the kernel has loaded, one line each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub differs: Option<Vec<String>>,
+    /// Grant records: the grant, its scope and end, its approver and the
+    /// reason given ([`crate::jit`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<Box<GrantFacts>>,
     /// Never written: the room reserved in the store for the close record
     /// an allow owes ([`store::Owed`]), set when the allow is written and
     /// carried to its close.
@@ -296,6 +344,7 @@ impl Record {
             window: None,
             synthetic: None,
             differs: None,
+            grant: None,
             owed: None,
         }
     }

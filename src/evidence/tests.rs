@@ -692,6 +692,7 @@ fn full_record() -> Record {
         reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),
         hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),
         window: Some(["t0".into(), "t1".into()]),
+        grant: None,
         owed: None,
         differs: None,
         synthetic: Some("198.19.128.4".parse().unwrap()),

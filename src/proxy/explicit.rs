@@ -556,7 +556,14 @@ async fn forward(
         dial: addrs,
         detail,
         synthetic,
-    } = decide_in(&ctx, Mode::Explicit, &link.view, &host, port).await;
+    } = decide_in(
+        &ctx,
+        (Mode::Explicit, link.client.ip()),
+        &link.view,
+        &host,
+        port,
+    )
+    .await;
     let mut conn = link.decided(host, port, verdict);
     conn.detail = detail;
     // A synthetic address stands for the name bound to it.

@@ -13,7 +13,8 @@ use super::values::cidr;
 use super::volume::volume;
 use crate::config::error::Errors;
 use crate::config::model::{
-    Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
+    Baseline, DnsAnswers, DnsDenied, Identity, OnMiss, OrgConfig, OrgMode, TokenDigest,
+    DNS_NEVER_TYPES,
 };
 use crate::config::raw::RawOrg;
 
@@ -54,6 +55,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credential,
@@ -113,6 +115,7 @@ pub(super) fn validate_orgs(
             dns_answers_of(&v, pools_set, errors)
         });
         let mode = mode.map_or_else(OrgMode::default, |v| mode_of(&v, errors));
+        let on_miss = on_miss.map_or_else(OnMiss::default, |v| on_miss_of(&v, errors));
         let credentials =
             validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
@@ -124,6 +127,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credentials,
@@ -199,6 +203,20 @@ fn mode_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OrgMode {
                 format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
             );
             OrgMode::default()
+        }
+    }
+}
+
+fn on_miss_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OnMiss {
+    match v.get_ref().as_str() {
+        "deny" => OnMiss::Deny,
+        "ask" => OnMiss::Ask,
+        other => {
+            errors.at(
+                v.span(),
+                format!("invalid on_miss {other:?} (expected \"deny\" or \"ask\")"),
+            );
+            OnMiss::default()
         }
     }
 }
