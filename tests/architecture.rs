@@ -143,11 +143,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "Ctx::second_request",
         "wt-volume splits probe/",
     ),
-    (
-        "proxy/intercepted/serve.rs",
-        "decide_and_send",
-        "wt-volume splits intercepted/serve.rs",
-    ),
     ("proxy/verify.rs", "pump", "wt-units splits it"),
     ("reload.rs", "restart_only_changes", "wt-units splits it"),
 ];

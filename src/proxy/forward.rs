@@ -335,20 +335,7 @@ pub(crate) async fn absolute(
     let body = in_order.gate(exchange.volume.body(body, Direction::Up));
     let req = Request::from_parts(parts, exchange.volume.stopped(body));
     let timeout = ctx.limits.response_timeout.get();
-    let attempt = async {
-        match sender.exchange(req, timeout).await {
-            Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
-            Err(Attempt::Failed(e))
-                if retry_fresh(reused, again.is_some(), e.is_connection_lost()) =>
-            {
-                match again {
-                    Some(again) => resend(&ctx, addr, &mut sender, again.request()).await,
-                    None => Err(Attempt::Failed(e)),
-                }
-            }
-            other => other,
-        }
-    };
+    let attempt = send_or_resend(&ctx, (&mut sender, addr), req, (reused, again), timeout);
     let result = exchange.unless_revoked(attempt).await;
     // The connection the request went over (a resend's new one).
     in_order.follow(&sender);
@@ -380,6 +367,30 @@ pub(crate) async fn absolute(
             exchange.failed(NoResponse::NotSent("upstream connection closed".into()))
         }
         Err(Attempt::Failed(e)) => exchange.failed(e),
+    }
+}
+
+/// Send `req` over `sender` (to `addr`, `reused` from the pool or not);
+/// a pooled connection that closed under it is not the client's problem:
+/// a request not a byte of which was written goes again over a new
+/// connection, and so does one that can be sent `again`
+/// ([`retry_fresh`]).
+async fn send_or_resend(
+    ctx: &Ctx,
+    (sender, addr): (&mut Sender, std::net::SocketAddr),
+    req: Request<Body>,
+    (reused, again): (bool, Option<Resend>),
+    timeout: std::time::Duration,
+) -> Result<Response<Incoming>, Attempt> {
+    match sender.exchange(req, timeout).await {
+        Err(Attempt::Unsent(req)) if reused => resend(ctx, addr, sender, *req).await,
+        Err(Attempt::Failed(e)) if retry_fresh(reused, again.is_some(), e.is_connection_lost()) => {
+            match again {
+                Some(again) => resend(ctx, addr, sender, again.request()).await,
+                None => Err(Attempt::Failed(e)),
+            }
+        }
+        other => other,
     }
 }
 
