@@ -146,11 +146,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "wt-volume splits probe/",
     ),
     (
-        "proxy/intercepted/serve.rs",
-        "decide_and_send",
-        "wt-volume splits intercepted/serve.rs",
-    ),
-    (
         "proxy/verify.rs",
         "pump",
         "not split yet: the next to split (issue 35)",
