@@ -339,7 +339,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
                 retain_min_age,
                 min_free,
                 max_records_per_second_per_org,
-                replica
+                replica,
+                witnesses
             }
         );
     }

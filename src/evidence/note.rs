@@ -46,12 +46,7 @@ pub(crate) fn origin(replica: &str) -> String {
 
 /// The key ID of an Ed25519 key under `name`.
 pub(crate) fn key_id(name: &str, key: &VerifyingKey) -> [u8; 4] {
-    let mut h = Sha256::new();
-    h.update(name.as_bytes());
-    h.update([b'\n', ED25519]);
-    h.update(key.as_bytes());
-    let d = h.finalize();
-    [d[0], d[1], d[2], d[3]]
+    typed_key_id(name, ED25519, key)
 }
 
 /// The verifier key text `NAME+HEX(KEY_ID)+BASE64(0x01 || KEY)`.
@@ -187,6 +182,159 @@ pub(crate) fn open_checkpoint(note: &str, key: &VerifyingKey) -> Result<Checkpoi
     parse_checkpoint(text)
 }
 
+/// A witness's cosignature type byte (c2sp.org/tlog-cosignature,
+/// Ed25519 `cosignature/v1`).
+pub(crate) const COSIGNATURE_V1: u8 = 0x04;
+
+/// A verifier key (c2sp.org/signed-note): `NAME+HEX(KEY_ID)+BASE64(TYPE || KEY)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Vkey {
+    pub name: String,
+    pub kind: u8,
+    pub key: VerifyingKey,
+}
+
+impl Vkey {
+    /// Parse a verifier key of type `kind`; the key ID must be the one
+    /// its name, type and key give.
+    pub(crate) fn parse(text: &str, kind: u8) -> Result<Vkey, String> {
+        let mut parts = text.trim().splitn(3, '+');
+        let (Some(name), Some(id), Some(b64)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err("is not NAME+KEY_ID+BASE64(KEY)".into());
+        };
+        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err("has an empty name or one with white space".into());
+        }
+        let typed = BASE64
+            .decode(b64.as_bytes())
+            .map_err(|_| "key is not base64".to_string())?;
+        if typed.first() != Some(&kind) {
+            return Err(format!(
+                "is not of type 0x{kind:02x} ({})",
+                if kind == COSIGNATURE_V1 {
+                    "an Ed25519 cosignature/v1 witness key"
+                } else {
+                    "an Ed25519 note key"
+                }
+            ));
+        }
+        let raw: [u8; 32] = typed[1..]
+            .try_into()
+            .map_err(|_| "key is not 32 bytes".to_string())?;
+        let key =
+            VerifyingKey::from_bytes(&raw).map_err(|_| "is not an Ed25519 key".to_string())?;
+        let v = Vkey {
+            name: name.to_string(),
+            kind,
+            key,
+        };
+        if data_encoding::HEXLOWER.encode(&v.id()) != id {
+            return Err(format!("key ID {id:?} is not the one of its name and key"));
+        }
+        Ok(v)
+    }
+
+    /// The key ID: SHA-256(NAME || 0x0A || TYPE || KEY)[:4].
+    pub(crate) fn id(&self) -> [u8; 4] {
+        typed_key_id(&self.name, self.kind, &self.key)
+    }
+}
+
+fn typed_key_id(name: &str, kind: u8, key: &VerifyingKey) -> [u8; 4] {
+    let mut h = Sha256::new();
+    h.update(name.as_bytes());
+    h.update([b'\n', kind]);
+    h.update(key.as_bytes());
+    let d = h.finalize();
+    [d[0], d[1], d[2], d[3]]
+}
+
+/// The message a `cosignature/v1` signs: `cosignature/v1`, `time T`, then
+/// the checkpoint body.
+fn cosigned_message(body: &str, time: u64) -> String {
+    format!("cosignature/v1\ntime {time}\n{body}")
+}
+
+/// The witness key `name`'s cosignature of `body` at `time` (POSIX
+/// seconds), as a signature line. What a witness does: Palisade itself
+/// only verifies them; the tests and benches sign with it.
+pub(crate) fn cosign(body: &str, name: &str, key: &SigningKey, time: u64) -> String {
+    let sig = key.sign(cosigned_message(body, time).as_bytes());
+    let mut blob = typed_key_id(name, COSIGNATURE_V1, &key.verifying_key()).to_vec();
+    blob.extend_from_slice(&time.to_be_bytes());
+    blob.extend_from_slice(&sig.to_bytes());
+    format!("{SIG_PREFIX}{name} {}\n", BASE64.encode(&blob))
+}
+
+/// Why a cosignature is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum CosignatureError {
+    #[error("no cosignature by witness key {0}")]
+    Missing(String),
+    #[error("cosignature by {0} does not verify: not this checkpoint, or edited")]
+    Bad(String),
+    #[error("cosignature line is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// Find `witness`'s cosignature among signature `lines` (each `— NAME
+/// BASE64`, newline-terminated; lines by other keys are ignored, as the
+/// spec says) and check it covers checkpoint `body`. Returns its time.
+pub(crate) fn open_cosignature(
+    lines: &str,
+    body: &str,
+    witness: &Vkey,
+) -> Result<u64, CosignatureError> {
+    let id = witness.id();
+    for line in lines.lines().take(MAX_SIGS) {
+        let Some((who, b64)) = line
+            .strip_prefix(SIG_PREFIX)
+            .and_then(|rest| rest.split_once(' '))
+        else {
+            return Err(CosignatureError::Malformed(
+                "a line without the em dash and a name",
+            ));
+        };
+        if who != witness.name {
+            continue;
+        }
+        let Ok(blob) = BASE64.decode(b64.trim_end().as_bytes()) else {
+            return Err(CosignatureError::Malformed("signature is not base64"));
+        };
+        if blob.len() < 4 || blob[..4] != id {
+            continue;
+        }
+        let (Ok(time), Ok(sig)) = (
+            <[u8; 8]>::try_from(blob.get(4..12).unwrap_or_default()),
+            <[u8; 64]>::try_from(blob.get(12..).unwrap_or_default()),
+        ) else {
+            return Err(CosignatureError::Malformed(
+                "not key ID, time and 64-byte signature",
+            ));
+        };
+        let time = u64::from_be_bytes(time);
+        let msg = cosigned_message(body, time);
+        return witness
+            .key
+            .verify_strict(msg.as_bytes(), &Signature::from_bytes(&sig))
+            .map(|()| time)
+            .map_err(|_| CosignatureError::Bad(witness.name.clone()));
+    }
+    Err(CosignatureError::Missing(vkey_of(witness)))
+}
+
+/// The verifier key text of `v`.
+pub(crate) fn vkey_of(v: &Vkey) -> String {
+    let mut typed = vec![v.kind];
+    typed.extend_from_slice(v.key.as_bytes());
+    format!(
+        "{}+{}+{}",
+        v.name,
+        data_encoding::HEXLOWER.encode(&v.id()),
+        BASE64.encode(&typed)
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,5 +431,73 @@ mod tests {
         }
         let other = SigningKey::from_bytes(&[8u8; 32]);
         assert!(open_checkpoint(&note, &other.verifying_key()).is_err());
+    }
+
+    /// The cosigned checkpoint of the c2sp.org/tlog-cosignature example:
+    /// its cosignature line carries the time of the example's signed
+    /// message (`time 1679315147`); the spec gives no public key.
+    const SPEC_COSIGNATURE: &str = "\u{2014} witness.example.com/w1 jWbPPwAAAABkGFDLEZMHwSRaJNiIDoe9DYn/zXcrtPHeolMI5OWXEhZCB9dlrDJsX3b2oyin1nPZqhf5nNo0xUe+mbIUBkBIfZ+qnA==\n";
+
+    #[test]
+    fn cosignatures_follow_the_spec_and_refuse_strangers() {
+        let blob = BASE64
+            .decode(
+                SPEC_COSIGNATURE
+                    .rsplit(' ')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .as_bytes(),
+            )
+            .unwrap();
+        assert_eq!(blob.len(), 4 + 8 + 64);
+        assert_eq!(
+            u64::from_be_bytes(blob[4..12].try_into().unwrap()),
+            1679315147
+        );
+        let w = SigningKey::from_bytes(&[3u8; 32]);
+        let name = "witness.test/w1";
+        let vk = Vkey {
+            name: name.into(),
+            kind: COSIGNATURE_V1,
+            key: w.verifying_key(),
+        };
+        let text = vkey_of(&vk);
+        assert_eq!(Vkey::parse(&text, COSIGNATURE_V1).unwrap(), vk);
+        // A note key (type 0x01) is not a witness key, and the ID must fit.
+        let note_key = vkey(name, &w.verifying_key());
+        assert!(Vkey::parse(&note_key, COSIGNATURE_V1)
+            .unwrap_err()
+            .contains("type 0x04"));
+        let wrong_id = format!("{name}+00000000+{}", text.rsplit('+').next().unwrap());
+        assert!(Vkey::parse(&wrong_id, COSIGNATURE_V1)
+            .unwrap_err()
+            .contains("key ID"));
+        for bad in ["", "a", "a+b", " +00+AA==", "a+00000000+!!"] {
+            assert!(Vkey::parse(bad, COSIGNATURE_V1).is_err(), "{bad:?}");
+        }
+        let body =
+            "example.com/behind-the-sofa\n20852163\nCsUYapGGPo4dkMgIAUqom/Xajj7h2fB2MPA3j2jxq2I=\n";
+        let line = cosign(body, name, &w, 1679315147);
+        // Lines of other witnesses (the spec's) are skipped.
+        let lines = format!("{SPEC_COSIGNATURE}{line}");
+        assert_eq!(open_cosignature(&lines, body, &vk), Ok(1679315147));
+        let other = body.replace("20852163", "20852164");
+        assert!(matches!(
+            open_cosignature(&lines, &other, &vk),
+            Err(CosignatureError::Bad(_))
+        ));
+        let stranger = Vkey {
+            name: name.into(),
+            kind: COSIGNATURE_V1,
+            key: SigningKey::from_bytes(&[4u8; 32]).verifying_key(),
+        };
+        assert!(matches!(
+            open_cosignature(&lines, body, &stranger),
+            Err(CosignatureError::Missing(_))
+        ));
+        let cut = &line[..line.len() - 20];
+        assert!(open_cosignature(cut, body, &vk).is_err());
+        assert!(open_cosignature("garbage\n", body, &vk).is_err());
     }
 }

@@ -487,6 +487,35 @@ pub(crate) fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
     verify_with(path, &Options::default())
 }
 
+/// A `key_rotation` record: signed by the chain's key so far; the key
+/// it names from here on.
+fn check_rotation(
+    m: &Map<String, Value>,
+    key: Option<&VerifyingKey>,
+) -> Result<VerifyingKey, String> {
+    let k = key.ok_or("key_rotation but no public key to check it")?;
+    if !chain::check_sig(m, k) {
+        return Err(
+            "key_rotation not signed by the chain's key: an unannounced key change".into(),
+        );
+    }
+    str_of(m, "next_key")
+        .and_then(chain::parse_pubkey)
+        .ok_or_else(|| "key_rotation names no valid next_key".into())
+}
+
+/// Why a checkpoint's signature does not verify with `k`: a key no
+/// `key_rotation` record announced, or an edit.
+fn unannounced(m: &Map<String, Value>, k: &VerifyingKey, event: &str) -> String {
+    let chain_key = data_encoding::HEXLOWER.encode(k.as_bytes());
+    match str_of(m, "key") {
+        Some(other) if other != chain_key => format!(
+            "{event} signature is by key {other}, not the chain's key {chain_key}, and no key_rotation record announced it: an unannounced key change"
+        ),
+        _ => format!("bad {event} signature"),
+    }
+}
+
 /// Check every record under `path`.
 pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> {
     let (list, single) = files(path)?;
@@ -676,12 +705,19 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
             }
 
             match event {
+                "key_rotation" => {
+                    key = Some(check_rotation(m, key.as_ref()).map_err(&bad)?);
+                    s.notes.push(format!(
+                        "{name}:{lineno}: key rotated to {} by a record signed with the key before",
+                        str_of(m, "next_key").unwrap_or_default()
+                    ));
+                }
                 "checkpoint" | "seal" => {
                     let Some(k) = &key else {
                         return Err(bad("checkpoint but no public key to check it".into()));
                     };
                     if !chain::check_sig(m, k) {
-                        return Err(bad(format!("bad {event} signature")));
+                        return Err(bad(unannounced(m, k, event)));
                     }
                     if let Some((size, root)) = check_checkpoint_tree(
                         m,
