@@ -1136,7 +1136,11 @@ async fn an_old_store_verifies_and_is_continued_with_the_tree() {
 fn set_key(cfg: &EvidenceConfig, seed: u8) -> ed25519_dalek::SigningKey {
     use std::os::unix::fs::PermissionsExt;
     let k = ed25519_dalek::SigningKey::from_bytes(&[seed; 32]);
-    fs::write(&cfg.key, format!("{}\n", data_encoding::HEXLOWER.encode(&[seed; 32]))).unwrap();
+    fs::write(
+        &cfg.key,
+        format!("{}\n", data_encoding::HEXLOWER.encode(&[seed; 32])),
+    )
+    .unwrap();
     fs::set_permissions(&cfg.key, fs::Permissions::from_mode(0o600)).unwrap();
     k
 }
@@ -1164,10 +1168,7 @@ async fn a_key_changes_only_through_a_signed_rotation_record() {
     };
     // Given the old key, verify follows the signed rotation.
     let s = verify_with(&cfg.dir, &with(&old)).unwrap();
-    assert!(
-        s.notes.iter().any(|n| n.contains("key rotated to")),
-        "{s}"
-    );
+    assert!(s.notes.iter().any(|n| n.contains("key rotated to")), "{s}");
     let rotation = segments(&cfg.dir)
         .iter()
         .flat_map(|p| lines(p))

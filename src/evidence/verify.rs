@@ -495,9 +495,7 @@ fn check_rotation(
 ) -> Result<VerifyingKey, String> {
     let k = key.ok_or("key_rotation but no public key to check it")?;
     if !chain::check_sig(m, k) {
-        return Err(
-            "key_rotation not signed by the chain's key: an unannounced key change".into(),
-        );
+        return Err("key_rotation not signed by the chain's key: an unannounced key change".into());
     }
     str_of(m, "next_key")
         .and_then(chain::parse_pubkey)

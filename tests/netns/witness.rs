@@ -40,15 +40,15 @@ fn palisade(args: &[&str]) -> lab::CmdOutput {
     )
 }
 
-fn witness_vkey() -> String {
+fn witness_vkey(name: &str, seed: &str) -> String {
     let out = Command::new("/usr/bin/python3")
         .args([
             &fixture("witness.py"),
             "--print-vkey",
             "--name",
-            WITNESS_NAME,
+            name,
             "--seed",
-            WITNESS_SEED,
+            seed,
         ])
         .output()
         .expect("run witness.py");
@@ -172,11 +172,14 @@ fn cut_back(dir: &Path, size: u64) {
 
 #[test]
 fn a_witness_cosigns_and_refuses_a_rewritten_history() {
-    let vkey = witness_vkey();
+    let vkey = witness_vkey(WITNESS_NAME, WITNESS_SEED);
+    // A second witness nobody runs: unreachable all along.
+    let down = witness_vkey("witness.test/down", &"09".repeat(32));
     let mut lab = Lab::builder()
         .policy(POLICY)
         .evidence_config(&format!(
-            "checkpoint_every = 16\nreplica = \"gw-w\"\nwitnesses = [{{ url = \"http://{DNS_IP}:{WITNESS_PORT}\", key = \"{vkey}\" }}]"
+            "checkpoint_every = 16\nreplica = \"gw-w\"\nwitnesses = [{{ url = \"http://{DNS_IP}:{WITNESS_PORT}\", key = \"{vkey}\" }}, {{ url = \"http://{DNS_IP}:{}/down\", key = \"{down}\" }}]",
+            WITNESS_PORT - 1
         ))
         .start();
     let cfg = lab.config_path.display().to_string();
@@ -197,6 +200,23 @@ fn a_witness_cosigns_and_refuses_a_rewritten_history() {
         text.contains("palisade_witness_cosigned_total{witness=\"witness.test/w1\"}"),
         "{text}"
     );
+    // The witness that is down is a metric, not an outage: every request
+    // was served.
+    let unreachable = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "palisade_witness_failures_total{reason=\"unreachable\",witness=\"witness.test/down\"} ",
+            )
+        })
+        .and_then(|v| v.parse::<f64>().ok());
+    assert!(unreachable.is_some_and(|n| n >= 1.0), "{text}");
+    let served = lab
+        .evidence()
+        .iter()
+        .filter(|r| r["event"] == "decision" && r["decision"] == "allow")
+        .count();
+    assert_eq!(served, 60, "every request served with a witness down");
     stop(&mut lab);
 
     let dir = lab.evidence_dir.display().to_string();
