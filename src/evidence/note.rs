@@ -16,7 +16,6 @@
 
 use data_encoding::BASE64;
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
-use sha2::{Digest, Sha256};
 
 use super::merkle::Hash;
 
@@ -182,72 +181,8 @@ pub(crate) fn open_checkpoint(note: &str, key: &VerifyingKey) -> Result<Checkpoi
     parse_checkpoint(text)
 }
 
-/// A witness's cosignature type byte (c2sp.org/tlog-cosignature,
-/// Ed25519 `cosignature/v1`).
-pub(crate) const COSIGNATURE_V1: u8 = 0x04;
-
-/// A verifier key (c2sp.org/signed-note): `NAME+HEX(KEY_ID)+BASE64(TYPE || KEY)`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Vkey {
-    pub name: String,
-    pub kind: u8,
-    pub key: VerifyingKey,
-}
-
-impl Vkey {
-    /// Parse a verifier key of type `kind`; the key ID must be the one
-    /// its name, type and key give.
-    pub(crate) fn parse(text: &str, kind: u8) -> Result<Vkey, String> {
-        let mut parts = text.trim().splitn(3, '+');
-        let (Some(name), Some(id), Some(b64)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err("is not NAME+KEY_ID+BASE64(KEY)".into());
-        };
-        if name.is_empty() || name.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err("has an empty name or one with white space".into());
-        }
-        let typed = BASE64
-            .decode(b64.as_bytes())
-            .map_err(|_| "key is not base64".to_string())?;
-        if typed.first() != Some(&kind) {
-            return Err(format!(
-                "is not of type 0x{kind:02x} ({})",
-                if kind == COSIGNATURE_V1 {
-                    "an Ed25519 cosignature/v1 witness key"
-                } else {
-                    "an Ed25519 note key"
-                }
-            ));
-        }
-        let raw: [u8; 32] = typed[1..]
-            .try_into()
-            .map_err(|_| "key is not 32 bytes".to_string())?;
-        let key =
-            VerifyingKey::from_bytes(&raw).map_err(|_| "is not an Ed25519 key".to_string())?;
-        let v = Vkey {
-            name: name.to_string(),
-            kind,
-            key,
-        };
-        if data_encoding::HEXLOWER.encode(&v.id()) != id {
-            return Err(format!("key ID {id:?} is not the one of its name and key"));
-        }
-        Ok(v)
-    }
-
-    /// The key ID: SHA-256(NAME || 0x0A || TYPE || KEY)[:4].
-    pub(crate) fn id(&self) -> [u8; 4] {
-        typed_key_id(&self.name, self.kind, &self.key)
-    }
-}
-
-fn typed_key_id(name: &str, kind: u8, key: &VerifyingKey) -> [u8; 4] {
-    let mut h = Sha256::new();
-    h.update(name.as_bytes());
-    h.update([b'\n', kind]);
-    h.update(key.as_bytes());
-    let d = h.finalize();
-    [d[0], d[1], d[2], d[3]]
-}
+use crate::proto::vkey::typed_key_id;
+pub(crate) use crate::proto::vkey::{vkey_of, Vkey, COSIGNATURE_V1};
 
 /// The message a `cosignature/v1` signs: `cosignature/v1`, `time T`, then
 /// the checkpoint body.
@@ -323,18 +258,6 @@ pub(crate) fn open_cosignature(
     Err(CosignatureError::Missing(vkey_of(witness)))
 }
 
-/// The verifier key text of `v`.
-pub(crate) fn vkey_of(v: &Vkey) -> String {
-    let mut typed = vec![v.kind];
-    typed.extend_from_slice(v.key.as_bytes());
-    format!(
-        "{}+{}+{}",
-        v.name,
-        data_encoding::HEXLOWER.encode(&v.id()),
-        BASE64.encode(&typed)
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -380,6 +303,7 @@ mod tests {
     #[test]
     fn the_documented_example_note_is_what_palisade_writes() {
         let sk = SigningKey::from_bytes(&[7u8; 32]);
+        use sha2::{Digest, Sha256};
         let root: Hash = Sha256::digest(b"example").into();
         let o = origin("gw-a");
         let note = sign(&checkpoint_body(&o, 1804, &root), &o, &sk);

@@ -723,10 +723,15 @@ pub(crate) fn export_cosignatures(store: &Path, out: &Path) -> Result<usize, Str
         return Ok(0);
     }
     let end = export_end(out)?;
-    let root = HEXLOWER.encode(&end.root);
+    // Only cosignatures of this store's checkpoints (not of a history the
+    // store no longer holds).
+    let ours: std::collections::BTreeSet<(u64, String)> = checkpoints(store)?
+        .into_iter()
+        .map(|c| (c.size, HEXLOWER.encode(&c.root)))
+        .collect();
     let mut best: BTreeMap<String, (u64, String, String)> = BTreeMap::new();
     for (size, r, w, line) in kept {
-        if size < end.size || (size == end.size && r != root) {
+        if size < end.size || !ours.contains(&(size, r.clone())) {
             continue;
         }
         let e = best.entry(w).or_insert((size, r.clone(), line.clone()));

@@ -178,7 +178,7 @@ fn witness(raw: RawWitness, errors: &mut Errors<'_>) -> Option<WitnessConfig> {
         }
     };
     if let Err(e) =
-        crate::evidence::note::Vkey::parse(key.get_ref(), crate::evidence::note::COSIGNATURE_V1)
+        crate::proto::vkey::Vkey::parse(key.get_ref(), crate::proto::vkey::COSIGNATURE_V1)
     {
         errors.at(key.span(), format!("witness key {:?} {e}", key.get_ref()));
         return None;
