@@ -133,6 +133,13 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
                 source,
             })?,
         );
+    // Each new checkpoint goes to the witnesses, off the decision path.
+    crate::evidence::witness::start(&evidence, evidence_config).map_err(|source| {
+        StartError::Evidence {
+            dir: evidence_config.dir.display().to_string(),
+            source,
+        }
+    })?;
     if evidence_config.durability == crate::config::Durability::Discard {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }

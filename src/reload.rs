@@ -361,7 +361,8 @@ fn evidence_changes(keys: &mut Vec<&'static str>, evidence: &EvidenceConfig, new
             retain_min_age,
             min_free,
             max_records_per_second_per_org,
-            replica
+            replica,
+            witnesses
         }
     );
 }

@@ -740,6 +740,19 @@ pub struct EvidenceConfig {
     /// Who writes this evidence, in every segment header and record id
     /// (default: the host name).
     pub replica: String,
+    /// Witnesses each new checkpoint is submitted to (c2sp.org/tlog-witness).
+    pub witnesses: Vec<WitnessConfig>,
+}
+
+/// One `[evidence] witnesses` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WitnessConfig {
+    /// The submission prefix: `http://HOST[:PORT][/PATH]`;
+    /// `add-checkpoint` is posted to `PREFIX/add-checkpoint`.
+    pub url: http::Uri,
+    /// Its verifier key (c2sp.org/signed-note form, type 0x04, Ed25519
+    /// `cosignature/v1`): `NAME+KEY_ID+BASE64(0x04 || KEY)`.
+    pub key: String,
 }
 
 impl EvidenceConfig {
@@ -762,6 +775,7 @@ impl EvidenceConfig {
                 &DnsConfig::default(),
             ),
             replica: default_replica(),
+            witnesses: Vec::new(),
         }
     }
 }

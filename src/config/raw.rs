@@ -197,6 +197,16 @@ pub(super) struct RawEvidence {
     pub(super) min_free: Option<Spanned<RawSize>>,
     pub(super) max_records_per_second_per_org: Option<Spanned<i64>>,
     pub(super) replica: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) witnesses: Vec<Spanned<RawWitness>>,
+}
+
+/// One `[evidence] witnesses` entry: `{ url = "...", key = "..." }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWitness {
+    pub(super) url: Spanned<String>,
+    pub(super) key: Spanned<String>,
 }
 
 /// A byte size: an integer, or a string such as "64MiB", "500kB", "1GiB".

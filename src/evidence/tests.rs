@@ -1194,3 +1194,60 @@ async fn an_old_store_verifies_and_is_continued_with_the_tree() {
     assert_eq!(header["tree"]["size"], l.len() as u64);
     let _ = fs::remove_dir_all(&root);
 }
+
+/// Replace the signing key file of `cfg` with the seed `seed`.
+fn set_key(cfg: &EvidenceConfig, seed: u8) -> ed25519_dalek::SigningKey {
+    use std::os::unix::fs::PermissionsExt;
+    let k = ed25519_dalek::SigningKey::from_bytes(&[seed; 32]);
+    fs::write(
+        &cfg.key,
+        format!("{}\n", data_encoding::HEXLOWER.encode(&[seed; 32])),
+    )
+    .unwrap();
+    fs::set_permissions(&cfg.key, fs::Permissions::from_mode(0o600)).unwrap();
+    k
+}
+
+#[tokio::test]
+async fn a_key_changes_only_through_a_signed_rotation_record() {
+    let root = crate::testing::scratch("evrot");
+    let cfg = config(&root);
+    fs::create_dir_all(&root).unwrap();
+    let old = set_key(&cfg, 20);
+    let next = ed25519_dalek::SigningKey::from_bytes(&[21; 32]);
+    {
+        let ev = Evidence::start(&cfg).unwrap();
+        fill(&ev, 7).await;
+        ev.rotate_key(next.clone()).unwrap();
+        fill(&ev, 7).await;
+        assert!(ev.seal().await);
+    }
+    // Restarted with the new key in the config: the chain goes on.
+    set_key(&cfg, 21);
+    sealed_chain(&cfg, 4).await;
+    let with = |k: &ed25519_dalek::SigningKey| Options {
+        key: Some(k.verifying_key()),
+        allow_unsealed: false,
+    };
+    // Given the old key, verify follows the signed rotation.
+    let s = verify_with(&cfg.dir, &with(&old)).unwrap();
+    assert!(s.notes.iter().any(|n| n.contains("key rotated to")), "{s}");
+    let rotation = segments(&cfg.dir)
+        .iter()
+        .flat_map(|p| lines(p))
+        .find(|l| l.contains("\"key_rotation\""))
+        .unwrap();
+    let v: Value = serde_json::from_str(&rotation).unwrap();
+    assert_eq!(v["key"], key::public_hex(&old));
+    assert_eq!(v["next_key"], key::public_hex(&next));
+    // Without a pinned key the first header's key is followed the same way.
+    verify_with(&cfg.dir, &Options::default()).unwrap();
+    // The new key alone does not verify the checkpoints before it.
+    assert!(verify_with(&cfg.dir, &with(&next)).is_err());
+    // A key changed with no rotation record (restart with a third key).
+    set_key(&cfg, 22);
+    sealed_chain(&cfg, 3).await;
+    let e = verify_with(&cfg.dir, &with(&old)).unwrap_err();
+    assert!(e.message.contains("unannounced key change"), "{e}");
+    let _ = fs::remove_dir_all(&root);
+}

@@ -487,6 +487,33 @@ pub(crate) fn verify_path(path: &Path) -> Result<Findings, VerifyError> {
     verify_with(path, &Options::default())
 }
 
+/// A `key_rotation` record: signed by the chain's key so far; the key
+/// it names from here on.
+fn check_rotation(
+    m: &Map<String, Value>,
+    key: Option<&VerifyingKey>,
+) -> Result<VerifyingKey, String> {
+    let k = key.ok_or("key_rotation but no public key to check it")?;
+    if !chain::check_sig(m, k) {
+        return Err("key_rotation not signed by the chain's key: an unannounced key change".into());
+    }
+    str_of(m, "next_key")
+        .and_then(chain::parse_pubkey)
+        .ok_or_else(|| "key_rotation names no valid next_key".into())
+}
+
+/// Why a checkpoint's signature does not verify with `k`: a key no
+/// `key_rotation` record announced, or an edit.
+fn unannounced(m: &Map<String, Value>, k: &VerifyingKey, event: &str) -> String {
+    let chain_key = data_encoding::HEXLOWER.encode(k.as_bytes());
+    match str_of(m, "key") {
+        Some(other) if other != chain_key => format!(
+            "{event} signature is by key {other}, not the chain's key {chain_key}, and no key_rotation record announced it: an unannounced key change"
+        ),
+        _ => format!("bad {event} signature"),
+    }
+}
+
 /// Check every record under `path`.
 pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Findings, VerifyError> {
     let (list, single) = files(path)?;
@@ -763,6 +790,15 @@ impl<'o> Walk<'o> {
 
     /// A checkpoint or seal: its signature, and the trees it signs.
     fn checkpoint(&mut self, m: &Map<String, Value>, event: &str) -> Result<(), String> {
+        if event == "key_rotation" {
+            self.key = Some(check_rotation(m, self.key.as_ref())?);
+            self.found.notes.push(format!(
+                "seq {}: key rotated to {} by a record signed with the key before",
+                m.get("seq").and_then(Value::as_u64).unwrap_or_default(),
+                str_of(m, "next_key").unwrap_or_default()
+            ));
+            return Ok(());
+        }
         if !matches!(event, "checkpoint" | "seal") {
             self.unsigned += 1;
             return Ok(());
@@ -771,7 +807,7 @@ impl<'o> Walk<'o> {
             return Err("checkpoint but no public key to check it".into());
         };
         if !chain::check_sig(m, k) {
-            return Err(format!("bad {event} signature"));
+            return Err(unannounced(m, k, event));
         }
         if let Some((size, root)) = check_checkpoint_tree(
             m,
