@@ -234,6 +234,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         bypass,
         enforcement,
         otel,
+        decider,
         // Served: rebuilt by a reload.
         intercept: _,
         policy: _,
@@ -269,6 +270,9 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     }
     if otel != &new.otel {
         keys.push("otel");
+    }
+    if decider != &new.decider {
+        keys.push("decider");
     }
     if evidence != &new.evidence {
         evidence_changes(&mut keys, evidence, &new.evidence);

@@ -133,8 +133,32 @@ pub struct Config {
     pub enforcement: Option<EnforcementConfig>,
     /// `[otel]`: the OTLP export (`crate::otel`); `None` without the table.
     pub otel: Option<OtelConfig>,
+    /// `[decider]`: consulted on a miss (`crate::decider`); `None` without
+    /// the table.
+    pub decider: Option<DeciderConfig>,
     pub orgs: Vec<OrgConfig>,
 }
+
+/// `[decider]`: an HTTP endpoint asked about a miss (see
+/// `docs/decisions.md`, "The decider").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeciderConfig {
+    /// `http://HOST[:PORT][/PATH]`: where each question is POSTed.
+    pub url: String,
+    /// How long one consultation may take, connecting included.
+    pub timeout: Duration,
+    /// Consultations at once; a miss past them is denied without asking.
+    pub max_in_flight: usize,
+}
+
+/// `[decider] timeout` when unset.
+pub const DEFAULT_DECIDER_TIMEOUT: Duration = Duration::from_millis(500);
+/// The longest `[decider] timeout` accepted.
+pub const MAX_DECIDER_TIMEOUT: Duration = Duration::from_secs(10);
+/// `[decider] max_in_flight` when unset.
+pub const DEFAULT_DECIDER_IN_FLIGHT: usize = 64;
+/// The largest `[decider] max_in_flight` accepted.
+pub const MAX_DECIDER_IN_FLIGHT: usize = 4096;
 
 /// The `service.name` of the OTLP export when `[otel]` names none.
 pub const DEFAULT_OTEL_SERVICE_NAME: &str = "palisade";
@@ -1272,6 +1296,7 @@ impl Config {
             policy: _,
             enforcement: _,
             otel: _,
+            decider: _,
             orgs: _,
         } = self;
         let ProxyConfig {

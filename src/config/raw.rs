@@ -26,8 +26,21 @@ pub(super) struct RawConfig {
     pub(super) enforcement: RawEnforcement,
     /// `[otel]`: present (even empty) turns the OTLP export on.
     pub(super) otel: Option<RawOtel>,
+    /// `[decider]`: an HTTP endpoint consulted on a miss.
+    pub(super) decider: Option<Spanned<RawDecider>>,
     #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+/// `[decider]`: where a miss is asked about, how long it may take, and
+/// how many may be asked at once.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDecider {
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) timeout: Option<Spanned<String>>,
+    pub(super) on_error: Option<Spanned<String>>,
+    pub(super) max_in_flight: Option<Spanned<i64>>,
 }
 
 /// `[otel]`: where OTLP over HTTP goes, and as what service.
