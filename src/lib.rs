@@ -101,6 +101,7 @@ pub mod evidence;
 pub mod fuzzing;
 pub(crate) mod host;
 pub(crate) mod intercept;
+pub(crate) mod jit;
 pub(crate) mod limits;
 pub(crate) mod metrics;
 pub(crate) mod otel;
