@@ -208,7 +208,7 @@ async fn load_served(config: &Config, metrics: &Arc<Metrics>) -> Result<ServedHa
     let host = crate::host::addresses().map_err(|e| StartError::Host(e.to_string()))?;
     let (config, metrics) = (config.clone(), metrics.clone());
     Ok(tokio::task::spawn_blocking(move || {
-        let policy = Arc::new(Policy::with_host(&config, &host));
+        let policy = Arc::new(Policy::with_host(&config, &host).at(std::time::SystemTime::now()));
         crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
         Served::load(&config, policy, &metrics)
     })
@@ -602,7 +602,17 @@ async fn serve_until(
     let synthetic = s.synthetic.as_deref();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        // A time-bound rule starts or ends at its instant, no reload needed.
+        let rule_change = async |wait: Option<std::time::Duration>| match wait {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => std::future::pending().await,
+        };
         tokio::select! {
+            () = rule_change(reloader.until_rule_change()) => {
+                if let Some(outcome) = reloader.rule_change().await {
+                    reloaded(ctx, &s.bindings, synthetic, &outcome);
+                }
+            }
             () = &mut shutdown => break,
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;

@@ -34,7 +34,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
@@ -48,6 +48,10 @@ use crate::served::{Served, ServedHandle};
 
 /// How often the config file's content is checked for changes.
 pub(crate) const DEFAULT_CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The longest wait for a time-bound rule's next change before the
+/// instant is looked at again.
+pub(crate) const MAX_RULE_CHANGE_WAIT: Duration = Duration::from_secs(60);
 
 /// Reloads the config file into the served state.
 pub(crate) struct Reloader {
@@ -362,7 +366,8 @@ fn prepare(
         return Err(ReloadError::RestartOnly(restart));
     }
     // Re-read on every reload: the host's addresses may have changed.
-    let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
+    let policy =
+        Arc::new(Policy::with_host(&new, &crate::host::addresses()?).at(SystemTime::now()));
     let served = Served::load(&new, policy, metrics)?;
     if served.serves_as(current) && new.intercept == running.intercept {
         return Ok(Prepared::Unchanged);
@@ -446,12 +451,62 @@ impl Reloader {
         info!(addresses = ?host, "host addresses changed");
         let (running, now) = (self.running.clone(), current.clone());
         let served = blocking(move || {
-            let policy = Arc::new(Policy::with_host(&running, &host));
+            let policy = Arc::new(Policy::with_host(&running, &host).at(SystemTime::now()));
             now.with_policy(&running, policy)
         })
         .await
         .ok()?;
         Some(self.serve("host addresses changed", &current, None, served))
+    }
+
+    /// How long until the served policy's next rule change
+    /// ([`Policy::next_change`]: a time-bound rule starts or ends), at
+    /// most [`MAX_RULE_CHANGE_WAIT`] (a wall clock set meanwhile is seen
+    /// then); `None` while no time-bound rule is left to change.
+    pub(crate) fn until_rule_change(&self) -> Option<Duration> {
+        let next = self.served.load().policy.next_change()?;
+        let wait = next
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO);
+        Some(wait.min(MAX_RULE_CHANGE_WAIT))
+    }
+
+    /// Serve the running config again at the current instant if a
+    /// time-bound rule started or ended since the served policy's instant:
+    /// compiled with the same host addresses, the rest of the served state
+    /// kept, no file read. Counted as no reload; live connections are
+    /// decided again as after one (the caller's [`ReloadOutcome::Applied`]).
+    pub(crate) async fn rule_change(&mut self) -> Option<ReloadOutcome> {
+        let current = self.served.load_full();
+        let now = SystemTime::now();
+        let due = current.policy.next_change().is_some_and(|t| t <= now);
+        if !due {
+            return None;
+        }
+        let (running, served) = (self.running.clone(), current.clone());
+        let next = blocking(move || {
+            let host = served.policy.host_addresses().to_vec();
+            let policy = Arc::new(Policy::with_host(&running, &host).at(now));
+            served.with_policy(&running, policy)
+        })
+        .await
+        .ok()?;
+        let hash = next.policy.hash().to_string();
+        // A reload in between has swapped in a policy of its own, as new.
+        let swapped = self.served.compare_and_swap(&current, Arc::new(next));
+        if !Arc::ptr_eq(&swapped, &current) {
+            return None;
+        }
+        let active: Vec<&str> = self
+            .running
+            .orgs
+            .iter()
+            .flat_map(|o| &o.allow)
+            .filter(|r| r.window.is_some_and(|w| w.contains(now)))
+            .map(|r| r.id.as_str())
+            .collect();
+        info!(at = %crate::config::rfc3339(now), active = ?active, "time-bound rules changed");
+        Some(ReloadOutcome::Applied { hash })
     }
 
     /// Load and check the file and, if it is accepted, serve it.

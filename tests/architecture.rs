@@ -11,6 +11,8 @@
 //! - inside `proxy/`, the files name each other down its layers, and only
 //!   the modules above it name anything of `proxy/`;
 //! - the pure parts (`PURE`) read no clock, use no tokio and do no I/O.
+//! - no production function is longer than `MAX_FN_LINES` (an explicit,
+//!   shrinking `LONG_FNS_ALLOWED` list aside).
 //!
 //! `#[cfg(test)]` items and files are left out: tests may do anything.
 //! Every rule has a test below that feeds it a small made-up crate
@@ -95,6 +97,59 @@ const IMPURE_PATHS: &[&str] = &[
 
 /// ... nor call as a method (a clock read on an `Instant` or `SystemTime`).
 const IMPURE_METHODS: &[&str] = &["elapsed"];
+
+/// The most lines a production function may span, from `fn` to its
+/// closing brace: a longer one is split into named steps.
+const MAX_FN_LINES: usize = 120;
+
+/// Functions that may be longer, for now: (file under `src/`, `name` or
+/// `Type::name`, why). An entry no long function stands for any more
+/// fails (delete it).
+const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
+    ("app.rs", "Started::serve", "wt-units splits it"),
+    (
+        "config/validate/evidence.rs",
+        "validate_evidence",
+        "wt-units splits it",
+    ),
+    (
+        "config/validate/org.rs",
+        "validate_orgs",
+        "wt-units splits it",
+    ),
+    (
+        "config/validate/rules.rs",
+        "validate_rules",
+        "wt-units splits it",
+    ),
+    ("evidence/export.rs", "check", "wt-units splits it"),
+    ("evidence/query.rs", "to_ocsf", "wt-units splits it"),
+    ("evidence/verify.rs", "verify_with", "wt-units splits it"),
+    ("metrics.rs", "Metrics::build", "wt-units splits it"),
+    (
+        "probe/classify.rs",
+        "not_caused_by",
+        "wt-volume splits probe/",
+    ),
+    ("probe/classify.rs", "classify", "wt-volume splits probe/"),
+    ("probe/generate.rs", "generate", "wt-volume splits probe/"),
+    ("probe/render.rs", "markdown", "wt-volume splits probe/"),
+    ("probe/render.rs", "html", "wt-volume splits probe/"),
+    ("probe/report.rs", "build", "wt-volume splits probe/"),
+    ("probe/report.rs", "untested", "wt-volume splits probe/"),
+    (
+        "probe/run.rs",
+        "Ctx::second_request",
+        "wt-volume splits probe/",
+    ),
+    (
+        "proxy/intercepted/serve.rs",
+        "decide_and_send",
+        "wt-volume splits intercepted/serve.rs",
+    ),
+    ("proxy/verify.rs", "pump", "wt-units splits it"),
+    ("reload.rs", "restart_only_changes", "wt-units splits it"),
+];
 
 // ---------------------------------------------------------------------
 // Reading the crate
@@ -528,17 +583,26 @@ fn read_crate() -> &'static Crate {
 
 /// Read `src/` (without `main.rs`, the binary: a crate of its own).
 fn read_src() -> Crate {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    rust_files(&src, &mut files);
-    let mut texts = BTreeMap::new();
-    for file in files {
-        let rel = file.strip_prefix(&src).unwrap().to_path_buf();
-        if rel != Path::new("main.rs") {
-            texts.insert(rel.clone(), std::fs::read_to_string(&file).unwrap());
+    parse_crate(src_texts())
+}
+
+/// The files under `src/` (without `main.rs`), read once: (path under
+/// `src/`, text).
+fn src_texts() -> &'static BTreeMap<PathBuf, String> {
+    static TEXTS: std::sync::OnceLock<BTreeMap<PathBuf, String>> = std::sync::OnceLock::new();
+    TEXTS.get_or_init(|| {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let mut texts = BTreeMap::new();
+        for file in files {
+            let rel = file.strip_prefix(&src).unwrap().to_path_buf();
+            if rel != Path::new("main.rs") {
+                texts.insert(rel.clone(), std::fs::read_to_string(&file).unwrap());
+            }
         }
-    }
-    parse_crate(&texts)
+        texts
+    })
 }
 
 /// Parse a crate given as (path under `src/`, text).
@@ -991,6 +1055,111 @@ fn purity_violations(krate: &Crate) -> Vec<String> {
     found
 }
 
+/// Rule 4: the production functions longer than [`MAX_FN_LINES`], as
+/// `src/FILE: NAME (LINES lines)`, and the [`LONG_FNS_ALLOWED`] entries no
+/// such function stands for any more.
+fn length_violations(
+    krate: &Crate,
+    texts: &BTreeMap<PathBuf, String>,
+    allowed: &[(&str, &str, &str)],
+) -> (Vec<String>, Vec<String>) {
+    let mut long = Vec::new();
+    let mut seen = BTreeSet::new();
+    for (rel, text) in texts {
+        if !krate.files.contains(&module_of(rel)) {
+            continue;
+        }
+        let file = rel.to_string_lossy().to_string();
+        let ast = syn::parse_file(text).unwrap_or_else(|e| panic!("src/{file}: {e}"));
+        let mut lengths = Lengths::default();
+        lengths.visit_file(&ast);
+        for (name, lines) in lengths.found {
+            if lines <= MAX_FN_LINES {
+                continue;
+            }
+            if allowed.iter().any(|(f, n, _)| *f == file && *n == name) {
+                seen.insert((file.clone(), name));
+            } else {
+                long.push(format!("src/{file}: {name} ({lines} lines)"));
+            }
+        }
+    }
+    let stale = allowed
+        .iter()
+        .filter(|(f, n, _)| !seen.contains(&(f.to_string(), n.to_string())))
+        .map(|(f, n, _)| format!("src/{f}: {n}"))
+        .collect();
+    (long, stale)
+}
+
+/// The functions of one file, `#[cfg(test)]` and `#[test]` ones left out:
+/// (`name`, or `Type::name` in an `impl` or `trait`, lines from `fn` to
+/// the closing brace).
+#[derive(Default)]
+struct Lengths {
+    self_ty: Option<String>,
+    found: Vec<(String, usize)>,
+}
+
+impl Lengths {
+    fn function(&mut self, attrs: &[syn::Attribute], sig: &syn::Signature, block: &syn::Block) {
+        if is_cfg_test(attrs) || attrs.iter().any(|a| a.path().is_ident("test")) {
+            return;
+        }
+        let first = sig.fn_token.span.start().line;
+        let last = block.brace_token.span.close().end().line;
+        let name = match &self.self_ty {
+            Some(ty) => format!("{ty}::{}", sig.ident),
+            None => sig.ident.to_string(),
+        };
+        self.found.push((name, last + 1 - first));
+    }
+}
+
+impl<'ast> Visit<'ast> for Lengths {
+    fn visit_item_fn(&mut self, f: &'ast syn::ItemFn) {
+        self.function(&f.attrs, &f.sig, &f.block);
+    }
+
+    fn visit_impl_item_fn(&mut self, f: &'ast syn::ImplItemFn) {
+        self.function(&f.attrs, &f.sig, &f.block);
+    }
+
+    fn visit_trait_item_fn(&mut self, f: &'ast syn::TraitItemFn) {
+        if let Some(block) = &f.default {
+            self.function(&f.attrs, &f.sig, block);
+        }
+    }
+
+    fn visit_item_impl(&mut self, i: &'ast syn::ItemImpl) {
+        if is_cfg_test(&i.attrs) {
+            return;
+        }
+        let ty = match &*i.self_ty {
+            syn::Type::Path(p) => p.path.segments.last().map(|s| s.ident.to_string()),
+            _ => None,
+        };
+        let outer = std::mem::replace(&mut self.self_ty, ty);
+        syn::visit::visit_item_impl(self, i);
+        self.self_ty = outer;
+    }
+
+    fn visit_item_trait(&mut self, t: &'ast syn::ItemTrait) {
+        if is_cfg_test(&t.attrs) {
+            return;
+        }
+        let outer = self.self_ty.replace(t.ident.to_string());
+        syn::visit::visit_item_trait(self, t);
+        self.self_ty = outer;
+    }
+
+    fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+        if !is_cfg_test(&m.attrs) {
+            syn::visit::visit_item_mod(self, m);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------
 // The rules, on the crate
 
@@ -1036,6 +1205,22 @@ fn the_pure_parts_read_no_clock_use_no_tokio_and_do_no_io() {
     let krate = read_crate();
     let found = purity_violations(krate);
     assert!(found.is_empty(), "impure:\n{}", found.join("\n"));
+}
+
+#[test]
+fn no_production_function_is_longer_than_the_limit() {
+    let krate = read_crate();
+    let (long, stale) = length_violations(krate, src_texts(), LONG_FNS_ALLOWED);
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines: split them into named steps\n{}",
+        long.join("\n")
+    );
+    assert!(
+        stale.is_empty(),
+        "LONG_FNS_ALLOWED entries no longer over {MAX_FN_LINES} lines (delete them):\n{}",
+        stale.join("\n")
+    );
 }
 
 // ---------------------------------------------------------------------
@@ -1258,6 +1443,36 @@ fn a_clock_tokio_or_io_in_a_pure_part_is_caught() {
 /// a `SAFETY:` comment right above it. Any other `unsafe` (outside comments
 /// and strings) fails here, as `#![deny(unsafe_code)]` fails the build
 /// unless allowed.
+#[test]
+fn a_long_function_is_caught_but_not_a_test_and_a_stale_allowance_fails() {
+    let body = "    let _ = 1;\n".repeat(MAX_FN_LINES);
+    let texts: BTreeMap<PathBuf, String> = [
+        ("lib.rs", "pub mod a; #[cfg(test)] mod t;".to_string()),
+        (
+            "a.rs",
+            format!(
+                "pub fn short() {{}}\npub struct S;\nimpl S {{\n    fn long(&self) {{\n{body}    }}\n}}\n\
+                 #[cfg(test)]\nmod tests {{\n    fn helper() {{\n{body}    }}\n}}\n"
+            ),
+        ),
+        ("t.rs", format!("fn in_a_test_file() {{\n{body}}}\n")),
+    ]
+    .into_iter()
+    .map(|(p, t)| (PathBuf::from(p), t))
+    .collect();
+    let krate = parse_crate(&texts);
+    let (long, stale) = length_violations(&krate, &texts, &[]);
+    assert_eq!(
+        long,
+        vec![format!("src/a.rs: S::long ({} lines)", MAX_FN_LINES + 2)]
+    );
+    assert!(stale.is_empty());
+    let allowed = [("a.rs", "S::long", "why"), ("a.rs", "short", "stale")];
+    let (long, stale) = length_violations(&krate, &texts, &allowed);
+    assert!(long.is_empty(), "{long:?}");
+    assert_eq!(stale, vec!["src/a.rs: short".to_string()]);
+}
+
 #[test]
 fn the_one_unsafe_block_is_where_lib_rs_says_and_proved_sound() {
     let mut files = Vec::new();

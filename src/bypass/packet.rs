@@ -18,6 +18,9 @@
 //! headers `linux/netlink.h`, `linux/netfilter/nfnetlink.h` and
 //! `linux/netfilter/nfnetlink_log.h`.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 /// `NETLINK_NETFILTER`, the netlink protocol of nfnetlink.

@@ -28,7 +28,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .map_err(|e| CliError::bare(Status::Failed, crate::config::ConfigErrors(vec![e])))?;
     }
     let host = crate::host::addresses().map_err(|e| CliError::new(Status::Failed, e))?;
-    let policy = Policy::with_host(&config, &host);
+    let policy = Policy::with_host(&config, &host).at(std::time::SystemTime::now());
     let openings = policy.openings();
     let rules: usize = config
         .orgs
@@ -106,6 +106,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
         );
     }
     sayln!("  policy: {}", policy.hash());
+    for w in window_warnings(&policy) {
+        sayln!("warning: {w}");
+    }
     if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
         sayln!(
             "warning: transparent listeners without a DNS shim ([dns] listen): there are no \
@@ -115,6 +118,32 @@ pub fn run(args: Args) -> Result<(), CliError> {
         );
     }
     Ok(())
+}
+
+/// Time-bound rules that will never match again (expired) or have not
+/// started yet, at the instant `policy` decides at.
+fn window_warnings(policy: &Policy) -> Vec<String> {
+    let Some(now) = policy.instant() else {
+        return Vec::new();
+    };
+    policy
+        .windows()
+        .filter_map(|(org, rule, w)| {
+            if w.ended(now) {
+                Some(format!(
+                    "rule {rule} of org {org} expired ({}): it matches nothing; remove it",
+                    w.describe()
+                ))
+            } else if !w.contains(now) {
+                Some(format!(
+                    "rule {rule} of org {org} does not match yet ({})",
+                    w.describe()
+                ))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// `a, b`, or `(none)`.

@@ -109,7 +109,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
 }
 
 /// The draft's counts and its self-check, on stderr.
-fn report(args: &Args, d: &Draft, verified: &verify::Summary) {
+fn report(args: &Args, d: &Draft, verified: &verify::Findings) {
     eprintln!(
         "palisade: draft for org {:?} from {} decisions ({} records verified{}): {} rules ({} wildcards, {} cidr), {} comments, {} names already allowed, {} below --min-count {}",
         args.org,

@@ -18,6 +18,7 @@ use super::timeout::{
     DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT,
     DEFAULT_RESPONSE_TIMEOUT, DEFAULT_REVOKE_GRACE, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
 };
+use super::window::Window;
 
 /// Default cap on concurrent client connections, all orgs together.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
@@ -1032,6 +1033,9 @@ pub struct RuleConfig {
     /// only): what the org may move through this rule per window.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volume: Option<Volume>,
+    /// `not_before`, `expires` (allow rules only): when the rule matches.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<Window>,
 }
 
 /// A volume budget: at most `up` bytes from clients and `down` bytes to

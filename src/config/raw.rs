@@ -245,6 +245,8 @@ pub(super) struct RawRule {
     pub(super) push_refs: RawList,
     pub(super) graphql_mutations: RawList,
     pub(super) models: RawList,
+    pub(super) not_before: Option<Spanned<String>>,
+    pub(super) expires: Option<Spanned<String>>,
 }
 
 /// A list of strings, each located.

@@ -29,7 +29,7 @@ use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
 use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
-use super::budget::Held;
+use super::budget::InFlight;
 use super::cache::Key;
 use super::decide::{decide_query, past_budget, Action, QueryDecision};
 use super::encode::{blocked, denied_rcode, encode, Reply, EDE_BLOCKED};
@@ -341,7 +341,7 @@ impl Shim {
 
     /// A place for the query within the client's query rate and the query
     /// budgets (held until it is answered), or the limit it is over.
-    fn admit(&self, state: &QueryState) -> Result<Held, &'static str> {
+    fn admit(&self, state: &QueryState) -> Result<InFlight, &'static str> {
         let client = state.client.ip();
         if !self.per_client.allow(&client_key(client), Instant::now()) {
             return Err("max_queries_per_second_per_client exceeded");

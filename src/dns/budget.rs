@@ -25,9 +25,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::DnsConfig;
 use crate::limits::{Payer, Share, Shares};
 
-/// Held while a query (or a TCP connection) is being served.
+/// A place in the in-flight budgets, held while a query (or a TCP
+/// connection) is being served.
 #[derive(Debug)]
-pub(crate) struct Held {
+pub(crate) struct InFlight {
     _global: OwnedSemaphorePermit,
     _charges: Vec<Share<Payer>>,
 }
@@ -62,7 +63,7 @@ impl QueryBudget {
         &self,
         client: IpAddr,
         org: Option<&Arc<str>>,
-    ) -> Result<Held, &'static str> {
+    ) -> Result<InFlight, &'static str> {
         let global = global_place(&self.global, "max_queries_in_flight reached")?;
         let payer = Payer::of(org, client);
         let over = match payer {
@@ -73,7 +74,7 @@ impl QueryBudget {
             .per_payer
             .take(payer, 1, self.max_per_payer)
             .ok_or(over)?;
-        Ok(Held {
+        Ok(InFlight {
             _global: global,
             _charges: vec![charge],
         })
@@ -105,7 +106,7 @@ impl TcpBudget {
         &self,
         client: IpAddr,
         org: Option<&Arc<str>>,
-    ) -> Result<Held, &'static str> {
+    ) -> Result<InFlight, &'static str> {
         let global = global_place(&self.global, "max_tcp_connections reached")?;
         let mut charges = vec![self
             .held
@@ -118,7 +119,7 @@ impl TcpBudget {
                     .ok_or("max_tcp_connections_per_org reached")?,
             );
         }
-        Ok(Held {
+        Ok(InFlight {
             _global: global,
             _charges: charges,
         })
@@ -149,7 +150,7 @@ mod tests {
         let b = TcpBudget::new(&config(8, 2, 4));
         let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
         let a1 = ip("198.18.1.2");
-        let held: Vec<Held> = (0..2)
+        let held: Vec<InFlight> = (0..2)
             .map(|_| b.try_take(a1, Some(&acme)).unwrap())
             .collect();
         assert_eq!(
@@ -157,7 +158,7 @@ mod tests {
             "max_tcp_connections_per_client reached"
         );
         // Other clients of the org, up to the org's share.
-        let more: Vec<Held> = ["198.18.1.3", "198.18.1.3"]
+        let more: Vec<InFlight> = ["198.18.1.3", "198.18.1.3"]
             .iter()
             .map(|c| b.try_take(ip(c), Some(&acme)).unwrap())
             .collect();
@@ -179,7 +180,7 @@ mod tests {
         let b = QueryBudget::new(&config(16, 1, 2));
         let acme: Arc<str> = Arc::from("acme");
         let stranger = ip("198.18.3.2");
-        let held: Vec<Held> = (0..2)
+        let held: Vec<InFlight> = (0..2)
             .map(|_| b.try_take(stranger, None).unwrap())
             .collect();
         assert!(b
@@ -188,7 +189,7 @@ mod tests {
             .contains("by this address"));
         // Another stranger has its own budget; the org keeps all of its own.
         let other = b.try_take(ip("198.18.3.3"), None).unwrap();
-        let orgs: Vec<Held> = (0..2)
+        let orgs: Vec<InFlight> = (0..2)
             .map(|_| b.try_take(ip("198.18.1.2"), Some(&acme)).unwrap())
             .collect();
         assert_eq!(

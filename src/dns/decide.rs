@@ -33,6 +33,9 @@
 //! `dns_denied` answer). Report-mode orgs are let through past both,
 //! recorded with `would_deny = "name_budget_exceeded"`.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use hickory_server::proto::rr::RecordType;

@@ -18,6 +18,9 @@
 //! and the elements of sets the packet path fills (`dynamic` or `timeout`
 //! flags) are left out of both sides before they are compared.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::BTreeMap;
 use std::fmt;
 

@@ -46,7 +46,7 @@ use serde_json::Value;
 
 use super::query::{self, ReadError, Stored};
 use super::segment;
-use super::verify::{self, Summary, VerifyError};
+use super::verify::{self, Findings, VerifyError};
 
 /// At most this many replicas in one fleet.
 pub(crate) const MAX_REPLICAS: usize = 4096;
@@ -357,7 +357,7 @@ pub(crate) struct ChainCheck {
     pub name: String,
     pub path: Option<PathBuf>,
     pub status: Status,
-    pub summary: Option<Summary>,
+    pub summary: Option<Findings>,
 }
 
 impl ChainCheck {

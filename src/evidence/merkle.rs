@@ -10,6 +10,9 @@
 //! - [`Frontier`] is the writer's whole tree state: the roots of the
 //!   complete subtrees along the right edge, at most 64 hashes.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::collections::BTreeMap;
 
 use data_encoding::HEXLOWER;

@@ -14,6 +14,9 @@
 //! already builds; the tests check it against the published notes of the
 //! spec and of Go's `sumdb/note`.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use data_encoding::BASE64;
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use sha2::{Digest, Sha256};

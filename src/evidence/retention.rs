@@ -3,6 +3,9 @@
 //! asks for the plan, reads the tails of the segments it names and
 //! unlinks them once the next header has recorded their removal.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

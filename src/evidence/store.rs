@@ -35,8 +35,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-/// Whose records: an org, or `None` for the clients of no org.
-pub(crate) type Payer = Option<Arc<str>>;
+/// Whose records: an org, or `None` for the clients of no org (who pays
+/// for a connection is [`crate::limits::Payer`]; this is who owns records).
+pub(crate) type Owner = Option<Arc<str>>;
 
 /// The most a close record is longer than the allow record it closes,
 /// besides the allow's id (which it names in `conn`): `bytes_up`,
@@ -96,9 +97,9 @@ impl Space {
 /// reserved for the close records open connections owe.
 #[derive(Debug, Default)]
 struct Usage {
-    by_payer: HashMap<Payer, u64>,
+    by_payer: HashMap<Owner, u64>,
     attributed: u64,
-    reserved: HashMap<Payer, u64>,
+    reserved: HashMap<Owner, u64>,
     reserved_total: u64,
     floor: bool,
     space: Space,
@@ -114,7 +115,7 @@ impl Usage {
     }
 
     /// A payer's bytes, written and reserved.
-    fn held(&self, payer: &Payer) -> u64 {
+    fn held(&self, payer: &Owner) -> u64 {
         self.by_payer.get(payer).copied().unwrap_or(0)
             + self.reserved.get(payer).copied().unwrap_or(0)
     }
@@ -171,7 +172,7 @@ impl Store {
 
     /// Whether `payer`'s allows are refused: the store is full and its
     /// records hold more than its share of what is attributed.
-    pub(crate) fn over_share(&self, payer: &Payer) -> bool {
+    pub(crate) fn over_share(&self, payer: &Owner) -> bool {
         if !self.is_full() {
             return false;
         }
@@ -182,11 +183,11 @@ impl Store {
 
     /// Every payer holding records, the bytes of its records on disk and
     /// whether it is over its share now (metrics).
-    pub(crate) fn shares(&self) -> Vec<(Payer, u64, bool)> {
+    pub(crate) fn shares(&self) -> Vec<(Owner, u64, bool)> {
         let full = self.is_full();
         let payers = self.payers();
         let u = self.usage();
-        let mut v: Vec<(Payer, u64, bool)> = u
+        let mut v: Vec<(Owner, u64, bool)> = u
             .by_payer
             .iter()
             .map(|(p, b)| (p.clone(), *b, full && over(u.held(p), u.total(), payers)))
@@ -196,7 +197,7 @@ impl Store {
     }
 
     /// Records on disk: `bytes` of `payer`'s (segments found at start).
-    pub(crate) fn add(&self, written: &HashMap<Payer, u64>) {
+    pub(crate) fn add(&self, written: &HashMap<Owner, u64>) {
         if written.is_empty() {
             return;
         }
@@ -235,12 +236,12 @@ impl Store {
 
     /// Bytes reserved for `payer` (tests).
     #[cfg(test)]
-    pub(crate) fn reserved(&self, payer: &Payer) -> u64 {
+    pub(crate) fn reserved(&self, payer: &Owner) -> u64 {
         self.usage().reserved.get(payer).copied().unwrap_or(0)
     }
 
     /// Reserve `bytes` for a record `payer` owes.
-    fn reserve(&self, payer: &Payer, bytes: u64) {
+    fn reserve(&self, payer: &Owner, bytes: u64) {
         let mut u = self.usage();
         *u.reserved.entry(payer.clone()).or_insert(0) += bytes;
         u.reserved_total += bytes;
@@ -248,7 +249,7 @@ impl Store {
     }
 
     /// Give back a reservation of [`Store::reserve`].
-    fn release(&self, payer: &Payer, bytes: u64) {
+    fn release(&self, payer: &Owner, bytes: u64) {
         let mut u = self.usage();
         if let Some(r) = u.reserved.get_mut(payer) {
             *r = r.saturating_sub(bytes);
@@ -261,7 +262,7 @@ impl Store {
     }
 
     /// A removed segment's records given back.
-    pub(super) fn remove(&self, segment: &HashMap<Payer, u64>) {
+    pub(super) fn remove(&self, segment: &HashMap<Owner, u64>) {
         let mut u = self.usage();
         for (p, b) in segment {
             if let Some(held) = u.by_payer.get_mut(p) {
@@ -282,7 +283,7 @@ impl Store {
     }
 }
 
-fn attribute(u: &mut Usage, written: &HashMap<Payer, u64>) {
+fn attribute(u: &mut Usage, written: &HashMap<Owner, u64>) {
     for (p, b) in written {
         *u.by_payer.entry(p.clone()).or_insert(0) += b;
         u.attributed += b;
@@ -296,14 +297,14 @@ fn attribute(u: &mut Usage, written: &HashMap<Payer, u64>) {
 /// drops it once the close is written; a connection that ends without a
 /// close drops it then.
 pub(crate) struct Owed {
-    payer: Payer,
+    payer: Owner,
     bytes: u64,
     live: Arc<super::Live>,
 }
 
 impl Owed {
     /// Reserve `bytes` of `payer`'s in the store of `live`.
-    pub(super) fn reserve(live: &Arc<super::Live>, payer: &Payer, bytes: u64) -> Owed {
+    pub(super) fn reserve(live: &Arc<super::Live>, payer: &Owner, bytes: u64) -> Owed {
         live.store().reserve(payer, bytes);
         Owed {
             payer: payer.clone(),
@@ -337,7 +338,7 @@ fn over(held: u64, total: u64, payers: u64) -> bool {
 mod tests {
     use super::*;
 
-    fn map(entries: &[(Option<&str>, u64)]) -> HashMap<Payer, u64> {
+    fn map(entries: &[(Option<&str>, u64)]) -> HashMap<Owner, u64> {
         entries
             .iter()
             .map(|(p, b)| (p.map(Arc::from), *b))
@@ -348,7 +349,7 @@ mod tests {
     fn only_a_payer_over_its_share_of_a_full_store_is_over() {
         let store = Store::default();
         store.count_payers(|| 3);
-        let (acme, beta): (Payer, Payer) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
+        let (acme, beta): (Owner, Owner) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.add(&map(&[(Some("acme"), 900), (Some("beta"), 100)]));
         // Not full: nobody is over, however much it holds.
         assert!(!store.over_share(&acme));
@@ -407,7 +408,7 @@ mod tests {
     fn a_full_disk_is_full_and_a_write_past_the_margin_makes_the_store_full_at_once() {
         let store = Store::default();
         store.count_payers(|| 3);
-        let (acme, beta): (Payer, Payer) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
+        let (acme, beta): (Owner, Owner) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.measure(4000, 1000);
         assert!(!store.is_full());
         // One batch of acme's takes it under the margin: full now, not at
@@ -430,7 +431,7 @@ mod tests {
         let live: Arc<crate::evidence::Live> = Arc::default();
         let store = live.store();
         store.count_payers(|| 3);
-        let (acme, beta): (Payer, Payer) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
+        let (acme, beta): (Owner, Owner) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.measure(10_000, 1000);
         store.add(&map(&[(Some("acme"), 500), (Some("beta"), 500)]));
         store.wrote(1000);

@@ -342,7 +342,7 @@ async fn an_allow_reserves_room_for_its_close_until_the_close_is_written() {
     let cfg = config(&root);
     let ev = Evidence::start(&cfg).unwrap();
     let store = ev.live().store();
-    let acme: store::Payer = Some(Arc::from("acme"));
+    let acme: store::Owner = Some(Arc::from("acme"));
     assert!(store.free().is_some(), "free space measured at start");
     // A denial and a DNS answer owe no close.
     let mut deny = record(0, false);

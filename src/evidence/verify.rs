@@ -34,7 +34,7 @@ pub(crate) struct Options {
 
 /// An intact evidence set.
 #[derive(Debug, Default)]
-pub(crate) struct Summary {
+pub(crate) struct Findings {
     pub files: usize,
     /// Every chained record, headers and checkpoints included.
     pub records: u64,
@@ -182,7 +182,7 @@ pub(crate) fn retention_cut(
     ))
 }
 
-impl fmt::Display for Summary {
+impl fmt::Display for Findings {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
@@ -265,7 +265,7 @@ impl fmt::Display for Summary {
     }
 }
 
-impl Summary {
+impl Findings {
     /// What retention removed, in one line, if anything.
     pub(crate) fn removed_line(&self) -> Option<String> {
         let (first, last) = (self.removed.first()?, self.removed.last()?);
@@ -483,12 +483,12 @@ fn check_checkpoint_tree(
 /// Check every record under `path` with default options (sealed end
 /// required, embedded key).
 #[cfg(test)]
-pub(crate) fn verify_path(path: &Path) -> Result<Summary, VerifyError> {
+pub(crate) fn verify_path(path: &Path) -> Result<Findings, VerifyError> {
     verify_with(path, &Options::default())
 }
 
 /// Check every record under `path`.
-pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, VerifyError> {
+pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Findings, VerifyError> {
     let (list, single) = files(path)?;
     let headers: Vec<Option<Map<String, Value>>> = list.iter().map(|p| header_of(p)).collect();
     // Hashes of segments removed by retention, as recorded by later headers.
@@ -500,11 +500,11 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Summary, Verify
         .filter_map(|r| r.get("last_hash").and_then(Value::as_str).map(String::from))
         .collect();
 
-    let mut s = Summary {
+    let mut s = Findings {
         files: list.len(),
         key_pinned: opts.key.is_some(),
         removed: removed_in(headers.iter().flatten()),
-        ..Summary::default()
+        ..Findings::default()
     };
     let mut key: Option<VerifyingKey> = opts.key;
     if let Some(k) = &key {

@@ -52,7 +52,7 @@ use super::merkle::{self, Frontier, OrgTrees};
 use super::note;
 use super::retention::{self, Listed};
 use super::segment::{self, Tail};
-use super::store::{Owed, Payer};
+use super::store::{Owed, Owner};
 use crate::config::{Durability, EvidenceConfig};
 
 /// Records appended with a place reserved (`write`, `submit_within`, and
@@ -77,7 +77,7 @@ const DISK_CHECK: Duration = Duration::from_secs(1);
 pub(super) struct Entry {
     pub line: Prepared,
     /// Whose record it is, for the store's shares ([`super::store`]).
-    pub org: Payer,
+    pub org: Owner,
     /// A `write` caller waits for this record's batch.
     pub acked: bool,
     /// It holds a place in the queue's capacity.
@@ -561,10 +561,10 @@ pub(super) struct Io {
     outage: Option<Outage>,
     /// Submitted records of failed batches (with the room reserved for
     /// them), written first once writing works again.
-    kept: Vec<(Prepared, Payer, Option<Arc<Owed>>)>,
+    kept: Vec<(Prepared, Owner, Option<Arc<Owed>>)>,
     /// Bytes of records per payer in each segment on disk written by this
     /// run, oldest first (the last is the open one).
-    usage: VecDeque<(String, HashMap<Payer, u64>)>,
+    usage: VecDeque<(String, HashMap<Owner, u64>)>,
     /// Size-based retention is held back by `retain_min_age`: when the
     /// oldest closed segment it stopped at becomes old enough.
     floor_until: Option<Instant>,
@@ -984,7 +984,7 @@ impl Io {
     }
 
     /// Chain a prepared record after `head`, straight into `buf`.
-    fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Payer) {
+    fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Owner) {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
         let leaf = merkle::record_leaf(&head.hash);
@@ -1131,7 +1131,7 @@ impl Io {
             Self::push(&mut head, &mut buf, &mut m);
             lines += 1;
         }
-        let mut written: HashMap<Payer, u64> = HashMap::new();
+        let mut written: HashMap<Owner, u64> = HashMap::new();
         // The records' lines in `buf`, for the tap, while anyone listens.
         let tapped = self.counters.tap().active();
         let mut records: Vec<(usize, usize)> = Vec::new();

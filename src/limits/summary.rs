@@ -195,17 +195,17 @@ impl Tally {
 
 /// The tallies of one [`Shape`] of summary.
 pub(crate) struct Tallies<S: Shape> {
-    map: Mutex<Held<S>>,
+    map: Mutex<Book<S>>,
     shape: PhantomData<S>,
 }
 
 /// The tallies, and how many each org holds.
-struct Held<S: Shape> {
+struct Book<S: Shape> {
     map: HashMap<S::Key, Tally>,
     per_org: HashMap<Option<Arc<str>>, usize>,
 }
 
-impl<S: Shape> Held<S> {
+impl<S: Shape> Book<S> {
     /// Whether a new tally of `key` may be kept (else it is counted under
     /// its overflow key).
     fn room_for(&self, key: &S::Key) -> bool {
@@ -223,7 +223,7 @@ impl<S: Shape> Held<S> {
 impl<S: Shape> Default for Tallies<S> {
     fn default() -> Self {
         Tallies {
-            map: Mutex::new(Held {
+            map: Mutex::new(Book {
                 map: HashMap::new(),
                 per_org: HashMap::new(),
             }),
@@ -241,7 +241,7 @@ impl<S: Shape> std::fmt::Debug for Tallies<S> {
 }
 
 impl<S: Shape> Tallies<S> {
-    fn lock(&self) -> MutexGuard<'_, Held<S>> {
+    fn lock(&self) -> MutexGuard<'_, Book<S>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -126,6 +126,9 @@
 //! lookup one hash map per distinct prefix length in use; neither grows with
 //! the number of rules.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 mod address;
 mod allowed;
 mod compile;

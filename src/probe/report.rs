@@ -174,7 +174,7 @@ pub enum Checked {
 }
 
 impl Verification {
-    fn passed(summary: &verify::Summary, allow_unsealed: bool) -> Verification {
+    fn passed(summary: &verify::Findings, allow_unsealed: bool) -> Verification {
         Verification {
             ok: true,
             key_pinned: summary.key_pinned,
@@ -742,7 +742,7 @@ fn verify_fleet(
     if !checked.ok() {
         return Ok((names, Err(verification)));
     }
-    let sums: Vec<(&str, &verify::Summary)> = checked
+    let sums: Vec<(&str, &verify::Findings)> = checked
         .chains
         .iter()
         .filter_map(|c| Some((c.name.as_str(), c.summary.as_ref()?)))

@@ -19,7 +19,7 @@ pub(crate) enum Event {
 
 /// The body that follows a head.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Body {
+enum Framing {
     Length(u64),
     Chunked,
 }
@@ -48,7 +48,7 @@ enum State {
     Chunked(Chunk),
     /// After a CONNECT head: the bytes that follow are a tunnel's if the
     /// CONNECT is accepted, the next request's if not; held until told.
-    Paused(Body),
+    Paused(Framing),
     Stopped,
 }
 
@@ -174,11 +174,11 @@ fn flush_body(body: &mut u64, events: &mut Vec<Event>) {
     }
 }
 
-fn body_state(body: Body) -> State {
+fn body_state(body: Framing) -> State {
     match body {
-        Body::Length(0) => State::Head,
-        Body::Length(n) => State::Length(n),
-        Body::Chunked => State::Chunked(Chunk::Start),
+        Framing::Length(0) => State::Head,
+        Framing::Length(n) => State::Length(n),
+        Framing::Chunked => State::Chunked(Chunk::Start),
     }
 }
 
@@ -215,7 +215,7 @@ fn head_end(buf: &[u8], from: usize) -> Result<Option<usize>, ()> {
 
 /// Parse a complete head as hyper does: is it a CONNECT, and what body
 /// follows (RFC 9112 §6.3)? `None` where hyper refuses the request.
-fn framing(head: &[u8]) -> Option<(bool, Body)> {
+fn framing(head: &[u8]) -> Option<(bool, Framing)> {
     let lines = head.iter().filter(|&&b| b == b'\n').count();
     let mut headers = vec![httparse::EMPTY_HEADER; lines];
     let mut req = httparse::Request::new(&mut headers);
@@ -246,9 +246,9 @@ fn framing(head: &[u8]) -> Option<(bool, Body)> {
         }
     }
     match (te, chunked) {
-        (true, true) => Some((connect, Body::Chunked)),
+        (true, true) => Some((connect, Framing::Chunked)),
         (true, false) => None,
-        (false, _) => Some((connect, Body::Length(length.unwrap_or(0)))),
+        (false, _) => Some((connect, Framing::Length(length.unwrap_or(0)))),
     }
 }
 

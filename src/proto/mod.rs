@@ -1,6 +1,9 @@
 //! Pure wire and name parsers: no I/O, no clock. Each answers done, not this
 //! protocol, or need more bytes, so callers can peek or buffer and replay.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 pub(crate) mod client_hello;
 pub(crate) mod graphql;
 pub(crate) mod guard;

@@ -22,7 +22,10 @@ use tokio_util::sync::CancellationToken;
 /// Why a streamed body stopped early.
 pub(crate) type BodyError = Box<dyn StdError + Send + Sync>;
 
-/// A response body, whole or streamed.
+/// The body of every response served (the admin API, the proxy) and of
+/// every request the proxy forwards, whole or streamed; its error (a
+/// connection lost, a unit revoked) ends the exchange without a clean end
+/// of body.
 pub(crate) type Body = BoxBody<Bytes, BodyError>;
 
 /// A body of `data` at once.

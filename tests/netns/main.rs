@@ -46,6 +46,7 @@ mod service;
 mod socks5;
 mod splice;
 mod synthetic;
+mod timed;
 mod tls;
 mod transparent;
 mod transparent_v6;

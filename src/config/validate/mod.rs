@@ -26,6 +26,7 @@ mod rules;
 mod service;
 mod values;
 mod volume;
+mod window;
 
 use admin::validate_admin;
 use bypass::validate_bypass;

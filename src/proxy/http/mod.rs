@@ -21,10 +21,8 @@ pub(crate) mod wire;
 use std::convert::Infallible;
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Response, StatusCode};
-use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::HttpService;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -32,17 +30,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::serve::http::drained;
 
-/// The body of every response the proxy serves and request it forwards;
-/// its error (a connection lost, a unit revoked) ends the exchange without
-/// a clean end of body.
-pub(crate) type Body = BoxBody<Bytes, crate::serve::http::BodyError>;
-
-/// A body of `data` at once.
-pub(crate) fn full(data: impl Into<Bytes>) -> Body {
-    Full::new(data.into())
-        .map_err(|never| match never {})
-        .boxed()
-}
+/// The one body type of the served and forwarded exchanges, and a
+/// body of bytes at once.
+pub(crate) use crate::serve::http::{full, Body};
 
 /// A short plain-text response with a `Proxy-Status` header.
 pub(crate) fn text_response(
