@@ -266,10 +266,17 @@ mod tests {
 
     const SEC: Duration = Duration::from_secs(1);
 
+    /// The tests' origin of time: the only clock read here, and only to
+    /// have an `Instant` to count from; the code under test is handed it.
+    #[expect(clippy::disallowed_methods, reason = "an Instant to count from")]
+    fn origin() -> Instant {
+        Instant::now()
+    }
+
     #[test]
     fn bound_until_expiry_and_per_org() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         assert!(b.is_bound("acme", "a.test", ip("198.18.2.10"), t0 + 9 * SEC));
@@ -284,7 +291,7 @@ mod tests {
     #[test]
     fn retain_drops_what_it_is_told_to_and_nothing_else() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.11"), 10 * SEC, t0);
@@ -303,7 +310,7 @@ mod tests {
     #[test]
     fn rebinding_refreshes() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0 + 5 * SEC);
@@ -314,7 +321,7 @@ mod tests {
     #[test]
     fn per_name_cap_replaces_soonest_expiry() {
         let b = Bindings::new(2, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.1"), 5 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.2"), 50 * SEC, t0);
@@ -329,7 +336,7 @@ mod tests {
     #[test]
     fn global_cap_evicts_oldest() {
         let b = Bindings::new(8, 3, 3);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         for i in 1..=5u8 {
             b.bind(&acme, &format!("n{i}.test"), ip("198.18.2.1"), 60 * SEC, t0);
@@ -349,7 +356,7 @@ mod tests {
     #[test]
     fn expired_bindings_are_swept() {
         let b = Bindings::new(8, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         for i in 0..4u8 {
             b.bind(&acme, &format!("n{i}.test"), ip("198.18.2.1"), SEC, t0);
@@ -364,7 +371,7 @@ mod tests {
     #[test]
     fn names_for_is_per_org_with_remaining_validity() {
         let b = Bindings::new(8, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let (acme, other): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("other"));
         b.bind(&acme, "b.test", ip("198.18.2.1"), 30 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.1"), 10 * SEC, t0);
@@ -395,7 +402,7 @@ mod tests {
     fn an_org_churning_ten_times_its_share_leaves_other_orgs_intact() {
         // Room for 40 bindings, 10 per org.
         let b = Bindings::new(8, 10, 40);
-        let t0 = Instant::now();
+        let t0 = origin();
         bind_many(&b, "b", "b{}.test", 10, t0);
         // Org a churns random names under its wildcard: 10x its share.
         bind_many(&b, "a", "r{}.wild.test", 100, t0);
@@ -414,7 +421,7 @@ mod tests {
     fn when_all_are_taken_the_biggest_holder_loses_its_oldest() {
         // No org cap to speak of: only the global one.
         let b = Bindings::new(8, 100, 10);
-        let t0 = Instant::now();
+        let t0 = origin();
         bind_many(&b, "b", "b{}.test", 3, t0);
         bind_many(&b, "a", "r{}.test", 50, t0);
         let a: Arc<str> = Arc::from("a");

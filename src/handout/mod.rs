@@ -11,5 +11,8 @@
 //! Both are bounded by [`crate::limits::table::FairTable`]: one org's
 //! churn evicts its own entries, never another's below its share.
 
+// Pure: no clock, tokio or I/O (clippy.toml), in both files.
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 pub(crate) mod bindings;
 pub(crate) mod synthetic;

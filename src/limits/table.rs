@@ -37,6 +37,9 @@
 //! every entry is indexed once and a one-org table (the memo, the buckets)
 //! costs one map and one ordered index.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
