@@ -68,8 +68,7 @@ const ABOVE_PROXY: &[&str] = &["analysis", "app", "cli", "testing"];
 const PURE: &[&str] = &[
     "proto/",
     "policy/",
-    "bindings.rs",
-    "synthetic.rs",
+    "handout/",
     "dns/decide.rs",
     "bypass/packet.rs",
     "enforcement/compare.rs",

@@ -191,7 +191,7 @@ impl Approvals {
 
     /// Drop every approval expired at `now`.
     pub(crate) fn expire(&mut self, now: SystemTime) -> Vec<Approval> {
-        let gone = self.table.sweep(usize::MAX, |e| *e <= now);
+        let gone = self.table.sweep(None, usize::MAX, |e, _| *e <= now);
         gone.into_iter()
             .map(|(_, a)| {
                 self.ids.remove(&a.id);
