@@ -459,7 +459,7 @@ async fn explain_tcp(
     };
     let outcome = decide_with(
         policy,
-        (&resolver, None),
+        (&resolver, None, None),
         &org,
         (host, port),
         Addresses::Resolved,
