@@ -114,7 +114,7 @@ impl Approvals {
             let org = asked.org.clone();
             // Same key, same place: replaced in place.
             self.table
-                .insert(org, asked, a.clone(), expires, |_| false)
+                .insert(org, asked, a.clone(), expires, |_, _| false)
                 .ok()?;
             return Some(a);
         }
@@ -135,7 +135,7 @@ impl Approvals {
                 asked.clone(),
                 a.clone(),
                 a.expires,
-                |e| *e <= now,
+                |e, _| *e <= now,
             )
             .ok()?;
         for (_, gone) in evicted {
