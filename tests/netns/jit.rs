@@ -271,6 +271,31 @@ fn one_use_allows_one_connection_and_a_revoke_closes_a_live_one() {
     let (status, _, mut live) = connect(&lab, "other.test:80");
     assert_eq!(status, 200);
     assert_eq!(get_through(&mut live, "/jit-live"), 200);
+    // The CLI lists the grant and the approval the refused second connection made.
+    let token_file = lab::scratch_dir("jit-cli").join("alice.token");
+    std::fs::write(&token_file, ALICE).unwrap();
+    let cli = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend([
+            "--admin",
+            lab::ADMIN_ADDR,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ]);
+        lab.proxy_ns_exec(lab::palisade_bin(), &all)
+    };
+    let out = cli(&["grants"]);
+    assert!(
+        out.success() && out.stdout.contains(&gid),
+        "{}",
+        out.describe()
+    );
+    let out = cli(&["approvals"]);
+    assert!(
+        out.success() && out.stdout.contains("other.test:80"),
+        "{}",
+        out.describe()
+    );
     let (code, _) = admin(
         &lab,
         "DELETE",
