@@ -76,7 +76,7 @@ pub struct GrantArgs {
     /// The org the grant is for.
     #[arg(long)]
     pub org: Option<String>,
-    /// HOST:PORT, ADDRESS:PORT, [V6]:PORT or CIDR:PORT.
+    /// HOST:PORT, ADDRESS:PORT, `[V6]:PORT` or CIDR:PORT.
     pub target: Option<String>,
     /// How long it lasts (e.g. 10m, 1h; at most 24h; with neither this nor
     /// --max-uses, 1h).
