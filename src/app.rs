@@ -133,6 +133,13 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
                 source,
             })?,
         );
+    // Each new checkpoint goes to the witnesses, off the decision path.
+    crate::evidence::witness::start(&evidence, evidence_config).map_err(|source| {
+        StartError::Evidence {
+            dir: evidence_config.dir.display().to_string(),
+            source,
+        }
+    })?;
     if evidence_config.durability == crate::config::Durability::Discard {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
@@ -208,7 +215,7 @@ async fn load_served(config: &Config, metrics: &Arc<Metrics>) -> Result<ServedHa
     let host = crate::host::addresses().map_err(|e| StartError::Host(e.to_string()))?;
     let (config, metrics) = (config.clone(), metrics.clone());
     Ok(tokio::task::spawn_blocking(move || {
-        let policy = Arc::new(Policy::with_host(&config, &host));
+        let policy = Arc::new(Policy::with_host(&config, &host).at(std::time::SystemTime::now()));
         crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
         Served::load(&config, policy, &metrics)
     })
@@ -643,7 +650,17 @@ async fn serve_until(
     let synthetic = s.synthetic.as_deref();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        // A time-bound rule starts or ends at its instant, no reload needed.
+        let rule_change = async |wait: Option<std::time::Duration>| match wait {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => std::future::pending().await,
+        };
         tokio::select! {
+            () = rule_change(reloader.until_rule_change()) => {
+                if let Some(outcome) = reloader.rule_change().await {
+                    reloaded(ctx, &s.bindings, synthetic, &outcome);
+                }
+            }
             () = &mut shutdown => break,
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;

@@ -18,6 +18,7 @@ use super::timeout::{
     DEFAULT_HEADER_READ_TIMEOUT, DEFAULT_IDLE_TIMEOUT, DEFAULT_RESOLVE_TIMEOUT,
     DEFAULT_RESPONSE_TIMEOUT, DEFAULT_REVOKE_GRACE, DEFAULT_UPSTREAM_IDLE_TIMEOUT,
 };
+use super::window::Window;
 
 /// Default cap on concurrent client connections, all orgs together.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
@@ -132,8 +133,32 @@ pub struct Config {
     pub enforcement: Option<EnforcementConfig>,
     /// `[otel]`: the OTLP export (`crate::otel`); `None` without the table.
     pub otel: Option<OtelConfig>,
+    /// `[decider]`: consulted on a miss (`crate::decider`); `None` without
+    /// the table.
+    pub decider: Option<DeciderConfig>,
     pub orgs: Vec<OrgConfig>,
 }
+
+/// `[decider]`: an HTTP endpoint asked about a miss (see
+/// `docs/decisions.md`, "The decider").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeciderConfig {
+    /// `http://HOST[:PORT][/PATH]`: where each question is POSTed.
+    pub url: String,
+    /// How long one consultation may take, connecting included.
+    pub timeout: Duration,
+    /// Consultations at once; a miss past them is denied without asking.
+    pub max_in_flight: usize,
+}
+
+/// `[decider] timeout` when unset.
+pub const DEFAULT_DECIDER_TIMEOUT: Duration = Duration::from_millis(500);
+/// The longest `[decider] timeout` accepted.
+pub const MAX_DECIDER_TIMEOUT: Duration = Duration::from_secs(10);
+/// `[decider] max_in_flight` when unset.
+pub const DEFAULT_DECIDER_IN_FLIGHT: usize = 64;
+/// The largest `[decider] max_in_flight` accepted.
+pub const MAX_DECIDER_IN_FLIGHT: usize = 4096;
 
 /// The `service.name` of the OTLP export when `[otel]` names none.
 pub const DEFAULT_OTEL_SERVICE_NAME: &str = "palisade";
@@ -739,6 +764,19 @@ pub struct EvidenceConfig {
     /// Who writes this evidence, in every segment header and record id
     /// (default: the host name).
     pub replica: String,
+    /// Witnesses each new checkpoint is submitted to (c2sp.org/tlog-witness).
+    pub witnesses: Vec<WitnessConfig>,
+}
+
+/// One `[evidence] witnesses` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WitnessConfig {
+    /// The submission prefix: `http://HOST[:PORT][/PATH]`;
+    /// `add-checkpoint` is posted to `PREFIX/add-checkpoint`.
+    pub url: http::Uri,
+    /// Its verifier key (c2sp.org/signed-note form, type 0x04, Ed25519
+    /// `cosignature/v1`): `NAME+KEY_ID+BASE64(0x04 || KEY)`.
+    pub key: String,
 }
 
 impl EvidenceConfig {
@@ -761,6 +799,7 @@ impl EvidenceConfig {
                 &DnsConfig::default(),
             ),
             replica: default_replica(),
+            witnesses: Vec::new(),
         }
     }
 }
@@ -1080,6 +1119,9 @@ pub struct RuleConfig {
     /// only): what the org may move through this rule per window.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub volume: Option<Volume>,
+    /// `not_before`, `expires` (allow rules only): when the rule matches.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub window: Option<Window>,
 }
 
 /// A volume budget: at most `up` bytes from clients and `down` bytes to
@@ -1254,6 +1296,7 @@ impl Config {
             policy: _,
             enforcement: _,
             otel: _,
+            decider: _,
             orgs: _,
         } = self;
         let ProxyConfig {

@@ -41,7 +41,7 @@ use super::conn::{Asked, Conn, Plan};
 use super::ctx::{Ctx, View};
 use crate::config::Carry;
 use crate::policy::request::RequestFacts;
-use crate::policy::{Decision, Reason, Verdict};
+use crate::policy::{Decision, OrgRef, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::served::Served;
 
@@ -101,7 +101,7 @@ pub(crate) fn revisit(served: &Arc<Served>, conn: &Conn) -> Revisit {
     };
     let report = view.is_report();
     if !verdict.is_allow() {
-        let why = format!("now {}", verdict.reason);
+        let why = ended(policy, &org, conn).unwrap_or_else(|| format!("now {}", verdict.reason));
         // Report mode reports the allowlist's own denials, as at a
         // decision; the baseline's are enforced for every org.
         let own = policy.layer_of(&verdict) != Some(crate::policy::Layer::Baseline);
@@ -126,6 +126,20 @@ pub(crate) fn revisit(served: &Arc<Served>, conn: &Conn) -> Revisit {
         Some(would) => Revisit::Reported(view, format!("would now be {would}")),
         None => Revisit::Kept(view, verdict),
     }
+}
+
+/// The end of the time-bound rule `conn` was allowed by, when `policy`
+/// decides past it: `rule R expired at T` (`crate::reload` serves the
+/// policy again at that instant).
+fn ended(policy: &crate::policy::Policy, org: &OrgRef, conn: &Conn) -> Option<String> {
+    let rule = conn.verdict.rule.as_deref()?;
+    let window = policy.window_of(org, rule)?;
+    let now = policy.instant()?;
+    let end = window.expires.filter(|_| window.ended(now))?;
+    Some(format!(
+        "rule {rule} expired at {}",
+        crate::config::rfc3339(end)
+    ))
 }
 
 /// Whether a grant allowed `conn` (its rule is `grant:ID`).
