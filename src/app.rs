@@ -133,6 +133,13 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
                 source,
             })?,
         );
+    // Each new checkpoint goes to the witnesses, off the decision path.
+    crate::evidence::witness::start(&evidence, evidence_config).map_err(|source| {
+        StartError::Evidence {
+            dir: evidence_config.dir.display().to_string(),
+            source,
+        }
+    })?;
     if evidence_config.durability == crate::config::Durability::Discard {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
@@ -208,7 +215,7 @@ async fn load_served(config: &Config, metrics: &Arc<Metrics>) -> Result<ServedHa
     let host = crate::host::addresses().map_err(|e| StartError::Host(e.to_string()))?;
     let (config, metrics) = (config.clone(), metrics.clone());
     Ok(tokio::task::spawn_blocking(move || {
-        let policy = Arc::new(Policy::with_host(&config, &host));
+        let policy = Arc::new(Policy::with_host(&config, &host).at(std::time::SystemTime::now()));
         crate::reload::store_policy_text(&config.evidence.dir, &config, policy.hash());
         Served::load(&config, policy, &metrics)
     })
@@ -335,6 +342,12 @@ impl Started {
             tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
             enforcement: services.enforcement.clone(),
             volumes: ctx.volumes.clone(),
+            approvers: crate::admin::approvals::Approvers {
+                jit: ctx.jit.clone(),
+                tokens: config.admin.approver_tokens.clone(),
+                served: services.served.clone(),
+            },
+            sessions: Default::default(),
         });
         let mut running = spawn_proxy(
             &ctx,
@@ -388,7 +401,8 @@ impl Started {
             )
             .with_evidence_budget(evidence_budget)
             .with_names(names)
-            .with_synthetic(services.synthetic.clone()),
+            .with_synthetic(services.synthetic.clone())
+            .with_jit(ctx.jit.clone()),
         );
         running.enforcement = enforcement.map(|(state, expected)| {
             let served = services.served.clone();
@@ -410,6 +424,7 @@ impl Started {
         health.listeners_bound.store(true, Ordering::Relaxed);
         log_serving(&config, &services);
         running.flusher = Some(flush_denials(&ctx));
+        running.grants = Some(end_grants(&ctx));
 
         serve_until(&config, &ctx, &services, &mut sighup, shutdown).await;
 
@@ -493,8 +508,39 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
         enforcement: s.enforcement.clone(),
         routes: s.routes.clone(),
         otel: s.otel.clone(),
+        jit: jit(s),
     });
     (ctx, evidence_budget, names)
+}
+
+/// Approvals and grants, with the grants of the evidence taken back: an
+/// unexpired one lives on exactly as given, an expired one is recorded
+/// `expired` and dropped.
+fn jit(s: &Services) -> Arc<crate::jit::Jit> {
+    let jit = Arc::new(crate::jit::Jit::new(Some(s.evidence.clone())));
+    let now = std::time::SystemTime::now();
+    let held = crate::jit::replay(s.evidence.path(), now);
+    jit.restore(held, &s.served.load().policy, now);
+    jit
+}
+
+/// End grants as they fall due (their TTL; a reload that denies their
+/// target), checked four times a second, until shutdown.
+fn end_grants(ctx: &Arc<Ctx>) -> tokio::task::JoinHandle<()> {
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::jit::END_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ctx.shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    let served = ctx.served.load();
+                    ctx.jit.end_due(&served.policy, std::time::SystemTime::now());
+                }
+            }
+        }
+    })
 }
 
 /// What runs until the drain, to be waited for in order.
@@ -506,6 +552,8 @@ struct Running {
     enforcement: Option<JoinHandle<()>>,
     dns: Option<JoinHandle<()>>,
     flusher: Option<JoinHandle<()>>,
+    /// Ends grants at their TTL (`crate::jit`).
+    grants: Option<JoinHandle<()>>,
     admin: Option<std::thread::JoinHandle<()>>,
     /// The OTLP export's stop and tasks: stopped once the chain is sealed.
     otel: (CancellationToken, Vec<JoinHandle<()>>),
@@ -602,7 +650,17 @@ async fn serve_until(
     let synthetic = s.synthetic.as_deref();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
+        // A time-bound rule starts or ends at its instant, no reload needed.
+        let rule_change = async |wait: Option<std::time::Duration>| match wait {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => std::future::pending().await,
+        };
         tokio::select! {
+            () = rule_change(reloader.until_rule_change()) => {
+                if let Some(outcome) = reloader.rule_change().await {
+                    reloaded(ctx, &s.bindings, synthetic, &outcome);
+                }
+            }
             () = &mut shutdown => break,
             _ = sighup.recv() => {
                 let outcome = reloader.reload("SIGHUP").await;
@@ -649,9 +707,14 @@ async fn drain(ctx: &Ctx, running: Running, limits: &crate::config::Limits) {
         ctx.hard_stop.cancel();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, ctx.tasks.wait()).await;
     }
-    for t in [running.flusher, running.enforcement, running.bypass]
-        .into_iter()
-        .flatten()
+    for t in [
+        running.flusher,
+        running.enforcement,
+        running.bypass,
+        running.grants,
+    ]
+    .into_iter()
+    .flatten()
     {
         let _ = t.await;
     }

@@ -63,6 +63,7 @@
 //! group) and records them as `kind = "bypass"`; [`enforcement`] checks
 //! that the kernel holds the gateway ruleset as its file defines it
 //! (`/readyz`, `kind = "enforcement"` records, `enforcement_missing`);
+//! [`decider`] asks an operator's HTTP endpoint about a miss;
 //! [`probe`] demonstrates containment (a probe plan run in the sandbox,
 //! joined with verified evidence). [`cli`] holds the commands of the
 //! `palisade` binary: arguments and printing over the library; the read
@@ -91,6 +92,7 @@ pub(crate) mod bindings;
 pub(crate) mod bypass;
 pub mod cli;
 pub mod config;
+pub(crate) mod decider;
 pub(crate) mod dns;
 pub(crate) mod enforcement;
 pub mod evidence;
@@ -99,6 +101,7 @@ pub mod evidence;
 pub mod fuzzing;
 pub(crate) mod host;
 pub(crate) mod intercept;
+pub(crate) mod jit;
 pub(crate) mod limits;
 pub(crate) mod metrics;
 pub(crate) mod otel;

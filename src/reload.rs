@@ -34,7 +34,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tracing::{info, warn};
@@ -48,6 +48,10 @@ use crate::served::{Served, ServedHandle};
 
 /// How often the config file's content is checked for changes.
 pub(crate) const DEFAULT_CONFIG_POLL_INTERVAL: Duration = Duration::from_secs(2);
+
+/// The longest wait for a time-bound rule's next change before the
+/// instant is looked at again.
+pub(crate) const MAX_RULE_CHANGE_WAIT: Duration = Duration::from_secs(60);
 
 /// Reloads the config file into the served state.
 pub(crate) struct Reloader {
@@ -230,6 +234,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         bypass,
         enforcement,
         otel,
+        decider,
         // Served: rebuilt by a reload.
         intercept: _,
         policy: _,
@@ -237,65 +242,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     } = old;
     let mut keys = Vec::new();
     if proxy != &new.proxy {
-        changed!(keys, "proxy", proxy, new.proxy, ProxyConfig { listen, transparent, socks5; limits });
-        changed!(
-            keys,
-            "proxy",
-            &proxy.limits,
-            new.proxy.limits,
-            Limits {
-                max_connections,
-                max_connections_per_org,
-                max_new_connections_per_second_per_org,
-                max_detect_memory_bytes,
-                max_detect_memory_bytes_per_org,
-                max_connections_per_client,
-                max_new_connections_per_second_per_client,
-                max_denial_records_per_second_per_client,
-                max_denial_records_per_second_per_org,
-                max_request_head_bytes,
-                max_headers,
-                header_read_timeout,
-                connect_timeout,
-                idle_timeout,
-                response_timeout,
-                detect_timeout,
-                drain_timeout,
-                revoke_grace,
-                upstream_idle_timeout,
-                max_idle_upstream_connections,
-                max_idle_upstream_connections_per_target
-            }
-        );
+        proxy_changes(&mut keys, proxy, &new.proxy);
     }
     if dns != &new.dns {
-        changed!(
-            keys,
-            "dns",
-            dns,
-            new.dns,
-            DnsConfig {
-                listen,
-                upstream,
-                resolve_timeout,
-                idle_timeout,
-                query_timeout,
-                max_tcp_connections,
-                max_tcp_connections_per_client,
-                max_tcp_connections_per_org,
-                max_queries_in_flight,
-                max_queries_in_flight_per_org,
-                max_queries_per_second_per_client,
-                min_ttl,
-                max_ttl,
-                binding_grace,
-                max_bindings_per_name,
-                max_bindings_per_org,
-                max_bindings,
-                synthetic_pool,
-                synthetic_pool_v6
-            }
-        );
+        dns_changes(&mut keys, dns, &new.dns);
     }
     changed!(
         keys,
@@ -304,7 +254,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         new.admin,
         AdminConfig {
             listen,
-            tail_tokens
+            tail_tokens,
+            approver_tokens
         }
     );
     changed!(
@@ -320,30 +271,104 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if otel != &new.otel {
         keys.push("otel");
     }
+    if decider != &new.decider {
+        keys.push("decider");
+    }
     if evidence != &new.evidence {
-        changed!(
-            keys,
-            "evidence",
-            evidence,
-            new.evidence,
-            EvidenceConfig {
-                dir,
-                key,
-                durability,
-                checkpoint_every,
-                checkpoint_interval,
-                rotate_size,
-                rotate_age,
-                retain_size,
-                retain_age,
-                retain_min_age,
-                min_free,
-                max_records_per_second_per_org,
-                replica
-            }
-        );
+        evidence_changes(&mut keys, evidence, &new.evidence);
     }
     keys
+}
+
+/// The `[proxy]` keys (its limits too) that differ.
+fn proxy_changes(keys: &mut Vec<&'static str>, proxy: &ProxyConfig, new: &ProxyConfig) {
+    changed!(keys, "proxy", proxy, new, ProxyConfig { listen, transparent, socks5; limits });
+    changed!(
+        keys,
+        "proxy",
+        &proxy.limits,
+        new.limits,
+        Limits {
+            max_connections,
+            max_connections_per_org,
+            max_new_connections_per_second_per_org,
+            max_detect_memory_bytes,
+            max_detect_memory_bytes_per_org,
+            max_connections_per_client,
+            max_new_connections_per_second_per_client,
+            max_denial_records_per_second_per_client,
+            max_denial_records_per_second_per_org,
+            max_request_head_bytes,
+            max_headers,
+            header_read_timeout,
+            connect_timeout,
+            idle_timeout,
+            response_timeout,
+            detect_timeout,
+            drain_timeout,
+            revoke_grace,
+            upstream_idle_timeout,
+            max_idle_upstream_connections,
+            max_idle_upstream_connections_per_target
+        }
+    );
+}
+
+/// The `[dns]` keys that differ.
+fn dns_changes(keys: &mut Vec<&'static str>, dns: &DnsConfig, new: &DnsConfig) {
+    changed!(
+        keys,
+        "dns",
+        dns,
+        new,
+        DnsConfig {
+            listen,
+            upstream,
+            resolve_timeout,
+            idle_timeout,
+            query_timeout,
+            max_tcp_connections,
+            max_tcp_connections_per_client,
+            max_tcp_connections_per_org,
+            max_queries_in_flight,
+            max_queries_in_flight_per_org,
+            max_queries_per_second_per_client,
+            min_ttl,
+            max_ttl,
+            binding_grace,
+            max_bindings_per_name,
+            max_bindings_per_org,
+            max_bindings,
+            synthetic_pool,
+            synthetic_pool_v6
+        }
+    );
+}
+
+/// The `[evidence]` keys that differ.
+fn evidence_changes(keys: &mut Vec<&'static str>, evidence: &EvidenceConfig, new: &EvidenceConfig) {
+    changed!(
+        keys,
+        "evidence",
+        evidence,
+        new,
+        EvidenceConfig {
+            dir,
+            key,
+            durability,
+            checkpoint_every,
+            checkpoint_interval,
+            rotate_size,
+            rotate_age,
+            retain_size,
+            retain_age,
+            retain_min_age,
+            min_free,
+            max_records_per_second_per_org,
+            replica,
+            witnesses
+        }
+    );
 }
 
 /// Check the loaded file `new` against what runs, and build what it
@@ -362,7 +387,8 @@ fn prepare(
         return Err(ReloadError::RestartOnly(restart));
     }
     // Re-read on every reload: the host's addresses may have changed.
-    let policy = Arc::new(Policy::with_host(&new, &crate::host::addresses()?));
+    let policy =
+        Arc::new(Policy::with_host(&new, &crate::host::addresses()?).at(SystemTime::now()));
     let served = Served::load(&new, policy, metrics)?;
     if served.serves_as(current) && new.intercept == running.intercept {
         return Ok(Prepared::Unchanged);
@@ -446,12 +472,62 @@ impl Reloader {
         info!(addresses = ?host, "host addresses changed");
         let (running, now) = (self.running.clone(), current.clone());
         let served = blocking(move || {
-            let policy = Arc::new(Policy::with_host(&running, &host));
+            let policy = Arc::new(Policy::with_host(&running, &host).at(SystemTime::now()));
             now.with_policy(&running, policy)
         })
         .await
         .ok()?;
         Some(self.serve("host addresses changed", &current, None, served))
+    }
+
+    /// How long until the served policy's next rule change
+    /// ([`Policy::next_change`]: a time-bound rule starts or ends), at
+    /// most [`MAX_RULE_CHANGE_WAIT`] (a wall clock set meanwhile is seen
+    /// then); `None` while no time-bound rule is left to change.
+    pub(crate) fn until_rule_change(&self) -> Option<Duration> {
+        let next = self.served.load().policy.next_change()?;
+        let wait = next
+            .duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO);
+        Some(wait.min(MAX_RULE_CHANGE_WAIT))
+    }
+
+    /// Serve the running config again at the current instant if a
+    /// time-bound rule started or ended since the served policy's instant:
+    /// compiled with the same host addresses, the rest of the served state
+    /// kept, no file read. Counted as no reload; live connections are
+    /// decided again as after one (the caller's [`ReloadOutcome::Applied`]).
+    pub(crate) async fn rule_change(&mut self) -> Option<ReloadOutcome> {
+        let current = self.served.load_full();
+        let now = SystemTime::now();
+        let due = current.policy.next_change().is_some_and(|t| t <= now);
+        if !due {
+            return None;
+        }
+        let (running, served) = (self.running.clone(), current.clone());
+        let next = blocking(move || {
+            let host = served.policy.host_addresses().to_vec();
+            let policy = Arc::new(Policy::with_host(&running, &host).at(now));
+            served.with_policy(&running, policy)
+        })
+        .await
+        .ok()?;
+        let hash = next.policy.hash().to_string();
+        // A reload in between has swapped in a policy of its own, as new.
+        let swapped = self.served.compare_and_swap(&current, Arc::new(next));
+        if !Arc::ptr_eq(&swapped, &current) {
+            return None;
+        }
+        let active: Vec<&str> = self
+            .running
+            .orgs
+            .iter()
+            .flat_map(|o| &o.allow)
+            .filter(|r| r.window.is_some_and(|w| w.contains(now)))
+            .map(|r| r.id.as_str())
+            .collect();
+        info!(at = %crate::config::rfc3339(now), active = ?active, "time-bound rules changed");
+        Some(ReloadOutcome::Applied { hash })
     }
 
     /// Load and check the file and, if it is accepted, serve it.

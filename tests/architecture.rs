@@ -77,6 +77,8 @@ const PURE: &[&str] = &[
     "evidence/note.rs",
     "evidence/retention.rs",
     "limits/table.rs",
+    "jit/approvals.rs",
+    "jit/grants.rs",
 ];
 
 /// What a pure part may not name (paths, by prefix) ...
@@ -107,26 +109,26 @@ const MAX_FN_LINES: usize = 120;
 /// `Type::name`, why). An entry no long function stands for any more
 /// fails (delete it).
 const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
-    ("app.rs", "Started::serve", "wt-units splits it"),
     (
-        "config/validate/evidence.rs",
-        "validate_evidence",
-        "wt-units splits it",
-    ),
-    (
-        "config/validate/org.rs",
-        "validate_orgs",
-        "wt-units splits it",
+        "app.rs",
+        "Started::serve",
+        "5 over; app.rs is being edited by wt-jit and wt-perf",
     ),
     (
         "config/validate/rules.rs",
         "validate_rules",
-        "wt-units splits it",
+        "not split yet: the next to split (issue 35)",
     ),
-    ("evidence/export.rs", "check", "wt-units splits it"),
-    ("evidence/query.rs", "to_ocsf", "wt-units splits it"),
-    ("evidence/verify.rs", "verify_with", "wt-units splits it"),
-    ("metrics.rs", "Metrics::build", "wt-units splits it"),
+    (
+        "evidence/query.rs",
+        "to_ocsf",
+        "not split yet: the next to split (issue 35)",
+    ),
+    (
+        "metrics.rs",
+        "Metrics::build",
+        "one struct literal: the metric definitions, a list, not steps",
+    ),
     (
         "probe/classify.rs",
         "not_caused_by",
@@ -142,8 +144,11 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "Ctx::second_request",
         "wt-volume splits probe/",
     ),
-    ("proxy/verify.rs", "pump", "wt-units splits it"),
-    ("reload.rs", "restart_only_changes", "wt-units splits it"),
+    (
+        "proxy/verify.rs",
+        "pump",
+        "not split yet: the next to split (issue 35)",
+    ),
 ];
 
 // ---------------------------------------------------------------------

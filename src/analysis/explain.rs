@@ -283,6 +283,30 @@ fn budget_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
     })
 }
 
+/// The interval of a time-bound rule: the allowing rule's, or those of
+/// the rules that would match but are outside theirs now.
+fn window_note(
+    policy: &Policy,
+    org: &OrgRef,
+    (host, port): (&Host, u16),
+    verdict: &Verdict,
+) -> Option<String> {
+    if verdict.is_allow() {
+        let rule = verdict.rule.as_deref()?;
+        let w = policy.window_of(org, rule)?;
+        return Some(format!(
+            "rule {rule} is time-bound: it matches {} (outside it, it does not)",
+            w.describe()
+        ));
+    }
+    let dormant: Vec<String> = policy
+        .dormant(org, host, port)
+        .into_iter()
+        .map(|(rule, w)| format!("rule {rule} matches only {}", w.describe()))
+        .collect();
+    (!dormant.is_empty()).then(|| format!("{}, not now", dormant.join("; ")))
+}
+
 /// The volume budgets an allowed connection spends from: the rule's and
 /// the org's, each with its limits and window.
 fn volume_note(policy: &Policy, verdict: &Verdict) -> Option<String> {
@@ -379,7 +403,7 @@ pub async fn explain_request(
     // (a host whose interfaces cannot be listed would not start `run`;
     // explain then decides without them).
     let host = crate::host::addresses().unwrap_or_default();
-    let policy = Policy::with_host(config, &host);
+    let policy = Policy::with_host(config, &host).at(std::time::SystemTime::now());
     match target {
         ExplainTarget::Tcp { host, port, .. } => {
             explain_tcp(config, &policy, client, (host, *port), request, ask).await
@@ -435,7 +459,7 @@ async fn explain_tcp(
     };
     let outcome = decide_with(
         policy,
-        (&resolver, None),
+        (&resolver, None, None),
         &org,
         (host, port),
         Addresses::Resolved,
@@ -446,6 +470,10 @@ async fn explain_tcp(
     let note = join_detail(
         budget_note(policy, &outcome.verdict),
         volume_note(policy, &outcome.verdict),
+    );
+    let note = join_detail(
+        note,
+        window_note(policy, &org, (host, port), &outcome.verdict),
     );
     let mut x = tcp(outcome.verdict);
     x.dial = outcome.dial;

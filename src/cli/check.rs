@@ -28,7 +28,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .map_err(|e| CliError::bare(Status::Failed, crate::config::ConfigErrors(vec![e])))?;
     }
     let host = crate::host::addresses().map_err(|e| CliError::new(Status::Failed, e))?;
-    let policy = Policy::with_host(&config, &host);
+    let policy = Policy::with_host(&config, &host).at(std::time::SystemTime::now());
     let openings = policy.openings();
     let rules: usize = config
         .orgs
@@ -88,6 +88,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .listen
             .map_or("(none)".into(), |a| a.to_string())
     );
+    if let Some(d) = &config.decider {
+        sayln!(
+            "  decider: {} (timeout {}, at most {} at once; asked on a miss only)",
+            d.url,
+            humantime::format_duration(d.timeout),
+            d.max_in_flight
+        );
+    }
     sayln!("  evidence dir: {}", config.evidence.dir.display());
     sayln!(
         "  gateway addresses (this host's interfaces, always denied; loopback is a fixed range): {}",
@@ -106,6 +114,9 @@ pub fn run(args: Args) -> Result<(), CliError> {
         );
     }
     sayln!("  policy: {}", policy.hash());
+    for w in window_warnings(&policy) {
+        sayln!("warning: {w}");
+    }
     if !config.proxy.transparent.is_empty() && config.dns.listen.is_empty() {
         sayln!(
             "warning: transparent listeners without a DNS shim ([dns] listen): there are no \
@@ -115,6 +126,32 @@ pub fn run(args: Args) -> Result<(), CliError> {
         );
     }
     Ok(())
+}
+
+/// Time-bound rules that will never match again (expired) or have not
+/// started yet, at the instant `policy` decides at.
+fn window_warnings(policy: &Policy) -> Vec<String> {
+    let Some(now) = policy.instant() else {
+        return Vec::new();
+    };
+    policy
+        .windows()
+        .filter_map(|(org, rule, w)| {
+            if w.ended(now) {
+                Some(format!(
+                    "rule {rule} of org {org} expired ({}): it matches nothing; remove it",
+                    w.describe()
+                ))
+            } else if !w.contains(now) {
+                Some(format!(
+                    "rule {rule} of org {org} does not match yet ({})",
+                    w.describe()
+                ))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// `a, b`, or `(none)`.

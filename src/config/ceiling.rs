@@ -172,6 +172,7 @@ mod tests {
             tunnel: None,
             names: NameLimits::default(),
             volume: None,
+            window: None,
         }
     }
 

@@ -19,12 +19,14 @@ mod model;
 mod raw;
 mod timeout;
 mod validate;
+mod window;
 
 pub use error::{ConfigError, ConfigErrors};
 pub use keys::accepted_keys;
 pub use model::*;
 pub use timeout::*;
 pub(crate) use validate::otel_endpoint_problem;
+pub use window::{parse_rfc3339, rfc3339, Window};
 
 use error::Errors;
 use raw::RawConfig;
@@ -103,6 +105,21 @@ clients = ["198.19.1.0/24"]
         match from_str(&format!("{ORG}{extra}"), Path::new("t.toml")) {
             Ok(_) => Vec::new(),
             Err(e) => e.0.iter().map(|e| e.to_string()).collect(),
+        }
+    }
+
+    /// Each `(extra, line, col, wants)`: `rule` then `extra` under `ORG`
+    /// is exactly one error, at `t.toml:LINE:COL`, containing `wants`.
+    pub(super) fn assert_located(rule: &str, cases: &[(&str, usize, usize, &str)]) {
+        for (extra, line, col, wants) in cases {
+            let e = errors(&format!("{rule}{extra}\n"));
+            assert_eq!(e.len(), 1, "{extra}: {e:?}");
+            assert!(
+                e[0].starts_with(&format!("t.toml:{line}:{col}: ")),
+                "{extra}: {}",
+                e[0]
+            );
+            assert!(e[0].contains(wants), "{extra}: {}", e[0]);
         }
     }
 }

@@ -238,8 +238,28 @@ pub(crate) fn decide_query(
             name: Some(name),
         };
     }
+    allowed(verdict, name, qtype, &settings)
+}
+
+/// Rows 7-11: what the query of an allowed name is answered with (a name
+/// allowed by a rule, or by a grant at the miss hook).
+pub(crate) fn allowed(
+    verdict: Verdict,
+    name: String,
+    qtype: RecordType,
+    settings: &OrgDns,
+) -> QueryDecision {
     if never_forwarded(&name) {
-        return local(Reason::SpecialName, Action::NxDomain, Some(name));
+        return QueryDecision {
+            verdict: Verdict {
+                reason: Reason::SpecialName,
+                rule: None,
+                would_deny: None,
+                ..verdict
+            },
+            action: Action::NxDomain,
+            name: Some(name),
+        };
     }
     let (verdict, action) = if qtype == RecordType::ANY {
         (verdict, Action::AnyHinfo)

@@ -48,6 +48,8 @@ pub(crate) struct Shim {
     /// The synthetic pools' mappings, shared with the proxy
     /// ([`Shim::with_synthetic`]); `None`: no pool set.
     pub synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    /// Approvals and grants, shared with the proxy ([`Shim::with_jit`]).
+    pub jit: Option<Arc<crate::jit::Jit>>,
 }
 
 impl Shim {
@@ -86,6 +88,7 @@ impl Shim {
                 Some(metrics.new_names_total.clone()),
             )),
             synthetic: crate::synthetic::Synthetic::from_config(&config).map(Arc::new),
+            jit: None,
             served,
             resolver,
             evidence,
@@ -102,6 +105,12 @@ impl Shim {
         synthetic: Option<Arc<crate::synthetic::Synthetic>>,
     ) -> Shim {
         self.synthetic = synthetic;
+        self
+    }
+
+    /// Take misses to `jit`, the approvals and grants the proxy uses too.
+    pub(crate) fn with_jit(mut self, jit: Arc<crate::jit::Jit>) -> Shim {
+        self.jit = Some(jit);
         self
     }
 

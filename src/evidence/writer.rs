@@ -9,6 +9,12 @@
 //! for the log to be free again, whichever comes first. With the log
 //! healthy no record waits for another thread.
 //!
+//! A record nobody waits on (a close record, a refusal summary: anything
+//! submitted) does not cost a write of its own: it rides the next batch a
+//! `write` caller leads, and if none comes within `RIDE_LAG` the duties
+//! thread writes it. Records a `write` caller waits on (decisions) are
+//! written at once, as before.
+//!
 //! With `fsync`, a batch nobody waits on (submitted records only) is
 //! written without a sync: the next synced batch's `fdatasync` covers it,
 //! and the duties thread syncs it at the latest `SYNC_LAG` later. Records a
@@ -17,7 +23,7 @@
 //! A small duties thread does what time asks for: a checkpoint
 //! `checkpoint_interval` after the first unsigned record, rotation by age,
 //! retries after a write error, a lagging sync, and records nobody is left
-//! to write (a leader hands those over after a few rounds). It leads like
+//! to write (records that ride, within `RIDE_LAG`). It leads like
 //! anyone else.
 //!
 //! Failure handling keeps the chain consistent: a batch that fails is cut
@@ -61,9 +67,9 @@ use crate::config::{Durability, EvidenceConfig};
 pub(super) const QUEUE_CAPACITY: usize = 8192;
 const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// Batches a leader writes in a row for records nobody waits on (submitted
-/// ones) before it leaves the rest to the duties thread.
-const MAX_ROUNDS: usize = 4;
+/// Longest a submitted record waits for a `write` caller's batch to ride
+/// before the duties thread writes it.
+const RIDE_LAG: Duration = Duration::from_millis(5);
 /// How long the duties thread sleeps when nothing is due.
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
@@ -177,12 +183,18 @@ pub(super) struct Common {
 struct Duties {
     state: Mutex<DutyState>,
     cv: Condvar,
+    /// Bound to write what rides within `RIDE_LAG` (the lock-free check
+    /// in front of `ride_by`).
+    riding: AtomicBool,
 }
 
 #[derive(Default)]
 struct DutyState {
     poked: bool,
     stop: bool,
+    /// Submitted records wait to ride a batch: lead by this time at the
+    /// latest.
+    ride_by: Option<Instant>,
 }
 
 impl Duties {
@@ -198,6 +210,19 @@ impl Duties {
     fn stop(&self) {
         self.lock().stop = true;
         self.cv.notify_one();
+    }
+
+    /// Lead within `RIDE_LAG` unless already bound to; one wake-up per
+    /// round of the duties thread, however many records ride.
+    fn ride(&self) {
+        if self.riding.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut st = self.lock();
+        if st.ride_by.is_none() {
+            st.ride_by = Some(Instant::now() + RIDE_LAG);
+            self.cv.notify_one();
+        }
     }
 }
 
@@ -232,6 +257,7 @@ impl Log {
                 duties: Duties {
                     state: Mutex::new(DutyState::default()),
                     cv: Condvar::new(),
+                    riding: AtomicBool::new(false),
                 },
             },
             slots: tokio::sync::Semaphore::new(QUEUE_CAPACITY),
@@ -286,6 +312,17 @@ impl Log {
         }
     }
 
+    /// Leave what was submitted to ride the next batch a `write` caller
+    /// leads, or the duties thread's within `RIDE_LAG`. With the queue
+    /// full, lead now instead: its places come back only with a write.
+    pub(super) fn ride(&self) {
+        if self.slots.available_permits() == 0 {
+            self.try_lead();
+        } else {
+            self.common.duties.ride();
+        }
+    }
+
     /// Write what is pending if no leader is at work; whether this call led.
     pub(super) fn try_lead(&self) -> bool {
         match self.try_io() {
@@ -317,40 +354,23 @@ impl Log {
         }
     }
 
-    /// As leader: write the pending batch, then hand over. Records nobody
-    /// waits on are written for a few more rounds; `write` callers are
-    /// woken to lead themselves; what is left goes to the duties thread.
-    fn lead<'a>(&'a self, mut io: MutexGuard<'a, Io>) {
-        let mut rounds = 0;
-        loop {
-            self.commit(&mut io, None);
-            drop(io);
-            let batch = {
-                let p = self.pending();
-                if p.entries.is_empty() || p.paused || p.closed {
-                    return;
-                }
-                if p.acked > 0 {
-                    Some(p.batch.clone())
-                } else {
-                    None
-                }
-            };
-            if let Some(b) = batch {
-                // Its callers wait on it: the first to wake leads.
-                b.notify.notify_waiters();
+    /// As leader: write the pending batch, then hand over: `write`
+    /// callers that came meanwhile are woken to lead themselves; records
+    /// nobody waits on ride their batch, or the duties thread's.
+    fn lead(&self, mut io: MutexGuard<'_, Io>) {
+        self.commit(&mut io, None);
+        drop(io);
+        let batch = {
+            let p = self.pending();
+            if p.entries.is_empty() || p.paused || p.closed {
                 return;
             }
-            rounds += 1;
-            if rounds >= MAX_ROUNDS {
-                self.common.duties.poke();
-                return;
-            }
-            match self.try_io() {
-                Some(g) => io = g,
-                // Another leader took over and will see them.
-                None => return,
-            }
+            (p.acked > 0).then(|| p.batch.clone())
+        };
+        match batch {
+            // Its callers wait on it: the first to wake leads.
+            Some(b) => b.notify.notify_waiters(),
+            None => self.ride(),
         }
     }
 
@@ -429,6 +449,18 @@ impl Log {
         sealed
     }
 
+    /// Hand every write's leaves and checkpoints to `sink` from now on.
+    pub(super) fn set_sink(&self, sink: Sink) {
+        self.io().set_sink(sink);
+    }
+
+    /// Write a `key_rotation` record, signed by the current key and
+    /// naming `next`, then sign with `next`.
+    pub(super) fn rotate_key(&self, next: SigningKey) -> io::Result<()> {
+        let mut io = self.io();
+        io.rotate_key(&self.common.ids, next)
+    }
+
     /// Stop (or resume) taking records, as a writer stuck in a slow
     /// `write(2)` would (tests).
     #[cfg(test)]
@@ -490,15 +522,19 @@ impl Log {
                         break;
                     }
                     let now = Instant::now();
-                    if now >= deadline {
+                    let due = st.ride_by.map_or(deadline, |r| r.min(deadline));
+                    if now >= due {
                         break;
                     }
-                    st = match self.common.duties.cv.wait_timeout(st, deadline - now) {
+                    st = match self.common.duties.cv.wait_timeout(st, due - now) {
                         Ok((s, _)) => s,
                         Err(p) => p.into_inner().0,
                     };
                 }
                 st.poked = false;
+                st.ride_by = None;
+                // Records submitted from now on arm the next round.
+                self.common.duties.riding.store(false, Ordering::Release);
             }
             let io = self.io();
             self.lead(io);
@@ -536,14 +572,45 @@ struct Head {
     tree: Frontier,
     /// Every org's tree ([`OrgTrees`]).
     orgs: OrgTrees,
+    /// With witnesses: the leaves and checkpoints not yet handed to them.
+    feed: Option<Feed>,
 }
 
 impl Head {
     /// Make the record whose hash is `hash` the next leaf.
     fn leaf(&mut self, hash: &str) {
-        self.tree.push(merkle::record_leaf(hash));
+        self.grow(merkle::record_leaf(hash));
+    }
+
+    fn grow(&mut self, leaf: merkle::Hash) {
+        self.tree.push(leaf);
+        if let Some(f) = &mut self.feed {
+            f.leaves.push(leaf);
+        }
     }
 }
+
+/// What the witnesses' submitter is handed after each write: the leaves
+/// written (after the tree `before`) and the checkpoints among them.
+#[derive(Clone, Debug)]
+pub(crate) struct Feed {
+    pub before: Frontier,
+    pub leaves: Vec<merkle::Hash>,
+    pub checkpoints: Vec<Signed>,
+}
+
+/// A checkpoint written: its seq, tree and signed note.
+#[derive(Clone, Debug)]
+pub(crate) struct Signed {
+    pub seq: u64,
+    pub size: u64,
+    pub root: merkle::Hash,
+    pub note: String,
+}
+
+/// Where feeds go (the witnesses' queue); called with the log held, so it
+/// must not block.
+pub(crate) type Sink = Box<dyn Fn(Feed) + Send>;
 
 /// The leader's state: the open segment and the chain head.
 pub(super) struct Io {
@@ -580,6 +647,8 @@ pub(super) struct Io {
     armed: Instant,
     /// The batch buffer, kept between batches.
     buf: Vec<u8>,
+    /// With witnesses: where written leaves and checkpoints go.
+    sink: Option<Sink>,
     /// `fsync`: since when records written without a sync wait for one.
     unsynced: Option<Instant>,
     counters: Arc<super::Live>,
@@ -622,6 +691,7 @@ impl Io {
                 since_ckpt: 0,
                 tree: Frontier::default(),
                 orgs: OrgTrees::default(),
+                feed: None,
             },
             seg: None,
             last_ckpt: now,
@@ -636,6 +706,7 @@ impl Io {
             backoff: BACKOFF_MIN,
             armed: now + IDLE,
             buf: Vec::new(),
+            sink: None,
             unsynced: None,
             counters,
             #[cfg(test)]
@@ -686,6 +757,7 @@ impl Io {
                     since_ckpt: 0,
                     tree,
                     orgs: segment::orgs_at_head(&existing, tail.last_seq).unwrap_or_default(),
+                    feed: None,
                 };
                 let end = tail.end();
                 // Anything but a seal means the previous run did not shut
@@ -988,7 +1060,7 @@ impl Io {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
         let leaf = merkle::record_leaf(&head.hash);
-        head.tree.push(leaf);
+        head.grow(leaf);
         if let Some(org) = org {
             head.orgs.push(org, leaf);
         }
@@ -1006,11 +1078,18 @@ impl Io {
         m.insert("root".into(), HEXLOWER.encode(&root).into());
         head.orgs.commit_into(&mut m);
         let body = note::checkpoint_body(&self.origin, size, &root);
-        m.insert(
-            "note".into(),
-            note::sign(&body, &self.origin, &self.key).into(),
-        );
-        m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
+        let signed = note::sign(&body, &self.origin, &self.key);
+        let seq = head.seq.map_or(0, |s| s + 1);
+        if let Some(f) = &mut head.feed {
+            f.checkpoints.push(Signed {
+                seq,
+                size,
+                root,
+                note: signed.clone(),
+            });
+        }
+        m.insert("note".into(), signed.into());
+        m.insert("seq".into(), Value::from(seq));
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);
         Self::push(head, buf, &mut m);
@@ -1066,10 +1145,63 @@ impl Io {
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
+                self.hand_over();
                 Ok(())
             }
             Err(e) => self.cut_back(e),
         }
+    }
+
+    /// A `key_rotation` record (`key` the current public key, `next_key`
+    /// and `next_vkey` the next one's), signed by the current key; every
+    /// checkpoint after it is signed by `next`.
+    fn rotate_key(&mut self, ids: &Ids, next: SigningKey) -> io::Result<()> {
+        let mut head = self.head.clone();
+        let mut buf = Vec::new();
+        let mut m = Self::meta(ids, "key_rotation");
+        let next_hex = super::key::public_hex(&next);
+        m.insert("key".into(), self.pubkey.clone().into());
+        m.insert("next_key".into(), next_hex.clone().into());
+        m.insert(
+            "next_vkey".into(),
+            note::vkey(&self.origin, &next.verifying_key()).into(),
+        );
+        m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
+        m.insert("prev".into(), head.hash.clone().into());
+        chain::sign(&mut m, &self.key);
+        Self::push(&mut head, &mut buf, &mut m);
+        self.write_buf(&buf, 1, &head, true)?;
+        self.counters.written(1);
+        info!(from = %self.pubkey, to = %next_hex, "evidence key rotated");
+        self.key = next;
+        self.pubkey = next_hex;
+        Ok(())
+    }
+
+    /// Hand what was written since the last time to the witnesses' sink.
+    fn hand_over(&mut self) {
+        let (Some(sink), Some(feed)) = (&self.sink, &mut self.head.feed) else {
+            return;
+        };
+        if feed.leaves.is_empty() {
+            return;
+        }
+        let next = Feed {
+            before: self.head.tree.clone(),
+            leaves: Vec::new(),
+            checkpoints: Vec::new(),
+        };
+        sink(std::mem::replace(feed, next));
+    }
+
+    /// From now on, hand written leaves and checkpoints to `sink`.
+    fn set_sink(&mut self, sink: Sink) {
+        self.head.feed = Some(Feed {
+            before: self.head.tree.clone(),
+            leaves: Vec::new(),
+            checkpoints: Vec::new(),
+        });
+        self.sink = Some(sink);
     }
 
     /// `fsync`: sync what was written without a sync (submitted records).

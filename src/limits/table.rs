@@ -215,10 +215,6 @@ where
         Ok(evicted)
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the tables still to come onto it")
-    )]
     /// Remove the first entries overall while `spent` says their place is
     /// (the expired ones, oldest first); at most `max`.
     pub(crate) fn sweep(&mut self, max: usize, spent: impl Fn(&P) -> bool) -> Vec<(K, V)> {

@@ -56,6 +56,7 @@ impl Policy {
             .take_while(|(len, _)| *len >= closed)
             .flat_map(|(_, rules)| rules)
             .copied()
+            .filter(|&i| o.allow[i].live(self.at))
         {
             any = true;
             if o.allow[i].ports.contains(port) {
@@ -116,6 +117,7 @@ impl Policy {
             .matches_len(addr)
             .take_while(|(len, _)| *len >= closed)
             .flat_map(|(_, rules)| rules)
+            .filter(|&&i| o.allow[i].live(self.at))
             .any(|&i| port.is_none_or(|p| o.allow[i].ports.contains(p)))
     }
 

@@ -5,11 +5,12 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use ipnet::{IpNet, Ipv4Net};
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, Identity, OrgConfig, PortSet, TokenDigest, ALWAYS_DENIED};
+use crate::config::{Config, Identity, OrgConfig, PortSet, TokenDigest, Window, ALWAYS_DENIED};
 use crate::proto::target::embedded_ipv4s;
 
 use super::rule::{compile_rules, Rule};
@@ -20,6 +21,8 @@ use super::verdict::{Layer, OrgRef, Verdict};
 pub(super) struct Org {
     pub(super) r#ref: OrgRef,
     pub(super) report: bool,
+    /// `on_miss = "ask"`: a miss becomes an approval (`crate::jit`).
+    pub(super) ask: bool,
     pub(super) identity: Identity,
     pub(super) tokens: Vec<TokenDigest>,
     /// The org's own networks (checked for `address+token`).
@@ -55,6 +58,10 @@ pub struct Policy {
     rule_count: usize,
     /// The baseline's `[[deny]]` entries, decided before any org rule.
     pub(super) baseline: Option<BaselineRules>,
+    /// The instant this policy decides at ([`Policy::at`]): time-bound
+    /// rules match only inside their interval at it, never while it is
+    /// unknown.
+    pub(super) at: Option<SystemTime>,
 }
 
 /// The baseline's denials, compiled like an org's deny rules.
@@ -208,6 +215,7 @@ impl Policy {
             let mut o = Org {
                 r#ref: OrgRef { index, name },
                 report: org.mode == crate::config::OrgMode::Report,
+                ask: org.on_miss == crate::config::OnMiss::Ask,
                 identity: org.identity,
                 tokens: org.tokens.clone(),
                 networks: org.clients.iter().map(|n| n.trunc()).collect(),
@@ -252,7 +260,48 @@ impl Policy {
             hash,
             rule_count,
             baseline: None,
+            at: None,
         }
+    }
+
+    /// This policy deciding at `now`: what serves traffic is compiled with
+    /// the instant it serves from, and served again at each
+    /// [`Policy::next_change`] (`crate::reload`). The clock is read by the
+    /// caller, never here.
+    pub fn at(mut self, now: SystemTime) -> Policy {
+        self.at = Some(now);
+        self
+    }
+
+    /// The instant this policy decides at, if it was given one.
+    pub fn instant(&self) -> Option<SystemTime> {
+        self.at
+    }
+
+    /// The next instant after [`Policy::instant`] at which a time-bound
+    /// rule starts or stops matching (`None`: none ever will, or the
+    /// instant is unknown).
+    pub fn next_change(&self) -> Option<SystemTime> {
+        let now = self.at?;
+        self.windows()
+            .filter_map(|(_, _, w)| w.next_change(now))
+            .min()
+    }
+
+    /// Every time-bound allow rule: its org, its id and its interval, in
+    /// file order.
+    pub fn windows(&self) -> impl Iterator<Item = (&Arc<str>, &Arc<str>, Window)> {
+        self.orgs.iter().flat_map(|o| {
+            o.allow
+                .iter()
+                .filter_map(move |r| Some((&o.r#ref.name, &r.id, r.window?)))
+        })
+    }
+
+    /// The interval of allow rule `rule` of `org`, if it has one.
+    pub fn window_of(&self, org: &OrgRef, rule: &str) -> Option<Window> {
+        let o = self.orgs.get(org.index)?;
+        o.allow_ids.get(rule).and_then(|&i| o.allow.get(i)?.window)
     }
 
     /// SHA-256 (hex) of the canonical JSON form of the orgs and their rules.
@@ -274,6 +323,9 @@ impl Policy {
     /// The layer of the rule that decided `verdict`, if a rule did.
     pub fn layer_of(&self, verdict: &Verdict) -> Option<Layer> {
         let rule = verdict.rule.as_ref()?;
+        if rule.starts_with(crate::config::GRANT_RULE_PREFIX) {
+            return Some(Layer::Grant);
+        }
         let baseline = self.baseline.as_ref().is_some_and(|b| b.ids.contains(rule));
         Some(if baseline {
             Layer::Baseline
@@ -306,6 +358,12 @@ impl Policy {
     /// The index of org `name` (its place in the config), if there is one.
     pub fn org_index(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// Org `name`, if the policy has it.
+    pub fn org_named(&self, name: &str) -> Option<OrgRef> {
+        let i = self.org_index(name)?;
+        self.orgs.get(i).map(|o| o.r#ref.clone())
     }
 }
 

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use crate::config::PortSet;
+use crate::config::{PortSet, Window};
 use crate::proto::target::Host;
 
 use super::compile::{canonical, Org, Policy};
@@ -98,6 +98,9 @@ impl Policy {
         let mut best: Option<usize> = None;
         let mut too_long: Option<usize> = None;
         for i in o.allow_names.matches(name) {
+            if !o.allow[i].live(self.at) {
+                continue;
+            }
             any = true;
             if !o.allow[i].ports.contains(port) {
                 continue;
@@ -128,6 +131,38 @@ impl Policy {
         self.org_for(client)
             .and_then(|org| self.orgs.get(org.index))
             .map_or(0, |o| o.allow_names.work(name) + o.deny_names.work(name))
+    }
+
+    /// The time-bound allow rules of `org` that would match `host` on
+    /// `port` but are outside their interval at this policy's instant
+    /// (what `palisade explain` names beside a denial), in file order.
+    pub fn dormant(&self, org: &OrgRef, host: &Host, port: u16) -> Vec<(Arc<str>, Window)> {
+        let Some(o) = self.orgs.get(org.index) else {
+            return Vec::new();
+        };
+        let mut found: Vec<usize> = match host {
+            Host::Name(name) => o.allow_names.matches(name).collect(),
+            Host::Ip(ip) => o
+                .allow_cidrs
+                .matches(canonical(*ip))
+                .flatten()
+                .copied()
+                .collect(),
+        };
+        found.sort_unstable();
+        found.dedup();
+        found
+            .into_iter()
+            .map(|i| &o.allow[i])
+            .filter(|r| r.ports.contains(port) && !r.live(self.at))
+            .filter_map(|r| Some((r.id.clone(), r.window?)))
+            .collect()
+    }
+
+    /// Whether an org's misses become approvals (`on_miss = "ask"`); a
+    /// report-mode org never asks (its misses are let through anyway).
+    pub fn asks(&self, org: &OrgRef) -> bool {
+        self.orgs.get(org.index).is_some_and(|o| o.ask && !o.report)
     }
 
     /// Whether an org only reports its allowlist's denials.
@@ -201,7 +236,11 @@ impl Policy {
         if let Some(&i) = denies.iter().find(|&&i| o.deny[i].ports == PortSet::All) {
             return Verdict::deny(&org, Reason::ExplicitDeny, Some(&o.deny[i]));
         }
-        let mut allows: Vec<usize> = o.allow_names.matches(name).collect();
+        let mut allows: Vec<usize> = o
+            .allow_names
+            .matches(name)
+            .filter(|&i| o.allow[i].live(self.at))
+            .collect();
         allows.sort_unstable();
         let mut too_long: Option<usize> = None;
         for &i in &allows {

@@ -2,8 +2,9 @@
 //! deny, compiled from its config and indexed into the tables.
 
 use std::sync::Arc;
+use std::time::SystemTime;
 
-use crate::config::{Carry, NameLimits, PortSet, RequestRules, RuleConfig, RuleTarget};
+use crate::config::{Carry, NameLimits, PortSet, RequestRules, RuleConfig, RuleTarget, Window};
 
 use super::table::{NameTable, PrefixTable};
 
@@ -20,9 +21,19 @@ pub(super) struct Rule {
     pub(super) below: Option<(usize, NameLimits)>,
     /// The rule's volume budget (allow rules).
     pub(super) volume: Option<crate::config::Volume>,
+    /// When a time-bound allow rule matches.
+    pub(super) window: Option<Window>,
 }
 
 impl Rule {
+    /// Does the rule match at `at` (the instant the policy decides at)?
+    /// A rule without an interval always does; a time-bound one only
+    /// inside it, and never when the instant is unknown.
+    pub(super) fn live(&self, at: Option<SystemTime>) -> bool {
+        self.window
+            .is_none_or(|w| at.is_some_and(|now| w.contains(now)))
+    }
+
     /// Whether every label of `name` left of this wildcard rule's suffix
     /// is within its `max_label_length` (always, for any other rule).
     pub(super) fn label_fits(&self, name: &str) -> bool {
@@ -56,6 +67,7 @@ pub(super) fn compile_rules(
                 _ => None,
             },
             volume: r.volume,
+            window: r.window,
         });
         match &r.target {
             RuleTarget::Cidr(net) => cidrs.entry(*net).push(i),

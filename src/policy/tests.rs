@@ -251,6 +251,7 @@ fn name_rules_never_allow_ip_literals() {
         tunnel: None,
         names: Default::default(),
         volume: None,
+        window: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p, "198.18.9.9", 443, &[]), Reason::NoMatchingRule);
@@ -269,6 +270,7 @@ fn own_listeners_are_never_dialled() {
         tunnel: None,
         names: Default::default(),
         volume: None,
+        window: None,
     });
     let p2 = Policy::new(&c);
     assert_eq!(reason(&p2, "198.18.0.1", 3128, &[]), Reason::DeniedAddress);
@@ -291,6 +293,7 @@ fn own_listeners_are_never_dialled() {
         tunnel: None,
         names: Default::default(),
         volume: None,
+        window: None,
     });
     let p3 = Policy::new(&c);
     assert_eq!(reason(&p3, "198.18.0.1", 443, &[]), Reason::RuleMatch);
@@ -1482,4 +1485,95 @@ cidr = "198.18.8.0/24"
         assert_eq!(p.baseline_hash().map(|h| h.to_string()), Some(want));
         assert_eq!(super::policy().baseline_hash(), None);
     }
+}
+
+/// A time-bound rule matches from `not_before` (inclusive) until `expires`
+/// (exclusive), at the instant the policy decides at; for names, the DNS
+/// question, addresses and the always-denied ranges it opens alike.
+#[test]
+fn a_time_bound_rule_matches_only_inside_its_interval() {
+    const TIMED: &str = r#"
+[proxy]
+listen = ["198.18.0.1:3128"]
+
+[[org]]
+name = "acme"
+clients = ["198.19.1.0/24"]
+
+[[org.allow]]
+id = "late"
+host = "late.example.com"
+not_before = "2026-12-05T08:00:00Z"
+
+[[org.allow]]
+id = "short"
+host = "short.example.com"
+not_before = "2026-12-05T08:00:00+01:00"
+expires = "2026-12-05T09:00:00Z"
+
+[[org.allow]]
+id = "db"
+cidr = "10.9.8.0/24"
+ports = [5432]
+expires = "2026-12-05T09:00:00Z"
+"#;
+    let config = config::from_str(TIMED, Path::new("p.toml")).unwrap();
+    let t = |s: &str| config::parse_rfc3339(s).unwrap();
+    let ns = std::time::Duration::from_nanos(1);
+    let (start, end) = (t("2026-12-05T07:00:00Z"), t("2026-12-05T09:00:00Z"));
+    let client = ip("198.19.1.5");
+    let decide = |now: std::time::SystemTime, host: &str, port: u16| {
+        let p = Policy::new(&config).at(now);
+        let host = normalize_host(host).unwrap();
+        let reason = match p.decide(client, &host, port) {
+            Decision::Final(v) => v.reason,
+            Decision::Resolve(pending) => match &host {
+                Host::Name(_) => {
+                    p.check_addresses(&pending, &[ip("198.18.9.9")])
+                        .verdict
+                        .reason
+                }
+                Host::Ip(_) => unreachable!(),
+            },
+        };
+        let dns = p
+            .decide_name_any_port(client, host.to_string().as_str())
+            .reason;
+        (reason, dns)
+    };
+    let allowed = (Reason::RuleMatch, Reason::RuleMatch);
+    let missed = (Reason::NoMatchingRule, Reason::NoMatchingRule);
+    for (now, short, late) in [
+        (start - ns, missed, missed),
+        (start, allowed, missed),
+        (t("2026-12-05T08:00:00Z"), allowed, allowed),
+        (end - ns, allowed, allowed),
+        (end, missed, allowed),
+        (end + ns, missed, allowed),
+    ] {
+        assert_eq!(decide(now, "short.example.com", 443), short, "{now:?}");
+        assert_eq!(decide(now, "late.example.com", 80), late, "{now:?}");
+    }
+    // The cidr rule opens its always-denied range only until it expires.
+    assert_eq!(decide(end - ns, "10.9.8.7", 5432).0, Reason::RuleMatch);
+    assert_eq!(decide(end, "10.9.8.7", 5432).0, Reason::DeniedAddress);
+    // Without an instant a time-bound rule never matches (fail closed).
+    let timeless = Policy::new(&config);
+    let short = normalize_host("short.example.com").unwrap();
+    assert!(matches!(
+        timeless.decide(client, &short, 443),
+        Decision::Final(v) if v.reason == Reason::NoMatchingRule
+    ));
+    // The changes to come, and what explain names beside the denial.
+    let p = Policy::new(&config).at(start - ns);
+    assert_eq!(p.next_change(), Some(start));
+    assert_eq!(
+        Policy::new(&config).at(start).next_change(),
+        Some(t("2026-12-05T08:00:00Z"))
+    );
+    assert_eq!(Policy::new(&config).at(end).next_change(), None);
+    let org = p.org_for(client).unwrap();
+    let dormant = p.dormant(&org, &short, 443);
+    assert_eq!(dormant.len(), 1);
+    assert_eq!(&*dormant[0].0, "short");
 }

@@ -1,6 +1,7 @@
-//! HTTP/1.x request-head detection for transparent mode: is this an HTTP
-//! request, and which host does it name? Pure, over the bytes read so far;
-//! nothing is consumed (the caller replays the bytes upstream).
+//! HTTP/1.x request heads, pure, over the bytes read so far; nothing is
+//! consumed (the caller replays the bytes). [`parse`], for transparent
+//! mode: is this an HTTP request, and which host does it name?
+//! [`request`], for the explicit listener: the first request head whole.
 
 /// Largest request head looked at; more is `Malformed`.
 pub(crate) const MAX_HEAD_LEN: usize = 16 * 1024;
@@ -102,6 +103,50 @@ fn parse_head(buf: &[u8], max: usize) -> Parse<Option<String>> {
     }
 }
 
+/// The whole first request head of an explicit-proxy connection, as
+/// `http` types: `Done` once the head is complete (`len` counts any empty
+/// lines before it, which servers skip, RFC 9112 §2.2), `NeedMore` for a
+/// valid prefix, `Malformed` for what `httparse` rejects, more than
+/// `max_headers` headers, or a method, target or header `http` does not
+/// take. The caller bounds the buffer; nothing is consumed.
+pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>> {
+    let skip = buf
+        .iter()
+        .position(|&b| b != b'\r' && b != b'\n')
+        .unwrap_or(buf.len());
+    let head = buf.get(skip..).unwrap_or_default();
+    if head.is_empty() {
+        return Parse::NeedMore;
+    }
+    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(head) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parse::NeedMore,
+        Err(httparse::Error::TooManyHeaders) => return Parse::Malformed("too many headers"),
+        Err(_) => return Parse::Malformed("malformed request head"),
+    };
+    let version = match req.version {
+        Some(1) => http::Version::HTTP_11,
+        Some(0) => http::Version::HTTP_10,
+        _ => return Parse::Malformed("unknown HTTP version"),
+    };
+    let mut built = http::Request::builder()
+        .method(req.method.unwrap_or_default())
+        .uri(req.path.unwrap_or_default())
+        .version(version);
+    for h in req.headers.iter() {
+        built = built.header(h.name, h.value);
+    }
+    match built.body(()) {
+        Ok(value) => Parse::Done {
+            value,
+            len: skip + len,
+        },
+        Err(_) => Parse::Malformed("request line or header not valid"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,5 +226,39 @@ mod tests {
             parse(b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n"),
             Parse::Malformed(_)
         ));
+    }
+
+    #[test]
+    fn whole_request_heads_as_http_types() {
+        let connect = b"\r\nCONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\nhello";
+        let end = connect.len() - 5;
+        for i in 0..end {
+            assert!(
+                matches!(request(&connect[..i], 8), Parse::NeedMore),
+                "prefix {i}"
+            );
+        }
+        let Parse::Done { value, len } = request(connect, 8) else {
+            panic!("CONNECT not parsed");
+        };
+        assert_eq!(len, end);
+        assert_eq!(value.method(), http::Method::CONNECT);
+        assert_eq!(value.uri().authority().unwrap().as_str(), "a.test:443");
+        assert_eq!(value.version(), http::Version::HTTP_11);
+        assert_eq!(value.headers()["host"], "a.test:443");
+        let many = b"GET / HTTP/1.1\r\nA: 1\r\nB: 2\r\nC: 3\r\n\r\n";
+        assert!(matches!(
+            request(many, 2),
+            Parse::Malformed("too many headers")
+        ));
+        assert!(matches!(request(many, 3), Parse::Done { .. }));
+        for bad in [
+            &b"CONNECT a.test:443 HTTP/2.0\r\n\r\n"[..],
+            b"CONNECT a b HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n",
+            b"\x16\x03\x01\x02\x00",
+        ] {
+            assert!(matches!(request(bad, 8), Parse::Malformed(_)), "{bad:?}");
+        }
     }
 }

@@ -23,6 +23,7 @@ use super::conn::{Conn, Link, Plan};
 use super::ctx::{Ctx, DETECT_BUDGET_EXHAUSTED};
 use super::decide::decide_in;
 use super::dial::dial_checked;
+use super::http::replay::Replay;
 use super::http::wire::MeteredIo;
 use super::intercepted::{self, serve::Session};
 use super::record::{denied, dial_failed, volume_spent, write_record, Refused, Written};
@@ -49,7 +50,7 @@ pub(crate) struct Opened {
 /// Decide `host:port` for `link`'s client, admit an allow
 /// ([`admission::admit`]) and dial it; a denial or refusal is recorded.
 pub(crate) async fn open(ctx: &Ctx, link: &Link, host: Host, port: u16) -> Result<Opened, Refused> {
-    let outcome = decide_in(ctx, link.mode, &link.view, &host, port).await;
+    let outcome = decide_in(ctx, (link.mode, link.client.ip()), &link.view, &host, port).await;
     let mut conn = link.decided(host, port, outcome.verdict);
     conn.detail = outcome.detail;
     // A synthetic address stands for its name: the records say both.
@@ -171,16 +172,31 @@ pub(crate) fn run_upgraded(
 ) -> Pin<Box<dyn Future<Output = ()> + Send>> {
     // Out of its box, which is freed here, not when the tunnel ends.
     let opened = *opened;
-    match upgraded.downcast::<TokioIo<MeteredIo<TcpStream>>>() {
+    match upgraded.downcast::<TokioIo<MeteredIo<Replay<TcpStream>>>>() {
         Ok(parts) => {
-            // An empty read buffer is dropped here, not held by the tunnel.
-            let first = parts.read_buf.to_vec();
-            let client = parts.io.into_inner().into_inner();
+            // What hyper read past the head, then what it never read of the
+            // bytes the explicit listener held for it; an empty read buffer
+            // is dropped here, not held by the tunnel.
+            let (held, client) = parts.io.into_inner().into_inner().into_parts();
+            let mut first = parts.read_buf.to_vec();
+            first.extend_from_slice(&held);
             forget_connection_task(&client);
             Box::pin(run(ctx, client, opened, first))
         }
         Err(upgraded) => Box::pin(run(ctx, TokioIo::new(upgraded), opened, Vec::new())),
     }
+}
+
+/// [`run`] for a CONNECT the explicit listener answered itself, on the
+/// client's socket, with the bytes the client sent after the head. Not an
+/// async fn, for the reason [`run_upgraded`] gives.
+pub(crate) fn run_opened(
+    ctx: Arc<Ctx>,
+    client: TcpStream,
+    opened: Box<Opened>,
+    first: Vec<u8>,
+) -> Pin<Box<dyn Future<Output = ()> + Send>> {
+    Box::pin(run(ctx, client, *opened, first))
 }
 
 /// Drop the HTTP connection task's claim on the socket it handed over.

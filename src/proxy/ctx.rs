@@ -69,6 +69,9 @@ pub(crate) struct Ctx {
     pub routes: Routes,
     /// The OTLP export, if on: where connection spans start.
     pub otel: Option<Arc<crate::otel::Otel>>,
+    /// Approvals and grants (`crate::jit`), shared with the DNS shim and
+    /// the admin endpoints.
+    pub jit: Arc<crate::jit::Jit>,
 }
 
 /// One decision's view of what is served: the [`Served`] state as it was

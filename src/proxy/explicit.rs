@@ -12,16 +12,18 @@ use http::header;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, debug_span, Instrument};
 
 use super::admission;
 use super::conn::{Asked, Link};
-use super::connect;
+use super::connect::{self, Opened};
 use super::ctx::{Ctx, View};
 use super::decide::{decide_in, Decided};
 use super::failure::Unserved;
 use super::forward;
+use super::http::replay::Replay;
 use super::http::wire::{Meter, MeteredIo, RequestBytes};
 use super::http::{self as layer, full, Body, Drain, Protocol};
 use super::intercepted;
@@ -29,59 +31,204 @@ use super::record::{denied, refused};
 use crate::evidence::{Kind, Mode};
 use crate::otel;
 use crate::policy::{Credential, IdentityError, Reason};
+use crate::proto::http_head;
 use crate::proto::target::{normalize_host, parse_authority, Host};
+use crate::proto::Parse;
 
 /// Serve one client connection until it closes or shutdown drains it.
+///
+/// The first request head is read here: a CONNECT is answered and becomes
+/// its tunnel on this task without an HTTP server in between; anything
+/// else (and a refused CONNECT, whose answer hyper writes) goes to the
+/// HTTP layer with the bytes read so far.
 pub(crate) async fn serve_connection(ctx: Arc<Ctx>, stream: TcpStream, link: Link) {
     // The link's permit lives as long as the connection or any tunnel it
     // became (each decided connection carries it on).
     let span = debug_span!("explicit", org = link.view.org.as_ref().map(|o| &*o.name));
     async move {
-        let _ = stream.set_nodelay(true);
-        let limits = &ctx.limits;
-        let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
-        let stream = MeteredIo::new(stream, meter.clone());
-        let svc_ctx = ctx.clone();
-        let svc_link = link.clone();
-        // The connection's span starts with its first request, under that
-        // request's `traceparent` (a CONNECT's is the tunnel's parent).
-        let conn_span = std::sync::OnceLock::new();
-        let service = service_fn(move |req: Request<Incoming>| {
-            let ctx = svc_ctx.clone();
-            let link = svc_link.clone();
-            let meter = meter.clone();
-            let conn = conn_span.get_or_init(|| {
+        let mut stream = stream;
+        let mut held = Vec::new();
+        // Boxed, as every step here: the task's own state stays a few
+        // pointers for the life of the tunnel it becomes.
+        let (answer, cx) = match Box::pin(read_first(&ctx, &mut stream, &mut held)).await {
+            First::Connect(req, len) => {
                 let mode = link.mode.as_str();
-                otel::connection(ctx.otel.as_deref(), link.client, mode, Some(req.headers()))
-            });
-            let cx = if req.method() == Method::CONNECT {
-                conn.clone()
-            } else {
-                otel::request(conn, req.method().as_str(), req.headers())
-            };
-            otel::within(cx, async move {
-                Ok::<_, Infallible>(metered(ctx, link, meter, req).await)
-            })
-        });
-        let protocol = Protocol::Http1 {
-            header_read_timeout: limits.header_read_timeout.get(),
-            // hyper's own bounds sit above ours, so that heads over our limits
-            // reach `handle` and get a recorded 431; beyond hyper's bounds it
-            // answers by itself and `record_parse_error` records it.
-            max_buf_size: limits.max_request_head_bytes + HYPER_HEAD_SLACK,
-            max_headers: limits.max_headers + HYPER_HEADERS_SLACK,
+                let headers = Some(req.headers());
+                let cx = otel::connection(ctx.otel.as_deref(), link.client, mode, headers);
+                let first = otel::within(cx.clone(), connect_first(&ctx, &link, &mut stream, *req));
+                match Box::pin(first).await {
+                    Ok(opened) => {
+                        drop(link);
+                        // Bytes the client sent after the head: the tunnel
+                        // judges and replays them first.
+                        let early = held.split_off(len);
+                        drop(held);
+                        let tunnel = connect::run_opened(ctx, stream, opened, early);
+                        return otel::within(cx, tunnel).await;
+                    }
+                    Err(answer) => (Some(answer), Some(cx)),
+                }
+            }
+            First::Http => (None, None),
+            First::Gone => return,
+            First::TimedOut => {
+                let why = "read header from client timeout";
+                return Box::pin(record_unparsed(&ctx, &link, why)).await;
+            }
         };
-        let drain = Drain {
-            shutdown: &ctx.shutdown,
-            hard_stop: &ctx.hard_stop,
-        };
-        if let Err(e) = layer::serve(stream, service, protocol, drain).await {
-            debug!(error = %e, "connection ended with error");
-            record_parse_error(&ctx, &link, &e).await;
-        }
+        let conn = ConnState { answer, cx };
+        Box::pin(serve_http(ctx, Replay::new(held, stream), link, conn)).await
     }
     .instrument(span)
     .await
+}
+
+/// What [`serve_http`] starts a connection with when the explicit
+/// listener already answered its first request.
+struct ConnState {
+    /// The response to the first request (a CONNECT refused before hyper
+    /// saw it): hyper reads that request again and writes this.
+    answer: Option<Response<Body>>,
+    /// The connection's trace context, started with that request.
+    cx: Option<opentelemetry::Context>,
+}
+
+/// What the first bytes of an explicit connection are.
+enum First {
+    /// A whole CONNECT head, `len` bytes long, that needs nothing of HTTP
+    /// beyond it: answered here.
+    Connect(Box<Request<()>>, usize),
+    /// Anything else (another method, a malformed or oversized head, a
+    /// close mid-head): for the HTTP layer, which answers as it always has.
+    Http,
+    /// Closed (or shutdown) before a byte came.
+    Gone,
+    /// The head did not come within `header_read_timeout`.
+    TimedOut,
+}
+
+/// Read the first request head into `held`, within the listener's bounds:
+/// at most hyper's buffer (so that hyper answers an oversized head as
+/// before), until `header_read_timeout` after the connection was accepted
+/// (the bound a slow client gets, whoever parses the head).
+async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> First {
+    let limits = &ctx.limits;
+    let cap = limits.max_request_head_bytes + HYPER_HEAD_SLACK;
+    let max_headers = limits.max_headers + HYPER_HEADERS_SLACK;
+    let deadline = tokio::time::Instant::now() + limits.header_read_timeout.get();
+    let mut chunk = [0u8; 2048];
+    loop {
+        if !held.is_empty() {
+            match http_head::request(held, max_headers) {
+                Parse::NeedMore if held.len() < cap => {}
+                Parse::Done { value, len } if tunnels_alone(&value) => {
+                    return First::Connect(Box::new(value), len)
+                }
+                _ => return First::Http,
+            }
+        }
+        let room = chunk.len().min(cap - held.len());
+        let read = tokio::select! {
+            _ = ctx.shutdown.cancelled() => None,
+            r = tokio::time::timeout_at(deadline, stream.read(&mut chunk[..room])) => Some(r),
+        };
+        match read {
+            Some(Ok(Ok(n))) if n > 0 => held.extend_from_slice(&chunk[..n]),
+            Some(Err(_)) => return First::TimedOut,
+            // Shutdown, a close or a read error: what hyper makes of the
+            // bytes so far (nothing, or a parse error it answers).
+            _ if held.is_empty() => return First::Gone,
+            _ => return First::Http,
+        }
+    }
+}
+
+/// A CONNECT the tunnel takes alone: HTTP/1.1, no body framing and no
+/// expectation (anything else is hyper's to answer, as before).
+fn tunnels_alone(req: &Request<()>) -> bool {
+    let h = req.headers();
+    req.method() == Method::CONNECT
+        && req.version() == http::Version::HTTP_11
+        && !h.contains_key(header::CONTENT_LENGTH)
+        && !h.contains_key(header::TRANSFER_ENCODING)
+        && !h.contains_key(header::EXPECT)
+}
+
+/// Decide and open the first CONNECT as [`handle`] would, and on success
+/// tell the client (`200`): the opened tunnel. A refusal is recorded and
+/// its answer returned, for hyper to write on this connection.
+async fn connect_first(
+    ctx: &Ctx,
+    link: &Link,
+    stream: &mut TcpStream,
+    req: Request<()>,
+) -> Result<Box<Opened>, Response<Body>> {
+    let link = admitted(ctx, link.clone(), &req, Kind::Tcp).await?;
+    let opened = connect_open(ctx, link, &req).await?;
+    // A client already gone is noticed by the tunnel at its first read.
+    let _ = stream.write_all(CONNECT_ESTABLISHED).await;
+    Ok(opened)
+}
+
+/// The answer to a CONNECT that became a tunnel.
+const CONNECT_ESTABLISHED: &[u8] = b"HTTP/1.1 200 OK\r\n\r\n";
+
+/// Serve the rest of a connection with hyper, `io` giving back the bytes
+/// already read first.
+async fn serve_http(ctx: Arc<Ctx>, io: Replay<TcpStream>, link: Link, first: ConnState) {
+    let limits = &ctx.limits;
+    let meter = Arc::new(Meter::new(limits.max_request_head_bytes + HYPER_HEAD_SLACK));
+    let stream = MeteredIo::new(io, meter.clone());
+    let svc_ctx = ctx.clone();
+    let svc_link = link.clone();
+    let answer = std::sync::Mutex::new(first.answer);
+    // The connection's span starts with its first request, under that
+    // request's `traceparent` (a CONNECT's is the tunnel's parent).
+    let conn_span = std::sync::OnceLock::new();
+    if let Some(cx) = first.cx {
+        let _ = conn_span.set(cx);
+    }
+    let service = service_fn(move |req: Request<Incoming>| {
+        let ctx = svc_ctx.clone();
+        let link = svc_link.clone();
+        let meter = meter.clone();
+        let conn = conn_span.get_or_init(|| {
+            let mode = link.mode.as_str();
+            otel::connection(ctx.otel.as_deref(), link.client, mode, Some(req.headers()))
+        });
+        let cx = if req.method() == Method::CONNECT {
+            conn.clone()
+        } else {
+            otel::request(conn, req.method().as_str(), req.headers())
+        };
+        let answered = answer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        otel::within(cx, async move {
+            Ok::<_, Infallible>(match answered {
+                Some(resp) => {
+                    meter.next_request();
+                    meter.connect_answered(false);
+                    resp
+                }
+                None => metered(ctx, link, meter, req).await,
+            })
+        })
+    });
+    let protocol = Protocol::Http1 {
+        header_read_timeout: limits.header_read_timeout.get(),
+        // hyper's own bounds sit above ours, so that heads over our limits
+        // reach `handle` and get a recorded 431; beyond hyper's bounds it
+        // answers by itself and `record_parse_error` records it.
+        max_buf_size: limits.max_request_head_bytes + HYPER_HEAD_SLACK,
+        max_headers: limits.max_headers + HYPER_HEADERS_SLACK,
+    };
+    let drain = Drain {
+        shutdown: &ctx.shutdown,
+        hard_stop: &ctx.hard_stop,
+    };
+    if let Err(e) = layer::serve(stream, service, protocol, drain).await {
+        debug!(error = %e, "connection ended with error");
+        record_parse_error(&ctx, &link, &e).await;
+    }
 }
 
 /// Bytes hyper may buffer beyond `max_request_head_bytes`.
@@ -90,13 +237,19 @@ const HYPER_HEAD_SLACK: usize = 64 * 1024;
 const HYPER_HEADERS_SLACK: usize = 100;
 
 /// A request hyper could not parse (or whose head did not arrive in time)
-/// was answered by hyper itself with a bare 400/408/431; record it.
+/// was answered by hyper itself with a bare 400/431 (or, for the timeout,
+/// closed); record it.
 async fn record_parse_error(ctx: &Ctx, link: &Link, e: &hyper::Error) {
-    if !(e.is_parse() || e.is_parse_too_large() || e.is_timeout()) {
-        return;
+    if e.is_parse() || e.is_parse_too_large() || e.is_timeout() {
+        record_unparsed(ctx, link, &e.to_string()).await;
     }
+}
+
+/// Record a request that was not parsed (`why`); the client gets no
+/// answer beyond hyper's.
+async fn record_unparsed(ctx: &Ctx, link: &Link, why: &str) {
     let mut link = link.under(ctx.view(link.client.ip()), Kind::Http);
-    link.refuse(Reason::BadRequest, format!("request not parsed: {e}"));
+    link.refuse(Reason::BadRequest, format!("request not parsed: {why}"));
     refused(ctx, &link).await;
 }
 
@@ -130,39 +283,16 @@ async fn handle(
     } else {
         Kind::Http
     };
-    // Each request is decided under the policy served when it arrives, for
-    // the org its address and credentials (checked on every request) name.
-    let mut link = match identify(&ctx, link.client, &req) {
-        Ok(view) => link.under(view, kind),
-        Err((view, e)) => return auth_refused(&ctx, link.under(view, kind), e).await,
+    let link = match admitted(&ctx, link, &req, kind).await {
+        Ok(link) => link,
+        Err(refused) => return refused,
     };
-    // The connection now counts for the org this request names (see
-    // `limits`): a token client leaves its address's pre-auth budget.
-    if let Err(hit) = link.charge(&ctx) {
-        link.refuse(Reason::LimitExceeded, hit.describe().to_string());
-        return reject(&ctx, &link).await;
-    }
-    // hyper bounds its read buffer only roughly; these make the configured limits exact.
-    let too_large = if head_size(&req) > ctx.limits.max_request_head_bytes {
-        Some("request head too large")
-    } else if req.headers().len() > ctx.limits.max_headers {
-        Some("too many headers")
-    } else {
-        None
-    };
-    if let Some(why) = too_large {
-        link.refuse(Reason::BadRequest, why.to_string());
-        let mut refused = refused(&ctx, &link).await;
-        if refused.failure.reason() == Reason::BadRequest {
-            refused.failure = Unserved::HeadTooLarge;
-        }
-        return refused.response();
-    }
     if req.method() == Method::CONNECT {
         connect(ctx, link, req).await
     } else if req.uri().scheme().is_some() {
         forward(ctx, link, req, bytes).await
     } else {
+        let mut link = link;
         link.refuse(
             Reason::BadRequest,
             "origin-form request: this is a proxy".to_string(),
@@ -171,12 +301,53 @@ async fn handle(
     }
 }
 
+/// The checks every request passes before its method's: who it is for
+/// (address and credentials, checked on every request), the org's
+/// connection budget, and the configured head bounds. The link under the
+/// request's org, or the recorded refusal's answer.
+async fn admitted<B>(
+    ctx: &Ctx,
+    link: Link,
+    req: &Request<B>,
+    kind: Kind,
+) -> Result<Link, Response<Body>> {
+    // Each request is decided under the policy served when it arrives, for
+    // the org its address and credentials (checked on every request) name.
+    let mut link = match identify(ctx, link.client, req) {
+        Ok(view) => link.under(view, kind),
+        Err((view, e)) => return Err(auth_refused(ctx, link.under(view, kind), e).await),
+    };
+    // The connection now counts for the org this request names (see
+    // `limits`): a token client leaves its address's pre-auth budget.
+    if let Err(hit) = link.charge(ctx) {
+        link.refuse(Reason::LimitExceeded, hit.describe().to_string());
+        return Err(reject(ctx, &link).await);
+    }
+    // hyper bounds its read buffer only roughly; these make the configured limits exact.
+    let too_large = if head_size(req) > ctx.limits.max_request_head_bytes {
+        Some("request head too large")
+    } else if req.headers().len() > ctx.limits.max_headers {
+        Some("too many headers")
+    } else {
+        None
+    };
+    if let Some(why) = too_large {
+        link.refuse(Reason::BadRequest, why.to_string());
+        let mut refused = refused(ctx, &link).await;
+        if refused.failure.reason() == Reason::BadRequest {
+            refused.failure = Unserved::HeadTooLarge;
+        }
+        return Err(refused.response());
+    }
+    Ok(link)
+}
+
 /// The view for a request: its client address and any
 /// `Proxy-Authorization: Basic base64(org:token)` it carries.
-fn identify(
+fn identify<B>(
     ctx: &Ctx,
     peer: SocketAddr,
-    req: &Request<Incoming>,
+    req: &Request<B>,
 ) -> Result<View, (View, IdentityError)> {
     let mut values = req.headers().get_all(header::PROXY_AUTHORIZATION).iter();
     let Some(value) = values.next() else {
@@ -246,35 +417,16 @@ async fn reject(ctx: &Ctx, link: &Link) -> Response<Body> {
 // ---------------------------------------------------------------------------
 // CONNECT
 
-async fn connect(ctx: Arc<Ctx>, mut link: Link, req: Request<Incoming>) -> Response<Body> {
-    let target = req
-        .uri()
-        .authority()
-        .filter(|_| req.uri().scheme().is_none() && req.uri().path_and_query().is_none())
-        .map(|a| parse_authority(a.as_str(), None));
-    let (host, port) = match target {
-        Some(Ok(t)) => t,
-        Some(Err(e)) => {
-            link.refuse(Reason::BadRequest, e.to_string());
-            return reject(&ctx, &link).await;
-        }
-        None => {
-            let why = "CONNECT needs an authority-form target host:port";
-            link.refuse(Reason::BadRequest, why.to_string());
-            return reject(&ctx, &link).await;
-        }
-    };
-    let opened = match connect::open(&ctx, &link, host, port).await {
+async fn connect(ctx: Arc<Ctx>, link: Link, req: Request<Incoming>) -> Response<Body> {
+    let opened = match connect_open(&ctx, link, &req).await {
         Ok(opened) => opened,
-        Err(refused) => return refused.response(),
+        Err(refused) => return refused,
     };
-
     let tunnel_ctx = ctx.clone();
     let on_upgrade = hyper::upgrade::on(req);
     // Boxed until the upgrade (`run_upgraded` frees the box): the task that
     // waits for it then holds a pointer, not room for the whole `Opened`,
     // for the tunnel's life. The tunnel's state carries the permit.
-    let opened = Box::new(opened);
     // The tunnel keeps the connection's span (it ends with the tunnel).
     ctx.tasks.spawn(otel::within(
         otel::current(),
@@ -287,6 +439,36 @@ async fn connect(ctx: Arc<Ctx>, mut link: Link, req: Request<Incoming>) -> Respo
         .instrument(tracing::Span::current()),
     ));
     Response::new(full(Bytes::new()))
+}
+
+/// A CONNECT's target checked, decided, admitted and dialled
+/// ([`connect::open`]); a refusal is recorded and answered.
+async fn connect_open<B>(
+    ctx: &Ctx,
+    mut link: Link,
+    req: &Request<B>,
+) -> Result<Box<Opened>, Response<Body>> {
+    let target = req
+        .uri()
+        .authority()
+        .filter(|_| req.uri().scheme().is_none() && req.uri().path_and_query().is_none())
+        .map(|a| parse_authority(a.as_str(), None));
+    let (host, port) = match target {
+        Some(Ok(t)) => t,
+        Some(Err(e)) => {
+            link.refuse(Reason::BadRequest, e.to_string());
+            return Err(reject(ctx, &link).await);
+        }
+        None => {
+            let why = "CONNECT needs an authority-form target host:port";
+            link.refuse(Reason::BadRequest, why.to_string());
+            return Err(reject(ctx, &link).await);
+        }
+    };
+    match connect::open(ctx, &link, host, port).await {
+        Ok(opened) => Ok(Box::new(opened)),
+        Err(refused) => Err(refused.response()),
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -369,7 +551,14 @@ async fn forward(
         dial: addrs,
         detail,
         synthetic,
-    } = decide_in(&ctx, Mode::Explicit, &link.view, &host, port).await;
+    } = decide_in(
+        &ctx,
+        (Mode::Explicit, link.client.ip()),
+        &link.view,
+        &host,
+        port,
+    )
+    .await;
     let mut conn = link.decided(host, port, verdict);
     conn.detail = detail;
     // A synthetic address stands for the name bound to it.

@@ -18,7 +18,8 @@ use crate::policy::Reason;
 /// itself: see [`crate::limits`]). Each connection's state is born here: a
 /// [`Link`] of `mode` under the view of its address, carrying the permit,
 /// handed to `serve`; over a limit, refused `limit_exceeded` and handed
-/// to `refuse` without one. Each mode
+/// to `refuse` without one. Every accepted socket gets `TCP_NODELAY` (the
+/// upstream leg gets it where it is dialled, [`super::dial`]). Each mode
 /// charges the permit to the org it finally decides for ([`Link::charge`]).
 pub(crate) async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
@@ -72,6 +73,9 @@ where
         stream: TcpStream,
         peer: SocketAddr,
     ) -> impl std::future::Future<Output = Option<F>> + Send {
+        // Every mode relays small writes as they come (a request head, a
+        // TLS record): Nagle would hold one back for the peer's delayed ACK.
+        let _ = stream.set_nodelay(true);
         let mut link = Link::new(self.ctx.view(peer.ip()), self.mode, peer);
         let conn = match self
             .ctx

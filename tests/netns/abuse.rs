@@ -178,18 +178,15 @@ print(" ".join(codes))
     let statuses: Vec<String> = (0..20)
         .map(|i| lab.dig(&[&format!("q{i}.other.test"), "A"]).status)
         .collect();
-    let refused_by_rate = lab
-        .evidence()
-        .iter()
-        .filter(|v| {
-            v["kind"] == "dns"
-                && v["reason"] == "limit_exceeded"
-                && v["detail"]
-                    .as_str()
-                    .is_some_and(|d| d.contains("max_queries_per_second_per_client"))
-        })
-        .count();
-    assert!(refused_by_rate >= 1, "{statuses:?}");
+    // Refusal records ride the next batch: wait for one (bounded).
+    let rec = lab.wait_evidence(&format!("a per-client rate refusal ({statuses:?})"), |v| {
+        v["kind"] == "dns"
+            && v["reason"] == "limit_exceeded"
+            && v["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains("max_queries_per_second_per_client"))
+    });
+    assert_eq!(rec["decision"], "deny", "{rec}");
 }
 
 #[test]

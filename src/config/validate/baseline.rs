@@ -78,6 +78,7 @@ fn parse(src: &str, errors: &mut Errors<'_>) -> Option<(Vec<RuleConfig>, Vec<Cei
             tunnel: None,
             names: Default::default(),
             volume: None,
+            window: None,
         })
         .collect();
     let ceiling = entries(ceiling, "ceiling", &mut ids, errors)

@@ -8,6 +8,7 @@ use toml::Spanned;
 use super::service::{service_rules, RawService};
 use super::values::cidr;
 use super::volume::volume;
+use super::window::window;
 use crate::config::ceiling;
 use crate::config::error::Errors;
 use crate::config::model::{
@@ -111,7 +112,10 @@ pub(super) fn validate_rules(
             push_refs,
             graphql_mutations,
             models,
+            not_before,
+            expires,
         } = spanned.into_inner();
+        let window = window((not_before, expires), kind == "allow", errors);
         let volume = volume(
             (max_bytes_up, max_bytes_down, volume_window),
             (kind != "allow").then_some(
@@ -212,6 +216,11 @@ pub(super) fn validate_rules(
                 let text = id.get_ref().trim().to_string();
                 if !valid_rule_id(&text) {
                     errors.at(id.span(), format!("invalid rule id {text:?}"));
+                } else if text.starts_with(crate::config::GRANT_RULE_PREFIX) {
+                    errors.at(
+                        id.span(),
+                        format!("rule id {text:?}: ids starting with \"grant:\" name grants"),
+                    );
                 }
                 if !ids.insert(text.clone()) {
                     errors.at(id.span(), format!("rule id {text:?} is used twice"));
@@ -250,6 +259,7 @@ pub(super) fn validate_rules(
                 tunnel,
                 names,
                 volume,
+                window,
             };
             if let (Some(baseline), "allow") = (baseline, kind) {
                 check_ceiling(&rule, baseline, span, errors);

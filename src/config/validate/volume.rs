@@ -94,7 +94,7 @@ fn bytes(key: &str, value: Spanned<RawSize>, errors: &mut Errors<'_>) -> Option<
 mod tests {
     use std::time::Duration;
 
-    use crate::config::test_support::{errors, parse, BASE};
+    use crate::config::test_support::{assert_located, errors, parse, BASE};
     use crate::config::Volume;
 
     #[test]
@@ -128,62 +128,55 @@ mod tests {
 
     #[test]
     fn bad_budgets_are_located_errors() {
-        let rule = "[[org.allow]]\nhost = \"a.test\"\n";
-        for (extra, line, col, wants) in [
-            (
-                "max_bytes_up = 0",
-                6,
-                16,
-                "max_bytes_up = 0: a budget is a positive",
-            ),
-            ("max_bytes_down = -5", 6, 18, "max_bytes_down = -5"),
-            (
-                "max_bytes_up = \"10 lots\"",
-                6,
-                16,
-                "max_bytes_up = \"10 lots\"",
-            ),
-            ("max_bytes_up = \"0MiB\"", 6, 16, "positive"),
-            (
-                "max_bytes_up = 1\nvolume_window = \"500ms\"",
-                7,
-                17,
-                "out of range 1s-7days",
-            ),
-            (
-                "max_bytes_up = 1\nvolume_window = \"8days\"",
-                7,
-                17,
-                "out of range 1s-7days",
-            ),
-            (
-                "max_bytes_up = 1\nvolume_window = \"soon\"",
-                7,
-                17,
-                "invalid duration",
-            ),
-            (
-                "max_bytes_up = 1\nvolume_window = \"0s\"",
-                7,
-                17,
-                "must be positive",
-            ),
-            (
-                "volume_window = \"1h\"",
-                6,
-                17,
-                "needs max_bytes_up or max_bytes_down",
-            ),
-        ] {
-            let e = errors(&format!("{rule}{extra}\n"));
-            assert_eq!(e.len(), 1, "{extra}: {e:?}");
-            assert!(
-                e[0].starts_with(&format!("t.toml:{line}:{col}: ")),
-                "{extra}: {}",
-                e[0]
-            );
-            assert!(e[0].contains(wants), "{extra}: {}", e[0]);
-        }
+        assert_located(
+            "[[org.allow]]\nhost = \"a.test\"\n",
+            &[
+                (
+                    "max_bytes_up = 0",
+                    6,
+                    16,
+                    "max_bytes_up = 0: a budget is a positive",
+                ),
+                ("max_bytes_down = -5", 6, 18, "max_bytes_down = -5"),
+                (
+                    "max_bytes_up = \"10 lots\"",
+                    6,
+                    16,
+                    "max_bytes_up = \"10 lots\"",
+                ),
+                ("max_bytes_up = \"0MiB\"", 6, 16, "positive"),
+                (
+                    "max_bytes_up = 1\nvolume_window = \"500ms\"",
+                    7,
+                    17,
+                    "out of range 1s-7days",
+                ),
+                (
+                    "max_bytes_up = 1\nvolume_window = \"8days\"",
+                    7,
+                    17,
+                    "out of range 1s-7days",
+                ),
+                (
+                    "max_bytes_up = 1\nvolume_window = \"soon\"",
+                    7,
+                    17,
+                    "invalid duration",
+                ),
+                (
+                    "max_bytes_up = 1\nvolume_window = \"0s\"",
+                    7,
+                    17,
+                    "must be positive",
+                ),
+                (
+                    "volume_window = \"1h\"",
+                    6,
+                    17,
+                    "needs max_bytes_up or max_bytes_down",
+                ),
+            ],
+        );
     }
 
     #[test]

@@ -22,6 +22,13 @@ impl<C> Replay<C> {
             inner,
         }
     }
+
+    /// The bytes not replayed yet, and the stream.
+    pub(crate) fn into_parts(self) -> (Vec<u8>, C) {
+        let mut held = self.held;
+        held.drain(..self.pos);
+        (held, self.inner)
+    }
 }
 
 impl<C: AsyncRead + Unpin> AsyncRead for Replay<C> {
