@@ -22,13 +22,17 @@ fn digest(token: &str) -> String {
 }
 
 fn lab_asking() -> Lab {
+    lab_asking_with(|b| b)
+}
+
+fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> Lab {
     let policy = DEFAULT_POLICY.replacen(
         "clients = [\"198.18.1.0/24\"]\n",
         "clients = [\"198.18.1.0/24\"]\non_miss = \"ask\"\n",
         1,
     );
     let other = "\n[[org]]\nname = \"beta\"\nclients = [\"198.18.9.0/24\"]\non_miss = \"ask\"\n";
-    Lab::builder()
+    extra(Lab::builder())
         .policy(&format!("{policy}{other}"))
         .admin_config(&format!(
             "approver_tokens = [{{ name = \"alice\", token = \"{}\", orgs = [\"acme\"] }}, {{ name = \"mallory\", token = \"{}\", orgs = [\"beta\"] }}]\n",
@@ -323,4 +327,90 @@ fn one_use_allows_one_connection_and_a_revoke_closes_a_live_one() {
     lab.wait_evidence("grant_expired after revoke", |v| {
         v["reason"] == "grant_expired"
     });
+}
+
+/// Headless Chromium, through chromedriver's WebDriver API
+/// (tests/fixtures/ui_driver.py), signs in to `/ui/approvals` with the
+/// approver token, sees the pending approval (destination and org), and
+/// allows it for 10 minutes; the client's retry then passes and the grant
+/// is recorded. A name carrying markup is refused before it can become an
+/// approval: the page holds neither its text nor an element made from it.
+#[test]
+fn the_approvals_page_in_a_browser_answers_a_miss_and_shows_markup_inert() {
+    let lab = lab_asking_with(|b| b.dns_listen(&["198.18.1.1:53"]));
+    let target = "other.test:80";
+    let (status, ps, _) = connect(&lab, target);
+    assert_eq!(status, 403, "a miss of an ask org is refused");
+    assert!(ps.contains("approval_pending"), "{ps}");
+    // A name carrying markup and a quote never becomes an approval: the
+    // proxy refuses it as a bad request (CONNECT and DNS alike), so nothing
+    // of it can reach the page.
+    let marked = "x<b>y\"z.test";
+    let (status, _, _) = connect(&lab, &format!("{marked}:80"));
+    assert_eq!(status, 400, "the marked CONNECT target");
+    let _ = lab.dig(&[marked, "A"]);
+    lab.wait_evidence("the marked DNS query refused", |v| {
+        v["kind"] == "dns" && v["reason"] == "bad_request"
+    });
+    let (code, body) = admin(&lab, "GET", "/v1/approvals", Some(ALICE), None);
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        !body.contains("<b>"),
+        "the marked name made an approval: {body}"
+    );
+
+    let dir = lab::scratch_dir("jit-ui");
+    let token_file = dir.join("alice.token");
+    std::fs::write(&token_file, ALICE).unwrap();
+    let script = lab::fixtures_dir().join("ui_driver.py");
+    let out = lab.proxy_ns_exec(
+        "timeout",
+        &[
+            "90",
+            "python3",
+            script.to_str().unwrap(),
+            &format!("http://{}", lab::ADMIN_ADDR),
+            token_file.to_str().unwrap(),
+            target,
+            "10m",
+            dir.to_str().unwrap(),
+        ],
+    );
+    assert!(out.success(), "ui_driver: {}", out.describe());
+    let seen = json(out.stdout.trim());
+    let rows = seen["rows"].as_array().unwrap();
+    assert!(
+        rows.iter()
+            .any(|r| r["destination"] == target && r["org"] == "acme"),
+        "the page lists the approval: {seen}"
+    );
+    assert!(!seen["text"].as_str().unwrap().contains("<b>"), "{seen}");
+    assert_eq!(
+        seen["elements"]["b"], 0,
+        "an element made from the name: {seen}"
+    );
+    assert_eq!(seen["elements"]["script"], 0, "{seen}");
+    assert!(
+        seen["message"].as_str().unwrap().contains("answered."),
+        "{seen}"
+    );
+
+    let (status, _, mut tunnel) = connect(&lab, target);
+    assert_eq!(status, 200, "the retry after the page's answer");
+    assert_eq!(get_through(&mut tunnel, "/jit-ui"), 200);
+    let granted = lab.wait_evidence("the grant record", |v| {
+        v["kind"] == "grant" && v["event"] == "granted"
+    });
+    assert_eq!(granted["grant"]["approver"], "alice");
+    // The 10-minute choice: expires ~600 s after it was granted.
+    let at = |k: &str| {
+        humantime::parse_rfc3339_weak(granted["grant"][k].as_str().unwrap_or_default())
+            .or_else(|_| humantime::parse_rfc3339(granted["grant"][k].as_str().unwrap_or_default()))
+            .unwrap_or_else(|e| panic!("{k}: {e}: {granted}"))
+    };
+    let ttl = at("expires").duration_since(at("granted_at")).unwrap();
+    assert!(
+        (Duration::from_secs(595)..=Duration::from_secs(605)).contains(&ttl),
+        "ttl {ttl:?}: {granted}"
+    );
 }
