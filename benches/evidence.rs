@@ -250,7 +250,24 @@ fn steps_part(full: bool) {
         black_box(steps.org_commitment(&orgs));
     }
     let orgs_ns = t.elapsed().as_nanos() as f64 / f64::from(notes);
-    let total = id_ns + ref_ns + ts_ns + ser_ns + chain_ns + leaf_ns + org_ns;
+    // Witnesses: each leaf copied into the write's feed; per checkpoint
+    // and witness, a consistency proof over the last 1000 leaves, the
+    // request body and the check of the cosignature.
+    let mut feed = Vec::with_capacity(hashes.len());
+    let t = Instant::now();
+    for h in &hashes {
+        steps.witness_leaf(h, &mut feed);
+    }
+    let feed_ns = per(t);
+    let cut = feed.len().saturating_sub(1000);
+    let before = steps.grown(&palisade::evidence::costs::Tree::default(), &feed[..cut]);
+    let note = steps.checkpoint_note(&tree);
+    let t = Instant::now();
+    for _ in 0..notes {
+        black_box(steps.witness_round(&before, &feed[cut..], &note));
+    }
+    let witness_ns = t.elapsed().as_nanos() as f64 / f64::from(notes);
+    let total = id_ns + ref_ns + ts_ns + ser_ns + chain_ns + leaf_ns + org_ns + feed_ns;
     println!(
         "a record's steps ({n} tunnel decision records, {} bytes per line):",
         bytes as u64 / n
@@ -263,6 +280,7 @@ fn steps_part(full: bool) {
         ("chaining (SHA-256, copy into the batch)", chain_ns),
         ("Merkle leaf (SHA-256 of the hash, frontier)", leaf_ns),
         ("org tree (leaf again, org's frontier)", org_ns),
+        ("witness feed (leaf again, copied)", feed_ns),
     ] {
         println!("  {what:<42} {ns:>7.0} ns  ({:>4.1}%)", ns * 100.0 / total);
     }
@@ -274,6 +292,10 @@ fn steps_part(full: bool) {
     println!(
         "  {:<42} {orgs_ns:>7.0} ns  (once per checkpoint, 8 orgs)",
         "org commitment (8 org roots, orgs_root)"
+    );
+    println!(
+        "  {:<42} {witness_ns:>7.0} ns  (once per checkpoint and witness)",
+        "witness round (proof, body, cosignature)"
     );
 }
 

@@ -591,7 +591,13 @@ fn start_palisade(root: &Path, origin: SocketAddr) -> (Child, SocketAddr) {
         ),
         "127.0.0.1:53",
         &format!("dir = {:?}", root.join("evidence")),
-        &common::loopback_rule(origin.port()),
+        &format!(
+            "{}{}",
+            common::loopback_rule(origin.port()),
+            // LOAD_PALISADE_RULE="max_bytes_up = ..." (say) adds lines to
+            // the rule: to compare the proxy with a volume budget and without.
+            std::env::var("LOAD_PALISADE_RULE").unwrap_or_default()
+        ),
     );
     std::fs::write(&cfg, config).unwrap();
     // LOAD_PALISADE_PREFIX="valgrind --tool=callgrind" (say) wraps the proxy

@@ -18,12 +18,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::admin::{self, Health};
-use crate::bindings::Bindings;
 use crate::config::Config;
 use crate::dns;
 use crate::enforcement::compare::Ruleset;
 use crate::enforcement::Enforcement;
 use crate::evidence::Evidence;
+use crate::handout::bindings::Bindings;
 use crate::limits::{ConnLimits, DetectMemory, EvidenceBudget, NameBudgets};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
@@ -101,7 +101,7 @@ pub struct Started {
     served: ServedHandle,
     enforcement: Option<(Arc<Enforcement>, Arc<Ruleset>)>,
     bindings: Arc<Bindings>,
-    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     nflog: Option<crate::bypass::nflog::NflogSocket>,
     listeners: Listeners,
     sighup: tokio::signal::unix::Signal,
@@ -133,6 +133,13 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
                 source,
             })?,
         );
+    // Each new checkpoint goes to the witnesses, off the decision path.
+    crate::evidence::witness::start(&evidence, evidence_config).map_err(|source| {
+        StartError::Evidence {
+            dir: evidence_config.dir.display().to_string(),
+            source,
+        }
+    })?;
     if evidence_config.durability == crate::config::Durability::Discard {
         warn!("[evidence] durability = \"discard\": evidence goes to /dev/null; for measurements only");
     }
@@ -161,7 +168,7 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         dns.max_bindings,
     ));
     // Synthetic answers' pool addresses, per org and name (none without a pool).
-    let synthetic = crate::synthetic::Synthetic::from_config(dns).map(Arc::new);
+    let synthetic = crate::handout::synthetic::Synthetic::from_config(dns).map(Arc::new);
     // `[bypass]`: the ruleset's NFLOG group, bound before anything is
     // served (fail closed: the operator asked for the record).
     let nflog = match config.bypass.nflog_group {
@@ -335,6 +342,12 @@ impl Started {
             tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
             enforcement: services.enforcement.clone(),
             volumes: ctx.volumes.clone(),
+            approvers: crate::admin::approvals::Approvers {
+                jit: ctx.jit.clone(),
+                tokens: config.admin.approver_tokens.clone(),
+                served: services.served.clone(),
+            },
+            sessions: Default::default(),
         });
         let mut running = spawn_proxy(
             &ctx,
@@ -388,7 +401,8 @@ impl Started {
             )
             .with_evidence_budget(evidence_budget)
             .with_names(names)
-            .with_synthetic(services.synthetic.clone()),
+            .with_synthetic(services.synthetic.clone())
+            .with_jit(ctx.jit.clone()),
         );
         running.enforcement = enforcement.map(|(state, expected)| {
             let served = services.served.clone();
@@ -410,6 +424,7 @@ impl Started {
         health.listeners_bound.store(true, Ordering::Relaxed);
         log_serving(&config, &services);
         running.flusher = Some(flush_denials(&ctx));
+        running.grants = Some(end_grants(&ctx));
 
         serve_until(&config, &ctx, &services, &mut sighup, shutdown).await;
 
@@ -428,7 +443,7 @@ struct Services {
     resolver: Arc<Resolver>,
     served: ServedHandle,
     bindings: Arc<Bindings>,
-    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     enforcement: Option<Arc<Enforcement>>,
     routes: Routes,
     otel: Option<Arc<crate::otel::Otel>>,
@@ -493,8 +508,39 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
         enforcement: s.enforcement.clone(),
         routes: s.routes.clone(),
         otel: s.otel.clone(),
+        jit: jit(s),
     });
     (ctx, evidence_budget, names)
+}
+
+/// Approvals and grants, with the grants of the evidence taken back: an
+/// unexpired one lives on exactly as given, an expired one is recorded
+/// `expired` and dropped.
+fn jit(s: &Services) -> Arc<crate::jit::Jit> {
+    let jit = Arc::new(crate::jit::Jit::new(Some(s.evidence.clone())));
+    let now = std::time::SystemTime::now();
+    let held = crate::jit::replay(s.evidence.path(), now);
+    jit.restore(held, &s.served.load().policy, now);
+    jit
+}
+
+/// End grants as they fall due (their TTL; a reload that denies their
+/// target), checked four times a second, until shutdown.
+fn end_grants(ctx: &Arc<Ctx>) -> tokio::task::JoinHandle<()> {
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(crate::jit::END_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ctx.shutdown.cancelled() => return,
+                _ = tick.tick() => {
+                    let served = ctx.served.load();
+                    ctx.jit.end_due(&served.policy, std::time::SystemTime::now());
+                }
+            }
+        }
+    })
 }
 
 /// What runs until the drain, to be waited for in order.
@@ -506,6 +552,8 @@ struct Running {
     enforcement: Option<JoinHandle<()>>,
     dns: Option<JoinHandle<()>>,
     flusher: Option<JoinHandle<()>>,
+    /// Ends grants at their TTL (`crate::jit`).
+    grants: Option<JoinHandle<()>>,
     admin: Option<std::thread::JoinHandle<()>>,
     /// The OTLP export's stop and tasks: stopped once the chain is sealed.
     otel: (CancellationToken, Vec<JoinHandle<()>>),
@@ -659,9 +707,14 @@ async fn drain(ctx: &Ctx, running: Running, limits: &crate::config::Limits) {
         ctx.hard_stop.cancel();
         let _ = tokio::time::timeout(HARD_STOP_GRACE, ctx.tasks.wait()).await;
     }
-    for t in [running.flusher, running.enforcement, running.bypass]
-        .into_iter()
-        .flatten()
+    for t in [
+        running.flusher,
+        running.enforcement,
+        running.bypass,
+        running.grants,
+    ]
+    .into_iter()
+    .flatten()
     {
         let _ = t.await;
     }
@@ -732,7 +785,7 @@ async fn start_enforcement(
 fn reloaded(
     ctx: &Ctx,
     bindings: &Bindings,
-    synthetic: Option<&crate::synthetic::Synthetic>,
+    synthetic: Option<&crate::handout::synthetic::Synthetic>,
     outcome: &crate::reload::ReloadOutcome,
 ) {
     if let crate::reload::ReloadOutcome::Applied { .. } = outcome {

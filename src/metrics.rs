@@ -130,6 +130,27 @@ const EVIDENCE_OVER_SHARE: (&str, &str) = (
     "1 while the store is full and the org holds more than its share of it: its allows are refused limit_exceeded and its denials summarised.",
 );
 
+const WITNESS_COSIGNED: (&str, &str) = (
+    "palisade_witness_cosigned_total",
+    "Checkpoints the witness cosigned ([evidence] witnesses).",
+);
+const WITNESS_CONFLICTS: (&str, &str) = (
+    "palisade_witness_conflicts_total",
+    "Checkpoints the witness refused as inconsistent with what it cosigned before (409 with a size not ours, 422): a rewritten or forked history.",
+);
+const WITNESS_FAILURES: (&str, &str) = (
+    "palisade_witness_failures_total",
+    "Submissions to the witness that failed otherwise, by reason (unreachable, timeout, unknown_log, forbidden, bad_request, bad_reply, no_proof); retried with backoff.",
+);
+const WITNESS_TREE_SIZE: (&str, &str) = (
+    "palisade_witness_tree_size",
+    "The tree size the witness last cosigned (0 before the first).",
+);
+const WITNESS_FEED_DROPPED: (&str, &str) = (
+    "palisade_witness_feed_dropped_total",
+    "Writes whose leaves the witnesses' full queue could not take (the submitter reads the store instead).",
+);
+
 /// The evidence writer's own counters, exposed as they are at scrape time.
 struct EvidenceCollector {
     live: Arc<Live>,
@@ -146,6 +167,7 @@ impl EvidenceCollector {
             EVIDENCE_DISK_FREE,
             EVIDENCE_DISK_SIZE,
             EVIDENCE_STORE_FULL,
+            WITNESS_FEED_DROPPED,
         ] {
             descs.push(Desc::new(
                 name.into(),
@@ -162,6 +184,19 @@ impl EvidenceCollector {
                 Default::default(),
             )?);
         }
+        for ((name, help), labels) in [
+            (WITNESS_COSIGNED, &["witness"][..]),
+            (WITNESS_CONFLICTS, &["witness"][..]),
+            (WITNESS_TREE_SIZE, &["witness"][..]),
+            (WITNESS_FAILURES, &["reason", "witness"][..]),
+        ] {
+            descs.push(Desc::new(
+                name.into(),
+                help.into(),
+                labels.iter().map(|l| l.to_string()).collect(),
+                Default::default(),
+            )?);
+        }
         Ok(EvidenceCollector { live, descs })
     }
 
@@ -171,6 +206,7 @@ impl EvidenceCollector {
         for ((name, help), value) in [
             (EVIDENCE_RECORDS, c.records_written()),
             (EVIDENCE_WRITE_ERRORS, c.write_errors()),
+            (WITNESS_FEED_DROPPED, c.witness_feed_drops()),
         ] {
             let counter = IntCounter::new(name, help)?;
             counter.inc_by(value);
@@ -212,8 +248,45 @@ impl EvidenceCollector {
             out.extend(retained.collect());
             out.extend(over.collect());
         }
+        out.extend(witness_families(&c.witnesses())?);
         Ok(out)
     }
+}
+
+/// Each witness's series (none without witnesses).
+fn witness_families(
+    witnesses: &[crate::evidence::WitnessCounts],
+) -> Result<Vec<MetricFamily>, prometheus::Error> {
+    if witnesses.is_empty() {
+        return Ok(Vec::new());
+    }
+    let vec = |(name, help): (&str, &str), labels: &[&str]| {
+        prometheus::IntCounterVec::new(Opts::new(name, help), labels)
+    };
+    let cosigned = vec(WITNESS_COSIGNED, &["witness"])?;
+    let conflicts = vec(WITNESS_CONFLICTS, &["witness"])?;
+    let failures = vec(WITNESS_FAILURES, &["reason", "witness"])?;
+    let size = IntGaugeVec::new(
+        Opts::new(WITNESS_TREE_SIZE.0, WITNESS_TREE_SIZE.1),
+        &["witness"],
+    )?;
+    for w in witnesses {
+        let name = w.name.as_str();
+        cosigned.with_label_values(&[name]).inc_by(w.cosigned);
+        conflicts.with_label_values(&[name]).inc_by(w.conflicts);
+        // Every reason exists from the start, at zero: alerts need the series.
+        for reason in crate::evidence::witness::REASONS {
+            let n = w.failures.get(reason).copied().unwrap_or(0);
+            failures.with_label_values(&[reason, name]).inc_by(n);
+        }
+        size.with_label_values(&[name])
+            .set(i64::try_from(w.size).unwrap_or(i64::MAX));
+    }
+    let mut out = cosigned.collect();
+    out.extend(conflicts.collect());
+    out.extend(failures.collect());
+    out.extend(size.collect());
+    Ok(out)
 }
 
 impl Collector for EvidenceCollector {
@@ -490,6 +563,8 @@ impl Metrics {
             }
             // The enforcement check's own records: its gauge says it.
             Event::Failed | Event::Verified => {}
+            // Grant records: counted by reason as they end, nothing else.
+            Event::Granted | Event::Expired | Event::Revoked | Event::UsedUp => {}
         }
     }
 

@@ -234,6 +234,7 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         bypass,
         enforcement,
         otel,
+        decider,
         // Served: rebuilt by a reload.
         intercept: _,
         policy: _,
@@ -241,65 +242,10 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     } = old;
     let mut keys = Vec::new();
     if proxy != &new.proxy {
-        changed!(keys, "proxy", proxy, new.proxy, ProxyConfig { listen, transparent, socks5; limits });
-        changed!(
-            keys,
-            "proxy",
-            &proxy.limits,
-            new.proxy.limits,
-            Limits {
-                max_connections,
-                max_connections_per_org,
-                max_new_connections_per_second_per_org,
-                max_detect_memory_bytes,
-                max_detect_memory_bytes_per_org,
-                max_connections_per_client,
-                max_new_connections_per_second_per_client,
-                max_denial_records_per_second_per_client,
-                max_denial_records_per_second_per_org,
-                max_request_head_bytes,
-                max_headers,
-                header_read_timeout,
-                connect_timeout,
-                idle_timeout,
-                response_timeout,
-                detect_timeout,
-                drain_timeout,
-                revoke_grace,
-                upstream_idle_timeout,
-                max_idle_upstream_connections,
-                max_idle_upstream_connections_per_target
-            }
-        );
+        proxy_changes(&mut keys, proxy, &new.proxy);
     }
     if dns != &new.dns {
-        changed!(
-            keys,
-            "dns",
-            dns,
-            new.dns,
-            DnsConfig {
-                listen,
-                upstream,
-                resolve_timeout,
-                idle_timeout,
-                query_timeout,
-                max_tcp_connections,
-                max_tcp_connections_per_client,
-                max_tcp_connections_per_org,
-                max_queries_in_flight,
-                max_queries_in_flight_per_org,
-                max_queries_per_second_per_client,
-                min_ttl,
-                max_ttl,
-                binding_grace,
-                max_bindings_per_name,
-                max_bindings_per_org,
-                max_bindings,
-                synthetic_pool,
-                synthetic_pool_v6
-            }
-        );
+        dns_changes(&mut keys, dns, &new.dns);
     }
     changed!(
         keys,
@@ -308,7 +254,8 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
         new.admin,
         AdminConfig {
             listen,
-            tail_tokens
+            tail_tokens,
+            approver_tokens
         }
     );
     changed!(
@@ -324,30 +271,104 @@ fn restart_only_changes(old: &Config, new: &Config) -> Vec<&'static str> {
     if otel != &new.otel {
         keys.push("otel");
     }
+    if decider != &new.decider {
+        keys.push("decider");
+    }
     if evidence != &new.evidence {
-        changed!(
-            keys,
-            "evidence",
-            evidence,
-            new.evidence,
-            EvidenceConfig {
-                dir,
-                key,
-                durability,
-                checkpoint_every,
-                checkpoint_interval,
-                rotate_size,
-                rotate_age,
-                retain_size,
-                retain_age,
-                retain_min_age,
-                min_free,
-                max_records_per_second_per_org,
-                replica
-            }
-        );
+        evidence_changes(&mut keys, evidence, &new.evidence);
     }
     keys
+}
+
+/// The `[proxy]` keys (its limits too) that differ.
+fn proxy_changes(keys: &mut Vec<&'static str>, proxy: &ProxyConfig, new: &ProxyConfig) {
+    changed!(keys, "proxy", proxy, new, ProxyConfig { listen, transparent, socks5; limits });
+    changed!(
+        keys,
+        "proxy",
+        &proxy.limits,
+        new.limits,
+        Limits {
+            max_connections,
+            max_connections_per_org,
+            max_new_connections_per_second_per_org,
+            max_detect_memory_bytes,
+            max_detect_memory_bytes_per_org,
+            max_connections_per_client,
+            max_new_connections_per_second_per_client,
+            max_denial_records_per_second_per_client,
+            max_denial_records_per_second_per_org,
+            max_request_head_bytes,
+            max_headers,
+            header_read_timeout,
+            connect_timeout,
+            idle_timeout,
+            response_timeout,
+            detect_timeout,
+            drain_timeout,
+            revoke_grace,
+            upstream_idle_timeout,
+            max_idle_upstream_connections,
+            max_idle_upstream_connections_per_target
+        }
+    );
+}
+
+/// The `[dns]` keys that differ.
+fn dns_changes(keys: &mut Vec<&'static str>, dns: &DnsConfig, new: &DnsConfig) {
+    changed!(
+        keys,
+        "dns",
+        dns,
+        new,
+        DnsConfig {
+            listen,
+            upstream,
+            resolve_timeout,
+            idle_timeout,
+            query_timeout,
+            max_tcp_connections,
+            max_tcp_connections_per_client,
+            max_tcp_connections_per_org,
+            max_queries_in_flight,
+            max_queries_in_flight_per_org,
+            max_queries_per_second_per_client,
+            min_ttl,
+            max_ttl,
+            binding_grace,
+            max_bindings_per_name,
+            max_bindings_per_org,
+            max_bindings,
+            synthetic_pool,
+            synthetic_pool_v6
+        }
+    );
+}
+
+/// The `[evidence]` keys that differ.
+fn evidence_changes(keys: &mut Vec<&'static str>, evidence: &EvidenceConfig, new: &EvidenceConfig) {
+    changed!(
+        keys,
+        "evidence",
+        evidence,
+        new,
+        EvidenceConfig {
+            dir,
+            key,
+            durability,
+            checkpoint_every,
+            checkpoint_interval,
+            rotate_size,
+            rotate_age,
+            retain_size,
+            retain_age,
+            retain_min_age,
+            min_free,
+            max_records_per_second_per_org,
+            replica,
+            witnesses
+        }
+    );
 }
 
 /// Check the loaded file `new` against what runs, and build what it

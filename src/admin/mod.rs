@@ -1,8 +1,9 @@
 //! The admin listener: `/healthz` (200 while the process serves),
 //! `/readyz` (200 only while every listener is bound, evidence is
 //! writable and, with `[enforcement]`, the gateway ruleset is verified), `/metrics` (Prometheus text format), `/policy` (the served
-//! policy's hash, load time and summary, JSON), and `/v1/decisions`, the
-//! live decision tail ([`tail`]), the one endpoint that needs a
+//! policy's hash, load time and summary, JSON), `/v1/decisions`, the
+//! live decision tail ([`tail`]), and the approvers' endpoints and page
+//! ([`approvals`], [`page`]); the tail and the approvers' endpoints need a
 //! token.
 //!
 //! It runs on its own thread and runtime, so a flood on the proxy listeners
@@ -29,6 +30,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+pub(crate) mod approvals;
+pub(crate) mod page;
 pub(crate) mod tail;
 
 use crate::evidence::Evidence;
@@ -50,6 +53,11 @@ pub(crate) struct Health {
     pub enforcement: Option<Arc<crate::enforcement::Enforcement>>,
     /// The volume budgets: `/v1/volume`.
     pub volumes: Arc<crate::limits::Volumes>,
+    /// Approvals and grants, and who may answer them: `/v1/approvals`,
+    /// `/v1/grants`, `/ui/approvals`.
+    pub approvers: approvals::Approvers,
+    /// The sessions of `/ui/approvals`.
+    pub sessions: page::Sessions,
 }
 
 impl Health {
@@ -108,13 +116,7 @@ fn respond(
 
 /// A JSON response of `value`.
 fn json<T: serde::Serialize>(value: &T) -> Response<Body> {
-    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
-    let mut resp = Response::new(full(body));
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    resp
+    approvals::json_status(StatusCode::OK, value)
 }
 
 /// Serve the admin endpoints on a dedicated thread until shutdown, then
@@ -219,9 +221,19 @@ impl Admission for Admit {
         Some(Box::pin(async move {
             let _permit = permit;
             let tail_shutdown = shutdown.clone();
-            let service = service_fn(move |req| {
-                let resp = respond(&health, &tail_shutdown, &req);
-                async move { Ok::<_, Infallible>(resp) }
+            let service = service_fn(move |req: Request<Incoming>| {
+                let (health, tail_shutdown) = (health.clone(), tail_shutdown.clone());
+                async move {
+                    let path = req.uri().path();
+                    if path.starts_with("/ui/") {
+                        let both = (&health.approvers, &health.sessions);
+                        return Ok::<_, Infallible>(page::respond(both, req).await);
+                    }
+                    if approvals::owns(path) {
+                        return Ok(approvals::respond(&health.approvers, req).await);
+                    }
+                    Ok::<_, Infallible>(respond(&health, &tail_shutdown, &req))
+                }
             });
             let drain = Drain {
                 shutdown: &shutdown,

@@ -88,6 +88,14 @@ pub fn run(args: Args) -> Result<(), CliError> {
             .listen
             .map_or("(none)".into(), |a| a.to_string())
     );
+    if let Some(d) = &config.decider {
+        sayln!(
+            "  decider: {} (timeout {}, at most {} at once; asked on a miss only)",
+            d.url,
+            humantime::format_duration(d.timeout),
+            d.max_in_flight
+        );
+    }
     sayln!("  evidence dir: {}", config.evidence.dir.display());
     sayln!(
         "  gateway addresses (this host's interfaces, always denied; loopback is a fixed range): {}",

@@ -12,7 +12,7 @@ use ed25519_dalek::VerifyingKey;
 
 use super::{load_config, output_failed, CliError, Status, DEFAULT_CONFIG};
 use crate::evidence::select::{self, Selection};
-use crate::evidence::{chain, export, fleet, key, proof, query, verify};
+use crate::evidence::{chain, export, fleet, key, note, proof, query, verify, witness};
 use crate::policy::Reason;
 
 /// `palisade evidence ...`.
@@ -30,6 +30,11 @@ pub enum Command {
         /// Accept a chain whose end is not sealed (a live or crashed instance).
         #[arg(long)]
         allow_unsealed: bool,
+        /// A witness's verifier key (`NAME+KEY_ID+BASE64`, type 0x04) whose
+        /// cosignature every checkpoint must carry, on it or on a later
+        /// checkpoint (repeatable; one chain only).
+        #[arg(long = "witness-key", value_name = "VKEY")]
+        witness_keys: Vec<String>,
     },
     /// Print a proof, as JSON, against the store's signed checkpoint
     /// notes: `--record ID` that a record is in the Merkle tree,
@@ -59,6 +64,10 @@ pub enum Command {
         /// Public key (hex, or a file holding it) of the log.
         #[arg(long, value_name = "KEY")]
         key: String,
+        /// A witness's verifier key whose cosignature the export's end
+        /// checkpoint must carry (repeatable).
+        #[arg(long = "witness-key", value_name = "VKEY")]
+        witness_keys: Vec<String>,
     },
     /// Check a proof `prove` printed with the public key alone.
     VerifyProof {
@@ -72,6 +81,22 @@ pub enum Command {
     Pubkey {
         #[arg(short, long, default_value = DEFAULT_CONFIG)]
         config: PathBuf,
+        /// Print the checkpoint notes' verifier key instead
+        /// (`palisade/REPLICA+KEY_ID+BASE64`, c2sp.org/signed-note), the
+        /// form a witness is configured with.
+        #[arg(long)]
+        vkey: bool,
+    },
+    /// Rotate the checkpoint key of a stopped gateway's store: append a
+    /// `key_rotation` record signed by the current key (`[evidence] key`)
+    /// naming the new one (created 0600 when missing), and seal with the
+    /// new key; then set `[evidence] key` to the new file and start.
+    RotateKey {
+        #[arg(short, long, default_value = DEFAULT_CONFIG)]
+        config: PathBuf,
+        /// The new key's file.
+        #[arg(long, value_name = "FILE")]
+        new_key: PathBuf,
     },
     /// Print decision and close records that match every filter given.
     /// A fleet's chains are verified first and merged by time; each record
@@ -262,8 +287,14 @@ pub fn run(command: Command) -> Result<(), CliError> {
             paths,
             keys,
             allow_unsealed,
-        } => verify(&paths, &keys, allow_unsealed),
-        Command::Pubkey { config } => pubkey(&config),
+            witness_keys,
+        } => {
+            let witnesses = parse_witness_keys(&witness_keys)?;
+            verify(&paths, &keys, allow_unsealed)?;
+            verify_witnessed(&paths, &witnesses)
+        }
+        Command::Pubkey { config, vkey } => pubkey(&config, vkey),
+        Command::RotateKey { config, new_key } => rotate_key(&config, &new_key),
         Command::Prove {
             path,
             record,
@@ -300,8 +331,45 @@ pub fn run(command: Command) -> Result<(), CliError> {
             fleet,
             ..
         } => records(&paths, filter, query::Output::Ocsf, &fleet),
-        Command::VerifyExport { dir, key } => verify_export(&dir, &key),
+        Command::VerifyExport {
+            dir,
+            key,
+            witness_keys,
+        } => {
+            let witnesses = parse_witness_keys(&witness_keys)?;
+            verify_export(&dir, &key)?;
+            if witnesses.is_empty() {
+                return Ok(());
+            }
+            verdict(&dir.display(), witness::check_export(&dir, &witnesses))
+        }
     }
+}
+
+/// `--witness-key` values, or 2.
+fn parse_witness_keys(keys: &[String]) -> Result<Vec<note::Vkey>, CliError> {
+    keys.iter()
+        .map(|k| {
+            note::Vkey::parse(k, note::COSIGNATURE_V1).map_err(|e| {
+                CliError::new(Status::BadInput, format_args!("--witness-key {k:?} {e}"))
+            })
+        })
+        .collect()
+}
+
+/// `verify --witness-key`: after the chain verified, every checkpoint is
+/// covered by each witness's cosignature (1 naming the checkpoint if not).
+fn verify_witnessed(paths: &[PathBuf], witnesses: &[note::Vkey]) -> Result<(), CliError> {
+    if witnesses.is_empty() {
+        return Ok(());
+    }
+    let [path] = paths else {
+        return Err(CliError::new(
+            Status::BadInput,
+            "--witness-key: give one chain (a replica's directory)",
+        ));
+    };
+    verdict(&path.display(), witness::check_store(path, witnesses))
 }
 
 /// The fleet `paths` name, or 2.
@@ -414,6 +482,12 @@ fn org_export(
     let made = export::export(path, &org, &window).map_err(|e| CliError::new(Status::Failed, e))?;
     export::write(out, &made)
         .map_err(|e| CliError::new(Status::Failed, format_args!("{}: {e}", out.display())))?;
+    witness::export_cosignatures(path, out).map_err(|e| {
+        CliError::new(
+            Status::Failed,
+            format_args!("{}: witness cosignatures: {e}", out.display()),
+        )
+    })?;
     // The export is checked as an assessor will, with the store's key.
     let k = key.or_else(|| summary.key.as_deref().and_then(chain::parse_pubkey));
     let checked = k
@@ -492,7 +566,38 @@ fn replica_dirs(dir: &Path) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
-fn pubkey(config: &Path) -> Result<(), CliError> {
+/// `rotate-key`: 0 once the rotation is recorded and sealed; 1 otherwise.
+fn rotate_key(config: &Path, new_key: &Path) -> Result<(), CliError> {
+    let config = load_config(config, Status::Failed)?;
+    let failed = |e: std::io::Error| CliError::new(Status::Failed, e);
+    let next = key::load_or_create(new_key).map_err(failed)?;
+    if config.evidence.key == new_key {
+        return Err(CliError::new(
+            Status::BadInput,
+            "--new-key is the key in use ([evidence] key)",
+        ));
+    }
+    let ev = crate::evidence::Evidence::start(&config.evidence).map_err(failed)?;
+    let old = ev.public_key().to_string();
+    let rotated = ev.rotate_key(next.clone());
+    let sealed = super::runtime()?.block_on(ev.seal());
+    rotated.map_err(failed)?;
+    if !sealed {
+        return Err(CliError::new(
+            Status::Failed,
+            "the rotation is written but the store could not be sealed",
+        ));
+    }
+    sayln!(
+        "rotated: key {old} -> {} (a key_rotation record signed by the old key, sealed by the new one) in {}; now set [evidence] key = {:?} and start the gateway",
+        key::public_hex(&next),
+        config.evidence.dir.display(),
+        new_key.display().to_string()
+    );
+    Ok(())
+}
+
+fn pubkey(config: &Path, vkey: bool) -> Result<(), CliError> {
     let config = load_config(config, Status::Failed)?;
     let k = key::load(&config.evidence.key).map_err(|e| {
         CliError::new(
@@ -500,7 +605,12 @@ fn pubkey(config: &Path) -> Result<(), CliError> {
             format_args!("{e} (palisade run creates it on first start)"),
         )
     })?;
-    sayln!("{}", key::public_hex(&k));
+    if vkey {
+        let origin = note::origin(&config.evidence.replica);
+        sayln!("{}", note::vkey(&origin, &k.verifying_key()));
+    } else {
+        sayln!("{}", key::public_hex(&k));
+    }
     Ok(())
 }
 

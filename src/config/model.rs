@@ -94,7 +94,7 @@ pub fn default_max_records_per_second_per_org(limits: &Limits, dns: &DnsConfig) 
 pub fn dns_org_share(global: usize) -> usize {
     global.div_ceil(4).max(1)
 }
-/// Synthetic mappings (`crate::synthetic`) one org may hold, at most.
+/// Synthetic mappings (`crate::handout::synthetic`) one org may hold, at most.
 pub const MAX_SYNTHETIC_PER_ORG: usize = 4096;
 /// Synthetic mappings of all synthetic orgs together, at most: config
 /// validation refuses more synthetic orgs than this allows.
@@ -133,8 +133,32 @@ pub struct Config {
     pub enforcement: Option<EnforcementConfig>,
     /// `[otel]`: the OTLP export (`crate::otel`); `None` without the table.
     pub otel: Option<OtelConfig>,
+    /// `[decider]`: consulted on a miss (`crate::decider`); `None` without
+    /// the table.
+    pub decider: Option<DeciderConfig>,
     pub orgs: Vec<OrgConfig>,
 }
+
+/// `[decider]`: an HTTP endpoint asked about a miss (see
+/// `docs/decisions.md`, "The decider").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeciderConfig {
+    /// `http://HOST[:PORT][/PATH]`: where each question is POSTed.
+    pub url: String,
+    /// How long one consultation may take, connecting included.
+    pub timeout: Duration,
+    /// Consultations at once; a miss past them is denied without asking.
+    pub max_in_flight: usize,
+}
+
+/// `[decider] timeout` when unset.
+pub const DEFAULT_DECIDER_TIMEOUT: Duration = Duration::from_millis(500);
+/// The longest `[decider] timeout` accepted.
+pub const MAX_DECIDER_TIMEOUT: Duration = Duration::from_secs(10);
+/// `[decider] max_in_flight` when unset.
+pub const DEFAULT_DECIDER_IN_FLIGHT: usize = 64;
+/// The largest `[decider] max_in_flight` accepted.
+pub const MAX_DECIDER_IN_FLIGHT: usize = 4096;
 
 /// The `service.name` of the OTLP export when `[otel]` names none.
 pub const DEFAULT_OTEL_SERVICE_NAME: &str = "palisade";
@@ -450,7 +474,7 @@ pub struct DnsConfig {
     /// All bindings; when full, the org holding the most loses its oldest.
     pub max_bindings: usize,
     /// Synthetic answers (orgs with `dns_answers = "synthetic"`): the IPv4
-    /// and IPv6 pools their addresses come from (`crate::synthetic`).
+    /// and IPv6 pools their addresses come from (`crate::handout::synthetic`).
     pub synthetic_pool: Option<ipnet::Ipv4Net>,
     pub synthetic_pool_v6: Option<ipnet::Ipv6Net>,
 }
@@ -545,6 +569,28 @@ pub struct AdminConfig {
     /// SHA-256 digests of the bearer tokens `GET /v1/decisions` accepts
     /// (none: the tail is refused to everyone).
     pub tail_tokens: Vec<TokenDigest>,
+    /// `approver_tokens`: who may answer approvals and grant, for which
+    /// orgs (none: the approval endpoints refuse everyone).
+    pub approver_tokens: Vec<ApproverToken>,
+}
+
+/// One approver's bearer token: its name (recorded as the approver), its
+/// digest and the orgs it answers for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApproverToken {
+    pub name: String,
+    pub digest: TokenDigest,
+    /// `None`: every org (`orgs = ["*"]`).
+    pub orgs: Option<Vec<String>>,
+}
+
+impl ApproverToken {
+    /// Whether this token answers for `org`.
+    pub fn covers(&self, org: &str) -> bool {
+        self.orgs
+            .as_ref()
+            .is_none_or(|orgs| orgs.iter().any(|o| o == org))
+    }
 }
 
 /// Default evidence directory.
@@ -718,6 +764,19 @@ pub struct EvidenceConfig {
     /// Who writes this evidence, in every segment header and record id
     /// (default: the host name).
     pub replica: String,
+    /// Witnesses each new checkpoint is submitted to (c2sp.org/tlog-witness).
+    pub witnesses: Vec<WitnessConfig>,
+}
+
+/// One `[evidence] witnesses` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WitnessConfig {
+    /// The submission prefix: `http://HOST[:PORT][/PATH]`;
+    /// `add-checkpoint` is posted to `PREFIX/add-checkpoint`.
+    pub url: http::Uri,
+    /// Its verifier key (c2sp.org/signed-note form, type 0x04, Ed25519
+    /// `cosignature/v1`): `NAME+KEY_ID+BASE64(0x04 || KEY)`.
+    pub key: String,
 }
 
 impl EvidenceConfig {
@@ -740,6 +799,7 @@ impl EvidenceConfig {
                 &DnsConfig::default(),
             ),
             replica: default_replica(),
+            witnesses: Vec::new(),
         }
     }
 }
@@ -828,6 +888,11 @@ pub struct OrgConfig {
     /// `enforce`.
     #[serde(skip_serializing_if = "OrgMode::is_default")]
     pub mode: OrgMode,
+    /// What a miss (`no_matching_rule`) becomes: a denial (default), or a
+    /// pending approval an approver answers (`crate::jit`). Left out of
+    /// the policy hash while it has its default value.
+    #[serde(skip_serializing_if = "OnMiss::is_default")]
+    pub on_miss: OnMiss,
     /// How a client proves it belongs to this org. Left out of the policy
     /// hash while it has its default value.
     #[serde(skip_serializing_if = "Identity::is_default")]
@@ -863,6 +928,27 @@ pub enum OrgMode {
 impl OrgMode {
     pub fn is_default(&self) -> bool {
         *self == OrgMode::Enforce
+    }
+}
+
+/// How a grant (`crate::jit`) stands as the rule of a verdict it
+/// allowed: `grant:` then its id. Config rule ids may not start so.
+pub const GRANT_RULE_PREFIX: &str = "grant:";
+
+/// `on_miss`: what an org's miss becomes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnMiss {
+    /// Denied `no_matching_rule`.
+    #[default]
+    Deny,
+    /// Refused `approval_pending`, held as an approval an approver answers.
+    Ask,
+}
+
+impl OnMiss {
+    pub fn is_default(&self) -> bool {
+        *self == OnMiss::Deny
     }
 }
 
@@ -1210,6 +1296,7 @@ impl Config {
             policy: _,
             enforcement: _,
             otel: _,
+            decider: _,
             orgs: _,
         } = self;
         let ProxyConfig {
@@ -1242,6 +1329,7 @@ impl Config {
         let AdminConfig {
             listen: admin_listen,
             tail_tokens: _,
+            approver_tokens: _,
         } = admin;
         let mut own: Vec<SocketAddr> = listen.clone();
         own.extend(transparent);

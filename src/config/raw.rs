@@ -26,8 +26,21 @@ pub(super) struct RawConfig {
     pub(super) enforcement: RawEnforcement,
     /// `[otel]`: present (even empty) turns the OTLP export on.
     pub(super) otel: Option<RawOtel>,
+    /// `[decider]`: an HTTP endpoint consulted on a miss.
+    pub(super) decider: Option<Spanned<RawDecider>>,
     #[serde(default)]
     pub(super) org: Vec<RawOrg>,
+}
+
+/// `[decider]`: where a miss is asked about, how long it may take, and
+/// how many may be asked at once.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDecider {
+    pub(super) url: Option<Spanned<String>>,
+    pub(super) timeout: Option<Spanned<String>>,
+    pub(super) on_error: Option<Spanned<String>>,
+    pub(super) max_in_flight: Option<Spanned<i64>>,
 }
 
 /// `[otel]`: where OTLP over HTTP goes, and as what service.
@@ -168,6 +181,17 @@ pub(super) struct RawAdmin {
     pub(super) listen: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) tail_tokens: Vec<Spanned<String>>,
+    #[serde(default)]
+    pub(super) approver_tokens: Vec<Spanned<RawApprover>>,
+}
+
+/// One entry of `[admin] approver_tokens`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawApprover {
+    pub(super) name: Spanned<String>,
+    pub(super) token: Spanned<String>,
+    pub(super) orgs: Spanned<Vec<Spanned<String>>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -186,6 +210,16 @@ pub(super) struct RawEvidence {
     pub(super) min_free: Option<Spanned<RawSize>>,
     pub(super) max_records_per_second_per_org: Option<Spanned<i64>>,
     pub(super) replica: Option<Spanned<String>>,
+    #[serde(default)]
+    pub(super) witnesses: Vec<Spanned<RawWitness>>,
+}
+
+/// One `[evidence] witnesses` entry: `{ url = "...", key = "..." }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWitness {
+    pub(super) url: Spanned<String>,
+    pub(super) key: Spanned<String>,
 }
 
 /// A byte size: an integer, or a string such as "64MiB", "500kB", "1GiB".
@@ -211,6 +245,7 @@ pub(super) struct RawOrg {
     pub(super) dns_types: Vec<Spanned<String>>,
     pub(super) dns_answers: Option<Spanned<String>>,
     pub(super) mode: Option<Spanned<String>>,
+    pub(super) on_miss: Option<Spanned<String>>,
     pub(super) identity: Option<Spanned<String>>,
     #[serde(default)]
     pub(super) tokens: Vec<Spanned<String>>,

@@ -38,11 +38,11 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::shim::Shim;
 use crate::evidence::Mode;
+use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
-use crate::synthetic::{Answer, Family, SYNTHETIC_TTL};
 
 /// Longest query name kept in evidence for a name that is not a host name.
 const MAX_SHOWN_NAME: usize = 300;
@@ -170,6 +170,7 @@ impl Shim {
             &qname,
             qtype,
         );
+        let decision = self.missed(served, state, decision, qtype).await;
         let decision = self.spend_name(&served.policy, decision, now);
         // An answer's record is paid for from the org's evidence budget
         // before anything is forwarded; spent, the query is refused (and
@@ -197,7 +198,17 @@ impl Shim {
                 self.refuse_decided(state, ResponseCode::Refused, wait)
                     .await
             }
-            Action::Denied(style) => self.refuse_decided(state, denied_rcode(style), wait).await,
+            Action::Denied(style) => {
+                let mut reply = self.refuse_decided(state, denied_rcode(style), wait).await;
+                if state.verdict.reason == Reason::ApprovalPending {
+                    // The EDE text names the approval and the name.
+                    if let (Some((_, text)), Some(detail)) = (reply.ede.as_mut(), &state.detail) {
+                        text.push_str("; ");
+                        text.push_str(detail);
+                    }
+                }
+                reply
+            }
             Action::NxDomain => {
                 self.record_refusal(state, wait).await;
                 Reply::empty(ResponseCode::NXDomain)
@@ -224,6 +235,59 @@ impl Shim {
                     .await
             }
         })
+    }
+
+    /// A miss through the miss hook ([`crate::jit::on_miss`], for the
+    /// name on any port): a grant answers it as an allow rule would, an
+    /// `ask` org's miss is refused `approval_pending` (the approval's
+    /// reference and the name in the EDE text).
+    async fn missed(
+        &self,
+        served: &Served,
+        state: &mut QueryState,
+        decision: QueryDecision,
+        qtype: hickory_server::proto::rr::RecordType,
+    ) -> QueryDecision {
+        let (Reason::NoMatchingRule, Action::Denied(_), Some(org), Some(name)) = (
+            decision.verdict.reason,
+            &decision.action,
+            decision.verdict.org.clone(),
+            decision.name.clone(),
+        ) else {
+            return decision;
+        };
+        let host = crate::proto::target::Host::Name(name.clone());
+        let facts = crate::jit::MissFacts {
+            org: &org,
+            client: state.client.ip(),
+            host: &host,
+            port: None,
+            mode: Mode::Dns,
+            now: std::time::SystemTime::now(),
+        };
+        match crate::jit::on_miss(self.jit.as_deref(), &served.policy, facts).await {
+            crate::jit::Miss::Denied => decision,
+            crate::jit::Miss::Pending(approval) => {
+                state.detail = Some(crate::jit::Miss::pending_detail(&approval));
+                QueryDecision {
+                    verdict: Verdict {
+                        reason: Reason::ApprovalPending,
+                        ..decision.verdict
+                    },
+                    ..decision
+                }
+            }
+            crate::jit::Miss::Granted(g) => {
+                let settings = served.dns.get(org.index).cloned().unwrap_or_default();
+                let verdict = Verdict {
+                    org: Some(org),
+                    reason: Reason::RuleMatch,
+                    rule: Some(g.rule),
+                    would_deny: None,
+                };
+                super::decide::allowed(verdict, name, qtype, &settings)
+            }
+        }
     }
 
     /// A name a wildcard rule allows, before it is forwarded: spent from
@@ -609,11 +673,11 @@ mod tests {
     use hickory_server::proto::rr::rdata::A;
     use hickory_server::proto::rr::RecordType;
 
-    use crate::bindings::Bindings;
     use crate::config::{self, DnsConfig};
     use crate::dns::cache::AnswerCache;
     use crate::dns::encode::encode;
     use crate::evidence::Evidence;
+    use crate::handout::bindings::Bindings;
     use crate::metrics::Metrics;
     use crate::policy::Policy;
     use crate::resolve::Resolver;

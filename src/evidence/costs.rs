@@ -84,6 +84,41 @@ impl Steps {
         orgs.0.commitment()
     }
 
+    /// With witnesses: the leaf of the record whose hash is `hash` copied
+    /// into the write's feed for the submitter, as the writer does.
+    pub fn witness_leaf(&self, hash: &str, feed: &mut Vec<[u8; 32]>) {
+        feed.push(super::merkle::record_leaf(hash));
+    }
+
+    /// With witnesses, once per checkpoint and witness: the consistency
+    /// proof from `old` over the leaves after it (as the submitter keeps
+    /// them), the `add-checkpoint` body for `note`, and the check of a
+    /// witness's cosignature of the new tree. Returns the body's length.
+    pub fn witness_round(&self, old: &Tree, leaves: &[[u8; 32]], note: &str) -> usize {
+        let proof = super::merkle::consistency_proof_from(&old.0, leaves);
+        let body = super::witness::request_body(old.0.size(), &proof, note);
+        let mut tree = old.0.clone();
+        leaves.iter().for_each(|l| tree.push(*l));
+        let origin = super::note::origin("bench");
+        let text = super::note::checkpoint_body(&origin, tree.size(), &tree.root());
+        let w = ed25519_dalek::SigningKey::from_bytes(&[8; 32]);
+        let line = super::note::cosign(&text, "witness.bench/w", &w, 1_700_000_000);
+        let vkey = super::note::Vkey {
+            name: "witness.bench/w".into(),
+            kind: super::note::COSIGNATURE_V1,
+            key: w.verifying_key(),
+        };
+        let ok = super::note::open_cosignature(&line, &text, &vkey).is_ok();
+        body.len() + usize::from(ok)
+    }
+
+    /// The tree after `leaves` more leaves (for [`Steps::witness_round`]).
+    pub fn grown(&self, tree: &Tree, leaves: &[[u8; 32]]) -> Tree {
+        let mut t = tree.0.clone();
+        leaves.iter().for_each(|l| t.push(*l));
+        Tree(t)
+    }
+
     /// A checkpoint's signed note over `tree` (its root, the body, the
     /// Ed25519 signature): once per checkpoint, not per record.
     pub fn checkpoint_note(&self, tree: &Tree) -> String {

@@ -354,6 +354,47 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
             "proofs.json: not a Palisade org export (expected export = {EXPORT:?})"
         ));
     }
+    let proven = proven(&proofs, key)?;
+    let records = check_records(&body, &proven)?;
+    check_manifest(&manifest, &body, &proven, &records, key)?;
+    let Proven {
+        org,
+        end,
+        start_seq,
+        a,
+        b,
+        ..
+    } = proven;
+    let origin = end
+        .get("note")
+        .and_then(Value::as_str)
+        .and_then(|n| n.split('\n').next())
+        .unwrap_or("?")
+        .to_string();
+    Ok(format!(
+        "ok: export of org {org}: {} records (leaves {a}..{b} of its tree), complete from {} to checkpoint seq {} ({}), signed by {origin}",
+        records.count,
+        start_seq.map_or("its first record".to_string(), |s| format!("checkpoint seq {s}")),
+        seq_of(&end),
+        end.get("ts").and_then(Value::as_str).unwrap_or("?"),
+    ))
+}
+
+/// What `proofs.json` proves, each checkpoint's signature checked: the
+/// org's signed tree of `b` records at the `end` checkpoint, and the
+/// window's leaves from `a` on (after the `start` checkpoint, if any).
+struct Proven<'p> {
+    org: &'p str,
+    end: Map<String, Value>,
+    start_seq: Option<u64>,
+    a: u64,
+    b: u64,
+    leaves: Vec<merkle::Hash>,
+}
+
+/// `proofs.json`: the end checkpoint, the start frontier and the leaves
+/// that take it to the end's root.
+fn proven<'p>(proofs: &'p Value, key: &VerifyingKey) -> Result<Proven<'p>, String> {
     let org = proofs
         .get("org")
         .and_then(Value::as_str)
@@ -391,17 +432,37 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
             frontier.size()
         ));
     }
-    // The records, one per leaf, in order.
-    let (lines, torn) = segment::split_lines(&body);
+    Ok(Proven {
+        org,
+        end,
+        start_seq,
+        a,
+        b,
+        leaves,
+    })
+}
+
+/// The records of `records.jsonl` as checked: how many, the first and
+/// the last.
+struct Records {
+    count: usize,
+    first: Option<Map<String, Value>>,
+    last: Option<Map<String, Value>>,
+}
+
+/// `records.jsonl`: one record per leaf, in order, each intact and of the
+/// org, inside the window.
+fn check_records(body: &[u8], p: &Proven<'_>) -> Result<Records, String> {
+    let (org, a, leaves) = (p.org, p.a, &p.leaves);
+    let (lines, torn) = segment::split_lines(body);
     if !torn.is_empty() {
         return Err(format!("records.jsonl:{}: truncated line", lines.len() + 1));
     }
-    let mut prev_seq = start_seq;
+    let mut prev_seq = p.start_seq;
     let mut first: Option<Map<String, Value>> = None;
     let mut last: Option<Map<String, Value>> = None;
     for (i, raw) in lines.iter().enumerate() {
-        let n = i + 1;
-        let bad = |m: String| format!("records.jsonl:{n}: {m}");
+        let bad = |m: String| format!("records.jsonl:{}: {m}", i + 1);
         let v: Value = serde_json::from_slice(raw).map_err(|e| bad(format!("not JSON ({e})")))?;
         let Value::Object(m) = &v else {
             return Err(bad("not a JSON object".into()));
@@ -427,7 +488,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
             )));
         }
         let seq = seq_of(m);
-        if prev_seq.is_some_and(|p| seq <= p) || seq >= seq_of(&end) {
+        if prev_seq.is_some_and(|p| seq <= p) || seq >= seq_of(&p.end) {
             return Err(bad(format!(
                 "record {id} (seq {seq}) is out of chain order or outside the window: record reordered or added"
             )));
@@ -437,28 +498,10 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
         match leaves.get(i) {
             Some(l) if *l == leaf => {}
             Some(expected) => {
-                let held = lines.iter().any(|l| {
-                    serde_json::from_slice::<Map<String, Value>>(l).is_ok_and(|m| {
-                        merkle::record_leaf(
-                            m.get("hash").and_then(Value::as_str).unwrap_or_default(),
-                        ) == *expected
-                    })
-                });
-                let why = match leaves.iter().position(|l| *l == leaf) {
-                    None => format!("record {id} is no leaf of org {org}'s signed tree: record added"),
-                    Some(_) if held => format!(
-                        "record {id} is not leaf {} of org {org}'s signed tree, which is further on: records reordered",
-                        a + i as u64
-                    ),
-                    Some(_) => format!(
-                        "leaf {} of org {org}'s signed tree is missing before record {id} (after {}): record removed",
-                        a + i as u64,
-                        last.as_ref()
-                            .and_then(|m| m.get("id").and_then(Value::as_str))
-                            .unwrap_or("the window's start")
-                    ),
-                };
-                return Err(bad(why));
+                let after = last
+                    .as_ref()
+                    .and_then(|m| m.get("id").and_then(Value::as_str));
+                return Err(bad(misplaced(&lines, p, i, id, leaf, expected, after)));
             }
             None => {
                 return Err(bad(format!(
@@ -481,34 +524,54 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
             a + lines.len() as u64
         ));
     }
-    check_manifest(&manifest, org, &body, a, &first, &last, key, &end)?;
-    let origin = end
-        .get("note")
-        .and_then(Value::as_str)
-        .and_then(|n| n.split('\n').next())
-        .unwrap_or("?")
-        .to_string();
-    Ok(format!(
-        "ok: export of org {org}: {} records (leaves {a}..{b} of its tree), complete from {} to checkpoint seq {} ({}), signed by {origin}",
-        lines.len(),
-        start_seq.map_or("its first record".to_string(), |s| format!("checkpoint seq {s}")),
-        seq_of(&end),
-        end.get("ts").and_then(Value::as_str).unwrap_or("?"),
-    ))
+    Ok(Records {
+        count: lines.len(),
+        first,
+        last,
+    })
+}
+
+/// Why record `id`, line `i`, is not the leaf `expected` there: added,
+/// reordered (the expected leaf is a record further on), or the expected
+/// one removed (after the record `after`).
+fn misplaced(
+    lines: &[&[u8]],
+    p: &Proven<'_>,
+    i: usize,
+    id: &str,
+    leaf: merkle::Hash,
+    expected: &merkle::Hash,
+    after: Option<&str>,
+) -> String {
+    let (org, at) = (p.org, p.a + i as u64);
+    let held = lines.iter().any(|l| {
+        serde_json::from_slice::<Map<String, Value>>(l).is_ok_and(|m| {
+            merkle::record_leaf(m.get("hash").and_then(Value::as_str).unwrap_or_default())
+                == *expected
+        })
+    });
+    match p.leaves.iter().position(|l| *l == leaf) {
+        None => format!("record {id} is no leaf of org {org}'s signed tree: record added"),
+        Some(_) if held => format!(
+            "record {id} is not leaf {at} of org {org}'s signed tree, which is further on: records reordered"
+        ),
+        Some(_) => format!(
+            "leaf {at} of org {org}'s signed tree is missing before record {id} (after {}): record removed",
+            after.unwrap_or("the window's start")
+        ),
+    }
 }
 
 /// Every claim of the manifest against what was checked.
-#[allow(clippy::too_many_arguments)]
 fn check_manifest(
     manifest: &Value,
-    org: &str,
     body: &[u8],
-    a: u64,
-    first: &Option<Map<String, Value>>,
-    last: &Option<Map<String, Value>>,
+    p: &Proven<'_>,
+    records: &Records,
     key: &VerifyingKey,
-    end: &Map<String, Value>,
 ) -> Result<(), String> {
+    let (org, a, end) = (p.org, p.a, &p.end);
+    let (first, last) = (&records.first, &records.last);
     let n = body.iter().filter(|b| **b == b'\n').count() as u64;
     let field = |m: &Option<Map<String, Value>>, f: &str| {
         m.as_ref()
@@ -556,38 +619,12 @@ fn check_manifest(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::evidence::{key, Evidence};
-    use crate::testing::scratch;
 
     /// A store of acme's and beta's decisions, interleaved, with a
     /// checkpoint every 5 records and a few segments.
     async fn store(name: &str) -> (std::path::PathBuf, std::path::PathBuf, VerifyingKey) {
-        let root = scratch(name);
-        let mut cfg = crate::config::EvidenceConfig::for_dir(&root.join("evidence"));
-        cfg.checkpoint_every = 5;
-        cfg.rotate_size = 4000;
-        let ev = Evidence::start(&cfg).unwrap();
-        for i in 0..40u16 {
-            let org = ["acme", "beta", "beta", "acme", "beta"][usize::from(i % 5)];
-            let mut r = crate::evidence::Record::decision(
-                crate::evidence::Kind::Tcp,
-                crate::evidence::Mode::Explicit,
-                format!("198.18.1.2:{}", 1000 + i).parse().unwrap(),
-                &crate::policy::Verdict {
-                    org: None,
-                    reason: crate::policy::Reason::NoMatchingRule,
-                    rule: None,
-                    would_deny: None,
-                },
-                &std::sync::Arc::from("p"),
-            );
-            r.org = Some(org.into());
-            r.host = Some(format!("{org}-{i}.test"));
-            ev.write(&mut r).await.unwrap();
-        }
-        assert!(ev.seal().await);
-        let k = key::load(&cfg.key).unwrap().verifying_key();
-        (root, cfg.dir, k)
+        let orgs = ["acme", "beta", "beta", "acme", "beta"];
+        crate::evidence::tests::sealed_store(name, 5, 4000, 40, &orgs).await
     }
 
     fn lines(dir: &Path) -> Vec<String> {

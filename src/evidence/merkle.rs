@@ -208,6 +208,83 @@ fn subproof(m: usize, leaves: &[Hash], whole: bool) -> Vec<Hash> {
     }
 }
 
+/// `PROOF(m, D[n])` from what a writer keeps instead of every leaf: the
+/// frontier of the first `m` leaves and the leaves after it. Every hash
+/// of the proof inside the first `m` leaves is a frontier subtree or a
+/// fold of the frontier's right-hand subtrees, so no older leaf is needed.
+pub(crate) fn consistency_proof_from(old: &Frontier, new: &[Hash]) -> Vec<Hash> {
+    let m = old.size as usize;
+    if m == 0 || new.is_empty() {
+        return Vec::new();
+    }
+    let mut nodes = Vec::with_capacity(old.hashes.len());
+    let mut start = 0usize;
+    let mut bits = old.hashes.iter();
+    for b in (0..usize::BITS).rev() {
+        if m & (1 << b) != 0 {
+            let Some(h) = bits.next() else { break };
+            nodes.push((start, start + (1 << b), *h));
+            start += 1 << b;
+        }
+    }
+    let t = Split {
+        m,
+        old: &nodes,
+        new,
+    };
+    t.sub(0, m + new.len(), true)
+}
+
+/// The tree of [`consistency_proof_from`]: frontier subtrees left of `m`,
+/// leaves right of it.
+struct Split<'a> {
+    m: usize,
+    old: &'a [(usize, usize, Hash)],
+    new: &'a [Hash],
+}
+
+impl Split<'_> {
+    /// MTH of leaves `lo..hi`: wholly right of `m`, or a run of frontier
+    /// subtrees ending at `m` at the latest.
+    fn range(&self, lo: usize, hi: usize) -> Hash {
+        if lo >= self.m {
+            return root(&self.new[lo - self.m..hi - self.m]);
+        }
+        let mut it = self
+            .old
+            .iter()
+            .filter(|(s, e, _)| *s >= lo && *e <= hi)
+            .map(|(_, _, h)| h)
+            .rev();
+        let Some(last) = it.next() else {
+            return empty_root();
+        };
+        it.fold(*last, |acc, left| node_hash(left, &acc))
+    }
+
+    /// `SUBPROOF` over leaves `lo..hi`, the old tree ending at `self.m`.
+    fn sub(&self, lo: usize, hi: usize, whole: bool) -> Vec<Hash> {
+        let n = hi - lo;
+        if self.m == hi {
+            return if whole {
+                Vec::new()
+            } else {
+                vec![self.range(lo, hi)]
+            };
+        }
+        let k = split(n);
+        if self.m - lo <= k {
+            let mut p = self.sub(lo, lo + k, whole);
+            p.push(self.range(lo + k, hi));
+            p
+        } else {
+            let mut p = self.sub(lo + k, hi, false);
+            p.push(self.range(lo, lo + k));
+            p
+        }
+    }
+}
+
 /// Why a proof does not verify.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum ProofError {
@@ -719,6 +796,22 @@ mod tests {
             for m in 1..=n {
                 let p = consistency_proof(&l[..n], m);
                 verify_consistency(m as u64, n as u64, &root(&l[..m]), &root(&l[..n]), &p).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn consistency_proofs_from_a_frontier_are_the_full_ones() {
+        let l: Vec<Hash> = (0u32..40).map(|i| leaf_hash(&i.to_be_bytes())).collect();
+        for n in 1..=l.len() {
+            for m in 0..=n {
+                let mut f = Frontier::default();
+                l[..m].iter().for_each(|h| f.push(*h));
+                assert_eq!(
+                    consistency_proof_from(&f, &l[m..n]),
+                    consistency_proof(&l[..n], m),
+                    "m {m} n {n}"
+                );
             }
         }
     }

@@ -27,6 +27,7 @@ pub mod select;
 pub(crate) mod store;
 pub(crate) mod tap;
 pub(crate) mod verify;
+pub(crate) mod witness;
 mod writer;
 
 use std::io;
@@ -66,6 +67,9 @@ pub enum Kind {
     /// gateway ruleset not loaded as written (`failed`), or loaded again
     /// (`verified`).
     Enforcement,
+    /// A grant of just-in-time access ([`crate::jit`]): given (`granted`)
+    /// or ended (`expired`, `revoked`, `used_up`).
+    Grant,
 }
 
 impl Kind {
@@ -76,6 +80,7 @@ impl Kind {
             Kind::Dns => "dns",
             Kind::Bypass => "bypass",
             Kind::Enforcement => "enforcement",
+            Kind::Grant => "grant",
         }
     }
 }
@@ -112,6 +117,14 @@ pub enum Event {
     Failed,
     /// Enforcement records: the gateway ruleset is loaded as written.
     Verified,
+    /// Grant records: a grant given.
+    Granted,
+    /// Grant records: a grant's TTL ended (or a reload denies its target).
+    Expired,
+    /// Grant records: an approver revoked a grant.
+    Revoked,
+    /// Grant records: a grant's `max_uses` are spent.
+    UsedUp,
 }
 
 impl Event {
@@ -121,8 +134,40 @@ impl Event {
             Event::Close => "close",
             Event::Failed => "failed",
             Event::Verified => "verified",
+            Event::Granted => "granted",
+            Event::Expired => "expired",
+            Event::Revoked => "revoked",
+            Event::UsedUp => "used_up",
         }
     }
+}
+
+/// What a grant record says of its grant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantFacts {
+    pub id: String,
+    /// The name or CIDR it opens (`host` holds it too).
+    pub target: String,
+    /// When it was given (RFC 3339).
+    pub granted_at: String,
+    /// When its TTL ends (RFC 3339), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_uses: Option<u32>,
+    /// Uses when the record was written.
+    pub uses: u32,
+    /// The name of the approver's token (`[admin] approver_tokens`).
+    pub approver: String,
+    /// Why, as the approver gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The approval it answered, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval: Option<String>,
+    /// Who ended it (revoked: the approver; expired by a reload: `policy`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_by: Option<String>,
 }
 
 /// One evidence record. The CONTRACT fields are always present (null where
@@ -237,6 +282,10 @@ pub struct Record {
     /// what the kernel has loaded, one line each.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub differs: Option<Vec<String>>,
+    /// Grant records: the grant, its scope and end, its approver and the
+    /// reason given ([`crate::jit`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grant: Option<Box<GrantFacts>>,
     /// Never written: the room reserved in the store for the close record
     /// an allow owes ([`store::Owed`]), set when the allow is written and
     /// carried to its close.
@@ -296,6 +345,7 @@ impl Record {
             window: None,
             synthetic: None,
             differs: None,
+            grant: None,
             owed: None,
         }
     }
@@ -427,6 +477,28 @@ pub struct Live {
     store: store::Store,
     /// Written records, live, for the decision tail.
     tap: tap::Tap,
+    /// What each witness did ([`witness`]), in `[evidence] witnesses` order.
+    witnesses: Mutex<Vec<WitnessCounts>>,
+    /// Writes whose leaves the witnesses' full queue could not take.
+    witness_dropped: AtomicU64,
+}
+
+/// What one witness did since start, read by the metrics layer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WitnessCounts {
+    /// The witness's key name.
+    pub name: String,
+    /// Checkpoints it cosigned.
+    pub cosigned: u64,
+    /// Refusals of a checkpoint as inconsistent with what it saw before
+    /// (409 with a size not ours, 422): a rewritten or forked history.
+    pub conflicts: u64,
+    /// Submissions that failed otherwise: by `reason` (`unreachable`,
+    /// `timeout`, `unknown_log` (404), `forbidden` (403), `bad_request`
+    /// (400), `bad_reply`, `no_proof`).
+    pub failures: std::collections::BTreeMap<&'static str, u64>,
+    /// The tree size it last cosigned (0 before the first).
+    pub size: u64,
 }
 
 impl Live {
@@ -479,6 +551,32 @@ impl Live {
     fn set_queue_depth(&self, depth: usize) {
         self.queue_depth.store(depth as u64, Ordering::Relaxed);
     }
+
+    /// Writes whose leaves the witnesses' full queue could not take (the
+    /// submitter reads them from the store instead).
+    pub fn witness_feed_drops(&self) -> u64 {
+        self.witness_dropped.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn witness_feed_dropped(&self) {
+        self.witness_dropped.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Every witness's counts.
+    pub fn witnesses(&self) -> Vec<WitnessCounts> {
+        self.witnesses.lock().map(|w| w.clone()).unwrap_or_default()
+    }
+
+    /// Change witness `i`'s counts (adding it, and any before it, if new).
+    pub(crate) fn witness(&self, i: usize, name: &str, f: impl FnOnce(&mut WitnessCounts)) {
+        if let Ok(mut w) = self.witnesses.lock() {
+            while w.len() <= i {
+                w.push(WitnessCounts::default());
+            }
+            w[i].name = name.to_string();
+            f(&mut w[i]);
+        }
+    }
 }
 
 /// The evidence log shared by every listener. Cheap to call from any
@@ -494,6 +592,8 @@ pub struct Evidence {
     durability: Durability,
     public_key: String,
     refs: reference::RefKey,
+    /// Run once the chain is sealed (the witnesses' last submission).
+    after_seal: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 impl std::fmt::Debug for Evidence {
@@ -540,6 +640,7 @@ impl Evidence {
             durability: cfg.durability,
             public_key,
             refs,
+            after_seal: Mutex::new(None),
         })
     }
 
@@ -731,7 +832,29 @@ impl Evidence {
     pub async fn seal(&self) -> bool {
         let sealed = self.log.close(true);
         self.join();
+        let after = match self.after_seal.lock() {
+            Ok(mut a) => a.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(f) = after {
+            f();
+        }
         sealed
+    }
+
+    /// Rotate the checkpoint key: a `key_rotation` record signed by the
+    /// current key names `next`, which signs every checkpoint after it.
+    pub(crate) fn rotate_key(&self, next: ed25519_dalek::SigningKey) -> io::Result<()> {
+        self.log.rotate_key(next)
+    }
+
+    /// Hand every write's leaves and checkpoints to `sink` from now on
+    /// (the witnesses' queue, [`witness`]); run `after_seal` once sealed.
+    pub(crate) fn feed(&self, sink: writer::Sink, after_seal: Box<dyn FnOnce() + Send>) {
+        self.log.set_sink(sink);
+        if let Ok(mut a) = self.after_seal.lock() {
+            *a = Some(after_seal);
+        }
     }
 
     /// Stop without sealing, as a crash would (tests): what is pending is

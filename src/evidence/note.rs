@@ -19,7 +19,6 @@
 
 use data_encoding::BASE64;
 use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
-use sha2::{Digest, Sha256};
 
 use super::merkle::Hash;
 
@@ -49,12 +48,7 @@ pub(crate) fn origin(replica: &str) -> String {
 
 /// The key ID of an Ed25519 key under `name`.
 pub(crate) fn key_id(name: &str, key: &VerifyingKey) -> [u8; 4] {
-    let mut h = Sha256::new();
-    h.update(name.as_bytes());
-    h.update([b'\n', ED25519]);
-    h.update(key.as_bytes());
-    let d = h.finalize();
-    [d[0], d[1], d[2], d[3]]
+    typed_key_id(name, ED25519, key)
 }
 
 /// The verifier key text `NAME+HEX(KEY_ID)+BASE64(0x01 || KEY)`.
@@ -190,6 +184,83 @@ pub(crate) fn open_checkpoint(note: &str, key: &VerifyingKey) -> Result<Checkpoi
     parse_checkpoint(text)
 }
 
+use crate::proto::vkey::typed_key_id;
+pub(crate) use crate::proto::vkey::{vkey_of, Vkey, COSIGNATURE_V1};
+
+/// The message a `cosignature/v1` signs: `cosignature/v1`, `time T`, then
+/// the checkpoint body.
+fn cosigned_message(body: &str, time: u64) -> String {
+    format!("cosignature/v1\ntime {time}\n{body}")
+}
+
+/// The witness key `name`'s cosignature of `body` at `time` (POSIX
+/// seconds), as a signature line. What a witness does: Palisade itself
+/// only verifies them; the tests and benches sign with it.
+pub(crate) fn cosign(body: &str, name: &str, key: &SigningKey, time: u64) -> String {
+    let sig = key.sign(cosigned_message(body, time).as_bytes());
+    let mut blob = typed_key_id(name, COSIGNATURE_V1, &key.verifying_key()).to_vec();
+    blob.extend_from_slice(&time.to_be_bytes());
+    blob.extend_from_slice(&sig.to_bytes());
+    format!("{SIG_PREFIX}{name} {}\n", BASE64.encode(&blob))
+}
+
+/// Why a cosignature is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum CosignatureError {
+    #[error("no cosignature by witness key {0}")]
+    Missing(String),
+    #[error("cosignature by {0} does not verify: not this checkpoint, or edited")]
+    Bad(String),
+    #[error("cosignature line is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// Find `witness`'s cosignature among signature `lines` (each `— NAME
+/// BASE64`, newline-terminated; lines by other keys are ignored, as the
+/// spec says) and check it covers checkpoint `body`. Returns its time.
+pub(crate) fn open_cosignature(
+    lines: &str,
+    body: &str,
+    witness: &Vkey,
+) -> Result<u64, CosignatureError> {
+    let id = witness.id();
+    for line in lines.lines().take(MAX_SIGS) {
+        let Some((who, b64)) = line
+            .strip_prefix(SIG_PREFIX)
+            .and_then(|rest| rest.split_once(' '))
+        else {
+            return Err(CosignatureError::Malformed(
+                "a line without the em dash and a name",
+            ));
+        };
+        if who != witness.name {
+            continue;
+        }
+        let Ok(blob) = BASE64.decode(b64.trim_end().as_bytes()) else {
+            return Err(CosignatureError::Malformed("signature is not base64"));
+        };
+        if blob.len() < 4 || blob[..4] != id {
+            continue;
+        }
+        let (Ok(time), Ok(sig)) = (
+            <[u8; 8]>::try_from(blob.get(4..12).unwrap_or_default()),
+            <[u8; 64]>::try_from(blob.get(12..).unwrap_or_default()),
+        ) else {
+            return Err(CosignatureError::Malformed(
+                "not key ID, time and 64-byte signature",
+            ));
+        };
+        let time = u64::from_be_bytes(time);
+        let msg = cosigned_message(body, time);
+        return witness
+            .key
+            .verify_strict(msg.as_bytes(), &Signature::from_bytes(&sig))
+            .map(|()| time)
+            .map_err(|_| CosignatureError::Bad(witness.name.clone()));
+    }
+    Err(CosignatureError::Missing(vkey_of(witness)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -235,6 +306,7 @@ mod tests {
     #[test]
     fn the_documented_example_note_is_what_palisade_writes() {
         let sk = SigningKey::from_bytes(&[7u8; 32]);
+        use sha2::{Digest, Sha256};
         let root: Hash = Sha256::digest(b"example").into();
         let o = origin("gw-a");
         let note = sign(&checkpoint_body(&o, 1804, &root), &o, &sk);
@@ -286,5 +358,73 @@ mod tests {
         }
         let other = SigningKey::from_bytes(&[8u8; 32]);
         assert!(open_checkpoint(&note, &other.verifying_key()).is_err());
+    }
+
+    /// The cosigned checkpoint of the c2sp.org/tlog-cosignature example:
+    /// its cosignature line carries the time of the example's signed
+    /// message (`time 1679315147`); the spec gives no public key.
+    const SPEC_COSIGNATURE: &str = "\u{2014} witness.example.com/w1 jWbPPwAAAABkGFDLEZMHwSRaJNiIDoe9DYn/zXcrtPHeolMI5OWXEhZCB9dlrDJsX3b2oyin1nPZqhf5nNo0xUe+mbIUBkBIfZ+qnA==\n";
+
+    #[test]
+    fn cosignatures_follow_the_spec_and_refuse_strangers() {
+        let blob = BASE64
+            .decode(
+                SPEC_COSIGNATURE
+                    .rsplit(' ')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .as_bytes(),
+            )
+            .unwrap();
+        assert_eq!(blob.len(), 4 + 8 + 64);
+        assert_eq!(
+            u64::from_be_bytes(blob[4..12].try_into().unwrap()),
+            1679315147
+        );
+        let w = SigningKey::from_bytes(&[3u8; 32]);
+        let name = "witness.test/w1";
+        let vk = Vkey {
+            name: name.into(),
+            kind: COSIGNATURE_V1,
+            key: w.verifying_key(),
+        };
+        let text = vkey_of(&vk);
+        assert_eq!(Vkey::parse(&text, COSIGNATURE_V1).unwrap(), vk);
+        // A note key (type 0x01) is not a witness key, and the ID must fit.
+        let note_key = vkey(name, &w.verifying_key());
+        assert!(Vkey::parse(&note_key, COSIGNATURE_V1)
+            .unwrap_err()
+            .contains("type 0x04"));
+        let wrong_id = format!("{name}+00000000+{}", text.rsplit('+').next().unwrap());
+        assert!(Vkey::parse(&wrong_id, COSIGNATURE_V1)
+            .unwrap_err()
+            .contains("key ID"));
+        for bad in ["", "a", "a+b", " +00+AA==", "a+00000000+!!"] {
+            assert!(Vkey::parse(bad, COSIGNATURE_V1).is_err(), "{bad:?}");
+        }
+        let body =
+            "example.com/behind-the-sofa\n20852163\nCsUYapGGPo4dkMgIAUqom/Xajj7h2fB2MPA3j2jxq2I=\n";
+        let line = cosign(body, name, &w, 1679315147);
+        // Lines of other witnesses (the spec's) are skipped.
+        let lines = format!("{SPEC_COSIGNATURE}{line}");
+        assert_eq!(open_cosignature(&lines, body, &vk), Ok(1679315147));
+        let other = body.replace("20852163", "20852164");
+        assert!(matches!(
+            open_cosignature(&lines, &other, &vk),
+            Err(CosignatureError::Bad(_))
+        ));
+        let stranger = Vkey {
+            name: name.into(),
+            kind: COSIGNATURE_V1,
+            key: SigningKey::from_bytes(&[4u8; 32]).verifying_key(),
+        };
+        assert!(matches!(
+            open_cosignature(&lines, body, &stranger),
+            Err(CosignatureError::Missing(_))
+        ));
+        let cut = &line[..line.len() - 20];
+        assert!(open_cosignature(cut, body, &vk).is_err());
+        assert!(open_cosignature("garbage\n", body, &vk).is_err());
     }
 }

@@ -255,33 +255,9 @@ pub(crate) fn check(v: &Value, key: &VerifyingKey) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::evidence::{key, Evidence};
-    use crate::testing::scratch;
 
     async fn store() -> (std::path::PathBuf, std::path::PathBuf, VerifyingKey) {
-        let root = scratch("proof");
-        let mut cfg = crate::config::EvidenceConfig::for_dir(&root.join("evidence"));
-        cfg.checkpoint_every = 4;
-        cfg.rotate_size = 2500;
-        let ev = Evidence::start(&cfg).unwrap();
-        for i in 0..15u16 {
-            let mut r = crate::evidence::Record::decision(
-                crate::evidence::Kind::Tcp,
-                crate::evidence::Mode::Explicit,
-                format!("198.18.1.2:{}", 1000 + i).parse().unwrap(),
-                &crate::policy::Verdict {
-                    org: None,
-                    reason: crate::policy::Reason::NoMatchingRule,
-                    rule: None,
-                    would_deny: None,
-                },
-                &std::sync::Arc::from("p"),
-            );
-            ev.write(&mut r).await.unwrap();
-        }
-        assert!(ev.seal().await);
-        let k = key::load(&cfg.key).unwrap().verifying_key();
-        (root, cfg.dir, k)
+        crate::evidence::tests::sealed_store("proof", 4, 2500, 15, &[]).await
     }
 
     fn ids(dir: &Path) -> Vec<String> {

@@ -366,7 +366,9 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
         Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
         Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
-        Kind::Enforcement => (4001, "Network Activity", 99, r.event.as_str().to_string()),
+        Kind::Enforcement | Kind::Grant => {
+            (4001, "Network Activity", 99, r.event.as_str().to_string())
+        }
     };
     let time_ms = humantime::parse_rfc3339(&r.ts)
         .ok()
@@ -499,7 +501,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         Kind::Bypass => {
             e.insert("count".into(), r.count.into());
         }
-        Kind::Enforcement => {
+        Kind::Enforcement | Kind::Grant => {
             e.insert("message".into(), r.detail.clone().into());
         }
     }

@@ -39,6 +39,43 @@ fn record(i: u32, allow: bool) -> Record {
     r
 }
 
+/// A sealed store of `n` deny decisions with a checkpoint every
+/// `checkpoint_every` records and segments of about `rotate_size` bytes:
+/// the scratch root, the evidence directory and the public key. Record
+/// `i` is of org `orgs[i % orgs.len()]`, for host `ORG-i.test` (of no org
+/// when `orgs` is empty).
+pub(super) async fn sealed_store(
+    name: &str,
+    checkpoint_every: u64,
+    rotate_size: u64,
+    n: u16,
+    orgs: &[&str],
+) -> (PathBuf, PathBuf, ed25519_dalek::VerifyingKey) {
+    let root = crate::testing::scratch(name);
+    let mut cfg = EvidenceConfig::for_dir(&root.join("evidence"));
+    cfg.checkpoint_every = checkpoint_every;
+    cfg.rotate_size = rotate_size;
+    let ev = Evidence::start(&cfg).unwrap();
+    let verdict = Verdict {
+        org: None,
+        reason: Reason::NoMatchingRule,
+        rule: None,
+        would_deny: None,
+    };
+    for i in 0..n {
+        let client = format!("198.18.1.2:{}", 1000 + i).parse().unwrap();
+        let mut r = Record::decision(Kind::Tcp, Mode::Explicit, client, &verdict, &Arc::from("p"));
+        if let Some(org) = orgs.get(usize::from(i) % orgs.len().max(1)) {
+            r.org = Some((*org).into());
+            r.host = Some(format!("{org}-{i}.test"));
+        }
+        ev.write(&mut r).await.unwrap();
+    }
+    assert!(ev.seal().await);
+    let k = key::load(&cfg.key).unwrap().verifying_key();
+    (root, cfg.dir, k)
+}
+
 /// Write `n` decision records (and a close record for every allow).
 async fn fill(ev: &Evidence, n: u32) {
     for i in 0..n {
@@ -655,6 +692,7 @@ fn full_record() -> Record {
         reasons: Some([("sni_mismatch".to_string(), 1), ("a".to_string(), 2)].into()),
         hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),
         window: Some(["t0".into(), "t1".into()]),
+        grant: None,
         owed: None,
         differs: None,
         synthetic: Some("198.19.128.4".parse().unwrap()),
@@ -1154,5 +1192,62 @@ async fn an_old_store_verifies_and_is_continued_with_the_tree() {
     let header = &all_records(&cfg.dir)[l.len()];
     assert_eq!(header["tree"]["base"], 0);
     assert_eq!(header["tree"]["size"], l.len() as u64);
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// Replace the signing key file of `cfg` with the seed `seed`.
+fn set_key(cfg: &EvidenceConfig, seed: u8) -> ed25519_dalek::SigningKey {
+    use std::os::unix::fs::PermissionsExt;
+    let k = ed25519_dalek::SigningKey::from_bytes(&[seed; 32]);
+    fs::write(
+        &cfg.key,
+        format!("{}\n", data_encoding::HEXLOWER.encode(&[seed; 32])),
+    )
+    .unwrap();
+    fs::set_permissions(&cfg.key, fs::Permissions::from_mode(0o600)).unwrap();
+    k
+}
+
+#[tokio::test]
+async fn a_key_changes_only_through_a_signed_rotation_record() {
+    let root = crate::testing::scratch("evrot");
+    let cfg = config(&root);
+    fs::create_dir_all(&root).unwrap();
+    let old = set_key(&cfg, 20);
+    let next = ed25519_dalek::SigningKey::from_bytes(&[21; 32]);
+    {
+        let ev = Evidence::start(&cfg).unwrap();
+        fill(&ev, 7).await;
+        ev.rotate_key(next.clone()).unwrap();
+        fill(&ev, 7).await;
+        assert!(ev.seal().await);
+    }
+    // Restarted with the new key in the config: the chain goes on.
+    set_key(&cfg, 21);
+    sealed_chain(&cfg, 4).await;
+    let with = |k: &ed25519_dalek::SigningKey| Options {
+        key: Some(k.verifying_key()),
+        allow_unsealed: false,
+    };
+    // Given the old key, verify follows the signed rotation.
+    let s = verify_with(&cfg.dir, &with(&old)).unwrap();
+    assert!(s.notes.iter().any(|n| n.contains("key rotated to")), "{s}");
+    let rotation = segments(&cfg.dir)
+        .iter()
+        .flat_map(|p| lines(p))
+        .find(|l| l.contains("\"key_rotation\""))
+        .unwrap();
+    let v: Value = serde_json::from_str(&rotation).unwrap();
+    assert_eq!(v["key"], key::public_hex(&old));
+    assert_eq!(v["next_key"], key::public_hex(&next));
+    // Without a pinned key the first header's key is followed the same way.
+    verify_with(&cfg.dir, &Options::default()).unwrap();
+    // The new key alone does not verify the checkpoints before it.
+    assert!(verify_with(&cfg.dir, &with(&next)).is_err());
+    // A key changed with no rotation record (restart with a third key).
+    set_key(&cfg, 22);
+    sealed_chain(&cfg, 3).await;
+    let e = verify_with(&cfg.dir, &with(&old)).unwrap_err();
+    assert!(e.message.contains("unannounced key change"), "{e}");
     let _ = fs::remove_dir_all(&root);
 }

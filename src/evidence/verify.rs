@@ -487,47 +487,125 @@ pub(crate) fn verify_path(path: &Path) -> Result<Findings, VerifyError> {
     verify_with(path, &Options::default())
 }
 
+/// A `key_rotation` record: signed by the chain's key so far; the key
+/// it names from here on.
+fn check_rotation(
+    m: &Map<String, Value>,
+    key: Option<&VerifyingKey>,
+) -> Result<VerifyingKey, String> {
+    let k = key.ok_or("key_rotation but no public key to check it")?;
+    if !chain::check_sig(m, k) {
+        return Err("key_rotation not signed by the chain's key: an unannounced key change".into());
+    }
+    str_of(m, "next_key")
+        .and_then(chain::parse_pubkey)
+        .ok_or_else(|| "key_rotation names no valid next_key".into())
+}
+
+/// Why a checkpoint's signature does not verify with `k`: a key no
+/// `key_rotation` record announced, or an edit.
+fn unannounced(m: &Map<String, Value>, k: &VerifyingKey, event: &str) -> String {
+    let chain_key = data_encoding::HEXLOWER.encode(k.as_bytes());
+    match str_of(m, "key") {
+        Some(other) if other != chain_key => format!(
+            "{event} signature is by key {other}, not the chain's key {chain_key}, and no key_rotation record announced it: an unannounced key change"
+        ),
+        _ => format!("bad {event} signature"),
+    }
+}
+
 /// Check every record under `path`.
 pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Findings, VerifyError> {
     let (list, single) = files(path)?;
     let headers: Vec<Option<Map<String, Value>>> = list.iter().map(|p| header_of(p)).collect();
-    // Hashes of segments removed by retention, as recorded by later headers.
-    let removed: HashSet<String> = headers
-        .iter()
-        .flatten()
-        .filter_map(|h| h.get("removed").and_then(Value::as_array))
-        .flatten()
-        .filter_map(|r| r.get("last_hash").and_then(Value::as_str).map(String::from))
-        .collect();
-
-    let mut s = Findings {
-        files: list.len(),
-        key_pinned: opts.key.is_some(),
-        removed: removed_in(headers.iter().flatten()),
-        ..Findings::default()
-    };
-    let mut key: Option<VerifyingKey> = opts.key;
-    if let Some(k) = &key {
-        s.key = Some(data_encoding::HEXLOWER.encode(k.as_bytes()));
-    }
-    let mut prev_hash: Option<String> = None;
-    let mut prev_seq: Option<u64> = None;
-    let mut last_event = String::new();
-    let mut unsigned: u64 = 0;
-    let mut last_line: u64 = 0;
-    // The Merkle tree over the records so far (its base seq and right
-    // edge), once known: from the first record of a chain that starts at
-    // genesis, or from the first header recording it.
-    let mut tree: Option<(u64, Frontier)> = None;
-    // The current segment's format requires the tree.
-    let mut merkle_required = false;
-    // Every org's tree ([`orgs`]), once known, and whether the current
-    // segment's format (`/3`) requires them.
-    let mut org_trees: Option<OrgTrees> = None;
-    let mut orgs_required = false;
-    let mut origin: Option<String> = None;
-
+    let mut walk = Walk::new(&headers, list.len(), single, opts);
     for (i, file) in list.iter().enumerate() {
+        let next_header = headers.get(i + 1).and_then(|h| h.as_ref());
+        walk.segment(file, next_header, i + 1 == list.len())?;
+    }
+    walk.finish(&list)
+}
+
+/// The walk over the segments, oldest first: what the records so far
+/// established, against which the next record is checked.
+struct Walk<'o> {
+    opts: &'o Options,
+    /// One segment given, not a directory.
+    single: bool,
+    /// Hashes of segments removed by retention, as recorded by later headers.
+    removed: HashSet<String>,
+    found: Findings,
+    key: Option<VerifyingKey>,
+    prev_hash: Option<String>,
+    prev_seq: Option<u64>,
+    last_event: String,
+    /// Records since the last checkpoint.
+    unsigned: u64,
+    last_line: u64,
+    /// The Merkle tree over the records so far (its base seq and right
+    /// edge), once known: from the first record of a chain that starts at
+    /// genesis, or from the first header recording it.
+    tree: Option<(u64, Frontier)>,
+    /// The current segment's format requires the tree.
+    merkle_required: bool,
+    /// Every org's tree ([`OrgTrees`]), once known, and whether the
+    /// current segment's format (`/3`) requires them.
+    org_trees: Option<OrgTrees>,
+    orgs_required: bool,
+    origin: Option<String>,
+}
+
+impl<'o> Walk<'o> {
+    fn new(
+        headers: &[Option<Map<String, Value>>],
+        files: usize,
+        single: bool,
+        opts: &'o Options,
+    ) -> Self {
+        let removed = headers
+            .iter()
+            .flatten()
+            .filter_map(|h| h.get("removed").and_then(Value::as_array))
+            .flatten()
+            .filter_map(|r| r.get("last_hash").and_then(Value::as_str).map(String::from))
+            .collect();
+        let found = Findings {
+            files,
+            key_pinned: opts.key.is_some(),
+            key: opts
+                .key
+                .as_ref()
+                .map(|k| data_encoding::HEXLOWER.encode(k.as_bytes())),
+            removed: removed_in(headers.iter().flatten()),
+            ..Findings::default()
+        };
+        Walk {
+            opts,
+            single,
+            removed,
+            found,
+            key: opts.key,
+            prev_hash: None,
+            prev_seq: None,
+            last_event: String::new(),
+            unsigned: 0,
+            last_line: 0,
+            tree: None,
+            merkle_required: false,
+            org_trees: None,
+            orgs_required: false,
+            origin: None,
+        }
+    }
+
+    /// One segment file; `next_header` is its successor's header, which
+    /// says how it ended.
+    fn segment(
+        &mut self,
+        file: &Path,
+        next_header: Option<&Map<String, Value>>,
+        last: bool,
+    ) -> Result<(), VerifyError> {
         let name = file.display().to_string();
         let base = file
             .file_name()
@@ -540,9 +618,7 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Findings, Verif
         })?;
         let (lines, torn) = split_lines(&data);
         // How this segment's successor says it ended.
-        let successor = headers
-            .get(i + 1)
-            .and_then(|h| h.as_ref())
+        let successor = next_header
             .and_then(|h| h.get("predecessor"))
             .and_then(Value::as_object)
             .filter(|p| str_of(p, "segment") == Some(base.as_str()));
@@ -551,247 +627,316 @@ pub(crate) fn verify_with(path: &Path, opts: &Options) -> Result<Findings, Verif
             .and_then(Value::as_u64)
             .map_or(lines.len(), |n| (n as usize).min(lines.len()));
         if counted < lines.len() {
-            s.notes.push(format!(
+            self.found.notes.push(format!(
                 "{name}: lines {}..={} were cut off after a write error (recorded by the next segment's header)",
                 counted + 1,
                 lines.len()
             ));
         }
-
         for (n, raw) in lines.iter().take(counted).enumerate() {
-            let lineno = n as u64 + 1;
-            let bad = |message: String| VerifyError {
-                file: name.clone(),
-                line: lineno,
-                message,
-            };
-            let value: Value = serde_json::from_slice(raw)
-                .map_err(|e| bad(format!("not a JSON record ({e}): record edited")))?;
-            let Value::Object(m) = &value else {
-                return Err(bad("not a JSON object".into()));
-            };
-            let mut canon = Vec::with_capacity(raw.len());
-            chain::canonical_into(&value, &mut canon);
-            if canon != *raw {
-                return Err(bad("line is not in canonical form: record edited".into()));
-            }
-            if let Some(missing) = CONTRACT_FIELDS.iter().find(|k| !m.contains_key(**k)) {
-                return Err(bad(format!("record lacks field {missing:?}")));
-            }
-            let hash = str_of(m, "hash").ok_or_else(|| bad("record has no hash".into()))?;
-            if chain::record_hash(m) != hash {
-                return Err(bad("hash does not match the record: record edited".into()));
-            }
-            let seq = m
-                .get("seq")
-                .and_then(Value::as_u64)
-                .ok_or_else(|| bad("record has no seq".into()))?;
-            let prev = str_of(m, "prev").ok_or_else(|| bad("record has no prev".into()))?;
-            let event = str_of(m, "event").unwrap_or_default();
+            let line = n as u64 + 1;
+            self.record(raw, n == 0, &name, &base)
+                .map_err(|message| VerifyError {
+                    file: name.clone(),
+                    line,
+                    message,
+                })?;
+            self.last_line = line;
+        }
+        if counted == lines.len() && !torn.is_empty() {
+            self.torn_end(name, lines.len() as u64 + 1, successor, last)?;
+        }
+        Ok(())
+    }
 
-            if n == 0 {
-                if event != "segment_start" {
-                    return Err(bad(
-                        "segment does not start with a segment_start header".into()
-                    ));
-                }
-                let format = str_of(m, "format").unwrap_or("palisade-evidence/1");
-                if !s.formats.iter().any(|f| f == format) {
-                    s.formats.push(format.to_string());
-                }
-                merkle_required = format != "palisade-evidence/1";
-                orgs_required = !matches!(format, "palisade-evidence/1" | "palisade-evidence/2");
-                origin = str_of(m, "replica").map(note::origin);
-                if prev_hash.is_none() && prev == GENESIS {
-                    tree = Some((0, Frontier::default()));
-                    org_trees = Some(OrgTrees::default());
-                }
-                check_header_tree(m, seq, merkle_required, &mut tree).map_err(&bad)?;
-                check_header_orgs(m, orgs_required, &mut org_trees).map_err(&bad)?;
-                if str_of(m, "segment") != Some(base.as_str()) && !single {
-                    return Err(bad(format!(
-                        "header names segment {:?}, file is {base:?}: segment renamed or swapped",
-                        str_of(m, "segment").unwrap_or("")
-                    )));
-                }
-                if key.is_none() {
-                    key = str_of(m, "key").and_then(chain::parse_pubkey);
-                    s.key = str_of(m, "key").map(String::from);
-                }
-                let pred = m.get("predecessor").and_then(Value::as_object);
-                match (&prev_hash, pred) {
-                    (None, _) => {
-                        s.first_seq = seq;
-                        if prev != GENESIS && !removed.contains(prev) {
-                            if single {
-                                s.notes.push(format!(
-                                    "{name} continues a chain from an earlier segment not checked here"
-                                ));
-                            } else {
-                                return Err(bad(format!(
-                                    "chain starts at seq {seq} linking to {prev}, which no segment and no retention record accounts for: earlier segment missing"
-                                )));
-                            }
-                        }
-                    }
-                    (Some(_), None) => {
-                        return Err(bad("header does not describe the segment before it".into()))
-                    }
-                    (Some(_), Some(p)) => {
-                        let end = str_of(p, "end").unwrap_or_default();
-                        let closed = matches!(last_event.as_str(), "seal" | "checkpoint");
-                        if !closed && !matches!(end, "crash" | "write_error") {
-                            return Err(bad(format!(
-                                "the segment before ends without a checkpoint but this header says it ended by {end:?}"
-                            )));
-                        }
-                        if p.get("last_seq").and_then(Value::as_u64) != prev_seq {
-                            return Err(bad(
-                                "header's predecessor last_seq does not match the segment before: records missing"
-                                    .into(),
-                            ));
-                        }
-                    }
-                }
-            } else if event == "segment_start" {
-                return Err(bad(
-                    "segment_start header inside a segment: record inserted".into(),
+    /// One record line, the first of its segment when `first`.
+    fn record(&mut self, raw: &[u8], first: bool, name: &str, base: &str) -> Result<(), String> {
+        let value: Value = serde_json::from_slice(raw)
+            .map_err(|e| format!("not a JSON record ({e}): record edited"))?;
+        let Value::Object(m) = &value else {
+            return Err("not a JSON object".into());
+        };
+        let mut canon = Vec::with_capacity(raw.len());
+        chain::canonical_into(&value, &mut canon);
+        if canon != *raw {
+            return Err("line is not in canonical form: record edited".into());
+        }
+        if let Some(missing) = CONTRACT_FIELDS.iter().find(|k| !m.contains_key(**k)) {
+            return Err(format!("record lacks field {missing:?}"));
+        }
+        let hash = str_of(m, "hash").ok_or("record has no hash")?;
+        if chain::record_hash(m) != hash {
+            return Err("hash does not match the record: record edited".into());
+        }
+        let seq = m
+            .get("seq")
+            .and_then(Value::as_u64)
+            .ok_or("record has no seq")?;
+        let prev = str_of(m, "prev").ok_or("record has no prev")?;
+        let event = str_of(m, "event").unwrap_or_default();
+        if first {
+            self.header(m, seq, prev, name, base)?;
+        } else if event == "segment_start" {
+            return Err("segment_start header inside a segment: record inserted".into());
+        }
+        self.links(seq, prev)?;
+        self.checkpoint(m, event)?;
+        self.count(m, event)?;
+        self.advance(m, seq, hash, event);
+        Ok(())
+    }
+
+    /// A segment's first record: its `segment_start` header, which names
+    /// the segment, its format, its key and the segment before it.
+    fn header(
+        &mut self,
+        m: &Map<String, Value>,
+        seq: u64,
+        prev: &str,
+        name: &str,
+        base: &str,
+    ) -> Result<(), String> {
+        if str_of(m, "event") != Some("segment_start") {
+            return Err("segment does not start with a segment_start header".into());
+        }
+        let format = str_of(m, "format").unwrap_or("palisade-evidence/1");
+        if !self.found.formats.iter().any(|f| f == format) {
+            self.found.formats.push(format.to_string());
+        }
+        self.merkle_required = format != "palisade-evidence/1";
+        self.orgs_required = !matches!(format, "palisade-evidence/1" | "palisade-evidence/2");
+        self.origin = str_of(m, "replica").map(note::origin);
+        if self.prev_hash.is_none() && prev == GENESIS {
+            self.tree = Some((0, Frontier::default()));
+            self.org_trees = Some(OrgTrees::default());
+        }
+        check_header_tree(m, seq, self.merkle_required, &mut self.tree)?;
+        check_header_orgs(m, self.orgs_required, &mut self.org_trees)?;
+        if str_of(m, "segment") != Some(base) && !self.single {
+            return Err(format!(
+                "header names segment {:?}, file is {base:?}: segment renamed or swapped",
+                str_of(m, "segment").unwrap_or("")
+            ));
+        }
+        if self.key.is_none() {
+            self.key = str_of(m, "key").and_then(chain::parse_pubkey);
+            self.found.key = str_of(m, "key").map(String::from);
+        }
+        let pred = m.get("predecessor").and_then(Value::as_object);
+        match (&self.prev_hash, pred) {
+            (None, _) => self.chain_start(seq, prev, name),
+            (Some(_), None) => Err("header does not describe the segment before it".into()),
+            (Some(_), Some(p)) => self.predecessor(p),
+        }
+    }
+
+    /// The first header of the walk: the chain starts at genesis, after a
+    /// segment retention removed, or (one segment given) after one not
+    /// checked here.
+    fn chain_start(&mut self, seq: u64, prev: &str, name: &str) -> Result<(), String> {
+        self.found.first_seq = seq;
+        if prev == GENESIS || self.removed.contains(prev) {
+            return Ok(());
+        }
+        if !self.single {
+            return Err(format!(
+                "chain starts at seq {seq} linking to {prev}, which no segment and no retention record accounts for: earlier segment missing"
+            ));
+        }
+        self.found.notes.push(format!(
+            "{name} continues a chain from an earlier segment not checked here"
+        ));
+        Ok(())
+    }
+
+    /// A header's account of the segment before it, against that segment.
+    fn predecessor(&self, p: &Map<String, Value>) -> Result<(), String> {
+        let end = str_of(p, "end").unwrap_or_default();
+        let closed = matches!(self.last_event.as_str(), "seal" | "checkpoint");
+        if !closed && !matches!(end, "crash" | "write_error") {
+            return Err(format!(
+                "the segment before ends without a checkpoint but this header says it ended by {end:?}"
+            ));
+        }
+        if p.get("last_seq").and_then(Value::as_u64) != self.prev_seq {
+            return Err(
+                "header's predecessor last_seq does not match the segment before: records missing"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// The record follows the one before: the next seq, and its hash as
+    /// `prev`.
+    fn links(&self, seq: u64, prev: &str) -> Result<(), String> {
+        if let Some(ps) = self.prev_seq {
+            if seq != ps + 1 {
+                return Err(format!(
+                    "seq {seq} follows seq {ps}: record deleted, inserted or reordered"
                 ));
             }
-
-            if let Some(ps) = prev_seq {
-                if seq != ps + 1 {
-                    return Err(bad(format!(
-                        "seq {seq} follows seq {ps}: record deleted, inserted or reordered"
-                    )));
-                }
-            }
-            if let Some(ph) = &prev_hash {
-                if prev != ph {
-                    return Err(bad(
-                        "prev does not match the previous record's hash: record deleted, inserted or reordered"
-                            .into(),
-                    ));
-                }
-            }
-
-            match event {
-                "checkpoint" | "seal" => {
-                    let Some(k) = &key else {
-                        return Err(bad("checkpoint but no public key to check it".into()));
-                    };
-                    if !chain::check_sig(m, k) {
-                        return Err(bad(format!("bad {event} signature")));
-                    }
-                    if let Some((size, root)) = check_checkpoint_tree(
-                        m,
-                        k,
-                        merkle_required,
-                        tree.as_ref(),
-                        origin.as_deref(),
-                    )
-                    .map_err(&bad)?
-                    {
-                        s.merkle_checkpoints += 1;
-                        s.tree = Some((size, root));
-                    }
-                    check_checkpoint_orgs(m, orgs_required, org_trees.as_ref()).map_err(&bad)?;
-                    s.checkpoints += 1;
-                    unsigned = 0;
-                }
-                _ => unsigned += 1,
-            }
-            match event {
-                "decision" => {
-                    s.traffic += 1;
-                    let org = str_of(m, "org").unwrap_or("unknown").to_string();
-                    let e = s.orgs.entry(org).or_default();
-                    match str_of(m, "decision") {
-                        Some("allow") => {
-                            s.allow += 1;
-                            e.0 += 1;
-                        }
-                        Some("deny") => {
-                            s.deny += 1;
-                            e.1 += 1;
-                        }
-                        other => return Err(bad(format!("bad decision {other:?}"))),
-                    }
-                }
-                "close" => {
-                    s.traffic += 1;
-                    s.closes += 1;
-                }
-                _ => {}
-            }
-            if let Some(ts) = str_of(m, "ts") {
-                if s.first_ts.is_none() {
-                    s.first_ts = Some(ts.to_string());
-                }
-                s.last_ts = Some(ts.to_string());
-            }
-            if let Some((_, f)) = &mut tree {
-                f.push(merkle::record_leaf(hash));
-            }
-            if let Some(o) = &mut org_trees {
-                o.push_record(m);
-            }
-            s.records += 1;
-            s.last_seq = seq;
-            prev_seq = Some(seq);
-            prev_hash = Some(hash.to_string());
-            last_event = event.to_string();
-            last_line = lineno;
         }
-
-        if counted == lines.len() && !torn.is_empty() {
-            let torn_line = lines.len() as u64 + 1;
-            let recorded = successor.is_some_and(|p| {
-                p.get("torn_line").and_then(Value::as_u64) == Some(torn_line)
-                    || str_of(p, "end") == Some("write_error")
-            });
-            if i + 1 == list.len() {
-                let msg = format!(
-                    "truncated tail at {name}:{torn_line}, {} records intact",
-                    s.records
+        if let Some(ph) = &self.prev_hash {
+            if prev != ph {
+                return Err(
+                    "prev does not match the previous record's hash: record deleted, inserted or reordered"
+                        .into(),
                 );
-                if !opts.allow_unsealed {
-                    return Err(VerifyError {
-                        file: name,
-                        line: torn_line,
-                        message: format!("{msg} (a crash mid-write; --allow-unsealed accepts it)"),
-                    });
+            }
+        }
+        Ok(())
+    }
+
+    /// A checkpoint or seal: its signature, and the trees it signs.
+    fn checkpoint(&mut self, m: &Map<String, Value>, event: &str) -> Result<(), String> {
+        if event == "key_rotation" {
+            self.key = Some(check_rotation(m, self.key.as_ref())?);
+            self.found.notes.push(format!(
+                "seq {}: key rotated to {} by a record signed with the key before",
+                m.get("seq").and_then(Value::as_u64).unwrap_or_default(),
+                str_of(m, "next_key").unwrap_or_default()
+            ));
+            return Ok(());
+        }
+        if !matches!(event, "checkpoint" | "seal") {
+            self.unsigned += 1;
+            return Ok(());
+        }
+        let Some(k) = &self.key else {
+            return Err("checkpoint but no public key to check it".into());
+        };
+        if !chain::check_sig(m, k) {
+            return Err(unannounced(m, k, event));
+        }
+        if let Some((size, root)) = check_checkpoint_tree(
+            m,
+            k,
+            self.merkle_required,
+            self.tree.as_ref(),
+            self.origin.as_deref(),
+        )? {
+            self.found.merkle_checkpoints += 1;
+            self.found.tree = Some((size, root));
+        }
+        check_checkpoint_orgs(m, self.orgs_required, self.org_trees.as_ref())?;
+        self.found.checkpoints += 1;
+        self.unsigned = 0;
+        Ok(())
+    }
+
+    /// Decisions and closes counted, per org too.
+    fn count(&mut self, m: &Map<String, Value>, event: &str) -> Result<(), String> {
+        let s = &mut self.found;
+        match event {
+            "decision" => {
+                s.traffic += 1;
+                let org = str_of(m, "org").unwrap_or("unknown").to_string();
+                let e = s.orgs.entry(org).or_default();
+                match str_of(m, "decision") {
+                    Some("allow") => {
+                        s.allow += 1;
+                        e.0 += 1;
+                    }
+                    Some("deny") => {
+                        s.deny += 1;
+                        e.1 += 1;
+                    }
+                    other => return Err(format!("bad decision {other:?}")),
                 }
-                s.torn_tail = Some(msg);
-            } else if !recorded {
+            }
+            "close" => {
+                s.traffic += 1;
+                s.closes += 1;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The record checked: it is what the next one follows, and a leaf of
+    /// the trees.
+    fn advance(&mut self, m: &Map<String, Value>, seq: u64, hash: &str, event: &str) {
+        if let Some(ts) = str_of(m, "ts") {
+            if self.found.first_ts.is_none() {
+                self.found.first_ts = Some(ts.to_string());
+            }
+            self.found.last_ts = Some(ts.to_string());
+        }
+        if let Some((_, f)) = &mut self.tree {
+            f.push(merkle::record_leaf(hash));
+        }
+        if let Some(o) = &mut self.org_trees {
+            o.push_record(m);
+        }
+        self.found.records += 1;
+        self.found.last_seq = seq;
+        self.prev_seq = Some(seq);
+        self.prev_hash = Some(hash.to_string());
+        self.last_event = event.to_string();
+    }
+
+    /// An incomplete last line: accepted at the end of the last segment
+    /// with `allow_unsealed`, elsewhere only where the next header records
+    /// it.
+    fn torn_end(
+        &mut self,
+        name: String,
+        torn_line: u64,
+        successor: Option<&Map<String, Value>>,
+        last: bool,
+    ) -> Result<(), VerifyError> {
+        let recorded = successor.is_some_and(|p| {
+            p.get("torn_line").and_then(Value::as_u64) == Some(torn_line)
+                || str_of(p, "end") == Some("write_error")
+        });
+        if last {
+            let msg = format!(
+                "truncated tail at {name}:{torn_line}, {} records intact",
+                self.found.records
+            );
+            if !self.opts.allow_unsealed {
                 return Err(VerifyError {
                     file: name,
                     line: torn_line,
-                    message: "incomplete line that the next segment's header does not record: segment truncated"
-                        .into(),
+                    message: format!("{msg} (a crash mid-write; --allow-unsealed accepts it)"),
                 });
-            } else {
-                s.notes.push(format!(
-                    "{name}:{torn_line}: torn line from a crash, recorded by the next segment's header"
-                ));
             }
+            self.found.torn_tail = Some(msg);
+        } else if !recorded {
+            return Err(VerifyError {
+                file: name,
+                line: torn_line,
+                message: "incomplete line that the next segment's header does not record: segment truncated"
+                    .into(),
+            });
+        } else {
+            self.found.notes.push(format!(
+                "{name}:{torn_line}: torn line from a crash, recorded by the next segment's header"
+            ));
         }
+        Ok(())
     }
 
-    s.sealed = last_event == "seal";
-    s.unsigned_tail = unsigned;
-    if !s.sealed && !opts.allow_unsealed {
-        let last = list
-            .last()
-            .map(|p| p.display().to_string())
-            .unwrap_or_default();
-        return Err(VerifyError {
-            file: last,
-            line: last_line,
-            message: format!(
-                "chain end is not sealed ({unsigned} records after the last checkpoint): records may have been dropped from the tail; --allow-unsealed accepts a live or crashed instance"
-            ),
-        });
+    /// The end of the chain: sealed, or accepted unsealed.
+    fn finish(self, list: &[PathBuf]) -> Result<Findings, VerifyError> {
+        let mut s = self.found;
+        s.sealed = self.last_event == "seal";
+        s.unsigned_tail = self.unsigned;
+        if !s.sealed && !self.opts.allow_unsealed {
+            let last = list
+                .last()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
+            return Err(VerifyError {
+                file: last,
+                line: self.last_line,
+                message: format!(
+                    "chain end is not sealed ({} records after the last checkpoint): records may have been dropped from the tail; --allow-unsealed accepts a live or crashed instance",
+                    self.unsigned
+                ),
+            });
+        }
+        Ok(s)
     }
-    Ok(s)
 }

@@ -449,6 +449,18 @@ impl Log {
         sealed
     }
 
+    /// Hand every write's leaves and checkpoints to `sink` from now on.
+    pub(super) fn set_sink(&self, sink: Sink) {
+        self.io().set_sink(sink);
+    }
+
+    /// Write a `key_rotation` record, signed by the current key and
+    /// naming `next`, then sign with `next`.
+    pub(super) fn rotate_key(&self, next: SigningKey) -> io::Result<()> {
+        let mut io = self.io();
+        io.rotate_key(&self.common.ids, next)
+    }
+
     /// Stop (or resume) taking records, as a writer stuck in a slow
     /// `write(2)` would (tests).
     #[cfg(test)]
@@ -560,14 +572,45 @@ struct Head {
     tree: Frontier,
     /// Every org's tree ([`OrgTrees`]).
     orgs: OrgTrees,
+    /// With witnesses: the leaves and checkpoints not yet handed to them.
+    feed: Option<Feed>,
 }
 
 impl Head {
     /// Make the record whose hash is `hash` the next leaf.
     fn leaf(&mut self, hash: &str) {
-        self.tree.push(merkle::record_leaf(hash));
+        self.grow(merkle::record_leaf(hash));
+    }
+
+    fn grow(&mut self, leaf: merkle::Hash) {
+        self.tree.push(leaf);
+        if let Some(f) = &mut self.feed {
+            f.leaves.push(leaf);
+        }
     }
 }
+
+/// What the witnesses' submitter is handed after each write: the leaves
+/// written (after the tree `before`) and the checkpoints among them.
+#[derive(Clone, Debug)]
+pub(crate) struct Feed {
+    pub before: Frontier,
+    pub leaves: Vec<merkle::Hash>,
+    pub checkpoints: Vec<Signed>,
+}
+
+/// A checkpoint written: its seq, tree and signed note.
+#[derive(Clone, Debug)]
+pub(crate) struct Signed {
+    pub seq: u64,
+    pub size: u64,
+    pub root: merkle::Hash,
+    pub note: String,
+}
+
+/// Where feeds go (the witnesses' queue); called with the log held, so it
+/// must not block.
+pub(crate) type Sink = Box<dyn Fn(Feed) + Send>;
 
 /// The leader's state: the open segment and the chain head.
 pub(super) struct Io {
@@ -604,6 +647,8 @@ pub(super) struct Io {
     armed: Instant,
     /// The batch buffer, kept between batches.
     buf: Vec<u8>,
+    /// With witnesses: where written leaves and checkpoints go.
+    sink: Option<Sink>,
     /// `fsync`: since when records written without a sync wait for one.
     unsynced: Option<Instant>,
     counters: Arc<super::Live>,
@@ -646,6 +691,7 @@ impl Io {
                 since_ckpt: 0,
                 tree: Frontier::default(),
                 orgs: OrgTrees::default(),
+                feed: None,
             },
             seg: None,
             last_ckpt: now,
@@ -660,6 +706,7 @@ impl Io {
             backoff: BACKOFF_MIN,
             armed: now + IDLE,
             buf: Vec::new(),
+            sink: None,
             unsynced: None,
             counters,
             #[cfg(test)]
@@ -710,6 +757,7 @@ impl Io {
                     since_ckpt: 0,
                     tree,
                     orgs: segment::orgs_at_head(&existing, tail.last_seq).unwrap_or_default(),
+                    feed: None,
                 };
                 let end = tail.end();
                 // Anything but a seal means the previous run did not shut
@@ -1012,7 +1060,7 @@ impl Io {
         let seq = head.seq.map_or(0, |s| s + 1);
         head.hash = p.seal_into(seq, &head.hash, buf);
         let leaf = merkle::record_leaf(&head.hash);
-        head.tree.push(leaf);
+        head.grow(leaf);
         if let Some(org) = org {
             head.orgs.push(org, leaf);
         }
@@ -1030,11 +1078,18 @@ impl Io {
         m.insert("root".into(), HEXLOWER.encode(&root).into());
         head.orgs.commit_into(&mut m);
         let body = note::checkpoint_body(&self.origin, size, &root);
-        m.insert(
-            "note".into(),
-            note::sign(&body, &self.origin, &self.key).into(),
-        );
-        m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
+        let signed = note::sign(&body, &self.origin, &self.key);
+        let seq = head.seq.map_or(0, |s| s + 1);
+        if let Some(f) = &mut head.feed {
+            f.checkpoints.push(Signed {
+                seq,
+                size,
+                root,
+                note: signed.clone(),
+            });
+        }
+        m.insert("note".into(), signed.into());
+        m.insert("seq".into(), Value::from(seq));
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);
         Self::push(head, buf, &mut m);
@@ -1090,10 +1145,63 @@ impl Io {
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
+                self.hand_over();
                 Ok(())
             }
             Err(e) => self.cut_back(e),
         }
+    }
+
+    /// A `key_rotation` record (`key` the current public key, `next_key`
+    /// and `next_vkey` the next one's), signed by the current key; every
+    /// checkpoint after it is signed by `next`.
+    fn rotate_key(&mut self, ids: &Ids, next: SigningKey) -> io::Result<()> {
+        let mut head = self.head.clone();
+        let mut buf = Vec::new();
+        let mut m = Self::meta(ids, "key_rotation");
+        let next_hex = super::key::public_hex(&next);
+        m.insert("key".into(), self.pubkey.clone().into());
+        m.insert("next_key".into(), next_hex.clone().into());
+        m.insert(
+            "next_vkey".into(),
+            note::vkey(&self.origin, &next.verifying_key()).into(),
+        );
+        m.insert("seq".into(), Value::from(head.seq.map_or(0, |s| s + 1)));
+        m.insert("prev".into(), head.hash.clone().into());
+        chain::sign(&mut m, &self.key);
+        Self::push(&mut head, &mut buf, &mut m);
+        self.write_buf(&buf, 1, &head, true)?;
+        self.counters.written(1);
+        info!(from = %self.pubkey, to = %next_hex, "evidence key rotated");
+        self.key = next;
+        self.pubkey = next_hex;
+        Ok(())
+    }
+
+    /// Hand what was written since the last time to the witnesses' sink.
+    fn hand_over(&mut self) {
+        let (Some(sink), Some(feed)) = (&self.sink, &mut self.head.feed) else {
+            return;
+        };
+        if feed.leaves.is_empty() {
+            return;
+        }
+        let next = Feed {
+            before: self.head.tree.clone(),
+            leaves: Vec::new(),
+            checkpoints: Vec::new(),
+        };
+        sink(std::mem::replace(feed, next));
+    }
+
+    /// From now on, hand written leaves and checkpoints to `sink`.
+    fn set_sink(&mut self, sink: Sink) {
+        self.head.feed = Some(Feed {
+            before: self.head.tree.clone(),
+            leaves: Vec::new(),
+            checkpoints: Vec::new(),
+        });
+        self.sink = Some(sink);
     }
 
     /// `fsync`: sync what was written without a sync (submitted records).

@@ -9,6 +9,7 @@
 //! |---|---|---|
 //! | admission | [`Volumes::admit`] | refuses (`volume_exceeded`, with when to retry) while any budget the decision spends from has nothing left in a direction it bounds; otherwise a [`Lease`] on them, or `None` when none applies (nothing is counted: the relay keeps its zero-copy path untouched) |
 //! | relaying | [`Lease::spend`] | the bytes moved, charged to every budget the lease holds, saying when one is spent (the relay is then cut) |
+//! | relaying a body | [`Lease::take`] | the bytes about to move, as many as are left, charged; told which budget held the rest back |
 //! | the admin port | [`Volumes::state`] | each budget's live state: limit, used, left |
 //!
 //! **The window.** Each budget direction keeps [`SLOTS`] counts, each
@@ -23,8 +24,10 @@
 //! keeps its zero-copy path) and cut at once when that transfer spent the
 //! budget: it passes the budget by at most that one transfer. Tunnels
 //! relaying under the same budget at the same moment each may pass it by
-//! one transfer. A forwarded or intercepted request is charged when it
-//! closes (it is not cut mid-body); the next one is refused.
+//! one transfer. A forwarded or intercepted request's bodies take what
+//! they relay with [`Lease::take`], piece by piece, before each piece
+//! goes: the piece that would pass the budget is cut to what is left, so
+//! a body never passes it.
 //!
 //! **Memory.** One entry per (org, rule) with a budget and per org with
 //! one, created at first use: the config bounds them. Entries of rules a
@@ -279,6 +282,54 @@ impl Lease {
             }
         }
         spent
+    }
+
+    /// Up to `bytes` about to move `direction` at `now`: as many as every
+    /// budget bounding the direction has left (all of them when `whole`,
+    /// a report-mode org's), charged to every budget, with the budget
+    /// that held the rest back (or, when `whole`, that they passed). The
+    /// budgets are held together while they are charged, so relays
+    /// spending at once never pass a budget between them.
+    pub(crate) fn take(
+        &self,
+        direction: Direction,
+        bytes: u64,
+        now: Instant,
+        whole: bool,
+    ) -> (u64, Option<Scope>) {
+        let since = now.saturating_duration_since(self.0.origin);
+        // Always locked in the lease's order (the rule's, then the org's).
+        let mut held: Vec<_> = self
+            .0
+            .meters
+            .iter()
+            .map(|(scope, volume, m)| {
+                let mut m = lock(m);
+                let slot = m.at(volume.window, since);
+                (scope, volume, m, slot)
+            })
+            .collect();
+        let mut least: Option<(u64, &Scope)> = None;
+        for (scope, volume, m, _) in &mut held {
+            if let Some(limit) = direction.limit(volume) {
+                let left = limit.saturating_sub(m.dir(direction).used);
+                if least.is_none_or(|(l, _)| left < l) {
+                    least = Some((left, *scope));
+                }
+            }
+        }
+        let (granted, over) = match least {
+            Some((left, scope)) if left < bytes => {
+                (if whole { bytes } else { left }, Some(scope.clone()))
+            }
+            _ => (bytes, None),
+        };
+        if granted > 0 {
+            for (_, _, m, slot) in &mut held {
+                m.dir(direction).add(*slot, granted);
+            }
+        }
+        (granted, over)
     }
 
     /// The limit and window of `scope`'s budget, if the lease holds it.
@@ -603,6 +654,40 @@ mod tests {
         );
         assert_eq!(state[1].down.limit, Some(500));
         assert_eq!(state[0].down.limit, None);
+    }
+
+    #[test]
+    fn a_body_takes_what_is_left_and_is_told_which_budget_held_it_back() {
+        let (acme, _, gh, _) = ids();
+        let t0 = Instant::now();
+        let v = Volumes::new(t0, MAX_METERS, None);
+        let budgets = (Some(vol(Some(1000), None)), Some(vol(Some(800), None)));
+        let lease = v.admit(&acme, &gh, budgets, t0).unwrap().unwrap();
+        // Down is unbounded: all of it, charged (for the admin port).
+        assert_eq!(lease.take(Direction::Down, 5000, t0, false), (5000, None));
+        assert_eq!(lease.take(Direction::Up, 500, t0, false), (500, None));
+        // The org's 800 bound first: 300 of 400 go.
+        assert_eq!(
+            lease.take(Direction::Up, 400, t0, false),
+            (300, Some(Scope::Org))
+        );
+        assert_eq!(
+            lease.take(Direction::Up, 1, t0, false),
+            (0, Some(Scope::Org))
+        );
+        assert_eq!(lease.left(Direction::Up, t0), Some(0));
+        // Report mode: everything goes, the budget it passed named.
+        assert_eq!(
+            lease.take(Direction::Up, 10, t0, true),
+            (10, Some(Scope::Org))
+        );
+        let rows: Vec<(String, u64)> = v
+            .state(t0)
+            .into_iter()
+            .map(|s| (s.rule, s.up.used))
+            .collect();
+        assert_eq!(rows, [("*".to_string(), 810), ("gh".to_string(), 810)]);
+        assert!(v.admit(&acme, &gh, budgets, t0).is_err());
     }
 
     #[test]

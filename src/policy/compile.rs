@@ -21,6 +21,8 @@ use super::verdict::{Layer, OrgRef, Verdict};
 pub(super) struct Org {
     pub(super) r#ref: OrgRef,
     pub(super) report: bool,
+    /// `on_miss = "ask"`: a miss becomes an approval (`crate::jit`).
+    pub(super) ask: bool,
     pub(super) identity: Identity,
     pub(super) tokens: Vec<TokenDigest>,
     /// The org's own networks (checked for `address+token`).
@@ -213,6 +215,7 @@ impl Policy {
             let mut o = Org {
                 r#ref: OrgRef { index, name },
                 report: org.mode == crate::config::OrgMode::Report,
+                ask: org.on_miss == crate::config::OnMiss::Ask,
                 identity: org.identity,
                 tokens: org.tokens.clone(),
                 networks: org.clients.iter().map(|n| n.trunc()).collect(),
@@ -320,6 +323,9 @@ impl Policy {
     /// The layer of the rule that decided `verdict`, if a rule did.
     pub fn layer_of(&self, verdict: &Verdict) -> Option<Layer> {
         let rule = verdict.rule.as_ref()?;
+        if rule.starts_with(crate::config::GRANT_RULE_PREFIX) {
+            return Some(Layer::Grant);
+        }
         let baseline = self.baseline.as_ref().is_some_and(|b| b.ids.contains(rule));
         Some(if baseline {
             Layer::Baseline
@@ -352,6 +358,12 @@ impl Policy {
     /// The index of org `name` (its place in the config), if there is one.
     pub fn org_index(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// Org `name`, if the policy has it.
+    pub fn org_named(&self, name: &str) -> Option<OrgRef> {
+        let i = self.org_index(name)?;
+        self.orgs.get(i).map(|o| o.r#ref.clone())
     }
 }
 

@@ -159,6 +159,12 @@ impl Policy {
             .collect()
     }
 
+    /// Whether an org's misses become approvals (`on_miss = "ask"`); a
+    /// report-mode org never asks (its misses are let through anyway).
+    pub fn asks(&self, org: &OrgRef) -> bool {
+        self.orgs.get(org.index).is_some_and(|o| o.ask && !o.report)
+    }
+
     /// Whether an org only reports its allowlist's denials.
     pub fn is_report(&self, org: &OrgRef) -> bool {
         self.orgs.get(org.index).is_some_and(|o| o.report)

@@ -141,7 +141,7 @@ mod table;
 mod token;
 mod verdict;
 
-pub use crate::config::ALWAYS_DENIED;
+pub use crate::config::{ALWAYS_DENIED, GRANT_RULE_PREFIX};
 pub use compile::{canonical, Opening, Policy, GATEWAY_ADDRESS, SYNTHETIC_POOL};
 pub use identity::{Credential, IdentityError};
 pub use service::ServiceFacts;

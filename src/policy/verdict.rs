@@ -83,10 +83,17 @@ pub enum Reason {
     /// loaded as written, so no new connection is let through (the
     /// sandbox may not be behind Palisade alone).
     EnforcementMissing,
+    /// A miss (`no_matching_rule`) of an org with `on_miss = "ask"`: held
+    /// as a pending approval (the refusal names its reference and the
+    /// destination); the client retries once an approver grants it.
+    ApprovalPending,
+    /// A live connection allowed by a grant, closed when the grant ended
+    /// (its TTL, a revoke, a reload that denies the target).
+    GrantExpired,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 30] = [
+    pub const ALL: [Reason; 32] = [
         Reason::RuleMatch,
         Reason::ReportOnly,
         Reason::UnknownClient,
@@ -117,6 +124,8 @@ impl Reason {
         Reason::VolumeExceeded,
         Reason::SyntheticUnbound,
         Reason::EnforcementMissing,
+        Reason::ApprovalPending,
+        Reason::GrantExpired,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -151,6 +160,8 @@ impl Reason {
             Reason::VolumeExceeded => "volume_exceeded",
             Reason::SyntheticUnbound => "synthetic_unbound",
             Reason::EnforcementMissing => "enforcement_missing",
+            Reason::ApprovalPending => "approval_pending",
+            Reason::GrantExpired => "grant_expired",
         }
     }
 
@@ -229,6 +240,11 @@ impl Verdict {
         }
     }
 
+    /// A denial of `org` for `reason`, naming no rule.
+    pub fn denied_for(org: &OrgRef, reason: Reason) -> Self {
+        Verdict::deny(org, reason, None)
+    }
+
     /// Report mode: let a reportable denial through, saying what it was.
     pub fn reported(self) -> Verdict {
         if !self.reason.reportable() {
@@ -270,12 +286,14 @@ pub struct AddressVerdict {
 }
 
 /// The layer of the policy a rule belongs to: the operator's baseline
-/// (`[policy] baseline`) or an org's own rules.
+/// (`[policy] baseline`), an org's own rules, or a grant given at run
+/// time (`crate::jit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Layer {
     Baseline,
     Org,
+    Grant,
 }
 
 impl Layer {
@@ -283,6 +301,7 @@ impl Layer {
         match self {
             Layer::Baseline => "baseline",
             Layer::Org => "org",
+            Layer::Grant => "grant",
         }
     }
 }

@@ -15,6 +15,7 @@ pub(crate) mod pktline;
 pub(crate) mod socks5;
 pub mod target;
 pub mod tls_stream;
+pub(crate) mod vkey;
 
 /// What a parser handed the bytes read so far makes of them: the one answer
 /// of the HTTP head, ClientHello and SOCKS5 parsers. `M` says why a message

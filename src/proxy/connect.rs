@@ -50,7 +50,7 @@ pub(crate) struct Opened {
 /// Decide `host:port` for `link`'s client, admit an allow
 /// ([`admission::admit`]) and dial it; a denial or refusal is recorded.
 pub(crate) async fn open(ctx: &Ctx, link: &Link, host: Host, port: u16) -> Result<Opened, Refused> {
-    let outcome = decide_in(ctx, link.mode, &link.view, &host, port).await;
+    let outcome = decide_in(ctx, (link.mode, link.client.ip()), &link.view, &host, port).await;
     let mut conn = link.decided(host, port, outcome.verdict);
     conn.detail = outcome.detail;
     // A synthetic address stands for its name: the records say both.

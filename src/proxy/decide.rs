@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::ctx::{Ctx, View};
-use crate::bindings::NameBindings;
 use crate::evidence::Mode;
+use crate::handout::bindings::NameBindings;
+use crate::handout::synthetic::{Lookup, Pinned};
+use crate::jit::{Jit, Miss, MissFacts};
 use crate::limits::NameBudgets;
 use crate::policy::{canonical, Decision, OrgRef, PendingName, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
-use crate::synthetic::{Lookup, Pinned};
 
 /// A policy decision for one target, with the addresses that may be dialled.
 #[derive(Debug, Clone)]
@@ -87,18 +88,39 @@ pub(crate) enum Addresses<'a> {
     },
 }
 
+/// Who missed, for the miss hook ([`crate::jit::on_miss`]): the client
+/// and its mode, and the state of approvals and grants.
+#[derive(Clone, Copy)]
+pub(crate) struct Asker<'a> {
+    pub jit: &'a Jit,
+    pub client: IpAddr,
+    pub mode: Mode,
+}
+
+impl Ctx {
+    /// The miss hook's view of `client` in `mode`.
+    pub(crate) fn asker(&self, client: IpAddr, mode: Mode) -> Asker<'_> {
+        Asker {
+            jit: &self.jit,
+            client,
+            mode,
+        }
+    }
+}
+
 /// [`decide`], timed under `mode`'s label: for modes whose whole
 /// decision is this one call (explicit, SOCKS5). Transparent mode decides
 /// in several steps and times them together itself.
 pub(crate) async fn decide_in(
     ctx: &Ctx,
-    mode: Mode,
+    (mode, client): (Mode, IpAddr),
     view: &View,
     host: &Host,
     port: u16,
 ) -> Decided {
     let started = std::time::Instant::now();
-    let outcome = crate::otel::step("decide", decide(ctx, view, host, port)).await;
+    let asker = ctx.asker(client, mode);
+    let outcome = crate::otel::step("decide", decide(ctx, asker, view, host, port)).await;
     ctx.metrics.time_decision(mode, started.elapsed());
     outcome
 }
@@ -106,7 +128,13 @@ pub(crate) async fn decide_in(
 /// Decide `host:port` for the view's client: the name step, resolution
 /// when the name is allowed, then the address step. Not timed. A
 /// synthetic address stands for the name bound to it ([`stood_for`]).
-pub(crate) async fn decide(ctx: &Ctx, view: &View, host: &Host, port: u16) -> Decided {
+pub(crate) async fn decide(
+    ctx: &Ctx,
+    asker: Asker<'_>,
+    view: &View,
+    host: &Host,
+    port: u16,
+) -> Decided {
     let Some(org) = &view.org else {
         return Decided {
             verdict: Verdict {
@@ -124,12 +152,14 @@ pub(crate) async fn decide(ctx: &Ctx, view: &View, host: &Host, port: u16) -> De
         match stood_for(ctx, org, *ip) {
             Stands::Not => {}
             Stands::Unbound => return Decided::unbound(org, canonical(*ip)),
-            Stands::For(stood) => return decide_synthetic(ctx, view, org, stood, port).await,
+            Stands::For(stood) => {
+                return decide_synthetic(ctx, asker, view, org, stood, port).await
+            }
         }
     }
     decide_with(
         &view.policy,
-        (&ctx.resolver, Some(&*ctx.names)),
+        (&ctx.resolver, Some(&*ctx.names), Some(asker)),
         org,
         (host, port),
         Addresses::Resolved,
@@ -170,6 +200,7 @@ pub(crate) fn stood_for(ctx: &Ctx, org: &OrgRef, ip: IpAddr) -> Stands {
 /// name is resolved, and what it resolves to is checked and dialled.
 pub(crate) async fn decide_synthetic(
     ctx: &Ctx,
+    asker: Asker<'_>,
     view: &View,
     org: &OrgRef,
     stood: StoodFor,
@@ -178,7 +209,7 @@ pub(crate) async fn decide_synthetic(
     let name = Host::Name(stood.name.clone());
     let mut decided = decide_with(
         &view.policy,
-        (&ctx.resolver, Some(&*ctx.names)),
+        (&ctx.resolver, Some(&*ctx.names), Some(asker)),
         org,
         (&name, port),
         Addresses::Resolved,
@@ -192,15 +223,27 @@ pub(crate) async fn decide_synthetic(
 /// name step; for a name allowed by a wildcard rule, its new-name budget
 /// (spent from `names`; `explain` passes none and spends nothing), before
 /// anything resolves it; for an allowed name, the addresses of
-/// `addresses`; then the address step on them.
+/// `addresses`; then the address step on them. A miss goes through the
+/// miss hook ([`crate::jit::on_miss`], with `asker`; `explain` passes
+/// none): a grant decides it as an allow rule would, an `ask` org's miss
+/// is refused `approval_pending`.
 pub(crate) async fn decide_with(
     policy: &Policy,
-    (resolver, names): (&Resolver, Option<&NameBudgets>),
+    (resolver, names, asker): (&Resolver, Option<&NameBudgets>, Option<Asker<'_>>),
     org: &OrgRef,
     (host, port): (&Host, u16),
     addresses: Addresses<'_>,
 ) -> Decided {
-    match policy.decide_for_org(org, host, port) {
+    let decision = match policy.decide_for_org(org, host, port) {
+        Decision::Final(v) if v.reason == Reason::NoMatchingRule => {
+            match missed(policy, asker, org, (host, port)).await {
+                Ok(decision) => decision,
+                Err(pending) => return pending,
+            }
+        }
+        decision => decision,
+    };
+    match decision {
         Decision::Final(verdict) => {
             let dial = match host {
                 Host::Ip(ip) if verdict.is_allow() => vec![*ip],
@@ -275,6 +318,51 @@ pub(crate) async fn decide_with(
                 synthetic: None,
             }
         }
+    }
+}
+
+/// A miss through the miss hook: still the miss, a grant's allow (an
+/// address at once, a name on to its addresses), or (`Err`) the
+/// `approval_pending` refusal.
+async fn missed(
+    policy: &Policy,
+    asker: Option<Asker<'_>>,
+    org: &OrgRef,
+    (host, port): (&Host, u16),
+) -> Result<Decision, Decided> {
+    let miss = Decision::Final(Verdict::denied_for(org, Reason::NoMatchingRule));
+    let Some(asker) = asker else {
+        return Ok(miss);
+    };
+    let facts = MissFacts {
+        org,
+        client: asker.client,
+        host,
+        port: Some(port),
+        mode: asker.mode,
+        now: std::time::SystemTime::now(),
+    };
+    match crate::jit::on_miss(Some(asker.jit), policy, facts).await {
+        Miss::Denied => Ok(miss),
+        Miss::Pending(approval) => Err(Decided::denied(
+            org,
+            Reason::ApprovalPending,
+            Miss::pending_detail(&approval),
+        )),
+        Miss::Granted(g) => Ok(match host {
+            Host::Ip(_) => Decision::Final(Verdict {
+                org: Some(org.clone()),
+                reason: Reason::RuleMatch,
+                rule: Some(g.rule),
+                would_deny: None,
+            }),
+            Host::Name(_) => Decision::Resolve(PendingName {
+                org: org.clone(),
+                rule: Some(g.rule),
+                port,
+                would_deny: None,
+            }),
+        }),
     }
 }
 

@@ -405,13 +405,8 @@ async fn auth_refused(ctx: &Ctx, mut link: Link, e: IdentityError) -> Response<B
 /// the configured head limit's measure. Evidence counts the exact bytes
 /// ([`Meter`]).
 fn head_size<B>(req: &Request<B>) -> usize {
-    let line = req.method().as_str().len() + req.uri().to_string().len() + 12;
-    let headers: usize = req
-        .headers()
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len() + 4)
-        .sum();
-    line + headers + 2
+    let len = super::http::request_head_len(req.method(), req.uri(), req.headers());
+    usize::try_from(len).unwrap_or(usize::MAX)
 }
 
 /// Record `link`'s refusal and build its response.
@@ -556,7 +551,14 @@ async fn forward(
         dial: addrs,
         detail,
         synthetic,
-    } = decide_in(&ctx, Mode::Explicit, &link.view, &host, port).await;
+    } = decide_in(
+        &ctx,
+        (Mode::Explicit, link.client.ip()),
+        &link.view,
+        &host,
+        port,
+    )
+    .await;
     let mut conn = link.decided(host, port, verdict);
     conn.detail = detail;
     // A synthetic address stands for the name bound to it.

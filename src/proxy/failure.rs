@@ -173,11 +173,22 @@ impl Unserved {
 
     /// The HTTP response.
     pub(crate) fn response(&self, record: &str, detail: Option<&str>) -> http::Response<Body> {
-        let mut resp = text_response(
-            self.status(),
-            &self.proxy_status(record),
-            self.body(record, detail),
-        );
+        let mut status = self.proxy_status(record);
+        if let (Unserved::Denied(Reason::ApprovalPending), Some(d)) = (self, detail) {
+            // The approval's reference and the destination, in the
+            // header too: quotes and control characters left out.
+            let clean: String = d
+                .chars()
+                .filter(|c| !c.is_control() && *c != '"' && *c != '\\')
+                .take(200)
+                .collect();
+            status = format!(
+                "palisade; error={}; details=\"{}; record={record}; {clean}\"",
+                self.proxy_error(),
+                self.reason()
+            );
+        }
+        let mut resp = text_response(self.status(), &status, self.body(record, detail));
         if let Unserved::OverVolume(Some(after)) = self {
             // Whole seconds, rounded up: never sooner than the window frees.
             let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
@@ -240,7 +251,9 @@ fn side_of(reason: Reason) -> Side {
         | Reason::PolicyRevoked
         | Reason::NameBudgetExceeded
         | Reason::VolumeExceeded
-        | Reason::SyntheticUnbound => Side::Client,
+        | Reason::SyntheticUnbound
+        | Reason::ApprovalPending
+        | Reason::GrantExpired => Side::Client,
     }
 }
 
@@ -308,6 +321,20 @@ mod tests {
         assert!(raw.starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
         assert!(
             raw.contains("error=connection_limit_reached; details=\"limit_exceeded; record=r7\"")
+        );
+    }
+
+    #[test]
+    fn an_approval_pending_names_its_approval_in_the_header() {
+        let f = Unserved::Denied(Reason::ApprovalPending);
+        let resp = f.response("r9", Some("approval a-1 pending for \"x.test\":443"));
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        let h = resp.headers()["proxy-status"].to_str().unwrap().to_string();
+        assert!(
+            h.contains(
+                "details=\"approval_pending; record=r9; approval a-1 pending for x.test:443\""
+            ),
+            "{h}"
         );
     }
 

@@ -30,11 +30,16 @@ use super::http::client::{Attempt, InOrder, NoResponse, Sender};
 use super::http::wire::{RequestBytes, UpCount};
 use super::http::{full, strip_hop_by_hop, Body};
 use super::pool::{self, Key};
+use super::record::volume_record;
 use super::record::{dial_failed, write_record, Refused};
 use super::revoke::{self, Hold};
+use super::tunnel::Watch;
+use crate::evidence::Record;
+use crate::limits::volume::Direction;
 use crate::policy::Reason;
 use crate::proto::target::Host;
 use crate::serve::http::BodyError;
+use tokio_util::sync::CancellationToken;
 
 /// Called with the request's `(bytes_up, bytes_down)` when it closes.
 pub(crate) type OnClose = Box<dyn FnOnce(u64, u64) + Send + Sync>;
@@ -57,42 +62,126 @@ pub(crate) struct Exchange {
     /// ends ([`revoke::hold`]); `None` for one held otherwise (a WebSocket
     /// handshake, held with its relay).
     pub hold: Option<Hold>,
+    /// Its volume budgets, spent by both bodies as they relay and cut at
+    /// the budget ([`Budgets`]); `None`: none applies, or spent otherwise
+    /// (a WebSocket handshake's relay).
+    pub volume: Budgets,
+}
+
+/// The volume budgets of one exchange as its bodies relay: the watch
+/// that charges them ([`Metered::charging`]), `None` when no budget
+/// applies; and what its bodies stop on: the hold's revocation, or the
+/// watch's cut at a spent budget (an enforcing org's), which stops both
+/// directions at once.
+#[derive(Default)]
+pub(crate) struct Budgets {
+    pub watch: Option<Arc<Watch>>,
+    pub stop: Option<CancellationToken>,
+}
+
+impl Budgets {
+    /// `req`'s budgets, its bodies stopped by `stop` (a hold's) too.
+    pub(crate) fn new(req: &Conn, stop: &CancellationToken) -> Budgets {
+        let cut = stop.child_token();
+        let enforce = !req.view.is_report();
+        Budgets {
+            watch: req
+                .volume
+                .clone()
+                .map(|lease| Arc::new(Watch::new(lease, enforce.then(|| cut.clone())))),
+            stop: Some(cut),
+        }
+    }
+
+    /// A message head of `bytes` going `direction`: whether it fits in
+    /// what the budgets have left (then charged; a report-mode org's
+    /// always fits, told when it passed). One that does not is never
+    /// sent: the exchange is cut and answered 429.
+    pub(crate) fn head(&self, direction: Direction, bytes: u64) -> bool {
+        self.watch
+            .as_ref()
+            .is_none_or(|w| w.take(direction, bytes) == bytes)
+    }
+
+    /// `body` going `direction`, charged as it goes.
+    pub(crate) fn body<B>(&self, body: Metered<B>, direction: Direction) -> Metered<B> {
+        match &self.watch {
+            Some(w) => body.charging(w.clone(), direction),
+            None => body,
+        }
+    }
+
+    /// `body`, stopped when the exchange is revoked or cut.
+    pub(crate) fn stopped<B>(&self, body: B) -> Body
+    where
+        B: hyper::body::Body<Data = bytes::Bytes> + Send + Sync + Unpin + 'static,
+        B::Error: Into<BodyError>,
+    {
+        match &self.stop {
+            Some(stop) => Stopped::new(body, stop.clone()).boxed(),
+            None => body.map_err(Into::into).boxed(),
+        }
+    }
+
+    /// When a body was cut at a spent budget: how long until the
+    /// client may try again (the budget's window, by when the budget is
+    /// free again); `None` when not cut.
+    fn cut_retry_after(&self) -> Option<std::time::Duration> {
+        let w = self.watch.as_ref().filter(|w| w.is_cut())?;
+        let (scope, _) = w.crossed()?;
+        w.lease().volume(&scope).map(|v| v.window)
+    }
 }
 
 impl Exchange {
     /// Relay `resp`; the close record is written when its body ends, then
-    /// `on_complete` runs if the body was read to its end.
+    /// `on_complete` runs if the body was read to its end. Its head and
+    /// body spend from the exchange's volume budgets; a body cut at one
+    /// (either way) ends the response short: the client's connection (or
+    /// HTTP/2 stream) is cut.
     pub(crate) fn relay(
-        self,
+        mut self,
         resp: Response<Incoming>,
         on_complete: Option<OnComplete>,
     ) -> Response<Body> {
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let status = self.with_status.then_some(parts.status.as_u16());
-        let stop = self.hold.as_ref().map(|h| h.stop().clone());
+        if !self.volume.head(Direction::Down, response_head_len(&parts)) {
+            // Not a byte of it relayed: the upstream connection goes
+            // with `resp`, the client is told 429.
+            return self.failed(NoResponse::NotSent("response head over the budget".into()));
+        }
+        let volume = std::mem::take(&mut self.volume);
+        let watch = volume.watch.clone();
         let finish = Box::new(move |down| {
             // The unit ends here: no longer held.
-            drop(self.hold);
+            drop(self.hold.take());
             let up = (self.up)();
-            spend_volume(&self.req, (up, down));
-            if let Some(f) = self.on_close {
+            let on_close = self.on_close.take();
+            if let Some(f) = on_close {
                 f(up, down);
             }
-            let mut close = self.req.close(&self.id, (up, down), self.started);
-            close.status = status;
-            self.ctx.submit(&mut close);
+            self.close((up, down), watch.as_deref(), |c| c.status = status);
         });
-        let body = Metered::on_finish(body, finish);
+        let body = volume.body(Metered::on_finish(body, finish), Direction::Down);
         let body = match on_complete {
             Some(f) => body.on_complete(f),
             None => body,
         };
-        let body = match stop {
-            Some(stop) => Stopped::new(body, stop).boxed(),
-            None => body.map_err(BodyError::from).boxed(),
-        };
-        Response::from_parts(parts, body)
+        Response::from_parts(parts, volume.stopped(body))
+    }
+
+    /// Write the close record of the exchange, `(up, down)` bytes moved,
+    /// `edit`ed; after the `volume_exceeded` record of a budget `watch`
+    /// saw spent.
+    fn close(&self, moved: (u64, u64), watch: Option<&Watch>, edit: impl FnOnce(&mut Record)) {
+        if let Some(mut r) = volume_record(&self.ctx, &self.req, (&self.id, "cut"), watch) {
+            self.ctx.submit(&mut r);
+        }
+        let mut close = self.req.close(&self.id, moved, self.started);
+        edit(&mut close);
+        self.ctx.submit(&mut close);
     }
 
     /// Wait for `head` (a response head) unless the request is revoked
@@ -112,33 +201,36 @@ impl Exchange {
     /// Revoked before its response came: its close record says so, and the
     /// client is refused `policy_revoked` (the revocation is on record).
     pub(crate) fn revoked(self) -> Response<Body> {
-        spend_volume(&self.req, ((self.up)(), 0));
-        let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
-        close.detail = Some("revoked before the response".into());
-        self.ctx.submit(&mut close);
+        let watch = self.volume.watch.as_deref();
+        self.close(((self.up)(), 0), watch, |c| {
+            c.detail = Some("revoked before the response".into());
+        });
         Unserved::Denied(Reason::PolicyRevoked).response(&self.shown, None)
     }
 
     /// No complete response came: close the request with the cause (no
-    /// `on_close`: nothing came back).
+    /// `on_close`: nothing came back). A request whose body was cut at a
+    /// spent volume budget is answered 429 (`volume_exceeded`, with when
+    /// to retry), its `volume_exceeded` record written before the close.
     pub(crate) fn failed(self, e: NoResponse) -> Response<Body> {
-        spend_volume(&self.req, ((self.up)(), 0));
-        let mut close = self.req.close(&self.id, ((self.up)(), 0), self.started);
-        close.detail = Some(e.to_string());
-        self.ctx.submit(&mut close);
-        Unserved::NoResponse(e).response(&self.shown, None)
+        let watch = self.volume.watch.as_deref();
+        let retry = self.volume.cut_retry_after();
+        let detail = match retry {
+            Some(_) => "cut at its volume budget".to_string(),
+            None => e.to_string(),
+        };
+        self.close(((self.up)(), 0), watch, |c| c.detail = Some(detail));
+        match retry {
+            Some(after) => Unserved::OverVolume(Some(after)).response(&self.shown, None),
+            None => Unserved::NoResponse(e).response(&self.shown, None),
+        }
     }
 }
 
-/// Charge a request's bytes to the volume budgets it spends from, when it
-/// closes: a request is not cut mid-body, but the next one is refused
-/// once the budget is spent.
-pub(crate) fn spend_volume(req: &Conn, (up, down): (u64, u64)) {
-    if let Some(lease) = &req.volume {
-        let now = Instant::now();
-        lease.spend(crate::limits::volume::Direction::Up, up, now);
-        lease.spend(crate::limits::volume::Direction::Down, down, now);
-    }
+/// A response head's bytes as sent (give or take whitespace): the status
+/// line and the headers.
+fn response_head_len(parts: &http::response::Parts) -> u64 {
+    super::http::headers_len(&parts.headers) + 15
 }
 
 /// The upstream connection an allowed request goes over.
@@ -192,9 +284,11 @@ pub(crate) async fn absolute(
             body: up_count.clone(),
         },
     };
-    // Held to every policy a reload serves, its bodies both ways too.
+    // Held to every policy a reload serves, its bodies both ways too,
+    // which spend from its volume budgets as they go.
     let hold = revoke::hold(&ctx, &conn, &written.id);
-    let stop = hold.stop().clone();
+    let volume = Budgets::new(&conn, hold.stop());
+    let head_fits = volume.head(Direction::Up, head_estimate);
     let exchange = Exchange {
         ctx: ctx.clone(),
         req: conn,
@@ -205,8 +299,12 @@ pub(crate) async fn absolute(
         with_status: false,
         on_close: None,
         hold: Some(hold),
+        volume,
     };
 
+    if !head_fits {
+        return exchange.failed(NoResponse::NotSent("request head over the budget".into()));
+    }
     let (mut parts, body) = match origin_form(req, &host, port) {
         Ok(p) => p,
         Err(e) => return exchange.failed(NoResponse::NotSent(e)),
@@ -233,23 +331,11 @@ pub(crate) async fn absolute(
     // request with a body asks the upstream to close after it.
     let (mut in_order, body_sent) = InOrder::new(body.is_end_stream());
     in_order.ask_close(&mut parts.headers);
-    let body = in_order.gate(Metered::new(body, up_count).on_complete(body_sent));
-    let req = Request::from_parts(parts, Stopped::new(body, stop).boxed());
+    let body = Metered::new(body, up_count).on_complete(body_sent);
+    let body = in_order.gate(exchange.volume.body(body, Direction::Up));
+    let req = Request::from_parts(parts, exchange.volume.stopped(body));
     let timeout = ctx.limits.response_timeout.get();
-    let attempt = async {
-        match sender.exchange(req, timeout).await {
-            Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
-            Err(Attempt::Failed(e))
-                if retry_fresh(reused, again.is_some(), e.is_connection_lost()) =>
-            {
-                match again {
-                    Some(again) => resend(&ctx, addr, &mut sender, again.request()).await,
-                    None => Err(Attempt::Failed(e)),
-                }
-            }
-            other => other,
-        }
-    };
+    let attempt = send_or_resend(&ctx, (&mut sender, addr), req, (reused, again), timeout);
     let result = exchange.unless_revoked(attempt).await;
     // The connection the request went over (a resend's new one).
     in_order.follow(&sender);
@@ -281,6 +367,30 @@ pub(crate) async fn absolute(
             exchange.failed(NoResponse::NotSent("upstream connection closed".into()))
         }
         Err(Attempt::Failed(e)) => exchange.failed(e),
+    }
+}
+
+/// Send `req` over `sender` (to `addr`, `reused` from the pool or not);
+/// a pooled connection that closed under it is not the client's problem:
+/// a request not a byte of which was written goes again over a new
+/// connection, and so does one that can be sent `again`
+/// ([`retry_fresh`]).
+async fn send_or_resend(
+    ctx: &Ctx,
+    (sender, addr): (&mut Sender, std::net::SocketAddr),
+    req: Request<Body>,
+    (reused, again): (bool, Option<Resend>),
+    timeout: std::time::Duration,
+) -> Result<Response<Incoming>, Attempt> {
+    match sender.exchange(req, timeout).await {
+        Err(Attempt::Unsent(req)) if reused => resend(ctx, addr, sender, *req).await,
+        Err(Attempt::Failed(e)) if retry_fresh(reused, again.is_some(), e.is_connection_lost()) => {
+            match again {
+                Some(again) => resend(ctx, addr, sender, again.request()).await,
+                None => Err(Attempt::Failed(e)),
+            }
+        }
+        other => other,
     }
 }
 

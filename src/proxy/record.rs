@@ -87,12 +87,23 @@ fn told(reason: Reason, written: bool, record: &Record, detail: Option<String>) 
 /// naming the rule and the budget (report mode: the allow's
 /// `would_deny`, the tunnel having gone on), counted in the metric.
 pub(crate) async fn volume_spent(ctx: &Ctx, conn: &Conn, id: &str, watch: Option<&Watch>) {
-    let Some((scope, direction)) = watch.and_then(Watch::crossed) else {
-        return;
-    };
-    let Some(volume) = watch.and_then(|w| w.lease().volume(&scope)) else {
-        return;
-    };
+    if let Some(mut record) = volume_record(ctx, conn, (id, "tunnel closed"), watch) {
+        Box::pin(ctx.write(&mut record)).await;
+        debug!(record = %id, "tunnel over its volume budget");
+    }
+}
+
+/// The `volume_exceeded` record of a relay (`id`, cut as `what` says)
+/// that spent a budget, if `watch` saw it spend one (counted in the
+/// metric): see [`volume_spent`].
+pub(crate) fn volume_record(
+    ctx: &Ctx,
+    conn: &Conn,
+    (id, what): (&str, &str),
+    watch: Option<&Watch>,
+) -> Option<Record> {
+    let (scope, direction) = watch.and_then(Watch::crossed)?;
+    let volume = watch.and_then(|w| w.lease().volume(&scope))?;
     if let Some(org) = &conn.verdict.org {
         ctx.volumes.count(&org.name, direction);
     }
@@ -110,7 +121,7 @@ pub(crate) async fn volume_spent(ctx: &Ctx, conn: &Conn, id: &str, watch: Option
     };
     let mut c = conn.clone();
     c.within = Some(id.to_string());
-    let detail = Some(format!("{}: tunnel closed", exceeded.detail()));
+    let detail = Some(format!("{}: {what}", exceeded.detail()));
     if conn.view.is_report() {
         c.report(Reason::VolumeExceeded, detail);
     } else {
@@ -118,8 +129,7 @@ pub(crate) async fn volume_spent(ctx: &Ctx, conn: &Conn, id: &str, watch: Option
         c.verdict.would_deny = None;
         c.detail = detail;
     }
-    Box::pin(ctx.write(&mut c.record())).await;
-    debug!(record = %id, "tunnel over its volume budget");
+    Some(c.record())
 }
 
 /// An allowed decision whose upstream could not be reached: record it

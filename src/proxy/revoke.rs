@@ -72,6 +72,27 @@ pub(crate) fn revisit(served: &Arc<Served>, conn: &Conn) -> Revisit {
     };
     view.org = Some(org.clone());
     let verdict = match (policy.decide_for_org(&org, &conn.host, conn.port), conn.ip) {
+        // A grant's connection stays a grant's on a miss: the grant's own
+        // end closes it ([`watch`]), an explicit deny at once.
+        (Decision::Final(v), ip) if v.reason == Reason::NoMatchingRule && by_grant(conn) => {
+            match (&conn.host, ip) {
+                (Host::Ip(_), _) => Verdict {
+                    reason: Reason::RuleMatch,
+                    rule: conn.verdict.rule.clone(),
+                    ..v
+                },
+                (Host::Name(_), Some(ip)) => {
+                    let pending = crate::policy::PendingName {
+                        org: org.clone(),
+                        rule: conn.verdict.rule.clone(),
+                        port: conn.port,
+                        would_deny: None,
+                    };
+                    policy.check_addresses(&pending, &[ip]).verdict
+                }
+                (Host::Name(_), None) => v,
+            }
+        }
         (Decision::Final(v), _) => v,
         (Decision::Resolve(pending), Some(ip)) => policy.check_addresses(&pending, &[ip]).verdict,
         (Decision::Resolve(_), None) => {
@@ -119,6 +140,11 @@ fn ended(policy: &crate::policy::Policy, org: &OrgRef, conn: &Conn) -> Option<St
         "rule {rule} expired at {}",
         crate::config::rfc3339(end)
     ))
+}
+
+/// Whether a grant allowed `conn` (its rule is `grant:ID`).
+fn by_grant(conn: &Conn) -> bool {
+    crate::jit::grant_of(conn.verdict.rule.as_deref()).is_some()
 }
 
 /// Why an allowed connection no longer runs as its new rule says: the
@@ -193,16 +219,29 @@ fn asked_otherwise(conn: &Conn, asked: &Asked, view: &View, verdict: &Verdict) -
 /// `policy_revoked` under the new view, or, reported, what enforcement
 /// would have done. Linked to the decision record by `conn`.
 fn record_of(conn: &Conn, id: &str, view: View, detail: String, reported: bool) -> Conn {
+    let reason = if reported {
+        Reason::ReportOnly
+    } else {
+        Reason::PolicyRevoked
+    };
+    closed_for(conn, id, (view, reason), detail, reported)
+}
+
+/// The record of `conn` (recorded as `id`) closed for `reason` under
+/// `view`, linked to its decision record by `conn`.
+fn closed_for(
+    conn: &Conn,
+    id: &str,
+    (view, reason): (View, Reason),
+    detail: String,
+    reported: bool,
+) -> Conn {
     let mut c = conn.clone();
     let org = view.org.clone().or_else(|| conn.view.org.clone());
     c.view = view;
     c.verdict = Verdict {
         org,
-        reason: if reported {
-            Reason::ReportOnly
-        } else {
-            Reason::PolicyRevoked
-        },
+        reason,
         rule: None,
         would_deny: reported.then_some(Reason::PolicyRevoked),
     };
@@ -314,6 +353,17 @@ async fn watch<C: Cut>(ctx: &Ctx, conn: &Conn, id: &str, cut: &C) -> Infallible 
     let mut changes = ctx.policy_changed.subscribe();
     let mut seen = conn.view.served.clone();
     let mut reported = false;
+    // A grant's connection ends with its grant (TTL, revoke, a denying
+    // reload): `grant_expired`.
+    let grant = crate::jit::grant_of(conn.verdict.rule.as_deref());
+    let ended = grant.and_then(|g| ctx.jit.end_of(g));
+    let grant_ended = async {
+        match &ended {
+            Some(end) => end.cancelled().await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(grant_ended);
     loop {
         let now = ctx.served.load_full();
         if !Arc::ptr_eq(&now, &seen) {
@@ -334,8 +384,23 @@ async fn watch<C: Cut>(ctx: &Ctx, conn: &Conn, id: &str, cut: &C) -> Infallible 
                 }
             }
         }
-        if changes.changed().await.is_err() {
-            // No more reloads: nothing left to watch for.
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    // No more reloads: only the grant's end is left.
+                    grant_ended.as_mut().await;
+                }
+            }
+            () = grant_ended.as_mut() => {}
+        }
+        if ended.as_ref().is_some_and(|e| e.is_cancelled()) {
+            let view = conn.view.clone();
+            let detail = format!("grant {} ended", grant.unwrap_or_default());
+            revoked(
+                ctx,
+                closed_for(conn, id, (view, Reason::GrantExpired), detail, false),
+            );
+            cut.cut(ctx.limits.revoke_grace.get()).await;
             return std::future::pending().await;
         }
     }

@@ -21,7 +21,7 @@ use super::admission;
 use super::conn::{Conn, Link, Plan};
 use super::connect;
 use super::ctx::{Ctx, View, DETECT_BUDGET_EXHAUSTED};
-use super::decide::{decide_synthetic, decide_with, stood_for, Addresses, Decided, Stands};
+use super::decide::{decide_synthetic, decide_with, stood_for, Addresses, Asker, Decided, Stands};
 use super::dial::dial_checked;
 use super::intercepted::{self, serve::Session};
 use super::listen::accept_loop;
@@ -122,7 +122,7 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
     let detected = tunnel::detect(&mut client, &mut first, ctx.limits.detect_timeout.get()).await;
     // The budget bounds bytes held before decisions, not open tunnels.
     drop(detect_slot);
-    let (outcome, name) = decide_presented(&ctx, view, &detected, orig).await;
+    let (outcome, name) = decide_presented(&ctx, (view, peer.ip()), &detected, orig).await;
 
     let mut conn = conn_for(outcome.verdict, name.unwrap_or(Host::Ip(orig.ip())));
     // A synthetic destination: the record's `ip` is the real address
@@ -206,14 +206,15 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
 /// bytes (`detected`), timed: the decision, and the name presented.
 async fn decide_presented(
     ctx: &Ctx,
-    view: &View,
+    (view, client): (&View, std::net::IpAddr),
     detected: &Detected,
     orig: SocketAddr,
 ) -> (Decided, Option<Host>) {
     let started = Instant::now();
+    let asker = ctx.asker(client, Mode::Transparent);
     let decided = match presented_name(detected, orig.port()) {
         Ok(name) => {
-            let outcome = otel::step("decide", decide(ctx, view, name.as_ref(), orig)).await;
+            let outcome = otel::step("decide", decide(ctx, asker, view, name.as_ref(), orig)).await;
             (report_mismatch(ctx, view, outcome, orig).await, name)
         }
         Err(why) => (
@@ -302,7 +303,7 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Decided, orig: SocketA
     }
     let mut by_address = decide_with(
         &view.policy,
-        (&ctx.resolver, Some(&*ctx.names)),
+        (&ctx.resolver, Some(&*ctx.names), None),
         org,
         (&Host::Ip(orig.ip()), orig.port()),
         Addresses::Resolved,
@@ -319,9 +320,15 @@ async fn report_mismatch(ctx: &Ctx, view: &View, outcome: Decided, orig: SocketA
 /// The transparent decision: the name's rules and the address's consistency
 /// with the name, or cidr rules alone without a name. `outcome.dial` is the
 /// original destination when allowed.
-async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -> Decided {
+async fn decide(
+    ctx: &Ctx,
+    asker: Asker<'_>,
+    view: &View,
+    name: Option<&Host>,
+    orig: SocketAddr,
+) -> Decided {
     let Some(org) = &view.org else {
-        return super::decide::decide(ctx, view, &Host::Ip(orig.ip()), orig.port()).await;
+        return super::decide::decide(ctx, asker, view, &Host::Ip(orig.ip()), orig.port()).await;
     };
     // A synthetic address: the name presented must be the one bound to it
     // for this org; then it is decided (and resolved) as that name.
@@ -331,7 +338,7 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
         Stands::For(stood) => {
             return match name {
                 Some(Host::Name(n)) if *n == stood.name => {
-                    decide_synthetic(ctx, view, org, stood, orig.port()).await
+                    decide_synthetic(ctx, asker, view, org, stood, orig.port()).await
                 }
                 Some(other) => Decided::mismatch(
                     org,
@@ -369,7 +376,7 @@ async fn decide(ctx: &Ctx, view: &View, name: Option<&Host>, orig: SocketAddr) -
     };
     decide_with(
         &view.policy,
-        (&ctx.resolver, Some(&*ctx.names)),
+        (&ctx.resolver, Some(&*ctx.names), Some(asker)),
         org,
         (host, orig.port()),
         original,

@@ -137,16 +137,40 @@ impl Watch {
                 continue;
             }
             if let Some(scope) = self.lease.spend(direction, total - before, now) {
-                let mut crossed = self.crossed.lock().unwrap_or_else(|e| e.into_inner());
-                if crossed.is_none() {
-                    *crossed = Some((scope, direction));
-                    if let Some(cut) = &self.cut {
-                        cut.cancel();
-                    }
-                }
+                self.cross(scope, direction);
             }
         }
         self.cut.as_ref().is_none_or(|c| !c.is_cancelled())
+    }
+
+    /// `bytes` of a body about to move `direction`: how many of them may
+    /// go (all of them for a report-mode org), charged. Fewer than asked:
+    /// the budget is spent, the watch cut (its relay is to stop at once,
+    /// both ways), the rest held back. So a body never passes its budget.
+    pub(crate) fn take(&self, direction: Direction, bytes: u64) -> u64 {
+        let now = std::time::Instant::now();
+        let (granted, over) = self.lease.take(direction, bytes, now, self.cut.is_none());
+        if let Some(scope) = over {
+            self.cross(scope, direction);
+        }
+        granted
+    }
+
+    /// `scope`'s budget was spent moving `direction`: noted the first
+    /// time, and the relay cut (an enforcing org's).
+    fn cross(&self, scope: Scope, direction: Direction) {
+        let mut crossed = self.crossed.lock().unwrap_or_else(|e| e.into_inner());
+        if crossed.is_none() {
+            *crossed = Some((scope, direction));
+            if let Some(cut) = &self.cut {
+                cut.cancel();
+            }
+        }
+    }
+
+    /// Whether a budget was spent and the relay cut (an enforcing org's).
+    pub(crate) fn is_cut(&self) -> bool {
+        self.cut.is_some() && self.crossed().is_some()
     }
 
     /// The budget the tunnel spent, and in which direction, if it did.

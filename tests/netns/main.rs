@@ -55,6 +55,7 @@ mod transparent_v6;
 mod tunnel;
 mod volume;
 mod websocket;
+mod witness;
 
 use lab::{HttpResp, Lab};
 use serde_json::Value;

@@ -6,7 +6,10 @@
 //! and another org are unaffected, and the window frees the budget; the
 //! org-wide total bounds two rules together, through SOCKS5; a reload
 //! keeps the spent budget of a rule that stays; an absolute-form request
-//! spends its rule's budget and the next is refused 429.
+//! spends its rule's budget and the next is refused 429; a forwarded or
+//! intercepted POST is cut mid-body at its budget (429 when no response
+//! head was sent) and the next request is refused 429; report mode relays
+//! it whole and records `would_deny`.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -407,15 +410,24 @@ fn a_reload_keeps_the_spent_budget_and_requests_spend_it_too() {
     );
     assert_eq!(sink.accepted(), 1);
 
-    // Absolute-form: the first request spends the rule's one byte down,
-    // the next is refused 429 before anything is sent.
+    // Absolute-form: the first request's response does not fit in the
+    // rule's one byte down: not a byte of it is relayed, the client is
+    // told 429 (the budget spent); the next is refused 429 before
+    // anything is sent.
     let url = format!("http://{}/", lab::CIDR_IP);
-    let first = lab.proxied_curl(&url, &[]);
-    assert_eq!(first.status, 200, "{first:#?}");
+    let first = lab.proxied_curl(&url, &["-i"]);
+    assert_eq!(first.status, 429, "{first:#?}");
+    lab.wait_upstream("the first request", |v| v["event"] == "request");
+    refused_before_the_upstream(&lab, &url);
+}
+
+/// A request to `url` through the proxy is refused 429 with
+/// `Retry-After`, and nothing reaches the upstream.
+fn refused_before_the_upstream(lab: &Lab, url: &str) {
     let before = lab.upstream_log().len();
-    let second = lab.proxied_curl(&url, &["-i"]);
-    assert_eq!(second.status, 429, "{second:#?}");
-    assert!(second.header("retry-after").is_some(), "{second:#?}");
+    let refused = lab.proxied_curl(url, &["-i"]);
+    assert_eq!(refused.status, 429, "{refused:#?}");
+    assert!(refused.header("retry-after").is_some(), "{refused:#?}");
     lab.upstream_settled();
     assert_eq!(
         lab.upstream_log().len(),
@@ -492,12 +504,189 @@ fn a_report_mode_org_is_let_through_and_told_what_enforcement_would_do() {
     assert_eq!(next["would_deny"], "volume_exceeded", "{next}");
 }
 
+/// A rule's budget up for the request tests.
+const BODY_BUDGET: u64 = 64 * 1024;
+/// What a request sent over the request tests' budgets.
+const HUGE: u64 = 10 * 1024 * 1024;
+/// What the upstream may count past a body budget: the request heads
+/// (charged as estimated, and the upstream counts them as sent) and, for
+/// an intercepted request, its TLS (handshake and record framing). The
+/// bodies themselves never pass their budget.
+const HEAD_SLACK: u64 = 2 * 1024;
+const TLS_SLACK: u64 = 8 * 1024;
+
+/// acme (mode `mode`) may send `BODY_BUDGET` an hour up to the web
+/// upstream at CIDR_IP:80.
+fn body_policy(mode: &str) -> String {
+    format!(
+        r#"
+[[org]]
+name = "acme"
+clients = ["198.18.1.0/24"]
+{mode}
+
+[[org.allow]]
+id = "upload"
+cidr = "198.18.2.30/32"
+ports = [80]
+max_bytes_up = {BODY_BUDGET}
+volume_window = "1h"
+"#
+    )
+}
+
+/// Send `POST url` with a body of `len` bytes over `c` (an absolute-form
+/// request to the proxy), the body from a thread that stops at the first
+/// failed write; read the response. The response, and how much of the
+/// body the client could send.
+fn post_over(c: &mut RawConn, url: &str, len: u64) -> (lab::HttpResp, u64) {
+    let host = url.split('/').nth(2).unwrap_or_default().to_string();
+    c.send(
+        format!("POST {url} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len}\r\n\r\n").as_bytes(),
+    )
+    .unwrap();
+    let mut writer = c.stream.try_clone().unwrap();
+    writer.set_write_timeout(Some(STEP)).unwrap();
+    let sender = thread::spawn(move || {
+        let chunk = vec![0x5au8; 16 * 1024];
+        let mut sent = 0u64;
+        while sent < len {
+            let n = usize::try_from(len - sent)
+                .unwrap_or(usize::MAX)
+                .min(chunk.len());
+            if writer.write_all(&chunk[..n]).is_err() {
+                break;
+            }
+            sent += n as u64;
+        }
+        sent
+    });
+    let resp = c.read_response(Duration::from_secs(20));
+    (resp, sender.join().unwrap())
+}
+
+/// The bytes the web upstream received on the connections whose first
+/// request line starts with each of `lines`, once all have closed.
+fn upstream_received(lab: &Lab, lines: &[&str]) -> u64 {
+    lines
+        .iter()
+        .map(|line| {
+            let close = lab.wait_upstream(&format!("close of {line}"), |v| {
+                v["event"] == "close"
+                    && v["request_line"]
+                        .as_str()
+                        .is_some_and(|l| l.starts_with(line))
+            });
+            close["bytes_received"].as_u64().unwrap()
+        })
+        .sum()
+}
+
+/// The records linked to `id` by `conn`, in order: what each is.
+fn linked(lab: &Lab, id: &str) -> Vec<String> {
+    lab.evidence()
+        .iter()
+        .filter(|v| v["conn"] == id)
+        .map(|v| match v["event"].as_str() {
+            Some("close") => "close".to_string(),
+            _ => v["would_deny"]
+                .as_str()
+                .or(v["reason"].as_str())
+                .unwrap_or_default()
+                .to_string(),
+        })
+        .collect()
+}
+
 #[test]
-fn intercepted_requests_spend_their_rule_budget_and_the_next_is_refused_429() {
+fn a_forwarded_post_is_cut_at_its_budget_mid_body_and_the_next_request_refused() {
+    let lab = Lab::builder().policy(&body_policy("")).start();
+    let url = |path: &str| format!("http://{}{path}", lab::CIDR_IP);
+    let mut c = lab.client_conn();
+    let (first, _) = post_over(&mut c, &url("/one"), 1000);
+    assert_eq!(first.status, 200, "{first:#?}\n{}", lab.proxy_output());
+    // The second request on the same keep-alive connection: ten MiB
+    // against what is left. Cut mid-body; no response head was sent yet,
+    // so the client gets 429 with Retry-After.
+    let (second, sent) = post_over(&mut c, &url("/two"), HUGE);
+    assert_eq!(second.status, 429, "{second:#?}");
+    let retry: u64 = second
+        .header("retry-after")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("Retry-After in {second:#?}"));
+    assert!((1..=3700).contains(&retry), "Retry-After {retry}");
+    assert!(
+        second
+            .header("proxy-status")
+            .is_some_and(|p| p.contains("volume_exceeded")),
+        "{second:#?}"
+    );
+    assert!(sent < HUGE, "the client could send all of it");
+    c.wait_closed(STEP);
+    let got = upstream_received(&lab, &["POST /one ", "POST /two "]);
+    eprintln!(
+        "volume: absolute-form, budget {BODY_BUDGET} B, client sent {sent} B, upstream received {got} B"
+    );
+    // Up to the budget, never past it (the cut request's last pieces may
+    // die in the proxy's write buffer when it closes the upstream side).
+    assert!(
+        (2000..=BODY_BUDGET + HEAD_SLACK).contains(&got),
+        "upstream received {got} bytes under a budget of {BODY_BUDGET}"
+    );
+    // On record: the request's allow, its cut (linked by conn), its close.
+    let allow = lab.wait_evidence("the allow of /two", |v| {
+        v["event"] == "decision" && v["decision"] == "allow" && v["path"] == "/two"
+    });
+    let id = record_id(&allow).unwrap();
+    let close = lab.wait_evidence("the close of /two", |v| {
+        v["event"] == "close" && v["conn"] == id.as_str()
+    });
+    assert_eq!(linked(&lab, &id), ["volume_exceeded", "close"], "{close}");
+    let cut = lab.wait_evidence("the cut", |v| {
+        v["reason"] == "volume_exceeded" && v["conn"] == id.as_str()
+    });
+    assert_eq!(
+        (&cut["decision"], &cut["rule"]),
+        (&"deny".into(), &"upload".into())
+    );
+
+    // The next request, on a new connection: refused before anything is
+    // sent.
+    refused_before_the_upstream(&lab, &url("/three"));
+}
+
+#[test]
+fn a_report_mode_org_relays_a_post_past_its_budget_and_is_told_would_deny() {
+    let lab = Lab::builder()
+        .policy(&body_policy("mode = \"report\""))
+        .start();
+    let mut c = lab.client_conn();
+    let len = 4 * BODY_BUDGET;
+    let (resp, sent) = post_over(&mut c, &format!("http://{}/big", lab::CIDR_IP), len);
+    assert_eq!((resp.status, sent), (200, len), "{resp:#?}");
+    let got = upstream_received(&lab, &["POST /big "]);
+    eprintln!("volume: report mode, budget {BODY_BUDGET} B, upstream received {got} B");
+    assert!(got > len, "relayed whole: {got}");
+    let allow = lab.wait_evidence("the allow of /big", |v| {
+        v["event"] == "decision" && v["decision"] == "allow" && v["path"] == "/big"
+    });
+    let id = record_id(&allow).unwrap();
+    let noted = lab.wait_evidence("the report of the spent budget", |v| {
+        v["event"] == "decision" && v["conn"] == id.as_str() && v["would_deny"] == "volume_exceeded"
+    });
+    assert_eq!(noted["decision"], "allow", "{noted}");
+    lab.wait_evidence("the close of /big", |v| {
+        v["event"] == "close" && v["conn"] == id.as_str()
+    });
+    assert_eq!(linked(&lab, &id), ["volume_exceeded", "close"]);
+}
+
+#[test]
+fn intercepted_posts_are_cut_at_their_budget_and_the_next_request_refused_429() {
     let dir = lab::scratch_dir("volume-intercept");
     let ca_dir = dir.join("ca");
     let lab = Lab::builder()
-        .policy(
+        .policy(&format!(
             r#"
 [[org]]
 name = "acme"
@@ -508,10 +697,10 @@ id = "registry"
 host = "allowed.test"
 ports = [443]
 intercept = true
-max_bytes_up = 4000
+max_bytes_up = {BODY_BUDGET}
 volume_window = "1h"
-"#,
-        )
+"#
+        ))
         .intercept_config(&format!(
             "ca_dir = {:?}\nupstream_ca = {:?}",
             ca_dir.display().to_string(),
@@ -529,42 +718,89 @@ volume_window = "1h"
     let org_ca = dir.join("acme-ca.pem");
     std::fs::write(&org_ca, &out.stdout).unwrap();
     let ca = org_ca.display().to_string();
-    let body = "x".repeat(6000);
-    let post = |path: &str| {
-        lab.client_curl(&[
+    let big = dir.join("big");
+    std::fs::write(&big, vec![b'x'; usize::try_from(HUGE).unwrap()]).unwrap();
+    let big = format!("@{}", big.display());
+    let (head2, head3) = (dir.join("second.head"), dir.join("third.head"));
+    let (h2, h3) = (head2.display().to_string(), head3.display().to_string());
+    // Three requests, the first two over one intercepted HTTP/1.1
+    // connection (curl keeps it): a small one, ten MiB, and one more
+    // (a new connection: the cut closed the first). HTTP/1.1: over
+    // HTTP/2 the 429 is answered the same, then the stream reset
+    // NO_ERROR (RFC 9113 §8.1), which curl 7.88 takes for a failure.
+    let mut args: Vec<&str> = vec![
+        "--http1.1",
+        "-x",
+        lab::PROXY_URL,
+        "--cacert",
+        &ca,
+        "--data-binary",
+        "small",
+        "https://allowed.test/first",
+    ];
+    for (head, extra) in [(&h2, big.as_str()), (&h3, "after")] {
+        args.extend([
+            "--next",
+            "-sS",
+            "--max-time",
+            "20",
             "-x",
             lab::PROXY_URL,
             "--cacert",
             &ca,
-            "-i",
+            "--http1.1",
+            "-o",
+            "/dev/null",
+            "-D",
+            head,
             "--data-binary",
-            &body,
-            &format!("https://allowed.test{path}"),
-        ])
-    };
-    // The first request is within the budget when it starts: it goes
-    // through whole and spends it (6000 bytes of body), charged when it
-    // closes.
-    let first = post("/first");
+            extra,
+        ]);
+        args.push(if head == &h2 {
+            "https://allowed.test/second"
+        } else {
+            "https://allowed.test/third"
+        });
+    }
+    let first = lab.client_curl(&args);
     assert_eq!(first.status, 200, "{first:#?}\n{}", lab.proxy_output());
-    lab.wait_upstream("the first request", |v| {
-        v["request_line"]
-            .as_str()
-            .is_some_and(|l| l.starts_with("POST /first "))
+    let heads =
+        |p: &std::path::Path| lab::parse_heads(&std::fs::read_to_string(p).unwrap_or_default());
+    let (second, second_head) = heads(&head2);
+    assert_eq!(second, 429, "{second_head:?}\n{first:#?}");
+    let (third, third_head) = heads(&head3);
+    assert_eq!(third, 429, "{third_head:?}");
+    assert!(
+        header(&third_head, "retry-after").is_some(),
+        "{third_head:?}"
+    );
+    // The upstream's own count of the connection /second went over.
+    let got = upstream_received(&lab, &["POST /second "]);
+    let first_got = upstream_received(&lab, &["POST /first "]);
+    eprintln!(
+        "volume: intercepted, budget {BODY_BUDGET} B, upstream received {got} B (TLS included) for the cut request"
+    );
+    assert!(
+        got + first_got <= BODY_BUDGET + TLS_SLACK + HEAD_SLACK,
+        "upstream received {got} + {first_got} bytes under a budget of {BODY_BUDGET}"
+    );
+    let allow = lab.wait_evidence("the allow of /second", |v| {
+        v["event"] == "decision" && v["decision"] == "allow" && v["path"] == "/second"
     });
-    let second = post("/second");
-    assert_eq!(second.status, 429, "{second:#?}");
-    assert!(second.header("retry-after").is_some(), "{second:#?}");
-    // A new connection under the spent rule: its CONNECT is refused
-    // before the tunnel opens (a request inside a live intercepted
-    // connection is refused the same way, per request).
-    let refusal = lab.wait_evidence("the refusal", |v| v["reason"] == "volume_exceeded");
+    let id = record_id(&allow).unwrap();
+    lab.wait_evidence("the close of /second", |v| {
+        v["event"] == "close" && v["conn"] == id.as_str()
+    });
+    assert_eq!(linked(&lab, &id), ["volume_exceeded", "close"]);
+    let refusal = lab.wait_evidence("the refusal of /third", |v| {
+        v["reason"] == "volume_exceeded" && v["conn"] != id.as_str() && v["event"] == "decision"
+    });
     assert_eq!(refusal["rule"], "registry", "{refusal}");
     lab.upstream_settled();
     assert!(
         !lab.upstream_log().iter().any(|v| v["request_line"]
             .as_str()
-            .is_some_and(|l| l.contains("/second"))),
+            .is_some_and(|l| l.contains("/third"))),
         "the refused request reached the upstream"
     );
 }

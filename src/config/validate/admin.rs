@@ -2,8 +2,9 @@
 
 use super::values::Listeners;
 use crate::config::error::Errors;
-use crate::config::model::{AdminConfig, TokenDigest};
-use crate::config::raw::RawAdmin;
+use crate::config::model::{AdminConfig, ApproverToken, TokenDigest};
+use crate::config::raw::{RawAdmin, RawApprover};
+use toml::Spanned;
 
 pub(super) fn validate_admin(
     raw: RawAdmin,
@@ -13,6 +14,7 @@ pub(super) fn validate_admin(
     let RawAdmin {
         listen,
         tail_tokens,
+        approver_tokens,
     } = raw;
     let mut digests: Vec<TokenDigest> = Vec::new();
     for t in &tail_tokens {
@@ -31,7 +33,77 @@ pub(super) fn validate_admin(
     AdminConfig {
         listen: listen.and_then(|l| listeners.claim(&l, errors)),
         tail_tokens: digests,
+        approver_tokens: validate_approvers(approver_tokens, errors),
     }
+}
+
+/// `approver_tokens`: each `{ name, token, orgs }`, the token stored
+/// hashed, names and tokens listed once, `orgs` naming orgs (or `["*"]`).
+/// Whether the orgs exist is checked against `[[org]]` by the caller.
+fn validate_approvers(
+    raw: Vec<Spanned<RawApprover>>,
+    errors: &mut Errors<'_>,
+) -> Vec<ApproverToken> {
+    let mut out: Vec<ApproverToken> = Vec::new();
+    for entry in raw {
+        let RawApprover { name, token, orgs } = entry.into_inner();
+        let Some(digest) = TokenDigest::parse(token.get_ref().trim()) else {
+            errors.at(
+                token.span(),
+                "admin.approver_tokens: a token must be stored hashed as \"sha256:<64 hex digits>\", never plain (`palisade token new` prints one)",
+            );
+            continue;
+        };
+        let n = name.get_ref().trim().to_string();
+        if n.is_empty()
+            || n.len() > 64
+            || !n
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.@".contains(c))
+        {
+            errors.at(
+                name.span(),
+                format!("admin.approver_tokens: invalid name {n:?} (use 1-64 of a-z, A-Z, 0-9, '-', '_', '.', '@')"),
+            );
+            continue;
+        }
+        if out.iter().any(|a| a.name == n) {
+            errors.at(
+                name.span(),
+                format!("admin.approver_tokens: name {n:?} listed twice"),
+            );
+            continue;
+        }
+        if out.iter().any(|a| a.digest == digest) {
+            errors.at(token.span(), "admin.approver_tokens: token listed twice");
+            continue;
+        }
+        let names: Vec<String> = orgs.get_ref().iter().map(|o| o.get_ref().clone()).collect();
+        let orgs = if names.is_empty() {
+            errors.at(
+                orgs.span(),
+                "admin.approver_tokens: orgs is empty (name the orgs this token answers for, or [\"*\"] for every org)",
+            );
+            continue;
+        } else if names.iter().any(|o| o == "*") {
+            if names.len() > 1 {
+                errors.at(
+                    orgs.span(),
+                    "admin.approver_tokens: \"*\" stands alone in orgs",
+                );
+                continue;
+            }
+            None
+        } else {
+            Some(names)
+        };
+        out.push(ApproverToken {
+            name: n,
+            digest,
+            orgs,
+        });
+    }
+    out
 }
 
 #[cfg(test)]

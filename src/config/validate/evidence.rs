@@ -8,10 +8,10 @@ use toml::Spanned;
 use super::values::{count, duration, path};
 use crate::config::error::Errors;
 use crate::config::model::{
-    capacity, replica_problem, Durability, EvidenceConfig, MinFree, DEFAULT_EVIDENCE_DIR,
-    MIN_RETAIN_MIN_AGE, WORST_BYTES_PER_RECORD,
+    capacity, replica_problem, Durability, EvidenceConfig, MinFree, WitnessConfig,
+    DEFAULT_EVIDENCE_DIR, MIN_RETAIN_MIN_AGE, WORST_BYTES_PER_RECORD,
 };
-use crate::config::raw::{RawEvidence, RawSize};
+use crate::config::raw::{RawEvidence, RawSize, RawWitness};
 
 /// `[evidence]`; `default_budget` is what `max_records_per_second_per_org`
 /// is when unset (derived from the proxy's and the DNS shim's rates).
@@ -34,6 +34,7 @@ pub(super) fn validate_evidence(
         min_free,
         max_records_per_second_per_org,
         replica,
+        witnesses,
     } = raw;
     let dir = path(
         dir,
@@ -43,21 +44,7 @@ pub(super) fn validate_evidence(
     );
     let d = EvidenceConfig::for_dir(&dir);
     let key = path(key, d.key, "evidence key", errors);
-    let durability = match durability {
-        None => d.durability,
-        Some(v) => match v.get_ref().as_str() {
-            "os" => Durability::Os,
-            "fsync" => Durability::Fsync,
-            "discard" => Durability::Discard,
-            other => {
-                errors.at(
-                    v.span(),
-                    format!("durability {other:?} must be \"os\", \"fsync\" or \"discard\""),
-                );
-                Durability::Os
-            }
-        },
-    };
+    let durability = durability.map_or(d.durability, |v| durability_of(&v, errors));
     let checkpoint_every = count(checkpoint_every, d.checkpoint_every as usize, errors) as u64;
     let checkpoint_interval = duration(checkpoint_interval, d.checkpoint_interval, errors);
     let rotate_size = size(rotate_size, errors).unwrap_or(d.rotate_size);
@@ -75,43 +62,13 @@ pub(super) fn validate_evidence(
     });
     let raw_age_span = retain_age.as_ref().map(Spanned::span);
     let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
-    let retain_min_age = match retain_min_age {
-        None => d.retain_min_age.min(retain_age.unwrap_or(Duration::MAX)),
-        Some(v) => {
-            let age = duration(Some(v.clone()), d.retain_min_age, errors);
-            let shown = v.get_ref();
-            if age < MIN_RETAIN_MIN_AGE {
-                errors.at(
-                    v.span(),
-                    format!(
-                        "retain_min_age {shown:?} is below {}, the least time a shipper is given to copy a closed segment",
-                        humantime::format_duration(MIN_RETAIN_MIN_AGE)
-                    ),
-                );
-            } else if let Some(max) = retain_age.filter(|max| age > *max) {
-                errors.at(
-                    v.span(),
-                    format!(
-                        "retain_min_age {shown:?} exceeds retain_age ({}): age-based retention would remove segments the floor keeps",
-                        humantime::format_duration(max)
-                    ),
-                );
-            }
-            age
-        }
-    };
-    if retain_min_age < MIN_RETAIN_MIN_AGE {
-        // Unset, under a retain_age shorter than the least floor.
-        if let Some(age) = &raw_age_span {
-            errors.at(
-                age.clone(),
-                format!(
-                    "retain_age must be at least {} (the least retain_min_age)",
-                    humantime::format_duration(MIN_RETAIN_MIN_AGE)
-                ),
-            );
-        }
-    }
+    let retain_min_age = retain_floor(
+        retain_min_age,
+        retain_age,
+        raw_age_span,
+        d.retain_min_age,
+        errors,
+    );
     let min_free = min_free.map_or(d.min_free, |v| free(v, errors).unwrap_or(d.min_free));
     let replica = match replica {
         None => d.replica,
@@ -140,7 +97,119 @@ pub(super) fn validate_evidence(
             errors,
         ),
         replica,
+        witnesses: witnesses
+            .into_iter()
+            .filter_map(|w| witness(w.into_inner(), errors))
+            .collect(),
     }
+}
+
+/// `durability`: `"os"`, `"fsync"` or `"discard"`.
+fn durability_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> Durability {
+    match v.get_ref().as_str() {
+        "os" => Durability::Os,
+        "fsync" => Durability::Fsync,
+        "discard" => Durability::Discard,
+        other => {
+            errors.at(
+                v.span(),
+                format!("durability {other:?} must be \"os\", \"fsync\" or \"discard\""),
+            );
+            Durability::Os
+        }
+    }
+}
+
+/// `retain_min_age`, the floor under age and size retention: at least
+/// `MIN_RETAIN_MIN_AGE` and at most `retain_age`; unset, the default
+/// floor or `retain_age` if shorter (which must then be at least
+/// `MIN_RETAIN_MIN_AGE` itself, `age_span` naming it).
+fn retain_floor(
+    retain_min_age: Option<Spanned<String>>,
+    retain_age: Option<Duration>,
+    age_span: Option<std::ops::Range<usize>>,
+    default: Duration,
+    errors: &mut Errors<'_>,
+) -> Duration {
+    let retain_min_age = match retain_min_age {
+        None => default.min(retain_age.unwrap_or(Duration::MAX)),
+        Some(v) => {
+            let age = duration(Some(v.clone()), default, errors);
+            let shown = v.get_ref();
+            if age < MIN_RETAIN_MIN_AGE {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} is below {}, the least time a shipper is given to copy a closed segment",
+                        humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                    ),
+                );
+            } else if let Some(max) = retain_age.filter(|max| age > *max) {
+                errors.at(
+                    v.span(),
+                    format!(
+                        "retain_min_age {shown:?} exceeds retain_age ({}): age-based retention would remove segments the floor keeps",
+                        humantime::format_duration(max)
+                    ),
+                );
+            }
+            age
+        }
+    };
+    if retain_min_age < MIN_RETAIN_MIN_AGE {
+        // Unset, under a retain_age shorter than the least floor.
+        if let Some(age) = &age_span {
+            errors.at(
+                age.clone(),
+                format!(
+                    "retain_age must be at least {} (the least retain_min_age)",
+                    humantime::format_duration(MIN_RETAIN_MIN_AGE)
+                ),
+            );
+        }
+    }
+    retain_min_age
+}
+
+/// One `[evidence] witnesses` entry: an `http://` submission prefix and a
+/// witness verifier key.
+fn witness(raw: RawWitness, errors: &mut Errors<'_>) -> Option<WitnessConfig> {
+    let RawWitness { url, key } = raw;
+    let uri = match url.get_ref().parse::<http::Uri>() {
+        Ok(u) if u.scheme_str() == Some("http") && u.host().is_some() && u.query().is_none() => {
+            Some(u)
+        }
+        Ok(u) if u.scheme_str() == Some("https") => {
+            errors.at(
+                url.span(),
+                format!(
+                    "witness url {:?}: https is not supported yet; reach the witness over http:// (a cosignature is verified with its key, whatever carried it)",
+                    url.get_ref()
+                ),
+            );
+            None
+        }
+        _ => {
+            errors.at(
+                url.span(),
+                format!(
+                    "witness url {:?} must be http://HOST[:PORT][/PATH] (the witness's submission prefix)",
+                    url.get_ref()
+                ),
+            );
+            None
+        }
+    };
+    if let Err(e) =
+        crate::proto::vkey::Vkey::parse(key.get_ref(), crate::proto::vkey::COSIGNATURE_V1)
+    {
+        errors.at(key.span(), format!("witness key {:?} {e}", key.get_ref()));
+        return None;
+    }
+    Some(WitnessConfig {
+        url: uri?,
+        key: key.into_inner(),
+    })
 }
 
 /// `min_free`: a byte size, or a percentage of the file system (`"5%"`).
@@ -276,9 +345,12 @@ mod tests {
             "{BASE}[evidence]\ndir = \"/e\"\ndurability = \"fsync\"\ncheckpoint_every = 10\n\
              checkpoint_interval = \"250ms\"\nrotate_size = \"1MiB\"\nretain_size = 4194304\nretain_age = \"7days\"\n\
              retain_min_age = \"2m\"\nmin_free = \"2%\"\nmax_records_per_second_per_org = 5\n\
-             replica = \"eu-1.a_B\"\n"
+             replica = \"eu-1.a_B\"\n\
+             witnesses = [{{ url = \"http://198.18.2.2:8099/w\", key = \"w.test/w1+a9894ebf+BOpKbGPinFIKvvVQexMuxfmVR3auvr57kkIe6mkURtIs\" }}]\n"
         );
         let c = parse(&src).unwrap().evidence;
+        assert_eq!(c.witnesses.len(), 1);
+        assert_eq!(c.witnesses[0].url.path(), "/w");
         assert_eq!(c.key, PathBuf::from("/e.key"));
         assert_eq!(c.durability, Durability::Fsync);
         assert_eq!(c.checkpoint_every, 10);
@@ -320,6 +392,26 @@ mod tests {
             ("replica = \"\"", "replica \"\" must not be empty"),
             ("replica = \"a b\"", "replica \"a b\" may hold only"),
             ("replica = \"r/1\"", "may hold only"),
+            (
+                "witnesses = [{ url = \"https://w.test\", key = \"w+00000000+AA==\" }]",
+                "https is not supported yet",
+            ),
+            (
+                "witnesses = [{ url = \"ftp://w.test\", key = \"w+00000000+AA==\" }]",
+                "must be http://HOST",
+            ),
+            (
+                "witnesses = [{ url = \"http://w.test\", key = \"w.test/w1+00000000+BOpKbGPinFIKvvVQexMuxfmVR3auvr57kkIe6mkURtIs\" }]",
+                "key ID \"00000000\" is not the one",
+            ),
+            (
+                "witnesses = [{ url = \"http://w.test\", key = \"palisade/gw-a+efac922a+AepKbGPinFIKvvVQexMuxfmVR3auvr57kkIe6mkURtIs\" }]",
+                "type 0x04",
+            ),
+            (
+                "witnesses = [{ url = \"http://w.test\", key = \"k\", extra = 1 }]",
+                "unknown field",
+            ),
             (
                 format!("replica = \"{}\"", "r".repeat(64)).as_str(),
                 "at most 63",

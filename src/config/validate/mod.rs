@@ -14,6 +14,7 @@ mod admin;
 mod baseline;
 mod bypass;
 mod credentials;
+mod decider;
 mod dns;
 mod enforcement;
 mod evidence;
@@ -50,6 +51,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         policy,
         enforcement,
         otel,
+        decider,
         org,
     } = raw;
 
@@ -68,6 +70,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let bypass = validate_bypass(bypass, errors);
     let enforcement = validate_enforcement(enforcement, errors);
     let otel = otel.and_then(|o| otel::validate_otel(o, errors));
+    let decider = decider.and_then(|d| decider::validate_decider(d, errors));
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
     let super::raw::RawPolicy { baseline } = policy;
     let baseline = baseline.and_then(|b| baseline::load_baseline(&b, path, errors));
@@ -87,6 +90,7 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
         policy: super::model::PolicyConfig { baseline },
         enforcement,
         otel,
+        decider,
         orgs,
     };
     dns::check_pools(&config, &pool_spans, errors);

@@ -13,7 +13,8 @@ use super::values::cidr;
 use super::volume::volume;
 use crate::config::error::Errors;
 use crate::config::model::{
-    Baseline, DnsAnswers, DnsDenied, Identity, OrgConfig, OrgMode, TokenDigest, DNS_NEVER_TYPES,
+    Baseline, DnsAnswers, DnsDenied, Identity, OnMiss, OrgConfig, OrgMode, TokenDigest,
+    DNS_NEVER_TYPES,
 };
 use crate::config::raw::RawOrg;
 
@@ -54,6 +55,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credential,
@@ -63,19 +65,7 @@ pub(super) fn validate_orgs(
         } = org;
         let volume = volume((max_bytes_up, max_bytes_down, volume_window), None, errors);
         let org_name = name.get_ref().clone();
-        if !valid_org_name(&org_name) {
-            errors.at(
-                name.span(),
-                format!("invalid org name {org_name:?} (use 1-64 of a-z, 0-9, '-', '_')"),
-            );
-        } else if org_name == "unknown" {
-            errors.at(
-                name.span(),
-                "org name \"unknown\" is reserved for clients that match no org",
-            );
-        } else if !names.insert(org_name.clone()) {
-            errors.at(name.span(), format!("org {org_name:?} is defined twice"));
-        }
+        check_org_name(&name, &mut names, errors);
 
         let identity_span = identity.as_ref().map_or(name.span(), |i| i.span());
         let identity = validate_identity(identity.as_ref(), errors);
@@ -119,60 +109,13 @@ pub(super) fn validate_orgs(
 
         let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, baseline, errors);
         let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, None, errors);
-        let dns_denied = match dns_denied {
-            None => DnsDenied::default(),
-            Some(v) => {
-                match v.get_ref().as_str() {
-                    "refused" => DnsDenied::Refused,
-                    "nxdomain" => DnsDenied::Nxdomain,
-                    other => {
-                        errors.at(
-                        v.span(),
-                        format!("invalid dns_denied {other:?} (expected \"refused\" or \"nxdomain\")"),
-                    );
-                        DnsDenied::default()
-                    }
-                }
-            }
-        };
+        let dns_denied = dns_denied.map_or_else(DnsDenied::default, |v| dns_denied_of(&v, errors));
         let dns_types = validate_dns_types(&dns_types, errors);
-        let dns_answers = match dns_answers {
-            None => DnsAnswers::default(),
-            Some(v) => match v.get_ref().as_str() {
-                "resolved" => DnsAnswers::Resolved,
-                "synthetic" if pools_set => DnsAnswers::Synthetic,
-                "synthetic" => {
-                    errors.at(
-                        v.span(),
-                        "dns_answers = \"synthetic\" needs [dns] synthetic_pool or synthetic_pool_v6",
-                    );
-                    DnsAnswers::default()
-                }
-                other => {
-                    errors.at(
-                        v.span(),
-                        format!(
-                            "invalid dns_answers {other:?} (expected \"resolved\" or \"synthetic\")"
-                        ),
-                    );
-                    DnsAnswers::default()
-                }
-            },
-        };
-        let mode = match mode {
-            None => OrgMode::default(),
-            Some(v) => match v.get_ref().as_str() {
-                "enforce" => OrgMode::Enforce,
-                "report" => OrgMode::Report,
-                other => {
-                    errors.at(
-                        v.span(),
-                        format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
-                    );
-                    OrgMode::default()
-                }
-            },
-        };
+        let dns_answers = dns_answers.map_or_else(DnsAnswers::default, |v| {
+            dns_answers_of(&v, pools_set, errors)
+        });
+        let mode = mode.map_or_else(OrgMode::default, |v| mode_of(&v, errors));
+        let on_miss = on_miss.map_or_else(OnMiss::default, |v| on_miss_of(&v, errors));
         let credentials =
             validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
@@ -184,6 +127,7 @@ pub(super) fn validate_orgs(
             dns_types,
             dns_answers,
             mode,
+            on_miss,
             identity,
             tokens,
             credentials,
@@ -191,6 +135,90 @@ pub(super) fn validate_orgs(
         });
     }
     orgs
+}
+
+/// An org's name: valid, not the reserved `unknown`, not used twice.
+fn check_org_name(name: &Spanned<String>, names: &mut HashSet<String>, errors: &mut Errors<'_>) {
+    let org_name = name.get_ref();
+    if !valid_org_name(org_name) {
+        errors.at(
+            name.span(),
+            format!("invalid org name {org_name:?} (use 1-64 of a-z, 0-9, '-', '_')"),
+        );
+    } else if org_name == "unknown" {
+        errors.at(
+            name.span(),
+            "org name \"unknown\" is reserved for clients that match no org",
+        );
+    } else if !names.insert(org_name.clone()) {
+        errors.at(name.span(), format!("org {org_name:?} is defined twice"));
+    }
+}
+
+/// `dns_denied`: `"refused"` or `"nxdomain"`.
+fn dns_denied_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> DnsDenied {
+    match v.get_ref().as_str() {
+        "refused" => DnsDenied::Refused,
+        "nxdomain" => DnsDenied::Nxdomain,
+        other => {
+            errors.at(
+                v.span(),
+                format!("invalid dns_denied {other:?} (expected \"refused\" or \"nxdomain\")"),
+            );
+            DnsDenied::default()
+        }
+    }
+}
+
+/// `dns_answers`: `"resolved"`, or `"synthetic"` where a pool is set.
+fn dns_answers_of(v: &Spanned<String>, pools_set: bool, errors: &mut Errors<'_>) -> DnsAnswers {
+    match v.get_ref().as_str() {
+        "resolved" => DnsAnswers::Resolved,
+        "synthetic" if pools_set => DnsAnswers::Synthetic,
+        "synthetic" => {
+            errors.at(
+                v.span(),
+                "dns_answers = \"synthetic\" needs [dns] synthetic_pool or synthetic_pool_v6",
+            );
+            DnsAnswers::default()
+        }
+        other => {
+            errors.at(
+                v.span(),
+                format!("invalid dns_answers {other:?} (expected \"resolved\" or \"synthetic\")"),
+            );
+            DnsAnswers::default()
+        }
+    }
+}
+
+/// `mode`: `"enforce"` or `"report"`.
+fn mode_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OrgMode {
+    match v.get_ref().as_str() {
+        "enforce" => OrgMode::Enforce,
+        "report" => OrgMode::Report,
+        other => {
+            errors.at(
+                v.span(),
+                format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
+            );
+            OrgMode::default()
+        }
+    }
+}
+
+fn on_miss_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OnMiss {
+    match v.get_ref().as_str() {
+        "deny" => OnMiss::Deny,
+        "ask" => OnMiss::Ask,
+        other => {
+            errors.at(
+                v.span(),
+                format!("invalid on_miss {other:?} (expected \"deny\" or \"ask\")"),
+            );
+            OnMiss::default()
+        }
+    }
 }
 
 fn validate_identity(raw: Option<&Spanned<String>>, errors: &mut Errors<'_>) -> Identity {

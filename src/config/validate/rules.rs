@@ -216,6 +216,11 @@ pub(super) fn validate_rules(
                 let text = id.get_ref().trim().to_string();
                 if !valid_rule_id(&text) {
                     errors.at(id.span(), format!("invalid rule id {text:?}"));
+                } else if text.starts_with(crate::config::GRANT_RULE_PREFIX) {
+                    errors.at(
+                        id.span(),
+                        format!("rule id {text:?}: ids starting with \"grant:\" name grants"),
+                    );
                 }
                 if !ids.insert(text.clone()) {
                     errors.at(id.span(), format!("rule id {text:?} is used twice"));

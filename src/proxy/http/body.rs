@@ -5,6 +5,13 @@
 //! end (not on an error, not when dropped early): a pooled upstream
 //! connection goes back from there.
 //!
+//! A metered body may also spend from its exchange's volume budgets as
+//! it relays ([`Metered::charging`]): each frame is charged before it
+//! goes on, and past the budget the frame is cut to what is left and the
+//! body ends with an error (the exchange is cut, never taken as whole),
+//! the watch cancelled so that the other direction stops too. Any relay
+//! that moves a body through [`Metered`] inherits this.
+//!
 //! A body that stops with an error once told ([`Stopped`]): a unit a
 //! reload revokes ends so.
 
@@ -19,6 +26,8 @@ use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use crate::limits::volume::Direction;
+use crate::proxy::tunnel::Watch;
 use crate::serve::http::BodyError;
 
 /// Called once with the bytes counted.
@@ -35,6 +44,10 @@ pub(crate) struct Metered<B> {
     on_complete: Option<OnComplete>,
     /// `inner` said it is at its end (a reader may stop polling then).
     at_end: bool,
+    /// The volume budgets it spends from, and which way it goes.
+    charging: Option<(Arc<Watch>, Direction)>,
+    /// Cut at its budget: the next poll ends it with an error.
+    cut: bool,
 }
 
 impl<B> Metered<B> {
@@ -46,6 +59,8 @@ impl<B> Metered<B> {
             on_finish: None,
             on_complete: None,
             at_end: false,
+            charging: None,
+            cut: false,
         }
     }
 
@@ -57,6 +72,8 @@ impl<B> Metered<B> {
             on_finish: Some(on_finish),
             on_complete: None,
             at_end: false,
+            charging: None,
+            cut: false,
         }
     }
 
@@ -69,6 +86,34 @@ impl<B> Metered<B> {
         self.at_end = self.inner.is_end_stream();
         self.on_complete = Some(on_complete);
         self
+    }
+
+    /// Charge every frame to `watch`'s budgets as it goes `direction`
+    /// (see the module's notes).
+    pub(crate) fn charging(mut self, watch: Arc<Watch>, direction: Direction) -> Self {
+        self.charging = Some((watch, direction));
+        self
+    }
+
+    /// `data` about to go on: what the budgets let through of it (cut
+    /// to that); `false` when none of it may go.
+    fn charge(&mut self, data: &mut Bytes) -> bool {
+        let Some((watch, direction)) = &self.charging else {
+            return true;
+        };
+        let asked = data.len() as u64;
+        let granted = watch.take(*direction, asked);
+        if granted < asked {
+            self.cut = true;
+            data.truncate(usize::try_from(granted).unwrap_or(usize::MAX));
+        }
+        granted > 0 || asked == 0
+    }
+
+    /// Cut at the budget: finished; the error to end with.
+    fn cut_off(&mut self) -> BodyError {
+        self.finish(false);
+        VOLUME_SPENT.into()
     }
 
     fn finish(&mut self, complete: bool) {
@@ -95,38 +140,53 @@ impl<B> Drop for Metered<B> {
 impl<B> Body for Metered<B>
 where
     B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BodyError>,
 {
     type Data = Bytes;
-    type Error = B::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
+        if this.cut {
+            return Poll::Ready(Some(Err(this.cut_off())));
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(mut frame))) => {
+                if let Some(data) = frame.data_mut() {
+                    if !this.charge(data) {
+                        return Poll::Ready(Some(Err(this.cut_off())));
+                    }
                     this.count.fetch_add(data.len() as u64, Ordering::Relaxed);
                 }
-                this.at_end = this.inner.is_end_stream();
+                this.at_end = this.is_end_stream();
+                Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(None) => this.finish(true),
-            Poll::Ready(Some(Err(_))) => this.finish(false),
-            Poll::Pending => {}
+            Poll::Ready(None) => {
+                this.finish(true);
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.finish(false);
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Pending => Poll::Pending,
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        !self.cut && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
     }
 }
+
+/// The error of a body cut at its volume budget.
+const VOLUME_SPENT: &str = "volume budget spent";
 
 /// `inner` until `stop` is cancelled, then an error: the exchange ends
 /// without a clean end of body (HTTP/1.1 cuts the connection, HTTP/2
@@ -205,6 +265,69 @@ mod tests {
         let body = Metered::new(Full::new(Bytes::from_static(b"abc")), shared.clone());
         body.collect().await.unwrap();
         assert_eq!(shared.load(Ordering::Relaxed), 3);
+    }
+
+    /// A body of `frames`, one a poll.
+    fn frames(frames: &[&'static [u8]]) -> crate::serve::http::Body {
+        let (mut tx, body) = crate::serve::http::channel(frames.len().max(1));
+        for f in frames {
+            tx.try_send(Frame::data(Bytes::from_static(f))).unwrap();
+        }
+        body
+    }
+
+    #[tokio::test]
+    async fn a_charged_body_is_cut_to_its_budget_and_ends_in_an_error() {
+        use crate::config::Volume;
+        use crate::limits::volume::{Scope, Volumes, MAX_METERS};
+        let volumes = Volumes::new(std::time::Instant::now(), MAX_METERS, None);
+        let budget = Volume {
+            up: Some(5),
+            down: None,
+            window: std::time::Duration::from_secs(60),
+        };
+        let admit = |rule: &str| {
+            volumes
+                .admit(
+                    &Arc::from("acme"),
+                    &Arc::from(rule),
+                    (Some(budget), None),
+                    std::time::Instant::now(),
+                )
+                .unwrap()
+                .unwrap()
+        };
+        let cut = CancellationToken::new();
+        let watch = Arc::new(Watch::new(admit("gh"), Some(cut.clone())));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let hook = seen.clone();
+        let mut body = Metered::on_finish(
+            frames(&[b"abc", b"def", b"ghi"]),
+            Box::new(move |n| hook.lock().unwrap().push(n)),
+        )
+        .charging(watch.clone(), Direction::Up);
+        let mut got = Vec::new();
+        let err = loop {
+            match body.frame().await {
+                Some(Ok(f)) => got.extend_from_slice(&f.into_data().unwrap()),
+                Some(Err(e)) => break e,
+                None => panic!("not cut"),
+            }
+        };
+        assert_eq!(got, b"abcde", "cut to what the budget had left");
+        assert_eq!(err.to_string(), VOLUME_SPENT);
+        assert!(cut.is_cancelled(), "the other direction stops too");
+        assert_eq!(
+            watch.crossed(),
+            Some((Scope::Rule(Arc::from("gh")), Direction::Up))
+        );
+        assert_eq!(*seen.lock().unwrap(), vec![5]);
+        // Report mode (no cut): everything goes, the crossing noted.
+        let report = Arc::new(Watch::new(admit("pkg"), None));
+        let body = Metered::new(frames(&[b"abcdef"]), Arc::default())
+            .charging(report.clone(), Direction::Up);
+        assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abcdef");
+        assert!(report.crossed().is_some() && !report.is_cut());
     }
 
     /// A body with one frame that is not at its end until polled once more.

@@ -8,7 +8,7 @@
 //! - [`client`]: the upstream side, HTTP/1.1 or HTTP/2.
 //! - [`strip_hop_by_hop`]: headers that never cross the proxy.
 //! - [`body::Metered`]: a body that counts its bytes and reports once at
-//!   its end.
+//!   its end, and may spend its exchange's volume budgets as it goes.
 //! - [`replay::Replay`]: a stream that gives back bytes already read (a
 //!   ClientHello held for the decision) before reading the socket.
 //! - [`wire`]: each HTTP/1.1 request's bytes as received.
@@ -65,6 +65,23 @@ const HOP_BY_HOP: [&str; 9] = [
     "transfer-encoding",
     "upgrade",
 ];
+
+/// Bytes of `headers` as sent (`name: value` lines, give or take
+/// whitespace), with the blank line that ends a head.
+pub(crate) fn headers_len(headers: &HeaderMap) -> u64 {
+    let lines: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len() + 4)
+        .sum();
+    lines as u64 + 2
+}
+
+/// A request head's bytes as sent (give or take whitespace): the request
+/// line and the headers.
+pub(crate) fn request_head_len(method: &http::Method, uri: &http::Uri, headers: &HeaderMap) -> u64 {
+    let line = method.as_str().len() + uri.to_string().len() + 12;
+    line as u64 + headers_len(headers)
+}
 
 /// Remove the hop-by-hop headers, and those `Connection` names.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {

@@ -38,16 +38,19 @@ use tokio_util::task::TaskTracker;
 use tracing::debug;
 
 use crate::config::CredentialConfig;
+use crate::intercept::Credential;
+use crate::limits::volume::Direction;
 use crate::policy::request::{RequestDecision, RequestFacts};
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
+use crate::proto::http_request::NormalPath;
 use crate::proto::target::{parse_authority, Host};
 use crate::proxy::admission;
 use crate::proxy::conn::{Asked, Conn, Intercepting};
 use crate::proxy::ctx::{Ctx, View};
 use crate::proxy::dial::{dial_checked, DialError};
 use crate::proxy::failure::Unserved;
-use crate::proxy::forward::Exchange;
-use crate::proxy::http::body::{Metered, Stopped};
+use crate::proxy::forward::{Budgets, Exchange};
+use crate::proxy::http::body::Metered;
 use crate::proxy::http::client::{self, InOrder, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
@@ -566,6 +569,11 @@ async fn drain(mut body: Incoming) {
     .await;
 }
 
+/// One request inside, step by step: decided ([`decide`]), read as far
+/// as the rule's service rules need ([`service_check`]), admitted
+/// (evidence, the org's evidence and volume budgets), its credentials
+/// added ([`add_credentials`]); then relayed as a WebSocket handshake
+/// ([`websocket_handshake`]) or sent ([`send`]).
 async fn decide_and_send(
     shared: &Arc<Shared>,
     mut parts: http::request::Parts,
@@ -573,13 +581,81 @@ async fn decide_and_send(
 ) -> Response<Body> {
     let started = Instant::now();
     let s = &shared.session;
+    let (mut req, allowed) = match decide(shared, &parts).await {
+        Ok(d) => d,
+        Err(refusal) => return refusal,
+    };
+    let read_ahead = match service_check(shared, &allowed, &parts, body, &mut req).await {
+        Ok(head) => head,
+        Err(refusal) => return refusal,
+    };
+    // Evidence writable, the org's evidence budget paid, its volume
+    // budgets not spent: else refused.
+    if !admission::admit(&s.ctx, &mut req) {
+        let detail = req.detail.take();
+        return refused_as(shared, req, detail.as_deref()).await;
+    }
+
+    // Build the upstream request.
+    let upgrade = upgrade_of(&parts);
+    strip_hop_by_hop(&mut parts.headers);
+    if let Err(why) = add_credentials(&mut parts.headers, &allowed.credentials, &mut req) {
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, why).await;
+    }
+    // The path the rules matched, never the raw one; the query as received.
+    let path_and_query = match parts.uri.query() {
+        Some(q) => format!("{}?{q}", allowed.path.as_str()),
+        None => allowed.path.as_str().to_string(),
+    };
+    let authority = if s.conn.port == 443 {
+        s.name.clone()
+    } else {
+        format!("{}:{}", s.name, s.conn.port)
+    };
+    let target = (path_and_query.as_str(), authority.as_str());
+
+    if upgrade == Upgrade::WebSocket {
+        // Its body (none, or the HTTP/2 stream) goes with the upgrade.
+        body.take();
+        if let Some(asked) = req.asked.as_mut() {
+            asked.websocket = true;
+        }
+        return websocket_handshake(shared, parts, req, target, started).await;
+    }
+    let Some(client_body) = body.take() else {
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, "request body gone").await;
+    };
+    let client_body = Prefixed::new(read_ahead, client_body);
+    send(shared, (parts, client_body), req, target, started).await
+}
+
+/// A request the policy allowed: under which state and rule, its path as
+/// normalised (what the rules matched and what is forwarded), and the
+/// credentials to add, in order.
+struct Allowed {
+    view: View,
+    how: Intercepting,
+    path: NormalPath,
+    credentials: Vec<Arc<Credential>>,
+}
+
+/// Decide the request under the policy served now: the request as it
+/// will be recorded, and what was allowed; or the answer to a refusal
+/// (recorded).
+async fn decide(
+    shared: &Arc<Shared>,
+    parts: &http::request::Parts,
+) -> Result<(Conn, Allowed), Response<Body>> {
+    let s = &shared.session;
     let raw_path = parts.uri.path().to_string();
     let (view, how) = match s.current() {
         Ok(current) => current,
         Err(detail) => {
             let mut req = s.request((&s.conn.view, &s.how), &parts.method, &raw_path);
             req.refuse(Reason::PolicyRevoked, None);
-            return refused(shared, req, &detail).await;
+            return Err(refused(shared, req, &detail).await);
         }
     };
     let mut req = s.request((&view, &how), &parts.method, &raw_path);
@@ -589,7 +665,7 @@ async fn decide_and_send(
         &how.org,
         &how.rule,
         (&s.name, s.conn.port),
-        &parts,
+        parts,
         creds.iter().map(|c| &c.config),
     );
     // The verdict on record is the request's own (a refusal by the rule's
@@ -600,94 +676,104 @@ async fn decide_and_send(
         req.path = Some(recorded_path(p.as_str()));
         req.detail = Some(format!("path normalised from {}", recorded_path(&raw_path)));
     }
-    let (true, Some(path)) = (decision.is_allow(), &decision.path) else {
+    let (true, Some(path)) = (decision.is_allow(), decision.path) else {
         let detail = decision.detail.as_deref().unwrap_or("refused");
-        return refused(shared, req, detail).await;
+        return Err(refused(shared, req, detail).await);
     };
-    // Service rules: what the request is to its protocol, its body read as
-    // far as that needs, before any credential or byte goes upstream.
-    let rules = view.policy.intercept_rules(&how.org, &how.rule);
-    let read_ahead = match rules.as_deref().and_then(|r| r.service.as_ref()) {
-        None => bytes::Bytes::new(),
-        Some(service) => {
-            let timeout = s.ctx.limits.response_timeout.get();
-            match super::service::decide(service, &parts, path, body.as_mut(), timeout).await {
-                Outcome::Pass(facts, head) => {
-                    req.service = facts.map(Box::new);
-                    head
-                }
-                Outcome::Refuse(why, facts) => {
-                    req.service = facts.map(Box::new);
-                    req.verdict.reason = Reason::ServiceDenied;
-                    return refused(shared, req, &why).await;
-                }
-            }
-        }
+    let credentials = decision
+        .credentials
+        .iter()
+        .filter_map(|&i| creds.get(i).cloned())
+        .collect();
+    let allowed = Allowed {
+        view,
+        how,
+        path,
+        credentials,
     };
-    // Evidence writable, the org's evidence budget paid: else refused.
-    if !admission::admit(&s.ctx, &mut req) {
-        let detail = req.detail.take();
-        return refused_as(shared, req, detail.as_deref()).await;
-    }
+    Ok((req, allowed))
+}
 
-    // Build the upstream request.
-    let upgrade = upgrade_of(&parts);
-    strip_hop_by_hop(&mut parts.headers);
+/// Service rules: what the request is to its protocol, its body read as
+/// far as that needs, before any credential or byte goes upstream. The
+/// bytes read ahead (sent before the rest of the body), or the answer to
+/// a refusal (recorded).
+async fn service_check(
+    shared: &Arc<Shared>,
+    allowed: &Allowed,
+    parts: &http::request::Parts,
+    body: &mut Option<Incoming>,
+    req: &mut Conn,
+) -> Result<bytes::Bytes, Response<Body>> {
+    let s = &shared.session;
+    let rules = allowed
+        .view
+        .policy
+        .intercept_rules(&allowed.how.org, &allowed.how.rule);
+    let Some(service) = rules.as_deref().and_then(|r| r.service.as_ref()) else {
+        return Ok(bytes::Bytes::new());
+    };
+    let timeout = s.ctx.limits.response_timeout.get();
+    match super::service::decide(service, parts, &allowed.path, body.as_mut(), timeout).await {
+        Outcome::Pass(facts, head) => {
+            req.service = facts.map(Box::new);
+            Ok(head)
+        }
+        Outcome::Refuse(why, facts) => {
+            req.service = facts.map(Box::new);
+            req.verdict.reason = Reason::ServiceDenied;
+            Err(refused(shared, req.clone(), &why).await)
+        }
+    }
+}
+
+/// Put `credentials` in `headers` (whatever the client sent under their
+/// names goes, every copy), named on the request's record; why not, if
+/// one cannot be used.
+fn add_credentials(
+    headers: &mut http::HeaderMap,
+    credentials: &[Arc<Credential>],
+    req: &mut Conn,
+) -> Result<(), &'static str> {
     let mut used = Vec::new();
-    for c in decision.credentials.iter().filter_map(|&i| creds.get(i)) {
+    for c in credentials {
         let Ok(name) = HeaderName::from_bytes(c.config.header.as_bytes()) else {
             continue;
         };
-        // Whatever the client sent under this name goes, every copy.
-        parts.headers.remove(&name);
+        headers.remove(&name);
         match c.value() {
             Some(v) => {
-                parts.headers.insert(name, v);
+                headers.insert(name, v);
                 used.push(c.config.id.clone());
             }
-            None => {
-                req.deny(Reason::BadRequest, None);
-                return refused(shared, req, "credential unusable").await;
-            }
+            None => return Err("credential unusable"),
         }
     }
     if !used.is_empty() {
         req.credential = Some(used.join(","));
     }
-    // The path the rules matched, never the raw one; the query as received.
-    let path_and_query = match parts.uri.query() {
-        Some(q) => format!("{path}?{q}"),
-        None => path.to_string(),
-    };
-    let authority = if s.conn.port == 443 {
-        s.name.clone()
-    } else {
-        format!("{}:{}", s.name, s.conn.port)
-    };
+    Ok(())
+}
 
-    if upgrade == Upgrade::WebSocket {
-        // Its body (none, or the HTTP/2 stream) goes with the upgrade.
-        body.take();
-        if let Some(asked) = req.asked.as_mut() {
-            asked.websocket = true;
-        }
-        let target = (path_and_query.as_str(), authority.as_str());
-        return websocket_handshake(shared, parts, req, target, started).await;
-    }
-
-    // Evidence before any byte of this request reaches the upstream. The
-    // upstream connection (and its TLS) is set up after the connection's
-    // own `tcp` record, which is already written.
+/// Send an allowed request (credentials added) to `target` (path and
+/// query, authority) over the connection's upstream: evidence before any
+/// byte of it reaches the upstream (the upstream connection and its TLS
+/// are set up after the connection's own `tcp` record, already written);
+/// its bodies spend from its volume budgets as they relay, cut at the
+/// budget; the response relayed, its close record written at its end.
+async fn send(
+    shared: &Arc<Shared>,
+    (mut parts, client_body): (http::request::Parts, Prefixed),
+    mut req: Conn,
+    target: (&str, &str),
+    started: Instant,
+) -> Response<Body> {
+    let s = &shared.session;
     let up_count = Arc::new(AtomicU64::new(0));
-    let Some(client_body) = body.take() else {
-        req.deny(Reason::BadRequest, None);
-        return refused(shared, req, "request body gone").await;
-    };
-    let client_body = Prefixed::new(read_ahead, client_body);
     // An HTTP/1.1 upstream connection carries the next request only if
     // this one kept to order ([`InOrder`]).
     let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
-    let body = watch.gate(Metered::new(client_body, up_count.clone()).on_complete(body_sent));
+    let body = Metered::new(client_body, up_count.clone()).on_complete(body_sent);
     let h2_upstream = match shared.ready().await {
         Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
@@ -702,34 +788,13 @@ async fn decide_and_send(
         }
         Err(e) => return unreachable(shared, req, e.into()).await,
     };
-    let uri = if h2_upstream {
-        Uri::builder()
-            .scheme("https")
-            .authority(authority.as_str())
-            .path_and_query(path_and_query.as_str())
-            .build()
-    } else {
-        Uri::builder()
-            .path_and_query(path_and_query.as_str())
-            .build()
-    };
-    parts.uri = match uri {
-        Ok(u) => u,
-        Err(e) => {
-            req.deny(Reason::BadRequest, None);
-            return refused(shared, req, &e.to_string()).await;
-        }
-    };
-    if h2_upstream {
-        parts.headers.remove(header::HOST);
-        parts.version = Version::HTTP_2;
-    } else {
-        if let Ok(v) = HeaderValue::from_str(&authority) {
-            parts.headers.insert(header::HOST, v);
-        }
+    if let Err(e) = upstream_head(&mut parts, target, h2_upstream) {
+        req.deny(Reason::BadRequest, None);
+        return refused(shared, req, &e.to_string()).await;
+    }
+    if !h2_upstream {
         // A body: the upstream connection ends with this exchange.
         watch.ask_close(&mut parts.headers);
-        parts.version = Version::HTTP_11;
     }
     let mut record = req.record();
     if !s.ctx.write(&mut record).await {
@@ -740,9 +805,13 @@ async fn decide_and_send(
     req.owed = record.owed.take();
     count(shared, Reason::RuleMatch);
 
-    // Held to every policy a reload serves, its bodies both ways too.
+    // Held to every policy a reload serves, its bodies both ways too,
+    // which spend from its volume budgets as they go.
     let hold = revoke::hold(&s.ctx, &req, &record.id);
-    let body = Stopped::new(body, hold.stop().clone()).boxed();
+    let volume = Budgets::new(&req, hold.stop());
+    let head = layer::request_head_len(&parts.method, &parts.uri, &parts.headers);
+    let head_fits = volume.head(Direction::Up, head);
+    let body = volume.stopped(watch.gate(volume.body(body, Direction::Up)));
     let totals = shared.clone();
     let up = up_count.clone();
     let exchange = Exchange {
@@ -758,7 +827,11 @@ async fn decide_and_send(
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
         hold: Some(hold),
+        volume,
     };
+    if !head_fits {
+        return exchange.failed(NoResponse::NotSent("request head over the budget".into()));
+    }
     let timeout = s.ctx.limits.response_timeout.get();
     let sent = exchange.unless_revoked(async {
         match shared
@@ -791,6 +864,35 @@ async fn decide_and_send(
         }
         Err(e) => exchange.failed(e),
     }
+}
+
+/// The request head as the upstream gets it, to `target` (path and
+/// query, authority): HTTP/2 (an absolute URI, no Host) or HTTP/1.1
+/// (origin form, Host the authority).
+fn upstream_head(
+    parts: &mut http::request::Parts,
+    (path_and_query, authority): (&str, &str),
+    h2_upstream: bool,
+) -> Result<(), http::Error> {
+    parts.uri = if h2_upstream {
+        Uri::builder()
+            .scheme("https")
+            .authority(authority)
+            .path_and_query(path_and_query)
+            .build()?
+    } else {
+        Uri::builder().path_and_query(path_and_query).build()?
+    };
+    if h2_upstream {
+        parts.headers.remove(header::HOST);
+        parts.version = Version::HTTP_2;
+    } else {
+        if let Ok(v) = HeaderValue::from_str(authority) {
+            parts.headers.insert(header::HOST, v);
+        }
+        parts.version = Version::HTTP_11;
+    }
+    Ok(())
 }
 
 /// An allowed WebSocket handshake (credentials added to `parts`): record
@@ -848,8 +950,10 @@ async fn websocket_handshake(
             totals.up.fetch_add(up, Ordering::Relaxed);
             totals.down.fetch_add(down, Ordering::Relaxed);
         })),
-        // Held with its relay ([`websocket::relay`]).
+        // Held with its relay ([`websocket::relay`]), which spends its
+        // volume budgets.
         hold: None,
+        volume: Budgets::default(),
     };
     let fresh = shared.upstream.lock().await.fresh.take();
     let tls = match shared.tls(fresh, true).await {

@@ -1,0 +1,610 @@
+//! The shared state of just-in-time access: approvals and grants behind
+//! one lock, the grant records written as grants are given and end, their
+//! replay at start, and each grant's end signal that live connections it
+//! allowed wait on.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio_util::sync::CancellationToken;
+
+use super::approvals::{AnswerError, Approval, Approvals, Asked};
+use super::grants::{End, Grant, GrantError, Grants, Scope, Target};
+use crate::config::ApproverToken;
+use crate::evidence::{Event, Evidence, GrantFacts, Kind, Mode, Record};
+use crate::policy::{Decision, OrgRef, Policy, Reason, Verdict, GRANT_RULE_PREFIX};
+use crate::proto::target::Host;
+
+/// The grant id a verdict's rule names, if a grant allowed it.
+pub(crate) fn grant_of(rule: Option<&str>) -> Option<&str> {
+    rule.and_then(|r| r.strip_prefix(GRANT_RULE_PREFIX))
+}
+
+/// What the miss hook was told.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MissFacts<'a> {
+    pub(crate) org: &'a OrgRef,
+    pub(crate) client: IpAddr,
+    pub(crate) host: &'a Host,
+    /// `None`: a DNS question (the name on any port).
+    pub(crate) port: Option<u16>,
+    #[allow(
+        dead_code,
+        reason = "for the decider's request, consulted in the miss hook"
+    )]
+    pub(crate) mode: Mode,
+    pub(crate) now: SystemTime,
+}
+
+/// What a miss became.
+#[derive(Debug, Clone)]
+pub(crate) enum Miss {
+    /// Still `no_matching_rule`.
+    Denied,
+    /// Allowed by a grant: decide it as allowed by rule `rule`.
+    Granted(Granted),
+    /// Refused `approval_pending`: this approval waits for an answer.
+    Pending(Approval),
+}
+
+/// A use of a grant.
+#[derive(Debug, Clone)]
+pub(crate) struct Granted {
+    /// `grant:ID`, the verdict's rule.
+    pub(crate) rule: Arc<str>,
+}
+
+impl Miss {
+    /// The detail of an `approval_pending` refusal: the approval's
+    /// reference and the destination, what the client is shown.
+    pub(crate) fn pending_detail(a: &Approval) -> String {
+        format!(
+            "approval {} pending for {}; retry once an approver grants it",
+            a.id, a.asked
+        )
+    }
+}
+
+/// Why an approver's request was refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum JitError {
+    #[error(transparent)]
+    Answer(#[from] AnswerError),
+    #[error(transparent)]
+    Grant(#[from] GrantError),
+    #[error("{0}")]
+    Refused(String),
+}
+
+#[derive(Debug)]
+struct Inner {
+    approvals: Approvals,
+    grants: Grants,
+    /// Each held grant's end: cancelled when it ends, which closes the
+    /// live connections it allowed.
+    ends: HashMap<String, CancellationToken>,
+}
+
+/// Approvals and grants, shared by the proxy, the DNS shim and the admin
+/// endpoints.
+#[derive(Debug)]
+pub(crate) struct Jit {
+    inner: Mutex<Inner>,
+    evidence: Option<Arc<Evidence>>,
+}
+
+/// A fresh id: `prefix` and 8 random hex digits.
+fn fresh(prefix: &str) -> String {
+    let mut b = [0u8; 4];
+    if getrandom::fill(&mut b).is_err() {
+        // Unique within a run is all an id needs; randomness only keeps
+        // them from being guessed as a sequence.
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+        b = N
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .to_be_bytes();
+    }
+    format!("{prefix}{}", data_encoding::HEXLOWER.encode(&b))
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// The record of `grant` at `event` (`detail`: what ended it, or the
+/// reason given), under `policy`.
+pub(crate) fn grant_record(
+    grant: &Grant,
+    event: Event,
+    policy: &Policy,
+    ended_by: Option<&str>,
+) -> Record {
+    let reason = if event == Event::Granted {
+        Reason::RuleMatch
+    } else {
+        Reason::GrantExpired
+    };
+    let verdict = Verdict {
+        org: None,
+        reason,
+        rule: Some(Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id))),
+        would_deny: None,
+    };
+    let mut r = Record::decided(
+        Kind::Grant,
+        Mode::Explicit,
+        SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)),
+        &verdict,
+        policy,
+    );
+    r.org = Some(grant.scope.org.clone());
+    r.client = None;
+    r.event = event;
+    r.host = Some(grant.scope.target.to_string());
+    r.port = grant.scope.port;
+    r.detail = grant.reason.clone();
+    r.grant = Some(Box::new(GrantFacts {
+        id: grant.id.clone(),
+        target: grant.scope.target.to_string(),
+        granted_at: rfc3339(grant.granted_at),
+        expires: grant.expires.map(rfc3339),
+        max_uses: grant.max_uses,
+        uses: grant.uses,
+        approver: grant.approver.clone(),
+        reason: grant.reason.clone(),
+        approval: grant.approval.clone(),
+        ended_by: ended_by.map(str::to_string),
+    }));
+    r
+}
+
+/// The grants still held after the records under `dir`, at `now`: given
+/// ones not ended, their uses counted from the decisions they allowed;
+/// one whose TTL ended while Palisade was down is dropped (and its end
+/// is recorded at start by [`Jit::restore`]).
+pub(crate) fn replay(dir: &Path, now: SystemTime) -> Vec<Grant> {
+    let _ = now;
+    let mut held: HashMap<String, Grant> = HashMap::new();
+    let events = &[
+        Event::Decision,
+        Event::Granted,
+        Event::Expired,
+        Event::Revoked,
+        Event::UsedUp,
+    ];
+    for stored in crate::evidence::query::read_events(dir, events) {
+        let Ok(stored) = stored else { continue };
+        let r = stored.record;
+        match (r.kind, r.event) {
+            (Kind::Grant, Event::Granted) => {
+                if let Some(g) = r.grant.as_deref().and_then(|f| from_facts(f, &r)) {
+                    held.insert(g.id.clone(), g);
+                }
+            }
+            (Kind::Grant, _) => {
+                if let Some(f) = r.grant.as_deref() {
+                    let used_up_with_ttl = r.event == Event::UsedUp && f.expires.is_some();
+                    if used_up_with_ttl {
+                        if let Some(g) = held.get_mut(&f.id) {
+                            g.uses = g.uses.max(f.uses);
+                        }
+                    } else {
+                        held.remove(&f.id);
+                    }
+                }
+            }
+            (_, Event::Decision) if r.reason.is_allow() => {
+                if let Some(id) = grant_of(r.rule.as_deref()) {
+                    if let Some(g) = held.get_mut(id) {
+                        g.uses = g.uses.saturating_add(1);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out: Vec<Grant> = held.into_values().collect();
+    out.sort_by(|a, b| a.id.cmp(&b.id));
+    out
+}
+
+fn from_facts(f: &GrantFacts, r: &Record) -> Option<Grant> {
+    let target = match f.target.parse::<ipnet::IpNet>() {
+        Ok(net) => Target::Cidr(net),
+        Err(_) => Target::Name(f.target.clone()),
+    };
+    let time = |s: &str| humantime::parse_rfc3339(s).ok();
+    Some(Grant {
+        id: f.id.clone(),
+        scope: Scope {
+            org: r.org.clone()?,
+            target,
+            port: r.port,
+        },
+        granted_at: time(&f.granted_at)?,
+        expires: match &f.expires {
+            Some(e) => Some(time(e)?),
+            None => None,
+        },
+        max_uses: f.max_uses,
+        uses: f.uses,
+        approver: f.approver.clone(),
+        reason: f.reason.clone(),
+        approval: f.approval.clone(),
+    })
+}
+
+/// What an approver asks of a grant: its end and why.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Terms {
+    pub(crate) ttl: Option<Duration>,
+    pub(crate) max_uses: Option<u32>,
+    pub(crate) reason: Option<String>,
+}
+
+impl Jit {
+    /// Empty, writing its records to `evidence` (none: tests).
+    pub(crate) fn new(evidence: Option<Arc<Evidence>>) -> Jit {
+        Jit {
+            inner: Mutex::new(Inner {
+                approvals: Approvals::new(
+                    super::approvals::PENDING_TOTAL,
+                    super::approvals::PENDING_PER_ORG,
+                    super::approvals::DEFAULT_PENDING_TTL,
+                ),
+                grants: Grants::default(),
+                ends: HashMap::new(),
+            }),
+            evidence,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding it leaves plain data: keep going.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn submit(&self, mut r: Record) {
+        if let Some(e) = &self.evidence {
+            e.submit(&mut r);
+        }
+    }
+
+    /// Take back the grants replayed from the evidence (at start): those
+    /// whose TTL ended meanwhile are recorded `expired` and dropped.
+    pub(crate) fn restore(&self, grants: Vec<Grant>, policy: &Policy, now: SystemTime) {
+        let mut ended = Vec::new();
+        {
+            let mut inner = self.lock();
+            for g in grants {
+                if g.expires.is_some_and(|e| e <= now) {
+                    ended.push(g);
+                    continue;
+                }
+                let id = g.id.clone();
+                // Replayed grants were checked when given.
+                if inner.grants.add(g).is_ok() {
+                    inner.ends.insert(id, CancellationToken::new());
+                }
+            }
+        }
+        for g in ended {
+            self.submit(grant_record(&g, Event::Expired, policy, Some("ttl")));
+        }
+    }
+
+    /// Rule 1 of the module table: the live grant covering the miss, one
+    /// use spent (recorded `used_up` when that was its last).
+    pub(crate) fn grant_for(&self, policy: &Policy, facts: &MissFacts<'_>) -> Option<Granted> {
+        let (grant, used_up) = {
+            let mut inner = self.lock();
+            let id = inner
+                .grants
+                .matching(&facts.org.name, facts.host, facts.port, facts.now)?
+                .id
+                .clone();
+            // A DNS answer opens nothing: it spends no use.
+            let spent = match facts.port {
+                Some(_) => inner.grants.spend(&id)?,
+                None => (inner.grants.get(&id)?.clone(), false),
+            };
+            if spent.1 && spent.0.expires.is_none() {
+                // Ended with its last use; the connection it allowed runs on.
+                inner.ends.remove(&id);
+            }
+            spent
+        };
+        if used_up {
+            self.submit(grant_record(&grant, Event::UsedUp, policy, None));
+        }
+        Some(Granted {
+            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
+        })
+    }
+
+    /// Rule 2: the approval this miss makes or joins.
+    pub(crate) fn ask(&self, facts: &MissFacts<'_>) -> Option<Approval> {
+        let asked = Asked {
+            org: facts.org.name.clone(),
+            host: facts.host.to_string(),
+            port: facts.port,
+        };
+        self.lock()
+            .approvals
+            .miss(asked, facts.client, facts.now, || fresh("a-"))
+    }
+
+    /// The pending approvals `token` may see, at `now`.
+    pub(crate) fn approvals(&self, token: &ApproverToken, now: SystemTime) -> Vec<Approval> {
+        self.lock().approvals.list(now, |org| token.covers(org))
+    }
+
+    /// The grants `token` may see.
+    pub(crate) fn grants(&self, token: &ApproverToken) -> Vec<Grant> {
+        self.lock().grants.list(|org| token.covers(org))
+    }
+
+    /// The end signal of grant `id`, while it is held.
+    pub(crate) fn end_of(&self, id: &str) -> Option<CancellationToken> {
+        self.lock().ends.get(id).cloned()
+    }
+
+    /// Answer approval `id` as `token`: `allow` makes a grant of exactly
+    /// what it asked (returned), `deny` drops it. Another org's approval
+    /// is unknown to the token, as one that never was.
+    pub(crate) fn answer(
+        &self,
+        token: &ApproverToken,
+        id: &str,
+        allow: bool,
+        terms: Terms,
+        policy: &Policy,
+        now: SystemTime,
+    ) -> Result<Option<Grant>, JitError> {
+        let approval = {
+            let mut inner = self.lock();
+            match inner.approvals.get(id, now) {
+                Some(a) if !token.covers(&a.asked.org) => {
+                    return Err(AnswerError::Unknown(id.to_string()).into())
+                }
+                _ => {}
+            }
+            if allow {
+                // Checked before it is taken: a refused grant leaves the
+                // approval pending.
+                if let Some(a) = inner.approvals.get(id, now) {
+                    let scope = scope_of(&a.asked);
+                    check_terms(&terms)?;
+                    check_scope(&scope, policy)?;
+                }
+            }
+            inner.approvals.answer(id, now)?
+        };
+        if !allow {
+            return Ok(None);
+        }
+        let scope = scope_of(&approval.asked);
+        self.give(token, scope, terms, Some(approval.id), policy, now)
+            .map(Some)
+    }
+
+    /// Grant `scope` as `token`, directly or answering `approval`.
+    pub(crate) fn give(
+        &self,
+        token: &ApproverToken,
+        scope: Scope,
+        terms: Terms,
+        approval: Option<String>,
+        policy: &Policy,
+        now: SystemTime,
+    ) -> Result<Grant, JitError> {
+        if !token.covers(&scope.org) {
+            return Err(JitError::Refused(format!(
+                "token {} does not answer for org {}",
+                token.name, scope.org
+            )));
+        }
+        check_terms(&terms)?;
+        check_scope(&scope, policy)?;
+        let grant = Grant {
+            id: fresh("g-"),
+            scope,
+            granted_at: now,
+            expires: terms.ttl.map(|t| now + t),
+            max_uses: terms.max_uses,
+            uses: 0,
+            approver: token.name.clone(),
+            reason: terms.reason,
+            approval,
+        };
+        let grant = {
+            let mut inner = self.lock();
+            let g = inner.grants.add(grant)?;
+            inner.ends.insert(g.id.clone(), CancellationToken::new());
+            g
+        };
+        self.submit(grant_record(&grant, Event::Granted, policy, None));
+        Ok(grant)
+    }
+
+    /// Revoke grant `id` as `token`: recorded, and the connections it
+    /// allowed are closed.
+    pub(crate) fn revoke(
+        &self,
+        token: &ApproverToken,
+        id: &str,
+        policy: &Policy,
+    ) -> Result<Grant, JitError> {
+        let grant = {
+            let mut inner = self.lock();
+            match inner.grants.get(id) {
+                Some(g) if token.covers(&g.scope.org) => {}
+                _ => return Err(GrantError::Unknown(id.to_string()).into()),
+            }
+            let g = inner
+                .grants
+                .remove(id)
+                .ok_or_else(|| GrantError::Unknown(id.to_string()))?;
+            if let Some(end) = inner.ends.remove(id) {
+                end.cancel();
+            }
+            g
+        };
+        self.submit(grant_record(
+            &grant,
+            Event::Revoked,
+            policy,
+            Some(&token.name),
+        ));
+        Ok(grant)
+    }
+
+    /// End every grant whose TTL is over at `now`, and every grant
+    /// whose target `policy` now denies outright (a reload); each is
+    /// recorded, and its connections closed.
+    pub(crate) fn end_due(&self, policy: &Policy, now: SystemTime) {
+        let mut ended: Vec<(Grant, End, &'static str)> = Vec::new();
+        {
+            let mut inner = self.lock();
+            for g in inner.grants.expire(now) {
+                ended.push((g, End::Expired, "ttl"));
+            }
+            let denied: Vec<String> = inner
+                .grants
+                .iter()
+                .filter(|g| check_scope(&g.scope, policy).is_err())
+                .map(|g| g.id.clone())
+                .collect();
+            for id in denied {
+                if let Some(g) = inner.grants.remove(&id) {
+                    ended.push((g, End::Expired, "policy"));
+                }
+            }
+            for (g, _, _) in &ended {
+                if let Some(end) = inner.ends.remove(&g.id) {
+                    end.cancel();
+                }
+            }
+        }
+        for (g, _, by) in ended {
+            self.submit(grant_record(&g, Event::Expired, policy, Some(by)));
+        }
+    }
+}
+
+/// The grant an approval asks for: exactly its org, host and port.
+fn scope_of(asked: &Asked) -> Scope {
+    let target = match asked.host.parse::<IpAddr>() {
+        Ok(ip) => Target::Cidr(ipnet::IpNet::from(ip)),
+        Err(_) => Target::Name(asked.host.clone()),
+    };
+    Scope {
+        org: asked.org.clone(),
+        target,
+        port: asked.port,
+    }
+}
+
+fn check_terms(terms: &Terms) -> Result<(), JitError> {
+    if terms.max_uses == Some(0) {
+        return Err(GrantError::ZeroUses.into());
+    }
+    if let Some(t) = terms.ttl {
+        if t.is_zero() || t > super::grants::MAX_TTL {
+            return Err(GrantError::Ttl(humantime::format_duration(t).to_string()).into());
+        }
+    }
+    Ok(())
+}
+
+/// A grant may only open what a miss would be: never an always-denied
+/// address, nor a target the policy denies (an explicit deny, the
+/// baseline, a name budget), nor for an org the policy does not know.
+pub(crate) fn check_scope(scope: &Scope, policy: &Policy) -> Result<(), JitError> {
+    let Some(org) = policy.org_named(&scope.org) else {
+        return Err(JitError::Refused(format!("no org {}", scope.org)));
+    };
+    let probe: Vec<Host> = match &scope.target {
+        Target::Name(n) => vec![Host::Name(n.clone())],
+        Target::Cidr(net) => {
+            let mut always = policy.closing(net.network());
+            always.extend(policy.closing(net.broadcast()));
+            if let Some((range, what)) = always.first() {
+                return Err(JitError::Refused(format!(
+                    "{} is always denied ({range}: {}): no grant opens it",
+                    scope.target,
+                    what.join(", ")
+                )));
+            }
+            vec![Host::Ip(net.network()), Host::Ip(net.broadcast())]
+        }
+    };
+    let port = scope.port.unwrap_or(443);
+    for host in probe {
+        if let Decision::Final(v) = policy.decide_for_org(&org, &host, port) {
+            match v.reason {
+                Reason::NoMatchingRule | Reason::PortNotAllowed | Reason::RuleMatch => {}
+                other => {
+                    let rule = v.rule.map(|r| format!(" (rule {r})")).unwrap_or_default();
+                    return Err(JitError::Refused(format!(
+                        "the policy denies {} for org {}: {other}{rule}; no grant opens it",
+                        scope.target, scope.org
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(extra: &str) -> Arc<Policy> {
+        let text = format!(
+            "[[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\non_miss = \"ask\"\n{extra}"
+        );
+        let config = crate::config::from_str(&text, std::path::Path::new("t.toml")).unwrap();
+        Arc::new(Policy::new(&config))
+    }
+
+    fn token(orgs: Option<&[&str]>) -> ApproverToken {
+        ApproverToken {
+            name: "alice".into(),
+            digest: crate::config::TokenDigest::of(b"t"),
+            orgs: orgs.map(|o| o.iter().map(|s| s.to_string()).collect()),
+        }
+    }
+
+    #[test]
+    fn always_denied_and_explicitly_denied_targets_are_never_granted() {
+        let p = policy("[[org.deny]]\nhost = \"bad.test\"\n");
+        let jit = Jit::new(None);
+        let t = token(None);
+        let now = SystemTime::now();
+        let scope = |target: Target| Scope {
+            org: Arc::from("acme"),
+            target,
+            port: Some(443),
+        };
+        let give = |target: Target| jit.give(&t, scope(target), Terms::default(), None, &p, now);
+        let e = give(Target::Cidr("169.254.169.254/32".parse().unwrap()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("always denied"), "{e}");
+        let e = give(Target::Name("bad.test".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("explicit_deny"), "{e}");
+        let ok = give(Target::Name("new.test".into())).unwrap();
+        assert_eq!(ok.expires, Some(now + super::super::grants::DEFAULT_TTL));
+        let other = token(Some(&["other"]));
+        assert!(jit.revoke(&other, &ok.id, &p).is_err());
+        assert!(jit.grants(&other).is_empty());
+        assert!(jit.revoke(&t, &ok.id, &p).is_ok());
+    }
+}
