@@ -18,12 +18,12 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 use crate::admin::{self, Health};
-use crate::bindings::Bindings;
 use crate::config::Config;
 use crate::dns;
 use crate::enforcement::compare::Ruleset;
 use crate::enforcement::Enforcement;
 use crate::evidence::Evidence;
+use crate::handout::bindings::Bindings;
 use crate::limits::{ConnLimits, DetectMemory, EvidenceBudget, NameBudgets};
 use crate::metrics::Metrics;
 use crate::policy::Policy;
@@ -101,7 +101,7 @@ pub struct Started {
     served: ServedHandle,
     enforcement: Option<(Arc<Enforcement>, Arc<Ruleset>)>,
     bindings: Arc<Bindings>,
-    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     nflog: Option<crate::bypass::nflog::NflogSocket>,
     listeners: Listeners,
     sighup: tokio::signal::unix::Signal,
@@ -168,7 +168,7 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         dns.max_bindings,
     ));
     // Synthetic answers' pool addresses, per org and name (none without a pool).
-    let synthetic = crate::synthetic::Synthetic::from_config(dns).map(Arc::new);
+    let synthetic = crate::handout::synthetic::Synthetic::from_config(dns).map(Arc::new);
     // `[bypass]`: the ruleset's NFLOG group, bound before anything is
     // served (fail closed: the operator asked for the record).
     let nflog = match config.bypass.nflog_group {
@@ -443,7 +443,7 @@ struct Services {
     resolver: Arc<Resolver>,
     served: ServedHandle,
     bindings: Arc<Bindings>,
-    synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     enforcement: Option<Arc<Enforcement>>,
     routes: Routes,
     otel: Option<Arc<crate::otel::Otel>>,
@@ -786,7 +786,7 @@ async fn start_enforcement(
 fn reloaded(
     ctx: &Ctx,
     bindings: &Bindings,
-    synthetic: Option<&crate::synthetic::Synthetic>,
+    synthetic: Option<&crate::handout::synthetic::Synthetic>,
     outcome: &crate::reload::ReloadOutcome,
 ) {
     if let crate::reload::ReloadOutcome::Applied { .. } = outcome {

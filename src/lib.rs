@@ -29,7 +29,7 @@
 //! A DNS query takes the same steps in [`dns`]: org by source address, the
 //! policy's name decision ([`dns::decide`]), upstream through [`resolve`],
 //! answers filtered by the policy's address checks ([`dns::filter`]) and
-//! bound to the name in [`bindings`], then the record, built from the
+//! bound to the name in [`handout::bindings`], then the record, built from the
 //! query's typed state ([`dns::query`]) when written, then the answer.
 //!
 //! Transparent connections ([`proxy::transparent`]) and SOCKS5
@@ -45,10 +45,11 @@
 //! [`limits`] (rate limiters, the keyed shares charged to an org or else a
 //! source address, connection caps, detection memory, the evidence budget,
 //! the one summary engine for denials, refusals and bypass attempts, the
-//! new-name budgets of wildcard rules); [`bindings`]
-//! (name-address bindings the shim hands out and transparent mode checks);
-//! [`synthetic`] (the synthetic answers of orgs that resolve nothing
-//! before a decided connection: pool addresses bound to names);
+//! new-name budgets of wildcard rules, and the one fair bounded table the
+//! bounded tables stand on); [`handout`] (the addresses handed to an
+//! (org, name): the name-address bindings the shim hands out and
+//! transparent mode checks, and the synthetic answers of orgs that resolve
+//! nothing before a decided connection);
 //! [`serve`] (the one accept loop and the one HTTP/1 server of every
 //! listener: proxy, DNS over TCP, admin).
 //!
@@ -88,7 +89,6 @@
 pub(crate) mod admin;
 pub mod analysis;
 pub mod app;
-pub(crate) mod bindings;
 pub(crate) mod bypass;
 pub mod cli;
 pub mod config;
@@ -99,6 +99,7 @@ pub mod evidence;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]
 pub mod fuzzing;
+pub(crate) mod handout;
 pub(crate) mod host;
 pub(crate) mod intercept;
 pub(crate) mod jit;
@@ -113,6 +114,5 @@ pub(crate) mod reload;
 pub(crate) mod resolve;
 pub(crate) mod serve;
 pub(crate) mod served;
-pub(crate) mod synthetic;
 #[cfg(test)]
 mod testing;

@@ -150,7 +150,7 @@ pub(crate) struct OrgDns {
     pub denied: DnsDenied,
     pub types: Vec<RecordType>,
     /// `dns_answers = "synthetic"`: allowed names are answered from the
-    /// synthetic pool ([`crate::synthetic`]), nothing resolved.
+    /// synthetic pool ([`crate::handout::synthetic`]), nothing resolved.
     pub synthetic: bool,
 }
 

@@ -68,8 +68,7 @@ const ABOVE_PROXY: &[&str] = &["analysis", "app", "cli", "testing"];
 const PURE: &[&str] = &[
     "proto/",
     "policy/",
-    "bindings.rs",
-    "synthetic.rs",
+    "handout/",
     "dns/decide.rs",
     "bypass/packet.rs",
     "enforcement/compare.rs",
@@ -139,7 +138,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
     ("probe/render.rs", "markdown", "wt-volume splits probe/"),
     ("probe/render.rs", "html", "wt-volume splits probe/"),
     ("probe/report.rs", "build", "wt-volume splits probe/"),
-    ("probe/report.rs", "untested", "wt-volume splits probe/"),
     (
         "probe/run.rs",
         "Ctx::second_request",

@@ -358,12 +358,12 @@ fn synthetic_note(
     config: &Config,
     verdict: &Verdict,
     name: &str,
-    family: crate::synthetic::Family,
+    family: crate::handout::synthetic::Family,
 ) -> Option<String> {
     let org = verdict.org.as_ref()?;
     let pool = match family {
-        crate::synthetic::Family::V4 => config.dns.synthetic_pool.map(ipnet::IpNet::V4),
-        crate::synthetic::Family::V6 => config.dns.synthetic_pool_v6.map(ipnet::IpNet::V6),
+        crate::handout::synthetic::Family::V4 => config.dns.synthetic_pool.map(ipnet::IpNet::V4),
+        crate::handout::synthetic::Family::V6 => config.dns.synthetic_pool_v6.map(ipnet::IpNet::V6),
     };
     let shown = crate::dns::decide::shown_name(name).unwrap_or_else(|| name.to_string());
     Some(match pool {
@@ -372,7 +372,7 @@ fn synthetic_note(
              else the next free one), TTL {} s; a connection to it is decided as {shown}, \
              which is resolved only then",
             org.name,
-            crate::synthetic::SYNTHETIC_TTL
+            crate::handout::synthetic::SYNTHETIC_TTL
         ),
         None => "no synthetic pool of this family: NODATA".to_string(),
     })

@@ -94,7 +94,7 @@ pub fn default_max_records_per_second_per_org(limits: &Limits, dns: &DnsConfig) 
 pub fn dns_org_share(global: usize) -> usize {
     global.div_ceil(4).max(1)
 }
-/// Synthetic mappings (`crate::synthetic`) one org may hold, at most.
+/// Synthetic mappings (`crate::handout::synthetic`) one org may hold, at most.
 pub const MAX_SYNTHETIC_PER_ORG: usize = 4096;
 /// Synthetic mappings of all synthetic orgs together, at most: config
 /// validation refuses more synthetic orgs than this allows.
@@ -474,7 +474,7 @@ pub struct DnsConfig {
     /// All bindings; when full, the org holding the most loses its oldest.
     pub max_bindings: usize,
     /// Synthetic answers (orgs with `dns_answers = "synthetic"`): the IPv4
-    /// and IPv6 pools their addresses come from (`crate::synthetic`).
+    /// and IPv6 pools their addresses come from (`crate::handout::synthetic`).
     pub synthetic_pool: Option<ipnet::Ipv4Net>,
     pub synthetic_pool_v6: Option<ipnet::Ipv6Net>,
 }

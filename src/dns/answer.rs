@@ -38,11 +38,11 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::shim::Shim;
 use crate::evidence::Mode;
+use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
-use crate::synthetic::{Answer, Family, SYNTHETIC_TTL};
 
 /// Longest query name kept in evidence for a name that is not a host name.
 const MAX_SHOWN_NAME: usize = 300;
@@ -675,11 +675,11 @@ mod tests {
     use hickory_server::proto::rr::rdata::A;
     use hickory_server::proto::rr::RecordType;
 
-    use crate::bindings::Bindings;
     use crate::config::{self, DnsConfig};
     use crate::dns::cache::AnswerCache;
     use crate::dns::encode::encode;
     use crate::evidence::Evidence;
+    use crate::handout::bindings::Bindings;
     use crate::metrics::Metrics;
     use crate::policy::Policy;
     use crate::resolve::Resolver;

@@ -133,7 +133,7 @@ impl<V, A> AnswerCache<V, A> {
         // This org's own entries first, then everyone's: an expired entry,
         // else the soonest-expiring of the org holding the most.
         let org = key.org;
-        let _ = inner.table.insert(org, key, value, until, |u| *u <= now);
+        let _ = inner.table.insert(org, key, value, until, |u, _| *u <= now);
     }
 
     /// Entries kept (expired ones included until they are found or evicted).

@@ -19,7 +19,7 @@
 //! | 7 | a never-forwarded special-use name (`localhost`, `.local`, `.invalid`, `.onion`, `home.arpa`, reverse zones) | NXDOMAIN | `special_name` | no |
 //! | 8 | ANY | RFC 8482 HINFO | `rule_match` | no |
 //! | 9 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types`, and the name is new to the org past its wildcard rule's `max_new_names_per_minute` ([`past_budget`], the state kept at the edge in `limits::names`) | REFUSED | `name_budget_exceeded` | no |
-//! | 9a | the org has `dns_answers = "synthetic"`: A, AAAA | an address of the synthetic pool bound to (org, name) ([`crate::synthetic`]), TTL 10 s; NODATA without a pool of the family | `rule_match` | no |
+//! | 9a | the org has `dns_answers = "synthetic"`: A, AAAA | an address of the synthetic pool bound to (org, name) ([`crate::handout::synthetic`]), TTL 10 s; NODATA without a pool of the family | `rule_match` | no |
 //! | 9b | the org has `dns_answers = "synthetic"`: CNAME, HTTPS, SVCB, a type in `dns_types` | NODATA | `rule_match` | no |
 //! | 10 | A, AAAA, CNAME, HTTPS, SVCB, or a type in the org's `dns_types` | forwarded, answers filtered | `rule_match` | yes |
 //! | 11 | any other type | REFUSED | `qtype_not_allowed` | no |
@@ -41,11 +41,11 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use hickory_server::proto::rr::RecordType;
 
 use crate::config::DnsDenied;
+use crate::handout::synthetic::Family;
 use crate::limits::NameUse;
 use crate::policy::{Policy, Reason, Verdict};
 use crate::proto::target::{normalize_host, Host};
 pub(crate) use crate::served::OrgDns;
-use crate::synthetic::Family;
 
 /// Types answered for every allowed name.
 pub(crate) const DEFAULT_TYPES: [RecordType; 5] = [

@@ -1,6 +1,6 @@
 //! The DNS shim: answers only names the client's org may reach, refuses the
 //! rest without sending a packet upstream, and remembers which addresses it
-//! handed to which org for which name ([`crate::bindings`]).
+//! handed to which org for which name ([`crate::handout::bindings`]).
 //!
 //! The path of one query, which carries its own state ([`query`]'s
 //! `QueryState`, the counterpart of the proxy's `Conn`) from arrival to

@@ -11,9 +11,9 @@ use super::cache::AnswerCache;
 use super::filter::{clamp_ttl, Forwarded};
 use super::refusals::Refusals;
 use super::ttl::TtlMemo;
-use crate::bindings::Bindings;
 use crate::config::DnsConfig;
 use crate::evidence::Evidence;
+use crate::handout::bindings::Bindings;
 use crate::limits::{EvidenceBudget, NameBudgets, RateLimiter};
 use crate::metrics::Metrics;
 use crate::resolve::Resolver;
@@ -47,7 +47,7 @@ pub(crate) struct Shim {
     pub names: Arc<NameBudgets>,
     /// The synthetic pools' mappings, shared with the proxy
     /// ([`Shim::with_synthetic`]); `None`: no pool set.
-    pub synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    pub synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     /// Approvals and grants, shared with the proxy ([`Shim::with_jit`]).
     pub jit: Option<Arc<crate::jit::Jit>>,
 }
@@ -87,7 +87,7 @@ impl Shim {
                 crate::limits::names::MAX_NAMES_PER_ORG,
                 Some(metrics.new_names_total.clone()),
             )),
-            synthetic: crate::synthetic::Synthetic::from_config(&config).map(Arc::new),
+            synthetic: crate::handout::synthetic::Synthetic::from_config(&config).map(Arc::new),
             jit: None,
             served,
             resolver,
@@ -102,7 +102,7 @@ impl Shim {
     /// reads too.
     pub(crate) fn with_synthetic(
         mut self,
-        synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+        synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     ) -> Shim {
         self.synthetic = synthetic;
         self

@@ -22,12 +22,13 @@
 //! passes `now`.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use hickory_server::proto::rr::{Record, RecordType};
+
+use crate::limits::table::FairTable;
 
 /// Answers remembered at most; the one that expires soonest goes first.
 pub(crate) const MEMO_CAPACITY: usize = 16_384;
@@ -38,23 +39,13 @@ type Key = (String, RecordType);
 struct Memo {
     fingerprint: u64,
     ttls: Vec<u32>,
-    until: Instant,
-    seq: u64,
 }
 
-#[derive(Debug, Default)]
-struct Inner {
-    memos: HashMap<Key, Memo>,
-    /// Every memo by its expiry: the first expires soonest.
-    expiry: BTreeMap<(Instant, u64), Key>,
-    next_seq: u64,
-}
-
-/// The TTLs of each answer as first seen.
+/// The TTLs of each answer as first seen: one table (one org, the memo
+/// is shared by all), ordered by expiry.
 #[derive(Debug)]
 pub(crate) struct TtlMemo {
-    inner: Mutex<Inner>,
-    capacity: usize,
+    memos: Mutex<FairTable<(), Key, Memo, Instant>>,
 }
 
 /// The answer's records without their TTLs.
@@ -77,8 +68,7 @@ impl Default for TtlMemo {
 impl TtlMemo {
     pub(crate) fn new(capacity: usize) -> TtlMemo {
         TtlMemo {
-            inner: Mutex::new(Inner::default()),
-            capacity: capacity.max(1),
+            memos: Mutex::new(FairTable::new(capacity.max(1), capacity.max(1))),
         }
     }
 
@@ -97,56 +87,36 @@ impl TtlMemo {
         }
         let fp = fingerprint(records);
         let key: Key = (name.to_string(), qtype);
-        let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = inner.memos.get(&key) {
-            if m.fingerprint == fp && m.until > now && m.ttls.len() == records.len() {
+        let mut memos = self.memos.lock().unwrap_or_else(|p| p.into_inner());
+        if let (Some(m), Some(until)) = (memos.get(&key), memos.place(&key)) {
+            if m.fingerprint == fp && *until > now && m.ttls.len() == records.len() {
                 for (r, ttl) in records.iter_mut().zip(&m.ttls) {
                     r.ttl = *ttl;
                 }
-                return Some(m.until);
+                return Some(*until);
             }
         }
         // A new answer (or the old one expired): it is the first sighting.
-        if let Some(old) = inner.memos.remove(&key) {
-            inner.expiry.remove(&(old.until, old.seq));
-        }
-        while inner.memos.len() >= self.capacity
-            || inner
-                .expiry
-                .first_key_value()
-                .is_some_and(|((u, _), _)| *u <= now)
-        {
-            let Some((_, k)) = inner.expiry.pop_first() else {
-                break;
-            };
-            inner.memos.remove(&k);
-        }
+        // The expired memos go, then (full) the one expiring soonest.
+        memos.remove(&key);
+        let expired = |until: &Instant, _: &Memo| *until <= now;
+        memos.sweep(None, usize::MAX, expired);
         let ttls: Vec<u32> = records.iter().map(|r| r.ttl).collect();
         let shortest = ttls.iter().copied().min().unwrap_or(0).max(1);
         let until = now + Duration::from_secs(u64::from(shortest));
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
-        inner.expiry.insert((until, seq), key.clone());
-        inner.memos.insert(
-            key,
-            Memo {
-                fingerprint: fp,
-                ttls,
-                until,
-                seq,
-            },
-        );
+        let memo = Memo {
+            fingerprint: fp,
+            ttls,
+        };
+        // One org: over the cap, its (the table's) soonest expiry goes.
+        let _ = memos.insert((), key, memo, until, expired);
         Some(until)
     }
 
     /// Answers remembered.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.inner
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .memos
-            .len()
+        self.memos.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
 

@@ -114,7 +114,7 @@ impl Approvals {
             let org = asked.org.clone();
             // Same key, same place: replaced in place.
             self.table
-                .insert(org, asked, a.clone(), expires, |_| false)
+                .insert(org, asked, a.clone(), expires, |_, _| false)
                 .ok()?;
             return Some(a);
         }
@@ -135,7 +135,7 @@ impl Approvals {
                 asked.clone(),
                 a.clone(),
                 a.expires,
-                |e| *e <= now,
+                |e, _| *e <= now,
             )
             .ok()?;
         for (_, gone) in evicted {
@@ -191,7 +191,7 @@ impl Approvals {
 
     /// Drop every approval expired at `now`.
     pub(crate) fn expire(&mut self, now: SystemTime) -> Vec<Approval> {
-        let gone = self.table.sweep(usize::MAX, |e| *e <= now);
+        let gone = self.table.sweep(None, usize::MAX, |e, _| *e <= now);
         gone.into_iter()
             .map(|(_, a)| {
                 self.ids.remove(&a.id);

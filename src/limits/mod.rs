@@ -10,7 +10,7 @@
 //! | the evidence budget, per org, proxy and DNS together, and the share of a full store | [`evidence`] | the proxy, the DNS shim |
 //! | flood summaries (denials, refusals) | [`summary`] | the proxy, the DNS shim |
 //! | the new-name budgets of wildcard rules, per org and rule | [`names`] | the proxy, the DNS shim |
-//! | one fair bounded table: caps per org and overall, the org holding the most evicted from, pinning | [`table`] | the DNS answer cache |
+//! | one fair bounded table: caps per org and overall, the org holding the most evicted from, pinning | [`table`] | the DNS answer cache and TTL memo, the bindings and synthetic mappings |
 //! | volume budgets (bytes per sliding window), per org and rule and per org | [`volume`] | the proxy |
 //!
 //! Nothing here knows the proxy or DNS: each passes its own specifics
@@ -19,6 +19,8 @@
 pub(crate) mod conns;
 pub(crate) mod detect;
 pub(crate) mod evidence;
+#[cfg(test)]
+mod measure;
 pub(crate) mod names;
 pub(crate) mod rate;
 pub(crate) mod share;

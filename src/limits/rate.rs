@@ -14,6 +14,13 @@ use std::time::Instant;
 /// lock: each new key first looks at the [`SWEEP_PER_INSERT`] keys that
 /// have gone longest without a look, drops those whose bucket has refilled
 /// (a full bucket carries no state) and sends the others to the back.
+///
+/// Not on [`FairTable`](super::table::FairTable), measured: the buckets
+/// have no orgs (the key is the payer), never evict (a full table
+/// refuses) and keep their order as a rotation, so the table's per-org
+/// index, places and pins would be carried for nothing: on it, 3.4 times
+/// the time per `allow` and a quarter more memory per key
+/// (`cargo test --lib limits::measure -- --ignored`).
 #[derive(Debug)]
 pub(crate) struct RateLimiter<K> {
     rate: f64,

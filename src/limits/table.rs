@@ -1,24 +1,51 @@
 //! One fair bounded table: entries held by orgs, in an order, with caps
-//! per org and overall, and one eviction rule written once.
+//! per org and overall, and one eviction rule written once. The DNS
+//! answer cache ([`crate::dns::cache`]), the TTL memo
+//! ([`crate::dns::ttl`]), the name bindings and the synthetic addresses
+//! ([`crate::handout`]) are held in it. The token buckets
+//! ([`super::rate`]) and the idle upstream pool ([`crate::proxy::pool`])
+//! are not: their doc comments say why, with the measure.
 //!
 //! Each entry has a key, a value, the org holding it and a place in the
-//! table's order (an expiry, a last use: the first place goes first; ties
-//! go in insertion order). Inserting past a cap evicts:
+//! table's order (an expiry, a last use, or `()` for "when it last moved":
+//! the first place goes first; ties go in the order entries were inserted
+//! or moved). Inserting past a cap evicts:
 //!
 //! - over `per_org`: the org's own first entry;
-//! - over `total`: the first entry overall if the caller says its place
-//!   is spent (expired), else the first entry of the org holding the most
-//!   (ties: the least org). An org holding no more than any other is never
-//!   evicted for another's sake.
+//! - over `total`: the first entry of an org if the caller says it is
+//!   spent (expired), else the first entry of the org holding the most
+//!   (ties: the org whose first entry is older). An org holding no more
+//!   than any other is never evicted for another's sake.
 //!
-//! A pinned entry is never evicted (only removed); an org whose entries are
-//! all pinned evicts nothing and its insert is refused. Pure: places are
-//! values the caller gives, no clock is read.
+//! So an org flooding the table as fast as it can only ever evicts its own
+//! entries once it holds the most: every org holding no more than its
+//! fair share (`total` over the orgs present) keeps everything it holds.
+//!
+//! A pinned entry (an address with a connection open on it) is never
+//! evicted, only removed; pins count, the entry is free again when the
+//! last goes. An insert that pinned entries leave no room for is refused
+//! ([`Full`]) and changes nothing.
+//!
+//! What is evicted or removed is handed back to the caller, key and value,
+//! so a table with indexes of its own (addresses, names) drops them there:
+//! that is the per-key hook. Pure: places are values the caller gives, no
+//! clock is read.
+//!
+//! The order is kept per org only (one ordered index per org, no second
+//! one for all orgs): "the first overall" is the least of the orgs' firsts,
+//! which the eviction looks at anyway to find the org holding the most, so
+//! every entry is indexed once and a one-org table (the memo, the buckets)
+//! costs one map and one ordered index.
 
+// Pure: no clock, tokio or I/O (clippy.toml).
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
-/// Where an entry stands: its place, then its insertion sequence.
+/// Where an entry stands: its place, then the sequence number of its
+/// insert or last move.
 type At<P> = (P, u64);
 
 #[derive(Debug)]
@@ -26,7 +53,16 @@ struct Slot<O, V, P> {
     org: O,
     value: V,
     at: At<P>,
-    pinned: bool,
+    /// Pins held on it: evictable at 0 only.
+    pins: u32,
+}
+
+/// One org's part: its unpinned entries by place, and how many it holds
+/// (pinned ones included).
+#[derive(Debug)]
+struct Held<P, K> {
+    by_place: BTreeMap<At<P>, K>,
+    n: usize,
 }
 
 /// A bounded map from `K` to `V`, each entry held by an org `O`, ordered
@@ -34,22 +70,22 @@ struct Slot<O, V, P> {
 #[derive(Debug)]
 pub(crate) struct FairTable<O, K, V, P> {
     entries: HashMap<K, Slot<O, V, P>>,
-    /// Every unpinned entry by place: the first goes first.
-    order: BTreeMap<At<P>, K>,
-    /// Per org, its unpinned entries by place, and how many it holds.
-    orgs: HashMap<O, (BTreeMap<At<P>, K>, usize)>,
+    orgs: HashMap<O, Held<P, K>>,
+    /// Entries pinned now, all orgs together.
+    pinned: usize,
     next_seq: u64,
     total: usize,
     per_org: usize,
 }
 
-/// The insert did not fit: every entry that could make room is pinned.
+/// The insert did not fit: every entry that could make room is pinned
+/// (or the table holds nothing). Nothing was changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Full;
 
 impl<O, K, V, P> FairTable<O, K, V, P>
 where
-    O: Hash + Eq + Ord + Clone,
+    O: Hash + Eq + Clone,
     K: Hash + Eq + Clone,
     P: Ord + Clone,
 {
@@ -58,29 +94,31 @@ where
     pub(crate) fn new(total: usize, per_org: usize) -> Self {
         FairTable {
             entries: HashMap::new(),
-            order: BTreeMap::new(),
             orgs: HashMap::new(),
+            pinned: 0,
             next_seq: 0,
             total,
             per_org: per_org.clamp(1, total.max(1)),
         }
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the tables still to come onto it")
-    )]
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
-    /// Entries `org` holds.
+    /// Entries `org` holds, pinned ones included.
     pub(crate) fn org_len(&self, org: &O) -> usize {
-        self.orgs.get(org).map_or(0, |(_, n)| *n)
+        self.orgs.get(org).map_or(0, |h| h.n)
     }
 
     pub(crate) fn get(&self, key: &K) -> Option<&V> {
         self.entries.get(key).map(|s| &s.value)
+    }
+
+    /// The value of `key`, to change in place (its place stays).
+    pub(crate) fn get_mut(&mut self, key: &K) -> Option<&mut V> {
+        self.entries.get_mut(key).map(|s| &mut s.value)
     }
 
     /// The place of `key`.
@@ -88,37 +126,34 @@ where
         self.entries.get(key).map(|s| &s.at.0)
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the tables still to come onto it")
-    )]
-    /// The first entry (unpinned) in the order: key and place.
+    /// The first unpinned entry in the order, all orgs together: key and
+    /// place.
     pub(crate) fn first(&self) -> Option<(&K, &P)> {
-        self.order.first_key_value().map(|((p, _), k)| (k, p))
+        self.orgs
+            .values()
+            .filter_map(|h| h.by_place.first_key_value())
+            .min_by(|a, b| a.0.cmp(b.0))
+            .map(|((p, _), k)| (k, p))
     }
 
     /// Take `key` out, pinned or not.
     pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
         let slot = self.entries.remove(key)?;
-        if !slot.pinned {
-            self.order.remove(&slot.at);
+        if slot.pins > 0 {
+            self.pinned -= 1;
         }
-        if let Some((by_place, n)) = self.orgs.get_mut(&slot.org) {
-            if !slot.pinned {
-                by_place.remove(&slot.at);
+        if let Some(held) = self.orgs.get_mut(&slot.org) {
+            if slot.pins == 0 {
+                held.by_place.remove(&slot.at);
             }
-            *n -= 1;
-            if *n == 0 {
+            held.n -= 1;
+            if held.n == 0 {
                 self.orgs.remove(&slot.org);
             }
         }
         Some(slot.value)
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the tables still to come onto it")
-    )]
     /// Move `key` to `place` (a new expiry, a new last use), behind the
     /// entries already there.
     pub(crate) fn reorder(&mut self, key: &K, place: P) {
@@ -127,115 +162,149 @@ where
             return;
         };
         let old = std::mem::replace(&mut slot.at, (place, seq));
-        if slot.pinned {
+        if slot.pins > 0 {
             return;
         }
-        self.order.remove(&old);
-        self.order.insert(slot.at.clone(), key.clone());
-        if let Some((by_place, _)) = self.orgs.get_mut(&slot.org) {
-            by_place.remove(&old);
-            by_place.insert(slot.at.clone(), key.clone());
+        if let Some(held) = self.orgs.get_mut(&slot.org) {
+            held.by_place.remove(&old);
+            held.by_place.insert(slot.at.clone(), key.clone());
         }
     }
 
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "for the tables still to come onto it")
-    )]
-    /// Pin `key` (never evicted) or unpin it.
-    pub(crate) fn pin(&mut self, key: &K, pinned: bool) {
+    /// Pin `key` once more: never evicted while a pin is held.
+    pub(crate) fn pin(&mut self, key: &K) {
         let Some(slot) = self.entries.get_mut(key) else {
             return;
         };
-        if slot.pinned == pinned {
+        slot.pins = slot.pins.saturating_add(1);
+        if slot.pins == 1 {
+            self.pinned += 1;
+            if let Some(held) = self.orgs.get_mut(&slot.org) {
+                held.by_place.remove(&slot.at);
+            }
+        }
+    }
+
+    /// Release one pin of `key` (none held, or `key` gone: nothing).
+    pub(crate) fn unpin(&mut self, key: &K) {
+        let Some(slot) = self.entries.get_mut(key) else {
+            return;
+        };
+        if slot.pins == 0 {
             return;
         }
-        slot.pinned = pinned;
-        let by_place = self.orgs.get_mut(&slot.org).map(|(b, _)| b);
-        if pinned {
-            self.order.remove(&slot.at);
-            if let Some(b) = by_place {
-                b.remove(&slot.at);
-            }
-        } else {
-            self.order.insert(slot.at.clone(), key.clone());
-            if let Some(b) = by_place {
-                b.insert(slot.at.clone(), key.clone());
+        slot.pins -= 1;
+        if slot.pins == 0 {
+            self.pinned -= 1;
+            if let Some(held) = self.orgs.get_mut(&slot.org) {
+                held.by_place.insert(slot.at.clone(), key.clone());
             }
         }
     }
 
     /// Keep `value` for `key`, held by `org`, at `place`; what it replaces
     /// (the same key) goes first. Evicts by the module's rule, with
-    /// `spent` saying whether the first place overall may go before any
-    /// org's share is considered (expired). Returns what was evicted, or
-    /// [`Full`] when pinned entries leave no room: `key` is then not held
-    /// (what was evicted on the way stays evicted).
+    /// `spent` saying whether an entry (place, value) may go before any
+    /// org's share is weighed (expired). Returns what went, or [`Full`]
+    /// when pinned entries leave no room (then nothing changed).
     pub(crate) fn insert(
         &mut self,
         org: O,
         key: K,
         value: V,
         place: P,
-        spent: impl Fn(&P) -> bool,
+        spent: impl Fn(&P, &V) -> bool,
     ) -> Result<Vec<(K, V)>, Full> {
-        if self.total == 0 {
+        let (old_pinned, old_pinned_here) = match self.entries.get(&key) {
+            Some(s) if s.pins > 0 => (1, usize::from(s.org == org)),
+            _ => (0, 0),
+        };
+        let unpinned_here = self.orgs.get(&org).map_or(0, |h| h.by_place.len());
+        let pinned_here = self.org_len(&org) - unpinned_here - old_pinned_here;
+        if self.total == 0 || pinned_here >= self.per_org || self.pinned - old_pinned >= self.total
+        {
             return Err(Full);
         }
         let mut evicted = Vec::new();
         if let Some(old) = self.remove(&key) {
             evicted.push((key.clone(), old));
         }
+        // Room is certain now: an org (the table) holding its cap (the
+        // total) holds more than its pinned entries.
         while self.org_len(&org) >= self.per_org {
-            let Some(k) = self.first_of(&org) else {
-                return Err(Full);
+            let Some(k) = self.first_of(&org).cloned() else {
+                break;
             };
             evicted.extend(self.take(k));
         }
         while self.entries.len() >= self.total {
             let Some(k) = self.victim(&spent) else {
-                return Err(Full);
+                break;
             };
             evicted.extend(self.take(k));
         }
         let at = (place, self.seq());
-        self.order.insert(at.clone(), key.clone());
-        let (by_place, n) = self.orgs.entry(org.clone()).or_default();
-        by_place.insert(at.clone(), key.clone());
-        *n += 1;
+        let held = self.orgs.entry(org.clone()).or_insert_with(|| Held {
+            by_place: BTreeMap::new(),
+            n: 0,
+        });
+        held.by_place.insert(at.clone(), key.clone());
+        held.n += 1;
         self.entries.insert(
             key,
             Slot {
                 org,
                 value,
                 at,
-                pinned: false,
+                pins: 0,
             },
         );
         Ok(evicted)
     }
 
-    /// Remove the first entries overall while `spent` says their place is
-    /// (the expired ones, oldest first); at most `max`.
-    pub(crate) fn sweep(&mut self, max: usize, spent: impl Fn(&P) -> bool) -> Vec<(K, V)> {
+    /// Remove the first unpinned entries (of `org`, or of all orgs) while
+    /// `spent` says they may go (the expired ones, oldest first); at most
+    /// `max`.
+    pub(crate) fn sweep(
+        &mut self,
+        org: Option<&O>,
+        max: usize,
+        spent: impl Fn(&P, &V) -> bool,
+    ) -> Vec<(K, V)> {
         let mut gone = Vec::new();
         while gone.len() < max {
-            match self.order.first_key_value() {
-                Some(((p, _), k)) if spent(p) => {
-                    let k = k.clone();
-                    gone.extend(self.take(k));
-                }
+            let first = match org {
+                Some(o) => self.first_of(o),
+                None => self.first().map(|(k, _)| k),
+            };
+            let Some(k) = first.cloned() else {
+                break;
+            };
+            match self.entries.get(&k) {
+                Some(s) if spent(&s.at.0, &s.value) => gone.extend(self.take(k)),
                 _ => break,
             }
         }
         gone
     }
 
+    /// Keep the entries `keep` accepts (org, key, place, value), pinned
+    /// or not; returns those that went.
+    pub(crate) fn retain(&mut self, mut keep: impl FnMut(&O, &K, &P, &V) -> bool) -> Vec<(K, V)> {
+        let drop: Vec<K> = self
+            .entries
+            .iter()
+            .filter(|(k, s)| !keep(&s.org, k, &s.at.0, &s.value))
+            .map(|(k, _)| k.clone())
+            .collect();
+        drop.into_iter().filter_map(|k| self.take(k)).collect()
+    }
+
     /// Remove every entry.
     pub(crate) fn clear(&mut self) {
         self.entries.clear();
-        self.order.clear();
         self.orgs.clear();
+        self.pinned = 0;
     }
 
     fn seq(&mut self) -> u64 {
@@ -247,26 +316,39 @@ where
         self.remove(&key).map(|v| (key, v))
     }
 
-    fn first_of(&self, org: &O) -> Option<K> {
-        let (by_place, _) = self.orgs.get(org)?;
-        by_place.first_key_value().map(|(_, k)| k.clone())
+    fn first_of(&self, org: &O) -> Option<&K> {
+        self.orgs
+            .get(org)?
+            .by_place
+            .first_key_value()
+            .map(|(_, k)| k)
     }
 
-    /// The entry to evict when the table is full: the first overall if its
-    /// place is spent, else the first of the org holding the most that
-    /// has an unpinned entry.
-    fn victim(&self, spent: &impl Fn(&P) -> bool) -> Option<K> {
-        if let Some(((p, _), k)) = self.order.first_key_value() {
-            if spent(p) {
-                return Some(k.clone());
+    /// The entry to evict when the table is full: the oldest of the orgs'
+    /// first entries that is spent, else the first of the org holding the
+    /// most (ties: the older first) that has an unpinned entry.
+    fn victim(&self, spent: &impl Fn(&P, &V) -> bool) -> Option<K> {
+        let mut oldest_spent: Option<(&At<P>, &K)> = None;
+        let mut most: Option<(usize, &At<P>, &K)> = None;
+        for held in self.orgs.values() {
+            let Some((at, k)) = held.by_place.first_key_value() else {
+                continue;
+            };
+            let is_spent = self
+                .entries
+                .get(k)
+                .is_some_and(|s| spent(&s.at.0, &s.value));
+            if is_spent && oldest_spent.is_none_or(|(a, _)| at < a) {
+                oldest_spent = Some((at, k));
+            }
+            if most.is_none_or(|(n, a, _)| (held.n, Reverse(at)) > (n, Reverse(a))) {
+                most = Some((held.n, at, k));
             }
         }
-        let (org, _) = self
-            .orgs
-            .iter()
-            .filter(|(_, (by_place, _))| !by_place.is_empty())
-            .max_by_key(|(org, (_, n))| (*n, std::cmp::Reverse(*org)))?;
-        self.first_of(org)
+        oldest_spent
+            .map(|(_, k)| k)
+            .or(most.map(|(_, _, k)| k))
+            .cloned()
     }
 }
 
@@ -276,7 +358,7 @@ mod tests {
 
     type T = FairTable<&'static str, u32, char, u32>;
 
-    fn never(_: &u32) -> bool {
+    fn never(_: &u32, _: &char) -> bool {
         false
     }
 
@@ -321,9 +403,9 @@ mod tests {
         t.insert("big", 1, 'b', 10, never).unwrap();
         t.insert("big", 2, 'b', 11, never).unwrap();
         t.insert("small", 3, 's', 1, never).unwrap();
-        let expired = |p: &u32| *p <= 5;
+        let expired = |p: &u32, _: &char| *p <= 5;
         assert_eq!(keys(t.insert("big", 4, 'b', 12, expired)), [3]);
-        assert_eq!(t.sweep(10, |p| *p <= 11), vec![(1, 'b'), (2, 'b')]);
+        assert_eq!(t.sweep(None, 10, |p, _| *p <= 11), vec![(1, 'b'), (2, 'b')]);
         assert_eq!(t.len(), 1);
     }
 
@@ -344,19 +426,25 @@ mod tests {
         assert_eq!(t.get(&5), Some(&'z'));
     }
 
-    #[test]
-    fn pinned_entries_are_never_evicted_and_a_table_of_them_refuses() {
+    /// A table of two, both held by `a`: keys 1 and 2 at places 0 and 1.
+    fn two_of_a() -> T {
         let mut t = T::new(2, 2);
         t.insert("a", 1, 'a', 0, never).unwrap();
         t.insert("a", 2, 'a', 1, never).unwrap();
-        t.pin(&1, true);
+        t
+    }
+
+    #[test]
+    fn pinned_entries_are_never_evicted_and_a_table_of_them_refuses() {
+        let mut t = two_of_a();
+        t.pin(&1);
         assert_eq!(keys(t.insert("a", 3, 'a', 2, never)), [2]);
-        t.pin(&3, true);
+        t.pin(&3);
         assert_eq!(t.insert("a", 4, 'a', 3, never), Err(Full));
-        assert_eq!(t.insert("b", 5, 'b', 3, |_| true), Err(Full));
+        assert_eq!(t.insert("b", 5, 'b', 3, |_, _| true), Err(Full));
         assert_eq!(t.len(), 2);
         // Unpinned, it goes again; removed, it is gone at once.
-        t.pin(&1, false);
+        t.unpin(&1);
         assert_eq!(keys(t.insert("b", 5, 'b', 3, never)), [1]);
         assert_eq!(t.remove(&3), Some('a'));
         assert_eq!((t.org_len(&"a"), t.len()), (0, 1));
@@ -370,5 +458,127 @@ mod tests {
         t.insert("a", 1, 'a', 0, never).unwrap();
         t.clear();
         assert_eq!((t.len(), t.org_len(&"a"), t.first()), (0, 0, None));
+    }
+
+    #[test]
+    fn pins_count_and_a_stale_unpin_is_harmless() {
+        let mut t = two_of_a();
+        t.pin(&1);
+        t.pin(&1);
+        t.unpin(&1);
+        // One pin still held: 2 goes, not 1.
+        assert_eq!(keys(t.insert("a", 3, 'a', 2, never)), [2]);
+        t.unpin(&1);
+        t.unpin(&1);
+        t.unpin(&99);
+        assert_eq!(keys(t.insert("a", 4, 'a', 3, never)), [1]);
+        // A refused insert changes nothing, the replaced key included.
+        t.pin(&3);
+        t.pin(&4);
+        assert_eq!(t.insert("a", 5, 'a', 9, never), Err(Full));
+        assert_eq!((t.len(), t.get(&3), t.get(&4)), (2, Some(&'a'), Some(&'a')));
+        // Replacing a pinned key frees its own room.
+        assert_eq!(t.insert("a", 4, 'z', 9, never).unwrap(), vec![(4, 'a')]);
+    }
+
+    #[test]
+    fn sweep_of_one_org_and_retain() {
+        let mut t = T::new(10, 10);
+        for (org, k, p) in [("a", 1, 1), ("b", 2, 2), ("a", 3, 3), ("a", 4, 9)] {
+            t.insert(org, k, 'x', p, never).unwrap();
+        }
+        assert_eq!(t.first(), Some((&1, &1)));
+        let gone = t.sweep(Some(&"a"), 10, |p, _| *p <= 5);
+        assert_eq!(gone, vec![(1, 'x'), (3, 'x')]);
+        assert_eq!(t.first(), Some((&2, &2)));
+        if let Some(v) = t.get_mut(&4) {
+            *v = 'y';
+        }
+        let gone = t.retain(|org, _, _, v| *org == "b" || *v == 'x');
+        assert_eq!((gone, t.len()), (vec![(4, 'y')], 1));
+    }
+
+    /// Pseudo-random places, so that no order of arrival is assumed.
+    fn places(seed: u64) -> impl FnMut() -> u32 {
+        let mut x = seed | 1;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            u32::try_from(x % 1_000_000).unwrap_or(0)
+        }
+    }
+
+    type Flood = FairTable<u32, (u32, u32), (), u32>;
+
+    #[test]
+    fn a_flooding_org_never_takes_another_below_its_fair_share() {
+        // 40 orgs hold 20 each in a table of 1000 with no cap per org
+        // to speak of: the fair share with the flooder is 1000 / 41 = 24.
+        let mut t = Flood::new(1000, 1000);
+        let mut place = places(7);
+        for org in 1..=40 {
+            for k in 0..20 {
+                t.insert(org, (org, k), (), place(), |_, _| false).unwrap();
+            }
+        }
+        // The flooder inserts 30 times the table, with places before,
+        // among and after everyone's.
+        for k in 0..30_000u32 {
+            let p = match k % 3 {
+                0 => 0,
+                1 => place(),
+                _ => u32::MAX,
+            };
+            t.insert(0, (0, k), (), p, |_, _| false).unwrap();
+            if k % 997 == 0 {
+                assert!((1..=40).all(|org| t.org_len(&org) == 20), "at {k}");
+            }
+        }
+        assert!((1..=40).all(|org| t.org_len(&org) == 20));
+        assert_eq!((t.org_len(&0), t.len()), (200, 1000));
+    }
+
+    #[test]
+    fn many_flooders_cut_everyone_to_the_fair_share_and_no_lower() {
+        // 10 orgs fill the table, then 5 more flood it in turn: every org
+        // ends with at least 1000 / 15 = 66, whatever the places.
+        let mut t = Flood::new(1000, 1000);
+        let mut place = places(11);
+        for org in 0..10 {
+            for k in 0..100 {
+                t.insert(org, (org, k), (), place(), |_, _| false).unwrap();
+            }
+        }
+        for k in 0..10_000u32 {
+            let org = 10 + k % 5;
+            t.insert(org, (org, 1000 + k), (), place(), |_, _| false)
+                .unwrap();
+            let least = (0..10).map(|o| t.org_len(&o)).min().unwrap_or(0);
+            assert!(least >= 1000 / 15, "at {k}: {least}");
+        }
+        // The flooders too: each came when others held more.
+        for org in 0..15 {
+            assert!(t.org_len(&org) >= 66, "{org}: {}", t.org_len(&org));
+        }
+    }
+
+    #[test]
+    fn a_flooder_pinning_all_it_holds_stops_at_its_own_cap() {
+        let mut t = Flood::new(1000, 100);
+        for org in 1..=10 {
+            for k in 0..20 {
+                t.insert(org, (org, k), (), 5, |_, _| false).unwrap();
+            }
+        }
+        let mut refused = 0;
+        for k in 0..10_000u32 {
+            match t.insert(0, (0, k), (), 0, |_, _| true) {
+                Ok(_) => t.pin(&(0, k)),
+                Err(Full) => refused += 1,
+            }
+        }
+        assert_eq!((t.org_len(&0), refused), (100, 9_900));
+        assert!((1..=10).all(|org| t.org_len(&org) == 20));
     }
 }

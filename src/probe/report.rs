@@ -1426,16 +1426,9 @@ fn surface(
     }
 }
 
-/// What the report did not examine, listed explicitly: surfaces the plan
-/// left out or whose probes could not run, the gateway itself, replicas
-/// no probe reached.
-fn untested(
-    plan: &Plan,
-    probes: &[ProbeResult],
-    sources: &str,
-    replicas: &[String],
-) -> Vec<String> {
-    let mut out = Vec::new();
+/// The surfaces (IPv6, UDP, DNS, the name channel, direct egress, TLS)
+/// the plan left out or whose probes could not run.
+fn untested_surfaces(out: &mut Vec<String>, probes: &[ProbeResult]) {
     let ipv6 = |p: &ProbeResult| {
         parse_target(&p.target).is_ok_and(|t| t.is_ipv6())
             || p.observation
@@ -1443,7 +1436,7 @@ fn untested(
                 .and_then(|o| o.server.as_deref())
                 .is_some_and(|s| s.starts_with('['))
     };
-    surface(&mut out, probes, "IPv6", &ipv6, "IPv6: not probed.");
+    surface(out, probes, "IPv6", &ipv6, "IPv6: not probed.");
     let udp_ports: BTreeSet<String> = probes
         .iter()
         .filter(|p| p.kind == "udp")
@@ -1452,46 +1445,38 @@ fn untested(
     if udp_ports.is_empty() {
         out.push("UDP other than DNS (QUIC, NTP, ...): not probed.".to_string());
     } else {
-        surface(
-            &mut out,
-            probes,
-            "UDP other than DNS",
-            &|p| p.kind == "udp",
-            "",
-        );
+        surface(out, probes, "UDP other than DNS", &|p| p.kind == "udp", "");
         out.push(format!(
             "UDP other than DNS: only port(s) {} probed.",
             udp_ports.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
+    surface(out, probes, "DNS", &|p| p.kind == "dns", "DNS: not probed.");
     surface(
-        &mut out,
-        probes,
-        "DNS",
-        &|p| p.kind == "dns",
-        "DNS: not probed.",
-    );
-    surface(
-        &mut out,
+        out,
         probes,
         "New names under allowed wildcards (the name channel)",
         &|p| p.kind == "dns-burst",
         "New names under allowed wildcards (the name channel): not probed (no dns-burst probe).",
     );
     surface(
-        &mut out,
+        out,
         probes,
         "Connections that skip the proxy (direct egress, the transparent path)",
         &|p| p.via == Via::Direct && !p.kind.starts_with("dns"),
         "Connections that skip the proxy (direct egress): not probed.",
     );
     surface(
-        &mut out,
+        out,
         probes,
         "TLS",
         &|p| p.kind == "https" || p.kind == "tls",
         "TLS: not probed.",
     );
+}
+
+/// Probes that did not run (the deadline) or left no observation.
+fn not_run(out: &mut Vec<String>, probes: &[ProbeResult]) {
     let not_run: Vec<&str> = probes
         .iter()
         .filter(|p| {
@@ -1518,7 +1503,11 @@ fn untested(
             missing.join(", ")
         ));
     }
-    // The gateway itself: its own addresses beyond the proxy and DNS ports.
+}
+
+/// The gateway itself, when no probe reached its own addresses beyond
+/// the proxy and DNS ports.
+fn gateway_untested(plan: &Plan, probes: &[ProbeResult]) -> Option<String> {
     let gateway: BTreeSet<IpAddr> = plan
         .proxy
         .iter()
@@ -1536,13 +1525,18 @@ fn untested(
             })
         })
     });
-    if !gateway.is_empty() && !reached_gateway {
-        let list: Vec<String> = gateway.iter().map(|ip| ip.to_string()).collect();
-        out.push(format!(
-            "The gateway's own addresses ({}) on ports other than its proxy and DNS service, and its management interfaces (admin listener, SSH): not probed.",
-            list.join(", ")
-        ));
+    if gateway.is_empty() || reached_gateway {
+        return None;
     }
+    let list: Vec<String> = gateway.iter().map(|ip| ip.to_string()).collect();
+    Some(format!(
+        "The gateway's own addresses ({}) on ports other than its proxy and DNS service, and its management interfaces (admin listener, SSH): not probed.",
+        list.join(", ")
+    ))
+}
+
+/// Replicas no probe was decided by.
+fn replicas_untested(out: &mut Vec<String>, probes: &[ProbeResult], replicas: &[String]) {
     for replica in replicas {
         let decided = probes.iter().any(|p| {
             p.replica
@@ -1555,6 +1549,22 @@ fn untested(
             ));
         }
     }
+}
+
+/// What the report did not examine, listed explicitly: surfaces the plan
+/// left out or whose probes could not run, the gateway itself, replicas
+/// no probe reached.
+fn untested(
+    plan: &Plan,
+    probes: &[ProbeResult],
+    sources: &str,
+    replicas: &[String],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    untested_surfaces(&mut out, probes);
+    not_run(&mut out, probes);
+    out.extend(gateway_untested(plan, probes));
+    replicas_untested(&mut out, probes, replicas);
     out.push("ICMP and IP protocols other than TCP and UDP: not probed.".into());
     out.push("TCP and UDP ports and destinations not in the probe table: not probed.".into());
     out.push(format!(

@@ -214,7 +214,7 @@ pub(crate) struct Conn {
     /// is then the name bound to it, `ip` the real address dialled.
     pub synthetic: Option<IpAddr>,
     /// The synthetic mapping held (never evicted) while this connection lives.
-    pub pin: Option<Arc<crate::synthetic::Pinned>>,
+    pub pin: Option<Arc<crate::handout::synthetic::Pinned>>,
     /// The SNI of the client's ClientHello.
     pub sni: Option<String>,
     /// What the tunnel was verified to carry (or `opaque`).

@@ -13,9 +13,9 @@ use tracing::warn;
 
 use super::denials::{self, Denials};
 use super::pool::UpstreamPool;
-use crate::bindings::NameBindings;
 use crate::config::{Limits, TokenDigest};
 use crate::evidence::{Evidence, Record};
+use crate::handout::bindings::NameBindings;
 use crate::limits::volume::Exceeded;
 use crate::limits::{ConnLimits, DetectMemory, DetectScope, Lease, NameBudgets, Volumes};
 use crate::metrics::Metrics;
@@ -39,7 +39,7 @@ pub(crate) struct Ctx {
     pub bindings: Option<Arc<dyn NameBindings>>,
     /// The synthetic pools' mappings, when a pool is set: a connection to
     /// a pool address stands for the name bound to it.
-    pub synthetic: Option<Arc<crate::synthetic::Synthetic>>,
+    pub synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
     pub limits: Limits,
     /// The new-name budgets of wildcard rules, shared with the DNS shim.
     pub names: Arc<NameBudgets>,

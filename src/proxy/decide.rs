@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::ctx::{Ctx, View};
-use crate::bindings::NameBindings;
 use crate::evidence::Mode;
+use crate::handout::bindings::NameBindings;
+use crate::handout::synthetic::{Lookup, Pinned};
 use crate::jit::{Jit, Miss, MissFacts};
 use crate::limits::NameBudgets;
 use crate::policy::{canonical, Decision, OrgRef, PendingName, Policy, Reason, Verdict};
 use crate::proto::target::Host;
 use crate::resolve::Resolver;
-use crate::synthetic::{Lookup, Pinned};
 
 /// A policy decision for one target, with the addresses that may be dialled.
 #[derive(Debug, Clone)]

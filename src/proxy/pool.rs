@@ -80,6 +80,14 @@ struct Entry<T> {
 /// Idle values under keys, bounded in total and per key, each for at most
 /// `idle_timeout`; the newest of a key is handed out first (the likeliest
 /// to be alive), the oldest overall is dropped first.
+///
+/// Not on [`FairTable`](crate::limits::table::FairTable), measured: with
+/// the pool's key as the table's holder there are as many holders as
+/// keys (thousands, one or two idle connections each), and the table
+/// finds the holder with the most by looking at every holder, so a
+/// checkin into a full pool costs O(keys) where this costs O(log n):
+/// 8 times the time per checkin and checkout at 4096 idle connections
+/// over 3000 keys (`cargo test --lib limits::measure -- --ignored`).
 #[derive(Debug)]
 pub(crate) struct Pool<K, T> {
     bounds: Bounds,

@@ -13,7 +13,7 @@ use crate::config::model::{
 };
 use crate::config::raw::RawDns;
 
-/// The smallest synthetic pools: 256 addresses (see `crate::synthetic`).
+/// The smallest synthetic pools: 256 addresses (see `crate::handout::synthetic`).
 const MIN_POOL_PREFIX_V4: u8 = 24;
 const MIN_POOL_PREFIX_V6: u8 = 120;
 
@@ -120,7 +120,7 @@ pub(super) fn check_pools(config: &Config, spans: &PoolSpans, errors: &mut Error
 }
 
 /// Every org with `dns_answers = "synthetic"` has the whole pool to
-/// itself (`crate::synthetic`), so the pools bound each org, and the
+/// itself (`crate::handout::synthetic`), so the pools bound each org, and the
 /// number of such orgs bounds the table: over [`MAX_SYNTHETIC_MAPPINGS`]
 /// in all is an error at the smaller pool's key.
 fn check_synthetic_orgs(config: &Config, spans: &PoolSpans, errors: &mut Errors<'_>) {

@@ -4,7 +4,8 @@
 //! (org, name), resolving nothing; the proxy ([`crate::proxy::decide`])
 //! takes a connection to such an address for the name it is bound to.
 //!
-//! Pure bookkeeping: no clock, no I/O (recency is a sequence number).
+//! Pure bookkeeping: no clock, no I/O (recency is the order of the
+//! [`FairTable`] the mappings are held in).
 //!
 //! Every org has the whole pool to itself: an address means (org, name)
 //! for the org of the client that connects to it, and nothing for any
@@ -29,13 +30,14 @@
 //! (`synthetic_unbound`) rather than another name, until the org's own
 //! cursor has come round.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 use crate::config::MAX_SYNTHETIC_PER_ORG;
+use crate::limits::table::FairTable;
 use crate::policy::canonical;
 
 /// TTL of a synthetic answer, in seconds: short, so that a client asks
@@ -74,83 +76,62 @@ pub(crate) enum Lookup {
     Bound(String, Pinned),
 }
 
+/// One mapping: (org, name) and the addresses it was given.
 #[derive(Debug)]
 struct Mapping {
+    org: Arc<str>,
+    name: Arc<str>,
     v4: Option<Ipv4Addr>,
     v6: Option<Ipv6Addr>,
-    /// Recency: its key in `OrgMaps::order`.
-    seq: u64,
-    /// Open connections using it.
-    pins: usize,
-    /// Tells a re-made mapping of the same key from this one.
-    generation: u64,
 }
 
-/// One org's mappings, addresses and cursors: nothing in it depends on
-/// any other org.
+/// Every org's mappings in one [`FairTable`] (no total: each org holds at
+/// most `per_org`, its own least recently used going first), under ids
+/// never reused; place `()`: a use moves a mapping to the back.
+type Table = FairTable<Arc<str>, u64, Mapping, ()>;
+
+/// One org's names, addresses and cursors: nothing in it depends on any
+/// other org.
 #[derive(Debug, Default)]
 struct OrgMaps {
-    maps: HashMap<String, Mapping>,
-    by_addr: HashMap<IpAddr, String>,
-    /// Every mapping by recency: the first is the least recently used.
-    order: BTreeMap<u64, String>,
+    names: HashMap<Arc<str>, u64>,
+    by_addr: HashMap<IpAddr, u64>,
     next_v4: u32,
     next_v6: u128,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
+    table: Table,
     orgs: HashMap<Arc<str>, OrgMaps>,
-    next_seq: u64,
+    next_id: u64,
 }
 
 impl Inner {
-    fn seq(&mut self) -> u64 {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        seq
+    /// Drop from the org's indexes the mappings that left the table.
+    fn unindex(&mut self, gone: Vec<(u64, Mapping)>) {
+        for (_, m) in gone {
+            let Some(maps) = self.orgs.get_mut(&m.org) else {
+                continue;
+            };
+            maps.names.remove(&m.name);
+            for a in [m.v4.map(IpAddr::V4), m.v6.map(IpAddr::V6)]
+                .into_iter()
+                .flatten()
+            {
+                maps.by_addr.remove(&a);
+            }
+        }
+    }
+
+    /// The mapping `org` has for `addr`.
+    fn at(&self, org: &str, addr: IpAddr) -> Option<(u64, &Mapping)> {
+        let id = *self.orgs.get(org)?.by_addr.get(&addr)?;
+        Some((id, self.table.get(&id)?))
     }
 }
 
 impl OrgMaps {
-    fn touch(&mut self, name: &str, seq: u64) {
-        if let Some(m) = self.maps.get_mut(name) {
-            self.order.remove(&m.seq);
-            m.seq = seq;
-            self.order.insert(seq, name.to_string());
-        }
-    }
-
-    fn remove(&mut self, name: &str) {
-        let Some(m) = self.maps.remove(name) else {
-            return;
-        };
-        self.order.remove(&m.seq);
-        if let Some(a) = m.v4 {
-            self.by_addr.remove(&IpAddr::V4(a));
-        }
-        if let Some(a) = m.v6 {
-            self.by_addr.remove(&IpAddr::V6(a));
-        }
-    }
-
-    /// Evict this org's least recently used unpinned mapping; `false`:
-    /// every one is pinned.
-    fn evict(&mut self) -> bool {
-        let victim = self
-            .order
-            .values()
-            .find(|n| self.maps.get(*n).is_some_and(|m| m.pins == 0))
-            .cloned();
-        match victim {
-            Some(n) => {
-                self.remove(&n);
-                true
-            }
-            None => false,
-        }
-    }
-
     /// The next address of the pool at `base` holding `size` addresses,
     /// from this org's `cursor` on, that this org does not use. It holds
     /// fewer mappings than the pool has addresses, so one is found within
@@ -162,7 +143,7 @@ impl OrgMaps {
         cursor: &mut u128,
         addr: impl Fn(u128) -> IpAddr,
     ) -> Option<IpAddr> {
-        for _ in 0..=self.maps.len() {
+        for _ in 0..=self.names.len() {
             let off = *cursor % size;
             *cursor = (off + 1) % size;
             let a = addr(base.wrapping_add(off));
@@ -172,6 +153,36 @@ impl OrgMaps {
         }
         None
     }
+
+    /// A new address of `family`'s pool for this org.
+    fn next_addr(
+        &mut self,
+        family: Family,
+        v4: Option<Ipv4Net>,
+        v6: Option<Ipv6Net>,
+    ) -> Option<IpAddr> {
+        match (family, v4, v6) {
+            (Family::V4, Some(net), _) => {
+                let mut cursor = u128::from(self.next_v4);
+                let size = pool_size(IpNet::V4(net));
+                let base = u128::from(u32::from(net.network()));
+                let found = self.free(base, size, &mut cursor, |a| {
+                    IpAddr::V4(Ipv4Addr::from(u32::try_from(a).unwrap_or(u32::MAX)))
+                });
+                self.next_v4 = u32::try_from(cursor).unwrap_or(0);
+                found
+            }
+            (Family::V6, _, Some(net)) => {
+                let mut cursor = self.next_v6;
+                let size = pool_size(IpNet::V6(net));
+                let base = u128::from(net.network());
+                let found = self.free(base, size, &mut cursor, |a| IpAddr::V6(Ipv6Addr::from(a)));
+                self.next_v6 = cursor;
+                found
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The pools and every org's mappings, shared by the DNS shim and the proxy.
@@ -180,31 +191,20 @@ pub(crate) struct Synthetic {
     inner: Mutex<Inner>,
     v4: Option<Ipv4Net>,
     v6: Option<Ipv6Net>,
-    per_org: usize,
-    generations: std::sync::atomic::AtomicU64,
 }
 
 /// A mapping held by an open connection: never evicted while this lives.
 #[derive(Debug)]
 pub(crate) struct Pinned {
     owner: Arc<Synthetic>,
-    org: Arc<str>,
-    name: String,
-    generation: u64,
+    /// The mapping's id: a mapping made again after this one went has
+    /// another, so a late drop releases nothing of it.
+    id: u64,
 }
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let mut inner = self.owner.lock();
-        if let Some(m) = inner
-            .orgs
-            .get_mut(&self.org)
-            .and_then(|o| o.maps.get_mut(&self.name))
-        {
-            if m.generation == self.generation {
-                m.pins = m.pins.saturating_sub(1);
-            }
-        }
+        self.owner.lock().table.unpin(&self.id);
     }
 }
 
@@ -227,11 +227,13 @@ impl Synthetic {
             .unwrap_or(0);
         let per_org = usize::try_from(smallest).unwrap_or(usize::MAX).min(per_org);
         Synthetic {
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Inner {
+                table: FairTable::new(usize::MAX, per_org.max(1)),
+                orgs: HashMap::new(),
+                next_id: 0,
+            }),
             v4,
             v6,
-            per_org: per_org.max(1),
-            generations: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -272,72 +274,57 @@ impl Synthetic {
             return Answer::NoPool;
         }
         let mut inner = self.lock();
-        let seq = inner.seq();
-        let maps = inner.orgs.entry(org.clone()).or_default();
-        if let Some(m) = maps.maps.get(name) {
-            let have = match family {
-                Family::V4 => m.v4.map(IpAddr::V4),
-                Family::V6 => m.v6.map(IpAddr::V6),
-            };
-            if let Some(addr) = have {
-                maps.touch(name, seq);
-                return Answer::Addr(addr);
-            }
-        } else {
-            while maps.maps.len() >= self.per_org {
-                if !maps.evict() {
-                    return Answer::Exhausted;
+        let inner = &mut *inner;
+        let known = inner.orgs.get(org).and_then(|m| m.names.get(name)).copied();
+        let id = match known {
+            Some(id) => {
+                let have = inner.table.get(&id).and_then(|m| match family {
+                    Family::V4 => m.v4.map(IpAddr::V4),
+                    Family::V6 => m.v6.map(IpAddr::V6),
+                });
+                inner.table.reorder(&id, ());
+                if let Some(addr) = have {
+                    return Answer::Addr(addr);
                 }
+                id
             }
-            let generation = self
-                .generations
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            maps.maps.insert(
-                name.to_string(),
-                Mapping {
+            None => {
+                let id = inner.next_id;
+                let name: Arc<str> = Arc::from(name);
+                let mapping = Mapping {
+                    org: org.clone(),
+                    name: name.clone(),
                     v4: None,
                     v6: None,
-                    seq,
-                    pins: 0,
-                    generation,
-                },
-            );
-            maps.order.insert(seq, name.to_string());
-        }
-        let addr = match (family, self.v4, self.v6) {
-            (Family::V4, Some(net), _) => {
-                let mut cursor = u128::from(maps.next_v4);
-                let size = pool_size(IpNet::V4(net));
-                let base = u128::from(u32::from(net.network()));
-                let found = maps.free(base, size, &mut cursor, |a| {
-                    IpAddr::V4(Ipv4Addr::from(u32::try_from(a).unwrap_or(u32::MAX)))
-                });
-                maps.next_v4 = u32::try_from(cursor).unwrap_or(0);
-                found
+                };
+                // Over the org's cap its own least recently used unpinned
+                // mapping goes; all pinned: refused.
+                let Ok(gone) = inner
+                    .table
+                    .insert(org.clone(), id, mapping, (), |_, _| false)
+                else {
+                    return Answer::Exhausted;
+                };
+                inner.next_id += 1;
+                inner.unindex(gone);
+                let maps = inner.orgs.entry(org.clone()).or_default();
+                maps.names.insert(name, id);
+                id
             }
-            (Family::V6, _, Some(net)) => {
-                let mut cursor = maps.next_v6;
-                let size = pool_size(IpNet::V6(net));
-                let base = u128::from(net.network());
-                let found = maps.free(base, size, &mut cursor, |a| IpAddr::V6(Ipv6Addr::from(a)));
-                maps.next_v6 = cursor;
-                found
-            }
-            _ => None,
         };
-        let Some(addr) = addr else {
+        let maps = inner.orgs.entry(org.clone()).or_default();
+        let Some(addr) = maps.next_addr(family, self.v4, self.v6) else {
             // Unreachable by the bound above; the mapping made stays empty
             // and goes like any other.
             return Answer::Exhausted;
         };
-        maps.by_addr.insert(addr, name.to_string());
-        if let Some(m) = maps.maps.get_mut(name) {
+        maps.by_addr.insert(addr, id);
+        if let Some(m) = inner.table.get_mut(&id) {
             match addr {
                 IpAddr::V4(a) => m.v4 = Some(a),
                 IpAddr::V6(a) => m.v6 = Some(a),
             }
         }
-        maps.touch(name, seq);
         Answer::Addr(addr)
     }
 
@@ -349,29 +336,17 @@ impl Synthetic {
             return Lookup::NotSynthetic;
         }
         let mut inner = self.lock();
-        let seq = inner.seq();
-        let Some(org) = inner.orgs.get_key_value(org).map(|(k, _)| k.clone()) else {
+        let Some((id, m)) = inner.at(org, addr) else {
             return Lookup::Unbound;
         };
-        let Some(maps) = inner.orgs.get_mut(&org) else {
-            return Lookup::Unbound;
-        };
-        let Some(name) = maps.by_addr.get(&addr).cloned() else {
-            return Lookup::Unbound;
-        };
-        maps.touch(&name, seq);
-        let Some(m) = maps.maps.get_mut(&name) else {
-            return Lookup::Unbound;
-        };
-        m.pins += 1;
-        let generation = m.generation;
+        let name = m.name.to_string();
+        inner.table.reorder(&id, ());
+        inner.table.pin(&id);
         Lookup::Bound(
-            name.clone(),
+            name,
             Pinned {
                 owner: self.clone(),
-                org,
-                name,
-                generation,
+                id,
             },
         )
     }
@@ -380,7 +355,9 @@ impl Synthetic {
     #[cfg(test)]
     pub(crate) fn name_of(&self, org: &str, addr: IpAddr) -> Option<String> {
         let inner = self.lock();
-        inner.orgs.get(org)?.by_addr.get(&canonical(addr)).cloned()
+        inner
+            .at(org, canonical(addr))
+            .map(|(_, m)| m.name.to_string())
     }
 
     /// Keep only the mappings whose (org, name) `keep` accepts (after a
@@ -389,27 +366,17 @@ impl Synthetic {
     /// revocation's to close, and its pin is released harmlessly.
     pub(crate) fn retain(&self, mut keep: impl FnMut(&str, &str) -> bool) -> usize {
         let mut inner = self.lock();
-        let mut gone = 0;
-        for (org, maps) in &mut inner.orgs {
-            let drop: Vec<String> = maps
-                .maps
-                .keys()
-                .filter(|name| !keep(org, name))
-                .cloned()
-                .collect();
-            for name in &drop {
-                maps.remove(name);
-            }
-            gone += drop.len();
-        }
-        inner.orgs.retain(|_, maps| !maps.maps.is_empty());
-        gone
+        let gone = inner.table.retain(|_, _, _, m| keep(&m.org, &m.name));
+        let n = gone.len();
+        inner.unindex(gone);
+        inner.orgs.retain(|_, maps| !maps.names.is_empty());
+        n
     }
 
     /// Mappings held (all orgs).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().orgs.values().map(|o| o.maps.len()).sum()
+        self.lock().table.len()
     }
 }
 

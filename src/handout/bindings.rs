@@ -15,112 +15,87 @@
 //! - at most `total` bindings overall: when full, an expired binding goes
 //!   first, else the oldest binding of the org holding the most. An org
 //!   holding no more than any other is never evicted for another's sake.
+//!
+//! The caps per org and overall are those of the [`FairTable`] the
+//! bindings are held in; the cap per name and the lookups by name and by
+//! address are this file's own indexes into it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::limits::table::FairTable;
 use crate::policy::canonical;
 
 /// Expired bindings of the binding org checked (and dropped) per `bind` call, oldest first.
 const SWEEP_PER_BIND: usize = 8;
 
-#[derive(Debug, Clone, Copy)]
-struct Entry {
+/// One binding: (org, name) received `addr`, valid until `expires`.
+#[derive(Debug)]
+struct Bound {
+    org: Arc<str>,
+    name: Arc<str>,
     addr: IpAddr,
     expires: Instant,
-    seq: u64,
 }
 
+/// One org's indexes into the table: its bindings by name and by address.
 #[derive(Debug, Default)]
-struct OrgBindings {
-    by_name: HashMap<String, Vec<Entry>>,
-    by_addr: HashMap<IpAddr, Vec<String>>,
-    /// This org's bindings by the sequence number of their last `bind`: the first is the oldest.
-    order: BTreeMap<u64, (String, IpAddr)>,
+struct OrgIndex {
+    by_name: HashMap<Arc<str>, Vec<u64>>,
+    by_addr: HashMap<IpAddr, Vec<u64>>,
 }
 
-impl OrgBindings {
-    fn entry(&self, name: &str, addr: IpAddr) -> Option<Entry> {
-        self.by_name
-            .get(name)?
-            .iter()
-            .find(|e| e.addr == addr)
-            .copied()
-    }
-
-    /// The oldest binding, if it has expired at `now`.
-    fn oldest_expired(&self, now: Instant) -> Option<(String, IpAddr)> {
-        let (_, (name, addr)) = self.order.first_key_value()?;
-        let e = self.entry(name, *addr)?;
-        (e.expires <= now).then(|| (name.clone(), *addr))
-    }
-
-    fn oldest(&self) -> Option<(String, IpAddr)> {
-        self.order.first_key_value().map(|(_, b)| b.clone())
-    }
-}
-
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Inner {
-    orgs: HashMap<Arc<str>, OrgBindings>,
-    /// Bindings held, all orgs together.
-    len: usize,
-    next_seq: u64,
+    /// Every binding under an id never reused, held by its org, in the
+    /// order of its last `bind` (place `()`: a bind moves it to the back).
+    table: FairTable<Arc<str>, u64, Bound, ()>,
+    orgs: HashMap<Arc<str>, OrgIndex>,
+    next_id: u64,
+}
+
+/// Forget `id` in `list`, and the list's entry in `map` once empty.
+fn forget<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Vec<u64>>, key: &K, id: u64) {
+    if let Some(list) = map.get_mut(key) {
+        list.retain(|i| *i != id);
+        if list.is_empty() {
+            map.remove(key);
+        }
+    }
 }
 
 impl Inner {
-    fn remove(&mut self, org: &Arc<str>, name: &str, addr: IpAddr) {
-        let Some(o) = self.orgs.get_mut(org) else {
-            return;
-        };
-        if let Some(list) = o.by_name.get_mut(name) {
-            if let Some(pos) = list.iter().position(|e| e.addr == addr) {
-                let e = list.swap_remove(pos);
-                o.order.remove(&e.seq);
-                self.len -= 1;
+    /// Drop from the org's indexes the bindings that left the table.
+    fn unindex(&mut self, gone: Vec<(u64, Bound)>) {
+        for (id, b) in gone {
+            let Some(o) = self.orgs.get_mut(&b.org) else {
+                continue;
+            };
+            forget(&mut o.by_name, &b.name, id);
+            forget(&mut o.by_addr, &b.addr, id);
+            if o.by_name.is_empty() {
+                self.orgs.remove(&b.org);
             }
-            if list.is_empty() {
-                o.by_name.remove(name);
-            }
-        }
-        if let Some(names) = o.by_addr.get_mut(&addr) {
-            names.retain(|n| n != name);
-            if names.is_empty() {
-                o.by_addr.remove(&addr);
-            }
-        }
-        if o.by_name.is_empty() {
-            self.orgs.remove(org);
         }
     }
 
-    fn entry(&self, org: &str, name: &str, addr: IpAddr) -> Option<Entry> {
-        self.orgs.get(org)?.entry(name, addr)
+    fn remove(&mut self, id: u64) {
+        if let Some(b) = self.table.remove(&id) {
+            self.unindex(vec![(id, b)]);
+        }
     }
 
-    fn org_len(&self, org: &str) -> usize {
-        self.orgs.get(org).map_or(0, |o| o.order.len())
-    }
-
-    /// The binding to evict when all are taken: an expired one of any
-    /// org, else the oldest of the org holding the most (ties: the org
-    /// whose oldest is older).
-    fn global_victim(&self, now: Instant) -> Option<(Arc<str>, String, IpAddr)> {
-        if let Some((org, (name, addr))) = self
-            .orgs
+    /// The binding of (org, name) to `addr`.
+    fn find(&self, org: &str, name: &str, addr: IpAddr) -> Option<(u64, &Bound)> {
+        self.orgs
+            .get(org)?
+            .by_name
+            .get(name)?
             .iter()
-            .find_map(|(org, o)| Some((org, o.oldest_expired(now)?)))
-        {
-            return Some((org.clone(), name, addr));
-        }
-        let (org, o) = self.orgs.iter().max_by_key(|(_, o)| {
-            let oldest = o.order.first_key_value().map_or(u64::MAX, |(s, _)| *s);
-            (o.order.len(), std::cmp::Reverse(oldest))
-        })?;
-        let (name, addr) = o.oldest()?;
-        Some((org.clone(), name, addr))
+            .filter_map(|id| Some((*id, self.table.get(id)?)))
+            .find(|(_, b)| b.addr == addr)
     }
 }
 
@@ -129,18 +104,18 @@ impl Inner {
 pub(crate) struct Bindings {
     inner: Mutex<Inner>,
     per_name: usize,
-    per_org: usize,
-    total: usize,
 }
 
 impl Bindings {
     /// `per_name`, `per_org` and `total` are clamped to at least 1.
     pub(crate) fn new(per_name: usize, per_org: usize, total: usize) -> Bindings {
         Bindings {
-            inner: Mutex::new(Inner::default()),
+            inner: Mutex::new(Inner {
+                table: FairTable::new(total.max(1), per_org.max(1)),
+                orgs: HashMap::new(),
+                next_id: 0,
+            }),
             per_name: per_name.max(1),
-            per_org: per_org.max(1),
-            total: total.max(1),
         }
     }
 
@@ -164,31 +139,19 @@ impl Bindings {
         let addr = canonical(addr);
         let expires = now + valid;
         let mut inner = self.lock();
-        let seq = inner.next_seq;
-        inner.next_seq += 1;
+        let expired = |_: &(), b: &Bound| b.expires <= now;
 
         // Drop a few of this org's expired bindings, oldest first, so
         // memory follows use.
-        for _ in 0..SWEEP_PER_BIND {
-            let Some((n, a)) = inner.orgs.get(org).and_then(|o| o.oldest_expired(now)) else {
-                break;
-            };
-            inner.remove(org, &n, a);
-        }
+        let gone = inner.table.sweep(Some(org), SWEEP_PER_BIND, expired);
+        inner.unindex(gone);
 
-        if let Some(o) = inner.orgs.get_mut(org) {
-            if let Some(e) = o
-                .by_name
-                .get_mut(name)
-                .and_then(|l| l.iter_mut().find(|e| e.addr == addr))
-            {
-                let old_seq = e.seq;
-                e.expires = e.expires.max(expires);
-                e.seq = seq;
-                o.order.remove(&old_seq);
-                o.order.insert(seq, (name.to_string(), addr));
-                return;
+        if let Some((id, _)) = inner.find(org, name, addr) {
+            if let Some(b) = inner.table.get_mut(&id) {
+                b.expires = b.expires.max(expires);
             }
+            inner.table.reorder(&id, ());
+            return;
         }
 
         // Per-name cap: replace the binding that expires soonest.
@@ -196,41 +159,41 @@ impl Bindings {
             .orgs
             .get(org)
             .and_then(|o| o.by_name.get(name))
-            .filter(|l| l.len() >= self.per_name)
-            .and_then(|l| l.iter().min_by_key(|e| e.expires).map(|e| e.addr));
-        if let Some(victim) = full {
-            inner.remove(org, name, victim);
-        }
-        // Per-org cap: this org's own oldest goes.
-        while inner.org_len(org) >= self.per_org {
-            let Some((n, a)) = inner.orgs.get(org).and_then(OrgBindings::oldest) else {
-                break;
-            };
-            inner.remove(org, &n, a);
-        }
-        // Global cap: an expired binding, else the biggest holder's oldest.
-        while inner.len >= self.total {
-            let Some((o, n, a)) = inner.global_victim(now) else {
-                break;
-            };
-            inner.remove(&o, &n, a);
+            .filter(|ids| ids.len() >= self.per_name)
+            .and_then(|ids| {
+                ids.iter()
+                    .filter_map(|id| Some((*id, inner.table.get(id)?.expires)))
+                    .min_by_key(|(_, e)| *e)
+            });
+        if let Some((victim, _)) = full {
+            inner.remove(victim);
         }
 
-        let o = inner.orgs.entry(org.clone()).or_default();
-        o.by_name
-            .entry(name.to_string())
-            .or_default()
-            .push(Entry { addr, expires, seq });
-        o.by_addr.entry(addr).or_default().push(name.to_string());
-        o.order.insert(seq, (name.to_string(), addr));
-        inner.len += 1;
+        // Per-org cap: this org's own oldest goes; global cap: an expired
+        // binding, else the oldest of the org holding the most.
+        let id = inner.next_id;
+        inner.next_id += 1;
+        let name: Arc<str> = Arc::from(name);
+        let bound = Bound {
+            org: org.clone(),
+            name: name.clone(),
+            addr,
+            expires,
+        };
+        // Nothing is pinned: the insert always finds room.
+        if let Ok(gone) = inner.table.insert(org.clone(), id, bound, (), expired) {
+            inner.unindex(gone);
+            let o = inner.orgs.entry(org.clone()).or_default();
+            o.by_name.entry(name).or_default().push(id);
+            o.by_addr.entry(addr).or_default().push(id);
+        }
     }
 
     /// Did `org` receive `addr` for `name`, and is that still valid at `now`?
     pub(crate) fn is_bound(&self, org: &str, name: &str, addr: IpAddr, now: Instant) -> bool {
         self.lock()
-            .entry(org, name, canonical(addr))
-            .is_some_and(|e| e.expires > now)
+            .find(org, name, canonical(addr))
+            .is_some_and(|(_, b)| b.expires > now)
     }
 
     /// Names `org` received `addr` for that are still valid at `now`, each
@@ -243,15 +206,14 @@ impl Bindings {
     ) -> Vec<(String, Duration)> {
         let addr = canonical(addr);
         let inner = self.lock();
-        let Some(names) = inner.orgs.get(org).and_then(|o| o.by_addr.get(&addr)) else {
+        let Some(ids) = inner.orgs.get(org).and_then(|o| o.by_addr.get(&addr)) else {
             return Vec::new();
         };
-        let mut out: Vec<(String, Duration)> = names
+        let mut out: Vec<(String, Duration)> = ids
             .iter()
-            .filter_map(|n| {
-                let e = inner.entry(org, n, addr)?;
-                (e.expires > now).then(|| (n.clone(), e.expires - now))
-            })
+            .filter_map(|id| inner.table.get(id))
+            .filter(|b| b.expires > now)
+            .map(|b| (b.name.to_string(), b.expires - now))
             .collect();
         out.sort();
         out
@@ -261,30 +223,22 @@ impl Bindings {
     /// reload: those the new policy still allows); returns how many went.
     pub(crate) fn retain(&self, mut keep: impl FnMut(&str, &str) -> bool) -> usize {
         let mut inner = self.lock();
-        let mut gone = Vec::new();
-        for (org, o) in &inner.orgs {
-            for (name, entries) in &o.by_name {
-                if !keep(org, name) {
-                    gone.extend(entries.iter().map(|e| (org.clone(), name.clone(), e.addr)));
-                }
-            }
-        }
-        for (org, name, addr) in &gone {
-            inner.remove(org, name, *addr);
-        }
-        gone.len()
+        let gone = inner.table.retain(|_, _, _, b| keep(&b.org, &b.name));
+        let n = gone.len();
+        inner.unindex(gone);
+        n
     }
 
     /// Number of bindings held (expired ones not yet swept included).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.lock().len
+        self.lock().table.len()
     }
 
     /// Number of bindings `org` holds (expired ones not yet swept included).
     #[cfg(test)]
     pub(crate) fn len_of(&self, org: &str) -> usize {
-        self.lock().org_len(org)
+        self.lock().table.org_len(&Arc::from(org))
     }
 }
 
@@ -312,10 +266,17 @@ mod tests {
 
     const SEC: Duration = Duration::from_secs(1);
 
+    /// The tests' origin of time: the only clock read here, and only to
+    /// have an `Instant` to count from; the code under test is handed it.
+    #[expect(clippy::disallowed_methods, reason = "an Instant to count from")]
+    fn origin() -> Instant {
+        Instant::now()
+    }
+
     #[test]
     fn bound_until_expiry_and_per_org() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         assert!(b.is_bound("acme", "a.test", ip("198.18.2.10"), t0 + 9 * SEC));
@@ -330,7 +291,7 @@ mod tests {
     #[test]
     fn retain_drops_what_it_is_told_to_and_nothing_else() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let (acme, beta): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("beta"));
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.11"), 10 * SEC, t0);
@@ -349,7 +310,7 @@ mod tests {
     #[test]
     fn rebinding_refreshes() {
         let b = Bindings::new(4, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.10"), 10 * SEC, t0 + 5 * SEC);
@@ -360,7 +321,7 @@ mod tests {
     #[test]
     fn per_name_cap_replaces_soonest_expiry() {
         let b = Bindings::new(2, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         b.bind(&acme, "a.test", ip("198.18.2.1"), 5 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.2"), 50 * SEC, t0);
@@ -375,7 +336,7 @@ mod tests {
     #[test]
     fn global_cap_evicts_oldest() {
         let b = Bindings::new(8, 3, 3);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         for i in 1..=5u8 {
             b.bind(&acme, &format!("n{i}.test"), ip("198.18.2.1"), 60 * SEC, t0);
@@ -395,7 +356,7 @@ mod tests {
     #[test]
     fn expired_bindings_are_swept() {
         let b = Bindings::new(8, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let acme: Arc<str> = Arc::from("acme");
         for i in 0..4u8 {
             b.bind(&acme, &format!("n{i}.test"), ip("198.18.2.1"), SEC, t0);
@@ -410,7 +371,7 @@ mod tests {
     #[test]
     fn names_for_is_per_org_with_remaining_validity() {
         let b = Bindings::new(8, 100, 100);
-        let t0 = Instant::now();
+        let t0 = origin();
         let (acme, other): (Arc<str>, Arc<str>) = (Arc::from("acme"), Arc::from("other"));
         b.bind(&acme, "b.test", ip("198.18.2.1"), 30 * SEC, t0);
         b.bind(&acme, "a.test", ip("198.18.2.1"), 10 * SEC, t0);
@@ -441,7 +402,7 @@ mod tests {
     fn an_org_churning_ten_times_its_share_leaves_other_orgs_intact() {
         // Room for 40 bindings, 10 per org.
         let b = Bindings::new(8, 10, 40);
-        let t0 = Instant::now();
+        let t0 = origin();
         bind_many(&b, "b", "b{}.test", 10, t0);
         // Org a churns random names under its wildcard: 10x its share.
         bind_many(&b, "a", "r{}.wild.test", 100, t0);
@@ -460,7 +421,7 @@ mod tests {
     fn when_all_are_taken_the_biggest_holder_loses_its_oldest() {
         // No org cap to speak of: only the global one.
         let b = Bindings::new(8, 100, 10);
-        let t0 = Instant::now();
+        let t0 = origin();
         bind_many(&b, "b", "b{}.test", 3, t0);
         bind_many(&b, "a", "r{}.test", 50, t0);
         let a: Arc<str> = Arc::from("a");
