@@ -508,16 +508,17 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
         enforcement: s.enforcement.clone(),
         routes: s.routes.clone(),
         otel: s.otel.clone(),
-        jit: jit(s),
+        jit: jit(config, s),
     });
     (ctx, evidence_budget, names)
 }
 
 /// Approvals and grants, with the grants of the evidence taken back: an
 /// unexpired one lives on exactly as given, an expired one is recorded
-/// `expired` and dropped.
-fn jit(s: &Services) -> Arc<crate::jit::Jit> {
-    let jit = Arc::new(crate::jit::Jit::new(Some(s.evidence.clone())));
+/// `expired` and dropped; the decider (restart-only) consulted on a miss.
+fn jit(config: &Config, s: &Services) -> Arc<crate::jit::Jit> {
+    let decider = config.decider.as_ref().map(crate::decider::Decider::new);
+    let jit = Arc::new(crate::jit::Jit::new(Some(s.evidence.clone())).with_decider(decider));
     let now = std::time::SystemTime::now();
     let held = crate::jit::replay(s.evidence.path(), now);
     jit.restore(held, &s.served.load().policy, now);

@@ -58,6 +58,9 @@ pub(crate) struct Metrics {
     /// Names new to an org under a wildcard rule's budget, by org and
     /// decision (`allow` within the budget, `deny` past it).
     pub new_names_total: IntCounterVec,
+    /// Misses put to the decider, by org and answer (`allow`, `deny`,
+    /// `ask`, `error`, `busy`).
+    pub decider_consultations_total: IntCounterVec,
     /// Connections and requests refused, and tunnels cut, because a volume
     /// budget is spent, by org and direction.
     pub volume_exceeded_total: IntCounterVec,
@@ -397,6 +400,11 @@ impl Metrics {
                 "Names new to an org within the window under a wildcard allow rule's max_new_names_per_minute (DNS queries forwarded, connections decided), by org and decision: allow within the budget, deny past it (name_budget_exceeded).",
                 &["org", "decision"],
             )?,
+            decider_consultations_total: counter_vec(
+                "palisade_decider_consultations_total",
+                "Misses put to the decider ([decider] url), by org and answer: allow, deny, ask, error (a timeout, a failed exchange, an answer not understood: denied) and busy (over max_in_flight: denied without asking).",
+                &["org", "answer"],
+            )?,
             volume_exceeded_total: counter_vec(
                 "palisade_volume_exceeded_total",
                 "Connections and requests refused, and live tunnels cut, because a volume budget (max_bytes_up, max_bytes_down over volume_window, of the rule or the org) is spent, by org and direction (up: client to upstream, down: back); report-mode orgs counted too.",
@@ -465,6 +473,7 @@ impl Metrics {
             Box::new(m.evidence_suppressed_total.clone()),
             Box::new(m.connections_revoked_total.clone()),
             Box::new(m.new_names_total.clone()),
+            Box::new(m.decider_consultations_total.clone()),
             Box::new(m.volume_exceeded_total.clone()),
             Box::new(m.intercepted_requests_total.clone()),
             Box::new(m.intercepted_request_duration_seconds.clone()),
@@ -533,6 +542,11 @@ impl Metrics {
         let org = record.org.as_deref().unwrap_or(UNKNOWN_ORG);
         match record.event {
             Event::Decision => {
+                if let Some(said) = &record.decider {
+                    self.decider_consultations_total
+                        .with_label_values(&[org, said.label()])
+                        .inc();
+                }
                 let mode = record.mode.as_str();
                 if let Some(would) = record.would_deny {
                     self.would_deny_total

@@ -13,8 +13,8 @@
 //!
 //! | answer | becomes |
 //! |---|---|
-//! | `{"decision":"allow","ttl":"10m"}` | allowed; with a `ttl` (at most [`MAX_TTL`]) a grant for the target |
-//! | `{"decision":"allow"}` | allowed, this decision only |
+//! | `{"decision":"allow","ttl":"10m"}` | allowed by a grant for the target and port (approver `decider`) for the `ttl` (at most [`MAX_TTL`]) |
+//! | `{"decision":"allow"}` | allowed by a grant of one use: this decision only |
 //! | `{"decision":"deny"}` | `no_matching_rule`, as without a decider |
 //! | `{"decision":"ask"}` | an approval, as `on_miss = "ask"` |
 //! | an error, a status other than 200, a body that is not such JSON or too long, a `ttl` over the maximum, the timeout | denied (`on_error = "deny"`), the error recorded |
@@ -26,13 +26,6 @@
 //! process directly, never through the proxy's listeners, so no org's
 //! policy decides it and no connection record is written for it.
 
-// Consulted from the miss hook (`crate::jit::on_miss`, branch wt-jit),
-// which this branch does not have yet: see notes-wt-decider.md.
-#![allow(
-    dead_code,
-    reason = "consulted from the miss hook of crate::jit once it is merged"
-)]
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,7 +35,11 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use crate::config::DeciderConfig;
+use crate::config::{ApproverToken, DeciderConfig, TokenDigest};
+use crate::jit::grants::{Scope, Target, DEFAULT_TTL};
+use crate::jit::{Jit, Miss, MissFacts, Terms};
+use crate::policy::Policy;
+use crate::proto::target::Host;
 
 /// The longest answer body read; a longer one is an error.
 pub(crate) const MAX_ANSWER_BYTES: usize = 4096;
@@ -73,7 +70,7 @@ pub(crate) struct Question<'a> {
 /// What the decider said (or what stood for it), as the record's
 /// `decider` field carries it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Said {
+pub struct Said {
     /// `allow`, `deny` or `ask`: what the miss becomes (`deny` for any
     /// error).
     pub(crate) decision: Answer,
@@ -101,6 +98,18 @@ impl Said {
             decision: Answer::Deny,
             ttl: None,
             error: Some(error),
+        }
+    }
+
+    /// The `answer` label of `palisade_decider_consultations_total`:
+    /// `allow`, `deny`, `ask`, `error` or `busy`.
+    pub(crate) fn label(&self) -> &'static str {
+        match (&self.error, self.decision) {
+            (Some(e), _) if e.starts_with("busy") => "busy",
+            (Some(_), _) => "error",
+            (None, Answer::Allow) => "allow",
+            (None, Answer::Deny) => "deny",
+            (None, Answer::Ask) => "ask",
         }
     }
 
@@ -253,6 +262,70 @@ impl Decider {
             () = &mut driving => exchange.await,
         }
     }
+}
+
+/// The approver a decider's grant is given as.
+pub(crate) const APPROVER: &str = "decider";
+
+/// A miss put to the decider (the miss hook's step between a grant and
+/// `on_miss = "ask"`): what it became, and what was said. An allow is a
+/// grant of the target given as approver `decider` (its `ttl`, or a
+/// single use without one), then spent as any grant; an ask an approval;
+/// anything else (a deny, an error, a timeout, busy) a denial.
+pub(crate) async fn on_miss(
+    decider: &Decider,
+    jit: &Jit,
+    policy: &Policy,
+    facts: &MissFacts<'_>,
+) -> (Miss, Said) {
+    let host = facts.host.to_string();
+    let question = Question {
+        org: &facts.org.name,
+        client: facts.client.to_string(),
+        host: &host,
+        port: facts.port,
+        mode: facts.mode.as_str(),
+        method: None,
+        path: None,
+    };
+    let said = decider.consult(&question).await;
+    let miss = match said.decision {
+        Answer::Deny => Miss::Denied,
+        Answer::Ask => jit.ask(facts).map_or(Miss::Denied, Miss::Pending),
+        Answer::Allow => {
+            let token = ApproverToken {
+                name: APPROVER.to_string(),
+                digest: TokenDigest([0; 32]),
+                orgs: Some(vec![facts.org.name.to_string()]),
+            };
+            let scope = Scope {
+                org: facts.org.name.clone(),
+                target: match facts.host {
+                    Host::Name(n) => Target::Name(n.clone()),
+                    Host::Ip(ip) => Target::Cidr(ipnet::IpNet::from(*ip)),
+                },
+                port: facts.port,
+            };
+            // Without a ttl, one use: spent at once by a connection; a
+            // DNS answer spends none, so there the grant also ends after
+            // the default TTL if no connection comes.
+            let ttl = said.ttl();
+            let terms = Terms {
+                ttl: ttl.or(facts.port.is_none().then_some(DEFAULT_TTL)),
+                max_uses: ttl.is_none().then_some(1),
+                reason: Some(APPROVER.to_string()),
+            };
+            // A grant the scope checks refuse (an always-denied address)
+            // stays a denial, as for an approver.
+            match jit.give(&token, scope, terms, None, policy, facts.now) {
+                Ok(_) => jit
+                    .grant_for(policy, facts)
+                    .map_or(Miss::Denied, Miss::Granted),
+                Err(_) => Miss::Denied,
+            }
+        }
+    };
+    (miss, said)
 }
 
 #[cfg(test)]

@@ -265,7 +265,9 @@ impl Shim {
             mode: Mode::Dns,
             now: std::time::SystemTime::now(),
         };
-        match crate::jit::on_miss(self.jit.as_deref(), &served.policy, facts).await {
+        let (miss, said) = crate::jit::on_miss(self.jit.as_deref(), &served.policy, facts).await;
+        state.decider = said;
+        match miss {
             crate::jit::Miss::Denied => decision,
             crate::jit::Miss::Pending(approval) => {
                 state.detail = Some(crate::jit::Miss::pending_detail(&approval));

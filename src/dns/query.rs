@@ -39,6 +39,8 @@ pub(crate) struct QueryState {
     /// Whether the upstream was asked.
     pub(crate) upstream: bool,
     pub(crate) detail: Option<String>,
+    /// What the decider said of this miss (the record's `decider` field).
+    pub(crate) decider: Option<crate::decider::Said>,
 }
 
 impl QueryState {
@@ -61,6 +63,7 @@ impl QueryState {
             answers: Vec::new(),
             upstream: false,
             detail: None,
+            decider: None,
         }
     }
 
@@ -108,6 +111,7 @@ impl QueryState {
         rec.answers = Some(self.answers.clone());
         rec.upstream = Some(self.upstream);
         rec.detail = self.detail.clone();
+        rec.decider = self.decider.clone();
         rec
     }
 }

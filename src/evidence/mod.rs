@@ -286,6 +286,11 @@ pub struct Record {
     /// reason given ([`crate::jit`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grant: Option<Box<GrantFacts>>,
+    /// A miss put to the decider (`[decider]`): what it said, or the deny
+    /// that stood for an error (`{"decision":"deny","error":"timeout after
+    /// 500ms"}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decider: Option<crate::decider::Said>,
     /// Never written: the room reserved in the store for the close record
     /// an allow owes ([`store::Owed`]), set when the allow is written and
     /// carried to its close.
@@ -346,6 +351,7 @@ impl Record {
             synthetic: None,
             differs: None,
             grant: None,
+            decider: None,
             owed: None,
         }
     }

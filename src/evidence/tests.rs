@@ -693,6 +693,7 @@ fn full_record() -> Record {
         hosts: Some([("z.test".to_string(), 1), ("other".to_string(), 2)].into()),
         window: Some(["t0".into(), "t1".into()]),
         grant: None,
+        decider: None,
         owed: None,
         differs: None,
         synthetic: Some("198.19.128.4".parse().unwrap()),

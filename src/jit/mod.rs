@@ -23,6 +23,7 @@
 //! | # | condition | outcome |
 //! |---|---|---|
 //! | 1 | a live grant of the org covers the target and port | allowed, rule `grant:ID` (layer `grant`), one use spent |
+//! | 1b | a `[decider]` is configured | what it said ([`crate::decider::on_miss`]): allow a grant (used at once), ask rule 2, anything else `no_matching_rule` |
 //! | 2 | the org has `on_miss = "ask"` (and enforces) | refused `approval_pending`, the approval made or joined |
 //! | 3 | otherwise | `no_matching_rule`, as before |
 //!
@@ -33,7 +34,7 @@ pub(crate) mod approvals;
 pub(crate) mod grants;
 pub(crate) mod state;
 
-pub(crate) use state::{grant_of, replay, Jit, Miss, MissFacts};
+pub(crate) use state::{grant_of, replay, Jit, Miss, MissFacts, Terms};
 
 use crate::policy::Policy;
 
@@ -45,18 +46,27 @@ pub(crate) const END_CHECK: std::time::Duration = std::time::Duration::from_mill
 /// The miss hook: what a `no_matching_rule` of `facts` becomes (the
 /// table in the module doc). Called from the proxy's decision step and
 /// the DNS shim; without a [`Jit`] (`palisade explain`, replay) a miss
-/// stays a miss.
-pub(crate) async fn on_miss(jit: Option<&Jit>, policy: &Policy, facts: MissFacts<'_>) -> Miss {
+/// stays a miss. With a decider, what it said rides along for the
+/// record's `decider` field.
+pub(crate) async fn on_miss(
+    jit: Option<&Jit>,
+    policy: &Policy,
+    facts: MissFacts<'_>,
+) -> (Miss, Option<crate::decider::Said>) {
     let Some(jit) = jit else {
-        return Miss::Denied;
+        return (Miss::Denied, None);
     };
     if let Some(granted) = jit.grant_for(policy, &facts) {
-        return Miss::Granted(granted);
+        return (Miss::Granted(granted), None);
+    }
+    if let Some(decider) = jit.decider() {
+        let (miss, said) = crate::decider::on_miss(decider, jit, policy, &facts).await;
+        return (miss, Some(said));
     }
     if policy.asks(facts.org) {
         if let Some(a) = jit.ask(&facts) {
-            return Miss::Pending(a);
+            return (Miss::Pending(a), None);
         }
     }
-    Miss::Denied
+    (Miss::Denied, None)
 }

@@ -31,10 +31,6 @@ pub(crate) struct MissFacts<'a> {
     pub(crate) host: &'a Host,
     /// `None`: a DNS question (the name on any port).
     pub(crate) port: Option<u16>,
-    #[allow(
-        dead_code,
-        reason = "for the decider's request, consulted in the miss hook"
-    )]
     pub(crate) mode: Mode,
     pub(crate) now: SystemTime,
 }
@@ -94,6 +90,8 @@ struct Inner {
 pub(crate) struct Jit {
     inner: Mutex<Inner>,
     evidence: Option<Arc<Evidence>>,
+    /// `[decider]`: asked about a miss no grant covers.
+    decider: Option<crate::decider::Decider>,
 }
 
 /// A fresh id: `prefix` and 8 random hex digits.
@@ -259,7 +257,19 @@ impl Jit {
                 ends: HashMap::new(),
             }),
             evidence,
+            decider: None,
         }
+    }
+
+    /// With `decider` consulted on a miss.
+    pub(crate) fn with_decider(mut self, decider: Option<crate::decider::Decider>) -> Jit {
+        self.decider = decider;
+        self
+    }
+
+    /// The decider, if one is configured.
+    pub(crate) fn decider(&self) -> Option<&crate::decider::Decider> {
+        self.decider.as_ref()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

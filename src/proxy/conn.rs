@@ -145,6 +145,7 @@ impl Link {
             within: None,
             credential: None,
             detail: None,
+            decider: None,
             owed: None,
             asked: None,
             permit: self.permit.clone(),
@@ -229,6 +230,8 @@ pub(crate) struct Conn {
     pub credential: Option<String>,
     /// Why it failed after an allow, or the detail of a denial.
     pub detail: Option<String>,
+    /// What the decider said of this miss (the record's `decider` field).
+    pub decider: Option<Box<crate::decider::Said>>,
     /// The room its allow record reserved in the evidence store for its
     /// close record, carried to the close (given back if it ends without
     /// one).
@@ -346,6 +349,7 @@ impl Conn {
         r.conn = self.within.clone();
         r.credential = self.credential.clone();
         r.detail = self.detail.clone();
+        r.decider = self.decider.as_deref().cloned();
         r.service = self.service.as_deref().cloned();
         r
     }

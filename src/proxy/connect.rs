@@ -53,6 +53,7 @@ pub(crate) async fn open(ctx: &Ctx, link: &Link, host: Host, port: u16) -> Resul
     let outcome = decide_in(ctx, (link.mode, link.client.ip()), &link.view, &host, port).await;
     let mut conn = link.decided(host, port, outcome.verdict);
     conn.detail = outcome.detail;
+    conn.decider = outcome.decider;
     // A synthetic address stands for its name: the records say both.
     conn.stood_for(outcome.synthetic.as_deref());
     if let Host::Ip(ip) = conn.host {

@@ -30,6 +30,8 @@ pub(crate) struct Decided {
     /// A target that was a synthetic address: what it stood for. The
     /// decision is the bound name's, `dial` what the name resolved to.
     pub synthetic: Option<Box<StoodFor>>,
+    /// What the decider said of this miss (the record's `decider` field).
+    pub decider: Option<Box<crate::decider::Said>>,
 }
 
 /// A synthetic address connected to, the name bound to it for the org,
@@ -54,6 +56,7 @@ impl Decided {
             dial: Vec::new(),
             detail: Some(detail),
             synthetic: None,
+            decider: None,
         }
     }
 
@@ -146,6 +149,7 @@ pub(crate) async fn decide(
             dial: Vec::new(),
             detail: None,
             synthetic: None,
+            decider: None,
         };
     };
     if let Host::Ip(ip) = host {
@@ -234,15 +238,35 @@ pub(crate) async fn decide_with(
     (host, port): (&Host, u16),
     addresses: Addresses<'_>,
 ) -> Decided {
-    let decision = match policy.decide_for_org(org, host, port) {
+    let (decision, said) = match policy.decide_for_org(org, host, port) {
         Decision::Final(v) if v.reason == Reason::NoMatchingRule => {
             match missed(policy, asker, org, (host, port)).await {
-                Ok(decision) => decision,
-                Err(pending) => return pending,
+                (Ok(decision), said) => (decision, said),
+                (Err(pending), said) => {
+                    return Decided {
+                        decider: said.map(Box::new),
+                        ..pending
+                    }
+                }
             }
         }
-        decision => decision,
+        decision => (decision, None),
     };
+    let mut decided = settle(policy, (resolver, names), org, host, addresses, decision).await;
+    decided.decider = said.map(Box::new);
+    decided
+}
+
+/// A decision taken to its end: a name resolved (its budget spent) and
+/// its addresses checked.
+async fn settle(
+    policy: &Policy,
+    (resolver, names): (&Resolver, Option<&NameBudgets>),
+    org: &OrgRef,
+    host: &Host,
+    addresses: Addresses<'_>,
+    decision: Decision,
+) -> Decided {
     match decision {
         Decision::Final(verdict) => {
             let dial = match host {
@@ -254,6 +278,7 @@ pub(crate) async fn decide_with(
                 dial,
                 detail: None,
                 synthetic: None,
+                decider: None,
             }
         }
         Decision::Resolve(mut pending) => {
@@ -269,6 +294,7 @@ pub(crate) async fn decide_with(
                     dial: Vec::new(),
                     detail: Some("internal: resolve asked for an address".into()),
                     synthetic: None,
+                    decider: None,
                 };
             };
             if let Err(spent) = spend_name(policy, names, &mut pending, name) {
@@ -284,6 +310,7 @@ pub(crate) async fn decide_with(
                 dial: Vec::new(),
                 detail: Some(e),
                 synthetic: None,
+                decider: None,
             };
             let addrs = match addresses {
                 Addresses::Resolved => {
@@ -316,6 +343,7 @@ pub(crate) async fn decide_with(
                 dial: av.dial,
                 detail: None,
                 synthetic: None,
+                decider: None,
             }
         }
     }
@@ -323,16 +351,16 @@ pub(crate) async fn decide_with(
 
 /// A miss through the miss hook: still the miss, a grant's allow (an
 /// address at once, a name on to its addresses), or (`Err`) the
-/// `approval_pending` refusal.
+/// `approval_pending` refusal; with what the decider said, if asked.
 async fn missed(
     policy: &Policy,
     asker: Option<Asker<'_>>,
     org: &OrgRef,
     (host, port): (&Host, u16),
-) -> Result<Decision, Decided> {
+) -> (Result<Decision, Decided>, Option<crate::decider::Said>) {
     let miss = Decision::Final(Verdict::denied_for(org, Reason::NoMatchingRule));
     let Some(asker) = asker else {
-        return Ok(miss);
+        return (Ok(miss), None);
     };
     let facts = MissFacts {
         org,
@@ -342,7 +370,8 @@ async fn missed(
         mode: asker.mode,
         now: std::time::SystemTime::now(),
     };
-    match crate::jit::on_miss(Some(asker.jit), policy, facts).await {
+    let (outcome, said) = crate::jit::on_miss(Some(asker.jit), policy, facts).await;
+    let decision = match outcome {
         Miss::Denied => Ok(miss),
         Miss::Pending(approval) => Err(Decided::denied(
             org,
@@ -363,7 +392,8 @@ async fn missed(
                 would_deny: None,
             }),
         }),
-    }
+    };
+    (decision, said)
 }
 
 /// A name allowed by a wildcard rule with a budget, before it leaves: free
@@ -404,5 +434,6 @@ fn spend_name(
             "{budget} new names a minute under this rule already used"
         )),
         synthetic: None,
+        decider: None,
     })
 }

@@ -551,6 +551,7 @@ async fn forward(
         dial: addrs,
         detail,
         synthetic,
+        decider,
     } = decide_in(
         &ctx,
         (Mode::Explicit, link.client.ip()),
@@ -561,6 +562,7 @@ async fn forward(
     .await;
     let mut conn = link.decided(host, port, verdict);
     conn.detail = detail;
+    conn.decider = decider;
     // A synthetic address stands for the name bound to it.
     conn.stood_for(synthetic.as_deref());
     if host_mismatch.is_some() && conn.is_allow() {

@@ -140,6 +140,7 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
         conn.sni = hello.sni.clone();
     }
     conn.detail = outcome.detail;
+    conn.decider = outcome.decider;
     if !conn.is_allow() || detected == Detected::Closed {
         deny(&ctx, &mut conn).await;
         return reset(client);
@@ -223,6 +224,7 @@ async fn decide_presented(
                 dial: Vec::new(),
                 detail: Some(why.to_string()),
                 synthetic: None,
+                decider: None,
             },
             None,
         ),

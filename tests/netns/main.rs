@@ -16,6 +16,7 @@ mod bypass;
 mod cli;
 mod conn_budgets;
 mod connect_head;
+mod decider;
 mod dns;
 mod dns_budget;
 mod dns_cache;
