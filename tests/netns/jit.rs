@@ -414,3 +414,64 @@ fn the_approvals_page_in_a_browser_answers_a_miss_and_shows_markup_inert() {
         "ttl {ttl:?}: {granted}"
     );
 }
+
+/// Grants outlive a restart of the gateway only while unexpired: after a
+/// crash and restart, a 10-minute grant still allows its destination
+/// (decided under `grant:ID`), and a 2-second grant whose time ran out
+/// while the gateway was down is dropped and recorded `expired`.
+#[test]
+fn a_restart_keeps_an_unexpired_grant_and_drops_an_expired_one() {
+    let mut lab = lab_asking();
+    let give = |lab: &Lab, port: u16, ttl: &str| {
+        let body = format!(r#"{{"org":"acme","target":"other.test","port":{port},"ttl":"{ttl}"}}"#);
+        let (code, body) = admin(lab, "POST", "/v1/grants", Some(ALICE), Some(&body));
+        assert_eq!(code, 201, "{body}");
+        json(&body)["id"].as_str().unwrap().to_string()
+    };
+    let kept = give(&lab, 80, "10m");
+    let short = give(&lab, 8080, "2s");
+    // Given means on record: wait for it before the crash.
+    let given = lab.wait_evidence("the short grant on record", |v| {
+        v["kind"] == "grant" && v["event"] == "granted" && v["grant"]["id"] == short.as_str()
+    });
+    lab.kill_proxy_hard();
+    std::thread::sleep(Duration::from_secs(3));
+    lab.restart_proxy();
+
+    let (code, body) = admin(&lab, "GET", "/v1/grants", Some(ALICE), None);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains(&kept), "the unexpired grant was lost: {body}");
+    assert!(
+        !body.contains(&short),
+        "the expired grant came back: {body}"
+    );
+    let ended = lab.wait_evidence("the expired grant recorded", |v| {
+        v["kind"] == "grant" && v["event"] == "expired" && v["grant"]["id"] == short.as_str()
+    });
+    // Recorded by the restarted gateway (its record ids carry a new run prefix).
+    let run = |v: &Value| {
+        v["id"]
+            .as_str()
+            .unwrap()
+            .rsplit_once('-')
+            .unwrap()
+            .0
+            .to_string()
+    };
+    assert_ne!(
+        run(&ended),
+        run(&given),
+        "expired before the crash: {ended}"
+    );
+
+    let (status, ps, mut tunnel) = connect(&lab, "other.test:80");
+    assert_eq!(status, 200, "the kept grant allows after the restart: {ps}");
+    assert_eq!(get_through(&mut tunnel, "/jit-restart"), 200);
+    let allowed = lab.wait_evidence("the decision under the kept grant", |v| {
+        v["event"] == "decision" && v["host"] == "other.test" && v["decision"] == "allow"
+    });
+    assert_eq!(allowed["rule"], format!("grant:{kept}"));
+    let (status, ps, _) = connect(&lab, "other.test:8080");
+    assert_eq!(status, 403, "the expired grant allows nothing: {ps}");
+    assert!(ps.contains("approval_pending"), "{ps}");
+}
