@@ -247,7 +247,7 @@ fn jit_error(e: &JitError) -> Response<Body> {
 }
 
 /// Answer approval `id` as `who`: the outcome as a response.
-pub(crate) fn answer(
+pub(crate) async fn answer(
     health: &Approvers,
     who: &ApproverToken,
     id: &str,
@@ -294,6 +294,7 @@ pub(crate) fn answer(
     match health
         .jit
         .answer(who, id, allow, terms, &served.policy, now)
+        .await
     {
         Ok(Some(g)) => json_status(
             StatusCode::OK,
@@ -308,7 +309,7 @@ pub(crate) fn answer(
 }
 
 /// Grant directly as `who`.
-pub(crate) fn give(health: &Approvers, who: &ApproverToken, d: Direct) -> Response<Body> {
+pub(crate) async fn give(health: &Approvers, who: &ApproverToken, d: Direct) -> Response<Body> {
     let target = match target(&d.target) {
         Ok(t) => t,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
@@ -326,6 +327,7 @@ pub(crate) fn give(health: &Approvers, who: &ApproverToken, d: Direct) -> Respon
     match health
         .jit
         .give(who, scope, terms, None, &served.policy, SystemTime::now())
+        .await
     {
         Ok(g) => json_status(StatusCode::CREATED, &grant_json(&g)),
         Err(e) => jit_error(&e),
@@ -364,7 +366,7 @@ pub(crate) async fn respond(
                 Err(resp) => return resp,
             };
             match serde_json::from_slice::<Direct>(&body) {
-                Ok(d) => give(health, &who, d),
+                Ok(d) => give(health, &who, d).await,
                 Err(e) => error(StatusCode::BAD_REQUEST, format!("grant body: {e}")),
             }
         }
@@ -375,7 +377,7 @@ pub(crate) async fn respond(
                 Err(resp) => return resp,
             };
             match serde_json::from_slice::<Answer>(&body) {
-                Ok(a) => answer(health, &who, &id, a),
+                Ok(a) => answer(health, &who, &id, a).await,
                 Err(e) => error(StatusCode::BAD_REQUEST, format!("answer body: {e}")),
             }
         }

@@ -350,7 +350,7 @@ pub(crate) async fn respond(
                 host: None,
                 port: None,
             };
-            let resp = approvals::answer(health, &who, &id, answer);
+            let resp = approvals::answer(health, &who, &id, answer).await;
             let message = if resp.status().is_success() {
                 format!("Approval {id} answered.")
             } else {

@@ -317,7 +317,10 @@ pub(crate) async fn on_miss(
             };
             // A grant the scope checks refuse (an always-denied address)
             // stays a denial, as for an approver.
-            match jit.give(&token, scope, terms, None, policy, facts.now) {
+            match jit
+                .give(&token, scope, terms, None, policy, facts.now)
+                .await
+            {
                 Ok(_) => jit
                     .grant_for(policy, facts)
                     .map_or(Miss::Denied, Miss::Granted),

@@ -365,7 +365,7 @@ impl Jit {
     /// Answer approval `id` as `token`: `allow` makes a grant of exactly
     /// what it asked (returned), `deny` drops it. Another org's approval
     /// is unknown to the token, as one that never was.
-    pub(crate) fn answer(
+    pub(crate) async fn answer(
         &self,
         token: &ApproverToken,
         id: &str,
@@ -398,11 +398,16 @@ impl Jit {
         }
         let scope = scope_of(&approval.asked);
         self.give(token, scope, terms, Some(approval.id), policy, now)
+            .await
             .map(Some)
     }
 
-    /// Grant `scope` as `token`, directly or answering `approval`.
-    pub(crate) fn give(
+    /// Grant `scope` as `token`, directly or answering `approval`. Its
+    /// `granted` record is written (awaited, as a decision record is)
+    /// before the grant is returned: an approver told "granted" has it
+    /// on the evidence, so a restart finds it. No record, no grant: if
+    /// the write fails the grant is taken back and refused.
+    pub(crate) async fn give(
         &self,
         token: &ApproverToken,
         scope: Scope,
@@ -436,7 +441,19 @@ impl Jit {
             inner.ends.insert(g.id.clone(), CancellationToken::new());
             g
         };
-        self.submit(grant_record(&grant, Event::Granted, policy, None));
+        let mut record = grant_record(&grant, Event::Granted, policy, None);
+        if let Some(e) = &self.evidence {
+            if let Err(err) = e.write(&mut record).await {
+                let mut inner = self.lock();
+                inner.grants.remove(&grant.id);
+                if let Some(end) = inner.ends.remove(&grant.id) {
+                    end.cancel();
+                }
+                return Err(JitError::Refused(format!(
+                    "the grant could not be recorded ({err}): nothing was granted"
+                )));
+            }
+        }
         Ok(grant)
     }
 
@@ -590,8 +607,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn always_denied_and_explicitly_denied_targets_are_never_granted() {
+    #[tokio::test]
+    async fn always_denied_and_explicitly_denied_targets_are_never_granted() {
         let p = policy("[[org.deny]]\nhost = \"bad.test\"\n");
         let jit = Jit::new(None);
         let t = token(None);
@@ -603,14 +620,16 @@ mod tests {
         };
         let give = |target: Target| jit.give(&t, scope(target), Terms::default(), None, &p, now);
         let e = give(Target::Cidr("169.254.169.254/32".parse().unwrap()))
+            .await
             .unwrap_err()
             .to_string();
         assert!(e.contains("always denied"), "{e}");
         let e = give(Target::Name("bad.test".into()))
+            .await
             .unwrap_err()
             .to_string();
         assert!(e.contains("explicit_deny"), "{e}");
-        let ok = give(Target::Name("new.test".into())).unwrap();
+        let ok = give(Target::Name("new.test".into())).await.unwrap();
         assert_eq!(ok.expires, Some(now + super::super::grants::DEFAULT_TTL));
         let other = token(Some(&["other"]));
         assert!(jit.revoke(&other, &ok.id, &p).is_err());
