@@ -52,6 +52,12 @@ enum Command {
     /// Follow a running instance's decisions live (its admin listener's
     /// `/v1/decisions`).
     Tail(cli::tail::Args),
+    /// Pending approvals of a running instance: list them, or answer one.
+    Approvals(cli::approvals::ApprovalsArgs),
+    /// Grant an org a target for a while (or `grant revoke ID`).
+    Grant(cli::approvals::GrantArgs),
+    /// The grants a running instance holds.
+    Grants(cli::approvals::Admin),
     /// Org tokens (credential identity).
     Token {
         #[command(subcommand)]
@@ -79,6 +85,9 @@ fn main() -> ExitCode {
         Command::Evidence { command } => cli::evidence::run(command),
         Command::Probe { command } => cli::probe::run(command),
         Command::Tail(args) => cli::tail::run(args),
+        Command::Approvals(args) => cli::approvals::approvals(args),
+        Command::Grant(args) => cli::approvals::grant(args),
+        Command::Grants(admin) => cli::approvals::grants(admin),
         Command::Token { command } => cli::token::run(command),
     };
     match result {

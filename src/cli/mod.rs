@@ -35,6 +35,7 @@ macro_rules! sayln {
     };
 }
 
+pub mod approvals;
 pub mod ca;
 pub mod check;
 pub mod draft;

@@ -27,6 +27,7 @@ mod full_store;
 mod guide;
 mod infra;
 mod intercept;
+mod jit;
 mod lab;
 mod lifecycle;
 mod metrics;
