@@ -35,11 +35,8 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
-use crate::config::{ApproverToken, DeciderConfig, TokenDigest};
-use crate::jit::grants::{Scope, Target, DEFAULT_TTL};
-use crate::jit::{Jit, Miss, MissFacts, Terms};
-use crate::policy::Policy;
-use crate::proto::target::Host;
+use crate::config::DeciderConfig;
+pub(crate) use crate::evidence::said::{Answer, Said};
 
 /// The longest answer body read; a longer one is an error.
 pub(crate) const MAX_ANSWER_BYTES: usize = 4096;
@@ -65,64 +62,6 @@ pub(crate) struct Question<'a> {
     pub(crate) method: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(crate) path: Option<&'a str>,
-}
-
-/// What the decider said (or what stood for it), as the record's
-/// `decider` field carries it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Said {
-    /// `allow`, `deny` or `ask`: what the miss becomes (`deny` for any
-    /// error).
-    pub(crate) decision: Answer,
-    /// An allow's TTL, as the decider wrote it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) ttl: Option<String>,
-    /// Why it stands for a deny it did not give: `timeout after 500ms`,
-    /// `status 500`, `not a decider answer: ...`, `busy: ...`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) error: Option<String>,
-}
-
-/// The three answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub(crate) enum Answer {
-    Allow,
-    Deny,
-    Ask,
-}
-
-impl Said {
-    fn failed(error: String) -> Said {
-        Said {
-            decision: Answer::Deny,
-            ttl: None,
-            error: Some(error),
-        }
-    }
-
-    /// The `answer` label of `palisade_decider_consultations_total`:
-    /// `allow`, `deny`, `ask`, `error` or `busy`.
-    pub(crate) fn label(&self) -> &'static str {
-        match (&self.error, self.decision) {
-            (Some(e), _) if e.starts_with("busy") => "busy",
-            (Some(_), _) => "error",
-            (None, Answer::Allow) => "allow",
-            (None, Answer::Deny) => "deny",
-            (None, Answer::Ask) => "ask",
-        }
-    }
-
-    /// An allow's TTL, parsed (`None`: this decision only, or not an allow).
-    pub(crate) fn ttl(&self) -> Option<Duration> {
-        match self.decision {
-            Answer::Allow => self
-                .ttl
-                .as_deref()
-                .and_then(|t| humantime::parse_duration(t).ok()),
-            _ => None,
-        }
-    }
 }
 
 /// The answer's JSON, strictly: nothing else in it.
@@ -262,73 +201,6 @@ impl Decider {
             () = &mut driving => exchange.await,
         }
     }
-}
-
-/// The approver a decider's grant is given as.
-pub(crate) const APPROVER: &str = "decider";
-
-/// A miss put to the decider (the miss hook's step between a grant and
-/// `on_miss = "ask"`): what it became, and what was said. An allow is a
-/// grant of the target given as approver `decider` (its `ttl`, or a
-/// single use without one), then spent as any grant; an ask an approval;
-/// anything else (a deny, an error, a timeout, busy) a denial.
-pub(crate) async fn on_miss(
-    decider: &Decider,
-    jit: &Jit,
-    policy: &Policy,
-    facts: &MissFacts<'_>,
-) -> (Miss, Said) {
-    let host = facts.host.to_string();
-    let question = Question {
-        org: &facts.org.name,
-        client: facts.client.to_string(),
-        host: &host,
-        port: facts.port,
-        mode: facts.mode.as_str(),
-        method: None,
-        path: None,
-    };
-    let said = decider.consult(&question).await;
-    let miss = match said.decision {
-        Answer::Deny => Miss::Denied,
-        Answer::Ask => jit.ask(facts).map_or(Miss::Denied, Miss::Pending),
-        Answer::Allow => {
-            let token = ApproverToken {
-                name: APPROVER.to_string(),
-                digest: TokenDigest([0; 32]),
-                orgs: Some(vec![facts.org.name.to_string()]),
-            };
-            let scope = Scope {
-                org: facts.org.name.clone(),
-                target: match facts.host {
-                    Host::Name(n) => Target::Name(n.clone()),
-                    Host::Ip(ip) => Target::Cidr(ipnet::IpNet::from(*ip)),
-                },
-                port: facts.port,
-            };
-            // Without a ttl, one use: spent at once by a connection; a
-            // DNS answer spends none, so there the grant also ends after
-            // the default TTL if no connection comes.
-            let ttl = said.ttl();
-            let terms = Terms {
-                ttl: ttl.or(facts.port.is_none().then_some(DEFAULT_TTL)),
-                max_uses: ttl.is_none().then_some(1),
-                reason: Some(APPROVER.to_string()),
-            };
-            // A grant the scope checks refuse (an always-denied address)
-            // stays a denial, as for an approver.
-            match jit
-                .give(&token, scope, terms, None, policy, facts.now)
-                .await
-            {
-                Ok(_) => jit
-                    .grant_for(policy, facts)
-                    .map_or(Miss::Denied, Miss::Granted),
-                Err(_) => Miss::Denied,
-            }
-        }
-    };
-    (miss, said)
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ pub(crate) mod proof;
 pub(crate) mod query;
 pub(crate) mod reference;
 mod retention;
+pub mod said;
 pub(crate) mod segment;
 pub mod select;
 pub(crate) mod store;
@@ -290,7 +291,7 @@ pub struct Record {
     /// that stood for an error (`{"decision":"deny","error":"timeout after
     /// 500ms"}`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub decider: Option<crate::decider::Said>,
+    pub decider: Option<said::Said>,
     /// Never written: the room reserved in the store for the close record
     /// an allow owes ([`store::Owed`]), set when the allow is written and
     /// carried to its close.

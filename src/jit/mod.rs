@@ -23,7 +23,7 @@
 //! | # | condition | outcome |
 //! |---|---|---|
 //! | 1 | a live grant of the org covers the target and port | allowed, rule `grant:ID` (layer `grant`), one use spent |
-//! | 1b | a `[decider]` is configured | what it said ([`crate::decider::on_miss`]): allow a grant (used at once), ask rule 2, anything else `no_matching_rule` |
+//! | 1b | a `[decider]` is configured | what it said ([`decider::consult`]): allow a grant (used at once), ask rule 2, anything else `no_matching_rule` |
 //! | 2 | the org has `on_miss = "ask"` (and enforces) | refused `approval_pending`, the approval made or joined |
 //! | 3 | otherwise | `no_matching_rule`, as before |
 //!
@@ -31,6 +31,7 @@
 //! `report_only` before any of this.
 
 pub(crate) mod approvals;
+mod decider;
 pub(crate) mod grants;
 pub(crate) mod state;
 
@@ -52,7 +53,7 @@ pub(crate) async fn on_miss(
     jit: Option<&Jit>,
     policy: &Policy,
     facts: MissFacts<'_>,
-) -> (Miss, Option<crate::decider::Said>) {
+) -> (Miss, Option<crate::evidence::said::Said>) {
     let Some(jit) = jit else {
         return (Miss::Denied, None);
     };
@@ -60,7 +61,7 @@ pub(crate) async fn on_miss(
         return (Miss::Granted(granted), None);
     }
     if let Some(decider) = jit.decider() {
-        let (miss, said) = crate::decider::on_miss(decider, jit, policy, &facts).await;
+        let (miss, said) = decider::consult(decider, jit, policy, &facts).await;
         return (miss, Some(said));
     }
     if policy.asks(facts.org) {
