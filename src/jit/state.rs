@@ -607,6 +607,35 @@ mod tests {
         }
     }
 
+    /// A grant is answered only once its `granted` record is written: an
+    /// approver told "granted" has it on the evidence (a crash right after
+    /// the answer cannot lose it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_is_given_only_once_its_record_is_written() {
+        let root = crate::testing::scratch("jitgrant");
+        let evidence = Arc::new(Evidence::open(&root.join("evidence")).unwrap());
+        let jit = Jit::new(Some(evidence.clone()));
+        let p = policy("");
+        let t = token(None);
+        let scope = Scope {
+            org: Arc::from("acme"),
+            target: Target::Name("new.test".into()),
+            port: Some(443),
+        };
+        evidence.pause_writer(true);
+        let give = jit.give(&t, scope, Terms::default(), None, &p, SystemTime::now());
+        tokio::pin!(give);
+        let early = tokio::time::timeout(Duration::from_millis(300), &mut give).await;
+        assert!(
+            early.is_err(),
+            "a grant answered before its record was written"
+        );
+        evidence.pause_writer(false);
+        let g = give.await.unwrap();
+        assert!(jit.grants(&t).iter().any(|h| h.id == g.id));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     #[tokio::test]
     async fn always_denied_and_explicitly_denied_targets_are_never_granted() {
         let p = policy("[[org.deny]]\nhost = \"bad.test\"\n");
