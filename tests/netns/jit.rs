@@ -704,3 +704,40 @@ fn a_method_and_path_grant_allows_matching_requests_only() {
         out.describe()
     );
 }
+
+/// A DNS miss of an `ask` org: the denial's EDE text names the approval
+/// and the name; the approval (the name on any port) is listed; answered
+/// allow, the name resolves.
+#[test]
+fn a_dns_miss_asks_and_its_grant_lets_the_name_resolve() {
+    let shim = format!("{}:53", lab::SHIM_IP);
+    let lab = lab_asking_with(|b| b.dns_listen(&[shim.as_str()]));
+    let d = lab.dig(&["other.test", "A"]);
+    let ede = d.ede.clone().unwrap_or_default();
+    assert!(
+        ede.contains("approval_pending")
+            && ede.contains("approval a-")
+            && ede.contains("other.test"),
+        "EDE names the approval and the name: {}",
+        d.output
+    );
+    assert!(d.of("A").is_empty(), "a pending name resolved");
+    let approval = pending(&lab, ALICE, "other.test (any port, asked by DNS)")
+        .expect("the DNS miss's approval");
+    let id = approval["id"].as_str().unwrap();
+    assert!(ede.contains(id), "{ede:?} names {id}");
+    let (code, body) = admin(
+        &lab,
+        "POST",
+        &format!("/v1/approvals/{id}"),
+        Some(ALICE),
+        Some(r#"{"decision":"allow","ttl":"1m"}"#),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(json(&body)["grant"]["port"].is_null(), "{body}");
+    let d = lab.dig(&["other.test", "A"]);
+    assert!(
+        !d.of("A").is_empty(),
+        "the granted name does not resolve: {d:?}"
+    );
+}
