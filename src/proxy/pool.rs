@@ -356,7 +356,7 @@ fn prune_interval(idle_timeout: Duration) -> Duration {
 }
 
 /// Prune the pool now and then; at `shutdown`, close every idle connection
-/// (their connection tasks then end, and the drain does not wait on them).
+/// (their sockets close with them, and the drain does not wait on them).
 pub(crate) async fn reap(pool: Arc<UpstreamPool>, shutdown: CancellationToken) {
     if !pool.enabled() {
         return;

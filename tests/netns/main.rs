@@ -40,6 +40,7 @@ mod own_addresses;
 mod policy;
 mod pool;
 mod probe;
+mod relay;
 mod reload;
 mod report;
 mod retention;
