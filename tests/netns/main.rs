@@ -41,6 +41,7 @@ mod policy;
 mod pool;
 mod probe;
 mod probe_volume;
+mod relay;
 mod reload;
 mod report;
 mod retention;
