@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use super::approvals::{AnswerError, Approval, Approvals, Asked};
-use super::grants::{End, Grant, GrantError, Grants, Scope, Target};
+use super::grants::{End, Grant, GrantError, Grants, Request, Scope, Target};
 use crate::config::ApproverToken;
 use crate::evidence::{Event, Evidence, GrantFacts, Kind, Mode, Record};
 use crate::policy::{Decision, OrgRef, Policy, Reason, Verdict, GRANT_RULE_PREFIX};
@@ -31,6 +31,9 @@ pub(crate) struct MissFacts<'a> {
     pub(crate) host: &'a Host,
     /// `None`: a DNS question (the name on any port).
     pub(crate) port: Option<u16>,
+    /// The request, when Palisade sees one (a plain `http://` request):
+    /// only then can a grant naming a method or path cover the miss.
+    pub(crate) request: Option<Request<'a>>,
     pub(crate) mode: Mode,
     pub(crate) now: SystemTime,
 }
@@ -144,8 +147,12 @@ pub(crate) fn grant_record(
     r.host = Some(grant.scope.target.to_string());
     r.port = grant.scope.port;
     r.detail = grant.reason.clone();
+    r.method = grant.scope.method.clone();
+    r.path = grant.scope.path.clone();
     r.grant = Some(Box::new(GrantFacts {
         id: grant.id.clone(),
+        method: grant.scope.method.clone(),
+        path: grant.scope.path.clone(),
         target: grant.scope.target.to_string(),
         granted_at: rfc3339(grant.granted_at),
         expires: grant.expires.map(rfc3339),
@@ -221,6 +228,8 @@ fn from_facts(f: &GrantFacts, r: &Record) -> Option<Grant> {
             org: r.org.clone()?,
             target,
             port: r.port,
+            method: f.method.clone(),
+            path: f.path.clone(),
         },
         granted_at: time(&f.granted_at)?,
         expires: match &f.expires {
@@ -306,33 +315,47 @@ impl Jit {
         }
     }
 
-    /// Rule 1 of the module table: the live grant covering the miss, one
-    /// use spent (recorded `used_up` when that was its last).
-    pub(crate) fn grant_for(&self, policy: &Policy, facts: &MissFacts<'_>) -> Option<Granted> {
+    /// Rule 1 of the module table: the live grant covering the miss. No
+    /// use is spent here: a connection spends one only once it is
+    /// allowed ([`Jit::spend`]), so a grant whose name then fails the
+    /// address checks keeps its uses.
+    pub(crate) fn grant_for(&self, facts: &MissFacts<'_>) -> Option<Granted> {
+        let inner = self.lock();
+        let grant = inner.grants.matching(
+            &facts.org.name,
+            (facts.host, facts.port),
+            facts.request,
+            facts.now,
+        )?;
+        Some(Granted {
+            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
+        })
+    }
+
+    /// Spend a use of the grant `rule` names (`grant:ID`), for a
+    /// connection it allowed at `now` (recorded `used_up` when that was
+    /// its last). `false`: the grant is no longer live (ended, or its last
+    /// use taken by another connection since it matched), so the
+    /// connection must be refused. A rule no grant's is not spent from.
+    pub(crate) fn spend(&self, policy: &Policy, rule: &str, now: SystemTime) -> bool {
+        let Some(id) = grant_of(Some(rule)) else {
+            return true;
+        };
         let (grant, used_up) = {
             let mut inner = self.lock();
-            let id = inner
-                .grants
-                .matching(&facts.org.name, facts.host, facts.port, facts.now)?
-                .id
-                .clone();
-            // A DNS answer opens nothing: it spends no use.
-            let spent = match facts.port {
-                Some(_) => inner.grants.spend(&id)?,
-                None => (inner.grants.get(&id)?.clone(), false),
+            let Some(spent) = inner.grants.spend(id, now) else {
+                return false;
             };
             if spent.1 && spent.0.expires.is_none() {
                 // Ended with its last use; the connection it allowed runs on.
-                inner.ends.remove(&id);
+                inner.ends.remove(id);
             }
             spent
         };
         if used_up {
             self.submit(grant_record(&grant, Event::UsedUp, policy, None));
         }
-        Some(Granted {
-            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
-        })
+        true
     }
 
     /// Rule 2: the approval this miss makes or joins.
@@ -341,6 +364,9 @@ impl Jit {
             org: facts.org.name.clone(),
             host: facts.host.to_string(),
             port: facts.port,
+            request: facts
+                .request
+                .map(|r| (r.method.to_string(), r.path.as_str().to_string())),
         };
         self.lock()
             .approvals
@@ -532,6 +558,8 @@ fn scope_of(asked: &Asked) -> Scope {
         org: asked.org.clone(),
         target,
         port: asked.port,
+        method: asked.request.as_ref().map(|r| r.0.clone()),
+        path: asked.request.as_ref().map(|r| r.1.clone()),
     }
 }
 
@@ -621,6 +649,8 @@ mod tests {
             org: Arc::from("acme"),
             target: Target::Name("new.test".into()),
             port: Some(443),
+            method: None,
+            path: None,
         };
         evidence.pause_writer(true);
         let give = jit.give(&t, scope, Terms::default(), None, &p, SystemTime::now());
@@ -636,6 +666,40 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// A grant record with every field set is written in canonical form
+    /// (nested keys sorted): `evidence verify` accepts it.
+    #[test]
+    fn a_grant_record_is_canonical() {
+        let p = policy("");
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let grant = Grant {
+            id: "g-1".into(),
+            scope: Scope {
+                org: Arc::from("acme"),
+                target: Target::Name("x.test".into()),
+                port: Some(80),
+                method: Some("GET".into()),
+                path: Some("/api/".into()),
+            },
+            granted_at: now,
+            expires: Some(now + Duration::from_secs(60)),
+            max_uses: Some(2),
+            uses: 1,
+            approver: "alice".into(),
+            reason: Some("why".into()),
+            approval: Some("a-1".into()),
+        };
+        let r = grant_record(&grant, Event::Revoked, &p, Some("alice"));
+        let written = serde_json::to_vec(&r.grant).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&written).unwrap();
+        let mut canon = Vec::new();
+        crate::evidence::chain::canonical_into(&value, &mut canon);
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            String::from_utf8(canon).unwrap()
+        );
+    }
+
     #[tokio::test]
     async fn always_denied_and_explicitly_denied_targets_are_never_granted() {
         let p = policy("[[org.deny]]\nhost = \"bad.test\"\n");
@@ -646,6 +710,8 @@ mod tests {
             org: Arc::from("acme"),
             target,
             port: Some(443),
+            method: None,
+            path: None,
         };
         let give = |target: Target| jit.give(&t, scope(target), Terms::default(), None, &p, now);
         let e = give(Target::Cidr("169.254.169.254/32".parse().unwrap()))
