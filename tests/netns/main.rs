@@ -20,6 +20,7 @@ mod decider;
 mod dns;
 mod dns_budget;
 mod dns_cache;
+mod dns_wire;
 mod enforcement;
 mod evidence;
 mod fleet;
