@@ -334,21 +334,7 @@ impl Started {
             otel,
         };
         let (ctx, evidence_budget, names) = context(&config, &services);
-        let health = Arc::new(Health {
-            listeners_bound: Default::default(),
-            evidence: services.evidence.clone(),
-            served: services.served.clone(),
-            metrics: services.metrics.clone(),
-            tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
-            enforcement: services.enforcement.clone(),
-            volumes: ctx.volumes.clone(),
-            approvers: crate::admin::approvals::Approvers {
-                jit: ctx.jit.clone(),
-                tokens: config.admin.approver_tokens.clone(),
-                served: services.served.clone(),
-            },
-            sessions: Default::default(),
-        });
+        let health = health(&config, &services, &ctx);
         let mut running = spawn_proxy(
             &ctx,
             listeners.proxy,
@@ -390,36 +376,8 @@ impl Started {
                 ctx.shutdown.clone(),
             ))
         });
-        let dns_shim: dns::ShimHandle = Arc::new(
-            dns::Shim::new(
-                services.served.clone(),
-                services.resolver.clone(),
-                services.evidence.clone(),
-                services.metrics.clone(),
-                services.bindings.clone(),
-                config.dns.clone(),
-            )
-            .with_evidence_budget(evidence_budget)
-            .with_names(names)
-            .with_synthetic(services.synthetic.clone())
-            .with_jit(ctx.jit.clone()),
-        );
-        running.enforcement = enforcement.map(|(state, expected)| {
-            let served = services.served.clone();
-            tokio::spawn(crate::enforcement::watch(
-                state,
-                expected,
-                services.evidence.clone(),
-                move || served.load().policy.hash_arc().clone(),
-                config
-                    .enforcement
-                    .as_ref()
-                    .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
-                        e.check_interval
-                    }),
-                ctx.shutdown.clone(),
-            ))
-        });
+        let dns_shim = dns_shim(&config, &services, &ctx, evidence_budget, names);
+        running.enforcement = enforcement.map(|e| watch_enforcement(&config, &services, &ctx, e));
         running.dns = Some(dns::serve(dns_shim, listeners.dns, ctx.shutdown.clone()));
         health.listeners_bound.store(true, Ordering::Relaxed);
         log_serving(&config, &services);
@@ -434,6 +392,75 @@ impl Started {
         info!("stopped");
         Ok(())
     }
+}
+
+/// What the admin endpoints read: the services, the tail tokens, the
+/// approvers of just-in-time grants.
+fn health(config: &Config, s: &Services, ctx: &Ctx) -> Arc<Health> {
+    Arc::new(Health {
+        listeners_bound: Default::default(),
+        evidence: s.evidence.clone(),
+        served: s.served.clone(),
+        metrics: s.metrics.clone(),
+        tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
+        enforcement: s.enforcement.clone(),
+        volumes: ctx.volumes.clone(),
+        approvers: crate::admin::approvals::Approvers {
+            jit: ctx.jit.clone(),
+            tokens: config.admin.approver_tokens.clone(),
+            served: s.served.clone(),
+        },
+        sessions: Default::default(),
+    })
+}
+
+/// The DNS shim over the shared services, paying the proxy's evidence
+/// and name budgets.
+fn dns_shim(
+    config: &Config,
+    s: &Services,
+    ctx: &Ctx,
+    evidence_budget: Arc<EvidenceBudget>,
+    names: Arc<NameBudgets>,
+) -> dns::ShimHandle {
+    Arc::new(
+        dns::Shim::new(
+            s.served.clone(),
+            s.resolver.clone(),
+            s.evidence.clone(),
+            s.metrics.clone(),
+            s.bindings.clone(),
+            config.dns.clone(),
+        )
+        .with_evidence_budget(evidence_budget)
+        .with_names(names)
+        .with_synthetic(s.synthetic.clone())
+        .with_jit(ctx.jit.clone()),
+    )
+}
+
+/// The task that checks the loaded nftables ruleset against `expected`
+/// until shutdown.
+fn watch_enforcement(
+    config: &Config,
+    s: &Services,
+    ctx: &Ctx,
+    (state, expected): (Arc<Enforcement>, Arc<Ruleset>),
+) -> JoinHandle<()> {
+    let served = s.served.clone();
+    tokio::spawn(crate::enforcement::watch(
+        state,
+        expected,
+        s.evidence.clone(),
+        move || served.load().policy.hash_arc().clone(),
+        config
+            .enforcement
+            .as_ref()
+            .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
+                e.check_interval
+            }),
+        ctx.shutdown.clone(),
+    ))
 }
 
 /// The services every part shares, opened by [`start`].

@@ -656,16 +656,39 @@ host = "example.com"
         config::from_str(text, Path::new("/tmp/palisade.toml")).unwrap()
     }
 
+    /// `BASE` with its evidence in a fresh directory, `evidence_keys` added
+    /// to `[evidence]`, written to `palisade.toml` there: the directory
+    /// (kept while it lives), the file and its text.
+    fn config_file(evidence_keys: &str) -> (tempfile::TempDir, PathBuf, String) {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("palisade.toml");
+        let dir = tmp.path().join("evidence").display().to_string();
+        let base = BASE.replace(
+            "dir = \"/tmp/palisade-reload-test-evidence\"",
+            &format!("dir = {dir:?}{evidence_keys}"),
+        );
+        std::fs::write(&path, &base).unwrap();
+        (tmp, path, base)
+    }
+
+    /// `running` served under `policy`.
+    fn serve(running: &Config, policy: Arc<Policy>, metrics: &Arc<Metrics>) -> ServedHandle {
+        Served::load(running, policy, metrics)
+            .unwrap()
+            .into_handle()
+    }
+
     /// The file at `path` served as at start (with the host's addresses),
     /// and its reloader.
     async fn serving(path: &Path) -> (Reloader, ServedHandle, Arc<Metrics>) {
         let running = config::load(path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         let host = crate::host::addresses().unwrap();
-        let policy = Arc::new(Policy::with_host(&running, &host));
-        let served = Served::load(&running, policy, &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(
+            &running,
+            Arc::new(Policy::with_host(&running, &host)),
+            &metrics,
+        );
         let reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
         (reloader, served, metrics)
     }
@@ -738,14 +761,8 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_reload_applies_whole_or_not_at_all() {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, path, base) = config_file("");
         let dir = tmp.path();
-        let path = dir.join("palisade.toml");
-        let base = BASE.replace(
-            "/tmp/palisade-reload-test-evidence",
-            &dir.join("evidence").display().to_string(),
-        );
-        std::fs::write(&path, &base).unwrap();
         let (mut reloader, served, metrics) = serving(&path).await;
         let first = served.load().policy.hash().to_string();
         let count = |result: &str| {
@@ -789,25 +806,14 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_reload_whose_orgs_could_outrun_the_evidence_store_is_rejected() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path();
-        let path = dir.join("palisade.toml");
         // One org and the clients of no org: 2 x 10 records/s x 1140 bytes
         // for 2 minutes and a second, and a 1 MiB segment, fit 4 MiB.
-        let base = BASE.replace(
-            "dir = \"/tmp/palisade-reload-test-evidence\"",
-            &format!(
-                "dir = {:?}\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\nmax_records_per_second_per_org = 10",
-                dir.join("evidence").display().to_string()
-            ),
+        let (_tmp, path, base) = config_file(
+            "\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\nmax_records_per_second_per_org = 10",
         );
-        std::fs::write(&path, &base).unwrap();
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let policy = Arc::new(Policy::new(&running));
-        let served = Served::load(&running, policy, &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let hash = served.load().policy.hash().to_string();
         let mut reloader = Reloader::new(running.clone(), served.clone(), metrics.clone()).await;
         // A second org is a third budget: no longer within the store.
@@ -892,20 +898,11 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_change_of_the_host_addresses_reloads_an_unchanged_file() {
-        let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join("palisade.toml");
-        let evidence = tmp.path().join("evidence").display().to_string();
-        std::fs::write(
-            &path,
-            BASE.replace("/tmp/palisade-reload-test-evidence", &evidence),
-        )
-        .unwrap();
+        let (_tmp, path, _) = config_file("");
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         // Served with addresses the host no longer has (here: none).
-        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let hash = served.load().policy.hash().to_string();
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         let host = crate::host::addresses().unwrap();
@@ -924,9 +921,7 @@ host = "example.com"
         // quiet until either changes.
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
         assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));

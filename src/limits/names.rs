@@ -173,42 +173,36 @@ mod tests {
     #[test]
     fn a_budget_of_new_names_per_window_seen_names_free() {
         let (acme, beta, rule) = ids();
+        let other: Arc<str> = Arc::from("other");
         let b = NameBudgets::new(MAX_NAMES_PER_ORG, None);
         let t0 = Instant::now();
-        for i in 0..3 {
-            let n = format!("n{i}.wild.test");
-            assert_eq!(b.spend(&acme, &rule, &n, 3, t0), NameUse::New);
+        let (later, after) = (t0 + Duration::from_secs(59), t0 + WINDOW);
+        use NameUse::{Exceeded, New, Seen};
+        // (org, rule, name, budget, at, what it comes to), in order.
+        let steps = [
+            (&acme, &rule, "n0.wild.test", 3, t0, New),
+            (&acme, &rule, "n1.wild.test", 3, t0, New),
+            (&acme, &rule, "n2.wild.test", 3, t0, New),
+            (&acme, &rule, "n3.wild.test", 3, t0, Exceeded),
+            // Refused names are not remembered; seen ones stay free.
+            (&acme, &rule, "n3.wild.test", 3, t0, Exceeded),
+            (&acme, &rule, "n1.wild.test", 3, t0, Seen),
+            // Another org, another rule: budgets of their own.
+            (&beta, &rule, "n3.wild.test", 3, t0, New),
+            (&acme, &other, "x.other.test", 1, t0, New),
+            // The window slides: 59 s later still spent, 60 s after the
+            // first use room again, and the old names new again.
+            (&acme, &rule, "n4.wild.test", 3, later, Exceeded),
+            (&acme, &rule, "n4.wild.test", 3, after, New),
+            (&acme, &rule, "n0.wild.test", 3, after, New),
+        ];
+        for (n, (org, rule, name, budget, at, wants)) in steps.into_iter().enumerate() {
+            assert_eq!(
+                b.spend(org, rule, name, budget, at),
+                wants,
+                "step {n}: {name}"
+            );
         }
-        assert_eq!(
-            b.spend(&acme, &rule, "n3.wild.test", 3, t0),
-            NameUse::Exceeded
-        );
-        // Refused names are not remembered; seen ones stay free.
-        assert_eq!(
-            b.spend(&acme, &rule, "n3.wild.test", 3, t0),
-            NameUse::Exceeded
-        );
-        assert_eq!(b.spend(&acme, &rule, "n1.wild.test", 3, t0), NameUse::Seen);
-        // Another org, another rule: budgets of their own.
-        assert_eq!(b.spend(&beta, &rule, "n3.wild.test", 3, t0), NameUse::New);
-        let other: Arc<str> = Arc::from("other");
-        assert_eq!(b.spend(&acme, &other, "x.other.test", 1, t0), NameUse::New);
-        // The window slides: 59 s later still spent, 60 s after the
-        // first use room again, and the old names new again.
-        let later = t0 + Duration::from_secs(59);
-        assert_eq!(
-            b.spend(&acme, &rule, "n4.wild.test", 3, later),
-            NameUse::Exceeded
-        );
-        let after = t0 + WINDOW;
-        assert_eq!(
-            b.spend(&acme, &rule, "n4.wild.test", 3, after),
-            NameUse::New
-        );
-        assert_eq!(
-            b.spend(&acme, &rule, "n0.wild.test", 3, after),
-            NameUse::New
-        );
     }
 
     #[test]
