@@ -637,33 +637,27 @@ mod tests {
     use super::*;
     use crate::config::{TokenDigest, TOKEN_DIGEST_PREFIX};
 
-    const BASE: &str = r#"
-[proxy]
-listen = ["127.0.0.1:3128"]
-
-[evidence]
-dir = "/tmp/palisade-reload-test-evidence"
-
-[[org]]
-name = "acme"
-clients = ["10.0.0.0/24"]
-
-[[org.allow]]
-host = "example.com"
-"#;
+    /// A proxy listener, evidence under /tmp, and acme allowed example.com.
+    fn base() -> String {
+        let acme = crate::testing::org_toml("acme", &["10.0.0.0/24"], &["example.com"]);
+        format!(
+            "[proxy]\nlisten = [\"127.0.0.1:3128\"]\n\n\
+             [evidence]\ndir = \"/tmp/palisade-reload-test-evidence\"\n\n{acme}"
+        )
+    }
 
     fn config(text: &str) -> Config {
         config::from_str(text, Path::new("/tmp/palisade.toml")).unwrap()
     }
 
-    /// `BASE` with its evidence in a fresh directory, `evidence_keys` added
+    /// [`base`] with its evidence in a fresh directory, `evidence_keys` added
     /// to `[evidence]`, written to `palisade.toml` there: the directory
     /// (kept while it lives), the file and its text.
     fn config_file(evidence_keys: &str) -> (tempfile::TempDir, PathBuf, String) {
         let tmp = tempfile::tempdir().unwrap();
         let path = tmp.path().join("palisade.toml");
         let dir = tmp.path().join("evidence").display().to_string();
-        let base = BASE.replace(
+        let base = base().replace(
             "dir = \"/tmp/palisade-reload-test-evidence\"",
             &format!("dir = {dir:?}{evidence_keys}"),
         );
@@ -695,10 +689,11 @@ host = "example.com"
 
     #[test]
     fn dns_budgets_are_restart_only() {
-        let old = config(BASE);
+        let base = base();
+        let old = config(&base);
         let budgets = config(&format!(
             "[dns]\nmax_tcp_connections_per_client = 2\nmax_tcp_connections_per_org = 3\n\
-             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{BASE}"
+             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{base}"
         ));
         assert_eq!(
             restart_only_changes(&old, &budgets),
@@ -713,15 +708,16 @@ host = "example.com"
 
     #[test]
     fn orgs_and_intercept_reload_the_rest_is_named_key_by_key() {
-        let old = config(BASE);
+        let base = base();
+        let old = config(&base);
         let more_rules = config(&format!(
-            "{BASE}\n[[org.allow]]\nhost = \"other.example\"\n"
+            "{base}\n[[org.allow]]\nhost = \"other.example\"\n"
         ));
         assert!(restart_only_changes(&old, &more_rules).is_empty());
-        let intercept = config(&format!("[intercept]\ncert_cache = 5\n{BASE}"));
+        let intercept = config(&format!("[intercept]\ncert_cache = 5\n{base}"));
         assert!(restart_only_changes(&old, &intercept).is_empty());
 
-        let changed = config(&BASE.replace(
+        let changed = config(&base.replace(
             "listen = [\"127.0.0.1:3128\"]",
             "listen = [\"127.0.0.1:3129\"]\nmax_connections = 7\nidle_timeout = \"9s\"",
         ));
@@ -736,7 +732,7 @@ host = "example.com"
             ]
         );
         let dns = config(&format!(
-            "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{BASE}"
+            "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{base}"
         ));
         // The per-org share follows the global cap it defaults from.
         assert_eq!(
@@ -747,7 +743,7 @@ host = "example.com"
                 "admin.listen"
             ]
         );
-        let evidence = config(&BASE.replace(
+        let evidence = config(&base.replace(
             "dir = \"/tmp/palisade-reload-test-evidence\"",
             "dir = \"/tmp/palisade-reload-test-evidence\"\ndurability = \"fsync\"",
         ));
@@ -755,7 +751,7 @@ host = "example.com"
             restart_only_changes(&old, &evidence),
             ["evidence.durability"]
         );
-        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{BASE}"));
+        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{base}"));
         assert_eq!(restart_only_changes(&old, &bypass), ["bypass.nflog_group"]);
     }
 

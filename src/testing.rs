@@ -58,3 +58,13 @@ pub(crate) fn record(overrides: &[&str]) -> crate::evidence::Record {
     }
     serde_json::from_value(v).unwrap()
 }
+
+/// The `[[org]]` table of `name` with `clients`, and an allow rule (its
+/// default ports) for each host of `allow`, as TOML.
+pub(crate) fn org_toml(name: &str, clients: &[&str], allow: &[&str]) -> String {
+    let mut toml = format!("[[org]]\nname = {name:?}\nclients = {clients:?}\n");
+    for host in allow {
+        toml += &format!("[[org.allow]]\nhost = {host:?}\n");
+    }
+    toml
+}

@@ -199,23 +199,10 @@ mod tests {
     use crate::config;
 
     fn policy() -> Policy {
-        let c = config::from_str(
-            r#"
-[[org]]
-name = "acme"
-clients = ["198.18.1.0/24"]
-[[org.allow]]
-host = "allowed.test"
-
-[[org]]
-name = "beta"
-clients = ["198.18.4.0/24"]
-[[org.allow]]
-host = "allowed.test"
-"#,
-            std::path::Path::new("t.toml"),
-        )
-        .unwrap();
+        let src = [("acme", "198.18.1.0/24"), ("beta", "198.18.4.0/24")]
+            .map(|(org, net)| crate::testing::org_toml(org, &[net], &["allowed.test"]))
+            .concat();
+        let c = config::from_str(&src, std::path::Path::new("t.toml")).unwrap();
         Policy::new(&c)
     }
 

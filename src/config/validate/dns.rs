@@ -164,6 +164,8 @@ pub(super) fn validate_dns(
     listeners: &mut Listeners,
     errors: &mut Errors<'_>,
 ) -> DnsConfig {
+    // Every key of `RawDns` is read below (one read nowhere is a dead-code
+    // warning, an error under `clippy -D warnings`).
     let d = DnsConfig::default();
     let max_ttl_span = raw.max_ttl.as_ref().map(|m| m.span());
     // Per-org caps default to a share of their global cap, as set.

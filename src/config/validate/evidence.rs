@@ -20,6 +20,8 @@ pub(super) fn validate_evidence(
     default_budget: usize,
     errors: &mut Errors<'_>,
 ) -> EvidenceConfig {
+    // Every key of `RawEvidence` is read below (one read nowhere is a
+    // dead-code warning, an error under `clippy -D warnings`).
     let dir = path(
         raw.dir,
         PathBuf::from(DEFAULT_EVIDENCE_DIR),

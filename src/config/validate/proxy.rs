@@ -11,6 +11,8 @@ pub(super) fn validate_proxy(
     listeners: &mut Listeners,
     errors: &mut Errors<'_>,
 ) -> ProxyConfig {
+    // Every key of `RawProxy` is read below (one read nowhere is a dead-code
+    // warning, an error under `clippy -D warnings`).
     let d = Limits::default();
     let idle_timeout: IdleTimeout = timeout(raw.idle_timeout, errors);
     // Unset, the response wait is what bounded it before it had its own key.
