@@ -262,6 +262,7 @@ impl Shim {
             client: state.client.ip(),
             host: &host,
             port: None,
+            request: None,
             mode: Mode::Dns,
             now: std::time::SystemTime::now(),
         };

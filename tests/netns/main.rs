@@ -40,6 +40,8 @@ mod own_addresses;
 mod policy;
 mod pool;
 mod probe;
+mod probe_volume;
+mod relay;
 mod reload;
 mod report;
 mod retention;
