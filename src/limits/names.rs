@@ -110,28 +110,6 @@ impl NameBudgets {
         budget: u32,
         now: Instant,
     ) -> NameUse {
-        let outcome = self.spend_quietly(org, rule, name, budget, now);
-        if let Some(counter) = &self.counted {
-            let decision = match outcome {
-                NameUse::Seen => None,
-                NameUse::New => Some("allow"),
-                NameUse::Exceeded => Some("deny"),
-            };
-            if let Some(decision) = decision {
-                counter.with_label_values(&[org, decision]).inc();
-            }
-        }
-        outcome
-    }
-
-    fn spend_quietly(
-        &self,
-        org: &Arc<str>,
-        rule: &Arc<str>,
-        name: &str,
-        budget: u32,
-        now: Instant,
-    ) -> NameUse {
         let mut orgs = self.orgs.lock().unwrap_or_else(|e| e.into_inner());
         let names = orgs.entry(org.clone()).or_default();
         let forgotten: usize = names.rules.values_mut().map(|w| w.expire(now)).sum();
@@ -147,6 +125,8 @@ impl NameBudgets {
         }
         let budget = usize::try_from(budget).unwrap_or(usize::MAX);
         if window.spent.len() >= budget {
+            drop(orgs);
+            self.count(org, "deny");
             return NameUse::Exceeded;
         }
         let kept = if names.remembered < self.cap {
@@ -158,7 +138,17 @@ impl NameBudgets {
             None
         };
         window.spent.push_back((now, kept));
+        drop(orgs);
+        self.count(org, "allow");
         NameUse::New
+    }
+
+    /// A new name of `org` counted under `decision` (`allow` within the
+    /// budget, `deny` past it; a seen name is not counted).
+    fn count(&self, org: &str, decision: &str) {
+        if let Some(counter) = &self.counted {
+            counter.with_label_values(&[org, decision]).inc();
+        }
     }
 }
 

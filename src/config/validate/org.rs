@@ -46,38 +46,22 @@ pub(super) fn validate_orgs(
     let mut token_orgs: Vec<(TokenDigest, String)> = Vec::new();
 
     for org in raw {
-        let RawOrg {
-            name,
-            clients,
-            allow,
-            deny,
-            dns_denied,
-            dns_types,
-            dns_answers,
-            mode,
-            on_miss,
-            identity,
-            tokens,
-            credential,
-            max_bytes_up,
-            max_bytes_down,
-            volume_window,
-        } = org;
-        let volume = volume((max_bytes_up, max_bytes_down, volume_window), None, errors);
-        let org_name = name.get_ref().clone();
-        check_org_name(&name, &mut names, errors);
+        let raw_volume = (org.max_bytes_up, org.max_bytes_down, org.volume_window);
+        let volume = volume(raw_volume, None, errors);
+        let org_name = org.name.get_ref().clone();
+        check_org_name(&org.name, &mut names, errors);
 
-        let identity_span = identity.as_ref().map_or(name.span(), |i| i.span());
-        let identity = validate_identity(identity.as_ref(), errors);
+        let identity_span = org.identity.as_ref().map_or(org.name.span(), |i| i.span());
+        let identity = validate_identity(org.identity.as_ref(), errors);
         let tokens = validate_tokens(
             (&org_name, identity_span),
             identity,
-            &tokens,
+            &org.tokens,
             &mut token_orgs,
             errors,
         );
         if identity == Identity::Token {
-            if let Some(first) = clients.first() {
+            if let Some(first) = org.clients.first() {
                 errors.at(
                     first.span(),
                     "an org with identity = \"token\" takes no clients (use \"address+token\" to require both)",
@@ -85,7 +69,7 @@ pub(super) fn validate_orgs(
             }
         }
         let mut nets = Vec::new();
-        for client in &clients {
+        for client in &org.clients {
             let Some(net) = cidr(client, errors) else {
                 continue;
             };
@@ -103,24 +87,34 @@ pub(super) fn validate_orgs(
             }
             nets.push(net);
         }
-        if clients.is_empty() && identity != Identity::Token {
-            errors.at(name.span(), format!("org {org_name:?} has no clients"));
+        if org.clients.is_empty() && identity != Identity::Token {
+            errors.at(org.name.span(), format!("org {org_name:?} has no clients"));
         }
 
-        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, baseline, errors);
-        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, None, errors);
-        let dns_denied = dns_denied.map_or_else(DnsDenied::default, |v| {
+        let allow = validate_rules(
+            &org_name,
+            "allow",
+            org.allow,
+            &mut rule_ids,
+            baseline,
+            errors,
+        );
+        let deny = validate_rules(&org_name, "deny", org.deny, &mut rule_ids, None, errors);
+        let dns_denied = org.dns_denied.map_or_else(DnsDenied::default, |v| {
             one_of("dns_denied", &v, DNS_DENIED, errors)
         });
-        let dns_types = validate_dns_types(&dns_types, errors);
-        let dns_answers = dns_answers.map_or_else(DnsAnswers::default, |v| {
+        let dns_types = validate_dns_types(&org.dns_types, errors);
+        let dns_answers = org.dns_answers.map_or_else(DnsAnswers::default, |v| {
             dns_answers_of(&v, pools_set, errors)
         });
-        let mode = mode.map_or_else(OrgMode::default, |v| one_of("mode", &v, MODES, errors));
-        let on_miss =
-            on_miss.map_or_else(OnMiss::default, |v| one_of("on_miss", &v, ON_MISS, errors));
+        let mode = org
+            .mode
+            .map_or_else(OrgMode::default, |v| one_of("mode", &v, MODES, errors));
+        let on_miss = org
+            .on_miss
+            .map_or_else(OnMiss::default, |v| one_of("on_miss", &v, ON_MISS, errors));
         let credentials =
-            validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
+            validate_credentials(&org_name, org.credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
             name: org_name,
             clients: nets,
