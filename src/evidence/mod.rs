@@ -14,6 +14,7 @@ pub(crate) mod chain;
 #[doc(hidden)]
 pub mod costs;
 pub(crate) mod export;
+pub(crate) mod field;
 pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod merkle;
