@@ -123,11 +123,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "Ctx::second_request",
         "wt-volume splits probe/",
     ),
-    (
-        "proxy/verify.rs",
-        "pump",
-        "not split yet: the next to split (issue 35)",
-    ),
 ];
 
 // ---------------------------------------------------------------------
