@@ -44,21 +44,6 @@ const PROXY_LAYERS: &[&[&str]] = &[
     &["http"],
 ];
 
-/// Loops known when this test came, to be broken, never joined: per
-/// folder, the files they run through. A cycle among other files, or
-/// through one more file, fails; so does an entry no cycle runs through
-/// any more (delete it). `evidence/mod.rs` defines the record vocabulary
-/// and the `Evidence` handle that its files use and it re-exports.
-const KNOWN_LOOPS: &[(&str, &[&str])] = &[(
-    "evidence",
-    &[
-        "chain", "key", "merkle", "mod.rs", "note", "segment", "store", "writer",
-    ],
-)];
-
-/// Edges that may run back up inside `proxy/`.
-const PROXY_BACK_UP_ALLOWED: usize = 1;
-
 /// The top-level modules that may name anything of `proxy/`: the wiring
 /// above it. Every other module is a layer below it.
 const ABOVE_PROXY: &[&str] = &["analysis", "app", "cli", "testing"];
@@ -933,32 +918,14 @@ fn folder_name(folder: &[String]) -> String {
     format!("src/{}", folder.join("/"))
 }
 
-/// Rule 1: every cycle of every folder, named with its folder, but for
-/// those within a known loop; and the known loops no cycle runs through.
+/// Rule 1: every cycle of every folder, named with its folder.
 fn cycle_violations(krate: &Crate) -> Vec<String> {
-    cycle_violations_but(krate, KNOWN_LOOPS)
-}
-
-fn cycle_violations_but(krate: &Crate, known: &[(&str, &[&str])]) -> Vec<String> {
     let edges = krate.edges();
     let mut found = Vec::new();
-    let mut seen: BTreeSet<&str> = BTreeSet::new();
     for folder in folders(krate) {
-        let name = folder.join("/");
-        let loop_ = known.iter().find(|(f, _)| *f == name);
         for cycle in cycles(&folder_graph(&edges, &folder)) {
-            match loop_ {
-                Some((f, nodes)) if cycle.split(" -> ").all(|n| nodes.contains(&n)) => {
-                    seen.insert(f);
-                }
-                _ => found.push(format!("{}: {cycle}", folder_name(&folder))),
-            }
+            found.push(format!("{}: {cycle}", folder_name(&folder)));
         }
-    }
-    for (folder, _) in known.iter().filter(|(f, _)| !seen.contains(f)) {
-        found.push(format!(
-            "src/{folder}: no loop any more; delete it from KNOWN_LOOPS"
-        ));
     }
     found
 }
@@ -1168,8 +1135,8 @@ fn nothing_below_proxy_names_it_and_proxy_runs_down_its_layers() {
         "place these files of src/proxy in PROXY_LAYERS: {unplaced:?}"
     );
     assert!(
-        back_up.len() <= PROXY_BACK_UP_ALLOWED,
-        "edges running back up inside src/proxy (at most {PROXY_BACK_UP_ALLOWED}):\n{}",
+        back_up.is_empty(),
+        "edges running back up inside src/proxy:\n{}",
         back_up.join("\n")
     );
 }
@@ -1217,7 +1184,7 @@ fn a_cycle_through_plain_imports_is_caught() {
         ("a.rs", "use crate::b::B; pub struct A;"),
         ("b.rs", "pub struct B(crate::a::A);"),
     ]);
-    assert_eq!(cycle_violations_but(&k, &[]), vec!["src/: a -> b -> a"]);
+    assert_eq!(cycle_violations(&k), vec!["src/: a -> b -> a"]);
     // Comments, strings and test code name nothing.
     let k = made_up(&[
         ("lib.rs", LIB),
@@ -1233,7 +1200,7 @@ fn a_cycle_through_plain_imports_is_caught() {
             fn g() { crate::a::A; }"#,
         ),
     ]);
-    assert_eq!(cycle_violations_but(&k, &[]), Vec::<String>::new());
+    assert_eq!(cycle_violations(&k), Vec::<String>::new());
 }
 
 #[test]
@@ -1248,7 +1215,7 @@ fn a_cycle_through_a_method_in_an_impl_block_of_another_file_is_caught() {
         ),
         ("b.rs", "impl crate::a::Ctx { pub fn decide(&self) {} }"),
     ]);
-    assert_eq!(cycle_violations_but(&k, &[]), vec!["src/: a -> b -> a"]);
+    assert_eq!(cycle_violations(&k), vec!["src/: a -> b -> a"]);
     // Through a field and what a method returns, and `Type::method`.
     let k = made_up(&[
         ("lib.rs", "pub mod a; pub mod b; pub mod c;"),
@@ -1262,51 +1229,16 @@ fn a_cycle_through_a_method_in_an_impl_block_of_another_file_is_caught() {
         ("c.rs", "pub struct View; pub fn f() { crate::b::g(); }"),
     ]);
     assert!(
-        cycle_violations_but(&k, &[]).contains(&"src/: b -> c -> b".to_string()),
+        cycle_violations(&k).contains(&"src/: b -> c -> b".to_string()),
         "{:?}",
-        cycle_violations_but(&k, &[])
+        cycle_violations(&k)
     );
     let k = made_up(&[
         ("lib.rs", LIB),
         ("a.rs", "pub struct Ctx; pub fn run() { Ctx::decide(); }"),
         ("b.rs", "use crate::a::Ctx; impl Ctx { pub fn decide() {} }"),
     ]);
-    assert_eq!(cycle_violations_but(&k, &[]), vec!["src/: a -> b -> a"]);
-}
-
-#[test]
-fn a_known_loop_may_shrink_but_not_grow_and_must_still_be_there() {
-    let k = made_up(&[
-        ("lib.rs", "pub mod a; pub mod b; pub mod c;"),
-        ("a.rs", "use crate::b::B; pub struct A;"),
-        ("b.rs", "pub struct B(crate::a::A);"),
-        ("c.rs", "pub struct C;"),
-    ]);
-    assert_eq!(
-        cycle_violations_but(&k, &[("", &["a", "b"])]),
-        Vec::<String>::new()
-    );
-    // Joined by one more file.
-    let k = made_up(&[
-        ("lib.rs", "pub mod a; pub mod b; pub mod c;"),
-        ("a.rs", "use crate::b::B; pub struct A;"),
-        ("b.rs", "pub struct B(crate::a::A, crate::c::C);"),
-        ("c.rs", "pub struct C(Box<crate::b::B>);"),
-    ]);
-    assert_eq!(
-        cycle_violations_but(&k, &[("", &["a", "b"])]),
-        vec!["src/: b -> c -> b"]
-    );
-    // Gone.
-    let k = made_up(&[
-        ("lib.rs", "pub mod a; pub mod b;"),
-        ("a.rs", "pub struct A;"),
-        ("b.rs", "pub struct B(crate::a::A);"),
-    ]);
-    assert_eq!(
-        cycle_violations_but(&k, &[("", &["a", "b"])]),
-        vec!["src/: no loop any more; delete it from KNOWN_LOOPS"]
-    );
+    assert_eq!(cycle_violations(&k), vec!["src/: a -> b -> a"]);
 }
 
 #[test]
@@ -1322,7 +1254,7 @@ fn a_cycle_through_a_re_export_of_a_folder_is_caught() {
         ("x/one.rs", "pub struct One(super::Two);"),
         ("x/two.rs", "pub struct Two(Box<crate::x::One>);"),
     ]);
-    let found = cycle_violations_but(&k, &[]);
+    let found = cycle_violations(&k);
     assert!(
         found.contains(&"src/x: one -> two -> one".to_string()),
         "{found:?}"
@@ -1339,17 +1271,14 @@ fn a_loop_between_mod_rs_and_a_child_is_caught() {
         ),
         ("x/kid.rs", "pub fn g() -> super::Shared { super::Shared }"),
     ]);
-    assert_eq!(
-        cycle_violations_but(&k, &[]),
-        vec!["src/x: kid -> mod.rs -> kid"]
-    );
+    assert_eq!(cycle_violations(&k), vec!["src/x: kid -> mod.rs -> kid"]);
     // Declaring a child and re-exporting it is no loop by itself.
     let k = made_up(&[
         ("lib.rs", "pub mod x;"),
         ("x/mod.rs", "mod kid; pub use kid::g;"),
         ("x/kid.rs", "pub fn g() {}"),
     ]);
-    assert_eq!(cycle_violations_but(&k, &[]), Vec::<String>::new());
+    assert_eq!(cycle_violations(&k), Vec::<String>::new());
 }
 
 #[test]

@@ -32,6 +32,12 @@ use ed25519_dalek::{Signature, Signer, SigningKey, VerifyingKey};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
+/// Fields every record has (null where not known), in CONTRACT order.
+pub const CONTRACT_FIELDS: [&str; 15] = [
+    "id", "ts", "kind", "event", "org", "client", "mode", "host", "port", "sni", "ip", "decision",
+    "reason", "rule", "policy",
+];
+
 /// `prev` of the very first record of a chain.
 pub(crate) const GENESIS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
@@ -471,7 +477,7 @@ impl<'a> serde::Serializer for Capture<'a> {
 /// A record with every CONTRACT field null, for headers and checkpoints.
 pub(crate) fn meta_record(event: &str, id: String, ts: String) -> Map<String, Value> {
     let mut m = Map::new();
-    for k in super::CONTRACT_FIELDS {
+    for k in CONTRACT_FIELDS {
         m.insert(k.to_string(), Value::Null);
     }
     m.insert("id".into(), Value::String(id));

@@ -299,24 +299,24 @@ fn attribute(u: &mut Usage, written: &HashMap<Owner, u64>) {
 pub(crate) struct Owed {
     payer: Owner,
     bytes: u64,
-    live: Arc<super::Live>,
+    store: Arc<Store>,
 }
 
 impl Owed {
-    /// Reserve `bytes` of `payer`'s in the store of `live`.
-    pub(super) fn reserve(live: &Arc<super::Live>, payer: &Owner, bytes: u64) -> Owed {
-        live.store().reserve(payer, bytes);
+    /// Reserve `bytes` of `payer`'s in `store`.
+    pub(super) fn reserve(store: &Arc<Store>, payer: &Owner, bytes: u64) -> Owed {
+        store.reserve(payer, bytes);
         Owed {
             payer: payer.clone(),
             bytes,
-            live: live.clone(),
+            store: store.clone(),
         }
     }
 }
 
 impl Drop for Owed {
     fn drop(&mut self) {
-        self.live.store().release(&self.payer, self.bytes);
+        self.store.release(&self.payer, self.bytes);
     }
 }
 
@@ -436,10 +436,10 @@ mod tests {
         store.add(&map(&[(Some("acme"), 500), (Some("beta"), 500)]));
         store.wrote(1000);
         // acme holds 2000 open connections' closes: 8000 bytes reserved.
-        let owed: Vec<Owed> = (0..2000).map(|_| Owed::reserve(&live, &acme, 4)).collect();
+        let owed: Vec<Owed> = (0..2000).map(|_| Owed::reserve(store, &acme, 4)).collect();
         assert_eq!(store.free(), Some(1000));
         assert!(!store.is_full(), "exactly the margin left");
-        let one_more = Owed::reserve(&live, &acme, 1);
+        let one_more = Owed::reserve(store, &acme, 1);
         assert!(store.is_full(), "reserved closes fill the store");
         assert!(store.over_share(&acme), "8501 of 9001");
         assert!(!store.over_share(&beta));

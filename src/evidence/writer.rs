@@ -185,7 +185,7 @@ pub(super) fn now_ts() -> String {
 pub(super) struct Common {
     pub healthy: AtomicBool,
     pub ids: Ids,
-    pub counters: Arc<super::Live>,
+    pub counters: Arc<super::live::Live>,
     duties: Duties,
 }
 
@@ -253,7 +253,7 @@ pub(super) struct Log {
 }
 
 impl Log {
-    pub(super) fn new(io: Io, ids: Ids, counters: Arc<super::Live>) -> Log {
+    pub(super) fn new(io: Io, ids: Ids, counters: Arc<super::live::Live>) -> Log {
         let fsync = io.cfg.durability == Durability::Fsync;
         Log {
             pending: Mutex::new(Pending {
@@ -748,7 +748,7 @@ pub(super) struct Io {
     sink: Option<Sink>,
     /// `fsync`: since when records written without a sync wait for one.
     unsynced: Option<Instant>,
-    counters: Arc<super::Live>,
+    counters: Arc<super::live::Live>,
     /// Tests: fail the next write after half of it reached the file.
     #[cfg(test)]
     fail_next: bool,
@@ -771,7 +771,7 @@ impl Io {
         cfg: EvidenceConfig,
         key: SigningKey,
         ids: &Ids,
-        counters: Arc<super::Live>,
+        counters: Arc<super::live::Live>,
     ) -> io::Result<Io> {
         let pubkey = super::key::public_hex(&key);
         let now = Instant::now();

@@ -27,6 +27,7 @@ pub(crate) mod share;
 pub(crate) mod summary;
 pub(crate) mod table;
 pub(crate) mod volume;
+pub(crate) mod watch;
 
 pub(crate) use conns::{ConnLimits, LimitHit, Permit};
 pub(crate) use detect::{DetectHold, DetectMemory, DetectScope};
@@ -35,3 +36,4 @@ pub(crate) use names::{NameBudgets, NameUse};
 pub(crate) use rate::RateLimiter;
 pub(crate) use share::{client_key, Payer, Share, Shares};
 pub(crate) use volume::{Lease, Volumes};
+pub(crate) use watch::Watch;

@@ -244,7 +244,7 @@ pub(crate) async fn relay<C>(
     // Boxed: a tunnel without a budget keeps room for a pointer only.
     let volume = conn.volume.clone().map(|lease| {
         let cut = (!conn.view.is_report()).then(|| stop.clone());
-        Box::new(tunnel::Watch::new(lease, cut))
+        Box::new(crate::limits::Watch::new(lease, cut))
     });
     let Some(guard) = guard else {
         let idle = ctx.limits.idle_timeout.get();

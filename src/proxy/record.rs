@@ -12,9 +12,9 @@ use super::ctx::Ctx;
 use super::dial::DialError;
 use super::failure::Unserved;
 use super::http::Body;
-use super::tunnel::Watch;
 use crate::evidence::Record;
 use crate::limits::volume::{Direction, Exceeded};
+use crate::limits::Watch;
 use crate::policy::Reason;
 
 /// A written decision record: its `id` (what its close record names) and

@@ -302,7 +302,7 @@ pub(crate) struct Watch<'a> {
     /// Report mode: violations are handed here and the copy goes on.
     pub report: Option<&'a (dyn Fn(&Violation) + Sync)>,
     /// The tunnel's volume budgets, charged after every transfer.
-    pub volume: Option<&'a tunnel::Watch>,
+    pub volume: Option<&'a crate::limits::Watch>,
 }
 
 /// What the two directions of one verified copy share.
@@ -320,7 +320,7 @@ struct Shared<'a> {
     /// The client's direction went opaque: nothing is left to follow on
     /// the upstream's either.
     client_opaque: AtomicBool,
-    volume: Option<&'a tunnel::Watch>,
+    volume: Option<&'a crate::limits::Watch>,
 }
 
 impl Shared<'_> {

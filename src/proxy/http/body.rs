@@ -27,7 +27,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::limits::volume::Direction;
-use crate::proxy::tunnel::Watch;
+use crate::limits::Watch;
 use crate::serve::http::BodyError;
 
 /// Called once with the bytes counted.

@@ -193,7 +193,7 @@ pub(crate) async fn relay(
     let cut = stop.child_token();
     let watch = exchange.req.volume.clone().map(|lease| {
         let enforce = !exchange.req.view.is_report();
-        tunnel::Watch::new(lease, enforce.then(|| cut.clone()))
+        crate::limits::Watch::new(lease, enforce.then(|| cut.clone()))
     });
     let pump = tunnel::pump(
         TokioIo::new(client),
