@@ -9,7 +9,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
-use super::plan::{Plan, Probe};
+use super::plan::{volume_total, Flow, Plan, Probe};
 use super::{Expect, Layer, Via};
 use crate::config::{Config, PathPattern, RuleTarget};
 use crate::policy::request::NormalPath;
@@ -76,41 +76,10 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
         Via::Direct
     };
     let mut allowed_name: Option<(String, u16)> = None;
-    let url_for = |host: &str, port: u16| -> String {
-        match port {
-            443 => format!("https://{host}{}{{marker}}", super::MARKER_PATH),
-            80 => format!("http://{host}{}{{marker}}", super::MARKER_PATH),
-            p => format!("tcp://{host}:{p}"),
-        }
-    };
+    let url_for = probe_url;
     for (i, rule) in org.allow.iter().enumerate() {
-        let ports: Vec<u16> = match &rule.ports {
-            crate::config::PortSet::All => vec![443],
-            crate::config::PortSet::List(l) => l.iter().copied().take(4).collect(),
-        };
-        for port in ports {
-            let (host, note) = match &rule.target {
-                RuleTarget::Exact(name) => (name.clone(), format!("allow rule {}", rule.id)),
-                RuleTarget::Below(suffix) => (
-                    format!("www.{suffix}"),
-                    format!(
-                        "allow rule {} (*.{suffix}): replace www.{suffix} with a name that exists",
-                        rule.id
-                    ),
-                ),
-                RuleTarget::Cidr(net) => {
-                    let ip = match net.hosts().next() {
-                        Some(ip) => ip,
-                        None => net.addr(),
-                    };
-                    let host = if ip.is_ipv6() {
-                        format!("[{ip}]")
-                    } else {
-                        ip.to_string()
-                    };
-                    (host, format!("allow rule {} ({net})", rule.id))
-                }
-            };
+        for port in rule_ports(rule) {
+            let (host, note) = allow_host(rule);
             if allowed_name.is_none() && !matches!(rule.target, RuleTarget::Cidr(_)) && port == 443
             {
                 allowed_name = Some((host.clone(), port));
@@ -366,8 +335,10 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
         via_default,
         opts.transparent,
     ));
-    // Last: they spend each wildcard's budget for a minute.
+    // Last: they spend each wildcard's budget for a minute, and each
+    // rule's volume budget for its window.
     probes.extend(name_probes(org));
+    probes.extend(volume_probes(org, via_default));
     for probe in &mut probes {
         if probe.id == "host-mismatch" {
             probe.host_header = Some(CANARY_MARKED.into());
@@ -399,6 +370,49 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     };
     plan.validate()?;
     Ok(plan)
+}
+
+/// The target a probe of `host:port` uses: an HTTPS or HTTP request
+/// carrying the marker in its path on 443 and 80, else a TCP connection.
+pub(crate) fn probe_url(host: &str, port: u16) -> String {
+    match port {
+        443 => format!("https://{host}{}{{marker}}", super::MARKER_PATH),
+        80 => format!("http://{host}{}{{marker}}", super::MARKER_PATH),
+        p => format!("tcp://{host}:{p}"),
+    }
+}
+
+/// The ports an allow rule's probes use: the first four it lists, or 443
+/// for a rule on every port.
+pub(crate) fn rule_ports(rule: &crate::config::RuleConfig) -> Vec<u16> {
+    match &rule.ports {
+        crate::config::PortSet::All => vec![443],
+        crate::config::PortSet::List(l) => l.iter().copied().take(4).collect(),
+    }
+}
+
+/// The host an allow rule's probes name, and the note saying which rule
+/// (a wildcard's placeholder name is the assessor's to replace).
+pub(crate) fn allow_host(rule: &crate::config::RuleConfig) -> (String, String) {
+    match &rule.target {
+        RuleTarget::Exact(name) => (name.clone(), format!("allow rule {}", rule.id)),
+        RuleTarget::Below(suffix) => (
+            format!("www.{suffix}"),
+            format!(
+                "allow rule {} (*.{suffix}): replace www.{suffix} with a name that exists",
+                rule.id
+            ),
+        ),
+        RuleTarget::Cidr(net) => {
+            let ip = net.hosts().next().unwrap_or(net.addr());
+            let host = if ip.is_ipv6() {
+                format!("[{ip}]")
+            } else {
+                ip.to_string()
+            };
+            (host, format!("allow rule {} ({net})", rule.id))
+        }
+    }
 }
 
 /// Names a `names-N` probe sends past its rule's budget.
@@ -709,6 +723,61 @@ fn tunnel_probes(
     out
 }
 
+/// The volume probes of `org`'s plan: for each allow rule with a budget
+/// (its own `max_bytes_up`/`max_bytes_down`, or the org's, the smaller
+/// one when both), one per direction, through the target of the rule's
+/// first port (as its allow probe), `via`.
+fn volume_probes(org: &crate::config::OrgConfig, via: Via) -> Vec<Probe> {
+    let mut out = Vec::new();
+    for (i, rule) in org.allow.iter().enumerate() {
+        let Some(port) = rule_ports(rule).first().copied() else {
+            continue;
+        };
+        let (host, note) = allow_host(rule);
+        for flow in [Flow::Up, Flow::Down] {
+            let of = |v: &Option<crate::config::Volume>| {
+                v.and_then(|v| match flow {
+                    Flow::Up => v.up,
+                    Flow::Down => v.down,
+                })
+            };
+            let (budget, whose) = match (of(&rule.volume), of(&org.volume)) {
+                (Some(r), Some(o)) if o < r => (o, "the org's total"),
+                (Some(r), _) => (r, "the rule's"),
+                (None, Some(o)) => (o, "the org's total"),
+                (None, None) => continue,
+            };
+            let serves = match (flow, port) {
+                (Flow::Up, _) => String::new(),
+                (Flow::Down, 80 | 443) => format!(
+                    "; point the path at something that serves at least {} bytes",
+                    volume_total(budget)
+                ),
+                (Flow::Down, _) => format!(
+                    "; the target must send at least {} bytes unasked",
+                    volume_total(budget)
+                ),
+            };
+            out.push(Probe {
+                volume: Some(flow),
+                budget: Some(budget),
+                note: Some(format!(
+                    "{note}: {} bytes {} past {whose} budget of {budget}{serves}",
+                    volume_total(budget),
+                    flow.as_str()
+                )),
+                ..Probe::new(
+                    &format!("volume-{i}-{}", flow.as_str()),
+                    &probe_url(&host, port),
+                    via,
+                    Expect::Deny,
+                )
+            });
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -787,6 +856,15 @@ mod tests {
             run: "0a1b2c3d".into(),
             issued: std::time::UNIX_EPOCH + Duration::from_secs(1_900_000_000),
         }
+    }
+
+    /// The note of probe `id` among `probes`.
+    fn note_of<'a>(probes: impl IntoIterator<Item = &'a Probe>, id: &str) -> String {
+        probes
+            .into_iter()
+            .find(|p| p.id == id)
+            .and_then(|p| p.note.clone())
+            .unwrap_or_else(|| panic!("no note of {id}"))
     }
 
     fn generate_from(src: &str, transparent: bool) -> Plan {
@@ -1018,6 +1096,75 @@ mod tests {
     }
 
     #[test]
+    fn each_budget_gets_a_volume_probe_the_smaller_of_rule_and_org_last_in_the_plan() {
+        let plan = generate_from(
+            "[proxy]\nlisten = [\"198.18.1.1:3128\"]\n\
+             [[org]]\nname = \"acme\"\nclients = [\"198.18.1.0/24\"]\nmax_bytes_down = \"1MiB\"\n\
+             [[org.allow]]\nid = \"gh\"\nhost = \"github.test\"\nmax_bytes_up = \"100KiB\"\n\
+             [[org.allow]]\nid = \"sink\"\ncidr = \"198.18.2.30/32\"\nports = [7001]\n\
+             max_bytes_up = \"300MiB\"\nmax_bytes_down = \"2MiB\"\n\
+             [[org.allow]]\nid = \"web\"\nhost = \"web.test\"\nports = [80]\n",
+            false,
+        );
+        let volume: Vec<(&str, &str, Option<Flow>, Option<u64>)> = plan
+            .probes
+            .iter()
+            .filter(|p| p.volume.is_some())
+            .map(|p| (p.id.as_str(), p.target.as_str(), p.volume, p.budget))
+            .collect();
+        let (up, down) = (Some(Flow::Up), Some(Flow::Down));
+        assert_eq!(
+            volume,
+            [
+                (
+                    "volume-0-up",
+                    "http://github.test/palisade-probe/{marker}",
+                    up,
+                    Some(100 * 1024)
+                ),
+                (
+                    "volume-0-down",
+                    "http://github.test/palisade-probe/{marker}",
+                    down,
+                    Some(1 << 20)
+                ),
+                ("volume-1-up", "tcp://198.18.2.30:7001", up, Some(300 << 20)),
+                (
+                    "volume-1-down",
+                    "tcp://198.18.2.30:7001",
+                    down,
+                    Some(1 << 20)
+                ),
+                (
+                    "volume-2-down",
+                    "http://web.test/palisade-probe/{marker}",
+                    down,
+                    Some(1 << 20)
+                ),
+            ]
+        );
+        assert!(plan
+            .probes
+            .iter()
+            .all(|p| p.volume.is_none() || p.expect == Expect::Deny));
+        let n = plan.probes.len();
+        assert!(
+            plan.probes[n - 5..].iter().all(|p| p.volume.is_some()),
+            "last in the plan"
+        );
+        let note = |id: &str| note_of(&plan.probes, id);
+        assert!(
+            note("volume-0-down").contains("the org's total budget"),
+            "{}",
+            note("volume-0-down")
+        );
+        assert!(note("volume-1-up").contains("the rule's budget"));
+        assert!(note("volume-2-down").contains("serves at least"));
+        // The 300 MiB one stays in the plan; the run reports it not run.
+        assert!(crate::probe::plan::volume_too_large(300 << 20).is_some());
+    }
+
+    #[test]
     fn each_allowed_wildcard_gets_a_name_burst_past_its_budget() {
         let plan = generate_from(
             "[dns]\nlisten = [\"198.18.1.1:53\"]\n\
@@ -1073,15 +1220,7 @@ mod tests {
                 (Via::Direct, Expect::Deny, Layer::Palisade)
             );
         }
-        let note = |id: &str| {
-            bursts
-                .iter()
-                .find(|p| p.id == id)
-                .unwrap()
-                .note
-                .clone()
-                .unwrap()
-        };
+        let note = |id: &str| note_of(bursts.iter().copied(), id);
         assert!(
             note("names-1").contains("at most 10"),
             "{}",

@@ -19,6 +19,8 @@
 //! - [`report`]: verifies the evidence chain first, classifies every
 //!   observation, and builds the typed report (`report.json`).
 //! - [`render`]: `report.md` and a self-contained `report.html`.
+//! - [`volume`]: volume probes (a budgeted rule's budget plus a margin
+//!   moved through it), how they run and how they are classified.
 
 pub(crate) mod classify;
 pub(crate) mod fit;
@@ -28,6 +30,7 @@ pub(crate) mod plan;
 pub(crate) mod render;
 pub mod report;
 pub(crate) mod run;
+pub(crate) mod volume;
 
 use serde::{Deserialize, Serialize};
 

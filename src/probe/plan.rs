@@ -137,6 +137,13 @@ pub struct Probe {
     /// https:// targets: complete the handshake and send the request.
     #[serde(default, skip_serializing_if = "is_false")]
     pub request: bool,
+    /// A volume probe: move `budget` plus [`VOLUME_MARGIN`] bytes
+    /// this way through the target (`up`: sent, `down`: read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<Flow>,
+    /// The volume budget (bytes) the plan agrees for that direction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
 }
@@ -162,6 +169,8 @@ impl Probe {
             silence: None,
             ech: false,
             request: false,
+            volume: None,
+            budget: None,
             note: None,
         }
     }
@@ -174,7 +183,7 @@ impl Probe {
             Ok(Target::DnsBurst { count, .. }) => BURST_TIME_PER_NAME * count,
             _ => Duration::ZERO,
         };
-        self.silence() + burst
+        self.silence() + burst + volume_time(self)
     }
 
     /// The probe as run with `marker`: `{marker}` replaced in its target,
@@ -630,6 +639,7 @@ impl Plan {
             if p.request && !matches!(target, Target::Http { tls: true, .. }) {
                 return Err(ctx("request only applies to https:// targets".into()));
             }
+            validate_volume(p, &target).map_err(ctx)?;
             if matches!(target, Target::DnsBurst { .. }) && p.expect != Expect::Deny {
                 return Err(ctx(
                     "dns-burst probes expect \"deny\" (names past the budget refused)".into(),
@@ -647,6 +657,89 @@ impl Plan {
         out.push_str(&body);
         Ok(out)
     }
+}
+
+/// Which way a volume probe moves its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Flow {
+    /// Client to upstream (`max_bytes_up`).
+    Up,
+    /// Upstream to client (`max_bytes_down`).
+    Down,
+}
+
+impl Flow {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flow::Up => "up",
+            Flow::Down => "down",
+        }
+    }
+}
+
+/// What a budget may be passed by, as documented in
+/// `docs/decisions.md` ("The slack"): one transfer of a tunnel, at most
+/// one splice of 256 KiB (a copy reads at most 64 KiB; a request body
+/// never passes its budget).
+pub(crate) const VOLUME_SLACK: u64 = 256 * 1024;
+
+/// What a volume probe tries to move past its budget: twice the slack,
+/// so that a budget not enforced shows as more than budget plus slack.
+pub(crate) const VOLUME_MARGIN: u64 = 2 * VOLUME_SLACK;
+
+/// The largest budget a probe sends through: a larger one is not run
+/// (the probe reports why), so that a run stays within minutes.
+pub(crate) const MAX_VOLUME_BUDGET: u64 = 256 * 1024 * 1024;
+
+/// The rate a volume probe's time is planned for, on top of the plan's
+/// `timeout`: 16 MiB a second (256 MiB in 16 s).
+const PLANNED_RATE: u64 = 16 * 1024 * 1024;
+
+/// The bytes a volume probe moves: its budget plus [`VOLUME_MARGIN`].
+pub(crate) fn volume_total(budget: u64) -> u64 {
+    budget.saturating_add(VOLUME_MARGIN)
+}
+
+/// The time a volume probe gets on top of the plan's timeout.
+pub(crate) fn volume_time(p: &Probe) -> std::time::Duration {
+    match (p.volume, p.budget) {
+        (Some(_), Some(b)) if b <= MAX_VOLUME_BUDGET => {
+            std::time::Duration::from_millis(volume_total(b) * 1000 / PLANNED_RATE)
+        }
+        _ => std::time::Duration::ZERO,
+    }
+}
+
+/// Why a budget is not sent, if it is not: over [`MAX_VOLUME_BUDGET`].
+pub(crate) fn volume_too_large(budget: u64) -> Option<String> {
+    (budget > MAX_VOLUME_BUDGET).then(|| {
+        format!(
+            "a budget of {budget} bytes is over the {} MiB a volume probe sends: not sent",
+            MAX_VOLUME_BUDGET >> 20
+        )
+    })
+}
+
+/// The plan's rules for `volume` and `budget`.
+pub(crate) fn validate_volume(p: &Probe, target: &Target) -> Result<(), String> {
+    match (p.volume, p.budget) {
+        (None, None) => return Ok(()),
+        (None, Some(_)) => return Err("budget needs volume = \"up\" or \"down\"".into()),
+        (Some(_), None) => return Err("volume needs budget (bytes)".into()),
+        (Some(_), Some(0)) => return Err("budget must be at least 1 byte".into()),
+        (Some(_), Some(_)) => {}
+    }
+    if !matches!(target, Target::Http { .. } | Target::Tcp { .. }) {
+        return Err("volume only applies to http://, https:// and tcp:// targets".into());
+    }
+    if p.expect != Expect::Deny {
+        return Err("volume probes expect \"deny\" (what passes the budget refused)".into());
+    }
+    if p.second_host.is_some() || p.silence.is_some() || p.ech || p.host_header.is_some() {
+        return Err("volume does not combine with second_host, silence, ech or host_header".into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -910,5 +1003,34 @@ mod tests {
         ] {
             assert!(with(target, extra).is_err(), "{target} {extra}");
         }
+    }
+
+    #[test]
+    fn plans_validate_volume_probes() {
+        let t = |s: &str| parse_target(s).unwrap();
+        let mut p = Probe::new("v", "tcp://h:7001", crate::probe::Via::Proxy, Expect::Deny);
+        assert!(validate_volume(&p, &t(&p.target)).is_ok());
+        p.volume = Some(Flow::Up);
+        assert!(validate_volume(&p, &t(&p.target))
+            .unwrap_err()
+            .contains("budget"));
+        p.budget = Some(0);
+        assert!(validate_volume(&p, &t(&p.target)).is_err());
+        p.budget = Some(1024);
+        assert!(validate_volume(&p, &t(&p.target)).is_ok());
+        assert!(validate_volume(&p, &t("tls://h:443?sni=x")).is_err());
+        assert!(validate_volume(&p, &t("dns:h/A")).is_err());
+        p.expect = Expect::Allow;
+        assert!(validate_volume(&p, &t(&p.target)).is_err());
+        p.expect = Expect::Deny;
+        p.second_host = Some("x".into());
+        assert!(validate_volume(&p, &t(&p.target)).is_err());
+        p.second_host = None;
+        assert_eq!(
+            volume_time(&p),
+            std::time::Duration::from_millis(volume_total(1024) * 1000 / PLANNED_RATE)
+        );
+        p.budget = Some(MAX_VOLUME_BUDGET + 1);
+        assert_eq!(volume_time(&p), std::time::Duration::ZERO);
     }
 }

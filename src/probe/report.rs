@@ -34,6 +34,7 @@ use super::classify::{
 use super::fit::{assign, quote_misfit, unattributed, Case, SKEW};
 use super::plan::{self, parse_target, Plan};
 use super::run::{Observation, Observations, ProbeOutcome};
+use super::volume::{self, VolumeCounts};
 use super::{Class, Expect, Layer, Via, REPORT_FORMAT};
 use crate::evidence::select::Selection;
 use crate::evidence::{export, fleet, query, verify, Event, Kind, Mode, Record};
@@ -402,6 +403,10 @@ pub struct ProbeResult {
     /// on record, and the budget.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub names: Option<NameCounts>,
+    /// Volume probes: the budget, what the client moved, what the close
+    /// records say was relayed, and the cut.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume: Option<VolumeCounts>,
     pub note: Option<String>,
     pub marker: String,
     pub started: String,
@@ -604,6 +609,21 @@ fn enforcement(path: &Path) -> Result<Vec<Record>, BadInput> {
         .collect()
 }
 
+/// The close records under each of `paths` when `wanted` (a volume
+/// probe reads its connection's bytes from them), else none.
+fn closes(paths: &[&Path], wanted: bool) -> Result<Vec<Record>, BadInput> {
+    let mut out = Vec::new();
+    for path in paths.iter().filter(|_| wanted) {
+        for stored in query::read_events(path, &[Event::Close]) {
+            let record = stored.map_err(|e| BadInput(e.to_string()))?.record;
+            if record.conn.is_some() {
+                out.push(record);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A fleet's decision records merged by time, and each one's replica.
 fn fleet_decisions(chains: &[fleet::Chain]) -> Result<(Vec<Record>, Vec<Arc<str>>), BadInput> {
     let (mut records, mut replicas) = (Vec::new(), Vec::new());
@@ -626,10 +646,16 @@ struct Verified {
     replicas: Option<Vec<Arc<str>>>,
     /// The enforcement check's records, one list per chain.
     enforcement: Vec<Vec<Record>>,
+    /// Close records (read for volume probes only, else empty).
+    closes: Vec<Record>,
 }
 
 /// One chain: verified, then read.
-fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadInput> {
+/// `volume`: the plan has volume probes (the close records are read).
+fn verify_one(
+    opts: &Options<'_>,
+    volume: bool,
+) -> Result<Result<Verified, Verification>, BadInput> {
     let path = &opts.evidence[0];
     if !path.exists() {
         return Err(BadInput(format!(
@@ -638,7 +664,7 @@ fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadI
         )));
     }
     if export::is_export(path) {
-        return verify_export(path, opts);
+        return verify_export(path, opts, volume);
     }
     let vopts = verify::Options {
         key: opts.key(),
@@ -667,6 +693,7 @@ fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadI
         records: decisions(path)?,
         replicas: None,
         enforcement: vec![enforcement(path)?],
+        closes: closes(&[path], volume)?,
     }))
 }
 
@@ -676,6 +703,7 @@ fn verify_one(opts: &Options<'_>) -> Result<Result<Verified, Verification>, BadI
 fn verify_export(
     path: &Path,
     opts: &Options<'_>,
+    volume: bool,
 ) -> Result<Result<Verified, Verification>, BadInput> {
     let Some(key) = opts.key() else {
         return Err(BadInput(format!(
@@ -724,12 +752,14 @@ fn verify_export(
         records,
         replicas: None,
         enforcement: vec![Vec::new()],
+        closes: closes(&[&path.join("records.jsonl")], volume)?,
     }))
 }
 
 /// A fleet: every chain verified on its own, then all read merged.
 fn verify_fleet(
     opts: &Options<'_>,
+    volume: bool,
 ) -> Result<(Vec<String>, Result<Verified, Verification>), BadInput> {
     let fl = fleet::resolve(opts.evidence).map_err(|e| BadInput(e.0))?;
     let fopts = fleet::Options {
@@ -777,6 +807,13 @@ fn verify_fleet(
                 .iter()
                 .map(|c| enforcement(&c.path))
                 .collect::<Result<_, _>>()?,
+            closes: closes(
+                &fl.chains
+                    .iter()
+                    .map(|c| c.path.as_path())
+                    .collect::<Vec<_>>(),
+                volume,
+            )?,
         }),
     ))
 }
@@ -877,6 +914,8 @@ fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
                 o.host_header = probe.host_header.clone();
                 o.second_host = probe.second_host.clone();
                 o.ech = probe.ech;
+                o.volume = probe.volume;
+                o.budget = probe.budget;
                 if probe.silence.is_none() {
                     o.silence_ms = None;
                     o.closed_in_silence_ms = None;
@@ -1099,12 +1138,15 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
         replicas: Vec::new(),
         evidence: None,
     };
+    let volume = agreed
+        .iter()
+        .any(|a| a.plan.probes.iter().any(|p| p.volume.is_some()));
     let verified = if opts.is_fleet() {
-        let (names, v) = verify_fleet(opts)?;
+        let (names, v) = verify_fleet(opts, volume)?;
         scope.replicas = names;
         v
     } else {
-        verify_one(opts)?
+        verify_one(opts, volume)?
     };
     let Verified {
         verification,
@@ -1112,6 +1154,7 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
         records,
         replicas: record_replicas,
         enforcement: enforcement_records,
+        closes,
     } = match verified {
         Ok(v) => v,
         Err(verification) => {
@@ -1169,6 +1212,11 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
         }
         let deciding: BTreeSet<Arc<str>> = indices.iter().filter_map(|i| replica_of(*i)).collect();
         let mut mismatches = c.mismatches.clone();
+        let volume_counts = c
+            .observation
+            .as_ref()
+            .zip(c.probe.volume.zip(c.probe.budget))
+            .map(|(o, v)| volume::counts(o, v, &matched, &closes));
         let (class, why, observed, outcome) = match &c.observation {
             None => (
                 Class::Missing,
@@ -1177,7 +1225,10 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
                 None,
             ),
             Some(o) => {
-                let (mut class, mut why) = classify(o, &matched);
+                let (mut class, mut why) = match &volume_counts {
+                    Some(v) => volume::classify(o, &matched, v),
+                    None => classify(o, &matched),
+                };
                 for r in &matched {
                     if let Some(not_ours) = not_caused_by(o, r) {
                         mismatches.push(format!(
@@ -1271,6 +1322,7 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
                 .map(|r| r.count.unwrap_or(1))
                 .sum(),
             names: o.and_then(|o| name_counts(o, &matched)),
+            volume: volume_counts,
             note: c.probe.note.clone(),
             marker: o.map(|o| o.marker.clone()).unwrap_or_default(),
             started: o.map(|o| o.started.clone()).unwrap_or_default(),
@@ -1477,19 +1529,30 @@ fn untested_surfaces(out: &mut Vec<String>, probes: &[ProbeResult]) {
 
 /// Probes that did not run (the deadline) or left no observation.
 fn not_run(out: &mut Vec<String>, probes: &[ProbeResult]) {
-    let not_run: Vec<&str> = probes
-        .iter()
-        .filter(|p| {
-            p.observation
-                .as_ref()
-                .is_some_and(|o| o.error.as_deref() == Some("deadline"))
-        })
-        .map(|p| p.id.as_str())
-        .collect();
+    let failed_with = |error: &str| -> Vec<&str> {
+        probes
+            .iter()
+            .filter(|p| {
+                p.observation
+                    .as_ref()
+                    .is_some_and(|o| o.error.as_deref() == Some(error))
+            })
+            .map(|p| p.id.as_str())
+            .collect()
+    };
+    let not_run = failed_with("deadline");
     if !not_run.is_empty() {
         out.push(format!(
             "Probes not run (deadline): {}.",
             not_run.join(", ")
+        ));
+    }
+    let too_large = failed_with("not_run");
+    if !too_large.is_empty() {
+        out.push(format!(
+            "Volume probes not run (a budget over the {} MiB a probe sends): {}.",
+            plan::MAX_VOLUME_BUDGET >> 20,
+            too_large.join(", ")
         ));
     }
     let missing: Vec<&str> = probes

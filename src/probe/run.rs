@@ -33,6 +33,7 @@ use tokio::time::timeout;
 
 use super::hello::{self, Hello};
 use super::plan::{parse_target, Plan, Probe, Target};
+use super::plan::{volume_too_large, volume_total, Flow};
 use super::{Expect, Layer, Via, MARKER_HEADER, OBSERVATIONS_FORMAT};
 use crate::proto::target::{normalize_host, Host};
 
@@ -150,6 +151,14 @@ pub struct Observation {
     /// saw for it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub names: Vec<SentName>,
+    /// Volume probes: the direction, the agreed budget, and the bytes the
+    /// client moved that way (its count: sent up, or read down).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<Flow>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume_moved: Option<u64>,
 }
 
 /// One name a `dns-burst` probe sent.
@@ -304,16 +313,19 @@ impl Observation {
             first_close: false,
             handshake: false,
             names: Vec::new(),
+            volume: probe.volume,
+            budget: probe.budget,
+            volume_moved: None,
         }
     }
 
-    fn fail(&mut self, outcome: ProbeOutcome, error: &str, detail: &str) {
+    pub(crate) fn fail(&mut self, outcome: ProbeOutcome, error: &str, detail: &str) {
         self.outcome = outcome;
         self.error = Some(error.into());
         self.error_detail = Some(detail.chars().take(300).collect());
     }
 
-    fn io_fail(&mut self, outcome: ProbeOutcome, e: &io::Error) {
+    pub(crate) fn io_fail(&mut self, outcome: ProbeOutcome, e: &io::Error) {
         let kind = error_kind(e);
         self.fail(outcome, kind, &e.to_string());
     }
@@ -409,7 +421,7 @@ async fn read_reply<S: AsyncRead + Unpin>(
 }
 
 /// Read an HTTP response head (bounded); returns (status, headers, rest of bytes read).
-async fn read_head<S: AsyncRead + Unpin>(
+pub(crate) async fn read_head<S: AsyncRead + Unpin>(
     stream: &mut S,
 ) -> io::Result<(u16, Vec<(String, String)>, Vec<u8>, u64)> {
     let mut data = Vec::new();
@@ -510,6 +522,45 @@ impl Ctx<'_> {
         self.until.saturating_duration_since(Instant::now())
     }
 
+    /// A volume probe's direction and the bytes it moves.
+    fn volume(&self) -> Option<(Flow, u64)> {
+        Some((self.probe.volume?, volume_total(self.probe.budget?)))
+    }
+
+    /// A volume probe once connected (through a tunnel, or direct): raw
+    /// bytes for `tcp://`, one request for `http://`, and for `https://`
+    /// one request inside a completed TLS handshake.
+    async fn move_volume(
+        &self,
+        obs: &mut Observation,
+        stream: &mut TcpStream,
+        target: &Target,
+        flow: (Flow, u64),
+    ) {
+        let (tls, host, port, path) = match target {
+            Target::Http {
+                tls,
+                host,
+                port,
+                path,
+            } => (*tls, host, *port, path),
+            _ => return move_bytes(obs, stream, Speech::Raw, flow, self.until).await,
+        };
+        let head = volume_head(
+            flow.0,
+            path,
+            &host_for_request(host, port, tls),
+            self.marker,
+            flow.1,
+        );
+        if !tls {
+            return move_bytes(obs, stream, Speech::Http { head }, flow, self.until).await;
+        }
+        if let Some(mut tls) = self.handshake(obs, stream, host).await {
+            move_bytes(obs, &mut tls, Speech::Http { head }, flow, self.until).await;
+        }
+    }
+
     async fn perform(&self, obs: &mut Observation) {
         let target = match parse_target(&obs.target) {
             Ok(t) => t,
@@ -518,6 +569,9 @@ impl Ctx<'_> {
                 return;
             }
         };
+        if let Some(why) = self.probe.budget.and_then(volume_too_large) {
+            return obs.fail(ProbeOutcome::SetupFailed, "not_run", &why);
+        }
         match (&target, self.probe.via) {
             (Target::Dns { name, qtype }, _) => {
                 let Some(server) = self.probe.server.or(self.resolver) else {
@@ -750,6 +804,12 @@ impl Ctx<'_> {
             None,
         ) = (target, &self.probe.second_host)
         {
+            if let Some(flow) = self.volume() {
+                let authority = host_for_request(host, *port, false);
+                let absolute = format!("http://{host}:{port}{path}");
+                let head = volume_head(flow.0, &absolute, &authority, self.marker, flow.1);
+                return move_bytes(obs, &mut stream, Speech::Http { head }, flow, self.until).await;
+            }
             let host_header = self
                 .probe
                 .host_header
@@ -861,6 +921,9 @@ impl Ctx<'_> {
     /// After a CONNECT 200 or a direct TCP connect: TLS hello, banner wait,
     /// or an HTTP request.
     async fn after_connect(&self, obs: &mut Observation, stream: &mut TcpStream, target: &Target) {
+        if let Some(flow) = self.volume() {
+            return self.move_volume(obs, stream, target, flow).await;
+        }
         match target {
             Target::Http {
                 tls: false,
@@ -1134,18 +1197,48 @@ impl Ctx<'_> {
         port: u16,
         path: &str,
     ) {
+        let Some(mut tls) = self.handshake(obs, stream, host).await else {
+            return;
+        };
+        let host_header = self
+            .probe
+            .host_header
+            .clone()
+            .unwrap_or_else(|| host_for_request(host, port, true));
+        let req = format!(
+            "GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{MARKER_HEADER}: {}\r\nUser-Agent: palisade-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n",
+            self.marker
+        );
+        self.http_exchange(obs, &mut tls, req.as_bytes(), false)
+            .await
+    }
+
+    /// A TLS handshake over `stream` with `host`, the certificate not
+    /// verified; None (the observation says why) when it did not complete.
+    async fn handshake<'s>(
+        &self,
+        obs: &mut Observation,
+        stream: &'s mut TcpStream,
+        host: &str,
+    ) -> Option<tokio_rustls::client::TlsStream<&'s mut TcpStream>> {
         let bare = host.trim_start_matches('[').trim_end_matches(']');
         let name = match rustls_pki_types::ServerName::try_from(bare.to_string()) {
             Ok(n) => n,
-            Err(e) => return obs.fail(ProbeOutcome::SetupFailed, "bad_target", &e.to_string()),
+            Err(e) => {
+                obs.fail(ProbeOutcome::SetupFailed, "bad_target", &e.to_string());
+                return None;
+            }
         };
         let config = match insecure_client_config() {
             Ok(c) => c,
-            Err(e) => return obs.fail(ProbeOutcome::SetupFailed, "io", &e),
+            Err(e) => {
+                obs.fail(ProbeOutcome::SetupFailed, "io", &e);
+                return None;
+            }
         };
         obs.stage = "request".into();
         let connector = tokio_rustls::TlsConnector::from(config);
-        let mut tls = match timeout(self.left(), connector.connect(name, stream)).await {
+        let tls = match timeout(self.left(), connector.connect(name, stream)).await {
             Ok(Ok(t)) => t,
             Ok(Err(e)) => {
                 let alert = e
@@ -1160,23 +1253,17 @@ impl Ctx<'_> {
                 } else {
                     ProbeOutcome::Refused
                 };
-                return obs.fail(outcome, "tls", &format!("TLS handshake failed: {e}"));
+                obs.fail(outcome, "tls", &format!("TLS handshake failed: {e}"));
+                return None;
             }
-            Err(_) => return obs.fail(ProbeOutcome::Failed, "timeout", "TLS handshake timed out"),
+            Err(_) => {
+                obs.fail(ProbeOutcome::Failed, "timeout", "TLS handshake timed out");
+                return None;
+            }
         };
         obs.tls = Some("handshake".into());
         obs.handshake = true;
-        let host_header = self
-            .probe
-            .host_header
-            .clone()
-            .unwrap_or_else(|| host_for_request(host, port, true));
-        let req = format!(
-            "GET {path} HTTP/1.1\r\nHost: {host_header}\r\n{MARKER_HEADER}: {}\r\nUser-Agent: palisade-probe\r\nAccept: */*\r\nConnection: close\r\n\r\n",
-            self.marker
-        );
-        self.http_exchange(obs, &mut tls, req.as_bytes(), false)
-            .await
+        Some(tls)
     }
 
     async fn direct(&self, obs: &mut Observation, target: &Target) {
@@ -1300,7 +1387,7 @@ impl Ctx<'_> {
     }
 }
 
-fn header(headers: &[(String, String)], name: &str) -> Option<String> {
+pub(crate) fn header(headers: &[(String, String)], name: &str) -> Option<String> {
     headers
         .iter()
         .find(|(n, _)| n == name)
@@ -1563,6 +1650,197 @@ fn environment(resolver: Option<SocketAddr>) -> serde_json::Value {
         "resolver_used": resolver.map(|r| r.to_string()),
         "proxy_env": proxy_env,
     })
+}
+
+// ---------------------------------------------------------------------
+// Volume probes: the budget plus a margin, moved one way
+
+/// How a volume probe speaks over its connection: raw bytes (`tcp://`),
+/// or one HTTP request whose head is given (origin- or absolute-form).
+enum Speech {
+    Raw,
+    Http { head: String },
+}
+
+/// The HTTP request head of a volume probe: a POST of `total` bytes up,
+/// or a GET down; `target` is the request target (a path, or absolute).
+fn volume_head(flow: Flow, target: &str, host: &str, marker: &str, total: u64) -> String {
+    let method = match flow {
+        Flow::Up => format!(
+            "POST {target} HTTP/1.1\r\nContent-Type: application/octet-stream\r\nContent-Length: {total}\r\n"
+        ),
+        Flow::Down => format!("GET {target} HTTP/1.1\r\nAccept: */*\r\n"),
+    };
+    format!(
+        "{method}Host: {host}\r\n{}: {marker}\r\nUser-Agent: palisade-probe\r\nConnection: close\r\n\r\n",
+        MARKER_HEADER
+    )
+}
+
+/// The size of each write up, and each read down.
+const VOLUME_CHUNK: usize = 16 * 1024;
+
+/// Move `total` bytes `flow`'s way over `stream` until done, cut, or
+/// `until`; what the client moved goes to `obs.volume_moved`, and the
+/// outcome: `Reached` when all of it moved (and an HTTP answer was not
+/// Palisade's), `Refused` when the connection was cut or Palisade
+/// answered, `Failed` when time ran out first.
+async fn move_bytes<S: AsyncRead + AsyncWrite + Unpin>(
+    obs: &mut Observation,
+    stream: &mut S,
+    speech: Speech,
+    (flow, total): (Flow, u64),
+    until: Instant,
+) {
+    obs.stage = "request".into();
+    let http = matches!(speech, Speech::Http { .. });
+    if let Speech::Http { head } = &speech {
+        if let Err(e) = stream.write_all(head.as_bytes()).await {
+            return obs.io_fail(ProbeOutcome::Refused, &e);
+        }
+        obs.bytes_sent += head.len() as u64;
+    }
+    let mut error = None;
+    let moved = match flow {
+        Flow::Up => {
+            let sent = send(stream, total, until, &mut error).await;
+            obs.bytes_sent += sent;
+            if !http {
+                let _ = stream.shutdown().await;
+            }
+            sent
+        }
+        Flow::Down if http => 0,
+        Flow::Down => {
+            let got = receive(stream, total, until, &mut error).await;
+            obs.bytes_received += got;
+            got
+        }
+    };
+    obs.volume_moved = Some(moved);
+    obs.stage = "response".into();
+    if http {
+        return answer(obs, stream, (flow, total), until, error).await;
+    }
+    finish(obs, moved >= total, error);
+}
+
+/// `op`, unless `until` comes first (then `TimedOut`).
+async fn by<T>(
+    until: Instant,
+    op: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    let left = until.saturating_duration_since(Instant::now());
+    timeout(left, op)
+        .await
+        .unwrap_or_else(|_| Err(io::ErrorKind::TimedOut.into()))
+}
+
+/// Bytes up: chunks of filler until `total`, a failed write, or `until`.
+async fn send<S: AsyncWrite + Unpin>(
+    stream: &mut S,
+    total: u64,
+    until: Instant,
+    error: &mut Option<io::Error>,
+) -> u64 {
+    let chunk = [0x5a_u8; VOLUME_CHUNK];
+    let mut sent = 0u64;
+    while sent < total {
+        let n = usize::try_from(total - sent)
+            .unwrap_or(VOLUME_CHUNK)
+            .min(VOLUME_CHUNK);
+        if let Err(e) = by(until, stream.write_all(&chunk[..n])).await {
+            *error = Some(e);
+            return sent;
+        }
+        sent += n as u64;
+    }
+    if let Err(e) = by(until, stream.flush()).await {
+        *error = Some(e);
+    }
+    sent
+}
+
+/// Bytes down: read and count (not keep) until `total`, the end, or `until`.
+async fn receive<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    total: u64,
+    until: Instant,
+    error: &mut Option<io::Error>,
+) -> u64 {
+    let mut buf = vec![0u8; VOLUME_CHUNK];
+    let mut got = 0u64;
+    while got < total {
+        match by(until, stream.read(&mut buf)).await {
+            Ok(0) => {
+                *error = Some(io::ErrorKind::UnexpectedEof.into());
+                break;
+            }
+            Ok(n) => got += n as u64,
+            Err(e) => {
+                *error = Some(e);
+                break;
+            }
+        }
+    }
+    got
+}
+
+/// An HTTP volume probe's answer: Palisade's refusal (429, with the
+/// record it quotes), or the target's (a GET's body is then counted).
+async fn answer<S: AsyncRead + AsyncWrite + Unpin>(
+    obs: &mut Observation,
+    stream: &mut S,
+    (flow, total): (Flow, u64),
+    until: Instant,
+    error: Option<io::Error>,
+) {
+    let window = until
+        .saturating_duration_since(Instant::now())
+        .min(Duration::from_secs(4));
+    let (status, headers, rest, n) = match timeout(window, read_head(stream)).await {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => return finish(obs, false, error.or(Some(e))),
+        Err(_) => return finish(obs, false, error.or(Some(io::ErrorKind::TimedOut.into()))),
+    };
+    obs.bytes_received += n;
+    obs.http_status = Some(status);
+    obs.proxy_status = header(&headers, "proxy-status");
+    if let Some(p) = obs.proxy_status.clone().filter(|p| p.contains("error=")) {
+        obs.palisade_record = quoted_record(&p);
+        obs.stage = "done".into();
+        obs.outcome = ProbeOutcome::Refused;
+        return;
+    }
+    if flow == Flow::Down {
+        let mut error = None;
+        let rest = rest.len() as u64;
+        let got = rest + receive(stream, total.saturating_sub(rest), until, &mut error).await;
+        obs.bytes_received += got;
+        obs.volume_moved = Some(got);
+        return finish(obs, got >= total, error);
+    }
+    finish(obs, error.is_none(), error);
+}
+
+/// The outcome once the bytes moved: all of them (`Reached`), cut
+/// (`Refused`: closed or reset), or out of time (`Failed`).
+fn finish(obs: &mut Observation, all: bool, error: Option<io::Error>) {
+    obs.stage = "done".into();
+    match error {
+        _ if all => obs.outcome = ProbeOutcome::Reached,
+        Some(e) if e.kind() == io::ErrorKind::TimedOut => obs.fail(
+            ProbeOutcome::Failed,
+            "timeout",
+            "the probe's time ran out before its bytes moved",
+        ),
+        Some(e) => obs.io_fail(ProbeOutcome::Refused, &e),
+        None => obs.fail(
+            ProbeOutcome::Refused,
+            "closed",
+            "closed before all bytes moved",
+        ),
+    }
 }
 
 #[cfg(test)]

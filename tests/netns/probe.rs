@@ -70,7 +70,7 @@ pub(crate) fn probe_run(lab: &Lab, ns: &str, name: &str, plan: &str) -> PathBuf 
 }
 
 pub(crate) struct Reported {
-    code: Option<i32>,
+    pub(crate) code: Option<i32>,
     json: Value,
     dir: PathBuf,
     output: String,

@@ -36,13 +36,13 @@ const STEP: Duration = Duration::from_secs(10);
 /// An origin on `addr` in the upstream namespace that reads every byte
 /// of each connection until EOF and counts them: how many connections it
 /// accepted, and the bytes of each finished one.
-struct Origin {
+pub(crate) struct Origin {
     accepted: Arc<AtomicUsize>,
     received: Arc<Mutex<Vec<u64>>>,
 }
 
 impl Origin {
-    fn start(lab: &Lab, addr: &'static str) -> Origin {
+    pub(crate) fn start(lab: &Lab, addr: &'static str) -> Origin {
         let listener = in_netns(&lab.ns_upstream, move || TcpListener::bind(addr))
             .unwrap_or_else(|e| panic!("bind {addr}: {e}"));
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -75,7 +75,7 @@ impl Origin {
     }
 
     /// The byte counts of the first `n` connections, once they finished.
-    fn wait_received(&self, n: usize) -> Vec<u64> {
+    pub(crate) fn wait_received(&self, n: usize) -> Vec<u64> {
         wait_until("origin connections done", STEP, || {
             self.received.lock().unwrap().len() >= n
         });
