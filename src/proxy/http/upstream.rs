@@ -153,15 +153,12 @@ impl Upconn {
     }
 
     /// Read what the socket has into `buf`: the bytes read, 0 at its end.
+    /// Through `AsyncRead`: a read that does not fill the buffer tells
+    /// the runtime the socket is drained, so [`Upconn::is_usable`] costs
+    /// no system call unless something came since.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         self.buf.reserve(READ_SIZE);
-        loop {
-            std::task::ready!(self.stream.poll_read_ready(cx))?;
-            match self.stream.try_read_buf(&mut self.buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                r => return Poll::Ready(r),
-            }
-        }
+        tokio_util::io::poll_read_buf(Pin::new(&mut self.stream), cx, &mut self.buf)
     }
 }
 
