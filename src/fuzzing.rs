@@ -501,6 +501,23 @@ pub fn graphql(data: &[u8]) {
     }
 }
 
+/// A DNS query the shim reads from the wire itself is one hickory reads
+/// the same way (so the wire path never answers another question than
+/// hickory's would), a response built from it keeps its length, and
+/// finding the TTLs of any message ends within it.
+pub fn dns_question(data: &[u8]) {
+    use crate::dns::wire::{as_hickory_reads, question, ttl_offsets, Wire};
+    if let Some(q) = question(data) {
+        assert_eq!(Some(q.as_read()), as_hickory_reads(data), "{data:02x?}");
+        let wire = Wire::new(q.shape, false, data.to_vec(), q.section.len());
+        let answer = wire.and_then(|w| w.answer(&q, 7)).expect("its own wire");
+        assert_eq!(answer.len(), data.len());
+    }
+    if let Some(ttls) = ttl_offsets(data) {
+        assert!(ttls.iter().all(|&at| at + 4 <= data.len()), "{ttls:?}");
+    }
+}
+
 #[cfg(test)]
 mod smoke {
     use std::time::{Duration, Instant};
@@ -652,6 +669,39 @@ mod smoke {
             seeds.push(flow);
         }
         run_seeds("tls_stream", super::tls_stream, seeds);
+    }
+
+    /// DNS queries of every shape the wire path reads, and some it does not.
+    #[test]
+    fn dns_question() {
+        use hickory_server::proto::op::{Edns, Message, Query};
+        use hickory_server::proto::rr::rdata::opt::EdnsOption;
+        use hickory_server::proto::rr::{Name, RecordType};
+        let mut seeds = seeds();
+        for (name, qtype, edns) in [
+            ("allowed.test.", RecordType::A, None),
+            ("AlLoWeD.tEsT.", RecordType::AAAA, Some(1232)),
+            ("_x._tcp.a-1.test.", RecordType::SRV, Some(4096)),
+            ("xn--bcher-kva.test.", RecordType::HTTPS, Some(512)),
+            ("a.test.", RecordType::ANY, Some(1232)),
+        ] {
+            let mut m = Message::query();
+            m.metadata.recursion_desired = true;
+            m.add_query(Query::query(Name::from_ascii(name).unwrap(), qtype));
+            m.edns = edns.map(|p| {
+                let mut e = Edns::new();
+                e.set_max_payload(p);
+                e.options_mut().insert(EdnsOption::Unknown(10, vec![7; 8]));
+                e
+            });
+            seeds.push(m.to_vec().unwrap());
+        }
+        // A response with a pointer loop in its answer.
+        seeds.push(vec![
+            0, 1, 0x81, 0x80, 0, 0, 0, 1, 0, 0, 0, 0, 0xc0, 12, 0, 1, 0, 1, 0, 0, 0, 60, 0, 4, 198,
+            18, 2, 10,
+        ]);
+        run_seeds("dns_question", super::dns_question, seeds);
     }
 
     #[test]

@@ -493,8 +493,9 @@ fn tables(proposals: &[Proposal]) -> (Vec<Table>, String) {
     (out, notes)
 }
 
-/// The fragment printed without `--write`.
-fn fragment(tables: &[Table], notes: &str) -> String {
+/// The fragment printed without `--write`: the rules, then what was not
+/// proposed, then the commented rules from grants (`reviewed`).
+fn fragment(tables: &[Table], notes: &str, reviewed: &str) -> String {
     let mut doc = DocumentMut::new();
     let mut org = Table::new();
     org.set_implicit(true);
@@ -509,11 +510,19 @@ fn fragment(tables: &[Table], notes: &str) -> String {
         text.push_str("\n# not proposed:\n");
         text.push_str(notes);
     }
+    text.push_str(reviewed);
     text
 }
 
-/// The config text with the tables appended to ORG's allow rules.
-fn inserted(original: &str, org: &str, tables: &[Table], notes: &str) -> Result<String, String> {
+/// The config text with the tables appended to ORG's allow rules, and
+/// the commented rules from grants (`reviewed`) at its end.
+fn inserted(
+    original: &str,
+    org: &str,
+    tables: &[Table],
+    notes: &str,
+    reviewed: &str,
+) -> Result<String, String> {
     let mut doc: DocumentMut = original.parse().map_err(|e| format!("{e}"))?;
     let orgs = doc
         .get_mut("org")
@@ -545,7 +554,106 @@ fn inserted(original: &str, org: &str, tables: &[Table], notes: &str) -> Result<
         }
         allow.push(t);
     }
-    Ok(doc.to_string())
+    let mut text = doc.to_string();
+    text.push_str(reviewed);
+    Ok(text)
+}
+
+/// The grant a decision record's rule names (`grant:ID`), if one allowed it.
+fn granted_by(r: &Record) -> Option<&str> {
+    r.rule
+        .as_deref()
+        .and_then(|rule| rule.strip_prefix(crate::policy::GRANT_RULE_PREFIX))
+}
+
+/// The first line of each commented rule proposed from a grant.
+const GRANT_HEAD: &str = "# from grant ";
+
+/// One grant of the org as its records tell it.
+#[derive(Default)]
+struct GrantSeen {
+    facts: Option<crate::evidence::GrantFacts>,
+    port: Option<u16>,
+    /// How it ended, if it did.
+    end: Option<&'static str>,
+    /// Connections it allowed (decision records naming it).
+    used: u64,
+}
+
+/// The org's grants (`grants`: their records) as commented `[[org.allow]]`
+/// rules for review, each naming the grant, its approver, the reason given
+/// and its uses (the larger of the decisions naming it in `records` and
+/// the count its last record gives). A grant is never made a rule
+/// silently: the flows it allowed are not drafted from ([`gather`]), an
+/// approver's "allow" becomes policy only once someone uncomments it.
+fn from_grants(grants: &[Record], records: &[Record], org: &str, window: &Selection) -> String {
+    let mut by_id: BTreeMap<String, GrantSeen> = BTreeMap::new();
+    for r in grants {
+        let Some(f) = r.grant.as_deref() else {
+            continue;
+        };
+        if r.kind != Kind::Grant || r.org.as_deref() != Some(org) || !window.in_window(r) {
+            continue;
+        }
+        let g = by_id.entry(f.id.clone()).or_default();
+        g.port = r.port;
+        match r.event {
+            Event::Expired => g.end = Some("expired"),
+            Event::Revoked => g.end = Some("revoked"),
+            Event::UsedUp => g.end = g.end.or(Some("used up")),
+            _ => {}
+        }
+        let uses = g.facts.as_ref().map_or(0, |old| old.uses).max(f.uses);
+        if r.event == Event::Granted || g.facts.is_none() {
+            g.facts = Some(f.clone());
+        }
+        if let Some(kept) = &mut g.facts {
+            kept.uses = uses;
+        }
+    }
+    for r in records {
+        let granted = granted_by(r);
+        if let (Some(id), true) = (
+            granted,
+            r.reason.is_allow() && r.org.as_deref() == Some(org),
+        ) {
+            if let Some(g) = by_id.get_mut(id) {
+                g.used += 1;
+            }
+        }
+    }
+    let mut out = String::new();
+    for (id, g) in &by_id {
+        let Some(f) = &g.facts else { continue };
+        let uses = g.used.max(u64::from(f.uses));
+        let reason = f.reason.as_deref().map_or_else(
+            || "none given".to_string(),
+            |r| format!("{:?}", printable(r)),
+        );
+        out.push_str(&format!(
+            "\n{GRANT_HEAD}{id} (approver {}, reason {reason}, {uses} use{}, granted {}{}): review before adopting\n",
+            printable(&f.approver),
+            if uses == 1 { "" } else { "s" },
+            f.granted_at,
+            g.end.map(|e| format!(", {e}")).unwrap_or_default(),
+        ));
+        out.push_str("# [[org.allow]]\n");
+        let target = printable(&f.target);
+        match f.target.parse::<ipnet::IpNet>() {
+            Ok(_) => out.push_str(&format!("# cidr = \"{target}\"\n")),
+            Err(_) => out.push_str(&format!("# host = \"{target}\"\n")),
+        }
+        match g.port {
+            Some(p) => out.push_str(&format!("# ports = [{p}]\n")),
+            None => out.push_str(
+                "# ports = [] (granted from a DNS answer, any port: name the ones it needs)\n",
+            ),
+        }
+    }
+    if out.is_empty() {
+        return out;
+    }
+    format!("\n# proposed from grants, for review (uncomment to adopt):{out}")
 }
 
 /// Reasons a policy decided (others are the client's traffic, not a rule's).
@@ -622,6 +730,9 @@ pub(crate) struct Input<'a> {
     pub host: &'a [IpAddr],
     /// The org's decision records, in the order written.
     pub records: Vec<Record>,
+    /// The org's grant records (`kind = "grant"`: granted, expired,
+    /// revoked, used up), in the order written.
+    pub grants: Vec<Record>,
     /// The window the rules are drafted from (its `since`/`until`).
     pub window: &'a Selection,
     /// Propose a name only when it was seen at least this often.
@@ -641,6 +752,8 @@ pub(crate) struct Draft {
     /// Rules, and comments on what was not proposed.
     pub rules: usize,
     pub comments: usize,
+    /// Grants proposed as commented rules, for review.
+    pub from_grants: usize,
     /// The self-check's replay: (drafted flows, of them now allowed) and
     /// (explicitly denied flows, of them still denied).
     pub covered: (u64, u64),
@@ -690,6 +803,11 @@ fn gather(
                 later.entry(conn.clone()).or_insert(r.detail);
                 continue;
             }
+        }
+        // What a grant allowed is proposed from the grant, for review
+        // ([`from_grants`]), never drafted silently.
+        if granted_by(&r).is_some() {
+            continue;
         }
         if r.kind != Kind::Dns
             && r.kind != Kind::Bypass
@@ -864,6 +982,7 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
         org,
         host,
         records,
+        grants,
         window,
         min_count,
         wildcard_min,
@@ -878,6 +997,7 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
     let policy = Policy::with_host(config, host);
     let busiest = peaks(&records, org);
     let service = service_notes(&records, org_cfg, window);
+    let reviewed = from_grants(&grants, &records, org, window);
     let (flows, later) = gather(records, org, window);
     let mut counts = Counts {
         decisions: flows.len() as u64,
@@ -890,8 +1010,8 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
     let proposals = plan(&seen, &deny_targets, min_count, wildcard_min, &mut counts);
     let (tables, mut notes) = tables(&proposals);
     notes.push_str(&service);
-    let candidate_text =
-        inserted(config_text, org, &tables, &notes).map_err(|e| format!("{name}: {e}"))?;
+    let candidate_text = inserted(config_text, org, &tables, &notes, &reviewed)
+        .map_err(|e| format!("{name}: {e}"))?;
     // Self-check: `check`, then a replay of the same evidence.
     let candidate = crate::config::from_str(&candidate_text, config_path).map_err(|e| {
         format!("the drafted config does not pass check (a bug; nothing written):\n{e}")
@@ -899,7 +1019,8 @@ pub(crate) fn draft(input: Input<'_>) -> Result<Draft, String> {
     let drafted = Policy::with_host(&candidate, host);
     let (covered, kept_denied) = replay_flows(&flows, &proposals, &drafted);
     Ok(Draft {
-        fragment: fragment(&tables, &notes),
+        fragment: fragment(&tables, &notes, &reviewed),
+        from_grants: reviewed.matches(GRANT_HEAD).count(),
         config_text: candidate_text,
         rules: tables.len(),
         comments: notes.lines().count(),
@@ -1099,7 +1220,7 @@ mod tests {
             .any(|x| matches!(x, Proposal::Cidr { ip, .. } if ip.to_string() == "198.18.2.30")));
         assert!(p.iter().any(|x| matches!(x, Proposal::Comment(c) if c.contains("169.254.169.254") && c.contains("always denied (link-local incl. cloud metadata: 169.254.0.0/16); not proposed"))));
         let (tables, notes) = tables(&p);
-        let text = fragment(&tables, &notes);
+        let text = fragment(&tables, &notes, "");
         assert!(text.contains("cidr = \"198.18.2.30/32\""), "{text}");
         assert!(text.contains("# WARNING: an IP literal"), "{text}");
         assert!(!text.contains("[[org]]"), "{text}");
@@ -1222,6 +1343,66 @@ mod tests {
         .unwrap()
     }
 
+    /// A grant record of `event` for grant `id` on `host:port` (`uses` so far).
+    fn grant_rec(id: &str, event: Event, host: &str, port: Option<u16>, uses: u32) -> Record {
+        let mut r = record(host, port.unwrap_or(0), "tls", "rule_match", "");
+        (r.kind, r.event, r.port, r.client) = (Kind::Grant, event, port, None);
+        r.rule = Some(format!("grant:{id}").into());
+        r.grant = Some(Box::new(crate::evidence::GrantFacts {
+            id: id.into(),
+            target: host.into(),
+            granted_at: "2026-01-02T03:00:00Z".into(),
+            expires: Some("2026-01-02T04:00:00Z".into()),
+            max_uses: None,
+            uses,
+            approver: "alice".into(),
+            reason: Some("the build needs\nit".into()),
+            approval: None,
+            ended_by: None,
+        }));
+        r
+    }
+
+    #[test]
+    fn grants_are_proposed_as_commented_rules_never_silently() {
+        let mut used = record("other.test", 80, "http", "rule_match", "");
+        used.rule = Some("grant:g-1".into());
+        let grants = vec![
+            grant_rec("g-1", Event::Granted, "other.test", Some(80), 0),
+            grant_rec("g-1", Event::Expired, "other.test", Some(80), 1),
+            grant_rec("g-2", Event::Granted, "198.18.7.0/24", Some(443), 0),
+            grant_rec("g-3", Event::Granted, "dns.test", None, 0),
+        ];
+        let all = Selection::default();
+        let text = from_grants(&grants, &[used.clone(), used.clone()], "acme", &all);
+        assert_eq!(text.matches(GRANT_HEAD).count(), 3, "{text}");
+        assert!(
+            text.contains("# from grant g-1 (approver alice, reason \"the build needs?it\", 2 uses, granted 2026-01-02T03:00:00Z, expired): review"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# host = \"other.test\"\n# ports = [80]\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# cidr = \"198.18.7.0/24\"\n# ports = [443]\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# host = \"dns.test\"\n# ports = [] (granted from a DNS answer"),
+            "{text}"
+        );
+        // Every proposal is a comment: nothing of it is policy.
+        assert!(
+            text.lines().all(|l| l.is_empty() || l.starts_with('#')),
+            "{text}"
+        );
+        assert!(from_grants(&grants, &[], "beta", &all).is_empty());
+        // The flows a grant allowed are not drafted from.
+        let (flows, _) = gather(vec![used], "acme", &all);
+        assert!(flows.is_empty());
+    }
+
     #[test]
     fn a_tunnel_let_on_unverified_never_makes_an_opaque_rule() {
         // Plain bytes on 443 in report mode: recorded opaque, with the
@@ -1254,7 +1435,7 @@ mod tests {
             seen: s,
         }];
         let (t, notes) = tables(&p);
-        let text = fragment(&t, &notes);
+        let text = fragment(&t, &notes, "");
         assert!(text.contains("tunnel = \"tls\""), "{text}");
         assert!(!text.contains("opaque\"\n"), "{text}");
         assert!(
@@ -1274,7 +1455,7 @@ mod tests {
         let original = "# my config\n[[org]]\nname = \"beta\"\nclients = [\"198.19.2.0/24\"]\n\n[[org]]\nname = \"acme\" # the agents\nclients = [\"198.19.1.0/24\"]\n\n[[org.allow]]\nhost = \"allowed.test\"\n\n[[org]]\nname = \"gamma\"\nclients = [\"198.19.3.0/24\"]\n";
         let (p, _) = run_plan(&[("new.test", 1, Current::Open)], &[], 1, 3);
         let (t, notes) = tables(&p);
-        let text = inserted(original, "acme", &t, &notes).unwrap();
+        let text = inserted(original, "acme", &t, &notes, "").unwrap();
         assert!(
             text.contains("# my config") && text.contains("# the agents"),
             "{text}"
@@ -1291,7 +1472,7 @@ mod tests {
                 .all(|o| o.allow.is_empty()),
             "{text}"
         );
-        assert!(inserted(original, "nosuch", &t, &notes).is_err());
+        assert!(inserted(original, "nosuch", &t, &notes, "").is_err());
     }
 
     /// Intercepting rules without service rules whose requests show a

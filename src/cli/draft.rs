@@ -12,7 +12,7 @@ use std::time::SystemTime;
 use super::{load_config, CliError, Status, DEFAULT_CONFIG};
 use crate::analysis::draft::{self, Draft, Input};
 use crate::evidence::select::{self, Selection};
-use crate::evidence::verify;
+use crate::evidence::{query, verify, Event, Kind, Record};
 
 /// Arguments of `palisade draft`.
 #[derive(clap::Args, Debug)]
@@ -77,6 +77,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         ..Selection::default()
     };
     let records = super::decisions(&args.evidence, &Selection::org(&args.org))?;
+    let grants = grant_records(&args.evidence, &args.org)?;
     let original = std::fs::read_to_string(&args.config)
         .map_err(|e| failed(format!("{}: {e}", args.config.display())))?;
     let d = draft::draft(Input {
@@ -86,6 +87,7 @@ pub fn run(args: Args) -> Result<(), CliError> {
         org: &args.org,
         host: &host,
         records,
+        grants,
         window: &window,
         min_count: args.min_count,
         wildcard_min: args.wildcard_min,
@@ -108,6 +110,27 @@ pub fn run(args: Args) -> Result<(), CliError> {
     }
 }
 
+/// The org's grant records (granted, expired, revoked, used up), in the
+/// order written: each is proposed as a commented rule for review.
+fn grant_records(evidence: &Path, org: &str) -> Result<Vec<Record>, CliError> {
+    const GRANT_EVENTS: &[Event] = &[
+        Event::Granted,
+        Event::Expired,
+        Event::Revoked,
+        Event::UsedUp,
+    ];
+    let mut out = Vec::new();
+    for stored in query::read_events(evidence, GRANT_EVENTS) {
+        let r = stored
+            .map_err(|e| CliError::new(Status::Failed, format_args!("cannot read evidence: {e}")))?
+            .record;
+        if r.kind == Kind::Grant && r.org.as_deref() == Some(org) {
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
 /// The draft's counts and its self-check, on stderr.
 fn report(args: &Args, d: &Draft, verified: &verify::Findings) {
     eprintln!(
@@ -124,6 +147,12 @@ fn report(args: &Args, d: &Draft, verified: &verify::Findings) {
         d.counts.below_min,
         args.min_count
     );
+    if d.from_grants > 0 {
+        eprintln!(
+            "palisade: {} grant(s) proposed as commented rules, for review (the flows they allowed are not drafted from)",
+            d.from_grants
+        );
+    }
     eprintln!(
         "palisade: self-check: the config with the draft passes check; replay: {} of {} drafted flows now allowed, {} of {} explicitly denied flows still denied",
         d.covered.1, d.covered.0, d.kept_denied.1, d.kept_denied.0

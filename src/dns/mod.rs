@@ -42,6 +42,9 @@ pub(crate) mod query;
 pub(crate) mod refusals;
 mod shim;
 pub(crate) mod ttl;
+// Wired into the shim in the next commit.
+#[allow(dead_code)]
+pub(crate) mod wire;
 
 use std::future::Future;
 use std::io;

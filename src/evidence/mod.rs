@@ -143,32 +143,34 @@ impl Event {
     }
 }
 
-/// What a grant record says of its grant.
+/// What a grant record says of its grant. Its fields are in sorted order
+/// (the chain's canonical form sorts nested keys too: a record whose
+/// nested object is not sorted fails `evidence verify`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GrantFacts {
-    pub id: String,
-    /// The name or CIDR it opens (`host` holds it too).
-    pub target: String,
-    /// When it was given (RFC 3339).
-    pub granted_at: String,
-    /// When its TTL ends (RFC 3339), if it has one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub expires: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_uses: Option<u32>,
-    /// Uses when the record was written.
-    pub uses: u32,
-    /// The name of the approver's token (`[admin] approver_tokens`).
-    pub approver: String,
-    /// Why, as the approver gave it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
     /// The approval it answered, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub approval: Option<String>,
+    /// The name of the approver's token (`[admin] approver_tokens`).
+    pub approver: String,
     /// Who ended it (revoked: the approver; expired by a reload: `policy`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ended_by: Option<String>,
+    /// When its TTL ends (RFC 3339), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires: Option<String>,
+    /// When it was given (RFC 3339).
+    pub granted_at: String,
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_uses: Option<u32>,
+    /// Why, as the approver gave it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The name or CIDR it opens (`host` holds it too).
+    pub target: String,
+    /// Uses when the record was written.
+    pub uses: u32,
 }
 
 /// One evidence record. The CONTRACT fields are always present (null where

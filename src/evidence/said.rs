@@ -6,19 +6,20 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 /// What the decider said (or what stood for it), as the record's
-/// `decider` field carries it.
+/// `decider` field carries it. Fields in sorted order: the chain's
+/// canonical form sorts nested keys too.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Said {
     /// `allow`, `deny` or `ask`: what the miss becomes (`deny` for any
     /// error).
     pub(crate) decision: Answer,
-    /// An allow's TTL, as the decider wrote it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub(crate) ttl: Option<String>,
     /// Why it stands for a deny it did not give: `timeout after 500ms`,
     /// `status 500`, `not a decider answer: ...`, `busy: ...`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) error: Option<String>,
+    /// An allow's TTL, as the decider wrote it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) ttl: Option<String>,
 }
 
 /// The three answers.

@@ -65,9 +65,7 @@ pub(crate) async fn consult(
                 .give(&token, scope, terms, None, policy, facts.now)
                 .await
             {
-                Ok(_) => jit
-                    .grant_for(policy, facts)
-                    .map_or(Miss::Denied, Miss::Granted),
+                Ok(_) => jit.grant_for(facts).map_or(Miss::Denied, Miss::Granted),
                 Err(_) => Miss::Denied,
             }
         }

@@ -185,11 +185,13 @@ impl Grants {
             .min_by_key(|g| g.granted_at)
     }
 
-    /// Count a use of grant `id`: the grant after it, and whether that
-    /// use spent it (`used_up`). A grant without a TTL ends with its last
-    /// use and is no longer held.
-    pub(crate) fn spend(&mut self, id: &str) -> Option<(Grant, bool)> {
-        let g = self.by_id.get_mut(id)?;
+    /// Count a use of grant `id` at `now`: the grant after it, and
+    /// whether that use spent it (`used_up`); `None` when it is no longer
+    /// live (ended, or its last use taken by another connection since it
+    /// matched). A grant without a TTL ends with its last use and is no
+    /// longer held.
+    pub(crate) fn spend(&mut self, id: &str, now: SystemTime) -> Option<(Grant, bool)> {
+        let g = self.by_id.get_mut(id).filter(|g| g.is_live(now))?;
         g.uses = g.uses.saturating_add(1);
         let used_up = g.max_uses.is_some_and(|m| g.uses >= m);
         let g = g.clone();
@@ -339,7 +341,11 @@ mod tests {
             .unwrap()
             .id
             .clone();
-        let (_, used_up) = g.spend(&id).unwrap();
+        let (_, used_up) = g.spend(&id, t(1)).unwrap();
+        assert!(
+            g.spend(&id, t(1)).is_none(),
+            "a spent grant has no use left"
+        );
         assert!(used_up);
         assert!(g
             .matching("acme", &name("x.test"), Some(443), t(1))
@@ -354,7 +360,8 @@ mod tests {
             Some(1),
         ))
         .unwrap();
-        g.spend("g2").unwrap();
+        g.spend("g2", t(1)).unwrap();
+        assert!(g.spend("g2", t(1)).is_none());
         assert!(g.get("g2").is_some());
         assert!(g
             .matching("acme", &name("x.test"), Some(443), t(1))

@@ -22,7 +22,7 @@
 //!
 //! | # | condition | outcome |
 //! |---|---|---|
-//! | 1 | a live grant of the org covers the target and port | allowed, rule `grant:ID` (layer `grant`), one use spent |
+//! | 1 | a live grant of the org covers the target and port | allowed, rule `grant:ID` (layer `grant`); a use is spent only once the connection is allowed, address checks and all ([`Jit::spend`]) |
 //! | 1b | a `[decider]` is configured | what it said ([`decider::consult`]): allow a grant (used at once), ask rule 2, anything else `no_matching_rule` |
 //! | 2 | the org has `on_miss = "ask"` (and enforces) | refused `approval_pending`, the approval made or joined |
 //! | 3 | otherwise | `no_matching_rule`, as before |
@@ -57,7 +57,7 @@ pub(crate) async fn on_miss(
     let Some(jit) = jit else {
         return (Miss::Denied, None);
     };
-    if let Some(granted) = jit.grant_for(policy, &facts) {
+    if let Some(granted) = jit.grant_for(&facts) {
         return (Miss::Granted(granted), None);
     }
     if let Some(decider) = jit.decider() {

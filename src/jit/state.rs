@@ -306,33 +306,44 @@ impl Jit {
         }
     }
 
-    /// Rule 1 of the module table: the live grant covering the miss, one
-    /// use spent (recorded `used_up` when that was its last).
-    pub(crate) fn grant_for(&self, policy: &Policy, facts: &MissFacts<'_>) -> Option<Granted> {
+    /// Rule 1 of the module table: the live grant covering the miss. No
+    /// use is spent here: a connection spends one only once it is
+    /// allowed ([`Jit::spend`]), so a grant whose name then fails the
+    /// address checks keeps its uses.
+    pub(crate) fn grant_for(&self, facts: &MissFacts<'_>) -> Option<Granted> {
+        let inner = self.lock();
+        let grant = inner
+            .grants
+            .matching(&facts.org.name, facts.host, facts.port, facts.now)?;
+        Some(Granted {
+            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
+        })
+    }
+
+    /// Spend a use of the grant `rule` names (`grant:ID`), for a
+    /// connection it allowed at `now` (recorded `used_up` when that was
+    /// its last). `false`: the grant is no longer live (ended, or its last
+    /// use taken by another connection since it matched), so the
+    /// connection must be refused. A rule no grant's is not spent from.
+    pub(crate) fn spend(&self, policy: &Policy, rule: &str, now: SystemTime) -> bool {
+        let Some(id) = grant_of(Some(rule)) else {
+            return true;
+        };
         let (grant, used_up) = {
             let mut inner = self.lock();
-            let id = inner
-                .grants
-                .matching(&facts.org.name, facts.host, facts.port, facts.now)?
-                .id
-                .clone();
-            // A DNS answer opens nothing: it spends no use.
-            let spent = match facts.port {
-                Some(_) => inner.grants.spend(&id)?,
-                None => (inner.grants.get(&id)?.clone(), false),
+            let Some(spent) = inner.grants.spend(id, now) else {
+                return false;
             };
             if spent.1 && spent.0.expires.is_none() {
                 // Ended with its last use; the connection it allowed runs on.
-                inner.ends.remove(&id);
+                inner.ends.remove(id);
             }
             spent
         };
         if used_up {
             self.submit(grant_record(&grant, Event::UsedUp, policy, None));
         }
-        Some(Granted {
-            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
-        })
+        true
     }
 
     /// Rule 2: the approval this miss makes or joins.
@@ -634,6 +645,38 @@ mod tests {
         let g = give.await.unwrap();
         assert!(jit.grants(&t).iter().any(|h| h.id == g.id));
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A grant record with every field set is written in canonical form
+    /// (nested keys sorted): `evidence verify` accepts it.
+    #[test]
+    fn a_grant_record_is_canonical() {
+        let p = policy("");
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let grant = Grant {
+            id: "g-1".into(),
+            scope: Scope {
+                org: Arc::from("acme"),
+                target: Target::Name("x.test".into()),
+                port: Some(80),
+            },
+            granted_at: now,
+            expires: Some(now + Duration::from_secs(60)),
+            max_uses: Some(2),
+            uses: 1,
+            approver: "alice".into(),
+            reason: Some("why".into()),
+            approval: Some("a-1".into()),
+        };
+        let r = grant_record(&grant, Event::Revoked, &p, Some("alice"));
+        let written = serde_json::to_vec(&r.grant).unwrap();
+        let value: serde_json::Value = serde_json::from_slice(&written).unwrap();
+        let mut canon = Vec::new();
+        crate::evidence::chain::canonical_into(&value, &mut canon);
+        assert_eq!(
+            String::from_utf8(written).unwrap(),
+            String::from_utf8(canon).unwrap()
+        );
     }
 
     #[tokio::test]

@@ -253,6 +253,17 @@ pub(crate) async fn decide_with(
         decision => (decision, None),
     };
     let mut decided = settle(policy, (resolver, names), org, host, addresses, decision).await;
+    if let (Some(asker), Some(rule)) = (asker, decided.verdict.rule.clone()) {
+        // A grant's use is spent only by a connection it allowed.
+        let now = std::time::SystemTime::now();
+        if decided.verdict.is_allow() && !asker.jit.spend(policy, &rule, now) {
+            decided = Decided::denied(
+                org,
+                Reason::NoMatchingRule,
+                format!("{rule} ended (its last use taken) before this connection"),
+            );
+        }
+    }
     decided.decider = said.map(Box::new);
     decided
 }

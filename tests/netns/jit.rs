@@ -480,3 +480,114 @@ fn a_restart_keeps_an_unexpired_grant_and_drops_an_expired_one() {
     assert_eq!(status, 403, "the expired grant allows nothing: {ps}");
     assert!(ps.contains("approval_pending"), "{ps}");
 }
+
+/// A grant's use is spent only by a connection it actually allowed: with
+/// `max_uses = 1` on a name that resolves only into always-denied
+/// addresses, the refused attempt leaves the use unspent (the grant is
+/// listed with 0 uses, nothing is recorded `used_up`), and a grant of the
+/// same kind on a reachable name is then spent by the one connection it
+/// lets through.
+#[test]
+fn a_denied_attempt_does_not_use_up_a_single_use_grant() {
+    let lab = lab_asking();
+    let give = |target: &str| {
+        let body = format!(r#"{{"org":"acme","target":"{target}","port":80,"max_uses":1}}"#);
+        let (code, body) = admin(&lab, "POST", "/v1/grants", Some(ALICE), Some(&body));
+        assert_eq!(code, 201, "{body}");
+        json(&body)["id"].as_str().unwrap().to_string()
+    };
+    let gid = give("private.test");
+    let (status, ps, _) = connect(&lab, "private.test:80");
+    assert_eq!(status, 403, "an always-denied address opened: {ps}");
+    let refused = lab.wait_evidence("the refused attempt", |v| {
+        v["event"] == "decision" && v["host"] == "private.test"
+    });
+    assert_eq!(refused["decision"], "deny", "{refused}");
+    let (code, body) = admin(&lab, "GET", "/v1/grants", Some(ALICE), None);
+    assert_eq!(code, 200, "{body}");
+    let listed = json(&body)["grants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["id"] == gid.as_str())
+        .cloned();
+    let listed = listed.unwrap_or_else(|| panic!("the refused attempt used up {gid}: {body}"));
+    assert_eq!(listed["uses"], 0, "{listed}");
+    // The reachable one: one use, spent by its one connection.
+    let other = give("other.test");
+    let (first, _, mut c) = connect(&lab, "other.test:80");
+    assert_eq!(first, 200);
+    assert_eq!(get_through(&mut c, "/jit-spent"), 200);
+    lab.wait_evidence("used_up", |v| {
+        v["kind"] == "grant" && v["event"] == "used_up" && v["grant"]["id"] == other.as_str()
+    });
+    let used_up: Vec<Value> = lab
+        .evidence()
+        .into_iter()
+        .filter(|v| v["kind"] == "grant" && v["event"] == "used_up")
+        .collect();
+    assert_eq!(used_up.len(), 1, "{}", lab::dump(&used_up));
+}
+
+/// `palisade draft` proposes a rule from a grant for review, never
+/// silently: the grant (id, approver, reason, uses) becomes a commented
+/// `[[org.allow]]`, and the connection it allowed is not drafted into an
+/// active rule.
+#[test]
+fn draft_proposes_a_commented_rule_from_a_grant() {
+    let lab = lab_asking();
+    let body = r#"{"org":"acme","target":"other.test","port":80,"ttl":"10m","reason":"the build needs it"}"#;
+    let (code, body) = admin(&lab, "POST", "/v1/grants", Some(ALICE), Some(body));
+    assert_eq!(code, 201, "{body}");
+    let gid = json(&body)["id"].as_str().unwrap().to_string();
+    let (status, _, mut c) = connect(&lab, "other.test:80");
+    assert_eq!(status, 200);
+    assert_eq!(get_through(&mut c, "/jit-draft"), 200);
+    lab.wait_evidence("the granted decision", |v| {
+        v["event"] == "decision" && v["rule"] == format!("grant:{gid}")
+    });
+    let out = lab.proxy_ns_exec(
+        lab::palisade_bin(),
+        &[
+            "draft",
+            "--evidence",
+            lab.evidence_dir.to_str().unwrap(),
+            "--org",
+            "acme",
+            "-c",
+            lab.config_path.to_str().unwrap(),
+            "--allow-unsealed",
+        ],
+    );
+    assert!(out.success(), "{}", out.describe());
+    let head = format!(
+        "# from grant {gid} (approver alice, reason \"the build needs it\", 1 use, granted "
+    );
+    let at = out
+        .stdout
+        .find(&head)
+        .unwrap_or_else(|| panic!("no proposal from {gid}: {}", out.describe()));
+    let proposal: Vec<&str> = out.stdout[at..].lines().take(4).collect();
+    assert_eq!(
+        &proposal[1..],
+        [
+            "# [[org.allow]]",
+            "# host = \"other.test\"",
+            "# ports = [80]"
+        ],
+        "{}",
+        out.describe()
+    );
+    assert!(
+        !out.stdout
+            .lines()
+            .any(|l| l.starts_with("host = \"other.test\"")),
+        "a grant drafted silently into an active rule: {}",
+        out.describe()
+    );
+    assert!(
+        out.stderr.contains("1 grant(s) proposed"),
+        "{}",
+        out.describe()
+    );
+}

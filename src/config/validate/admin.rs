@@ -8,6 +8,7 @@ use toml::Spanned;
 
 pub(super) fn validate_admin(
     raw: RawAdmin,
+    org_names: &[&str],
     listeners: &mut Listeners,
     errors: &mut Errors<'_>,
 ) -> AdminConfig {
@@ -33,15 +34,18 @@ pub(super) fn validate_admin(
     AdminConfig {
         listen: listen.and_then(|l| listeners.claim(&l, errors)),
         tail_tokens: digests,
-        approver_tokens: validate_approvers(approver_tokens, errors),
+        approver_tokens: validate_approvers(approver_tokens, org_names, errors),
     }
 }
 
 /// `approver_tokens`: each `{ name, token, orgs }`, the token stored
 /// hashed, names and tokens listed once, `orgs` naming orgs (or `["*"]`).
-/// Whether the orgs exist is checked against `[[org]]` by the caller.
+/// Each org named must be an `[[org]]` of the config (`org_names`): a
+/// token for an org that does not exist answers for nothing, and is most
+/// likely a typo of one that does.
 fn validate_approvers(
     raw: Vec<Spanned<RawApprover>>,
+    org_names: &[&str],
     errors: &mut Errors<'_>,
 ) -> Vec<ApproverToken> {
     let mut out: Vec<ApproverToken> = Vec::new();
@@ -95,6 +99,21 @@ fn validate_approvers(
             }
             None
         } else {
+            let unknown = orgs
+                .get_ref()
+                .iter()
+                .find(|o| !org_names.contains(&o.get_ref().as_str()));
+            if let Some(o) = unknown {
+                errors.at(
+                    o.span(),
+                    format!(
+                        "admin.approver_tokens: no org {:?} in this config (orgs: {})",
+                        o.get_ref(),
+                        org_names.join(", ")
+                    ),
+                );
+                continue;
+            }
             Some(names)
         };
         out.push(ApproverToken {
@@ -131,5 +150,26 @@ mod tests {
         assert!(!e.contains("tail-secret\""), "{e}");
         let e = errors(&format!("[admin]\ntail_tokens = [\"{d}\", \"{d}\"]\n")).join("\n");
         assert!(e.contains("token listed twice"), "{e}");
+    }
+
+    #[test]
+    fn approver_tokens_name_orgs_of_the_config() {
+        let d = TokenDigest::of(b"approver-secret").to_string();
+        let src = |orgs: &str| {
+            format!("[admin]\napprover_tokens = [{{ name = \"alice\", token = \"{d}\", orgs = {orgs} }}]\n")
+        };
+        let e = errors(&src(r#"["acme", "acmee"]"#)).join("\n");
+        assert!(
+            e.contains(":5:137: admin.approver_tokens: no org \"acmee\" in this config"),
+            "{e}"
+        );
+        for fine in [r#"["*"]"#, r#"["acme"]"#] {
+            let c = super::super::super::test_support::parse(&format!(
+                "{}{}",
+                super::super::super::test_support::ORG,
+                src(fine)
+            ));
+            assert!(c.is_ok(), "{fine}: {:?}", c.err());
+        }
     }
 }

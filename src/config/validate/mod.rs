@@ -60,7 +60,8 @@ pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> 
     let proxy = validate_proxy(proxy, &mut listeners, errors);
     let pool_spans = dns::pool_spans(&dns);
     let dns = validate_dns(dns, &mut listeners, errors);
-    let admin = validate_admin(admin, &mut listeners, errors);
+    let org_names: Vec<&str> = org.iter().map(|o| o.name.get_ref().as_str()).collect();
+    let admin = validate_admin(admin, &org_names, &mut listeners, errors);
     let default_budget = super::model::default_max_records_per_second_per_org(&proxy.limits, &dns);
     // The capacity check is located at retain_size, the key it is about.
     let retain_at = evidence.retain_size.as_ref().map(Spanned::span);
