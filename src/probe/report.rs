@@ -857,6 +857,20 @@ struct Planned {
     issued: Option<std::time::SystemTime>,
 }
 
+impl Planned {
+    /// What a record must fit to be of this probe (None: not observed).
+    fn case(&self, ips: &[BTreeSet<IpAddr>]) -> Option<Case> {
+        let o = self.observation.as_ref()?;
+        Some(Case::new(
+            o,
+            &self.probe,
+            self.org.as_deref(),
+            ips[self.run].clone(),
+            self.issued,
+        ))
+    }
+}
+
 /// Every probe of the agreed plan of each run, joined with its
 /// observation by id; what was ignored.
 fn planned(sets: &[(Observations, &Agreed)]) -> (Vec<Planned>, Vec<String>) {
@@ -1068,6 +1082,117 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
         .iter()
         .map(|p| read_plan(p))
         .collect::<Result<Vec<_>, _>>()?;
+    let paired = pair(opts, &agreed)?;
+    let (cases, ignored) = planned(&paired);
+    let ips: Vec<BTreeSet<IpAddr>> = paired.iter().map(|(s, _)| run_ips(s)).collect();
+    let obs = merge_observations(
+        paired
+            .iter()
+            .map(|(s, a)| Observations {
+                plan: a.plan.clone(),
+                observations: Vec::new(),
+                ..s.clone()
+            })
+            .collect(),
+    )?;
+    if opts.evidence.is_empty() {
+        return Err(BadInput("no evidence path given".into()));
+    }
+    let mut scope = scope_of(&obs, &agreed, opts);
+    let volume = agreed
+        .iter()
+        .any(|a| a.plan.probes.iter().any(|p| p.volume.is_some()));
+    let verified = if opts.is_fleet() {
+        let (names, v) = verify_fleet(opts, volume)?;
+        scope.replicas = names;
+        v
+    } else {
+        verify_one(opts, volume)?
+    };
+    let Verified {
+        verification,
+        scope: mut evidence_scope,
+        records,
+        replicas: record_replicas,
+        enforcement: enforcement_records,
+        closes,
+    } = match verified {
+        Ok(v) => v,
+        Err(verification) => {
+            return Ok(not_assessed(
+                &agreed,
+                verification,
+                &ignored,
+                scope,
+                obs.environment,
+            ))
+        }
+    };
+    plan_fits_evidence(&agreed, &records)?;
+    let fits: Vec<Option<Case>> = cases.iter().map(|c| c.case(&ips)).collect();
+    let assigned = assign(&fits, &records);
+    let joined = Joined {
+        cases: &cases,
+        fits: &fits,
+        records: &records,
+        assigned: &assigned,
+        closes: &closes,
+        enforcement: &enforcement_records,
+        replicas: record_replicas.as_ref(),
+    };
+    let probes: Vec<ProbeResult> = (0..cases.len()).map(|n| joined.result(n)).collect();
+    joined.seen(&mut evidence_scope, obs.plan.policy.as_deref());
+    let policy_matches = evidence_scope.policy_matches_plan;
+    scope.evidence = Some(evidence_scope);
+
+    let counts = Counts::of(&probes);
+    let findings: Vec<ProbeResult> = probes.iter().filter(|p| p.finding).cloned().collect();
+    let sources: BTreeSet<String> = ips.iter().flatten().map(|ip| ip.to_string()).collect();
+    let sources_text = sources.iter().cloned().collect::<Vec<_>>().join(", ");
+    let window = format!("{} .. {}", obs.started, obs.finished);
+    let (verdict, exit) = verdict(&probes, &counts, &sources_text, &window);
+    let retention_cut = retention_cut(opts, &obs.started, &obs.finished)?;
+    let (verdict, exit) = if retention_cut.is_empty() || exit != 0 {
+        (verdict, exit)
+    } else {
+        (retention_verdict(&sources_text, &window), 1)
+    };
+    let mut untested = untested(&obs.plan, &probes, &sources_text, &scope.replicas);
+    if policy_matches == Some(false) {
+        untested.insert(
+            0,
+            "The policy that decided (policy hash in evidence) is not the one the plan names: the results describe the policy in the evidence.".into(),
+        );
+    }
+    Ok(Report {
+        format: REPORT_FORMAT,
+        trust: trust(&agreed, &verification, &ignored),
+        verification,
+        scope,
+        environment: obs.environment,
+        counts: Some(counts),
+        verdict,
+        exit_status: exit,
+        findings,
+        probes,
+        unattributed: unattributed(&fits, &records, &assigned)
+            .into_iter()
+            .map(|i| CitedRecord {
+                replica: joined.replica_of(i),
+                ..CitedRecord::from(&records[i])
+            })
+            .collect(),
+        retention_cut,
+        untested,
+    })
+}
+
+/// Each observations file of `opts`, paired with the agreed plan of its
+/// hash; every agreed plan must have observations.
+fn pair<'a>(
+    opts: &Options<'_>,
+    agreed: &'a [Agreed],
+) -> Result<Vec<(Observations, &'a Agreed)>, BadInput> {
     let sets = opts
         .observations
         .iter()
@@ -1099,22 +1224,13 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             a.sha256
         )));
     }
-    let (cases, ignored) = planned(&paired);
-    let ips: Vec<BTreeSet<IpAddr>> = paired.iter().map(|(s, _)| run_ips(s)).collect();
-    let obs = merge_observations(
-        paired
-            .iter()
-            .map(|(s, a)| Observations {
-                plan: a.plan.clone(),
-                observations: Vec::new(),
-                ..s.clone()
-            })
-            .collect(),
-    )?;
-    if opts.evidence.is_empty() {
-        return Err(BadInput("no evidence path given".into()));
-    }
-    let mut scope = Scope {
+    Ok(paired)
+}
+
+/// What the report covers, from the observations and the plans (the
+/// evidence's part comes once it is verified).
+fn scope_of(obs: &Observations, agreed: &[Agreed], opts: &Options<'_>) -> Scope {
+    Scope {
         org: obs.plan.org.clone(),
         plan_policy: obs.plan.policy.clone(),
         probe_run: obs.run.clone(),
@@ -1137,144 +1253,168 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             .join(", "),
         replicas: Vec::new(),
         evidence: None,
-    };
-    let volume = agreed
-        .iter()
-        .any(|a| a.plan.probes.iter().any(|p| p.volume.is_some()));
-    let verified = if opts.is_fleet() {
-        let (names, v) = verify_fleet(opts, volume)?;
-        scope.replicas = names;
-        v
-    } else {
-        verify_one(opts, volume)?
-    };
-    let Verified {
-        verification,
-        scope: mut evidence_scope,
-        records,
-        replicas: record_replicas,
-        enforcement: enforcement_records,
-        closes,
-    } = match verified {
-        Ok(v) => v,
-        Err(verification) => {
-            let problem = match &verification.checked {
-                Checked::Failed { error, .. } => error.clone(),
-                Checked::Verified { .. } => String::new(),
-            };
-            let verdict = format!(
-                "Not assessed: the evidence failed verification ({problem}). No probe was classified: \
-                 evidence that cannot be trusted cannot show what Palisade enforced."
-            );
-            return Ok(Report {
-                format: REPORT_FORMAT,
-                trust: trust(&agreed, &verification, &ignored),
-                verification,
-                scope,
-                environment: obs.environment,
-                counts: None,
-                verdict,
-                exit_status: 1,
-                findings: Vec::new(),
-                probes: Vec::new(),
-                unattributed: Vec::new(),
-                retention_cut: Vec::new(),
-                untested: Vec::new(),
-            });
-        }
-    };
-    plan_fits_evidence(&agreed, &records)?;
-    let replica_of = |i: usize| record_replicas.as_ref().and_then(|r| r.get(i)).cloned();
+    }
+}
 
-    let fits: Vec<Option<Case>> = cases
-        .iter()
-        .map(|c| {
-            let o = c.observation.as_ref()?;
-            Some(Case::new(
-                o,
-                &c.probe,
-                c.org.as_deref(),
-                ips[c.run].clone(),
-                c.issued,
-            ))
-        })
-        .collect();
-    let assigned = assign(&fits, &records);
-    let mut probes = Vec::new();
-    let mut policies = BTreeSet::new();
-    let mut record_orgs = BTreeSet::new();
-    for (n, c) in cases.iter().enumerate() {
-        let indices = &assigned[n];
-        let matched: Vec<&Record> = indices.iter().map(|i| &records[*i]).collect();
-        for r in &matched {
-            policies.insert(r.policy.to_string());
-            record_orgs.insert(r.org.as_deref().unwrap_or_default().to_string());
+/// The report of evidence that failed verification: nothing classified.
+fn not_assessed(
+    agreed: &[Agreed],
+    verification: Verification,
+    ignored: &[String],
+    scope: Scope,
+    environment: Value,
+) -> Report {
+    let problem = match &verification.checked {
+        Checked::Failed { error, .. } => error.clone(),
+        Checked::Verified { .. } => String::new(),
+    };
+    let verdict = format!(
+        "Not assessed: the evidence failed verification ({problem}). No probe was classified: \
+         evidence that cannot be trusted cannot show what Palisade enforced."
+    );
+    Report {
+        format: REPORT_FORMAT,
+        trust: trust(agreed, &verification, ignored),
+        verification,
+        scope,
+        environment,
+        counts: None,
+        verdict,
+        exit_status: 1,
+        findings: Vec::new(),
+        probes: Vec::new(),
+        unattributed: Vec::new(),
+        retention_cut: Vec::new(),
+        untested: Vec::new(),
+    }
+}
+
+/// The records and observations joined: what classifying one planned
+/// probe reads.
+struct Joined<'a> {
+    cases: &'a [Planned],
+    fits: &'a [Option<Case>],
+    records: &'a [Record],
+    assigned: &'a [Vec<usize>],
+    /// Close records (volume probes).
+    closes: &'a [Record],
+    /// The enforcement check's records, per chain.
+    enforcement: &'a [Vec<Record>],
+    /// A fleet: each record's replica, by position.
+    replicas: Option<&'a Vec<Arc<str>>>,
+}
+
+impl Joined<'_> {
+    fn replica_of(&self, i: usize) -> Option<Arc<str>> {
+        self.replicas.and_then(|r| r.get(i)).cloned()
+    }
+
+    /// The policies and orgs the matched records name, into `scope`, and
+    /// whether the one policy is the plan's (`plan`).
+    fn seen(&self, scope: &mut EvidenceScope, plan: Option<&str>) {
+        let matched = || self.assigned.iter().flatten().map(|i| &self.records[*i]);
+        let mut policies: BTreeSet<String> = matched().map(|r| r.policy.to_string()).collect();
+        policies.remove("");
+        scope.orgs_in_evidence = matched()
+            .map(|r| r.org.as_deref().unwrap_or_default().to_string())
+            .collect();
+        scope.policy_matches_plan = plan.map(|p| policies.len() == 1 && policies.contains(p));
+        scope.policy_in_evidence = policies;
+    }
+
+    /// The class of planned probe `n` observed as `o` with its records
+    /// `matched`, and why; what does not fit is added to `mismatches`.
+    fn judged(
+        &self,
+        n: usize,
+        o: &Observation,
+        matched: &[&Record],
+        volume: Option<&VolumeCounts>,
+        mismatches: &mut Vec<String>,
+    ) -> (Class, String) {
+        let (mut class, mut why) = match volume {
+            Some(v) => volume::classify(o, matched, v),
+            None => classify(o, matched),
+        };
+        for r in matched {
+            if let Some(not_ours) = not_caused_by(o, r) {
+                mismatches.push(format!(
+                    "a denial fits the probe's target and time, but is not of the probe's own request: {not_ours}"
+                ));
+            }
         }
-        let deciding: BTreeSet<Arc<str>> = indices.iter().filter_map(|i| replica_of(*i)).collect();
+        if let Some(c) = name_counts(o, matched).filter(|c| c.foreign > 0) {
+            mismatches.push(format!(
+                "the observation lists {} names that are not of the probe's target",
+                c.foreign
+            ));
+        }
+        if let Some(q) = &o.palisade_record {
+            let name = |k: usize| self.cases[k].id.clone();
+            mismatches.extend(quote_misfit(
+                q,
+                n,
+                self.fits,
+                self.records,
+                self.assigned,
+                &name,
+            ));
+        }
+        if o.outcome == ProbeOutcome::Reached
+            && !matched.iter().any(|r| r.decision_str() == "allow")
+        {
+            mismatches.push("the client reports the target answered, and no Palisade allow record fits it: traffic that left without a record".into());
+        }
+        let shown = matches!(
+            class,
+            Class::EnforcedAllow | Class::EnforcedDeny | Class::BlockedElsewhere
+        );
+        // Any chain (replica) whose ruleset was not verified meanwhile.
+        let unverified = self
+            .enforcement
+            .iter()
+            .find_map(|t| unverified_during(t, &o.started, &o.finished));
+        if let (true, Some(r)) = (shown, unverified) {
+            why = format!(
+                "enforcement was not verified while the probe ran (enforcement record {}: {}; otherwise: {why})",
+                r.id,
+                r.differs.as_deref().unwrap_or_default().join("; ")
+            );
+            class = Class::Inconclusive;
+        } else if !mismatches.is_empty() && shown {
+            why = format!(
+                "what the sandbox reported does not fit Palisade's records (otherwise: {why})"
+            );
+            class = Class::Inconclusive;
+        }
+        (class, why)
+    }
+
+    /// The result of planned probe `n`.
+    fn result(&self, n: usize) -> ProbeResult {
+        let c = &self.cases[n];
+        let indices = &self.assigned[n];
+        let matched: Vec<&Record> = indices.iter().map(|i| &self.records[*i]).collect();
+        let deciding: BTreeSet<Arc<str>> =
+            indices.iter().filter_map(|i| self.replica_of(*i)).collect();
         let mut mismatches = c.mismatches.clone();
         let volume_counts = c
             .observation
             .as_ref()
             .zip(c.probe.volume.zip(c.probe.budget))
-            .map(|(o, v)| volume::counts(o, v, &matched, &closes));
+            .map(|(o, v)| volume::counts(o, v, &matched, self.closes));
         let (class, why, observed, outcome) = match &c.observation {
-            None => (
-                Class::Missing,
-                "the plan has this probe and the observations do not: it was not run, or its observation was removed".to_string(),
-                "no observation".to_string(),
-                None,
-            ),
-            Some(o) => {
-                let (mut class, mut why) = match &volume_counts {
-                    Some(v) => volume::classify(o, &matched, v),
-                    None => classify(o, &matched),
-                };
-                for r in &matched {
-                    if let Some(not_ours) = not_caused_by(o, r) {
-                        mismatches.push(format!(
-                            "a denial fits the probe's target and time, but is not of the probe's own request: {not_ours}"
-                        ));
-                    }
-                }
-                if let Some(c) = name_counts(o, &matched).filter(|c| c.foreign > 0) {
-                    mismatches.push(format!(
-                        "the observation lists {} names that are not of the probe's target",
-                        c.foreign
-                    ));
-                }
-                if let Some(q) = &o.palisade_record {
-                    let name = |k: usize| cases[k].id.clone();
-                    mismatches.extend(quote_misfit(q, n, &fits, &records, &assigned, &name));
-                }
-                if o.outcome == ProbeOutcome::Reached
-                    && !matched.iter().any(|r| r.decision_str() == "allow")
-                {
-                    mismatches.push("the client reports the target answered, and no Palisade allow record fits it: traffic that left without a record".into());
-                }
-                let shown = matches!(
-                    class,
-                    Class::EnforcedAllow | Class::EnforcedDeny | Class::BlockedElsewhere
-                );
-                // Any chain (replica) whose ruleset was not verified meanwhile.
-                let unverified = enforcement_records
-                    .iter()
-                    .find_map(|t| unverified_during(t, &o.started, &o.finished));
-                if let (true, Some(r)) = (shown, unverified) {
-                    why = format!(
-                        "enforcement was not verified while the probe ran (enforcement record {}: {}; otherwise: {why})",
-                        r.id,
-                        r.differs.as_deref().unwrap_or_default().join("; ")
-                    );
-                    class = Class::Inconclusive;
-                } else if !mismatches.is_empty() && shown {
-                    why = format!(
-                        "what the sandbox reported does not fit Palisade's records (otherwise: {why})"
-                    );
-                    class = Class::Inconclusive;
-                }
-                (class, why, observed_text(o), Some(o.outcome))
-            }
-        };
+        None => (
+            Class::Missing,
+            "the plan has this probe and the observations do not: it was not run, or its observation was removed".to_string(),
+            "no observation".to_string(),
+            None,
+        ),
+        Some(o) => {
+            let (class, why) = self.judged(n, o, &matched, volume_counts.as_ref(), &mut mismatches);
+            (class, why, observed_text(o), Some(o.outcome))
+        }
+    };
         let matched_expectation = match class {
             Class::EnforcedAllow => c.probe.expect == Expect::Allow,
             Class::EnforcedDeny => c.probe.expect == Expect::Deny,
@@ -1284,7 +1424,7 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             _ => false,
         };
         let o = c.observation.as_ref();
-        probes.push(ProbeResult {
+        ProbeResult {
             id: c.id.clone(),
             target: o.map_or_else(|| c.probe.target.clone(), |o| o.target.clone()),
             kind: parse_target(&c.probe.target)
@@ -1311,13 +1451,13 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             records: indices
                 .iter()
                 .map(|i| CitedRecord {
-                    replica: replica_of(*i),
-                    ..CitedRecord::from(&records[*i])
+                    replica: self.replica_of(*i),
+                    ..CitedRecord::from(&self.records[*i])
                 })
                 .collect(),
             bypass_attempts: indices
                 .iter()
-                .map(|i| &records[*i])
+                .map(|i| &self.records[*i])
                 .filter(|r| r.kind == Kind::Bypass)
                 .map(|r| r.count.unwrap_or(1))
                 .sum(),
@@ -1328,37 +1468,39 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             started: o.map(|o| o.started.clone()).unwrap_or_default(),
             elapsed_ms: o.map_or(0, |o| o.elapsed_ms),
             observation: o.cloned(),
-        });
+        }
     }
-    policies.remove("");
-    let policy_matches = obs
-        .plan
-        .policy
-        .as_ref()
-        .map(|p| policies.len() == 1 && policies.contains(p));
-    evidence_scope.policy_matches_plan = policy_matches;
-    evidence_scope.policy_in_evidence = policies;
-    evidence_scope.orgs_in_evidence = record_orgs;
-    scope.evidence = Some(evidence_scope);
+}
 
-    let counts = Counts::of(&probes);
-    let findings: Vec<ProbeResult> = probes.iter().filter(|p| p.finding).cloned().collect();
+/// The verdict when retention removed evidence inside the run's window.
+fn retention_verdict(sources_text: &str, window: &str) -> String {
+    format!(
+        "NOT DEMONSTRATED: retention removed evidence inside the run's window, so a record that would contradict the plan may be missing here. \
+         Run the report over the shipped copy of the evidence. Tested from {sources_text} during {window}."
+    )
+}
+
+/// The verdict line and the exit status, before retention is checked.
+fn verdict(
+    probes: &[ProbeResult],
+    counts: &Counts,
+    sources_text: &str,
+    window: &str,
+) -> (String, u8) {
+    let findings = probes.iter().filter(|p| p.finding).count();
     let (total, inconclusive) = (counts.probes, counts.inconclusive);
     let unmatched = counts.not_matching_expectation;
-    let exit = if unmatched == 0 && findings.is_empty() {
+    let exit = if unmatched == 0 && findings == 0 {
         0
     } else {
         1
     };
-    let sources: BTreeSet<String> = ips.iter().flatten().map(|ip| ip.to_string()).collect();
-    let sources_text = sources.iter().cloned().collect::<Vec<_>>().join(", ");
-    let window = format!("{} .. {}", obs.started, obs.finished);
     let mismatched = probes.iter().filter(|p| !p.mismatches.is_empty()).count();
-    let verdict = if !findings.is_empty() {
+    let verdict = if findings > 0 {
         format!(
             "FINDINGS: {} of {total} probes did not match the agreed paths ({} unexpected allow, {} unexpected deny, {} missing, {mismatched} reported unlike the evidence); {inconclusive} inconclusive. \
              Fix or explain each finding below, then re-run the plan: until then the environment is not shown to have the agreed network paths. Tested from {sources_text} during {window}.",
-            findings.len(),
+            findings,
             counts.unexpected_allow,
             counts.unexpected_deny,
             counts.missing,
@@ -1381,46 +1523,7 @@ pub fn build(opts: &Options<'_>) -> Result<Report, BadInput> {
             counts.blocked_elsewhere,
         )
     };
-    let retention_cut = retention_cut(opts, &obs.started, &obs.finished)?;
-    let (verdict, exit) = if retention_cut.is_empty() || exit != 0 {
-        (verdict, exit)
-    } else {
-        (
-            format!(
-                "NOT DEMONSTRATED: retention removed evidence inside the run's window, so a record that would contradict the plan may be missing here. \
-                 Run the report over the shipped copy of the evidence. Tested from {sources_text} during {window}."
-            ),
-            1,
-        )
-    };
-    let mut untested = untested(&obs.plan, &probes, &sources_text, &scope.replicas);
-    if policy_matches == Some(false) {
-        untested.insert(
-            0,
-            "The policy that decided (policy hash in evidence) is not the one the plan names: the results describe the policy in the evidence.".into(),
-        );
-    }
-    Ok(Report {
-        format: REPORT_FORMAT,
-        trust: trust(&agreed, &verification, &ignored),
-        verification,
-        scope,
-        environment: obs.environment,
-        counts: Some(counts),
-        verdict,
-        exit_status: exit,
-        findings,
-        probes,
-        unattributed: unattributed(&fits, &records, &assigned)
-            .into_iter()
-            .map(|i| CitedRecord {
-                replica: replica_of(i),
-                ..CitedRecord::from(&records[i])
-            })
-            .collect(),
-        retention_cut,
-        untested,
-    })
+    (verdict, exit)
 }
 
 /// What retention removed from each chain inside the run's window
