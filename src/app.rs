@@ -95,21 +95,17 @@ pub fn signals() -> Result<impl Future<Output = ()> + Send, StartError> {
 /// and [`Started::serve`] runs; a failure of any part stops the start.
 pub struct Started {
     config: Config,
-    evidence: Arc<Evidence>,
-    metrics: Arc<Metrics>,
-    resolver: Arc<Resolver>,
-    served: ServedHandle,
-    enforcement: Option<(Arc<Enforcement>, Arc<Ruleset>)>,
-    bindings: Arc<Bindings>,
-    synthetic: Option<Arc<crate::handout::synthetic::Synthetic>>,
+    /// The services opened, shared by every part from here.
+    services: Services,
+    /// `[enforcement]`: the ruleset the gateway must have loaded, checked
+    /// again until shutdown (`services.enforcement` holds the state).
+    expected: Option<Arc<Ruleset>>,
     nflog: Option<crate::bypass::nflog::NflogSocket>,
     listeners: Listeners,
     sighup: tokio::signal::unix::Signal,
-    /// Dialled addresses a test routes elsewhere ([`Started::route_upstream`]).
-    routes: Routes,
-    /// The OTLP export, if on, and its tasks: stopped after the chain is
-    /// sealed, since it follows the evidence to its last record.
-    otel: Option<crate::otel::Started>,
+    /// The OTLP export's tasks: stopped after the chain is sealed, since
+    /// it follows the evidence to its last record.
+    otel_tasks: Vec<JoinHandle<()>>,
     otel_stop: CancellationToken,
 }
 
@@ -188,20 +184,29 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
     .map_err(StartError::Otel)?;
     let listeners = bind_all(&config).await?;
     let sighup = signal(SignalKind::hangup()).map_err(StartError::Signal)?;
+    let (otel, otel_tasks) = match otel {
+        Some((otel, tasks)) => (Some(otel), tasks),
+        None => (None, Vec::new()),
+    };
+    let (enforcement, expected) = enforcement.unzip();
     Ok(Started {
         config,
-        evidence,
-        metrics,
-        resolver,
-        served,
-        enforcement,
-        bindings,
-        synthetic,
+        services: Services {
+            evidence,
+            metrics,
+            resolver,
+            served,
+            bindings,
+            synthetic,
+            enforcement,
+            routes: Routes::default(),
+            otel,
+        },
+        expected,
         nflog,
         listeners,
         sighup,
-        routes: Routes::default(),
-        otel,
+        otel_tasks,
         otel_stop,
     })
 }
@@ -295,7 +300,7 @@ impl Started {
     /// loopback, so a test's upstream on 127.0.0.1 stands in for an
     /// allowed address. The command never calls it.
     pub fn route_upstream(mut self, from: SocketAddr, to: SocketAddr) -> Started {
-        self.routes.insert(from, to);
+        self.services.routes.insert(from, to);
         self
     }
 
@@ -304,51 +309,16 @@ impl Started {
     pub async fn serve(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), StartError> {
         let Started {
             config,
-            evidence,
-            metrics,
-            resolver,
-            served,
-            enforcement,
-            bindings,
-            synthetic,
+            services,
+            expected,
             nflog,
             listeners,
             mut sighup,
-            routes,
-            otel,
+            otel_tasks,
             otel_stop,
         } = self;
-        let (otel, otel_tasks) = match otel {
-            Some((otel, tasks)) => (Some(otel), tasks),
-            None => (None, Vec::new()),
-        };
-        let services = Services {
-            evidence,
-            metrics,
-            resolver,
-            served,
-            bindings,
-            synthetic,
-            enforcement: enforcement.as_ref().map(|(state, _)| state.clone()),
-            routes,
-            otel,
-        };
         let (ctx, evidence_budget, names) = context(&config, &services);
-        let health = Arc::new(Health {
-            listeners_bound: Default::default(),
-            evidence: services.evidence.clone(),
-            served: services.served.clone(),
-            metrics: services.metrics.clone(),
-            tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
-            enforcement: services.enforcement.clone(),
-            volumes: ctx.volumes.clone(),
-            approvers: crate::admin::approvals::Approvers {
-                jit: ctx.jit.clone(),
-                tokens: config.admin.approver_tokens.clone(),
-                served: services.served.clone(),
-            },
-            sessions: Default::default(),
-        });
+        let health = health(&config, &services, &ctx);
         let mut running = spawn_proxy(
             &ctx,
             listeners.proxy,
@@ -390,36 +360,10 @@ impl Started {
                 ctx.shutdown.clone(),
             ))
         });
-        let dns_shim: dns::ShimHandle = Arc::new(
-            dns::Shim::new(
-                services.served.clone(),
-                services.resolver.clone(),
-                services.evidence.clone(),
-                services.metrics.clone(),
-                services.bindings.clone(),
-                config.dns.clone(),
-            )
-            .with_evidence_budget(evidence_budget)
-            .with_names(names)
-            .with_synthetic(services.synthetic.clone())
-            .with_jit(ctx.jit.clone()),
-        );
-        running.enforcement = enforcement.map(|(state, expected)| {
-            let served = services.served.clone();
-            tokio::spawn(crate::enforcement::watch(
-                state,
-                expected,
-                services.evidence.clone(),
-                move || served.load().policy.hash_arc().clone(),
-                config
-                    .enforcement
-                    .as_ref()
-                    .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
-                        e.check_interval
-                    }),
-                ctx.shutdown.clone(),
-            ))
-        });
+        let dns_shim = dns_shim(&config, &services, &ctx, evidence_budget, names);
+        running.enforcement = (services.enforcement.clone())
+            .zip(expected)
+            .map(|e| watch_enforcement(&config, &services, &ctx, e));
         running.dns = Some(dns::serve(dns_shim, listeners.dns, ctx.shutdown.clone()));
         health.listeners_bound.store(true, Ordering::Relaxed);
         log_serving(&config, &services);
@@ -434,6 +378,75 @@ impl Started {
         info!("stopped");
         Ok(())
     }
+}
+
+/// What the admin endpoints read: the services, the tail tokens, the
+/// approvers of just-in-time grants.
+fn health(config: &Config, s: &Services, ctx: &Ctx) -> Arc<Health> {
+    Arc::new(Health {
+        listeners_bound: Default::default(),
+        evidence: s.evidence.clone(),
+        served: s.served.clone(),
+        metrics: s.metrics.clone(),
+        tails: crate::admin::tail::Tails::new(config.admin.tail_tokens.clone()),
+        enforcement: s.enforcement.clone(),
+        volumes: ctx.volumes.clone(),
+        approvers: crate::admin::approvals::Approvers {
+            jit: ctx.jit.clone(),
+            tokens: config.admin.approver_tokens.clone(),
+            served: s.served.clone(),
+        },
+        sessions: Default::default(),
+    })
+}
+
+/// The DNS shim over the shared services, paying the proxy's evidence
+/// and name budgets.
+fn dns_shim(
+    config: &Config,
+    s: &Services,
+    ctx: &Ctx,
+    evidence_budget: Arc<EvidenceBudget>,
+    names: Arc<NameBudgets>,
+) -> dns::ShimHandle {
+    Arc::new(
+        dns::Shim::new(
+            s.served.clone(),
+            s.resolver.clone(),
+            s.evidence.clone(),
+            s.metrics.clone(),
+            s.bindings.clone(),
+            config.dns.clone(),
+        )
+        .with_evidence_budget(evidence_budget)
+        .with_names(names)
+        .with_synthetic(s.synthetic.clone())
+        .with_jit(ctx.jit.clone()),
+    )
+}
+
+/// The task that checks the loaded nftables ruleset against `expected`
+/// until shutdown.
+fn watch_enforcement(
+    config: &Config,
+    s: &Services,
+    ctx: &Ctx,
+    (state, expected): (Arc<Enforcement>, Arc<Ruleset>),
+) -> JoinHandle<()> {
+    let served = s.served.clone();
+    tokio::spawn(crate::enforcement::watch(
+        state,
+        expected,
+        s.evidence.clone(),
+        move || served.load().policy.hash_arc().clone(),
+        config
+            .enforcement
+            .as_ref()
+            .map_or(crate::config::DEFAULT_ENFORCEMENT_CHECK_INTERVAL, |e| {
+                e.check_interval
+            }),
+        ctx.shutdown.clone(),
+    ))
 }
 
 /// The services every part shares, opened by [`start`].
@@ -528,17 +541,28 @@ fn jit(config: &Config, s: &Services) -> Arc<crate::jit::Jit> {
 /// End grants as they fall due (their TTL; a reload that denies their
 /// target), checked four times a second, until shutdown.
 fn end_grants(ctx: &Arc<Ctx>) -> tokio::task::JoinHandle<()> {
+    every(ctx, crate::jit::END_CHECK, |ctx| async move {
+        let served = ctx.served.load();
+        ctx.jit
+            .end_due(&served.policy, std::time::SystemTime::now());
+    })
+}
+
+/// A task doing `work` every `period` (a late tick is not caught up)
+/// until shutdown.
+fn every<F, W>(ctx: &Arc<Ctx>, period: Duration, work: F) -> JoinHandle<()>
+where
+    F: Fn(Arc<Ctx>) -> W + Send + 'static,
+    W: Future<Output = ()> + Send + 'static,
+{
     let ctx = ctx.clone();
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(crate::jit::END_CHECK);
+        let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = ctx.shutdown.cancelled() => return,
-                _ = tick.tick() => {
-                    let served = ctx.served.load();
-                    ctx.jit.end_due(&served.policy, std::time::SystemTime::now());
-                }
+                _ = tick.tick() => work(ctx.clone()).await,
             }
         }
     })
@@ -611,16 +635,8 @@ fn log_serving(config: &Config, s: &Services) {
 /// Denials over a client's record rate are written as summaries, now and
 /// then, until shutdown (and once more when every connection is drained).
 fn flush_denials(ctx: &Arc<Ctx>) -> JoinHandle<()> {
-    let ctx = ctx.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(proxy::denials::SUMMARY_INTERVAL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = ctx.shutdown.cancelled() => break,
-                _ = tick.tick() => ctx.flush_denials().await,
-            }
-        }
+    every(ctx, proxy::denials::SUMMARY_INTERVAL, |ctx| async move {
+        ctx.flush_denials().await
     })
 }
 

@@ -452,6 +452,29 @@ pub fn http_stream(data: &[u8]) {
     }
 }
 
+/// An upstream's response as the forwarding relay reads it: the head
+/// parse never claims more bytes than it was given or than its bound, and
+/// the body after it decodes to the same content, ending at the same byte
+/// (or failing alike), however the bytes are split into reads. The first
+/// byte's low bit says whether the request was a HEAD.
+pub fn http_upstream(data: &[u8]) {
+    use crate::proto::http_stream::MAX_RESPONSE_HEAD;
+    use crate::proto::http_upstream::{decode_all, response_head};
+    let Some((&flag, rest)) = data.split_first() else {
+        return;
+    };
+    let Parse::Done { value, len } = response_head(rest, flag & 1 == 1) else {
+        return;
+    };
+    assert!(len <= rest.len() && len <= MAX_RESPONSE_HEAD, "len {len}");
+    let body = rest.get(len..).unwrap_or_default();
+    let whole = decode_all(value.body, body, body.len().max(1));
+    for size in [1, 2, 3, 7, 64] {
+        let pieces = decode_all(value.body, body, size);
+        assert_eq!(pieces, whole, "pieces of {size}");
+    }
+}
+
 /// A bounded, stable-Rust fuzz run of every fuzz target's property: the seed
 /// corpus, then deterministic random mutations of it, within a fixed count
 /// and time per target. Coverage-guided runs are `cargo +nightly fuzz run
@@ -635,6 +658,20 @@ mod smoke {
     #[test]
     fn http_head() {
         run("http_head", super::http_head);
+    }
+
+    #[test]
+    fn http_upstream() {
+        let mut seeds = seeds();
+        for text in [
+            "\0HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;x\r\nhello\r\n0\r\nT: 1\r\n\r\nmore",
+            "\0HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello world",
+            "\x01HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
+            "\0HTTP/1.0 200 OK\r\n\r\nuntil close",
+        ] {
+            seeds.push(text.as_bytes().to_vec());
+        }
+        run_seeds("http_upstream", super::http_upstream, seeds);
     }
 
     #[test]

@@ -92,6 +92,15 @@ impl AddressEvents {
     }
 }
 
+/// A netlink socket's receive that timed out or was interrupted: nothing
+/// to read yet, read again (the bypass log's socket too).
+pub(crate) fn nothing_to_read(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+    )
+}
+
 /// The notice socket's thread: wake the [`AddressEvents`] on every notice
 /// until it is dropped (seen within [`NOTICE_RECV_TIMEOUT`]) or the socket
 /// fails.
@@ -107,13 +116,7 @@ fn read_notices(socket: &netlink_sys::Socket, events: &Weak<Notify>) {
         match read {
             Ok(_) => notice.notify_one(),
             Err(e) if e.raw_os_error() == Some(libc::ENOBUFS) => notice.notify_one(),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                        | io::ErrorKind::Interrupted
-                ) => {}
+            Err(e) if nothing_to_read(&e) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "host address notices stopped; the config poll still sees changes");
                 return;

@@ -154,6 +154,161 @@ const WITNESS_FEED_DROPPED: (&str, &str) = (
     "Writes whose leaves the witnesses' full queue could not take (the submitter reads the store instead).",
 );
 
+/// A metric's name and help text.
+type Def = (&'static str, &'static str);
+
+/// Makes each metric and registers it in one step, so the list of
+/// metrics is written once (in [`Metrics::build`]).
+struct Registrar(Registry);
+
+impl Registrar {
+    fn add<C: Collector + Clone + 'static>(
+        &self,
+        made: Result<C, prometheus::Error>,
+    ) -> Result<C, prometheus::Error> {
+        let c = made?;
+        self.0.register(Box::new(c.clone()))?;
+        Ok(c)
+    }
+
+    fn counters(
+        &self,
+        (name, help): Def,
+        labels: &[&str],
+    ) -> Result<IntCounterVec, prometheus::Error> {
+        self.add(IntCounterVec::new(Opts::new(name, help), labels))
+    }
+
+    fn counter(&self, (name, help): Def) -> Result<IntCounter, prometheus::Error> {
+        self.add(IntCounter::new(name, help))
+    }
+
+    fn gauges(&self, (name, help): Def, labels: &[&str]) -> Result<IntGaugeVec, prometheus::Error> {
+        self.add(IntGaugeVec::new(Opts::new(name, help), labels))
+    }
+
+    fn gauge(&self, (name, help): Def) -> Result<IntGauge, prometheus::Error> {
+        self.add(IntGauge::new(name, help))
+    }
+
+    fn float_gauge(&self, (name, help): Def) -> Result<Gauge, prometheus::Error> {
+        self.add(Gauge::new(name, help))
+    }
+
+    /// A histogram over [`latency_buckets`].
+    fn latencies(
+        &self,
+        (name, help): Def,
+        labels: &[&str],
+    ) -> Result<HistogramVec, prometheus::Error> {
+        let opts = HistogramOpts::new(name, help).buckets(latency_buckets());
+        self.add(HistogramVec::new(opts, labels))
+    }
+}
+
+// The metrics of [`Metrics`], each a name and help text, in the order
+// of its fields.
+const CONNECTIONS_TOTAL: Def = (
+    "palisade_connections_total",
+    "Proxy decisions (connections and HTTP requests) by org, decision, reason and mode.",
+);
+const DNS_QUERIES_TOTAL: Def = (
+    "palisade_dns_queries_total",
+    "DNS shim queries by org, decision and reason.",
+);
+const ACTIVE_CONNECTIONS: Def = (
+    "palisade_active_connections",
+    "Client connections currently open, by org.",
+);
+const BYTES_TOTAL: Def = (
+    "palisade_bytes_total",
+    "Bytes relayed by org and direction (up: client to upstream).",
+);
+const DECISION_DURATION_SECONDS: Def = (
+    "palisade_decision_duration_seconds",
+    "Time to decide (including resolution), by mode.",
+);
+const POLICY_RELOADS_TOTAL: Def = (
+    "palisade_policy_reloads_total",
+    "Policy reloads by result (ok, error).",
+);
+const BUILD_INFO: Def = (
+    "palisade_build_info",
+    "Version, served policy hash and evidence replica (value 1).",
+);
+const POLICY_LOADED_TIMESTAMP_SECONDS: Def = (
+    "palisade_policy_loaded_timestamp_seconds",
+    "Unix time the served policy was loaded.",
+);
+const UPSTREAM_CONNECT_ERRORS_TOTAL: Def = (
+    "palisade_upstream_connect_errors_total",
+    "Failed TCP connects to upstream addresses, by kind.",
+);
+const RESOLVE_DURATION_SECONDS: Def = (
+    "palisade_resolve_duration_seconds",
+    "Upstream name resolution time, by result.",
+);
+const WOULD_DENY_TOTAL: Def = (
+    "palisade_would_deny_total",
+    "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
+);
+const EVIDENCE_SUPPRESSED_TOTAL: Def = (
+    "palisade_evidence_suppressed_total",
+    "Decisions folded into summary records instead of written one by one (proxy denials over their record rates or their org's evidence budget, DNS refusals over the evidence budget or without room in the writer's queue), by org.",
+);
+const CONNECTIONS_REVOKED_TOTAL: Def = (
+    "palisade_connections_revoked_total",
+    "Live connections (tunnels, transparent and intercepted connections) closed because a reload's new policy denies them, by org and mode; report-mode orgs keep theirs and are not counted.",
+);
+const NEW_NAMES_TOTAL: Def = (
+    "palisade_new_names_total",
+    "Names new to an org within the window under a wildcard allow rule's max_new_names_per_minute (DNS queries forwarded, connections decided), by org and decision: allow within the budget, deny past it (name_budget_exceeded).",
+);
+const DECIDER_CONSULTATIONS_TOTAL: Def = (
+    "palisade_decider_consultations_total",
+    "Misses put to the decider ([decider] url), by org and answer: allow, deny, ask, error (a timeout, a failed exchange, an answer not understood: denied) and busy (over max_in_flight: denied without asking).",
+);
+const VOLUME_EXCEEDED_TOTAL: Def = (
+    "palisade_volume_exceeded_total",
+    "Connections and requests refused, and live tunnels cut, because a volume budget (max_bytes_up, max_bytes_down over volume_window, of the rule or the org) is spent, by org and direction (up: client to upstream, down: back); report-mode orgs counted too.",
+);
+const READY: Def = (
+    "palisade_ready",
+    "1 while every listener is bound and evidence is writable (what /readyz reports).",
+);
+const INTERCEPTED_REQUESTS_TOTAL: Def = (
+    "palisade_intercepted_requests_total",
+    "Requests decided inside intercepted TLS connections, by org, decision and reason.",
+);
+const INTERCEPTED_REQUEST_DURATION_SECONDS: Def = (
+    "palisade_intercepted_request_duration_seconds",
+    "Intercepted request: arrival to upstream response head, by org.",
+);
+const INTERCEPT_CERT_CACHE_TOTAL: Def = (
+    "palisade_intercept_cert_cache_total",
+    "Minted-certificate cache: lookups (hit, miss) and evictions (evict).",
+);
+const INTERCEPT_CERT_CACHE_ENTRIES: Def = (
+    "palisade_intercept_cert_cache_entries",
+    "Minted certificates held in the cache.",
+);
+const UPSTREAM_TLS_ERRORS_TOTAL: Def = (
+    "palisade_upstream_tls_errors_total",
+    "Failed upstream TLS handshakes of intercepted connections, by org.",
+);
+const UPSTREAM_IDLE_CONNECTIONS: Def = (
+    "palisade_upstream_idle_connections",
+    "Idle upstream connections kept for reuse by forwarded HTTP requests.",
+);
+const UPSTREAM_REUSED_TOTAL: Def = (
+    "palisade_upstream_reused_total",
+    "Forwarded HTTP requests sent over a reused upstream connection.",
+);
+const BYPASS_ATTEMPTS_TOTAL: Def = (
+    "palisade_bypass_attempts_total",
+    "Packets the gateway ruleset rejected instead of redirecting and logged to [bypass] nflog_group (UDP, QUIC, direct connections to the gateway), by org and protocol.",
+);
+
 /// The evidence writer's own counters, exposed as they are at scrape time.
 struct EvidenceCollector {
     live: Arc<Live>,
@@ -315,180 +470,45 @@ impl Metrics {
     }
 
     fn build(evidence: Arc<Live>) -> Result<Metrics, prometheus::Error> {
-        let registry = Registry::new();
-        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
-            IntCounterVec::new(Opts::new(name, help), labels)
-        };
+        let r = Registrar(Registry::new());
         let m = Metrics {
-            connections_total: counter_vec(
-                "palisade_connections_total",
-                "Proxy decisions (connections and HTTP requests) by org, decision, reason and mode.",
-                &["org", "decision", "reason", "mode"],
-            )?,
-            dns_queries_total: counter_vec(
-                "palisade_dns_queries_total",
-                "DNS shim queries by org, decision and reason.",
-                &["org", "decision", "reason"],
-            )?,
-            active_connections: IntGaugeVec::new(
-                Opts::new(
-                    "palisade_active_connections",
-                    "Client connections currently open, by org.",
-                ),
-                &["org"],
-            )?,
-            bytes_total: counter_vec(
-                "palisade_bytes_total",
-                "Bytes relayed by org and direction (up: client to upstream).",
-                &["org", "direction"],
-            )?,
-            decision_duration_seconds: HistogramVec::new(
-                HistogramOpts::new(
-                    "palisade_decision_duration_seconds",
-                    "Time to decide (including resolution), by mode.",
-                )
-                .buckets(latency_buckets()),
-                &["mode"],
-            )?,
-            policy_reloads_total: counter_vec(
-                "palisade_policy_reloads_total",
-                "Policy reloads by result (ok, error).",
-                &["result"],
-            )?,
-            build_info: IntGaugeVec::new(
-                Opts::new(
-                    "palisade_build_info",
-                    "Version, served policy hash and evidence replica (value 1).",
-                ),
-                &["version", "policy", "replica"],
-            )?,
+            connections_total: r
+                .counters(CONNECTIONS_TOTAL, &["org", "decision", "reason", "mode"])?,
+            dns_queries_total: r.counters(DNS_QUERIES_TOTAL, &["org", "decision", "reason"])?,
+            active_connections: r.gauges(ACTIVE_CONNECTIONS, &["org"])?,
+            bytes_total: r.counters(BYTES_TOTAL, &["org", "direction"])?,
+            decision_duration_seconds: r.latencies(DECISION_DURATION_SECONDS, &["mode"])?,
+            policy_reloads_total: r.counters(POLICY_RELOADS_TOTAL, &["result"])?,
+            build_info: r.gauges(BUILD_INFO, &["version", "policy", "replica"])?,
             replica: evidence.replica().to_string(),
-            policy_loaded_timestamp_seconds: Gauge::new(
-                "palisade_policy_loaded_timestamp_seconds",
-                "Unix time the served policy was loaded.",
-            )?,
-            upstream_connect_errors_total: counter_vec(
-                "palisade_upstream_connect_errors_total",
-                "Failed TCP connects to upstream addresses, by kind.",
-                &["kind"],
-            )?,
-            resolve_duration_seconds: HistogramVec::new(
-                HistogramOpts::new(
-                    "palisade_resolve_duration_seconds",
-                    "Upstream name resolution time, by result.",
-                )
-                .buckets(latency_buckets()),
-                &["result"],
-            )?,
-            would_deny_total: counter_vec(
-                "palisade_would_deny_total",
-                "Report-mode orgs: decisions allowed that enforcement would have denied, by org, mode and the reason it would have used.",
-                &["org", "mode", "reason"],
-            )?,
-            evidence_suppressed_total: counter_vec(
-                "palisade_evidence_suppressed_total",
-                "Decisions folded into summary records instead of written one by one (proxy denials over their record rates or their org's evidence budget, DNS refusals over the evidence budget or without room in the writer's queue), by org.",
-                &["org"],
-            )?,
-            connections_revoked_total: counter_vec(
-                "palisade_connections_revoked_total",
-                "Live connections (tunnels, transparent and intercepted connections) closed because a reload's new policy denies them, by org and mode; report-mode orgs keep theirs and are not counted.",
-                &["org", "mode"],
-            )?,
-            new_names_total: counter_vec(
-                "palisade_new_names_total",
-                "Names new to an org within the window under a wildcard allow rule's max_new_names_per_minute (DNS queries forwarded, connections decided), by org and decision: allow within the budget, deny past it (name_budget_exceeded).",
-                &["org", "decision"],
-            )?,
-            decider_consultations_total: counter_vec(
-                "palisade_decider_consultations_total",
-                "Misses put to the decider ([decider] url), by org and answer: allow, deny, ask, error (a timeout, a failed exchange, an answer not understood: denied) and busy (over max_in_flight: denied without asking).",
-                &["org", "answer"],
-            )?,
-            volume_exceeded_total: counter_vec(
-                "palisade_volume_exceeded_total",
-                "Connections and requests refused, and live tunnels cut, because a volume budget (max_bytes_up, max_bytes_down over volume_window, of the rule or the org) is spent, by org and direction (up: client to upstream, down: back); report-mode orgs counted too.",
-                &["org", "direction"],
-            )?,
-            ready: IntGauge::new(
-                "palisade_ready",
-                "1 while every listener is bound and evidence is writable (what /readyz reports).",
-            )?,
-            intercepted_requests_total: counter_vec(
-                "palisade_intercepted_requests_total",
-                "Requests decided inside intercepted TLS connections, by org, decision and reason.",
-                &["org", "decision", "reason"],
-            )?,
-            intercepted_request_duration_seconds: HistogramVec::new(
-                HistogramOpts::new(
-                    "palisade_intercepted_request_duration_seconds",
-                    "Intercepted request: arrival to upstream response head, by org.",
-                )
-                .buckets(latency_buckets()),
-                &["org"],
-            )?,
-            intercept_cert_cache_total: counter_vec(
-                "palisade_intercept_cert_cache_total",
-                "Minted-certificate cache: lookups (hit, miss) and evictions (evict).",
-                &["result"],
-            )?,
-            intercept_cert_cache_entries: IntGauge::new(
-                "palisade_intercept_cert_cache_entries",
-                "Minted certificates held in the cache.",
-            )?,
-            upstream_tls_errors_total: counter_vec(
-                "palisade_upstream_tls_errors_total",
-                "Failed upstream TLS handshakes of intercepted connections, by org.",
-                &["org"],
-            )?,
-            upstream_idle_connections: IntGauge::new(
-                "palisade_upstream_idle_connections",
-                "Idle upstream connections kept for reuse by forwarded HTTP requests.",
-            )?,
-            upstream_reused_total: IntCounter::new(
-                "palisade_upstream_reused_total",
-                "Forwarded HTTP requests sent over a reused upstream connection.",
-            )?,
-            bypass_attempts_total: counter_vec(
-                "palisade_bypass_attempts_total",
-                "Packets the gateway ruleset rejected instead of redirecting and logged to [bypass] nflog_group (UDP, QUIC, direct connections to the gateway), by org and protocol.",
-                &["org", "proto"],
-            )?,
-            registry,
+            policy_loaded_timestamp_seconds: r.float_gauge(POLICY_LOADED_TIMESTAMP_SECONDS)?,
+            upstream_connect_errors_total: r.counters(UPSTREAM_CONNECT_ERRORS_TOTAL, &["kind"])?,
+            resolve_duration_seconds: r.latencies(RESOLVE_DURATION_SECONDS, &["result"])?,
+            would_deny_total: r.counters(WOULD_DENY_TOTAL, &["org", "mode", "reason"])?,
+            evidence_suppressed_total: r.counters(EVIDENCE_SUPPRESSED_TOTAL, &["org"])?,
+            connections_revoked_total: r.counters(CONNECTIONS_REVOKED_TOTAL, &["org", "mode"])?,
+            new_names_total: r.counters(NEW_NAMES_TOTAL, &["org", "decision"])?,
+            decider_consultations_total: r
+                .counters(DECIDER_CONSULTATIONS_TOTAL, &["org", "answer"])?,
+            volume_exceeded_total: r.counters(VOLUME_EXCEEDED_TOTAL, &["org", "direction"])?,
+            ready: r.gauge(READY)?,
+            intercepted_requests_total: r
+                .counters(INTERCEPTED_REQUESTS_TOTAL, &["org", "decision", "reason"])?,
+            intercepted_request_duration_seconds: r
+                .latencies(INTERCEPTED_REQUEST_DURATION_SECONDS, &["org"])?,
+            intercept_cert_cache_total: r.counters(INTERCEPT_CERT_CACHE_TOTAL, &["result"])?,
+            intercept_cert_cache_entries: r.gauge(INTERCEPT_CERT_CACHE_ENTRIES)?,
+            upstream_tls_errors_total: r.counters(UPSTREAM_TLS_ERRORS_TOTAL, &["org"])?,
+            upstream_idle_connections: r.gauge(UPSTREAM_IDLE_CONNECTIONS)?,
+            upstream_reused_total: r.counter(UPSTREAM_REUSED_TOTAL)?,
+            bypass_attempts_total: r.counters(BYPASS_ATTEMPTS_TOTAL, &["org", "proto"])?,
+            registry: r.0.clone(),
         };
-        let collectors: Vec<Box<dyn Collector>> = vec![
-            Box::new(m.connections_total.clone()),
-            Box::new(m.dns_queries_total.clone()),
-            Box::new(m.active_connections.clone()),
-            Box::new(m.bytes_total.clone()),
-            Box::new(m.decision_duration_seconds.clone()),
-            Box::new(EvidenceCollector::new(evidence)?),
-            Box::new(m.policy_reloads_total.clone()),
-            Box::new(m.build_info.clone()),
-            Box::new(m.policy_loaded_timestamp_seconds.clone()),
-            Box::new(m.upstream_connect_errors_total.clone()),
-            Box::new(m.resolve_duration_seconds.clone()),
-            Box::new(m.ready.clone()),
-            Box::new(m.would_deny_total.clone()),
-            Box::new(m.evidence_suppressed_total.clone()),
-            Box::new(m.connections_revoked_total.clone()),
-            Box::new(m.new_names_total.clone()),
-            Box::new(m.decider_consultations_total.clone()),
-            Box::new(m.volume_exceeded_total.clone()),
-            Box::new(m.intercepted_requests_total.clone()),
-            Box::new(m.intercepted_request_duration_seconds.clone()),
-            Box::new(m.intercept_cert_cache_total.clone()),
-            Box::new(m.intercept_cert_cache_entries.clone()),
-            Box::new(m.upstream_tls_errors_total.clone()),
-            Box::new(m.upstream_idle_connections.clone()),
-            Box::new(m.upstream_reused_total.clone()),
-            Box::new(m.bypass_attempts_total.clone()),
-            // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
-            Box::new(prometheus::process_collector::ProcessCollector::for_self()),
-        ];
-        for c in collectors {
-            m.registry.register(c)?;
-        }
+        r.0.register(Box::new(EvidenceCollector::new(evidence)?))?;
+        // process_cpu_seconds_total, process_open_fds, process_resident_memory_bytes, ...
+        r.0.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))?;
         // Series that exist from the start, so dashboards and alerts see zeros.
         for result in ["ok", "error"] {
             m.policy_reloads_total.with_label_values(&[result]);

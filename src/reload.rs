@@ -637,23 +637,39 @@ mod tests {
     use super::*;
     use crate::config::{TokenDigest, TOKEN_DIGEST_PREFIX};
 
-    const BASE: &str = r#"
-[proxy]
-listen = ["127.0.0.1:3128"]
-
-[evidence]
-dir = "/tmp/palisade-reload-test-evidence"
-
-[[org]]
-name = "acme"
-clients = ["10.0.0.0/24"]
-
-[[org.allow]]
-host = "example.com"
-"#;
+    /// A proxy listener, evidence under /tmp, and acme allowed example.com.
+    fn base() -> String {
+        let acme = crate::testing::org_toml("acme", &["10.0.0.0/24"], &["example.com"]);
+        format!(
+            "[proxy]\nlisten = [\"127.0.0.1:3128\"]\n\n\
+             [evidence]\ndir = \"/tmp/palisade-reload-test-evidence\"\n\n{acme}"
+        )
+    }
 
     fn config(text: &str) -> Config {
         config::from_str(text, Path::new("/tmp/palisade.toml")).unwrap()
+    }
+
+    /// [`base`] with its evidence in a fresh directory, `evidence_keys` added
+    /// to `[evidence]`, written to `palisade.toml` there: the directory
+    /// (kept while it lives), the file and its text.
+    fn config_file(evidence_keys: &str) -> (tempfile::TempDir, PathBuf, String) {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("palisade.toml");
+        let dir = tmp.path().join("evidence").display().to_string();
+        let base = base().replace(
+            "dir = \"/tmp/palisade-reload-test-evidence\"",
+            &format!("dir = {dir:?}{evidence_keys}"),
+        );
+        std::fs::write(&path, &base).unwrap();
+        (tmp, path, base)
+    }
+
+    /// `running` served under `policy`.
+    fn serve(running: &Config, policy: Arc<Policy>, metrics: &Arc<Metrics>) -> ServedHandle {
+        Served::load(running, policy, metrics)
+            .unwrap()
+            .into_handle()
     }
 
     /// The file at `path` served as at start (with the host's addresses),
@@ -662,20 +678,22 @@ host = "example.com"
         let running = config::load(path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         let host = crate::host::addresses().unwrap();
-        let policy = Arc::new(Policy::with_host(&running, &host));
-        let served = Served::load(&running, policy, &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(
+            &running,
+            Arc::new(Policy::with_host(&running, &host)),
+            &metrics,
+        );
         let reloader = Reloader::new(running, served.clone(), metrics.clone()).await;
         (reloader, served, metrics)
     }
 
     #[test]
     fn dns_budgets_are_restart_only() {
-        let old = config(BASE);
+        let base = base();
+        let old = config(&base);
         let budgets = config(&format!(
             "[dns]\nmax_tcp_connections_per_client = 2\nmax_tcp_connections_per_org = 3\n\
-             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{BASE}"
+             max_queries_in_flight_per_org = 4\nmax_bindings_per_org = 5\n{base}"
         ));
         assert_eq!(
             restart_only_changes(&old, &budgets),
@@ -690,15 +708,16 @@ host = "example.com"
 
     #[test]
     fn orgs_and_intercept_reload_the_rest_is_named_key_by_key() {
-        let old = config(BASE);
+        let base = base();
+        let old = config(&base);
         let more_rules = config(&format!(
-            "{BASE}\n[[org.allow]]\nhost = \"other.example\"\n"
+            "{base}\n[[org.allow]]\nhost = \"other.example\"\n"
         ));
         assert!(restart_only_changes(&old, &more_rules).is_empty());
-        let intercept = config(&format!("[intercept]\ncert_cache = 5\n{BASE}"));
+        let intercept = config(&format!("[intercept]\ncert_cache = 5\n{base}"));
         assert!(restart_only_changes(&old, &intercept).is_empty());
 
-        let changed = config(&BASE.replace(
+        let changed = config(&base.replace(
             "listen = [\"127.0.0.1:3128\"]",
             "listen = [\"127.0.0.1:3129\"]\nmax_connections = 7\nidle_timeout = \"9s\"",
         ));
@@ -713,7 +732,7 @@ host = "example.com"
             ]
         );
         let dns = config(&format!(
-            "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{BASE}"
+            "[dns]\nmax_queries_in_flight = 3\n[admin]\nlisten = \"127.0.0.1:9999\"\n{base}"
         ));
         // The per-org share follows the global cap it defaults from.
         assert_eq!(
@@ -724,7 +743,7 @@ host = "example.com"
                 "admin.listen"
             ]
         );
-        let evidence = config(&BASE.replace(
+        let evidence = config(&base.replace(
             "dir = \"/tmp/palisade-reload-test-evidence\"",
             "dir = \"/tmp/palisade-reload-test-evidence\"\ndurability = \"fsync\"",
         ));
@@ -732,20 +751,14 @@ host = "example.com"
             restart_only_changes(&old, &evidence),
             ["evidence.durability"]
         );
-        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{BASE}"));
+        let bypass = config(&format!("[bypass]\nnflog_group = 100\n{base}"));
         assert_eq!(restart_only_changes(&old, &bypass), ["bypass.nflog_group"]);
     }
 
     #[tokio::test]
     async fn a_reload_applies_whole_or_not_at_all() {
-        let tmp = tempfile::tempdir().unwrap();
+        let (tmp, path, base) = config_file("");
         let dir = tmp.path();
-        let path = dir.join("palisade.toml");
-        let base = BASE.replace(
-            "/tmp/palisade-reload-test-evidence",
-            &dir.join("evidence").display().to_string(),
-        );
-        std::fs::write(&path, &base).unwrap();
         let (mut reloader, served, metrics) = serving(&path).await;
         let first = served.load().policy.hash().to_string();
         let count = |result: &str| {
@@ -789,25 +802,14 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_reload_whose_orgs_could_outrun_the_evidence_store_is_rejected() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path();
-        let path = dir.join("palisade.toml");
         // One org and the clients of no org: 2 x 10 records/s x 1140 bytes
         // for 2 minutes and a second, and a 1 MiB segment, fit 4 MiB.
-        let base = BASE.replace(
-            "dir = \"/tmp/palisade-reload-test-evidence\"",
-            &format!(
-                "dir = {:?}\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\nmax_records_per_second_per_org = 10",
-                dir.join("evidence").display().to_string()
-            ),
+        let (_tmp, path, base) = config_file(
+            "\nrotate_size = \"1MiB\"\nretain_size = \"4MiB\"\nretain_min_age = \"2m\"\nmax_records_per_second_per_org = 10",
         );
-        std::fs::write(&path, &base).unwrap();
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let policy = Arc::new(Policy::new(&running));
-        let served = Served::load(&running, policy, &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let hash = served.load().policy.hash().to_string();
         let mut reloader = Reloader::new(running.clone(), served.clone(), metrics.clone()).await;
         // A second org is a third budget: no longer within the store.
@@ -892,20 +894,11 @@ host = "example.com"
 
     #[tokio::test]
     async fn a_change_of_the_host_addresses_reloads_an_unchanged_file() {
-        let tmp = tempfile::tempdir().unwrap();
-        let path = tmp.path().join("palisade.toml");
-        let evidence = tmp.path().join("evidence").display().to_string();
-        std::fs::write(
-            &path,
-            BASE.replace("/tmp/palisade-reload-test-evidence", &evidence),
-        )
-        .unwrap();
+        let (_tmp, path, _) = config_file("");
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
         // Served with addresses the host no longer has (here: none).
-        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let hash = served.load().policy.hash().to_string();
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         let host = crate::host::addresses().unwrap();
@@ -924,9 +917,7 @@ host = "example.com"
         // quiet until either changes.
         let running = config::load(&path).unwrap();
         let metrics = Arc::new(Metrics::new(Arc::default()));
-        let served = Served::load(&running, Arc::new(Policy::new(&running)), &metrics)
-            .unwrap()
-            .into_handle();
+        let served = serve(&running, Arc::new(Policy::new(&running)), &metrics);
         let mut reloader = Reloader::new(running, served.clone(), metrics).await;
         std::fs::write(&path, "[[org]]\nname = 7\n").unwrap();
         assert_eq!(reloader.poll().await, Some(ReloadOutcome::Rejected));

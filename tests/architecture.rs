@@ -109,26 +109,6 @@ const MAX_FN_LINES: usize = 120;
 /// fails (delete it).
 const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
     (
-        "app.rs",
-        "Started::serve",
-        "5 over; app.rs is being edited by wt-jit and wt-perf",
-    ),
-    (
-        "config/validate/rules.rs",
-        "validate_rules",
-        "not split yet: the next to split (issue 35)",
-    ),
-    (
-        "evidence/query.rs",
-        "to_ocsf",
-        "not split yet: the next to split (issue 35)",
-    ),
-    (
-        "metrics.rs",
-        "Metrics::build",
-        "one struct literal: the metric definitions, a list, not steps",
-    ),
-    (
         "probe/classify.rs",
         "not_caused_by",
         "wt-volume splits probe/",
@@ -141,11 +121,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
         "probe/run.rs",
         "Ctx::second_request",
         "wt-volume splits probe/",
-    ),
-    (
-        "proxy/verify.rs",
-        "pump",
-        "not split yet: the next to split (issue 35)",
     ),
 ];
 

@@ -18,7 +18,7 @@ use serde_json::json;
 
 use crate::config::{ApproverToken, TokenDigest};
 use crate::jit::approvals::{AnswerError, Approval};
-use crate::jit::grants::{Grant, GrantError, Scope, Target};
+use crate::jit::grants::{check_requests, Grant, GrantError, Scope, Target};
 use crate::jit::state::{JitError, Terms};
 use crate::proto::target::{normalize_host, Host};
 use crate::serve::http::{full, Body};
@@ -122,6 +122,9 @@ pub(crate) struct Listed {
     pub(crate) last_seen: String,
     pub(crate) count: u64,
     pub(crate) expires: String,
+    /// The method and path of the request that missed, if Palisade saw one.
+    pub(crate) method: Option<String>,
+    pub(crate) path: Option<String>,
 }
 
 fn ts(t: SystemTime) -> String {
@@ -142,6 +145,8 @@ impl From<&Approval> for Listed {
             last_seen: ts(a.last_seen),
             count: a.count,
             expires: ts(a.expires),
+            method: a.asked.request.as_ref().map(|r| r.0.clone()),
+            path: a.asked.request.as_ref().map(|r| r.1.clone()),
         }
     }
 }
@@ -153,6 +158,8 @@ pub(crate) fn grant_json(g: &Grant) -> serde_json::Value {
         "org": &*g.scope.org,
         "target": g.scope.target.to_string(),
         "port": g.scope.port,
+        "method": g.scope.method,
+        "path": g.scope.path,
         "granted_at": ts(g.granted_at),
         "expires": g.expires.map(ts),
         "max_uses": g.max_uses,
@@ -180,6 +187,16 @@ pub(crate) struct Answer {
     pub(crate) host: Option<String>,
     #[serde(default)]
     pub(crate) port: Option<u16>,
+    /// As `host`: present (even `null`), it must be the approval's.
+    #[serde(default, deserialize_with = "present")]
+    pub(crate) method: Option<serde_json::Value>,
+    #[serde(default, deserialize_with = "present")]
+    pub(crate) path: Option<serde_json::Value>,
+}
+
+/// A field that is present, `null` included (absent: `None`).
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(d).map(Some)
 }
 
 /// The body of `POST /v1/grants`.
@@ -196,6 +213,13 @@ pub(crate) struct Direct {
     pub(crate) max_uses: Option<u32>,
     #[serde(default)]
     pub(crate) reason: Option<String>,
+    /// Requests only, with this method (under interception).
+    #[serde(default)]
+    pub(crate) method: Option<String>,
+    /// Requests only, whose path this pattern matches (a prefix, or a
+    /// glob: `*` matches anything).
+    #[serde(default)]
+    pub(crate) path: Option<String>,
 }
 
 /// A grant's terms from what an approver sent.
@@ -264,7 +288,8 @@ pub(crate) async fn answer(
         }
     };
     let now = SystemTime::now();
-    if a.host.is_some() || a.port.is_some() {
+    let named = [&a.method, &a.path].into_iter().any(Option::is_some);
+    if a.host.is_some() || a.port.is_some() || named {
         let asked = health
             .jit
             .approvals(who, now)
@@ -275,7 +300,17 @@ pub(crate) async fn answer(
                 normalize_host(h).map(|h| h.to_string()).ok().as_deref() == Some(&p.asked.host)
             });
             let port_ok = a.port.is_none_or(|port| Some(port) == p.asked.port);
-            if !host_ok || !port_ok {
+            // Dropping (`null`) or changing the request asked is wider.
+            let asked = p.asked.request.as_ref();
+            let same = |given: &Option<serde_json::Value>, want: Option<&String>| {
+                given.as_ref().is_none_or(|v| {
+                    v.as_str()
+                        .is_some_and(|v| Some(v) == want.map(String::as_str))
+                })
+            };
+            let request_ok =
+                same(&a.method, asked.map(|r| &r.0)) && same(&a.path, asked.map(|r| &r.1));
+            if !host_ok || !port_ok || !request_ok {
                 return error(
                     StatusCode::BAD_REQUEST,
                     format!(
@@ -318,10 +353,15 @@ pub(crate) async fn give(health: &Approvers, who: &ApproverToken, d: Direct) -> 
         Ok(t) => t,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
+    if let Err(e) = check_requests(d.method.as_deref(), d.path.as_deref()) {
+        return error(StatusCode::BAD_REQUEST, e);
+    }
     let scope = Scope {
         org: std::sync::Arc::from(d.org.as_str()),
         target,
         port: Some(d.port),
+        method: d.method,
+        path: d.path,
     };
     let served = health.served.load();
     match health

@@ -239,13 +239,14 @@ fn listing(health: &Approvers, who: &ApproverToken, csrf: &str, message: Option<
                 p { "No grant is held." }
             } @else {
                 table id="grants" {
-                    tr { th { "Grant" } th { "Org" } th { "Target" } th { "Port" } th { "Ends" } th { "Uses" } th { "Approver" } }
+                    tr { th { "Grant" } th { "Org" } th { "Target" } th { "Port" } th { "Requests" } th { "Ends" } th { "Uses" } th { "Approver" } }
                     @for g in &grants {
                         tr class="grant" {
                             td { code { (g.id) } }
                             td { (&*g.scope.org) }
                             td { code { (g.scope.target) } }
                             td { @if let Some(p) = g.scope.port { (p) } @else { "any" } }
+                            td { @if let Some(r) = g.scope.requests() { code { (r) } } @else { "any (tunnels too)" } }
                             td { @if let Some(e) = g.expires { (humantime::format_rfc3339_seconds(e)) } @else { "after its uses" } }
                             td { (g.uses) @if let Some(m) = g.max_uses { " of " (m) } }
                             td { (g.approver) }
@@ -349,6 +350,8 @@ pub(crate) async fn respond(
                 reason: Some("answered on /ui/approvals".into()),
                 host: None,
                 port: None,
+                method: None,
+                path: None,
             };
             let resp = approvals::answer(health, &who, &id, answer).await;
             let message = if resp.status().is_success() {

@@ -242,18 +242,10 @@ mod tests {
         }
     }
 
+    /// An HTTP request's denial, with the fields of `json` over it.
     fn rec(json: &str) -> Record {
-        let mut v = serde_json::json!({
-            "id": "r1", "ts": "2026-01-02T03:04:05.000000Z", "kind": "http",
-            "event": "decision", "org": "acme", "client": "198.18.1.2:40000",
-            "mode": "explicit", "host": "other.test", "port": 80, "sni": null, "ip": null,
-            "decision": "deny", "reason": "no_matching_rule", "rule": null, "policy": "p"
-        });
-        let extra: serde_json::Value = serde_json::from_str(json).unwrap();
-        for (k, x) in extra.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-        serde_json::from_value(v).unwrap()
+        let http = r#"{"kind": "http", "host": "other.test", "port": 80}"#;
+        crate::testing::record(&[http, json])
     }
 
     #[test]

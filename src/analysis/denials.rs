@@ -356,18 +356,7 @@ mod tests {
     use super::*;
 
     fn rec(json: &str) -> Record {
-        let base = serde_json::json!({
-            "id": "r1", "ts": "2026-01-02T03:04:05.000000Z", "kind": "tcp",
-            "event": "decision", "org": "acme", "client": "198.18.1.2:40000",
-            "mode": "explicit", "host": null, "port": 443, "sni": null, "ip": null,
-            "decision": "deny", "reason": "no_matching_rule", "rule": null, "policy": "p"
-        });
-        let mut v = base;
-        let extra: serde_json::Value = serde_json::from_str(json).unwrap();
-        for (k, x) in extra.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-        serde_json::from_value(v).unwrap()
+        crate::testing::record(&[json])
     }
 
     #[test]

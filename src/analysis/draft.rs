@@ -649,6 +649,16 @@ fn from_grants(grants: &[Record], records: &[Record], org: &str, window: &Select
                 "# ports = [] (granted from a DNS answer, any port: name the ones it needs)\n",
             ),
         }
+        if f.method.is_some() || f.path.is_some() {
+            // Request rules bind under interception (and plain http://).
+            out.push_str("# intercept = true\n");
+        }
+        if let Some(m) = &f.method {
+            out.push_str(&format!("# methods = [\"{}\"]\n", printable(m)));
+        }
+        if let Some(p) = &f.path {
+            out.push_str(&format!("# paths = [\"{}\"]\n", printable(p)));
+        }
     }
     if out.is_empty() {
         return out;
@@ -1356,6 +1366,8 @@ mod tests {
             max_uses: None,
             uses,
             approver: "alice".into(),
+            method: (host == "other.test").then(|| "GET".into()),
+            path: (host == "other.test").then(|| "/api/".into()),
             reason: Some("the build needs\nit".into()),
             approval: None,
             ended_by: None,
@@ -1381,7 +1393,9 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("# host = \"other.test\"\n# ports = [80]\n"),
+            text.contains(
+                "# host = \"other.test\"\n# ports = [80]\n# intercept = true\n# methods = [\"GET\"]\n# paths = [\"/api/\"]\n"
+            ),
             "{text}"
         );
         assert!(

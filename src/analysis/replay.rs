@@ -63,16 +63,16 @@ pub struct Report {
 /// The candidate's verdict for one recorded decision, or None if the record
 /// is not a policy decision that can be replayed.
 fn redecide(policy: &Policy, r: &Record) -> Option<(crate::policy::Verdict, bool)> {
-    let replayable = [
-        Reason::RuleMatch,
-        Reason::ReportOnly,
+    // What the policy decides from the record's client, target and
+    // address alone: its allows, and these denials.
+    let denied_by_policy = [
         Reason::UnknownClient,
         Reason::NoMatchingRule,
         Reason::ExplicitDeny,
         Reason::PortNotAllowed,
         Reason::DeniedAddress,
     ];
-    if !replayable.contains(&r.reason) {
+    if !(r.reason.is_allow() || denied_by_policy.contains(&r.reason)) {
         return None;
     }
     let client: IpAddr = r.client?.ip();

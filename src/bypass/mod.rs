@@ -21,7 +21,6 @@ pub(crate) mod nflog;
 pub(crate) mod packet;
 pub(crate) mod record;
 
-use std::io;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -107,13 +106,7 @@ fn read(
                     }
                 }
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock
-                        | io::ErrorKind::TimedOut
-                        | io::ErrorKind::Interrupted
-                ) => {}
+            Err(e) if crate::host::nothing_to_read(&e) => {}
             // ENOBUFS: the kernel dropped log messages.
             Err(e) if e.raw_os_error() == Some(105) => {
                 overruns += 1;

@@ -199,23 +199,10 @@ mod tests {
     use crate::config;
 
     fn policy() -> Policy {
-        let c = config::from_str(
-            r#"
-[[org]]
-name = "acme"
-clients = ["198.18.1.0/24"]
-[[org.allow]]
-host = "allowed.test"
-
-[[org]]
-name = "beta"
-clients = ["198.18.4.0/24"]
-[[org.allow]]
-host = "allowed.test"
-"#,
-            std::path::Path::new("t.toml"),
-        )
-        .unwrap();
+        let src = [("acme", "198.18.1.0/24"), ("beta", "198.18.4.0/24")]
+            .map(|(org, net)| crate::testing::org_toml(org, &[net], &["allowed.test"]))
+            .concat();
+        let c = config::from_str(&src, std::path::Path::new("t.toml")).unwrap();
         Policy::new(&c)
     }
 
@@ -230,16 +217,31 @@ host = "allowed.test"
         }
     }
 
-    #[tokio::test]
-    async fn a_flood_is_summarised_per_target_within_the_orgs_budget() {
-        let dir = crate::testing::scratch("bypass");
+    /// A store in a scratch directory (`tag`) and the bypass records over
+    /// it, with an evidence budget of `budget` records a second per org.
+    fn bypasses(
+        tag: &str,
+        budget: usize,
+    ) -> (std::path::PathBuf, Arc<Evidence>, Arc<Metrics>, Bypasses) {
+        let dir = crate::testing::scratch(tag);
         let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
         let metrics = Arc::new(Metrics::new(ev.live().clone()));
-        let bypasses = Bypasses::new(
-            ev.clone(),
-            metrics.clone(),
-            Arc::new(EvidenceBudget::new(5)),
-        );
+        let budget = Arc::new(EvidenceBudget::new(budget));
+        let bypasses = Bypasses::new(ev.clone(), metrics.clone(), budget);
+        (dir, ev, metrics, bypasses)
+    }
+
+    /// The bypass records of the store under `dir`.
+    fn bypass_records(dir: &std::path::Path) -> Vec<Record> {
+        crate::evidence::query::read_records(&dir.join("evidence"))
+            .map(|r| r.unwrap().record)
+            .filter(|r| r.kind == Kind::Bypass)
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_flood_is_summarised_per_target_within_the_orgs_budget() {
+        let (dir, ev, metrics, bypasses) = bypasses("bypass", 5);
         let policy = policy();
         let (now, wall) = (Instant::now(), SystemTime::now());
         // 1000 packets to one target, then one to each of 100 more.
@@ -259,10 +261,7 @@ host = "allowed.test"
         bypasses.flush(Duration::from_secs(5)).await;
         assert_eq!(bypasses.pending_count(), 0);
         assert!(ev.seal().await);
-        let records: Vec<Record> = crate::evidence::query::read_records(&dir.join("evidence"))
-            .map(|r| r.unwrap().record)
-            .filter(|r| r.kind == Kind::Bypass)
-            .collect();
+        let records = bypass_records(&dir);
         // The budget's burst of targets, acme's overflow, the unknown source.
         assert_eq!(records.len(), 5 + 1 + 1, "{records:#?}");
         let first = records
@@ -292,15 +291,8 @@ host = "allowed.test"
 
     #[tokio::test]
     async fn one_orgs_flood_never_pushes_anothers_attempts_out_of_their_tallies() {
-        let dir = crate::testing::scratch("bypass-orgs");
-        let ev = Arc::new(Evidence::open(&dir.join("evidence")).unwrap());
-        let metrics = Arc::new(Metrics::new(ev.live().clone()));
         // A budget that is not the bound: the tallies are.
-        let bypasses = Bypasses::new(
-            ev.clone(),
-            metrics.clone(),
-            Arc::new(EvidenceBudget::new(1_000_000)),
-        );
+        let (dir, ev, _, bypasses) = bypasses("bypass-orgs", 1_000_000);
         let policy = policy();
         let (now, wall) = (Instant::now(), SystemTime::now());
         // Acme: 5,000 distinct targets, over every share there is; beta's
@@ -316,10 +308,7 @@ host = "allowed.test"
         assert_eq!(bypasses.pending_count(), 5025);
         bypasses.flush(Duration::from_secs(5)).await;
         assert!(ev.seal().await);
-        let records: Vec<Record> = crate::evidence::query::read_records(&dir.join("evidence"))
-            .map(|r| r.unwrap().record)
-            .filter(|r| r.kind == Kind::Bypass)
-            .collect();
+        let records = bypass_records(&dir);
         let of = |org: &'static str| {
             records
                 .iter()

@@ -88,6 +88,14 @@ pub struct GrantArgs {
     /// Why, for the record.
     #[arg(long)]
     pub reason: Option<String>,
+    /// Requests only, with this method (plain `http://` requests, whose
+    /// method Palisade sees; a tunnel is not covered).
+    #[arg(long)]
+    pub method: Option<String>,
+    /// Requests only, whose path this pattern matches (a prefix, or a glob
+    /// where `*` matches anything; as an allow rule's `paths`).
+    #[arg(long)]
+    pub path: Option<String>,
 }
 
 /// `palisade grant revoke`.
@@ -178,8 +186,12 @@ fn s(v: &Value, k: &str) -> String {
 }
 
 fn print_grant(g: &Value) -> Result<(), CliError> {
+    let requests = match (&g["method"], &g["path"]) {
+        (Value::Null, Value::Null) => String::new(),
+        _ => format!(" {} {}", s(g, "method"), s(g, "path")),
+    };
     sayln!(
-        "{}\t{}\t{}:{}\tends {}\tuses {}/{}\tby {}",
+        "{}\t{}\t{}:{}{requests}\tends {}\tuses {}/{}\tby {}",
         s(g, "id"),
         s(g, "org"),
         s(g, "target"),
@@ -257,6 +269,7 @@ pub fn grant(args: GrantArgs) -> Result<(), CliError> {
             let body = json!({
                 "org": org, "target": host, "port": port,
                 "ttl": args.ttl, "max_uses": args.max_uses, "reason": args.reason,
+                "method": args.method, "path": args.path,
             });
             (http::Method::POST, "/v1/grants".to_string(), Some(body))
         }

@@ -87,6 +87,18 @@ mod test_support {
         parse(src).unwrap_err().0[0].to_string()
     }
 
+    /// The first error of `src` is located at `at` (`t.toml:LINE:`, or
+    /// with the column) and contains `wants`.
+    pub(super) fn assert_first_error(src: &str, at: &str, wants: &str) {
+        let e = first_error(src);
+        assert!(e.starts_with(at) && e.contains(wants), "{e}");
+    }
+
+    /// The first error of `BASE` under a `[table]` holding `extra`.
+    pub(super) fn first_error_in(table: &str, extra: &str) -> String {
+        first_error(&format!("[{table}]\n{extra}{BASE}"))
+    }
+
     pub(super) const BASE: &str = r#"
 [proxy]
 listen = ["127.0.0.1:3128"]
@@ -128,7 +140,7 @@ clients = ["198.19.1.0/24"]
 mod tests {
     use std::path::PathBuf;
 
-    use super::test_support::{first_error, parse, BASE};
+    use super::test_support::{assert_first_error, first_error, parse, BASE};
     use super::*;
 
     #[test]
@@ -143,10 +155,7 @@ mod tests {
 
     #[test]
     fn unknown_key_is_located() {
-        let src = format!("{BASE}bogus = 1\n");
-        let e = first_error(&src);
-        assert!(e.starts_with("t.toml:9:1: "), "{e}");
-        assert!(e.contains("bogus"), "{e}");
+        assert_first_error(&format!("{BASE}bogus = 1\n"), "t.toml:9:1: ", "bogus");
     }
 
     #[test]

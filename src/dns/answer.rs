@@ -26,17 +26,19 @@ use hickory_server::net::xfer::Protocol;
 use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
 use hickory_server::proto::rr::rdata::{HINFO, PTR};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
+use hickory_server::proto::serialize::binary::BinEncodable;
 use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
 use super::budget::InFlight;
-use super::cache::Key;
+use super::cache::{Kept, Key};
 use super::decide::{decide_query, past_budget, Action, QueryDecision};
-use super::encode::{blocked, denied_rcode, encode, Reply, EDE_BLOCKED};
+use super::encode::{blocked, denied_rcode, encode, encode_kept, encode_raw, Reply, EDE_BLOCKED};
 use super::filter::{describe, filter, Filtered, Forwarded};
 use super::query::QueryState;
 use super::refusals::Recorded;
 use super::shim::Shim;
+use super::wire::Question;
 use crate::evidence::Mode;
 use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
@@ -64,9 +66,12 @@ fn well_formed(request: &Request) -> Result<RequestInfo<'_>, (&'static str, Resp
 /// The name as every record shows it: host names without the trailing
 /// dot, others as sent (cut short).
 fn shown_name(query: &LowerQuery) -> String {
-    let qname = query.name().to_string();
-    super::decide::shown_name(&qname)
-        .unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect())
+    shown_text(&query.name().to_string())
+}
+
+/// [`shown_name`] of a name as hickory shows it.
+fn shown_text(qname: &str) -> String {
+    super::decide::shown_name(qname).unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect())
 }
 
 impl Shim {
@@ -105,41 +110,114 @@ impl Shim {
         let _held = match self.admit(&state) {
             Ok(held) => held,
             Err(limit) => {
+                let name = shown_name(query);
                 return self
                     .refuse_early(
                         &mut state,
-                        query,
+                        name,
                         Reason::LimitExceeded,
                         limit,
                         Duration::ZERO,
                     )
-                    .await
+                    .await;
             }
         };
         // Within the budgets: a refusal record may wait for room.
         let wait = self.config.query_timeout.get();
         if query.query_class() != DNSClass::IN {
+            let name = shown_name(query);
             return self
-                .refuse_early(&mut state, query, Reason::BadRequest, "class", wait)
+                .refuse_early(&mut state, name, Reason::BadRequest, "class", wait)
                 .await;
         }
         let now = Instant::now();
-        let key = state.org.as_ref().map(|o| Key {
-            org: o.index,
-            name: query.name().clone(),
-            qtype,
-        });
-        if let Some(reply) = self
-            .answer_kept(&served, &mut state, query, key.as_ref(), started, now)
-            .await
-        {
-            return reply;
+        let name = query.name().to_bytes().unwrap_or_default().into();
+        let key = Self::key(&state, name, qtype);
+        if let Some(kept) = key.as_ref().and_then(|k| self.cache.get(&served, k, now)) {
+            return self
+                .answer_kept(&mut state, || shown_name(query), &kept, started, now)
+                .await;
         }
-
-        match self
-            .decide(&served, &mut state, query, key, wait, now)
+        self.decided(&served, &mut state, query, key, started, now)
             .await
-        {
+    }
+
+    /// Answer a plain query read from the wire ([`super::wire`]): the
+    /// steps of [`Shim::answer`] in its order, with a kept answer's
+    /// response built from one kept on the wire; hickory reads the query
+    /// only when the policy decides it (or a refusal is encoded).
+    pub(crate) async fn respond_wire(
+        &self,
+        q: &Question<'_>,
+        raw: &[u8],
+        src: SocketAddr,
+        protocol: Protocol,
+    ) -> Vec<u8> {
+        let started = Instant::now();
+        let served = self.served.load_full();
+        let mut state = QueryState::new(&served, src);
+        let qtype = RecordType::from(q.qtype);
+        state.qtype = Some(qtype);
+        let shown = || shown_text(&q.shown());
+        let _held = match self.admit(&state) {
+            Ok(held) => held,
+            Err(limit) => {
+                let reply = self
+                    .refuse_early(
+                        &mut state,
+                        shown(),
+                        Reason::LimitExceeded,
+                        limit,
+                        Duration::ZERO,
+                    )
+                    .await;
+                return encode_raw(raw, src, protocol, &reply);
+            }
+        };
+        // The class is IN: nothing else is read from the wire.
+        let now = Instant::now();
+        let key = Self::key(&state, q.lower_name(), qtype);
+        if let Some(kept) = key.as_ref().and_then(|k| self.cache.get(&served, k, now)) {
+            let reply = self
+                .answer_kept(&mut state, shown, &kept, started, now)
+                .await;
+            return encode_kept(&kept, q, raw, src, protocol, &reply);
+        }
+        let Ok(request) = Request::from_bytes(raw.to_vec(), src, protocol) else {
+            return Vec::new();
+        };
+        let Ok(info) = request.request_info() else {
+            return Vec::new();
+        };
+        let reply = self
+            .decided(&served, &mut state, info.query, key, started, now)
+            .await;
+        encode(&request, &reply, protocol)
+    }
+
+    /// The cache's key for `name` (in lower case on the wire) asked by
+    /// `state`'s org; none for a client in no org.
+    fn key(state: &QueryState, name: Box<[u8]>, qtype: RecordType) -> Option<Key> {
+        let org = state.org.as_ref()?;
+        Some(Key {
+            org: org.index,
+            name,
+            qtype,
+        })
+    }
+
+    /// The policy's decision and what follows it, timed as a decision.
+    async fn decided(
+        &self,
+        served: &Arc<Served>,
+        state: &mut QueryState,
+        query: &LowerQuery,
+        key: Option<Key>,
+        started: Instant,
+        now: Instant,
+    ) -> Reply {
+        let wait = self.config.query_timeout.get();
+        match self.decide(served, state, query, key, wait, now).await {
             Ok(reply) => {
                 self.metrics.time_decision(Mode::Dns, started.elapsed());
                 reply
@@ -186,8 +264,9 @@ impl Shim {
             Ok(())
         };
         if let Err(limit) = paid {
+            let name = shown_name(query);
             let refused = self
-                .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
+                .refuse_early(state, name, Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;
             return Err(refused);
         }
@@ -262,6 +341,7 @@ impl Shim {
             client: state.client.ip(),
             host: &host,
             port: None,
+            request: None,
             mode: Mode::Dns,
             now: std::time::SystemTime::now(),
         };
@@ -334,11 +414,12 @@ impl Shim {
         // path needs it; every query's task stays small.
         let (fwd, until) =
             Box::pin(self.forward(served, org, state.verdict.clone(), host, qtype)).await;
-        let fwd = Arc::new(fwd);
+        // Its TTLs count down from now, when they were fixed.
+        let kept = Arc::new(Kept::new(fwd, Instant::now()));
         if let Some(until) = until {
-            self.cache.insert(served, key, fwd.clone(), until, now);
+            self.cache.insert(served, key, kept.clone(), until, now);
         }
-        self.deliver(state, org, &fwd, now).await
+        self.deliver(state, org, &kept.fwd, 0, now).await
     }
 
     /// Forward `host`, decided `verdict` for `org`: what that made of
@@ -417,43 +498,44 @@ impl Shim {
     }
 
     /// Asked before by this org, under this served version: what the full
-    /// path made of it then, recorded and bound again now (paid for like
-    /// any other answer). `None`: not kept.
+    /// path made of it then (its TTLs counted down since), recorded and
+    /// bound again now, paid for like any other answer (`shown`: the name
+    /// its refusal records).
     async fn answer_kept(
         &self,
-        served: &Arc<Served>,
         state: &mut QueryState,
-        query: &LowerQuery,
-        key: Option<&Key>,
+        shown: impl FnOnce() -> String,
+        kept: &Kept,
         started: Instant,
         now: Instant,
-    ) -> Option<Reply> {
-        let (Some(org), Some(key)) = (state.org.clone(), key) else {
-            return None;
+    ) -> Reply {
+        // Kept answers are keyed by org: a client in none has none.
+        let Some(org) = state.org.clone() else {
+            return Reply::empty(ResponseCode::Refused);
         };
-        let kept = self.cache.get(served, key, now)?;
         if let Err(limit) = self.refusals.pay(&Some(org.name.clone())) {
-            let reply = self
-                .refuse_early(state, query, Reason::LimitExceeded, limit, Duration::ZERO)
+            return self
+                .refuse_early(state, shown(), Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;
-            return Some(reply);
         }
-        let reply = self.deliver(state, &org, &kept, now).await;
+        let reply = self
+            .deliver(state, &org, &kept.fwd, kept.age(now), now)
+            .await;
         self.metrics.time_decision(Mode::Dns, started.elapsed());
-        Some(reply)
+        reply
     }
 
-    /// Refused before the decision, with what was asked; the record
-    /// waits for room at most `wait`.
+    /// Refused before the decision, with what was asked (`name`, as
+    /// records show it); the record waits for room at most `wait`.
     async fn refuse_early(
         &self,
         state: &mut QueryState,
-        query: &LowerQuery,
+        name: String,
         reason: Reason,
         detail: &str,
         wait: Duration,
     ) -> Reply {
-        state.name = Some(shown_name(query));
+        state.name = Some(name);
         state.refuse(reason, Some(detail.into()));
         let recorded = self.record_refusal(state, wait).await;
         blocked(ResponseCode::Refused, &state.verdict, &recorded)
@@ -521,6 +603,7 @@ impl Shim {
             rcode: ResponseCode::NoError,
             answers: Arc::new([record]),
             ede: None,
+            spent: 0,
         };
         self.finish(state, reply).await
     }
@@ -538,6 +621,7 @@ impl Shim {
             rcode: ResponseCode::NoError,
             answers: Arc::new([hinfo]),
             ede: None,
+            spent: 0,
         };
         self.finish(state, reply).await
     }
@@ -585,18 +669,21 @@ impl Shim {
             rcode: ResponseCode::NoError,
             answers: answers.into(),
             ede: None,
+            spent: 0,
         };
         self.finish(state, reply).await
     }
 
     /// Record what forwarding made of a query (before the answer), bind
     /// its addresses, and build the reply: the same steps whether it was
-    /// just made or kept from an earlier query.
+    /// just made or kept from an earlier query (`spent` seconds ago: its
+    /// TTLs are counted down by that much).
     async fn deliver(
         &self,
         state: &mut QueryState,
         org: &OrgRef,
         fwd: &Forwarded,
+        spent: u32,
         now: Instant,
     ) -> Reply {
         state.verdict = fwd.verdict.clone();
@@ -608,6 +695,7 @@ impl Shim {
             rcode: fwd.rcode,
             answers: fwd.answers.clone(),
             ede: None,
+            spent,
         };
         let mut reply = self.finish(state, reply).await;
         if fwd.filtered {
@@ -971,6 +1059,147 @@ host = "allowed.test"
         assert!(allowed["answers"].to_string().contains("198.18.2.10"));
         let _ = std::fs::remove_dir_all(&dir_c);
         let _ = std::fs::remove_dir_all(&dir_u);
+    }
+
+    /// A query on the wire: `qname`/`qtype` with id `id`, CD set or not,
+    /// EDNS with `payload` or none, and a cookie with it.
+    fn raw_query(
+        id: u16,
+        qname: &str,
+        qtype: RecordType,
+        cd: bool,
+        payload: Option<u16>,
+    ) -> Vec<u8> {
+        let mut m = Message::query();
+        m.metadata.id = id;
+        m.metadata.recursion_desired = true;
+        m.metadata.checking_disabled = cd;
+        m.add_query(Query::query(name(qname), qtype));
+        m.edns = payload.map(|p| {
+            let mut e = Edns::new();
+            e.set_max_payload(p);
+            e.options_mut()
+                .insert(hickory_server::proto::rr::rdata::opt::EdnsOption::Unknown(
+                    10,
+                    vec![id as u8; 8],
+                ));
+            e
+        });
+        m.to_vec().unwrap()
+    }
+
+    /// `a` and `b` are the same response, their TTLs (which may be a
+    /// second apart) and the record reference of an EDE aside.
+    fn same_response(a: &[u8], b: &[u8], what: &str) {
+        let (ma, mb) = (Message::from_vec(a).unwrap(), Message::from_vec(b).unwrap());
+        let ede = |m: &Message| {
+            m.edns.as_ref().and_then(|e| {
+                e.option(hickory_server::proto::rr::rdata::opt::EdnsCode::Unknown(15))
+                    .cloned()
+            })
+        };
+        if ede(&ma).is_some() {
+            assert!(ede(&mb).is_some(), "{what}: EDE");
+            assert_eq!(ma.metadata, mb.metadata, "{what}");
+            assert_eq!(ma.queries, mb.queries, "{what}");
+            assert_eq!(ma.answers, mb.answers, "{what}");
+            return;
+        }
+        assert_eq!(a.len(), b.len(), "{what}: {ma:?} / {mb:?}");
+        let ttls = crate::dns::wire::ttl_offsets(a).unwrap();
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            if let Some(at) = ttls.iter().find(|&&at| (at..at + 4).contains(&i)) {
+                let ttl = |m: &[u8]| u32::from_be_bytes(m[*at..at + 4].try_into().unwrap());
+                assert!(
+                    ttl(a).abs_diff(ttl(b)) <= 1,
+                    "{what}: TTL {} / {}",
+                    ttl(a),
+                    ttl(b)
+                );
+            } else {
+                assert_eq!(x, y, "{what}: byte {i}: {ma:?} / {mb:?}");
+            }
+        }
+    }
+
+    /// Queries of every shape the wire path reads (names in mixed case,
+    /// with and without EDNS, payload sizes, CD, UDP and TCP), for every
+    /// kind of answer: hickory's path and the wire path answer the same
+    /// bytes and write the same records, whether kept or not; the wire
+    /// path builds kept answers from responses kept on the wire.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wire_path_answers_as_hickorys_path() {
+        let (up, _) = upstream().await;
+        let dir = crate::testing::scratch("dnswire");
+        let shim = shim(&dir, up, true);
+        let mut id = 7u16;
+        let mut pairs = 0;
+        for qname in [
+            "allowed.test.",
+            "AlLoWeD.tEsT.",
+            "chain.test.",
+            "rebind.test.",
+            "private.test.",
+            "nx.test.",
+            "nodata.test.",
+            "fail.test.",
+            "nope.test.",
+        ] {
+            for (cd, payload, protocol) in [
+                (false, None, Protocol::Udp),
+                (false, Some(512), Protocol::Udp),
+                (true, Some(1232), Protocol::Udp),
+                (false, Some(4096), Protocol::Udp),
+                (false, Some(1232), Protocol::Tcp),
+            ] {
+                for client in [ACME, BETA] {
+                    id = id.wrapping_mul(31).wrapping_add(1);
+                    let raw = raw_query(id, qname, RecordType::A, cd, payload);
+                    let src = SocketAddr::new(client.parse().unwrap(), 40000);
+                    let q = crate::dns::wire::question(&raw).expect("plain");
+                    let req = Request::from_bytes(raw.clone(), src, protocol).unwrap();
+                    let by_hickory = shim.respond(&req, protocol).await;
+                    let by_wire = shim.respond_wire(&q, &raw, src, protocol).await;
+                    let what = format!("{qname} {client} cd={cd} {payload:?} {protocol:?}");
+                    same_response(&by_hickory, &by_wire, &what);
+                    assert_eq!(Message::from_vec(&by_wire).unwrap().metadata.id, id);
+                    pairs += 1;
+                }
+            }
+        }
+        // The answers kept were answered from the wire.
+        let key = Key {
+            org: 0,
+            name: crate::dns::wire::question(&raw_query(
+                1,
+                "allowed.test.",
+                RecordType::A,
+                false,
+                None,
+            ))
+            .unwrap()
+            .lower_name(),
+            qtype: RecordType::A,
+        };
+        let kept = shim
+            .cache
+            .get(&shim.served.load_full(), &key, Instant::now())
+            .unwrap();
+        let q = raw_query(9, "ALLOWED.test.", RecordType::A, false, None);
+        let answer = kept.wire_answer(&crate::dns::wire::question(&q).unwrap(), false, 0);
+        let answer = Message::from_vec(&answer.expect("kept on the wire")).unwrap();
+        assert_eq!(answer.queries[0].name().to_ascii(), "ALLOWED.test.");
+        assert_eq!(answer.answers[0].ttl, 300);
+
+        // Records: the same, pair by pair, each with its own org.
+        let recs = records(&shim, &dir).await;
+        assert_eq!(recs.len(), 2 * pairs, "{recs:#?}");
+        for pair in recs.chunks(2) {
+            assert_eq!(pair[0], pair[1]);
+        }
+        assert_eq!(recs[0]["org"], "acme");
+        assert_eq!(recs[2]["org"], "beta");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Org beta asking what acme has in the cache goes the full path: its

@@ -30,8 +30,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hickory_server::proto::rr::{LowerName, RecordType};
+use hickory_server::proto::rr::RecordType;
 
+use super::filter::Forwarded;
+use super::wire::{Question, Wire};
 use crate::limits::table::FairTable;
 
 /// Entries kept at most, all orgs together.
@@ -39,13 +41,69 @@ pub(crate) const CACHE_CAPACITY: usize = 16_384;
 /// Entries kept at most for one org.
 pub(crate) const CACHE_PER_ORG: usize = 4_096;
 
+/// Responses kept on the wire per entry: one per query shape and
+/// transport seen, this many at most (a client asks in one or two shapes).
+pub(crate) const WIRES_PER_ENTRY: usize = 2;
+/// Longest response kept on the wire (the largest UDP answer we send).
+pub(crate) const MAX_WIRE: usize = 1232;
+
 /// One question of one org: the org's index in the served policy, the
-/// query name as received (lowercased by hickory), the query type.
+/// query name in lower case on the wire, the query type.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Key {
     pub org: usize,
-    pub name: LowerName,
+    pub name: Box<[u8]>,
     pub qtype: RecordType,
+}
+
+/// What the shim keeps per entry: what forwarding made of the query, when
+/// (the answer's TTLs count down from then), and the responses encoded
+/// from it so far ([`Wire`]), which go with the entry.
+#[derive(Debug)]
+pub(crate) struct Kept {
+    pub fwd: Forwarded,
+    pub since: Instant,
+    wires: Mutex<Vec<Wire>>,
+}
+
+impl Kept {
+    pub(crate) fn new(fwd: Forwarded, since: Instant) -> Kept {
+        Kept {
+            fwd,
+            since,
+            wires: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Whole seconds since it was kept, at `now`: what its TTLs count down by.
+    pub(crate) fn age(&self, now: Instant) -> u32 {
+        u32::try_from(now.saturating_duration_since(self.since).as_secs()).unwrap_or(u32::MAX)
+    }
+
+    fn wires(&self) -> std::sync::MutexGuard<'_, Vec<Wire>> {
+        self.wires.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The response to `q` from one kept for its shape and transport, its
+    /// TTLs `age` seconds less.
+    pub(crate) fn wire_answer(&self, q: &Question<'_>, tcp: bool, age: u32) -> Option<Vec<u8>> {
+        let wires = self.wires();
+        let wire = wires.iter().find(|w| w.shape == q.shape && w.tcp == tcp)?;
+        wire.answer(q, age)
+    }
+
+    /// Keep `wire` for its shape and transport, within the bounds.
+    pub(crate) fn keep_wire(&self, wire: Wire) {
+        let mut wires = self.wires();
+        if wire.size() <= MAX_WIRE
+            && wires.len() < WIRES_PER_ENTRY
+            && !wires
+                .iter()
+                .any(|w| w.shape == wire.shape && w.tcp == wire.tcp)
+        {
+            wires.push(wire);
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -163,7 +221,8 @@ impl<V, A> AnswerCache<V, A> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hickory_server::proto::rr::Name;
+    use hickory_server::proto::rr::{LowerName, Name};
+    use hickory_server::proto::serialize::binary::BinEncodable;
     use std::time::Duration;
 
     const SEC: Duration = Duration::from_secs(1);
@@ -171,7 +230,10 @@ mod tests {
     fn key(org: usize, name: &str, qtype: RecordType) -> Key {
         Key {
             org,
-            name: LowerName::new(&Name::from_ascii(name).unwrap()),
+            name: LowerName::new(&Name::from_ascii(name).unwrap())
+                .to_bytes()
+                .unwrap()
+                .into(),
             qtype,
         }
     }

@@ -1,6 +1,7 @@
 //! The reply before encoding ([`Reply`]), the Extended DNS Error a
 //! refusal carries, and the encoding of the response on the wire.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use hickory_server::net::xfer::Protocol;
@@ -12,7 +13,9 @@ use hickory_server::server::Request;
 use hickory_server::zone_handler::MessageResponseBuilder;
 use tracing::warn;
 
+use super::cache::Kept;
 use super::refusals::Recorded;
+use super::wire::{Question, Wire};
 use crate::config::DnsDenied;
 use crate::policy::{Reason, Verdict};
 
@@ -31,6 +34,9 @@ pub(crate) struct Reply {
     pub(super) rcode: ResponseCode,
     pub(super) answers: Arc<[Record]>,
     pub(super) ede: Option<(u16, String)>,
+    /// Seconds the answers' TTLs are counted down by when sent (a kept
+    /// answer's age).
+    pub(super) spent: u32,
 }
 
 impl Reply {
@@ -39,6 +45,7 @@ impl Reply {
             rcode,
             answers: Arc::new([]),
             ede: None,
+            spent: 0,
         }
     }
 }
@@ -73,6 +80,7 @@ pub(super) fn blocked(rcode: ResponseCode, verdict: &Verdict, recorded: &Recorde
             code,
             format!("palisade: {}; {}", verdict.reason, recorded.reference()),
         )),
+        spent: 0,
     }
 }
 
@@ -104,7 +112,22 @@ pub(super) fn encode(request: &Request, reply: &Reply, protocol: Protocol) -> Ve
         (Protocol::Udp, None) => 512,
         _ => u16::MAX,
     };
-    let response = builder.build(metadata, reply.answers.iter(), [], [], []);
+    let counted: Vec<Record>;
+    let answers: &[Record] = if reply.spent == 0 {
+        &reply.answers
+    } else {
+        counted = reply
+            .answers
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r.ttl = r.ttl.saturating_sub(reply.spent);
+                r
+            })
+            .collect();
+        &counted
+    };
+    let response = builder.build(metadata, answers.iter(), [], [], []);
     let mut bytes = Vec::with_capacity(512);
     let mut encoder = BinEncoder::new(&mut bytes);
     encoder.set_max_size(max);
@@ -122,6 +145,63 @@ pub(super) fn encode(request: &Request, reply: &Reply, protocol: Protocol) -> Ve
         }
     }
     bytes
+}
+
+/// `reply` to the query `raw` (read from the wire, not yet by hickory):
+/// hickory reads it and [`encode`] encodes the reply; nothing if it does
+/// not read (never for a query [`super::wire::question`] accepts).
+pub(super) fn encode_raw(
+    raw: &[u8],
+    src: SocketAddr,
+    protocol: Protocol,
+    reply: &Reply,
+) -> Vec<u8> {
+    match Request::from_bytes(raw.to_vec(), src, protocol) {
+        Ok(request) => encode(&request, reply, protocol),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The response to the plain query `q` (`raw` on the wire) answered
+/// `reply` from `kept`. When the reply is the kept answer itself, it is
+/// built from the response kept on the wire for the query's shape and
+/// transport; the first time, hickory encodes that response (TTLs as
+/// kept) and it is kept for the next query. A reply that is not the kept
+/// answer (refused, its record not written) is encoded by hickory.
+pub(super) fn encode_kept(
+    kept: &Kept,
+    q: &Question<'_>,
+    raw: &[u8],
+    src: SocketAddr,
+    protocol: Protocol,
+    reply: &Reply,
+) -> Vec<u8> {
+    let tcp = protocol != Protocol::Udp;
+    let plain = reply.ede.is_none() && reply.rcode == kept.fwd.rcode;
+    if plain {
+        if let Some(bytes) = kept.wire_answer(q, tcp, reply.spent) {
+            return bytes;
+        }
+        let Ok(request) = Request::from_bytes(raw.to_vec(), src, protocol) else {
+            return Vec::new();
+        };
+        let whole = Reply {
+            rcode: reply.rcode,
+            answers: reply.answers.clone(),
+            ede: None,
+            spent: 0,
+        };
+        let bytes = encode(&request, &whole, protocol);
+        if let Some(wire) = Wire::new(q.shape, tcp, bytes, q.section.len()) {
+            let answer = wire.answer(q, reply.spent);
+            kept.keep_wire(wire);
+            if let Some(answer) = answer {
+                return answer;
+            }
+        }
+        return encode(&request, reply, protocol);
+    }
+    encode_raw(raw, src, protocol, reply)
 }
 
 #[cfg(test)]

@@ -42,8 +42,6 @@ pub(crate) mod query;
 pub(crate) mod refusals;
 mod shim;
 pub(crate) mod ttl;
-// Wired into the shim in the next commit.
-#[allow(dead_code)]
 pub(crate) mod wire;
 
 use std::future::Future;
@@ -314,6 +312,11 @@ async fn answer_bytes(
     src: SocketAddr,
     protocol: Protocol,
 ) -> Option<Vec<u8>> {
+    // A plain query is read from the wire; anything else by hickory.
+    if let Some(q) = wire::question(&raw) {
+        let bytes = shim.respond_wire(&q, &raw, src, protocol).await;
+        return (!bytes.is_empty()).then_some(bytes);
+    }
     let header = {
         let mut decoder = BinDecoder::new(&raw);
         Header::read(&mut decoder).ok()?

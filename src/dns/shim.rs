@@ -7,8 +7,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::budget::{QueryBudget, TcpBudget};
-use super::cache::AnswerCache;
-use super::filter::{clamp_ttl, Forwarded};
+use super::cache::{AnswerCache, Kept};
+use super::filter::clamp_ttl;
 use super::refusals::Refusals;
 use super::ttl::TtlMemo;
 use crate::config::DnsConfig;
@@ -41,7 +41,7 @@ pub(crate) struct Shim {
     pub ttls: TtlMemo,
     /// What forwarding produced, per (org, name, type), for the served
     /// version it was decided under ([`super::cache`]).
-    pub cache: AnswerCache<Served, Forwarded>,
+    pub cache: AnswerCache<Served, Kept>,
     /// The new-name budgets of wildcard rules, shared with the proxy
     /// ([`Shim::with_names`]).
     pub names: Arc<NameBudgets>,

@@ -291,6 +291,11 @@ impl Wire {
         })
     }
 
+    /// The response's length in bytes.
+    pub(crate) fn size(&self) -> usize {
+        self.bytes.len()
+    }
+
     /// The response to `q` (of this shape, for this answer), its TTLs
     /// `age` seconds less; `None` if `q`'s question is not of this length.
     pub(crate) fn answer(&self, q: &Question<'_>, age: u32) -> Option<Vec<u8>> {

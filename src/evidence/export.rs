@@ -31,6 +31,7 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::chain;
+use super::field::Fields;
 use super::merkle::{self, Frontier, Hash, OrgTrees};
 use super::{note, segment};
 
@@ -54,10 +55,7 @@ fn ts_of(m: &Map<String, Value>) -> Option<std::time::SystemTime> {
 }
 
 fn is_checkpoint(m: &Map<String, Value>) -> bool {
-    matches!(
-        m.get("event").and_then(Value::as_str),
-        Some("checkpoint" | "seal")
-    ) && m.contains_key("orgs_root")
+    matches!(m.text("event"), Some("checkpoint" | "seal")) && m.contains_key("orgs_root")
 }
 
 /// A checkpoint bounding the window, with the org's state at it.
@@ -129,20 +127,20 @@ pub(crate) fn export(path: &Path, org: &str, window: &Window) -> Result<Export, 
     let mut key: Option<String> = None;
     let mut replica: Option<String> = None;
     segment::for_each_record(&list, 0, |m| {
-        if m.get("event").and_then(Value::as_str) == Some("segment_start") {
-            if m.get("prev").and_then(Value::as_str) == Some(chain::GENESIS) {
+        if m.text("event") == Some("segment_start") {
+            if m.text("prev") == Some(chain::GENESIS) {
                 trees.get_or_insert_with(OrgTrees::default);
             }
             if trees.is_none() {
                 trees = m.get("org_trees").and_then(OrgTrees::of_json);
             }
-            replica = m.get("replica").and_then(Value::as_str).map(String::from);
+            replica = m.text("replica").map(String::from);
         }
         let Some(t) = trees.as_mut() else {
             return true;
         };
         if is_checkpoint(m) {
-            key = m.get("key").and_then(Value::as_str).map(String::from);
+            key = m.text("key").map(String::from);
             let ts = ts_of(m);
             if matches!((window.since, ts), (Some(s), Some(t)) if t <= s) {
                 start = Some(Bound::at(m, t, org));
@@ -178,9 +176,7 @@ pub(crate) fn export(path: &Path, org: &str, window: &Window) -> Result<Export, 
     for m in &records {
         chain::canonical_into(&Value::Object(m.clone()), &mut body);
         body.push(b'\n');
-        leaves.push(merkle::record_leaf(
-            m.get("hash").and_then(Value::as_str).unwrap_or_default(),
-        ));
+        leaves.push(merkle::record_leaf(m.text("hash").unwrap_or_default()));
     }
     let a = start
         .as_ref()
@@ -229,7 +225,7 @@ pub(crate) fn is_export(path: &Path) -> bool {
         && std::fs::read(path.join("proofs.json"))
             .ok()
             .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-            .is_some_and(|v| v.get("export").and_then(Value::as_str) == Some(EXPORT))
+            .is_some_and(|v| v.text("export") == Some(EXPORT))
 }
 
 /// Write an export's three files into `dir` (created; it must not hold
@@ -265,7 +261,7 @@ fn bound(
         &format!("{what} checkpoint"),
         key,
     )?;
-    let hash = c.get("hash").and_then(Value::as_str).unwrap_or_default();
+    let hash = c.text("hash").unwrap_or_default();
     if chain::record_hash(c) != hash {
         return Err(format!(
             "{what} checkpoint: hash does not match the record: record edited"
@@ -283,16 +279,12 @@ fn bound(
         ));
     }
     let entry = v.get("entry").ok_or_else(|| format!("{what}: no entry"))?;
-    if entry.get("org").and_then(Value::as_str) != Some(org) {
+    if entry.text("org") != Some(org) {
         return Err(format!("{what}: the entry is of another org than {org}"));
     }
-    let size = entry
-        .get("size")
-        .and_then(Value::as_u64)
-        .ok_or_else(|| format!("{what}: entry has no size"))?;
+    let size = entry.need_u64("size", || format!("{what}: entry has no size"))?;
     let root = entry
-        .get("root")
-        .and_then(Value::as_str)
+        .text("root")
         .and_then(chain::unhex::<32>)
         .ok_or_else(|| format!("{what}: entry has no root"))?;
     if *entry != merkle::entry(org, size, &root) {
@@ -300,15 +292,11 @@ fn bound(
             "{what}: entry has fields besides org, root and size"
         ));
     }
-    let index = v
-        .get("index")
-        .and_then(Value::as_u64)
-        .ok_or_else(|| format!("{what}: no index"))?;
+    let index = v.need_u64("index", || format!("{what}: no index"))?;
     let hashes = merkle::hash_list(v.get("hashes"), &format!("{what} hashes"))?;
-    let count = c.get("org_count").and_then(Value::as_u64).unwrap_or(0);
+    let count = c.field("org_count").and_then(Value::as_u64).unwrap_or(0);
     let orgs_root = c
-        .get("orgs_root")
-        .and_then(Value::as_str)
+        .text("orgs_root")
         .and_then(chain::unhex::<32>)
         .ok_or_else(|| format!("{what} checkpoint: orgs_root is not 64 hex digits"))?;
     merkle::verify_inclusion(
@@ -340,7 +328,7 @@ fn json_file(dir: &Path, name: &str) -> Result<Value, String> {
 }
 
 fn seq_of(m: &Map<String, Value>) -> u64 {
-    m.get("seq").and_then(Value::as_u64).unwrap_or(0)
+    m.field("seq").and_then(Value::as_u64).unwrap_or(0)
 }
 
 /// Check the export in `dir` with the public key alone: what it proves,
@@ -349,7 +337,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
     let proofs = json_file(dir, "proofs.json")?;
     let manifest = json_file(dir, "manifest.json")?;
     let body = read(dir, "records.jsonl")?;
-    if proofs.get("export").and_then(Value::as_str) != Some(EXPORT) {
+    if proofs.text("export") != Some(EXPORT) {
         return Err(format!(
             "proofs.json: not a Palisade org export (expected export = {EXPORT:?})"
         ));
@@ -376,7 +364,7 @@ pub(crate) fn check(dir: &Path, key: &VerifyingKey) -> Result<String, String> {
         records.count,
         start_seq.map_or("its first record".to_string(), |s| format!("checkpoint seq {s}")),
         seq_of(&end),
-        end.get("ts").and_then(Value::as_str).unwrap_or("?"),
+        end.text("ts").unwrap_or("?"),
     ))
 }
 
@@ -467,7 +455,7 @@ fn check_records(body: &[u8], p: &Proven<'_>) -> Result<Records, String> {
         let Value::Object(m) = &v else {
             return Err(bad("not a JSON object".into()));
         };
-        let id = m.get("id").and_then(Value::as_str).unwrap_or("?");
+        let id = m.text("id").unwrap_or("?");
         let mut canon = Vec::new();
         chain::canonical_into(&v, &mut canon);
         if canon != *raw {
@@ -475,7 +463,7 @@ fn check_records(body: &[u8], p: &Proven<'_>) -> Result<Records, String> {
                 "record {id}: line is not in canonical form: record edited"
             )));
         }
-        let hash = m.get("hash").and_then(Value::as_str).unwrap_or_default();
+        let hash = m.text("hash").unwrap_or_default();
         if chain::record_hash(m) != hash {
             return Err(bad(format!(
                 "record {id}: hash does not match the record: record edited"
@@ -498,9 +486,7 @@ fn check_records(body: &[u8], p: &Proven<'_>) -> Result<Records, String> {
         match leaves.get(i) {
             Some(l) if *l == leaf => {}
             Some(expected) => {
-                let after = last
-                    .as_ref()
-                    .and_then(|m| m.get("id").and_then(Value::as_str));
+                let after = last.as_ref().and_then(|m| m.text("id"));
                 return Err(bad(misplaced(&lines, p, i, id, leaf, expected, after)));
             }
             None => {
@@ -545,10 +531,8 @@ fn misplaced(
 ) -> String {
     let (org, at) = (p.org, p.a + i as u64);
     let held = lines.iter().any(|l| {
-        serde_json::from_slice::<Map<String, Value>>(l).is_ok_and(|m| {
-            merkle::record_leaf(m.get("hash").and_then(Value::as_str).unwrap_or_default())
-                == *expected
-        })
+        serde_json::from_slice::<Map<String, Value>>(l)
+            .is_ok_and(|m| merkle::record_leaf(m.text("hash").unwrap_or_default()) == *expected)
     });
     match p.leaves.iter().position(|l| *l == leaf) {
         None => format!("record {id} is no leaf of org {org}'s signed tree: record added"),

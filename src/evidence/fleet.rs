@@ -1092,53 +1092,31 @@ mod tests {
                 ("gw-b2".into(), "b3.test".into()),
             ]
         );
-        // Query output: one chain as stored; a fleet with `replica`.
-        let mut out = Vec::new();
-        let records = read_merged(&f.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
-        let n = query::print(
-            records,
-            true,
-            &crate::evidence::select::Selection::default(),
-            query::Output::JsonLines,
-            &mut out,
-        )
-        .unwrap();
+        // Query output: one chain as stored; a fleet with `replica`. The
+        // fleet's records printed as `output`: how many, and the text.
+        let print = |output| {
+            let mut out = Vec::new();
+            let records = read_merged(&f.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
+            let selection = crate::evidence::select::Selection::default();
+            let n = query::print(records, true, &selection, output, &mut out).unwrap();
+            (n, String::from_utf8(out).unwrap())
+        };
+        let (n, out) = print(query::Output::JsonLines);
         assert_eq!(n, 4);
-        let lines: Vec<Value> = String::from_utf8(out)
-            .unwrap()
+        let lines: Vec<Value> = out
             .lines()
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
         assert_eq!(lines[1]["replica"], "gw-a");
         assert_eq!(lines[1]["host"], "a1.test");
-        let mut table = Vec::new();
-        let records = read_merged(&f.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
-        query::print(
-            records,
-            true,
-            &crate::evidence::select::Selection::default(),
-            query::Output::Table,
-            &mut table,
-        )
-        .unwrap();
-        let table = String::from_utf8(table).unwrap();
+        let (_, table) = print(query::Output::Table);
         assert!(table.starts_with("replica\tts\t"), "{table}");
         assert!(
             table.lines().nth(2).unwrap().starts_with("gw-a\t"),
             "{table}"
         );
-        let mut ocsf = Vec::new();
-        let records = read_merged(&f.chains).map(|r| r.map(|t| (Some(t.replica), t.stored)));
-        query::print(
-            records,
-            true,
-            &crate::evidence::select::Selection::default(),
-            query::Output::Ocsf,
-            &mut ocsf,
-        )
-        .unwrap();
-        let first: Value =
-            serde_json::from_str(String::from_utf8(ocsf).unwrap().lines().next().unwrap()).unwrap();
+        let (_, ocsf) = print(query::Output::Ocsf);
+        let first: Value = serde_json::from_str(ocsf.lines().next().unwrap()).unwrap();
         assert_eq!(first["unmapped"]["replica"], "gw-b");
         let mut single = Vec::new();
         query::query(

@@ -14,6 +14,7 @@ pub(crate) mod chain;
 #[doc(hidden)]
 pub mod costs;
 pub(crate) mod export;
+pub(crate) mod field;
 pub(crate) mod fleet;
 pub(crate) mod key;
 pub(crate) mod merkle;
@@ -164,6 +165,12 @@ pub struct GrantFacts {
     pub id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_uses: Option<u32>,
+    /// The one method it opens, under interception (none: any, tunnels too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The path pattern it opens, under interception (none: any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// Why, as the approver gave it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,

@@ -12,6 +12,7 @@ use ed25519_dalek::VerifyingKey;
 use serde_json::{json, Map, Value};
 
 use super::chain::{self, GENESIS};
+use super::field::Fields;
 use super::merkle::{self, Hash};
 use super::{note, segment};
 
@@ -66,7 +67,7 @@ fn load(path: &Path, id: Option<&str>) -> Result<Store, String> {
                 .get("tree")
                 .and_then(merkle::frontier_of_json)
                 .is_some_and(|(_, f)| f.size() == 0);
-            if m.get("prev").and_then(Value::as_str) != Some(GENESIS) && !fresh {
+            if m.text("prev") != Some(GENESIS) && !fresh {
                 problem = Some(
                     "the store does not hold the first records of its tree (removed by retention): a proof needs every leaf"
                         .to_string(),
@@ -76,8 +77,8 @@ fn load(path: &Path, id: Option<&str>) -> Result<Store, String> {
         }
         if let (Some(size), Some(root), Some(n)) = (
             m.get("tree_size").and_then(Value::as_u64),
-            m.get("root").and_then(Value::as_str),
-            m.get("note").and_then(Value::as_str),
+            m.text("root"),
+            m.text("note"),
         ) {
             s.checkpoints.push(Signed {
                 size,
@@ -85,10 +86,10 @@ fn load(path: &Path, id: Option<&str>) -> Result<Store, String> {
                 note: n.to_string(),
             });
         }
-        if id.is_some() && m.get("id").and_then(Value::as_str) == id {
+        if id.is_some() && m.text("id") == id {
             s.record = Some((s.leaves.len() as u64, m.clone()));
         }
-        let hash = m.get("hash").and_then(Value::as_str).unwrap_or_default();
+        let hash = m.text("hash").unwrap_or_default();
         s.leaves.push(merkle::record_leaf(hash));
         true
     });
@@ -171,18 +172,9 @@ pub(crate) fn signed(
     what: &str,
     key: &VerifyingKey,
 ) -> Result<note::Checkpoint, String> {
-    let size = v
-        .get("tree_size")
-        .and_then(Value::as_u64)
-        .ok_or_else(|| format!("{what}: no tree_size"))?;
-    let root = v
-        .get("root")
-        .and_then(Value::as_str)
-        .ok_or_else(|| format!("{what}: no root"))?;
-    let n = v
-        .get("note")
-        .and_then(Value::as_str)
-        .ok_or_else(|| format!("{what}: no note"))?;
+    let size = v.need_u64("tree_size", || format!("{what}: no tree_size"))?;
+    let root = v.need_text("root", || format!("{what}: no root"))?;
+    let n = v.need_text("note", || format!("{what}: no note"))?;
     let c = note::open_checkpoint(n, key).map_err(|e| format!("{what}: {e}"))?;
     if c.size != size || HEXLOWER.encode(&c.root) != root {
         return Err(format!(
@@ -200,28 +192,22 @@ fn proof_hashes(v: &Value) -> Result<Vec<Hash>, String> {
 
 /// Check a proof with the public key alone: what it proves, or why not.
 pub(crate) fn check(v: &Value, key: &VerifyingKey) -> Result<String, String> {
-    match v.get("proof").and_then(Value::as_str) {
+    match v.text("proof") {
         Some(INCLUSION) => {
             let c = signed(v, "checkpoint", key)?;
             let record = v
                 .get("record")
                 .and_then(Value::as_object)
                 .ok_or("no record")?;
-            let hash = record
-                .get("hash")
-                .and_then(Value::as_str)
-                .ok_or("record has no hash")?;
+            let hash = record.need_text("hash", || "record has no hash")?;
             if chain::record_hash(record) != hash {
                 return Err("hash does not match the record: record edited".into());
             }
-            let index = v
-                .get("leaf_index")
-                .and_then(Value::as_u64)
-                .ok_or("no leaf_index")?;
+            let index = v.need_u64("leaf_index", || "no leaf_index")?;
             let hashes = proof_hashes(v)?;
             merkle::verify_inclusion(index, c.size, &merkle::record_leaf(hash), &hashes, &c.root)
                 .map_err(|e| format!("inclusion proof: {e}"))?;
-            let id = record.get("id").and_then(Value::as_str).unwrap_or("?");
+            let id = record.text("id").unwrap_or("?");
             Ok(format!(
                 "ok: record {id} is leaf {index} of the tree of {} records signed by {} (root {})",
                 c.size,

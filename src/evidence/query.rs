@@ -351,25 +351,7 @@ fn http_method_activity(method: Option<&str>) -> u64 {
 pub(crate) fn to_ocsf(stored: &Stored) -> Value {
     let r = &stored.record;
     let allowed = r.decision_str() == "allow";
-    let is_close = r.event == Event::Close;
-    let (class_uid, class_name, activity_id, activity_name) = match r.kind {
-        Kind::Http => {
-            let a = http_method_activity(r.method.as_deref());
-            (
-                4002,
-                "HTTP Activity",
-                a,
-                r.method.as_deref().unwrap_or("Other").to_string(),
-            )
-        }
-        Kind::Dns => (4003, "DNS Activity", 6, "Traffic".to_string()),
-        Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
-        Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
-        Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
-        Kind::Enforcement | Kind::Grant => {
-            (4001, "Network Activity", 99, r.event.as_str().to_string())
-        }
-    };
+    let (class_uid, class_name, activity_id, activity_name) = ocsf_class(r);
     let time_ms = humantime::parse_rfc3339(&r.ts)
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
@@ -410,7 +392,40 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
             "correlation_uid": correlation,
         }),
     );
-    // security_control profile: the proxy's verdict.
+    ocsf_verdict(&mut e, r, allowed);
+    ocsf_endpoints(&mut e, r, correlation);
+    ocsf_kind(&mut e, r, allowed);
+    e.insert("unmapped".into(), ocsf_unmapped(stored));
+    Value::Object(e)
+}
+
+/// The OCSF class and activity of `r`: (class_uid, class_name,
+/// activity_id, activity_name).
+fn ocsf_class(r: &Record) -> (u64, &'static str, u64, String) {
+    let allowed = r.decision_str() == "allow";
+    let is_close = r.event == Event::Close;
+    match r.kind {
+        Kind::Http => {
+            let a = http_method_activity(r.method.as_deref());
+            (
+                4002,
+                "HTTP Activity",
+                a,
+                r.method.as_deref().unwrap_or("Other").to_string(),
+            )
+        }
+        Kind::Dns => (4003, "DNS Activity", 6, "Traffic".to_string()),
+        Kind::Tcp if is_close => (4001, "Network Activity", 2, "Close".to_string()),
+        Kind::Tcp if allowed => (4001, "Network Activity", 1, "Open".to_string()),
+        Kind::Tcp | Kind::Bypass => (4001, "Network Activity", 5, "Refuse".to_string()),
+        Kind::Enforcement | Kind::Grant => {
+            (4001, "Network Activity", 99, r.event.as_str().to_string())
+        }
+    }
+}
+
+/// The security_control profile: the proxy's verdict, the policy and rule.
+fn ocsf_verdict(e: &mut Map<String, Value>, r: &Record, allowed: bool) {
     e.insert("action_id".into(), (if allowed { 1 } else { 2 }).into());
     e.insert(
         "action".into(),
@@ -431,6 +446,11 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
     if let Some(rule) = &r.rule {
         e.insert("firewall_rule".into(), json!({"uid": rule, "name": rule}));
     }
+}
+
+/// Where it came from and went, and the bytes of a close.
+fn ocsf_endpoints(e: &mut Map<String, Value>, r: &Record, correlation: &str) {
+    let is_close = r.event == Event::Close;
     if let Some(c) = r.client {
         e.insert("src_endpoint".into(), endpoint_of_addr(c));
     }
@@ -460,6 +480,11 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
             e.insert("duration".into(), d.into());
         }
     }
+}
+
+/// The fields of `r`'s kind: the HTTP request, the DNS query and
+/// answers, the SNI, a bypass count, a message.
+fn ocsf_kind(e: &mut Map<String, Value>, r: &Record, allowed: bool) {
     match r.kind {
         Kind::Http => {
             let url = json!({
@@ -505,6 +530,11 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
             e.insert("message".into(), r.detail.clone().into());
         }
     }
+}
+
+/// What OCSF has no field for: mode, chain position, event.
+fn ocsf_unmapped(stored: &Stored) -> Value {
+    let r = &stored.record;
     let mut unmapped = Map::new();
     unmapped.insert("mode".into(), r.mode.as_str().into());
     if let Some(seq) = stored.seq {
@@ -514,8 +544,7 @@ pub(crate) fn to_ocsf(stored: &Stored) -> Value {
         unmapped.insert("hash".into(), h.as_str().into());
     }
     unmapped.insert("event".into(), r.event.as_str().into());
-    e.insert("unmapped".into(), Value::Object(unmapped));
-    Value::Object(e)
+    Value::Object(unmapped)
 }
 
 /// Print every matching decision and close record under `path` as OCSF

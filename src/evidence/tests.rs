@@ -886,6 +886,20 @@ async fn a_failed_write_fails_its_whole_batch_and_recovers() {
     let _ = fs::remove_dir_all(&root);
 }
 
+/// Pairs of an allow and its close in the riding tests.
+const N: u32 = 200;
+
+/// A log whose only writes are its records' (no checkpoint by time), and
+/// its writes so far.
+fn riding_log() -> (PathBuf, EvidenceConfig, Evidence, u64) {
+    let root = crate::testing::scratch("evtest");
+    let mut cfg = config(&root);
+    cfg.checkpoint_interval = Duration::from_secs(3600);
+    let ev = Evidence::start(&cfg).unwrap();
+    let before = ev.log.batches();
+    (root, cfg, ev, before)
+}
+
 /// A submitted record costs no write of its own: allows and their closes,
 /// one after the other as tunnels at c=1 go, take about one write per
 /// allow (the close rides the next allow's batch), where writing each
@@ -893,12 +907,7 @@ async fn a_failed_write_fails_its_whole_batch_and_recovers() {
 /// `RIDE_LAG` by the duties thread.
 #[tokio::test]
 async fn submitted_records_ride_the_next_batch() {
-    let root = crate::testing::scratch("evtest");
-    let mut cfg = config(&root);
-    cfg.checkpoint_interval = Duration::from_secs(3600);
-    let ev = Evidence::start(&cfg).unwrap();
-    let before = ev.log.batches();
-    const N: u32 = 200;
+    let (root, cfg, ev, before) = riding_log();
     fill_org(&ev, None, N).await;
     let batches = ev.log.batches() - before;
     // The duties thread may write a few closes alone when it is due
@@ -917,6 +926,44 @@ async fn submitted_records_ride_the_next_batch() {
         assert!(std::time::Instant::now() < deadline, "never written");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    assert!(ev.seal().await);
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert_eq!(s.closes, u64::from(N));
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// Riding costs no wake-up per record, and the duties thread writes only
+/// what waited its whole `RIDE_LAG`: 200 allows and closes paced as tunnels
+/// at c=1 go (the next allow a millisecond or two after a close) wake it
+/// once, and every close rides the next allow's batch, but where the test
+/// itself stalled for `RIDE_LAG` between two closes (a loaded machine). A
+/// round every `RIDE_LAG` woke the duties thread each round and wrote the
+/// pending close each time.
+#[tokio::test]
+async fn records_ride_without_a_wake_up_or_a_write_per_round() {
+    let (root, cfg, ev, before) = riding_log();
+    let mut submitted = Vec::new();
+    for i in 0..N {
+        let mut r = record(i, true);
+        ev.write(&mut r).await.unwrap();
+        submitted.push(std::time::Instant::now());
+        ev.submit(&mut r.close(1, 2, 3));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let alone = ev.log.batches() - before - u64::from(N);
+    let (wakes, writes) = ev.log.ride_rounds();
+    submitted.push(std::time::Instant::now());
+    // A close can wait its whole lag only between two closes that far
+    // apart.
+    let stalls = submitted
+        .windows(2)
+        .filter(|w| w[1] - w[0] >= super::writer::RIDE_LAG)
+        .count() as u64;
+    assert!(
+        alone <= stalls && writes <= stalls,
+        "{alone} writes of closes alone ({writes} by the duties thread) with {stalls} stalls"
+    );
+    assert!(wakes <= 1 + stalls, "{wakes} wake-ups with {stalls} stalls");
     assert!(ev.seal().await);
     let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
     assert_eq!(s.closes, u64::from(N));

@@ -17,6 +17,7 @@ use ed25519_dalek::VerifyingKey;
 use serde_json::{Map, Value};
 
 use super::chain::{self, GENESIS};
+use super::field::Fields;
 use super::merkle::{self, Frontier, OrgTrees};
 use super::note;
 use super::segment::{self, split_lines};
@@ -106,7 +107,7 @@ impl Removed {
     /// One entry of a header's `removed` list.
     fn of(v: &Value) -> Option<Removed> {
         let m = v.as_object()?;
-        let segment = str_of(m, "segment")?.to_string();
+        let segment = m.text("segment")?.to_string();
         let last_seq = m.get("last_seq").and_then(Value::as_u64)?;
         // Older headers name no first seq: the segment's name holds it.
         let first_seq = m
@@ -118,8 +119,8 @@ impl Removed {
             segment,
             first_seq,
             last_seq,
-            first_ts: str_of(m, "first_ts").unwrap_or_default().to_string(),
-            last_ts: str_of(m, "last_ts").unwrap_or_default().to_string(),
+            first_ts: m.text("first_ts").unwrap_or_default().to_string(),
+            last_ts: m.text("last_ts").unwrap_or_default().to_string(),
         })
     }
 
@@ -326,10 +327,6 @@ fn header_of(path: &Path) -> Option<Map<String, Value>> {
     }
 }
 
-fn str_of<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a str> {
-    m.get(k).and_then(Value::as_str)
-}
-
 /// A header's `tree` against the tree of the records before it: the same
 /// when both are known; adopted when the records before it are not here
 /// (it must then end at this header); required by format `/2`.
@@ -433,8 +430,8 @@ fn check_checkpoint_tree(
 ) -> Result<Option<(u64, String)>, String> {
     let (size, root, signed) = (
         m.get("tree_size").and_then(Value::as_u64),
-        str_of(m, "root"),
-        str_of(m, "note"),
+        m.text("root"),
+        m.text("note"),
     );
     let (Some(size), Some(root), Some(signed)) = (size, root, signed) else {
         if required
@@ -497,7 +494,7 @@ fn check_rotation(
     if !chain::check_sig(m, k) {
         return Err("key_rotation not signed by the chain's key: an unannounced key change".into());
     }
-    str_of(m, "next_key")
+    m.text("next_key")
         .and_then(chain::parse_pubkey)
         .ok_or_else(|| "key_rotation names no valid next_key".into())
 }
@@ -506,7 +503,7 @@ fn check_rotation(
 /// `key_rotation` record announced, or an edit.
 fn unannounced(m: &Map<String, Value>, k: &VerifyingKey, event: &str) -> String {
     let chain_key = data_encoding::HEXLOWER.encode(k.as_bytes());
-    match str_of(m, "key") {
+    match m.text("key") {
         Some(other) if other != chain_key => format!(
             "{event} signature is by key {other}, not the chain's key {chain_key}, and no key_rotation record announced it: an unannounced key change"
         ),
@@ -621,7 +618,7 @@ impl<'o> Walk<'o> {
         let successor = next_header
             .and_then(|h| h.get("predecessor"))
             .and_then(Value::as_object)
-            .filter(|p| str_of(p, "segment") == Some(base.as_str()));
+            .filter(|p| p.text("segment") == Some(base.as_str()));
         let counted = successor
             .and_then(|p| p.get("lines"))
             .and_then(Value::as_u64)
@@ -664,16 +661,13 @@ impl<'o> Walk<'o> {
         if let Some(missing) = CONTRACT_FIELDS.iter().find(|k| !m.contains_key(**k)) {
             return Err(format!("record lacks field {missing:?}"));
         }
-        let hash = str_of(m, "hash").ok_or("record has no hash")?;
+        let hash = m.text("hash").ok_or("record has no hash")?;
         if chain::record_hash(m) != hash {
             return Err("hash does not match the record: record edited".into());
         }
-        let seq = m
-            .get("seq")
-            .and_then(Value::as_u64)
-            .ok_or("record has no seq")?;
-        let prev = str_of(m, "prev").ok_or("record has no prev")?;
-        let event = str_of(m, "event").unwrap_or_default();
+        let seq = m.need_u64("seq", || "record has no seq")?;
+        let prev = m.text("prev").ok_or("record has no prev")?;
+        let event = m.text("event").unwrap_or_default();
         if first {
             self.header(m, seq, prev, name, base)?;
         } else if event == "segment_start" {
@@ -696,31 +690,31 @@ impl<'o> Walk<'o> {
         name: &str,
         base: &str,
     ) -> Result<(), String> {
-        if str_of(m, "event") != Some("segment_start") {
+        if m.text("event") != Some("segment_start") {
             return Err("segment does not start with a segment_start header".into());
         }
-        let format = str_of(m, "format").unwrap_or("palisade-evidence/1");
+        let format = m.text("format").unwrap_or("palisade-evidence/1");
         if !self.found.formats.iter().any(|f| f == format) {
             self.found.formats.push(format.to_string());
         }
         self.merkle_required = format != "palisade-evidence/1";
         self.orgs_required = !matches!(format, "palisade-evidence/1" | "palisade-evidence/2");
-        self.origin = str_of(m, "replica").map(note::origin);
+        self.origin = m.text("replica").map(note::origin);
         if self.prev_hash.is_none() && prev == GENESIS {
             self.tree = Some((0, Frontier::default()));
             self.org_trees = Some(OrgTrees::default());
         }
         check_header_tree(m, seq, self.merkle_required, &mut self.tree)?;
         check_header_orgs(m, self.orgs_required, &mut self.org_trees)?;
-        if str_of(m, "segment") != Some(base) && !self.single {
+        if m.text("segment") != Some(base) && !self.single {
             return Err(format!(
                 "header names segment {:?}, file is {base:?}: segment renamed or swapped",
-                str_of(m, "segment").unwrap_or("")
+                m.text("segment").unwrap_or("")
             ));
         }
         if self.key.is_none() {
-            self.key = str_of(m, "key").and_then(chain::parse_pubkey);
-            self.found.key = str_of(m, "key").map(String::from);
+            self.key = m.text("key").and_then(chain::parse_pubkey);
+            self.found.key = m.text("key").map(String::from);
         }
         let pred = m.get("predecessor").and_then(Value::as_object);
         match (&self.prev_hash, pred) {
@@ -751,7 +745,7 @@ impl<'o> Walk<'o> {
 
     /// A header's account of the segment before it, against that segment.
     fn predecessor(&self, p: &Map<String, Value>) -> Result<(), String> {
-        let end = str_of(p, "end").unwrap_or_default();
+        let end = p.text("end").unwrap_or_default();
         let closed = matches!(self.last_event.as_str(), "seal" | "checkpoint");
         if !closed && !matches!(end, "crash" | "write_error") {
             return Err(format!(
@@ -795,7 +789,7 @@ impl<'o> Walk<'o> {
             self.found.notes.push(format!(
                 "seq {}: key rotated to {} by a record signed with the key before",
                 m.get("seq").and_then(Value::as_u64).unwrap_or_default(),
-                str_of(m, "next_key").unwrap_or_default()
+                m.text("next_key").unwrap_or_default()
             ));
             return Ok(());
         }
@@ -831,9 +825,9 @@ impl<'o> Walk<'o> {
         match event {
             "decision" => {
                 s.traffic += 1;
-                let org = str_of(m, "org").unwrap_or("unknown").to_string();
+                let org = m.text("org").unwrap_or("unknown").to_string();
                 let e = s.orgs.entry(org).or_default();
-                match str_of(m, "decision") {
+                match m.text("decision") {
                     Some("allow") => {
                         s.allow += 1;
                         e.0 += 1;
@@ -857,7 +851,7 @@ impl<'o> Walk<'o> {
     /// The record checked: it is what the next one follows, and a leaf of
     /// the trees.
     fn advance(&mut self, m: &Map<String, Value>, seq: u64, hash: &str, event: &str) {
-        if let Some(ts) = str_of(m, "ts") {
+        if let Some(ts) = m.text("ts") {
             if self.found.first_ts.is_none() {
                 self.found.first_ts = Some(ts.to_string());
             }
@@ -888,7 +882,7 @@ impl<'o> Walk<'o> {
     ) -> Result<(), VerifyError> {
         let recorded = successor.is_some_and(|p| {
             p.get("torn_line").and_then(Value::as_u64) == Some(torn_line)
-                || str_of(p, "end") == Some("write_error")
+                || p.text("end") == Some("write_error")
         });
         if last {
             let msg = format!(

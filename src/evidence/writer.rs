@@ -11,9 +11,17 @@
 //!
 //! A record nobody waits on (a close record, a refusal summary: anything
 //! submitted) does not cost a write of its own: it rides the next batch a
-//! `write` caller leads, and if none comes within `RIDE_LAG` the duties
-//! thread writes it. Records a `write` caller waits on (decisions) are
-//! written at once, as before.
+//! `write` caller leads, and if none comes within `RIDE_LAG` of the oldest
+//! such record the duties thread writes it. Records a `write` caller waits
+//! on (decisions) are written at once, by their callers.
+//!
+//! The riding costs no wake-up per record: the first record to ride after
+//! a quiet spell wakes the duties thread once; from then on it looks by
+//! itself, when the oldest record riding is due, until it finds none. It
+//! writes only records that waited their whole `RIDE_LAG`, and never a
+//! batch someone waits on: that batch's caller leads it (and takes what
+//! rides along), so no decision is written on the duties thread and handed
+//! back across threads.
 //!
 //! With `fsync`, a batch nobody waits on (submitted records only) is
 //! written without a sync: the next synced batch's `fdatasync` covers it,
@@ -69,7 +77,7 @@ const BACKOFF_MIN: Duration = Duration::from_millis(50);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Longest a submitted record waits for a `write` caller's batch to ride
 /// before the duties thread writes it.
-const RIDE_LAG: Duration = Duration::from_millis(5);
+pub(super) const RIDE_LAG: Duration = Duration::from_millis(5);
 /// How long the duties thread sleeps when nothing is due.
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
@@ -133,6 +141,8 @@ struct Pending {
     batch: Arc<Batch>,
     /// Entries whose caller waits.
     acked: usize,
+    /// Since when the oldest entry nobody waits on rides.
+    riding_since: Option<Instant>,
     /// Take nothing (tests that simulate a writer stuck in a slow write).
     paused: bool,
     /// Sealed or abandoned: nothing more is appended.
@@ -183,18 +193,23 @@ pub(super) struct Common {
 struct Duties {
     state: Mutex<DutyState>,
     cv: Condvar,
-    /// Bound to write what rides within `RIDE_LAG` (the lock-free check
-    /// in front of `ride_by`).
+    /// The duties thread knows that records ride: it looks again when the
+    /// oldest is due, and whoever submits needs not wake it.
     riding: AtomicBool,
+    /// Tests: wake-ups for records that ride.
+    #[cfg(test)]
+    ride_wakes: AtomicU64,
+    /// Tests: batches the duties thread wrote for records that rode.
+    #[cfg(test)]
+    ride_writes: AtomicU64,
 }
 
 #[derive(Default)]
 struct DutyState {
     poked: bool,
     stop: bool,
-    /// Submitted records wait to ride a batch: lead by this time at the
-    /// latest.
-    ride_by: Option<Instant>,
+    /// Records ride and the duties thread did not know.
+    ride: bool,
 }
 
 impl Duties {
@@ -212,17 +227,16 @@ impl Duties {
         self.cv.notify_one();
     }
 
-    /// Lead within `RIDE_LAG` unless already bound to; one wake-up per
-    /// round of the duties thread, however many records ride.
+    /// Records ride: wake the duties thread unless it knows already (one
+    /// wake-up per spell of riding, however many records ride).
     fn ride(&self) {
-        if self.riding.swap(true, Ordering::AcqRel) {
+        if self.riding.load(Ordering::Acquire) || self.riding.swap(true, Ordering::AcqRel) {
             return;
         }
-        let mut st = self.lock();
-        if st.ride_by.is_none() {
-            st.ride_by = Some(Instant::now() + RIDE_LAG);
-            self.cv.notify_one();
-        }
+        self.lock().ride = true;
+        self.cv.notify_one();
+        #[cfg(test)]
+        self.ride_wakes.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -246,6 +260,7 @@ impl Log {
                 entries: Vec::new(),
                 batch: Batch::new(),
                 acked: 0,
+                riding_since: None,
                 paused: false,
                 closed: false,
             }),
@@ -258,6 +273,10 @@ impl Log {
                     state: Mutex::new(DutyState::default()),
                     cv: Condvar::new(),
                     riding: AtomicBool::new(false),
+                    #[cfg(test)]
+                    ride_wakes: AtomicU64::new(0),
+                    #[cfg(test)]
+                    ride_writes: AtomicU64::new(0),
                 },
             },
             slots: tokio::sync::Semaphore::new(QUEUE_CAPACITY),
@@ -290,6 +309,9 @@ impl Log {
             return Err(entry);
         }
         p.acked += usize::from(entry.acked);
+        if !entry.acked && p.riding_since.is_none() {
+            p.riding_since = Some(Instant::now());
+        }
         p.entries.push(entry);
         self.common.counters.set_queue_depth(p.entries.len());
         Ok(p.batch.clone())
@@ -313,8 +335,9 @@ impl Log {
     }
 
     /// Leave what was submitted to ride the next batch a `write` caller
-    /// leads, or the duties thread's within `RIDE_LAG`. With the queue
-    /// full, lead now instead: its places come back only with a write.
+    /// leads, or the duties thread's `RIDE_LAG` after the oldest record
+    /// riding. With the queue full, lead now instead: its places come back
+    /// only with a write.
     pub(super) fn ride(&self) {
         if self.slots.available_permits() == 0 {
             self.try_lead();
@@ -386,6 +409,7 @@ impl Log {
                 return true;
             }
             p.acked = 0;
+            p.riding_since = None;
             let batch = std::mem::replace(&mut p.batch, Batch::new());
             let entries = std::mem::take(&mut p.entries);
             self.common.counters.set_queue_depth(0);
@@ -435,6 +459,7 @@ impl Log {
             let (entries, batch) = {
                 let mut p = self.pending();
                 p.acked = 0;
+                p.riding_since = None;
                 let batch = std::mem::replace(&mut p.batch, Batch::new());
                 (std::mem::take(&mut p.entries), batch)
             };
@@ -503,8 +528,14 @@ impl Log {
     }
 
     /// The duties thread: checkpoints and rotation by time, retries after
-    /// a write error, records left behind; until the log is closed.
+    /// a write error, records that rode their whole `RIDE_LAG`; until the
+    /// log is closed.
     pub(super) fn duties(self: Arc<Log>) {
+        // After a round that left its records to a caller about to lead:
+        // no look before this.
+        let mut not_before: Option<Instant> = None;
+        // The last look found nothing riding.
+        let mut empty = false;
         loop {
             let deadline = {
                 let mut io = self.io();
@@ -512,17 +543,20 @@ impl Log {
                 io.armed = d;
                 d
             };
-            {
+            let ride = self
+                .ride_due(&mut empty)
+                .map(|r| not_before.map_or(r, |n| r.max(n)));
+            let due = ride.map_or(deadline, |r| r.min(deadline));
+            let poked = {
                 let mut st = self.common.duties.lock();
                 loop {
                     if st.stop {
                         return;
                     }
-                    if st.poked {
+                    if st.poked || st.ride {
                         break;
                     }
                     let now = Instant::now();
-                    let due = st.ride_by.map_or(deadline, |r| r.min(deadline));
                     if now >= due {
                         break;
                     }
@@ -531,14 +565,77 @@ impl Log {
                         Err(p) => p.into_inner().0,
                     };
                 }
-                st.poked = false;
-                st.ride_by = None;
-                // Records submitted from now on arm the next round.
-                self.common.duties.riding.store(false, Ordering::Release);
+                // Records ride since this round looked: look again.
+                st.ride = false;
+                std::mem::take(&mut st.poked)
+            };
+            let now = Instant::now();
+            if poked || now >= deadline {
+                let io = self.io();
+                self.lead(io);
+            } else if ride.is_some_and(|r| now >= r) {
+                not_before = (!self.ride_round()).then(|| now + RIDE_LAG / 5);
             }
-            let io = self.io();
-            self.lead(io);
         }
+    }
+
+    /// When the oldest record riding is due. With none, look again
+    /// `RIDE_LAG` later (between a close and the next, a batch may just
+    /// have taken every record riding); with none twice in a row, the
+    /// duties thread forgets that records ride, and the next one to ride
+    /// wakes it.
+    fn ride_due(&self, empty: &mut bool) -> Option<Instant> {
+        if let Some(s) = self.pending().riding_since {
+            *empty = false;
+            return Some(s + RIDE_LAG);
+        }
+        let riding = &self.common.duties.riding;
+        if !*empty && riding.load(Ordering::Acquire) {
+            *empty = true;
+            return Some(Instant::now() + RIDE_LAG);
+        }
+        *empty = false;
+        riding.store(false, Ordering::Release);
+        // One may have come between the look and the store; its
+        // submitter saw `riding` still set and did not wake us.
+        let s = self.pending().riding_since?;
+        riding.store(true, Ordering::Release);
+        Some(s + RIDE_LAG)
+    }
+
+    /// Write what rode its whole `RIDE_LAG`, unless a caller waits on the
+    /// pending batch: that caller leads it, and what rides goes along.
+    /// Whether nothing is left to a caller.
+    fn ride_round(&self) -> bool {
+        let io = self.io();
+        {
+            let p = self.pending();
+            if p.acked > 0 || p.paused || p.closed {
+                return false;
+            }
+            let now = Instant::now();
+            if p.riding_since.is_none_or(|s| s + RIDE_LAG > now) {
+                return true;
+            }
+        }
+        #[cfg(test)]
+        self.common
+            .duties
+            .ride_writes
+            .fetch_add(1, Ordering::Relaxed);
+        self.lead(io);
+        true
+    }
+
+    /// Wake-ups of the duties thread for records that ride, and batches it
+    /// wrote for them (tests).
+    #[cfg(test)]
+    pub(super) fn ride_rounds(&self) -> (u64, u64) {
+        let d = &self.common.duties;
+        (
+            d.ride_wakes.load(Ordering::Relaxed),
+            d.ride_writes.load(Ordering::Relaxed),
+        )
     }
 }
 

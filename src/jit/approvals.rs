@@ -39,14 +39,22 @@ pub(crate) struct Asked {
     pub(crate) host: String,
     /// `None`: a DNS question (the name on any port).
     pub(crate) port: Option<u16>,
+    /// The method and normalised path of the request that missed, when
+    /// Palisade saw one (a plain `http://` request): the grant answering
+    /// it opens that method on that path (as a prefix), nothing wider.
+    pub(crate) request: Option<(String, String)>,
 }
 
 impl std::fmt::Display for Asked {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.port {
-            Some(p) if self.host.contains(':') => write!(f, "[{}]:{p}", self.host),
-            Some(p) => write!(f, "{}:{p}", self.host),
-            None => write!(f, "{} (any port, asked by DNS)", self.host),
+            Some(p) if self.host.contains(':') => write!(f, "[{}]:{p}", self.host)?,
+            Some(p) => write!(f, "{}:{p}", self.host)?,
+            None => write!(f, "{} (any port, asked by DNS)", self.host)?,
+        }
+        match &self.request {
+            Some((method, path)) => write!(f, " {method} {path}"),
+            None => Ok(()),
         }
     }
 }
@@ -221,6 +229,7 @@ mod tests {
             org: Arc::from(org),
             host: host.into(),
             port: Some(port),
+            request: None,
         }
     }
 
@@ -257,6 +266,13 @@ mod tests {
         let c = p.miss(asked("acme", "x.test", 80), C, t0, &mut id).unwrap();
         assert_ne!(c.id, a.id);
         assert_eq!(p.len(), 2);
+        // A request's method and path are part of what it asked.
+        let mut req = asked("acme", "x.test", 80);
+        req.request = Some(("POST".into(), "/api/x".into()));
+        assert_eq!(req.to_string(), "x.test:80 POST /api/x");
+        let d = p.miss(req, C, t0, &mut id).unwrap();
+        assert_ne!(d.id, c.id);
+        assert_eq!(p.len(), 3);
     }
 
     #[test]

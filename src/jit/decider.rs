@@ -29,8 +29,8 @@ pub(crate) async fn consult(
         host: &host,
         port: facts.port,
         mode: facts.mode.as_str(),
-        method: None,
-        path: None,
+        method: facts.request.map(|r| r.method),
+        path: facts.request.map(|r| r.path.as_str()),
     };
     let said = decider.consult(&question).await;
     let miss = match said.decision {
@@ -49,6 +49,9 @@ pub(crate) async fn consult(
                     Host::Ip(ip) => Target::Cidr(ipnet::IpNet::from(*ip)),
                 },
                 port: facts.port,
+                // A request's allow opens that method on that path, no wider.
+                method: facts.request.map(|r| r.method.to_string()),
+                path: facts.request.map(|r| r.path.as_str().to_string()),
             };
             // Without a ttl, one use: spent at once by a connection; a
             // DNS answer spends none, so there the grant also ends after

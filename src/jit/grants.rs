@@ -68,25 +68,105 @@ pub(crate) struct Scope {
     pub(crate) target: Target,
     /// `None`: every port (a grant from a DNS question).
     pub(crate) port: Option<u16>,
+    /// Requests only, with this method (compared exactly, as an allow
+    /// rule's `methods`): a request whose method and path Palisade sees.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) method: Option<String>,
+    /// Requests only, whose normalised path this pattern matches (a
+    /// prefix, or a glob where `*` matches anything: an allow rule's
+    /// `paths`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) path: Option<String>,
+}
+
+/// A request a miss carries: its method and normalised path.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Request<'a> {
+    pub(crate) method: &'a str,
+    pub(crate) path: &'a crate::policy::request::NormalPath,
 }
 
 impl Scope {
-    pub(crate) fn covers(&self, org: &str, host: &Host, port: Option<u16>) -> bool {
+    /// Whether a miss of `org` on `host:port` (`request`: the request,
+    /// when Palisade sees one) is covered. A scope naming a method or a
+    /// path covers requests only: a tunnel under it cannot be checked.
+    pub(crate) fn covers(
+        &self,
+        org: &str,
+        host: &Host,
+        port: Option<u16>,
+        request: Option<Request<'_>>,
+    ) -> bool {
+        let requests = match (self.method.is_some() || self.path.is_some(), request) {
+            (false, _) => true,
+            (true, None) => false,
+            (true, Some(r)) => {
+                self.method.as_deref().is_none_or(|m| m == r.method)
+                    && self
+                        .path
+                        .as_deref()
+                        .is_none_or(|p| crate::policy::request::pattern_matches(p, r.path.as_str()))
+            }
+        };
         &*self.org == org
             && self.target.covers(host)
+            && requests
             && match (self.port, port) {
                 (None, _) => true,
                 (Some(p), Some(q)) => p == q,
                 (Some(_), None) => true,
             }
     }
+
+    /// The method and path, as shown (`GET /api/*`), if it names either.
+    pub(crate) fn requests(&self) -> Option<String> {
+        match (&self.method, &self.path) {
+            (None, None) => None,
+            (m, p) => Some(format!(
+                "{} {}",
+                m.as_deref().unwrap_or("any method"),
+                p.as_deref().unwrap_or("any path")
+            )),
+        }
+    }
+}
+
+/// Check a grant's `method` and `path` as an allow rule's `methods` and
+/// `paths` are checked: an RFC 9110 token; a path pattern starting with
+/// `/`, printable ASCII without `%`, that a normalised path can match.
+pub(crate) fn check_requests(method: Option<&str>, path: Option<&str>) -> Result<(), GrantError> {
+    if let Some(m) = method {
+        if !crate::policy::request::is_method_token(m) {
+            return Err(GrantError::Request(format!(
+                "method {m:?} is not an RFC 9110 token"
+            )));
+        }
+    }
+    if let Some(p) = path {
+        let printable = p.bytes().all(|b| b.is_ascii_graphic());
+        if !p.starts_with('/') || !printable || p.len() > 1024 || p.contains('%') {
+            return Err(GrantError::Request(format!(
+                "path {p:?}: starts with '/', printable ASCII, no '%'; '*' matches anything"
+            )));
+        }
+        if let Err(why) = crate::policy::request::NormalPath::parse(p) {
+            return Err(GrantError::Request(format!(
+                "path {p:?}: requests are matched normalised, and {why}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl std::fmt::Display for Scope {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.port {
-            Some(p) => write!(f, "{} {}:{p}", self.org, self.target),
-            None => write!(f, "{} {} (any port)", self.org, self.target),
+            Some(p) => write!(f, "{} {}:{p}", self.org, self.target)?,
+            None => write!(f, "{} {} (any port)", self.org, self.target)?,
+        }
+        match self.requests() {
+            Some(r) => write!(f, " ({r})"),
+            None => Ok(()),
         }
     }
 }
@@ -137,6 +217,8 @@ pub(crate) enum GrantError {
     Full(String),
     #[error("no grant {0} (ended, or never made)")]
     Unknown(String),
+    #[error("{0}")]
+    Request(String),
 }
 
 /// The grants held (see the module doc).
@@ -175,13 +257,13 @@ impl Grants {
     pub(crate) fn matching(
         &self,
         org: &str,
-        host: &Host,
-        port: Option<u16>,
+        (host, port): (&Host, Option<u16>),
+        request: Option<Request<'_>>,
         now: SystemTime,
     ) -> Option<&Grant> {
         self.by_id
             .values()
-            .filter(|g| g.is_live(now) && g.scope.covers(org, host, port))
+            .filter(|g| g.is_live(now) && g.scope.covers(org, host, port, request))
             .min_by_key(|g| g.granted_at)
     }
 
@@ -260,6 +342,8 @@ mod tests {
                 org: Arc::from("acme"),
                 target,
                 port,
+                method: None,
+                path: None,
             },
             granted_at: t(0),
             expires: ttl.map(t),
@@ -287,24 +371,67 @@ mod tests {
         ))
         .unwrap();
         assert!(g
-            .matching("acme", &name("x.test"), Some(443), t(1))
+            .matching("acme", (&name("x.test"), Some(443)), None, t(1))
             .is_some());
-        assert!(g.matching("acme", &name("x.test"), None, t(1)).is_some());
         assert!(g
-            .matching("acme", &name("x.test"), Some(80), t(1))
+            .matching("acme", (&name("x.test"), None), None, t(1))
+            .is_some());
+        assert!(g
+            .matching("acme", (&name("x.test"), Some(80)), None, t(1))
             .is_none());
         assert!(g
-            .matching("acme", &name("y.x.test"), Some(443), t(1))
+            .matching("acme", (&name("y.x.test"), Some(443)), None, t(1))
             .is_none());
         assert!(g
-            .matching("other", &name("x.test"), Some(443), t(1))
+            .matching("other", (&name("x.test"), Some(443)), None, t(1))
             .is_none());
         assert!(g
-            .matching("acme", &name("x.test"), Some(443), t(600))
+            .matching("acme", (&name("x.test"), Some(443)), None, t(600))
             .is_none());
         assert_eq!(g.expire(t(599)).len(), 0);
         assert_eq!(g.expire(t(600)).len(), 1);
         assert!(g.get("g1").is_none());
+    }
+
+    #[test]
+    fn a_method_and_path_grant_covers_matching_requests_only() {
+        let mut g = Grants::default();
+        let mut r = grant(
+            "g1",
+            Target::Name("x.test".into()),
+            Some(80),
+            Some(60),
+            None,
+        );
+        (r.scope.method, r.scope.path) = (Some("GET".into()), Some("/api/".into()));
+        g.add(r).unwrap();
+        let path = |p: &str| crate::policy::request::NormalPath::parse(p).unwrap();
+        let (ok, other, outside) = (path("/api/v1"), path("/admin"), path("/api"));
+        let req = |method, path| Some(Request { method, path });
+        let x = name("x.test");
+        let m = |request| g.matching("acme", (&x, Some(80)), request, t(1)).is_some();
+        assert!(m(req("GET", &ok)));
+        assert!(!m(req("get", &ok)), "methods compare exactly");
+        assert!(!m(req("POST", &ok)));
+        assert!(!m(req("GET", &other)));
+        assert!(!m(req("GET", &outside)));
+        assert!(
+            !m(None),
+            "a tunnel under a method/path grant cannot be checked"
+        );
+        assert!(
+            g.matching("acme", (&x, None), None, t(1)).is_none(),
+            "nor a DNS answer"
+        );
+        assert!(check_requests(Some("GET"), Some("/api/*")).is_ok());
+        for (m, p) in [
+            (Some("G T"), None),
+            (None, Some("api")),
+            (None, Some("/a/../b")),
+            (None, Some("/%41")),
+        ] {
+            assert!(check_requests(m, p).is_err(), "{m:?} {p:?}");
+        }
     }
 
     #[test]
@@ -315,13 +442,13 @@ mod tests {
             .unwrap();
         let ip = |s: &str| Host::Ip(s.parse().unwrap());
         assert!(g
-            .matching("acme", &ip("198.18.7.9"), Some(443), t(1))
+            .matching("acme", (&ip("198.18.7.9"), Some(443)), None, t(1))
             .is_some());
         assert!(g
-            .matching("acme", &ip("198.18.8.9"), Some(443), t(1))
+            .matching("acme", (&ip("198.18.8.9"), Some(443)), None, t(1))
             .is_none());
         assert!(g
-            .matching("acme", &name("198-18-7-9.test"), Some(443), t(1))
+            .matching("acme", (&name("198-18-7-9.test"), Some(443)), None, t(1))
             .is_none());
     }
 
@@ -337,7 +464,7 @@ mod tests {
         ))
         .unwrap();
         let id = g
-            .matching("acme", &name("x.test"), Some(443), t(1))
+            .matching("acme", (&name("x.test"), Some(443)), None, t(1))
             .unwrap()
             .id
             .clone();
@@ -348,7 +475,7 @@ mod tests {
         );
         assert!(used_up);
         assert!(g
-            .matching("acme", &name("x.test"), Some(443), t(1))
+            .matching("acme", (&name("x.test"), Some(443)), None, t(1))
             .is_none());
         assert!(g.get("g1").is_none(), "no TTL: ended with its last use");
         // With a TTL, a used-up grant stays held (its connections run) until it ends.
@@ -364,7 +491,7 @@ mod tests {
         assert!(g.spend("g2", t(1)).is_none());
         assert!(g.get("g2").is_some());
         assert!(g
-            .matching("acme", &name("x.test"), Some(443), t(1))
+            .matching("acme", (&name("x.test"), Some(443)), None, t(1))
             .is_none());
     }
 

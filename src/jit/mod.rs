@@ -35,6 +35,7 @@ mod decider;
 pub(crate) mod grants;
 pub(crate) mod state;
 
+pub(crate) use grants::Request;
 pub(crate) use state::{grant_of, replay, Jit, Miss, MissFacts, Terms};
 
 use crate::policy::Policy;

@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime};
 use tokio_util::sync::CancellationToken;
 
 use super::approvals::{AnswerError, Approval, Approvals, Asked};
-use super::grants::{End, Grant, GrantError, Grants, Scope, Target};
+use super::grants::{End, Grant, GrantError, Grants, Request, Scope, Target};
 use crate::config::ApproverToken;
 use crate::evidence::{Event, Evidence, GrantFacts, Kind, Mode, Record};
 use crate::policy::{Decision, OrgRef, Policy, Reason, Verdict, GRANT_RULE_PREFIX};
@@ -31,6 +31,9 @@ pub(crate) struct MissFacts<'a> {
     pub(crate) host: &'a Host,
     /// `None`: a DNS question (the name on any port).
     pub(crate) port: Option<u16>,
+    /// The request, when Palisade sees one (a plain `http://` request):
+    /// only then can a grant naming a method or path cover the miss.
+    pub(crate) request: Option<Request<'a>>,
     pub(crate) mode: Mode,
     pub(crate) now: SystemTime,
 }
@@ -144,8 +147,12 @@ pub(crate) fn grant_record(
     r.host = Some(grant.scope.target.to_string());
     r.port = grant.scope.port;
     r.detail = grant.reason.clone();
+    r.method = grant.scope.method.clone();
+    r.path = grant.scope.path.clone();
     r.grant = Some(Box::new(GrantFacts {
         id: grant.id.clone(),
+        method: grant.scope.method.clone(),
+        path: grant.scope.path.clone(),
         target: grant.scope.target.to_string(),
         granted_at: rfc3339(grant.granted_at),
         expires: grant.expires.map(rfc3339),
@@ -221,6 +228,8 @@ fn from_facts(f: &GrantFacts, r: &Record) -> Option<Grant> {
             org: r.org.clone()?,
             target,
             port: r.port,
+            method: f.method.clone(),
+            path: f.path.clone(),
         },
         granted_at: time(&f.granted_at)?,
         expires: match &f.expires {
@@ -312,9 +321,12 @@ impl Jit {
     /// address checks keeps its uses.
     pub(crate) fn grant_for(&self, facts: &MissFacts<'_>) -> Option<Granted> {
         let inner = self.lock();
-        let grant = inner
-            .grants
-            .matching(&facts.org.name, facts.host, facts.port, facts.now)?;
+        let grant = inner.grants.matching(
+            &facts.org.name,
+            (facts.host, facts.port),
+            facts.request,
+            facts.now,
+        )?;
         Some(Granted {
             rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
         })
@@ -352,6 +364,9 @@ impl Jit {
             org: facts.org.name.clone(),
             host: facts.host.to_string(),
             port: facts.port,
+            request: facts
+                .request
+                .map(|r| (r.method.to_string(), r.path.as_str().to_string())),
         };
         self.lock()
             .approvals
@@ -543,6 +558,8 @@ fn scope_of(asked: &Asked) -> Scope {
         org: asked.org.clone(),
         target,
         port: asked.port,
+        method: asked.request.as_ref().map(|r| r.0.clone()),
+        path: asked.request.as_ref().map(|r| r.1.clone()),
     }
 }
 
@@ -632,6 +649,8 @@ mod tests {
             org: Arc::from("acme"),
             target: Target::Name("new.test".into()),
             port: Some(443),
+            method: None,
+            path: None,
         };
         evidence.pause_writer(true);
         let give = jit.give(&t, scope, Terms::default(), None, &p, SystemTime::now());
@@ -659,6 +678,8 @@ mod tests {
                 org: Arc::from("acme"),
                 target: Target::Name("x.test".into()),
                 port: Some(80),
+                method: Some("GET".into()),
+                path: Some("/api/".into()),
             },
             granted_at: now,
             expires: Some(now + Duration::from_secs(60)),
@@ -689,6 +710,8 @@ mod tests {
             org: Arc::from("acme"),
             target,
             port: Some(443),
+            method: None,
+            path: None,
         };
         let give = |target: Target| jit.give(&t, scope(target), Terms::default(), None, &p, now);
         let e = give(Target::Cidr("169.254.169.254/32".parse().unwrap()))

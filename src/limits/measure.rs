@@ -201,12 +201,12 @@ fn cost_cache() {
         "cache",
         || {
             use crate::dns::cache::{AnswerCache, Key};
-            use hickory_server::proto::rr::{LowerName, Name, RecordType};
+            use hickory_server::proto::rr::RecordType;
             let c: Arc<AnswerCache<(), u32>> = Arc::new(AnswerCache::new(16_384, 4096));
             let v = Arc::new(());
             let key = |i: u32| Key {
                 org: (i % 8) as usize,
-                name: LowerName::new(&Name::from_ascii(format!("n{i}.test.")).unwrap()),
+                name: format!("n{i}.test.").into_bytes().into(),
                 qtype: RecordType::A,
             };
             for i in 0..16_384u32 {

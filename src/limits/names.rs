@@ -110,28 +110,6 @@ impl NameBudgets {
         budget: u32,
         now: Instant,
     ) -> NameUse {
-        let outcome = self.spend_quietly(org, rule, name, budget, now);
-        if let Some(counter) = &self.counted {
-            let decision = match outcome {
-                NameUse::Seen => None,
-                NameUse::New => Some("allow"),
-                NameUse::Exceeded => Some("deny"),
-            };
-            if let Some(decision) = decision {
-                counter.with_label_values(&[org, decision]).inc();
-            }
-        }
-        outcome
-    }
-
-    fn spend_quietly(
-        &self,
-        org: &Arc<str>,
-        rule: &Arc<str>,
-        name: &str,
-        budget: u32,
-        now: Instant,
-    ) -> NameUse {
         let mut orgs = self.orgs.lock().unwrap_or_else(|e| e.into_inner());
         let names = orgs.entry(org.clone()).or_default();
         let forgotten: usize = names.rules.values_mut().map(|w| w.expire(now)).sum();
@@ -147,6 +125,8 @@ impl NameBudgets {
         }
         let budget = usize::try_from(budget).unwrap_or(usize::MAX);
         if window.spent.len() >= budget {
+            drop(orgs);
+            self.count(org, "deny");
             return NameUse::Exceeded;
         }
         let kept = if names.remembered < self.cap {
@@ -158,7 +138,17 @@ impl NameBudgets {
             None
         };
         window.spent.push_back((now, kept));
+        drop(orgs);
+        self.count(org, "allow");
         NameUse::New
+    }
+
+    /// A new name of `org` counted under `decision` (`allow` within the
+    /// budget, `deny` past it; a seen name is not counted).
+    fn count(&self, org: &str, decision: &str) {
+        if let Some(counter) = &self.counted {
+            counter.with_label_values(&[org, decision]).inc();
+        }
     }
 }
 
@@ -173,42 +163,36 @@ mod tests {
     #[test]
     fn a_budget_of_new_names_per_window_seen_names_free() {
         let (acme, beta, rule) = ids();
+        let other: Arc<str> = Arc::from("other");
         let b = NameBudgets::new(MAX_NAMES_PER_ORG, None);
         let t0 = Instant::now();
-        for i in 0..3 {
-            let n = format!("n{i}.wild.test");
-            assert_eq!(b.spend(&acme, &rule, &n, 3, t0), NameUse::New);
+        let (later, after) = (t0 + Duration::from_secs(59), t0 + WINDOW);
+        use NameUse::{Exceeded, New, Seen};
+        // (org, rule, name, budget, at, what it comes to), in order.
+        let steps = [
+            (&acme, &rule, "n0.wild.test", 3, t0, New),
+            (&acme, &rule, "n1.wild.test", 3, t0, New),
+            (&acme, &rule, "n2.wild.test", 3, t0, New),
+            (&acme, &rule, "n3.wild.test", 3, t0, Exceeded),
+            // Refused names are not remembered; seen ones stay free.
+            (&acme, &rule, "n3.wild.test", 3, t0, Exceeded),
+            (&acme, &rule, "n1.wild.test", 3, t0, Seen),
+            // Another org, another rule: budgets of their own.
+            (&beta, &rule, "n3.wild.test", 3, t0, New),
+            (&acme, &other, "x.other.test", 1, t0, New),
+            // The window slides: 59 s later still spent, 60 s after the
+            // first use room again, and the old names new again.
+            (&acme, &rule, "n4.wild.test", 3, later, Exceeded),
+            (&acme, &rule, "n4.wild.test", 3, after, New),
+            (&acme, &rule, "n0.wild.test", 3, after, New),
+        ];
+        for (n, (org, rule, name, budget, at, wants)) in steps.into_iter().enumerate() {
+            assert_eq!(
+                b.spend(org, rule, name, budget, at),
+                wants,
+                "step {n}: {name}"
+            );
         }
-        assert_eq!(
-            b.spend(&acme, &rule, "n3.wild.test", 3, t0),
-            NameUse::Exceeded
-        );
-        // Refused names are not remembered; seen ones stay free.
-        assert_eq!(
-            b.spend(&acme, &rule, "n3.wild.test", 3, t0),
-            NameUse::Exceeded
-        );
-        assert_eq!(b.spend(&acme, &rule, "n1.wild.test", 3, t0), NameUse::Seen);
-        // Another org, another rule: budgets of their own.
-        assert_eq!(b.spend(&beta, &rule, "n3.wild.test", 3, t0), NameUse::New);
-        let other: Arc<str> = Arc::from("other");
-        assert_eq!(b.spend(&acme, &other, "x.other.test", 1, t0), NameUse::New);
-        // The window slides: 59 s later still spent, 60 s after the
-        // first use room again, and the old names new again.
-        let later = t0 + Duration::from_secs(59);
-        assert_eq!(
-            b.spend(&acme, &rule, "n4.wild.test", 3, later),
-            NameUse::Exceeded
-        );
-        let after = t0 + WINDOW;
-        assert_eq!(
-            b.spend(&acme, &rule, "n4.wild.test", 3, after),
-            NameUse::New
-        );
-        assert_eq!(
-            b.spend(&acme, &rule, "n0.wild.test", 3, after),
-            NameUse::New
-        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use std::net::IpAddr;
 use std::path::Path;
 
-const POLICY: &str = r#"
+const ACME_RULES: &str = r#"
 [proxy]
 listen = ["198.18.0.1:3128"]
 [admin]
@@ -46,17 +46,16 @@ host = "uploads.example.org"
 
 [[org.deny]]
 cidr = "198.18.7.66/32"
-
-[[org]]
-name = "lab"
-clients = ["198.19.0.0/16"]
-
-[[org.allow]]
-host = "example.org"
 "#;
 
+/// `ACME`'s rules above, then the org `lab`, allowed `example.org`.
+fn policy_toml() -> String {
+    let lab = crate::testing::org_toml("lab", &["198.19.0.0/16"], &["example.org"]);
+    format!("{ACME_RULES}\n{lab}")
+}
+
 fn policy() -> Policy {
-    Policy::new(&config::from_str(POLICY, Path::new("p.toml")).unwrap())
+    Policy::new(&config::from_str(&policy_toml(), Path::new("p.toml")).unwrap())
 }
 
 fn ip(s: &str) -> IpAddr {
@@ -242,7 +241,7 @@ fn rows_8_to_10_ip_targets() {
 #[test]
 fn name_rules_never_allow_ip_literals() {
     let p = policy();
-    let mut c = config::from_str(POLICY, Path::new("p.toml")).unwrap();
+    let mut c = config::from_str(&policy_toml(), Path::new("p.toml")).unwrap();
     c.orgs[0].allow.push(config::RuleConfig {
         id: "x".into(),
         target: config::RuleTarget::Exact("198.18.9.9".into()),
@@ -261,7 +260,7 @@ fn name_rules_never_allow_ip_literals() {
 #[test]
 fn own_listeners_are_never_dialled() {
     let p = policy();
-    let mut c = config::from_str(POLICY, Path::new("p.toml")).unwrap();
+    let mut c = config::from_str(&policy_toml(), Path::new("p.toml")).unwrap();
     c.orgs[0].allow.push(config::RuleConfig {
         id: "all".into(),
         target: config::RuleTarget::Cidr("0.0.0.0/0".parse().unwrap()),
@@ -302,7 +301,10 @@ fn own_listeners_are_never_dialled() {
 
 #[test]
 fn first_matching_allow_rule_in_file_order_decides() {
-    let src = format!("{POLICY}\n[[org.allow]]\nid = \"second\"\nhost = \"a.example.org\"\n");
+    let src = format!(
+        "{}\n[[org.allow]]\nid = \"second\"\nhost = \"a.example.org\"\n",
+        policy_toml()
+    );
     let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
     let v = decide(&p, "198.19.2.1", "a.example.org", 443, &["198.18.9.9"]);
     assert_eq!(v.rule.as_deref(), Some("second"));
@@ -316,7 +318,7 @@ fn policy_hash_tracks_rules() {
     let b = policy();
     assert_eq!(a.hash(), b.hash());
     assert_eq!(a.hash().len(), 64);
-    let src = POLICY.replace("ports = [5432]", "ports = [5433]");
+    let src = policy_toml().replace("ports = [5432]", "ports = [5433]");
     let c = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
     assert_ne!(a.hash(), c.hash());
 }
@@ -324,9 +326,9 @@ fn policy_hash_tracks_rules() {
 #[test]
 fn lookup_cost_is_independent_of_rule_count() {
     // The work of a name lookup (hash probes and candidate rules, counted,
-    // not timed) is the same with 10 and with 10,000 rules besides POLICY.
+    // not timed) is the same with 10 and with 10,000 rules besides the policy above.
     let with_rules = |n: usize| {
-        let mut src = String::from(POLICY);
+        let mut src = policy_toml();
         for i in 0..n {
             src.push_str(&format!("[[org.allow]]\nhost = \"h{i}.example.com\"\n"));
             src.push_str(&format!("[[org.allow]]\nhost = \"*.w{i}.example.com\"\n"));
@@ -383,7 +385,10 @@ fn dns_answers_names_reachable_on_some_port() {
         Reason::UnknownClient
     );
     // a deny on the only allowed port leaves nothing reachable
-    let src = format!("{POLICY}[[org.deny]]\nhost = \"example.org\"\nports = [80, 443]\n");
+    let src = format!(
+        "{}[[org.deny]]\nhost = \"example.org\"\nports = [80, 443]\n",
+        policy_toml()
+    );
     let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
     assert_eq!(
         p.decide_name_any_port(ip("198.19.2.1"), "example.org")
@@ -420,7 +425,7 @@ fn dns_answers_are_filtered_without_a_port() {
 
 #[test]
 fn report_mode_lets_the_allowlist_denials_through_and_says_so() {
-    let src = POLICY.replace("name = \"acme\"\n", "name = \"acme\"\nmode = \"report\"\n");
+    let src = policy_toml().replace("name = \"acme\"\n", "name = \"acme\"\nmode = \"report\"\n");
     let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
     // denied by name: resolved and allowed, with what enforcement would do
     let v = decide(&p, ACME, "evil.com", 443, &["198.18.9.9"]);
@@ -691,16 +696,13 @@ host = "plain.example.org"
 /// Address rules for the always-denied table (row C): a broad rule on the
 /// web ports, one private network, the other orgs' sandbox networks and
 /// Palisade's own listener address.
-const ADDRESSES: &str = r#"
-[proxy]
-listen = ["10.0.0.5:3128"]
-[admin]
-listen = "0.0.0.0:9711"
+fn addresses_toml() -> String {
+    let acme = crate::testing::org_toml("acme", &["198.19.1.0/24"], &[]);
+    format!("[proxy]\nlisten = [\"10.0.0.5:3128\"]\n[admin]\nlisten = \"0.0.0.0:9711\"\n{acme}{ACME_ADDRESS_RULES}")
+}
 
-[[org]]
-name = "acme"
-clients = ["198.19.1.0/24"]
-
+/// `acme`'s address rules and the other orgs, for [`addresses_toml`].
+const ACME_ADDRESS_RULES: &str = r#"
 [[org.allow]]
 id = "web-v4"
 cidr = "0.0.0.0/0"
@@ -759,7 +761,7 @@ tokens = ["sha256:00000000000000000000000000000000000000000000000000000000000000
 
 /// The policy above with `extra` lines added to acme.
 fn addresses(extra: &str) -> Policy {
-    let src = ADDRESSES.replace("#EXTRA#", extra);
+    let src = addresses_toml().replace("#EXTRA#", extra);
     Policy::new(&config::from_str(&src, Path::new("a.toml")).unwrap())
 }
 
@@ -975,7 +977,7 @@ fn row_c_isatap_is_judged_by_its_embedded_ipv4() {
 
 /// The [`addresses`] policy served on a host with `host` addresses.
 fn on_host(host: &[&str], extra: &str) -> Policy {
-    let src = ADDRESSES.replace("#EXTRA#", extra);
+    let src = addresses_toml().replace("#EXTRA#", extra);
     let host: Vec<IpAddr> = host.iter().map(|a| ip(a)).collect();
     Policy::with_host(&config::from_str(&src, Path::new("a.toml")).unwrap(), &host)
 }
@@ -1227,7 +1229,7 @@ fn openings_list_each_rule_inside_an_always_denied_range() {
     let src = format!(
         "{}[[org]]\nname = \"delta\"\nidentity = \"address+token\"\n\
          clients = [\"198.51.100.0/24\"]\ntokens = [\"sha256:{}\"]\n",
-        ADDRESSES.replace("#EXTRA#", ""),
+        addresses_toml().replace("#EXTRA#", ""),
         "1".repeat(64)
     );
     let shared = Policy::new(&config::from_str(&src, Path::new("a.toml")).unwrap());
@@ -1322,9 +1324,9 @@ max_label_length = 8
 /// (an IP target, or what a name resolves to), and `check` names it.
 #[test]
 fn synthetic_pools_are_always_denied() {
-    let src = format!(
-        "[dns]\nsynthetic_pool = \"198.18.200.0/24\"\nsynthetic_pool_v6 = \"2001:2:0:200::/120\"\n{POLICY}"
-    );
+    let pools =
+        "[dns]\nsynthetic_pool = \"198.18.200.0/24\"\nsynthetic_pool_v6 = \"2001:2:0:200::/120\"\n";
+    let src = format!("{pools}{}", policy_toml());
     let p = Policy::new(&config::from_str(&src, Path::new("p.toml")).unwrap());
     for (target, addrs) in [
         ("198.18.200.7", &[][..]),
@@ -1344,7 +1346,7 @@ fn synthetic_pools_are_always_denied() {
     );
 }
 
-/// The baseline's denials, decided before any org rule: [`POLICY`] plus a
+/// The baseline's denials, decided before any org rule: [`policy_toml`] plus a
 /// report-mode org, under a baseline denying names and addresses its orgs
 /// allow.
 mod baseline {
@@ -1373,8 +1375,9 @@ cidr = "198.18.8.0/24"
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("b.toml"), BASELINE).unwrap();
         let src = format!(
-            "[policy]\nbaseline = \"b.toml\"\n{POLICY}\n[[org]]\nname = \"rep\"\nclients = [\"198.20.0.0/16\"]\nmode = \"report\"\n\
-             [[org.allow]]\nhost = \"api.example.com\"\n[[org.allow]]\ncidr = \"198.18.8.0/24\"\n"
+            "[policy]\nbaseline = \"b.toml\"\n{}\n[[org]]\nname = \"rep\"\nclients = [\"198.20.0.0/16\"]\nmode = \"report\"\n\
+             [[org.allow]]\nhost = \"api.example.com\"\n[[org.allow]]\ncidr = \"198.18.8.0/24\"\n",
+            policy_toml()
         );
         let config = config::from_str(&src, &dir.path().join("p.toml")).unwrap();
         (dir, Policy::new(&config))

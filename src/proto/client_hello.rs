@@ -276,18 +276,7 @@ impl<'a> Reader<'a> {
 mod tests {
     use super::*;
 
-    const OPENSSL: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_openssl.bin"
-    ));
-    const CURL: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_curl.bin"
-    ));
-    const LARGE: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_large.bin"
-    ));
+    use crate::testing::hellos::{CURL, LARGE, OPENSSL};
 
     const LARGE_ALPN: &[&str] = &[
         "h2",

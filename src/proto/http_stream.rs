@@ -479,7 +479,7 @@ fn trim_ows(mut v: &[u8]) -> &[u8] {
 }
 
 /// The elements of a comma-separated field value, trimmed.
-fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+pub(crate) fn list_items(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value.split(|&b| b == b',').map(trim_ows)
 }
 
@@ -599,7 +599,7 @@ fn request_framing<'a>(
 
 /// The Content-Length of all its field lines: digits only, several values
 /// only if all are the same number.
-fn content_length(values: &[&[u8]]) -> Result<Option<u64>, &'static str> {
+pub(crate) fn content_length(values: &[&[u8]]) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for item in values.iter().flat_map(|v| list_items(v)) {
         if item.is_empty() || !item.iter().all(u8::is_ascii_digit) {
@@ -777,18 +777,18 @@ enum ChunkState {
 }
 
 #[derive(Debug, Clone, Copy, Default)]
-struct Chunked {
+pub(crate) struct Chunked {
     state: ChunkState,
 }
 
 #[derive(Debug, Clone, Copy)]
-struct ChunkBounds {
-    trailer_bytes: usize,
-    trailer_fields: usize,
+pub(crate) struct ChunkBounds {
+    pub(crate) trailer_bytes: usize,
+    pub(crate) trailer_fields: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChunkStep {
+pub(crate) enum ChunkStep {
     /// This many bytes (more than 0) are framing or data; state advanced.
     Advance(usize),
     /// This many bytes (more than 0) end the body.
@@ -798,7 +798,12 @@ enum ChunkStep {
 }
 
 impl Chunked {
-    fn step(&mut self, buf: &[u8], bounds: ChunkBounds) -> ChunkStep {
+    /// Inside chunk data: what the next step advances over is data.
+    pub(crate) fn in_data(&self) -> bool {
+        matches!(self.state, ChunkState::Data(_))
+    }
+
+    pub(crate) fn step(&mut self, buf: &[u8], bounds: ChunkBounds) -> ChunkStep {
         if buf.is_empty() {
             return ChunkStep::NeedMore;
         }
@@ -990,7 +995,8 @@ struct Upstream {
     upgrade: Option<u64>,
 }
 
-const UPSTREAM_CHUNKS: ChunkBounds = ChunkBounds {
+/// The bounds of a response's chunk trailers.
+pub(crate) const UPSTREAM_CHUNKS: ChunkBounds = ChunkBounds {
     trailer_bytes: MAX_RESPONSE_HEAD,
     trailer_fields: MAX_RESPONSE_HEADERS,
 };

@@ -11,6 +11,7 @@ pub(crate) mod http_head;
 pub(crate) mod http_meter;
 pub(crate) mod http_request;
 pub(crate) mod http_stream;
+pub(crate) mod http_upstream;
 pub(crate) mod pktline;
 pub(crate) mod socks5;
 pub mod target;

@@ -429,18 +429,7 @@ mod tests {
     use crate::fuzzing::{client_hello_bytes, drive_tls, server_hello_bytes, UpstreamAt};
     use sha2::{Digest, Sha256};
 
-    const OPENSSL: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_openssl.bin"
-    ));
-    const CURL: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_curl.bin"
-    ));
-    const LARGE: &[u8] = include_bytes!(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/client_hello_large.bin"
-    ));
+    use crate::testing::hellos::{CURL, LARGE, OPENSSL};
 
     const HOST: &str = "api.example.com";
     /// change_cipher_spec as TLS 1.3 clients send it (RFC 8446 §D.4).

@@ -98,6 +98,9 @@ pub(crate) struct Asker<'a> {
     pub jit: &'a Jit,
     pub client: IpAddr,
     pub mode: Mode,
+    /// The request that missed, when Palisade sees one (a plain
+    /// `http://` request): grants naming a method or path are held to it.
+    pub request: Option<crate::jit::Request<'a>>,
 }
 
 impl Ctx {
@@ -107,6 +110,7 @@ impl Ctx {
             jit: &self.jit,
             client,
             mode,
+            request: None,
         }
     }
 }
@@ -121,8 +125,18 @@ pub(crate) async fn decide_in(
     host: &Host,
     port: u16,
 ) -> Decided {
-    let started = std::time::Instant::now();
-    let asker = ctx.asker(client, mode);
+    decide_asked(ctx, ctx.asker(client, mode), view, host, port).await
+}
+
+/// [`decide_in`] for `asker` (which may carry the request that missed).
+pub(crate) async fn decide_asked(
+    ctx: &Ctx,
+    asker: Asker<'_>,
+    view: &View,
+    host: &Host,
+    port: u16,
+) -> Decided {
+    let (started, mode) = (std::time::Instant::now(), asker.mode);
     let outcome = crate::otel::step("decide", decide(ctx, asker, view, host, port)).await;
     ctx.metrics.time_decision(mode, started.elapsed());
     outcome
@@ -378,6 +392,7 @@ async fn missed(
         client: asker.client,
         host,
         port: Some(port),
+        request: asker.request,
         mode: asker.mode,
         now: std::time::SystemTime::now(),
     };

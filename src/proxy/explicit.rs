@@ -20,7 +20,7 @@ use super::admission;
 use super::conn::{Asked, Link};
 use super::connect::{self, Opened};
 use super::ctx::{Ctx, View};
-use super::decide::{decide_in, Decided};
+use super::decide::{decide_asked, Decided};
 use super::failure::Unserved;
 use super::forward;
 use super::http::replay::Replay;
@@ -552,14 +552,16 @@ async fn forward(
         detail,
         synthetic,
         decider,
-    } = decide_in(
-        &ctx,
-        (Mode::Explicit, link.client.ip()),
-        &link.view,
-        &host,
-        port,
-    )
-    .await;
+    } = {
+        // The request, for a grant naming a method or path.
+        let path = crate::policy::request::NormalPath::parse(req.uri().path()).ok();
+        let mut asker = ctx.asker(link.client.ip(), Mode::Explicit);
+        asker.request = path.as_ref().map(|path| crate::jit::Request {
+            method: req.method().as_str(),
+            path,
+        });
+        decide_asked(&ctx, asker, &link.view, &host, port).await
+    };
     let mut conn = link.decided(host, port, verdict);
     conn.detail = detail;
     conn.decider = decider;

@@ -7,16 +7,18 @@
 //!
 //! [`absolute`] takes an explicit-mode absolute-form request from its
 //! allow to its response, over an idle upstream connection of the
-//! [`super::pool`] when there is one for its key, else a new one.
+//! [`super::pool`] when there is one for its key, else a new one: a
+//! request without a body over Palisade's own HTTP/1.1 exchange
+//! ([`super::http::upstream`]), one with a body through hyper's client.
 
 use std::future::Future;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request, Response, Uri, Version};
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, Uri};
 use http_body_util::BodyExt;
 use hyper::body::{Body as _, Incoming};
 use tokio::net::TcpStream;
@@ -27,9 +29,10 @@ use super::dial::dial_checked;
 use super::failure::Unserved;
 use super::http::body::{Metered, OnComplete, Stopped};
 use super::http::client::{Attempt, InOrder, NoResponse, Sender};
+use super::http::upstream::{self, Failed, Returned, Upconn};
 use super::http::wire::{RequestBytes, UpCount};
-use super::http::{full, strip_hop_by_hop, Body};
-use super::pool::{self, Key};
+use super::http::{strip_hop_by_hop, Body};
+use super::pool::Key;
 use super::record::volume_record;
 use super::record::{dial_failed, write_record, Refused};
 use super::revoke::{self, Hold};
@@ -37,6 +40,7 @@ use super::tunnel::Watch;
 use crate::evidence::Record;
 use crate::limits::volume::Direction;
 use crate::policy::Reason;
+use crate::proto::http_upstream::{request_head, Head as ResponseHead};
 use crate::proto::target::Host;
 use crate::serve::http::BodyError;
 use tokio_util::sync::CancellationToken;
@@ -139,11 +143,15 @@ impl Exchange {
     /// body spend from the exchange's volume budgets; a body cut at one
     /// (either way) ends the response short: the client's connection (or
     /// HTTP/2 stream) is cut.
-    pub(crate) fn relay(
+    pub(crate) fn relay<B>(
         mut self,
-        resp: Response<Incoming>,
+        resp: Response<B>,
         on_complete: Option<OnComplete>,
-    ) -> Response<Body> {
+    ) -> Response<Body>
+    where
+        B: hyper::body::Body<Data = bytes::Bytes> + Send + Sync + Unpin + 'static,
+        B::Error: Into<BodyError>,
+    {
         let (mut parts, body) = resp.into_parts();
         strip_hop_by_hop(&mut parts.headers);
         let status = self.with_status.then_some(parts.status.as_u16());
@@ -236,7 +244,7 @@ fn response_head_len(parts: &http::response::Parts) -> u64 {
 /// The upstream connection an allowed request goes over.
 enum Upstream {
     /// Idle in the pool, kept for this request's key.
-    Pooled(Sender),
+    Pooled(Upconn),
     /// Just dialled.
     Dialled(TcpStream),
 }
@@ -245,10 +253,13 @@ enum Upstream {
 /// pooled connection to one of `addrs` (each checked by its decision) or
 /// dial them in order; record the decision with the address reached
 /// (`conn.ip`) before a byte is sent; send the request in origin form;
-/// relay the response, its close record written at its end. A connection
-/// whose response was read to its end goes back to the pool, unless the
-/// request had a body: that one asks the upstream to close after it
-/// (`Connection: close`) and is never reused.
+/// relay the response, its close record written at its end.
+///
+/// A request without a body goes over Palisade's own HTTP/1.1 exchange
+/// ([`bodiless`]), whose connection goes back to the pool after an
+/// exchange in order. One with a body goes through hyper's client
+/// ([`with_body`]) and asks the upstream to close after it
+/// (`Connection: close`): it is never reused.
 ///
 /// A pooled connection the upstream closed just as the request came is
 /// not the client's problem: a request not a byte of which was written
@@ -305,92 +316,138 @@ pub(crate) async fn absolute(
     if !head_fits {
         return exchange.failed(NoResponse::NotSent("request head over the budget".into()));
     }
-    let (mut parts, body) = match origin_form(req, &host, port) {
+    let (parts, body) = match origin_form(req, &host, port) {
         Ok(p) => p,
         Err(e) => return exchange.failed(NoResponse::NotSent(e)),
     };
-    let reused = matches!(upstream, Upstream::Pooled(_));
-    // What a retry needs to send the request again, kept only when one
-    // could be (a reused connection, an idempotent request without a body).
-    let again = (reused && replayable(&parts.method, body.is_end_stream())).then(|| Resend {
-        method: parts.method.clone(),
-        uri: parts.uri.clone(),
-        version: parts.version,
-        headers: parts.headers.clone(),
-    });
-    let mut sender = match upstream {
-        Upstream::Pooled(sender) => sender,
-        Upstream::Dialled(stream) => match Sender::handshake(stream, false, &ctx.tasks).await {
-            Ok(s) => s,
-            Err(e) => return exchange.failed(NoResponse::Failed(e)),
-        },
+    if body.is_end_stream() {
+        let key = org.map(|org| Key {
+            org,
+            host,
+            port,
+            addr,
+        });
+        return bodiless(exchange, &parts, (upstream, addr), key).await;
+    }
+    with_body(exchange, (parts, body, up_count), (upstream, addr)).await
+}
+
+/// A request without a body over Palisade's own HTTP/1.1 exchange
+/// ([`upstream`]): its head written, the response
+/// head read within the response timeout, the body relayed by its
+/// framing. The connection goes back to the pool under `key` once the
+/// body was relayed to its end in order (none for a request of no org).
+async fn bodiless(
+    exchange: Exchange,
+    parts: &http::request::Parts,
+    (upstream, addr): (Upstream, SocketAddr),
+    key: Option<Key>,
+) -> Response<Body> {
+    let ctx = exchange.ctx.clone();
+    let target = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let head = request_head(&parts.method, target, &parts.headers);
+    let to_head = parts.method == Method::HEAD;
+    let timeout = ctx.limits.response_timeout.get();
+    let (reused, conn) = match upstream {
+        Upstream::Pooled(c) => (true, c),
+        Upstream::Dialled(s) => (false, Upconn::new(s)),
     };
-    // Whether the connection may go back to the pool after this exchange
-    // (no request body, the response read to its end); a resend below
-    // carries no body, so its connection is in order from the start. A
-    // request with a body asks the upstream to close after it.
-    let (mut in_order, body_sent) = InOrder::new(body.is_end_stream());
+    let replay = replayable(&parts.method, true);
+    let attempt = async {
+        match conn.exchange(&head, to_head, timeout).await {
+            Err(Failed::Unsent) if reused => fresh(&ctx, addr, &head, to_head).await,
+            Err(Failed::Lost(_)) if retry_fresh(reused, replay, true) => {
+                fresh(&ctx, addr, &head, to_head).await
+            }
+            other => other,
+        }
+    };
+    let Some(result) = exchange.unless_revoked(attempt).await else {
+        // Its connection went with the attempt.
+        return exchange.revoked();
+    };
+    match result {
+        Ok((resp, conn)) => {
+            let returned = Returned::default();
+            let resp = upstream::response(resp, conn, returned.clone());
+            let give_back = key.map(|key| {
+                Box::new(move || {
+                    let conn = returned.lock().unwrap_or_else(|e| e.into_inner()).take();
+                    if let Some(conn) = conn {
+                        ctx.upstream_pool.give_back(key, conn);
+                    }
+                }) as OnComplete
+            });
+            exchange.relay(resp, give_back)
+        }
+        Err(e) => exchange.failed(e.into()),
+    }
+}
+
+/// Send `head` again over a new connection to the address the request
+/// was decided and recorded for (no other: the record names it).
+async fn fresh(
+    ctx: &Ctx,
+    addr: SocketAddr,
+    head: &[u8],
+    to_head: bool,
+) -> Result<(ResponseHead, Upconn), Failed> {
+    let (stream, _) = dial_checked(ctx, &[addr.ip()], addr.port())
+        .await
+        .map_err(|e| Failed::Lost(format!("reconnecting: {e}")))?;
+    Upconn::new(stream)
+        .exchange(head, to_head, ctx.limits.response_timeout.get())
+        .await
+}
+
+/// A request with a body, through hyper's client: it asks the upstream
+/// to close after it, its body is handed over until an early answer, and
+/// its connection is cut when the response ends ([`InOrder`]).
+async fn with_body(
+    exchange: Exchange,
+    (mut parts, body, up_count): (http::request::Parts, Incoming, Arc<AtomicU64>),
+    (upstream, addr): (Upstream, SocketAddr),
+) -> Response<Body> {
+    let ctx = exchange.ctx.clone();
+    let reused = matches!(upstream, Upstream::Pooled(_));
+    let stream = match upstream {
+        Upstream::Pooled(c) => c.into_stream(),
+        Upstream::Dialled(s) => s,
+    };
+    let mut sender = match Sender::handshake(stream, false, &ctx.tasks).await {
+        Ok(s) => s,
+        Err(e) => return exchange.failed(NoResponse::Failed(e)),
+    };
+    let (mut in_order, body_sent) = InOrder::new(false);
     in_order.ask_close(&mut parts.headers);
     let body = Metered::new(body, up_count).on_complete(body_sent);
     let body = in_order.gate(exchange.volume.body(body, Direction::Up));
     let req = Request::from_parts(parts, exchange.volume.stopped(body));
     let timeout = ctx.limits.response_timeout.get();
-    let attempt = send_or_resend(&ctx, (&mut sender, addr), req, (reused, again), timeout);
+    let attempt = async {
+        match sender.exchange(req, timeout).await {
+            // Not a byte of it written: it may go over a new connection.
+            Err(Attempt::Unsent(req)) if reused => resend(&ctx, addr, &mut sender, *req).await,
+            other => other,
+        }
+    };
     let result = exchange.unless_revoked(attempt).await;
     // The connection the request went over (a resend's new one).
     in_order.follow(&sender);
     let Some(result) = result else {
-        // The watch, dropped, cuts the connection.
         return exchange.revoked();
     };
     match result {
         Ok(resp) => {
             in_order.response_began();
-            // Held until the response ends (the connection lives while it
-            // is read); then back to the pool if the exchange had no body and kept to
-            // order, else cut (the watch, dropped, cuts it).
-            let give_back = Box::new(move || {
-                let Some(org) = org.filter(|_| in_order.reusable()) else {
-                    return;
-                };
-                let key = Key {
-                    org,
-                    host,
-                    port,
-                    addr,
-                };
-                pool::give_back(&ctx.upstream_pool, (&ctx.tasks, &ctx.shutdown), key, sender)
-            }) as OnComplete;
-            exchange.relay(resp, Some(give_back))
+            // Held until the response ends, then cut: never reused.
+            let cut = Box::new(move || drop(in_order)) as OnComplete;
+            exchange.relay(resp, Some(cut))
         }
         Err(Attempt::Unsent(_)) => {
             exchange.failed(NoResponse::NotSent("upstream connection closed".into()))
         }
         Err(Attempt::Failed(e)) => exchange.failed(e),
-    }
-}
-
-/// Send `req` over `sender` (to `addr`, `reused` from the pool or not);
-/// a pooled connection that closed under it is not the client's problem:
-/// a request not a byte of which was written goes again over a new
-/// connection, and so does one that can be sent `again`
-/// ([`retry_fresh`]).
-async fn send_or_resend(
-    ctx: &Ctx,
-    (sender, addr): (&mut Sender, std::net::SocketAddr),
-    req: Request<Body>,
-    (reused, again): (bool, Option<Resend>),
-    timeout: std::time::Duration,
-) -> Result<Response<Incoming>, Attempt> {
-    match sender.exchange(req, timeout).await {
-        Err(Attempt::Unsent(req)) if reused => resend(ctx, addr, sender, *req).await,
-        Err(Attempt::Failed(e)) if retry_fresh(reused, again.is_some(), e.is_connection_lost()) => {
-            match again {
-                Some(again) => resend(ctx, addr, sender, again.request()).await,
-                None => Err(Attempt::Failed(e)),
-            }
-        }
-        other => other,
     }
 }
 
@@ -401,14 +458,14 @@ async fn upstream_for(
     ctx: &Ctx,
     conn: &mut Conn,
     addrs: &[IpAddr],
-) -> Result<(Upstream, std::net::SocketAddr), Refused> {
+) -> Result<(Upstream, SocketAddr), Refused> {
     let org = conn.view.org.as_ref().map(|o| &o.name);
     let pooled = org.and_then(|org| {
         ctx.upstream_pool
             .checkout(org, &conn.host, conn.port, addrs)
     });
     match pooled {
-        Some((sender, addr)) => Ok((Upstream::Pooled(sender), addr)),
+        Some((c, addr)) => Ok((Upstream::Pooled(c), addr)),
         None => match dial_checked(ctx, addrs, conn.port).await {
             Ok((stream, addr)) => Ok((Upstream::Dialled(stream), addr)),
             Err(e) => Err(dial_failed(ctx, conn, e).await),
@@ -421,7 +478,7 @@ async fn upstream_for(
 /// becomes that connection.
 async fn resend(
     ctx: &Ctx,
-    addr: std::net::SocketAddr,
+    addr: SocketAddr,
     sender: &mut Sender,
     req: Request<Body>,
 ) -> Result<Response<Incoming>, Attempt> {
@@ -469,25 +526,6 @@ fn host_header(host: &Host, port: u16) -> String {
         (Host::Ip(IpAddr::V6(v6)), p) => format!("[{v6}]:{p}"),
         (h, 80) => h.to_string(),
         (h, p) => format!("{h}:{p}"),
-    }
-}
-
-/// A request head kept to send again.
-struct Resend {
-    method: Method,
-    uri: Uri,
-    version: Version,
-    headers: HeaderMap,
-}
-
-impl Resend {
-    fn request(self) -> Request<Body> {
-        let mut req = Request::new(full(bytes::Bytes::new()));
-        *req.method_mut() = self.method;
-        *req.uri_mut() = self.uri;
-        *req.version_mut() = self.version;
-        *req.headers_mut() = self.headers;
-        req
     }
 }
 
@@ -558,22 +596,5 @@ mod tests {
         let v6 = Host::Ip("2001:db8::1".parse().unwrap());
         assert_eq!(host_header(&v6, 80), "[2001:db8::1]");
         assert_eq!(host_header(&v6, 81), "[2001:db8::1]:81");
-    }
-
-    #[test]
-    fn a_resent_request_keeps_its_head_and_has_no_body() {
-        let mut headers = HeaderMap::new();
-        headers.insert(header::HOST, HeaderValue::from_static("a.test"));
-        let req = Resend {
-            method: Method::GET,
-            uri: Uri::from_static("/x?y"),
-            version: Version::HTTP_11,
-            headers,
-        }
-        .request();
-        assert_eq!(req.method(), Method::GET);
-        assert_eq!(req.uri(), "/x?y");
-        assert_eq!(req.headers()[header::HOST], "a.test");
-        assert!(req.body().is_end_stream());
     }
 }

@@ -2,7 +2,7 @@
 //!
 //! Every request is still decided and recorded on its own (see
 //! [`super::forward::absolute`]); what the pool saves is the TCP connect,
-//! the upstream accept and a connection task per request. A connection is
+//! the upstream accept and the connection's setup per request. A connection is
 //! kept under its [`Key`]: the org the request was decided for, the target
 //! host and port, and the address dialled. So:
 //!
@@ -13,35 +13,33 @@
 //! - a connection checked out is out of the pool until its response has
 //!   been read to the end, so two requests never share one at once.
 //!
-//! A connection goes back only when hyper says it can take another request
-//! (its response was read to the end, the upstream did not mark it close:
-//! no `Connection: close`, no HTTP/1.0 without keep-alive, no error, no
-//! upgrade), and its request had no body (a request with a body asks the
-//! upstream to close after it and its connection is cut:
-//! [`InOrder`](crate::proxy::http::client::InOrder), so a head planted in
-//! a body never reaches an upstream that did not read that body), and only
-//! for the idle timeout. Idle connections are
-//! bounded in total and per key; over a bound the oldest idle one is
-//! closed.
+//! A connection goes back only after an exchange in order (see
+//! [`upstream`](crate::proxy::http::upstream)): a request without a body,
+//! its response read to the end its framing gives and no byte past it,
+//! the upstream HTTP/1.1 and not marking it close; and only for the idle
+//! timeout. A request with a body asks the upstream to close after it and
+//! its connection is cut ([`InOrder`](crate::proxy::http::client::InOrder)),
+//! so a head planted in a body never reaches an upstream that did not read
+//! that body. An idle connection the upstream closed, or sent a byte on,
+//! is dropped when met. Idle connections are bounded in total and per key;
+//! over a bound the oldest idle one is closed.
 //!
 //! The bookkeeping ([`Pool`]) is pure: the caller passes `now` and says
 //! which entries are still usable; the I/O around it ([`UpstreamPool`])
-//! holds hyper's senders.
+//! holds the idle connections.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use prometheus::{IntCounter, IntGauge};
 
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
-use super::http::client::Sender;
+use super::http::upstream::Upconn;
 use crate::config::Limits;
 use crate::proto::target::Host;
 
@@ -233,7 +231,7 @@ pub(crate) struct Key {
 
 /// The proxy's pool of idle upstream HTTP/1.1 connections.
 pub(crate) struct UpstreamPool {
-    idle: Mutex<Pool<Key, Sender>>,
+    idle: Mutex<Pool<Key, Upconn>>,
     bounds: Bounds,
     /// Shutdown began: nothing is kept or handed out any more.
     closed: AtomicBool,
@@ -251,9 +249,9 @@ impl std::fmt::Debug for UpstreamPool {
     }
 }
 
-/// A sender that can take a request now.
-fn usable(s: &Sender) -> bool {
-    !s.is_closed() && s.is_ready()
+/// A connection that can take a request now.
+fn usable(c: &Upconn) -> bool {
+    c.is_usable()
 }
 
 impl UpstreamPool {
@@ -272,11 +270,11 @@ impl UpstreamPool {
         self.bounds.enabled() && !self.closed.load(Ordering::Relaxed)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Pool<Key, Sender>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool<Key, Upconn>> {
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn update_gauge(&self, pool: &Pool<Key, Sender>) {
+    fn update_gauge(&self, pool: &Pool<Key, Upconn>) {
         self.gauge
             .set(i64::try_from(pool.len()).unwrap_or(i64::MAX));
     }
@@ -289,7 +287,7 @@ impl UpstreamPool {
         host: &Host,
         port: u16,
         addrs: &[std::net::IpAddr],
-    ) -> Option<(Sender, SocketAddr)> {
+    ) -> Option<(Upconn, SocketAddr)> {
         if !self.enabled() {
             return None;
         }
@@ -307,8 +305,8 @@ impl UpstreamPool {
         let mut found = None;
         for ip in addrs {
             key.addr = SocketAddr::new(*ip, port);
-            if let Some(sender) = pool.checkout(&key, now, usable) {
-                found = Some((sender, key.addr));
+            if let Some(conn) = pool.checkout(&key, now, usable) {
+                found = Some((conn, key.addr));
                 break;
             }
         }
@@ -320,31 +318,13 @@ impl UpstreamPool {
         found
     }
 
-    /// Keep `sender` idle under `key` if it can take another request now.
-    /// Returns it if it cannot yet (the caller may wait for it).
-    fn checkin_if_ready(&self, key: Key, mut sender: Sender) -> Option<(Key, Sender)> {
-        if !self.enabled() {
-            return None;
-        }
-        let mut cx = Context::from_waker(Waker::noop());
-        match sender.poll_ready(&mut cx) {
-            Poll::Ready(Ok(true)) => {
-                self.checkin(key, sender);
-                None
-            }
-            // Closed (the upstream marked it close, or it failed), or
-            // retired (its exchange was not in order).
-            Poll::Ready(Ok(false) | Err(_)) => None,
-            Poll::Pending => Some((key, sender)),
-        }
-    }
-
-    fn checkin(&self, key: Key, sender: Sender) {
+    /// Keep `conn`, whose exchange ended in order, idle under `key`.
+    pub(crate) fn give_back(&self, key: Key, conn: Upconn) {
         if !self.enabled() {
             return;
         }
         let mut pool = self.lock();
-        pool.checkin(key, sender, Instant::now());
+        pool.checkin(key, conn, Instant::now());
         self.update_gauge(&pool);
     }
 
@@ -375,33 +355,8 @@ fn prune_interval(idle_timeout: Duration) -> Duration {
     (idle_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(5))
 }
 
-/// Give `sender`, whose response was read to the end, back to the pool
-/// once hyper says it can take another request; a connection the upstream
-/// marked close (or that failed) never becomes ready and is dropped. The
-/// wait is bounded by the idle timeout and ends at shutdown.
-pub(crate) fn give_back(
-    pool: &Arc<UpstreamPool>,
-    (tasks, shutdown): (&TaskTracker, &CancellationToken),
-    key: Key,
-    sender: Sender,
-) {
-    let Some((key, mut sender)) = pool.checkin_if_ready(key, sender) else {
-        return;
-    };
-    let (pool, shutdown, wait) = (pool.clone(), shutdown.clone(), pool.bounds.idle_timeout);
-    tasks.spawn(async move {
-        let ready = tokio::select! {
-            r = tokio::time::timeout(wait, sender.ready()) => matches!(r, Ok(Ok(true))),
-            _ = shutdown.cancelled() => false,
-        };
-        if ready {
-            pool.checkin(key, sender);
-        }
-    });
-}
-
 /// Prune the pool now and then; at `shutdown`, close every idle connection
-/// (their connection tasks then end, and the drain does not wait on them).
+/// (their sockets close with them, and the drain does not wait on them).
 pub(crate) async fn reap(pool: Arc<UpstreamPool>, shutdown: CancellationToken) {
     if !pool.enabled() {
         return;

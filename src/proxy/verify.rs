@@ -22,12 +22,14 @@
 //! A violation stops the tunnel at once: the bytes that failed, and any
 //! after them, never reach the upstream.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::BufMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 
 use crate::limits::{DetectHold, DetectScope};
@@ -303,6 +305,39 @@ pub(crate) struct Watch<'a> {
     pub volume: Option<&'a tunnel::Watch>,
 }
 
+/// What the two directions of one verified copy share.
+struct Shared<'a> {
+    start: Instant,
+    /// When bytes last moved either way, in milliseconds after `start`.
+    last: AtomicU64,
+    up: AtomicU64,
+    down: AtomicU64,
+    guard: Mutex<Guard>,
+    /// The upstream's bytes were observed, or it closed: a unit waiting
+    /// on them may be decided now.
+    server_seen: Notify,
+    server_closed: AtomicBool,
+    /// The client's direction went opaque: nothing is left to follow on
+    /// the upstream's either.
+    client_opaque: AtomicBool,
+    volume: Option<&'a tunnel::Watch>,
+}
+
+impl Shared<'_> {
+    /// Bytes moved: whether the tunnel may go on (its volume budgets).
+    fn touch(&self) -> bool {
+        let since = self.start.elapsed().as_millis() as u64;
+        self.last.store(since, Ordering::Relaxed);
+        self.volume.is_none_or(|w| w.moved(&self.up, &self.down))
+    }
+
+    fn guard(&self) -> MutexGuard<'_, Guard> {
+        self.guard
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// Copy both ways until close, idle, `stop`, or a violation, judging every
 /// client byte before it is forwarded. `held[..verified]` is forwarded
 /// first; the rest of `held` is judged like any later byte. With `report`,
@@ -326,249 +361,56 @@ where
     C: Stream,
     U: Stream,
 {
-    let Judged {
-        guard,
-        held,
+    let shared = Shared {
+        start: Instant::now(),
+        last: AtomicU64::new(0),
+        up: AtomicU64::new(0),
+        down: AtomicU64::new(0),
+        guard: Mutex::new(judged.guard),
+        server_seen: Notify::new(),
+        server_closed: AtomicBool::new(false),
+        client_opaque: AtomicBool::new(false),
+        volume: watch.volume,
+    };
+    let (client_r, client_w) = client.halves();
+    let (upstream_r, upstream_w) = upstream.halves();
+    let verified = judged.verified.min(judged.held.len());
+    // The directions' state lives here; their futures hold references.
+    let mut up = Upward {
+        shared: &shared,
+        from: client_r,
+        to: upstream_w,
+        held: judged.held,
         verified,
-    } = judged;
-    let Watch {
-        idle,
-        unit_timeout,
-        stop,
-        detect,
-        report,
-        volume,
-    } = watch;
-    let start = Instant::now();
-    let last = AtomicU64::new(0);
-    let up = AtomicU64::new(0);
-    let down = AtomicU64::new(0);
-    let guard = Mutex::new(guard);
-    let server_seen = Notify::new();
-    let server_closed = AtomicBool::new(false);
-    let client_opaque = AtomicBool::new(false);
-    let (mut client_r, mut client_w) = client.halves();
-    let (mut upstream_r, mut upstream_w) = upstream.halves();
-    let touch = || {
-        last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
-        volume.is_none_or(|w| w.moved(&up, &down))
+        budget: Budget::new(watch.detect),
+        opaque: false,
+        unit_since: None,
+        unit_timeout: watch.unit_timeout,
+        report: watch.report,
     };
-    let lock = || {
-        guard
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    };
-    let judge = |held: &[u8]| lock().client(held);
-
-    let up_dir = async {
-        let mut held = held;
-        let mut verified = verified.min(held.len());
-        let mut budget = Budget::new(detect);
-        let mut opaque = false;
-        // When the unit now held began to arrive.
-        let mut unit_since: Option<Instant> = None;
-        loop {
-            if verified > 0 {
-                if upstream_w.write_all(&held[..verified]).await.is_err() {
-                    return End::Closed;
-                }
-                up.fetch_add(verified as u64, Ordering::Relaxed);
-                if !touch() {
-                    return End::Closed;
-                }
-                held.drain(..verified);
-                verified = 0;
-            }
-            if opaque {
-                client_opaque.store(true, Ordering::Relaxed);
-                if !held.is_empty() {
-                    if upstream_w.write_all(&held).await.is_err() {
-                        return End::Closed;
-                    }
-                    up.fetch_add(held.len() as u64, Ordering::Relaxed);
-                    if !touch() {
-                        return End::Closed;
-                    }
-                }
-                drop(held);
-                budget.release();
-                // Boxed, as every branch below that is not where an idle
-                // tunnel waits: the task keeps room only for the largest.
-                Box::pin(tunnel::forward(&mut client_r, &mut upstream_w, &up, &touch)).await;
-                return End::Closed;
-            }
-            if !held.is_empty() {
-                let seen = server_seen.notified();
-                tokio::pin!(seen);
-                seen.as_mut().enable();
-                match judge(&held) {
-                    Step::Forward(n) => {
-                        verified = n.min(held.len());
-                        unit_since = None;
-                        continue;
-                    }
-                    Step::Opaque => {
-                        opaque = true;
-                        continue;
-                    }
-                    Step::Deny(v) => match report {
-                        Some(report) => {
-                            report(&v);
-                            opaque = true;
-                            continue;
-                        }
-                        None => return End::Violation(v),
-                    },
-                    Step::Wait => {
-                        if server_closed.load(Ordering::Relaxed) {
-                            // Nothing more will come to decide on.
-                            break;
-                        }
-                        seen.await;
-                        continue;
-                    }
-                    Step::NeedMore => {
-                        unit_since.get_or_insert_with(Instant::now);
-                    }
-                }
-            } else {
-                // Nothing held: the rest of a body of known length may go
-                // by unheld, exactly that many bytes.
-                let body = lock().client_body_left();
-                if body > 0 {
-                    if let (Some(from), Some(to)) = (client_r.as_tcp(), upstream_w.as_tcp()) {
-                        let before = up.load(Ordering::Relaxed);
-                        let end = Box::pin(splice::splice(from, to, Some(body), &up, &touch)).await;
-                        lock().client_passed(up.load(Ordering::Relaxed) - before);
-                        match end {
-                            Spliced::Limit => continue,
-                            Spliced::Unsupported => {}
-                            Spliced::Eof | Spliced::Failed => break,
-                        }
-                    }
-                }
-            }
-            if held.is_empty() {
-                budget.release();
-                if let Some(tcp) = client_r.as_tcp() {
-                    // An idle tunnel holds no buffer.
-                    held = Vec::new();
-                    if tcp.readable().await.is_err() {
-                        break;
-                    }
-                }
-            } else if !budget.cover(held.len() + READ_CHUNK) {
-                return End::OverBudget;
-            }
-            held.reserve(READ_CHUNK);
-            let mut room = (&mut held).limit(READ_CHUNK);
-            let read = client_r.read_buf(&mut room);
-            let read = match unit_since {
-                Some(since) => {
-                    match Box::pin(tokio::time::timeout_at(since + unit_timeout, read)).await {
-                        Ok(read) => read,
-                        Err(_) => {
-                            let v = Violation::new(
-                                ViolationKind::ProtocolMismatch,
-                                None,
-                                format!(
-                                    "a unit incomplete {} after its first byte",
-                                    humantime::format_duration(unit_timeout)
-                                ),
-                            );
-                            match report {
-                                Some(report) => {
-                                    report(&v);
-                                    opaque = true;
-                                    continue;
-                                }
-                                None => return End::Violation(v),
-                            }
-                        }
-                    }
-                }
-                None => read.await,
-            };
-            match read {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-        // The client finished; bytes it left unjudged are never forwarded.
-        let _ = upstream_w.shutdown().await;
-        End::Closed
-    };
-
-    let down_dir = async {
-        let mut buf: Vec<u8> = Vec::new();
-        loop {
-            if client_opaque.load(Ordering::Relaxed) {
-                // Nothing left to follow on this side either.
-                drop(std::mem::take(&mut buf));
-                Box::pin(tunnel::forward(
-                    &mut upstream_r,
-                    &mut client_w,
-                    &down,
-                    &touch,
-                ))
-                .await;
-                break;
-            }
-            // The rest of a response body of known length goes by
-            // unobserved, exactly that many bytes.
-            let body = lock().server_body_left();
-            if body > 0 {
-                if let (Some(from), Some(to)) = (upstream_r.as_tcp(), client_w.as_tcp()) {
-                    buf = Vec::new();
-                    let before = down.load(Ordering::Relaxed);
-                    let end = Box::pin(splice::splice(from, to, Some(body), &down, &touch)).await;
-                    lock().server_passed(down.load(Ordering::Relaxed) - before);
-                    server_seen.notify_waiters();
-                    match end {
-                        Spliced::Limit => continue,
-                        Spliced::Unsupported => {}
-                        Spliced::Eof | Spliced::Failed => break,
-                    }
-                }
-            }
-            if buf.capacity() == 0 {
-                if let Some(tcp) = upstream_r.as_tcp() {
-                    if tcp.readable().await.is_err() {
-                        break;
-                    }
-                }
-            }
-            buf.clear();
-            buf.reserve(READ_CHUNK);
-            let n = match upstream_r.read_buf(&mut (&mut buf).limit(READ_CHUNK)).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => n,
-            };
-            // Observe before forwarding: the client's answer to these bytes
-            // must be judged in the state they create.
-            lock().server(&buf[..n]);
-            server_seen.notify_waiters();
-            if client_w.write_all(&buf[..n]).await.is_err() {
-                break;
-            }
-            down.fetch_add(n as u64, Ordering::Relaxed);
-            if !touch() {
-                break;
-            }
-            if n < READ_CHUNK && upstream_r.as_tcp().is_some() {
-                // Drained: hold no buffer while the upstream is quiet.
-                buf = Vec::new();
-            }
-        }
-        server_closed.store(true, Ordering::Relaxed);
-        server_seen.notify_waiters();
-        let _ = client_w.shutdown().await;
-    };
-
-    // Both directions until both finish; a violation ends the tunnel at
-    // once, whatever the upstream is still sending. Pinned here and polled
-    // through references: one copy of each direction's state per tunnel.
+    let up_dir = up.run();
+    let down_dir = downward(&shared, upstream_r, client_w);
+    // Pinned here and polled through references: one copy of each
+    // direction's state per tunnel.
     tokio::pin!(up_dir, down_dir);
+    let end = both_ways(up_dir, down_dir, &shared, watch.idle, watch.stop).await;
+    let totals = Totals {
+        up: shared.up.load(Ordering::Relaxed),
+        down: shared.down.load(Ordering::Relaxed),
+    };
+    (totals, end)
+}
+
+/// Both directions until both finish; a violation ends the tunnel at once,
+/// whatever the upstream is still sending; so do `idle` without a byte
+/// either way, and `stop`.
+async fn both_ways(
+    mut up_dir: Pin<&mut impl Future<Output = End>>,
+    mut down_dir: Pin<&mut impl Future<Output = ()>>,
+    shared: &Shared<'_>,
+    idle: Duration,
+    stop: &CancellationToken,
+) -> End {
     let both = async {
         let mut up_done = false;
         let mut down_done = false;
@@ -588,18 +430,300 @@ where
         }
     };
     tokio::pin!(both);
-    let end = tokio::select! {
+    tokio::select! {
         end = &mut both => end,
-        _ = tunnel::idle_for(idle, start, &last) => End::Closed,
+        _ = tunnel::idle_for(idle, shared.start, &shared.last) => End::Closed,
         _ = stop.cancelled() => End::Closed,
-    };
-    (
-        Totals {
-            up: up.load(Ordering::Relaxed),
-            down: down.load(Ordering::Relaxed),
-        },
-        end,
-    )
+    }
+}
+
+/// What the client's direction does next.
+enum Flow {
+    /// Look at what is held again.
+    Again,
+    /// Read more of the client.
+    Read,
+    /// The client is done: half-close the upstream.
+    Done,
+    /// The tunnel ends.
+    End(End),
+}
+
+/// The client's direction: every byte judged before it is forwarded.
+struct Upward<'s, 'a, R, W> {
+    shared: &'s Shared<'a>,
+    from: R,
+    to: W,
+    /// Client bytes read and not yet forwarded.
+    held: Vec<u8>,
+    /// How many of `held` passed judging.
+    verified: usize,
+    budget: Budget<'a>,
+    /// Judging is over: copied as is from now on.
+    opaque: bool,
+    /// When the unit now held began to arrive.
+    unit_since: Option<Instant>,
+    unit_timeout: Duration,
+    report: Option<&'s (dyn Fn(&Violation) + Sync)>,
+}
+
+impl<R, W> Upward<'_, '_, R, W>
+where
+    R: AsyncRead + AsTcp + Unpin,
+    W: AsyncWrite + AsTcp + Unpin,
+{
+    async fn run(&mut self) -> End {
+        loop {
+            if !self.pass_verified().await {
+                return End::Closed;
+            }
+            if self.opaque {
+                // Boxed, as every step that is not where an idle tunnel
+                // waits: the task keeps room only for the largest.
+                Box::pin(self.go_opaque()).await;
+                return End::Closed;
+            }
+            let flow = if self.held.is_empty() {
+                Box::pin(self.pass_body()).await
+            } else {
+                Box::pin(self.judge_held()).await
+            };
+            let flow = match flow {
+                Flow::Read => self.read_more().await,
+                flow => flow,
+            };
+            match flow {
+                Flow::Again | Flow::Read => {}
+                Flow::Done => break,
+                Flow::End(end) => return end,
+            }
+        }
+        // The client finished; bytes it left unjudged are never forwarded.
+        let _ = self.to.shutdown().await;
+        End::Closed
+    }
+
+    /// Forward `bytes` and count them; whether the tunnel goes on.
+    async fn send(to: &mut W, shared: &Shared<'_>, bytes: &[u8]) -> bool {
+        if to.write_all(bytes).await.is_err() {
+            return false;
+        }
+        shared.up.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        shared.touch()
+    }
+
+    /// Forward what passed judging; whether the tunnel goes on.
+    async fn pass_verified(&mut self) -> bool {
+        if self.verified == 0 {
+            return true;
+        }
+        let n = self.verified;
+        if !Self::send(&mut self.to, self.shared, &self.held[..n]).await {
+            return false;
+        }
+        self.held.drain(..n);
+        self.verified = 0;
+        true
+    }
+
+    /// Forward what is held unjudged, then copy as is until the client
+    /// is done.
+    async fn go_opaque(&mut self) {
+        let shared = self.shared;
+        shared.client_opaque.store(true, Ordering::Relaxed);
+        let held = std::mem::take(&mut self.held);
+        if !held.is_empty() && !Self::send(&mut self.to, shared, &held).await {
+            return;
+        }
+        drop(held);
+        self.budget.release();
+        let touch = || shared.touch();
+        tunnel::forward(&mut self.from, &mut self.to, &shared.up, &touch).await;
+    }
+
+    /// Judge what is held: forward what passed, wait for the upstream's
+    /// answer, or read on for the rest of the unit.
+    async fn judge_held(&mut self) -> Flow {
+        let seen = self.shared.server_seen.notified();
+        tokio::pin!(seen);
+        seen.as_mut().enable();
+        let step = self.shared.guard().client(&self.held);
+        match step {
+            Step::Forward(n) => {
+                self.verified = n.min(self.held.len());
+                self.unit_since = None;
+                Flow::Again
+            }
+            Step::Opaque => {
+                self.opaque = true;
+                Flow::Again
+            }
+            Step::Deny(v) => self.violation(v),
+            Step::Wait => {
+                if self.shared.server_closed.load(Ordering::Relaxed) {
+                    // Nothing more will come to decide on.
+                    return Flow::Done;
+                }
+                seen.await;
+                Flow::Again
+            }
+            Step::NeedMore => {
+                self.unit_since.get_or_insert_with(Instant::now);
+                Flow::Read
+            }
+        }
+    }
+
+    /// Nothing held: the rest of a body of known length may go by unheld,
+    /// exactly that many bytes.
+    async fn pass_body(&mut self) -> Flow {
+        let shared = self.shared;
+        let body = shared.guard().client_body_left();
+        if body == 0 {
+            return Flow::Read;
+        }
+        let (Some(from), Some(to)) = (self.from.as_tcp(), self.to.as_tcp()) else {
+            return Flow::Read;
+        };
+        let before = shared.up.load(Ordering::Relaxed);
+        let touch = || shared.touch();
+        let end = splice::splice(from, to, Some(body), &shared.up, &touch).await;
+        let passed = shared.up.load(Ordering::Relaxed) - before;
+        shared.guard().client_passed(passed);
+        match end {
+            Spliced::Limit => Flow::Again,
+            Spliced::Unsupported => Flow::Read,
+            Spliced::Eof | Spliced::Failed => Flow::Done,
+        }
+    }
+
+    /// Read more of the client, within the held unit's time; over TCP with
+    /// nothing held, wait for readability first, holding no buffer.
+    async fn read_more(&mut self) -> Flow {
+        if self.held.is_empty() {
+            self.budget.release();
+            if let Some(tcp) = self.from.as_tcp() {
+                // An idle tunnel holds no buffer.
+                self.held = Vec::new();
+                if tcp.readable().await.is_err() {
+                    return Flow::Done;
+                }
+            }
+        } else if !self.budget.cover(self.held.len() + READ_CHUNK) {
+            return Flow::End(End::OverBudget);
+        }
+        self.held.reserve(READ_CHUNK);
+        let mut room = (&mut self.held).limit(READ_CHUNK);
+        let read = self.from.read_buf(&mut room);
+        let read = match self.unit_since {
+            Some(since) => {
+                let due = since + self.unit_timeout;
+                match Box::pin(tokio::time::timeout_at(due, read)).await {
+                    Ok(read) => read,
+                    Err(_) => return self.unit_late(),
+                }
+            }
+            None => read.await,
+        };
+        match read {
+            Ok(0) | Err(_) => Flow::Done,
+            Ok(_) => Flow::Again,
+        }
+    }
+
+    /// The held unit did not complete within `unit_timeout`.
+    fn unit_late(&mut self) -> Flow {
+        let v = Violation::new(
+            ViolationKind::ProtocolMismatch,
+            None,
+            format!(
+                "a unit incomplete {} after its first byte",
+                humantime::format_duration(self.unit_timeout)
+            ),
+        );
+        self.violation(v)
+    }
+
+    /// Report mode hands the violation over and copies on unverified;
+    /// otherwise the tunnel ends.
+    fn violation(&mut self, v: Violation) -> Flow {
+        match self.report {
+            Some(report) => {
+                report(&v);
+                self.opaque = true;
+                Flow::Again
+            }
+            None => Flow::End(End::Violation(v)),
+        }
+    }
+}
+
+/// The upstream's direction: observed on its way to the client (to follow
+/// a handshake or an upgrade), never held back.
+async fn downward<R, W>(shared: &Shared<'_>, mut from: R, mut to: W)
+where
+    R: AsyncRead + AsTcp + Unpin,
+    W: AsyncWrite + AsTcp + Unpin,
+{
+    let touch = || shared.touch();
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        if shared.client_opaque.load(Ordering::Relaxed) {
+            // Nothing left to follow on this side either.
+            drop(std::mem::take(&mut buf));
+            Box::pin(tunnel::forward(&mut from, &mut to, &shared.down, &touch)).await;
+            break;
+        }
+        // The rest of a response body of known length goes by
+        // unobserved, exactly that many bytes.
+        let body = shared.guard().server_body_left();
+        if body > 0 {
+            if let (Some(f), Some(t)) = (from.as_tcp(), to.as_tcp()) {
+                buf = Vec::new();
+                let before = shared.down.load(Ordering::Relaxed);
+                let end = Box::pin(splice::splice(f, t, Some(body), &shared.down, &touch)).await;
+                let passed = shared.down.load(Ordering::Relaxed) - before;
+                shared.guard().server_passed(passed);
+                shared.server_seen.notify_waiters();
+                match end {
+                    Spliced::Limit => continue,
+                    Spliced::Unsupported => {}
+                    Spliced::Eof | Spliced::Failed => break,
+                }
+            }
+        }
+        if buf.capacity() == 0 {
+            if let Some(tcp) = from.as_tcp() {
+                if tcp.readable().await.is_err() {
+                    break;
+                }
+            }
+        }
+        buf.clear();
+        buf.reserve(READ_CHUNK);
+        let n = match from.read_buf(&mut (&mut buf).limit(READ_CHUNK)).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        // Observe before forwarding: the client's answer to these bytes
+        // must be judged in the state they create.
+        shared.guard().server(&buf[..n]);
+        shared.server_seen.notify_waiters();
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        shared.down.fetch_add(n as u64, Ordering::Relaxed);
+        if !touch() {
+            break;
+        }
+        if n < READ_CHUNK && from.as_tcp().is_some() {
+            // Drained: hold no buffer while the upstream is quiet.
+            buf = Vec::new();
+        }
+    }
+    shared.server_closed.store(true, Ordering::Relaxed);
+    shared.server_seen.notify_waiters();
+    let _ = to.shutdown().await;
 }
 
 #[cfg(test)]
@@ -692,6 +816,28 @@ mod tests {
         assert!(matches!(got, First::Closed));
     }
 
+    /// A tunnel judged by [`http_guard`], `held` not yet judged.
+    fn judged(held: Vec<u8>) -> Judged {
+        Judged {
+            guard: http_guard(),
+            held,
+            verified: 0,
+        }
+    }
+
+    /// The tests' watch: 5 s idle and unit timeouts, no report mode, no
+    /// volume budget.
+    fn watch<'a>(stop: &'a CancellationToken, detect: &'a DetectScope<'a>) -> Watch<'a> {
+        Watch {
+            idle: Duration::from_secs(5),
+            unit_timeout: Duration::from_secs(5),
+            stop,
+            detect,
+            report: None,
+            volume: None,
+        }
+    }
+
     #[tokio::test]
     async fn a_second_request_for_another_host_never_reaches_the_upstream() {
         let (client, mut client_peer) = duplex(64 * 1024);
@@ -701,26 +847,7 @@ mod tests {
         let stop = CancellationToken::new();
         let good = b"GET /a HTTP/1.1\r\nHost: allowed.test\r\n\r\n";
         let bad = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
-        let task = async {
-            pump(
-                client,
-                upstream,
-                Judged {
-                    guard: http_guard(),
-                    held: Vec::new(),
-                    verified: 0,
-                },
-                Watch {
-                    idle: Duration::from_secs(5),
-                    unit_timeout: Duration::from_secs(5),
-                    stop: &stop,
-                    detect: &slots,
-                    report: None,
-                    volume: None,
-                },
-            )
-            .await
-        };
+        let task = async { pump(client, upstream, judged(Vec::new()), watch(&stop, &slots)).await };
         let drive = async {
             client_peer.write_all(good).await.unwrap();
             let mut got = vec![0u8; good.len()];
@@ -761,23 +888,7 @@ mod tests {
         let reply: Vec<u8> = (0..500_000u32).map(|i| (i % 241) as u8).collect();
         let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", reply.len());
         let bad = b"GET /b HTTP/1.1\r\nHost: other.test\r\n\r\n";
-        let task = pump(
-            client,
-            upstream,
-            Judged {
-                guard: http_guard(),
-                held: Vec::new(),
-                verified: 0,
-            },
-            Watch {
-                idle: Duration::from_secs(5),
-                unit_timeout: Duration::from_secs(5),
-                stop: &stop,
-                detect: &slots,
-                report: None,
-                volume: None,
-            },
-        );
+        let task = pump(client, upstream, judged(Vec::new()), watch(&stop, &slots));
         let drive = async {
             let up = async {
                 client_peer.write_all(post.as_bytes()).await.unwrap();
@@ -832,18 +943,11 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            Judged {
-                guard: http_guard(),
-                held: Vec::new(),
-                verified: 0,
-            },
+            judged(Vec::new()),
             Watch {
                 idle: Duration::from_secs(300),
                 unit_timeout: Duration::from_secs(10),
-                stop: &stop,
-                detect: &slots,
-                report: None,
-                volume: None,
+                ..watch(&stop, &slots)
             },
         );
         let drive = async {
@@ -886,18 +990,10 @@ mod tests {
         let task = pump(
             client,
             upstream,
-            Judged {
-                guard: http_guard(),
-                held: bytes.to_vec(),
-                verified: 0,
-            },
+            judged(bytes.to_vec()),
             Watch {
-                idle: Duration::from_secs(5),
-                unit_timeout: Duration::from_secs(5),
-                stop: &stop,
-                detect: &slots,
                 report: Some(&report),
-                volume: None,
+                ..watch(&stop, &slots)
             },
         );
         let drive = async {

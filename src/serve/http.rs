@@ -253,38 +253,54 @@ mod tests {
         true
     }
 
-    #[tokio::test]
-    async fn a_streamed_bodys_first_chunk_reaches_the_client_before_the_body_ends() {
+    /// `service` serving one connection on loopback until `shutdown` (and
+    /// never a hard stop): the client's end, and the server's task.
+    async fn serve_one<S, B>(
+        service: S,
+        shutdown: CancellationToken,
+    ) -> (TcpStream, tokio::task::JoinHandle<hyper::Result<()>>)
+    where
+        S: HttpService<Incoming, ResBody = B> + Send + 'static,
+        S::Future: Send,
+        S::Error: Into<BodyError>,
+        B: HttpBody + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<BodyError>,
+    {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        // The second chunk is sent only once the client has seen the first.
-        let (first_seen_tx, first_seen_rx) = tokio::sync::oneshot::channel::<()>();
-        let first_seen_rx = std::sync::Mutex::new(Some(first_seen_rx));
         let server = tokio::spawn(async move {
             let (stream, _) = listener.accept().await.unwrap();
-            let service = service_fn(move |_req: Request<Incoming>| {
-                let seen = first_seen_rx.lock().unwrap().take();
-                async move {
-                    let (mut tx, body) = channel(4);
-                    tokio::spawn(async move {
-                        let _ = tx.send_data(Bytes::from_static(b"first-chunk")).await;
-                        if let Some(seen) = seen {
-                            let _ = seen.await;
-                        }
-                        let _ = tx.send_data(Bytes::from_static(b"last-chunk")).await;
-                    });
-                    Ok::<_, Infallible>(Response::new(body))
-                }
-            });
-            let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
+            let hard_stop = CancellationToken::new();
             let drain = Drain {
                 shutdown: &shutdown,
                 hard_stop: &hard_stop,
             };
             serve_http1(stream, service, SETTINGS, drain).await
         });
+        (TcpStream::connect(addr).await.unwrap(), server)
+    }
 
-        let mut client = TcpStream::connect(addr).await.unwrap();
+    #[tokio::test]
+    async fn a_streamed_bodys_first_chunk_reaches_the_client_before_the_body_ends() {
+        // The second chunk is sent only once the client has seen the first.
+        let (first_seen_tx, first_seen_rx) = tokio::sync::oneshot::channel::<()>();
+        let first_seen_rx = std::sync::Mutex::new(Some(first_seen_rx));
+        let service = service_fn(move |_req: Request<Incoming>| {
+            let seen = first_seen_rx.lock().unwrap().take();
+            async move {
+                let (mut tx, body) = channel(4);
+                tokio::spawn(async move {
+                    let _ = tx.send_data(Bytes::from_static(b"first-chunk")).await;
+                    if let Some(seen) = seen {
+                        let _ = seen.await;
+                    }
+                    let _ = tx.send_data(Bytes::from_static(b"last-chunk")).await;
+                });
+                Ok::<_, Infallible>(Response::new(body))
+            }
+        });
+        let (mut client, server) = serve_one(service, CancellationToken::new()).await;
         client
             .write_all(b"GET /stream HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
             .await
@@ -303,24 +319,11 @@ mod tests {
 
     #[tokio::test]
     async fn shutdown_lets_the_request_in_flight_finish_then_closes() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (shutdown, hard_stop) = (CancellationToken::new(), CancellationToken::new());
-        let server = {
-            let (shutdown, hard_stop) = (shutdown.clone(), hard_stop.clone());
-            tokio::spawn(async move {
-                let (stream, _) = listener.accept().await.unwrap();
-                let service = service_fn(|_req: Request<Incoming>| async {
-                    Ok::<_, Infallible>(Response::new(full("done")))
-                });
-                let drain = Drain {
-                    shutdown: &shutdown,
-                    hard_stop: &hard_stop,
-                };
-                serve_http1(stream, service, SETTINGS, drain).await
-            })
-        };
-        let mut client = TcpStream::connect(addr).await.unwrap();
+        let shutdown = CancellationToken::new();
+        let service = service_fn(|_req: Request<Incoming>| async {
+            Ok::<_, Infallible>(Response::new(full("done")))
+        });
+        let (mut client, server) = serve_one(service, shutdown.clone()).await;
         // Half a head: the request is in flight when shutdown comes.
         client
             .write_all(b"GET / HTTP/1.1\r\nHost: a\r\n")

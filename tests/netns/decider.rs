@@ -135,6 +135,27 @@ fn the_decider_is_asked_on_a_miss_only_and_its_answers_and_failures_are_recorded
     assert_eq!(rec["reason"], "denied_address", "{rec}");
     assert_eq!(rec["decider"]["decision"], "allow", "{rec}");
 
+    // A plain http:// request: the question carries its method and path,
+    // and the grant its allow makes opens that request only.
+    let plain = lab.proxied_curl("http://other.test/dec/x", &[]);
+    assert_eq!(plain.status, 200, "{plain:?}");
+    let q = read_jsonl(&log)
+        .into_iter()
+        .find(|q| q["port"] == 80)
+        .expect("the plain request's question");
+    assert_eq!(
+        (&q["method"], &q["path"]),
+        (&json!("GET"), &json!("/dec/x")),
+        "{q}"
+    );
+    let scoped = lab.wait_evidence("the request grant", |r| {
+        r["kind"] == "grant" && r["event"] == "granted" && r["port"] == 80
+    });
+    assert_eq!(scoped["grant"]["method"], "GET", "{scoped}");
+    assert_eq!(scoped["grant"]["path"], "/dec/x", "{scoped}");
+    let other = lab.proxied_curl("http://other.test/elsewhere", &[]);
+    assert_eq!(other.status, 200, "asked again, allowed again: {other:?}");
+
     let mut hosts = asked(&log);
     hosts.sort();
     assert_eq!(
@@ -142,6 +163,8 @@ fn the_decider_is_asked_on_a_miss_only_and_its_answers_and_failures_are_recorded
         [
             "deny.test",
             "garbage.test",
+            "other.test",
+            "other.test",
             "other.test",
             "private.test",
             "slow.test"
@@ -154,7 +177,7 @@ fn the_decider_is_asked_on_a_miss_only_and_its_answers_and_failures_are_recorded
     assert_eq!(q["port"], 443, "{q}");
     assert_eq!(q["mode"], "explicit", "{q}");
 
-    for (answer, n) in [("allow", 2.0), ("deny", 1.0), ("error", 2.0), ("busy", 0.0)] {
+    for (answer, n) in [("allow", 4.0), ("deny", 1.0), ("error", 2.0), ("busy", 0.0)] {
         assert_eq!(consultations(&lab, answer), n, "answer {answer}");
     }
 }

@@ -591,3 +591,153 @@ fn draft_proposes_a_commented_rule_from_a_grant() {
         out.describe()
     );
 }
+
+/// A grant may carry a method and a path: it then allows only the
+/// requests Palisade sees (plain `http://`) with that method under that
+/// path; another method, another path, and a tunnel (which cannot be
+/// checked) stay misses. A miss of a request raises an approval carrying
+/// its method and path; an answer dropping or changing them is wider than
+/// asked and refused; the grant answering it opens exactly that, and its
+/// record and listing carry the scope.
+#[test]
+fn a_method_and_path_grant_allows_matching_requests_only() {
+    let lab = lab_asking();
+    let grant = |extra: &str| {
+        let body =
+            format!(r#"{{"org":"acme","target":"other.test","port":80,"ttl":"10m"{extra}}}"#);
+        admin(&lab, "POST", "/v1/grants", Some(ALICE), Some(&body))
+    };
+    for bad in [
+        r#","path":"api""#,
+        r#","path":"/a/../b""#,
+        r#","method":"G T""#,
+    ] {
+        let (code, body) = grant(bad);
+        assert_eq!(code, 400, "{bad}: {body}");
+    }
+    let (code, body) = grant(r#","method":"GET","path":"/api/""#);
+    assert_eq!(code, 201, "{body}");
+    let gid = json(&body)["id"].as_str().unwrap().to_string();
+    assert_eq!(json(&body)["method"], "GET", "{body}");
+
+    let ok = lab.proxied_curl("http://other.test/api/x", &[]);
+    assert_eq!(ok.status, 200, "GET under the granted path: {}", ok.stderr);
+    let rec = lab.wait_evidence("the granted request", |v| {
+        v["event"] == "decision" && v["rule"] == format!("grant:{gid}")
+    });
+    assert_eq!(rec["method"], "GET", "{rec}");
+    let refused = |url: &str, extra: &[&str], what: &str| {
+        let r = lab.proxied_curl(url, extra);
+        assert_eq!(r.status, 403, "{what} passed under a GET /api/ grant");
+        let ps = r
+            .headers
+            .iter()
+            .find(|(k, _)| k == "proxy-status")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        assert!(ps.contains("approval_pending"), "{what}: {ps}");
+    };
+    refused("http://other.test/other", &[], "another path");
+    refused(
+        "http://other.test/api/x",
+        &["--data", "x"],
+        "another method",
+    );
+    let (status, ps, _) = connect(&lab, "other.test:80");
+    assert_eq!(status, 403, "a tunnel under a method/path grant: {ps}");
+
+    // The POST's approval carries its method and path.
+    let approval = pending(&lab, ALICE, "other.test:80 POST /api/x").expect("the POST's approval");
+    assert_eq!(approval["method"], "POST", "{approval}");
+    assert_eq!(approval["path"], "/api/x", "{approval}");
+    let path = format!("/v1/approvals/{}", approval["id"].as_str().unwrap());
+    for wider in [
+        r#"{"decision":"allow","ttl":"1m","path":null}"#,
+        r#"{"decision":"allow","ttl":"1m","method":"GET"}"#,
+        r#"{"decision":"allow","ttl":"1m","path":"/"}"#,
+    ] {
+        let (code, body) = admin(&lab, "POST", &path, Some(ALICE), Some(wider));
+        assert_eq!(code, 400, "{wider}: {body}");
+        assert!(body.contains("nothing wider"), "{body}");
+    }
+    let (code, body) = admin(
+        &lab,
+        "POST",
+        &path,
+        Some(ALICE),
+        Some(r#"{"decision":"allow","ttl":"1m"}"#),
+    );
+    assert_eq!(code, 200, "{body}");
+    let answered = json(&body)["grant"].clone();
+    assert_eq!(
+        (answered["method"].as_str(), answered["path"].as_str()),
+        (Some("POST"), Some("/api/x")),
+        "{answered}"
+    );
+    let post = lab.proxied_curl("http://other.test/api/x", &["--data", "x"]);
+    assert_eq!(
+        post.status, 200,
+        "the POST under its grant: {}",
+        post.stderr
+    );
+    let granted = lab.wait_evidence("the POST grant's record", |v| {
+        v["kind"] == "grant" && v["event"] == "granted" && v["grant"]["method"] == "POST"
+    });
+    assert_eq!(granted["grant"]["path"], "/api/x", "{granted}");
+
+    // The CLI lists the scope.
+    let token_file = lab::scratch_dir("jit-req").join("alice.token");
+    std::fs::write(&token_file, ALICE).unwrap();
+    let out = lab.proxy_ns_exec(
+        lab::palisade_bin(),
+        &[
+            "grants",
+            "--admin",
+            lab::ADMIN_ADDR,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.success() && out.stdout.contains("other.test:80 GET /api/"),
+        "{}",
+        out.describe()
+    );
+}
+
+/// A DNS miss of an `ask` org: the denial's EDE text names the approval
+/// and the name; the approval (the name on any port) is listed; answered
+/// allow, the name resolves.
+#[test]
+fn a_dns_miss_asks_and_its_grant_lets_the_name_resolve() {
+    let shim = format!("{}:53", lab::SHIM_IP);
+    let lab = lab_asking_with(|b| b.dns_listen(&[shim.as_str()]));
+    let d = lab.dig(&["other.test", "A"]);
+    let ede = d.ede.clone().unwrap_or_default();
+    assert!(
+        ede.contains("approval_pending")
+            && ede.contains("approval a-")
+            && ede.contains("other.test"),
+        "EDE names the approval and the name: {}",
+        d.output
+    );
+    assert!(d.of("A").is_empty(), "a pending name resolved");
+    let approval = pending(&lab, ALICE, "other.test (any port, asked by DNS)")
+        .expect("the DNS miss's approval");
+    let id = approval["id"].as_str().unwrap();
+    assert!(ede.contains(id), "{ede:?} names {id}");
+    let (code, body) = admin(
+        &lab,
+        "POST",
+        &format!("/v1/approvals/{id}"),
+        Some(ALICE),
+        Some(r#"{"decision":"allow","ttl":"1m"}"#),
+    );
+    assert_eq!(code, 200, "{body}");
+    assert!(json(&body)["grant"]["port"].is_null(), "{body}");
+    let d = lab.dig(&["other.test", "A"]);
+    assert!(
+        !d.of("A").is_empty(),
+        "the granted name does not resolve: {d:?}"
+    );
+}

@@ -97,12 +97,7 @@ mod tests {
     use std::time::Duration;
 
     use crate::config::model::EnforcementMode;
-    use crate::config::test_support::{parse, BASE};
-
-    fn first(extra: &str) -> String {
-        let e = parse(&format!("[enforcement]\n{extra}{BASE}")).unwrap_err();
-        e.0[0].to_string()
-    }
+    use crate::config::test_support::{first_error_in, parse, BASE};
 
     #[test]
     fn unset_checks_nothing_and_set_defaults_to_required_every_10s() {
@@ -151,7 +146,7 @@ mod tests {
             ("rules = \"a\"\n", "t.toml:2:1: unknown field `rules`"),
         ];
         for (extra, want) in cases {
-            let e = first(extra);
+            let e = first_error_in("enforcement", extra);
             assert!(
                 e.starts_with(want) || e.contains(want),
                 "{extra}: {e} (want {want})"

@@ -20,36 +20,24 @@ pub(super) fn validate_evidence(
     default_budget: usize,
     errors: &mut Errors<'_>,
 ) -> EvidenceConfig {
-    let RawEvidence {
-        dir,
-        key,
-        durability,
-        checkpoint_every,
-        checkpoint_interval,
-        rotate_size,
-        rotate_age,
-        retain_size,
-        retain_age,
-        retain_min_age,
-        min_free,
-        max_records_per_second_per_org,
-        replica,
-        witnesses,
-    } = raw;
+    // Every key of `RawEvidence` is read below (one read nowhere is a
+    // dead-code warning, an error under `clippy -D warnings`).
     let dir = path(
-        dir,
+        raw.dir,
         PathBuf::from(DEFAULT_EVIDENCE_DIR),
         "evidence dir",
         errors,
     );
     let d = EvidenceConfig::for_dir(&dir);
-    let key = path(key, d.key, "evidence key", errors);
-    let durability = durability.map_or(d.durability, |v| durability_of(&v, errors));
-    let checkpoint_every = count(checkpoint_every, d.checkpoint_every as usize, errors) as u64;
-    let checkpoint_interval = duration(checkpoint_interval, d.checkpoint_interval, errors);
-    let rotate_size = size(rotate_size, errors).unwrap_or(d.rotate_size);
-    let rotate_age = duration(rotate_age, d.rotate_age, errors);
-    let retain_size = retain_size.and_then(|r| {
+    let key = path(raw.key, d.key, "evidence key", errors);
+    let durability = raw
+        .durability
+        .map_or(d.durability, |v| durability_of(&v, errors));
+    let checkpoint_every = count(raw.checkpoint_every, d.checkpoint_every as usize, errors) as u64;
+    let checkpoint_interval = duration(raw.checkpoint_interval, d.checkpoint_interval, errors);
+    let rotate_size = size(raw.rotate_size, errors).unwrap_or(d.rotate_size);
+    let rotate_age = duration(raw.rotate_age, d.rotate_age, errors);
+    let retain_size = raw.retain_size.and_then(|r| {
         let span = r.span();
         let n = size(Some(r), errors)?;
         if n < rotate_size {
@@ -60,17 +48,21 @@ pub(super) fn validate_evidence(
         }
         Some(n)
     });
-    let raw_age_span = retain_age.as_ref().map(Spanned::span);
-    let retain_age = retain_age.map(|v| duration(Some(v), Duration::ZERO, errors));
+    let raw_age_span = raw.retain_age.as_ref().map(Spanned::span);
+    let retain_age = raw
+        .retain_age
+        .map(|v| duration(Some(v), Duration::ZERO, errors));
     let retain_min_age = retain_floor(
-        retain_min_age,
+        raw.retain_min_age,
         retain_age,
         raw_age_span,
         d.retain_min_age,
         errors,
     );
-    let min_free = min_free.map_or(d.min_free, |v| free(v, errors).unwrap_or(d.min_free));
-    let replica = match replica {
+    let min_free = raw
+        .min_free
+        .map_or(d.min_free, |v| free(v, errors).unwrap_or(d.min_free));
+    let replica = match raw.replica {
         None => d.replica,
         Some(v) => {
             if let Some(problem) = replica_problem(v.get_ref()) {
@@ -92,12 +84,13 @@ pub(super) fn validate_evidence(
         retain_min_age,
         min_free,
         max_records_per_second_per_org: count(
-            max_records_per_second_per_org,
+            raw.max_records_per_second_per_org,
             default_budget,
             errors,
         ),
         replica,
-        witnesses: witnesses
+        witnesses: raw
+            .witnesses
             .into_iter()
             .filter_map(|w| witness(w.into_inner(), errors))
             .collect(),
@@ -294,21 +287,26 @@ pub(super) fn bytes(n: u64) -> String {
 /// MiB, GiB); must be positive.
 fn size(value: Option<Spanned<RawSize>>, errors: &mut Errors<'_>) -> Option<u64> {
     let value = value?;
-    let parsed = match value.get_ref() {
+    positive_size(value.get_ref())
+        .map_err(|shown| {
+            errors.at(
+                value.span(),
+                format!("size {shown} must be a positive byte count (e.g. 1048576 or \"64MiB\")"),
+            )
+        })
+        .ok()
+}
+
+/// A positive byte count, or the value as written to show in an error.
+pub(super) fn positive_size(value: &RawSize) -> Result<u64, String> {
+    let parsed = match value {
         RawSize::Bytes(n) => u64::try_from(*n).ok().filter(|n| *n > 0),
         RawSize::Text(t) => parse_size(t),
     };
-    if parsed.is_none() {
-        let shown = match value.get_ref() {
-            RawSize::Bytes(n) => n.to_string(),
-            RawSize::Text(t) => format!("{t:?}"),
-        };
-        errors.at(
-            value.span(),
-            format!("size {shown} must be a positive byte count (e.g. 1048576 or \"64MiB\")"),
-        );
-    }
-    parsed
+    parsed.ok_or_else(|| match value {
+        RawSize::Bytes(n) => n.to_string(),
+        RawSize::Text(t) => format!("{t:?}"),
+    })
 }
 
 pub(super) fn parse_size(text: &str) -> Option<u64> {

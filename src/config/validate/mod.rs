@@ -40,42 +40,31 @@ use proxy::validate_proxy;
 use values::Listeners;
 
 pub(super) fn validate(raw: RawConfig, path: &Path, errors: &mut Errors<'_>) -> Config {
-    // Destructure exhaustively: a new field cannot be silently ignored.
-    let RawConfig {
-        proxy,
-        dns,
-        admin,
-        evidence,
-        intercept,
-        bypass,
-        policy,
-        enforcement,
-        otel,
-        decider,
-        org,
-    } = raw;
-
+    // Every table of `RawConfig` is read here (one read nowhere is a
+    // dead-code warning, an error under `clippy -D warnings`).
     // Listen addresses in this order, each unique across all listeners.
     let mut listeners = Listeners::default();
-    let proxy = validate_proxy(proxy, &mut listeners, errors);
-    let pool_spans = dns::pool_spans(&dns);
-    let dns = validate_dns(dns, &mut listeners, errors);
-    let org_names: Vec<&str> = org.iter().map(|o| o.name.get_ref().as_str()).collect();
-    let admin = validate_admin(admin, &org_names, &mut listeners, errors);
+    let proxy = validate_proxy(raw.proxy, &mut listeners, errors);
+    let pool_spans = dns::pool_spans(&raw.dns);
+    let dns = validate_dns(raw.dns, &mut listeners, errors);
+    let org_names: Vec<&str> = raw.org.iter().map(|o| o.name.get_ref().as_str()).collect();
+    let admin = validate_admin(raw.admin, &org_names, &mut listeners, errors);
     let default_budget = super::model::default_max_records_per_second_per_org(&proxy.limits, &dns);
     // The capacity check is located at retain_size, the key it is about.
-    let retain_at = evidence.retain_size.as_ref().map(Spanned::span);
-    let evidence = validate_evidence(evidence, default_budget, errors);
+    let retain_at = raw.evidence.retain_size.as_ref().map(Spanned::span);
+    let evidence = validate_evidence(raw.evidence, default_budget, errors);
 
-    let intercept = validate_intercept(intercept, errors);
-    let bypass = validate_bypass(bypass, errors);
-    let enforcement = validate_enforcement(enforcement, errors);
-    let otel = otel.and_then(|o| otel::validate_otel(o, errors));
-    let decider = decider.and_then(|d| decider::validate_decider(d, errors));
+    let intercept = validate_intercept(raw.intercept, errors);
+    let bypass = validate_bypass(raw.bypass, errors);
+    let enforcement = validate_enforcement(raw.enforcement, errors);
+    let otel = raw.otel.and_then(|o| otel::validate_otel(o, errors));
+    let decider = raw
+        .decider
+        .and_then(|d| decider::validate_decider(d, errors));
     let pools_set = dns.synthetic_pool.is_some() || dns.synthetic_pool_v6.is_some();
-    let super::raw::RawPolicy { baseline } = policy;
+    let super::raw::RawPolicy { baseline } = raw.policy;
     let baseline = baseline.and_then(|b| baseline::load_baseline(&b, path, errors));
-    let orgs = validate_orgs(org, pools_set, baseline.as_ref(), errors);
+    let orgs = validate_orgs(raw.org, pools_set, baseline.as_ref(), errors);
     if let Some(at) = retain_at {
         check_capacity(&evidence, orgs.len(), at, errors);
     }

@@ -9,7 +9,7 @@ use toml::Spanned;
 
 use super::credentials::validate_credentials;
 use super::rules::validate_rules;
-use super::values::cidr;
+use super::values::{cidr, one_of, one_of_text};
 use super::volume::volume;
 use crate::config::error::Errors;
 use crate::config::model::{
@@ -46,38 +46,22 @@ pub(super) fn validate_orgs(
     let mut token_orgs: Vec<(TokenDigest, String)> = Vec::new();
 
     for org in raw {
-        let RawOrg {
-            name,
-            clients,
-            allow,
-            deny,
-            dns_denied,
-            dns_types,
-            dns_answers,
-            mode,
-            on_miss,
-            identity,
-            tokens,
-            credential,
-            max_bytes_up,
-            max_bytes_down,
-            volume_window,
-        } = org;
-        let volume = volume((max_bytes_up, max_bytes_down, volume_window), None, errors);
-        let org_name = name.get_ref().clone();
-        check_org_name(&name, &mut names, errors);
+        let raw_volume = (org.max_bytes_up, org.max_bytes_down, org.volume_window);
+        let volume = volume(raw_volume, None, errors);
+        let org_name = org.name.get_ref().clone();
+        check_org_name(&org.name, &mut names, errors);
 
-        let identity_span = identity.as_ref().map_or(name.span(), |i| i.span());
-        let identity = validate_identity(identity.as_ref(), errors);
+        let identity_span = org.identity.as_ref().map_or(org.name.span(), |i| i.span());
+        let identity = validate_identity(org.identity.as_ref(), errors);
         let tokens = validate_tokens(
             (&org_name, identity_span),
             identity,
-            &tokens,
+            &org.tokens,
             &mut token_orgs,
             errors,
         );
         if identity == Identity::Token {
-            if let Some(first) = clients.first() {
+            if let Some(first) = org.clients.first() {
                 errors.at(
                     first.span(),
                     "an org with identity = \"token\" takes no clients (use \"address+token\" to require both)",
@@ -85,7 +69,7 @@ pub(super) fn validate_orgs(
             }
         }
         let mut nets = Vec::new();
-        for client in &clients {
+        for client in &org.clients {
             let Some(net) = cidr(client, errors) else {
                 continue;
             };
@@ -103,21 +87,34 @@ pub(super) fn validate_orgs(
             }
             nets.push(net);
         }
-        if clients.is_empty() && identity != Identity::Token {
-            errors.at(name.span(), format!("org {org_name:?} has no clients"));
+        if org.clients.is_empty() && identity != Identity::Token {
+            errors.at(org.name.span(), format!("org {org_name:?} has no clients"));
         }
 
-        let allow = validate_rules(&org_name, "allow", allow, &mut rule_ids, baseline, errors);
-        let deny = validate_rules(&org_name, "deny", deny, &mut rule_ids, None, errors);
-        let dns_denied = dns_denied.map_or_else(DnsDenied::default, |v| dns_denied_of(&v, errors));
-        let dns_types = validate_dns_types(&dns_types, errors);
-        let dns_answers = dns_answers.map_or_else(DnsAnswers::default, |v| {
+        let allow = validate_rules(
+            &org_name,
+            "allow",
+            org.allow,
+            &mut rule_ids,
+            baseline,
+            errors,
+        );
+        let deny = validate_rules(&org_name, "deny", org.deny, &mut rule_ids, None, errors);
+        let dns_denied = org.dns_denied.map_or_else(DnsDenied::default, |v| {
+            one_of("dns_denied", &v, DNS_DENIED, errors)
+        });
+        let dns_types = validate_dns_types(&org.dns_types, errors);
+        let dns_answers = org.dns_answers.map_or_else(DnsAnswers::default, |v| {
             dns_answers_of(&v, pools_set, errors)
         });
-        let mode = mode.map_or_else(OrgMode::default, |v| mode_of(&v, errors));
-        let on_miss = on_miss.map_or_else(OnMiss::default, |v| on_miss_of(&v, errors));
+        let mode = org
+            .mode
+            .map_or_else(OrgMode::default, |v| one_of("mode", &v, MODES, errors));
+        let on_miss = org
+            .on_miss
+            .map_or_else(OnMiss::default, |v| one_of("on_miss", &v, ON_MISS, errors));
         let credentials =
-            validate_credentials(&org_name, credential, &allow, &mut rule_ids, errors);
+            validate_credentials(&org_name, org.credential, &allow, &mut rule_ids, errors);
         orgs.push(OrgConfig {
             name: org_name,
             clients: nets,
@@ -155,90 +152,45 @@ fn check_org_name(name: &Spanned<String>, names: &mut HashSet<String>, errors: &
     }
 }
 
-/// `dns_denied`: `"refused"` or `"nxdomain"`.
-fn dns_denied_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> DnsDenied {
-    match v.get_ref().as_str() {
-        "refused" => DnsDenied::Refused,
-        "nxdomain" => DnsDenied::Nxdomain,
-        other => {
-            errors.at(
-                v.span(),
-                format!("invalid dns_denied {other:?} (expected \"refused\" or \"nxdomain\")"),
-            );
-            DnsDenied::default()
-        }
-    }
-}
+/// `dns_denied`, `mode` and `on_miss`: the values each may take.
+const DNS_DENIED: &[(&str, DnsDenied)] = &[
+    ("refused", DnsDenied::Refused),
+    ("nxdomain", DnsDenied::Nxdomain),
+];
+const MODES: &[(&str, OrgMode)] = &[("enforce", OrgMode::Enforce), ("report", OrgMode::Report)];
+const ON_MISS: &[(&str, OnMiss)] = &[("deny", OnMiss::Deny), ("ask", OnMiss::Ask)];
 
 /// `dns_answers`: `"resolved"`, or `"synthetic"` where a pool is set.
 fn dns_answers_of(v: &Spanned<String>, pools_set: bool, errors: &mut Errors<'_>) -> DnsAnswers {
-    match v.get_ref().as_str() {
-        "resolved" => DnsAnswers::Resolved,
-        "synthetic" if pools_set => DnsAnswers::Synthetic,
-        "synthetic" => {
-            errors.at(
-                v.span(),
-                "dns_answers = \"synthetic\" needs [dns] synthetic_pool or synthetic_pool_v6",
-            );
-            DnsAnswers::default()
-        }
-        other => {
-            errors.at(
-                v.span(),
-                format!("invalid dns_answers {other:?} (expected \"resolved\" or \"synthetic\")"),
-            );
-            DnsAnswers::default()
-        }
+    let answers = one_of(
+        "dns_answers",
+        v,
+        &[
+            ("resolved", DnsAnswers::Resolved),
+            ("synthetic", DnsAnswers::Synthetic),
+        ],
+        errors,
+    );
+    if answers == DnsAnswers::Synthetic && !pools_set {
+        errors.at(
+            v.span(),
+            "dns_answers = \"synthetic\" needs [dns] synthetic_pool or synthetic_pool_v6",
+        );
+        return DnsAnswers::default();
     }
-}
-
-/// `mode`: `"enforce"` or `"report"`.
-fn mode_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OrgMode {
-    match v.get_ref().as_str() {
-        "enforce" => OrgMode::Enforce,
-        "report" => OrgMode::Report,
-        other => {
-            errors.at(
-                v.span(),
-                format!("invalid mode {other:?} (expected \"enforce\" or \"report\")"),
-            );
-            OrgMode::default()
-        }
-    }
-}
-
-fn on_miss_of(v: &Spanned<String>, errors: &mut Errors<'_>) -> OnMiss {
-    match v.get_ref().as_str() {
-        "deny" => OnMiss::Deny,
-        "ask" => OnMiss::Ask,
-        other => {
-            errors.at(
-                v.span(),
-                format!("invalid on_miss {other:?} (expected \"deny\" or \"ask\")"),
-            );
-            OnMiss::default()
-        }
-    }
+    answers
 }
 
 fn validate_identity(raw: Option<&Spanned<String>>, errors: &mut Errors<'_>) -> Identity {
     let Some(v) = raw else {
         return Identity::default();
     };
-    match v.get_ref().trim() {
-        "address" => Identity::Address,
-        "token" => Identity::Token,
-        "address+token" => Identity::AddressToken,
-        other => {
-            errors.at(
-                v.span(),
-                format!(
-                    "invalid identity {other:?} (expected \"address\", \"token\" or \"address+token\")"
-                ),
-            );
-            Identity::default()
-        }
-    }
+    let choices = [
+        ("address", Identity::Address),
+        ("token", Identity::Token),
+        ("address+token", Identity::AddressToken),
+    ];
+    one_of_text("identity", (v.get_ref().trim(), v.span()), &choices, errors)
 }
 
 /// Token digests of one org: hashed form only, only where the identity
@@ -324,15 +276,13 @@ fn validate_dns_types(raw: &[Spanned<String>], errors: &mut Errors<'_>) -> Vec<S
 
 #[cfg(test)]
 mod tests {
-    use crate::config::test_support::{first_error, parse, BASE};
+    use crate::config::test_support::{assert_first_error, first_error, parse, BASE};
     use crate::config::*;
 
     #[test]
     fn same_client_network_in_two_orgs_is_rejected() {
         let src = format!("{BASE}[[org]]\nname = \"other\"\nclients = [\"198.19.1.0/24\"]\n");
-        let e = first_error(&src);
-        assert!(e.contains("already belongs to org \"acme\""), "{e}");
-        assert!(e.starts_with("t.toml:11:"), "{e}");
+        assert_first_error(&src, "t.toml:11:", "already belongs to org \"acme\"");
     }
 
     #[test]

@@ -102,12 +102,7 @@ pub(crate) fn endpoint_problem(text: &str) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use crate::config::test_support::{parse, BASE};
-
-    fn first(extra: &str) -> String {
-        let e = parse(&format!("[otel]\n{extra}{BASE}")).unwrap_err();
-        e.0[0].to_string()
-    }
+    use crate::config::test_support::{first_error_in, parse, BASE};
 
     #[test]
     fn unset_exports_nothing_and_an_empty_table_takes_the_defaults() {
@@ -161,9 +156,10 @@ mod tests {
             ("colour = \"red\"\n", "unknown field `colour`"),
         ];
         for (extra, want) in cases {
-            let got = first(extra);
+            let got = first_error_in("otel", extra);
             assert!(got.contains(want), "{extra:?}: got {got:?}, want {want:?}");
         }
-        assert!(first("endpoint = \"https://c:4318\"\n").contains("https is not supported"));
+        assert!(first_error_in("otel", "endpoint = \"https://c:4318\"\n")
+            .contains("https is not supported"));
     }
 }

@@ -11,107 +11,94 @@ pub(super) fn validate_proxy(
     listeners: &mut Listeners,
     errors: &mut Errors<'_>,
 ) -> ProxyConfig {
-    let RawProxy {
-        listen,
-        transparent,
-        socks5,
-        max_connections,
-        max_connections_per_org,
-        max_new_connections_per_second_per_org,
-        max_detect_memory_bytes,
-        max_detect_memory_bytes_per_org,
-        max_connections_per_client,
-        max_new_connections_per_second_per_client,
-        max_denial_records_per_second_per_client,
-        max_denial_records_per_second_per_org,
-        max_request_head_bytes,
-        max_headers,
-        header_read_timeout,
-        connect_timeout,
-        idle_timeout,
-        response_timeout,
-        detect_timeout,
-        drain_timeout,
-        revoke_grace,
-        upstream_idle_timeout,
-        max_idle_upstream_connections,
-        max_idle_upstream_connections_per_target,
-    } = raw;
+    // Every key of `RawProxy` is read below (one read nowhere is a dead-code
+    // warning, an error under `clippy -D warnings`).
     let d = Limits::default();
-    let idle_timeout: IdleTimeout = timeout(idle_timeout, errors);
+    let idle_timeout: IdleTimeout = timeout(raw.idle_timeout, errors);
     // Unset, the response wait is what bounded it before it had its own key.
-    let response_timeout = match response_timeout {
+    let response_timeout = match raw.response_timeout {
         Some(value) => timeout(Some(value), errors),
         None => ResponseTimeout::from(idle_timeout),
     };
-    let max_detect_memory_bytes = count(max_detect_memory_bytes, d.max_detect_memory_bytes, errors);
+    let max_detect_memory_bytes = count(
+        raw.max_detect_memory_bytes,
+        d.max_detect_memory_bytes,
+        errors,
+    );
     let limits = Limits {
-        max_connections: count(max_connections, d.max_connections, errors),
-        max_connections_per_org: count(max_connections_per_org, d.max_connections_per_org, errors),
+        max_connections: count(raw.max_connections, d.max_connections, errors),
+        max_connections_per_org: count(
+            raw.max_connections_per_org,
+            d.max_connections_per_org,
+            errors,
+        ),
         max_new_connections_per_second_per_org: count(
-            max_new_connections_per_second_per_org,
+            raw.max_new_connections_per_second_per_org,
             d.max_new_connections_per_second_per_org,
             errors,
         ),
         max_detect_memory_bytes,
         // Unset, an org's share follows the global: a quarter of it.
         max_detect_memory_bytes_per_org: count(
-            max_detect_memory_bytes_per_org,
+            raw.max_detect_memory_bytes_per_org,
             max_detect_memory_bytes / crate::config::model::DETECT_MEMORY_ORG_SHARE,
             errors,
         ),
         max_connections_per_client: count(
-            max_connections_per_client,
+            raw.max_connections_per_client,
             d.max_connections_per_client,
             errors,
         ),
         max_new_connections_per_second_per_client: count(
-            max_new_connections_per_second_per_client,
+            raw.max_new_connections_per_second_per_client,
             d.max_new_connections_per_second_per_client,
             errors,
         ),
         max_denial_records_per_second_per_client: count(
-            max_denial_records_per_second_per_client,
+            raw.max_denial_records_per_second_per_client,
             d.max_denial_records_per_second_per_client,
             errors,
         ),
         max_denial_records_per_second_per_org: count(
-            max_denial_records_per_second_per_org,
+            raw.max_denial_records_per_second_per_org,
             d.max_denial_records_per_second_per_org,
             errors,
         ),
-        max_request_head_bytes: count(max_request_head_bytes, d.max_request_head_bytes, errors),
-        max_headers: count(max_headers, d.max_headers, errors),
-        header_read_timeout: timeout(header_read_timeout, errors),
-        connect_timeout: timeout(connect_timeout, errors),
+        max_request_head_bytes: count(raw.max_request_head_bytes, d.max_request_head_bytes, errors),
+        max_headers: count(raw.max_headers, d.max_headers, errors),
+        header_read_timeout: timeout(raw.header_read_timeout, errors),
+        connect_timeout: timeout(raw.connect_timeout, errors),
         idle_timeout,
         response_timeout,
-        detect_timeout: timeout(detect_timeout, errors),
-        drain_timeout: timeout(drain_timeout, errors),
-        revoke_grace: timeout(revoke_grace, errors),
-        upstream_idle_timeout: timeout(upstream_idle_timeout, errors),
+        detect_timeout: timeout(raw.detect_timeout, errors),
+        drain_timeout: timeout(raw.drain_timeout, errors),
+        revoke_grace: timeout(raw.revoke_grace, errors),
+        upstream_idle_timeout: timeout(raw.upstream_idle_timeout, errors),
         // 0 keeps no idle upstream connection: reuse off.
         max_idle_upstream_connections: count_or_zero(
-            max_idle_upstream_connections,
+            raw.max_idle_upstream_connections,
             d.max_idle_upstream_connections,
             errors,
         ),
         max_idle_upstream_connections_per_target: count(
-            max_idle_upstream_connections_per_target,
+            raw.max_idle_upstream_connections_per_target,
             d.max_idle_upstream_connections_per_target,
             errors,
         ),
     };
     ProxyConfig {
-        listen: listen
+        listen: raw
+            .listen
             .iter()
             .filter_map(|l| listeners.claim(l, errors))
             .collect(),
-        transparent: transparent
+        transparent: raw
+            .transparent
             .iter()
             .filter_map(|l| listeners.claim(l, errors))
             .collect(),
-        socks5: socks5
+        socks5: raw
+            .socks5
             .iter()
             .filter_map(|l| listeners.claim(l, errors))
             .collect(),

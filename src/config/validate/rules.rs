@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use toml::Spanned;
 
 use super::service::{service_rules, RawService};
-use super::values::cidr;
+use super::values::{cidr, known};
 use super::volume::volume;
 use super::window::window;
 use crate::config::ceiling;
@@ -79,6 +79,8 @@ pub(super) fn paths(value: RawList, errors: &mut Errors<'_>) -> Vec<PathPattern>
     out
 }
 
+/// The `[[org.allow]]` (`kind` "allow") or `[[org.deny]]` rules of `org`,
+/// each checked against `baseline`'s ceiling; rule ids are unique in `ids`.
 pub(super) fn validate_rules(
     org: &str,
     kind: &str,
@@ -97,8 +99,8 @@ pub(super) fn validate_rules(
             ports,
             intercept,
             tunnel,
-            methods: allow_methods,
-            paths: allow_paths,
+            methods,
+            paths,
             deny_methods,
             deny_paths,
             max_new_names_per_minute,
@@ -115,139 +117,46 @@ pub(super) fn validate_rules(
             not_before,
             expires,
         } = spanned.into_inner();
-        let window = window((not_before, expires), kind == "allow", errors);
+        let allow = kind == "allow";
+        let window = window((not_before, expires), allow, errors);
         let volume = volume(
             (max_bytes_up, max_bytes_down, volume_window),
-            (kind != "allow").then_some(
+            (!allow).then_some(
                 "is only valid on allow rules (a deny rule lets nothing through to budget)",
             ),
             errors,
         );
-        let raw_service = RawService {
-            service,
-            repos,
-            push_refs,
-            graphql_mutations,
-            models,
+        let request = RawRequest {
+            intercept,
+            websocket,
+            methods,
+            paths,
+            deny_methods,
+            deny_paths,
+            service: RawService {
+                service,
+                repos,
+                push_refs,
+                graphql_mutations,
+                models,
+            },
         };
-        let request_span = [&allow_methods, &allow_paths, &deny_methods, &deny_paths]
-            .iter()
-            .find_map(|k| k.as_ref().map(|k| k.span()));
-        let intercepts = intercept.as_ref().is_some_and(|f| *f.get_ref());
-        let websocket_on = websocket
-            .as_ref()
-            .filter(|w| *w.get_ref())
-            .map(Spanned::span);
-        let service = service_rules(
-            raw_service,
-            intercepts && kind == "allow" && host.is_some(),
-            websocket_on,
-            errors,
-        );
-        let websocket = match websocket {
-            Some(flag) if !intercepts || kind != "allow" || host.is_none() => {
-                errors.at(
-                    flag.span(),
-                    "websocket is only valid on intercepting allow rules with a host \
-                     (intercept = true)",
-                );
-                false
-            }
-            Some(flag) => *flag.get_ref(),
-            None => false,
-        };
-        let intercept = match intercept {
-            Some(flag) if *flag.get_ref() => {
-                if kind != "allow" || host.is_none() {
-                    errors.at(
-                        flag.span(),
-                        "intercept is only valid on allow rules with a host",
-                    );
-                }
-                Some(RequestRules {
-                    methods: methods(allow_methods, errors),
-                    paths: paths(allow_paths, errors),
-                    deny_methods: methods(deny_methods, errors),
-                    deny_paths: paths(deny_paths, errors),
-                    websocket,
-                    service,
-                })
-            }
-            _ => {
-                if let Some(span) = request_span {
-                    errors.at(
-                        span,
-                        "methods, paths, deny_methods and deny_paths need intercept = true",
-                    );
-                }
-                None
-            }
-        };
-
-        let tunnel = tunnel.and_then(|t| {
-            let Some(carry) = Carry::parse(t.get_ref()) else {
-                errors.at(
-                    t.span(),
-                    format!(
-                        "unknown tunnel {:?} (one of {})",
-                        t.get_ref(),
-                        Carry::NAMES.join(", ")
-                    ),
-                );
-                return None;
-            };
-            if kind != "allow" || host.is_none() {
-                errors.at(
-                    t.span(),
-                    "tunnel is only valid on allow rules with a host \
-                     (a cidr rule's address is its identity: its tunnels are opaque)",
-                );
-            } else if intercept.is_some() && carry != Carry::Tls {
-                errors.at(
-                    t.span(),
-                    "an intercepting rule carries TLS: tunnel must be \"tls\" or omitted",
-                );
-            }
-            Some(carry)
-        });
-
-        let id = match id {
-            Some(id) => {
-                let text = id.get_ref().trim().to_string();
-                if !valid_rule_id(&text) {
-                    errors.at(id.span(), format!("invalid rule id {text:?}"));
-                } else if text.starts_with(crate::config::GRANT_RULE_PREFIX) {
-                    errors.at(
-                        id.span(),
-                        format!("rule id {text:?}: ids starting with \"grant:\" name grants"),
-                    );
-                }
-                if !ids.insert(text.clone()) {
-                    errors.at(id.span(), format!("rule id {text:?} is used twice"));
-                }
-                text
-            }
-            None => {
-                let text = format!("{org}/{kind}/{n}");
-                ids.insert(text.clone());
-                text
-            }
-        };
-
+        let intercept = request_rules(request, allow && host.is_some(), errors);
+        let tunnel =
+            tunnel.and_then(|t| tunnel_of(t, allow && host.is_some(), intercept.is_some(), errors));
+        let id = rule_id(id, (org, kind, n), ids, errors);
         let target = rule_target(
             (host, cidr_value),
-            kind == "allow",
+            allow,
             (span.clone(), &format!("rule {id:?}")),
             errors,
         );
-
         let ports = match ports {
-            None if kind == "allow" => PortSet::List(DEFAULT_ALLOW_PORTS.to_vec()),
+            None if allow => PortSet::List(DEFAULT_ALLOW_PORTS.to_vec()),
             None => PortSet::All,
             Some(list) => port_list(&list, errors),
         };
-
-        let wildcard = kind == "allow" && matches!(target, Some(RuleTarget::Below(_)));
+        let wildcard = allow && matches!(target, Some(RuleTarget::Below(_)));
         let names = name_limits(wildcard, max_new_names_per_minute, max_label_length, errors);
 
         if let Some(target) = target {
@@ -261,13 +170,147 @@ pub(super) fn validate_rules(
                 volume,
                 window,
             };
-            if let (Some(baseline), "allow") = (baseline, kind) {
+            if let (Some(baseline), true) = (baseline, allow) {
                 check_ceiling(&rule, baseline, span, errors);
             }
             rules.push(rule);
         }
     }
     rules
+}
+
+/// The keys of a rule that say what is done with the requests inside an
+/// intercepted connection.
+struct RawRequest {
+    intercept: Option<Spanned<bool>>,
+    websocket: Option<Spanned<bool>>,
+    methods: RawList,
+    paths: RawList,
+    deny_methods: RawList,
+    deny_paths: RawList,
+    service: RawService,
+}
+
+/// The request rules of an intercepting rule (`None` without `intercept
+/// = true`); interception and its keys are valid only on an allow rule
+/// with a host (`allow_with_host`).
+fn request_rules(
+    raw: RawRequest,
+    allow_with_host: bool,
+    errors: &mut Errors<'_>,
+) -> Option<RequestRules> {
+    let request_span = [&raw.methods, &raw.paths, &raw.deny_methods, &raw.deny_paths]
+        .iter()
+        .find_map(|k| k.as_ref().map(|k| k.span()));
+    let intercepts = raw.intercept.as_ref().is_some_and(|f| *f.get_ref());
+    let websocket_on = raw
+        .websocket
+        .as_ref()
+        .filter(|w| *w.get_ref())
+        .map(Spanned::span);
+    let service = service_rules(
+        raw.service,
+        intercepts && allow_with_host,
+        websocket_on,
+        errors,
+    );
+    let websocket = match raw.websocket {
+        Some(flag) if !intercepts || !allow_with_host => {
+            errors.at(
+                flag.span(),
+                "websocket is only valid on intercepting allow rules with a host \
+                 (intercept = true)",
+            );
+            false
+        }
+        Some(flag) => *flag.get_ref(),
+        None => false,
+    };
+    match raw.intercept {
+        Some(flag) if *flag.get_ref() => {
+            if !allow_with_host {
+                errors.at(
+                    flag.span(),
+                    "intercept is only valid on allow rules with a host",
+                );
+            }
+            Some(RequestRules {
+                methods: methods(raw.methods, errors),
+                paths: paths(raw.paths, errors),
+                deny_methods: methods(raw.deny_methods, errors),
+                deny_paths: paths(raw.deny_paths, errors),
+                websocket,
+                service,
+            })
+        }
+        _ => {
+            if let Some(span) = request_span {
+                errors.at(
+                    span,
+                    "methods, paths, deny_methods and deny_paths need intercept = true",
+                );
+            }
+            None
+        }
+    }
+}
+
+/// A rule's `tunnel`: valid only on an allow rule with a host, and `tls`
+/// on an intercepting one.
+fn tunnel_of(
+    t: Spanned<String>,
+    allow_with_host: bool,
+    intercepts: bool,
+    errors: &mut Errors<'_>,
+) -> Option<Carry> {
+    let carry = known(
+        "tunnel",
+        &t,
+        Carry::parse(t.get_ref()),
+        &Carry::NAMES,
+        errors,
+    )?;
+    if !allow_with_host {
+        errors.at(
+            t.span(),
+            "tunnel is only valid on allow rules with a host \
+             (a cidr rule's address is its identity: its tunnels are opaque)",
+        );
+    } else if intercepts && carry != Carry::Tls {
+        errors.at(
+            t.span(),
+            "an intercepting rule carries TLS: tunnel must be \"tls\" or omitted",
+        );
+    }
+    Some(carry)
+}
+
+/// A rule's id: the one given (valid, not a grant's, unique in `ids`), or
+/// `ORG/KIND/N` for the `n`th rule of its kind.
+fn rule_id(
+    id: Option<Spanned<String>>,
+    (org, kind, n): (&str, &str, usize),
+    ids: &mut HashSet<String>,
+    errors: &mut Errors<'_>,
+) -> String {
+    let Some(id) = id else {
+        let text = format!("{org}/{kind}/{n}");
+        ids.insert(text.clone());
+        return text;
+    };
+    let text = id.get_ref().trim().to_string();
+    if !valid_rule_id(&text) {
+        errors.at(id.span(), format!("invalid rule id {text:?}"));
+    } else if text.starts_with(crate::config::GRANT_RULE_PREFIX) {
+        errors.at(
+            id.span(),
+            format!("rule id {text:?}: ids starting with \"grant:\" name grants"),
+        );
+    }
+    if !ids.insert(text.clone()) {
+        errors.at(id.span(), format!("rule id {text:?} is used twice"));
+    }
+    text
 }
 
 /// An allow rule outside the baseline's ceiling: an error at the rule,
@@ -478,13 +521,7 @@ mod tests {
             ("host = \"a.com\"\ncidr = \"198.18.0.0/15\"", "not both"),
             ("ports = [1]", "needs host or cidr"),
         ];
-        for (rule, want) in cases {
-            let src = format!("{BASE}[[org.allow]]\n{rule}\n");
-            let e = first_error(&src);
-            assert!(e.contains(want), "{rule}: {e}");
-            let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
-            assert!((9..=11).contains(&line), "{rule}: {e}");
-        }
+        refused_at_the_rule("[[org.allow]]\n", &cases, 9..=11);
     }
 
     #[test]
@@ -514,18 +551,22 @@ mod tests {
                 "intercepting rule carries TLS",
             ),
         ];
-        refused_at_the_rule(&cases);
+        refused_at_the_rule("", &cases, 10..=12);
     }
 
-    /// Each rule (after `BASE`) is refused with an error containing its
-    /// message, located on one of the rule's lines.
-    fn refused_at_the_rule(cases: &[(&str, &str)]) {
+    /// Each rule (after `BASE` and `head`) is refused with an error
+    /// containing its message, located on one of `lines`.
+    fn refused_at_the_rule(
+        head: &str,
+        cases: &[(&str, &str)],
+        lines: std::ops::RangeInclusive<usize>,
+    ) {
         for (rule, want) in cases {
-            let src = format!("{BASE}{rule}\n");
+            let src = format!("{BASE}{head}{rule}\n");
             let e = first_error(&src);
             assert!(e.contains(want), "{rule}: {e}");
             let line: usize = e.split(':').nth(1).unwrap().parse().unwrap();
-            assert!((10..=12).contains(&line), "{rule}: {e}");
+            assert!(lines.contains(&line), "{rule}: {e}");
         }
     }
 
@@ -582,7 +623,7 @@ mod tests {
                 "out of range 1-63",
             ),
         ];
-        refused_at_the_rule(&cases);
+        refused_at_the_rule("", &cases, 10..=12);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use toml::Spanned;
 
+use super::values::known;
 use crate::config::error::Errors;
 use crate::config::model::{Service, ServiceRules};
 use crate::config::raw::RawList;
@@ -67,20 +68,10 @@ pub(super) fn service_rules(
     } = raw;
     let service = match service {
         None => None,
-        Some(s) => match Service::parse(s.get_ref().trim()) {
-            Some(v) => Some(v),
-            None => {
-                errors.at(
-                    s.span(),
-                    format!(
-                        "unknown service {:?} (one of {})",
-                        s.get_ref(),
-                        Service::NAMES.join(", ")
-                    ),
-                );
-                return None;
-            }
-        },
+        Some(s) => {
+            let found = Service::parse(s.get_ref().trim());
+            Some(known("service", &s, found, &Service::NAMES, errors)?)
+        }
     };
     let only_for = |key: &RawList, wanted: Service, errors: &mut Errors<'_>| {
         if let Some(k) = key {

@@ -142,6 +142,65 @@ pub(super) fn positive_duration(
     }
 }
 
+/// `found`, what `v` was read as; `None` is an error naming what `v`
+/// could be (`names`).
+pub(super) fn known<T>(
+    what: &str,
+    v: &Spanned<String>,
+    found: Option<T>,
+    names: &[&str],
+    errors: &mut Errors<'_>,
+) -> Option<T> {
+    if found.is_none() {
+        errors.at(
+            v.span(),
+            format!(
+                "unknown {what} {:?} (one of {})",
+                v.get_ref(),
+                names.join(", ")
+            ),
+        );
+    }
+    found
+}
+
+/// The value of `choices` that `v` names, else an error naming `key` and
+/// the choices, and the default.
+pub(super) fn one_of<T: Copy + Default>(
+    key: &str,
+    v: &Spanned<String>,
+    choices: &[(&str, T)],
+    errors: &mut Errors<'_>,
+) -> T {
+    one_of_text(key, (v.get_ref(), v.span()), choices, errors)
+}
+
+/// [`one_of`] for a text and its span (a value trimmed first).
+pub(super) fn one_of_text<T: Copy + Default>(
+    key: &str,
+    (text, span): (&str, std::ops::Range<usize>),
+    choices: &[(&str, T)],
+    errors: &mut Errors<'_>,
+) -> T {
+    if let Some((_, value)) = choices.iter().find(|(name, _)| *name == text) {
+        return *value;
+    }
+    let names: Vec<String> = choices
+        .iter()
+        .map(|(name, _)| format!("{name:?}"))
+        .collect();
+    let expected = match names.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    errors.at(
+        span,
+        format!("invalid {key} {text:?} (expected {expected})"),
+    );
+    T::default()
+}
+
 pub(super) fn cidr(value: &Spanned<String>, errors: &mut Errors<'_>) -> Option<IpNet> {
     let text = value.get_ref().trim();
     let net = if text.contains('/') {

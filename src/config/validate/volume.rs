@@ -5,7 +5,7 @@
 
 use toml::Spanned;
 
-use super::evidence::parse_size;
+use super::evidence::positive_size;
 use super::values::positive_duration;
 use crate::config::error::Errors;
 use crate::config::model::{Volume, DEFAULT_VOLUME_WINDOW, MAX_VOLUME_WINDOW, MIN_VOLUME_WINDOW};
@@ -70,24 +70,17 @@ pub(super) fn volume(
 
 /// One budget: a positive byte count or size (`"10MiB"`).
 fn bytes(key: &str, value: Spanned<RawSize>, errors: &mut Errors<'_>) -> Option<u64> {
-    let parsed = match value.get_ref() {
-        RawSize::Bytes(n) => u64::try_from(*n).ok().filter(|n| *n > 0),
-        RawSize::Text(t) => parse_size(t),
-    };
-    if parsed.is_none() {
-        let shown = match value.get_ref() {
-            RawSize::Bytes(n) => n.to_string(),
-            RawSize::Text(t) => format!("{t:?}"),
-        };
-        errors.at(
-            value.span(),
-            format!(
-                "{key} = {shown}: a budget is a positive byte count or size \
-                 (e.g. 1048576 or \"10MiB\"; units B, kB, MB, GB, KiB, MiB, GiB)"
-            ),
-        );
-    }
-    parsed
+    positive_size(value.get_ref())
+        .map_err(|shown| {
+            errors.at(
+                value.span(),
+                format!(
+                    "{key} = {shown}: a budget is a positive byte count or size \
+                     (e.g. 1048576 or \"10MiB\"; units B, kB, MB, GB, KiB, MiB, GiB)"
+                ),
+            )
+        })
+        .ok()
 }
 
 #[cfg(test)]
@@ -181,14 +174,9 @@ mod tests {
 
     #[test]
     fn a_budget_on_a_deny_rule_is_an_error() {
-        let e = errors("[[org.deny]]\nhost = \"a.test\"\nmax_bytes_down = \"1MiB\"\n");
-        assert_eq!(e.len(), 1, "{e:?}");
-        assert!(e[0].starts_with("t.toml:6:18: "), "{}", e[0]);
-        assert!(
-            e[0].contains("max_bytes_down is only valid on allow rules"),
-            "{}",
-            e[0]
-        );
+        let deny = "[[org.deny]]\nhost = \"a.test\"\n";
+        let wants = "max_bytes_down is only valid on allow rules";
+        assert_located(deny, &[("max_bytes_down = \"1MiB\"", 6, 18, wants)]);
     }
 
     #[test]

@@ -5,7 +5,10 @@
 //!   configured bounds, drained on shutdown (graceful close, then cut at
 //!   the end of the grace period); HTTP/1.1 through the server shared with
 //!   the admin listener ([`crate::serve::http`]).
-//! - [`client`]: the upstream side, HTTP/1.1 or HTTP/2.
+//! - [`client`]: the upstream side through hyper, HTTP/1.1 or HTTP/2
+//!   (interception, and forwarded requests with a body).
+//! - [`upstream`]: the upstream side Palisade speaks itself, HTTP/1.1, for
+//!   forwarded requests without a body (and their connections' reuse).
 //! - [`strip_hop_by_hop`]: headers that never cross the proxy.
 //! - [`body::Metered`]: a body that counts its bytes and reports once at
 //!   its end, and may spend its exchange's volume budgets as it goes.
@@ -16,6 +19,7 @@
 pub(crate) mod body;
 pub(crate) mod client;
 pub(crate) mod replay;
+pub(crate) mod upstream;
 pub(crate) mod wire;
 
 use std::convert::Infallible;

@@ -796,14 +796,10 @@ async fn send(
         // A body: the upstream connection ends with this exchange.
         watch.ask_close(&mut parts.headers);
     }
-    let mut record = req.record();
-    if !s.ctx.write(&mut record).await {
-        count(shared, Reason::EvidenceUnavailable);
-        return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
-    }
-    // Its close record's room, reserved by its allow.
-    req.owed = record.owed.take();
-    count(shared, Reason::RuleMatch);
+    let record = match write_allowed(shared, &mut req).await {
+        Ok(record) => record,
+        Err(refusal) => return refusal,
+    };
 
     // Held to every policy a reload serves, its bodies both ways too,
     // which spend from its volume budgets as they go.
@@ -812,23 +808,9 @@ async fn send(
     let head = layer::request_head_len(&parts.method, &parts.uri, &parts.headers);
     let head_fits = volume.head(Direction::Up, head);
     let body = volume.stopped(watch.gate(volume.body(body, Direction::Up)));
-    let totals = shared.clone();
     let up = up_count.clone();
-    let exchange = Exchange {
-        ctx: s.ctx.clone(),
-        req,
-        shown: record.shown().to_string(),
-        id: record.id,
-        started,
-        up: Box::new(move || up.load(Ordering::Relaxed)),
-        with_status: true,
-        on_close: Some(Box::new(move |up, down| {
-            totals.up.fetch_add(up, Ordering::Relaxed);
-            totals.down.fetch_add(down, Ordering::Relaxed);
-        })),
-        hold: Some(hold),
-        volume,
-    };
+    let up = Box::new(move || up.load(Ordering::Relaxed));
+    let exchange = exchange(shared, (req, record, started), up, (Some(hold), volume));
     if !head_fits {
         return exchange.failed(NoResponse::NotSent("request head over the budget".into()));
     }
@@ -929,32 +911,18 @@ async fn websocket_handshake(
         Some(d) => format!("{how}; {d}"),
         None => how.to_string(),
     });
-    let mut record = req.record();
-    if !s.ctx.write(&mut record).await {
-        count(shared, Reason::EvidenceUnavailable);
-        return Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None);
-    }
-    // Its close record's room, reserved by its allow.
-    req.owed = record.owed.take();
-    count(shared, Reason::RuleMatch);
-    let totals = shared.clone();
-    let exchange = Exchange {
-        ctx: s.ctx.clone(),
-        req,
-        shown: record.shown().to_string(),
-        id: record.id,
-        started,
-        up: Box::new(|| 0),
-        with_status: true,
-        on_close: Some(Box::new(move |up, down| {
-            totals.up.fetch_add(up, Ordering::Relaxed);
-            totals.down.fetch_add(down, Ordering::Relaxed);
-        })),
-        // Held with its relay ([`websocket::relay`]), which spends its
-        // volume budgets.
-        hold: None,
-        volume: Budgets::default(),
+    let record = match write_allowed(shared, &mut req).await {
+        Ok(record) => record,
+        Err(refusal) => return refusal,
     };
+    // Held with its relay ([`websocket::relay`]), which spends its
+    // volume budgets.
+    let exchange = exchange(
+        shared,
+        (req, record, started),
+        Box::new(|| 0),
+        (None, Budgets::default()),
+    );
     let fresh = shared.upstream.lock().await.fresh.take();
     let tls = match shared.tls(fresh, true).await {
         Ok(t) => t,
@@ -989,6 +957,52 @@ async fn websocket_handshake(
 /// A path as evidence keeps it.
 fn recorded_path(path: &str) -> String {
     path.chars().take(MAX_RECORDED_PATH).collect()
+}
+
+/// The exchange of a request recorded as `record`, its response status
+/// on its close record and its bytes added to the connection's totals;
+/// `up` reads its bytes up so far, `hold` and `volume` as in
+/// [`Exchange`].
+fn exchange(
+    shared: &Arc<Shared>,
+    (req, record, started): (Conn, crate::evidence::Record, Instant),
+    up: Box<dyn Fn() -> u64 + Send + Sync>,
+    (hold, volume): (Option<revoke::Hold>, Budgets),
+) -> Exchange {
+    let totals = shared.clone();
+    Exchange {
+        ctx: shared.session.ctx.clone(),
+        req,
+        shown: record.shown().to_string(),
+        id: record.id,
+        started,
+        up,
+        with_status: true,
+        on_close: Some(Box::new(move |up, down| {
+            totals.up.fetch_add(up, Ordering::Relaxed);
+            totals.down.fetch_add(down, Ordering::Relaxed);
+        })),
+        hold,
+        volume,
+    }
+}
+
+/// Write an allowed request's decision record, before any byte of it
+/// reaches the upstream, and count it; its close record's room, reserved
+/// by its allow, goes on `req`. Without evidence, the client's answer:
+/// refused `evidence_unavailable`.
+async fn write_allowed(
+    shared: &Shared,
+    req: &mut Conn,
+) -> Result<crate::evidence::Record, Response<Body>> {
+    let mut record = req.record();
+    if !shared.session.ctx.write(&mut record).await {
+        count(shared, Reason::EvidenceUnavailable);
+        return Err(Unserved::Denied(Reason::EvidenceUnavailable).response(record.shown(), None));
+    }
+    req.owed = record.owed.take();
+    count(shared, Reason::RuleMatch);
+    Ok(record)
 }
 
 fn count(shared: &Shared, reason: Reason) {
