@@ -28,7 +28,7 @@ pub struct Live {
     store: Arc<store::Store>,
     /// Written records, live, for the decision tail.
     tap: tap::Tap,
-    /// What each witness did ([`witness`]), in `[evidence] witnesses` order.
+    /// What each witness did ([`super::witness`]), in `[evidence] witnesses` order.
     witnesses: Mutex<Vec<WitnessCounts>>,
     /// Writes whose leaves the witnesses' full queue could not take.
     witness_dropped: AtomicU64,
