@@ -102,11 +102,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
     ("probe/generate.rs", "generate", "wt-volume splits probe/"),
     ("probe/render.rs", "markdown", "wt-volume splits probe/"),
     ("probe/render.rs", "html", "wt-volume splits probe/"),
-    (
-        "probe/run.rs",
-        "Ctx::second_request",
-        "wt-volume splits probe/",
-    ),
 ];
 
 // ---------------------------------------------------------------------
