@@ -100,8 +100,6 @@ const LONG_FNS_ALLOWED: &[(&str, &str, &str)] = &[
     ),
     ("probe/classify.rs", "classify", "wt-volume splits probe/"),
     ("probe/generate.rs", "generate", "wt-volume splits probe/"),
-    ("probe/render.rs", "markdown", "wt-volume splits probe/"),
-    ("probe/render.rs", "html", "wt-volume splits probe/"),
 ];
 
 // ---------------------------------------------------------------------
