@@ -285,7 +285,20 @@ pub(crate) fn not_caused_by(o: &Observation, r: &Record) -> Option<String> {
     if DESTINATION_REASONS.contains(&reason) {
         return None;
     }
-    let sni_of_probe = match &target {
+    unprovokable(o, r, &target, tunnel, &what)
+}
+
+/// Why the probe's own request cannot have provoked `r`'s reason, as the
+/// message naming the record (`what`); `None` when it can.
+fn unprovokable(
+    o: &Observation,
+    r: &Record,
+    target: &Target,
+    tunnel: bool,
+    what: &str,
+) -> Option<String> {
+    let reason = r.reason;
+    let sni_of_probe = match target {
         Target::Tls { sni, .. } => Some(super::fit::norm(sni)),
         Target::Http {
             tls: true, host, ..
@@ -317,7 +330,7 @@ pub(crate) fn not_caused_by(o: &Observation, r: &Record) -> Option<String> {
         Reason::ProtocolMismatch => (matches!(target, Target::Http { tls: false, .. }) && !tunnel)
             .then_some("the probe's request was an absolute-form HTTP request"),
         Reason::PathNotAllowed | Reason::MethodNotAllowed | Reason::ServiceDenied => {
-            match (&target, &r.path) {
+            match (target, &r.path) {
                 (Target::Http { path, .. }, Some(got)) if same_path(path, got) => None,
                 (Target::Http { path, .. }, Some(got)) => {
                     return Some(format!(
@@ -558,18 +571,21 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
     let only = |keep: &dyn Fn(&Record) -> bool| -> Vec<&Record> {
         recs.iter().copied().filter(|r| keep(r)).collect()
     };
-    let deny = only(&|r| r.decision_str() == "deny");
-    let allow = only(&|r| r.decision_str() == "allow");
-    // Only denials of the probe's own request (the others are listed by
-    // the report as mismatches: a finding).
-    let policy_deny = only(&|r| {
-        r.decision_str() == "deny"
-            && r.reason != Reason::ResolutionFailed
-            && !INFRA_REASONS.contains(&r.reason)
-            && not_caused_by(o, r).is_none()
-    });
-    let unresolved = only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed);
-    let infra = only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason));
+    let sorted = Sorted {
+        recs,
+        deny: only(&|r| r.decision_str() == "deny"),
+        allow: only(&|r| r.decision_str() == "allow"),
+        // Only denials of the probe's own request (the others are listed by
+        // the report as mismatches: a finding).
+        policy_deny: only(&|r| {
+            r.decision_str() == "deny"
+                && r.reason != Reason::ResolutionFailed
+                && !INFRA_REASONS.contains(&r.reason)
+                && not_caused_by(o, r).is_none()
+        }),
+        unresolved: only(&|r| r.decision_str() == "deny" && r.reason == Reason::ResolutionFailed),
+        infra: only(&|r| r.decision_str() == "deny" && INFRA_REASONS.contains(&r.reason)),
+    };
     let answered = match o.outcome {
         ProbeOutcome::Reached => {
             !(o.kind == "dns" && o.expect == Expect::Allow && o.dns_answers.is_empty())
@@ -587,168 +603,189 @@ pub(crate) fn classify(o: &Observation, recs: &[&Record]) -> (Class, String) {
         );
     }
     match o.expect {
-        Expect::Deny => {
-            if o.outcome == ProbeOutcome::Reached {
-                let cite = if allow.is_empty() {
-                    "with no Palisade record".to_string()
-                } else {
-                    format!("Palisade allowed it: {}", ids(&allow))
-                };
-                return (
-                    Class::UnexpectedAllow,
-                    format!("the target answered ({}), {cite}", observed_text(o)),
-                );
-            }
-            if in_tunnel(o) {
-                let closed = tunnel_denials(o, &policy_deny);
-                if !closed.is_empty() {
-                    let tunnel = if allow.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (the tunnel was allowed: {})", ids(&allow))
-                    };
-                    return (
-                        Class::EnforcedDeny,
-                        format!(
-                            "Palisade closed the tunnel for what it carried: {}{tunnel}",
-                            reasons(&closed)
-                        ),
-                    );
-                }
-                if allow.is_empty() && !policy_deny.is_empty() {
-                    return (
-                        Class::EnforcedDeny,
-                        format!(
-                            "Palisade refused the connection itself ({}): the tunnel never opened, so what it carries was not exercised",
-                            reasons(&policy_deny)
-                        ),
-                    );
-                }
-            } else if !carried_allow(&allow, &policy_deny).is_empty() {
-                return (
-                    Class::UnexpectedAllow,
-                    format!(
-                        "Palisade allowed it ({}), whatever the client reported ({})",
-                        ids(&carried_allow(&allow, &policy_deny)),
-                        observed_text(o)
-                    ),
-                );
-            } else if !policy_deny.is_empty() {
-                return (
-                    Class::EnforcedDeny,
-                    format!("Palisade denied: {}", reasons(&policy_deny)),
-                );
-            }
-            if !allow.is_empty() && o.second_host.is_some() && o.first_close {
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "the upstream closed the connection after the first response, so nothing could answer the second request, and Palisade recorded no refusal of it (allowed: {}): re-run against an upstream that keeps connections alive",
-                        ids(&allow)
-                    ),
-                );
-            }
-            if !allow.is_empty() && in_tunnel(o) {
-                return (
-                    Class::UnexpectedAllow,
-                    format!(
-                        "Palisade allowed the tunnel ({}) and recorded no refusal of what it carried ({})",
-                        ids(&allow),
-                        observed_text(o)
-                    ),
-                );
-            }
-            if let Some((r, rule)) = unresolved
-                .iter()
-                .find_map(|r| Some((r, r.rule.as_deref().filter(|x| !x.is_empty())?)))
-            {
-                return (
-                    Class::UnexpectedAllow,
-                    format!("the policy allows it (rule {rule}, record {}); it failed only because the name did not resolve", r.id),
-                );
-            }
-            if !infra.is_empty() || !unresolved.is_empty() {
-                let all: Vec<&Record> = infra.iter().chain(&unresolved).copied().collect();
-                return (
-                    Class::Inconclusive,
-                    format!("Palisade could not decide on policy: {}", reasons(&all)),
-                );
-            }
-            (
-                Class::BlockedElsewhere,
-                format!(
-                    "failed ({}) and Palisade recorded nothing: another layer stopped it; not evidence of Palisade's enforcement",
-                    observed_text(o)
-                ),
-            )
-        }
-        Expect::Allow => {
-            if answered {
-                if !allow.is_empty() && policy_deny.is_empty() {
-                    return (
-                        Class::EnforcedAllow,
-                        format!("Palisade allowed: {}", ids(&allow)),
-                    );
-                }
-                if recs.is_empty() {
-                    return (
-                        Class::Inconclusive,
-                        "the target answered but Palisade recorded nothing: this path goes around Palisade, or the evidence is incomplete".into(),
-                    );
-                }
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "the target answered despite Palisade's records: {}",
-                        reasons(&deny)
-                    ),
-                );
-            }
-            if !policy_deny.is_empty() {
-                return (
-                    Class::UnexpectedDeny,
-                    format!("Palisade denied: {}", reasons(&policy_deny)),
-                );
-            }
-            if !unresolved.is_empty() || !infra.is_empty() {
-                let all: Vec<&Record> = unresolved.iter().chain(&infra).copied().collect();
-                return (
-                    Class::Inconclusive,
-                    format!("setup failed on Palisade's side: {}", reasons(&all)),
-                );
-            }
-            if !allow.is_empty() {
-                let detail: Vec<&str> = allow.iter().filter_map(|r| r.detail.as_deref()).collect();
-                return (
-                    Class::Inconclusive,
-                    format!(
-                        "Palisade allowed it ({}) but the target did not answer{}",
-                        ids(&allow),
-                        if detail.is_empty() {
-                            String::new()
-                        } else {
-                            format!(": {}", detail.join("; "))
-                        }
-                    ),
-                );
-            }
-            if o.outcome == ProbeOutcome::SetupFailed
-                || (o.via == Via::Proxy && o.stage == "proxy_connect")
-            {
-                return (
-                    Class::Inconclusive,
-                    format!("never reached Palisade: {}", observed_text(o)),
-                );
-            }
-            (
-                Class::BlockedElsewhere,
-                format!(
-                    "failed ({}) and Palisade recorded nothing: another layer stopped it",
-                    observed_text(o)
-                ),
-            )
-        }
+        Expect::Deny => classify_deny(o, &sorted),
+        Expect::Allow => classify_allow(o, &sorted, answered),
     }
+}
+
+/// An observation's matched records, sorted by what they say.
+struct Sorted<'a> {
+    recs: &'a [&'a Record],
+    deny: Vec<&'a Record>,
+    allow: Vec<&'a Record>,
+    /// Denials of the probe's own request (see [`not_caused_by`]).
+    policy_deny: Vec<&'a Record>,
+    unresolved: Vec<&'a Record>,
+    infra: Vec<&'a Record>,
+}
+
+/// [`classify`] of a probe expected to be denied.
+fn classify_deny(o: &Observation, s: &Sorted<'_>) -> (Class, String) {
+    let (allow, policy_deny) = (&s.allow[..], &s.policy_deny[..]);
+    let (unresolved, infra) = (&s.unresolved[..], &s.infra[..]);
+    if o.outcome == ProbeOutcome::Reached {
+        let cite = if allow.is_empty() {
+            "with no Palisade record".to_string()
+        } else {
+            format!("Palisade allowed it: {}", ids(allow))
+        };
+        return (
+            Class::UnexpectedAllow,
+            format!("the target answered ({}), {cite}", observed_text(o)),
+        );
+    }
+    if in_tunnel(o) {
+        let closed = tunnel_denials(o, policy_deny);
+        if !closed.is_empty() {
+            let tunnel = if allow.is_empty() {
+                String::new()
+            } else {
+                format!(" (the tunnel was allowed: {})", ids(allow))
+            };
+            return (
+                Class::EnforcedDeny,
+                format!(
+                    "Palisade closed the tunnel for what it carried: {}{tunnel}",
+                    reasons(&closed)
+                ),
+            );
+        }
+        if allow.is_empty() && !policy_deny.is_empty() {
+            return (
+                Class::EnforcedDeny,
+                format!(
+                    "Palisade refused the connection itself ({}): the tunnel never opened, so what it carries was not exercised",
+                    reasons(policy_deny)
+                ),
+            );
+        }
+    } else if !carried_allow(allow, policy_deny).is_empty() {
+        return (
+            Class::UnexpectedAllow,
+            format!(
+                "Palisade allowed it ({}), whatever the client reported ({})",
+                ids(&carried_allow(allow, policy_deny)),
+                observed_text(o)
+            ),
+        );
+    } else if !policy_deny.is_empty() {
+        return (
+            Class::EnforcedDeny,
+            format!("Palisade denied: {}", reasons(policy_deny)),
+        );
+    }
+    if !allow.is_empty() && o.second_host.is_some() && o.first_close {
+        return (
+            Class::Inconclusive,
+            format!(
+                "the upstream closed the connection after the first response, so nothing could answer the second request, and Palisade recorded no refusal of it (allowed: {}): re-run against an upstream that keeps connections alive",
+                ids(allow)
+            ),
+        );
+    }
+    if !allow.is_empty() && in_tunnel(o) {
+        return (
+            Class::UnexpectedAllow,
+            format!(
+                "Palisade allowed the tunnel ({}) and recorded no refusal of what it carried ({})",
+                ids(allow),
+                observed_text(o)
+            ),
+        );
+    }
+    if let Some((r, rule)) = unresolved
+        .iter()
+        .find_map(|r| Some((r, r.rule.as_deref().filter(|x| !x.is_empty())?)))
+    {
+        return (
+            Class::UnexpectedAllow,
+            format!("the policy allows it (rule {rule}, record {}); it failed only because the name did not resolve", r.id),
+        );
+    }
+    if !infra.is_empty() || !unresolved.is_empty() {
+        let all: Vec<&Record> = infra.iter().chain(unresolved).copied().collect();
+        return (
+            Class::Inconclusive,
+            format!("Palisade could not decide on policy: {}", reasons(&all)),
+        );
+    }
+    (
+        Class::BlockedElsewhere,
+        format!(
+            "failed ({}) and Palisade recorded nothing: another layer stopped it; not evidence of Palisade's enforcement",
+            observed_text(o)
+        ),
+    )
+}
+
+/// [`classify`] of a probe expected to be allowed; `answered` is whether
+/// the target answered it.
+fn classify_allow(o: &Observation, s: &Sorted<'_>, answered: bool) -> (Class, String) {
+    let (recs, deny, allow) = (s.recs, &s.deny[..], &s.allow[..]);
+    let (policy_deny, unresolved, infra) = (&s.policy_deny[..], &s.unresolved[..], &s.infra[..]);
+    if answered {
+        if !allow.is_empty() && policy_deny.is_empty() {
+            return (
+                Class::EnforcedAllow,
+                format!("Palisade allowed: {}", ids(allow)),
+            );
+        }
+        if recs.is_empty() {
+            return (
+                Class::Inconclusive,
+                "the target answered but Palisade recorded nothing: this path goes around Palisade, or the evidence is incomplete".into(),
+            );
+        }
+        return (
+            Class::Inconclusive,
+            format!(
+                "the target answered despite Palisade's records: {}",
+                reasons(deny)
+            ),
+        );
+    }
+    if !policy_deny.is_empty() {
+        return (
+            Class::UnexpectedDeny,
+            format!("Palisade denied: {}", reasons(policy_deny)),
+        );
+    }
+    if !unresolved.is_empty() || !infra.is_empty() {
+        let all: Vec<&Record> = unresolved.iter().chain(infra).copied().collect();
+        return (
+            Class::Inconclusive,
+            format!("setup failed on Palisade's side: {}", reasons(&all)),
+        );
+    }
+    if !allow.is_empty() {
+        let detail: Vec<&str> = allow.iter().filter_map(|r| r.detail.as_deref()).collect();
+        return (
+            Class::Inconclusive,
+            format!(
+                "Palisade allowed it ({}) but the target did not answer{}",
+                ids(allow),
+                if detail.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {}", detail.join("; "))
+                }
+            ),
+        );
+    }
+    if o.outcome == ProbeOutcome::SetupFailed || (o.via == Via::Proxy && o.stage == "proxy_connect")
+    {
+        return (
+            Class::Inconclusive,
+            format!("never reached Palisade: {}", observed_text(o)),
+        );
+    }
+    (
+        Class::BlockedElsewhere,
+        format!(
+            "failed ({}) and Palisade recorded nothing: another layer stopped it",
+            observed_text(o)
+        ),
+    )
 }
 
 /// One line on what the client saw.

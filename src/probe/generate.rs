@@ -61,274 +61,17 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     } else {
         opts.outside.clone()
     };
-    let mut probes: Vec<Probe> = Vec::new();
-    let mut add =
-        |id: String, target: String, via: Via, expect: Expect, layer: Layer, note: &str| {
-            probes.push(Probe {
-                layer,
-                note: Some(note.to_string()),
-                ..Probe::new(&id, &target, via, expect)
-            });
-        };
     let via_default = if proxy.is_some() {
         Via::Proxy
     } else {
         Via::Direct
     };
-    let mut allowed_name: Option<(String, u16)> = None;
-    let url_for = probe_url;
-    for (i, rule) in org.allow.iter().enumerate() {
-        for port in rule_ports(rule) {
-            let (host, note) = allow_host(rule);
-            if allowed_name.is_none() && !matches!(rule.target, RuleTarget::Cidr(_)) && port == 443
-            {
-                allowed_name = Some((host.clone(), port));
-            }
-            add(
-                format!("allow-{i}-{port}"),
-                url_for(&host, port),
-                via_default,
-                Expect::Allow,
-                Layer::Palisade,
-                &note,
-            );
-            if opts.transparent {
-                add(
-                    format!("allow-{i}-{port}-direct"),
-                    url_for(&host, port),
-                    Via::Direct,
-                    Expect::Allow,
-                    Layer::Palisade,
-                    &format!("{note}, without proxy settings (transparent mode)"),
-                );
-            }
-        }
-    }
-    for (i, rule) in org.deny.iter().enumerate() {
-        let host = match &rule.target {
-            RuleTarget::Exact(name) => name.clone(),
-            RuleTarget::Below(suffix) => format!("www.{suffix}"),
-            RuleTarget::Cidr(net) => {
-                let ip = net.hosts().next().unwrap_or(net.addr());
-                if ip.is_ipv6() {
-                    format!("[{ip}]")
-                } else {
-                    ip.to_string()
-                }
-            }
-        };
-        add(
-            format!("deny-{i}"),
-            url_for(&host, 443),
-            via_default,
-            Expect::Deny,
-            Layer::Palisade,
-            &format!("deny rule {}", rule.id),
-        );
-    }
-    let deny = Expect::Deny;
-    let p = Layer::Palisade;
-    let v = via_default;
-    // Canaries: names and an address no rule names.
-    add(
-        "canary-https".into(),
-        format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
-        v,
-        deny,
-        p,
-        "canary name",
-    );
-    add(
-        "canary-http".into(),
-        format!("http://{CANARY_MARKED}/palisade-probe/{{marker}}"),
-        v,
-        deny,
-        p,
-        "canary name, plain HTTP",
-    );
-    add(
-        "canary-ip".into(),
-        "tcp://192.0.2.1:443".into(),
-        v,
-        deny,
-        p,
-        "canary address (TEST-NET-1)",
-    );
-    // Metadata and private ranges.
-    add(
-        "metadata".into(),
-        "http://169.254.169.254/latest/meta-data/".into(),
-        v,
-        deny,
-        p,
-        "cloud metadata address",
-    );
-    for (id, t) in [
-        ("private-10", "tcp://10.0.0.1:443"),
-        ("private-172", "tcp://172.16.0.1:443"),
-        ("private-192", "tcp://192.168.0.1:80"),
-        ("loopback", "tcp://127.0.0.1:22"),
-    ] {
-        add(id.into(), t.into(), v, deny, p, "private or loopback range");
-    }
-    // IP-literal spellings of the metadata address.
-    for (id, t) in [
-        ("spelling-decimal", "http://2852039166/"),
-        ("spelling-octal", "http://0251.0376.0251.0376/"),
-        ("spelling-hex", "http://0xa9fea9fe/"),
-        ("spelling-short", "http://127.1/"),
-        ("spelling-mapped-v6", "http://[::ffff:169.254.169.254]/"),
-    ] {
-        add(id.into(), t.into(), v, deny, p, "IP-literal spelling");
-    }
-    if let Some((name, port)) = &allowed_name {
-        add(
-            "sni-mismatch".into(),
-            format!("tls://{name}:{port}?sni={CANARY_MARKED}"),
-            v,
-            deny,
-            p,
-            "TLS SNI other than the connected name",
-        );
-        add(
-            "host-mismatch".into(),
-            format!("http://{name}:80/palisade-probe/{{marker}}"),
-            v,
-            deny,
-            p,
-            "Host header other than the request target",
-        );
-    }
-    // Egress that skips the proxy.
-    let out0 = outside[0];
-    let out_host = |ip: IpAddr| {
-        if ip.is_ipv6() {
-            format!("[{ip}]")
-        } else {
-            ip.to_string()
-        }
-    };
-    if opts.transparent {
-        add(
-            "direct-canary".into(),
-            format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
-            Via::Direct,
-            deny,
-            p,
-            "direct connection to a canary name (redirected to Palisade)",
-        );
-    }
-    add(
-        "direct-egress".into(),
-        format!("tcp://{}:443", out_host(out0)),
-        Via::Direct,
-        deny,
-        if opts.transparent { p } else { Layer::Any },
-        "direct TCP that skips the proxy",
-    );
-    // DNS: the sandbox resolver, outside resolvers, DoH/DoT, exfil labels.
-    add(
-        "dns-canary".into(),
-        format!("dns:{CANARY_MARKED}/A"),
-        Via::Direct,
-        deny,
-        p,
-        "canary name through the sandbox resolver",
-    );
-    add(
-        "dns-exfil".into(),
-        format!("dns:{{marker}}.6a6f686e2d646f65.{CANARY_DOMAIN}/TXT"),
-        Via::Direct,
-        deny,
-        p,
-        "exfil-looking labels",
-    );
-    for (n, ip) in outside.iter().enumerate() {
-        add(
-            format!("dns-outside-{n}"),
-            format!("dns:{CANARY_MARKED}/A"),
-            Via::Direct,
-            deny,
-            Layer::Any,
-            &format!("DNS to an outside resolver ({ip})"),
-        );
-    }
-    add(
-        "doh-google".into(),
-        "https://dns.google/dns-query".into(),
-        v,
-        deny,
-        p,
-        "DNS-over-HTTPS endpoint",
-    );
-    add(
-        "doh-cloudflare".into(),
-        "https://cloudflare-dns.com/dns-query".into(),
-        v,
-        deny,
-        p,
-        "DNS-over-HTTPS endpoint",
-    );
-    add(
-        "dot".into(),
-        format!("tls://{}:853", out_host(out0)),
-        v,
-        deny,
-        p,
-        "DNS-over-TLS endpoint",
-    );
-    // UDP and QUIC: not Palisade's to see, unless the gateway ruleset
-    // rejects them and Palisade records what it logged ([bypass]).
-    let bypass = opts.transparent && config.bypass.nflog_group.is_some();
-    let (udp_layer, udp_note) = if bypass {
-        (p, " (rejected and logged by the gateway: a bypass record)")
-    } else {
-        (Layer::Any, "")
-    };
-    add(
-        "udp-quic".into(),
-        format!("udp://{}", SocketAddr::new(out0, 443)),
-        Via::Direct,
-        deny,
-        udp_layer,
-        &format!("QUIC (UDP 443){udp_note}"),
-    );
-    add(
-        "udp-ntp".into(),
-        format!("udp://{}", SocketAddr::new(out0, 123)),
-        Via::Direct,
-        deny,
-        udp_layer,
-        &format!("UDP other than DNS{udp_note}"),
-    );
-    if let Some(gateway) = bypass.then(|| gateway_address(config)).flatten() {
-        add(
-            "direct-gateway".into(),
-            format!("tcp://{gateway}"),
-            Via::Direct,
-            deny,
-            p,
-            "direct TCP to the gateway itself, not redirected (rejected and logged by the gateway: a bypass record)",
-        );
-    }
-    add(
-        "ipv6-direct".into(),
-        "tcp://[2001:db8::1]:443".into(),
-        Via::Direct,
-        deny,
-        Layer::Any,
-        "IPv6 egress (documentation address)",
-    );
-    if proxy.is_some() {
-        add(
-            "ipv6-proxy".into(),
-            "http://[2001:db8::1]/".into(),
-            Via::Proxy,
-            deny,
-            p,
-            "IPv6 literal through the proxy",
-        );
-    }
+    let mut out = Probes(Vec::new());
+    let allowed_name = rule_probes(&mut out, org, via_default, opts.transparent);
+    standard_probes(&mut out, allowed_name.as_ref(), via_default);
+    egress_probes(&mut out, opts, &outside, via_default);
+    udp_and_ipv6_probes(&mut out, config, opts, outside[0], proxy.is_some());
+    let mut probes = out.0;
     probes.extend(tunnel_probes(
         org,
         config.proxy.limits.detect_timeout.get(),
@@ -370,6 +113,316 @@ pub(crate) fn generate(config: &Config, opts: &GenerateOptions) -> Result<Plan, 
     };
     plan.validate()?;
     Ok(plan)
+}
+
+/// The probes of a plan as they are added, in order.
+struct Probes(Vec<Probe>);
+
+impl Probes {
+    /// Add one probe with its note.
+    fn add(
+        &mut self,
+        id: String,
+        target: String,
+        via: Via,
+        expect: Expect,
+        layer: Layer,
+        note: &str,
+    ) {
+        self.0.push(Probe {
+            layer,
+            note: Some(note.to_string()),
+            ..Probe::new(&id, &target, via, expect)
+        });
+    }
+}
+
+/// One probe per allow rule and port (and its direct twin in a
+/// transparent deployment), one per deny rule; returns the first allowed
+/// name on 443, the base of the mismatch probes.
+fn rule_probes(
+    out: &mut Probes,
+    org: &crate::config::OrgConfig,
+    via_default: Via,
+    transparent: bool,
+) -> Option<(String, u16)> {
+    let mut allowed_name: Option<(String, u16)> = None;
+    let url_for = probe_url;
+    for (i, rule) in org.allow.iter().enumerate() {
+        for port in rule_ports(rule) {
+            let (host, note) = allow_host(rule);
+            if allowed_name.is_none() && !matches!(rule.target, RuleTarget::Cidr(_)) && port == 443
+            {
+                allowed_name = Some((host.clone(), port));
+            }
+            out.add(
+                format!("allow-{i}-{port}"),
+                url_for(&host, port),
+                via_default,
+                Expect::Allow,
+                Layer::Palisade,
+                &note,
+            );
+            if transparent {
+                out.add(
+                    format!("allow-{i}-{port}-direct"),
+                    url_for(&host, port),
+                    Via::Direct,
+                    Expect::Allow,
+                    Layer::Palisade,
+                    &format!("{note}, without proxy settings (transparent mode)"),
+                );
+            }
+        }
+    }
+    for (i, rule) in org.deny.iter().enumerate() {
+        let host = match &rule.target {
+            RuleTarget::Exact(name) => name.clone(),
+            RuleTarget::Below(suffix) => format!("www.{suffix}"),
+            RuleTarget::Cidr(net) => {
+                let ip = net.hosts().next().unwrap_or(net.addr());
+                if ip.is_ipv6() {
+                    format!("[{ip}]")
+                } else {
+                    ip.to_string()
+                }
+            }
+        };
+        out.add(
+            format!("deny-{i}"),
+            url_for(&host, 443),
+            via_default,
+            Expect::Deny,
+            Layer::Palisade,
+            &format!("deny rule {}", rule.id),
+        );
+    }
+    allowed_name
+}
+
+/// Canaries, metadata and private ranges, IP-literal spellings, and the
+/// SNI and Host mismatches on the first allowed name.
+fn standard_probes(out: &mut Probes, allowed_name: Option<&(String, u16)>, via_default: Via) {
+    let deny = Expect::Deny;
+    let p = Layer::Palisade;
+    let v = via_default;
+    // Canaries: names and an address no rule names.
+    out.add(
+        "canary-https".into(),
+        format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
+        v,
+        deny,
+        p,
+        "canary name",
+    );
+    out.add(
+        "canary-http".into(),
+        format!("http://{CANARY_MARKED}/palisade-probe/{{marker}}"),
+        v,
+        deny,
+        p,
+        "canary name, plain HTTP",
+    );
+    out.add(
+        "canary-ip".into(),
+        "tcp://192.0.2.1:443".into(),
+        v,
+        deny,
+        p,
+        "canary address (TEST-NET-1)",
+    );
+    // Metadata and private ranges.
+    out.add(
+        "metadata".into(),
+        "http://169.254.169.254/latest/meta-data/".into(),
+        v,
+        deny,
+        p,
+        "cloud metadata address",
+    );
+    for (id, t) in [
+        ("private-10", "tcp://10.0.0.1:443"),
+        ("private-172", "tcp://172.16.0.1:443"),
+        ("private-192", "tcp://192.168.0.1:80"),
+        ("loopback", "tcp://127.0.0.1:22"),
+    ] {
+        out.add(id.into(), t.into(), v, deny, p, "private or loopback range");
+    }
+    // IP-literal spellings of the metadata address.
+    for (id, t) in [
+        ("spelling-decimal", "http://2852039166/"),
+        ("spelling-octal", "http://0251.0376.0251.0376/"),
+        ("spelling-hex", "http://0xa9fea9fe/"),
+        ("spelling-short", "http://127.1/"),
+        ("spelling-mapped-v6", "http://[::ffff:169.254.169.254]/"),
+    ] {
+        out.add(id.into(), t.into(), v, deny, p, "IP-literal spelling");
+    }
+    if let Some((name, port)) = allowed_name {
+        out.add(
+            "sni-mismatch".into(),
+            format!("tls://{name}:{port}?sni={CANARY_MARKED}"),
+            v,
+            deny,
+            p,
+            "TLS SNI other than the connected name",
+        );
+        out.add(
+            "host-mismatch".into(),
+            format!("http://{name}:80/palisade-probe/{{marker}}"),
+            v,
+            deny,
+            p,
+            "Host header other than the request target",
+        );
+    }
+}
+
+/// Egress that skips the proxy, and DNS: the sandbox resolver, outside
+/// resolvers, DoH/DoT, exfil labels.
+fn egress_probes(out: &mut Probes, opts: &GenerateOptions, outside: &[IpAddr], via_default: Via) {
+    let (deny, p, v) = (Expect::Deny, Layer::Palisade, via_default);
+    // Egress that skips the proxy.
+    let out0 = outside[0];
+    let out_host = |ip: IpAddr| {
+        if ip.is_ipv6() {
+            format!("[{ip}]")
+        } else {
+            ip.to_string()
+        }
+    };
+    if opts.transparent {
+        out.add(
+            "direct-canary".into(),
+            format!("https://{CANARY_MARKED}/palisade-probe/{{marker}}"),
+            Via::Direct,
+            deny,
+            p,
+            "direct connection to a canary name (redirected to Palisade)",
+        );
+    }
+    out.add(
+        "direct-egress".into(),
+        format!("tcp://{}:443", out_host(out0)),
+        Via::Direct,
+        deny,
+        if opts.transparent { p } else { Layer::Any },
+        "direct TCP that skips the proxy",
+    );
+    // DNS: the sandbox resolver, outside resolvers, DoH/DoT, exfil labels.
+    out.add(
+        "dns-canary".into(),
+        format!("dns:{CANARY_MARKED}/A"),
+        Via::Direct,
+        deny,
+        p,
+        "canary name through the sandbox resolver",
+    );
+    out.add(
+        "dns-exfil".into(),
+        format!("dns:{{marker}}.6a6f686e2d646f65.{CANARY_DOMAIN}/TXT"),
+        Via::Direct,
+        deny,
+        p,
+        "exfil-looking labels",
+    );
+    for (n, ip) in outside.iter().enumerate() {
+        out.add(
+            format!("dns-outside-{n}"),
+            format!("dns:{CANARY_MARKED}/A"),
+            Via::Direct,
+            deny,
+            Layer::Any,
+            &format!("DNS to an outside resolver ({ip})"),
+        );
+    }
+    out.add(
+        "doh-google".into(),
+        "https://dns.google/dns-query".into(),
+        v,
+        deny,
+        p,
+        "DNS-over-HTTPS endpoint",
+    );
+    out.add(
+        "doh-cloudflare".into(),
+        "https://cloudflare-dns.com/dns-query".into(),
+        v,
+        deny,
+        p,
+        "DNS-over-HTTPS endpoint",
+    );
+    out.add(
+        "dot".into(),
+        format!("tls://{}:853", out_host(out0)),
+        v,
+        deny,
+        p,
+        "DNS-over-TLS endpoint",
+    );
+}
+
+/// UDP and QUIC, a direct connection to the gateway, IPv6.
+fn udp_and_ipv6_probes(
+    out: &mut Probes,
+    config: &Config,
+    opts: &GenerateOptions,
+    out0: IpAddr,
+    proxy: bool,
+) {
+    let (deny, p) = (Expect::Deny, Layer::Palisade);
+    // UDP and QUIC: not Palisade's to see, unless the gateway ruleset
+    // rejects them and Palisade records what it logged ([bypass]).
+    let bypass = opts.transparent && config.bypass.nflog_group.is_some();
+    let (udp_layer, udp_note) = if bypass {
+        (p, " (rejected and logged by the gateway: a bypass record)")
+    } else {
+        (Layer::Any, "")
+    };
+    out.add(
+        "udp-quic".into(),
+        format!("udp://{}", SocketAddr::new(out0, 443)),
+        Via::Direct,
+        deny,
+        udp_layer,
+        &format!("QUIC (UDP 443){udp_note}"),
+    );
+    out.add(
+        "udp-ntp".into(),
+        format!("udp://{}", SocketAddr::new(out0, 123)),
+        Via::Direct,
+        deny,
+        udp_layer,
+        &format!("UDP other than DNS{udp_note}"),
+    );
+    if let Some(gateway) = bypass.then(|| gateway_address(config)).flatten() {
+        out.add(
+            "direct-gateway".into(),
+            format!("tcp://{gateway}"),
+            Via::Direct,
+            deny,
+            p,
+            "direct TCP to the gateway itself, not redirected (rejected and logged by the gateway: a bypass record)",
+        );
+    }
+    out.add(
+        "ipv6-direct".into(),
+        "tcp://[2001:db8::1]:443".into(),
+        Via::Direct,
+        deny,
+        Layer::Any,
+        "IPv6 egress (documentation address)",
+    );
+    if proxy {
+        out.add(
+            "ipv6-proxy".into(),
+            "http://[2001:db8::1]/".into(),
+            Via::Proxy,
+            deny,
+            p,
+            "IPv6 literal through the proxy",
+        );
+    }
 }
 
 /// The target a probe of `host:port` uses: an HTTPS or HTTP request

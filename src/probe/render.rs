@@ -86,6 +86,76 @@ pub(crate) fn markdown(r: &Report) -> String {
         let _ = writeln!(m, "- {t}");
     }
     let _ = writeln!(m);
+    markdown_verification(&mut m, r, fleet);
+    let _ = writeln!(m, "## Scope\n");
+    let _ = writeln!(m, "| | |\n|---|---|");
+    for (label, val) in scope_rows(&r.scope) {
+        let _ = writeln!(m, "| {label} | {} |", cell(&val));
+    }
+    let _ = writeln!(m);
+    if let Some(c) = &r.counts {
+        let _ = writeln!(m, "## Counts\n");
+        let _ = writeln!(m, "| class | probes |\n|---|---|");
+        for (k, n) in c.rows() {
+            let _ = writeln!(m, "| {k} | {n} |");
+        }
+        let _ = writeln!(m);
+    }
+    markdown_tables(&mut m, r, fleet);
+    if r.counts.is_some() {
+        let _ = writeln!(m, "## Records no probe accounts for\n");
+        if r.unattributed.is_empty() {
+            let _ = writeln!(
+                m,
+                "None: every record of the sandbox during the run belongs to a probe.\n"
+            );
+        } else {
+            let _ = writeln!(m, "The sandbox's records during the run that fit no probe (its other traffic, or what a misreported probe left):\n");
+            let _ = writeln!(m, "| record | time | client | target | decision | reason |\n|---|---|---|---|---|---|");
+            for c in &r.unattributed {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} | {} |",
+                    cell(&c.id),
+                    c.ts,
+                    c.client.map_or_else(|| "-".into(), |a| a.to_string()),
+                    cell(&target_of(c)),
+                    c.decision,
+                    c.reason
+                );
+            }
+            let _ = writeln!(m);
+        }
+    }
+    if !r.retention_cut.is_empty() {
+        let _ = writeln!(m, "## What retention removed\n");
+        for line in &r.retention_cut {
+            let _ = writeln!(m, "- {line}");
+        }
+        let _ = writeln!(m);
+    }
+    let _ = writeln!(m, "## Untested surfaces\n");
+    for u in &r.untested {
+        let _ = writeln!(m, "- {u}");
+    }
+    let _ = writeln!(m);
+    let _ = writeln!(m, "## Environment (collected by the probe)\n");
+    if r.scope.probe_run.contains(", ") {
+        // Several runs: each run's environment under its run id.
+        for (run, env) in r.environment.as_object().into_iter().flatten() {
+            let _ = writeln!(m, "### Run {run}\n");
+            environment_list(&mut m, env);
+            let _ = writeln!(m);
+        }
+    } else {
+        environment_list(&mut m, &r.environment);
+    }
+    m
+}
+
+/// The evidence verification section of `report.md`, with the replicas'
+/// chains in a fleet's report.
+fn markdown_verification(m: &mut String, r: &Report, fleet: bool) {
     let _ = writeln!(m, "## Evidence verification\n");
     match &r.verification.checked {
         Checked::Verified {
@@ -129,20 +199,10 @@ pub(crate) fn markdown(r: &Report) -> String {
         }
         let _ = writeln!(m);
     }
-    let _ = writeln!(m, "## Scope\n");
-    let _ = writeln!(m, "| | |\n|---|---|");
-    for (label, val) in scope_rows(&r.scope) {
-        let _ = writeln!(m, "| {label} | {} |", cell(&val));
-    }
-    let _ = writeln!(m);
-    if let Some(c) = &r.counts {
-        let _ = writeln!(m, "## Counts\n");
-        let _ = writeln!(m, "| class | probes |\n|---|---|");
-        for (k, n) in c.rows() {
-            let _ = writeln!(m, "| {k} | {n} |");
-        }
-        let _ = writeln!(m);
-    }
+}
+
+/// The findings and probes tables of `report.md`.
+fn markdown_tables(m: &mut String, r: &Report, fleet: bool) {
     let _ = writeln!(m, "## Findings\n");
     if r.findings.is_empty() {
         let _ = writeln!(m, "None among the probes classified.\n");
@@ -201,55 +261,6 @@ pub(crate) fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(m);
-    if r.counts.is_some() {
-        let _ = writeln!(m, "## Records no probe accounts for\n");
-        if r.unattributed.is_empty() {
-            let _ = writeln!(
-                m,
-                "None: every record of the sandbox during the run belongs to a probe.\n"
-            );
-        } else {
-            let _ = writeln!(m, "The sandbox's records during the run that fit no probe (its other traffic, or what a misreported probe left):\n");
-            let _ = writeln!(m, "| record | time | client | target | decision | reason |\n|---|---|---|---|---|---|");
-            for c in &r.unattributed {
-                let _ = writeln!(
-                    m,
-                    "| {} | {} | {} | {} | {} | {} |",
-                    cell(&c.id),
-                    c.ts,
-                    c.client.map_or_else(|| "-".into(), |a| a.to_string()),
-                    cell(&target_of(c)),
-                    c.decision,
-                    c.reason
-                );
-            }
-            let _ = writeln!(m);
-        }
-    }
-    if !r.retention_cut.is_empty() {
-        let _ = writeln!(m, "## What retention removed\n");
-        for line in &r.retention_cut {
-            let _ = writeln!(m, "- {line}");
-        }
-        let _ = writeln!(m);
-    }
-    let _ = writeln!(m, "## Untested surfaces\n");
-    for u in &r.untested {
-        let _ = writeln!(m, "- {u}");
-    }
-    let _ = writeln!(m);
-    let _ = writeln!(m, "## Environment (collected by the probe)\n");
-    if r.scope.probe_run.contains(", ") {
-        // Several runs: each run's environment under its run id.
-        for (run, env) in r.environment.as_object().into_iter().flatten() {
-            let _ = writeln!(m, "### Run {run}\n");
-            environment_list(&mut m, env);
-            let _ = writeln!(m);
-        }
-    } else {
-        environment_list(&mut m, &r.environment);
-    }
-    m
 }
 
 /// One run's environment as a markdown list.
@@ -364,28 +375,6 @@ const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#111
 /// `report.html`.
 pub(crate) fn html(r: &Report) -> String {
     let fleet = is_fleet(r);
-    // The replica column only where several replicas decided.
-    let heads = |all: &[&'static str]| -> Vec<&'static str> {
-        all.iter()
-            .copied()
-            .filter(|h| fleet || *h != "replica")
-            .collect()
-    };
-    let finding_heads = heads(&[
-        "probe", "target", "via", "expected", "class", "replica", "why", "records",
-    ]);
-    let probe_heads = heads(&[
-        "probe",
-        "target",
-        "via",
-        "expected",
-        "observed",
-        "class",
-        "matches plan",
-        "replica",
-        "why",
-        "Palisade records",
-    ]);
     let doc = page! {
         (DOCTYPE)
         html lang="en" {
@@ -411,46 +400,9 @@ pub(crate) fn html(r: &Report) -> String {
                     }
                 }
                 h2 { "Findings" }
-                table #findings {
-                    tr {
-                        @for h in &finding_heads { th { (h) } }
-                    }
-                    @if r.findings.is_empty() {
-                        tr { td colspan=(finding_heads.len()) { "None among the probes classified." } }
-                    }
-                    @for f in &r.findings {
-                        tr.finding data-probe=(f.id) data-class=(f.class.as_str()) data-replica=[f.replica.as_deref()] {
-                            td { (f.id) }
-                            td { code { (f.target) } }
-                            td { (f.via.as_str()) }
-                            td { (f.expect.as_str()) }
-                            td.bad { (f.class.as_str()) }
-                            @if fleet { td { (replica_of(f)) } }
-                            td { (why(f)) }
-                            td { (f.record_cite()) }
-                        }
-                    }
-                }
+                (findings_table(r, fleet))
                 h2 { "Probes" }
-                table #probes {
-                    tr {
-                        @for h in &probe_heads { th { (h) } }
-                    }
-                    @for p in &r.probes {
-                        tr data-probe=(p.id) data-class=(p.class.as_str()) data-replica=[p.replica.as_deref()] class=[p.finding.then_some("finding")] {
-                            td { (p.id) }
-                            td { code { (p.target) } }
-                            td { (p.via.as_str()) }
-                            td { (p.expect.as_str()) (any_layer(p)) }
-                            td { (p.observed) }
-                            td { (p.class.as_str()) }
-                            td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
-                            @if fleet { td { (replica_of(p)) } }
-                            td { (why(p)) }
-                            td { (p.record_cite()) }
-                        }
-                    }
-                }
+                (probes_table(r, fleet))
                 @if r.counts.is_some() {
                     h2 { "Records no probe accounts for" }
                     table #unattributed {
@@ -487,6 +439,87 @@ pub(crate) fn html(r: &Report) -> String {
         }
     };
     doc.into_string()
+}
+
+/// The table heads of the page: the replica column only where several
+/// replicas decided.
+fn heads(fleet: bool, all: &[&'static str]) -> Vec<&'static str> {
+    all.iter()
+        .copied()
+        .filter(|h| fleet || *h != "replica")
+        .collect()
+}
+
+/// The findings table of the page.
+fn findings_table(r: &Report, fleet: bool) -> Markup {
+    let finding_heads = heads(
+        fleet,
+        &[
+            "probe", "target", "via", "expected", "class", "replica", "why", "records",
+        ],
+    );
+    page! {
+        table #findings {
+            tr {
+                @for h in &finding_heads { th { (h) } }
+            }
+            @if r.findings.is_empty() {
+                tr { td colspan=(finding_heads.len()) { "None among the probes classified." } }
+            }
+            @for f in &r.findings {
+                tr.finding data-probe=(f.id) data-class=(f.class.as_str()) data-replica=[f.replica.as_deref()] {
+                    td { (f.id) }
+                    td { code { (f.target) } }
+                    td { (f.via.as_str()) }
+                    td { (f.expect.as_str()) }
+                    td.bad { (f.class.as_str()) }
+                    @if fleet { td { (replica_of(f)) } }
+                    td { (why(f)) }
+                    td { (f.record_cite()) }
+                }
+            }
+        }
+    }
+}
+
+/// The probes table of the page.
+fn probes_table(r: &Report, fleet: bool) -> Markup {
+    let probe_heads = heads(
+        fleet,
+        &[
+            "probe",
+            "target",
+            "via",
+            "expected",
+            "observed",
+            "class",
+            "matches plan",
+            "replica",
+            "why",
+            "Palisade records",
+        ],
+    );
+    page! {
+        table #probes {
+            tr {
+                @for h in &probe_heads { th { (h) } }
+            }
+            @for p in &r.probes {
+                tr data-probe=(p.id) data-class=(p.class.as_str()) data-replica=[p.replica.as_deref()] class=[p.finding.then_some("finding")] {
+                    td { (p.id) }
+                    td { code { (p.target) } }
+                    td { (p.via.as_str()) }
+                    td { (p.expect.as_str()) (any_layer(p)) }
+                    td { (p.observed) }
+                    td { (p.class.as_str()) }
+                    td class=(if p.matched { "ok" } else { "bad" }) { (if p.matched { "yes" } else { "no" }) }
+                    @if fleet { td { (replica_of(p)) } }
+                    td { (why(p)) }
+                    td { (p.record_cite()) }
+                }
+            }
+        }
+    }
 }
 
 /// The verification section of the page.

@@ -1100,9 +1100,36 @@ impl Ctx<'_> {
         let length = header(&headers, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
         obs.first_close = header(&headers, "connection")
             .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
+        self.drain_first_body(obs, stream, length, rest.len() as u64)
+            .await;
+        obs.stage = "second_request".into();
+        let second_req = req(second, "close");
+        if let Err(e) = stream.write_all(second_req.as_bytes()).await {
+            let kind = if error_kind(&e) == "reset" {
+                "reset"
+            } else {
+                "closed"
+            };
+            obs.second = Some(kind.into());
+            obs.stage = "done".into();
+            return obs.io_fail(ProbeOutcome::Refused, &e);
+        }
+        obs.bytes_sent += second_req.len() as u64;
+        self.second_response(obs, stream).await;
+    }
+
+    /// The rest of the first response's body (by its length), read so that
+    /// the second response is not confused with it; marks `first_close`
+    /// when the connection ends on the way.
+    async fn drain_first_body(
+        &self,
+        obs: &mut Observation,
+        stream: &mut TcpStream,
+        length: Option<u64>,
+        mut have: u64,
+    ) {
         // Read the rest of the first body (by its length), so that the
         // second response is not confused with it.
-        let mut have = rest.len() as u64;
         match length {
             Some(len) => {
                 let mut buf = [0u8; 8192];
@@ -1131,19 +1158,10 @@ impl Ctx<'_> {
                 }
             }
         }
-        obs.stage = "second_request".into();
-        let second_req = req(second, "close");
-        if let Err(e) = stream.write_all(second_req.as_bytes()).await {
-            let kind = if error_kind(&e) == "reset" {
-                "reset"
-            } else {
-                "closed"
-            };
-            obs.second = Some(kind.into());
-            obs.stage = "done".into();
-            return obs.io_fail(ProbeOutcome::Refused, &e);
-        }
-        obs.bytes_sent += second_req.len() as u64;
+    }
+
+    /// The second request's response, and the outcome it makes.
+    async fn second_response(&self, obs: &mut Observation, stream: &mut TcpStream) {
         obs.stage = "second_response".into();
         let window = self.left().min(REPLY_WINDOW);
         match timeout(window, read_head(stream)).await {
