@@ -615,7 +615,7 @@ fn from_grants(grants: &[Record], records: &[Record], org: &str, window: &Select
         let granted = granted_by(r);
         if let (Some(id), true) = (
             granted,
-            r.reason.is_allow() && r.org.as_deref() == Some(org),
+            r.event == Event::Decision && r.reason.is_allow() && r.org.as_deref() == Some(org),
         ) {
             if let Some(g) = by_id.get_mut(id) {
                 g.used += 1;
@@ -738,7 +738,8 @@ pub(crate) struct Input<'a> {
     pub org: &'a str,
     /// This host's own addresses (always denied, never proposed).
     pub host: &'a [IpAddr],
-    /// The org's decision records, in the order written.
+    /// The org's decision records, in the order written, and its close
+    /// records (what suggested budgets start from).
     pub records: Vec<Record>,
     /// The org's grant records (`kind = "grant"`: granted, expired,
     /// revoked, used up), in the order written.

@@ -76,8 +76,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
         until: args.until,
         ..Selection::default()
     };
-    let records = super::decisions(&args.evidence, &Selection::org(&args.org))?;
-    let grants = grant_records(&args.evidence, &args.org)?;
+    let mut records = super::decisions(&args.evidence, &Selection::org(&args.org))?;
+    // Close records: what a suggested volume budget starts from (the
+    // busiest hour's bytes of each proposed target).
+    records.extend(org_records(
+        &args.evidence,
+        &args.org,
+        &[Event::Close],
+        None,
+    )?);
+    let grants = org_records(&args.evidence, &args.org, GRANT_EVENTS, Some(Kind::Grant))?;
     let original = std::fs::read_to_string(&args.config)
         .map_err(|e| failed(format!("{}: {e}", args.config.display())))?;
     let d = draft::draft(Input {
@@ -112,19 +120,26 @@ pub fn run(args: Args) -> Result<(), CliError> {
 
 /// The org's grant records (granted, expired, revoked, used up), in the
 /// order written: each is proposed as a commented rule for review.
-fn grant_records(evidence: &Path, org: &str) -> Result<Vec<Record>, CliError> {
-    const GRANT_EVENTS: &[Event] = &[
-        Event::Granted,
-        Event::Expired,
-        Event::Revoked,
-        Event::UsedUp,
-    ];
+const GRANT_EVENTS: &[Event] = &[
+    Event::Granted,
+    Event::Expired,
+    Event::Revoked,
+    Event::UsedUp,
+];
+
+/// The org's records of `events` of `kind`, in the order written.
+fn org_records(
+    evidence: &Path,
+    org: &str,
+    events: &'static [Event],
+    kind: Option<Kind>,
+) -> Result<Vec<Record>, CliError> {
     let mut out = Vec::new();
-    for stored in query::read_events(evidence, GRANT_EVENTS) {
+    for stored in query::read_events(evidence, events) {
         let r = stored
             .map_err(|e| CliError::new(Status::Failed, format_args!("cannot read evidence: {e}")))?
             .record;
-        if r.kind == Kind::Grant && r.org.as_deref() == Some(org) {
+        if kind.is_none_or(|k| r.kind == k) && r.org.as_deref() == Some(org) {
             out.push(r);
         }
     }

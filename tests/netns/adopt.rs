@@ -837,6 +837,10 @@ clients = ["198.18.4.0/24"]
             "# VIOLATION: 1 tunnel(s) failed verification (".into(),
             "proposed verified as tunnel = \"http\", not \"opaque\"; review\n".into(),
             format!("host = \"{web}\"\nports = [80]\ntunnel = \"http\""),
+            // What report mode let through closed with bytes: a budget
+            // is suggested from the busiest hour.
+            "# the busiest hour seen moved ".into(),
+            "to bound it, add to this rule: max_bytes_up = ".into(),
         ] {
             assert!(d.contains(&want), "{where_}: {want:?} in:\n{d}");
         }
