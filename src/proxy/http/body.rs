@@ -185,6 +185,85 @@ where
     }
 }
 
+/// A client's request body that, dropped before its end (the exchange
+/// cut at a budget, or refused, or answered early), is read on and
+/// dropped by a task of its own, a bounded amount ([`MAX_DRAIN_BYTES`]
+/// within [`DRAIN_TIMEOUT`]), so that the answer the client is sent
+/// meanwhile is not lost to a reset of a connection closed with unread
+/// bytes.
+pub(crate) struct Drained<B: Body + Send + Unpin + 'static> {
+    inner: Option<B>,
+}
+
+impl<B: Body + Send + Unpin + 'static> Drained<B> {
+    pub(crate) fn new(inner: B) -> Self {
+        Drained { inner: Some(inner) }
+    }
+}
+
+impl<B: Body + Send + Unpin + 'static> Drop for Drained<B> {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.take() {
+            if !inner.is_end_stream() {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(drain(inner));
+                }
+            }
+        }
+    }
+}
+
+impl<B> Body for Drained<B>
+where
+    B: Body + Send + Unpin + 'static,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        match self.inner.as_mut() {
+            Some(inner) => Pin::new(inner).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner
+            .as_ref()
+            .map_or_else(SizeHint::default, Body::size_hint)
+    }
+}
+
+/// Bytes of an unwanted request body read before giving up on it.
+pub(crate) const MAX_DRAIN_BYTES: u64 = 1024 * 1024;
+/// Time spent reading an unwanted request body before giving up on it.
+pub(crate) const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Read (and drop) what is left of `body`, a bounded amount.
+pub(crate) async fn drain<B: Body + Unpin>(mut body: B) {
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
+        let mut seen = 0u64;
+        while let Some(Ok(frame)) =
+            std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await
+        {
+            seen += frame
+                .data_ref()
+                .map_or(0, |d| bytes::Buf::remaining(d) as u64);
+            if seen > MAX_DRAIN_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 /// The error of a body cut at its volume budget.
 const VOLUME_SPENT: &str = "volume budget spent";
 

@@ -27,7 +27,6 @@ use std::time::Instant;
 
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, Uri, Version};
-use http_body_util::BodyExt;
 use hyper::body::{Body as _, Incoming};
 use hyper::service::service_fn;
 use rustls_pki_types::ServerName;
@@ -50,7 +49,7 @@ use crate::proxy::ctx::{Ctx, View};
 use crate::proxy::dial::{dial_checked, DialError};
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::{Budgets, Exchange};
-use crate::proxy::http::body::Metered;
+use crate::proxy::http::body::{drain, Drained, Metered};
 use crate::proxy::http::client::{self, InOrder, NoResponse, ResponseFuture, Sender};
 use crate::proxy::http::replay::Replay;
 use crate::proxy::http::{self as layer, strip_hop_by_hop, Body, Drain, Protocol};
@@ -551,24 +550,6 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     response
 }
 
-/// Bytes of a refused request's body read before answering.
-const MAX_DRAIN_BYTES: u64 = 1024 * 1024;
-/// Time spent reading a refused request's body before answering.
-const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
-
-async fn drain(mut body: Incoming) {
-    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async {
-        let mut seen = 0u64;
-        while let Some(Ok(frame)) = body.frame().await {
-            seen += frame.data_ref().map_or(0, |d| d.len() as u64);
-            if seen > MAX_DRAIN_BYTES {
-                break;
-            }
-        }
-    })
-    .await;
-}
-
 /// One request inside, step by step: decided ([`decide`]), read as far
 /// as the rule's service rules need ([`service_check`]), admitted
 /// (evidence, the org's evidence and volume budgets), its credentials
@@ -773,7 +754,10 @@ async fn send(
     // An HTTP/1.1 upstream connection carries the next request only if
     // this one kept to order ([`InOrder`]).
     let (mut watch, body_sent) = InOrder::new(client_body.is_end_stream());
-    let body = Metered::new(client_body, up_count.clone()).on_complete(body_sent);
+    // Cut at a budget (or answered early), the rest of the client's body
+    // is read on by a task of its own, so that the 429 it is sent is not
+    // lost to a reset.
+    let body = Metered::new(Drained::new(client_body), up_count.clone()).on_complete(body_sent);
     let h2_upstream = match shared.ready().await {
         Ok(h2) => h2,
         Err(UpstreamError::Tls(detail)) => {
