@@ -352,6 +352,7 @@ impl Shim {
             host: &host,
             port: None,
             request: None,
+            intercepts: false,
             mode: Mode::Dns,
             now: std::time::SystemTime::now(),
         };

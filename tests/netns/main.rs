@@ -30,6 +30,7 @@ mod guide;
 mod infra;
 mod intercept;
 mod jit;
+mod jit_intercept;
 mod lab;
 mod lifecycle;
 mod metrics;
