@@ -14,7 +14,7 @@ use serde_json::Value;
 use crate::lab::{self, Closed, Lab, RawConn, DEFAULT_POLICY};
 
 const SECS5: Duration = Duration::from_secs(5);
-const ALICE: &str = "alice-approver-secret";
+pub(crate) const ALICE: &str = "alice-approver-secret";
 const MALLORY: &str = "mallory-approver-secret";
 
 fn digest(token: &str) -> String {
@@ -25,7 +25,7 @@ fn lab_asking() -> Lab {
     lab_asking_with(|b| b)
 }
 
-fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> Lab {
+pub(crate) fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> Lab {
     let policy = DEFAULT_POLICY.replacen(
         "clients = [\"198.18.1.0/24\"]\n",
         "clients = [\"198.18.1.0/24\"]\non_miss = \"ask\"\n",
@@ -43,7 +43,7 @@ fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> La
 }
 
 /// An admin request with `token` (none: no Authorization): status, body.
-fn admin(
+pub(crate) fn admin(
     lab: &Lab,
     method: &str,
     path: &str,
@@ -65,7 +65,7 @@ fn admin(
     (code.trim().parse().unwrap_or(0), text.to_string())
 }
 
-fn json(text: &str) -> Value {
+pub(crate) fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
