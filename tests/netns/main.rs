@@ -54,6 +54,7 @@ mod rotation;
 mod service;
 mod socks5;
 mod splice;
+mod startup;
 mod synthetic;
 mod timed;
 mod tls;
