@@ -354,3 +354,54 @@ fn a_transparent_tls_connection_under_a_request_grant_is_intercepted() {
     });
     assert_eq!(refused["reason"], "approval_pending", "{refused}");
 }
+
+/// A reload that leaves the grant's host a miss keeps its intercepted
+/// connection (the grant, not a rule, decides its requests); one that
+/// denies the host closes it at once.
+#[test]
+fn a_reload_keeps_a_grants_intercepted_connection_until_one_denies_its_host() {
+    use crate::reload::{edit_config, served_hash};
+    let (lab, ca) = start();
+    grant(&lab, r#","ttl":"10m","method":"GET","path":"/api/*""#);
+    let reload = |add: &str| {
+        let before = served_hash(&lab);
+        edit_config(&lab, |t| format!("{t}\n{add}"));
+        lab.signal_proxy("-HUP");
+        lab::wait_until("the new policy served", Duration::from_secs(5), || {
+            served_hash(&lab) != before
+        });
+    };
+    let (mut kept, got) = keepalive(&lab, &ca, "3", &["GET:/api/a"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    reload("[[org.allow]]\nid = \"other\"\nhost = \"other.test\"\n");
+    assert_eq!(
+        next_line(&mut kept),
+        "open",
+        "a reload that denies nothing closed the grant's intercepted connection"
+    );
+
+    let (mut cut, got) = keepalive(&lab, &ca, "10", &["GET:/api/b"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    reload("[[org.deny]]\nid = \"no-a\"\nhost = \"a.wild.test\"\n");
+    let closed = next_line(&mut cut);
+    assert!(
+        closed.starts_with("closed "),
+        "a denying reload left it open: {closed}"
+    );
+    let ended = lab.wait_evidence("the grant's end by the policy", |v| {
+        v["kind"] == "grant" && v["event"] == "expired"
+    });
+    assert_eq!(ended["grant"]["ended_by"], "policy", "{ended}");
+    let why = lab.wait_evidence("the connection's end", |v| {
+        v["kind"] == "tcp"
+            && v["event"] == "decision"
+            && v["decision"] == "deny"
+            && v["conn"].is_string()
+    });
+    let reason = why["reason"].as_str().unwrap_or_default();
+    assert!(
+        ["grant_expired", "policy_revoked"].contains(&reason),
+        "{why}"
+    );
+    eprintln!("jit_intercept: a denying reload closed the connection as {reason}");
+}
