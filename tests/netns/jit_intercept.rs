@@ -3,8 +3,9 @@
 //! and each request inside is decided against the grants (allowed, rule
 //! `grant:ID`, a use spent per request; any other refused `403` inside
 //! TLS, with an approval of its own on an `ask` org). `max_uses = 1`
-//! allows exactly one request; a revoke closes a live intercepted
-//! keep-alive connection, recorded `grant_expired`.
+//! allows exactly one request; a revoke or the TTL's end closes a live
+//! intercepted keep-alive connection, recorded `grant_expired`; a reload
+//! keeps it unless it denies the host. Transparent mode too.
 
 use std::io::BufRead;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -258,7 +259,7 @@ fn a_method_and_path_grant_intercepts_https_and_decides_each_request() {
 }
 
 #[test]
-fn a_single_use_request_grant_allows_one_request_and_a_revoke_closes_a_live_one() {
+fn a_single_use_request_grant_allows_one_request_and_a_revoke_or_ttl_closes_a_live_one() {
     let (lab, ca) = start();
     let once = grant(&lab, r#","max_uses":1,"method":"GET","path":"/api/x""#);
     let (_child, got) = keepalive(&lab, &ca, "1", &["GET:/api/x", "GET:/api/x"]);
@@ -310,6 +311,29 @@ fn a_single_use_request_grant_allows_one_request_and_a_revoke_closes_a_live_one(
     assert_eq!(cut["conn"], opened["id"], "{cut}");
     assert_eq!(opened["intercepted"], true, "{opened}");
     eprintln!("jit_intercept timings: revoke to closed intercepted connection {took:?}");
+
+    // So does its TTL's end.
+    let granted_at = SystemTime::now();
+    let short = grant(&lab, r#","ttl":"2s","method":"GET","path":"/api/*""#);
+    let (mut live, got) = keepalive(&lab, &ca, "8", &["GET:/api/t"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    let closed = next_line(&mut live);
+    let at = closed
+        .strip_prefix("closed ")
+        .and_then(|t| t.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("the expired grant's connection stayed open: {closed:?}"));
+    let after_ttl = Duration::from_secs_f64(at)
+        .saturating_sub(granted_at.duration_since(UNIX_EPOCH).unwrap() + Duration::from_secs(2));
+    assert!(
+        after_ttl < Duration::from_secs(1),
+        "closed {after_ttl:?} after the TTL"
+    );
+    lab.wait_evidence("the expired grant's connection", |v| {
+        v["reason"] == "grant_expired"
+            && v["kind"] == "tcp"
+            && v["detail"] == format!("grant {short} ended")
+    });
+    eprintln!("jit_intercept timings: TTL end to closed intercepted connection <= {after_ttl:?}");
 }
 
 /// Transparent mode: a TLS connection to the grant's host (its SNI) is
