@@ -19,6 +19,7 @@ mod connect_head;
 mod decider;
 mod dns;
 mod dns_budget;
+mod dns_burst;
 mod dns_cache;
 mod dns_wire;
 mod enforcement;
