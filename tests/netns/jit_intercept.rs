@@ -337,13 +337,34 @@ fn a_single_use_request_grant_allows_one_request_and_a_revoke_or_ttl_closes_a_li
 }
 
 /// Transparent mode: a TLS connection to the grant's host (its SNI) is
-/// intercepted the same way, each request decided against the grants.
+/// intercepted the same way, each request decided against the grants; and
+/// so is a SOCKS5 connection.
 #[test]
-fn a_transparent_tls_connection_under_a_request_grant_is_intercepted() {
+fn a_transparent_or_socks5_tls_connection_under_a_request_grant_is_intercepted() {
     use crate::transparent::{load_gateway, TRANSPARENT};
-    let (lab, ca) = start_with(|b| b.proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]")));
-    load_gateway(&lab);
+    const SOCKS: &str = "198.18.1.1:1080";
+    let (lab, ca) = start_with(|b| {
+        b.proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+            .proxy_option(&format!("socks5 = [{SOCKS:?}]"))
+    });
     let gid = grant(&lab, r#","ttl":"10m","method":"GET","path":"/api/x""#);
+    let socks = |path: &str| {
+        let url = format!("https://a.wild.test{path}");
+        let r = lab.client_curl(&["--socks5-hostname", SOCKS, "--cacert", &ca, &url]);
+        (r.status, r.stderr)
+    };
+    assert_eq!(socks("/api/x").0, 200, "{:?}", socks("/api/x"));
+    assert_eq!(socks("/api/z").0, 403);
+    let through = lab.wait_evidence("the SOCKS5 request", |v| {
+        v["kind"] == "http"
+            && v["event"] == "decision"
+            && v["mode"] == "socks5"
+            && v["path"] == "/api/x"
+    });
+    assert_eq!(through["rule"], format!("grant:{gid}"), "{through}");
+
+    // (The gateway ruleset leaves the sandbox only the redirect.)
+    load_gateway(&lab);
     let resolve = format!("a.wild.test:443:{}", lab::WILD_A_IP);
     let get = |path: &str| {
         let url = format!("https://a.wild.test{path}");
@@ -368,10 +389,12 @@ fn a_transparent_tls_connection_under_a_request_grant_is_intercepted() {
     };
     assert_eq!(get("/api/x").trim(), "200", "{}", lab.proxy_output());
     assert_eq!(get("/api/y").trim(), "403");
-    let allowed = lab.wait_evidence("the granted request", |v| {
-        v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/api/x"
+    let allowed = lab.wait_evidence("the granted transparent request", |v| {
+        v["kind"] == "http"
+            && v["event"] == "decision"
+            && v["path"] == "/api/x"
+            && v["mode"] == "transparent"
     });
-    assert_eq!(allowed["mode"], "transparent", "{allowed}");
     assert_eq!(allowed["rule"], format!("grant:{gid}"), "{allowed}");
     let refused = lab.wait_evidence("the other request", |v| {
         v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/api/y"
