@@ -112,9 +112,14 @@ impl Scope {
                         .is_none_or(|p| crate::policy::request::pattern_matches(p, r.path.as_str()))
             }
         };
+        requests && self.covers_target(org, host, port)
+    }
+
+    /// Whether it names `org`'s `host` and `port` (`None`: a DNS
+    /// question), whatever it says of requests.
+    pub(crate) fn covers_target(&self, org: &str, host: &Host, port: Option<u16>) -> bool {
         &*self.org == org
             && self.target.covers(host)
-            && requests
             && match (self.port, port) {
                 (None, _) => true,
                 (Some(p), Some(q)) => p == q,
@@ -274,6 +279,22 @@ impl Grants {
         self.by_id
             .values()
             .filter(|g| g.is_live(now) && g.scope.covers(org, host, port, request))
+            .min_by_key(|g| g.granted_at)
+    }
+
+    /// The oldest live grant of `org` naming a method or path whose target
+    /// and port cover `host:port`: a tunnel it may open, intercepted, each
+    /// request inside decided on its own ([`Grants::matching`] with it).
+    pub(crate) fn intercepting(
+        &self,
+        org: &str,
+        (host, port): (&Host, u16),
+        now: SystemTime,
+    ) -> Option<&Grant> {
+        self.by_id
+            .values()
+            .filter(|g| g.is_live(now) && g.scope.requests().is_some())
+            .filter(|g| g.scope.covers_target(org, host, Some(port)))
             .min_by_key(|g| g.granted_at)
     }
 
@@ -443,6 +464,35 @@ mod tests {
         ] {
             assert!(check_requests(m, p).is_err(), "{m:?} {p:?}");
         }
+    }
+
+    #[test]
+    fn a_method_and_path_grant_may_open_a_tunnel_to_intercept_only() {
+        let mut g = Grants::default();
+        let mut r = grant(
+            "g1",
+            Target::Name("x.test".into()),
+            Some(443),
+            Some(60),
+            None,
+        );
+        (r.scope.method, r.scope.path) = (Some("GET".into()), Some("/api/x".into()));
+        g.add(r).unwrap();
+        g.add(grant(
+            "g2",
+            Target::Name("y.test".into()),
+            Some(443),
+            Some(60),
+            None,
+        ))
+        .unwrap();
+        let (x, y) = (name("x.test"), name("y.test"));
+        let found = |h, port, at| g.intercepting("acme", (h, port), at).map(|g| g.id.clone());
+        assert_eq!(found(&x, 443, t(1)).as_deref(), Some("g1"));
+        assert_eq!(found(&x, 8443, t(1)), None, "another port");
+        assert_eq!(g.intercepting("other", (&x, 443), t(1)).map(|_| ()), None);
+        assert_eq!(found(&y, 443, t(1)), None, "a tunnel grant is not one");
+        assert_eq!(found(&x, 443, t(60)), None, "ended");
     }
 
     #[test]

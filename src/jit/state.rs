@@ -34,6 +34,10 @@ pub(crate) struct MissFacts<'a> {
     /// The request, when Palisade sees one (a plain `http://` request):
     /// only then can a grant naming a method or path cover the miss.
     pub(crate) request: Option<Request<'a>>,
+    /// A tunnel Palisade may intercept (a CONNECT, a SOCKS5 connection):
+    /// a grant naming a method or path covers it, to be intercepted and
+    /// each request inside decided against the grants.
+    pub(crate) intercepts: bool,
     pub(crate) mode: Mode,
     pub(crate) now: SystemTime,
 }
@@ -54,6 +58,10 @@ pub(crate) enum Miss {
 pub(crate) struct Granted {
     /// `grant:ID`, the verdict's rule.
     pub(crate) rule: Arc<str>,
+    /// A tunnel under a grant naming a method or path: allowed only to be
+    /// intercepted, each request inside decided on its own (and each
+    /// spending a use: the tunnel spends none).
+    pub(crate) requests: Option<String>,
 }
 
 impl Miss {
@@ -332,16 +340,32 @@ impl Jit {
     /// use is spent here: a connection spends one only once it is
     /// allowed ([`Jit::spend`]), so a grant whose name then fails the
     /// address checks keeps its uses.
+    /// A tunnel that may be intercepted ([`MissFacts::intercepts`]) no
+    /// other grant covers is covered by a grant naming a method or path
+    /// on its target and port ([`Granted::requests`]).
     pub(crate) fn grant_for(&self, facts: &MissFacts<'_>) -> Option<Granted> {
         let inner = self.lock();
-        let grant = inner.grants.matching(
-            &facts.org.name,
-            (facts.host, facts.port),
-            facts.request,
-            facts.now,
-        )?;
+        let org = &facts.org.name;
+        let rule = |g: &Grant| Arc::from(format!("{GRANT_RULE_PREFIX}{}", g.id));
+        if let Some(g) =
+            inner
+                .grants
+                .matching(org, (facts.host, facts.port), facts.request, facts.now)
+        {
+            return Some(Granted {
+                rule: rule(g),
+                requests: None,
+            });
+        }
+        let (true, None, Some(port)) = (facts.intercepts, facts.request, facts.port) else {
+            return None;
+        };
+        let g = inner
+            .grants
+            .intercepting(org, (facts.host, port), facts.now)?;
         Some(Granted {
-            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
+            rule: rule(g),
+            requests: g.scope.requests(),
         })
     }
 
@@ -349,13 +373,30 @@ impl Jit {
     /// connection it allowed at `now` (recorded `used_up` when that was
     /// its last). `false`: the grant is no longer live (ended, or its last
     /// use taken by another connection since it matched), so the
-    /// connection must be refused. A rule no grant's is not spent from.
-    pub(crate) fn spend(&self, policy: &Policy, rule: &str, now: SystemTime) -> bool {
+    /// connection must be refused. A rule no grant's is not spent from;
+    /// nor is a grant naming a method or path by a tunnel (`request`
+    /// false): each request inside spends its own.
+    pub(crate) fn spend(
+        &self,
+        policy: &Policy,
+        rule: &str,
+        request: bool,
+        now: SystemTime,
+    ) -> bool {
         let Some(id) = grant_of(Some(rule)) else {
             return true;
         };
         let (grant, used_up) = {
             let mut inner = self.lock();
+            if !request {
+                if let Some(g) = inner
+                    .grants
+                    .get(id)
+                    .filter(|g| g.scope.requests().is_some())
+                {
+                    return g.is_live(now);
+                }
+            }
             let Some(spent) = inner.grants.spend(id, now) else {
                 return false;
             };
