@@ -31,6 +31,7 @@ mod infra;
 mod intercept;
 mod jit;
 mod jit_intercept;
+mod keep_alive;
 mod lab;
 mod lifecycle;
 mod metrics;
