@@ -37,6 +37,7 @@ use super::encode::{blocked, denied_rcode, encode, encode_kept, encode_raw, Repl
 use super::filter::{describe, filter, Filtered, Forwarded};
 use super::query::QueryState;
 use super::refusals::Recorded;
+use super::round::{self, Round};
 use super::shim::Shim;
 use super::wire::Question;
 use crate::evidence::Mode;
@@ -77,8 +78,13 @@ fn shown_text(qname: &str) -> String {
 impl Shim {
     /// Answer one decoded request: the encoded response (see
     /// [`super::encode`]).
-    pub(crate) async fn respond(&self, request: &Request, protocol: Protocol) -> Vec<u8> {
-        let reply = self.answer(request).await;
+    pub(crate) async fn respond(
+        &self,
+        request: &Request,
+        protocol: Protocol,
+        round: Option<&Arc<Round>>,
+    ) -> Vec<u8> {
+        let reply = self.answer(request, round).await;
         encode(request, &reply, protocol)
     }
 
@@ -90,12 +96,14 @@ impl Shim {
         self.record_refusal(&query, Duration::ZERO).await;
     }
 
-    /// Decide, forward if allowed, record, and build the reply.
-    pub(super) async fn answer(&self, request: &Request) -> Reply {
+    /// Decide, forward if allowed, record (with `round`'s records when it
+    /// came in one), and build the reply.
+    pub(super) async fn answer(&self, request: &Request, round: Option<&Arc<Round>>) -> Reply {
         let started = Instant::now();
         // What is served now: this query is decided and recorded under it.
         let served = self.served.load_full();
         let mut state = QueryState::new(&served, request.src());
+        state.round = round.cloned();
         let query = match well_formed(request) {
             Ok(info) => info.query,
             Err((detail, rcode)) => {
@@ -152,10 +160,12 @@ impl Shim {
         raw: &[u8],
         src: SocketAddr,
         protocol: Protocol,
+        round: Option<&Arc<Round>>,
     ) -> Vec<u8> {
         let started = Instant::now();
         let served = self.served.load_full();
         let mut state = QueryState::new(&served, src);
+        state.round = round.cloned();
         let qtype = RecordType::from(q.qtype);
         state.qtype = Some(qtype);
         let shown = || shown_text(&q.shown());
@@ -342,6 +352,7 @@ impl Shim {
             host: &host,
             port: None,
             request: None,
+            intercepts: false,
             mode: Mode::Dns,
             now: std::time::SystemTime::now(),
         };
@@ -724,17 +735,21 @@ impl Shim {
         recorded
     }
 
-    /// Write the record of an answer before it is sent; without evidence,
-    /// no answer (SERVFAIL, `evidence_unavailable`).
+    /// Write the record of an answer before it is sent (with its round's,
+    /// when it came in one); without evidence, no answer (SERVFAIL,
+    /// `evidence_unavailable`).
     async fn finish(&self, state: &mut QueryState, mut reply: Reply) -> Reply {
-        let mut rec = state.record();
-        if let Err(e) = self.evidence.write(&mut rec).await {
-            warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
-            // Counted as what happened: refused, unrecorded.
-            state.unrecorded();
-            self.metrics.count_record(&state.record());
-            return Reply::empty(ResponseCode::ServFail);
-        }
+        let written = self.write(state.round.as_deref(), state.record()).await;
+        let rec = match written {
+            Ok(rec) => rec,
+            Err(e) => {
+                warn!(error = %e, "dns: evidence write failed; answering SERVFAIL");
+                // Counted as what happened: refused, unrecorded.
+                state.unrecorded();
+                self.metrics.count_record(&state.record());
+                return Reply::empty(ResponseCode::ServFail);
+            }
+        };
         self.metrics.count_record(&rec);
         if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
             reply.ede = Some((
@@ -743,6 +758,22 @@ impl Shim {
             ));
         }
         reply
+    }
+
+    /// Write an answer's record: left to `round` while it gathers, else
+    /// alone. The record as written, or why it was not.
+    async fn write(&self, round: Option<&Round>, rec: crate::evidence::Record) -> round::Outcome {
+        let mut rec = match round {
+            Some(r) => match r.defer(rec) {
+                Ok(deferred) => return round::outcome(deferred).await,
+                Err(rec) => *rec,
+            },
+            None => rec,
+        };
+        match self.evidence.write(&mut rec).await {
+            Ok(()) => Ok(rec),
+            Err(e) => Err(e.to_string()),
+        }
     }
 }
 
@@ -1010,15 +1041,15 @@ host = "allowed.test"
             let hits = cached.cache.hits();
             // The full path, with fresh bindings to see what it binds.
             cached.bindings = Arc::new(Bindings::new(8, 1024, 4096));
-            let first = cached.answer(&req).await;
+            let first = cached.answer(&req, None).await;
             assert_eq!(cached.cache.hits(), hits, "{qname}: first is a miss");
             let bound_first = cached.bindings.len();
             cached.bindings = Arc::new(Bindings::new(8, 1024, 4096));
-            let second = cached.answer(&req).await;
+            let second = cached.answer(&req, None).await;
             let hit = cached.cache.hits() == hits + 1;
             assert_eq!(hit, kept, "{qname}: kept");
             assert_eq!(cached.bindings.len(), bound_first, "{qname}: bindings");
-            let third = plain.answer(&req).await;
+            let third = plain.answer(&req, None).await;
             assert_eq!(shown(&first), shown(&second), "{qname}");
             assert_eq!(shown(&first), shown(&third), "{qname}");
             let bytes = [&first, &second, &third].map(|r| encode(&req, r, Protocol::Udp));
@@ -1158,8 +1189,8 @@ host = "allowed.test"
                     let src = SocketAddr::new(client.parse().unwrap(), 40000);
                     let q = crate::dns::wire::question(&raw).expect("plain");
                     let req = Request::from_bytes(raw.clone(), src, protocol).unwrap();
-                    let by_hickory = shim.respond(&req, protocol).await;
-                    let by_wire = shim.respond_wire(&q, &raw, src, protocol).await;
+                    let by_hickory = shim.respond(&req, protocol, None).await;
+                    let by_wire = shim.respond_wire(&q, &raw, src, protocol, None).await;
                     let what = format!("{qname} {client} cd={cd} {payload:?} {protocol:?}");
                     same_response(&by_hickory, &by_wire, &what);
                     assert_eq!(Message::from_vec(&by_wire).unwrap().metadata.id, id);
@@ -1212,18 +1243,18 @@ host = "allowed.test"
         let shim = shim(&dir, up, true);
         let a = request(ACME, "allowed.test.", RecordType::A);
         let b = request(BETA, "allowed.test.", RecordType::A);
-        let first = shim.answer(&a).await;
-        assert_eq!(shim.answer(&a).await.answers[0].ttl, 300);
+        let first = shim.answer(&a, None).await;
+        assert_eq!(shim.answer(&a, None).await.answers[0].ttl, 300);
         assert_eq!(shim.cache.hits(), 1);
         // The same name in any case is the same question.
         let upper = request(ACME, "ALLOWED.Test.", RecordType::A);
-        assert_eq!(shown(&shim.answer(&upper).await), shown(&first));
+        assert_eq!(shown(&shim.answer(&upper, None).await), shown(&first));
         assert_eq!(shim.cache.hits(), 2);
-        let beta = shim.answer(&b).await;
+        let beta = shim.answer(&b, None).await;
         assert_eq!(shim.cache.hits(), 2, "beta's first answer is its own");
         assert_eq!(beta.answers.len(), 1);
         assert_eq!(beta.answers[0].ttl, 300);
-        shim.answer(&b).await;
+        shim.answer(&b, None).await;
         assert_eq!(shim.cache.hits(), 3);
         assert_eq!(shim.cache.org_len(0), 1);
         assert_eq!(shim.cache.org_len(1), 1);
@@ -1231,11 +1262,11 @@ host = "allowed.test"
         // A reload that denies the name to acme.
         let denied = POLICY.replacen("host = \"allowed.test\"", "host = \"other.test\"", 1);
         shim.served.store(Arc::new(served(&denied, &shim.metrics)));
-        let refused = shim.answer(&a).await;
+        let refused = shim.answer(&a, None).await;
         assert_eq!(refused.rcode, ResponseCode::Refused);
         assert_eq!(shim.cache.hits(), 3);
         // Beta's entry went with the old version; its answer is unchanged.
-        let beta_again = shim.answer(&b).await;
+        let beta_again = shim.answer(&b, None).await;
         assert_eq!(shown(&beta_again), shown(&beta));
         assert_eq!(shim.cache.hits(), 3);
 
@@ -1280,7 +1311,7 @@ host = "allowed.test"
         );
         let pools = shim.synthetic.clone().unwrap();
         let a = shim
-            .answer(&request(ACME, "allowed.test.", RecordType::A))
+            .answer(&request(ACME, "allowed.test.", RecordType::A), None)
             .await;
         assert_eq!(a.rcode, ResponseCode::NoError);
         assert_eq!(a.answers.len(), 1);
@@ -1293,23 +1324,23 @@ host = "allowed.test"
         assert_eq!(pools.name_of("acme", addr).as_deref(), Some("allowed.test"));
         // The same name again: the same address.
         let again = shim
-            .answer(&request(ACME, "ALLOWED.test.", RecordType::A))
+            .answer(&request(ACME, "ALLOWED.test.", RecordType::A), None)
             .await;
         assert_eq!(again.answers, a.answers);
         // No IPv6 pool: NODATA; HTTPS: NODATA; denied: refused.
         let aaaa = shim
-            .answer(&request(ACME, "allowed.test.", RecordType::AAAA))
+            .answer(&request(ACME, "allowed.test.", RecordType::AAAA), None)
             .await;
         assert_eq!((aaaa.rcode, aaaa.answers.len()), (ResponseCode::NoError, 0));
         let https = shim
-            .answer(&request(ACME, "allowed.test.", RecordType::HTTPS))
+            .answer(&request(ACME, "allowed.test.", RecordType::HTTPS), None)
             .await;
         assert_eq!(
             (https.rcode, https.answers.len()),
             (ResponseCode::NoError, 0)
         );
         let nope = shim
-            .answer(&request(ACME, "nope.test.", RecordType::A))
+            .answer(&request(ACME, "nope.test.", RecordType::A), None)
             .await;
         assert_eq!(nope.rcode, ResponseCode::Refused);
         // No synthetic address was bound as a real one.
@@ -1319,7 +1350,7 @@ host = "allowed.test"
         assert_eq!(seen.load(Ordering::Relaxed), 0, "nothing upstream");
         // Beta resolves as before.
         let beta = shim
-            .answer(&request(BETA, "allowed.test.", RecordType::A))
+            .answer(&request(BETA, "allowed.test.", RecordType::A), None)
             .await;
         assert_eq!(beta.answers.len(), 1);
         assert_eq!(seen.load(Ordering::Relaxed), 1);

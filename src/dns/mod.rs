@@ -40,6 +40,7 @@ mod encode;
 pub(crate) mod filter;
 pub(crate) mod query;
 pub(crate) mod refusals;
+pub(crate) mod round;
 mod shim;
 pub(crate) mod ttl;
 pub(crate) mod wire;
@@ -64,6 +65,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
+use round::Round;
 pub(crate) use shim::Shim;
 
 /// Queries answered on one TCP connection before it is closed.
@@ -146,14 +148,20 @@ fn replyable(src: SocketAddr) -> bool {
         }
 }
 
-/// Receive datagrams until `shutdown`; each is answered by a task of its
-/// own (the query budgets bound how many are being served; a task over
-/// them ends at once), straight back on the socket.
+/// Receive datagrams until `shutdown`, in rounds: the first datagram and
+/// every one already queued behind it (at most [`round::MAX_ROUND`]) are
+/// decided; the records of their answers are written as one batch
+/// ([`round`]); then the answers go, straight back on the socket. An
+/// answer that waits for something else (upstream, room in the evidence
+/// queue, a full socket) goes on as a task of its own (the query budgets
+/// bound how many are being served; a query over them ends at once).
 async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: CancellationToken) {
     let tasks = TaskTracker::new();
+    let round = Arc::new(Round::default());
     let mut buf = vec![0u8; MAX_UDP_MESSAGE];
+    let mut waiting = Vec::with_capacity(round::MAX_ROUND);
     loop {
-        let (n, src) = tokio::select! {
+        let first = tokio::select! {
             _ = shutdown.cancelled() => break,
             r = socket.recv_from(&mut buf) => match r {
                 Ok(r) => r,
@@ -170,35 +178,70 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
                 }
             },
         };
-        if !replyable(src) {
-            debug!(client = %src, "dns: datagram from an address that cannot be answered");
-            continue;
-        }
-        let raw = buf[..n].to_vec();
-        let (shim, socket) = (shim.clone(), socket.clone());
-        // An IPv4 client of a dual-stack `[::]` socket is known by its IPv4
-        // address; the answer goes back to the address it came from.
-        let client = SocketAddr::new(src.ip().to_canonical(), src.port());
-        let mut answer = Box::pin(async move {
-            // The handler bounds upstream time itself; this is a backstop.
-            let backstop = shim.config.query_timeout.get() * 2;
-            let answer =
-                tokio::time::timeout(backstop, answer_bytes(&shim, raw, client, Protocol::Udp));
-            if let Ok(Some(resp)) = answer.await {
-                if let Err(e) = socket.send_to(&resp, src).await {
-                    debug!(client = %src, error = %e, "dns: sending the response failed");
+        round.open();
+        let mut got = Some(first);
+        let mut taken = 0;
+        while let Some((n, src)) = got.take() {
+            taken += 1;
+            if let Some(mut answer) = udp_answer(&socket, &shim, &round, &buf[..n], src) {
+                // Most answers (a cached name, a refusal) wait for nothing
+                // but the round's records, or not even those.
+                if ready_at_once(answer.as_mut()).is_pending() {
+                    waiting.push(answer);
                 }
             }
-        });
-        // Most answers (a cached name, a refusal) complete without waiting:
-        // answer those here, without a task of their own; one that waits
-        // (upstream, the evidence writer, a full socket) goes on as a task.
-        if ready_at_once(answer.as_mut()).is_pending() {
-            tasks.spawn(answer);
+            if taken < round::MAX_ROUND {
+                // Queued already, or the round ends (an error is met again
+                // by the next receive).
+                got = socket.try_recv_from(&mut buf).ok();
+            }
+        }
+        let deferred = round.close();
+        if !deferred.is_empty() {
+            let evidence = shim.evidence.clone();
+            let mut write = Box::pin(async move { round::write(&evidence, deferred).await });
+            if ready_at_once(write.as_mut()).is_pending() {
+                tasks.spawn(write);
+            }
+        }
+        for mut answer in waiting.drain(..) {
+            if ready_at_once(answer.as_mut()).is_pending() {
+                tasks.spawn(answer);
+            }
         }
     }
     tasks.close();
     tasks.wait().await;
+}
+
+/// The answer to one datagram, sent straight back on the socket when it
+/// is ready (none for an address that cannot be answered).
+fn udp_answer(
+    socket: &Arc<UdpSocket>,
+    shim: &ShimHandle,
+    round: &Arc<Round>,
+    raw: &[u8],
+    src: SocketAddr,
+) -> Option<Pin<Box<impl Future<Output = ()> + Send + 'static>>> {
+    if !replyable(src) {
+        debug!(client = %src, "dns: datagram from an address that cannot be answered");
+        return None;
+    }
+    let raw = raw.to_vec();
+    let (shim, socket, round) = (shim.clone(), socket.clone(), round.clone());
+    // An IPv4 client of a dual-stack `[::]` socket is known by its IPv4
+    // address; the answer goes back to the address it came from.
+    let client = SocketAddr::new(src.ip().to_canonical(), src.port());
+    Some(Box::pin(async move {
+        // The handler bounds upstream time itself; this is a backstop.
+        let backstop = shim.config.query_timeout.get() * 2;
+        let answer = answer_bytes(&shim, raw, client, Protocol::Udp, Some(&round));
+        if let Ok(Some(resp)) = tokio::time::timeout(backstop, answer).await {
+            if let Err(e) = socket.send_to(&resp, src).await {
+                debug!(client = %src, error = %e, "dns: sending the response failed");
+            }
+        }
+    }))
 }
 
 /// Poll `fut` once, with a waker that does nothing: a future that is
@@ -283,8 +326,11 @@ async fn tcp_connection(
             return;
         }
         // The handler bounds upstream time itself; this is a backstop.
-        let answer =
-            tokio::time::timeout(per_query * 2, answer_bytes(&shim, msg, src, Protocol::Tcp)).await;
+        let answer = tokio::time::timeout(
+            per_query * 2,
+            answer_bytes(&shim, msg, src, Protocol::Tcp, None),
+        )
+        .await;
         let Ok(Some(resp)) = answer else {
             continue;
         };
@@ -305,16 +351,18 @@ async fn tcp_connection(
 
 /// One DNS message in, the encoded answer out (None: no answer): a runt
 /// (no complete header) or a response is dropped, a message that does not
-/// decode gets FORMERR.
+/// decode gets FORMERR. An answer's record is written with `round`'s
+/// others when it came in one.
 async fn answer_bytes(
     shim: &Shim,
     raw: Vec<u8>,
     src: SocketAddr,
     protocol: Protocol,
+    round: Option<&Arc<Round>>,
 ) -> Option<Vec<u8>> {
     // A plain query is read from the wire; anything else by hickory.
     if let Some(q) = wire::question(&raw) {
-        let bytes = shim.respond_wire(&q, &raw, src, protocol).await;
+        let bytes = shim.respond_wire(&q, &raw, src, protocol, round).await;
         return (!bytes.is_empty()).then_some(bytes);
     }
     let header = {
@@ -326,7 +374,7 @@ async fn answer_bytes(
     }
     match Request::from_bytes(raw, src, protocol) {
         Ok(request) => {
-            let bytes = shim.respond(&request, protocol).await;
+            let bytes = shim.respond(&request, protocol, round).await;
             (!bytes.is_empty()).then_some(bytes)
         }
         Err(e) => {

@@ -41,6 +41,10 @@ pub(crate) struct QueryState {
     pub(crate) detail: Option<String>,
     /// What the decider said of this miss (the record's `decider` field).
     pub(crate) decider: Option<crate::decider::Said>,
+    /// The receive round it came in with, which writes its answer's
+    /// record with the others of the round ([`super::round`]); none: it
+    /// writes its own.
+    pub(crate) round: Option<Arc<super::round::Round>>,
 }
 
 impl QueryState {
@@ -64,6 +68,7 @@ impl QueryState {
             upstream: false,
             detail: None,
             decider: None,
+            round: None,
         }
     }
 

@@ -577,15 +577,7 @@ impl Evidence {
     /// first, and carries the reservation in `record.owed` once written
     /// ([`store::Owed`]).
     pub async fn write(&self, record: &mut Record) -> Result<(), EvidenceError> {
-        let line = self.stamp(record)?;
-        let owed = record.owes_close().then(|| {
-            let bytes = store::close_bound(line.line_bound(), record.id.len());
-            Arc::new(store::Owed::reserve(
-                self.log.common.counters.store(),
-                &record.org,
-                bytes,
-            ))
-        });
+        let (entry, owed) = self.acked(record)?;
         let permit = self
             .log
             .slots
@@ -593,13 +585,6 @@ impl Evidence {
             .await
             .map_err(|_| EvidenceError::Sealed)?;
         permit.forget();
-        let entry = Entry {
-            line,
-            org: record.org.clone(),
-            acked: true,
-            permit: true,
-            owed: None,
-        };
         let Ok(batch) = self.log.append(entry) else {
             self.log.slots.add_permits(1);
             return Err(EvidenceError::Sealed);
@@ -610,6 +595,65 @@ impl Evidence {
         } else {
             Err(EvidenceError::Unavailable)
         }
+    }
+
+    /// [`Evidence::write`] for several records at once: all in one batch
+    /// (one `write(2)`, one wait), so all are written or none is. For a
+    /// listener that decided several queries before answering any of them
+    /// (DNS over UDP under load).
+    pub async fn write_all(&self, records: &mut [Record]) -> Result<(), EvidenceError> {
+        let n = u32::try_from(records.len()).map_err(|_| EvidenceError::Unavailable)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut entries = Vec::with_capacity(records.len());
+        let mut owed = Vec::with_capacity(records.len());
+        for record in records.iter_mut() {
+            let (entry, o) = self.acked(record)?;
+            entries.push(entry);
+            owed.push(o);
+        }
+        let permits = self
+            .log
+            .slots
+            .acquire_many(n)
+            .await
+            .map_err(|_| EvidenceError::Sealed)?;
+        permits.forget();
+        let Ok(batch) = self.log.append_all(entries) else {
+            self.log.slots.add_permits(records.len());
+            return Err(EvidenceError::Sealed);
+        };
+        if !self.log.wait(&batch).await {
+            return Err(EvidenceError::Unavailable);
+        }
+        for (record, o) in records.iter_mut().zip(owed) {
+            record.owed = o;
+        }
+        Ok(())
+    }
+
+    /// A record stamped as an entry a `write` caller waits on, with the
+    /// room reserved for its close record (given to the record once it is
+    /// written).
+    fn acked(&self, record: &mut Record) -> Result<(Entry, Option<Arc<Owed>>), EvidenceError> {
+        let line = self.stamp(record)?;
+        let owed = record.owes_close().then(|| {
+            let bytes = store::close_bound(line.line_bound(), record.id.len());
+            Arc::new(store::Owed::reserve(
+                self.log.common.counters.store(),
+                &record.org,
+                bytes,
+            ))
+        });
+        let entry = Entry {
+            line,
+            org: record.org.clone(),
+            acked: true,
+            permit: true,
+            owed: None,
+        };
+        Ok((entry, owed))
     }
 
     /// Assign `id` and `ts` and append the record without waiting for it to
@@ -698,6 +742,18 @@ impl Evidence {
     #[cfg(test)]
     pub(crate) fn pause_writer(&self, paused: bool) {
         self.log.pause(paused);
+    }
+
+    /// Fail the next batch's write, as a full disk would (tests).
+    #[cfg(test)]
+    pub(crate) fn fail_next_write(&self) {
+        self.log.fail_next_write();
+    }
+
+    /// Batches written so far (tests).
+    #[cfg(test)]
+    pub(crate) fn batches(&self) -> u64 {
+        self.log.batches()
     }
 
     /// Records waiting in the queue (tests).

@@ -128,14 +128,24 @@ impl Lines {
 /// chain order, yielding what it returns.
 fn map_lines<T>(
     path: &Path,
+    f: impl FnMut(&Path, u64, &[u8]) -> Option<Result<T, ReadError>>,
+) -> impl Iterator<Item = Result<T, ReadError>> {
+    let list = files(path).map_err(|source| ReadError::Io {
+        path: path.to_path_buf(),
+        source,
+    });
+    map_lines_of(list, f)
+}
+
+/// `f` over every complete line of the files `list` (or the error of
+/// listing them), as [`map_lines`].
+fn map_lines_of<T>(
+    list: Result<Vec<PathBuf>, ReadError>,
     mut f: impl FnMut(&Path, u64, &[u8]) -> Option<Result<T, ReadError>>,
 ) -> impl Iterator<Item = Result<T, ReadError>> {
     let mut failed = None;
-    let list = files(path).unwrap_or_else(|source| {
-        failed = Some(Err(ReadError::Io {
-            path: path.to_path_buf(),
-            source,
-        }));
+    let list = list.unwrap_or_else(|e| {
+        failed = Some(Err(e));
         Vec::new()
     });
     let mut lines = Lines {
@@ -174,18 +184,48 @@ pub(crate) fn read_events(
     events: &'static [Event],
 ) -> impl Iterator<Item = Result<Stored, ReadError>> {
     map_lines(path, move |file, line, bytes| {
-        let event = serde_json::from_slice::<EventOnly<'_>>(bytes).ok()?.event?;
-        if !events.iter().any(|e| e.as_str() == event) {
-            return None;
-        }
-        Some(
-            serde_json::from_slice::<Stored>(bytes).map_err(|source| ReadError::Record {
-                path: file.to_path_buf(),
-                line,
-                source,
-            }),
-        )
+        event_of(events, file, line, bytes)
     })
+}
+
+/// The records of the segments under `dir` that may hold records written
+/// at or after `since` ([`segment::since`]: the rest are not read at all),
+/// whose `event` is one of `events`, as [`read_events`] reads them. What
+/// a restart reads: a bounded window, not the whole store.
+pub(crate) fn read_events_since(
+    dir: &Path,
+    since: std::time::SystemTime,
+    events: &'static [Event],
+) -> impl Iterator<Item = Result<Stored, ReadError>> {
+    let list = segment::list(dir)
+        .map(|list| segment::since(list, since))
+        .map_err(|source| ReadError::Io {
+            path: dir.to_path_buf(),
+            source,
+        });
+    map_lines_of(list, move |file, line, bytes| {
+        event_of(events, file, line, bytes)
+    })
+}
+
+/// The line `bytes` read as a record if its `event` is one of `events`.
+fn event_of(
+    events: &[Event],
+    file: &Path,
+    line: u64,
+    bytes: &[u8],
+) -> Option<Result<Stored, ReadError>> {
+    let event = serde_json::from_slice::<EventOnly<'_>>(bytes).ok()?.event?;
+    if !events.iter().any(|e| e.as_str() == event) {
+        return None;
+    }
+    Some(
+        serde_json::from_slice::<Stored>(bytes).map_err(|source| ReadError::Record {
+            path: file.to_path_buf(),
+            line,
+            source,
+        }),
+    )
 }
 
 /// The decision records under `path` that `selection` selects, in the

@@ -228,14 +228,55 @@ pub(crate) fn read_tail(path: &Path) -> io::Result<Tail> {
     Ok(tail)
 }
 
-/// The first line of a segment, parsed.
+/// The longest header line read: a header holds the chain link, the
+/// Merkle frontier, the org trees and the segments retention removed,
+/// far below this.
+const MAX_HEADER: u64 = 4 << 20;
+
+/// The first line of a segment, parsed. Reads that line only (at most
+/// [`MAX_HEADER`] bytes), not the segment.
 pub(crate) fn header(path: &Path) -> Option<Map<String, Value>> {
-    let data = fs::read(path).ok()?;
-    let end = data.iter().position(|b| *b == b'\n')?;
-    match serde_json::from_slice::<Value>(&data[..end]).ok()? {
+    use std::io::{BufRead, Read};
+    let file = fs::File::open(path).ok()?;
+    let mut line = Vec::new();
+    io::BufReader::new(file.take(MAX_HEADER))
+        .read_until(b'\n', &mut line)
+        .ok()?;
+    if line.pop() != Some(b'\n') {
+        return None;
+    }
+    match serde_json::from_slice::<Value>(&line).ok()? {
         Value::Object(m) => Some(m),
         _ => None,
     }
+}
+
+/// The time of a segment's header (`ts`): when its first record was
+/// written, and so when the segment before it was last written to.
+fn header_ts(path: &Path) -> Option<std::time::SystemTime> {
+    let h = header(path)?;
+    humantime::parse_rfc3339_weak(h.get("ts")?.as_str()?).ok()
+}
+
+/// The segments of `list` (in chain order) that may hold a record
+/// written at or after `since`: the newest ones back to the first whose
+/// successor's header is dated before `since` (a segment is last written
+/// just before the next one starts). Reads one header per segment kept,
+/// plus one; a header that cannot be read or dated keeps the segment
+/// before it (reading more, never missing a record). A segment spanning
+/// `since` is kept whole. The walk ends at the newest header dated
+/// before `since`: a caller allows for a clock set back by widening
+/// `since` (the window of a restart: [`crate::jit::replay`]).
+pub(crate) fn since(list: Vec<PathBuf>, since: std::time::SystemTime) -> Vec<PathBuf> {
+    let mut first = list.len().saturating_sub(1);
+    while first > 0 {
+        let started = header_ts(&list[first]);
+        if started.is_some_and(|t| t < since) {
+            break;
+        }
+        first -= 1;
+    }
+    list.into_iter().skip(first).collect()
 }
 
 /// Call `f` with every chained record of the segments `list[start..]`, in

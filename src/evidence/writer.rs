@@ -156,6 +156,16 @@ struct Pending {
     closed: bool,
 }
 
+impl Pending {
+    fn add(&mut self, entry: Entry) {
+        self.acked += usize::from(entry.acked);
+        if !entry.acked && self.riding_since.is_none() {
+            self.riding_since = Some(Instant::now());
+        }
+        self.entries.push(entry);
+    }
+}
+
 /// Record ids: the replica, a per-start prefix and a counter.
 pub(super) struct Ids {
     prefix: String,
@@ -323,11 +333,21 @@ impl Log {
         if p.closed {
             return Err(entry);
         }
-        p.acked += usize::from(entry.acked);
-        if !entry.acked && p.riding_since.is_none() {
-            p.riding_since = Some(Instant::now());
+        p.add(entry);
+        self.common.counters.set_queue_depth(p.entries.len());
+        Ok(p.batch.clone())
+    }
+
+    /// Add records to the pending batch at once, so that one batch holds
+    /// them all; that batch, or the entries back if the log is closed.
+    pub(super) fn append_all(&self, entries: Vec<Entry>) -> Result<Arc<Batch>, Vec<Entry>> {
+        let mut p = self.pending();
+        if p.closed {
+            return Err(entries);
         }
-        p.entries.push(entry);
+        for entry in entries {
+            p.add(entry);
+        }
         self.common.counters.set_queue_depth(p.entries.len());
         Ok(p.batch.clone())
     }

@@ -209,6 +209,13 @@ impl Interceptor {
         &self.fingerprint
     }
 
+    /// Whether `org` has an interception CA (one of its allow rules
+    /// intercepts): what a grant naming a method or path needs to be
+    /// honoured inside TLS.
+    pub(crate) fn has_ca(&self, org: &str) -> bool {
+        self.cas.contains_key(org)
+    }
+
     /// The org's credentials, in file order: the request decision
     /// ([`crate::policy::request::decide`]) picks those to add.
     pub(crate) fn credentials(&self, org: &str) -> &[Arc<Credential>] {

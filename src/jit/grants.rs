@@ -8,7 +8,11 @@
 //! live ([`Grants::matching`]); each connection it allows is a use
 //! ([`Grants::spend`]). A grant whose uses are spent matches nothing
 //! more, but stays held until its TTL ends (the connections it allowed
-//! run until then); one without a TTL ends at once.
+//! run until then); one without a TTL ends at once. A grant given uses
+//! only still ends in time: [`MAX_TTL`] after it was granted at the
+//! latest ([`Grant::ends_at`]), recorded as a TTL end. So no grant given
+//! more than [`MAX_TTL`] ago is live, which is what lets a restart read
+//! only the recent evidence.
 
 // Pure: no clock, tokio or I/O (clippy.toml).
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
@@ -108,9 +112,14 @@ impl Scope {
                         .is_none_or(|p| crate::policy::request::pattern_matches(p, r.path.as_str()))
             }
         };
+        requests && self.covers_target(org, host, port)
+    }
+
+    /// Whether it names `org`'s `host` and `port` (`None`: a DNS
+    /// question), whatever it says of requests.
+    pub(crate) fn covers_target(&self, org: &str, host: &Host, port: Option<u16>) -> bool {
         &*self.org == org
             && self.target.covers(host)
-            && requests
             && match (self.port, port) {
                 (None, _) => true,
                 (Some(p), Some(q)) => p == q,
@@ -191,9 +200,15 @@ pub(crate) struct Grant {
 }
 
 impl Grant {
+    /// When it ends at the latest: its TTL, or, given uses only,
+    /// [`MAX_TTL`] after it was granted.
+    pub(crate) fn ends_at(&self) -> SystemTime {
+        self.expires.unwrap_or(self.granted_at + MAX_TTL)
+    }
+
     /// Whether it still lets a new connection through at `now`.
     pub(crate) fn is_live(&self, now: SystemTime) -> bool {
-        self.expires.is_none_or(|e| e > now) && self.max_uses.is_none_or(|m| self.uses < m)
+        self.ends_at() > now && self.max_uses.is_none_or(|m| self.uses < m)
     }
 }
 
@@ -267,6 +282,22 @@ impl Grants {
             .min_by_key(|g| g.granted_at)
     }
 
+    /// The oldest live grant of `org` naming a method or path whose target
+    /// and port cover `host:port`: a tunnel it may open, intercepted, each
+    /// request inside decided on its own ([`Grants::matching`] with it).
+    pub(crate) fn intercepting(
+        &self,
+        org: &str,
+        (host, port): (&Host, u16),
+        now: SystemTime,
+    ) -> Option<&Grant> {
+        self.by_id
+            .values()
+            .filter(|g| g.is_live(now) && g.scope.requests().is_some())
+            .filter(|g| g.scope.covers_target(org, host, Some(port)))
+            .min_by_key(|g| g.granted_at)
+    }
+
     /// Count a use of grant `id` at `now`: the grant after it, and
     /// whether that use spent it (`used_up`); `None` when it is no longer
     /// live (ended, or its last use taken by another connection since it
@@ -292,12 +323,13 @@ impl Grants {
         self.by_id.get(id)
     }
 
-    /// Take out every grant whose TTL has ended at `now`.
+    /// Take out every grant whose TTL has ended at `now` (for one given
+    /// uses only, [`MAX_TTL`] after it was granted: [`Grant::ends_at`]).
     pub(crate) fn expire(&mut self, now: SystemTime) -> Vec<Grant> {
         let ended: Vec<String> = self
             .by_id
             .values()
-            .filter(|g| g.expires.is_some_and(|e| e <= now))
+            .filter(|g| g.ends_at() <= now)
             .map(|g| g.id.clone())
             .collect();
         ended
@@ -435,6 +467,35 @@ mod tests {
     }
 
     #[test]
+    fn a_method_and_path_grant_may_open_a_tunnel_to_intercept_only() {
+        let mut g = Grants::default();
+        let mut r = grant(
+            "g1",
+            Target::Name("x.test".into()),
+            Some(443),
+            Some(60),
+            None,
+        );
+        (r.scope.method, r.scope.path) = (Some("GET".into()), Some("/api/x".into()));
+        g.add(r).unwrap();
+        g.add(grant(
+            "g2",
+            Target::Name("y.test".into()),
+            Some(443),
+            Some(60),
+            None,
+        ))
+        .unwrap();
+        let (x, y) = (name("x.test"), name("y.test"));
+        let found = |h, port, at| g.intercepting("acme", (h, port), at).map(|g| g.id.clone());
+        assert_eq!(found(&x, 443, t(1)).as_deref(), Some("g1"));
+        assert_eq!(found(&x, 8443, t(1)), None, "another port");
+        assert_eq!(g.intercepting("other", (&x, 443), t(1)).map(|_| ()), None);
+        assert_eq!(found(&y, 443, t(1)), None, "a tunnel grant is not one");
+        assert_eq!(found(&x, 443, t(60)), None, "ended");
+    }
+
+    #[test]
     fn cidr_grants_cover_addresses_only() {
         let mut g = Grants::default();
         let net: IpNet = "198.18.7.0/24".parse().unwrap();
@@ -493,6 +554,27 @@ mod tests {
         assert!(g
             .matching("acme", (&name("x.test"), Some(443)), None, t(1))
             .is_none());
+    }
+
+    /// A grant given uses only ends in time all the same: at most
+    /// `MAX_TTL` after it was granted, unused or not.
+    #[test]
+    fn a_uses_only_grant_ends_at_max_ttl() {
+        let mut g = Grants::default();
+        let x = Target::Name("x.test".into());
+        g.add(grant("g1", x, Some(443), None, Some(3))).unwrap();
+        let end = t(0) + MAX_TTL;
+        assert_eq!(g.get("g1").unwrap().ends_at(), end);
+        let x = name("x.test");
+        let before = end - Duration::from_secs(1);
+        assert!(g.matching("acme", (&x, Some(443)), None, before).is_some());
+        assert!(g.expire(before).is_empty());
+        assert!(g.matching("acme", (&x, Some(443)), None, end).is_none());
+        assert!(g.spend("g1", end).is_none(), "no use after its end");
+        let ended = g.expire(end);
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].expires, None, "recorded as given: uses only");
+        assert!(g.get("g1").is_none());
     }
 
     #[test]

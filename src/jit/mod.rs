@@ -36,7 +36,7 @@ pub(crate) mod grants;
 pub(crate) mod state;
 
 pub(crate) use grants::Request;
-pub(crate) use state::{grant_of, replay, Jit, Miss, MissFacts, Terms};
+pub(crate) use state::{grant_of, replay, Granted, Jit, Miss, MissFacts, Terms};
 
 use crate::policy::Policy;
 

@@ -34,6 +34,10 @@ pub(crate) struct MissFacts<'a> {
     /// The request, when Palisade sees one (a plain `http://` request):
     /// only then can a grant naming a method or path cover the miss.
     pub(crate) request: Option<Request<'a>>,
+    /// A tunnel Palisade may intercept (a CONNECT, a SOCKS5 connection):
+    /// a grant naming a method or path covers it, to be intercepted and
+    /// each request inside decided against the grants.
+    pub(crate) intercepts: bool,
     pub(crate) mode: Mode,
     pub(crate) now: SystemTime,
 }
@@ -54,6 +58,10 @@ pub(crate) enum Miss {
 pub(crate) struct Granted {
     /// `grant:ID`, the verdict's rule.
     pub(crate) rule: Arc<str>,
+    /// A tunnel under a grant naming a method or path: allowed only to be
+    /// intercepted, each request inside decided on its own (and each
+    /// spending a use: the tunnel spends none).
+    pub(crate) requests: Option<String>,
 }
 
 impl Miss {
@@ -166,12 +174,23 @@ pub(crate) fn grant_record(
     r
 }
 
+/// How far back before `now` a restart reads the evidence for grants:
+/// [`MAX_TTL`](super::grants::MAX_TTL), the longest any grant lives,
+/// and this much more for a clock that was set back or skewed meanwhile
+/// (a grant found a little past its end is recorded ended at start).
+pub(crate) const REPLAY_SKEW: Duration = Duration::from_secs(3600);
+
 /// The grants still held after the records under `dir`, at `now`: given
 /// ones not ended, their uses counted from the decisions they allowed;
-/// one whose TTL ended while Palisade was down is dropped (and its end
-/// is recorded at start by [`Jit::restore`]).
+/// one whose end passed while Palisade was down is dropped (and its end
+/// is recorded at start by [`Jit::restore`]). Reads only the segments
+/// that may hold records of the last
+/// [`MAX_TTL`](super::grants::MAX_TTL) + [`REPLAY_SKEW`]
+/// ([`crate::evidence::segment::since`]): no grant given before that is
+/// live, and a grant's uses and end are recorded after it was given.
 pub(crate) fn replay(dir: &Path, now: SystemTime) -> Vec<Grant> {
-    let _ = now;
+    let window = super::grants::MAX_TTL + REPLAY_SKEW;
+    let since = now.checked_sub(window).unwrap_or(SystemTime::UNIX_EPOCH);
     let mut held: HashMap<String, Grant> = HashMap::new();
     let events = &[
         Event::Decision,
@@ -180,7 +199,7 @@ pub(crate) fn replay(dir: &Path, now: SystemTime) -> Vec<Grant> {
         Event::Revoked,
         Event::UsedUp,
     ];
-    for stored in crate::evidence::query::read_events(dir, events) {
+    for stored in crate::evidence::query::read_events_since(dir, since, events) {
         let Ok(stored) = stored else { continue };
         let r = stored.record;
         match (r.kind, r.event) {
@@ -293,13 +312,15 @@ impl Jit {
     }
 
     /// Take back the grants replayed from the evidence (at start): those
-    /// whose TTL ended meanwhile are recorded `expired` and dropped.
+    /// whose end passed meanwhile (their TTL, or, given uses only,
+    /// [`MAX_TTL`](super::grants::MAX_TTL) after they were granted) are
+    /// recorded `expired` (`ended_by = "ttl"`) and dropped.
     pub(crate) fn restore(&self, grants: Vec<Grant>, policy: &Policy, now: SystemTime) {
         let mut ended = Vec::new();
         {
             let mut inner = self.lock();
             for g in grants {
-                if g.expires.is_some_and(|e| e <= now) {
+                if g.ends_at() <= now {
                     ended.push(g);
                     continue;
                 }
@@ -319,16 +340,32 @@ impl Jit {
     /// use is spent here: a connection spends one only once it is
     /// allowed ([`Jit::spend`]), so a grant whose name then fails the
     /// address checks keeps its uses.
+    /// A tunnel that may be intercepted ([`MissFacts::intercepts`]) no
+    /// other grant covers is covered by a grant naming a method or path
+    /// on its target and port ([`Granted::requests`]).
     pub(crate) fn grant_for(&self, facts: &MissFacts<'_>) -> Option<Granted> {
         let inner = self.lock();
-        let grant = inner.grants.matching(
-            &facts.org.name,
-            (facts.host, facts.port),
-            facts.request,
-            facts.now,
-        )?;
+        let org = &facts.org.name;
+        let rule = |g: &Grant| Arc::from(format!("{GRANT_RULE_PREFIX}{}", g.id));
+        if let Some(g) =
+            inner
+                .grants
+                .matching(org, (facts.host, facts.port), facts.request, facts.now)
+        {
+            return Some(Granted {
+                rule: rule(g),
+                requests: None,
+            });
+        }
+        let (true, None, Some(port)) = (facts.intercepts, facts.request, facts.port) else {
+            return None;
+        };
+        let g = inner
+            .grants
+            .intercepting(org, (facts.host, port), facts.now)?;
         Some(Granted {
-            rule: Arc::from(format!("{GRANT_RULE_PREFIX}{}", grant.id)),
+            rule: rule(g),
+            requests: g.scope.requests(),
         })
     }
 
@@ -336,13 +373,30 @@ impl Jit {
     /// connection it allowed at `now` (recorded `used_up` when that was
     /// its last). `false`: the grant is no longer live (ended, or its last
     /// use taken by another connection since it matched), so the
-    /// connection must be refused. A rule no grant's is not spent from.
-    pub(crate) fn spend(&self, policy: &Policy, rule: &str, now: SystemTime) -> bool {
+    /// connection must be refused. A rule no grant's is not spent from;
+    /// nor is a grant naming a method or path by a tunnel (`request`
+    /// false): each request inside spends its own.
+    pub(crate) fn spend(
+        &self,
+        policy: &Policy,
+        rule: &str,
+        request: bool,
+        now: SystemTime,
+    ) -> bool {
         let Some(id) = grant_of(Some(rule)) else {
             return true;
         };
         let (grant, used_up) = {
             let mut inner = self.lock();
+            if !request {
+                if let Some(g) = inner
+                    .grants
+                    .get(id)
+                    .filter(|g| g.scope.requests().is_some())
+                {
+                    return g.is_live(now);
+                }
+            }
             let Some(spent) = inner.grants.spend(id, now) else {
                 return false;
             };
@@ -664,6 +718,65 @@ mod tests {
         let g = give.await.unwrap();
         assert!(jit.grants(&t).iter().any(|h| h.id == g.id));
         let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A restart reads only the segments that can hold a live grant: a
+    /// grant given uses only two days ago is not even read (its segment
+    /// ends before the window), one given 30 hours ago (in the segment
+    /// spanning the window's start) is found and
+    /// ended at once (`MAX_TTL` after it was granted), one given an hour
+    /// ago is held.
+    #[test]
+    fn replay_reads_the_window_and_a_uses_only_grant_ends_at_max_ttl() {
+        let dir = crate::testing::scratch("jitwindow");
+        let p = policy("");
+        let now = SystemTime::now();
+        let ago = |h: f64| now - Duration::from_secs_f64(h * 3600.0);
+        let line = |id: &str, at: SystemTime| {
+            let g = Grant {
+                id: id.into(),
+                scope: Scope {
+                    org: Arc::from("acme"),
+                    target: Target::Name("x.test".into()),
+                    port: Some(443),
+                    method: None,
+                    path: None,
+                },
+                granted_at: at,
+                expires: None,
+                max_uses: Some(5),
+                uses: 0,
+                approver: "alice".into(),
+                reason: None,
+                approval: None,
+            };
+            let mut r = grant_record(&g, Event::Granted, &p, None);
+            r.ts = humantime::format_rfc3339_micros(at).to_string();
+            serde_json::to_string(&r).unwrap()
+        };
+        let header = |at: SystemTime| {
+            let ts = humantime::format_rfc3339_micros(at);
+            format!("{{\"event\":\"start\",\"seq\":0,\"ts\":\"{ts}\"}}")
+        };
+        for (seq, (h, id)) in [(48.0, "g-old"), (30.0, "g-edge"), (1.0, "g-new")]
+            .into_iter()
+            .enumerate()
+        {
+            let text = format!("{}\n{}\n", header(ago(h)), line(id, ago(h)));
+            let name = crate::evidence::segment::segment_name(seq as u64 * 10);
+            std::fs::write(dir.join(name), text).unwrap();
+        }
+        let list = crate::evidence::segment::list(&dir).unwrap();
+        let window = crate::evidence::segment::since(list.clone(), ago(25.0));
+        assert_eq!(window, list[1..].to_vec(), "the 48 h segment is not read");
+        let held = replay(&dir, now);
+        let ids: Vec<&str> = held.iter().map(|g| g.id.as_str()).collect();
+        assert_eq!(ids, ["g-edge", "g-new"]);
+        let jit = Jit::new(None);
+        jit.restore(held, &p, now);
+        let live: Vec<String> = jit.grants(&token(None)).into_iter().map(|g| g.id).collect();
+        assert_eq!(live, ["g-new"], "the uses-only grant past MAX_TTL is ended");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A grant record with every field set is written in canonical form

@@ -146,6 +146,7 @@ impl Link {
             credential: None,
             detail: None,
             decider: None,
+            grant_requests: false,
             owed: None,
             asked: None,
             permit: self.permit.clone(),
@@ -232,6 +233,9 @@ pub(crate) struct Conn {
     pub detail: Option<String>,
     /// What the decider said of this miss (the record's `decider` field).
     pub decider: Option<Box<crate::decider::Said>>,
+    /// Allowed by a grant naming a method or path: intercepted (or
+    /// refused), each request inside decided against the grants.
+    pub grant_requests: bool,
     /// The room its allow record reserved in the evidence store for its
     /// close record, carried to the close (given back if it ends without
     /// one).

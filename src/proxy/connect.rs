@@ -54,6 +54,7 @@ pub(crate) async fn open(ctx: &Ctx, link: &Link, host: Host, port: u16) -> Resul
     let mut conn = link.decided(host, port, outcome.verdict);
     conn.detail = outcome.detail;
     conn.decider = outcome.decider;
+    conn.grant_requests = outcome.grant_requests;
     // A synthetic address stands for its name: the records say both.
     conn.stood_for(outcome.synthetic.as_deref());
     if let Host::Ip(ip) = conn.host {

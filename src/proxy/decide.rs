@@ -32,6 +32,10 @@ pub(crate) struct Decided {
     pub synthetic: Option<Box<StoodFor>>,
     /// What the decider said of this miss (the record's `decider` field).
     pub decider: Option<Box<crate::decider::Said>>,
+    /// Allowed by a grant naming a method or path ([`crate::jit::Granted::requests`]):
+    /// the tunnel must be intercepted, and each request inside is decided
+    /// against the grants (`intercepted::serve`).
+    pub grant_requests: bool,
 }
 
 /// A synthetic address connected to, the name bound to it for the org,
@@ -57,6 +61,7 @@ impl Decided {
             detail: Some(detail),
             synthetic: None,
             decider: None,
+            grant_requests: false,
         }
     }
 
@@ -101,6 +106,11 @@ pub(crate) struct Asker<'a> {
     /// The request that missed, when Palisade sees one (a plain
     /// `http://` request): grants naming a method or path are held to it.
     pub request: Option<crate::jit::Request<'a>>,
+    /// A tunnel whose TLS may be intercepted (a CONNECT, SOCKS5), which a
+    /// grant naming a method or path may then allow: `Some(true)` when
+    /// the org has an interception CA, `Some(false)` when it has none
+    /// (such a grant is then refused with why).
+    pub intercepts: Option<bool>,
 }
 
 impl Ctx {
@@ -111,13 +121,29 @@ impl Ctx {
             client,
             mode,
             request: None,
+            intercepts: None,
+        }
+    }
+
+    /// [`Ctx::asker`] for a tunnel whose TLS may be intercepted (a
+    /// CONNECT, SOCKS5, transparent), under `view`: [`Asker::intercepts`].
+    pub(crate) fn tunnel_asker(&self, view: &View, client: IpAddr, mode: Mode) -> Asker<'_> {
+        let ca = |org: &OrgRef| {
+            view.intercept
+                .as_ref()
+                .is_some_and(|ic| ic.has_ca(&org.name))
+        };
+        Asker {
+            intercepts: Some(view.org.as_ref().is_some_and(ca)),
+            ..self.asker(client, mode)
         }
     }
 }
 
-/// [`decide`], timed under `mode`'s label: for modes whose whole
-/// decision is this one call (explicit, SOCKS5). Transparent mode decides
-/// in several steps and times them together itself.
+/// [`decide`] of a tunnel (a CONNECT, SOCKS5), timed under `mode`'s
+/// label: for modes whose whole decision is this one call. Transparent
+/// mode decides in several steps and times them together itself. Its
+/// TLS may be intercepted ([`Asker::intercepts`]).
 pub(crate) async fn decide_in(
     ctx: &Ctx,
     (mode, client): (Mode, IpAddr),
@@ -125,7 +151,7 @@ pub(crate) async fn decide_in(
     host: &Host,
     port: u16,
 ) -> Decided {
-    decide_asked(ctx, ctx.asker(client, mode), view, host, port).await
+    decide_asked(ctx, ctx.tunnel_asker(view, client, mode), view, host, port).await
 }
 
 /// [`decide_in`] for `asker` (which may carry the request that missed).
@@ -164,6 +190,7 @@ pub(crate) async fn decide(
             detail: None,
             synthetic: None,
             decider: None,
+            grant_requests: false,
         };
     };
     if let Host::Ip(ip) = host {
@@ -252,10 +279,14 @@ pub(crate) async fn decide_with(
     (host, port): (&Host, u16),
     addresses: Addresses<'_>,
 ) -> Decided {
+    let mut grant_requests = false;
     let (decision, said) = match policy.decide_for_org(org, host, port) {
         Decision::Final(v) if v.reason == Reason::NoMatchingRule => {
             match missed(policy, asker, org, (host, port)).await {
-                (Ok(decision), said) => (decision, said),
+                (Ok((decision, requests)), said) => {
+                    grant_requests = requests;
+                    (decision, said)
+                }
                 (Err(pending), said) => {
                     return Decided {
                         decider: said.map(Box::new),
@@ -270,7 +301,8 @@ pub(crate) async fn decide_with(
     if let (Some(asker), Some(rule)) = (asker, decided.verdict.rule.clone()) {
         // A grant's use is spent only by a connection it allowed.
         let now = std::time::SystemTime::now();
-        if decided.verdict.is_allow() && !asker.jit.spend(policy, &rule, now) {
+        let request = asker.request.is_some();
+        if decided.verdict.is_allow() && !asker.jit.spend(policy, &rule, request, now) {
             decided = Decided::denied(
                 org,
                 Reason::NoMatchingRule,
@@ -279,6 +311,7 @@ pub(crate) async fn decide_with(
         }
     }
     decided.decider = said.map(Box::new);
+    decided.grant_requests = grant_requests && decided.verdict.is_allow();
     decided
 }
 
@@ -304,6 +337,7 @@ async fn settle(
                 detail: None,
                 synthetic: None,
                 decider: None,
+                grant_requests: false,
             }
         }
         Decision::Resolve(mut pending) => {
@@ -320,6 +354,7 @@ async fn settle(
                     detail: Some("internal: resolve asked for an address".into()),
                     synthetic: None,
                     decider: None,
+                    grant_requests: false,
                 };
             };
             if let Err(spent) = spend_name(policy, names, &mut pending, name) {
@@ -336,6 +371,7 @@ async fn settle(
                 detail: Some(e),
                 synthetic: None,
                 decider: None,
+                grant_requests: false,
             };
             let addrs = match addresses {
                 Addresses::Resolved => {
@@ -369,23 +405,30 @@ async fn settle(
                 detail: None,
                 synthetic: None,
                 decider: None,
+                grant_requests: false,
             }
         }
     }
 }
 
 /// A miss through the miss hook: still the miss, a grant's allow (an
-/// address at once, a name on to its addresses), or (`Err`) the
-/// `approval_pending` refusal; with what the decider said, if asked.
+/// address at once, a name on to its addresses; `true` when the grant
+/// names a method or path, so the tunnel must be intercepted), or
+/// (`Err`) the `approval_pending` refusal, or the refusal of such a
+/// grant for an org without an interception CA; with what the decider
+/// said, if asked.
 async fn missed(
     policy: &Policy,
     asker: Option<Asker<'_>>,
     org: &OrgRef,
     (host, port): (&Host, u16),
-) -> (Result<Decision, Decided>, Option<crate::decider::Said>) {
+) -> (
+    Result<(Decision, bool), Decided>,
+    Option<crate::decider::Said>,
+) {
     let miss = Decision::Final(Verdict::denied_for(org, Reason::NoMatchingRule));
     let Some(asker) = asker else {
-        return (Ok(miss), None);
+        return (Ok((miss, false)), None);
     };
     let facts = MissFacts {
         org,
@@ -393,31 +436,48 @@ async fn missed(
         host,
         port: Some(port),
         request: asker.request,
+        intercepts: asker.intercepts.is_some(),
         mode: asker.mode,
         now: std::time::SystemTime::now(),
     };
     let (outcome, said) = crate::jit::on_miss(Some(asker.jit), policy, facts).await;
     let decision = match outcome {
-        Miss::Denied => Ok(miss),
+        Miss::Denied => Ok((miss, false)),
         Miss::Pending(approval) => Err(Decided::denied(
             org,
             Reason::ApprovalPending,
             Miss::pending_detail(&approval),
         )),
-        Miss::Granted(g) => Ok(match host {
-            Host::Ip(_) => Decision::Final(Verdict {
-                org: Some(org.clone()),
-                reason: Reason::RuleMatch,
-                rule: Some(g.rule),
-                would_deny: None,
-            }),
-            Host::Name(_) => Decision::Resolve(PendingName {
-                org: org.clone(),
-                rule: Some(g.rule),
-                port,
-                would_deny: None,
-            }),
-        }),
+        Miss::Granted(crate::jit::Granted {
+            rule,
+            requests: Some(requests),
+        }) if asker.intercepts != Some(true) => Err(Decided::denied(
+            org,
+            Reason::NoMatchingRule,
+            format!(
+                "{rule} allows only requests ({requests}), which inside TLS need interception, \
+                 and org {} has no interception CA (an org has one once an allow rule of it \
+                 intercepts)",
+                org.name
+            ),
+        )),
+        Miss::Granted(g) => Ok((
+            match host {
+                Host::Ip(_) => Decision::Final(Verdict {
+                    org: Some(org.clone()),
+                    reason: Reason::RuleMatch,
+                    rule: Some(g.rule),
+                    would_deny: None,
+                }),
+                Host::Name(_) => Decision::Resolve(PendingName {
+                    org: org.clone(),
+                    rule: Some(g.rule),
+                    port,
+                    would_deny: None,
+                }),
+            },
+            g.requests.is_some(),
+        )),
     };
     (decision, said)
 }
@@ -461,5 +521,53 @@ fn spend_name(
         )),
         synthetic: None,
         decider: None,
+        grant_requests: false,
     })
+}
+
+/// A request inside a tunnel that a grant naming a method or path let
+/// through (intercepted, [`Decided::grant_requests`]), decided as the
+/// miss of a plain `http://` request is ([`missed`] with `asker`'s
+/// request): a live grant covering it allows it (rule `grant:ID`, a use
+/// spent); on an `ask` org it is refused `approval_pending`, with an
+/// approval of its own; otherwise `no_matching_rule`. With the detail of
+/// a refusal and what the decider said, if asked. Its address was checked
+/// when the tunnel was decided.
+pub(crate) async fn decide_granted_request(
+    policy: &Policy,
+    asker: Asker<'_>,
+    org: &OrgRef,
+    (host, port): (&Host, u16),
+) -> (Verdict, Option<String>, Option<crate::decider::Said>) {
+    let shown = asker
+        .request
+        .map(|r| format!("{} {}", r.method, r.path.as_str()))
+        .unwrap_or_default();
+    let (outcome, said) = missed(policy, Some(asker), org, (host, port)).await;
+    let verdict = match outcome {
+        Err(refused) => return (refused.verdict, refused.detail, said),
+        Ok((Decision::Final(v), _)) => v,
+        Ok((Decision::Resolve(pending), _)) => Verdict {
+            org: Some(org.clone()),
+            reason: Reason::RuleMatch,
+            rule: pending.rule,
+            would_deny: None,
+        },
+    };
+    let Some(rule) = verdict.rule.clone().filter(|_| verdict.is_allow()) else {
+        let detail = format!(
+            "{shown} to {host}:{port}: no grant of org {} covers it",
+            org.name
+        );
+        return (verdict, Some(detail), said);
+    };
+    if !asker
+        .jit
+        .spend(policy, &rule, true, std::time::SystemTime::now())
+    {
+        let detail = format!("{rule} ended (its last use taken) before this request");
+        let verdict = Verdict::denied_for(org, Reason::NoMatchingRule);
+        return (verdict, Some(detail), said);
+    }
+    (verdict, None, said)
 }

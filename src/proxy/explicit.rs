@@ -552,6 +552,7 @@ async fn forward(
         detail,
         synthetic,
         decider,
+        ..
     } = {
         // The request, for a grant naming a method or path.
         let path = crate::policy::request::NormalPath::parse(req.uri().path()).ok();

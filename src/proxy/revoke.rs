@@ -172,6 +172,8 @@ fn carried_otherwise(conn: &Conn, view: &View, verdict: &Verdict) -> Option<Stri
     let intercepts = rule.is_some_and(|r| view.policy.intercept_rules(org, r).is_some());
     match (intercepts, matches!(conn.plan, Plan::Intercept(_))) {
         (true, false) => Some("its rule now intercepts".into()),
+        // A grant's intercepted connection: its grant decides each request.
+        (false, true) if conn.grant_requests => None,
         (false, true) => Some("its rule no longer intercepts".into()),
         _ => None,
     }
@@ -186,9 +188,9 @@ fn carried_otherwise(conn: &Conn, view: &View, verdict: &Verdict) -> Option<Stri
 fn asked_otherwise(conn: &Conn, asked: &Asked, view: &View, verdict: &Verdict) -> Option<String> {
     let (org, rule) = (view.org.as_ref()?, verdict.rule.as_deref()?);
     let Some(rules) = view.policy.intercept_rules(org, rule) else {
-        // A plain request under a rule without request rules: its target decides.
-        return asked
-            .intercepted
+        // A plain request under a rule without request rules, or one a
+        // grant allowed: its target decides (and the grant's end).
+        return (asked.intercepted && !by_grant(conn))
             .then(|| "its rule no longer intercepts".into());
     };
     if asked.websocket && !rules.websocket {

@@ -141,6 +141,7 @@ async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, mut link: Link) {
     }
     conn.detail = outcome.detail;
     conn.decider = outcome.decider;
+    conn.grant_requests = outcome.grant_requests;
     if !conn.is_allow() || detected == Detected::Closed {
         deny(&ctx, &mut conn).await;
         return reset(client);
@@ -212,7 +213,7 @@ async fn decide_presented(
     orig: SocketAddr,
 ) -> (Decided, Option<Host>) {
     let started = Instant::now();
-    let asker = ctx.asker(client, Mode::Transparent);
+    let asker = ctx.tunnel_asker(view, client, Mode::Transparent);
     let decided = match presented_name(detected, orig.port()) {
         Ok(name) => {
             let outcome = otel::step("decide", decide(ctx, asker, view, name.as_ref(), orig)).await;
@@ -225,6 +226,7 @@ async fn decide_presented(
                 detail: Some(why.to_string()),
                 synthetic: None,
                 decider: None,
+                grant_requests: false,
             },
             None,
         ),

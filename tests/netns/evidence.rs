@@ -193,7 +193,7 @@ fn wait_recovered(lab: &Lab, what: &str) {
 }
 
 /// Verify the evidence inside Palisade's mount namespace (tmpfs).
-fn verify_inside(lab: &Lab) -> lab::CmdOutput {
+pub(crate) fn verify_inside(lab: &Lab) -> lab::CmdOutput {
     let dir = lab.evidence_dir.display().to_string();
     lab.proxy_mnt_exec(
         lab::palisade_bin(),
@@ -201,15 +201,21 @@ fn verify_inside(lab: &Lab) -> lab::CmdOutput {
     )
 }
 
+/// Fill the lab's evidence tmpfs (dd stops at ENOSPC); the file that
+/// fills it, to be removed to free it again.
+pub(crate) fn fill_evidence_tmpfs(lab: &Lab) -> String {
+    let fill = format!("{}/fill", lab.evidence_dir.display());
+    let dd = lab.proxy_mnt_exec("dd", &["if=/dev/zero", &format!("of={fill}"), "bs=4k"]);
+    assert!(dd.stderr.contains("No space left"), "{}", dd.describe());
+    fill
+}
+
 #[test]
 fn full_disk_denies_fails_readiness_and_recovers() {
     let lab = Lab::builder().evidence_tmpfs("512k").start();
     assert_eq!(get(&lab).0, 200, "{}", lab.proxy_output());
     let dir = lab.evidence_dir.display().to_string();
-    let fill = format!("{dir}/fill");
-    // Fill the tmpfs (dd stops at ENOSPC).
-    let dd = lab.proxy_mnt_exec("dd", &["if=/dev/zero", &format!("of={fill}"), "bs=4k"]);
-    assert!(dd.stderr.contains("No space left"), "{}", dd.describe());
+    let fill = fill_evidence_tmpfs(&lab);
     // tmpfs allocates whole pages: records still fit in the segment's last
     // page for a few requests, then a write fails.
     let mut served = 0;

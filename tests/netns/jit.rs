@@ -14,10 +14,10 @@ use serde_json::Value;
 use crate::lab::{self, Closed, Lab, RawConn, DEFAULT_POLICY};
 
 const SECS5: Duration = Duration::from_secs(5);
-const ALICE: &str = "alice-approver-secret";
+pub(crate) const ALICE: &str = "alice-approver-secret";
 const MALLORY: &str = "mallory-approver-secret";
 
-fn digest(token: &str) -> String {
+pub(crate) fn digest(token: &str) -> String {
     palisade::config::TokenDigest::of(token.as_bytes()).to_string()
 }
 
@@ -43,7 +43,7 @@ fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> La
 }
 
 /// An admin request with `token` (none: no Authorization): status, body.
-fn admin(
+pub(crate) fn admin(
     lab: &Lab,
     method: &str,
     path: &str,
@@ -65,7 +65,7 @@ fn admin(
     (code.trim().parse().unwrap_or(0), text.to_string())
 }
 
-fn json(text: &str) -> Value {
+pub(crate) fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
@@ -645,6 +645,18 @@ fn a_method_and_path_grant_allows_matching_requests_only() {
     );
     let (status, ps, _) = connect(&lab, "other.test:80");
     assert_eq!(status, 403, "a tunnel under a method/path grant: {ps}");
+    // acme intercepts nothing, so has no CA: the grant cannot be honoured
+    // inside a tunnel, and the refusal says why.
+    assert!(ps.contains("no_matching_rule"), "{ps}");
+    let why = lab.wait_evidence("the tunnel's refusal", |v| {
+        v["kind"] == "tcp" && v["host"] == "other.test" && v["reason"] == "no_matching_rule"
+    });
+    let detail = why["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&format!("grant:{gid} allows only requests (GET /api/)"))
+            && detail.contains("no interception CA"),
+        "{why}"
+    );
 
     // The POST's approval carries its method and path.
     let approval = pending(&lab, ALICE, "other.test:80 POST /api/x").expect("the POST's approval");

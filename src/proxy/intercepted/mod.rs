@@ -17,14 +17,16 @@ use crate::intercept::Interceptor;
 
 /// Pass-through or interception for the connection `conn` (allowed or
 /// not) whose first bytes were `detected`. Only an allow rule the org
-/// marked `intercept = true` is ever intercepted; such a rule fails closed
+/// marked `intercept = true`, or a grant naming a method or path
+/// ([`Conn::grant_requests`]), is ever intercepted; either fails closed
 /// when the connection cannot be (no TLS, interception not set up).
 pub(crate) fn plan(intercept: Option<&Arc<Interceptor>>, conn: &Conn, detected: &Detected) -> Plan {
     let view = &conn.view;
     let (Some(org), Some(rule)) = (&view.org, &conn.verdict.rule) else {
         return Plan::PassThrough;
     };
-    if !conn.is_allow() || view.policy.intercept_rules(org, rule).is_none() {
+    let intercepts = conn.grant_requests || view.policy.intercept_rules(org, rule).is_some();
+    if !conn.is_allow() || !intercepts {
         return Plan::PassThrough;
     }
     match (detected, intercept) {

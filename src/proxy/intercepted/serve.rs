@@ -46,6 +46,7 @@ use crate::proto::target::{parse_authority, Host};
 use crate::proxy::admission;
 use crate::proxy::conn::{Asked, Conn, Intercepting};
 use crate::proxy::ctx::{Ctx, View};
+use crate::proxy::decide::decide_granted_request;
 use crate::proxy::dial::{dial_checked, DialError};
 use crate::proxy::failure::Unserved;
 use crate::proxy::forward::{Budgets, Exchange};
@@ -538,6 +539,52 @@ pub(crate) fn decide_parts<'a>(
     policy.decide_request(org, rule, req, credentials)
 }
 
+/// [`decide_parts`] inside a connection that a grant naming a method or
+/// path let through: what the request addresses ([`check_request`]), no
+/// upgrade (a grant relays no WebSocket), its path normalised, then the
+/// grants ([`decide_granted_request`]: a request no grant covers is a
+/// miss, and may ask). No credential is added: an org's credentials go
+/// only where its allow rules say. With what the decider said, if asked.
+async fn decide_granted(
+    s: &Session,
+    (view, how): (&View, &Intercepting),
+    parts: &http::request::Parts,
+) -> (RequestDecision, Option<crate::decider::Said>) {
+    let refusal = |reason, detail: String| RequestDecision {
+        verdict: Verdict::denied_for(&how.org, reason),
+        detail: Some(detail),
+        path: None,
+        credentials: Vec::new(),
+    };
+    if let Err((reason, detail)) = check_request(parts, &s.conn.host, s.conn.port) {
+        return (refusal(reason, detail), None);
+    }
+    if upgrade_of(parts) != Upgrade::None {
+        let detail = "a grant allows requests, never an upgrade".to_string();
+        return (refusal(Reason::UpgradeNotAllowed, detail), None);
+    }
+    let path = match NormalPath::parse(parts.uri.path()) {
+        Ok(p) => p,
+        Err(e) => return (refusal(Reason::PathNotAllowed, e.to_string()), None),
+    };
+    let mut asker = s.ctx.asker(s.conn.client.ip(), s.conn.mode);
+    asker.request = Some(crate::jit::Request {
+        method: parts.method.as_str(),
+        path: &path,
+    });
+    let target = (&s.conn.host, s.conn.port);
+    let (verdict, detail, said) =
+        decide_granted_request(&view.policy, asker, &how.org, target).await;
+    let path = verdict.is_allow().then_some(path);
+    let decision = RequestDecision {
+        verdict,
+        detail,
+        path,
+        credentials: Vec::new(),
+    };
+    (decision, said)
+}
+
 async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let (parts, body) = req.into_parts();
     let mut body = Some(body);
@@ -641,14 +688,20 @@ async fn decide(
     };
     let mut req = s.request((&view, &how), &parts.method, &raw_path);
     let creds = how.interceptor.credentials(&how.org.name);
-    let decision = decide_parts(
-        &view.policy,
-        &how.org,
-        &how.rule,
-        (&s.name, s.conn.port),
-        parts,
-        creds.iter().map(|c| &c.config),
-    );
+    let decision = if s.conn.grant_requests {
+        let (decision, said) = decide_granted(s, (&view, &how), parts).await;
+        req.decider = said.map(Box::new);
+        decision
+    } else {
+        decide_parts(
+            &view.policy,
+            &how.org,
+            &how.rule,
+            (&s.name, s.conn.port),
+            parts,
+            creds.iter().map(|c| &c.config),
+        )
+    };
     // The verdict on record is the request's own (a refusal by the rule's
     // method or path rules names the rule; any other refusal none).
     req.verdict = decision.verdict.clone();

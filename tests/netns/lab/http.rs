@@ -140,8 +140,27 @@ impl RawConn {
 
     /// Read one response: head plus a Content-Length body.
     pub fn read_response(&mut self, timeout: Duration) -> HttpResp {
-        let deadline = Instant::now() + timeout;
+        let start = Instant::now();
+        let deadline = start + timeout;
         let (status, headers) = self.read_head(timeout);
+        if status == 0 {
+            // Say which way no head came: a close or reset (the proxy
+            // ended the exchange) or the whole wait (a slow machine).
+            let waited = start.elapsed();
+            let how = if waited < timeout.mul_f32(0.9) {
+                "the connection was closed or reset"
+            } else {
+                "timed out"
+            };
+            return HttpResp {
+                stderr: format!(
+                    "no response head after {waited:?}: {how}; buffered {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+                exit: Some(0),
+                ..HttpResp::default()
+            };
+        }
         let len: usize = headers
             .iter()
             .find(|(k, _)| k == "content-length")
