@@ -31,7 +31,8 @@
 #   /proc/PID/task/*/status the same way. Workloads: new tunnel + GET + close
 #   at c=1 (server, loadgen and nginx on one core, as the harness places
 #   them) and c=64 (server on its own core), keep-alive absolute-form GETs at
-#   c=64, and UDP queries for a cached allowed name at c=1. SYS_ONLY=TEXT
+#   c=64, and UDP queries for a cached allowed name at c=1 and c=64 (the
+#   loadgen on the other core). SYS_ONLY=TEXT
 #   keeps only the workloads whose label contains TEXT (e.g. "DNS").
 # Needs valgrind or perf, nginx (nginx-light), dnsmasq, dnsperf (perf mode),
 # and the harness's loadgen (built by ../shared/bench/run-palisade.sh, or
@@ -247,6 +248,9 @@ CONF
   warm "${dns[@]}" --server 127.0.0.1:15311; warm "${dns[@]}" --server 127.0.0.1:15312
   per_unit "$p" "palisade: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15311
   per_unit "$dm" "dnsmasq: DNS query c=1" 1 "${dns[@]}" --server 127.0.0.1:15312
+  # Many in flight, as dnsperf keeps them: the shim takes them in rounds.
+  per_unit "$p" "palisade: DNS query c=64" 0 "${dns[@]/%1/64}" --server 127.0.0.1:15311
+  per_unit "$dm" "dnsmasq: DNS query c=64" 0 "${dns[@]/%1/64}" --server 127.0.0.1:15312
   taskset -apc 0 "$p" >/dev/null; taskset -pc 0 "$h" >/dev/null
   per_unit "$p" "palisade: tunnel c=64" 1 "${tun[@]}" --concurrency 64
   per_unit "$h" "relay: connection c=64" 1 "${rel[@]}" --concurrency 64 --keepalive off

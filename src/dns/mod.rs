@@ -204,9 +204,15 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
                 tasks.spawn(write);
             }
         }
+        // The handler bounds upstream time itself; this is a backstop, for
+        // answers that wait beyond their round only (an answer ready in
+        // its round never arms a timer).
+        let backstop = shim.config.query_timeout.get() * 2;
         for mut answer in waiting.drain(..) {
             if ready_at_once(answer.as_mut()).is_pending() {
-                tasks.spawn(answer);
+                tasks.spawn(async move {
+                    let _ = tokio::time::timeout(backstop, answer).await;
+                });
             }
         }
     }
@@ -215,7 +221,8 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
 }
 
 /// The answer to one datagram, sent straight back on the socket when it
-/// is ready (none for an address that cannot be answered).
+/// is ready (none for an address that cannot be answered); the caller
+/// bounds its time once it waits beyond its round.
 fn udp_answer(
     socket: &Arc<UdpSocket>,
     shim: &ShimHandle,
@@ -233,10 +240,8 @@ fn udp_answer(
     // address; the answer goes back to the address it came from.
     let client = SocketAddr::new(src.ip().to_canonical(), src.port());
     Some(Box::pin(async move {
-        // The handler bounds upstream time itself; this is a backstop.
-        let backstop = shim.config.query_timeout.get() * 2;
         let answer = answer_bytes(&shim, raw, client, Protocol::Udp, Some(&round));
-        if let Ok(Some(resp)) = tokio::time::timeout(backstop, answer).await {
+        if let Some(resp) = answer.await {
             if let Err(e) = socket.send_to(&resp, src).await {
                 debug!(client = %src, error = %e, "dns: sending the response failed");
             }

@@ -887,13 +887,8 @@ impl Io {
         segment::remove_stale_tmp(&w.cfg.dir);
         let existing = segment::list(&w.cfg.dir)?;
         // Whose records the segments already here hold, for the shares of
-        // a full store (one read of each at start).
-        for path in &existing {
-            let held = segment::bytes_by_org(path);
-            w.counters.store().add(&held);
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            w.usage.push_back((name.unwrap_or_default(), held));
-        }
+        // a full store: read off the start, once needed ([`Store::found`]).
+        w.counters.store().found(existing.clone());
         let (start, predecessor) = match existing.last() {
             None => ("start", Value::Null),
             Some(last) => {
@@ -932,6 +927,10 @@ impl Io {
         w.new_segment(ids, start, predecessor, removed)?;
         w.unlink(unlink);
         w.check_disk();
+        if w.counters.store().is_full() {
+            // Full already: whose records fill it is needed at once.
+            w.counters.store().count_found_now();
+        }
         Ok(w)
     }
 
@@ -1135,6 +1134,8 @@ impl Io {
                 if let Some((_, held)) = self.usage.remove(i) {
                     self.counters.store().remove(&held);
                 }
+            } else if let Some(name) = &name {
+                self.counters.store().forget_found(name);
             }
         }
         self.sync_dir();
