@@ -62,10 +62,22 @@ pub enum StartError {
     Otel(String),
 }
 
+/// A proxy listener, as `TcpListener::bind` makes it, with `TCP_NODELAY`
+/// set before it listens: every connection it accepts inherits the option
+/// (Linux copies it to them), including those that arrive before its
+/// accept loop runs ([`crate::proxy::listen`]).
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, what, source })
+    let listen = || {
+        let socket = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }?;
+        socket.set_reuseaddr(true)?;
+        socket.set_nodelay(true)?;
+        socket.bind(addr)?;
+        socket.listen(1024)
+    };
+    listen().map_err(|source| StartError::Bind { addr, what, source })
 }
 
 /// Serve `config` until `shutdown` completes; returns once drained. The

@@ -9,7 +9,7 @@
 //! for the log to be free again, whichever comes first. With the log
 //! healthy no record waits for another thread. While decisions come in
 //! bursts, a caller lets the tasks ready on its runtime run once before it
-//! tries to lead ([`Log::wait`]): on a runtime with one worker, where no
+//! tries to lead ([`Log::join_tick`]): on a runtime with one worker, where no
 //! caller finds a leader at work, that is what makes a batch of the
 //! decisions of one tick.
 //!
@@ -83,7 +83,7 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// before the duties thread writes it.
 pub(super) const RIDE_LAG: Duration = Duration::from_millis(5);
 /// One `write` call in this many yields before it leads even when the
-/// last batch carried one decision only ([`Log::wait`]).
+/// last batch carried one decision only ([`Log::join_tick`]).
 const PROBE: u64 = 16;
 /// How long the duties thread sleeps when nothing is due.
 const IDLE: Duration = Duration::from_secs(3600);
@@ -269,7 +269,7 @@ pub(super) struct Log {
     fsync: bool,
     /// The last batch a `write` caller waited on carried more than one
     /// such record: decisions come in bursts, and a caller yields before
-    /// it leads ([`Log::wait`]).
+    /// it leads ([`Log::join_tick`]).
     company: AtomicBool,
     /// `write` calls so far, for the one in `PROBE` that yields anyway.
     calls: AtomicU64,
@@ -392,22 +392,26 @@ impl Log {
         }
     }
 
-    /// Wait until `batch` is written (`true`) or refused (`false`), leading
-    /// whenever the log is free.
-    pub(super) async fn wait(&self, batch: &Batch) -> bool {
-        // The batch of a runtime tick: the tasks ready to run now go first
-        // (a yield waits until the runtime has polled every ready task and
-        // its I/O), so those that decide a record meanwhile append it to
-        // this batch, and one write takes them all. A runtime with one
-        // worker never finds a leader at work: without this, each record
-        // paid a write of its own however many tunnels opened at once.
-        // Only while decisions come in bursts (and once in `PROBE` calls,
-        // to notice when they start to): a decision alone (a tunnel at a
-        // time) would pay a trip through the event loop for nothing.
+    /// Before a `write` caller waits on its batch: the batch of a runtime
+    /// tick. The tasks ready to run now go first (a yield waits until the
+    /// runtime has polled every ready task and its I/O), so those that
+    /// decide a record meanwhile append it to this batch, and one write
+    /// takes them all. A runtime with one worker never finds a leader at
+    /// work: without this, each record paid a write of its own however
+    /// many tunnels opened at once. Only while decisions come in bursts
+    /// (and once in `PROBE` calls, to notice when they start to): a
+    /// decision alone (a tunnel at a time) would pay a trip through the
+    /// event loop for nothing.
+    pub(super) async fn join_tick(&self) {
         let probe = self.calls.fetch_add(1, Ordering::Relaxed) % PROBE == 0;
         if probe || self.company.load(Ordering::Relaxed) {
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Wait until `batch` is written (`true`) or refused (`false`), leading
+    /// whenever the log is free.
+    pub(super) async fn wait(&self, batch: &Batch) -> bool {
         loop {
             let notified = batch.notify.notified();
             tokio::pin!(notified);
