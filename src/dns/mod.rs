@@ -160,6 +160,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
     let round = Arc::new(Round::default());
     let mut buf = vec![0u8; MAX_UDP_MESSAGE];
     let mut waiting = Vec::with_capacity(round::MAX_ROUND);
+    let mut pace = round::Pace::default();
     loop {
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
@@ -179,6 +180,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
             },
         };
         round.open();
+        let more = pace.more();
         let mut got = Some(first);
         let mut taken = 0;
         while let Some((n, src)) = got.take() {
@@ -190,12 +192,13 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
                     waiting.push(answer);
                 }
             }
-            if taken < round::MAX_ROUND {
+            if more && taken < round::MAX_ROUND {
                 // Queued already, or the round ends (an error is met again
                 // by the next receive).
                 got = socket.try_recv_from(&mut buf).ok();
             }
         }
+        pace.took(taken);
         let deferred = round.close();
         if !deferred.is_empty() {
             let evidence = shim.evidence.clone();

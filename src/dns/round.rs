@@ -25,6 +25,41 @@ use crate::evidence::{Evidence, Record};
 /// answers them; also the most records one round writes.
 pub(crate) const MAX_ROUND: usize = 32;
 
+/// Rounds between two that look for more datagrams while none came
+/// queued behind another.
+pub(crate) const PROBE_EVERY: u32 = 16;
+
+/// Whether a round looks for more datagrams than its first. Looking costs
+/// a receive that finds the socket empty (and then a wait in `epoll`)
+/// when nothing is queued, as with one query in flight: so a round looks
+/// while the last one found more, and otherwise only every
+/// [`PROBE_EVERY`]th round, which finds out when load begins.
+#[derive(Debug, Default)]
+pub(crate) struct Pace {
+    /// The last round took more than one datagram.
+    busy: bool,
+    /// Rounds since one looked.
+    quiet: u32,
+}
+
+impl Pace {
+    /// Whether this round looks for more.
+    pub(crate) fn more(&mut self) -> bool {
+        if self.busy || self.quiet + 1 >= PROBE_EVERY {
+            self.quiet = 0;
+            true
+        } else {
+            self.quiet += 1;
+            false
+        }
+    }
+
+    /// The round took `taken` datagrams.
+    pub(crate) fn took(&mut self, taken: usize) {
+        self.busy = taken > 1;
+    }
+}
+
 /// What a deferred record's query gets back: the record as written
 /// (stamped), or why it was not.
 pub(crate) type Outcome = Result<Record, String>;
@@ -124,6 +159,30 @@ mod tests {
             &verdict,
             &Policy::compile(&[], Vec::new(), &[]),
         )
+    }
+
+    #[test]
+    fn rounds_look_for_more_while_busy_and_probe_now_and_then_when_quiet() {
+        let mut pace = Pace::default();
+        // One query in flight: one round in PROBE_EVERY looks.
+        let looked = (0..PROBE_EVERY * 4)
+            .filter(|_| {
+                let more = pace.more();
+                pace.took(1);
+                more
+            })
+            .count();
+        assert_eq!(looked, 4);
+        // A look that finds more keeps looking until a round takes one.
+        while !pace.more() {
+            pace.took(1);
+        }
+        pace.took(5);
+        assert!(pace.more());
+        pace.took(2);
+        assert!(pace.more());
+        pace.took(1);
+        assert!(!pace.more());
     }
 
     #[test]
