@@ -62,20 +62,41 @@ pub enum StartError {
     Otel(String),
 }
 
+/// A proxy listener, as `TcpListener::bind` makes it, with `TCP_NODELAY`
+/// set before it listens: every connection it accepts inherits the option
+/// (Linux copies it to them), including those that arrive before its
+/// accept loop runs ([`crate::proxy::listen`]).
 async fn bind(addr: SocketAddr, what: &'static str) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| StartError::Bind { addr, what, source })
+    let listen = || {
+        let socket = match addr {
+            SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        }?;
+        socket.set_reuseaddr(true)?;
+        socket.set_nodelay(true)?;
+        socket.bind(addr)?;
+        socket.listen(1024)
+    };
+    listen().map_err(|source| StartError::Bind { addr, what, source })
 }
 
 /// Serve `config` until `shutdown` completes; returns once drained. The
 /// command passes the process's signals ([`signals`]); a test, a future of
-/// its own.
+/// its own. A shutdown during the start stops it there: nothing is
+/// served, and the evidence opened so far is sealed.
 pub async fn run(
     config: Config,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
-    start(config).await?.serve(shutdown).await
+    tokio::pin!(shutdown);
+    let started = tokio::select! {
+        started = start(config) => started?,
+        () = &mut shutdown => {
+            info!("shutdown during start-up: stopped before serving");
+            return Ok(());
+        }
+    };
+    started.serve(shutdown).await
 }
 
 /// SIGTERM or SIGINT, whichever comes first: the command's shutdown.
@@ -107,6 +128,8 @@ pub struct Started {
     /// it follows the evidence to its last record.
     otel_tasks: Vec<JoinHandle<()>>,
     otel_stop: CancellationToken,
+    /// The grants of the evidence still held at `.1` ([`crate::jit::replay`]).
+    grants: (Vec<crate::jit::grants::Grant>, std::time::SystemTime),
 }
 
 /// Every listener of the config, bound.
@@ -148,6 +171,7 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
             .with_metrics(metrics.clone()),
     );
     let served = load_served(&config, &metrics).await?;
+    let grants = replay_grants(&evidence).await;
     // `[enforcement]`: the ruleset checked before anything is served; a
     // required one that is not loaded stops the start.
     let policy = served.load().policy.hash_arc().clone();
@@ -208,7 +232,20 @@ pub async fn start(config: Config) -> Result<Started, StartError> {
         sighup,
         otel_tasks,
         otel_stop,
+        grants,
     })
+}
+
+/// The grants of the evidence still held now, read off the runtime (so a
+/// signal stops a slow start): only the recent segments are read
+/// ([`crate::jit::replay`]).
+async fn replay_grants(
+    evidence: &Evidence,
+) -> (Vec<crate::jit::grants::Grant>, std::time::SystemTime) {
+    let now = std::time::SystemTime::now();
+    let dir = evidence.path().to_path_buf();
+    let held = tokio::task::spawn_blocking(move || crate::jit::replay(&dir, now)).await;
+    (held.unwrap_or_default(), now)
 }
 
 /// What is served at the start: the policy, and the per-org CAs,
@@ -316,8 +353,9 @@ impl Started {
             mut sighup,
             otel_tasks,
             otel_stop,
+            grants,
         } = self;
-        let (ctx, evidence_budget, names) = context(&config, &services);
+        let (ctx, evidence_budget, names) = context(&config, &services, grants);
         let health = health(&config, &services, &ctx);
         let mut running = spawn_proxy(
             &ctx,
@@ -464,7 +502,11 @@ struct Services {
 
 /// The proxy's context, and the evidence and new-name budgets it shares
 /// with the DNS shim and the bypass records.
-fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc<NameBudgets>) {
+fn context(
+    config: &Config,
+    s: &Services,
+    grants: (Vec<crate::jit::grants::Grant>, std::time::SystemTime),
+) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc<NameBudgets>) {
     let limits = config.proxy.limits.clone();
     // One evidence budget per org, charged by the proxy and the DNS shim;
     // an org over its share of a full store is refused whatever is left
@@ -521,19 +563,22 @@ fn context(config: &Config, s: &Services) -> (Arc<Ctx>, Arc<EvidenceBudget>, Arc
         enforcement: s.enforcement.clone(),
         routes: s.routes.clone(),
         otel: s.otel.clone(),
-        jit: jit(config, s),
+        jit: jit(config, s, grants),
     });
     (ctx, evidence_budget, names)
 }
 
-/// Approvals and grants, with the grants of the evidence taken back: an
-/// unexpired one lives on exactly as given, an expired one is recorded
-/// `expired` and dropped; the decider (restart-only) consulted on a miss.
-fn jit(config: &Config, s: &Services) -> Arc<crate::jit::Jit> {
+/// Approvals and grants, with the grants of the evidence taken back
+/// (`held` at `now`, [`replay_grants`]): an unexpired one lives on
+/// exactly as given, an expired one is recorded `expired` and dropped;
+/// the decider (restart-only) consulted on a miss.
+fn jit(
+    config: &Config,
+    s: &Services,
+    (held, now): (Vec<crate::jit::grants::Grant>, std::time::SystemTime),
+) -> Arc<crate::jit::Jit> {
     let decider = config.decider.as_ref().map(crate::decider::Decider::new);
     let jit = Arc::new(crate::jit::Jit::new(Some(s.evidence.clone())).with_decider(decider));
-    let now = std::time::SystemTime::now();
-    let held = crate::jit::replay(s.evidence.path(), now);
     jit.restore(held, &s.served.load().policy, now);
     jit
 }

@@ -23,10 +23,16 @@ pub fn run(args: Args) -> Result<(), CliError> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let config = load_config(&args.config, Status::Failed)?;
-    runtime()?
-        .block_on(async {
-            let shutdown = crate::app::signals()?;
-            crate::app::run(config, shutdown).await
-        })
-        .map_err(|e| CliError::new(Status::Failed, e))
+    let rt = runtime()?;
+    let result = rt.block_on(async {
+        let shutdown = crate::app::signals()?;
+        crate::app::run(config, shutdown).await
+    });
+    // A signal during the start may leave a read of the evidence running
+    // off the runtime: it is not waited for.
+    rt.shutdown_timeout(RUNTIME_STOP);
+    result.map_err(|e| CliError::new(Status::Failed, e))
 }
+
+/// How long the runtime's leftover tasks get once served and drained.
+const RUNTIME_STOP: std::time::Duration = std::time::Duration::from_secs(1);

@@ -589,6 +589,7 @@ impl Evidence {
             self.log.slots.add_permits(1);
             return Err(EvidenceError::Sealed);
         };
+        self.log.join_tick().await;
         if self.log.wait(&batch).await {
             record.owed = owed;
             Ok(())

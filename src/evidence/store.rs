@@ -28,10 +28,15 @@
 //! is **over its share**: the limits layer refuses its allows and
 //! summarises its denials, so that the payer that filled the store is the
 //! one that stops, not everyone. Segments that were on disk before this
-//! start are read once when the writer opens, so a restart does not
-//! forget whose records fill the store.
+//! start are read once too, so a restart does not forget whose records
+//! fill the store, but not on the start's path ([`Store::found`]): they
+//! are counted by a thread of their own from the first time the shares
+//! are needed (the store is full, or the metrics are read), one segment
+//! at a time; a store full already when the writer opens is counted
+//! there and then.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -135,6 +140,20 @@ pub(crate) struct Store {
     full: AtomicBool,
     usage: Mutex<Usage>,
     payers: OnceLock<PayerCount>,
+    /// The segments on disk before this start, counted off the start.
+    found: Mutex<Found>,
+}
+
+/// The segments that were on disk at start ([`Store::found`]).
+#[derive(Debug, Default)]
+struct Found {
+    /// Not counted yet, oldest first: name and path.
+    pending: VecDeque<(String, PathBuf)>,
+    /// Counted and still on disk: their bytes per payer, given back when
+    /// retention removes them.
+    counted: HashMap<String, HashMap<Owner, u64>>,
+    /// Whether the counting thread was started.
+    counting: bool,
 }
 
 impl std::fmt::Debug for Store {
@@ -148,6 +167,82 @@ impl std::fmt::Debug for Store {
 impl Store {
     fn usage(&self) -> MutexGuard<'_, Usage> {
         self.usage.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Lock order: `found`, then `usage`.
+    fn found_lock(&self) -> MutexGuard<'_, Found> {
+        self.found.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The segments `paths` were on disk at start: their records count in
+    /// the shares once read ([`Store::count_found`]), which the start does
+    /// not wait for.
+    pub(super) fn found(&self, paths: Vec<PathBuf>) {
+        let mut f = self.found_lock();
+        for path in paths {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            f.pending.push_back((name.unwrap_or_default(), path));
+        }
+    }
+
+    /// Count the segments found at start now, on this thread (a store
+    /// full at start: its shares are needed at once).
+    pub(super) fn count_found_now(&self) {
+        while self.count_one() {}
+    }
+
+    /// Count the oldest segment found at start not counted yet; `false`
+    /// once none is left.
+    fn count_one(&self) -> bool {
+        let Some((name, path)) = self.found_lock().pending.front().cloned() else {
+            return false;
+        };
+        let held = super::segment::bytes_by_org(&path);
+        let mut f = self.found_lock();
+        // Not removed by retention meanwhile: it counts.
+        if f.pending.front().is_some_and(|(n, _)| *n == name) {
+            f.pending.pop_front();
+            self.add(&held);
+            f.counted.insert(name, held);
+        }
+        true
+    }
+
+    /// Start counting the segments found at start on a thread of their
+    /// own, once (the shares are needed: the store is full, or the
+    /// metrics are read). Until it is done, they count as far as read.
+    pub(crate) fn count_found(self: &Arc<Self>) {
+        {
+            let mut f = self.found_lock();
+            if f.counting || f.pending.is_empty() {
+                return;
+            }
+            f.counting = true;
+        }
+        let store = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name("evidence-count".into())
+            .spawn(move || {
+                while let Some(store) = store.upgrade() {
+                    if !store.count_one() {
+                        return;
+                    }
+                }
+            });
+        if spawned.is_err() {
+            // No thread: counted here, late rather than never.
+            self.count_found_now();
+        }
+    }
+
+    /// The segment `name` was removed: if it was found at start, its
+    /// records no longer count (or will not be counted).
+    pub(super) fn forget_found(&self, name: &str) {
+        let mut f = self.found_lock();
+        f.pending.retain(|(n, _)| n != name);
+        if let Some(held) = f.counted.remove(name) {
+            self.remove(&held);
+        }
     }
 
     /// Whether the store is full as `u` stands now.
@@ -172,10 +267,11 @@ impl Store {
 
     /// Whether `payer`'s allows are refused: the store is full and its
     /// records hold more than its share of what is attributed.
-    pub(crate) fn over_share(&self, payer: &Owner) -> bool {
+    pub(crate) fn over_share(self: &Arc<Self>, payer: &Owner) -> bool {
         if !self.is_full() {
             return false;
         }
+        self.count_found();
         let payers = self.payers();
         let u = self.usage();
         over(u.held(payer), u.total(), payers)
@@ -183,7 +279,8 @@ impl Store {
 
     /// Every payer holding records, the bytes of its records on disk and
     /// whether it is over its share now (metrics).
-    pub(crate) fn shares(&self) -> Vec<(Owner, u64, bool)> {
+    pub(crate) fn shares(self: &Arc<Self>) -> Vec<(Owner, u64, bool)> {
+        self.count_found();
         let full = self.is_full();
         let payers = self.payers();
         let u = self.usage();
@@ -345,9 +442,36 @@ mod tests {
             .collect()
     }
 
+    /// The segments found at start are not read until the shares are
+    /// needed; then each counts once, and one removed first never does.
+    #[test]
+    fn segments_found_at_start_count_once_needed() {
+        let dir = crate::testing::scratch("found");
+        let line = |org: &str| format!("{{\"event\":\"decision\",\"org\":\"{org}\"}}\n");
+        let (a, b) = (dir.join("palisade-1.jsonl"), dir.join("palisade-2.jsonl"));
+        std::fs::write(&a, line("acme").repeat(10)).unwrap();
+        std::fs::write(&b, line("beta")).unwrap();
+        let store = Arc::new(Store::default());
+        store.found(vec![a.clone(), b]);
+        assert!(store.usage().by_payer.is_empty(), "nothing read at start");
+        store.forget_found("palisade-2.jsonl");
+        store.count_found_now();
+        let acme: Owner = Some(Arc::from("acme"));
+        let len = std::fs::metadata(&a).unwrap().len();
+        assert_eq!(store.usage().by_payer.get(&acme), Some(&len));
+        assert_eq!(
+            store.usage().by_payer.len(),
+            1,
+            "the removed one never counts"
+        );
+        store.forget_found("palisade-1.jsonl");
+        assert!(store.usage().by_payer.is_empty(), "given back when removed");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn only_a_payer_over_its_share_of_a_full_store_is_over() {
-        let store = Store::default();
+        let store = Arc::new(Store::default());
         store.count_payers(|| 3);
         let (acme, beta): (Owner, Owner) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.add(&map(&[(Some("acme"), 900), (Some("beta"), 100)]));
@@ -406,7 +530,7 @@ mod tests {
 
     #[test]
     fn a_full_disk_is_full_and_a_write_past_the_margin_makes_the_store_full_at_once() {
-        let store = Store::default();
+        let store = Arc::new(Store::default());
         store.count_payers(|| 3);
         let (acme, beta): (Owner, Owner) = (Some(Arc::from("acme")), Some(Arc::from("beta")));
         store.measure(4000, 1000);

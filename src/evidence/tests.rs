@@ -797,6 +797,80 @@ async fn concurrent_writers_share_writes_and_every_ack_is_on_disk() {
     }
 }
 
+/// Tunnels that decide in the same tick of a one-worker runtime (the
+/// proxy pinned to one core) share one write: 64 writes, each acknowledged
+/// only once its record is in the file, take a few writes, not 64. With the
+/// store failing, every one of them is refused and none is in the chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn decisions_of_one_tick_share_a_write_on_one_worker() {
+    const TUNNELS: u32 = 64;
+    /// Spawned from a task on the worker, so that all are ready in the
+    /// same tick; each checks that its record is in the file when its
+    /// write returns.
+    async fn burst(ev: &Arc<Evidence>, seg: &Path, from: u32) -> Vec<(String, bool)> {
+        let ev = ev.clone();
+        let seg = seg.to_path_buf();
+        tokio::spawn(async move {
+            let tasks: Vec<_> = (from..from + TUNNELS)
+                .map(|i| {
+                    let ev = ev.clone();
+                    let seg = seg.clone();
+                    tokio::spawn(async move {
+                        let mut r = record(i, true);
+                        let ok = ev.write(&mut r).await.is_ok();
+                        if ok {
+                            let on_disk = fs::read_to_string(&seg).unwrap();
+                            assert!(
+                                on_disk.contains(&format!("\"id\":\"{}\"", r.id)),
+                                "{} acknowledged but not in the file",
+                                r.id
+                            );
+                        }
+                        (r.id, ok)
+                    })
+                })
+                .collect();
+            let mut done = Vec::new();
+            for t in tasks {
+                done.push(t.await.unwrap());
+            }
+            done
+        })
+        .await
+        .unwrap()
+    }
+    let (root, cfg, ev, before) = riding_log();
+    let ev = Arc::new(ev);
+    let seg = ev.first_segment().to_path_buf();
+    let done = burst(&ev, &seg, 0).await;
+    assert!(
+        done.iter().all(|(_, ok)| *ok),
+        "a write failed on a healthy store"
+    );
+    let writes = ev.log.batches() - before;
+    // A tick ends at the latest after the runtime's event interval (61
+    // polls), so a burst of 64 may span two or three.
+    assert!(
+        writes <= 4,
+        "{writes} writes for {TUNNELS} decisions of one tick"
+    );
+
+    ev.log.fail_next_write();
+    let refused = burst(&ev, &seg, 1000).await;
+    assert!(
+        refused.iter().all(|(_, ok)| !*ok),
+        "a decision acknowledged from a failing store"
+    );
+    assert!(ev.seal().await);
+    let written = ids_in(&cfg.dir);
+    for (id, _) in &refused {
+        assert!(!written.contains(id), "{id} refused but in the chain");
+    }
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert_eq!(s.allow, u64::from(TUNNELS));
+    let _ = fs::remove_dir_all(&root);
+}
+
 /// Writers that arrive while a batch is being written wait and go out
 /// together: one write for all of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,11 @@
 //! and retains segments as due, then wakes the callers of that batch. A
 //! caller that finds a leader at work waits for its batch to be written or
 //! for the log to be free again, whichever comes first. With the log
-//! healthy no record waits for another thread.
+//! healthy no record waits for another thread. While decisions come in
+//! bursts, a caller lets the tasks ready on its runtime run once before it
+//! tries to lead ([`Log::join_tick`]): on a runtime with one worker, where no
+//! caller finds a leader at work, that is what makes a batch of the
+//! decisions of one tick.
 //!
 //! A record nobody waits on (a close record, a refusal summary: anything
 //! submitted) does not cost a write of its own: it rides the next batch a
@@ -78,6 +82,9 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Longest a submitted record waits for a `write` caller's batch to ride
 /// before the duties thread writes it.
 pub(super) const RIDE_LAG: Duration = Duration::from_millis(5);
+/// One `write` call in this many yields before it leads even when the
+/// last batch carried one decision only ([`Log::join_tick`]).
+const PROBE: u64 = 16;
 /// How long the duties thread sleeps when nothing is due.
 const IDLE: Duration = Duration::from_secs(3600);
 /// `fsync`: longest a written record nobody waits on stays unsynced.
@@ -260,6 +267,12 @@ pub(super) struct Log {
     /// Sealed or abandoned.
     pub closed: AtomicBool,
     fsync: bool,
+    /// The last batch a `write` caller waited on carried more than one
+    /// such record: decisions come in bursts, and a caller yields before
+    /// it leads ([`Log::join_tick`]).
+    company: AtomicBool,
+    /// `write` calls so far, for the one in `PROBE` that yields anyway.
+    calls: AtomicU64,
 }
 
 impl Log {
@@ -292,6 +305,8 @@ impl Log {
             slots: tokio::sync::Semaphore::new(QUEUE_CAPACITY),
             closed: AtomicBool::new(false),
             fsync,
+            company: AtomicBool::new(true),
+            calls: AtomicU64::new(0),
         }
     }
 
@@ -377,6 +392,23 @@ impl Log {
         }
     }
 
+    /// Before a `write` caller waits on its batch: the batch of a runtime
+    /// tick. The tasks ready to run now go first (a yield waits until the
+    /// runtime has polled every ready task and its I/O), so those that
+    /// decide a record meanwhile append it to this batch, and one write
+    /// takes them all. A runtime with one worker never finds a leader at
+    /// work: without this, each record paid a write of its own however
+    /// many tunnels opened at once. Only while decisions come in bursts
+    /// (and once in `PROBE` calls, to notice when they start to): a
+    /// decision alone (a tunnel at a time) would pay a trip through the
+    /// event loop for nothing.
+    pub(super) async fn join_tick(&self) {
+        let probe = self.calls.fetch_add(1, Ordering::Relaxed) % PROBE == 0;
+        if probe || self.company.load(Ordering::Relaxed) {
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Wait until `batch` is written (`true`) or refused (`false`), leading
     /// whenever the log is free.
     pub(super) async fn wait(&self, batch: &Batch) -> bool {
@@ -438,6 +470,10 @@ impl Log {
         let permits = entries.iter().filter(|e| e.permit).count();
         if permits > 0 {
             self.slots.add_permits(permits);
+        }
+        let acked = entries.iter().filter(|e| e.acked).count();
+        if acked > 0 {
+            self.company.store(acked > 1, Ordering::Relaxed);
         }
         // `fsync`: only what someone waits on is synced at once (a `write`,
         // the seal); submitted records reach the OS now and the disk with
@@ -851,13 +887,8 @@ impl Io {
         segment::remove_stale_tmp(&w.cfg.dir);
         let existing = segment::list(&w.cfg.dir)?;
         // Whose records the segments already here hold, for the shares of
-        // a full store (one read of each at start).
-        for path in &existing {
-            let held = segment::bytes_by_org(path);
-            w.counters.store().add(&held);
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-            w.usage.push_back((name.unwrap_or_default(), held));
-        }
+        // a full store: read off the start, once needed ([`Store::found`]).
+        w.counters.store().found(existing.clone());
         let (start, predecessor) = match existing.last() {
             None => ("start", Value::Null),
             Some(last) => {
@@ -896,6 +927,10 @@ impl Io {
         w.new_segment(ids, start, predecessor, removed)?;
         w.unlink(unlink);
         w.check_disk();
+        if w.counters.store().is_full() {
+            // Full already: whose records fill it is needed at once.
+            w.counters.store().count_found_now();
+        }
         Ok(w)
     }
 
@@ -1099,6 +1134,8 @@ impl Io {
                 if let Some((_, held)) = self.usage.remove(i) {
                     self.counters.store().remove(&held);
                 }
+            } else if let Some(name) = &name {
+                self.counters.store().forget_found(name);
             }
         }
         self.sync_dir();

@@ -3,7 +3,7 @@
 //! replay at start, and each grant's end signal that live connections it
 //! allowed wait on.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -93,6 +93,31 @@ struct Inner {
     /// Each held grant's end: cancelled when it ends, which closes the
     /// live connections it allowed.
     ends: HashMap<String, CancellationToken>,
+    /// The ends of the grants that ended last (TTL, revoke, a denying
+    /// policy), cancelled, newest last, at most [`RECENT_ENDS`]: a
+    /// connection decided under a grant just before it ended, whose watch
+    /// looks its end up only after, finds it ended and is closed, instead
+    /// of finding no end at all and running on.
+    ended: VecDeque<(String, CancellationToken)>,
+}
+
+/// How many ended grants' signals are kept for connections decided just
+/// before the end ([`Inner::ended`]): far more grants than can end between
+/// a decision and its connection's watch starting (the client's hello
+/// timeout at most), even by a decider answering every miss.
+const RECENT_ENDS: usize = 4096;
+
+impl Inner {
+    /// End grant `id`'s live connections, and remember that it ended.
+    fn end(&mut self, id: &str) {
+        if let Some(end) = self.ends.remove(id) {
+            end.cancel();
+            if self.ended.len() >= RECENT_ENDS {
+                self.ended.pop_front();
+            }
+            self.ended.push_back((id.to_string(), end));
+        }
+    }
 }
 
 /// Approvals and grants, shared by the proxy, the DNS shim and the admin
@@ -283,6 +308,7 @@ impl Jit {
                 ),
                 grants: Grants::default(),
                 ends: HashMap::new(),
+                ended: VecDeque::new(),
             }),
             evidence,
             decider: None,
@@ -437,9 +463,15 @@ impl Jit {
         self.lock().grants.list(|org| token.covers(org))
     }
 
-    /// The end signal of grant `id`, while it is held.
+    /// The end signal of grant `id`: while it is held, and (cancelled)
+    /// for a while after it ended. `None`: unknown, or used up with no
+    /// TTL left to end it (the connections it allowed run on).
     pub(crate) fn end_of(&self, id: &str) -> Option<CancellationToken> {
-        self.lock().ends.get(id).cloned()
+        let inner = self.lock();
+        inner.ends.get(id).cloned().or_else(|| {
+            let ended = inner.ended.iter().rev().find(|(g, _)| g == id);
+            ended.map(|(_, end)| end.clone())
+        })
     }
 
     /// Answer approval `id` as `token`: `allow` makes a grant of exactly
@@ -526,9 +558,7 @@ impl Jit {
             if let Err(err) = e.write(&mut record).await {
                 let mut inner = self.lock();
                 inner.grants.remove(&grant.id);
-                if let Some(end) = inner.ends.remove(&grant.id) {
-                    end.cancel();
-                }
+                inner.end(&grant.id);
                 return Err(JitError::Refused(format!(
                     "the grant could not be recorded ({err}): nothing was granted"
                 )));
@@ -555,9 +585,7 @@ impl Jit {
                 .grants
                 .remove(id)
                 .ok_or_else(|| GrantError::Unknown(id.to_string()))?;
-            if let Some(end) = inner.ends.remove(id) {
-                end.cancel();
-            }
+            inner.end(id);
             g
         };
         self.submit(grant_record(
@@ -591,9 +619,7 @@ impl Jit {
                 }
             }
             for (g, _, _) in &ended {
-                if let Some(end) = inner.ends.remove(&g.id) {
-                    end.cancel();
-                }
+                inner.end(&g.id);
             }
         }
         for (g, _, by) in ended {
@@ -777,6 +803,42 @@ mod tests {
         let live: Vec<String> = jit.grants(&token(None)).into_iter().map(|g| g.id).collect();
         assert_eq!(live, ["g-new"], "the uses-only grant past MAX_TTL is ended");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A connection decided under a grant that ends before its watch
+    /// looks the end up still finds it ended (and is closed); one that
+    /// took a grant's last use, with no TTL left, finds no end and runs on.
+    #[tokio::test]
+    async fn an_end_is_found_after_the_grant_ended_and_a_used_up_grant_has_none() {
+        let p = policy("");
+        let jit = Jit::new(None);
+        let t = token(None);
+        let now = SystemTime::now();
+        let scope = || Scope {
+            org: Arc::from("acme"),
+            target: Target::Name("new.test".into()),
+            port: Some(443),
+            method: None,
+            path: None,
+        };
+        let g = jit
+            .give(&t, scope(), Terms::default(), None, &p, now)
+            .await
+            .unwrap();
+        assert!(jit.end_of(&g.id).is_some_and(|e| !e.is_cancelled()));
+        jit.revoke(&t, &g.id, &p).unwrap();
+        let end = jit
+            .end_of(&g.id)
+            .expect("an ended grant's end is still found");
+        assert!(end.is_cancelled());
+
+        let once = Terms {
+            max_uses: Some(1),
+            ..Terms::default()
+        };
+        let u = jit.give(&t, scope(), once, None, &p, now).await.unwrap();
+        assert!(jit.spend(&p, &format!("{GRANT_RULE_PREFIX}{}", u.id), false, now));
+        assert!(jit.end_of(&u.id).is_none(), "a used-up grant ends nothing");
     }
 
     /// A grant record with every field set is written in canonical form

@@ -19,7 +19,9 @@ use crate::policy::Reason;
 /// [`Link`] of `mode` under the view of its address, carrying the permit,
 /// handed to `serve`; over a limit, refused `limit_exceeded` and handed
 /// to `refuse` without one. Every accepted socket gets `TCP_NODELAY` (the
-/// upstream leg gets it where it is dialled, [`super::dial`]). Each mode
+/// upstream leg gets it where it is dialled, [`super::dial`]): set once on
+/// the listener, whose accepted sockets inherit it (Linux copies the
+/// option to them), or on each socket if the listener refused it. Each mode
 /// charges the permit to the org it finally decides for ([`Link::charge`]).
 pub(crate) async fn accept_loop<S, F, R>(
     ctx: Arc<Ctx>,
@@ -32,6 +34,11 @@ pub(crate) async fn accept_loop<S, F, R>(
     F: std::future::Future<Output = ()> + Send + 'static,
     R: Fn(&Ctx, TcpStream, Link) + Sync,
 {
+    // Every mode relays small writes as they come (a request head, a TLS
+    // record): Nagle would hold one back for the peer's delayed ACK.
+    let inherited = socket2::SockRef::from(&listener)
+        .set_tcp_nodelay(true)
+        .is_ok();
     let on = crate::serve::Listener {
         what: mode.as_str(),
         shutdown: ctx.shutdown.clone(),
@@ -42,6 +49,7 @@ pub(crate) async fn accept_loop<S, F, R>(
         mode,
         serve,
         refuse,
+        inherited,
         conn: std::marker::PhantomData,
     };
     crate::serve::accept(listener, &on, admission).await
@@ -53,6 +61,8 @@ struct ProxyAdmission<S, R, F> {
     mode: Mode,
     serve: S,
     refuse: R,
+    /// Accepted sockets have `TCP_NODELAY` from the listener.
+    inherited: bool,
     conn: std::marker::PhantomData<fn() -> F>,
 }
 
@@ -73,9 +83,9 @@ where
         stream: TcpStream,
         peer: SocketAddr,
     ) -> impl std::future::Future<Output = Option<F>> + Send {
-        // Every mode relays small writes as they come (a request head, a
-        // TLS record): Nagle would hold one back for the peer's delayed ACK.
-        let _ = stream.set_nodelay(true);
+        if !self.inherited {
+            let _ = stream.set_nodelay(true);
+        }
         let mut link = Link::new(self.ctx.view(peer.ip()), self.mode, peer);
         let conn = match self
             .ctx

@@ -2,7 +2,7 @@
 //! HTTP/1.x request head, or anything else) without forwarding it, then copy bytes both ways with an
 //! idle timeout, half-close, and a hard stop for the end of the drain.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::BufMut;
@@ -138,6 +138,7 @@ where
     let down = AtomicU64::new(0);
     let (mut client_r, mut client_w) = client.halves();
     let (mut upstream_r, mut upstream_w) = upstream.halves();
+    let ends = Ends::default();
 
     let touch = || {
         last.store(start.elapsed().as_millis() as u64, Ordering::Relaxed);
@@ -155,8 +156,12 @@ where
             }
         }
         forward(&mut client_r, &mut upstream_w, &up, &touch).await;
+        ends.finish(&mut upstream_w).await;
     };
-    let down_dir = forward(&mut upstream_r, &mut client_w, &down, &touch);
+    let down_dir = async {
+        forward(&mut upstream_r, &mut client_w, &down, &touch).await;
+        ends.finish(&mut client_w).await;
+    };
     // Pinned here and polled through references: every tunnel task holds
     // one copy of each direction's state, not one per combinator.
     tokio::pin!(up_dir, down_dir);
@@ -189,10 +194,29 @@ pub(crate) async fn idle_for(idle: Duration, start: Instant, last: &AtomicU64) {
     }
 }
 
+/// Which directions of a tunnel are over. The first to end half-closes
+/// its writer (its peer reads EOF while the other direction goes on); the
+/// last leaves a TCP writer to the close of both sockets that follows at
+/// once, which sends the same FIN: one `shutdown(2)` less per tunnel.
+#[derive(Default)]
+pub(crate) struct Ends(AtomicBool);
+
+impl Ends {
+    /// One direction is over: half-close `writer`, unless the other one is
+    /// over too and `writer` is a TCP socket. A writer that is not (TLS)
+    /// is always shut down: that sends its close_notify.
+    pub(crate) async fn finish<W: AsyncWrite + AsTcp + Unpin>(&self, writer: &mut W) {
+        let other_over = self.0.swap(true, Ordering::AcqRel);
+        if !(other_over && writer.as_tcp().is_some()) {
+            let _ = writer.shutdown().await;
+        }
+    }
+}
+
 /// Move one direction until EOF, an error or `touch` answering `false`
-/// (after each transfer), then half-close the writer:
-/// with splice(2) when both ends are TCP sockets, else (or where splice is
-/// unavailable) through a user-space buffer.
+/// (after each transfer): with splice(2) when both ends are TCP sockets,
+/// else (or where splice is unavailable) through a user-space buffer. The
+/// caller half-closes the writer ([`Ends::finish`]).
 pub(crate) async fn forward<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
     R: AsyncRead + AsTcp + Unpin,
@@ -201,15 +225,14 @@ where
 {
     if let (Some(from), Some(to)) = (reader.as_tcp(), writer.as_tcp()) {
         if splice::splice(from, to, None, count, touch).await != Spliced::Unsupported {
-            let _ = writer.shutdown().await;
             return;
         }
     }
     copy(reader, writer, count, touch).await;
 }
 
-/// Copy one direction until EOF, an error or `touch` answering `false`,
-/// then half-close the writer.
+/// Copy one direction until EOF, an error or `touch` answering `false`;
+/// the caller half-closes the writer.
 pub(crate) async fn copy<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
 where
     R: AsyncRead + AsTcp + Unpin,
@@ -254,7 +277,6 @@ where
             buf = Vec::new();
         }
     }
-    let _ = writer.shutdown().await;
 }
 
 #[cfg(test)]

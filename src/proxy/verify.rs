@@ -321,6 +321,9 @@ struct Shared<'a> {
     /// the upstream's either.
     client_opaque: AtomicBool,
     volume: Option<&'a crate::limits::Watch>,
+    /// Which directions are over (the last leaves its half-close to the
+    /// tunnel's close).
+    ends: tunnel::Ends,
 }
 
 impl Shared<'_> {
@@ -371,6 +374,7 @@ where
         server_closed: AtomicBool::new(false),
         client_opaque: AtomicBool::new(false),
         volume: watch.volume,
+        ends: tunnel::Ends::default(),
     };
     let (client_r, client_w) = client.halves();
     let (upstream_r, upstream_w) = upstream.halves();
@@ -499,7 +503,7 @@ where
             }
         }
         // The client finished; bytes it left unjudged are never forwarded.
-        let _ = self.to.shutdown().await;
+        self.shared.ends.finish(&mut self.to).await;
         End::Closed
     }
 
@@ -539,6 +543,7 @@ where
         self.budget.release();
         let touch = || shared.touch();
         tunnel::forward(&mut self.from, &mut self.to, &shared.up, &touch).await;
+        shared.ends.finish(&mut self.to).await;
     }
 
     /// Judge what is held: forward what passed, wait for the upstream's
@@ -723,7 +728,7 @@ where
     }
     shared.server_closed.store(true, Ordering::Relaxed);
     shared.server_seen.notify_waiters();
-    let _ = to.shutdown().await;
+    shared.ends.finish(&mut to).await;
 }
 
 #[cfg(test)]

@@ -479,3 +479,125 @@ fn proofs_of_a_gateways_records_hold_with_the_key_alone_and_tampered_ones_fail()
     ]);
     assert_eq!(out.code(), Some(1), "{}", out.describe());
 }
+
+/// Tunnels opened in one burst.
+const BURST: u32 = 64;
+
+/// `BURST` CONNECT tunnels at once, each with one GET of `/burst-TAG-I`;
+/// prints "I CONNECT_CODE HTTP_CODE LOCAL_PORT" per tunnel.
+fn burst_script(tag: &str) -> String {
+    format!(
+        "for i in $(seq 1 {BURST}); do curl -q -s -o /dev/null -p --max-time 10 \
+         -w \"$i %{{http_connect}} %{{http_code}} %{{local_port}}\\n\" \
+         -x {PROXY_URL} http://allowed.test/burst-{tag}-$i & done; wait"
+    )
+}
+
+/// Runs a burst to its end (bounded): its lines as (I, CONNECT code, GET
+/// code, client port).
+fn burst(lab: &Lab, tag: &str) -> Vec<(u32, u16, u16, u16)> {
+    let out = lab.dir.join(format!("burst-{tag}.out"));
+    let mut c = lab.client_spawn(&burst_script(tag), &out);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while c.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "burst {tag} did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let lines: Vec<_> = fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<u32> = l.split(' ').filter_map(|x| x.parse().ok()).collect();
+            match f[..] {
+                [i, connect, code, port] => Some((i, connect as u16, code as u16, port as u16)),
+                _ => None,
+            }
+        })
+        .collect();
+    assert_eq!(lines.len(), BURST as usize, "burst {tag}: {lines:?}");
+    lines
+}
+
+/// The paths of the burst `tag` whose request reached the upstream.
+fn reached(lab: &Lab, tag: &str) -> Vec<String> {
+    lab.upstream_log()
+        .into_iter()
+        .filter(|v| v["event"] == "request")
+        .filter_map(|v| v["request_line"].as_str().map(str::to_string))
+        .filter(|l| l.contains(&format!("/burst-{tag}-")))
+        .collect()
+}
+
+/// Tunnels that open at once are decided in batches (one write for the
+/// decisions of a runtime tick): each still has its allow record before its
+/// first byte goes on, and a batch the store cannot take refuses every
+/// tunnel in it: none of their requests reaches the upstream, and the chain
+/// holds no allow for them.
+#[test]
+fn a_burst_of_tunnels_is_recorded_before_bytes_and_a_full_store_refuses_it() {
+    let lab = Lab::builder().evidence_tmpfs("512k").start();
+    let ok = burst(&lab, "ok");
+    assert!(
+        ok.iter()
+            .all(|&(_, connect, code, _)| connect == 200 && code == 200),
+        "{ok:?}\n{}",
+        lab.proxy_output()
+    );
+    // The clients of the allow records, read inside Palisade's mount
+    // namespace (the tmpfs).
+    let allows = |lab: &Lab| -> HashSet<String> {
+        let dir = lab.evidence_dir.display().to_string();
+        let cat = lab.proxy_mnt_exec("sh", &["-c", &format!("cat {dir}/*.jsonl")]);
+        assert!(cat.success(), "{}", cat.describe());
+        cat.stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|r| r["event"] == "decision" && r["decision"] == "allow")
+            .filter_map(|r| r["client"].as_str().map(String::from))
+            .collect()
+    };
+    let recorded = allows(&lab);
+    for (i, _, _, port) in &ok {
+        let client = format!("{}:{port}", lab::CLIENT_IP);
+        assert!(
+            recorded.contains(&client),
+            "tunnel {i} ({client}) has no allow record"
+        );
+    }
+    assert_eq!(reached(&lab, "ok").len(), BURST as usize);
+
+    // A full store: the next burst's batch cannot be written.
+    let dir = lab.evidence_dir.display().to_string();
+    let fill = format!("{dir}/fill");
+    let dd = lab.proxy_mnt_exec("dd", &["if=/dev/zero", &format!("of={fill}"), "bs=4k"]);
+    assert!(dd.stderr.contains("No space left"), "{}", dd.describe());
+    let full = burst(&lab, "full");
+    lab.upstream_settled();
+    let through = reached(&lab, "full");
+    // What fit in the segment's last page may have been written; the
+    // rest was refused, whole batches at a time.
+    let refused = full.iter().filter(|&&(_, _, code, _)| code != 200).count();
+    assert!(
+        refused >= BURST as usize * 3 / 4,
+        "{refused} of {BURST} refused on a full store: {full:?}"
+    );
+    assert_eq!(
+        through.len(),
+        BURST as usize - refused,
+        "requests reached the upstream for refused tunnels: {through:?}"
+    );
+    let recorded = allows(&lab);
+    for (i, _, code, port) in &full {
+        let client = format!("{}:{port}", lab::CLIENT_IP);
+        assert_eq!(
+            recorded.contains(&client),
+            *code == 200,
+            "tunnel {i} ({client}): GET {code}, allow record {}",
+            recorded.contains(&client)
+        );
+    }
+    let rm = lab.proxy_mnt_exec("rm", &["-f", &fill]);
+    assert!(rm.success(), "{}", rm.describe());
+    let v = verify_inside(&lab);
+    assert!(v.success(), "verify after the burst:\n{}", v.describe());
+}

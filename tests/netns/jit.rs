@@ -25,7 +25,7 @@ fn lab_asking() -> Lab {
     lab_asking_with(|b| b)
 }
 
-fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> Lab {
+pub(crate) fn lab_asking_with(extra: impl FnOnce(lab::LabBuilder) -> lab::LabBuilder) -> Lab {
     let policy = DEFAULT_POLICY.replacen(
         "clients = [\"198.18.1.0/24\"]\n",
         "clients = [\"198.18.1.0/24\"]\non_miss = \"ask\"\n",

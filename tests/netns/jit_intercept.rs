@@ -3,8 +3,9 @@
 //! and each request inside is decided against the grants (allowed, rule
 //! `grant:ID`, a use spent per request; any other refused `403` inside
 //! TLS, with an approval of its own on an `ask` org). `max_uses = 1`
-//! allows exactly one request; a revoke closes a live intercepted
-//! keep-alive connection, recorded `grant_expired`.
+//! allows exactly one request; a revoke or the TTL's end closes a live
+//! intercepted keep-alive connection, recorded `grant_expired`; a reload
+//! keeps it unless it denies the host. Transparent mode too.
 
 use std::io::BufRead;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -258,7 +259,7 @@ fn a_method_and_path_grant_intercepts_https_and_decides_each_request() {
 }
 
 #[test]
-fn a_single_use_request_grant_allows_one_request_and_a_revoke_closes_a_live_one() {
+fn a_single_use_request_grant_allows_one_request_and_a_revoke_or_ttl_closes_a_live_one() {
     let (lab, ca) = start();
     let once = grant(&lab, r#","max_uses":1,"method":"GET","path":"/api/x""#);
     let (_child, got) = keepalive(&lab, &ca, "1", &["GET:/api/x", "GET:/api/x"]);
@@ -310,16 +311,60 @@ fn a_single_use_request_grant_allows_one_request_and_a_revoke_closes_a_live_one(
     assert_eq!(cut["conn"], opened["id"], "{cut}");
     assert_eq!(opened["intercepted"], true, "{opened}");
     eprintln!("jit_intercept timings: revoke to closed intercepted connection {took:?}");
+
+    // So does its TTL's end.
+    let granted_at = SystemTime::now();
+    let short = grant(&lab, r#","ttl":"2s","method":"GET","path":"/api/*""#);
+    let (mut live, got) = keepalive(&lab, &ca, "8", &["GET:/api/t"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    let closed = next_line(&mut live);
+    let at = closed
+        .strip_prefix("closed ")
+        .and_then(|t| t.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("the expired grant's connection stayed open: {closed:?}"));
+    let after_ttl = Duration::from_secs_f64(at)
+        .saturating_sub(granted_at.duration_since(UNIX_EPOCH).unwrap() + Duration::from_secs(2));
+    assert!(
+        after_ttl < Duration::from_secs(1),
+        "closed {after_ttl:?} after the TTL"
+    );
+    lab.wait_evidence("the expired grant's connection", |v| {
+        v["reason"] == "grant_expired"
+            && v["kind"] == "tcp"
+            && v["detail"] == format!("grant {short} ended")
+    });
+    eprintln!("jit_intercept timings: TTL end to closed intercepted connection <= {after_ttl:?}");
 }
 
 /// Transparent mode: a TLS connection to the grant's host (its SNI) is
-/// intercepted the same way, each request decided against the grants.
+/// intercepted the same way, each request decided against the grants; and
+/// so is a SOCKS5 connection.
 #[test]
-fn a_transparent_tls_connection_under_a_request_grant_is_intercepted() {
+fn a_transparent_or_socks5_tls_connection_under_a_request_grant_is_intercepted() {
     use crate::transparent::{load_gateway, TRANSPARENT};
-    let (lab, ca) = start_with(|b| b.proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]")));
-    load_gateway(&lab);
+    const SOCKS: &str = "198.18.1.1:1080";
+    let (lab, ca) = start_with(|b| {
+        b.proxy_option(&format!("transparent = [\"{TRANSPARENT}\"]"))
+            .proxy_option(&format!("socks5 = [{SOCKS:?}]"))
+    });
     let gid = grant(&lab, r#","ttl":"10m","method":"GET","path":"/api/x""#);
+    let socks = |path: &str| {
+        let url = format!("https://a.wild.test{path}");
+        let r = lab.client_curl(&["--socks5-hostname", SOCKS, "--cacert", &ca, &url]);
+        (r.status, r.stderr)
+    };
+    assert_eq!(socks("/api/x").0, 200, "{:?}", socks("/api/x"));
+    assert_eq!(socks("/api/z").0, 403);
+    let through = lab.wait_evidence("the SOCKS5 request", |v| {
+        v["kind"] == "http"
+            && v["event"] == "decision"
+            && v["mode"] == "socks5"
+            && v["path"] == "/api/x"
+    });
+    assert_eq!(through["rule"], format!("grant:{gid}"), "{through}");
+
+    // (The gateway ruleset leaves the sandbox only the redirect.)
+    load_gateway(&lab);
     let resolve = format!("a.wild.test:443:{}", lab::WILD_A_IP);
     let get = |path: &str| {
         let url = format!("https://a.wild.test{path}");
@@ -344,13 +389,66 @@ fn a_transparent_tls_connection_under_a_request_grant_is_intercepted() {
     };
     assert_eq!(get("/api/x").trim(), "200", "{}", lab.proxy_output());
     assert_eq!(get("/api/y").trim(), "403");
-    let allowed = lab.wait_evidence("the granted request", |v| {
-        v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/api/x"
+    let allowed = lab.wait_evidence("the granted transparent request", |v| {
+        v["kind"] == "http"
+            && v["event"] == "decision"
+            && v["path"] == "/api/x"
+            && v["mode"] == "transparent"
     });
-    assert_eq!(allowed["mode"], "transparent", "{allowed}");
     assert_eq!(allowed["rule"], format!("grant:{gid}"), "{allowed}");
     let refused = lab.wait_evidence("the other request", |v| {
         v["kind"] == "http" && v["event"] == "decision" && v["path"] == "/api/y"
     });
     assert_eq!(refused["reason"], "approval_pending", "{refused}");
+}
+
+/// A reload that leaves the grant's host a miss keeps its intercepted
+/// connection (the grant, not a rule, decides its requests); one that
+/// denies the host closes it at once.
+#[test]
+fn a_reload_keeps_a_grants_intercepted_connection_until_one_denies_its_host() {
+    use crate::reload::{edit_config, served_hash};
+    let (lab, ca) = start();
+    grant(&lab, r#","ttl":"10m","method":"GET","path":"/api/*""#);
+    let reload = |add: &str| {
+        let before = served_hash(&lab);
+        edit_config(&lab, |t| format!("{t}\n{add}"));
+        lab.signal_proxy("-HUP");
+        lab::wait_until("the new policy served", Duration::from_secs(5), || {
+            served_hash(&lab) != before
+        });
+    };
+    let (mut kept, got) = keepalive(&lab, &ca, "3", &["GET:/api/a"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    reload("[[org.allow]]\nid = \"other\"\nhost = \"other.test\"\n");
+    assert_eq!(
+        next_line(&mut kept),
+        "open",
+        "a reload that denies nothing closed the grant's intercepted connection"
+    );
+
+    let (mut cut, got) = keepalive(&lab, &ca, "10", &["GET:/api/b"]);
+    assert_eq!(got, "200", "{}", lab.proxy_output());
+    reload("[[org.deny]]\nid = \"no-a\"\nhost = \"a.wild.test\"\n");
+    let closed = next_line(&mut cut);
+    assert!(
+        closed.starts_with("closed "),
+        "a denying reload left it open: {closed}"
+    );
+    let ended = lab.wait_evidence("the grant's end by the policy", |v| {
+        v["kind"] == "grant" && v["event"] == "expired"
+    });
+    assert_eq!(ended["grant"]["ended_by"], "policy", "{ended}");
+    let why = lab.wait_evidence("the connection's end", |v| {
+        v["kind"] == "tcp"
+            && v["event"] == "decision"
+            && v["decision"] == "deny"
+            && v["conn"].is_string()
+    });
+    let reason = why["reason"].as_str().unwrap_or_default();
+    assert!(
+        ["grant_expired", "policy_revoked"].contains(&reason),
+        "{why}"
+    );
+    eprintln!("jit_intercept: a denying reload closed the connection as {reason}");
 }

@@ -36,7 +36,7 @@ use serde_json::Value;
 use crate::lab::*;
 use crate::record_id;
 
-const PORT: u16 = 8080;
+pub(crate) const PORT: u16 = 8080;
 /// The same upstream over TLS, intercepted (see [`INTERCEPTED`]).
 const TLS_PORT: u16 = 8443;
 
@@ -171,7 +171,7 @@ while True:
 "#;
 
 /// The counting upstream, killed on drop.
-struct Upstream {
+pub(crate) struct Upstream {
     _server: Background,
     log: std::path::PathBuf,
 }
@@ -199,17 +199,17 @@ impl Upstream {
         }
     }
 
-    fn log(&self) -> Vec<Value> {
+    pub(crate) fn log(&self) -> Vec<Value> {
         read_jsonl(&self.log)
     }
 
     /// Connections accepted so far.
-    fn opens(&self) -> usize {
+    pub(crate) fn opens(&self) -> usize {
         self.log().iter().filter(|v| v["event"] == "open").count()
     }
 
     /// The connection each request path arrived on (a path occurs once).
-    fn conn_of(&self, path: &str) -> u64 {
+    pub(crate) fn conn_of(&self, path: &str) -> u64 {
         let log = self.log();
         let hits: Vec<&Value> = log
             .iter()
@@ -238,7 +238,7 @@ fn lab() -> (Lab, Upstream) {
 }
 
 /// The lab with extra `[proxy]` lines.
-fn lab_with(options: &[&str]) -> (Lab, Upstream) {
+pub(crate) fn lab_with(options: &[&str]) -> (Lab, Upstream) {
     let mut builder = Lab::builder().policy(POLICY).second_client();
     for line in options {
         builder = builder.proxy_option(line);
@@ -256,12 +256,12 @@ fn lab_of(builder: LabBuilder) -> (Lab, Upstream) {
     (lab, up)
 }
 
-fn url(path: &str) -> String {
+pub(crate) fn url(path: &str) -> String {
     format!("http://allowed.test:{PORT}{path}")
 }
 
 /// A keep-alive absolute-form GET of `path` on `c`; the response body.
-fn get(lab: &Lab, c: &mut RawConn, path: &str) -> String {
+pub(crate) fn get(lab: &Lab, c: &mut RawConn, path: &str) -> String {
     let req = format!(
         "GET {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\n\r\n",
         url(path)
