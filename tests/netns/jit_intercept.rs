@@ -5,7 +5,8 @@
 //! TLS, with an approval of its own on an `ask` org). `max_uses = 1`
 //! allows exactly one request; a revoke or the TTL's end closes a live
 //! intercepted keep-alive connection, recorded `grant_expired`; a reload
-//! keeps it unless it denies the host. Transparent mode too.
+//! keeps it unless it denies the host; a grant revoked before the
+//! client's TLS hello still closes its tunnel. Transparent mode too.
 
 use std::io::BufRead;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -451,4 +452,69 @@ fn a_reload_keeps_a_grants_intercepted_connection_until_one_denies_its_host() {
         "{why}"
     );
     eprintln!("jit_intercept: a denying reload closed the connection as {reason}");
+}
+
+/// A CONNECT to a.wild.test:443; prints `tunnel STATUS-LINE`, waits
+/// argv[4] seconds, then says its TLS hello and sends `GET /api/x`, and
+/// prints `closed` once the proxy ends the connection (within 5 s of
+/// the request), or `open`.
+const LATE_HELLO: &str = r#"
+import socket, ssl, sys, time
+host, port, ca, pause = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+s = socket.create_connection((host, port), timeout=10)
+s.sendall(b"CONNECT a.wild.test:443 HTTP/1.1\r\nHost: a.wild.test:443\r\n\r\n")
+head = b""
+while b"\r\n\r\n" not in head:
+    d = s.recv(4096)
+    if not d:
+        break
+    head += d
+print("tunnel " + head.split(b"\r\n")[0].decode("latin-1"), flush=True)
+time.sleep(pause)
+try:
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.set_alpn_protocols(["http/1.1"])
+    t = ctx.wrap_socket(s, server_hostname="a.wild.test")
+    t.settimeout(5)
+    t.sendall(b"GET /api/x HTTP/1.1\r\nHost: a.wild.test\r\n\r\n")
+    while t.recv(65536):
+        pass
+    print("closed", flush=True)
+except (socket.timeout, TimeoutError):
+    print("open", flush=True)
+except OSError:
+    print("closed", flush=True)
+"#;
+
+/// A tunnel opened under a grant that is revoked before the client says
+/// its TLS hello: the connection's watch starts only with the hello, and
+/// still finds the grant ended, so the connection is closed, recorded
+/// `grant_expired` (it found no end, and ran on, refusing requests).
+#[test]
+fn a_grant_revoked_before_the_clients_hello_closes_its_tunnel() {
+    let (lab, ca) = start();
+    let gid = grant(&lab, r#","ttl":"10m","method":"GET","path":"/api/x""#);
+    let (host, port) = PROXY_URL
+        .trim_start_matches("http://")
+        .rsplit_once(':')
+        .unwrap();
+    let (child, first) = lab.spawn_client_script(LATE_HELLO, &[host, port, &ca, "0.6"]);
+    let mut child = lab::Background(child);
+    assert!(first.contains(" 200"), "{first}");
+    let (code, body) = admin(&lab, "DELETE", &format!("/v1/grants/{gid}"), None);
+    assert_eq!(code, 200, "{body}");
+    let last = next_line(&mut child);
+    assert_eq!(
+        last,
+        "closed",
+        "a tunnel of a grant revoked before its hello ran on\n{}",
+        lab.proxy_output()
+    );
+    let opened = lab.wait_evidence("the grant's tunnel", |v| {
+        v["kind"] == "tcp" && v["event"] == "decision" && v["rule"] == format!("grant:{gid}")
+    });
+    let cut = lab.wait_evidence("grant_expired", |v| {
+        v["reason"] == "grant_expired" && v["conn"] == opened["id"]
+    });
+    assert_eq!(cut["kind"], "tcp", "{cut}");
 }
