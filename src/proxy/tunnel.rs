@@ -155,13 +155,9 @@ where
                 return;
             }
         }
-        forward(&mut client_r, &mut upstream_w, &up, &touch).await;
-        ends.finish(&mut upstream_w).await;
+        forward(&mut client_r, &mut upstream_w, &up, &touch, Some(&ends)).await;
     };
-    let down_dir = async {
-        forward(&mut upstream_r, &mut client_w, &down, &touch).await;
-        ends.finish(&mut client_w).await;
-    };
+    let down_dir = forward(&mut upstream_r, &mut client_w, &down, &touch, Some(&ends));
     // Pinned here and polled through references: every tunnel task holds
     // one copy of each direction's state, not one per combinator.
     tokio::pin!(up_dir, down_dir);
@@ -215,20 +211,32 @@ impl Ends {
 
 /// Move one direction until EOF, an error or `touch` answering `false`
 /// (after each transfer): with splice(2) when both ends are TCP sockets,
-/// else (or where splice is unavailable) through a user-space buffer. The
-/// caller half-closes the writer ([`Ends::finish`]).
-pub(crate) async fn forward<R, W, F>(reader: &mut R, writer: &mut W, count: &AtomicU64, touch: &F)
-where
+/// else (or where splice is unavailable) through a user-space buffer.
+/// Then, given the tunnel's `ends`, half-close the writer
+/// ([`Ends::finish`]); without, the caller does. (Finishing in here, not
+/// in an async block around this, keeps each tunnel task's state the
+/// size of one direction's future.)
+pub(crate) async fn forward<R, W, F>(
+    reader: &mut R,
+    writer: &mut W,
+    count: &AtomicU64,
+    touch: &F,
+    ends: Option<&Ends>,
+) where
     R: AsyncRead + AsTcp + Unpin,
     W: AsyncWrite + AsTcp + Unpin,
     F: Fn() -> bool,
 {
-    if let (Some(from), Some(to)) = (reader.as_tcp(), writer.as_tcp()) {
-        if splice::splice(from, to, None, count, touch).await != Spliced::Unsupported {
-            return;
-        }
+    let spliced = match (reader.as_tcp(), writer.as_tcp()) {
+        (Some(from), Some(to)) => splice::splice(from, to, None, count, touch).await,
+        _ => Spliced::Unsupported,
+    };
+    if spliced == Spliced::Unsupported {
+        copy(reader, writer, count, touch).await;
     }
-    copy(reader, writer, count, touch).await;
+    if let Some(ends) = ends {
+        ends.finish(writer).await;
+    }
 }
 
 /// Copy one direction until EOF, an error or `touch` answering `false`;

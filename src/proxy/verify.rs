@@ -542,8 +542,8 @@ where
         drop(held);
         self.budget.release();
         let touch = || shared.touch();
-        tunnel::forward(&mut self.from, &mut self.to, &shared.up, &touch).await;
-        shared.ends.finish(&mut self.to).await;
+        let ends = Some(&shared.ends);
+        tunnel::forward(&mut self.from, &mut self.to, &shared.up, &touch, ends).await;
     }
 
     /// Judge what is held: forward what passed, wait for the upstream's
@@ -676,7 +676,14 @@ where
         if shared.client_opaque.load(Ordering::Relaxed) {
             // Nothing left to follow on this side either.
             drop(std::mem::take(&mut buf));
-            Box::pin(tunnel::forward(&mut from, &mut to, &shared.down, &touch)).await;
+            Box::pin(tunnel::forward(
+                &mut from,
+                &mut to,
+                &shared.down,
+                &touch,
+                None,
+            ))
+            .await;
             break;
         }
         // The rest of a response body of known length goes by
