@@ -623,14 +623,24 @@ fn a_forwarded_post_is_cut_at_its_budget_mid_body_and_the_next_request_refused()
     );
     assert!(sent < HUGE, "the client could send all of it");
     c.wait_closed(STEP);
-    let got = upstream_received(&lab, &["POST /one ", "POST /two "]);
+    let first_got = upstream_received(&lab, &["POST /one "]);
+    assert!(first_got > 1000, "/one arrived whole: {first_got} B");
+    // Every upstream connection, /two's included: the cut ends the
+    // exchange, and what the proxy still held for the upstream (/two's
+    // head and the part of the body the budget let through) may die in
+    // its write buffer, so /two's connection may even have carried
+    // nothing (no request line to find it by).
+    let got: u64 = lab
+        .upstream_settled()
+        .iter()
+        .map(|v| v["bytes_received"].as_u64().unwrap_or(0))
+        .sum();
     eprintln!(
         "volume: absolute-form, budget {BODY_BUDGET} B, client sent {sent} B, upstream received {got} B"
     );
-    // Up to the budget, never past it (the cut request's last pieces may
-    // die in the proxy's write buffer when it closes the upstream side).
+    // Up to the budget, never past it.
     assert!(
-        (2000..=BODY_BUDGET + HEAD_SLACK).contains(&got),
+        got <= BODY_BUDGET + HEAD_SLACK,
         "upstream received {got} bytes under a budget of {BODY_BUDGET}"
     );
     // On record: the request's allow, its cut (linked by conn), its close.
