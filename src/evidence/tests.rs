@@ -1037,7 +1037,17 @@ async fn records_ride_without_a_wake_up_or_a_write_per_round() {
         alone <= stalls && writes <= stalls,
         "{alone} writes of closes alone ({writes} by the duties thread) with {stalls} stalls"
     );
-    assert!(wakes <= 1 + stalls, "{wakes} wake-ups with {stalls} stalls");
+    // The duties thread, once woken, looks by itself while closes ride,
+    // and sleeps only when a look finds none: in the instant between a
+    // write taking the last close along and the next close's submit, which
+    // a loaded machine (the test's thread descheduled right there) can
+    // stretch now and then. A wake-up per round, as before riding went
+    // without one, would be N.
+    let windows = u64::from(N) / 20;
+    assert!(
+        wakes <= 1 + stalls + windows,
+        "{wakes} wake-ups with {stalls} stalls, for {N} closes"
+    );
     assert!(ev.seal().await);
     let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
     assert_eq!(s.closes, u64::from(N));
