@@ -327,6 +327,10 @@ fn pipelined_and_smuggling_requests_never_cross_exchanges() {
 
     // (d) A request body cut half-way: never a request upstream, and its
     // connection is never reused.
+    // The proxy may see the client's end before it dials (then no upstream
+    // connection at all), or after (then that connection ends partial).
+    let opens = |log: &[Value]| log.iter().filter(|v| v["event"] == "open").count();
+    let opened_before = opens(&up.log());
     let mut c = lab.client_conn();
     let head = format!(
         "POST {} HTTP/1.1\r\nHost: allowed.test:{PORT}\r\nContent-Length: 100\r\n\r\n",
@@ -335,9 +339,14 @@ fn pipelined_and_smuggling_requests_never_cross_exchanges() {
     c.send(head.as_bytes()).expect("send");
     c.send(&[b'x'; 50]).expect("send half");
     c.close();
-    wait_until("the half body's upstream connection closed", WAIT, || {
-        up.log().iter().any(|v| v["event"] == "partial")
+    lab.wait_evidence("the half body's close", |v| {
+        v["event"] == "close" && v["path"] == "/ok/halfbody"
     });
+    if opens(&up.log()) > opened_before {
+        wait_until("the half body's upstream connection closed", WAIT, || {
+            up.log().iter().any(|v| v["event"] == "partial")
+        });
+    }
     let mut c = lab.client_conn();
     let resp = get(&mut c, "/ok/after");
     assert!(resp.body.contains("path=/ok/after"), "{resp:?}");
@@ -348,10 +357,8 @@ fn pipelined_and_smuggling_requests_never_cross_exchanges() {
         "{}",
         dump(&log)
     );
-    let partial = log
-        .iter()
-        .find(|v| v["event"] == "partial")
-        .expect("partial");
-    assert_ne!(partial["id"].as_u64(), Some(up.conn_of("/ok/after")));
+    if let Some(partial) = log.iter().find(|v| v["event"] == "partial") {
+        assert_ne!(partial["id"].as_u64(), Some(up.conn_of("/ok/after")));
+    }
     up.never_planted();
 }
