@@ -1234,7 +1234,7 @@ impl Io {
             let mut buf = Vec::new();
             let mut head = self.head.clone();
             self.push_checkpoint(ids, &mut head, &mut buf, "checkpoint");
-            self.write_buf(&buf, 1, &head, true)?;
+            self.write_buf(&buf, 1, head, true)?;
             self.counters.written(1);
             if let Some(s) = &mut self.seg {
                 s.closed = true;
@@ -1317,7 +1317,7 @@ impl Io {
     /// Write `buf` (holding `lines` lines) to the current segment and make
     /// `head` the chain head. On failure the segment is cut back.
     /// With `sync` (`fsync` mode) the file is `fdatasync`ed after.
-    fn write_buf(&mut self, buf: &[u8], lines: u64, head: &Head, sync: bool) -> io::Result<()> {
+    fn write_buf(&mut self, buf: &[u8], lines: u64, head: Head, sync: bool) -> io::Result<()> {
         let fsync = self.cfg.durability == Durability::Fsync;
         let sync_now = fsync && sync;
         #[cfg(test)]
@@ -1359,7 +1359,7 @@ impl Io {
                     self.unsynced = Some(Instant::now());
                 }
                 let was_ckpt = head.since_ckpt == 0;
-                self.head = head.clone();
+                self.head = head;
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
@@ -1388,7 +1388,7 @@ impl Io {
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);
         Self::push(&mut head, &mut buf, &mut m);
-        self.write_buf(&buf, 1, &head, true)?;
+        self.write_buf(&buf, 1, head, true)?;
         self.counters.written(1);
         info!(from = %self.pubkey, to = %next_hex, "evidence key rotated");
         self.key = next;
@@ -1515,7 +1515,7 @@ impl Io {
             lines += 1;
         }
         let result = if !buf.is_empty() {
-            self.write_buf(&buf, lines, &head, sync)
+            self.write_buf(&buf, lines, head, sync)
         } else if sync && self.unsynced.is_some() {
             self.sync_tail()
         } else {
