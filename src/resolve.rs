@@ -15,6 +15,8 @@ use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
 use hickory_resolver::TokioResolver;
 
+use prometheus::Histogram;
+
 use crate::metrics::Metrics;
 
 /// Why a name has no addresses.
@@ -59,15 +61,20 @@ pub(crate) struct Records {
 pub(crate) struct Resolver {
     inner: Option<TokioResolver>,
     timeout: Duration,
-    /// Where resolution time is counted, when served.
-    metrics: Option<Arc<Metrics>>,
-    failed_families: FailedFamilies,
+    /// Where resolution time is counted, when served: the `ok` and the
+    /// `error` histograms.
+    timings: Option<[Histogram; 2]>,
+    failed_families: Expiring<Family>,
+    /// The addresses of names resolved lately, each until one of its
+    /// families would be asked again ([`Resolver::lookup`]).
+    recent: Expiring<Arc<[IpAddr]>>,
 }
 
 /// How long a family that failed (while the other answered) is not asked.
 pub(crate) const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
-/// Names remembered at most; when full, expired entries go, then all.
-const FAILED_FAMILY_NAMES: usize = 4096;
+/// Names remembered at most (held families, recent addresses); when full,
+/// expired entries go, then all.
+const REMEMBERED_NAMES: usize = 4096;
 
 /// Why one family's query gave no addresses.
 #[derive(Debug, thiserror::Error)]
@@ -86,29 +93,37 @@ enum Family {
     V6,
 }
 
-/// Names whose A or AAAA query failed while the other family answered:
-/// bounded, each for [`FAILED_FAMILY_HOLD`].
-#[derive(Default)]
-struct FailedFamilies(Mutex<HashMap<String, (Family, Instant)>>);
+/// Something known about names until a moment each: bounded to
+/// [`REMEMBERED_NAMES`]. Held families (a name whose A or AAAA query failed
+/// while the other family answered, each for [`FAILED_FAMILY_HOLD`]) and
+/// recent addresses.
+struct Expiring<V>(Mutex<HashMap<Box<str>, (V, Instant)>>);
 
-impl FailedFamilies {
-    fn held(&self, name: &str, now: Instant) -> Option<Family> {
+impl<V> Default for Expiring<V> {
+    fn default() -> Self {
+        Expiring(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<V: Clone> Expiring<V> {
+    /// What is known about `name` at `now`, and until when.
+    fn get(&self, name: &str, now: Instant) -> Option<(V, Instant)> {
         let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match map.get(name) {
-            Some(&(fam, until)) if until > now => Some(fam),
+            Some((v, until)) if *until > now => Some((v.clone(), *until)),
             _ => None,
         }
     }
 
-    fn hold(&self, name: &str, fam: Family, now: Instant) {
+    fn put(&self, name: &str, v: V, until: Instant, now: Instant) {
         let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= FAILED_FAMILY_NAMES && !map.contains_key(name) {
+        if map.len() >= REMEMBERED_NAMES && !map.contains_key(name) {
             map.retain(|_, (_, until)| *until > now);
-            if map.len() >= FAILED_FAMILY_NAMES {
+            if map.len() >= REMEMBERED_NAMES {
                 map.clear();
             }
         }
-        map.insert(name.to_string(), (fam, now + FAILED_FAMILY_HOLD));
+        map.insert(name.into(), (v, until));
     }
 }
 
@@ -121,8 +136,9 @@ impl Resolver {
             return Ok(Resolver {
                 inner: None,
                 timeout,
-                metrics: None,
-                failed_families: FailedFamilies::default(),
+                timings: None,
+                failed_families: Expiring::default(),
+                recent: Expiring::default(),
             });
         }
         let servers = upstreams
@@ -154,14 +170,20 @@ impl Resolver {
         Ok(Resolver {
             inner: Some(inner),
             timeout,
-            metrics: None,
-            failed_families: FailedFamilies::default(),
+            timings: None,
+            failed_families: Expiring::default(),
+            recent: Expiring::default(),
         })
     }
 
     /// Count resolution time in `metrics`.
     pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Resolver {
-        self.metrics = Some(metrics);
+        let timing = |result| {
+            metrics
+                .resolve_duration_seconds
+                .with_label_values(&[result])
+        };
+        self.timings = Some([timing("ok"), timing("error")]);
         self
     }
 
@@ -176,6 +198,29 @@ impl Resolver {
     /// the addresses dialled are still the other family's, decided as
     /// always.
     pub(crate) async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
+        let started = Instant::now();
+        if let Some((addrs, _)) = self.recent.get(name, started) {
+            self.time(true, started);
+            return Ok(addrs.to_vec());
+        }
+        let outcome = self.ask(name, started).await;
+        self.time(outcome.is_ok(), started);
+        outcome
+    }
+
+    /// Count a resolution's time, when served.
+    fn time(&self, ok: bool, started: Instant) {
+        if let Some(t) = &self.timings {
+            t[usize::from(!ok)].observe(started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// [`Resolver::lookup`] through the resolver's cache. Addresses found
+    /// are remembered in `recent` until the earliest moment the same lookup
+    /// could give something else: a family's answer expiring from the
+    /// cache, or a held family asked again. An outcome with a family that
+    /// found no records (which the cache may not keep) is not remembered.
+    async fn ask(&self, name: &str, started: Instant) -> Result<Vec<IpAddr>, ResolveError> {
         let Some(inner) = &self.inner else {
             return Err(ResolveError::NoUpstream);
         };
@@ -183,8 +228,7 @@ impl Resolver {
             name: name.to_string(),
             reason: e.to_string(),
         })?;
-        let started = Instant::now();
-        let held = self.failed_families.held(name, started);
+        let held = self.failed_families.get(name, started);
         // Each family within `timeout` on its own: one that hangs (an
         // upstream that drops AAAA queries) fails alone, and the other's
         // addresses still count.
@@ -202,35 +246,48 @@ impl Resolver {
                     }
                     Ok(Err(NetError::Timeout)) => Err(FamilyError::Timeout),
                     Ok(Err(e)) => Err(FamilyError::Other(e.to_string())),
-                    Ok(Ok(l)) => Ok(l
-                        .answers()
-                        .iter()
-                        .filter_map(|r| match &r.data {
-                            RData::A(a) => Some(IpAddr::V4(a.0)),
-                            RData::AAAA(a) => Some(IpAddr::V6(a.0)),
-                            _ => None,
-                        })
-                        .collect::<Vec<IpAddr>>()),
+                    Ok(Ok(l)) => Ok((
+                        l.answers()
+                            .iter()
+                            .filter_map(|r| match &r.data {
+                                RData::A(a) => Some(IpAddr::V4(a.0)),
+                                RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+                                _ => None,
+                            })
+                            .collect::<Vec<IpAddr>>(),
+                        l.valid_until(),
+                    )),
                 };
                 Some(answer)
             }
         };
+        let held_family = held.map(|(fam, _)| fam);
         let (v4, v6) = tokio::join!(
-            family(RecordType::A, held == Some(Family::V4)),
-            family(RecordType::AAAA, held == Some(Family::V6)),
+            family(RecordType::A, held_family == Some(Family::V4)),
+            family(RecordType::AAAA, held_family == Some(Family::V6)),
         );
         let mut addrs = Vec::new();
         let mut failure: Option<(Family, FamilyError)> = None;
+        // Until when this outcome stands; none once a family found nothing.
+        let mut until = held.map(|(_, until)| until);
+        let mut lasting = true;
         for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
             match answer {
-                None | Some(Err(FamilyError::NoRecords)) => {}
-                Some(Ok(found)) => addrs.extend(found),
+                None => {}
+                Some(Err(FamilyError::NoRecords)) => lasting = false,
+                Some(Ok((found, valid_until))) => {
+                    addrs.extend(found);
+                    until = Some(until.map_or(valid_until, |u| u.min(valid_until)));
+                }
                 Some(Err(f)) => {
+                    // Held from now: asked again once the hold ends.
+                    let hold = started + FAILED_FAMILY_HOLD;
+                    until = Some(until.map_or(hold, |u| u.min(hold)));
                     failure.get_or_insert((fam, f));
                 }
             }
         }
-        let outcome = match (addrs.is_empty(), failure) {
+        match (addrs.is_empty(), failure) {
             (true, Some((_, FamilyError::Timeout))) => Err(ResolveError::Timeout {
                 name: name.to_string(),
             }),
@@ -243,17 +300,16 @@ impl Resolver {
             }),
             (false, failed) => {
                 if let Some((fam, _)) = failed {
-                    self.failed_families.hold(name, fam, started);
+                    self.failed_families
+                        .put(name, fam, started + FAILED_FAMILY_HOLD, started);
+                }
+                if let Some(until) = until.filter(|_| lasting) {
+                    self.recent
+                        .put(name, addrs.as_slice().into(), until, started);
                 }
                 Ok(addrs)
             }
-        };
-        if let Some(m) = &self.metrics {
-            m.resolve_duration_seconds
-                .with_label_values(&[if outcome.is_ok() { "ok" } else { "error" }])
-                .observe(started.elapsed().as_secs_f64());
         }
-        outcome
     }
 
     /// Records of any type for a normalised name, through the same cache.
@@ -301,10 +357,20 @@ mod tests {
     /// A loopback upstream that answers A with 198.18.0.5 and AAAA with
     /// `REFUSED` (or not at all, `drop_aaaa`), counting the AAAA queries.
     async fn failing_aaaa(drop_aaaa: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+        let (addr, aaaa, _) = upstream_with(drop_aaaa, 300).await;
+        (addr, aaaa)
+    }
+
+    /// [`failing_aaaa`] with A answers of TTL `ttl`, counting A queries too.
+    async fn upstream_with(
+        drop_aaaa: bool,
+        ttl: u32,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = sock.local_addr().unwrap();
         let aaaa = Arc::new(AtomicUsize::new(0));
-        let counted = aaaa.clone();
+        let a = Arc::new(AtomicUsize::new(0));
+        let (counted, counted_a) = (aaaa.clone(), a.clone());
         tokio::spawn(async move {
             let mut buf = vec![0u8; 1500];
             loop {
@@ -328,16 +394,17 @@ mod tests {
                     }
                     reply.metadata.response_code = ResponseCode::Refused;
                 } else {
+                    counted_a.fetch_add(1, Ordering::SeqCst);
                     reply.add_answer(Record::from_rdata(
                         q.name().clone(),
-                        300,
+                        ttl,
                         RData::A(A::new(198, 18, 0, 5)),
                     ));
                 }
                 let _ = sock.send_to(&reply.to_vec().unwrap(), from).await;
             }
         });
-        (addr, aaaa)
+        (addr, aaaa, a)
     }
 
     #[tokio::test]
@@ -382,21 +449,47 @@ mod tests {
     }
 
     #[test]
-    fn held_families_expire_and_stay_bounded() {
-        let held = FailedFamilies::default();
+    fn remembered_names_expire_and_stay_bounded() {
+        let held = Expiring::default();
         let t0 = Instant::now();
-        held.hold("a.test", Family::V6, t0);
-        assert_eq!(held.held("a.test", t0), Some(Family::V6));
-        assert_eq!(held.held("b.test", t0), None);
-        assert_eq!(held.held("a.test", t0 + FAILED_FAMILY_HOLD), None);
-        for i in 0..FAILED_FAMILY_NAMES + 10 {
-            held.hold(&format!("n{i}.test"), Family::V4, t0);
+        let until = t0 + FAILED_FAMILY_HOLD;
+        held.put("a.test", Family::V6, until, t0);
+        assert_eq!(held.get("a.test", t0), Some((Family::V6, until)));
+        assert_eq!(held.get("b.test", t0), None);
+        assert_eq!(held.get("a.test", until), None);
+        for i in 0..REMEMBERED_NAMES + 10 {
+            held.put(&format!("n{i}.test"), Family::V4, until, t0);
         }
         let len = held.0.lock().unwrap().len();
-        assert!(len <= FAILED_FAMILY_NAMES, "{len} names held");
+        assert!(len <= REMEMBERED_NAMES, "{len} names held");
         assert_eq!(
-            held.held(&format!("n{}.test", FAILED_FAMILY_NAMES + 9), t0),
-            Some(Family::V4)
+            held.get(&format!("n{}.test", REMEMBERED_NAMES + 9), t0),
+            Some((Family::V4, until))
         );
+    }
+
+    /// Addresses are remembered no longer than their answer's TTL: a name
+    /// whose upstream answer changes is asked again once the TTL ran out,
+    /// and a TTL of 0 is asked every time (a rebinding name gains nothing
+    /// from the proxy's memory).
+    #[tokio::test]
+    async fn addresses_are_remembered_for_their_ttl_only() {
+        let (upstream, _, a) = upstream_with(false, 1).await;
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        let want = vec![IpAddr::from([198, 18, 0, 5])];
+        for _ in 0..5 {
+            assert_eq!(resolver.lookup("ttl.test").await.unwrap(), want);
+        }
+        assert_eq!(a.load(Ordering::SeqCst), 1, "within the TTL: asked once");
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(resolver.lookup("ttl.test").await.unwrap(), want);
+        assert_eq!(a.load(Ordering::SeqCst), 2, "after the TTL: asked again");
+
+        let (upstream, _, a) = upstream_with(false, 0).await;
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        for _ in 0..3 {
+            assert_eq!(resolver.lookup("zero.test").await.unwrap(), want);
+        }
+        assert_eq!(a.load(Ordering::SeqCst), 3, "TTL 0: asked every time");
     }
 }
