@@ -98,6 +98,14 @@ fn object_into(
 }
 
 fn string_into(s: &str, out: &mut Vec<u8>) {
+    // Keys, hashes and most values need no escape: copied as they are.
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+        return;
+    }
     // Writing a &str into a Vec cannot fail.
     let _ = serde_json::to_writer(&mut *out, s);
 }
@@ -251,34 +259,35 @@ impl Prepared {
         if fields.is_empty() {
             return Err(PrepareError::NotAStruct);
         }
-        fields.sort_unstable_by_key(|f| f.0);
-        if let Some(w) = fields.windows(2).find(|w| w[0].0 == w[1].0) {
-            return Err(PrepareError::Duplicate(w[0].0));
-        }
-        if let Some(f) = fields.iter().find(|f| CHAIN_FIELDS.contains(&f.0)) {
-            return Err(PrepareError::ChainField(f.0));
-        }
-        let mut body = Vec::with_capacity(values.len() + 16 * fields.len() + 2);
         let mut at = [0usize; 3];
         let mut next = 0;
-        body.push(b'{');
-        for (i, (key, start, end)) in fields.iter().enumerate() {
-            if i > 0 {
-                body.push(b',');
-            }
-            while next < CHAIN_FIELDS.len() && CHAIN_FIELDS[next] < *key {
-                at[next] = body.len();
-                next += 1;
-            }
-            string_into(key, &mut body);
-            body.push(b':');
-            body.extend_from_slice(&values[*start..*end]);
-        }
-        for slot in &mut at[next..] {
-            *slot = body.len();
-        }
-        body.push(b'}');
-        Ok(Prepared { body, at })
+        ORDER
+            .with_borrow_mut(|order| {
+                order.sort(&fields)?;
+                let mut body = Vec::with_capacity(values.len() + 16 * fields.len() + 2);
+                body.push(b'{');
+                for (i, &f) in order.sorted.iter().enumerate() {
+                    let (key, start, end) = fields[f];
+                    if i > 0 {
+                        body.push(b',');
+                    }
+                    while next < CHAIN_FIELDS.len() && CHAIN_FIELDS[next] < key {
+                        at[next] = body.len();
+                        next += 1;
+                    }
+                    string_into(key, &mut body);
+                    body.push(b':');
+                    body.extend_from_slice(&values[start..end]);
+                }
+                Ok(body)
+            })
+            .map(|mut body| {
+                for slot in &mut at[next..] {
+                    *slot = body.len();
+                }
+                body.push(b'}');
+                Prepared { body, at }
+            })
     }
 
     /// The canonical form of the record as serialised (without the chain's
@@ -358,6 +367,64 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
         if n == 0 {
             return &buf[at..];
         }
+    }
+}
+
+/// The fields of a struct as serialised: key, and the range of its value.
+type Fields = Vec<(&'static str, usize, usize)>;
+
+thread_local! {
+    /// The sorted order of the keys a struct was last serialised with.
+    static ORDER: std::cell::RefCell<Order> = const {
+        std::cell::RefCell::new(Order {
+            keys: Vec::new(),
+            sorted: Vec::new(),
+        })
+    };
+}
+
+/// The keys of the last struct serialised on this thread, and their
+/// sorted order, checked (no key twice, none of the chain's). Records of a
+/// kind come with the same keys in the same order each time: when the
+/// keys are the very same (the same `&'static str`s, as a derived
+/// `Serialize` gives them), their order is known without sorting.
+struct Order {
+    /// Each key's address and length, in the order serialised.
+    keys: Vec<(usize, usize)>,
+    /// Indexes into the fields, in the keys' byte order.
+    sorted: Vec<usize>,
+}
+
+impl Order {
+    /// Make `sorted` the order of `fields` by key; an error for a key
+    /// twice or one of the chain's.
+    fn sort(&mut self, fields: &Fields) -> Result<(), PrepareError> {
+        let same = self.keys.len() == fields.len()
+            && self
+                .keys
+                .iter()
+                .zip(fields)
+                .all(|(&(ptr, len), (key, _, _))| ptr == key.as_ptr() as usize && len == key.len());
+        if same {
+            return Ok(());
+        }
+        self.keys.clear();
+        self.sorted.clear();
+        self.sorted.extend(0..fields.len());
+        self.sorted.sort_unstable_by_key(|&i| fields[i].0);
+        let key = |i: usize| fields[self.sorted[i]].0;
+        if let Some(i) = (1..fields.len()).find(|&i| key(i - 1) == key(i)) {
+            return Err(PrepareError::Duplicate(key(i)));
+        }
+        if let Some(i) = (0..fields.len()).find(|&i| CHAIN_FIELDS.contains(&key(i))) {
+            return Err(PrepareError::ChainField(key(i)));
+        }
+        self.keys.extend(
+            fields
+                .iter()
+                .map(|(k, _, _)| (k.as_ptr() as usize, k.len())),
+        );
+        Ok(())
     }
 }
 
@@ -527,6 +594,30 @@ mod tests {
             String::from_utf8(out).unwrap(),
             "{\"A\":-3,\"a\":{\"y\":[true,\"x\\ny\\u0001é\"],\"z\":null},\"b\":1}"
         );
+    }
+
+    /// A string is written as serde_json writes it, whether or not it
+    /// needs an escape: every ASCII character, alone and among others,
+    /// and some beyond.
+    #[test]
+    fn strings_are_escaped_as_serde_json_escapes_them() {
+        let mut cases: Vec<String> = (0u8..0x80).map(|b| char::from(b).to_string()).collect();
+        cases.extend(
+            [
+                "",
+                "plain-host.example",
+                "a\"b",
+                "é\u{2028}\u{7f}x",
+                "\u{1f}end",
+            ]
+            .map(String::from),
+        );
+        cases.push((0u8..0x80).map(char::from).collect());
+        for s in cases {
+            let mut out = Vec::new();
+            string_into(&s, &mut out);
+            assert_eq!(out, serde_json::to_vec(&s).unwrap(), "{s:?}");
+        }
     }
 
     #[test]
