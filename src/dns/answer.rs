@@ -1462,6 +1462,18 @@ host = "allowed.test"
             };
             same_response(&by_wire, &now, qname);
         }
+        // A writer busy (here: paused): the record waits, the rest of the
+        // query after it ([`Shim::kept_later`]), as the same steps.
+        let raw = ask("allowed.test.", None);
+        let q = crate::dns::wire::question(&raw).unwrap();
+        let by_wire = shim.respond_wire(&q, &raw, src, Protocol::Udp, None).await;
+        shim.evidence.pause_writer(true);
+        let Now::Later(later) = shim.kept_now(&q, &raw, src, Protocol::Udp) else {
+            panic!("a paused writer: the record waits");
+        };
+        shim.evidence.pause_writer(false);
+        let later = shim.kept_later(*later, &raw, src, Protocol::Udp).await;
+        same_response(&by_wire, &later, "later");
         let refused = ask("nope.test.", None);
         let q = crate::dns::wire::question(&refused).unwrap();
         shim.respond_wire(&q, &refused, src, Protocol::Udp, None)
@@ -1471,11 +1483,13 @@ host = "allowed.test"
             Now::Elsewhere
         ));
         let recs = records(&shim, &dir).await;
-        assert_eq!(recs.len(), 3 * names.len() + 1, "{recs:#?}");
+        assert_eq!(recs.len(), 3 * names.len() + 3, "{recs:#?}");
         for three in recs[..3 * names.len()].chunks(3) {
             assert_eq!(three[1], three[2]);
             assert_eq!(three[2]["upstream"], true);
         }
+        let n = 3 * names.len();
+        assert_eq!(recs[n], recs[n + 1], "the record that waited");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
