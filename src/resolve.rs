@@ -15,6 +15,8 @@ use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
 use hickory_resolver::TokioResolver;
 
+use prometheus::Histogram;
+
 use crate::metrics::Metrics;
 
 /// Why a name has no addresses.
@@ -59,17 +61,20 @@ pub(crate) struct Records {
 pub(crate) struct Resolver {
     inner: Option<TokioResolver>,
     timeout: Duration,
-    /// Where resolution time is counted, when served.
-    metrics: Option<Arc<Metrics>>,
-    failed_families: FailedFamilies,
-    /// Addresses each name's two lookups gave, until either expires.
-    answered: ByName<Vec<IpAddr>>,
+    /// Where resolution time is counted, when served: the `ok` and the
+    /// `error` histograms.
+    timings: Option<[Histogram; 2]>,
+    failed_families: Expiring<Family>,
+    /// The addresses of names resolved lately, each until one of its
+    /// families would be asked again ([`Resolver::lookup`]).
+    recent: Expiring<Arc<[IpAddr]>>,
 }
 
 /// How long a family that failed (while the other answered) is not asked.
 pub(crate) const FAILED_FAMILY_HOLD: Duration = Duration::from_secs(10);
-/// Names remembered at most; when full, expired entries go, then all.
-const FAILED_FAMILY_NAMES: usize = 4096;
+/// Names remembered at most (held families, recent addresses); when full,
+/// expired entries go, then all.
+const REMEMBERED_NAMES: usize = 4096;
 
 /// Why one family's query gave no addresses.
 #[derive(Debug, thiserror::Error)]
@@ -88,77 +93,39 @@ enum Family {
     V6,
 }
 
-/// A value per name until an instant, bounded to `cap` names: when full,
-/// expired entries go, then all.
-struct ByName<V> {
-    map: Mutex<HashMap<String, (V, Instant)>>,
-    cap: usize,
+/// Something known about names until a moment each: bounded to
+/// [`REMEMBERED_NAMES`]. Held families (a name whose A or AAAA query failed
+/// while the other family answered, each for [`FAILED_FAMILY_HOLD`]) and
+/// recent addresses.
+struct Expiring<V>(Mutex<HashMap<Box<str>, (V, Instant)>>);
+
+impl<V> Default for Expiring<V> {
+    fn default() -> Self {
+        Expiring(Mutex::new(HashMap::new()))
+    }
 }
 
-impl<V: Clone> ByName<V> {
-    fn new(cap: usize) -> ByName<V> {
-        ByName {
-            map: Mutex::default(),
-            cap,
-        }
-    }
-
-    /// The value held for `name`, while it has not expired at `now`.
-    fn get(&self, name: &str, now: Instant) -> Option<V> {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+impl<V: Clone> Expiring<V> {
+    /// What is known about `name` at `now`, and until when.
+    fn get(&self, name: &str, now: Instant) -> Option<(V, Instant)> {
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
         match map.get(name) {
-            Some((value, until)) if *until > now => Some(value.clone()),
+            Some((v, until)) if *until > now => Some((v.clone(), *until)),
             _ => None,
         }
     }
 
-    fn put(&self, name: &str, value: V, until: Instant, now: Instant) {
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= self.cap && !map.contains_key(name) {
+    fn put(&self, name: &str, v: V, until: Instant, now: Instant) {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= REMEMBERED_NAMES && !map.contains_key(name) {
             map.retain(|_, (_, until)| *until > now);
-            if map.len() >= self.cap {
+            if map.len() >= REMEMBERED_NAMES {
                 map.clear();
             }
         }
-        map.insert(name.to_string(), (value, until));
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.map.lock().unwrap().len()
+        map.insert(name.into(), (v, until));
     }
 }
-
-/// Names whose A or AAAA query failed while the other family answered:
-/// bounded, each for [`FAILED_FAMILY_HOLD`].
-struct FailedFamilies(ByName<(Family, Instant)>);
-
-impl Default for FailedFamilies {
-    fn default() -> FailedFamilies {
-        FailedFamilies(ByName::new(FAILED_FAMILY_NAMES))
-    }
-}
-
-impl FailedFamilies {
-    /// The family held for `name` at `now`, and until when.
-    fn held(&self, name: &str, now: Instant) -> Option<(Family, Instant)> {
-        self.0.get(name, now)
-    }
-
-    /// Hold `fam` for `name` from `now`: until the instant returned.
-    fn hold(&self, name: &str, fam: Family, now: Instant) -> Instant {
-        let until = now + FAILED_FAMILY_HOLD;
-        self.0.put(name, (fam, until), until, now);
-        until
-    }
-}
-
-/// Names whose addresses the resolver's cache gave in full (both families
-/// answered, with records or a negative answer that says for how long),
-/// each until the first of the two answers expires there: a connection to
-/// a name asked for moments ago takes its addresses without going through
-/// the cache's two lookups, and gets what they would have given.
-const ANSWERED_NAMES: usize = 4096;
 
 impl Resolver {
     pub(crate) fn new(
@@ -169,9 +136,9 @@ impl Resolver {
             return Ok(Resolver {
                 inner: None,
                 timeout,
-                metrics: None,
-                failed_families: FailedFamilies::default(),
-                answered: ByName::new(ANSWERED_NAMES),
+                timings: None,
+                failed_families: Expiring::default(),
+                recent: Expiring::default(),
             });
         }
         let servers = upstreams
@@ -203,15 +170,20 @@ impl Resolver {
         Ok(Resolver {
             inner: Some(inner),
             timeout,
-            metrics: None,
-            failed_families: FailedFamilies::default(),
-            answered: ByName::new(ANSWERED_NAMES),
+            timings: None,
+            failed_families: Expiring::default(),
+            recent: Expiring::default(),
         })
     }
 
     /// Count resolution time in `metrics`.
     pub(crate) fn with_metrics(mut self, metrics: Arc<Metrics>) -> Resolver {
-        self.metrics = Some(metrics);
+        let timing = |result| {
+            metrics
+                .resolve_duration_seconds
+                .with_label_values(&[result])
+        };
+        self.timings = Some([timing("ok"), timing("error")]);
         self
     }
 
@@ -225,97 +197,94 @@ impl Resolver {
     /// that family is not asked for this name for [`FAILED_FAMILY_HOLD`];
     /// the addresses dialled are still the other family's, decided as
     /// always.
-    ///
-    /// When both families answered, with records or with a negative answer
-    /// that says how long it holds, the addresses are kept until the first
-    /// of the two answers expires in the cache: the next connection to the
-    /// name within that time takes them at once.
     pub(crate) async fn lookup(&self, name: &str) -> Result<Vec<IpAddr>, ResolveError> {
-        let Some(inner) = &self.inner else {
-            return Err(ResolveError::NoUpstream);
-        };
         let started = Instant::now();
-        let outcome = match self.answered.get(name, started) {
-            Some(addrs) => Ok(addrs),
-            // Boxed: the lookups' state is large, and every future that
-            // awaits a decision would otherwise carry (and move) it.
-            None => Box::pin(self.ask(inner, name, started)).await,
-        };
-        if let Some(m) = &self.metrics {
-            m.resolve_duration_seconds
-                .with_label_values(&[if outcome.is_ok() { "ok" } else { "error" }])
-                .observe(started.elapsed().as_secs_f64());
+        if let Some((addrs, _)) = self.recent.get(name, started) {
+            self.time(true, started);
+            return Ok(addrs.to_vec());
         }
+        // Boxed: the lookups' state is large, and every future that awaits
+        // a decision would otherwise carry (and move) it.
+        let outcome = Box::pin(self.ask(name, started)).await;
+        self.time(outcome.is_ok(), started);
         outcome
     }
 
-    /// [`Resolver::lookup`] through the resolver's cache (and upstream):
-    /// both families side by side, each within `timeout`.
-    async fn ask(
-        &self,
-        inner: &TokioResolver,
-        name: &str,
-        started: Instant,
-    ) -> Result<Vec<IpAddr>, ResolveError> {
+    /// Count a resolution's time, when served.
+    fn time(&self, ok: bool, started: Instant) {
+        if let Some(t) = &self.timings {
+            t[usize::from(!ok)].observe(started.elapsed().as_secs_f64());
+        }
+    }
+
+    /// [`Resolver::lookup`] through the resolver's cache. Addresses found
+    /// are remembered in `recent` until the earliest moment the same lookup
+    /// could give something else: a family's answer expiring from the
+    /// cache, or a held family asked again. An outcome with a family that
+    /// found no records (which the cache may not keep) is not remembered.
+    async fn ask(&self, name: &str, started: Instant) -> Result<Vec<IpAddr>, ResolveError> {
+        let Some(inner) = &self.inner else {
+            return Err(ResolveError::NoUpstream);
+        };
         let fqdn = Name::from_ascii(format!("{name}.")).map_err(|e| ResolveError::Failed {
             name: name.to_string(),
             reason: e.to_string(),
         })?;
-        let held = self.failed_families.held(name, started);
-        let skip = |fam: Family| match held {
-            Some((f, until)) if f == fam => Some(until),
-            _ => None,
-        };
+        let held = self.failed_families.get(name, started);
         // Each family within `timeout` on its own: one that hangs (an
         // upstream that drops AAAA queries) fails alone, and the other's
-        // addresses still count. With each answer, until when the cache
-        // gives it (`None`: not known, so not remembered here); a family
-        // held is not asked until its hold ends.
+        // addresses still count.
         let timeout = self.timeout;
-        let family = |qtype: RecordType, held: Option<Instant>| {
+        let family = |qtype: RecordType, skip: bool| {
             let fqdn = fqdn.clone();
             async move {
-                if held.is_some() {
-                    return (None, held);
+                if skip {
+                    return None;
                 }
-                let (answer, until) =
-                    match tokio::time::timeout(timeout, inner.lookup(fqdn, qtype)).await {
-                        Err(_) => (Err(FamilyError::Timeout), None),
-                        Ok(Err(NetError::Dns(DnsError::NoRecordsFound(nr)))) => {
-                            let until = nr
-                                .negative_ttl
-                                .map(|ttl| Instant::now() + Duration::from_secs(u64::from(ttl)));
-                            (Err(FamilyError::NoRecords), until)
-                        }
-                        Ok(Err(NetError::Timeout)) => (Err(FamilyError::Timeout), None),
-                        Ok(Err(e)) => (Err(FamilyError::Other(e.to_string())), None),
-                        Ok(Ok(l)) => {
-                            let found = l
-                                .answers()
-                                .iter()
-                                .filter_map(|r| match &r.data {
-                                    RData::A(a) => Some(IpAddr::V4(a.0)),
-                                    RData::AAAA(a) => Some(IpAddr::V6(a.0)),
-                                    _ => None,
-                                })
-                                .collect::<Vec<IpAddr>>();
-                            (Ok(found), Some(l.valid_until()))
-                        }
-                    };
-                (Some(answer), until)
+                let answer = match tokio::time::timeout(timeout, inner.lookup(fqdn, qtype)).await {
+                    Err(_) => Err(FamilyError::Timeout),
+                    Ok(Err(NetError::Dns(DnsError::NoRecordsFound(_)))) => {
+                        Err(FamilyError::NoRecords)
+                    }
+                    Ok(Err(NetError::Timeout)) => Err(FamilyError::Timeout),
+                    Ok(Err(e)) => Err(FamilyError::Other(e.to_string())),
+                    Ok(Ok(l)) => Ok((
+                        l.answers()
+                            .iter()
+                            .filter_map(|r| match &r.data {
+                                RData::A(a) => Some(IpAddr::V4(a.0)),
+                                RData::AAAA(a) => Some(IpAddr::V6(a.0)),
+                                _ => None,
+                            })
+                            .collect::<Vec<IpAddr>>(),
+                        l.valid_until(),
+                    )),
+                };
+                Some(answer)
             }
         };
-        let ((v4, mut v4_until), (v6, mut v6_until)) = tokio::join!(
-            family(RecordType::A, skip(Family::V4)),
-            family(RecordType::AAAA, skip(Family::V6)),
+        let held_family = held.map(|(fam, _)| fam);
+        let (v4, v6) = tokio::join!(
+            family(RecordType::A, held_family == Some(Family::V4)),
+            family(RecordType::AAAA, held_family == Some(Family::V6)),
         );
         let mut addrs = Vec::new();
         let mut failure: Option<(Family, FamilyError)> = None;
+        // Until when this outcome stands; none once a family found nothing.
+        let mut until = held.map(|(_, until)| until);
+        let mut lasting = true;
         for (fam, answer) in [(Family::V4, v4), (Family::V6, v6)] {
             match answer {
-                None | Some(Err(FamilyError::NoRecords)) => {}
-                Some(Ok(found)) => addrs.extend(found),
+                None => {}
+                Some(Err(FamilyError::NoRecords)) => lasting = false,
+                Some(Ok((found, valid_until))) => {
+                    addrs.extend(found);
+                    until = Some(until.map_or(valid_until, |u| u.min(valid_until)));
+                }
                 Some(Err(f)) => {
+                    // Held from now: asked again once the hold ends.
+                    let hold = started + FAILED_FAMILY_HOLD;
+                    until = Some(until.map_or(hold, |u| u.min(hold)));
                     failure.get_or_insert((fam, f));
                 }
             }
@@ -333,16 +302,12 @@ impl Resolver {
             }),
             (false, failed) => {
                 if let Some((fam, _)) = failed {
-                    let until = Some(self.failed_families.hold(name, fam, started));
-                    match fam {
-                        Family::V4 => v4_until = until,
-                        Family::V6 => v6_until = until,
-                    }
+                    self.failed_families
+                        .put(name, fam, started + FAILED_FAMILY_HOLD, started);
                 }
-                // Both families answered (or one is held), and each says
-                // for how long.
-                if let (Some(a), Some(b)) = (v4_until, v6_until) {
-                    self.answered.put(name, addrs.clone(), a.min(b), started);
+                if let Some(until) = until.filter(|_| lasting) {
+                    self.recent
+                        .put(name, addrs.as_slice().into(), until, started);
                 }
                 Ok(addrs)
             }
@@ -391,13 +356,23 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::net::UdpSocket;
 
-    /// A loopback upstream whose `answer` fills the reply to each query
-    /// (`false`: no reply at all).
-    async fn upstream(
-        answer: impl Fn(&hickory_resolver::proto::op::Query, &mut Message) -> bool + Send + 'static,
-    ) -> SocketAddr {
+    /// A loopback upstream that answers A with 198.18.0.5 and AAAA with
+    /// `REFUSED` (or not at all, `drop_aaaa`), counting the AAAA queries.
+    async fn failing_aaaa(drop_aaaa: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+        let (addr, aaaa, _) = upstream_with(drop_aaaa, 300).await;
+        (addr, aaaa)
+    }
+
+    /// [`failing_aaaa`] with A answers of TTL `ttl`, counting A queries too.
+    async fn upstream_with(
+        drop_aaaa: bool,
+        ttl: u32,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
         let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = sock.local_addr().unwrap();
+        let aaaa = Arc::new(AtomicUsize::new(0));
+        let a = Arc::new(AtomicUsize::new(0));
+        let (counted, counted_a) = (aaaa.clone(), a.clone());
         tokio::spawn(async move {
             let mut buf = vec![0u8; 1500];
             loop {
@@ -414,31 +389,24 @@ mod tests {
                 let Some(q) = query.queries.first() else {
                     continue;
                 };
-                if answer(q, &mut reply) {
-                    let _ = sock.send_to(&reply.to_vec().unwrap(), from).await;
+                if q.query_type() == RecordType::AAAA {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    if drop_aaaa {
+                        continue;
+                    }
+                    reply.metadata.response_code = ResponseCode::Refused;
+                } else {
+                    counted_a.fetch_add(1, Ordering::SeqCst);
+                    reply.add_answer(Record::from_rdata(
+                        q.name().clone(),
+                        ttl,
+                        RData::A(A::new(198, 18, 0, 5)),
+                    ));
                 }
+                let _ = sock.send_to(&reply.to_vec().unwrap(), from).await;
             }
         });
-        addr
-    }
-
-    /// A loopback upstream that answers A with 198.18.0.5 and AAAA with
-    /// `REFUSED` (or not at all, `drop_aaaa`), counting the AAAA queries.
-    async fn failing_aaaa(drop_aaaa: bool) -> (SocketAddr, Arc<AtomicUsize>) {
-        let aaaa = Arc::new(AtomicUsize::new(0));
-        let counted = aaaa.clone();
-        let addr = upstream(move |q, reply| {
-            if q.query_type() == RecordType::AAAA {
-                counted.fetch_add(1, Ordering::SeqCst);
-                reply.metadata.response_code = ResponseCode::Refused;
-                return !drop_aaaa;
-            }
-            let a = RData::A(A::new(198, 18, 0, 5));
-            reply.add_answer(Record::from_rdata(q.name().clone(), 300, a));
-            true
-        })
-        .await;
-        (addr, aaaa)
+        (addr, aaaa, a)
     }
 
     #[tokio::test]
@@ -482,84 +450,48 @@ mod tests {
         drop(sock);
     }
 
-    /// A loopback upstream that answers A with 198.18.0.`last` (TTL `ttl`)
-    /// and AAAA with no records and an SOA (negative TTL 60), counting the A
-    /// queries.
-    async fn changing_a(ttl: u32, last: Arc<AtomicUsize>) -> (SocketAddr, Arc<AtomicUsize>) {
-        use hickory_resolver::proto::rr::rdata::SOA;
-        let asked = Arc::new(AtomicUsize::new(0));
-        let counted = asked.clone();
-        let addr = upstream(move |q, reply| {
-            if q.query_type() == RecordType::AAAA {
-                let zone = Name::from_ascii("test.").unwrap();
-                let soa = SOA::new(zone.clone(), zone.clone(), 1, 60, 60, 60, 60);
-                reply.add_authority(Record::from_rdata(zone, 60, RData::SOA(soa)));
-            } else {
-                counted.fetch_add(1, Ordering::SeqCst);
-                let octet = u8::try_from(last.load(Ordering::SeqCst)).unwrap();
-                let a = RData::A(A::new(198, 18, 0, octet));
-                reply.add_answer(Record::from_rdata(q.name().clone(), ttl, a));
-            }
-            true
-        })
-        .await;
-        (addr, asked)
-    }
-
-    #[tokio::test]
-    async fn answered_names_are_kept_until_the_first_answer_expires() {
-        let last = Arc::new(AtomicUsize::new(5));
-        let (upstream, asked) = changing_a(1, last.clone()).await;
-        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
-        let five = vec![IpAddr::from([198, 18, 0, 5])];
-        assert_eq!(resolver.lookup("kept.test").await.unwrap(), five);
-        assert_eq!(resolver.answered.len(), 1, "both families answered");
-        // The upstream changes its answer; within the TTL the name keeps
-        // the one it had, after it the new one is asked for and given.
-        last.store(6, Ordering::SeqCst);
-        assert_eq!(resolver.lookup("kept.test").await.unwrap(), five);
-        assert_eq!(asked.load(Ordering::SeqCst), 1);
-        tokio::time::sleep(Duration::from_millis(1100)).await;
-        let six = vec![IpAddr::from([198, 18, 0, 6])];
-        assert_eq!(resolver.lookup("kept.test").await.unwrap(), six);
-        assert_eq!(asked.load(Ordering::SeqCst), 2);
-    }
-
-    #[tokio::test]
-    async fn a_held_family_keeps_the_answer_no_longer_than_its_hold() {
-        let (upstream, aaaa) = failing_aaaa(false).await;
-        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
-        let before = Instant::now();
-        resolver.lookup("two.test").await.unwrap();
-        let asked = aaaa.load(Ordering::SeqCst);
-        resolver.lookup("two.test").await.unwrap();
-        assert_eq!(aaaa.load(Ordering::SeqCst), asked);
-        // The A answer's TTL is 300 s, the AAAA hold 10 s: the hold ends it.
-        let map = resolver.answered.map.lock().unwrap();
-        let (_, until) = map.get("two.test").expect("kept");
-        assert!(*until <= Instant::now() + FAILED_FAMILY_HOLD);
-        assert!(*until >= before + FAILED_FAMILY_HOLD);
-    }
-
     #[test]
-    fn held_families_expire_and_stay_bounded() {
-        let held = FailedFamilies::default();
+    fn remembered_names_expire_and_stay_bounded() {
+        let held = Expiring::default();
         let t0 = Instant::now();
-        held.hold("a.test", Family::V6, t0);
-        assert_eq!(
-            held.held("a.test", t0),
-            Some((Family::V6, t0 + FAILED_FAMILY_HOLD))
-        );
-        assert_eq!(held.held("b.test", t0), None);
-        assert_eq!(held.held("a.test", t0 + FAILED_FAMILY_HOLD), None);
-        for i in 0..FAILED_FAMILY_NAMES + 10 {
-            held.hold(&format!("n{i}.test"), Family::V4, t0);
+        let until = t0 + FAILED_FAMILY_HOLD;
+        held.put("a.test", Family::V6, until, t0);
+        assert_eq!(held.get("a.test", t0), Some((Family::V6, until)));
+        assert_eq!(held.get("b.test", t0), None);
+        assert_eq!(held.get("a.test", until), None);
+        for i in 0..REMEMBERED_NAMES + 10 {
+            held.put(&format!("n{i}.test"), Family::V4, until, t0);
         }
-        let len = held.0.len();
-        assert!(len <= FAILED_FAMILY_NAMES, "{len} names held");
+        let len = held.0.lock().unwrap().len();
+        assert!(len <= REMEMBERED_NAMES, "{len} names held");
         assert_eq!(
-            held.held(&format!("n{}.test", FAILED_FAMILY_NAMES + 9), t0),
-            Some((Family::V4, t0 + FAILED_FAMILY_HOLD))
+            held.get(&format!("n{}.test", REMEMBERED_NAMES + 9), t0),
+            Some((Family::V4, until))
         );
+    }
+
+    /// Addresses are remembered no longer than their answer's TTL: a name
+    /// whose upstream answer changes is asked again once the TTL ran out,
+    /// and a TTL of 0 is asked every time (a rebinding name gains nothing
+    /// from the proxy's memory).
+    #[tokio::test]
+    async fn addresses_are_remembered_for_their_ttl_only() {
+        let (upstream, _, a) = upstream_with(false, 1).await;
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        let want = vec![IpAddr::from([198, 18, 0, 5])];
+        for _ in 0..5 {
+            assert_eq!(resolver.lookup("ttl.test").await.unwrap(), want);
+        }
+        assert_eq!(a.load(Ordering::SeqCst), 1, "within the TTL: asked once");
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(resolver.lookup("ttl.test").await.unwrap(), want);
+        assert_eq!(a.load(Ordering::SeqCst), 2, "after the TTL: asked again");
+
+        let (upstream, _, a) = upstream_with(false, 0).await;
+        let resolver = Resolver::new(&[upstream], Duration::from_secs(2)).unwrap();
+        for _ in 0..3 {
+            assert_eq!(resolver.lookup("zero.test").await.unwrap(), want);
+        }
+        assert_eq!(a.load(Ordering::SeqCst), 3, "TTL 0: asked every time");
     }
 }
