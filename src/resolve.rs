@@ -203,7 +203,9 @@ impl Resolver {
             self.time(true, started);
             return Ok(addrs.to_vec());
         }
-        let outcome = self.ask(name, started).await;
+        // Boxed: the lookups' state is large, and every future that awaits
+        // a decision would otherwise carry (and move) it.
+        let outcome = Box::pin(self.ask(name, started)).await;
         self.time(outcome.is_ok(), started);
         outcome
     }

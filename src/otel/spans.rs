@@ -10,6 +10,8 @@
 //! every call here records nothing.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{FutureExt as _, SpanKind, TraceContextExt, Tracer as _, WithContext};
@@ -99,8 +101,8 @@ fn child(name: &'static str) -> Context {
 }
 
 /// Run `fut` as the step `name` of the current connection or request.
-pub(crate) fn step<F: Future>(name: &'static str, fut: F) -> WithContext<F> {
-    fut.with_context(child(name))
+pub(crate) fn step<F: Future>(name: &'static str, fut: F) -> Within<F> {
+    within(child(name), fut)
 }
 
 /// [`step`] for a fallible step: an `Err` marks the span failed, with why.
@@ -109,7 +111,7 @@ pub(crate) async fn step_result<T, E: std::fmt::Display, F: Future<Output = Resu
     fut: F,
 ) -> Result<T, E> {
     let cx = child(name);
-    let out = fut.with_context(cx.clone()).await;
+    let out = within(cx.clone(), fut).await;
     if let Err(e) = &out {
         cx.span()
             .set_status(opentelemetry::trace::Status::error(e.to_string()));
@@ -129,8 +131,36 @@ pub(crate) fn annotate(attrs: impl IntoIterator<Item = (&'static str, Value)>) {
 }
 
 /// Attach `cx` to `fut` (a task spawned for a connection keeps its span).
-pub(crate) fn within<F: Future>(cx: Context, fut: F) -> WithContext<F> {
-    fut.with_context(cx)
+/// Without the export the context is empty and `fut` runs bare: nothing
+/// is attached on each of its polls.
+pub(crate) fn within<F: Future>(cx: Context, fut: F) -> Within<F> {
+    if cx.has_active_span() || cx.get::<TracerOf>().is_some() {
+        Within::Traced {
+            fut: fut.with_context(cx),
+        }
+    } else {
+        Within::Bare { fut }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future under a connection's context ([`within`]).
+    #[project = WithinProj]
+    pub(crate) enum Within<F> {
+        Traced { #[pin] fut: WithContext<F> },
+        Bare { #[pin] fut: F },
+    }
+}
+
+impl<F: Future> Future for Within<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<F::Output> {
+        match self.project() {
+            WithinProj::Traced { fut } => fut.poll(cx),
+            WithinProj::Bare { fut } => fut.poll(cx),
+        }
+    }
 }
 
 /// The current context, to carry into a spawned task or a service.

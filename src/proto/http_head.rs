@@ -118,38 +118,98 @@ pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>
     if head.is_empty() {
         return Parse::NeedMore;
     }
-    let mut headers = vec![httparse::EMPTY_HEADER; max_headers];
-    let mut req = httparse::Request::new(&mut headers);
-    let len = match req.parse(head) {
-        Ok(httparse::Status::Complete(len)) => len,
-        Ok(httparse::Status::Partial) => return Parse::NeedMore,
-        Err(httparse::Error::TooManyHeaders) => return Parse::Malformed("too many headers"),
-        Err(_) => return Parse::Malformed("malformed request head"),
-    };
-    let version = match req.version {
-        Some(1) => http::Version::HTTP_11,
-        Some(0) => http::Version::HTTP_10,
-        _ => return Parse::Malformed("unknown HTTP version"),
-    };
-    let mut built = http::Request::builder()
-        .method(req.method.unwrap_or_default())
-        .uri(req.path.unwrap_or_default())
-        .version(version);
-    for h in req.headers.iter() {
-        built = built.header(h.name, h.value);
+    let built = with_header_slots(max_headers, |slots| {
+        let mut req = httparse::Request::new(slots);
+        let len = match req.parse(head)? {
+            httparse::Status::Complete(len) => len,
+            httparse::Status::Partial => return Ok(Parse::NeedMore),
+        };
+        let version = match req.version {
+            Some(1) => http::Version::HTTP_11,
+            Some(0) => http::Version::HTTP_10,
+            _ => return Ok(Parse::Malformed("unknown HTTP version")),
+        };
+        let mut built = http::Request::builder()
+            .method(req.method.unwrap_or_default())
+            .uri(req.path.unwrap_or_default())
+            .version(version);
+        for h in req.headers.iter() {
+            built = built.header(h.name, h.value);
+        }
+        Ok(match built.body(()) {
+            Ok(value) => Parse::Done {
+                value,
+                len: skip + len,
+            },
+            Err(_) => Parse::Malformed("request line or header not valid"),
+        })
+    });
+    match built {
+        Ok(parsed) => parsed,
+        Err(httparse::Error::TooManyHeaders) => Parse::Malformed("too many headers"),
+        Err(_) => Parse::Malformed("malformed request head"),
     }
-    match built.body(()) {
-        Ok(value) => Parse::Done {
-            value,
-            len: skip + len,
-        },
-        Err(_) => Parse::Malformed("request line or header not valid"),
+}
+
+/// Header slots kept on the stack for one parse; a head with more headers
+/// is parsed again into as many as allowed.
+const STACK_HEADER_SLOTS: usize = 32;
+
+/// Run `parse` over header slots for at most `max` headers: first over a
+/// few on the stack, and again over all `max` (allocated) only when those
+/// were too few, that is when it returned
+/// `Err(httparse::Error::TooManyHeaders)`. A head parses as it would into
+/// `max` slots at once, without allocating and filling them for the
+/// common head of a few headers.
+pub(crate) fn with_header_slots<'b, T>(
+    max: usize,
+    mut parse: impl FnMut(&mut [httparse::Header<'b>]) -> Result<T, httparse::Error>,
+) -> Result<T, httparse::Error> {
+    let mut slots = [httparse::EMPTY_HEADER; STACK_HEADER_SLOTS];
+    if let Some(enough) = slots.get_mut(..max) {
+        return parse(enough);
+    }
+    match parse(&mut slots) {
+        Err(httparse::Error::TooManyHeaders) => parse(&mut vec![httparse::EMPTY_HEADER; max]),
+        other => other,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn heads_with_more_headers_than_the_stack_slots_parse_up_to_the_bound() {
+        let head = |n: usize| {
+            let mut h = b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n".to_vec();
+            for i in 1..n {
+                h.extend_from_slice(format!("X-{i}: v\r\n").as_bytes());
+            }
+            h.extend_from_slice(b"\r\n");
+            h
+        };
+        for n in [1, STACK_HEADER_SLOTS, STACK_HEADER_SLOTS + 1, 100] {
+            match request(&head(n), 100) {
+                Parse::Done { value, len } => {
+                    assert_eq!(value.headers().len(), n);
+                    assert_eq!(len, head(n).len());
+                }
+                other => panic!("{n} headers: {other:?}"),
+            }
+        }
+        for (n, max) in [(101, 100), (3, 2)] {
+            let got = request(&head(n), max);
+            assert!(
+                matches!(got, Parse::Malformed("too many headers")),
+                "{got:?}"
+            );
+        }
+        // A partial head past the stack slots still needs more.
+        let partial = head(40);
+        let got = request(&partial[..partial.len() - 2], 100);
+        assert!(matches!(got, Parse::NeedMore), "{got:?}");
+    }
 
     const GET: &[u8] = b"GET /x HTTP/1.1\r\nHost: Allowed.test\r\nAccept: */*\r\n\r\nbody";
 

@@ -51,6 +51,7 @@
 use std::collections::VecDeque;
 
 use super::guard::{Limits, Step, Violation, ViolationKind};
+use super::http_head::with_header_slots;
 use super::target::{parse_authority, Host, TargetError};
 
 /// Longest chunk-size line (size, extensions, CRLF).
@@ -340,8 +341,10 @@ impl HttpGuard {
         // denied before the head ends.
         if scan.line_end.is_some_and(|l| scan.last_lf > l) && scan.last_lf > scan.checked_lf {
             let lines = held.get(..scan.last_lf).unwrap_or_default();
-            let mut headers = vec![httparse::EMPTY_HEADER; self.limits.max_headers];
-            match httparse::Request::new(&mut headers).parse(lines) {
+            let parsed = with_header_slots(self.limits.max_headers, |slots| {
+                httparse::Request::new(slots).parse(lines)
+            });
+            match parsed {
                 Ok(httparse::Status::Partial) => self.scan.checked_lf = scan.last_lf,
                 Err(httparse::Error::TooManyHeaders) => {
                     return Inner::Stop(Step::Deny(malformed("too many request headers")))
@@ -360,12 +363,16 @@ impl HttpGuard {
 
     /// A complete head (`head` is exactly its bytes): verify, then commit.
     fn complete_head(&mut self, head: &[u8]) -> Inner {
-        let mut headers = vec![httparse::EMPTY_HEADER; self.limits.max_headers];
-        let mut req = httparse::Request::new(&mut headers);
-        let verdict = match req.parse(head) {
-            Ok(httparse::Status::Complete(n)) if n == head.len() => {
-                judge(&req, &self.host, self.port)
-            }
+        let (host, port) = (&self.host, self.port);
+        let judged = with_header_slots(self.limits.max_headers, |slots| {
+            let mut req = httparse::Request::new(slots);
+            Ok(match req.parse(head)? {
+                httparse::Status::Complete(n) if n == head.len() => Some(judge(&req, host, port)),
+                _ => None,
+            })
+        });
+        let verdict = match judged {
+            Ok(Some(judged)) => judged,
             Err(httparse::Error::TooManyHeaders) => Err(malformed("too many request headers")),
             _ => Err(malformed("malformed request head")),
         };
@@ -726,6 +733,15 @@ impl HeadScan {
                     return;
                 }
                 Phase::Line => self.line(b, i),
+                // Inside a field line only its LF matters: go to it at once.
+                Phase::Fields(0) if b != b'\n' => {
+                    let rest = buf.get(i..stop).unwrap_or_default();
+                    match rest.iter().position(|&c| c == b'\n') {
+                        Some(at) => self.pos = i + at,
+                        None => self.pos = stop,
+                    }
+                    continue;
+                }
                 Phase::Fields(after) => match (after, b) {
                     (1 | 2, b'\n') => {
                         self.end = Some(i + 1);
@@ -1154,14 +1170,19 @@ impl Upstream {
             return None;
         };
         self.scan = HeadScan::default();
-        let mut headers = vec![httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
-        let mut resp = httparse::Response::new(&mut headers);
-        let code = match resp.parse(buf.get(..end).unwrap_or_default()) {
-            Ok(httparse::Status::Complete(n)) if n == end => resp.code.unwrap_or_default(),
-            _ => {
-                self.lose("malformed response head");
-                return None;
-            }
+        let head = buf.get(..end).unwrap_or_default();
+        let parsed = with_header_slots(MAX_RESPONSE_HEADERS, |slots| {
+            let mut resp = httparse::Response::new(slots);
+            Ok(match resp.parse(head)? {
+                httparse::Status::Complete(n) if n == end => {
+                    resp.code.map(|code| (code, framing(resp.headers)))
+                }
+                _ => None,
+            })
+        });
+        let Ok(Some((code, framing))) = parsed else {
+            self.lose("malformed response head");
+            return None;
         };
         let is_head = self.inflight.front().copied().unwrap_or_default();
         match code {
@@ -1186,38 +1207,56 @@ impl Upstream {
         if self.upgrade == Some(self.answered) {
             self.upgrade = None;
         }
-        let named = |name: &'static str| {
-            resp.headers
-                .iter()
-                .filter(move |h| h.name.eq_ignore_ascii_case(name))
-                .map(|h| h.value)
-        };
         // RFC 9112 §6.3.
         self.state = if is_head || code == 204 || code == 304 {
             Up::Head
-        } else if named("transfer-encoding").next().is_some() {
-            let last = named("transfer-encoding")
-                .flat_map(list_items)
-                .filter(|c| !c.is_empty())
-                .last();
-            if last.is_some_and(|c| c.eq_ignore_ascii_case(b"chunked")) {
-                Up::Chunked(Chunked::default())
-            } else {
-                Up::UntilClose
-            }
         } else {
-            let values: Vec<&[u8]> = named("content-length").collect();
-            match content_length(&values) {
-                Ok(Some(0)) => Up::Head,
-                Ok(Some(n)) => Up::Body(n),
-                Ok(None) => Up::UntilClose,
-                Err(why) => {
+            match framing {
+                ResponseFraming::Chunked => Up::Chunked(Chunked::default()),
+                ResponseFraming::UntilClose | ResponseFraming::Length(Ok(None)) => Up::UntilClose,
+                ResponseFraming::Length(Ok(Some(0))) => Up::Head,
+                ResponseFraming::Length(Ok(Some(n))) => Up::Body(n),
+                ResponseFraming::Length(Err(why)) => {
                     self.lose(why);
                     return None;
                 }
             }
         };
         Some(end)
+    }
+}
+
+/// What a response head's fields say of its body's framing (RFC 9112
+/// §6.3), for a status that has a body.
+enum ResponseFraming {
+    /// Transfer-Encoding whose last coding is chunked.
+    Chunked,
+    /// Transfer-Encoding ending in another coding: the body runs to the close.
+    UntilClose,
+    /// No Transfer-Encoding: the Content-Length, if any (or why it is bad).
+    Length(Result<Option<u64>, &'static str>),
+}
+
+fn framing(headers: &[httparse::Header<'_>]) -> ResponseFraming {
+    let named = |name: &'static str| {
+        headers
+            .iter()
+            .filter(move |h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value)
+    };
+    if named("transfer-encoding").next().is_some() {
+        let last = named("transfer-encoding")
+            .flat_map(list_items)
+            .filter(|c| !c.is_empty())
+            .last();
+        if last.is_some_and(|c| c.eq_ignore_ascii_case(b"chunked")) {
+            ResponseFraming::Chunked
+        } else {
+            ResponseFraming::UntilClose
+        }
+    } else {
+        let values: Vec<&[u8]> = named("content-length").collect();
+        ResponseFraming::Length(content_length(&values))
     }
 }
 

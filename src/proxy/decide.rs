@@ -282,7 +282,9 @@ pub(crate) async fn decide_with(
     let mut grant_requests = false;
     let (decision, said) = match policy.decide_for_org(org, host, port) {
         Decision::Final(v) if v.reason == Reason::NoMatchingRule => {
-            match missed(policy, asker, org, (host, port)).await {
+            // Boxed: the miss hook's state is large (it may ask the
+            // decider), and every decision would otherwise carry and move it.
+            match Box::pin(missed(policy, asker, org, (host, port))).await {
                 (Ok((decision, requests)), said) => {
                     grant_requests = requests;
                     (decision, said)

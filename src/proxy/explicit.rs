@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes};
 use http::header;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
@@ -116,7 +116,6 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
     let cap = limits.max_request_head_bytes + HYPER_HEAD_SLACK;
     let max_headers = limits.max_headers + HYPER_HEADERS_SLACK;
     let deadline = tokio::time::Instant::now() + limits.header_read_timeout.get();
-    let mut chunk = [0u8; 2048];
     loop {
         if !held.is_empty() {
             match http_head::request(held, max_headers) {
@@ -127,13 +126,17 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
                 _ => return First::Http,
             }
         }
-        let room = chunk.len().min(cap - held.len());
+        // Read straight into `held` (no buffer in this future's state, which
+        // is moved into its box), at most `READ_CHUNK` bytes at a time.
+        let room = READ_CHUNK.min(cap - held.len());
+        held.reserve(room);
+        let mut into = (&mut *held).limit(room);
         let read = tokio::select! {
             _ = ctx.shutdown.cancelled() => None,
-            r = tokio::time::timeout_at(deadline, stream.read(&mut chunk[..room])) => Some(r),
+            r = tokio::time::timeout_at(deadline, stream.read_buf(&mut into)) => Some(r),
         };
         match read {
-            Some(Ok(Ok(n))) if n > 0 => held.extend_from_slice(&chunk[..n]),
+            Some(Ok(Ok(n))) if n > 0 => {}
             Some(Err(_)) => return First::TimedOut,
             // Shutdown, a close or a read error: what hyper makes of the
             // bytes so far (nothing, or a parse error it answers).
@@ -142,6 +145,9 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
         }
     }
 }
+
+/// The most [`read_first`] reads at a time.
+const READ_CHUNK: usize = 2048;
 
 /// A CONNECT the tunnel takes alone: HTTP/1.1, no body framing and no
 /// expectation (anything else is hyper's to answer, as before).
