@@ -75,6 +75,75 @@ fn shown_text(qname: &str) -> String {
     super::decide::shown_name(qname).unwrap_or_else(|| qname.chars().take(MAX_SHOWN_NAME).collect())
 }
 
+/// What [`Shim::kept_now`] made of a query.
+pub(crate) enum Now {
+    /// Not a kept answer: nothing was done, [`Shim::respond_wire`] answers it.
+    Elsewhere,
+    /// Answered: the response (empty: none).
+    Answered(Vec<u8>),
+    /// Refused before its decision: [`Shim::refused_wire`] records and
+    /// answers it.
+    Refused(Box<Refused>),
+    /// Its record waits for the writer: [`Shim::kept_later`] writes it
+    /// and answers.
+    Later(Box<Later>),
+}
+
+/// A query [`Shim::kept_now`] refused for a limit, for
+/// [`Shim::refused_wire`].
+pub(crate) struct Refused {
+    pub state: QueryState,
+    /// The name as asked ([`Question::shown`]).
+    pub shown: String,
+    pub limit: &'static str,
+    /// Its place in the query budgets, when it had taken one.
+    pub held: Option<InFlight>,
+}
+
+impl Refused {
+    fn new(
+        state: QueryState,
+        q: &Question<'_>,
+        limit: &'static str,
+        held: Option<InFlight>,
+    ) -> Refused {
+        Refused {
+            state,
+            shown: q.shown(),
+            limit,
+            held,
+        }
+    }
+}
+
+/// A kept answer whose record waits, for [`Shim::kept_later`].
+pub(crate) struct Later {
+    state: QueryState,
+    kept: Arc<Kept>,
+    org: OrgRef,
+    reply: Reply,
+    held: InFlight,
+    started: Instant,
+    now: Instant,
+}
+
+/// What forwarding made of a query, into its state (for its record) and
+/// its reply (its TTLs counted down by `spent` seconds), before the
+/// record is written.
+fn delivering(state: &mut QueryState, fwd: &Forwarded, spent: u32) -> Reply {
+    state.verdict = fwd.verdict.clone();
+    state.name = Some(fwd.host.clone());
+    state.answers = fwd.described.clone();
+    state.upstream = true;
+    state.detail = fwd.detail.clone();
+    Reply {
+        rcode: fwd.rcode,
+        answers: fwd.answers.clone(),
+        ede: None,
+        spent,
+    }
+}
+
 impl Shim {
     /// Answer one decoded request: the encoded response (see
     /// [`super::encode`]).
@@ -172,16 +241,9 @@ impl Shim {
         let _held = match self.admit(&state) {
             Ok(held) => held,
             Err(limit) => {
-                let reply = self
-                    .refuse_early(
-                        &mut state,
-                        shown(),
-                        Reason::LimitExceeded,
-                        limit,
-                        Duration::ZERO,
-                    )
-                    .await;
-                return encode_raw(raw, src, protocol, &reply);
+                return self
+                    .refused_wire(state, q.shown(), limit, raw, src, protocol)
+                    .await
             }
         };
         // The class is IN: nothing else is read from the wire.
@@ -203,6 +265,134 @@ impl Shim {
             .decided(&served, &mut state, info.query, key, started, now)
             .await;
         encode(&request, &reply, protocol)
+    }
+
+    /// A plain query whose answer is kept ([`Shim::respond_wire`]'s
+    /// common case), answered at once on the caller's thread: admitted,
+    /// paid for, recorded ([`crate::evidence::Evidence::write_now`]) and
+    /// encoded without a future, a task or a round. [`Now::Elsewhere`]
+    /// (nothing done) when its answer is not kept; what needs to wait (a
+    /// refusal's record, a record while another caller writes) is handed
+    /// back to be finished by [`Shim::refused_wire`] or
+    /// [`Shim::kept_later`], as the same steps.
+    pub(crate) fn kept_now(
+        &self,
+        q: &Question<'_>,
+        raw: &[u8],
+        src: SocketAddr,
+        protocol: Protocol,
+    ) -> Now {
+        let started = Instant::now();
+        let served = self.served.load_full();
+        let mut state = QueryState::new(&served, src);
+        let qtype = RecordType::from(q.qtype);
+        state.qtype = Some(qtype);
+        let now = Instant::now();
+        let Some(key) = Self::key(&state, q.lower_name(), qtype) else {
+            return Now::Elsewhere;
+        };
+        let Some(kept) = self.cache.get(&served, &key, now) else {
+            return Now::Elsewhere;
+        };
+        // Kept answers are keyed by org: this client has one.
+        let Some(org) = state.org.clone() else {
+            return Now::Elsewhere;
+        };
+        let held = match self.admit(&state) {
+            Ok(held) => held,
+            Err(limit) => return Now::Refused(Box::new(Refused::new(state, q, limit, None))),
+        };
+        if let Err(limit) = self.refusals.pay(&Some(org.name.clone())) {
+            return Now::Refused(Box::new(Refused::new(state, q, limit, Some(held))));
+        }
+        let reply = delivering(&mut state, &kept.fwd, kept.age(now));
+        let mut rec = state.record();
+        let Some(written) = self.evidence.write_now(&mut rec) else {
+            return Now::Later(Box::new(Later {
+                state,
+                kept,
+                org,
+                reply,
+                held,
+                started,
+                now,
+            }));
+        };
+        let written = written.map(|()| rec).map_err(|e| e.to_string());
+        let reply = self.kept_reply(&mut state, &org, &kept, reply, written, started, now);
+        drop(held);
+        Now::Answered(encode_kept(&kept, q, raw, src, protocol, &reply))
+    }
+
+    /// The rest of [`Shim::kept_now`] for a record that had to wait:
+    /// written as [`Shim::finish`] writes it, then answered the same way.
+    pub(crate) async fn kept_later(
+        &self,
+        later: Later,
+        raw: &[u8],
+        src: SocketAddr,
+        protocol: Protocol,
+    ) -> Vec<u8> {
+        let Later {
+            mut state,
+            kept,
+            org,
+            reply,
+            held,
+            started,
+            now,
+        } = later;
+        let Some(q) = super::wire::question(raw) else {
+            return Vec::new();
+        };
+        let written = self.write(None, state.record()).await;
+        let reply = self.kept_reply(&mut state, &org, &kept, reply, written, started, now);
+        let bytes = encode_kept(&kept, &q, raw, src, protocol, &reply);
+        drop(held);
+        bytes
+    }
+
+    /// A plain query refused before its decision for `limit` (the
+    /// client's query rate, the query budgets, the org's evidence budget):
+    /// recorded as a refusal, answered REFUSED.
+    pub(crate) async fn refused_wire(
+        &self,
+        mut state: QueryState,
+        shown: String,
+        limit: &'static str,
+        raw: &[u8],
+        src: SocketAddr,
+        protocol: Protocol,
+    ) -> Vec<u8> {
+        let reply = self
+            .refuse_early(
+                &mut state,
+                shown_text(&shown),
+                Reason::LimitExceeded,
+                limit,
+                Duration::ZERO,
+            )
+            .await;
+        encode_raw(raw, src, protocol, &reply)
+    }
+
+    /// A kept answer's reply once its record was written (or not), its
+    /// addresses bound, timed as a decision.
+    #[allow(clippy::too_many_arguments)]
+    fn kept_reply(
+        &self,
+        state: &mut QueryState,
+        org: &OrgRef,
+        kept: &Kept,
+        reply: Reply,
+        written: round::Outcome,
+        started: Instant,
+        now: Instant,
+    ) -> Reply {
+        let reply = self.finished(state, reply, written);
+        let reply = self.delivered(org, &kept.fwd, reply, now);
+        self.metrics.time_decision(Mode::Dns, started.elapsed());
+        reply
     }
 
     /// The cache's key for `name` (in lower case on the wire) asked by
@@ -697,18 +887,14 @@ impl Shim {
         spent: u32,
         now: Instant,
     ) -> Reply {
-        state.verdict = fwd.verdict.clone();
-        state.name = Some(fwd.host.clone());
-        state.answers = fwd.described.clone();
-        state.upstream = true;
-        state.detail = fwd.detail.clone();
-        let reply = Reply {
-            rcode: fwd.rcode,
-            answers: fwd.answers.clone(),
-            ede: None,
-            spent,
-        };
-        let mut reply = self.finish(state, reply).await;
+        let reply = delivering(state, fwd, spent);
+        let reply = self.finish(state, reply).await;
+        self.delivered(org, fwd, reply, now)
+    }
+
+    /// After [`delivering`] and the record: bind the answer's addresses
+    /// (unless its record was not written) and say what was filtered.
+    fn delivered(&self, org: &OrgRef, fwd: &Forwarded, mut reply: Reply, now: Instant) -> Reply {
         if fwd.filtered {
             if let Some((_, text)) = &mut reply.ede {
                 text.push_str("; answer addresses removed");
@@ -738,8 +924,13 @@ impl Shim {
     /// Write the record of an answer before it is sent (with its round's,
     /// when it came in one); without evidence, no answer (SERVFAIL,
     /// `evidence_unavailable`).
-    async fn finish(&self, state: &mut QueryState, mut reply: Reply) -> Reply {
+    async fn finish(&self, state: &mut QueryState, reply: Reply) -> Reply {
         let written = self.write(state.round.as_deref(), state.record()).await;
+        self.finished(state, reply, written)
+    }
+
+    /// [`Shim::finish`] once the record was `written` (or not).
+    fn finished(&self, state: &mut QueryState, mut reply: Reply, written: round::Outcome) -> Reply {
         let rec = match written {
             Ok(rec) => rec,
             Err(e) => {
@@ -1230,6 +1421,61 @@ host = "allowed.test"
         }
         assert_eq!(recs[0]["org"], "acme");
         assert_eq!(recs[2]["org"], "beta");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A kept answer answered at once ([`Shim::kept_now`], the UDP
+    /// listener's path for a round of one query) is the response and the
+    /// record [`Shim::respond_wire`] makes of it; a question with nothing
+    /// kept for it is left alone, nothing recorded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kept_answer_answered_now_is_the_wire_paths_answer() {
+        let (up, _) = upstream().await;
+        let dir = crate::testing::scratch("dnsnow");
+        let shim = shim(&dir, up, true);
+        let mut id = 11u16;
+        let mut ask = |qname: &str, payload| {
+            id += 1;
+            raw_query(id, qname, RecordType::A, false, payload)
+        };
+        let src = SocketAddr::new(ACME.parse().unwrap(), 40000);
+        let first = ask("allowed.test.", None);
+        let q = crate::dns::wire::question(&first).unwrap();
+        assert!(matches!(
+            shim.kept_now(&q, &first, src, Protocol::Udp),
+            Now::Elsewhere
+        ));
+        let names = [
+            "allowed.test.",
+            "AlLoWeD.tEsT.",
+            "private.test.",
+            "nx.test.",
+        ];
+        for (i, qname) in names.into_iter().enumerate() {
+            let payload = [None, Some(1232)][i % 2];
+            let raw = ask(qname, payload);
+            let q = crate::dns::wire::question(&raw).unwrap();
+            shim.respond_wire(&q, &raw, src, Protocol::Udp, None).await;
+            let by_wire = shim.respond_wire(&q, &raw, src, Protocol::Udp, None).await;
+            let Now::Answered(now) = shim.kept_now(&q, &raw, src, Protocol::Udp) else {
+                panic!("{qname}: kept, answered at once");
+            };
+            same_response(&by_wire, &now, qname);
+        }
+        let refused = ask("nope.test.", None);
+        let q = crate::dns::wire::question(&refused).unwrap();
+        shim.respond_wire(&q, &refused, src, Protocol::Udp, None)
+            .await;
+        assert!(matches!(
+            shim.kept_now(&q, &refused, src, Protocol::Udp),
+            Now::Elsewhere
+        ));
+        let recs = records(&shim, &dir).await;
+        assert_eq!(recs.len(), 3 * names.len() + 1, "{recs:#?}");
+        for three in recs[..3 * names.len()].chunks(3) {
+            assert_eq!(three[1], three[2]);
+            assert_eq!(three[2]["upstream"], true);
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -185,7 +185,16 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
         let mut taken = 0;
         while let Some((n, src)) = got.take() {
             taken += 1;
-            if let Some(mut answer) = udp_answer(&socket, &shim, &round, &buf[..n], src) {
+            // A round of one datagram: a kept answer goes at once.
+            let answer = match more {
+                false => udp_now(&socket, &shim, &buf[..n], src),
+                true => Err(()),
+            };
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(()) => udp_answer(&socket, &shim, &round, &buf[..n], src),
+            };
+            if let Some(mut answer) = answer {
                 // Most answers (a cached name, a refusal) wait for nothing
                 // but the round's records, or not even those.
                 if ready_at_once(answer.as_mut()).is_pending() {
@@ -223,6 +232,70 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
     tasks.wait().await;
 }
 
+/// An answer to send, or the rest of its work.
+type UdpAnswer = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
+
+/// A plain query whose answer is kept, answered straight away
+/// ([`Shim::kept_now`]): `Ok(None)` once sent, `Ok(Some(_))` what is left
+/// to do (a refusal, a record that waits for the writer, a full socket);
+/// `Err(())`, with nothing done, for any other datagram.
+fn udp_now(
+    socket: &Arc<UdpSocket>,
+    shim: &ShimHandle,
+    raw: &[u8],
+    src: SocketAddr,
+) -> Result<Option<UdpAnswer>, ()> {
+    let q = wire::question(raw).filter(|_| replyable(src)).ok_or(())?;
+    let client = SocketAddr::new(src.ip().to_canonical(), src.port());
+    let rest = match shim.kept_now(&q, raw, client, Protocol::Udp) {
+        answer::Now::Elsewhere => return Err(()),
+        answer::Now::Answered(resp) => {
+            if resp.is_empty() {
+                return Ok(None);
+            }
+            return Ok(match socket.try_send_to(&resp, src) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let socket = socket.clone();
+                    Some(Box::pin(async move { send(&socket, &resp, src).await }))
+                }
+                Err(e) => {
+                    debug!(client = %src, error = %e, "dns: sending the response failed");
+                    None
+                }
+                Ok(_) => None,
+            });
+        }
+        rest => rest,
+    };
+    let (shim, socket, raw) = (shim.clone(), socket.clone(), raw.to_vec());
+    Ok(Some(Box::pin(async move {
+        let resp = match rest {
+            answer::Now::Refused(r) => {
+                let held = r.held;
+                let resp = shim
+                    .refused_wire(r.state, r.shown, r.limit, &raw, client, Protocol::Udp)
+                    .await;
+                drop(held);
+                resp
+            }
+            answer::Now::Later(later) => shim.kept_later(*later, &raw, client, Protocol::Udp).await,
+            answer::Now::Elsewhere | answer::Now::Answered(_) => Vec::new(),
+        };
+        send(&socket, &resp, src).await;
+    })))
+}
+
+/// Send `resp` (if any) to `src`; a failure is only logged (the client
+/// asks again).
+async fn send(socket: &UdpSocket, resp: &[u8], src: SocketAddr) {
+    if resp.is_empty() {
+        return;
+    }
+    if let Err(e) = socket.send_to(resp, src).await {
+        debug!(client = %src, error = %e, "dns: sending the response failed");
+    }
+}
+
 /// The answer to one datagram, sent straight back on the socket when it
 /// is ready (none for an address that cannot be answered); the caller
 /// bounds its time once it waits beyond its round.
@@ -232,7 +305,7 @@ fn udp_answer(
     round: &Arc<Round>,
     raw: &[u8],
     src: SocketAddr,
-) -> Option<Pin<Box<impl Future<Output = ()> + Send + 'static>>> {
+) -> Option<UdpAnswer> {
     if !replyable(src) {
         debug!(client = %src, "dns: datagram from an address that cannot be answered");
         return None;

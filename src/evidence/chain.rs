@@ -291,28 +291,41 @@ impl Prepared {
     /// Chain the record as number `seq` after the record whose hash is
     /// `prev`: append its line (with `\n`) to `out` and return its hash.
     /// The line is byte for byte what [`seal_line`] makes of the record.
+    ///
+    /// The hash covers the line without `hash`: the body with `prev` and
+    /// `seq` in their places, hashed piece by piece; then the line is
+    /// written once, in order, with `hash` in its place too.
     pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
-        let start = out.len();
         let [at_hash, at_prev, at_seq] = self.at;
-        let mut prev_value = Vec::with_capacity(prev.len() + 2);
-        string_into(prev, &mut prev_value);
-        out.reserve(self.body.len() + 160);
-        out.extend_from_slice(&self.body[..at_prev]);
-        self.field_into("prev", &prev_value, at_prev, out);
-        out.extend_from_slice(&self.body[at_prev..at_seq]);
-        self.field_into("seq", seq.to_string().as_bytes(), at_seq, out);
-        out.extend_from_slice(&self.body[at_seq..]);
-        // The hash covers the line without `hash`; it goes in before `prev`.
-        let hash = HEXLOWER.encode(&Sha256::digest(&out[start..]));
-        let mut field = Vec::with_capacity(80);
-        self.field_into(
-            "hash",
-            format!("\"{hash}\"").as_bytes(),
-            at_hash,
-            &mut field,
-        );
-        let pos = start + at_hash;
-        out.splice(pos..pos, field);
+        // `"prev":"…"` and `"seq":N` with their commas, one after the other.
+        let mut fields = Vec::with_capacity(prev.len() + 48);
+        let mut value = Vec::with_capacity(prev.len() + 2);
+        string_into(prev, &mut value);
+        self.field_into("prev", &value, at_prev, &mut fields);
+        let prev_end = fields.len();
+        let mut digits = [0u8; 20];
+        self.field_into("seq", decimal(seq, &mut digits), at_seq, &mut fields);
+        let (prev_field, seq_field) = fields.split_at(prev_end);
+        let body = &self.body;
+        let mut h = Sha256::new();
+        h.update(&body[..at_prev]);
+        h.update(prev_field);
+        h.update(&body[at_prev..at_seq]);
+        h.update(seq_field);
+        h.update(&body[at_seq..]);
+        let hash = HEXLOWER.encode(&h.finalize());
+        value.clear();
+        value.push(b'"');
+        value.extend_from_slice(hash.as_bytes());
+        value.push(b'"');
+        out.reserve(body.len() + fields.len() + value.len() + 16);
+        out.extend_from_slice(&body[..at_hash]);
+        self.field_into("hash", &value, at_hash, out);
+        out.extend_from_slice(&body[at_hash..at_prev]);
+        out.extend_from_slice(prev_field);
+        out.extend_from_slice(&body[at_prev..at_seq]);
+        out.extend_from_slice(seq_field);
+        out.extend_from_slice(&body[at_seq..]);
         out.push(b'\n');
         hash
     }
@@ -330,6 +343,20 @@ impl Prepared {
         out.extend_from_slice(value);
         if !closing {
             out.push(b',');
+        }
+    }
+}
+
+/// `n` in decimal, written at the end of `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        // A digit: n % 10 < 10.
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
         }
     }
 }

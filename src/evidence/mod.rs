@@ -598,6 +598,35 @@ impl Evidence {
         }
     }
 
+    /// [`Evidence::write`] at once, on this thread, for a caller that
+    /// would rather not wait: `None`, with nothing stamped or written,
+    /// when it cannot be done without waiting (no room in the queue,
+    /// another caller leading a write, the writer paused); the caller then
+    /// writes with [`Evidence::write`]. When it returns `Some(Ok(()))` the
+    /// record is as durable as after `write`.
+    pub fn write_now(&self, record: &mut Record) -> Option<Result<(), EvidenceError>> {
+        let permit = self.log.slots.try_acquire().ok()?;
+        let mut owed = None;
+        let written = self.log.write_now(|| {
+            let (entry, o) = self.acked(record)?;
+            owed = o;
+            Ok(entry)
+        })?;
+        // From here on the place is the entry's (given back once written).
+        permit.forget();
+        Some(match written {
+            Ok(true) => {
+                record.owed = owed;
+                Ok(())
+            }
+            Ok(false) => Err(EvidenceError::Unavailable),
+            Err(e) => {
+                self.log.slots.add_permits(1);
+                Err(e)
+            }
+        })
+    }
+
     /// [`Evidence::write`] for several records at once: all in one batch
     /// (one `write(2)`, one wait), so all are written or none is. For a
     /// listener that decided several queries before answering any of them

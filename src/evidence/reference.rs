@@ -21,9 +21,14 @@ const CONTEXT: &[u8] = b"palisade record reference v1\0";
 
 const BLOCK: usize = 64;
 
-/// The HMAC key references are made with.
+/// The HMAC key references are made with: SHA-256 with the key's inner
+/// and outer pads already taken in, so that a reference costs the hashing
+/// of the id and of the inner hash only (the same HMAC).
 #[derive(Clone)]
-pub(crate) struct RefKey([u8; 32]);
+pub(crate) struct RefKey {
+    inner: Sha256,
+    outer: Sha256,
+}
 
 impl std::fmt::Debug for RefKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -37,34 +42,33 @@ impl RefKey {
         let mut h = Sha256::new();
         h.update(CONTEXT);
         h.update(seed);
-        RefKey(h.finalize().into())
+        RefKey::keyed(&h.finalize().into())
     }
 
-    /// The reference shown for record `id`.
+    /// HMAC-SHA256 with `key` (32 bytes: one block with its padding).
+    fn keyed(key: &[u8; 32]) -> RefKey {
+        let mut k = [0u8; BLOCK];
+        k[..key.len()].copy_from_slice(key);
+        let pad = |x: u8| k.map(|b| b ^ x);
+        RefKey {
+            inner: Sha256::new().chain_update(pad(0x36)),
+            outer: Sha256::new().chain_update(pad(0x5c)),
+        }
+    }
+
+    /// The reference of the record whose id is `id`.
     pub(crate) fn of(&self, id: &str) -> String {
-        let mac = hmac_sha256(&self.0, id.as_bytes());
+        let mac = self.mac(id.as_bytes());
         HEXLOWER.encode(&mac[..REF_LEN / 2])
     }
+
+    /// HMAC-SHA256 of `msg`.
+    fn mac(&self, msg: &[u8]) -> [u8; 32] {
+        let inner: [u8; 32] = self.inner.clone().chain_update(msg).finalize().into();
+        self.outer.clone().chain_update(inner).finalize().into()
+    }
 }
 
-/// HMAC-SHA256 (RFC 2104) for a key no longer than one block.
-fn hmac_sha256(key: &[u8; 32], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; BLOCK];
-    k[..key.len()].copy_from_slice(key);
-    let pad = |x: u8| k.map(|b| b ^ x);
-    let inner: [u8; 32] = Sha256::new()
-        .chain_update(pad(0x36))
-        .chain_update(msg)
-        .finalize()
-        .into();
-    Sha256::new()
-        .chain_update(pad(0x5c))
-        .chain_update(inner)
-        .finalize()
-        .into()
-}
-
-/// Whether `s` has the shape of a reference (not whether one exists).
 #[cfg(test)]
 pub(crate) fn is_ref(s: &str) -> bool {
     s.len() == REF_LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
@@ -83,7 +87,7 @@ mod tests {
         key[..20].fill(0x0b);
         // A 20-byte key padded with zeros to 32 is the same HMAC key
         // (HMAC pads keys with zeros to the block size).
-        let mac = hmac_sha256(&key, b"Hi There");
+        let mac = RefKey::keyed(&key).mac(b"Hi There");
         assert_eq!(
             HEXLOWER.encode(&mac),
             "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"

@@ -1383,3 +1383,60 @@ async fn a_key_changes_only_through_a_signed_rotation_record() {
     assert!(e.message.contains("unannounced key change"), "{e}");
     let _ = fs::remove_dir_all(&root);
 }
+
+/// `write_now` writes on the caller's thread, one `write(2)` per record,
+/// with what rode along, and the chain verifies; while the writer is
+/// paused (as a leader at work would be) it does nothing and stamps
+/// nothing, so the caller can wait with `write` instead; after the seal it
+/// refuses.
+#[tokio::test]
+async fn a_record_written_now_is_written_at_once_or_left_untouched() {
+    let root = crate::testing::scratch("evtest");
+    let cfg = config(&root);
+    let ev = Evidence::start(&cfg).unwrap();
+    let before = ev.log.batches();
+    let mut riding = record(0, false);
+    ev.submit(&mut riding);
+    let mut ids = Vec::new();
+    for i in 1..=3 {
+        let mut r = record(i, true);
+        assert!(matches!(ev.write_now(&mut r), Some(Ok(()))));
+        assert!(!r.id.is_empty() && r.reference.is_some());
+        ids.push(r.id);
+    }
+    assert_eq!(ev.log.batches() - before, 3, "one write per record");
+    assert_eq!(ev.queued(), 0, "the submitted record rode the first");
+    let text = fs::read_to_string(ev.first_segment()).unwrap();
+    assert!(text.contains(&riding.id) && ids.iter().all(|id| text.contains(id)));
+
+    ev.pause_writer(true);
+    let mut waits = record(4, true);
+    assert!(ev.write_now(&mut waits).is_none());
+    assert!(waits.id.is_empty(), "nothing stamped");
+    assert_eq!(ev.queued(), 0, "nothing appended");
+    ev.pause_writer(false);
+    assert!(matches!(ev.write_now(&mut waits), Some(Ok(()))));
+
+    assert!(ev.seal().await);
+    assert!(ev
+        .write_now(&mut record(5, true))
+        .is_none_or(|r| r.is_err()));
+    let s = verify_with(&cfg.dir, &pinned(&cfg)).unwrap();
+    assert!(s.sealed);
+    assert_eq!(s.allow, 4);
+    let _ = fs::remove_dir_all(&root);
+}
+
+/// A failed `write_now` answers as a failed `write` does: an error, and
+/// the place in the queue given back.
+#[tokio::test]
+async fn a_failed_write_now_is_an_error_and_gives_its_place_back() {
+    let root = crate::testing::scratch("evtest");
+    let cfg = config(&root);
+    let ev = Evidence::start(&cfg).unwrap();
+    let free = ev.log.slots.available_permits();
+    ev.fail_next_write();
+    assert!(matches!(ev.write_now(&mut record(0, true)), Some(Err(_))));
+    assert_eq!(ev.log.slots.available_permits(), free);
+    let _ = fs::remove_dir_all(&root);
+}

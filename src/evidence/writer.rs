@@ -435,6 +435,55 @@ impl Log {
     fn lead(&self, mut io: MutexGuard<'_, Io>) {
         self.commit(&mut io, None);
         drop(io);
+        self.pass_on();
+    }
+
+    /// Write one record a caller waits on at once, on the caller's thread:
+    /// when the log is free (no leader at work) and taking records,
+    /// `entry()` (called with the log held, so nothing else is written
+    /// meanwhile) is appended and written with whatever else is pending,
+    /// and the outcome is whether it was written. `None`, and `entry`
+    /// never called: a leader is at work, or the log is paused or closed;
+    /// the caller waits as [`Log::wait`] does instead. With one record in
+    /// flight this is [`Log::append`], [`Log::try_lead`] and
+    /// [`Log::wait`] without the batch's wake-up or a trip through the
+    /// caller's runtime.
+    pub(super) fn write_now<E>(
+        &self,
+        entry: impl FnOnce() -> Result<Entry, E>,
+    ) -> Option<Result<bool, E>> {
+        let mut io = self.try_io()?;
+        if self.pending().paused || self.closed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let entry = match entry() {
+            Ok(e) => e,
+            Err(e) => return Some(Err(e)),
+        };
+        let taken = {
+            let mut p = self.pending();
+            if p.closed || p.paused {
+                // Raced with the seal (or a test's pause): refused, as a
+                // write after the seal is.
+                drop(p);
+                if entry.permit {
+                    self.slots.add_permits(1);
+                }
+                return Some(Ok(false));
+            }
+            p.add(entry);
+            self.take(&mut p)
+        };
+        let written = self.write_taken(&mut io, taken, None);
+        drop(io);
+        self.pass_on();
+        Some(Ok(written))
+    }
+
+    /// After a leader's write: `write` callers that came meanwhile are
+    /// woken to lead themselves; records nobody waits on ride their batch,
+    /// or the duties thread's.
+    fn pass_on(&self) {
         let batch = {
             let p = self.pending();
             if p.entries.is_empty() || p.paused || p.closed {
@@ -452,7 +501,7 @@ impl Log {
     /// Take the pending batch and write it (with the seal when `finish`).
     /// Returns whether what was written was written.
     fn commit(&self, io: &mut Io, finish: Option<&str>) -> bool {
-        let (entries, batch) = {
+        let taken = {
             let mut p = self.pending();
             if p.closed && finish.is_none() {
                 return false;
@@ -460,13 +509,28 @@ impl Log {
             if p.paused && finish.is_none() {
                 return true;
             }
-            p.acked = 0;
-            p.riding_since = None;
-            let batch = std::mem::replace(&mut p.batch, Batch::new());
-            let entries = std::mem::take(&mut p.entries);
-            self.common.counters.set_queue_depth(0);
-            (entries, batch)
+            self.take(&mut p)
         };
+        self.write_taken(io, taken, finish)
+    }
+
+    /// Take the pending batch (its entries and what their callers wait on).
+    fn take(&self, p: &mut Pending) -> (Vec<Entry>, Arc<Batch>) {
+        p.acked = 0;
+        p.riding_since = None;
+        let batch = std::mem::replace(&mut p.batch, Batch::new());
+        let entries = std::mem::take(&mut p.entries);
+        self.common.counters.set_queue_depth(0);
+        (entries, batch)
+    }
+
+    /// Write a batch taken from the pending one and tell its callers.
+    fn write_taken(
+        &self,
+        io: &mut Io,
+        (entries, batch): (Vec<Entry>, Arc<Batch>),
+        finish: Option<&str>,
+    ) -> bool {
         let permits = entries.iter().filter(|e| e.permit).count();
         if permits > 0 {
             self.slots.add_permits(permits);
@@ -1170,7 +1234,7 @@ impl Io {
             let mut buf = Vec::new();
             let mut head = self.head.clone();
             self.push_checkpoint(ids, &mut head, &mut buf, "checkpoint");
-            self.write_buf(&buf, 1, &head, true)?;
+            self.write_buf(&buf, 1, head, true)?;
             self.counters.written(1);
             if let Some(s) = &mut self.seg {
                 s.closed = true;
@@ -1253,7 +1317,7 @@ impl Io {
     /// Write `buf` (holding `lines` lines) to the current segment and make
     /// `head` the chain head. On failure the segment is cut back.
     /// With `sync` (`fsync` mode) the file is `fdatasync`ed after.
-    fn write_buf(&mut self, buf: &[u8], lines: u64, head: &Head, sync: bool) -> io::Result<()> {
+    fn write_buf(&mut self, buf: &[u8], lines: u64, head: Head, sync: bool) -> io::Result<()> {
         let fsync = self.cfg.durability == Durability::Fsync;
         let sync_now = fsync && sync;
         #[cfg(test)]
@@ -1295,7 +1359,7 @@ impl Io {
                     self.unsynced = Some(Instant::now());
                 }
                 let was_ckpt = head.since_ckpt == 0;
-                self.head = head.clone();
+                self.head = head;
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
@@ -1324,7 +1388,7 @@ impl Io {
         m.insert("prev".into(), head.hash.clone().into());
         chain::sign(&mut m, &self.key);
         Self::push(&mut head, &mut buf, &mut m);
-        self.write_buf(&buf, 1, &head, true)?;
+        self.write_buf(&buf, 1, head, true)?;
         self.counters.written(1);
         info!(from = %self.pubkey, to = %next_hex, "evidence key rotated");
         self.key = next;
@@ -1451,7 +1515,7 @@ impl Io {
             lines += 1;
         }
         let result = if !buf.is_empty() {
-            self.write_buf(&buf, lines, &head, sync)
+            self.write_buf(&buf, lines, head, sync)
         } else if sync && self.unsynced.is_some() {
             self.sync_tail()
         } else {
