@@ -268,20 +268,26 @@ impl Lease {
 
     /// `bytes` moved `direction` at `now`: charged to every budget (those
     /// that do not bound the direction too, for the admin port's view).
-    /// The budget now spent, if one is: the relay is to be cut.
+    /// The budget now spent, if one is: the relay is to be cut. When one
+    /// transfer spent several, the one it crossed first (the least left
+    /// before it) is named.
     pub(crate) fn spend(&self, direction: Direction, bytes: u64, now: Instant) -> Option<Scope> {
         let since = now.saturating_duration_since(self.0.origin);
-        let mut spent = None;
+        let mut spent: Option<(u64, &Scope)> = None;
         for (scope, volume, meter) in &self.0.meters {
             let mut m = lock(meter);
             let slot = m.at(volume.window, since);
             let slots = m.dir(direction);
+            let before = slots.used;
             slots.add(slot, bytes);
-            if direction.limit(volume).is_some_and(|l| slots.used >= l) && spent.is_none() {
-                spent = Some(scope.clone());
+            if let Some(limit) = direction.limit(volume).filter(|l| slots.used >= *l) {
+                let left = limit.saturating_sub(before);
+                if spent.is_none_or(|(least, _)| left < least) {
+                    spent = Some((left, scope));
+                }
             }
         }
-        spent
+        spent.map(|(_, scope)| scope.clone())
     }
 
     /// Up to `bytes` about to move `direction` at `now`: as many as every
@@ -608,6 +614,25 @@ mod tests {
                 .sum();
             assert!(in_span <= 10_000, "{in_span} from {start:?}");
         }
+    }
+
+    /// One transfer that crosses a rule's budget and the org's total is
+    /// cut by the one it crossed first: the org's 100 left before the
+    /// rule's 1000 (a splice moves up to 256 KiB at once).
+    #[test]
+    fn a_transfer_over_two_budgets_names_the_one_it_crossed_first() {
+        let (acme, _, gh, pkg) = ids();
+        let t0 = Instant::now();
+        let v = Volumes::new(t0, MAX_METERS, None);
+        let rule = Some(vol(Some(1000), None));
+        let org = Some(vol(Some(1500), None));
+        let a = v.admit(&acme, &pkg, (rule, org), t0).unwrap().unwrap();
+        assert_eq!(
+            a.spend(Direction::Up, 1400, t0),
+            Some(Scope::Rule(pkg.clone()))
+        );
+        let b = v.admit(&acme, &gh, (rule, org), t0).unwrap().unwrap();
+        assert_eq!(b.spend(Direction::Up, 1200, t0), Some(Scope::Org));
     }
 
     #[test]
