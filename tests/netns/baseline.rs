@@ -334,9 +334,10 @@ fn a_broken_or_missing_baseline_keeps_the_old_policy_and_a_baseline_change_reloa
     lab::wait_until("baseline change served", SECS10, || {
         lab.proxied_curl("http://a.wild.test/", &[]).status == 403
     });
+    // The 403 above may be a request in flight when the baseline changed,
+    // revoked (`policy_revoked`, no rule): one more is decided afresh.
+    assert_eq!(lab.proxied_curl("http://a.wild.test/", &[]).status, 403);
     let r = lab.wait_evidence("a.wild.test denied by the new baseline", |v| {
-        // A request in flight when the baseline changed may be revoked
-        // first (`policy_revoked`, no rule): the new decision is the one.
         v["host"] == "a.wild.test"
             && v["decision"] == "deny"
             && v["event"] == "decision"
