@@ -1,7 +1,8 @@
 //! HTTP/1.x request heads, pure, over the bytes read so far; nothing is
 //! consumed (the caller replays the bytes). [`parse`], for transparent
 //! mode: is this an HTTP request, and which host does it name?
-//! [`request`], for the explicit listener: the first request head whole.
+//! [`connect`], for the explicit listener: the first request head, if it
+//! is a CONNECT the listener answers alone.
 
 /// Largest request head looked at; more is `Malformed`.
 pub(crate) const MAX_HEAD_LEN: usize = 16 * 1024;
@@ -103,13 +104,110 @@ fn parse_head(buf: &[u8], max: usize) -> Parse<Option<String>> {
     }
 }
 
-/// The whole first request head of an explicit-proxy connection, as
-/// `http` types: `Done` once the head is complete (`len` counts any empty
-/// lines before it, which servers skip, RFC 9112 §2.2), `NeedMore` for a
-/// valid prefix, `Malformed` for what `httparse` rejects, more than
-/// `max_headers` headers, or a method, target or header `http` does not
-/// take. The caller bounds the buffer; nothing is consumed.
-pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>> {
+/// A CONNECT head that needs nothing of HTTP beyond it (HTTP/1.1, no body
+/// framing, no expectation), as the explicit listener's checks read it:
+/// the target as an [`http::Uri`], the head's size and header count, the
+/// `Proxy-Authorization` values, and the trace context headers. Its
+/// other headers are read (and checked as `http` would take them) but
+/// not kept.
+#[derive(Debug)]
+pub(crate) struct ConnectHead {
+    /// The request target (an authority, if the request is well formed).
+    pub target: http::Uri,
+    /// How many header fields the head has.
+    pub headers: usize,
+    /// The head's bytes as `http` types would count them: the request
+    /// line and `name: value` lines, give or take whitespace (the measure
+    /// of `max_request_head_bytes` for every request).
+    pub size: u64,
+    /// The first `Proxy-Authorization` value, and whether another follows.
+    pub authorization: Option<(Vec<u8>, bool)>,
+    /// `traceparent` and `tracestate`, for a trace's parent (empty, and
+    /// not allocated, without them).
+    pub trace: http::HeaderMap,
+}
+
+/// The first request head of an explicit-proxy connection, if it is a
+/// CONNECT the listener answers alone: `Done` with its [`ConnectHead`] and
+/// `len` (counting any empty lines before it, which servers skip, RFC 9112
+/// §2.2) for exactly the heads `request` (the model, in the tests) would
+/// take whole as `http` types with method `CONNECT`, version HTTP/1.1 and
+/// no `Content-Length`, `Transfer-Encoding` or `Expect`; `NeedMore` for a valid prefix;
+/// `NotThis` for any other complete head (another method, version or
+/// framing); `Malformed` for what `httparse` or `http` reject or more than
+/// `max_headers` headers. The caller bounds the buffer; nothing is consumed.
+pub(crate) fn connect(buf: &[u8], max_headers: usize) -> Parse<ConnectHead> {
+    first_head(buf, max_headers, |req| {
+        let (method, path) = (req.method.unwrap_or_default(), req.path.unwrap_or_default());
+        if !matches!(req.version, Some(0 | 1)) {
+            return Parse::Malformed("unknown HTTP version");
+        }
+        // What `http` takes of a method, a target and each field.
+        let Ok(target) = http::Uri::try_from(path) else {
+            return Parse::Malformed("request line or header not valid");
+        };
+        if http::Method::from_bytes(method.as_bytes()).is_err()
+            || !req.headers.iter().all(|h| field_taken(h.name, h.value))
+        {
+            return Parse::Malformed("request line or header not valid");
+        }
+        let framed = |name: &str| {
+            req.headers
+                .iter()
+                .any(|h| h.name.eq_ignore_ascii_case(name))
+        };
+        if method != "CONNECT"
+            || req.version != Some(1)
+            || framed("content-length")
+            || framed("transfer-encoding")
+            || framed("expect")
+        {
+            return Parse::NotThis;
+        }
+        let mut authorization: Option<(Vec<u8>, bool)> = None;
+        let mut trace = http::HeaderMap::new();
+        let mut size = (method.len() + shown_len(&target) + 12 + 2) as u64;
+        for h in req.headers.iter() {
+            size += (h.name.len() + h.value.len() + 4) as u64;
+            if h.name.eq_ignore_ascii_case("proxy-authorization") {
+                match &mut authorization {
+                    Some((_, more)) => *more = true,
+                    None => authorization = Some((h.value.to_vec(), false)),
+                }
+            } else if h.name.eq_ignore_ascii_case("traceparent")
+                || h.name.eq_ignore_ascii_case("tracestate")
+            {
+                let name = http::HeaderName::from_bytes(h.name.as_bytes());
+                let value = http::HeaderValue::from_bytes(h.value);
+                if let (Ok(name), Ok(value)) = (name, value) {
+                    trace.append(name, value);
+                }
+            }
+        }
+        Parse::Done {
+            value: ConnectHead {
+                target,
+                headers: req.headers.len(),
+                size,
+                authorization,
+                trace,
+            },
+            len: 0,
+        }
+    })
+}
+
+/// The first request head of `buf`, after any empty lines (which servers
+/// skip, RFC 9112 §2.2), parsed by `httparse` into at most `max_headers`
+/// fields and, once complete, judged by `take`: what it returns, a `Done`'s
+/// `len` set to the head's (the empty lines counted); `NeedMore` for a
+/// valid prefix; `Malformed` for what `httparse` rejects or more than
+/// `max_headers` fields.
+fn first_head<T>(
+    buf: &[u8],
+    max_headers: usize,
+    take: impl Fn(&httparse::Request<'_, '_>) -> Parse<T>,
+) -> Parse<T> {
     let skip = buf
         .iter()
         .position(|&b| b != b'\r' && b != b'\n')
@@ -118,16 +216,68 @@ pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>
     if head.is_empty() {
         return Parse::NeedMore;
     }
-    let built = with_header_slots(max_headers, |slots| {
+    let parsed = with_header_slots(max_headers, |slots| {
         let mut req = httparse::Request::new(slots);
-        let len = match req.parse(head)? {
-            httparse::Status::Complete(len) => len,
-            httparse::Status::Partial => return Ok(Parse::NeedMore),
-        };
+        Ok(match req.parse(head)? {
+            httparse::Status::Complete(len) => match take(&req) {
+                Parse::Done { value, .. } => Parse::Done {
+                    value,
+                    len: skip + len,
+                },
+                other => other,
+            },
+            httparse::Status::Partial => Parse::NeedMore,
+        })
+    });
+    match parsed {
+        Ok(parsed) => parsed,
+        Err(httparse::Error::TooManyHeaders) => Parse::Malformed("too many headers"),
+        Err(_) => Parse::Malformed("malformed request head"),
+    }
+}
+
+/// The length of `value`'s text, counted as it is written, not built.
+pub(crate) fn shown_len(value: &impl std::fmt::Display) -> usize {
+    struct Count(usize);
+    impl std::fmt::Write for Count {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            self.0 += s.len();
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = std::fmt::write(&mut count, format_args!("{value}"));
+    count.0
+}
+
+/// Whether `http` takes a field `httparse` read: a name of token
+/// characters within `http`'s bound, a value without control characters
+/// other than tab (`http::HeaderName::from_bytes`,
+/// `http::HeaderValue::from_bytes`), checked without copying either.
+fn field_taken(name: &str, value: &[u8]) -> bool {
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    !name.is_empty()
+        && name.len() < 1 << 16
+        && name.bytes().all(token)
+        && value
+            .iter()
+            .all(|&b| b == b'\t' || (b >= 0x20 && b != 0x7f))
+}
+
+/// The whole first request head of an explicit-proxy connection, as
+/// `http` types: `Done` once the head is complete (`len` counts any empty
+/// lines before it, which servers skip, RFC 9112 §2.2), `NeedMore` for a
+/// valid prefix, `Malformed` for what `httparse` rejects, more than
+/// `max_headers` headers, or a method, target or header `http` does not
+/// take. The caller bounds the buffer; nothing is consumed. The model
+/// [`connect`] is held to.
+#[cfg(test)]
+pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>> {
+    first_head(buf, max_headers, |req| {
         let version = match req.version {
             Some(1) => http::Version::HTTP_11,
             Some(0) => http::Version::HTTP_10,
-            _ => return Ok(Parse::Malformed("unknown HTTP version")),
+            _ => return Parse::Malformed("unknown HTTP version"),
         };
         let mut built = http::Request::builder()
             .method(req.method.unwrap_or_default())
@@ -136,19 +286,11 @@ pub(crate) fn request(buf: &[u8], max_headers: usize) -> Parse<http::Request<()>
         for h in req.headers.iter() {
             built = built.header(h.name, h.value);
         }
-        Ok(match built.body(()) {
-            Ok(value) => Parse::Done {
-                value,
-                len: skip + len,
-            },
+        match built.body(()) {
+            Ok(value) => Parse::Done { value, len: 0 },
             Err(_) => Parse::Malformed("request line or header not valid"),
-        })
-    });
-    match built {
-        Ok(parsed) => parsed,
-        Err(httparse::Error::TooManyHeaders) => Parse::Malformed("too many headers"),
-        Err(_) => Parse::Malformed("malformed request head"),
-    }
+        }
+    })
 }
 
 /// Header slots kept on the stack for one parse; a head with more headers
@@ -286,6 +428,86 @@ mod tests {
             parse(b"GET / HTTP/1.1\r\nHo st: x\r\n\r\n"),
             Parse::Malformed(_)
         ));
+    }
+
+    /// [`connect`] takes exactly the heads [`request`] takes whole as a
+    /// lone HTTP/1.1 CONNECT, and reads of them what `http` types say.
+    #[test]
+    fn connect_heads_are_those_the_http_types_take_as_a_lone_connect() {
+        let heads: &[&[u8]] = &[
+            b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n",
+            b"\r\n\r\nCONNECT a.test:443 HTTP/1.1\r\n\r\nearly",
+            b"CONNECT a.test:443 HTTP/1.1\r\nProxy-Authorization: Basic eDp5\r\nX-Y:  v \r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nproxy-authorization: a\r\nPROXY-AUTHORIZATION: b\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\ntraceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\ntracestate: x=1\r\n\r\n",
+            b"CONNECT [::1]:443 HTTP/1.1\r\n\r\n",
+            b"CONNECT a.test HTTP/1.1\r\n\r\n",
+            b"CONNECT /path HTTP/1.1\r\n\r\n",
+            b"CONNECT http://a.test/ HTTP/1.1\r\n\r\n",
+            b"CONNECT * HTTP/1.1\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.0\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/2.0\r\n\r\n",
+            b"connect a.test:443 HTTP/1.1\r\n\r\n",
+            b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nexpect: 100-continue\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nX: a\x7fb\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nX: caf\xc3\xa9\tok\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nX{}: v\r\n\r\n",
+            b"CONNECT a.te\"st:443 HTTP/1.1\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nA: 1\r\nB: 2\r\nC: 3\r\n\r\n",
+            b"CONNECT a.test:443 HTTP/1.1\r\nHost: a",
+            b"\x16\x03\x01\x02\x00",
+        ];
+        for &head in heads {
+            let model = match request(head, 2) {
+                Parse::Done { value, len } => {
+                    let h = value.headers();
+                    let alone = value.method() == http::Method::CONNECT
+                        && value.version() == http::Version::HTTP_11
+                        && !h.contains_key("content-length")
+                        && !h.contains_key("transfer-encoding")
+                        && !h.contains_key("expect");
+                    alone.then_some((value, len))
+                }
+                _ => None,
+            };
+            let got = connect(head, 2);
+            let shown = String::from_utf8_lossy(head);
+            match (model, got) {
+                (Some((want, want_len)), Parse::Done { value, len }) => {
+                    assert_eq!(len, want_len, "{shown}");
+                    assert_eq!(value.target, *want.uri(), "{shown}");
+                    assert_eq!(value.headers, want.headers().len(), "{shown}");
+                    let fields: usize = want
+                        .headers()
+                        .iter()
+                        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+                        .sum();
+                    let line = "CONNECT".len() + want.uri().to_string().len() + 12;
+                    assert_eq!(value.size, (line + fields + 2) as u64, "{shown}");
+                    let mut auth = want.headers().get_all("proxy-authorization").iter();
+                    let first = auth
+                        .next()
+                        .map(|v| (v.as_bytes().to_vec(), auth.next().is_some()));
+                    assert_eq!(value.authorization, first, "{shown}");
+                    for name in ["traceparent", "tracestate"] {
+                        assert_eq!(value.trace.get(name), want.headers().get(name), "{shown}");
+                    }
+                }
+                (None, Parse::Done { .. }) => panic!("taken alone, not by the model: {shown}"),
+                (Some(_), other) => panic!("model takes it, connect says {other:?}: {shown}"),
+                (None, Parse::NeedMore) => {
+                    assert!(matches!(request(head, 2), Parse::NeedMore), "{shown}");
+                }
+                (None, _) => {}
+            }
+        }
+        assert_eq!(
+            shown_len(&http::Uri::from_static("http://a.test/x?y")),
+            "http://a.test/x?y".len()
+        );
     }
 
     #[test]

@@ -31,7 +31,7 @@ use super::record::{denied, refused};
 use crate::evidence::{Kind, Mode};
 use crate::otel;
 use crate::policy::{Credential, IdentityError, Reason};
-use crate::proto::http_head;
+use crate::proto::http_head::{self, ConnectHead};
 use crate::proto::target::{normalize_host, parse_authority, Host};
 use crate::proto::Parse;
 
@@ -53,10 +53,12 @@ pub(crate) async fn serve_connection(ctx: Arc<Ctx>, stream: TcpStream, link: Lin
         let (answer, cx) = match Box::pin(read_first(&ctx, &mut stream, &mut held)).await {
             First::Connect(req, len) => {
                 let mode = link.mode.as_str();
-                let headers = Some(req.headers());
+                let headers = Some(&req.trace);
                 let cx = otel::connection(ctx.otel.as_deref(), link.client, mode, headers);
-                let first = otel::within(cx.clone(), connect_first(&ctx, &link, &mut stream, *req));
-                match Box::pin(first).await {
+                // Boxed inside the context's wrapper: the step's state is
+                // moved into its box once, not again with the wrapper.
+                let first = connect_first(&ctx, &link, &mut stream, *req);
+                match otel::within(cx.clone(), Box::pin(first)).await {
                     Ok(opened) => {
                         drop(link);
                         // Bytes the client sent after the head: the tunnel
@@ -97,7 +99,7 @@ struct ConnState {
 enum First {
     /// A whole CONNECT head, `len` bytes long, that needs nothing of HTTP
     /// beyond it: answered here.
-    Connect(Box<Request<()>>, usize),
+    Connect(Box<ConnectHead>, usize),
     /// Anything else (another method, a malformed or oversized head, a
     /// close mid-head): for the HTTP layer, which answers as it always has.
     Http,
@@ -118,11 +120,9 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
     let deadline = tokio::time::Instant::now() + limits.header_read_timeout.get();
     loop {
         if !held.is_empty() {
-            match http_head::request(held, max_headers) {
+            match http_head::connect(held, max_headers) {
                 Parse::NeedMore if held.len() < cap => {}
-                Parse::Done { value, len } if tunnels_alone(&value) => {
-                    return First::Connect(Box::new(value), len)
-                }
+                Parse::Done { value, len } => return First::Connect(Box::new(value), len),
                 _ => return First::Http,
             }
         }
@@ -149,17 +149,6 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
 /// The most [`read_first`] reads at a time.
 const READ_CHUNK: usize = 2048;
 
-/// A CONNECT the tunnel takes alone: HTTP/1.1, no body framing and no
-/// expectation (anything else is hyper's to answer, as before).
-fn tunnels_alone(req: &Request<()>) -> bool {
-    let h = req.headers();
-    req.method() == Method::CONNECT
-        && req.version() == http::Version::HTTP_11
-        && !h.contains_key(header::CONTENT_LENGTH)
-        && !h.contains_key(header::TRANSFER_ENCODING)
-        && !h.contains_key(header::EXPECT)
-}
-
 /// Decide and open the first CONNECT as [`handle`] would, and on success
 /// tell the client (`200`): the opened tunnel. A refusal is recorded and
 /// its answer returned, for hyper to write on this connection.
@@ -167,7 +156,7 @@ async fn connect_first(
     ctx: &Ctx,
     link: &Link,
     stream: &mut TcpStream,
-    req: Request<()>,
+    req: ConnectHead,
 ) -> Result<Box<Opened>, Response<Body>> {
     let link = admitted(ctx, link.clone(), &req, Kind::Tcp).await?;
     let opened = connect_open(ctx, link, &req).await?;
@@ -311,10 +300,10 @@ async fn handle(
 /// (address and credentials, checked on every request), the org's
 /// connection budget, and the configured head bounds. The link under the
 /// request's org, or the recorded refusal's answer.
-async fn admitted<B>(
+async fn admitted(
     ctx: &Ctx,
     link: Link,
-    req: &Request<B>,
+    req: &impl Head,
     kind: Kind,
 ) -> Result<Link, Response<Body>> {
     // Each request is decided under the policy served when it arrives, for
@@ -330,9 +319,10 @@ async fn admitted<B>(
         return Err(reject(ctx, &link).await);
     }
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
-    let too_large = if head_size(req) > ctx.limits.max_request_head_bytes {
+    let size = usize::try_from(req.size()).unwrap_or(usize::MAX);
+    let too_large = if size > ctx.limits.max_request_head_bytes {
         Some("request head too large")
-    } else if req.headers().len() > ctx.limits.max_headers {
+    } else if req.header_count() > ctx.limits.max_headers {
         Some("too many headers")
     } else {
         None
@@ -350,18 +340,13 @@ async fn admitted<B>(
 
 /// The view for a request: its client address and any
 /// `Proxy-Authorization: Basic base64(org:token)` it carries.
-fn identify<B>(
-    ctx: &Ctx,
-    peer: SocketAddr,
-    req: &Request<B>,
-) -> Result<View, (View, IdentityError)> {
-    let mut values = req.headers().get_all(header::PROXY_AUTHORIZATION).iter();
-    let Some(value) = values.next() else {
+fn identify(ctx: &Ctx, peer: SocketAddr, req: &impl Head) -> Result<View, (View, IdentityError)> {
+    let Some((value, more)) = req.authorization() else {
         return ctx.view_as(peer.ip(), None);
     };
-    let decoded = match values.next() {
-        Some(_) => None,
-        None => basic_credentials(value.as_bytes()),
+    let decoded = match more {
+        true => None,
+        false => basic_credentials(value),
     };
     match decoded {
         Some((user, token)) => ctx.view_as(
@@ -407,12 +392,53 @@ async fn auth_refused(ctx: &Ctx, mut link: Link, e: IdentityError) -> Response<B
     refused.response()
 }
 
-/// Bytes of the request line and headers as sent (give or take whitespace):
-/// the configured head limit's measure. Evidence counts the exact bytes
-/// ([`Meter`]).
-fn head_size<B>(req: &Request<B>) -> usize {
-    let len = super::http::request_head_len(req.method(), req.uri(), req.headers());
-    usize::try_from(len).unwrap_or(usize::MAX)
+/// What the checks every request passes ([`admitted`], [`connect_open`])
+/// read of its head: a request as hyper parsed it, or a CONNECT the
+/// listener parsed itself ([`ConnectHead`]).
+trait Head {
+    /// The request target.
+    fn target(&self) -> &http::Uri;
+    /// How many header fields the head has.
+    fn header_count(&self) -> usize;
+    /// Bytes of the request line and headers as sent (give or take
+    /// whitespace): the configured head limit's measure. Evidence counts
+    /// the exact bytes ([`Meter`]).
+    fn size(&self) -> u64;
+    /// The first `Proxy-Authorization` value, and whether another follows.
+    fn authorization(&self) -> Option<(&[u8], bool)>;
+}
+
+impl<B> Head for Request<B> {
+    fn target(&self) -> &http::Uri {
+        self.uri()
+    }
+    fn header_count(&self) -> usize {
+        self.headers().len()
+    }
+    fn size(&self) -> u64 {
+        super::http::request_head_len(self.method(), self.uri(), self.headers())
+    }
+    fn authorization(&self) -> Option<(&[u8], bool)> {
+        let mut values = self.headers().get_all(header::PROXY_AUTHORIZATION).iter();
+        let first = values.next()?;
+        Some((first.as_bytes(), values.next().is_some()))
+    }
+}
+
+impl Head for ConnectHead {
+    fn target(&self) -> &http::Uri {
+        &self.target
+    }
+    fn header_count(&self) -> usize {
+        self.headers
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn authorization(&self) -> Option<(&[u8], bool)> {
+        let (value, more) = self.authorization.as_ref()?;
+        Some((value, *more))
+    }
 }
 
 /// Record `link`'s refusal and build its response.
@@ -449,15 +475,15 @@ async fn connect(ctx: Arc<Ctx>, link: Link, req: Request<Incoming>) -> Response<
 
 /// A CONNECT's target checked, decided, admitted and dialled
 /// ([`connect::open`]); a refusal is recorded and answered.
-async fn connect_open<B>(
+async fn connect_open(
     ctx: &Ctx,
     mut link: Link,
-    req: &Request<B>,
+    req: &impl Head,
 ) -> Result<Box<Opened>, Response<Body>> {
-    let target = req
-        .uri()
+    let uri = req.target();
+    let target = uri
         .authority()
-        .filter(|_| req.uri().scheme().is_none() && req.uri().path_and_query().is_none())
+        .filter(|_| uri.scheme().is_none() && uri.path_and_query().is_none())
         .map(|a| parse_authority(a.as_str(), None));
     let (host, port) = match target {
         Some(Ok(t)) => t,
@@ -600,7 +626,7 @@ async fn forward(
         websocket: false,
         intercepted: false,
     });
-    let head_estimate = head_size(&req) as u64;
+    let head_estimate = req.size();
     forward::absolute(ctx, conn, &addrs, req, (bytes, head_estimate), started).await
 }
 

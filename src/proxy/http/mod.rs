@@ -83,7 +83,7 @@ pub(crate) fn headers_len(headers: &HeaderMap) -> u64 {
 /// A request head's bytes as sent (give or take whitespace): the request
 /// line and the headers.
 pub(crate) fn request_head_len(method: &http::Method, uri: &http::Uri, headers: &HeaderMap) -> u64 {
-    let line = method.as_str().len() + uri.to_string().len() + 12;
+    let line = method.as_str().len() + crate::proto::http_head::shown_len(uri) + 12;
     line as u64 + headers_len(headers)
 }
 
