@@ -52,7 +52,7 @@ use std::collections::VecDeque;
 
 use super::guard::{Limits, Step, Violation, ViolationKind};
 use super::http_head::with_header_slots;
-use super::target::{parse_authority, Host, TargetError};
+use super::target::{is_normal_spelling, parse_authority, split_authority, Host, TargetError};
 
 /// Longest chunk-size line (size, extensions, CRLF).
 pub(crate) const MAX_CHUNK_LINE: usize = 4096;
@@ -443,15 +443,17 @@ fn judge(req: &httparse::Request<'_, '_>, host: &Host, port: u16) -> Result<Verd
         }
     }
 
-    let hosts: Vec<String> = named("host").map(shown_value).collect();
-    let host_value = match hosts.as_slice() {
-        [] => return Err(violation(HostMismatch, None, "request without Host")),
-        [one] => one.clone(),
-        [first, ..] => {
+    let mut hosts = named("host");
+    let host_value = match (hosts.next(), hosts.next()) {
+        (None, _) => return Err(violation(HostMismatch, None, "request without Host")),
+        (Some(one), None) => shown_value(one),
+        (Some(_), Some(_)) => {
+            let hosts: Vec<String> = named("host").map(shown_value).collect();
+            let first = hosts.first().map_or("", String::as_str);
             let seen = hosts
                 .iter()
                 .find(|h| check_authority(h, host, port, "Host").is_err())
-                .unwrap_or(first);
+                .map_or(first, String::as_str);
             return Err(violation(
                 ViolationKind::Malformed,
                 Some(seen),
@@ -515,6 +517,12 @@ fn check_authority(seen: &str, host: &Host, port: u16, what: &str) -> Result<(),
             Some(seen),
             format!("{what} is not printable ASCII"),
         ));
+    }
+    // The common case, the host written as the tunnel's own: no mapping.
+    if let Ok((h, p)) = split_authority(seen, Some(port)) {
+        if p == port && is_normal_spelling(h, host) {
+            return Ok(());
+        }
     }
     match parse_authority(seen, Some(port)) {
         Ok((h, p)) if h == *host && p == port => Ok(()),
@@ -597,7 +605,7 @@ fn request_framing<'a>(
             _ => Err(malformed("final transfer coding is not chunked")),
         };
     }
-    match content_length(&cl) {
+    match content_length(cl.iter().copied()) {
         Ok(Some(n)) => Ok(Framing::Length(n)),
         Ok(None) => Ok(Framing::None),
         Err(detail) => Err(malformed(detail)),
@@ -606,9 +614,11 @@ fn request_framing<'a>(
 
 /// The Content-Length of all its field lines: digits only, several values
 /// only if all are the same number.
-pub(crate) fn content_length(values: &[&[u8]]) -> Result<Option<u64>, &'static str> {
+pub(crate) fn content_length<'a>(
+    values: impl IntoIterator<Item = &'a [u8]>,
+) -> Result<Option<u64>, &'static str> {
     let mut length = None;
-    for item in values.iter().flat_map(|v| list_items(v)) {
+    for item in values.into_iter().flat_map(list_items) {
         if item.is_empty() || !item.iter().all(u8::is_ascii_digit) {
             return Err("Content-Length is not a number");
         }
@@ -1255,8 +1265,7 @@ fn framing(headers: &[httparse::Header<'_>]) -> ResponseFraming {
             ResponseFraming::UntilClose
         }
     } else {
-        let values: Vec<&[u8]> = named("content-length").collect();
-        ResponseFraming::Length(content_length(&values))
+        ResponseFraming::Length(content_length(named("content-length")))
     }
 }
 

@@ -147,7 +147,7 @@ fn framing(
     if !te.is_empty() && version == Version::HTTP_10 {
         return Err("Transfer-Encoding in an HTTP/1.0 response");
     }
-    let length = content_length(&cl)?;
+    let length = content_length(cl.iter().copied())?;
     if to_head
         || status.is_informational()
         || status == StatusCode::NO_CONTENT

@@ -29,6 +29,17 @@ pub enum Host {
     Ip(IpAddr),
 }
 
+impl Host {
+    /// The text [`fmt::Display`] writes, a name copied as it is (every
+    /// record of a connection carries its host).
+    pub fn text(&self) -> String {
+        match self {
+            Host::Name(n) => n.clone(),
+            Host::Ip(ip) => ip.to_string(),
+        }
+    }
+}
+
 impl fmt::Display for Host {
     /// Name as is; IPv4 dotted; IPv6 in RFC 5952 text without brackets.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -257,6 +268,27 @@ fn parse_ipv6(text: &str, input: &str) -> Result<Host, TargetError> {
     }))
 }
 
+/// Whether `input` (a host as written, no port) is the spelling
+/// [`normalize_host`] makes of `host`: a name written exactly as it
+/// normalises to (lowercase ASCII, no trailing dot, no IDNA A-label to
+/// check again), which it normalises to unchanged. `false` says nothing:
+/// other spellings of `host` need [`normalize_host`]. Lets a check of a
+/// Host header against the tunnel's host skip the IDNA mapping and the
+/// allocation when the client wrote the host as the proxy did.
+pub fn is_normal_spelling(input: &str, host: &Host) -> bool {
+    match host {
+        Host::Name(name) => {
+            input == name
+                && !name.as_bytes().split(|&b| b == b'.').any(|label| {
+                    label
+                        .get(..4)
+                        .is_some_and(|p| p.eq_ignore_ascii_case(b"xn--"))
+                })
+        }
+        Host::Ip(_) => false,
+    }
+}
+
 /// Parse "host:port", `"[v6]:port"` (authority-form, no userinfo allowed: '@' is an error). If the port is missing, use default_port or error when None. Port 0 is an error. Non-digit port is an error.
 pub fn parse_authority(input: &str, default_port: Option<u16>) -> Result<(Host, u16), TargetError> {
     let (host, port) = split_authority(input, default_port)?;
@@ -267,7 +299,8 @@ pub fn parse_authority(input: &str, default_port: Option<u16>) -> Result<(Host, 
 /// normalised) and the port, under the same rules. For callers that must
 /// pass a host on verbatim, such as a probe trying IP spellings.
 pub fn split_authority(input: &str, default_port: Option<u16>) -> Result<(&str, u16), TargetError> {
-    if input.contains('@') {
+    // Byte searches: these run for every tunnel's Host check.
+    if input.as_bytes().contains(&b'@') {
         return Err(TargetError::Userinfo(shown(input)));
     }
     let (host, port) = if input.starts_with('[') {
@@ -281,12 +314,15 @@ pub fn split_authority(input: &str, default_port: Option<u16>) -> Result<(&str, 
             None => return Err(TargetError::TrailingAfterBracket(shown(input))),
         }
     } else {
-        match input.split_once(':') {
+        match input.bytes().position(|b| b == b':') {
             None => (input, None),
-            Some((_, port)) if port.contains(':') => {
-                return Err(TargetError::UnbracketedIpv6(shown(input)))
+            Some(colon) => {
+                let (host, port) = (&input[..colon], &input[colon + 1..]);
+                if port.as_bytes().contains(&b':') {
+                    return Err(TargetError::UnbracketedIpv6(shown(input)));
+                }
+                (host, Some(port))
             }
-            Some((host, port)) => (host, Some(port)),
         }
     };
     if host.is_empty() {
@@ -444,6 +480,31 @@ mod tests {
             Ok(h) => panic!("{s:?} accepted as {h:?}"),
             Err(e) => e,
         }
+    }
+
+    #[test]
+    fn the_text_of_a_host_is_its_display_and_its_own_spelling_is_normal() {
+        for input in [
+            "a.test",
+            "xn--bcher-kva.example",
+            "10.0.0.1",
+            "[2001:db8::1]",
+            "::ffff:1.2.3.4",
+        ] {
+            let host = normalize_host(input).unwrap();
+            assert_eq!(host.text(), host.to_string(), "{input}");
+            let normal = is_normal_spelling(&host.text(), &host);
+            // A name (but an A-label) is written as it normalises; an
+            // address is always normalised again.
+            let expect = matches!(&host, Host::Name(n) if !n.starts_with("xn--"));
+            assert_eq!(normal, expect, "{input}");
+            if normal {
+                assert_eq!(normalize_host(&host.text()).unwrap(), host, "{input}");
+            }
+        }
+        assert!(!is_normal_spelling("A.test", &name("a.test")));
+        assert!(!is_normal_spelling("a.test.", &name("a.test")));
+        assert!(!is_normal_spelling("b.test", &name("a.test")));
     }
 
     #[test]

@@ -116,7 +116,7 @@ impl Link {
             &self.verdict,
             &self.view.policy,
         );
-        r.host = self.host.as_ref().map(Host::to_string);
+        r.host = self.host.as_ref().map(Host::text);
         r.port = self.port;
         r.synthetic = self.synthetic;
         r.detail = self.detail.clone();
@@ -341,7 +341,7 @@ impl Conn {
             &self.verdict,
             &self.view.policy,
         );
-        r.host = Some(self.host.to_string());
+        r.host = Some(self.host.text());
         r.port = Some(self.port);
         r.ip = self.ip;
         r.synthetic = self.synthetic;
