@@ -42,6 +42,7 @@ pub(crate) use spans::{annotate, connection, current, request, step, step_result
 /// connection's or request's): what a trace viewer shows without the log.
 pub(crate) fn annotate_record(record: &crate::evidence::Record) {
     if record.event != crate::evidence::Event::Decision
+        || !spans::tracing()
         || !opentelemetry::trace::TraceContextExt::has_active_span(
             &opentelemetry::Context::current(),
         )

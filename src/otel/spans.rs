@@ -11,6 +11,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::Poll;
 
 use opentelemetry::propagation::TextMapPropagator;
@@ -23,6 +24,16 @@ use opentelemetry_sdk::trace::SdkTracer;
 /// The tracer a connection's context carries, for its children.
 #[derive(Debug, Clone)]
 struct TracerOf(SdkTracer);
+
+/// Whether a connection's context was given a tracer in this process (the
+/// export runs). Until then no context holds a tracer or a span, and the
+/// calls below return at once instead of looking into the current one on
+/// every step and record.
+static TRACING: AtomicBool = AtomicBool::new(false);
+
+pub(crate) fn tracing() -> bool {
+    TRACING.load(Ordering::Acquire)
+}
 
 /// The context a request's `traceparent` (and `tracestate`) carries, if
 /// it carries a valid one.
@@ -46,6 +57,7 @@ pub(crate) fn connection(
     let Some(otel) = otel else {
         return Context::new();
     };
+    TRACING.store(true, Ordering::Release);
     let parent = headers.and_then(remote_parent).unwrap_or_default();
     let span = otel
         .tracer
@@ -89,6 +101,9 @@ pub(crate) fn request(conn: &Context, method: &str, headers: &http::HeaderMap) -
 
 /// A child context of the current one for `name`, if a span is recorded.
 fn child(name: &'static str) -> Context {
+    if !tracing() {
+        return Context::new();
+    }
     let cx = Context::current();
     let Some(TracerOf(tracer)) = cx.get::<TracerOf>() else {
         return cx;
@@ -121,6 +136,9 @@ pub(crate) async fn step_result<T, E: std::fmt::Display, F: Future<Output = Resu
 
 /// Set attributes of the current span (the connection's or request's).
 pub(crate) fn annotate(attrs: impl IntoIterator<Item = (&'static str, Value)>) {
+    if !tracing() {
+        return;
+    }
     let cx = Context::current();
     if cx.has_active_span() {
         let span = cx.span();
@@ -134,7 +152,7 @@ pub(crate) fn annotate(attrs: impl IntoIterator<Item = (&'static str, Value)>) {
 /// Without the export the context is empty and `fut` runs bare: nothing
 /// is attached on each of its polls.
 pub(crate) fn within<F: Future>(cx: Context, fut: F) -> Within<F> {
-    if cx.has_active_span() || cx.get::<TracerOf>().is_some() {
+    if tracing() && (cx.has_active_span() || cx.get::<TracerOf>().is_some()) {
         Within::Traced {
             fut: fut.with_context(cx),
         }
