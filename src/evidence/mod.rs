@@ -30,6 +30,7 @@ pub(crate) mod segment;
 pub mod select;
 pub(crate) mod store;
 pub(crate) mod tap;
+mod ts;
 pub(crate) mod verify;
 pub(crate) mod witness;
 mod writer;

@@ -186,16 +186,18 @@ impl Ids {
     }
 
     pub(super) fn next(&self) -> String {
-        format!(
-            "{}-{}",
-            self.prefix,
-            self.next.fetch_add(1, Ordering::Relaxed)
-        )
+        let mut digits = [0u8; 20];
+        let n = chain::decimal(self.next.fetch_add(1, Ordering::Relaxed), &mut digits);
+        let mut id = String::with_capacity(self.prefix.len() + 1 + n.len());
+        id.push_str(&self.prefix);
+        id.push('-');
+        id.extend(n.iter().map(|&d| char::from(d)));
+        id
     }
 }
 
 pub(super) fn now_ts() -> String {
-    humantime::format_rfc3339_micros(SystemTime::now()).to_string()
+    super::ts::rfc3339_micros(SystemTime::now())
 }
 
 /// What leaders share with the callers.
@@ -1636,5 +1638,23 @@ impl Io {
             d = d.min(t + SYNC_LAG);
         }
         d
+    }
+}
+
+#[cfg(test)]
+mod ids_tests {
+    use super::*;
+
+    /// An id is `PREFIX-N`, N in decimal, counting from 0, as `format!`
+    /// writes it.
+    #[test]
+    fn ids_are_the_prefix_and_a_counter() {
+        let ids = Ids::new("gw-1", Duration::new(0x6b0d_1234, 5_000));
+        assert_eq!(ids.next(), "gw-1-6b0d123400005-0");
+        assert_eq!(ids.next(), "gw-1-6b0d123400005-1");
+        ids.next.store(u64::MAX, Ordering::Relaxed);
+        assert_eq!(ids.next(), format!("{}-{}", ids.prefix, u64::MAX));
+        ids.next.store(1_000_000_007, Ordering::Relaxed);
+        assert_eq!(ids.next(), format!("{}-1000000007", ids.prefix));
     }
 }
