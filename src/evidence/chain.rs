@@ -332,9 +332,15 @@ impl Prepared {
     /// `seq` in their places, hashed piece by piece; then the line is
     /// written once, in order, with `hash` in its place too.
     pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
+        self.seal(seq, prev, out).1
+    }
+
+    /// [`Prepared::seal_into`], with the hash as bytes too (a Merkle leaf
+    /// is made of them).
+    pub(crate) fn seal(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> ([u8; 32], String) {
         let [at_hash, at_prev, at_seq] = self.at;
         // `"prev":"…"` and `"seq":N` with their commas, one after the other.
-        let mut fields = Vec::with_capacity(prev.len() + 48);
+        let mut fields = Vec::with_capacity(prev.len() + 64);
         let mut value = Vec::with_capacity(prev.len() + 2);
         string_into(prev, &mut value);
         self.field_into("prev", &value, at_prev, &mut fields);
@@ -349,7 +355,8 @@ impl Prepared {
         h.update(&body[at_prev..at_seq]);
         h.update(seq_field);
         h.update(&body[at_seq..]);
-        let hash = HEXLOWER.encode(&h.finalize());
+        let digest: [u8; 32] = h.finalize().into();
+        let hash = HEXLOWER.encode(&digest);
         value.clear();
         value.push(b'"');
         value.extend_from_slice(hash.as_bytes());
@@ -363,7 +370,7 @@ impl Prepared {
         out.extend_from_slice(seq_field);
         out.extend_from_slice(&body[at_seq..]);
         out.push(b'\n');
-        hash
+        (digest, hash)
     }
 
     /// `"key":value` with the comma on the side that keeps the object well

@@ -782,7 +782,7 @@ struct Outage {
 }
 
 /// Chain state as it would be after the records built so far.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct Head {
     seq: Option<u64>,
     hash: String,
@@ -796,6 +796,17 @@ struct Head {
 }
 
 impl Head {
+    /// Become a copy of `other`, in the room this head already has (a
+    /// batch's head is a copy of the last, every batch).
+    fn copy_from(&mut self, other: &Head) {
+        self.seq = other.seq;
+        self.hash.clone_from(&other.hash);
+        self.since_ckpt = other.since_ckpt;
+        self.tree.copy_from(&other.tree);
+        self.orgs.copy_from(&other.orgs);
+        self.feed.clone_from(&other.feed);
+    }
+
     /// Make the record whose hash is `hash` the next leaf.
     fn leaf(&mut self, hash: &str) {
         self.grow(merkle::record_leaf(hash));
@@ -842,6 +853,9 @@ pub(super) struct Io {
     /// The origin line of this replica's checkpoint notes.
     origin: String,
     head: Head,
+    /// The head before the last batch written, kept for its room: the
+    /// next batch's head is copied into it.
+    spare: Head,
     seg: Option<Segment>,
     last_ckpt: Instant,
     outage: Option<Outage>,
@@ -912,6 +926,7 @@ impl Io {
                 orgs: OrgTrees::default(),
                 feed: None,
             },
+            spare: Head::default(),
             seg: None,
             last_ckpt: now,
             outage: None,
@@ -1278,8 +1293,10 @@ impl Io {
     /// Chain a prepared record after `head`, straight into `buf`.
     fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Owner) {
         let seq = head.seq.map_or(0, |s| s + 1);
-        head.hash = p.seal_into(seq, &head.hash, buf);
-        let leaf = merkle::record_leaf(&head.hash);
+        let (digest, hash) = p.seal(seq, &head.hash, buf);
+        head.hash = hash;
+        // The leaf of the hash just written (`record_leaf` of its hex).
+        let leaf = merkle::leaf_hash(&digest);
         head.grow(leaf);
         if let Some(org) = org {
             head.orgs.push(org, leaf);
@@ -1361,7 +1378,7 @@ impl Io {
                     self.unsynced = Some(Instant::now());
                 }
                 let was_ckpt = head.since_ckpt == 0;
-                self.head = head;
+                self.spare = std::mem::replace(&mut self.head, head);
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
@@ -1471,7 +1488,8 @@ impl Io {
             self.rotate(ids)?;
         }
         let mut lines = 0u64;
-        let mut head = self.head.clone();
+        let mut head = std::mem::take(&mut self.spare);
+        head.copy_from(&self.head);
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let mut data = 0u64;
