@@ -18,13 +18,15 @@
 //!   `SIG_CONTEXT || canonical(record without hash and sig)`; it covers
 //!   `prev`, the hash of the record before it, i.e. the chain head.
 //!
-//! Decision and close records are serialised once, by [`Prepared::of`],
-//! straight from the record's `Serialize` implementation into their
-//! canonical form (no `serde_json::Value` in between); chaining one
+//! Decision and close records are serialised once, field by field, into
+//! their canonical form by [`super::canon`] (no `serde_json::Value` in
+//! between; the tests' `Prepared::of` makes the same bytes from the
+//! record's `Serialize` implementation, the reference); chaining one
 //! ([`Prepared::seal_into`]) splices `seq`, `prev` and `hash` in at their
 //! sorted places and gives exactly the bytes [`seal_line`] gives for the
 //! same record as a JSON object.
 
+#[cfg(test)]
 use std::fmt::Display;
 
 use data_encoding::{HEXLOWER, HEXLOWER_PERMISSIVE};
@@ -97,7 +99,7 @@ fn object_into(
     out.push(b'}');
 }
 
-fn string_into(s: &str, out: &mut Vec<u8>) {
+pub(super) fn string_into(s: &str, out: &mut Vec<u8>) {
     // Keys, hashes and most values need no escape: copied as they are.
     if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
         out.reserve(s.len() + 2);
@@ -206,32 +208,44 @@ pub(crate) fn seal_line(m: &mut Map<String, Value>, seq: u64, prev: &str) -> (St
 
 /// The fields the chain adds to a record, in their sorted order: where each
 /// goes in a [`Prepared`] body is noted when it is built.
+#[cfg(test)]
 const CHAIN_FIELDS: [&str; 3] = ["hash", "prev", "seq"];
 
 /// A record serialised once, in canonical form, waiting for its place in
 /// the chain.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Prepared {
     /// The canonical form of the record without `seq`, `prev` and `hash`.
     body: Vec<u8>,
-    /// For each of [`CHAIN_FIELDS`]: the offset in `body` of the first key
+    /// For each of the chain's fields (`hash`, `prev`, `seq`): the offset in `body` of the first key
     /// that sorts after it (after that key's comma), or of the closing brace.
     at: [usize; 3],
+}
+
+/// A record that writes its own canonical form, field by field (a
+/// [`super::Record`]: [`super::canon`]).
+pub(crate) trait Canonical {
+    /// Its canonical form, byte for byte what `Prepared::of` makes of it.
+    fn prepare(&self) -> Result<Prepared, PrepareError>;
 }
 
 /// A record that cannot be serialised into a chained line.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum PrepareError {
+    #[cfg(test)]
     #[error("a record must serialise as a struct with fields")]
     NotAStruct,
+    #[cfg(test)]
     #[error("record field {0:?} is the chain's own")]
     ChainField(&'static str),
+    #[cfg(test)]
     #[error("record field {0:?} appears twice")]
     Duplicate(&'static str),
     #[error("record not serialisable: {0}")]
     Value(String),
 }
 
+#[cfg(test)]
 impl serde::ser::Error for PrepareError {
     fn custom<T: Display>(msg: T) -> Self {
         PrepareError::Value(msg.to_string())
@@ -246,9 +260,22 @@ impl Prepared {
         self.body.len() + 3 * 2 + 2 * (7 + 66) + (6 + 20) + 1
     }
 
+    /// The canonical form of `record`, written by its own [`Canonical`]
+    /// writer.
+    pub(crate) fn canonical<T: Canonical + ?Sized>(record: &T) -> Result<Prepared, PrepareError> {
+        record.prepare()
+    }
+
+    /// A body written by hand in canonical form ([`super::canon`]), with
+    /// the offsets of the chain's fields in it.
+    pub(super) fn from_parts(body: Vec<u8>, at: [usize; 3]) -> Prepared {
+        Prepared { body, at }
+    }
+
     /// Serialise `record` (a struct whose fields hold strings, integers,
     /// booleans, nulls, arrays and maps with sorted keys, as
     /// [`super::Record`] does) into its canonical form.
+    #[cfg(test)]
     pub(crate) fn of<T: serde::Serialize + ?Sized>(record: &T) -> Result<Prepared, PrepareError> {
         let mut values = Vec::with_capacity(512);
         let mut fields = Vec::with_capacity(40);
@@ -305,9 +332,15 @@ impl Prepared {
     /// `seq` in their places, hashed piece by piece; then the line is
     /// written once, in order, with `hash` in its place too.
     pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
+        self.seal(seq, prev, out).1
+    }
+
+    /// [`Prepared::seal_into`], with the hash as bytes too (a Merkle leaf
+    /// is made of them).
+    pub(crate) fn seal(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> ([u8; 32], String) {
         let [at_hash, at_prev, at_seq] = self.at;
         // `"prev":"…"` and `"seq":N` with their commas, one after the other.
-        let mut fields = Vec::with_capacity(prev.len() + 48);
+        let mut fields = Vec::with_capacity(prev.len() + 64);
         let mut value = Vec::with_capacity(prev.len() + 2);
         string_into(prev, &mut value);
         self.field_into("prev", &value, at_prev, &mut fields);
@@ -322,7 +355,8 @@ impl Prepared {
         h.update(&body[at_prev..at_seq]);
         h.update(seq_field);
         h.update(&body[at_seq..]);
-        let hash = HEXLOWER.encode(&h.finalize());
+        let digest: [u8; 32] = h.finalize().into();
+        let hash = HEXLOWER.encode(&digest);
         value.clear();
         value.push(b'"');
         value.extend_from_slice(hash.as_bytes());
@@ -336,7 +370,7 @@ impl Prepared {
         out.extend_from_slice(seq_field);
         out.extend_from_slice(&body[at_seq..]);
         out.push(b'\n');
-        hash
+        (digest, hash)
     }
 
     /// `"key":value` with the comma on the side that keeps the object well
@@ -357,7 +391,7 @@ impl Prepared {
 }
 
 /// `n` in decimal, written at the end of `buf`.
-fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+pub(super) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
     loop {
         at -= 1;
@@ -371,8 +405,10 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
 }
 
 /// The fields of a struct as serialised: key, and the range of its value.
+#[cfg(test)]
 type Fields = Vec<(&'static str, usize, usize)>;
 
+#[cfg(test)]
 thread_local! {
     /// The sorted order of the keys a struct was last serialised with.
     static ORDER: std::cell::RefCell<Order> = const {
@@ -388,6 +424,7 @@ thread_local! {
 /// kind come with the same keys in the same order each time: when the
 /// keys are the very same (the same `&'static str`s, as a derived
 /// `Serialize` gives them), their order is known without sorting.
+#[cfg(test)]
 struct Order {
     /// Each key's address and length, in the order serialised.
     keys: Vec<(usize, usize)>,
@@ -395,6 +432,7 @@ struct Order {
     sorted: Vec<usize>,
 }
 
+#[cfg(test)]
 impl Order {
     /// Make `sorted` the order of `fields` by key; an error for a key
     /// twice or one of the chain's.
@@ -430,11 +468,13 @@ impl Order {
 
 /// Collects a struct's fields: each value serialised by serde_json into
 /// `values`, its key and byte range into `fields`.
+#[cfg(test)]
 struct Capture<'a> {
     values: &'a mut Vec<u8>,
     fields: &'a mut Vec<(&'static str, usize, usize)>,
 }
 
+#[cfg(test)]
 impl serde::ser::SerializeStruct for Capture<'_> {
     type Ok = ();
     type Error = PrepareError;
@@ -457,6 +497,7 @@ impl serde::ser::SerializeStruct for Capture<'_> {
 }
 
 /// Everything but a struct is refused.
+#[cfg(test)]
 macro_rules! not_a_struct {
     ($($name:ident($($arg:ty),*);)*) => {
         $(fn $name(self, $(_: $arg),*) -> Result<(), PrepareError> {
@@ -465,6 +506,7 @@ macro_rules! not_a_struct {
     };
 }
 
+#[cfg(test)]
 impl<'a> serde::Serializer for Capture<'a> {
     type Ok = ();
     type Error = PrepareError;

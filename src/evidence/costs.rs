@@ -57,7 +57,7 @@ impl Steps {
 
     /// The canonical serialisation.
     pub fn serialise(&self, record: &Record) -> Serialised {
-        Serialised(Prepared::of(record).expect("a Record always serialises"))
+        Serialised(super::canon::record(record).expect("a Record always serialises"))
     }
 
     /// Chain it as number `seq` after `prev` into `batch`; its hash.

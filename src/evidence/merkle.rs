@@ -75,6 +75,12 @@ pub(crate) struct Frontier {
 }
 
 impl Frontier {
+    /// Become a copy of `other`, in the room this one already has.
+    pub(crate) fn copy_from(&mut self, other: &Frontier) {
+        self.size = other.size;
+        self.hashes.clone_from(&other.hashes);
+    }
+
     /// A frontier as stored, checked: one hash per set bit of `size`.
     pub(crate) fn from_parts(size: u64, hashes: Vec<Hash>) -> Option<Frontier> {
         (hashes.len() == size.count_ones() as usize).then_some(Frontier { size, hashes })
@@ -494,6 +500,18 @@ pub(crate) fn org_of(m: &Map<String, Value>) -> Option<&str> {
 }
 
 impl OrgTrees {
+    /// Become a copy of `other`, in the room this one already has when
+    /// both have the same orgs (as a batch's copy of the head has).
+    pub(crate) fn copy_from(&mut self, other: &OrgTrees) {
+        if self.trees.len() == other.trees.len() && self.trees.keys().eq(other.trees.keys()) {
+            for (mine, theirs) in self.trees.values_mut().zip(other.trees.values()) {
+                mine.copy_from(theirs);
+            }
+        } else {
+            self.trees.clone_from(&other.trees);
+        }
+    }
+
     /// Append a record's leaf ([`record_leaf`]) to `org`'s tree.
     pub(crate) fn push(&mut self, org: &str, leaf: Hash) {
         match self.trees.get_mut(org) {
@@ -873,5 +891,44 @@ mod org_tests {
         t.check(&m).unwrap();
         m.insert("org_count".into(), 2.into());
         assert!(t.check(&m).unwrap_err().contains("inconsistent checkpoint"));
+    }
+}
+
+#[cfg(test)]
+mod copy_tests {
+    use super::*;
+
+    fn trees(orgs: &[&str], leaves: u8) -> OrgTrees {
+        let mut t = OrgTrees::default();
+        for i in 0..leaves {
+            for org in orgs {
+                t.push(org, leaf_hash(&[i, org.len() as u8]));
+            }
+        }
+        t
+    }
+
+    /// A copy made in the room of another is the source, whatever the two
+    /// held before: same orgs, other orgs, more or fewer of them.
+    #[test]
+    fn copies_in_place_equal_the_source() {
+        let sources = [
+            trees(&["a", "b"], 5),
+            trees(&["a", "b"], 1),
+            trees(&["a"], 9),
+            trees(&["b", "c", "d"], 3),
+            OrgTrees::default(),
+        ];
+        for into in &sources {
+            for from in &sources {
+                let mut copy = into.clone();
+                copy.copy_from(from);
+                assert_eq!(&copy, from);
+                let mut f = into.tree("a").cloned().unwrap_or_default();
+                let want = from.tree("a").cloned().unwrap_or_default();
+                f.copy_from(&want);
+                assert_eq!(f, want);
+            }
+        }
     }
 }

@@ -10,6 +10,7 @@
 //! ([`writer`]), into rotating segment files ([`segment`]). [`verify`]
 //! checks a directory end to end; [`query`] filters and exports.
 
+mod canon;
 pub(crate) mod chain;
 #[doc(hidden)]
 pub mod costs;
@@ -29,6 +30,7 @@ pub(crate) mod segment;
 pub mod select;
 pub(crate) mod store;
 pub(crate) mod tap;
+mod ts;
 pub(crate) mod verify;
 pub(crate) mod witness;
 mod writer;
@@ -565,7 +567,7 @@ impl Evidence {
         record.ts = writer::now_ts();
         // Derived, never set: whatever changed `reason`, they agree.
         record.decision = record.reason.decision();
-        Prepared::of(&*record).map_err(|e| EvidenceError::Io(io::Error::other(e)))
+        Prepared::canonical(&*record).map_err(|e| EvidenceError::Io(io::Error::other(e)))
     }
 
     /// Assign `id` and `ts` and write the record. When this returns `Ok`

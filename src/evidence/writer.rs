@@ -186,16 +186,18 @@ impl Ids {
     }
 
     pub(super) fn next(&self) -> String {
-        format!(
-            "{}-{}",
-            self.prefix,
-            self.next.fetch_add(1, Ordering::Relaxed)
-        )
+        let mut digits = [0u8; 20];
+        let n = chain::decimal(self.next.fetch_add(1, Ordering::Relaxed), &mut digits);
+        let mut id = String::with_capacity(self.prefix.len() + 1 + n.len());
+        id.push_str(&self.prefix);
+        id.push('-');
+        id.extend(n.iter().map(|&d| char::from(d)));
+        id
     }
 }
 
 pub(super) fn now_ts() -> String {
-    humantime::format_rfc3339_micros(SystemTime::now()).to_string()
+    super::ts::rfc3339_micros(SystemTime::now())
 }
 
 /// What leaders share with the callers.
@@ -780,7 +782,7 @@ struct Outage {
 }
 
 /// Chain state as it would be after the records built so far.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct Head {
     seq: Option<u64>,
     hash: String,
@@ -794,6 +796,17 @@ struct Head {
 }
 
 impl Head {
+    /// Become a copy of `other`, in the room this head already has (a
+    /// batch's head is a copy of the last, every batch).
+    fn copy_from(&mut self, other: &Head) {
+        self.seq = other.seq;
+        self.hash.clone_from(&other.hash);
+        self.since_ckpt = other.since_ckpt;
+        self.tree.copy_from(&other.tree);
+        self.orgs.copy_from(&other.orgs);
+        self.feed.clone_from(&other.feed);
+    }
+
     /// Make the record whose hash is `hash` the next leaf.
     fn leaf(&mut self, hash: &str) {
         self.grow(merkle::record_leaf(hash));
@@ -840,6 +853,9 @@ pub(super) struct Io {
     /// The origin line of this replica's checkpoint notes.
     origin: String,
     head: Head,
+    /// The head before the last batch written, kept for its room: the
+    /// next batch's head is copied into it.
+    spare: Head,
     seg: Option<Segment>,
     last_ckpt: Instant,
     outage: Option<Outage>,
@@ -910,6 +926,7 @@ impl Io {
                 orgs: OrgTrees::default(),
                 feed: None,
             },
+            spare: Head::default(),
             seg: None,
             last_ckpt: now,
             outage: None,
@@ -1276,8 +1293,10 @@ impl Io {
     /// Chain a prepared record after `head`, straight into `buf`.
     fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Owner) {
         let seq = head.seq.map_or(0, |s| s + 1);
-        head.hash = p.seal_into(seq, &head.hash, buf);
-        let leaf = merkle::record_leaf(&head.hash);
+        let (digest, hash) = p.seal(seq, &head.hash, buf);
+        head.hash = hash;
+        // The leaf of the hash just written (`record_leaf` of its hex).
+        let leaf = merkle::leaf_hash(&digest);
         head.grow(leaf);
         if let Some(org) = org {
             head.orgs.push(org, leaf);
@@ -1359,7 +1378,7 @@ impl Io {
                     self.unsynced = Some(Instant::now());
                 }
                 let was_ckpt = head.since_ckpt == 0;
-                self.head = head;
+                self.spare = std::mem::replace(&mut self.head, head);
                 if was_ckpt {
                     self.last_ckpt = Instant::now();
                 }
@@ -1469,7 +1488,8 @@ impl Io {
             self.rotate(ids)?;
         }
         let mut lines = 0u64;
-        let mut head = self.head.clone();
+        let mut head = std::mem::take(&mut self.spare);
+        head.copy_from(&self.head);
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let mut data = 0u64;
@@ -1636,5 +1656,23 @@ impl Io {
             d = d.min(t + SYNC_LAG);
         }
         d
+    }
+}
+
+#[cfg(test)]
+mod ids_tests {
+    use super::*;
+
+    /// An id is `PREFIX-N`, N in decimal, counting from 0, as `format!`
+    /// writes it.
+    #[test]
+    fn ids_are_the_prefix_and_a_counter() {
+        let ids = Ids::new("gw-1", Duration::new(0x6b0d_1234, 5_000));
+        assert_eq!(ids.next(), "gw-1-6b0d123400005-0");
+        assert_eq!(ids.next(), "gw-1-6b0d123400005-1");
+        ids.next.store(u64::MAX, Ordering::Relaxed);
+        assert_eq!(ids.next(), format!("{}-{}", ids.prefix, u64::MAX));
+        ids.next.store(1_000_000_007, Ordering::Relaxed);
+        assert_eq!(ids.next(), format!("{}-1000000007", ids.prefix));
     }
 }
