@@ -360,10 +360,14 @@ impl Conn {
 
     /// The close record of the decision record written as `id`.
     pub(crate) fn close(&self, id: &str, (up, down): (u64, u64), started: Instant) -> Record {
-        let mut decision = self.record();
-        decision.id = id.to_string();
-        decision.owed = self.owed.clone();
-        decision.close(up, down, started.elapsed().as_millis() as u64)
+        // The decision's id goes straight into `conn`: copied once, not
+        // set on the decision and copied again by `Record::close`.
+        let mut close = self
+            .record()
+            .close(up, down, started.elapsed().as_millis() as u64);
+        close.conn = Some(id.to_string());
+        close.owed = self.owed.clone();
+        close
     }
 }
 
