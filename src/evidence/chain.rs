@@ -155,6 +155,18 @@ pub(crate) fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
         .ok()
 }
 
+/// `bytes` in lowercase hex (`HEXLOWER.encode`, without its general
+/// machinery: a record's hash and reference are made per record).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(2 * bytes.len());
+    for &b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 15)]));
+    }
+    s
+}
+
 /// The hash of a record: SHA-256 over its canonical form without `hash`.
 pub(crate) fn record_hash(m: &Map<String, Value>) -> String {
     HEXLOWER.encode(&Sha256::digest(canonical_without(m, &["hash"])))
@@ -382,7 +394,7 @@ impl Prepared {
         h.update(seq_field);
         h.update(&body[at_seq..]);
         let digest: [u8; 32] = h.finalize().into();
-        let hash = HEXLOWER.encode(&digest);
+        let hash = hex(&digest);
         value.clear();
         value.push(b'"');
         value.extend_from_slice(hash.as_bytes());
@@ -766,6 +778,9 @@ mod tests {
     fn hex_round_trip() {
         let b = [0u8, 1, 0xab, 0xff];
         assert_eq!(HEXLOWER.encode(&b), "0001abff");
+        let all: Vec<u8> = (0..=255).collect();
+        assert_eq!(hex(&all), HEXLOWER.encode(&all));
+        assert_eq!(hex(&[]), "");
         assert_eq!(unhex::<4>("0001ABff"), Some(b));
         assert_eq!(unhex::<4>("0001abf"), None);
         assert_eq!(unhex::<4>("0001abfg"), None);
