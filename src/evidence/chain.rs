@@ -367,8 +367,8 @@ impl Prepared {
     /// The line is byte for byte what [`seal_line`] makes of the record.
     ///
     /// The hash covers the line without `hash`: the body with `prev` and
-    /// `seq` in their places, hashed piece by piece; then the line is
-    /// written once, in order, with `hash` in its place too.
+    /// `seq` in their places, written straight into `out` and hashed there;
+    /// then `"hash":"…"` is appended and rotated into its place.
     pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
         self.seal(seq, prev, out).1
     }
@@ -377,36 +377,24 @@ impl Prepared {
     /// is made of them).
     pub(crate) fn seal(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> ([u8; 32], String) {
         let [at_hash, at_prev, at_seq] = self.at;
-        // `"prev":"…"` and `"seq":N` with their commas, one after the other.
-        let mut fields = Vec::with_capacity(prev.len() + 64);
-        let mut value = Vec::with_capacity(prev.len() + 2);
-        string_into(prev, &mut value);
-        self.field_into("prev", &value, at_prev, &mut fields);
-        let prev_end = fields.len();
-        let mut digits = [0u8; 20];
-        self.field_into("seq", decimal(seq, &mut digits), at_seq, &mut fields);
-        let (prev_field, seq_field) = fields.split_at(prev_end);
         let body = &self.body;
-        let mut h = Sha256::new();
-        h.update(&body[..at_prev]);
-        h.update(prev_field);
-        h.update(&body[at_prev..at_seq]);
-        h.update(seq_field);
-        h.update(&body[at_seq..]);
-        let digest: [u8; 32] = h.finalize().into();
-        let hash = hex(&digest);
-        value.clear();
-        value.push(b'"');
-        value.extend_from_slice(hash.as_bytes());
-        value.push(b'"');
-        out.reserve(body.len() + fields.len() + value.len() + 16);
-        out.extend_from_slice(&body[..at_hash]);
-        self.field_into("hash", &value, at_hash, out);
-        out.extend_from_slice(&body[at_hash..at_prev]);
-        out.extend_from_slice(prev_field);
+        let start = out.len();
+        out.reserve(body.len() + prev.len() + 2 * 66 + 48);
+        out.extend_from_slice(&body[..at_prev]);
+        self.field_into("prev", at_prev, out, |o| string_into(prev, o));
         out.extend_from_slice(&body[at_prev..at_seq]);
-        out.extend_from_slice(seq_field);
+        let mut digits = [0u8; 20];
+        let seq = decimal(seq, &mut digits);
+        self.field_into("seq", at_seq, out, |o| o.extend_from_slice(seq));
         out.extend_from_slice(&body[at_seq..]);
+        let digest: [u8; 32] = Sha256::digest(&out[start..]).into();
+        let hash = hex(&digest);
+        let end = out.len();
+        self.field_into("hash", at_hash, out, |o| string_into(&hash, o));
+        // `hash` sorts before `prev`: its field goes where the body's
+        // `at_hash` is, ahead of everything written after it.
+        let field = out.len() - end;
+        out[start + at_hash..].rotate_right(field);
         out.push(b'\n');
         (digest, hash)
     }
@@ -414,14 +402,20 @@ impl Prepared {
     /// `"key":value` with the comma on the side that keeps the object well
     /// formed when it goes in at `at`: before the closing brace it follows
     /// a field (a body is never empty), anywhere else a field follows it.
-    fn field_into(&self, key: &str, value: &[u8], at: usize, out: &mut Vec<u8>) {
+    fn field_into(
+        &self,
+        key: &str,
+        at: usize,
+        out: &mut Vec<u8>,
+        value: impl FnOnce(&mut Vec<u8>),
+    ) {
         let closing = at + 1 == self.body.len();
         if closing {
             out.push(b',');
         }
         string_into(key, out);
         out.push(b':');
-        out.extend_from_slice(value);
+        value(out);
         if !closing {
             out.push(b',');
         }
