@@ -10,6 +10,7 @@
 //! (`palisade evidence query --ref REF`), across restarts, and whoever
 //! holds the signing key can recompute any reference from an id.
 
+#[cfg(test)]
 use data_encoding::HEXLOWER;
 use sha2::{Digest, Sha256};
 
@@ -59,7 +60,7 @@ impl RefKey {
     /// The reference of the record whose id is `id`.
     pub(crate) fn of(&self, id: &str) -> String {
         let mac = self.mac(id.as_bytes());
-        HEXLOWER.encode(&mac[..REF_LEN / 2])
+        super::chain::hex(&mac[..REF_LEN / 2])
     }
 
     /// HMAC-SHA256 of `msg`.
