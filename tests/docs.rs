@@ -273,8 +273,18 @@ fn paths_leaving(page: &Path, text: &str) -> Vec<String> {
         offset = head + len.max(start + 3 - head);
         rest = &text[offset..];
     }
+    // An absolute path of a development machine's checkout is no file a
+    // reader has either.
+    for (n, line) in text.lines().enumerate() {
+        if WORKSTATION.iter().any(|w| line.contains(w)) {
+            out.push(format!("{}:{}: a workstation path", page.display(), n + 1));
+        }
+    }
     out
 }
+
+/// Where checkouts and scratch scripts live on the team's machines.
+const WORKSTATION: [&str; 2] = ["/work/", "/home/"];
 
 #[test]
 fn no_page_names_a_file_outside_the_repository() {
@@ -285,6 +295,7 @@ fn no_page_names_a_file_outside_the_repository() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
     let page = Path::new("docs/x.md");
     assert!(paths_leaving(page, "see [a](../src/lib.rs) and `../../x/y.sh`").len() == 1);
+    assert!(paths_leaving(page, "run `/work/helpers/x.sh`").len() == 1);
     assert!(
         paths_leaving(
             Path::new("README.md"),
