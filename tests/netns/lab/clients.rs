@@ -245,11 +245,9 @@ impl Lab {
         let stream = in_netns(&self.ns_client, move || {
             TcpStream::connect_timeout(&addr, Duration::from_secs(3))
         })?;
-        stream.set_nodelay(true)?;
-        Ok(RawConn {
-            stream,
-            buf: Vec::new(),
-        })
+        let conn = RawConn::new(stream);
+        conn.stream.set_nodelay(true)?;
+        Ok(conn)
     }
 }
 

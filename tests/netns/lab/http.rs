@@ -54,6 +54,9 @@ pub struct RawConn {
     pub stream: TcpStream,
     /// Received but not yet consumed.
     pub(super) buf: Vec<u8>,
+    /// How the last read that ended a wait ended (EOF, or the error), for
+    /// the message of a test that got no answer.
+    pub(super) ended: Option<String>,
 }
 
 /// How a wait for the peer to close ended.
@@ -72,6 +75,7 @@ impl RawConn {
         RawConn {
             stream,
             buf: Vec::new(),
+            ended: None,
         }
     }
 
@@ -120,7 +124,14 @@ impl RawConn {
             }
             match self.fill(deadline) {
                 Ok(n) if n > 0 => {}
-                _ => return None,
+                Ok(_) => {
+                    self.ended = Some("EOF".into());
+                    return None;
+                }
+                Err(e) => {
+                    self.ended = Some(format!("{:?}: {e}", e.kind()));
+                    return None;
+                }
             }
         }
     }
@@ -154,7 +165,8 @@ impl RawConn {
             };
             return HttpResp {
                 stderr: format!(
-                    "no response head after {waited:?}: {how}; buffered {:?}",
+                    "no response head after {waited:?}: {how} ({}); buffered {:?}",
+                    self.ended.as_deref().unwrap_or("?"),
                     String::from_utf8_lossy(&self.buf)
                 ),
                 exit: Some(0),
