@@ -262,6 +262,54 @@ impl Decoder {
     }
 }
 
+/// The trailer fields of a chunked body's trailer section (what
+/// [`Decoder`] ends the body with: the field lines and the empty line
+/// after the last chunk, already checked), minus those a trailer may not
+/// carry (framing, routing, authentication, content metadata and the
+/// hop-by-hop ones, RFC 9110 §6.5.1) and any `http` does not take.
+pub(crate) fn trailers(section: &[u8]) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    let mut fields = [httparse::EMPTY_HEADER; MAX_RESPONSE_HEADERS];
+    let Ok(httparse::Status::Complete((_, fields))) = httparse::parse_headers(section, &mut fields)
+    else {
+        return map;
+    };
+    for f in fields {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(f.name.as_bytes()),
+            HeaderValue::from_bytes(f.value),
+        ) else {
+            continue;
+        };
+        if !NOT_TRAILERS.contains(&name.as_str()) {
+            map.append(name, value);
+        }
+    }
+    map
+}
+
+/// Fields never relayed as trailers.
+const NOT_TRAILERS: [&str; 18] = [
+    "authorization",
+    "cache-control",
+    "connection",
+    "content-encoding",
+    "content-length",
+    "content-range",
+    "content-type",
+    "host",
+    "keep-alive",
+    "max-forwards",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "proxy-connection",
+    "set-cookie",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
 /// The head of a request without a body for the upstream: the request
 /// line in origin form (`target`), always HTTP/1.1 (RFC 9110 §6.2: an
 /// intermediary sends its own version), then `headers` as they are (the
@@ -566,5 +614,14 @@ mod tests {
             request_head(&Method::PUT, "/", &cl),
             b"PUT / HTTP/1.1\r\ncontent-length: 0\r\n\r\n"
         );
+    }
+    #[test]
+    fn trailer_sections_keep_only_fields_a_trailer_may_carry() {
+        let t = trailers(b"X-Checksum: abc\r\nContent-Length: 5\r\nx-two: 1\r\nX-Two: 2\r\n\r\n");
+        assert_eq!(t.get("x-checksum").unwrap(), "abc");
+        assert!(t.get("content-length").is_none());
+        assert_eq!(t.get_all("x-two").iter().count(), 2);
+        assert!(trailers(b"\r\n").is_empty());
+        assert!(trailers(b"bad line\r\n\r\n").is_empty());
     }
 }

@@ -11,7 +11,9 @@
 //!   asked for, on the idle connection;
 //! - `/short/..`: says Content-Length 100, sends 9 bytes and closes;
 //! - `/cut/..`: a chunked body cut half-way by a close;
-//! - `/both/..`: Content-Length and Transfer-Encoding at once.
+//! - `/both/..`: Content-Length and Transfer-Encoding at once;
+//! - `/trailers/..`: a chunked body with a trailer section (a checksum,
+//!   and a Content-Length no trailer may carry).
 //!
 //! (a) a response that overruns its framing, or bytes sent on an idle
 //!     connection, never reach the next request: that connection is
@@ -24,7 +26,10 @@
 //!     Content-Lengths, obs-fold) never get a planted request to the
 //!     upstream, and a bare-LF head goes on as a clean CRLF one;
 //! (d) a request body cut half-way never reaches the upstream as a
-//!     request, and its connection is never reused.
+//!     request, and its connection is never reused;
+//! (e) a chunked response reaches a client that takes trailers
+//!     (`TE: trailers`) with its trailer fields (those a trailer may
+//!     carry), and its connection is reused after it.
 
 use std::time::Duration;
 
@@ -101,6 +106,9 @@ def serve(conn, cid):
             elif target.startswith("/cut/"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n3\r\nab")
                 return
+            elif target.startswith("/trailers/"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n"
+                             b"5\r\nhello\r\n0\r\nX-Checksum: abc123\r\nContent-Length: 99\r\n\r\n")
             elif target.startswith("/both/"):
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
             else:
@@ -361,4 +369,42 @@ fn pipelined_and_smuggling_requests_never_cross_exchanges() {
         assert_ne!(partial["id"].as_u64(), Some(up.conn_of("/ok/after")));
     }
     up.never_planted();
+}
+
+#[test]
+fn a_chunked_response_arrives_with_its_trailers() {
+    let (lab, up) = lab();
+    let mut c = lab.client_conn();
+    let req = format!(
+        "GET http://allowed.test:{PORT}/trailers/1 HTTP/1.1\r\n\
+         Host: allowed.test:{PORT}\r\nTE: trailers\r\n\r\n"
+    );
+    c.send(req.as_bytes()).expect("send");
+    let head = c.read_until(b"\r\n\r\n", WAIT).expect("a response head");
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("transfer-encoding: chunked"), "{head}");
+    let body = c.read_until(b"\r\n0\r\n", WAIT).expect("the chunked body");
+    assert_eq!(
+        body,
+        b"5\r\nhello\r\n0\r\n",
+        "{:?}",
+        String::from_utf8_lossy(&body)
+    );
+    // Without trailers the body ends with a bare CRLF and nothing more
+    // comes: this wait then runs out.
+    let section = c
+        .read_until(b"\r\n\r\n", WAIT)
+        .unwrap_or_else(|| c.take_buffered());
+    let section = String::from_utf8_lossy(&section).to_ascii_lowercase();
+    assert_eq!(
+        section,
+        "x-checksum: abc123\r\n\r\n",
+        "the trailer section relayed (no content-length in it)\n{}",
+        lab.proxy_output()
+    );
+    // In order: the connection goes on, over the same upstream connection.
+    let resp = get(&mut c, "/ok/2");
+    assert!(resp.body.contains("path=/ok/2"), "{resp:?}");
+    assert_eq!(up.conn_of("/ok/2"), up.conn_of("/trailers/1"));
 }

@@ -58,14 +58,16 @@ pub(crate) fn text_response(
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus the proxy-only ones.
-const HOP_BY_HOP: [&str; 9] = [
+/// `Trailer` is not one (RFC 9110 §6.6.2: it names the trailer fields
+/// end to end); hyper's server writes only the trailer fields a response
+/// declares in it, and only to a client that sent `TE: trailers`.
+const HOP_BY_HOP: [&str; 8] = [
     "connection",
     "keep-alive",
     "proxy-connection",
     "proxy-authenticate",
     "proxy-authorization",
     "te",
-    "trailer",
     "transfer-encoding",
     "upgrade",
 ];

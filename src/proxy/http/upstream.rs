@@ -26,7 +26,7 @@ use hyper::body::{Frame, SizeHint};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use crate::proto::http_upstream::{response_head, Decoder, Head, Piece};
+use crate::proto::http_upstream::{response_head, trailers, Decoder, Head, Piece};
 use crate::proto::Parse;
 use crate::serve::http::BodyError;
 
@@ -253,10 +253,19 @@ impl hyper::body::Body for Relayed {
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
                 Piece::Framing(n) => {
-                    conn.buf.advance(n);
+                    let framing = conn.buf.split_to(n);
                     if this.dec.is_done() {
+                        // A chunked body's last piece is its trailer
+                        // section: relayed as the body's trailers.
+                        let fields = match framing.len() > 2 {
+                            true => trailers(&framing),
+                            false => http::HeaderMap::new(),
+                        };
                         this.finish();
-                        return Poll::Ready(None);
+                        if fields.is_empty() {
+                            return Poll::Ready(None);
+                        }
+                        return Poll::Ready(Some(Ok(Frame::trailers(fields))));
                     }
                     continue;
                 }
