@@ -252,22 +252,19 @@ impl hyper::body::Body for Relayed {
                     }
                     return Poll::Ready(Some(Ok(Frame::data(data))));
                 }
-                Piece::Framing(n) => {
-                    let framing = conn.buf.split_to(n);
-                    if this.dec.is_done() {
-                        // A chunked body's last piece is its trailer
-                        // section: relayed as the body's trailers.
-                        let fields = match framing.len() > 2 {
-                            true => trailers(&framing),
-                            false => http::HeaderMap::new(),
-                        };
-                        this.finish();
-                        if fields.is_empty() {
-                            return Poll::Ready(None);
-                        }
-                        return Poll::Ready(Some(Ok(Frame::trailers(fields))));
-                    }
+                Piece::Framing(n) if !this.dec.is_done() => {
+                    conn.buf.advance(n);
                     continue;
+                }
+                Piece::Framing(n) => {
+                    // A chunked body's last piece is its trailer section
+                    // (a bare CRLF without trailers): relayed as the
+                    // body's trailers.
+                    let fields = (n > 2).then(|| trailers(&conn.buf[..n]));
+                    conn.buf.advance(n);
+                    this.finish();
+                    let fields = fields.filter(|f| !f.is_empty());
+                    return Poll::Ready(fields.map(|f| Ok(Frame::trailers(f))));
                 }
                 Piece::Bad(why) => return this.fail(why),
                 Piece::NeedMore => {}
