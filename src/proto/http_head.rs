@@ -166,9 +166,9 @@ pub(crate) fn connect(buf: &[u8], max_headers: usize) -> Parse<ConnectHead> {
         }
         let mut authorization: Option<(Vec<u8>, bool)> = None;
         let mut trace = http::HeaderMap::new();
-        let mut size = (method.len() + shown_len(&target) + 12 + 2) as u64;
+        let fields = req.headers.iter().map(|h| (h.name.len(), h.value.len()));
+        let size = head_len(method.len(), shown_len(&target), fields);
         for h in req.headers.iter() {
-            size += (h.name.len() + h.value.len() + 4) as u64;
             if h.name.eq_ignore_ascii_case("proxy-authorization") {
                 match &mut authorization {
                     Some((_, more)) => *more = true,
@@ -234,6 +234,26 @@ fn first_head<T>(
         Err(httparse::Error::TooManyHeaders) => Parse::Malformed("too many headers"),
         Err(_) => Parse::Malformed("malformed request head"),
     }
+}
+
+/// A request head's bytes as sent, give or take whitespace: the request
+/// line (`METHOD target HTTP/1.1` and CRLF, from the method's and the
+/// target's lengths), a `name: value` line per field (from each name's
+/// and value's lengths) and the blank line that ends it. The measure of
+/// `max_request_head_bytes` for every request, whoever parsed it.
+pub(crate) fn head_len(
+    method: usize,
+    target: usize,
+    fields: impl IntoIterator<Item = (usize, usize)>,
+) -> u64 {
+    (method + target + 12) as u64 + fields_len(fields)
+}
+
+/// The field lines of a head as sent (`name: value` and CRLF each, from
+/// each name's and value's lengths), with the blank line that ends it.
+pub(crate) fn fields_len(fields: impl IntoIterator<Item = (usize, usize)>) -> u64 {
+    let lines: usize = fields.into_iter().map(|(n, v)| n + v + 4).sum();
+    lines as u64 + 2
 }
 
 /// The length of `value`'s text, counted as it is written, not built.

@@ -32,6 +32,7 @@ use hyper::service::HttpService;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 
+use crate::proto::http_head;
 use crate::serve::http::drained;
 
 /// The one body type of the served and forwarded exchanges, and a
@@ -72,21 +73,23 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
+/// The `(name, value)` lengths of `headers`' fields, for
+/// [`http_head::head_len`] and [`http_head::fields_len`].
+fn field_lens(headers: &HeaderMap) -> impl Iterator<Item = (usize, usize)> + '_ {
+    headers.iter().map(|(n, v)| (n.as_str().len(), v.len()))
+}
+
 /// Bytes of `headers` as sent (`name: value` lines, give or take
 /// whitespace), with the blank line that ends a head.
 pub(crate) fn headers_len(headers: &HeaderMap) -> u64 {
-    let lines: usize = headers
-        .iter()
-        .map(|(name, value)| name.as_str().len() + value.len() + 4)
-        .sum();
-    lines as u64 + 2
+    http_head::fields_len(field_lens(headers))
 }
 
 /// A request head's bytes as sent (give or take whitespace): the request
-/// line and the headers.
+/// line and the headers ([`http_head::head_len`]).
 pub(crate) fn request_head_len(method: &http::Method, uri: &http::Uri, headers: &HeaderMap) -> u64 {
-    let line = method.as_str().len() + crate::proto::http_head::shown_len(uri) + 12;
-    line as u64 + headers_len(headers)
+    let target = http_head::shown_len(uri);
+    http_head::head_len(method.as_str().len(), target, field_lens(headers))
 }
 
 /// Remove the hop-by-hop headers, and those `Connection` names.
