@@ -7,7 +7,8 @@
 //!
 //! A metered body may also spend from its exchange's volume budgets as
 //! it relays ([`Metered::charging`]): each frame is charged before it
-//! goes on, and past the budget the frame is cut to what is left and the
+//! goes on (a trailers frame as its field lines, whole or not at all),
+//! and past the budget the frame is cut to what is left and the
 //! body ends with an error (the exchange is cut, never taken as whole),
 //! the watch cancelled so that the other direction stops too. Any relay
 //! that moves a body through [`Metered`] inherits this.
@@ -110,6 +111,19 @@ impl<B> Metered<B> {
         granted > 0 || asked == 0
     }
 
+    /// Trailer fields of `bytes` about to go on: whether the budgets let
+    /// all of them through (a field section is never cut short).
+    fn charge_whole(&mut self, bytes: u64) -> bool {
+        let Some((watch, direction)) = &self.charging else {
+            return true;
+        };
+        if watch.take(*direction, bytes) < bytes {
+            self.cut = true;
+            return false;
+        }
+        true
+    }
+
     /// Cut at the budget: finished; the error to end with.
     fn cut_off(&mut self) -> BodyError {
         self.finish(false);
@@ -160,6 +174,14 @@ where
                         return Poll::Ready(Some(Err(this.cut_off())));
                     }
                     this.count.fetch_add(data.len() as u64, Ordering::Relaxed);
+                } else if let Some(trailers) = frame.trailers_ref() {
+                    // Trailer fields carry bytes too (a request's go
+                    // upstream): counted and charged as their field lines.
+                    let bytes = super::headers_len(trailers);
+                    if !this.charge_whole(bytes) {
+                        return Poll::Ready(Some(Err(this.cut_off())));
+                    }
+                    this.count.fetch_add(bytes, Ordering::Relaxed);
                 }
                 this.at_end = this.is_end_stream();
                 Poll::Ready(Some(Ok(frame)))
@@ -407,6 +429,51 @@ mod tests {
             .charging(report.clone(), Direction::Up);
         assert_eq!(&body.collect().await.unwrap().to_bytes()[..], b"abcdef");
         assert!(report.crossed().is_some() && !report.is_cut());
+    }
+
+    #[tokio::test]
+    async fn trailer_fields_are_counted_and_charged_whole() {
+        use crate::config::Volume;
+        use crate::limits::volume::{Volumes, MAX_METERS};
+        let volumes = Volumes::new(std::time::Instant::now(), MAX_METERS, None);
+        let budget = Volume {
+            up: Some(40),
+            down: None,
+            window: std::time::Duration::from_secs(60),
+        };
+        let lease = volumes
+            .admit(
+                &Arc::from("acme"),
+                &Arc::from("gh"),
+                (Some(budget), None),
+                std::time::Instant::now(),
+            )
+            .unwrap()
+            .unwrap();
+        let watch = Arc::new(Watch::new(lease, Some(CancellationToken::new())));
+        let with_trailers = |value: &'static str| {
+            let (mut tx, body) = crate::serve::http::channel(2);
+            tx.try_send(Frame::data(Bytes::from_static(b"abc")))
+                .unwrap();
+            let mut t = http::HeaderMap::new();
+            t.insert("x-data", http::HeaderValue::from_static(value));
+            tx.try_send(Frame::trailers(t)).unwrap();
+            body
+        };
+        // "x-data: 0123456789" and its CRLF, and the blank line: 22 bytes.
+        let counted = Arc::new(AtomicU64::new(0));
+        let body = Metered::new(with_trailers("0123456789"), counted.clone())
+            .charging(watch.clone(), Direction::Up);
+        let got = body.collect().await.unwrap();
+        assert_eq!(got.trailers().unwrap()["x-data"], "0123456789");
+        assert_eq!(counted.load(Ordering::Relaxed), 3 + 22);
+        // 15 bytes left: the data goes (12 left), trailers of 22 do not.
+        let mut body = Metered::new(with_trailers("0123456789"), Arc::default())
+            .charging(watch.clone(), Direction::Up);
+        assert!(body.frame().await.unwrap().unwrap().is_data());
+        let err = body.frame().await.unwrap().unwrap_err();
+        assert_eq!(err.to_string(), VOLUME_SPENT);
+        assert!(watch.is_cut());
     }
 
     /// A body with one frame that is not at its end until polled once more.
