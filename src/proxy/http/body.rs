@@ -377,27 +377,35 @@ mod tests {
         body
     }
 
-    #[tokio::test]
-    async fn a_charged_body_is_cut_to_its_budget_and_ends_in_an_error() {
-        use crate::config::Volume;
-        use crate::limits::volume::{Scope, Volumes, MAX_METERS};
-        let volumes = Volumes::new(std::time::Instant::now(), MAX_METERS, None);
-        let budget = Volume {
-            up: Some(5),
+    /// An org's lease under `rule`, with `up` bytes a minute upstream.
+    fn lease(
+        volumes: &crate::limits::volume::Volumes,
+        rule: &str,
+        up: u64,
+    ) -> crate::limits::volume::Lease {
+        let budget = crate::config::Volume {
+            up: Some(up),
             down: None,
             window: std::time::Duration::from_secs(60),
         };
-        let admit = |rule: &str| {
-            volumes
-                .admit(
-                    &Arc::from("acme"),
-                    &Arc::from(rule),
-                    (Some(budget), None),
-                    std::time::Instant::now(),
-                )
-                .unwrap()
-                .unwrap()
-        };
+        let (org, rule) = (Arc::from("acme"), Arc::from(rule));
+        let now = std::time::Instant::now();
+        volumes
+            .admit(&org, &rule, (Some(budget), None), now)
+            .unwrap()
+            .unwrap()
+    }
+
+    fn volumes() -> crate::limits::volume::Volumes {
+        use crate::limits::volume::{Volumes, MAX_METERS};
+        Volumes::new(std::time::Instant::now(), MAX_METERS, None)
+    }
+
+    #[tokio::test]
+    async fn a_charged_body_is_cut_to_its_budget_and_ends_in_an_error() {
+        use crate::limits::volume::Scope;
+        let volumes = volumes();
+        let admit = |rule: &str| lease(&volumes, rule, 5);
         let cut = CancellationToken::new();
         let watch = Arc::new(Watch::new(admit("gh"), Some(cut.clone())));
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -433,23 +441,7 @@ mod tests {
 
     #[tokio::test]
     async fn trailer_fields_are_counted_and_charged_whole() {
-        use crate::config::Volume;
-        use crate::limits::volume::{Volumes, MAX_METERS};
-        let volumes = Volumes::new(std::time::Instant::now(), MAX_METERS, None);
-        let budget = Volume {
-            up: Some(40),
-            down: None,
-            window: std::time::Duration::from_secs(60),
-        };
-        let lease = volumes
-            .admit(
-                &Arc::from("acme"),
-                &Arc::from("gh"),
-                (Some(budget), None),
-                std::time::Instant::now(),
-            )
-            .unwrap()
-            .unwrap();
+        let lease = lease(&volumes(), "gh", 40);
         let watch = Arc::new(Watch::new(lease, Some(CancellationToken::new())));
         let with_trailers = |value: &'static str| {
             let (mut tx, body) = crate::serve::http::channel(2);
