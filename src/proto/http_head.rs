@@ -256,6 +256,12 @@ pub(crate) fn fields_len(fields: impl IntoIterator<Item = (usize, usize)>) -> u6
     lines as u64 + 2
 }
 
+/// The `(name, value)` lengths of `headers`' fields, for [`head_len`]
+/// and [`fields_len`].
+pub(crate) fn field_lens(headers: &http::HeaderMap) -> impl Iterator<Item = (usize, usize)> + '_ {
+    headers.iter().map(|(n, v)| (n.as_str().len(), v.len()))
+}
+
 /// The length of `value`'s text, counted as it is written, not built.
 pub(crate) fn shown_len(value: &impl std::fmt::Display) -> usize {
     struct Count(usize);

@@ -29,6 +29,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::limits::volume::Direction;
 use crate::limits::Watch;
+use crate::proto::http_head;
 use crate::serve::http::BodyError;
 
 /// Called once with the bytes counted.
@@ -177,7 +178,7 @@ where
                 } else if let Some(trailers) = frame.trailers_ref() {
                     // Trailer fields carry bytes too (a request's go
                     // upstream): counted and charged as their field lines.
-                    let bytes = super::headers_len(trailers);
+                    let bytes = http_head::fields_len(http_head::field_lens(trailers));
                     if !this.charge_whole(bytes) {
                         return Poll::Ready(Some(Err(this.cut_off())));
                     }

@@ -73,23 +73,21 @@ const HOP_BY_HOP: [&str; 8] = [
     "upgrade",
 ];
 
-/// The `(name, value)` lengths of `headers`' fields, for
-/// [`http_head::head_len`] and [`http_head::fields_len`].
-fn field_lens(headers: &HeaderMap) -> impl Iterator<Item = (usize, usize)> + '_ {
-    headers.iter().map(|(n, v)| (n.as_str().len(), v.len()))
-}
-
 /// Bytes of `headers` as sent (`name: value` lines, give or take
 /// whitespace), with the blank line that ends a head.
 pub(crate) fn headers_len(headers: &HeaderMap) -> u64 {
-    http_head::fields_len(field_lens(headers))
+    http_head::fields_len(http_head::field_lens(headers))
 }
 
 /// A request head's bytes as sent (give or take whitespace): the request
 /// line and the headers ([`http_head::head_len`]).
 pub(crate) fn request_head_len(method: &http::Method, uri: &http::Uri, headers: &HeaderMap) -> u64 {
     let target = http_head::shown_len(uri);
-    http_head::head_len(method.as_str().len(), target, field_lens(headers))
+    http_head::head_len(
+        method.as_str().len(),
+        target,
+        http_head::field_lens(headers),
+    )
 }
 
 /// Remove the hop-by-hop headers, and those `Connection` names.
