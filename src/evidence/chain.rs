@@ -159,12 +159,14 @@ pub(crate) fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
 /// machinery: a record's hash and reference are made per record).
 pub(crate) fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(2 * bytes.len());
-    for &b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 15)]));
+    let mut out = vec![0u8; 2 * bytes.len()];
+    for (pair, &b) in out.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(b >> 4)];
+        pair[1] = DIGITS[usize::from(b & 15)];
     }
-    s
+    // Bytes, not chars pushed one by one (each through UTF-8 encoding):
+    // every byte is an ASCII hex digit, so the check cannot fail.
+    String::from_utf8(out).unwrap_or_default()
 }
 
 /// The hash of a record: SHA-256 over its canonical form without `hash`.

@@ -4,7 +4,7 @@
 //! order. A new segment is written as `*.jsonl.tmp` with its header and only
 //! then renamed into place, so a crash never leaves a segment without one.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};

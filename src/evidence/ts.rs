@@ -22,7 +22,7 @@ pub(crate) fn rfc3339_micros(t: SystemTime) -> String {
     let secs = since.as_secs();
     let (year, month, day) = civil(secs / 86_400);
     let of_day = secs % 86_400;
-    let mut b = *b"0000-00-00T00:00:00.000000Z";
+    let mut b: [u8; LEN] = *b"0000-00-00T00:00:00.000000Z";
     digits(&mut b[0..4], year);
     digits(&mut b[5..7], month);
     digits(&mut b[8..10], day);
@@ -30,10 +30,8 @@ pub(crate) fn rfc3339_micros(t: SystemTime) -> String {
     digits(&mut b[14..16], of_day / 60 % 60);
     digits(&mut b[17..19], of_day % 60);
     digits(&mut b[20..26], u64::from(since.subsec_micros()));
-    let mut s = String::with_capacity(LEN);
-    // Every byte is an ASCII digit or one of `-T:.Z`.
-    s.extend(b.iter().map(|&c| char::from(c)));
-    s
+    // Every byte is an ASCII digit or one of `-T:.Z`: the check cannot fail.
+    String::from_utf8(b.to_vec()).unwrap_or_default()
 }
 
 /// `n`'s last `out.len()` decimal digits, zero-padded.

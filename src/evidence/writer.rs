@@ -50,7 +50,9 @@
 //! takes `io` while holding another of them, and `io` is only ever waited
 //! for by the duties thread, `seal` and `abandon`: callers only try it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+use foldhash::{HashMap, HashMapExt};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;

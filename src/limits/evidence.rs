@@ -149,8 +149,11 @@ mod tests {
             (Some(Arc::from("acme")), Some(Arc::from("beta")));
         let now = Instant::now();
         live.store().count_payers(|| 3);
-        live.store()
-            .add(&[(acme.clone(), 9000), (beta.clone(), 1000)].into());
+        live.store().add(
+            &[(acme.clone(), 9000), (beta.clone(), 1000)]
+                .into_iter()
+                .collect(),
+        );
         assert_eq!(budget.take_allow(&acme, now), Ok(()), "not full yet");
         live.store().set_floor(true);
         assert_eq!(budget.take_allow(&acme, now), Err(EVIDENCE_STORE_FULL));

@@ -41,7 +41,9 @@
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use foldhash::{HashMap, HashMapExt};
 use std::hash::Hash;
 
 /// Where an entry stands: its place, then the sequence number of its

@@ -40,7 +40,7 @@
 //! window keeps the bytes spent, freed one new window later; a changed
 //! limit applies to the next admission.
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 

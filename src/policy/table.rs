@@ -1,7 +1,7 @@
 //! The lookup tables a policy is compiled into: rule indices by name or
 //! name suffix, values by network (longest prefix first).
 
-use std::collections::HashMap;
+use foldhash::{HashMap, HashMapExt};
 use std::net::IpAddr;
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};

@@ -3,7 +3,7 @@
 //! is served ([`View`]). The bottom of the proxy's layers: it names none of
 //! the files above it.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
