@@ -287,7 +287,8 @@ impl Shim {
         let mut state = QueryState::new(&served, src);
         let qtype = RecordType::from(q.qtype);
         state.qtype = Some(qtype);
-        let now = Instant::now();
+        // One clock read serves the decision's timing and the cache's age.
+        let now = started;
         let Some(key) = Self::key(&state, q.lower_name(), qtype) else {
             return Now::Elsewhere;
         };

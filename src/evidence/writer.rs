@@ -882,6 +882,9 @@ pub(super) struct Io {
     armed: Instant,
     /// The batch buffer, kept between batches.
     buf: Vec<u8>,
+    /// Bytes each payer wrote in the batch being written, kept (emptied)
+    /// from one batch to the next instead of a map built per batch.
+    written: HashMap<Owner, u64>,
     /// With witnesses: where written leaves and checkpoints go.
     sink: Option<Sink>,
     /// `fsync`: since when records written without a sync wait for one.
@@ -942,6 +945,7 @@ impl Io {
             backoff: BACKOFF_MIN,
             armed: now + IDLE,
             buf: Vec::new(),
+            written: HashMap::new(),
             sink: None,
             unsynced: None,
             counters,
@@ -1503,7 +1507,8 @@ impl Io {
             Self::push(&mut head, &mut buf, &mut m);
             lines += 1;
         }
-        let mut written: HashMap<Owner, u64> = HashMap::new();
+        let mut written = std::mem::take(&mut self.written);
+        written.clear();
         // The records' lines in `buf`, for the tap, while anyone listens.
         let tapped = self.counters.tap().active();
         let mut records: Vec<(usize, usize)> = Vec::new();
@@ -1572,6 +1577,7 @@ impl Io {
                 self.check_disk();
             }
         }
+        self.written = written;
         result
     }
 

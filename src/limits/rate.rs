@@ -51,6 +51,22 @@ impl Bucket {
     fn refilled(self, rate: f64, now: Instant) -> f64 {
         (self.tokens + now.saturating_duration_since(self.at).as_secs_f64() * rate).min(rate)
     }
+
+    /// Refill to `now` and take one token: whether there was one. With
+    /// `force` the bucket goes into debt instead, down to `-rate`.
+    fn take(&mut self, rate: f64, now: Instant, force: bool) -> bool {
+        self.tokens = self.refilled(rate, now);
+        self.at = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            if force {
+                self.tokens = (self.tokens - 1.0).max(-rate);
+            }
+            false
+        }
+    }
 }
 
 impl<K: Hash + Eq + Clone> RateLimiter<K> {
@@ -83,42 +99,30 @@ impl<K: Hash + Eq + Clone> RateLimiter<K> {
         let rate = self.rate;
         let mut table = self.table.lock().unwrap_or_else(|p| p.into_inner());
         let Table { buckets, sweep } = &mut *table;
-        if !buckets.contains_key(key) {
-            for _ in 0..SWEEP_PER_INSERT.min(sweep.len()) {
-                let Some(k) = sweep.pop_front() else { break };
-                match buckets.get(&k) {
-                    Some(b) if b.refilled(rate, now) < rate => sweep.push_back(k),
-                    _ => {
-                        buckets.remove(&k);
-                    }
+        // A key seen before: one lookup.
+        if let Some(bucket) = buckets.get_mut(key) {
+            return bucket.take(rate, now, force);
+        }
+        for _ in 0..SWEEP_PER_INSERT.min(sweep.len()) {
+            let Some(k) = sweep.pop_front() else { break };
+            match buckets.get(&k) {
+                Some(b) if b.refilled(rate, now) < rate => sweep.push_back(k),
+                _ => {
+                    buckets.remove(&k);
                 }
             }
-            if buckets.len() >= self.max_keys {
-                return false;
-            }
-            sweep.push_back(key.clone());
-            buckets.insert(
-                key.clone(),
-                Bucket {
-                    tokens: rate,
-                    at: now,
-                },
-            );
         }
-        let Some(bucket) = buckets.get_mut(key) else {
+        if buckets.len() >= self.max_keys {
             return false;
-        };
-        bucket.tokens = bucket.refilled(rate, now);
-        bucket.at = now;
-        if bucket.tokens >= 1.0 {
-            bucket.tokens -= 1.0;
-            true
-        } else {
-            if force {
-                bucket.tokens = (bucket.tokens - 1.0).max(-rate);
-            }
-            false
         }
+        let mut bucket = Bucket {
+            tokens: rate,
+            at: now,
+        };
+        let taken = bucket.take(rate, now, force);
+        sweep.push_back(key.clone());
+        buckets.insert(key.clone(), bucket);
+        taken
     }
 
     /// Keys held now.
