@@ -1006,6 +1006,47 @@ async fn submitted_records_ride_the_next_batch() {
     let _ = fs::remove_dir_all(&root);
 }
 
+/// A decision whose caller found the log held by the duties thread (a
+/// look between its writes) is still written: the duties thread, which
+/// leaves a batch someone waits on to that caller, wakes the caller when
+/// it lets go. It used to let go silently, and the caller, asleep on its
+/// batch, waited until another decision came to lead it: with none, for
+/// ever (a tunnel at a quiet time never got its answer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decision_that_found_the_log_held_is_written_without_another_coming() {
+    let (root, _cfg, ev, _) = riding_log();
+    let ev = Arc::new(ev);
+    for round in 0..20 {
+        // A close rides: the duties thread looks again within `RIDE_LAG`.
+        ev.submit(&mut record(1000 + round, true).close(1, 2, 3));
+        let held = ev.log.hold();
+        let writer = {
+            let ev = ev.clone();
+            tokio::spawn(async move { ev.write(&mut record(round, true)).await })
+        };
+        // The decision is appended and its caller, finding the log held,
+        // goes to sleep on its batch.
+        let appended = std::time::Instant::now();
+        while ev.queued() < 2 {
+            assert!(
+                appended.elapsed() < Duration::from_secs(5),
+                "never appended"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        // Let go as the duties thread's look did: without leading.
+        drop(held);
+        let written = tokio::time::timeout(Duration::from_secs(2), writer).await;
+        assert!(
+            matches!(written, Ok(Ok(Ok(())))),
+            "round {round}: the decision was not written: {written:?}"
+        );
+    }
+    assert!(ev.seal().await);
+    let _ = fs::remove_dir_all(&root);
+}
+
 /// Riding costs no wake-up per record, and the duties thread writes only
 /// what waited its whole `RIDE_LAG`: 200 allows and closes paced as tunnels
 /// at c=1 go (the next allow a millisecond or two after a close) wake it

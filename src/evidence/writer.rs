@@ -330,6 +330,27 @@ impl Log {
         }
     }
 
+    /// Let go of the log without leading: a caller that tried to lead
+    /// while it was held here found it busy and waits on its batch for a
+    /// wake-up, which only a leader's hand-over ([`Log::pass_on`]) gave.
+    /// Wake the callers of the pending batch, so that one leads it.
+    fn release(&self, io: MutexGuard<'_, Io>) {
+        drop(io);
+        let batch = {
+            let p = self.pending();
+            (p.acked > 0).then(|| p.batch.clone())
+        };
+        if let Some(b) = batch {
+            b.notify.notify_waiters();
+        }
+    }
+
+    /// Hold the log as the duties thread does between its writes (tests).
+    #[cfg(test)]
+    pub(super) fn hold(&self) -> impl Drop + '_ {
+        self.io()
+    }
+
     /// Add a record to the pending batch; the batch it will be written in,
     /// or the entry back if the log is closed.
     pub(super) fn append(&self, entry: Entry) -> Result<Arc<Batch>, Entry> {
@@ -600,14 +621,18 @@ impl Log {
 
     /// Hand every write's leaves and checkpoints to `sink` from now on.
     pub(super) fn set_sink(&self, sink: Sink) {
-        self.io().set_sink(sink);
+        let mut io = self.io();
+        io.set_sink(sink);
+        self.release(io);
     }
 
     /// Write a `key_rotation` record, signed by the current key and
     /// naming `next`, then sign with `next`.
     pub(super) fn rotate_key(&self, next: SigningKey) -> io::Result<()> {
         let mut io = self.io();
-        io.rotate_key(&self.common.ids, next)
+        let rotated = io.rotate_key(&self.common.ids, next);
+        self.release(io);
+        rotated
     }
 
     /// Stop (or resume) taking records, as a writer stuck in a slow
@@ -665,6 +690,7 @@ impl Log {
                 let mut io = self.io();
                 let d = io.next_deadline();
                 io.armed = d;
+                self.release(io);
                 d
             };
             let ride = self
@@ -734,12 +760,18 @@ impl Log {
         let io = self.io();
         {
             let p = self.pending();
-            if p.acked > 0 || p.paused || p.closed {
-                return false;
-            }
-            let now = Instant::now();
-            if p.riding_since.is_none_or(|s| s + RIDE_LAG > now) {
-                return true;
+            let (left, nothing_due) = if p.acked > 0 || p.paused || p.closed {
+                (true, false)
+            } else {
+                let now = Instant::now();
+                (false, p.riding_since.is_none_or(|s| s + RIDE_LAG > now))
+            };
+            if left || nothing_due {
+                drop(p);
+                // The caller of the pending batch may have found the log
+                // held here: it is woken to lead.
+                self.release(io);
+                return !left;
             }
         }
         #[cfg(test)]
