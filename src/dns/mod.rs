@@ -162,8 +162,16 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
     let mut waiting = Vec::with_capacity(round::MAX_ROUND);
     let mut pace = round::Pace::default();
     loop {
+        // The receive is polled first, so that a datagram already queued
+        // is taken without registering for the shutdown's wake-up (a lock
+        // and a list entry, each way): that wait is armed only when the
+        // loop is about to sleep. Under a flood the receive is always
+        // ready, so shutdown is looked at here.
+        if shutdown.is_cancelled() {
+            break;
+        }
         let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
+            biased;
             r = socket.recv_from(&mut buf) => match r {
                 Ok(r) => r,
                 Err(e) => {
@@ -178,6 +186,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, shim: ShimHandle, shutdown: Cancellat
                     continue;
                 }
             },
+            _ = shutdown.cancelled() => break,
         };
         round.open();
         let more = pace.more();

@@ -131,9 +131,12 @@ async fn read_first(ctx: &Ctx, stream: &mut TcpStream, held: &mut Vec<u8>) -> Fi
         let room = READ_CHUNK.min(cap - held.len());
         held.reserve(room);
         let mut into = (&mut *held).limit(room);
+        // The read first: bytes already there are taken without arming
+        // the shutdown's wake-up (a lock and a list entry, each way).
         let read = tokio::select! {
-            _ = ctx.shutdown.cancelled() => None,
+            biased;
             r = tokio::time::timeout_at(deadline, stream.read_buf(&mut into)) => Some(r),
+            _ = ctx.shutdown.cancelled() => None,
         };
         match read {
             Some(Ok(Ok(n))) if n > 0 => {}

@@ -54,12 +54,21 @@ pub(crate) trait Admission {
 /// are not waited for (that is the caller's drain).
 pub(crate) async fn accept<A: Admission>(listener: TcpListener, on: &Listener, admission: A) {
     loop {
+        // The accept is polled first: a connection already queued is
+        // taken without registering for the shutdown's wake-up (a lock
+        // and a list entry, each way), which is armed only when the loop
+        // is about to sleep. Under a flood the accept is always ready, so
+        // shutdown is looked at here.
+        if on.shutdown.is_cancelled() {
+            break;
+        }
         let accepted = tokio::select! {
-            _ = on.shutdown.cancelled() => break,
+            biased;
             a = async {
                 admission.ready().await;
                 listener.accept().await
             } => a,
+            _ = on.shutdown.cancelled() => break,
         };
         let (stream, peer) = match accepted {
             // An IPv4 client of a dual-stack `[::]` listener is known by
