@@ -1,7 +1,7 @@
 //! Upstream name resolution for the proxy: only the configured servers, no
 //! hosts file, no search list, every name queried as fully qualified.
 
-use foldhash::{HashMap, HashMapExt};
+use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -20,7 +20,7 @@
 //! bindings are held in; the cap per name and the lookups by name and by
 //! address are this file's own indexes into it.
 
-use foldhash::{HashMap, HashMapExt};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

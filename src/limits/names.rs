@@ -16,9 +16,7 @@
 //! less). The times of what was spent are kept at most one per name the
 //! budget allows (bounded by the largest budget the config accepts).
 
-use std::collections::VecDeque;
-
-use foldhash::{HashMap, HashMapExt, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -1,9 +1,7 @@
 //! Token buckets per key: the rates of new connections, of queries, of
 //! denial records, and the evidence budget's buckets.
 
-use std::collections::VecDeque;
-
-use foldhash::{HashMap, HashMapExt};
+use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 use std::sync::Mutex;
 use std::time::Instant;

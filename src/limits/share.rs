@@ -7,7 +7,7 @@
 //! IPv6 addresses are counted by /64, the block one host usually holds
 //! ([`client_key`]).
 
-use foldhash::{HashMap, HashMapExt};
+use std::collections::HashMap;
 use std::hash::Hash;
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};

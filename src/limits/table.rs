@@ -41,9 +41,7 @@
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 use std::cmp::Reverse;
-use std::collections::BTreeMap;
-
-use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
 /// Where an entry stands: its place, then the sequence number of its

@@ -28,9 +28,7 @@
 //! which entries are still usable; the I/O around it ([`UpstreamPool`])
 //! holds the idle connections.
 
-use std::collections::{BTreeMap, VecDeque};
-
-use foldhash::{HashMap, HashMapExt};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::Hash;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
