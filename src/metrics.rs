@@ -8,14 +8,14 @@
 //! [`Metrics::count_record`], for every mode. Evidence keeps its own
 //! counters (in [`crate::evidence::Live`]), read when `/metrics` is scraped.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::evidence::{Event, Live, Mode, Record};
@@ -35,6 +35,10 @@ pub(crate) struct Metrics {
     pub active_connections: IntGaugeVec,
     pub bytes_total: IntCounterVec,
     pub decision_duration_seconds: HistogramVec,
+    /// `decision_duration_seconds` of each mode, looked up once: a series
+    /// appears with its first decision, as before, and every later one
+    /// skips the label lookup.
+    decision_durations: [OnceLock<Histogram>; 4],
     pub policy_reloads_total: IntCounterVec,
     /// 1, labelled with the version, the policy hash being served and the
     /// evidence replica (set at each scrape).
@@ -478,6 +482,7 @@ impl Metrics {
             active_connections: r.gauges(ACTIVE_CONNECTIONS, &["org"])?,
             bytes_total: r.counters(BYTES_TOTAL, &["org", "direction"])?,
             decision_duration_seconds: r.latencies(DECISION_DURATION_SECONDS, &["mode"])?,
+            decision_durations: Default::default(),
             policy_reloads_total: r.counters(POLICY_RELOADS_TOTAL, &["result"])?,
             build_info: r.gauges(BUILD_INFO, &["version", "policy", "replica"])?,
             replica: evidence.replica().to_string(),
@@ -604,8 +609,17 @@ impl Metrics {
 
     /// Time one decision under its mode's label.
     pub(crate) fn time_decision(&self, mode: Mode, took: Duration) {
-        self.decision_duration_seconds
-            .with_label_values(&[mode.as_str()])
+        let i = match mode {
+            Mode::Explicit => 0,
+            Mode::Transparent => 1,
+            Mode::Dns => 2,
+            Mode::Socks5 => 3,
+        };
+        self.decision_durations[i]
+            .get_or_init(|| {
+                self.decision_duration_seconds
+                    .with_label_values(&[mode.as_str()])
+            })
             .observe(took.as_secs_f64());
     }
 

@@ -119,6 +119,8 @@ impl Refused {
 /// A kept answer whose record waits, for [`Shim::kept_later`].
 pub(crate) struct Later {
     state: QueryState,
+    /// The answer's record, built and not stamped.
+    rec: crate::evidence::Record,
     kept: Arc<Kept>,
     org: OrgRef,
     reply: Reply,
@@ -184,7 +186,7 @@ impl Shim {
         let qtype = query.query_type();
         state.qtype = Some(qtype);
         // Over a limit, the record waits for nothing.
-        let _held = match self.admit(&state) {
+        let _held = match self.admit(&state, started) {
             Ok(held) => held,
             Err(limit) => {
                 let name = shown_name(query);
@@ -207,7 +209,7 @@ impl Shim {
                 .refuse_early(&mut state, name, Reason::BadRequest, "class", wait)
                 .await;
         }
-        let now = Instant::now();
+        let now = started;
         let name = query.name().to_bytes().unwrap_or_default().into();
         let key = Self::key(&state, name, qtype);
         if let Some(kept) = key.as_ref().and_then(|k| self.cache.get(&served, k, now)) {
@@ -238,7 +240,7 @@ impl Shim {
         let qtype = RecordType::from(q.qtype);
         state.qtype = Some(qtype);
         let shown = || shown_text(&q.shown());
-        let _held = match self.admit(&state) {
+        let _held = match self.admit(&state, started) {
             Ok(held) => held,
             Err(limit) => {
                 return self
@@ -246,8 +248,9 @@ impl Shim {
                     .await
             }
         };
-        // The class is IN: nothing else is read from the wire.
-        let now = Instant::now();
+        // The class is IN: nothing else is read from the wire. The clock
+        // read at the start serves the cache's age.
+        let now = started;
         let key = Self::key(&state, q.lower_name(), qtype);
         if let Some(kept) = key.as_ref().and_then(|k| self.cache.get(&served, k, now)) {
             let reply = self
@@ -299,18 +302,19 @@ impl Shim {
         let Some(org) = state.org.clone() else {
             return Now::Elsewhere;
         };
-        let held = match self.admit(&state) {
+        let held = match self.admit(&state, started) {
             Ok(held) => held,
             Err(limit) => return Now::Refused(Box::new(Refused::new(state, q, limit, None))),
         };
-        if let Err(limit) = self.refusals.pay(&Some(org.name.clone())) {
+        if let Err(limit) = self.refusals.pay(&Some(org.name.clone()), now) {
             return Now::Refused(Box::new(Refused::new(state, q, limit, Some(held))));
         }
         let reply = delivering(&mut state, &kept.fwd, kept.age(now));
-        let mut rec = state.record();
+        let mut rec = state.take_record();
         let Some(written) = self.evidence.write_now(&mut rec) else {
             return Now::Later(Box::new(Later {
                 state,
+                rec,
                 kept,
                 org,
                 reply,
@@ -336,6 +340,7 @@ impl Shim {
     ) -> Vec<u8> {
         let Later {
             mut state,
+            rec,
             kept,
             org,
             reply,
@@ -346,7 +351,7 @@ impl Shim {
         let Some(q) = super::wire::question(raw) else {
             return Vec::new();
         };
-        let written = self.write(None, state.record()).await;
+        let written = self.write(None, rec).await;
         let reply = self.kept_reply(&mut state, &org, &kept, reply, written, started, now);
         let bytes = encode_kept(&kept, &q, raw, src, protocol, &reply);
         drop(held);
@@ -460,7 +465,7 @@ impl Shim {
         );
         let paid = if answers {
             self.refusals
-                .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()))
+                .pay(&decision.verdict.org.as_ref().map(|o| o.name.clone()), now)
         } else {
             Ok(())
         };
@@ -690,9 +695,9 @@ impl Shim {
 
     /// A place for the query within the client's query rate and the query
     /// budgets (held until it is answered), or the limit it is over.
-    fn admit(&self, state: &QueryState) -> Result<InFlight, &'static str> {
+    fn admit(&self, state: &QueryState, now: Instant) -> Result<InFlight, &'static str> {
         let client = state.client.ip();
-        if !self.per_client.allow(&client_key(client), Instant::now()) {
+        if !self.per_client.allow(&client_key(client), now) {
             return Err("max_queries_per_second_per_client exceeded");
         }
         self.queries
@@ -715,7 +720,7 @@ impl Shim {
         let Some(org) = state.org.clone() else {
             return Reply::empty(ResponseCode::Refused);
         };
-        if let Err(limit) = self.refusals.pay(&Some(org.name.clone())) {
+        if let Err(limit) = self.refusals.pay(&Some(org.name.clone()), now) {
             return self
                 .refuse_early(state, shown(), Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;

@@ -104,6 +104,28 @@ impl QueryState {
 
     /// The decision record of this query as it stands.
     pub(crate) fn record(&self) -> Record {
+        let mut rec = self.record_base();
+        rec.host = self.name.clone();
+        rec.answers = Some(self.answers.clone());
+        rec.detail = self.detail.clone();
+        rec
+    }
+
+    /// [`QueryState::record`], moving what the record shows (name,
+    /// answers, detail) out of the state instead of copying it: for a
+    /// caller done with them (a kept answer, whose reply is built from
+    /// what was kept). A record made from the state afterwards has the
+    /// same verdict, org, client and decider, for counting.
+    pub(crate) fn take_record(&mut self) -> Record {
+        let mut rec = self.record_base();
+        rec.host = self.name.take();
+        rec.answers = Some(std::mem::take(&mut self.answers));
+        rec.detail = self.detail.take();
+        rec
+    }
+
+    /// The record without its name, answers and detail.
+    fn record_base(&self) -> Record {
         let mut rec = Record::decided(
             Kind::Dns,
             Mode::Dns,
@@ -111,12 +133,51 @@ impl QueryState {
             &self.verdict,
             &self.policy,
         );
-        rec.host = self.name.clone();
-        rec.qtype = self.qtype.map(|t| t.to_string());
-        rec.answers = Some(self.answers.clone());
+        rec.qtype = self.qtype.map(qtype);
         rec.upstream = Some(self.upstream);
-        rec.detail = self.detail.clone();
         rec.decider = self.decider.clone();
         rec
+    }
+}
+
+/// A record's `qtype`: the type's mnemonic (as hickory displays it).
+fn qtype(t: RecordType) -> String {
+    <&'static str>::from(t).to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+    use crate::evidence::Live;
+    use crate::metrics::Metrics;
+    use std::path::Path;
+
+    /// The record taken out of a state is the record it showed, field by
+    /// field; what is left counts as the same decision.
+    #[test]
+    fn a_taken_record_is_the_record_it_stood_as() {
+        let c = config::from_str(
+            "[[org]]\nname = \"acme\"\nclients = [\"198.18.0.0/24\"]\n[[org.allow]]\nhost = \"a.test\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        let metrics = Arc::new(Metrics::new(Arc::new(Live::default())));
+        let served = Served::load(&c, Arc::new(Policy::new(&c)), &metrics).unwrap();
+        let mut state = QueryState::new(&served, "198.18.0.7:5353".parse().unwrap());
+        state.qtype = Some(RecordType::AAAA);
+        state.refuse(Reason::LimitExceeded, Some("a detail".into()));
+        state.name = Some("a.test".into());
+        state.answers = vec!["AAAA 2001:db8::1".into()];
+        state.upstream = true;
+        let shown = serde_json::to_value(state.record()).unwrap();
+        assert_eq!(shown["qtype"], "AAAA");
+        assert_eq!(serde_json::to_value(state.take_record()).unwrap(), shown);
+        let left = state.record();
+        assert_eq!(
+            (left.org, left.reason),
+            (Some("acme".into()), Reason::LimitExceeded)
+        );
+        assert_eq!((left.host, left.answers), (None, Some(Vec::new())));
     }
 }

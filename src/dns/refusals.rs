@@ -111,8 +111,8 @@ impl Refusals {
     /// org) for an answer, before anything is forwarded. `Err`: spent (or
     /// the org is over its share of a full store), the answer must be
     /// refused `limit_exceeded` with that detail.
-    pub(crate) fn pay(&self, org: &Option<Arc<str>>) -> Result<(), &'static str> {
-        self.budget.take_allow(org, Instant::now())
+    pub(crate) fn pay(&self, org: &Option<Arc<str>>, now: Instant) -> Result<(), &'static str> {
+        self.budget.take_allow(org, now)
     }
 
     /// Record a refusal (counted in the metrics either way): queued when
@@ -222,7 +222,9 @@ mod tests {
         // next answer finds its budget spent.
         refusals.flush(Duration::from_secs(5)).await;
         assert_eq!(refusals.pending(), 0);
-        assert!(refusals.pay(&Some(Arc::from("acme"))).is_err());
+        assert!(refusals
+            .pay(&Some(Arc::from("acme")), Instant::now())
+            .is_err());
         assert!(ev.seal().await);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -382,21 +382,34 @@ impl Prepared {
         let body = &self.body;
         let start = out.len();
         out.reserve(body.len() + prev.len() + 2 * 66 + 48);
-        out.extend_from_slice(&body[..at_prev]);
+        out.extend_from_slice(&body[..at_hash]);
+        // `hash` sorts first of the three: its field's room is kept here
+        // and filled once the rest is hashed around it.
+        let gap = out.len();
+        out.resize(gap + HASH_FIELD, 0);
+        out.extend_from_slice(&body[at_hash..at_prev]);
         self.field_into("prev", at_prev, out, |o| string_into(prev, o));
         out.extend_from_slice(&body[at_prev..at_seq]);
         let mut digits = [0u8; 20];
         let seq = decimal(seq, &mut digits);
         self.field_into("seq", at_seq, out, |o| o.extend_from_slice(seq));
         out.extend_from_slice(&body[at_seq..]);
-        let digest: [u8; 32] = Sha256::digest(&out[start..]).into();
+        let digest: [u8; 32] = Sha256::new()
+            .chain_update(&out[start..gap])
+            .chain_update(&out[gap + HASH_FIELD..])
+            .finalize()
+            .into();
         let hash = hex(&digest);
-        let end = out.len();
-        self.field_into("hash", at_hash, out, |o| string_into(&hash, o));
-        // `hash` sorts before `prev`: its field goes where the body's
-        // `at_hash` is, ahead of everything written after it.
-        let field = out.len() - end;
-        out[start + at_hash..].rotate_right(field);
+        // As `field_into` writes it (hex needs no escape), in place.
+        let (lead, trail): (&[u8], &[u8]) = match at_hash + 1 == body.len() {
+            true => (b",\"hash\":\"", b"\""),
+            false => (b"\"hash\":\"", b"\","),
+        };
+        let field = &mut out[gap..gap + HASH_FIELD];
+        let (l, h) = (lead.len(), hash.len());
+        field[..l].copy_from_slice(lead);
+        field[l..l + h].copy_from_slice(hash.as_bytes());
+        field[l + h..].copy_from_slice(trail);
         out.push(b'\n');
         (digest, hash)
     }
@@ -423,6 +436,10 @@ impl Prepared {
         }
     }
 }
+
+/// Bytes of the `hash` field in a line: `"hash":`, the quoted 64 hex
+/// digits and the one comma that joins it to its neighbour.
+const HASH_FIELD: usize = "\"hash\":".len() + 66 + 1;
 
 /// `n` in decimal, written at the end of `buf`.
 pub(super) fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {

@@ -496,10 +496,26 @@ impl Log {
                 }
                 return Some(Ok(false));
             }
-            p.add(entry);
-            self.take(&mut p)
+            if p.entries.is_empty() {
+                Err(entry)
+            } else {
+                p.add(entry);
+                Ok(self.take(&mut p))
+            }
         };
-        let written = self.write_taken(&mut io, taken, None);
+        let written = match taken {
+            Ok(taken) => self.write_taken(&mut io, taken, None),
+            // Nothing else pending: nobody waits on a batch but this
+            // caller, so none is made; the entry goes in the writer's
+            // kept batch of one.
+            Err(entry) => {
+                let mut one = std::mem::take(&mut io.one);
+                one.push(entry);
+                let written = self.write_entries(&mut io, &mut one, None);
+                io.one = one;
+                written
+            }
+        };
         drop(io);
         self.pass_on();
         Some(Ok(written))
@@ -553,9 +569,17 @@ impl Log {
     fn write_taken(
         &self,
         io: &mut Io,
-        (entries, batch): (Vec<Entry>, Arc<Batch>),
+        (mut entries, batch): (Vec<Entry>, Arc<Batch>),
         finish: Option<&str>,
     ) -> bool {
+        let written = self.write_entries(io, &mut entries, finish);
+        batch.decide(written);
+        written
+    }
+
+    /// Write `entries` (left empty) as one batch, giving back their
+    /// places in the queue. Returns whether they were written.
+    fn write_entries(&self, io: &mut Io, entries: &mut Vec<Entry>, finish: Option<&str>) -> bool {
         let permits = entries.iter().filter(|e| e.permit).count();
         if permits > 0 {
             self.slots.add_permits(permits);
@@ -569,13 +593,11 @@ impl Log {
         // the next sync, at the latest SYNC_LAG later.
         let sync =
             self.fsync && (finish.is_some() || entries.iter().any(|e| e.acked) || io.sync_due());
-        let written = if sync {
+        if sync {
             self.blocking(|| io.step(&self.common, entries, finish, true))
         } else {
             io.step(&self.common, entries, finish, false)
-        };
-        batch.decide(written);
-        written
+        }
     }
 
     /// Stop taking records. With `seal`, write everything pending and a
@@ -917,6 +939,9 @@ pub(super) struct Io {
     /// Bytes each payer wrote in the batch being written, kept (emptied)
     /// from one batch to the next instead of a map built per batch.
     written: HashMap<Owner, u64>,
+    /// A batch of one ([`Log::write_now`] with nothing else pending),
+    /// kept empty between batches for its room.
+    one: Vec<Entry>,
     /// With witnesses: where written leaves and checkpoints go.
     sink: Option<Sink>,
     /// `fsync`: since when records written without a sync wait for one.
@@ -978,6 +1003,7 @@ impl Io {
             armed: now + IDLE,
             buf: Vec::new(),
             written: HashMap::new(),
+            one: Vec::with_capacity(1),
             sink: None,
             unsynced: None,
             counters,
@@ -1045,7 +1071,7 @@ impl Io {
         let (removed, unlink) = w.retention(None);
         w.new_segment(ids, start, predecessor, removed)?;
         w.unlink(unlink);
-        w.check_disk();
+        w.check_disk(Instant::now());
         if w.counters.store().is_full() {
             // Full already: whose records fill it is needed at once.
             w.counters.store().count_found_now();
@@ -1210,12 +1236,16 @@ impl Io {
     /// say when it crosses `min_free`. While it is below, every write
     /// measures again, so that space freed (a shipper's copy removed, the
     /// disk grown) ends the refusals at the next write.
-    fn check_disk(&mut self) {
+    fn check_disk(&mut self, now: Instant) {
         if self.cfg.durability == Durability::Discard {
             return;
         }
-        if self.low_disk || self.disk_checked.is_none_or(|t| t.elapsed() >= DISK_CHECK) {
-            self.disk_checked = Some(Instant::now());
+        if self.low_disk
+            || self
+                .disk_checked
+                .is_none_or(|t| now.saturating_duration_since(t) >= DISK_CHECK)
+        {
+            self.disk_checked = Some(now);
             if let Some((free, size)) = self.counters.disk_space() {
                 self.counters
                     .store()
@@ -1260,7 +1290,8 @@ impl Io {
         self.sync_dir();
     }
 
-    fn rotation_due(&self) -> bool {
+    /// Whether the segment is to be closed before the next write, at `now`.
+    fn rotation_due(&self, now: Instant) -> bool {
         if self.cfg.durability == Durability::Discard {
             return false;
         }
@@ -1271,10 +1302,10 @@ impl Io {
                     || s.dirty
                     || (s.data > 0
                         && (s.len >= self.cfg.rotate_size
-                            || s.opened.elapsed() >= self.cfg.rotate_age
+                            || now.saturating_duration_since(s.opened) >= self.cfg.rotate_age
                             // The segment retention stopped at is old
                             // enough now: rotate, so that it is removed.
-                            || self.floor_until.is_some_and(|t| Instant::now() >= t)))
+                            || self.floor_until.is_some_and(|t| now >= t)))
             }
         }
     }
@@ -1522,7 +1553,10 @@ impl Io {
         finish: Option<&str>,
         sync: bool,
     ) -> io::Result<()> {
-        if self.rotation_due() {
+        // One clock read serves the batch's checks (rotation, checkpoint,
+        // free space).
+        let now = Instant::now();
+        if self.rotation_due(now) {
             self.rotate(ids)?;
         }
         let mut lines = 0u64;
@@ -1565,7 +1599,8 @@ impl Io {
             data += 1;
         }
         let ckpt_due = head.since_ckpt >= self.cfg.checkpoint_every
-            || (head.since_ckpt > 0 && self.last_ckpt.elapsed() >= self.cfg.checkpoint_interval);
+            || (head.since_ckpt > 0
+                && now.saturating_duration_since(self.last_ckpt) >= self.cfg.checkpoint_interval);
         if let Some(event) = finish {
             self.push_checkpoint(ids, &mut head, &mut buf, event);
             lines += 1;
@@ -1606,7 +1641,7 @@ impl Io {
                     }
                 }
                 self.counters.store().add(&written);
-                self.check_disk();
+                self.check_disk(now);
             }
         }
         self.written = written;
@@ -1615,12 +1650,19 @@ impl Io {
 
     /// One batch: write it, or refuse it while writing is failing and the
     /// next retry is not due. Returns whether it was written.
-    fn step(&mut self, c: &Common, batch: Vec<Entry>, finish: Option<&str>, sync: bool) -> bool {
+    /// `batch` is left empty (its entries written, kept or failed).
+    fn step(
+        &mut self,
+        c: &Common,
+        batch: &mut Vec<Entry>,
+        finish: Option<&str>,
+        sync: bool,
+    ) -> bool {
         if !self.healthy && Instant::now() < self.retry_at && finish.is_none() {
             self.refuse(batch, None);
             return false;
         }
-        let written = match self.attempt(&c.ids, &batch, finish, sync) {
+        let written = match self.attempt(&c.ids, batch, finish, sync) {
             Ok(()) => {
                 if !self.healthy {
                     info!("evidence writable again");
@@ -1629,6 +1671,8 @@ impl Io {
                 c.healthy.store(true, Ordering::Relaxed);
                 self.outage = None;
                 self.backoff = BACKOFF_MIN;
+                // Written: their places and reservations go back now.
+                batch.clear();
                 true
             }
             Err(e) => {
@@ -1643,7 +1687,7 @@ impl Io {
                 self.refuse(batch, Some(e.to_string()));
                 // Measure at once: a full disk is the fullest store.
                 self.disk_checked = None;
-                self.check_disk();
+                self.check_disk(Instant::now());
                 false
             }
         };
@@ -1658,7 +1702,7 @@ impl Io {
     }
 
     /// Fail the waiting writes of a batch; keep its submitted records.
-    fn refuse(&mut self, batch: Vec<Entry>, error: Option<String>) {
+    fn refuse(&mut self, batch: &mut Vec<Entry>, error: Option<String>) {
         let outage = self.outage.get_or_insert_with(|| Outage {
             since: now_ts(),
             failed_writes: 0,
@@ -1667,7 +1711,7 @@ impl Io {
         if let Some(e) = error {
             outage.error = e;
         }
-        for e in batch {
+        for e in batch.drain(..) {
             if e.acked {
                 outage.failed_writes += 1;
             } else {

@@ -147,10 +147,9 @@ impl Bindings {
         inner.unindex(gone);
 
         if let Some((id, _)) = inner.find(org, name, addr) {
-            if let Some(b) = inner.table.get_mut(&id) {
-                b.expires = b.expires.max(expires);
-            }
-            inner.table.reorder(&id, ());
+            inner
+                .table
+                .reorder_with(&id, (), |b| b.expires = b.expires.max(expires));
             return;
         }
 

@@ -157,10 +157,17 @@ where
     /// Move `key` to `place` (a new expiry, a new last use), behind the
     /// entries already there.
     pub(crate) fn reorder(&mut self, key: &K, place: P) {
+        self.reorder_with(key, place, |_| ());
+    }
+
+    /// [`FairTable::reorder`], changing the value with `f` first (one
+    /// lookup for both).
+    pub(crate) fn reorder_with(&mut self, key: &K, place: P, f: impl FnOnce(&mut V)) {
         let seq = self.seq();
         let Some(slot) = self.entries.get_mut(key) else {
             return;
         };
+        f(&mut slot.value);
         let old = std::mem::replace(&mut slot.at, (place, seq));
         if slot.pins > 0 {
             return;
