@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# CPU per cached DNS query at one query in flight, as the harness's
+# `dns_c1` figure measures it, for one or two Palisade builds beside
+# dnsmasq, alternating, in one run:
+#
+#   sudo bench/dns-c1.sh BIN_A [BIN_B] [ROUNDS]
+#
+# dnsmasq (upstream: allowed.bench -> 127.0.0.1, TTL 3600; filter: a cache
+# in front of it) and each build (evidence on, allowed.bench allowed) listen
+# on loopback; the harness's loadgen asks allowed.bench at concurrency 1
+# for DUR seconds (default 5) per run, everything on CPU 1 as the harness
+# places its c=1 runs. Per run: the server's CPU (user + system, from
+# /proc) divided by the answers. Prints each run and the medians, with the
+# ratios to dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
+# the run's temporary directory). Needs dnsmasq, dig, taskset, python3 and
+# the loadgen (built by ../shared/bench/run-palisade.sh, or LOADGEN=path).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+A=${1:?usage: bench/dns-c1.sh BIN_A [BIN_B] [ROUNDS]}
+B=${2:-}
+ROUNDS=${3:-3}
+DUR=${DUR:-5}
+LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
+for t in dnsmasq dig taskset python3 "$LOADGEN"; do
+  command -v "$t" >/dev/null || [ -x "$t" ] || { echo "missing: $t" >&2; exit 1; }
+done
+run=$(mktemp -d /tmp/palisade-dns-c1.XXXXXX)
+chmod 755 "$run" # dnsmasq drops root and reads its files
+ev=${EVROOT:-$run}
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$run" "$ev/a-ev" "$ev/b-ev"
+}
+trap cleanup EXIT
+
+cat >"$run/up.conf" <<CONF
+port=15400
+listen-address=127.0.0.1
+bind-interfaces
+no-resolv
+no-hosts
+no-negcache
+cache-size=0
+local-ttl=3600
+local=/bench/
+host-record=allowed.bench,127.0.0.1
+CONF
+cat >"$run/filter.conf" <<CONF
+port=15401
+listen-address=127.0.0.1
+bind-interfaces
+no-resolv
+no-hosts
+server=/allowed.bench/127.0.0.1#15400
+address=/#/
+CONF
+taskset -c 1 dnsmasq -k --conf-file="$run/up.conf" --pid-file= &
+pids+=($!)
+taskset -c 1 dnsmasq -k --conf-file="$run/filter.conf" --pid-file= &
+filter=$!
+pids+=("$filter")
+
+# start NAME BIN DNS_PORT: a build on its own ports and evidence (its pid
+# in $started)
+start() {
+  local port=$3
+  cat >"$run/$1.toml" <<CONF
+[proxy]
+listen = ["127.0.0.1:$((port + 100))"]
+[dns]
+listen = ["127.0.0.1:$port"]
+upstream = ["127.0.0.1:15400"]
+max_queries_per_second_per_client = 100000000
+max_queries_in_flight = 100000
+[admin]
+listen = "127.0.0.1:$((port + 200))"
+[evidence]
+dir = "$ev/$1-ev"
+[[org]]
+name = "bench"
+clients = ["127.0.0.0/8"]
+[[org.allow]]
+host = "allowed.bench"
+ports = [80, 443]
+CONF
+  taskset -c 1 "$2" run -c "$run/$1.toml" >"$run/$1.log" 2>&1 &
+  started=$!
+  pids+=("$started")
+}
+servers="dnsmasq:15401:$filter"
+start a "$A" 15402
+servers="$servers A:15402:$started"
+if [ -n "$B" ]; then
+  start b "$B" 15403
+  servers="$servers B:15403:$started"
+fi
+for s in $servers; do
+  IFS=: read -r _ port _ <<<"$s"
+  for _ in $(seq 1 50); do
+    [ -n "$(dig +short +time=1 +tries=1 -p "$port" @127.0.0.1 allowed.bench A)" ] && break
+    sleep 0.2
+  done
+done
+
+for r in $(seq 1 "$ROUNDS"); do
+  for s in $servers; do
+    IFS=: read -r name port pid <<<"$s"
+    taskset -c 1 timeout $((DUR + 30)) "$LOADGEN" dns-rate --server "127.0.0.1:$port" \
+      --qname allowed.bench --concurrency 1 --duration "$DUR" --warmup 0.5 \
+      --cpu-pid "$pid" --op-timeout 2 --label "$name" >"$run/out.json"
+    python3 -c '
+import json, sys
+j = json.load(open(sys.argv[1]))
+print(j["label"], round(j["proxy_cpu_s"] * 1e6 / max(j["ok"], 1), 3), j["ok"])
+' "$run/out.json"
+  done
+done | tee "$run/runs"
+python3 - "$run/runs" <<'PY'
+import collections, statistics, sys
+v = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    name, us, _ = line.split()
+    v[name].append(float(us))
+m = {k: statistics.median(x) for k, x in v.items()}
+print("median µs/query:", {k: round(x, 2) for k, x in m.items()})
+for k in ("A", "B"):
+    if k in m:
+        print(f"{k}/dnsmasq {m[k] / m['dnsmasq']:.3f}")
+if "B" in m:
+    print(f"B/A {m['B'] / m['A']:.3f}")
+PY
