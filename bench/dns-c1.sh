@@ -6,10 +6,12 @@
 #   sudo bench/dns-c1.sh BIN_A [BIN_B] [ROUNDS]
 #
 # dnsmasq (upstream: allowed.bench -> 127.0.0.1, TTL 3600; filter: a cache
-# in front of it) and each build (evidence on, allowed.bench allowed) listen
-# on loopback; the harness's loadgen asks allowed.bench at concurrency 1
-# for DUR seconds (default 5) per run, everything on CPU 1 as the harness
-# places its c=1 runs. Per run: the server's CPU (user + system, from
+# in front of it) and each build listen on loopback. Each build is
+# configured as the harness's palisade-put.sh configures it: evidence on,
+# allowed.bench allowed by name and 127.0.0.1 by a cidr rule (without it
+# the loopback address is filtered out of the answer). The harness's
+# loadgen asks allowed.bench at concurrency 1 for DUR seconds (default 5)
+# per run, everything on CPU 1 as the harness places its c=1 runs. Per run: the server's CPU (user + system, from
 # /proc) divided by the answers. Prints each run and the medians, with the
 # ratios to dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
 # the run's temporary directory). Needs dnsmasq, dig, taskset, python3 and
@@ -83,7 +85,10 @@ name = "bench"
 clients = ["127.0.0.0/8"]
 [[org.allow]]
 host = "allowed.bench"
-ports = [80, 443]
+ports = [80, 443, 8080]
+[[org.allow]]
+cidr = "127.0.0.1/32"
+ports = [80, 443, 8080]
 CONF
   taskset -c 1 "$2" run -c "$run/$1.toml" >"$run/$1.log" 2>&1 &
   started=$!
@@ -96,12 +101,22 @@ if [ -n "$B" ]; then
   start b "$B" 15403
   servers="$servers B:15403:$started"
 fi
+# Every server answers allowed.bench before the runs, or the bench stops
+# with what the server said.
 for s in $servers; do
-  IFS=: read -r _ port _ <<<"$s"
+  IFS=: read -r name port _ <<<"$s"
+  answered=
   for _ in $(seq 1 50); do
-    [ -n "$(dig +short +time=1 +tries=1 -p "$port" @127.0.0.1 allowed.bench A)" ] && break
+    answered=$(dig +short +time=1 +tries=1 -p "$port" @127.0.0.1 allowed.bench A |
+      grep -x '127\.0\.0\.1' || true)
+    [ -n "$answered" ] && break
     sleep 0.2
   done
+  if [ -z "$answered" ]; then
+    echo "$name on port $port never answered allowed.bench" >&2
+    tail -n 20 "$run"/*.log >&2 || true
+    exit 1
+  fi
 done
 
 for r in $(seq 1 "$ROUNDS"); do
