@@ -7,6 +7,7 @@
 #   sudo bench/profile.sh instructions [BIN...]   # default BIN: target/release/palisade
 #   sudo bench/profile.sh perf [BIN]
 #   sudo bench/profile.sh syscalls [BIN]
+#   sudo bench/profile.sh split [BIN]
 #
 # instructions: user-space instructions per CONNECT tunnel counted by
 #   callgrind (for machines whose `perf stat` has no PMU to count them). For
@@ -34,6 +35,15 @@
 #   c=64, and UDP queries for a cached allowed name at c=1 and c=64 (the
 #   loadgen on the other core). SYS_ONLY=TEXT
 #   keeps only the workloads whose label contains TEXT (e.g. "DNS").
+# split: the CPU per unit split by where it is spent (user space by object,
+#   the kernel by system call, the switch when preempted; bench/perf-split.py),
+#   for Palisade beside the floor of the same work, in microseconds per unit:
+#   new tunnel + GET + close at c=64 (each server alone on core 0) and at
+#   c=1 (server, loadgen and nginx on core 1), beside HAProxy as a bare
+#   relay; cached DNS queries at c=1 (all on core 1) beside dnsmasq. Each
+#   server runs SPLIT_DUR seconds (default 8) under load; `perf record -g`
+#   samples it from the 2nd second for SPLIT_DUR - 4 seconds; the loadgen
+#   measures its CPU per unit over the whole run.
 # Needs valgrind or perf, nginx (nginx-light), dnsmasq, dnsperf (perf mode),
 # and the harness's loadgen (built by ../shared/bench/run-palisade.sh, or
 # LOADGEN=path).
@@ -41,8 +51,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 case "$mode" in
-  instructions | perf | syscalls) shift ;;
-  *) echo "usage: bench/profile.sh instructions|perf|syscalls [BIN...]" >&2; exit 2 ;;
+  instructions | perf | syscalls | split) shift ;;
+  *) echo "usage: bench/profile.sh instructions|perf|syscalls|split [BIN...]" >&2; exit 2 ;;
 esac
 N1=${N1:-200} N2=${N2:-1200} CONC=${CONC:-"1 64"}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
@@ -52,6 +62,7 @@ case "$mode" in
   instructions) tools+=(valgrind) ;;
   perf) tools+=(perf dnsperf taskset) ;;
   syscalls) tools+=(perf taskset haproxy) ;;
+  split) tools+=(perf taskset haproxy python3) ;;
 esac
 for b in "${tools[@]}"; do
   command -v "$b" >/dev/null || [ -x "$b" ] || { echo "missing: $b" >&2; exit 1; }
@@ -205,10 +216,12 @@ per_unit() {
     }' "$a.counts" "$b.counts"
 }
 
-if [ "$mode" = syscalls ]; then
-  bin=$1
-  SYS_N1=${SYS_N1:-2000} SYS_N2=${SYS_N2:-6000}
-  warm() { timeout 150 "$LOADGEN" "$@" --duration 120 --warmup 0 --op-timeout 30 --max-requests 500 >/dev/null; }
+# start_with_floors BIN: Palisade (PID in p) and, beside it, the floors of
+# the same work: HAProxy as a bare relay to nginx on port 13150 (h) and
+# dnsmasq as a caching DNS filter on port 15312 (dm). Started on one core,
+# as the harness starts them: a runtime sized from its CPU affinity has
+# one worker then.
+start_with_floors() {
   cat >"$run/haproxy.cfg" <<CONF
 global
   maxconn 4096
@@ -222,14 +235,12 @@ listen relay
   bind 127.0.0.1:13150
   server origin 127.0.0.1:18080
 CONF
-  # Started on one core, as the harness starts them: a runtime sized from
-  # its CPU affinity has one worker then.
   taskset -c 1 dnsmasq -k --port=15312 --listen-address=127.0.0.1 --bind-interfaces --no-resolv \
     --no-hosts --server=127.0.0.1#15310 --cache-size=1000 --pid-file= >/dev/null 2>&1 &
   dm=$!
   pids+=("$dm")
   rm -rf "$run/evidence" "$run/evidence.key"
-  taskset -c 1 "$bin" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
+  taskset -c 1 "$1" run -c "$run/palisade.toml" >"$run/palisade.log" 2>&1 &
   p=$!
   pids+=("$p")
   taskset -c 1 haproxy -db -f "$run/haproxy.cfg" >"$run/haproxy.log" 2>&1 &
@@ -237,6 +248,13 @@ CONF
   pids+=("$h")
   wait_port 13140
   wait_port 13150
+}
+
+if [ "$mode" = syscalls ]; then
+  bin=$1
+  SYS_N1=${SYS_N1:-2000} SYS_N2=${SYS_N2:-6000}
+  warm() { timeout 150 "$LOADGEN" "$@" --duration 120 --warmup 0 --op-timeout 30 --max-requests 500 >/dev/null; }
+  start_with_floors "$bin"
   tun=(tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small)
   rel=(direct-rate --backend 127.0.0.1:13150 --host allowed.bench:18080 --path /small)
   fwd=(forward-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small --keepalive on)
@@ -256,6 +274,47 @@ CONF
   per_unit "$h" "relay: connection c=64" 1 "${rel[@]}" --concurrency 64 --keepalive off
   per_unit "$p" "palisade: keep-alive GET c=64" 1 "${fwd[@]}" --concurrency 64
   per_unit "$h" "relay: keep-alive GET c=64" 1 "${rel[@]}" --concurrency 64 --keepalive on
+  exit 0
+fi
+
+if [ "$mode" = split ]; then
+  bin=$1
+  dur=${SPLIT_DUR:-8}
+  [ "$dur" -ge 6 ] || { echo "SPLIT_DUR must be 6 or more" >&2; exit 2; }
+  start_with_floors "$bin"
+  # sampled NAME PID CPU LOADGEN-ARGS...: one loaded run of PID, sampled
+  # in its middle; writes $run/split.NAME.txt and prints the CPU per unit.
+  sampled() {
+    local name=$1 pid=$2 cpu=$3
+    shift 3
+    taskset -c "$cpu" timeout $((dur + 60)) "$LOADGEN" "$@" --duration "$dur" --warmup 0.5 \
+      --op-timeout 10 --cpu-pid "$pid" >"$run/split.$name.json" &
+    local lg=$!
+    sleep 2
+    perf record -q -g -F 2000 -o "$run/split.$name.data" -p "$pid" -- sleep $((dur - 4)) \
+      >/dev/null 2>&1
+    wait "$lg"
+    perf script -i "$run/split.$name.data" >"$run/split.$name.txt" 2>/dev/null
+    python3 -c 'import json, sys; j = json.load(open(sys.argv[1])); print(j["proxy_cpu_s"] * 1e6 / max(j["ok"], 1))' \
+      "$run/split.$name.json"
+  }
+  tun=(tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 --path /small)
+  rel=(direct-rate --backend 127.0.0.1:13150 --host allowed.bench:18080 --path /small --keepalive off)
+  dns=(dns-rate --qname allowed.bench --concurrency 1)
+  a=$(sampled dns-palisade "$p" 1 "${dns[@]}" --server 127.0.0.1:15311)
+  b=$(sampled dns-dnsmasq "$dm" 1 "${dns[@]}" --server 127.0.0.1:15312)
+  echo "== cached DNS query, c=1 (server, loadgen on core 1)"
+  python3 bench/perf-split.py "palisade=$run/split.dns-palisade.txt:$a" "dnsmasq=$run/split.dns-dnsmasq.txt:$b"
+  a=$(sampled t1-palisade "$p" 1 "${tun[@]}" --concurrency 1)
+  b=$(sampled t1-relay "$h" 1 "${rel[@]}" --concurrency 1)
+  echo "== new tunnel + GET + close, c=1 (server, loadgen and nginx on core 1)"
+  python3 bench/perf-split.py "palisade=$run/split.t1-palisade.txt:$a" "relay=$run/split.t1-relay.txt:$b"
+  taskset -apc 0 "$p" >/dev/null
+  taskset -pc 0 "$h" >/dev/null
+  a=$(sampled t64-palisade "$p" 1 "${tun[@]}" --concurrency 64)
+  b=$(sampled t64-relay "$h" 1 "${rel[@]}" --concurrency 64)
+  echo "== new tunnel + GET + close, c=64 (server alone on core 0)"
+  python3 bench/perf-split.py "palisade=$run/split.t64-palisade.txt:$a" "relay=$run/split.t64-relay.txt:$b"
   exit 0
 fi
 
