@@ -203,6 +203,10 @@ impl Ctx {
     /// Whether `record`, a denial over its client's record rate, was
     /// counted into a summary (and in the metrics) rather than written.
     fn summarised(&self, record: &mut Record) -> bool {
+        // Only denials are: the clocks are read for them alone.
+        if denials::counted(record).is_none() {
+            return false;
+        }
         let now = (std::time::Instant::now(), std::time::SystemTime::now());
         if self.denials.admit(record, now.0, now.1) {
             return false;

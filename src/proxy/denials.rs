@@ -117,6 +117,14 @@ impl std::fmt::Debug for Denials {
     }
 }
 
+/// The client a record is counted against when it is a denial (a
+/// decision to deny, from a known client): only those may be summarised
+/// ([`Denials::admit`]); every other record is written as it is.
+pub(crate) fn counted(record: &Record) -> Option<std::net::SocketAddr> {
+    let deny = record.event == Event::Decision && record.decision_str() == "deny";
+    record.client.filter(|_| deny)
+}
+
 impl Denials {
     /// `per_client` denial records one by one per address, and `per_org`
     /// per org over all its addresses (bursts of as many), each within its
@@ -147,8 +155,7 @@ impl Denials {
     /// org's rates and its org's evidence budget. Otherwise it is counted
     /// into its tally (at `now`, `wall`) and `false`.
     pub(crate) fn admit(&self, record: &Record, now: Instant, wall: SystemTime) -> bool {
-        let deny = record.event == Event::Decision && record.decision_str() == "deny";
-        let Some(client) = record.client.filter(|_| deny) else {
+        let Some(client) = counted(record) else {
             return true;
         };
         let key = client_key(client.ip());
