@@ -462,6 +462,15 @@ impl Collector for EvidenceCollector {
     }
 }
 
+/// One `palisade_dns_queries_total` series, kept with the answer whose
+/// queries it counts ([`Metrics::count_dns_record`]).
+#[derive(Debug)]
+pub(crate) struct DnsSeries {
+    org: Arc<str>,
+    reason: Reason,
+    counter: IntCounter,
+}
+
 impl Metrics {
     /// Every metric, registered, with the series that exist from the start;
     /// the evidence series read `evidence` at each scrape.
@@ -604,6 +613,35 @@ impl Metrics {
             Event::Failed | Event::Verified => {}
             // Grant records: counted by reason as they end, nothing else.
             Event::Granted | Event::Expired | Event::Revoked | Event::UsedUp => {}
+        }
+    }
+
+    /// [`Metrics::count_record`] for the records of one kept DNS answer
+    /// (one org, one name): their `palisade_dns_queries_total` series is
+    /// looked up once and kept in `series`, not by its labels per query.
+    /// A record that counts elsewhere too (a decider's, report mode's) or
+    /// under other labels than those kept is counted the general way.
+    pub(crate) fn count_dns_record(&self, record: &Record, series: &OnceLock<DnsSeries>) {
+        let plain = record.event == Event::Decision
+            && record.mode == Mode::Dns
+            && record.decider.is_none()
+            && record.would_deny.is_none();
+        let Some(org) = record.org.as_ref().filter(|_| plain) else {
+            return self.count_record(record);
+        };
+        let kept = series.get_or_init(|| DnsSeries {
+            org: org.clone(),
+            reason: record.reason,
+            counter: self.dns_queries_total.with_label_values(&[
+                org,
+                record.decision_str(),
+                record.reason.as_str(),
+            ]),
+        });
+        if kept.reason == record.reason && *kept.org == **org {
+            kept.counter.inc();
+        } else {
+            self.count_record(record);
         }
     }
 

@@ -19,7 +19,7 @@
 //!    ([`Shim::record_refusal`]).
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hickory_server::net::xfer::Protocol;
@@ -31,7 +31,7 @@ use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
 use super::budget::InFlight;
-use super::cache::{Kept, Key};
+use super::cache::{Kept, Key, BIND_REFRESH};
 use super::decide::{decide_query, past_budget, Action, QueryDecision};
 use super::encode::{blocked, denied_rcode, encode, encode_kept, encode_raw, Reply, EDE_BLOCKED};
 use super::filter::{describe, filter, Filtered, Forwarded};
@@ -43,6 +43,7 @@ use super::wire::Question;
 use crate::evidence::Mode;
 use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
+use crate::metrics::DnsSeries;
 use crate::policy::{OrgRef, Policy, Reason, Verdict};
 use crate::resolve::RecordsError;
 use crate::served::Served;
@@ -395,8 +396,8 @@ impl Shim {
         started: Instant,
         now: Instant,
     ) -> Reply {
-        let reply = self.finished(state, reply, written);
-        let reply = self.delivered(org, &kept.fwd, reply, now);
+        let reply = self.finished(state, reply, written, Some(&kept.series));
+        let reply = self.delivered(org, kept, reply, now);
         self.metrics.time_decision(Mode::Dns, started.elapsed());
         reply
     }
@@ -626,7 +627,7 @@ impl Shim {
         if let Some(until) = until {
             self.cache.insert(served, key, kept.clone(), until, now);
         }
-        self.deliver(state, org, &kept.fwd, 0, now).await
+        self.deliver(state, org, &kept, 0, now).await
     }
 
     /// Forward `host`, decided `verdict` for `org`: what that made of
@@ -725,9 +726,7 @@ impl Shim {
                 .refuse_early(state, shown(), Reason::LimitExceeded, limit, Duration::ZERO)
                 .await;
         }
-        let reply = self
-            .deliver(state, &org, &kept.fwd, kept.age(now), now)
-            .await;
+        let reply = self.deliver(state, &org, kept, kept.age(now), now).await;
         self.metrics.time_decision(Mode::Dns, started.elapsed());
         reply
     }
@@ -778,7 +777,7 @@ impl Shim {
         ) else {
             state.detail = Some("synthetic answers: no pool".into());
             return self
-                .finish(state, Reply::empty(ResponseCode::NoError))
+                .finish(state, Reply::empty(ResponseCode::NoError), None)
                 .await;
         };
         let addr = match pools.answer(&org.name, &name, family) {
@@ -786,7 +785,7 @@ impl Shim {
             Answer::NoPool => {
                 state.detail = Some("synthetic answers: no pool of this family".into());
                 return self
-                    .finish(state, Reply::empty(ResponseCode::NoError))
+                    .finish(state, Reply::empty(ResponseCode::NoError), None)
                     .await;
             }
             Answer::Exhausted => {
@@ -812,7 +811,7 @@ impl Shim {
             ede: None,
             spent: 0,
         };
-        self.finish(state, reply).await
+        self.finish(state, reply, None).await
     }
 
     /// ANY is answered with one HINFO (RFC 8482), nothing upstream.
@@ -830,7 +829,7 @@ impl Shim {
             ede: None,
             spent: 0,
         };
-        self.finish(state, reply).await
+        self.finish(state, reply, None).await
     }
 
     /// A reverse query, answered from this org's bindings only: the names
@@ -878,7 +877,7 @@ impl Shim {
             ede: None,
             spent: 0,
         };
-        self.finish(state, reply).await
+        self.finish(state, reply, None).await
     }
 
     /// Record what forwarding made of a query (before the answer), bind
@@ -889,26 +888,34 @@ impl Shim {
         &self,
         state: &mut QueryState,
         org: &OrgRef,
-        fwd: &Forwarded,
+        kept: &Kept,
         spent: u32,
         now: Instant,
     ) -> Reply {
-        let reply = delivering(state, fwd, spent);
-        let reply = self.finish(state, reply).await;
-        self.delivered(org, fwd, reply, now)
+        let reply = delivering(state, &kept.fwd, spent);
+        let reply = self.finish(state, reply, Some(&kept.series)).await;
+        self.delivered(org, kept, reply, now)
     }
 
     /// After [`delivering`] and the record: bind the answer's addresses
     /// (unless its record was not written) and say what was filtered.
-    fn delivered(&self, org: &OrgRef, fwd: &Forwarded, mut reply: Reply, now: Instant) -> Reply {
+    /// Bindings made for a kept answer cover the answers of the next
+    /// [`BIND_REFRESH`] too ([`Kept::bind_due`]): each lasts that much
+    /// longer, and is made again once it has passed, not per answer.
+    fn delivered(&self, org: &OrgRef, kept: &Kept, mut reply: Reply, now: Instant) -> Reply {
+        let fwd = &kept.fwd;
         if fwd.filtered {
             if let Some((_, text)) = &mut reply.ede {
                 text.push_str("; answer addresses removed");
             }
         }
-        if reply.rcode != ResponseCode::ServFail {
-            let valid_for =
-                |ttl: u32| Duration::from_secs(u64::from(ttl)) + self.config.binding_grace;
+        if reply.rcode != ResponseCode::ServFail
+            && !fwd.bind.is_empty()
+            && kept.bind_due(now, self.bindings.epoch())
+        {
+            let valid_for = |ttl: u32| {
+                Duration::from_secs(u64::from(ttl)) + self.config.binding_grace + BIND_REFRESH
+            };
             for (ip, ttl) in &fwd.bind {
                 self.bindings
                     .bind(&org.name, &fwd.host, *ip, valid_for(*ttl), now);
@@ -930,13 +937,25 @@ impl Shim {
     /// Write the record of an answer before it is sent (with its round's,
     /// when it came in one); without evidence, no answer (SERVFAIL,
     /// `evidence_unavailable`).
-    async fn finish(&self, state: &mut QueryState, reply: Reply) -> Reply {
+    async fn finish(
+        &self,
+        state: &mut QueryState,
+        reply: Reply,
+        series: Option<&OnceLock<DnsSeries>>,
+    ) -> Reply {
         let written = self.write(state.round.as_deref(), state.record()).await;
-        self.finished(state, reply, written)
+        self.finished(state, reply, written, series)
     }
 
     /// [`Shim::finish`] once the record was `written` (or not).
-    fn finished(&self, state: &mut QueryState, mut reply: Reply, written: round::Outcome) -> Reply {
+    /// A kept answer's records count through its kept `series`.
+    fn finished(
+        &self,
+        state: &mut QueryState,
+        mut reply: Reply,
+        written: round::Outcome,
+        series: Option<&OnceLock<DnsSeries>>,
+    ) -> Reply {
         let rec = match written {
             Ok(rec) => rec,
             Err(e) => {
@@ -947,7 +966,10 @@ impl Shim {
                 return Reply::empty(ResponseCode::ServFail);
             }
         };
-        self.metrics.count_record(&rec);
+        match series {
+            Some(series) => self.metrics.count_dns_record(&rec, series),
+            None => self.metrics.count_record(&rec),
+        }
         if !rec.reason.is_allow() && rec.reason != Reason::ResolutionFailed {
             reply.ede = Some((
                 EDE_BLOCKED,

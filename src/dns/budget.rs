@@ -30,7 +30,9 @@ use crate::limits::{Payer, Share, Shares};
 #[derive(Debug)]
 pub(crate) struct InFlight {
     _global: OwnedSemaphorePermit,
-    _charges: Vec<Share<Payer>>,
+    /// One charge (a query's payer), or two (a TCP connection's client
+    /// address and org): held inline, no allocation per query.
+    _charges: [Option<Share<Payer>>; 2],
 }
 
 /// A place in a global budget, or the name of its limit.
@@ -76,7 +78,7 @@ impl QueryBudget {
             .ok_or(over)?;
         Ok(InFlight {
             _global: global,
-            _charges: vec![charge],
+            _charges: [Some(charge), None],
         })
     }
 }
@@ -108,20 +110,21 @@ impl TcpBudget {
         org: Option<&Arc<str>>,
     ) -> Result<InFlight, &'static str> {
         let global = global_place(&self.global, "max_tcp_connections reached")?;
-        let mut charges = vec![self
+        let by_client = self
             .held
             .take(Payer::client(client), 1, self.max_per_client)
-            .ok_or("max_tcp_connections_per_client reached")?];
-        if let Some(org) = org {
-            charges.push(
+            .ok_or("max_tcp_connections_per_client reached")?;
+        let by_org = match org {
+            Some(org) => Some(
                 self.held
                     .take(Payer::Org(org.clone()), 1, self.max_per_org)
                     .ok_or("max_tcp_connections_per_org reached")?,
-            );
-        }
+            ),
+            None => None,
+        };
         Ok(InFlight {
             _global: global,
-            _charges: charges,
+            _charges: [Some(by_client), by_org],
         })
     }
 }

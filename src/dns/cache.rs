@@ -27,14 +27,15 @@
 //! Pure: no clock, the caller passes `now`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use hickory_server::proto::rr::RecordType;
 
 use super::filter::Forwarded;
 use super::wire::{Question, Wire};
 use crate::limits::table::FairTable;
+use crate::metrics::DnsSeries;
 
 /// Entries kept at most, all orgs together.
 pub(crate) const CACHE_CAPACITY: usize = 16_384;
@@ -64,7 +65,19 @@ pub(crate) struct Kept {
     pub fwd: Forwarded,
     pub since: Instant,
     wires: Mutex<Vec<Wire>>,
+    /// When its addresses were last bound, in nanoseconds after `since`,
+    /// plus one (0: never), and the bindings' epoch read just before: see
+    /// [`Kept::bind_due`].
+    bound: AtomicU64,
+    bound_epoch: AtomicU64,
+    /// Its queries' series of `palisade_dns_queries_total`, once counted.
+    pub series: OnceLock<DnsSeries>,
 }
+
+/// How long the bindings made for a kept answer cover the answers given
+/// after it without being made again: they are made for this much longer
+/// than an answer's own binding lasts, and again once it has passed.
+pub(crate) const BIND_REFRESH: Duration = Duration::from_secs(1);
 
 impl Kept {
     pub(crate) fn new(fwd: Forwarded, since: Instant) -> Kept {
@@ -72,7 +85,43 @@ impl Kept {
             fwd,
             since,
             wires: Mutex::new(Vec::new()),
+            bound: AtomicU64::new(0),
+            bound_epoch: AtomicU64::new(0),
+            series: OnceLock::new(),
         }
+    }
+
+    /// Whether this answer's addresses are to be bound (again) at `now`,
+    /// the bindings' epoch ([`Bindings::epoch`]) being `epoch`: yes the
+    /// first time, once [`BIND_REFRESH`] has passed since they last were,
+    /// and whenever a binding left the table since (it may have been one
+    /// of these); each binding is then made for `BIND_REFRESH` longer than
+    /// an answer's own. No in between: the bindings made last are all
+    /// held and last at least as long as this answer's own would. Callers
+    /// that race past the refresh all bind (none answers before its own
+    /// bindings are made); the one that moves the mark on keeps its epoch.
+    ///
+    /// [`Bindings::epoch`]: crate::handout::bindings::Bindings::epoch
+    pub(crate) fn bind_due(&self, now: Instant, epoch: u64) -> bool {
+        let at = u64::try_from(now.saturating_duration_since(self.since).as_nanos())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1);
+        let last = self.bound.load(Ordering::Acquire);
+        let refresh = u64::try_from(BIND_REFRESH.as_nanos()).unwrap_or(u64::MAX);
+        if last != 0
+            && at.saturating_sub(last) < refresh
+            && self.bound_epoch.load(Ordering::Acquire) == epoch
+        {
+            return false;
+        }
+        if self
+            .bound
+            .compare_exchange(last, at, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.bound_epoch.store(epoch, Ordering::Release);
+        }
+        true
     }
 
     /// Whole seconds since it was kept, at `now`: what its TTLs count down by.
@@ -325,5 +374,33 @@ mod tests {
         let k = key(0, "a.test.", RecordType::A);
         cache.insert(&v, k.clone(), Arc::new(1), t0 + SEC, t0);
         assert!(cache.get(&v, &k, t0).is_none());
+    }
+
+    #[test]
+    fn a_kept_answer_binds_again_after_the_refresh_or_once_a_binding_left() {
+        let fwd = crate::dns::filter::Forwarded::new(
+            crate::policy::Verdict {
+                org: None,
+                reason: crate::policy::Reason::RuleMatch,
+                rule: None,
+                would_deny: None,
+            },
+            "a.test".into(),
+            crate::dns::filter::Filtered::failed(
+                hickory_server::proto::op::ResponseCode::NoError,
+                None,
+            ),
+        );
+        let t0 = Instant::now();
+        let kept = Kept::new(fwd, t0);
+        assert!(kept.bind_due(t0, 7), "the first answer binds");
+        assert!(!kept.bind_due(t0, 7), "covered: no binding left");
+        let almost = t0 + BIND_REFRESH - Duration::from_millis(1);
+        assert!(!kept.bind_due(almost, 7));
+        assert!(kept.bind_due(almost, 8), "a binding left: bind again");
+        assert!(!kept.bind_due(almost, 8));
+        let later = almost + BIND_REFRESH;
+        assert!(kept.bind_due(later, 8), "the refresh is due");
+        assert!(!kept.bind_due(later, 8));
     }
 }

@@ -27,7 +27,7 @@ pub(crate) const MAX_ROUND: usize = 32;
 
 /// Rounds between two that look for more datagrams while none came
 /// queued behind another.
-pub(crate) const PROBE_EVERY: u32 = 16;
+pub(crate) const PROBE_EVERY: u32 = 64;
 
 /// Whether a round looks for more datagrams than its first. Looking costs
 /// a receive that finds the socket empty (and then a wait in `epoll`)

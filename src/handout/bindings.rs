@@ -22,6 +22,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,11 +100,16 @@ impl Inner {
     }
 }
 
+/// Epochs, unique across every table of this process ([`Bindings::epoch`]).
+static EPOCHS: AtomicU64 = AtomicU64::new(1);
+
 /// Name-address bindings of every org, shared by the DNS shim and the proxy.
 #[derive(Debug)]
 pub(crate) struct Bindings {
     inner: Mutex<Inner>,
     per_name: usize,
+    /// Changes whenever a binding leaves the table ([`Bindings::epoch`]).
+    epoch: AtomicU64,
 }
 
 impl Bindings {
@@ -116,7 +122,22 @@ impl Bindings {
                 next_id: 0,
             }),
             per_name: per_name.max(1),
+            epoch: AtomicU64::new(EPOCHS.fetch_add(1, Ordering::Relaxed)),
         }
+    }
+
+    /// A number that changes whenever a binding leaves this table (expired
+    /// and swept, evicted, dropped by a reload), never taken by another
+    /// table: while it stays the same, every binding made since it was
+    /// read is still held, and a caller that made its own needs not look.
+    pub(crate) fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// A binding left the table: a new epoch.
+    fn left(&self) {
+        self.epoch
+            .store(EPOCHS.fetch_add(1, Ordering::Relaxed), Ordering::Release);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -144,6 +165,9 @@ impl Bindings {
         // Drop a few of this org's expired bindings, oldest first, so
         // memory follows use.
         let gone = inner.table.sweep(Some(org), SWEEP_PER_BIND, expired);
+        if !gone.is_empty() {
+            self.left();
+        }
         inner.unindex(gone);
 
         if let Some((id, _)) = inner.find(org, name, addr) {
@@ -166,6 +190,7 @@ impl Bindings {
             });
         if let Some((victim, _)) = full {
             inner.remove(victim);
+            self.left();
         }
 
         // Per-org cap: this org's own oldest goes; global cap: an expired
@@ -181,6 +206,9 @@ impl Bindings {
         };
         // Nothing is pinned: the insert always finds room.
         if let Ok(gone) = inner.table.insert(org.clone(), id, bound, (), expired) {
+            if !gone.is_empty() {
+                self.left();
+            }
             inner.unindex(gone);
             let o = inner.orgs.entry(org.clone()).or_default();
             o.by_name.entry(name).or_default().push(id);
@@ -224,6 +252,9 @@ impl Bindings {
         let mut inner = self.lock();
         let gone = inner.table.retain(|_, _, _, b| keep(&b.org, &b.name));
         let n = gone.len();
+        if n > 0 {
+            self.left();
+        }
         inner.unindex(gone);
         n
     }
@@ -435,5 +466,38 @@ mod tests {
         assert_eq!(b.len_of("c"), 0);
         assert_eq!(b.len_of("a"), 7);
         assert_eq!(b.len_of("b"), 3);
+    }
+
+    #[test]
+    fn the_epoch_changes_when_a_binding_leaves_and_only_then() {
+        let b = Bindings::new(1, 2, 4);
+        let other = Bindings::new(1, 2, 4);
+        assert_ne!(b.epoch(), other.epoch(), "never another table's");
+        let t0 = origin();
+        let a: IpAddr = "198.18.0.1".parse().unwrap();
+        let c: IpAddr = "198.18.0.2".parse().unwrap();
+        let org: Arc<str> = Arc::from("acme");
+        let e0 = b.epoch();
+        b.bind(&org, "a.test", a, Duration::from_secs(10), t0);
+        b.bind(&org, "a.test", a, Duration::from_secs(20), t0);
+        assert_eq!(b.epoch(), e0, "bound and refreshed: nothing left");
+        // One address per name: the other one replaces it.
+        b.bind(&org, "a.test", c, Duration::from_secs(10), t0);
+        let e1 = b.epoch();
+        assert_ne!(e1, e0, "replaced");
+        // Over the org's two: its oldest is evicted.
+        b.bind(&org, "b.test", a, Duration::from_secs(10), t0);
+        b.bind(&org, "c.test", a, Duration::from_secs(10), t0);
+        let e2 = b.epoch();
+        assert_ne!(e2, e1, "evicted");
+        // Expired and swept by the next bind.
+        let late = t0 + Duration::from_secs(30);
+        b.bind(&org, "d.test", a, Duration::from_secs(10), late);
+        let e3 = b.epoch();
+        assert_ne!(e3, e2, "swept");
+        assert_eq!(b.retain(|_, _| true), 0);
+        assert_eq!(b.epoch(), e3, "nothing dropped");
+        assert_eq!(b.retain(|_, _| false), 1);
+        assert_ne!(b.epoch(), e3, "dropped by a reload");
     }
 }
