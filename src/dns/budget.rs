@@ -18,9 +18,8 @@
 //! address (IPv6 by /64).
 
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::DnsConfig;
 use crate::limits::{Payer, Share, Shares};
@@ -29,24 +28,59 @@ use crate::limits::{Payer, Share, Shares};
 /// connection) is being served.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    _global: OwnedSemaphorePermit,
+    _global: Place,
     /// One charge (a query's payer), or two (a TCP connection's client
     /// address and org): held inline, no allocation per query.
     _charges: [Option<Share<Payer>>; 2],
 }
 
-/// A place in a global budget, or the name of its limit.
-fn global_place(
-    global: &Arc<Semaphore>,
-    limit: &'static str,
-) -> Result<OwnedSemaphorePermit, &'static str> {
-    global.clone().try_acquire_owned().map_err(|_| limit)
+/// The places of a global budget: taken at once or refused, never
+/// waited for, so a counter (no semaphore's waiter list to lock per query).
+#[derive(Debug)]
+struct Places {
+    used: Arc<AtomicUsize>,
+    max: usize,
+}
+
+/// One place of a global budget, given back when dropped.
+#[derive(Debug)]
+struct Place(Arc<AtomicUsize>);
+
+impl Places {
+    fn new(max: usize) -> Places {
+        Places {
+            used: Arc::new(AtomicUsize::new(0)),
+            max,
+        }
+    }
+
+    /// A place, or the name of the limit (`limit`) when all are taken.
+    fn take(&self, limit: &'static str) -> Result<Place, &'static str> {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                (u < self.max).then_some(u + 1)
+            })
+            .map(|_| Place(self.used.clone()))
+            .map_err(|_| limit)
+    }
+
+    /// Places not taken.
+    #[cfg(test)]
+    fn available(&self) -> usize {
+        self.max - self.used.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Queries in flight: global, and per payer.
 #[derive(Debug)]
 pub(crate) struct QueryBudget {
-    global: Arc<Semaphore>,
+    global: Places,
     per_payer: Arc<Shares<Payer>>,
     max_per_payer: usize,
 }
@@ -54,7 +88,7 @@ pub(crate) struct QueryBudget {
 impl QueryBudget {
     pub(crate) fn new(config: &DnsConfig) -> QueryBudget {
         QueryBudget {
-            global: Arc::new(Semaphore::new(config.max_queries_in_flight)),
+            global: Places::new(config.max_queries_in_flight),
             per_payer: Shares::new(),
             max_per_payer: config.max_queries_in_flight_per_org.max(1),
         }
@@ -66,7 +100,7 @@ impl QueryBudget {
         client: IpAddr,
         org: Option<&Arc<str>>,
     ) -> Result<InFlight, &'static str> {
-        let global = global_place(&self.global, "max_queries_in_flight reached")?;
+        let global = self.global.take("max_queries_in_flight reached")?;
         let payer = Payer::of(org, client);
         let over = match payer {
             Payer::Org(_) => "max_queries_in_flight_per_org reached",
@@ -86,7 +120,7 @@ impl QueryBudget {
 /// DNS-over-TCP connections: global, per client address, per org.
 #[derive(Debug)]
 pub(crate) struct TcpBudget {
-    global: Arc<Semaphore>,
+    global: Places,
     /// Connections per client address and per org, in one table.
     held: Arc<Shares<Payer>>,
     max_per_client: usize,
@@ -96,7 +130,7 @@ pub(crate) struct TcpBudget {
 impl TcpBudget {
     pub(crate) fn new(config: &DnsConfig) -> TcpBudget {
         TcpBudget {
-            global: Arc::new(Semaphore::new(config.max_tcp_connections)),
+            global: Places::new(config.max_tcp_connections),
             held: Shares::new(),
             max_per_client: config.max_tcp_connections_per_client.max(1),
             max_per_org: config.max_tcp_connections_per_org.max(1),
@@ -109,7 +143,7 @@ impl TcpBudget {
         client: IpAddr,
         org: Option<&Arc<str>>,
     ) -> Result<InFlight, &'static str> {
-        let global = global_place(&self.global, "max_tcp_connections reached")?;
+        let global = self.global.take("max_tcp_connections reached")?;
         let by_client = self
             .held
             .take(Payer::client(client), 1, self.max_per_client)
@@ -172,9 +206,9 @@ mod tests {
         // Another org is untouched.
         let other = b.try_take(ip("198.18.4.2"), Some(&beta)).unwrap();
         // A refused charge gives back what it took.
-        assert_eq!(b.global.available_permits(), 8 - 5);
+        assert_eq!(b.global.available(), 8 - 5);
         drop((held, more, other));
-        assert_eq!(b.global.available_permits(), 8);
+        assert_eq!(b.global.available(), 8);
         assert_eq!(b.held.keys(), 0);
     }
 
@@ -201,6 +235,6 @@ mod tests {
         );
         drop((held, other, orgs));
         assert_eq!(b.per_payer.keys(), 0);
-        assert_eq!(b.global.available_permits(), 16);
+        assert_eq!(b.global.available(), 16);
     }
 }
