@@ -607,25 +607,26 @@ impl Evidence {
     /// writes with [`Evidence::write`]. When it returns `Some(Ok(()))` the
     /// record is as durable as after `write`.
     pub fn write_now(&self, record: &mut Record) -> Option<Result<(), EvidenceError>> {
-        let permit = self.log.slots.try_acquire().ok()?;
+        // The record never waits in the queue (it is written within this
+        // call, or not taken), so it holds no place in it; with the queue
+        // full it is not taken either: the caller waits as others do.
+        if self.log.slots.available_permits() == 0 {
+            return None;
+        }
         let mut owed = None;
         let written = self.log.write_now(|| {
-            let (entry, o) = self.acked(record)?;
+            let (mut entry, o) = self.acked(record)?;
+            entry.permit = false;
             owed = o;
             Ok(entry)
         })?;
-        // From here on the place is the entry's (given back once written).
-        permit.forget();
         Some(match written {
             Ok(true) => {
                 record.owed = owed;
                 Ok(())
             }
             Ok(false) => Err(EvidenceError::Unavailable),
-            Err(e) => {
-                self.log.slots.add_permits(1);
-                Err(e)
-            }
+            Err(e) => Err(e),
         })
     }
 
