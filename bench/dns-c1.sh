@@ -3,7 +3,7 @@
 # `dns_c1` figure measures it, for one or two Palisade builds beside
 # dnsmasq, alternating, in one run:
 #
-#   sudo bench/dns-c1.sh BIN_A [BIN_B] [ROUNDS]
+#   sudo bench/dns-c1.sh BIN_A[:EXTRA] [BIN_B[:EXTRA]] [ROUNDS]
 #
 # dnsmasq (upstream: allowed.bench -> 127.0.0.1, TTL 3600; filter: a cache
 # in front of it) and each build listen on loopback. Each build is
@@ -14,7 +14,9 @@
 # per run, everything on CPU 1 as the harness places its c=1 runs. Per run: the server's CPU (user + system, from
 # /proc) divided by the answers. Prints each run and the medians, with the
 # ratios to dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
-# the run's temporary directory). Needs dnsmasq, dig, taskset, python3 and
+# the run's temporary directory). EXTRA is a file of lines added to that
+# build's `[evidence]` section (e.g. `durability = "discard"`), so one
+# binary can be measured in two configurations. Needs dnsmasq, dig, taskset, python3 and
 # the loadgen (built by ../shared/bench/run-palisade.sh, or LOADGEN=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,10 +66,11 @@ taskset -c 1 dnsmasq -k --conf-file="$run/filter.conf" --pid-file= &
 filter=$!
 pids+=("$filter")
 
-# start NAME BIN DNS_PORT: a build on its own ports and evidence (its pid
-# in $started)
+# start NAME BIN[:EXTRA] DNS_PORT: a build on its own ports and evidence
+# (its pid in $started)
 start() {
-  local port=$3
+  local port=$3 bin=${2%%:*} extra=
+  if [ "$2" != "$bin" ]; then extra=${2#*:}; fi
   cat >"$run/$1.toml" <<CONF
 [proxy]
 listen = ["127.0.0.1:$((port + 100))"]
@@ -80,6 +83,7 @@ max_queries_in_flight = 100000
 listen = "127.0.0.1:$((port + 200))"
 [evidence]
 dir = "$ev/$1-ev"
+$(if [ -n "$extra" ]; then cat "$extra"; fi)
 [[org]]
 name = "bench"
 clients = ["127.0.0.0/8"]
@@ -90,7 +94,7 @@ ports = [80, 443, 8080]
 cidr = "127.0.0.1/32"
 ports = [80, 443, 8080]
 CONF
-  taskset -c 1 "$2" run -c "$run/$1.toml" >"$run/$1.log" 2>&1 &
+  taskset -c 1 "$bin" run -c "$run/$1.toml" >"$run/$1.log" 2>&1 &
   started=$!
   pids+=("$started")
 }
