@@ -72,29 +72,9 @@ chmod 755 "$run" # dnsmasq and nginx workers drop root and must read their files
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
-mkdir -p "$run/www" "$run/nginx" "$run/evidence"
-printf 'x%.0s' $(seq 1 100) >"$run/www/small"
-printf '127.0.0.1 allowed.bench\n' >"$run/hosts"
-cat >"$run/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $run/nginx.pid;
-error_log $run/nginx-error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $run/nginx;
-  proxy_temp_path $run/nginx;
-  fastcgi_temp_path $run/nginx;
-  uwsgi_temp_path $run/nginx;
-  scgi_temp_path $run/nginx;
-  server {
-    listen 127.0.0.1:18080;
-    root $run/www;
-    location = /small { default_type text/plain; }
-  }
-}
-CONF
+. bench/floors.sh
+mkdir -p "$run/evidence"
+origin_files "$run"
 nginx -c "$run/nginx.conf" -p "$run/nginx" &
 pids+=($!)
 dnsmasq -k --port=15310 --listen-address=127.0.0.1 --bind-interfaces --no-resolv --no-hosts \
@@ -124,14 +104,6 @@ ports = [18080]
 cidr = "127.0.0.1/32"
 ports = [18080]
 CONF
-wait_port() {
-  for _ in $(seq 1 300); do
-    (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.2
-  done
-  echo "nothing listens on $1" >&2
-  return 1
-}
 wait_port 18080
 
 # Prints "TUNNELS INSTRUCTIONS" for one run of N tunnels.
@@ -222,19 +194,7 @@ per_unit() {
 # as the harness starts them: a runtime sized from its CPU affinity has
 # one worker then.
 start_with_floors() {
-  cat >"$run/haproxy.cfg" <<CONF
-global
-  maxconn 4096
-  nbthread 1
-defaults
-  mode tcp
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-listen relay
-  bind 127.0.0.1:13150
-  server origin 127.0.0.1:18080
-CONF
+  relay_cfg "$run/haproxy.cfg"
   taskset -c 1 dnsmasq -k --port=15312 --listen-address=127.0.0.1 --bind-interfaces --no-resolv \
     --no-hosts --server=127.0.0.1#15310 --cache-size=1000 --pid-file= >/dev/null 2>&1 &
   dm=$!

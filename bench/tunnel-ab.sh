@@ -37,60 +37,18 @@ cleanup() {
 }
 trap cleanup EXIT
 
-mkdir -p "$run/www" "$run/nginx"
-printf 'x%.0s' $(seq 1 100) >"$run/www/small"
-printf '127.0.0.1 allowed.bench\n' >"$run/hosts"
-cat >"$run/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-pid $run/nginx.pid;
-error_log $run/nginx-error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $run/nginx;
-  proxy_temp_path $run/nginx;
-  fastcgi_temp_path $run/nginx;
-  uwsgi_temp_path $run/nginx;
-  scgi_temp_path $run/nginx;
-  server {
-    listen 127.0.0.1:18080;
-    root $run/www;
-    location = /small { default_type text/plain; }
-  }
-}
-CONF
+. bench/floors.sh
+origin_files "$run"
 taskset -c 1 nginx -c "$run/nginx.conf" -p "$run/nginx" &
 pids+=($!)
 taskset -c 1 dnsmasq -k --port=15310 --listen-address=127.0.0.1 --bind-interfaces --no-resolv \
   --no-hosts --local-ttl=300 --addn-hosts="$run/hosts" --pid-file= >/dev/null 2>&1 &
 pids+=($!)
-cat >"$run/haproxy.cfg" <<CONF
-global
-  maxconn 4096
-  nbthread 1
-defaults
-  mode tcp
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-listen relay
-  bind 127.0.0.1:13150
-  server origin 127.0.0.1:18080
-CONF
+relay_cfg "$run/haproxy.cfg"
 taskset -c 0 haproxy -db -f "$run/haproxy.cfg" >"$run/haproxy.log" 2>&1 &
 relay=$!
 pids+=("$relay")
 
-wait_port() {
-  for _ in $(seq 1 300); do
-    (echo >"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
-    sleep 0.2
-  done
-  echo "nothing listens on $1" >&2
-  tail -n 20 "$run"/*.log >&2 || true
-  exit 1
-}
 
 # Each build on its own ports and evidence, started on core 0 (a runtime
 # sized from its CPU affinity has one worker, as in the harness).
@@ -117,9 +75,12 @@ for spec in "$@"; do
   servers+=("$i-$(basename "$bin")${extra:++$(basename "$extra")}|$port|$!")
   i=$((i + 1))
 done
-wait_port 18080
-wait_port 13150
-for s in "${servers[@]}"; do wait_port "$(cut -d'|' -f2 <<<"$s")"; done
+# What did not come up says why in its log.
+ports=(18080 13150)
+for s in "${servers[@]}"; do ports+=("$(cut -d'|' -f2 <<<"$s")"); done
+for port in "${ports[@]}"; do
+  wait_port "$port" || { tail -n 20 "$run"/*.log >&2 || true; exit 1; }
+done
 
 for _ in $(seq 1 "$ROUNDS"); do
   for s in "${servers[@]}" "relay|13150|$relay"; do
