@@ -7,10 +7,11 @@
 //! IPv6 addresses are counted by /64, the block one host usually holds
 //! ([`client_key`]).
 
-use std::collections::HashMap;
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash, RandomState};
 use std::net::{IpAddr, Ipv6Addr};
 use std::sync::{Arc, Mutex};
+
+use hashbrown::hash_table::{Entry, HashTable};
 
 /// The key a source address is counted under: IPv4 (and IPv4-mapped IPv6)
 /// as is, other IPv6 by its /64.
@@ -53,10 +54,14 @@ impl Payer {
 }
 
 /// Units held per key, each key bounded (the bound given at each take);
-/// a key has an entry only while it holds something.
+/// a key has an entry only while it holds something. Keys can be what a
+/// client chooses (its address), so they are hashed with SipHash, keyed
+/// per table; a [`Share`] hashes its key once and finds its entry with
+/// that hash on every grow and shrink.
 #[derive(Debug)]
 pub(crate) struct Shares<K> {
-    table: Mutex<HashMap<K, usize>>,
+    table: Mutex<HashTable<(K, usize)>>,
+    hasher: RandomState,
 }
 
 /// Units of one key held; given back when dropped.
@@ -64,6 +69,8 @@ pub(crate) struct Shares<K> {
 pub(crate) struct Share<K: Hash + Eq + Clone> {
     shares: Arc<Shares<K>>,
     key: K,
+    /// `key`'s hash in the table.
+    hash: u64,
     max: usize,
     held: usize,
 }
@@ -71,14 +78,20 @@ pub(crate) struct Share<K: Hash + Eq + Clone> {
 impl<K: Hash + Eq + Clone> Shares<K> {
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Shares {
-            table: Mutex::new(HashMap::new()),
+            table: Mutex::new(HashTable::new()),
+            hasher: RandomState::new(),
         })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashTable<(K, usize)>> {
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// `n` units of `key`, if that keeps it within `max`.
     pub(crate) fn take(self: &Arc<Self>, key: K, n: usize, max: usize) -> Option<Share<K>> {
         let mut share = Share {
             shares: self.clone(),
+            hash: self.hasher.hash_one(&key),
             key,
             max,
             held: 0,
@@ -89,14 +102,16 @@ impl<K: Hash + Eq + Clone> Shares<K> {
     /// Units `key` holds now.
     #[cfg(test)]
     pub(crate) fn held(&self, key: &K) -> usize {
-        let table = self.table.lock().unwrap_or_else(|p| p.into_inner());
-        table.get(key).copied().unwrap_or(0)
+        let hash = self.hasher.hash_one(key);
+        self.lock()
+            .find(hash, |(k, _)| k == key)
+            .map_or(0, |(_, used)| *used)
     }
 
     /// Keys holding anything.
     #[cfg(test)]
     pub(crate) fn keys(&self) -> usize {
-        self.table.lock().map_or(0, |t| t.len())
+        self.lock().len()
     }
 }
 
@@ -106,15 +121,27 @@ impl<K: Hash + Eq + Clone> Share<K> {
         if n == 0 {
             return true;
         }
-        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
-        let used = table.entry(self.key.clone()).or_insert(0);
-        if *used + n > self.max {
-            if *used == 0 {
-                table.remove(&self.key);
-            }
+        let shares = &*self.shares;
+        let mut table = shares.lock();
+        let key = &self.key;
+        let entry = table.entry(
+            self.hash,
+            |(k, _)| k == key,
+            |(k, _)| shares.hasher.hash_one(k),
+        );
+        let used = match &entry {
+            Entry::Occupied(e) => e.get().1,
+            Entry::Vacant(_) => 0,
+        };
+        if used + n > self.max {
             return false;
         }
-        *used += n;
+        match entry {
+            Entry::Occupied(mut e) => e.get_mut().1 += n,
+            Entry::Vacant(e) => {
+                e.insert((key.clone(), n));
+            }
+        }
         self.held += n;
         true
     }
@@ -122,11 +149,13 @@ impl<K: Hash + Eq + Clone> Share<K> {
     /// Give back `n` units.
     pub(crate) fn shrink(&mut self, n: usize) {
         let n = n.min(self.held);
-        let mut table = self.shares.table.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(used) = table.get_mut(&self.key) {
+        let mut table = self.shares.lock();
+        let key = &self.key;
+        if let Ok(mut e) = table.find_entry(self.hash, |(k, _)| k == key) {
+            let used = &mut e.get_mut().1;
             *used -= n.min(*used);
             if *used == 0 {
-                table.remove(&self.key);
+                e.remove();
             }
         }
         self.held -= n;
