@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::rate::RateLimiter;
+use super::rate::{OrgLimiter, RateLimiter};
 use super::share::{client_key, Payer, Share, Shares};
 use crate::config::Limits;
 use crate::policy::OrgRef;
@@ -35,7 +35,7 @@ use crate::policy::OrgRef;
 pub(crate) struct ConnLimits {
     global: Arc<Slot>,
     max_per_org: usize,
-    new_per_org: RateLimiter<Arc<str>>,
+    new_per_org: OrgLimiter<Arc<str>>,
     max_per_client: usize,
     /// Connections held per payer: each org, each address of no org.
     held: Arc<Shares<Payer>>,

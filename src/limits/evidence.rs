@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::rate::RateLimiter;
+use super::rate::{OrgLimiter, RateLimiter};
 use crate::evidence::Live;
 
 /// Detail of a `limit_exceeded` for an allow refused because its org's
@@ -43,7 +43,7 @@ pub(crate) const EVIDENCE_STORE_FULL: &str = "evidence store full for this org";
 /// tunnel, which cannot be refused, are not charged.)
 #[derive(Debug)]
 pub(crate) struct EvidenceBudget {
-    buckets: RateLimiter<Option<Arc<str>>>,
+    buckets: OrgLimiter<Option<Arc<str>>>,
     /// The evidence as it runs: whether the store is full, and who
     /// fills it.
     store: Option<Arc<Live>>,

@@ -175,7 +175,7 @@ fn cost_rate() {
     measure(
         "rate",
         || {
-            let r = RateLimiter::new(10, 16_384);
+            let r: RateLimiter<u32> = RateLimiter::new(10, 16_384);
             for i in 0..16_384u32 {
                 r.allow(&i, t0);
             }

@@ -2,7 +2,7 @@
 //! denial records, and the evidence budget's buckets.
 
 use std::collections::{HashMap, VecDeque};
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash, RandomState};
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -21,19 +21,26 @@ use std::time::Instant;
 /// index, places and pins would be carried for nothing: on it, 3.4 times
 /// the time per `allow` and a quarter more memory per key
 /// (`cargo test --lib limits::measure -- --ignored`).
+///
+/// Keys are hashed with `S`: SipHash (the default) for keys a client
+/// chooses (its address); a fast keyed hash ([`OrgLimiter`]) for keys the
+/// configuration makes (org names).
 #[derive(Debug)]
-pub(crate) struct RateLimiter<K> {
+pub(crate) struct RateLimiter<K, S = RandomState> {
     rate: f64,
     max_keys: usize,
-    table: Mutex<Table<K>>,
+    table: Mutex<Table<K, S>>,
 }
+
+/// A [`RateLimiter`] keyed by what the configuration names (orgs).
+pub(crate) type OrgLimiter<K> = RateLimiter<K, foldhash::fast::RandomState>;
 
 /// Keys looked at (and dropped if refilled) before each new key goes in.
 pub(crate) const SWEEP_PER_INSERT: usize = 4;
 
 #[derive(Debug)]
-struct Table<K> {
-    buckets: HashMap<K, Bucket>,
+struct Table<K, S> {
+    buckets: HashMap<K, Bucket, S>,
     /// Every key of `buckets` once, least recently swept first.
     sweep: VecDeque<K>,
 }
@@ -67,13 +74,13 @@ impl Bucket {
     }
 }
 
-impl<K: Hash + Eq + Clone> RateLimiter<K> {
+impl<K: Hash + Eq + Clone, S: BuildHasher + Default> RateLimiter<K, S> {
     pub(crate) fn new(rate_per_second: usize, max_keys: usize) -> Self {
         RateLimiter {
             rate: rate_per_second.max(1) as f64,
             max_keys,
             table: Mutex::new(Table {
-                buckets: HashMap::new(),
+                buckets: HashMap::with_hasher(S::default()),
                 sweep: VecDeque::new(),
             }),
         }
@@ -136,7 +143,7 @@ mod tests {
 
     #[test]
     fn rate_limiter_refills_and_stays_bounded() {
-        let r = RateLimiter::new(2, 2);
+        let r: RateLimiter<i32> = RateLimiter::new(2, 2);
         let t0 = Instant::now();
         assert!(r.allow(&1, t0) && r.allow(&1, t0));
         assert!(!r.allow(&1, t0), "burst of two spent");
@@ -154,7 +161,7 @@ mod tests {
 
     #[test]
     fn charges_that_cannot_be_refused_go_into_bounded_debt() {
-        let r = RateLimiter::new(4, 8);
+        let r: RateLimiter<i32> = RateLimiter::new(4, 8);
         let t0 = Instant::now();
         for _ in 0..4 {
             assert!(r.allow(&1, t0));
@@ -177,7 +184,7 @@ mod tests {
 
     #[test]
     fn rate_limiter_sweeps_a_few_keys_per_new_key_never_the_whole_table() {
-        let r = RateLimiter::new(1, 1000);
+        let r: RateLimiter<i32> = RateLimiter::new(1, 1000);
         let t0 = Instant::now();
         for k in 0..1000 {
             assert!(r.allow(&k, t0));
