@@ -213,11 +213,13 @@ impl<V, A> AnswerCache<V, A> {
         }
         let mut inner = self.lock();
         Self::adopt(&mut inner, version);
-        if inner.table.place(key)? <= &now {
+        // One lookup for a hit; an expired entry costs a second (its removal).
+        let (until, value) = inner.table.placed(key)?;
+        if until <= &now {
             inner.table.remove(key);
             return None;
         }
-        let value = inner.table.get(key)?.clone();
+        let value = value.clone();
         drop(inner);
         self.hits.fetch_add(1, Ordering::Relaxed);
         Some(value)

@@ -88,7 +88,7 @@ impl TtlMemo {
         let fp = fingerprint(records);
         let key: Key = (name.to_string(), qtype);
         let mut memos = self.memos.lock().unwrap_or_else(|p| p.into_inner());
-        if let (Some(m), Some(until)) = (memos.get(&key), memos.place(&key)) {
+        if let Some((until, m)) = memos.placed(&key) {
             if m.fingerprint == fp && *until > now && m.ttls.len() == records.len() {
                 for (r, ttl) in records.iter_mut().zip(&m.ttls) {
                     r.ttl = *ttl;

@@ -121,9 +121,9 @@ where
         self.entries.get_mut(key).map(|s| &mut s.value)
     }
 
-    /// The place of `key`.
-    pub(crate) fn place(&self, key: &K) -> Option<&P> {
-        self.entries.get(key).map(|s| &s.at.0)
+    /// The place and the value of `key`, in one lookup.
+    pub(crate) fn placed(&self, key: &K) -> Option<(&P, &V)> {
+        self.entries.get(key).map(|s| (&s.at.0, &s.value))
     }
 
     /// The first unpinned entry in the order, all orgs together: key and
@@ -427,7 +427,7 @@ mod tests {
         assert_eq!(t.first(), Some((&2, &7)));
         assert_eq!(keys(t.insert("a", 4, 'a', 8, never)), [2]);
         assert_eq!(keys(t.insert("a", 5, 'a', 0, never)), [3]);
-        assert_eq!(t.place(&5), Some(&0));
+        assert_eq!(t.placed(&5).map(|(p, _)| p), Some(&0));
         // Replacing a key evicts only its old value.
         assert_eq!(t.insert("a", 5, 'z', 9, never).unwrap(), vec![(5, 'a')]);
         assert_eq!(t.get(&5), Some(&'z'));
