@@ -803,7 +803,7 @@ impl Shim {
             IpAddr::V6(a) => RData::AAAA(a.into()),
         };
         let record = Record::from_rdata(query.original().name().clone(), SYNTHETIC_TTL, rdata);
-        state.answers = vec![describe(&record)];
+        state.answers = vec![describe(&record)].into();
         state.detail = Some("synthetic answer: nothing resolved".into());
         let reply = Reply {
             rcode: ResponseCode::NoError,
@@ -821,7 +821,7 @@ impl Shim {
             self.clamp_ttl(3600),
             RData::HINFO(HINFO::new("RFC8482".into(), String::new())),
         );
-        state.answers = vec![describe(&hinfo)];
+        state.answers = vec![describe(&hinfo)].into();
         state.upstream = false;
         let reply = Reply {
             rcode: ResponseCode::NoError,

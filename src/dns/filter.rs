@@ -29,7 +29,7 @@ pub(crate) struct Forwarded {
     pub(super) rcode: ResponseCode,
     pub(super) answers: Arc<[Record]>,
     /// The record's `answers`.
-    pub(super) described: Vec<String>,
+    pub(super) described: Arc<[String]>,
     /// The record's `detail`.
     pub(super) detail: Option<String>,
     /// Addresses were removed and none is left.

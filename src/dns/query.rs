@@ -35,7 +35,7 @@ pub(crate) struct QueryState {
     /// ([`QueryState::refuse`]) or decided ([`QueryState::decided`]).
     pub(crate) verdict: Verdict,
     /// The answers as recorded.
-    pub(crate) answers: Vec<String>,
+    pub(crate) answers: Arc<[String]>,
     /// Whether the upstream was asked.
     pub(crate) upstream: bool,
     pub(crate) detail: Option<String>,
@@ -64,7 +64,7 @@ impl QueryState {
             org,
             name: None,
             qtype: None,
-            answers: Vec::new(),
+            answers: no_answers(),
             upstream: false,
             detail: None,
             decider: None,
@@ -119,7 +119,7 @@ impl QueryState {
     pub(crate) fn take_record(&mut self) -> Record {
         let mut rec = self.record_base();
         rec.host = self.name.take();
-        rec.answers = Some(std::mem::take(&mut self.answers));
+        rec.answers = Some(std::mem::replace(&mut self.answers, no_answers()));
         rec.detail = self.detail.take();
         rec
     }
@@ -140,9 +140,15 @@ impl QueryState {
     }
 }
 
+/// No answers, shared: a query starts with none without allocating.
+pub(crate) fn no_answers() -> Arc<[String]> {
+    static NONE: std::sync::LazyLock<Arc<[String]>> = std::sync::LazyLock::new(|| Arc::from([]));
+    NONE.clone()
+}
+
 /// A record's `qtype`: the type's mnemonic (as hickory displays it).
-fn qtype(t: RecordType) -> String {
-    <&'static str>::from(t).to_owned()
+fn qtype(t: RecordType) -> std::borrow::Cow<'static, str> {
+    std::borrow::Cow::Borrowed(<&'static str>::from(t))
 }
 
 #[cfg(test)]
@@ -168,7 +174,7 @@ mod tests {
         state.qtype = Some(RecordType::AAAA);
         state.refuse(Reason::LimitExceeded, Some("a detail".into()));
         state.name = Some("a.test".into());
-        state.answers = vec!["AAAA 2001:db8::1".into()];
+        state.answers = vec!["AAAA 2001:db8::1".into()].into();
         state.upstream = true;
         let shown = serde_json::to_value(state.record()).unwrap();
         assert_eq!(shown["qtype"], "AAAA");
@@ -178,6 +184,6 @@ mod tests {
             (left.org, left.reason),
             (Some("acme".into()), Reason::LimitExceeded)
         );
-        assert_eq!((left.host, left.answers), (None, Some(Vec::new())));
+        assert_eq!((left.host, left.answers), (None, Some(no_answers())));
     }
 }

@@ -68,7 +68,7 @@ impl Shape for RefusalSummary {
     const BREAKDOWN: bool = false;
 
     fn finish(_: &Self::Key, tally: &Tally, r: &mut Record) {
-        r.answers = Some(Vec::new());
+        r.answers = Some(super::query::no_answers());
         r.upstream = Some(false);
         let [first, last] = r.window.clone().unwrap_or_default();
         r.detail = Some(format!(

@@ -680,7 +680,7 @@ fn full_record() -> Record {
         bytes_down: Some(0),
         duration_ms: Some(12),
         qtype: Some("AAAA".into()),
-        answers: Some(vec!["198.18.0.1".into(), "2001:db8::2".into()]),
+        answers: Some(vec!["198.18.0.1".into(), "2001:db8::2".into()].into()),
         upstream: Some(false),
         intercepted: Some(true),
         status: Some(204),

@@ -63,8 +63,8 @@ fn full(client: SocketAddr, text: &str) -> Record {
         bytes_up: Some(u64::MAX),
         bytes_down: Some(0),
         duration_ms: Some(12),
-        qtype: Some(s("AAAA")),
-        answers: Some(vec![s("198.18.0.1"), s("2001:db8::2")]),
+        qtype: Some(s("AAAA").into()),
+        answers: Some(vec![s("198.18.0.1"), s("2001:db8::2")].into()),
         upstream: Some(false),
         intercepted: Some(true),
         status: Some(204),
@@ -174,7 +174,7 @@ fn every_kind() -> Vec<Record> {
     let mut dns = decision(Kind::Dns, Mode::Dns, Reason::RuleMatch);
     dns.host = Some("allowed.bench".into());
     dns.qtype = Some("A".into());
-    dns.answers = Some(vec!["127.0.0.1".into(), "::1".into()]);
+    dns.answers = Some(vec!["127.0.0.1".into(), "::1".into()].into());
     dns.upstream = Some(false);
     out.push(dns);
     let t0 = std::time::UNIX_EPOCH + std::time::Duration::from_micros(1_700_000_000_123_456);
