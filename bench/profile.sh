@@ -15,8 +15,11 @@
 #   `valgrind --tool=callgrind`, drives N1 and then N2 tunnels (CONNECT, GET
 #   /small, close) and prints (I(N2) - I(N1)) / (tunnels(N2) - tunnels(N1)):
 #   the start-up cost cancels out. Valgrind hides the CPU's SHA extensions,
-#   so SHA-256 is counted in software. Bounded: N1=200, N2=1200 tunnels,
-#   120 s per run at most.
+#   so SHA-256 is counted in software: each line also gives the count
+#   outside SHA-256. Then the same for cached DNS queries for allowed.bench
+#   at one in flight (DNS_N1=2000, DNS_N2=12000 queries). WORK="tunnels
+#   dns" (the default) picks the workloads. Bounded: N1=200, N2=1200
+#   tunnels, 120 s per run at most.
 # perf: `perf record` (software clock, call graphs) of Palisade pinned to
 #   core 0 while loadgen on core 1 opens tunnels at concurrency 64 for 10 s,
 #   then while dnsperf on core 1 asks the DNS shim for allowed.bench for
@@ -59,7 +62,7 @@ LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
 [ "$#" -gt 0 ] || set -- target/release/palisade
 tools=(nginx dnsmasq "$LOADGEN")
 case "$mode" in
-  instructions) tools+=(valgrind) ;;
+  instructions) tools+=(valgrind callgrind_annotate dig) ;;
   perf) tools+=(perf dnsperf taskset) ;;
   syscalls) tools+=(perf taskset haproxy) ;;
   split) tools+=(perf taskset haproxy python3) ;;
@@ -106,7 +109,9 @@ ports = [18080]
 CONF
 wait_port 18080
 
-# Prints "TUNNELS INSTRUCTIONS" for one run of N tunnels.
+# Prints "UNITS INSTRUCTIONS SHA256_INSTRUCTIONS" for one run of N units:
+# tunnels at concurrency CONC, or (CONC "dns") cached DNS queries at one in
+# flight.
 one() {
   local bin=$1 conc=$2 n=$3
   local out="$run/cg.$n"
@@ -115,19 +120,32 @@ one() {
     >"$run/palisade.log" 2>&1 &
   local p=$!
   wait_port 13140
-  timeout 150 "$LOADGEN" tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 \
-    --path /small --concurrency "$conc" --max-requests "$n" --duration 120 --warmup 0 \
-    --op-timeout 30 >"$run/loadgen.$n"
+  if [ "$conc" = dns ]; then
+    # the shim answers once the proxy listens; the first answer fills its cache
+    for _ in $(seq 1 50); do
+      dig +short +time=2 +tries=1 -p 15311 @127.0.0.1 allowed.bench A | grep -qx '127\.0\.0\.1' && break
+      sleep 0.5
+    done
+    timeout 150 "$LOADGEN" dns-rate --server 127.0.0.1:15311 --qname allowed.bench \
+      --concurrency 1 --max-requests "$n" --duration 120 --warmup 0 --op-timeout 30 \
+      >"$run/loadgen.$n"
+  else
+    timeout 150 "$LOADGEN" tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 \
+      --path /small --concurrency "$conc" --max-requests "$n" --duration 120 --warmup 0 \
+      --op-timeout 30 >"$run/loadgen.$n"
+  fi
   kill -TERM "$p"
   wait "$p" || true
-  local ok ir
+  local ok ir sha
   ok=$(grep -o '"ok":[0-9]*' "$run/loadgen.$n" | head -n1 | cut -d: -f2)
   ir=$(grep -h '^summary:' "$out"* | awk '{ s += $2 } END { print s }')
+  sha=$(callgrind_annotate --auto=no --threshold=100 "$out"* 2>/dev/null |
+    awk '/sha2::sha256::compress256/ { gsub(",", "", $1); s += $1 } END { print s + 0 }')
   if [ "${ok:-0}" -eq 0 ]; then
-    echo "no tunnel succeeded: $(cat "$run/loadgen.$n")" >&2
+    echo "no unit succeeded: $(cat "$run/loadgen.$n")" >&2
     exit 1
   fi
-  echo "$ok $ir"
+  echo "$ok $ir $sha"
 }
 
 # Prints the split by object and the top symbols of a perf data file.
@@ -307,13 +325,21 @@ if [ "$mode" = perf ]; then
   exit 0
 fi
 
+WORK=${WORK:-"tunnels dns"} DNS_N1=${DNS_N1:-2000} DNS_N2=${DNS_N2:-12000}
+# per_unit BIN CONC N1 N2 WHAT: the line for one workload
+per_unit() {
+  local r1 r2 t1 i1 s1 t2 i2 s2
+  r1=$(one "$1" "$2" "$3") || exit 1
+  r2=$(one "$1" "$2" "$4") || exit 1
+  read -r t1 i1 s1 <<<"$r1"
+  read -r t2 i2 s2 <<<"$r2"
+  echo "$1 $5: $(( (i2 - i1) / (t2 - t1) )) instructions per unit," \
+    "$(( (i2 - i1 - s2 + s1) / (t2 - t1) )) outside SHA-256 ($t1 and $t2 units)"
+}
 for bin in "$@"; do
-  for conc in $CONC; do
-    r1=$(one "$bin" "$conc" "$N1") || exit 1
-    r2=$(one "$bin" "$conc" "$N2") || exit 1
-    read -r t1 i1 <<<"$r1"
-    read -r t2 i2 <<<"$r2"
-    echo "$bin c=$conc: $(( (i2 - i1) / (t2 - t1) )) instructions per tunnel ($t1 and $t2 tunnels)"
-  done
+  case " $WORK " in *" tunnels "*)
+    for conc in $CONC; do per_unit "$bin" "$conc" "$N1" "$N2" "tunnels c=$conc"; done ;;
+  esac
+  case " $WORK " in *" dns "*) per_unit "$bin" dns "$DNS_N1" "$DNS_N2" "cached DNS queries c=1" ;; esac
 done
-echo "callgrind files (last binary and concurrency): $run (callgrind_annotate $run/cg.$N2)"
+echo "callgrind files (the last run): $run"
