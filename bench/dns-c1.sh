@@ -16,16 +16,23 @@
 # ratios to dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
 # the run's temporary directory). EXTRA is a file of lines added to that
 # build's `[evidence]` section (e.g. `durability = "discard"`), so one
-# binary can be measured in two configurations. Needs dnsmasq, dig, taskset, python3 and
-# the loadgen (built by ../shared/bench/run-palisade.sh, or LOADGEN=path).
+# binary can be measured in two configurations. FLOOD=SECONDS runs, before
+# each server's c=1 run, `dnsperf` against it for that long (200 queries
+# in flight, the server moved to CPU 0 meanwhile), as the harness floods
+# each server just before its c=1 runs. Needs dnsmasq, dig, taskset,
+# python3 (and dnsperf with FLOOD) and the loadgen (built by
+# ../shared/bench/run-palisade.sh, or LOADGEN=path).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${1:?usage: bench/dns-c1.sh BIN_A [BIN_B] [ROUNDS]}
 B=${2:-}
 ROUNDS=${3:-3}
 DUR=${DUR:-5}
+FLOOD=${FLOOD:-0}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
-for t in dnsmasq dig taskset python3 "$LOADGEN"; do
+tools=(dnsmasq dig taskset python3 "$LOADGEN")
+if [ "$FLOOD" != 0 ]; then tools+=(dnsperf); fi
+for t in "${tools[@]}"; do
   command -v "$t" >/dev/null || [ -x "$t" ] || { echo "missing: $t" >&2; exit 1; }
 done
 run=$(mktemp -d /tmp/palisade-dns-c1.XXXXXX)
@@ -123,9 +130,16 @@ for s in $servers; do
   fi
 done
 
+echo "allowed.bench A" >"$run/queries"
 for r in $(seq 1 "$ROUNDS"); do
   for s in $servers; do
     IFS=: read -r name port pid <<<"$s"
+    if [ "$FLOOD" != 0 ]; then
+      taskset -apc 0 "$pid" >/dev/null
+      taskset -c 1 timeout $((FLOOD + 30)) dnsperf -s 127.0.0.1 -p "$port" -d "$run/queries" \
+        -l "$FLOOD" -c 4 -q 200 >/dev/null 2>&1 || true
+      taskset -apc 1 "$pid" >/dev/null
+    fi
     taskset -c 1 timeout $((DUR + 30)) "$LOADGEN" dns-rate --server "127.0.0.1:$port" \
       --qname allowed.bench --concurrency 1 --duration "$DUR" --warmup 0.5 \
       --cpu-pid "$pid" --op-timeout 2 --label "$name" >"$run/out.json"
