@@ -136,7 +136,7 @@ pub(crate) struct Later {
 fn delivering(state: &mut QueryState, fwd: &Forwarded, spent: u32) -> Reply {
     state.verdict = fwd.verdict.clone();
     state.name = Some(fwd.host.clone());
-    state.answers = fwd.described.clone();
+    state.answers = Some(fwd.described.clone());
     state.upstream = true;
     state.detail = fwd.detail.clone();
     Reply {
@@ -803,7 +803,7 @@ impl Shim {
             IpAddr::V6(a) => RData::AAAA(a.into()),
         };
         let record = Record::from_rdata(query.original().name().clone(), SYNTHETIC_TTL, rdata);
-        state.answers = vec![describe(&record)].into();
+        state.answers = Some(vec![describe(&record)].into());
         state.detail = Some("synthetic answer: nothing resolved".into());
         let reply = Reply {
             rcode: ResponseCode::NoError,
@@ -821,7 +821,7 @@ impl Shim {
             self.clamp_ttl(3600),
             RData::HINFO(HINFO::new("RFC8482".into(), String::new())),
         );
-        state.answers = vec![describe(&hinfo)].into();
+        state.answers = Some(vec![describe(&hinfo)].into());
         state.upstream = false;
         let reply = Reply {
             rcode: ResponseCode::NoError,
@@ -868,7 +868,7 @@ impl Shim {
             return self.refuse_decided(state, denied_rcode(style), wait).await;
         }
         state.verdict.reason = Reason::RuleMatch;
-        state.answers = answers.iter().map(describe).collect();
+        state.answers = Some(answers.iter().map(describe).collect());
         state.upstream = false;
         state.detail = Some("answered from this org's bindings".into());
         let reply = Reply {

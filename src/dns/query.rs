@@ -34,8 +34,10 @@ pub(crate) struct QueryState {
     /// The verdict as it stands: set when the query is refused
     /// ([`QueryState::refuse`]) or decided ([`QueryState::decided`]).
     pub(crate) verdict: Verdict,
-    /// The answers as recorded.
-    pub(crate) answers: Arc<[String]>,
+    /// The answers as recorded (none set: an empty list). Shared with
+    /// the kept answer they came from, so a cached answer's record copies
+    /// nothing, and a new query touches no shared count.
+    pub(crate) answers: Option<Arc<[String]>>,
     /// Whether the upstream was asked.
     pub(crate) upstream: bool,
     pub(crate) detail: Option<String>,
@@ -64,7 +66,7 @@ impl QueryState {
             org,
             name: None,
             qtype: None,
-            answers: no_answers(),
+            answers: None,
             upstream: false,
             detail: None,
             decider: None,
@@ -106,7 +108,7 @@ impl QueryState {
     pub(crate) fn record(&self) -> Record {
         let mut rec = self.record_base();
         rec.host = self.name.clone();
-        rec.answers = Some(self.answers.clone());
+        rec.answers = Some(self.answers.clone().unwrap_or_else(no_answers));
         rec.detail = self.detail.clone();
         rec
     }
@@ -119,7 +121,7 @@ impl QueryState {
     pub(crate) fn take_record(&mut self) -> Record {
         let mut rec = self.record_base();
         rec.host = self.name.take();
-        rec.answers = Some(std::mem::replace(&mut self.answers, no_answers()));
+        rec.answers = Some(self.answers.take().unwrap_or_else(no_answers));
         rec.detail = self.detail.take();
         rec
     }
@@ -140,10 +142,9 @@ impl QueryState {
     }
 }
 
-/// No answers, shared: a query starts with none without allocating.
+/// An empty list of answers, for a record of a query that has none.
 pub(crate) fn no_answers() -> Arc<[String]> {
-    static NONE: std::sync::LazyLock<Arc<[String]>> = std::sync::LazyLock::new(|| Arc::from([]));
-    NONE.clone()
+    Arc::from([])
 }
 
 /// A record's `qtype`: the type's mnemonic (as hickory displays it).
@@ -174,7 +175,7 @@ mod tests {
         state.qtype = Some(RecordType::AAAA);
         state.refuse(Reason::LimitExceeded, Some("a detail".into()));
         state.name = Some("a.test".into());
-        state.answers = vec!["AAAA 2001:db8::1".into()].into();
+        state.answers = Some(vec!["AAAA 2001:db8::1".into()].into());
         state.upstream = true;
         let shown = serde_json::to_value(state.record()).unwrap();
         assert_eq!(shown["qtype"], "AAAA");

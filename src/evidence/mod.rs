@@ -246,10 +246,10 @@ pub struct Record {
     pub duration_ms: Option<u64>,
     /// DNS records: the query type, the answers given (as text), and whether
     /// anything was sent upstream for this query.
-    /// (A type's mnemonic is static: no allocation per query.)
+    // A `Cow`: the type's mnemonic is static, no allocation per query.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub qtype: Option<std::borrow::Cow<'static, str>>,
-    /// (Shared with the kept answer it came from: no copy per query.)
+    // An `Arc`: shared with the kept answer it came from, no copy per query.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub answers: Option<Arc<[String]>>,
     #[serde(skip_serializing_if = "Option::is_none")]
