@@ -31,7 +31,7 @@ use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
 use super::budget::InFlight;
-use super::cache::{Kept, Key, BIND_REFRESH};
+use super::cache::{Kept, Key, KeyRef, BIND_REFRESH};
 use super::decide::{decide_query, past_budget, Action, QueryDecision};
 use super::encode::{blocked, denied_rcode, encode, encode_kept, encode_raw, Reply, EDE_BLOCKED};
 use super::filter::{describe, filter, Filtered, Forwarded};
@@ -39,7 +39,7 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::round::{self, Round};
 use super::shim::Shim;
-use super::wire::Question;
+use super::wire::{Question, MAX_NAME};
 use crate::evidence::Mode;
 use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
@@ -293,14 +293,20 @@ impl Shim {
         state.qtype = Some(qtype);
         // One clock read serves the decision's timing and the cache's age.
         let now = started;
-        let Some(key) = Self::key(&state, q.lower_name(), qtype) else {
+        // Kept answers are keyed by org: a client in none has none.
+        let Some(org) = state.org.clone() else {
             return Now::Elsewhere;
+        };
+        let mut lower = [0u8; MAX_NAME];
+        let Some(name) = q.lower_name_in(&mut lower) else {
+            return Now::Elsewhere;
+        };
+        let key = KeyRef {
+            org: org.index,
+            name,
+            qtype,
         };
         let Some(kept) = self.cache.get(&served, &key, now) else {
-            return Now::Elsewhere;
-        };
-        // Kept answers are keyed by org: this client has one.
-        let Some(org) = state.org.clone() else {
             return Now::Elsewhere;
         };
         let held = match self.admit(&state, started) {

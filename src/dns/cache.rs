@@ -26,6 +26,8 @@
 //!
 //! Pure: no clock, the caller passes `now`.
 
+use std::borrow::Borrow;
+use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -50,11 +52,72 @@ pub(crate) const MAX_WIRE: usize = 1232;
 
 /// One question of one org: the org's index in the served policy, the
 /// query name in lower case on the wire, the query type.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone)]
 pub(crate) struct Key {
     pub org: usize,
     pub name: Box<[u8]>,
     pub qtype: RecordType,
+}
+
+/// A [`Key`] over a name that is not its own: what a hit is looked up
+/// with, without copying the name.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyRef<'a> {
+    pub org: usize,
+    pub name: &'a [u8],
+    pub qtype: RecordType,
+}
+
+/// A key's parts, owned or borrowed: both hash and compare by them alone,
+/// so either finds the same entry.
+pub(crate) trait Parts {
+    fn parts(&self) -> (usize, &[u8], RecordType);
+}
+
+impl Parts for Key {
+    fn parts(&self) -> (usize, &[u8], RecordType) {
+        (self.org, &self.name, self.qtype)
+    }
+}
+
+impl Parts for KeyRef<'_> {
+    fn parts(&self) -> (usize, &[u8], RecordType) {
+        (self.org, self.name, self.qtype)
+    }
+}
+
+impl Hash for dyn Parts + '_ {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        self.parts().hash(h);
+    }
+}
+
+impl PartialEq for dyn Parts + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for dyn Parts + '_ {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, h: &mut H) {
+        (self as &dyn Parts).hash(h);
+    }
+}
+
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for Key {}
+
+impl<'a> Borrow<dyn Parts + 'a> for Key {
+    fn borrow(&self) -> &(dyn Parts + 'a) {
+        self
+    }
 }
 
 /// What the shim keeps per entry: what forwarding made of the query, when
@@ -207,7 +270,7 @@ impl<V, A> AnswerCache<V, A> {
     }
 
     /// The answer kept for `key` under `version`, if it has not expired at `now`.
-    pub(crate) fn get(&self, version: &Arc<V>, key: &Key, now: Instant) -> Option<Arc<A>> {
+    pub(crate) fn get(&self, version: &Arc<V>, key: &dyn Parts, now: Instant) -> Option<Arc<A>> {
         if self.capacity == 0 {
             return None;
         }
@@ -315,6 +378,36 @@ mod tests {
         assert!(cache.get(&v2, &k, t0).is_none());
         assert!(cache.is_empty());
         assert!(cache.get(&v1, &k, t0).is_none());
+    }
+
+    /// A borrowed key finds the entry its owned twin made, and only that
+    /// one; an expired entry found by it goes.
+    #[test]
+    fn a_borrowed_key_is_the_same_key() {
+        let cache: AnswerCache<u32, &str> = AnswerCache::default();
+        let v = Arc::new(1);
+        let t0 = Instant::now();
+        let k = key(2, "allowed.test.", RecordType::AAAA);
+        cache.insert(&v, k.clone(), Arc::new("a"), t0 + SEC, t0);
+        let at = |org, name: &'static [u8], qtype| KeyRef { org, name, qtype };
+        let name: &[u8] = b"\x07allowed\x04test\x00";
+        assert_eq!(&*k.name, name);
+        assert_eq!(
+            cache.get(&v, &at(2, name, RecordType::AAAA), t0).as_deref(),
+            Some(&"a")
+        );
+        for other in [
+            at(1, name, RecordType::AAAA),
+            at(2, name, RecordType::A),
+            at(2, b"\x07allowed\x04test", RecordType::AAAA),
+            at(2, b"\x07allowee\x04test\x00", RecordType::AAAA),
+        ] {
+            assert!(cache.get(&v, &other, t0).is_none(), "{other:?}");
+        }
+        assert!(cache
+            .get(&v, &at(2, name, RecordType::AAAA), t0 + SEC)
+            .is_none());
+        assert!(cache.is_empty());
     }
 
     #[test]

@@ -31,7 +31,7 @@ const CD: u16 = 0x0010;
 /// The header.
 const HEADER: usize = 12;
 /// Longest name on the wire, its length bytes and root included (RFC 1035).
-const MAX_NAME: usize = 255;
+pub(crate) const MAX_NAME: usize = 255;
 /// Longest label.
 const MAX_LABEL: usize = 63;
 /// The OPT pseudo-record type.
@@ -205,6 +205,16 @@ impl Question<'_> {
     /// The name in lower case on the wire: the answer cache's key.
     pub(crate) fn lower_name(&self) -> Box<[u8]> {
         self.name().to_ascii_lowercase().into()
+    }
+
+    /// [`Question::lower_name`] in `buf`, without allocating; none for a
+    /// name longer than a name may be.
+    pub(crate) fn lower_name_in<'b>(&self, buf: &'b mut [u8; MAX_NAME]) -> Option<&'b [u8]> {
+        let name = self.name();
+        let lower = buf.get_mut(..name.len())?;
+        lower.copy_from_slice(name);
+        lower.make_ascii_lowercase();
+        Some(lower)
     }
 
     /// The name in lower case as hickory shows it: its labels, each

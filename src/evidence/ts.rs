@@ -3,6 +3,7 @@
 //! buffer, the very text `humantime::format_rfc3339_micros` gives, without
 //! `fmt` per record.
 
+use std::cell::Cell;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Seconds from the epoch to 10000-01-01: the first time with a year of
@@ -20,18 +21,41 @@ pub(crate) fn rfc3339_micros(t: SystemTime) -> String {
         _ => return humantime::format_rfc3339_micros(t).to_string(),
     };
     let secs = since.as_secs();
+    let mut b: [u8; LEN] = *b"0000-00-00T00:00:00.000000Z";
+    // Records come many a second: the date and time of day are written
+    // once a second per thread, the microseconds every time.
+    let (last, mut whole) = SECOND.get();
+    if last != secs {
+        whole.copy_from_slice(&b[..WHOLE]);
+        seconds_into(&mut whole, secs);
+        SECOND.set((secs, whole));
+    }
+    b[..WHOLE].copy_from_slice(&whole);
+    digits(&mut b[WHOLE..LEN - 1], u64::from(since.subsec_micros()));
+    // Every byte is an ASCII digit or one of `-T:.Z`: the check cannot fail.
+    String::from_utf8(b.to_vec()).unwrap_or_default()
+}
+
+/// Characters up to the fraction: `YYYY-MM-DDTHH:MM:SS.`.
+const WHOLE: usize = 20;
+
+thread_local! {
+    /// The second last written on this thread, and its text up to the
+    /// fraction.
+    static SECOND: Cell<(u64, [u8; WHOLE])> = const { Cell::new((u64::MAX, [0; WHOLE])) };
+}
+
+/// The date and time of day of `secs` (from the epoch, before year 10000)
+/// into `b`, a timestamp's text up to the fraction.
+fn seconds_into(b: &mut [u8; WHOLE], secs: u64) {
     let (year, month, day) = civil(secs / 86_400);
     let of_day = secs % 86_400;
-    let mut b: [u8; LEN] = *b"0000-00-00T00:00:00.000000Z";
     digits(&mut b[0..4], year);
     digits(&mut b[5..7], month);
     digits(&mut b[8..10], day);
     digits(&mut b[11..13], of_day / 3600);
     digits(&mut b[14..16], of_day / 60 % 60);
     digits(&mut b[17..19], of_day % 60);
-    digits(&mut b[20..26], u64::from(since.subsec_micros()));
-    // Every byte is an ASCII digit or one of `-T:.Z`: the check cannot fail.
-    String::from_utf8(b.to_vec()).unwrap_or_default()
 }
 
 /// `n`'s last `out.len()` decimal digits, zero-padded.
@@ -103,6 +127,23 @@ mod tests {
         // Every day of four years around a leap day, at noon.
         for d in 10_956..10_956 + 4 * 366 {
             same(at(d * 86_400 + 43_200, 5_000));
+        }
+    }
+
+    /// The second kept per thread is the one asked for: times within a
+    /// second, across its edge and back again are written right.
+    #[test]
+    fn a_kept_second_is_used_only_for_its_own_times() {
+        let at = |s: u64, n: u32| UNIX_EPOCH + Duration::new(s, n);
+        for (s, n) in [
+            (1_798_761_599, 1),
+            (1_798_761_599, 999_999_000),
+            (1_798_761_600, 0),
+            (1_798_761_599, 500_000_000),
+            (1_798_761_600, 7_000),
+            (0, 0),
+        ] {
+            same(at(s, n));
         }
     }
 }

@@ -40,6 +40,7 @@
 // Pure: no clock, tokio or I/O (clippy.toml).
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
+use std::borrow::Borrow;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -121,8 +122,12 @@ where
         self.entries.get_mut(key).map(|s| &mut s.value)
     }
 
-    /// The place and the value of `key`, in one lookup.
-    pub(crate) fn placed(&self, key: &K) -> Option<(&P, &V)> {
+    /// The place and the value of `key` (or of what it borrows as), in
+    /// one lookup.
+    pub(crate) fn placed<Q: Hash + Eq + ?Sized>(&self, key: &Q) -> Option<(&P, &V)>
+    where
+        K: Borrow<Q>,
+    {
         self.entries.get(key).map(|s| (&s.at.0, &s.value))
     }
 
@@ -137,7 +142,10 @@ where
     }
 
     /// Take `key` out, pinned or not.
-    pub(crate) fn remove(&mut self, key: &K) -> Option<V> {
+    pub(crate) fn remove<Q: Hash + Eq + ?Sized>(&mut self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+    {
         let slot = self.entries.remove(key)?;
         if slot.pins > 0 {
             self.pinned -= 1;
