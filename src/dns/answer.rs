@@ -287,7 +287,8 @@ impl Shim {
         protocol: Protocol,
     ) -> Now {
         let started = Instant::now();
-        let served = self.served.load_full();
+        // A guard, not a count of its own: this returns before any wait.
+        let served = self.served.load();
         let mut state = QueryState::new(&served, src);
         let qtype = RecordType::from(q.qtype);
         state.qtype = Some(qtype);

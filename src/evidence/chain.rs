@@ -158,15 +158,21 @@ pub(crate) fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
 /// `bytes` in lowercase hex (`HEXLOWER.encode`, without its general
 /// machinery: a record's hash and reference are made per record).
 pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut out = vec![0u8; 2 * bytes.len()];
+    hex_into(bytes, &mut out);
+    // Bytes, not chars pushed one by one (each through UTF-8 encoding):
+    // every byte is an ASCII hex digit, so the check cannot fail.
+    String::from_utf8(out).unwrap_or_default()
+}
+
+/// `bytes` in lowercase hex into `out` (two digits a byte, as many bytes
+/// as `out` has room for).
+fn hex_into(bytes: &[u8], out: &mut [u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for (pair, &b) in out.chunks_exact_mut(2).zip(bytes) {
         pair[0] = DIGITS[usize::from(b >> 4)];
         pair[1] = DIGITS[usize::from(b & 15)];
     }
-    // Bytes, not chars pushed one by one (each through UTF-8 encoding):
-    // every byte is an ASCII hex digit, so the check cannot fail.
-    String::from_utf8(out).unwrap_or_default()
 }
 
 /// The hash of a record: SHA-256 over its canonical form without `hash`.
@@ -372,12 +378,19 @@ impl Prepared {
     /// `seq` in their places, written straight into `out` and hashed there;
     /// then `"hash":"…"` is appended and rotated into its place.
     pub(crate) fn seal_into(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> String {
-        self.seal(seq, prev, out).1
+        let (_, at) = self.seal(seq, prev, out);
+        String::from_utf8_lossy(&out[at]).into_owned()
     }
 
-    /// [`Prepared::seal_into`], with the hash as bytes too (a Merkle leaf
-    /// is made of them).
-    pub(crate) fn seal(&self, seq: u64, prev: &str, out: &mut Vec<u8>) -> ([u8; 32], String) {
+    /// [`Prepared::seal_into`], giving the hash as bytes (a Merkle leaf is
+    /// made of them) and where its hex is in `out`, instead of a string of
+    /// its own.
+    pub(crate) fn seal(
+        &self,
+        seq: u64,
+        prev: &str,
+        out: &mut Vec<u8>,
+    ) -> ([u8; 32], std::ops::Range<usize>) {
         let [at_hash, at_prev, at_seq] = self.at;
         let body = &self.body;
         let start = out.len();
@@ -399,19 +412,18 @@ impl Prepared {
             .chain_update(&out[gap + HASH_FIELD..])
             .finalize()
             .into();
-        let hash = hex(&digest);
         // As `field_into` writes it (hex needs no escape), in place.
         let (lead, trail): (&[u8], &[u8]) = match at_hash + 1 == body.len() {
             true => (b",\"hash\":\"", b"\""),
             false => (b"\"hash\":\"", b"\","),
         };
         let field = &mut out[gap..gap + HASH_FIELD];
-        let (l, h) = (lead.len(), hash.len());
+        let (l, h) = (lead.len(), 2 * digest.len());
         field[..l].copy_from_slice(lead);
-        field[l..l + h].copy_from_slice(hash.as_bytes());
+        hex_into(&digest, &mut field[l..l + h]);
         field[l + h..].copy_from_slice(trail);
         out.push(b'\n');
-        (digest, hash)
+        (digest, gap + l..gap + l + h)
     }
 
     /// `"key":value` with the comma on the side that keeps the object well

@@ -1362,8 +1362,12 @@ impl Io {
     /// Chain a prepared record after `head`, straight into `buf`.
     fn push_prepared(head: &mut Head, buf: &mut Vec<u8>, p: &Prepared, org: &Owner) {
         let seq = head.seq.map_or(0, |s| s + 1);
-        let (digest, hash) = p.seal(seq, &head.hash, buf);
-        head.hash = hash;
+        let (digest, at) = p.seal(seq, &head.hash, buf);
+        // The head's hash in the room it has: hex digits, so the check
+        // cannot fail.
+        head.hash.clear();
+        head.hash
+            .push_str(std::str::from_utf8(&buf[at]).unwrap_or_default());
         // The leaf of the hash just written (`record_leaf` of its hex).
         let leaf = merkle::leaf_hash(&digest);
         head.grow(leaf);
