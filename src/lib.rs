@@ -114,5 +114,6 @@ pub(crate) mod reload;
 pub(crate) mod resolve;
 pub(crate) mod serve;
 pub(crate) mod served;
+pub(crate) mod sockopt;
 #[cfg(test)]
 mod testing;

@@ -82,7 +82,7 @@ impl NflogSocket {
         )
         .map_err(|source| BindError::Socket { group, source })?;
         // Best effort: a smaller buffer only overruns sooner.
-        let _ = socket.set_recv_buffer_size(RECV_BUFFER);
+        let _ = crate::sockopt::grow_receive_buffer(&socket, RECV_BUFFER);
         socket
             .set_read_timeout(Some(ACK_TIMEOUT))
             .map_err(|source| BindError::Socket { group, source })?;

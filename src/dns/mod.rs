@@ -73,6 +73,13 @@ const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
 /// Longest UDP datagram read (hickory's own bound); a longer one is cut
 /// short and gets FORMERR.
 const MAX_UDP_MESSAGE: usize = 4096;
+/// Receive buffer asked for on each UDP socket: what a flood queues there
+/// while the shim is not running (another task, another process) is
+/// dropped by the kernel once it is full, whoever sent the next datagram.
+/// Four MiB holds a few thousand queries, about a second of a flood the
+/// shim keeps up with on average; the default (208 KiB) holds a tenth of
+/// that. Forced where the process may, else capped at `net.core.rmem_max`.
+const UDP_RECEIVE_BUFFER: usize = 4 << 20;
 
 /// Bound sockets for every `[dns] listen` address.
 pub(crate) struct DnsListeners {
@@ -87,8 +94,19 @@ pub(crate) async fn bind(addrs: &[SocketAddr]) -> Result<DnsListeners, (SocketAd
         tcp: Vec::new(),
     };
     for &addr in addrs {
-        l.udp
-            .push(UdpSocket::bind(addr).await.map_err(|e| (addr, e))?);
+        let udp = UdpSocket::bind(addr).await.map_err(|e| (addr, e))?;
+        match crate::sockopt::grow_receive_buffer(&udp, UDP_RECEIVE_BUFFER) {
+            Ok(got) if got >= UDP_RECEIVE_BUFFER => {}
+            got => warn!(
+                listen = %addr,
+                asked = UDP_RECEIVE_BUFFER,
+                got = ?got,
+                "dns: the UDP receive buffer is smaller than asked, so a flood \
+                 overruns it sooner and other clients' queries are dropped with \
+                 it (raise net.core.rmem_max or grant CAP_NET_ADMIN)"
+            ),
+        }
+        l.udp.push(udp);
         l.tcp
             .push(TcpListener::bind(addr).await.map_err(|e| (addr, e))?);
     }

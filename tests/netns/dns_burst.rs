@@ -48,23 +48,6 @@ fn cased(i: usize) -> String {
         .collect()
 }
 
-/// Datagrams dropped so far because a UDP socket's receive buffer in the
-/// shim's namespace was full.
-fn rcvbuf_drops(lab: &Lab) -> u64 {
-    let out = lab.proxy_ns_exec("cat", &["/proc/net/snmp"]);
-    let udp: Vec<&str> = out
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("Udp:"))
-        .collect();
-    let (names, values) = (udp[0], udp[1]);
-    let at = names
-        .split_whitespace()
-        .position(|n| n == "RcvbufErrors")
-        .expect("RcvbufErrors in /proc/net/snmp");
-    values.split_whitespace().nth(at).unwrap().parse().unwrap()
-}
-
 /// Send `queries` (type A) at once from one socket; the source port and
 /// every answer received, and how many of the queries the kernel dropped
 /// before the shim could read them.
@@ -79,9 +62,9 @@ fn burst(lab: &Lab, queries: &[Sent]) -> (u16, Vec<Value>, u64) {
         .collect();
     let mut args = vec![script.as_str(), "--server", SHIM_IP, "--wait", "3"];
     args.extend(specs.iter().map(String::as_str));
-    let before = rcvbuf_drops(lab);
+    let before = lab.shim_rcvbuf_drops();
     let out = lab.client_exec("python3", &args);
-    let dropped = rcvbuf_drops(lab) - before;
+    let dropped = lab.shim_rcvbuf_drops() - before;
     assert!(out.success(), "dnsburst.py failed\n{}", out.describe());
     let v: Value = serde_json::from_str(out.stdout.trim()).expect("dnsburst.py output");
     let port = u16::try_from(v["port"].as_u64().unwrap()).unwrap();

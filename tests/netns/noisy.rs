@@ -472,6 +472,9 @@ struct Phase {
     rss_max: u64,
     /// `evidence verify`'s first line.
     verified: String,
+    /// Datagrams the kernel dropped meanwhile because the shim's receive
+    /// buffer was full (anyone's: the flooder's and beta's alike).
+    rcvbuf_drops: u64,
 }
 
 /// Flood for `length` while beta works (`strict`: each of beta's requests
@@ -490,6 +493,7 @@ fn flood(
         "python3 - {} {STRANGER_IP} <<'EOF'\n{FLOOD_SCRIPT}\nEOF",
         length.as_secs()
     );
+    let drops_before = lab.shim_rcvbuf_drops();
     let spawned = Instant::now();
     let mut flood = lab.client_spawn(&script, &out);
     lab::wait_until("the flood to start", Duration::from_secs(10), || {
@@ -499,9 +503,14 @@ fn flood(
 
     // beta under attack.
     let (mut attacked, mut failed) = (Vec::new(), Vec::new());
+    let shim = &*lab;
     let mut keep = |done: Result<Done, String>| match done {
         Ok(d) => attacked.push(d),
-        Err(e) if strict => panic!("{e}"),
+        Err(e) if strict => panic!(
+            "{e}\nthe kernel dropped {} datagrams for a full receive buffer in the \
+             shim's namespace since the flood began",
+            shim.shim_rcvbuf_drops() - drops_before
+        ),
         Err(e) => failed.push(e),
     };
     let mut i = 0;
@@ -531,6 +540,7 @@ fn flood(
     let counts = text.lines().last().unwrap_or_default().trim().to_string();
     assert_eq!(lab.admin_status("/healthz"), 200, "{}", lab.proxy_output());
     rss_max = rss_max.max(rss_kib(pid));
+    let rcvbuf_drops = lab.shim_rcvbuf_drops() - drops_before;
 
     // A clean stop seals the chain, and the chain verifies.
     lab.signal_proxy("-TERM");
@@ -560,6 +570,7 @@ fn flood(
         span_secs,
         rss_max,
         verified: v.stdout.lines().next().unwrap_or_default().to_string(),
+        rcvbuf_drops,
     }
 }
 
@@ -709,6 +720,10 @@ fn a_flooding_org_neither_starves_another_nor_grows_the_evidence_past_its_budget
         budgeted.counts
     );
     eprintln!("noisy: flood counts, unbudgeted: {}", unbudgeted.counts);
+    eprintln!(
+        "noisy: datagrams the kernel dropped for a full shim receive buffer: {} budgeted, {} unbudgeted",
+        budgeted.rcvbuf_drops, unbudgeted.rcvbuf_drops
+    );
     eprintln!(
         "noisy: beta quiet:                   {}",
         percentiles(&quiet)

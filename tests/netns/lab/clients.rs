@@ -104,6 +104,23 @@ impl Lab {
         self.exec(&self.ns_proxy, prog, args)
     }
 
+    /// Datagrams dropped so far because a UDP socket's receive buffer in
+    /// the shim's namespace was full: they never reached the shim.
+    pub fn shim_rcvbuf_drops(&self) -> u64 {
+        let out = self.proxy_ns_exec("cat", &["/proc/net/snmp"]);
+        let udp: Vec<&str> = out
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("Udp:"))
+            .collect();
+        let (names, values) = (udp[0], udp[1]);
+        let at = names
+            .split_whitespace()
+            .position(|n| n == "RcvbufErrors")
+            .expect("RcvbufErrors in /proc/net/snmp");
+        values.split_whitespace().nth(at).unwrap().parse().unwrap()
+    }
+
     /// Run curl in the client namespace (`-q -sS --max-time 10` plus `args`).
     pub fn client_curl(&self, args: &[&str]) -> HttpResp {
         self.curl_in(&self.ns_client.clone(), args)
