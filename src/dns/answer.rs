@@ -1661,4 +1661,60 @@ host = "allowed.test"
         );
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// A UDP socket's thread answers, and stops (its socket closed, the
+    /// port free again) both when shut down and when its runtime goes
+    /// without a shutdown.
+    #[test]
+    fn a_udp_thread_answers_and_stops_with_shutdown_or_with_its_runtime() {
+        use crate::dns::udp;
+        use tokio_util::sync::CancellationToken;
+        for runtime_goes in [false, true] {
+            let dir = crate::testing::scratch("dnsudp");
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            let stop = CancellationToken::new();
+            let (addr, served) = rt.block_on(async {
+                let (up, _) = upstream().await;
+                let shim = Arc::new(shim(&dir, up, true));
+                let port = udp::Port::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+                let addr = port.socket().local_addr().unwrap();
+                (addr, tokio::spawn(udp::serve(port, shim, &stop)))
+            });
+            // A client in no org is refused: an answer all the same.
+            let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            client
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            let mut m = Message::query();
+            m.metadata.id = 0x0707;
+            m.add_query(Query::query(name("allowed.test."), RecordType::A));
+            client.send_to(&m.to_vec().unwrap(), addr).unwrap();
+            let mut buf = [0u8; 512];
+            let (n, from) = client.recv_from(&mut buf).expect("an answer");
+            let reply = Message::from_vec(&buf[..n]).unwrap();
+            assert_eq!((from, reply.metadata.id), (addr, 0x0707));
+            assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
+
+            let began = Instant::now();
+            if runtime_goes {
+                drop(rt);
+            } else {
+                stop.cancel();
+                rt.block_on(served).unwrap();
+            }
+            // The thread looks at its token every RECV_TIMEOUT (200 ms).
+            while std::net::UdpSocket::bind(addr).is_err() {
+                assert!(
+                    began.elapsed() < Duration::from_secs(3),
+                    "the port is still held (runtime gone: {runtime_goes})"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
 }
