@@ -23,10 +23,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hickory_server::net::xfer::Protocol;
-use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
+use hickory_server::proto::op::{
+    Header, HeaderCounts, LowerQuery, MessageType, Metadata, OpCode, ResponseCode,
+};
 use hickory_server::proto::rr::rdata::{HINFO, PTR};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
-use hickory_server::proto::serialize::binary::BinEncodable;
+use hickory_server::proto::serialize::binary::{
+    BinDecodable, BinDecoder, BinEncodable, BinEncoder,
+};
 use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
@@ -39,7 +43,7 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::round::{self, Round};
 use super::shim::Shim;
-use super::wire::{Question, MAX_NAME};
+use super::wire::{self, Question, MAX_NAME};
 use crate::evidence::Mode;
 use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
@@ -148,6 +152,51 @@ fn delivering(state: &mut QueryState, fwd: &Forwarded, spent: u32) -> Reply {
 }
 
 impl Shim {
+    /// One DNS message in, the encoded answer out (None: no answer): a runt
+    /// (no complete header) or a response is dropped, a message that does not
+    /// decode gets FORMERR. An answer's record is written with `round`'s
+    /// others when it came in one.
+    pub(super) async fn answer_bytes(
+        &self,
+        raw: Vec<u8>,
+        src: SocketAddr,
+        protocol: Protocol,
+        round: Option<&Arc<Round>>,
+    ) -> Option<Vec<u8>> {
+        // A plain query is read from the wire; anything else by hickory.
+        if let Some(q) = wire::question(&raw) {
+            let bytes = self.respond_wire(&q, &raw, src, protocol, round).await;
+            return (!bytes.is_empty()).then_some(bytes);
+        }
+        let header = {
+            let mut decoder = BinDecoder::new(&raw);
+            Header::read(&mut decoder).ok()?
+        };
+        if header.metadata.message_type == MessageType::Response {
+            return None;
+        }
+        match Request::from_bytes(raw, src, protocol) {
+            Ok(request) => {
+                let bytes = self.respond(&request, protocol, round).await;
+                (!bytes.is_empty()).then_some(bytes)
+            }
+            Err(e) => {
+                debug!(client = %src, error = %e, "dns: undecodable message; FORMERR");
+                let mut metadata = Metadata::response_from_request(&header.metadata);
+                metadata.response_code = ResponseCode::FormErr;
+                let mut bytes = Vec::with_capacity(12);
+                let mut encoder = BinEncoder::new(&mut bytes);
+                Header {
+                    metadata,
+                    counts: HeaderCounts::default(),
+                }
+                .emit(&mut encoder)
+                .ok()?;
+                Some(bytes)
+            }
+        }
+    }
+
     /// Answer one decoded request: the encoded response (see
     /// [`super::encode`]).
     pub(crate) async fn respond(

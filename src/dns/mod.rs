@@ -12,7 +12,7 @@
 //!    own accept loop ([`serve_tcp`]) holds one place per connection in the
 //!    [`budget`]s (global, per client address, per org), closes idle
 //!    connections and hands each message to the same handler. Both decode
-//!    with hickory ([`answer_bytes`]): messages that do not decode get
+//!    with hickory ([`Shim::answer_bytes`]): messages that do not decode get
 //!    FORMERR, responses and runts are dropped. A well-formed query takes a
 //!    place in the query budgets (global, per org) before its decision
 //!    ([`answer`], the flow in short steps; the limits are
@@ -52,11 +52,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use hickory_server::net::xfer::Protocol;
-use hickory_server::proto::op::{Header, HeaderCounts, MessageType, Metadata, ResponseCode};
-use hickory_server::proto::serialize::binary::{
-    BinDecodable, BinDecoder, BinEncodable, BinEncoder,
-};
-use hickory_server::server::Request;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -64,14 +59,10 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use round::Round;
 pub(crate) use shim::Shim;
 
 /// Queries answered on one TCP connection before it is closed.
 const MAX_QUERIES_PER_TCP_CONNECTION: usize = 1000;
-/// Longest UDP datagram read (hickory's own bound); a longer one is cut
-/// short and gets FORMERR.
-const MAX_UDP_MESSAGE: usize = 4096;
 /// Receive buffer asked for on each UDP socket: what a flood queues there
 /// while the shim is not running (another task, another process) is
 /// dropped by the kernel once it is full, whoever sent the next datagram.
@@ -232,7 +223,7 @@ async fn tcp_connection(
         // The handler bounds upstream time itself; this is a backstop.
         let answer = tokio::time::timeout(
             per_query * 2,
-            answer_bytes(&shim, msg, src, Protocol::Tcp, None),
+            shim.answer_bytes(msg, src, Protocol::Tcp, None),
         )
         .await;
         let Ok(Some(resp)) = answer else {
@@ -249,51 +240,6 @@ async fn tcp_connection(
             Ok(Ok(()))
         ) {
             return;
-        }
-    }
-}
-
-/// One DNS message in, the encoded answer out (None: no answer): a runt
-/// (no complete header) or a response is dropped, a message that does not
-/// decode gets FORMERR. An answer's record is written with `round`'s
-/// others when it came in one.
-async fn answer_bytes(
-    shim: &Shim,
-    raw: Vec<u8>,
-    src: SocketAddr,
-    protocol: Protocol,
-    round: Option<&Arc<Round>>,
-) -> Option<Vec<u8>> {
-    // A plain query is read from the wire; anything else by hickory.
-    if let Some(q) = wire::question(&raw) {
-        let bytes = shim.respond_wire(&q, &raw, src, protocol, round).await;
-        return (!bytes.is_empty()).then_some(bytes);
-    }
-    let header = {
-        let mut decoder = BinDecoder::new(&raw);
-        Header::read(&mut decoder).ok()?
-    };
-    if header.metadata.message_type == MessageType::Response {
-        return None;
-    }
-    match Request::from_bytes(raw, src, protocol) {
-        Ok(request) => {
-            let bytes = shim.respond(&request, protocol, round).await;
-            (!bytes.is_empty()).then_some(bytes)
-        }
-        Err(e) => {
-            debug!(client = %src, error = %e, "dns: undecodable message; FORMERR");
-            let mut metadata = Metadata::response_from_request(&header.metadata);
-            metadata.response_code = ResponseCode::FormErr;
-            let mut bytes = Vec::with_capacity(12);
-            let mut encoder = BinEncoder::new(&mut bytes);
-            Header {
-                metadata,
-                counts: HeaderCounts::default(),
-            }
-            .emit(&mut encoder)
-            .ok()?;
-            Some(bytes)
         }
     }
 }

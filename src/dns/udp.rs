@@ -24,11 +24,15 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, error};
 
 use super::round::{self, Round};
-use super::{answer, answer_bytes, wire, ShimHandle, MAX_UDP_MESSAGE};
+use super::shim::Shim;
+use super::{answer, wire};
 
 /// How long the receiving thread waits in one `recvfrom` before it looks
 /// at shutdown again.
 const RECV_TIMEOUT: Duration = Duration::from_millis(200);
+/// Longest UDP datagram read (hickory's own bound); a longer one is cut
+/// short and gets FORMERR.
+const MAX_UDP_MESSAGE: usize = 4096;
 /// The first wait of a send that met a full socket; each retry doubles it
 /// (the query's own time bounds them all).
 const SEND_RETRY: Duration = Duration::from_millis(1);
@@ -101,7 +105,7 @@ impl Port {
 /// stops too.
 pub(crate) fn serve(
     port: Port,
-    shim: ShimHandle,
+    shim: Arc<Shim>,
     shutdown: &CancellationToken,
 ) -> impl Future<Output = ()> + Send + 'static {
     let stop = shutdown.child_token();
@@ -143,7 +147,7 @@ fn replyable(src: SocketAddr) -> bool {
 /// queue, a full socket) goes on as a task of its own (the query budgets
 /// bound how many are being served; a query over them ends at once).
 /// Returns those tasks, closed.
-fn receive(port: &Arc<Port>, shim: &ShimHandle, shutdown: &CancellationToken) -> TaskTracker {
+fn receive(port: &Arc<Port>, shim: &Arc<Shim>, shutdown: &CancellationToken) -> TaskTracker {
     let tasks = TaskTracker::new();
     let round = Arc::new(Round::default());
     let mut buf = vec![0u8; MAX_UDP_MESSAGE];
@@ -240,7 +244,7 @@ type UdpAnswer = Pin<Box<dyn Future<Output = ()> + Send + 'static>>;
 /// socket); `Err(())`, with nothing done, for any other datagram.
 fn udp_now(
     port: &Arc<Port>,
-    shim: &ShimHandle,
+    shim: &Arc<Shim>,
     raw: &[u8],
     src: SocketAddr,
 ) -> Result<Option<UdpAnswer>, ()> {
@@ -289,7 +293,7 @@ fn udp_now(
 /// bounds its time once it waits beyond its round.
 fn udp_answer(
     port: &Arc<Port>,
-    shim: &ShimHandle,
+    shim: &Arc<Shim>,
     round: &Arc<Round>,
     raw: &[u8],
     src: SocketAddr,
@@ -304,7 +308,7 @@ fn udp_answer(
     // address; the answer goes back to the address it came from.
     let client = SocketAddr::new(src.ip().to_canonical(), src.port());
     Some(Box::pin(async move {
-        let answer = answer_bytes(&shim, raw, client, Protocol::Udp, Some(&round));
+        let answer = shim.answer_bytes(raw, client, Protocol::Udp, Some(&round));
         if let Some(resp) = answer.await {
             port.send(&resp, src).await;
         }
