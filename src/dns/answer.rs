@@ -23,14 +23,10 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use hickory_server::net::xfer::Protocol;
-use hickory_server::proto::op::{
-    Header, HeaderCounts, LowerQuery, MessageType, Metadata, OpCode, ResponseCode,
-};
+use hickory_server::proto::op::{LowerQuery, MessageType, OpCode, ResponseCode};
 use hickory_server::proto::rr::rdata::{HINFO, PTR};
 use hickory_server::proto::rr::{DNSClass, Name, RData, Record, RecordType};
-use hickory_server::proto::serialize::binary::{
-    BinDecodable, BinDecoder, BinEncodable, BinEncoder,
-};
+use hickory_server::proto::serialize::binary::BinEncodable;
 use hickory_server::server::{Request, RequestInfo};
 use tracing::{debug, warn};
 
@@ -43,7 +39,7 @@ use super::query::QueryState;
 use super::refusals::Recorded;
 use super::round::{self, Round};
 use super::shim::Shim;
-use super::wire::{self, Question, MAX_NAME};
+use super::wire::{Question, MAX_NAME};
 use crate::evidence::Mode;
 use crate::handout::synthetic::{Answer, Family, SYNTHETIC_TTL};
 use crate::limits::client_key;
@@ -152,51 +148,6 @@ fn delivering(state: &mut QueryState, fwd: &Forwarded, spent: u32) -> Reply {
 }
 
 impl Shim {
-    /// One DNS message in, the encoded answer out (None: no answer): a runt
-    /// (no complete header) or a response is dropped, a message that does not
-    /// decode gets FORMERR. An answer's record is written with `round`'s
-    /// others when it came in one.
-    pub(super) async fn answer_bytes(
-        &self,
-        raw: Vec<u8>,
-        src: SocketAddr,
-        protocol: Protocol,
-        round: Option<&Arc<Round>>,
-    ) -> Option<Vec<u8>> {
-        // A plain query is read from the wire; anything else by hickory.
-        if let Some(q) = wire::question(&raw) {
-            let bytes = self.respond_wire(&q, &raw, src, protocol, round).await;
-            return (!bytes.is_empty()).then_some(bytes);
-        }
-        let header = {
-            let mut decoder = BinDecoder::new(&raw);
-            Header::read(&mut decoder).ok()?
-        };
-        if header.metadata.message_type == MessageType::Response {
-            return None;
-        }
-        match Request::from_bytes(raw, src, protocol) {
-            Ok(request) => {
-                let bytes = self.respond(&request, protocol, round).await;
-                (!bytes.is_empty()).then_some(bytes)
-            }
-            Err(e) => {
-                debug!(client = %src, error = %e, "dns: undecodable message; FORMERR");
-                let mut metadata = Metadata::response_from_request(&header.metadata);
-                metadata.response_code = ResponseCode::FormErr;
-                let mut bytes = Vec::with_capacity(12);
-                let mut encoder = BinEncoder::new(&mut bytes);
-                Header {
-                    metadata,
-                    counts: HeaderCounts::default(),
-                }
-                .emit(&mut encoder)
-                .ok()?;
-                Some(bytes)
-            }
-        }
-    }
-
     /// Answer one decoded request: the encoded response (see
     /// [`super::encode`]).
     pub(crate) async fn respond(
@@ -1709,61 +1660,5 @@ host = "allowed.test"
             "{first}"
         );
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    /// A UDP socket's thread answers, and stops (its socket closed, the
-    /// port free again) both when shut down and when its runtime goes
-    /// without a shutdown.
-    #[test]
-    fn a_udp_thread_answers_and_stops_with_shutdown_or_with_its_runtime() {
-        use crate::dns::udp;
-        use tokio_util::sync::CancellationToken;
-        for runtime_goes in [false, true] {
-            let dir = crate::testing::scratch("dnsudp");
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .unwrap();
-            let stop = CancellationToken::new();
-            let (addr, served) = rt.block_on(async {
-                let (up, _) = upstream().await;
-                let shim = Arc::new(shim(&dir, up, true));
-                let port = udp::Port::bind("127.0.0.1:0".parse().unwrap()).unwrap();
-                let addr = port.socket().local_addr().unwrap();
-                (addr, tokio::spawn(udp::serve(port, shim, &stop)))
-            });
-            // A client in no org is refused: an answer all the same.
-            let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-            client
-                .set_read_timeout(Some(Duration::from_secs(5)))
-                .unwrap();
-            let mut m = Message::query();
-            m.metadata.id = 0x0707;
-            m.add_query(Query::query(name("allowed.test."), RecordType::A));
-            client.send_to(&m.to_vec().unwrap(), addr).unwrap();
-            let mut buf = [0u8; 512];
-            let (n, from) = client.recv_from(&mut buf).expect("an answer");
-            let reply = Message::from_vec(&buf[..n]).unwrap();
-            assert_eq!((from, reply.metadata.id), (addr, 0x0707));
-            assert_eq!(reply.metadata.response_code, ResponseCode::Refused);
-
-            let began = Instant::now();
-            if runtime_goes {
-                drop(rt);
-            } else {
-                stop.cancel();
-                rt.block_on(served).unwrap();
-            }
-            // The thread looks at its token every RECV_TIMEOUT (200 ms).
-            while std::net::UdpSocket::bind(addr).is_err() {
-                assert!(
-                    began.elapsed() < Duration::from_secs(3),
-                    "the port is still held (runtime gone: {runtime_goes})"
-                );
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = std::fs::remove_dir_all(&dir);
-        }
     }
 }

@@ -2,7 +2,7 @@
 //! socket together are recorded together.
 //!
 //! Under load a client (or many) keeps queries queued on the socket. The
-//! receive loop ([`super::udp`]) takes every datagram already queued,
+//! receive loop ([`super::serve_udp`]) takes every datagram already queued,
 //! up to [`MAX_ROUND`], and decides each; an answer's decision record is
 //! not written by its query alone but [`Round::defer`]red to the round,
 //! and the loop writes all of them as one batch ([`write()`]: one
