@@ -17,9 +17,11 @@
 #   the start-up cost cancels out. Valgrind hides the CPU's SHA extensions,
 #   so SHA-256 is counted in software: each line also gives the count
 #   outside SHA-256. Then the same for cached DNS queries for allowed.bench
-#   at one in flight (DNS_N1=2000, DNS_N2=12000 queries). WORK="tunnels
-#   dns" (the default) picks the workloads. Bounded: N1=200, N2=1200
-#   tunnels, 120 s per run at most.
+#   at one in flight (DNS_N1=2000, DNS_N2=12000 queries), and for
+#   absolute-form GETs over kept-alive connections at concurrency 64
+#   (KA_N1=1000, KA_N2=6000 requests). WORK="tunnels dns keepalive" (the
+#   default) picks the workloads. Bounded: N1=200, N2=1200 tunnels, 120 s
+#   per run at most.
 # perf: `perf record` (software clock, call graphs) of Palisade pinned to
 #   core 0 while loadgen on core 1 opens tunnels at concurrency 64 for 10 s,
 #   then while dnsperf on core 1 asks the DNS shim for allowed.bench for
@@ -111,7 +113,7 @@ wait_port 18080
 
 # Prints "UNITS INSTRUCTIONS SHA256_INSTRUCTIONS" for one run of N units:
 # tunnels at concurrency CONC, or (CONC "dns") cached DNS queries at one in
-# flight.
+# flight, or (CONC "ka") kept-alive absolute-form GETs at concurrency 64.
 one() {
   local bin=$1 conc=$2 n=$3
   local out="$run/cg.$n"
@@ -129,6 +131,10 @@ one() {
     timeout 150 "$LOADGEN" dns-rate --server 127.0.0.1:15311 --qname allowed.bench \
       --concurrency 1 --max-requests "$n" --duration 120 --warmup 0 --op-timeout 30 \
       >"$run/loadgen.$n"
+  elif [ "$conc" = ka ]; then
+    timeout 150 "$LOADGEN" forward-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 \
+      --path /small --concurrency 64 --keepalive on --max-requests "$n" --duration 120 \
+      --warmup 0 --op-timeout 30 >"$run/loadgen.$n"
   else
     timeout 150 "$LOADGEN" tunnel-rate --proxy 127.0.0.1:13140 --host allowed.bench:18080 \
       --path /small --concurrency "$conc" --max-requests "$n" --duration 120 --warmup 0 \
@@ -325,7 +331,8 @@ if [ "$mode" = perf ]; then
   exit 0
 fi
 
-WORK=${WORK:-"tunnels dns"} DNS_N1=${DNS_N1:-2000} DNS_N2=${DNS_N2:-12000}
+WORK=${WORK:-"tunnels dns keepalive"} DNS_N1=${DNS_N1:-2000} DNS_N2=${DNS_N2:-12000}
+KA_N1=${KA_N1:-1000} KA_N2=${KA_N2:-6000}
 # per_unit BIN CONC N1 N2 WHAT: the line for one workload
 per_unit() {
   local r1 r2 t1 i1 s1 t2 i2 s2
@@ -341,5 +348,8 @@ for bin in "$@"; do
     for conc in $CONC; do per_unit "$bin" "$conc" "$N1" "$N2" "tunnels c=$conc"; done ;;
   esac
   case " $WORK " in *" dns "*) per_unit "$bin" dns "$DNS_N1" "$DNS_N2" "cached DNS queries c=1" ;; esac
+  case " $WORK " in *" keepalive "*)
+    per_unit "$bin" ka "$KA_N1" "$KA_N2" "kept-alive forwarded GETs c=64" ;;
+  esac
 done
 echo "callgrind files (the last run): $run"

@@ -13,7 +13,10 @@
 # build is configured as ../shared/bench/palisade-put.sh configures it:
 # evidence on, allowed.bench allowed by name and 127.0.0.1 by a cidr rule.
 # Prints each run and the medians with the ratios to the relay. DUR (s,
-# default 5) and CONC (default 64) per run. Needs nginx, dnsmasq, haproxy,
+# default 5) and CONC (default 64) per run. KEEPALIVE=on measures the
+# harness's `fwd_ka_c64` instead: absolute-form GETs over kept-alive
+# connections (the relay's kept alive too), a "tunnel" then being a
+# request. Needs nginx, dnsmasq, haproxy,
 # taskset, python3 and the loadgen (built by ../shared/bench/run-palisade.sh,
 # or LOADGEN=path).
 set -euo pipefail
@@ -23,6 +26,7 @@ shift
 [ "$#" -gt 0 ] || { echo "usage: bench/tunnel-ab.sh ROUNDS BIN[:EXTRA]..." >&2; exit 2; }
 DUR=${DUR:-5}
 CONC=${CONC:-64}
+KEEPALIVE=${KEEPALIVE:-off}
 LOADGEN=${LOADGEN:-../shared/bench/loadgen/target/release/loadgen}
 for t in nginx dnsmasq haproxy taskset python3 "$LOADGEN"; do
   command -v "$t" >/dev/null || [ -x "$t" ] || { echo "missing: $t" >&2; exit 1; }
@@ -86,7 +90,9 @@ for _ in $(seq 1 "$ROUNDS"); do
   for s in "${servers[@]}" "relay|13150|$relay"; do
     IFS='|' read -r name port pid <<<"$s"
     if [ "$name" = relay ]; then
-      args=(direct-rate --backend 127.0.0.1:13150 --keepalive off)
+      args=(direct-rate --backend 127.0.0.1:13150 --keepalive "$KEEPALIVE")
+    elif [ "$KEEPALIVE" = on ]; then
+      args=(forward-rate --proxy "127.0.0.1:$port" --keepalive on)
     else
       args=(tunnel-rate --proxy "127.0.0.1:$port")
     fi
