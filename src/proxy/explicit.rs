@@ -207,7 +207,11 @@ async fn serve_http(ctx: Arc<Ctx>, io: Replay<TcpStream>, link: Link, first: Con
                     meter.connect_answered(false);
                     resp
                 }
-                None => metered(ctx, link, meter, req).await,
+                // Boxed where it is made: the request's future is moved
+                // twice before it is polled (into the span's wrapper, then
+                // into hyper's slot), and each move of the whole forwarding
+                // state machine, some 12 KiB, was a copy of it.
+                None => Box::pin(metered(ctx, link, meter, req)).await,
             })
         })
     });
