@@ -76,12 +76,14 @@ const MAX_UDP_MESSAGE: usize = 4096;
 /// Receive buffer asked for on each UDP socket: what a flood queues there
 /// while the shim is not running (another task, another process) is
 /// dropped by the kernel once it is full, whoever sent the next datagram.
-/// 512 KiB holds a burst of some 500 queries, 2.5 times the default's
-/// 208 KiB. It is not larger because a flood the shim falls behind on
-/// fills any buffer, and then every query waits its turn there: with
-/// 4 MiB, another org's queries waited seconds, past their clients'
-/// timeouts (docs/dns.md#bounds). Forced where the process may, else
-/// capped at `net.core.rmem_max`.
+/// The kernel allows twice the size asked and counts each small datagram
+/// as about 832 bytes (measured on loopback), so 512 KiB holds a burst of
+/// some 1,200 queries, 2.5 times the default's 208 KiB. It is not larger:
+/// while the shim falls behind a flood, the queue grows as far as the
+/// buffer allows and every query waits its turn in it. With 4 MiB,
+/// another org's queries waited seconds, past their clients' timeouts
+/// (docs/dns.md#bounds). Forced where the process may, else capped at
+/// `net.core.rmem_max`.
 const UDP_RECEIVE_BUFFER: usize = 512 << 10;
 
 /// Bound sockets for every `[dns] listen` address.
