@@ -289,8 +289,12 @@ async fn handle(
         Ok(link) => link,
         Err(refused) => return refused,
     };
+    // Only the common branch, an absolute-form request, is awaited in
+    // place; the others are boxed where they are made, so that this
+    // future (copied whole into its box per request, see `serve_http`)
+    // is sized by the path a kept-alive GET takes, not by the largest.
     if req.method() == Method::CONNECT {
-        connect(ctx, link, req).await
+        Box::pin(connect(ctx, link, req)).await
     } else if req.uri().scheme().is_some() {
         forward(ctx, link, req, bytes).await
     } else {
@@ -299,7 +303,7 @@ async fn handle(
             Reason::BadRequest,
             "origin-form request: this is a proxy".to_string(),
         );
-        reject(&ctx, &link).await
+        Box::pin(reject(&ctx, &link)).await
     }
 }
 
@@ -317,13 +321,13 @@ async fn admitted(
     // the org its address and credentials (checked on every request) name.
     let mut link = match identify(ctx, link.client, req) {
         Ok(view) => link.under(view, kind),
-        Err((view, e)) => return Err(auth_refused(ctx, link.under(view, kind), e).await),
+        Err((view, e)) => return Err(Box::pin(auth_refused(ctx, link.under(view, kind), e)).await),
     };
     // The connection now counts for the org this request names (see
     // `limits`): a token client leaves its address's pre-auth budget.
     if let Err(hit) = link.charge(ctx) {
         link.refuse(Reason::LimitExceeded, hit.describe().to_string());
-        return Err(reject(ctx, &link).await);
+        return Err(Box::pin(reject(ctx, &link)).await);
     }
     // hyper bounds its read buffer only roughly; these make the configured limits exact.
     let size = usize::try_from(req.size()).unwrap_or(usize::MAX);
@@ -336,7 +340,7 @@ async fn admitted(
     };
     if let Some(why) = too_large {
         link.refuse(Reason::BadRequest, why.to_string());
-        let mut refused = refused(ctx, &link).await;
+        let mut refused = Box::pin(refused(ctx, &link)).await;
         if refused.failure.reason() == Reason::BadRequest {
             refused.failure = Unserved::HeadTooLarge;
         }
@@ -574,7 +578,7 @@ async fn forward(
         Ok((host, port, Some(why))) if !link.view.is_report() => {
             link.target(Some(host), Some(port));
             link.refuse(Reason::HostMismatch, why);
-            return reject(&ctx, &link).await;
+            return Box::pin(reject(&ctx, &link)).await;
         }
         Ok(t) => t,
         Err((reason, detail)) => {
@@ -582,7 +586,7 @@ async fn forward(
             let port = req.uri().port_u16().or(host.as_ref().map(|_| 80));
             link.target(host, port);
             link.refuse(reason, detail);
-            return reject(&ctx, &link).await;
+            return Box::pin(reject(&ctx, &link)).await;
         }
     };
     let Decided {

@@ -329,7 +329,15 @@ pub(crate) async fn absolute(
         });
         return bodiless(exchange, &parts, (upstream, addr), key).await;
     }
-    with_body(exchange, (parts, body, up_count), (upstream, addr)).await
+    // Boxed: its state (hyper's client handshake and exchange) is the
+    // largest of this future's, and a bodiless request would otherwise
+    // carry room for it, copied whole into the request's box.
+    Box::pin(with_body(
+        exchange,
+        (parts, body, up_count),
+        (upstream, addr),
+    ))
+    .await
 }
 
 /// A request without a body over Palisade's own HTTP/1.1 exchange
@@ -355,9 +363,10 @@ async fn bodiless(
     let replay = replayable(&parts.method, true);
     let attempt = async {
         match conn.exchange(&head, to_head, timeout).await {
-            Err(Failed::Unsent) if reused => fresh(&ctx, addr, &head, to_head).await,
+            // A retry's dial is boxed: rare, and the largest state here.
+            Err(Failed::Unsent) if reused => Box::pin(fresh(&ctx, addr, &head, to_head)).await,
             Err(Failed::Lost(_)) if retry_fresh(reused, replay, true) => {
-                fresh(&ctx, addr, &head, to_head).await
+                Box::pin(fresh(&ctx, addr, &head, to_head)).await
             }
             other => other,
         }
