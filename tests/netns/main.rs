@@ -21,6 +21,7 @@ mod dns;
 mod dns_budget;
 mod dns_burst;
 mod dns_cache;
+mod dns_flood;
 mod dns_wire;
 mod enforcement;
 mod evidence;

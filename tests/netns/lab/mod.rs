@@ -192,6 +192,10 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 /// Marker requests of [`Lab::assert_nothing_reached_upstream`].
 static MARKERS: AtomicU32 = AtomicU32::new(0);
 static SETUP_LOCK: Mutex<()> = Mutex::new(());
+/// Held for their whole run by the tests that flood a core on purpose
+/// (`noisy`, `dns_flood`), so that two floods never overlap: each one's
+/// victim would be starved by the other's flood, not by its own.
+pub(crate) static FLOOD_LOCK: Mutex<()> = Mutex::new(());
 static CERTS: OnceLock<PathBuf> = OnceLock::new();
 
 mod clients;
