@@ -12,8 +12,9 @@
 # the loopback address is filtered out of the answer). The harness's
 # loadgen asks allowed.bench at concurrency 1 for DUR seconds (default 5)
 # per run, everything on CPU 1 as the harness places its c=1 runs. Per run: the server's CPU (user + system, from
-# /proc) divided by the answers. Prints each run and the medians, with the
-# ratios to dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
+# /proc) divided by the answers, and the load generator's own CPU per
+# answer beside it. Prints each run and the medians, with the ratios to
+# dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
 # the run's temporary directory). EXTRA is a file of lines added to that
 # build's `[evidence]` section (e.g. `durability = "discard"`), so one
 # binary can be measured in two configurations. FLOOD=SECONDS runs, before
@@ -146,18 +147,25 @@ for r in $(seq 1 "$ROUNDS"); do
     python3 -c '
 import json, sys
 j = json.load(open(sys.argv[1]))
-print(j["label"], round(j["proxy_cpu_s"] * 1e6 / max(j["ok"], 1), 3), j["ok"])
+ok = max(j["ok"], 1)
+client = j["loadgen_cpu_util"] * j["duration_s"] * 1e6 / ok
+print(j["label"], round(j["proxy_cpu_s"] * 1e6 / ok, 3), j["ok"], round(client, 3))
 ' "$run/out.json"
   done
 done | tee "$run/runs"
 python3 - "$run/runs" <<'PY'
 import collections, statistics, sys
-v = collections.defaultdict(list)
+v, c = collections.defaultdict(list), collections.defaultdict(list)
 for line in open(sys.argv[1]):
-    name, us, _ = line.split()
+    name, us, _, client = line.split()
     v[name].append(float(us))
+    c[name].append(float(client))
 m = {k: statistics.median(x) for k, x in v.items()}
 print("median µs/query:", {k: round(x, 2) for k, x in m.items()})
+# The load generator's own CPU per query beside each server: the same
+# work, so what differs is what sharing the core with that server costs it.
+print("median client µs/query beside each:",
+      {k: round(statistics.median(x), 2) for k, x in c.items()})
 for k in ("A", "B"):
     if k in m:
         print(f"{k}/dnsmasq {m[k] / m['dnsmasq']:.3f}")
