@@ -12,9 +12,10 @@
 # the loopback address is filtered out of the answer). The harness's
 # loadgen asks allowed.bench at concurrency 1 for DUR seconds (default 5)
 # per run, everything on CPU 1 as the harness places its c=1 runs. Per run: the server's CPU (user + system, from
-# /proc) divided by the answers, and the load generator's own CPU per
-# answer beside it. Prints each run and the medians, with the ratios to
-# dnsmasq and B/A. EVROOT=DIR puts the evidence there (default:
+# /proc) divided by the answers, the load generator's own CPU per answer
+# beside it, and the server's context switches per answer (slept,
+# preempted). Prints each run and the medians, with the ratios to dnsmasq
+# and B/A. EVROOT=DIR puts the evidence there (default:
 # the run's temporary directory). EXTRA is a file of lines added to that
 # build's `[evidence]` section (e.g. `durability = "discard"`), so one
 # binary can be measured in two configurations. FLOOD=SECONDS runs, before
@@ -132,6 +133,13 @@ for s in $servers; do
 done
 
 echo "allowed.bench A" >"$run/queries"
+# switches PID: the server's voluntary (it slept) and involuntary (it was
+# preempted) context switches so far, all its threads.
+switches() {
+  cat /proc/"$1"/task/*/status 2>/dev/null |
+    awk '/^voluntary_ctxt_switches/ {v += $2} /^nonvoluntary_ctxt_switches/ {n += $2}
+         END {print v + 0, n + 0}'
+}
 for r in $(seq 1 "$ROUNDS"); do
   for s in $servers; do
     IFS=: read -r name port pid <<<"$s"
@@ -141,31 +149,42 @@ for r in $(seq 1 "$ROUNDS"); do
         -l "$FLOOD" -c 4 -q 200 >/dev/null 2>&1 || true
       taskset -apc 1 "$pid" >/dev/null
     fi
+    switches0=$(switches "$pid")
     taskset -c 1 timeout $((DUR + 30)) "$LOADGEN" dns-rate --server "127.0.0.1:$port" \
       --qname allowed.bench --concurrency 1 --duration "$DUR" --warmup 0.5 \
       --cpu-pid "$pid" --op-timeout 2 --label "$name" >"$run/out.json"
+    switches1=$(switches "$pid")
     python3 -c '
 import json, sys
 j = json.load(open(sys.argv[1]))
 ok = max(j["ok"], 1)
 client = j["loadgen_cpu_util"] * j["duration_s"] * 1e6 / ok
-print(j["label"], round(j["proxy_cpu_s"] * 1e6 / ok, 3), j["ok"], round(client, 3))
-' "$run/out.json"
+(v0, n0), (v1, n1) = (map(int, a.split()) for a in sys.argv[2:4])
+print(j["label"], round(j["proxy_cpu_s"] * 1e6 / ok, 3), j["ok"], round(client, 3),
+      round((v1 - v0) / ok, 3), round((n1 - n0) / ok, 3))
+' "$run/out.json" "$switches0" "$switches1"
   done
 done | tee "$run/runs"
 python3 - "$run/runs" <<'PY'
 import collections, statistics, sys
 v, c = collections.defaultdict(list), collections.defaultdict(list)
+sw = collections.defaultdict(list)
 for line in open(sys.argv[1]):
-    name, us, _, client = line.split()
+    name, us, _, client, slept, preempted = line.split()
     v[name].append(float(us))
     c[name].append(float(client))
+    sw[name].append((float(slept), float(preempted)))
 m = {k: statistics.median(x) for k, x in v.items()}
 print("median µs/query:", {k: round(x, 2) for k, x in m.items()})
 # The load generator's own CPU per query beside each server: the same
 # work, so what differs is what sharing the core with that server costs it.
 print("median client µs/query beside each:",
       {k: round(statistics.median(x), 2) for k, x in c.items()})
+# How the server leaves the core per query: asleep (voluntary) or
+# preempted (involuntary). Counted over the warm-up too: up to a tenth high.
+print("median server switches/query (slept, preempted):",
+      {k: tuple(round(statistics.median(s[i] for s in x), 3) for i in (0, 1))
+       for k, x in sw.items()})
 for k in ("A", "B"):
     if k in m:
         print(f"{k}/dnsmasq {m[k] / m['dnsmasq']:.3f}")
