@@ -8,11 +8,11 @@
 //! floods, and over UDP on an address of its own: a UDP flood faster than
 //! the shim takes every query on its socket down with it, before the shim
 //! reads any (docs/dns.md, "Bounds"; `dns_flood` holds that deployment to
-//! a flood as fast as one sandbox can send). Every org has an evidence budget of
-//! [`BUDGET`] decision records a second: the flooder's evidence grows by
-//! no more than that budget allows (plus its summaries, whose number is
-//! bounded too). At the end the chain verifies and the proxy's memory
-//! stayed under a ceiling.
+//! a flood as fast as one sandbox can send). Every org has an evidence
+//! budget of [`BUDGET`] decision records a second: the flooder's evidence
+//! grows by no more than that budget allows (plus its summaries, whose
+//! number is bounded too). At the end the chain verifies and the proxy's
+//! memory stayed under a ceiling.
 //!
 //! Then, in the same run, a shorter flood with summaries effectively off
 //! (the denial record rates and the evidence budget set far above the
