@@ -3,10 +3,13 @@
 //! socket's receive buffer is then full most of the time and the kernel
 //! drops what reaches it, whoever sent it: the shim cannot be fair about
 //! datagrams it never reads. What keeps another org answered is a listen
-//! address of its own, whose socket and buffer the flood does not reach
-//! (docs/dns.md, "Bounds"). Checked here: the flood overflows the socket it
-//! aims at (or the test would prove nothing), and beta, asking on its own
-//! address all the while, has every query answered.
+//! address of its own that only its sandboxes can reach (a gateway rule:
+//! docs/dns.md, "Bounds"), whose socket and buffer the flood does not
+//! reach. The flooder ignores where it was told to ask and floods both
+//! addresses. Checked here: the flood overflows the address it shares
+//! (or the test would prove nothing), the rule dropped its datagrams to
+//! beta's, and beta, asking on its own address all the while, has every
+//! query answered.
 
 use std::path::Path;
 use std::process::Command;
@@ -37,6 +40,29 @@ const QUERIES: usize = 20;
 /// at the shim's sockets while beta asked: a flood the shim kept up with
 /// would not be the case under test.
 const MIN_DROPS: u64 = 10_000;
+
+/// In the shim's namespace, as the gateway would have it: beta's address
+/// (port 5353) takes only beta's range; the counter shows what was dropped.
+const GATEWAY_RULE: &str = "
+table inet dns_per_org {
+  chain input {
+    type filter hook input priority 0; policy accept;
+    udp dport 5353 ip saddr != 198.18.4.0/24 counter drop
+  }
+}
+";
+
+/// Packets the gateway rule dropped so far.
+fn rule_drops(lab: &Lab) -> u64 {
+    let out = lab.proxy_ns_exec("nft", &["list", "table", "inet", "dns_per_org"]);
+    assert!(out.success(), "nft list: {}", out.describe());
+    out.stdout
+        .split_whitespace()
+        .skip_while(|w| *w != "packets")
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no counter in: {}", out.stdout))
+}
 
 /// Compile the flooder into the lab's directory.
 fn flooder(dir: &Path) -> String {
@@ -99,12 +125,25 @@ fn a_udp_flood_faster_than_the_shim_leaves_another_orgs_own_address_answered() {
         beta_asks(&lab, port, 3).unwrap_or_else(|e| panic!("quiet, port {port}: {e}"));
     }
 
+    let rule = lab.exec_input(
+        &lab.ns_proxy,
+        "nft",
+        &["-f", "-"],
+        Some(GATEWAY_RULE.as_bytes()),
+    );
+    assert!(rule.success(), "nft -f: {}", rule.describe());
+
+    // acme floods both addresses, one flooder each.
     let out = lab.dir.join("udpflood.out");
-    let script = format!("exec {bin} {CLIENT_IP} {SHIM_IP} 53 other.test {FLOOD_SECS}");
+    let script = format!(
+        "for port in 53 5353; do {bin} {CLIENT_IP} {SHIM_IP} $port other.test {FLOOD_SECS} & done; \
+         wait"
+    );
     let mut flood = lab.client_spawn(&script, &out);
     // Let the flood fill the socket it aims at.
     std::thread::sleep(Duration::from_secs(2));
     let drops_before = lab.shim_rcvbuf_drops();
+    let ruled_before = rule_drops(&lab);
 
     let mut took = Vec::new();
     let mut failed = Vec::new();
@@ -114,18 +153,28 @@ fn a_udp_flood_faster_than_the_shim_leaves_another_orgs_own_address_answered() {
             Err(e) => failed.push(format!("query {i}: {e}")),
         }
     }
-    // For the record, not asserted: beta on the flooded address meanwhile,
+    // For the record, not asserted: beta on the shared address meanwhile,
     // one try each.
     let shared = (0..5).filter(|_| beta_asks(&lab, 53, 1).is_ok()).count();
     let drops = lab.shim_rcvbuf_drops() - drops_before;
+    let ruled = rule_drops(&lab) - ruled_before;
     let still_flooding = flood.try_wait().expect("poll the flooder").is_none();
-    // SIGTERM: the flooder stops and prints its count.
-    let _ = Command::new("kill")
-        .args(["-TERM", &flood.id().to_string()])
+    // SIGTERM to the shell's children: both flooders stop and print their
+    // counts, then the shell's `wait` returns.
+    let parent = flood.id().to_string();
+    let _ = Command::new("pkill")
+        .args(["-TERM", "-P", &parent])
         .status();
     let stopped = Instant::now();
-    while flood.try_wait().expect("poll the flooder").is_none() {
+    while flood
+        .try_wait()
+        .expect("poll the flooders' shell")
+        .is_none()
+    {
         if stopped.elapsed() > Duration::from_secs(5) {
+            let _ = Command::new("pkill")
+                .args(["-KILL", "-P", &parent])
+                .status();
             let _ = flood.kill();
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -134,11 +183,11 @@ fn a_udp_flood_faster_than_the_shim_leaves_another_orgs_own_address_answered() {
 
     took.sort();
     eprintln!(
-        "dns_flood: the flooder {} ({} when beta was done); the shim's sockets dropped \
-         {drops} datagrams while beta asked; beta on its own address: {} of {QUERIES} \
-         answered (three tries each), slowest {:?}; on the flooded address: {shared} of 5 \
-         (one try each)",
-        sent.trim(),
+        "dns_flood: the flooders {} ({} when beta was done); while beta asked, the shim's \
+         sockets dropped {drops} datagrams and the gateway rule {ruled} of acme's to beta's \
+         address; beta on its own address: {} of {QUERIES} answered (three tries each), \
+         slowest {:?}; on the shared address: {shared} of 5 (one try each)",
+        sent.lines().collect::<Vec<_>>().join(" and "),
         if still_flooding {
             "still running"
         } else {
@@ -150,6 +199,10 @@ fn a_udp_flood_faster_than_the_shim_leaves_another_orgs_own_address_answered() {
     assert!(
         drops >= MIN_DROPS,
         "the flood was not faster than the shim: only {drops} datagrams dropped"
+    );
+    assert!(
+        ruled >= MIN_DROPS,
+        "acme's flood to beta's address was not dropped by the gateway rule: {ruled} packets"
     );
     assert!(
         failed.is_empty(),

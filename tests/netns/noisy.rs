@@ -7,12 +7,13 @@
 //! succeed and each be on record. beta asks over TCP on the address acme
 //! floods, and over UDP on an address of its own: a UDP flood faster than
 //! the shim takes every query on its socket down with it, before the shim
-//! reads any (docs/dns.md, "Bounds"; `dns_flood` holds that deployment to
-//! a flood as fast as one sandbox can send). Every org has an evidence
-//! budget of [`BUDGET`] decision records a second: the flooder's evidence
-//! grows by no more than that budget allows (plus its summaries, whose
-//! number is bounded too). At the end the chain verifies and the proxy's
-//! memory stayed under a ceiling.
+//! reads any (docs/dns.md, "Bounds"; `dns_flood` holds that deployment,
+//! with the gateway rule that keeps others off beta's address, to a flood
+//! of both addresses as fast as one sandbox can send). Every org has an
+//! evidence budget of [`BUDGET`] decision records a second: the flooder's
+//! evidence grows by no more than that budget allows (plus its summaries,
+//! whose number is bounded too). At the end the chain verifies and the
+//! proxy's memory stayed under a ceiling.
 //!
 //! Then, in the same run, a shorter flood with summaries effectively off
 //! (the denial record rates and the evidence budget set far above the
