@@ -1,0 +1,199 @@
+//! The least a CONNECT proxy and a DNS responder on tokio do, and nothing
+//! else. Bounds for `bench/tunnel-ab.sh` and `bench/dns-c1.sh`, run as a
+//! Palisade build is run (`bare run -c FILE`: the first `listen` address
+//! of FILE's `[proxy]` and of its `[dns]`, the rest ignored). Loopback
+//! bench use only: no policy, no name resolution, no records, no
+//! verification, no timeouts, no bounds but the head's 4 KiB.
+//!
+//! - Proxy: accept, read the head, dial the target's port on 127.0.0.1,
+//!   answer `200`, copy both ways (`copy_bidirectional`), close.
+//! - DNS: one task on the socket: receive, answer every `A` question with
+//!   127.0.0.1 (the question copied, a name pointer, TTL 300), send. With
+//!   `BARE_RECORD=FILE` it first appends a line of `BARE_RECORD_BYTES`
+//!   (default 520) to FILE with one `write(2)`, as a record before an
+//!   answer costs.
+//!
+//! They measure how far the runtime and the protocol alone stand from
+//! HAProxy as a bare relay and from dnsmasq on the same workloads: what is
+//! left of Palisade's distance is its own work.
+
+use std::fs::File;
+use std::io::Write;
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UdpSocket};
+
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+const HEAD_MAX: usize = 4096;
+
+/// The first `listen` address of `section` in a Palisade configuration.
+fn listen_of(conf: &str, section: &str) -> Option<SocketAddr> {
+    let mut current = "";
+    for line in conf.lines().map(str::trim) {
+        if line.starts_with('[') {
+            current = line;
+        } else if current == section && line.starts_with("listen") {
+            return line.split('"').nth(1)?.parse().ok();
+        }
+    }
+    None
+}
+
+/// The target's port of a complete CONNECT head, if it is one.
+fn connect_port(head: &[u8]) -> Option<u16> {
+    let line = head.split(|&b| b == b'\r').next()?;
+    let line = std::str::from_utf8(line).ok()?;
+    let mut parts = line.split(' ');
+    if parts.next()? != "CONNECT" {
+        return None;
+    }
+    parts.next()?.rsplit_once(':')?.1.parse().ok()
+}
+
+async fn tunnel(mut client: TcpStream) -> std::io::Result<()> {
+    let mut head = [0u8; HEAD_MAX];
+    let mut n = 0;
+    let end = loop {
+        let got = client.read(&mut head[n..]).await?;
+        if got == 0 {
+            return Ok(());
+        }
+        n += got;
+        if let Some(at) = head[..n].windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        if n == HEAD_MAX {
+            return Ok(());
+        }
+    };
+    let Some(port) = connect_port(&head[..end]) else {
+        client
+            .write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            .await?;
+        return Ok(());
+    };
+    let mut upstream = TcpStream::connect(("127.0.0.1", port)).await?;
+    upstream.set_nodelay(true)?;
+    client
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .await?;
+    if end < n {
+        upstream.write_all(&head[end..n]).await?;
+    }
+    tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
+    Ok(())
+}
+
+async fn proxy(addr: SocketAddr) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr).await?;
+    loop {
+        let (client, _) = listener.accept().await?;
+        client.set_nodelay(true)?;
+        tokio::spawn(tunnel(client));
+    }
+}
+
+/// The answer to `query` in `out`: `None` for what is not one question.
+fn answer(query: &[u8], out: &mut Vec<u8>) -> Option<()> {
+    if query.len() < 12 || query[4..6] != [0, 1] {
+        return None;
+    }
+    // The question's name, then its type and class.
+    let mut at = 12;
+    loop {
+        let len = usize::from(*query.get(at)?);
+        at += 1 + len;
+        if len == 0 {
+            break;
+        }
+        if len > 63 {
+            return None;
+        }
+    }
+    let question_end = at + 4;
+    let qtype = query.get(at..at + 2)?;
+    let is_a = qtype == [0, 1];
+    out.clear();
+    out.extend_from_slice(&query[..2]);
+    out.push(0x80 | (query[2] & 0x01)); // QR, RD copied
+    out.push(0x80); // RA, NOERROR
+    out.extend_from_slice(&[0, 1, 0, u8::from(is_a), 0, 0, 0, 0]);
+    out.extend_from_slice(query.get(12..question_end)?);
+    if is_a {
+        out.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
+    }
+    Some(())
+}
+
+async fn dns(addr: SocketAddr, mut record: Option<(File, Vec<u8>)>) -> std::io::Result<()> {
+    let socket = UdpSocket::bind(addr).await?;
+    let mut buf = [0u8; 1500];
+    let mut out = Vec::with_capacity(512);
+    loop {
+        let (n, from) = socket.recv_from(&mut buf).await?;
+        if answer(&buf[..n], &mut out).is_none() {
+            continue;
+        }
+        if let Some((file, line)) = &mut record {
+            file.write_all(line)?;
+        }
+        socket.send_to(&out, from).await?;
+    }
+}
+
+fn main() -> std::io::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let path = match args.as_slice() {
+        [_, run, c, path] if run == "run" && c == "-c" => path,
+        _ => {
+            eprintln!("usage: bare run -c FILE");
+            std::process::exit(2);
+        }
+    };
+    let conf = std::fs::read_to_string(path)?;
+    let record = match std::env::var_os("BARE_RECORD") {
+        Some(file) => {
+            let bytes: usize = std::env::var("BARE_RECORD_BYTES")
+                .ok()
+                .and_then(|b| b.parse().ok())
+                .unwrap_or(520);
+            let mut line = vec![b'x'; bytes.max(1)];
+            line[bytes.max(1) - 1] = b'\n';
+            let file = File::options().create(true).append(true).open(file)?;
+            Some((file, line))
+        }
+        None => None,
+    };
+    let proxy_at = listen_of(&conf, "[proxy]");
+    let dns_at = listen_of(&conf, "[dns]");
+    if proxy_at.is_none() && dns_at.is_none() {
+        eprintln!("bare: no [proxy] or [dns] listen address in {path}");
+        std::process::exit(2);
+    }
+    // BARE_RT=current: the current-thread scheduler (default: the
+    // multi-threaded one, one worker per CPU of the affinity, as Palisade's).
+    let mut runtime = match std::env::var("BARE_RT").as_deref() {
+        Ok("current") => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    runtime.enable_io().build()?.block_on(async move {
+        if let Some(addr) = dns_at {
+            tokio::spawn(async move {
+                if let Err(e) = dns(addr, record).await {
+                    eprintln!("bare: dns: {e}");
+                    std::process::exit(1);
+                }
+            });
+        }
+        // On a worker, as Palisade's listeners are: a multi-threaded
+        // runtime's `block_on` runs on a thread of its own, and a task it
+        // spawns reaches the worker across threads (a wake-up per tunnel).
+        match proxy_at {
+            Some(addr) => tokio::spawn(proxy(addr)).await?,
+            None => std::future::pending().await,
+        }
+    })
+}
