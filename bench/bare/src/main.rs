@@ -11,7 +11,10 @@
 //!   127.0.0.1 (the question copied, a name pointer, TTL 300), send. With
 //!   `BARE_RECORD=FILE` it first appends a line of `BARE_RECORD_BYTES`
 //!   (default 520) to FILE with one `write(2)`, as a record before an
-//!   answer costs.
+//!   answer costs. `BARE_SPIN=N` adds N rounds of register arithmetic to
+//!   each answer and `BARE_TOUCH_KB=K` a byte written in each cache line
+//!   of K KiB, to see whether a query's CPU follows the instructions run
+//!   or the memory touched.
 //!
 //! They measure how far the runtime and the protocol alone stand from
 //! HAProxy as a bare relay and from dnsmasq on the same workloads: what is
@@ -128,15 +131,68 @@ fn answer(query: &[u8], out: &mut Vec<u8>) -> Option<()> {
     Some(())
 }
 
+/// Work added to each answer, to see what a query's CPU follows: `spin`
+/// rounds of arithmetic on registers (about ten instructions a round, no
+/// memory), and one byte read and written in each of `lines` cache lines,
+/// the same lines every query, in a shuffled order.
+struct Extra {
+    spin: u64,
+    lines: Vec<u8>,
+    order: Vec<u32>,
+}
+
+impl Extra {
+    fn from_env() -> Extra {
+        let var = |name: &str| -> usize {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        let lines = var("BARE_TOUCH_KB") * 1024 / 64;
+        let mut order: Vec<u32> = (0..lines as u32).collect();
+        // A fixed shuffle (xorshift), so the prefetcher cannot follow.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for i in (1..order.len()).rev() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            order.swap(i, (x % (i as u64 + 1)) as usize);
+        }
+        Extra {
+            spin: var("BARE_SPIN") as u64,
+            lines: vec![0; lines * 64],
+            order,
+        }
+    }
+
+    fn run(&mut self) -> u64 {
+        let (mut a, mut b, mut c, mut d) = (1u64, 2u64, 3u64, 4u64);
+        for _ in 0..std::hint::black_box(self.spin) {
+            a = a.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            b = b.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(3);
+            c = c.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(5);
+            d = d.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(7);
+        }
+        for &i in &self.order {
+            let at = i as usize * 64;
+            self.lines[at] = self.lines[at].wrapping_add(1);
+        }
+        std::hint::black_box(a ^ b ^ c ^ d)
+    }
+}
+
 async fn dns(addr: SocketAddr, mut record: Option<(File, Vec<u8>)>) -> std::io::Result<()> {
     let socket = UdpSocket::bind(addr).await?;
     let mut buf = [0u8; 1500];
     let mut out = Vec::with_capacity(512);
+    let mut extra = Extra::from_env();
     loop {
         let (n, from) = socket.recv_from(&mut buf).await?;
         if answer(&buf[..n], &mut out).is_none() {
             continue;
         }
+        extra.run();
         if let Some((file, line)) = &mut record {
             file.write_all(line)?;
         }
