@@ -66,12 +66,12 @@ fn rule_drops(lab: &Lab) -> u64 {
 
 /// Compile the flooder into the lab's directory.
 fn flooder(dir: &Path) -> String {
-    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/udpflood.c");
+    let src = lab::fixtures_dir().join("udpflood.c");
     let bin = dir.join("udpflood");
     let out = Command::new("cc")
         .args(["-O2", "-o"])
         .arg(&bin)
-        .arg(src)
+        .arg(&src)
         .output()
         .expect("run cc (installed by .ci/run)");
     assert!(
@@ -176,6 +176,8 @@ fn a_udp_flood_faster_than_the_shim_leaves_another_orgs_own_address_answered() {
                 .args(["-KILL", "-P", &parent])
                 .status();
             let _ = flood.kill();
+            let _ = flood.wait();
+            break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
