@@ -11,7 +11,8 @@
 //!   127.0.0.1 (the question copied, a name pointer, TTL 300), send. With
 //!   `BARE_RECORD=FILE` it first appends a line of `BARE_RECORD_BYTES`
 //!   (default 520) to FILE with one `write(2)`, as a record before an
-//!   answer costs. `BARE_SPIN=N` adds N rounds of register arithmetic to
+//!   answer costs; with `BARE_CHAIN=1` as well, that line is a chained,
+//!   hashed record of Palisade's shape built lean ([`chain`]). `BARE_SPIN=N` adds N rounds of register arithmetic to
 //!   each answer and `BARE_TOUCH_KB=K` a byte written in each cache line
 //!   of K KiB, to see whether a query's CPU follows the instructions run
 //!   or the memory touched.
@@ -19,6 +20,8 @@
 //! They measure how far the runtime and the protocol alone stand from
 //! HAProxy as a bare relay and from dnsmasq on the same workloads: what is
 //! left of Palisade's distance is its own work.
+
+mod chain;
 
 use std::fs::File;
 use std::io::Write;
@@ -182,7 +185,15 @@ impl Extra {
     }
 }
 
-async fn dns(addr: SocketAddr, mut record: Option<(File, Vec<u8>)>) -> std::io::Result<()> {
+/// What is written before each answer.
+enum Record {
+    /// The same line every time.
+    Line(File, Vec<u8>),
+    /// A chained, hashed record ([`chain`]).
+    Chained(Box<chain::Chain>),
+}
+
+async fn dns(addr: SocketAddr, mut record: Option<Record>) -> std::io::Result<()> {
     let socket = UdpSocket::bind(addr).await?;
     let mut buf = [0u8; 1500];
     let mut out = Vec::with_capacity(512);
@@ -193,8 +204,10 @@ async fn dns(addr: SocketAddr, mut record: Option<(File, Vec<u8>)>) -> std::io::
             continue;
         }
         extra.run();
-        if let Some((file, line)) = &mut record {
-            file.write_all(line)?;
+        match &mut record {
+            Some(Record::Line(file, line)) => file.write_all(line)?,
+            Some(Record::Chained(chain)) => chain.record(from)?,
+            None => {}
         }
         socket.send_to(&out, from).await?;
     }
@@ -219,7 +232,11 @@ fn main() -> std::io::Result<()> {
             let mut line = vec![b'x'; bytes.max(1)];
             line[bytes.max(1) - 1] = b'\n';
             let file = File::options().create(true).append(true).open(file)?;
-            Some((file, line))
+            if std::env::var("BARE_CHAIN").as_deref() == Ok("1") {
+                Some(Record::Chained(Box::new(chain::Chain::new(file))))
+            } else {
+                Some(Record::Line(file, line))
+            }
         }
         None => None,
     };
