@@ -5,7 +5,9 @@
 //! at its sorted place, a keyed reference (HMAC-SHA-256 of the id, with
 //! the key's two padded blocks absorbed once), the record's leaf in two
 //! Merkle trees (the log's and its org's; RFC 6962 leaf and node hashes,
-//! a frontier each) and one `write(2)` of the line. Not done: signed
+//! a frontier each) and one `write(2)` of the line. For a tunnel, a
+//! decision record so written before the `200`, and a close record
+//! sealed when it ends and written with the next decision. Not done: signed
 //! checkpoints (one Ed25519 signature per thousand records in Palisade),
 //! policy, budgets, metrics. The field set and sizes are those of
 //! Palisade's record for a cached allowed answer, so the bytes hashed and
@@ -126,6 +128,26 @@ impl Chain {
 
     /// Record the answer to `client` and write it.
     pub fn record(&mut self, client: SocketAddr) -> std::io::Result<()> {
+        self.seal(client);
+        self.file.write_all(&self.line)?;
+        self.line.clear();
+        Ok(())
+    }
+
+    /// A tunnel's decision record, written with the close records that
+    /// wait (one `write(2)`, as Palisade's closes ride the next batch).
+    pub fn decision(&mut self, client: SocketAddr) -> std::io::Result<()> {
+        self.record(client)
+    }
+
+    /// A tunnel's close record: sealed now, written with the next
+    /// decision.
+    pub fn close(&mut self, client: SocketAddr) {
+        self.seal(client);
+    }
+
+    /// Seal a record into `line`, after what waits there.
+    fn seal(&mut self, client: SocketAddr) {
         let mut body = std::mem::take(&mut self.body);
         body.clear();
         let id = format!("bare-{}", self.seq);
@@ -157,7 +179,6 @@ impl Chain {
         self.ts_into(&mut body);
         body.extend_from_slice(b"\",\"upstream\":true}");
         let hash: Hash = Sha256::digest(&body).into();
-        self.line.clear();
         self.line.extend_from_slice(&body[..splice]);
         self.line.extend_from_slice(b"\"hash\":\"");
         hex_into(&hash, &mut self.line);
@@ -174,7 +195,6 @@ impl Chain {
         self.org.push(leaf);
         self.prev = hash;
         self.seq += 1;
-        self.file.write_all(&self.line)
     }
 }
 

@@ -6,7 +6,9 @@
 //! verification, no timeouts, no bounds but the head's 4 KiB.
 //!
 //! - Proxy: accept, read the head, dial the target's port on 127.0.0.1,
-//!   answer `200`, copy both ways (`copy_bidirectional`), close.
+//!   answer `200`, copy both ways (`copy_bidirectional`), close. With
+//!   `BARE_RECORD=FILE BARE_CHAIN=1`, a decision record before the `200`
+//!   and a close record after, chained in FILE.tunnels ([`chain`]).
 //! - DNS: one task on the socket: receive, answer every `A` question with
 //!   127.0.0.1 (the question copied, a name pointer, TTL 300), send. With
 //!   `BARE_RECORD=FILE` it first appends a line of `BARE_RECORD_BYTES`
@@ -59,7 +61,16 @@ fn connect_port(head: &[u8]) -> Option<u16> {
     parts.next()?.rsplit_once(':')?.1.parse().ok()
 }
 
-async fn tunnel(mut client: TcpStream) -> std::io::Result<()> {
+/// The tunnels' records, with `BARE_CHAIN=1`.
+type Records = Option<std::sync::Arc<std::sync::Mutex<chain::Chain>>>;
+
+fn chained<T>(records: &Records, f: impl FnOnce(&mut chain::Chain) -> T) -> Option<T> {
+    let records = records.as_ref()?;
+    let mut chain = records.lock().unwrap_or_else(|p| p.into_inner());
+    Some(f(&mut chain))
+}
+
+async fn tunnel(mut client: TcpStream, records: Records) -> std::io::Result<()> {
     let mut head = [0u8; HEAD_MAX];
     let mut n = 0;
     let end = loop {
@@ -83,22 +94,25 @@ async fn tunnel(mut client: TcpStream) -> std::io::Result<()> {
     };
     let mut upstream = TcpStream::connect(("127.0.0.1", port)).await?;
     upstream.set_nodelay(true)?;
+    let peer = client.peer_addr()?;
+    chained(&records, |c| c.decision(peer)).transpose()?;
     client
         .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
         .await?;
     if end < n {
         upstream.write_all(&head[end..n]).await?;
     }
-    tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
-    Ok(())
+    let copied = tokio::io::copy_bidirectional(&mut client, &mut upstream).await;
+    chained(&records, |c| c.close(peer));
+    copied.map(|_| ())
 }
 
-async fn proxy(addr: SocketAddr) -> std::io::Result<()> {
+async fn proxy(addr: SocketAddr, records: Records) -> std::io::Result<()> {
     let listener = TcpListener::bind(addr).await?;
     loop {
         let (client, _) = listener.accept().await?;
         client.set_nodelay(true)?;
-        tokio::spawn(tunnel(client));
+        tokio::spawn(tunnel(client, records.clone()));
     }
 }
 
@@ -240,6 +254,19 @@ fn main() -> std::io::Result<()> {
         }
         None => None,
     };
+    // BARE_CHAIN=1 with BARE_RECORD: tunnels record too, in a file of
+    // their own beside it (FILE.tunnels).
+    let tunnel_records: Records = match (&record, std::env::var_os("BARE_RECORD")) {
+        (Some(Record::Chained(_)), Some(file)) => {
+            let mut path = file;
+            path.push(".tunnels");
+            let file = File::options().create(true).append(true).open(path)?;
+            Some(std::sync::Arc::new(std::sync::Mutex::new(
+                chain::Chain::new(file),
+            )))
+        }
+        _ => None,
+    };
     let proxy_at = listen_of(&conf, "[proxy]");
     let dns_at = listen_of(&conf, "[dns]");
     if proxy_at.is_none() && dns_at.is_none() {
@@ -265,7 +292,7 @@ fn main() -> std::io::Result<()> {
         // runtime's `block_on` runs on a thread of its own, and a task it
         // spawns reaches the worker across threads (a wake-up per tunnel).
         match proxy_at {
-            Some(addr) => tokio::spawn(proxy(addr)).await?,
+            Some(addr) => tokio::spawn(proxy(addr, tunnel_records)).await?,
             None => std::future::pending().await,
         }
     })
