@@ -126,18 +126,14 @@ impl Chain {
         out.push(b'Z');
     }
 
-    /// Record the answer to `client` and write it.
+    /// Record a decision for `client` (a DNS answer, a tunnel) and write
+    /// it, with the close records that wait (one `write(2)`, as
+    /// Palisade's closes ride the next batch).
     pub fn record(&mut self, client: SocketAddr) -> std::io::Result<()> {
         self.seal(client);
         self.file.write_all(&self.line)?;
         self.line.clear();
         Ok(())
-    }
-
-    /// A tunnel's decision record, written with the close records that
-    /// wait (one `write(2)`, as Palisade's closes ride the next batch).
-    pub fn decision(&mut self, client: SocketAddr) -> std::io::Result<()> {
-        self.record(client)
     }
 
     /// A tunnel's close record: sealed now, written with the next

@@ -95,7 +95,7 @@ async fn tunnel(mut client: TcpStream, records: Records) -> std::io::Result<()> 
     let mut upstream = TcpStream::connect(("127.0.0.1", port)).await?;
     upstream.set_nodelay(true)?;
     let peer = client.peer_addr()?;
-    chained(&records, |c| c.decision(peer)).transpose()?;
+    chained(&records, |c| c.record(peer)).transpose()?;
     client
         .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
         .await?;
